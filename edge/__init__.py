@@ -1,0 +1,1 @@
+"""The iop edge: an OpenAI-compatible front for nodes that dial in."""

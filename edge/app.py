@@ -1,0 +1,153 @@
+"""The edge application: ``create_app()`` for hypercorn, ``serve_edge`` for ``iop``.
+
+    hypercorn --worker-class trio 'edge.app:create_app()'   # IOP_EDGE_CONFIG=edge.toml
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import secrets
+
+import msgspec
+import structlog
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+
+from edge.config import EdgeConfig, load_edge_config
+from edge.errors import APIError, error_json
+from edge.link import node_link
+from edge.openai.exchange import Exchange
+from edge.openai.routes import openai_routes
+from edge.openai.schema import ModelCard, ModelList
+from edge.runs import RunService
+from edge.runs.run import SHUTDOWN
+
+log = structlog.get_logger("iop.edge")
+_encode = msgspec.json.Encoder().encode
+
+
+class Edge:
+    """Everything one edge process holds: config, run service, identity."""
+
+    def __init__(self, config: EdgeConfig) -> None:
+        self.config = config
+        self.id = secrets.token_hex(6)
+        self.runs = RunService(config)
+        self.draining = False
+
+    async def drain(self) -> None:
+        """Stop taking requests, let running ones finish within the grace
+        period, then end the rest cleanly (an SSE error and ``[DONE]``) and
+        close the node links with 1001."""
+        self.draining = True
+        log.info("draining", in_flight=self.runs.in_flight, grace_s=self.config.drain_grace_s)
+        with trio.move_on_after(self.config.drain_grace_s):
+            while self.runs.in_flight:
+                await trio.sleep(0.05)
+        for run in list(self.runs.runs.values()):
+            run.fail("the edge is shutting down", SHUTDOWN)
+        with trio.move_on_after(2):
+            while self.runs.in_flight:
+                await trio.sleep(0.02)
+        for link in list(self.runs.links.values()):
+            link.kill("edge shutting down", code=1001)
+
+    def refuse_request(self, ex: Exchange) -> APIError | None:
+        """Authentication and drain checks for the OpenAI routes."""
+        if self.draining:
+            return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
+        if self.config.api_keys and not self.key_ok(ex.header(b"authorization"), self.config.api_keys):
+            return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+        return None
+
+    @staticmethod
+    def key_ok(header: bytes | str | None, keys: list[str]) -> bool:
+        if not header:
+            return False
+        if isinstance(header, str):
+            header = header.encode("latin-1")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        ok = False
+        for key in keys:  # no early exit: constant time across keys
+            ok |= hmac.compare_digest(token, key.encode())
+        return ok
+
+
+def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status, content_type="application/json", headers=headers)
+
+
+def create_app(config: EdgeConfig | None = None) -> QuartTrio:
+    """The ASGI app. With no ``config``, reads ``$IOP_EDGE_CONFIG`` (or defaults)."""
+    if config is None:
+        config = load_edge_config(None)
+    edge = Edge(config)
+    app = QuartTrio("iop-edge")
+    app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.extensions["iop"] = edge
+
+    def client_auth(keys: list[str]) -> Response | None:
+        from quart import request
+
+        if keys and not Edge.key_ok(request.headers.get("Authorization"), keys):
+            return _json(401, error_json("Invalid or missing API key.", "authentication_error", code="invalid_api_key"))
+        return None
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        refused = client_auth(config.api_keys)
+        if refused is not None:
+            return refused
+        served = edge.runs.models()
+        cards = [ModelCard(id=name, created=int(min(lk.linked_wall for lk in links))) for name, links in sorted(served.items())]
+        return _json(200, _encode(ModelList(data=cards)))
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json(200, b'{"status":"ok"}')
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if edge.draining:
+            return _json(503, b'{"status":"draining"}')
+        if not edge.runs.links:
+            return _json(503, b'{"status":"no node linked"}')
+        return _json(200, b'{"status":"ready"}')
+
+    @app.websocket("/v1/node/link")
+    async def link() -> Response | None:
+        return await node_link(config, edge.runs, edge.id)
+
+    @app.errorhandler(404)
+    async def not_found(_: Exception) -> Response:
+        return _json(404, error_json("Unknown route.", "invalid_request_error", code="not_found"))
+
+    @app.errorhandler(405)
+    async def not_allowed(_: Exception) -> Response:
+        return _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
+
+    @app.before_serving
+    async def warn_open() -> None:
+        host = config.bind.rpartition(":")[0].strip("[]")
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback and not config.api_keys:
+            log.warning(
+                "EDGE IS OPEN: bound to a non-loopback address with no api_keys; anyone who can reach it can use it",
+                bind=config.bind,
+            )
+
+    app.asgi_app = openai_routes(edge, app.asgi_app)  # type: ignore[method-assign]
+    return app
+
+
+def edge_of(app: QuartTrio) -> Edge:
+    return app.extensions["iop"]

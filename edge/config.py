@@ -1,0 +1,101 @@
+"""The edge's configuration: one object holds every limit and timeout."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+from iop.configfile import ConfigError, convert, load
+
+
+class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Per-model policy, an ``[[models]]`` entry; a model with none gets defaults."""
+
+    name: str
+    max_queue: int | None = None  # None: the edge-wide default
+    queue_timeout_ms: int | None = None
+    strict_output: bool = False
+    stream_buffer: bool = False
+    xml_completion_tool: str = ""
+    sentinels: list[str] = msgspec.field(default_factory=list)
+    reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
+    # "auto": <think>…</think> in content becomes reasoning; "open": the chat
+    # template already consumed <think>, content starts as reasoning; "off".
+    think_tags: Literal["auto", "open", "off"] = "auto"
+    tool_stream: Literal["buffered", "live"] = "buffered"
+    max_tool_attempts: int | None = None
+    response_mode: Literal["normal", "passthrough"] = "normal"
+
+
+class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    bind: str = "127.0.0.1:8080"
+    # Node authentication: one shared token, or one per node id.
+    node_token: str = ""
+    node_tokens: dict[str, str] = msgspec.field(default_factory=dict)
+    # Client authentication (empty: open).
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    admin_keys: list[str] = msgspec.field(default_factory=list)
+    # Run timing.
+    wait_timeout_s: float = 120.0  # longest silence between two run events
+    run_timeout_s: float = 1800.0  # whole run
+    # Admission.
+    max_queue: int = 64  # per model
+    queue_timeout_ms: int = 30_000
+    # Streams.
+    keepalive_s: float = 10.0
+    max_buffered_events: int = 8192  # per run, before a non-reading client's run is cancelled
+    max_tool_attempts: int = 2
+    # Link.
+    ping_interval_s: float = 5.0
+    ping_misses: int = 3  # a peer silent for this many intervals is dead
+    hello_timeout_s: float = 5.0
+    max_frame_bytes: int = 16 * 1024 * 1024
+    link_outbox: int = 1024  # frames queued to one node before the link counts as stuck
+    # Requests.
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_messages: int = 2048
+    max_tools: int = 256
+    # Shutdown.
+    drain_grace_s: float = 30.0
+    models: list[ModelPolicy] = msgspec.field(default_factory=list)
+
+    def check(self) -> None:
+        for key in ("wait_timeout_s", "run_timeout_s", "ping_interval_s", "hello_timeout_s", "keepalive_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be greater than 0")
+        for key in ("max_queue", "max_messages", "max_tools", "ping_misses"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must not be negative")
+        for key in ("max_body_bytes", "max_frame_bytes", "link_outbox", "max_buffered_events"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be greater than 0")
+        if self.max_tool_attempts < 1:
+            raise ConfigError("max_tool_attempts: must be at least 1")
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"bind: expected HOST:PORT, got {self.bind!r}")
+        seen: set[str] = set()
+        for i, m in enumerate(self.models):
+            if m.name in seen:
+                raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
+            seen.add(m.name)
+
+    def policy(self, model: str) -> ModelPolicy:
+        for m in self.models:
+            if m.name == model:
+                return m
+        return ModelPolicy(name=model)
+
+    @property
+    def ping_timeout_s(self) -> float:
+        return self.ping_interval_s * max(self.ping_misses, 1)
+
+
+def load_edge_config(path: str | None) -> EdgeConfig:
+    """Load from ``path``, else from ``$IOP_EDGE_CONFIG``, else defaults."""
+    path = path or os.environ.get("IOP_EDGE_CONFIG") or None
+    if path is None:
+        return convert({}, EdgeConfig)
+    return load(path, EdgeConfig)

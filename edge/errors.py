@@ -1,0 +1,98 @@
+"""Errors the edge answers with, always in the OpenAI shape.
+
+    APIError                  an HTTP error before the response started
+    RunFailed                 a run ended without completing (after dispatch)
+
+``APIError`` carries the status and the OpenAI ``error`` object; it is raised
+anywhere on the request path and rendered once by the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody
+
+
+_encoder = msgspec.json.Encoder()
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or []
+
+    def body(self) -> bytes:
+        return error_json(self.message, self.type, param=self.param, code=self.code)
+
+
+def error_json(message: str, type: str, *, param: str | None = None, code: str | None = None) -> bytes:
+    return _encoder.encode(ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code)))
+
+
+class RunFailed(Exception):
+    """A run ended in error: ``message`` is what the client is told, ``type``
+    the OpenAI error type, ``cause`` the reason for metrics and logs."""
+
+    def __init__(self, message: str, *, type: str = "run_error", cause: str = "error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.type = type
+        self.cause = cause
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or no node serves it.",
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def no_node(model: str) -> APIError:
+    return APIError(
+        503,
+        f"No node serving `{model}` is linked right now.",
+        "service_unavailable_error",
+        param="model",
+        code="no_node_available",
+    )
+
+
+def queue_rejected(model: str, reason: str, retry_after_s: int) -> APIError:
+    return APIError(
+        429,
+        f"Model `{model}` is at capacity: {reason}. Retry after {retry_after_s} s.",
+        "rate_limit_error",
+        code="queue_full" if "full" in reason else "queue_timeout",
+        headers=[(b"retry-after", str(retry_after_s).encode())],
+    )

@@ -1,0 +1,164 @@
+"""The websocket endpoint nodes dial into: ``GET /v1/node/link``.
+
+The node's token is checked on the upgrade request, before any frame is
+read. Then: ``hello`` (version and node id checked), ``welcome``, and three
+tasks in the link's nursery: the reader (this task), the sender (drains the
+link's outbox) and the pinger (declares a silent node dead). Whatever ends the
+link, its runs fail at once with "node disconnected".
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+import structlog
+import trio
+from quart import Response, websocket
+
+from edge.errors import error_json
+from edge.runs import NodeLink, RunService
+from edge.config import EdgeConfig
+from proto import (
+    PROTOCOL_VERSION,
+    Events,
+    Hello,
+    Load,
+    Ping,
+    Pong,
+    TunnelFrame,
+    Welcome,
+    decode_frame,
+    encode_frame,
+)
+
+log = structlog.get_logger("iop.edge.link")
+
+NODE_ID_HEADER = "X-Iop-Node-Id"
+
+CLOSE_VERSION = 4002
+CLOSE_PROTOCOL = 4003
+CLOSE_DUPLICATE = 4009
+
+
+class LinkProtocolError(Exception):
+    """The node broke the protocol; the link is closed with code 4003."""
+
+
+def _token_ok(config: EdgeConfig, node_id: str, header: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    expected = config.node_tokens.get(node_id) if node_id in config.node_tokens else config.node_token
+    if not expected:
+        return False
+    return hmac.compare_digest(token.encode(), expected.encode())
+
+
+def _refuse(status: int, message: str) -> Response:
+    return Response(error_json(message, "authentication_error"), status, content_type="application/json")
+
+
+async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Response | None:
+    node_id = websocket.headers.get(NODE_ID_HEADER, "")
+    if not _token_ok(config, node_id, websocket.headers.get("Authorization", "")):
+        log.warning("node link refused: bad token", node_id=node_id or None)
+        return _refuse(401, "invalid node token")
+    await websocket.accept()
+    try:
+        with trio.fail_after(config.hello_timeout_s):
+            hello = decode_frame(await websocket.receive())
+    except (trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError, TypeError):
+        await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
+        return None
+    if not isinstance(hello, Hello):
+        await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
+        return None
+    if hello.protocol != PROTOCOL_VERSION:
+        reason = f"protocol version mismatch: edge speaks {PROTOCOL_VERSION}, node speaks {hello.protocol}"
+        log.warning("node link refused", node_id=hello.node_id, reason=reason)
+        await websocket.close(CLOSE_VERSION, reason)
+        return None
+    if node_id and hello.node_id != node_id:
+        await websocket.close(CLOSE_PROTOCOL, "hello node_id differs from the upgrade's node id")
+        return None
+    if hello.node_id in service.links:
+        log.warning("node link refused: already linked", node_id=hello.node_id)
+        await websocket.close(CLOSE_DUPLICATE, "node id already linked")
+        return None
+    for info in hello.models:
+        if info.max_concurrency < 1:
+            await websocket.close(CLOSE_PROTOCOL, f"model {info.name}: max_concurrency must be >= 1")
+            return None
+
+    link = NodeLink(hello.node_id, hello.models, outbox_size=config.link_outbox)
+    await websocket.send(
+        encode_frame(Welcome(edge_id=edge_id, protocol=PROTOCOL_VERSION, ping_interval_s=config.ping_interval_s))
+    )
+    service.add_link(link)
+    try:
+        async with trio.open_nursery() as nursery:
+            link.bind_scope(nursery.cancel_scope)
+            nursery.start_soon(_send_frames, link)
+            nursery.start_soon(_ping, link, config)
+            await _read_frames(link, service)
+            nursery.cancel_scope.cancel()
+    except* LinkProtocolError as group:
+        e = group.exceptions[0]
+        link.close_reason, link.close_code = str(e), CLOSE_PROTOCOL
+        log.warning("node broke the link protocol", node_id=link.node_id, error=str(e))
+    finally:
+        service.remove_link(link)
+        link.close_outbox()
+    if link.close_reason:
+        with trio.move_on_after(1):
+            await websocket.close(link.close_code, link.close_reason[:120])
+    return None
+
+
+async def _read_frames(link: NodeLink, service: RunService) -> None:
+    while True:
+        data = await websocket.receive()
+        link.last_rx = trio.current_time()
+        if not isinstance(data, bytes):
+            raise LinkProtocolError("text message on the link")
+        try:
+            frame = decode_frame(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise LinkProtocolError(f"undecodable frame: {e}") from None
+        match frame:
+            case Events(events=events):
+                runs = link.runs
+                for event in events:
+                    run = runs.get(event.run_id)
+                    if run is not None:
+                        run.deliver(event)
+                    elif not link.recently_ended(event.run_id):
+                        raise LinkProtocolError(f"event for run {event.run_id!r} not assigned to this node")
+            case Pong():
+                pass
+            case Ping(ts=ts):
+                link.send_nowait(Pong(ts=ts))
+            case Load(draining=draining):
+                if draining != link.draining:
+                    service.set_draining(link, draining)
+            case TunnelFrame(run_id=run_id):
+                run = link.runs.get(run_id)
+                if run is None and not link.recently_ended(run_id):
+                    raise LinkProtocolError(f"tunnel frame for run {run_id!r} not assigned to this node")
+            case _:
+                raise LinkProtocolError(f"unexpected {type(frame).__name__} frame from a node")
+
+
+async def _send_frames(link: NodeLink) -> None:
+    async for frame in link.outbox:
+        await websocket.send(encode_frame(frame))
+
+
+async def _ping(link: NodeLink, config: EdgeConfig) -> None:
+    while True:
+        await trio.sleep(config.ping_interval_s)
+        if trio.current_time() - link.last_rx > config.ping_timeout_s:
+            link.kill(f"no frame from the node for {config.ping_timeout_s:g} s", code=1011)
+            return
+        link.send_nowait(Ping(ts=trio.current_time()))

@@ -1,0 +1,1 @@
+"""The OpenAI surface: request/response structs, the chat handler, SSE."""

@@ -1,0 +1,94 @@
+"""One HTTP request/response on raw ASGI, for the OpenAI routes.
+
+The OpenAI routes bypass Quart's response machinery so that the request's
+nursery owns the whole exchange: body, admission, run and every write happen
+inside it, and a client disconnect (ASGI ``http.disconnect``) cancels it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import trio
+
+from edge.errors import APIError
+
+JSON = b"application/json"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its body arrived."""
+
+
+class Exchange:
+    __slots__ = ("scope", "_receive", "_send", "started", "finished", "status")
+
+    def __init__(self, scope, receive, send) -> None:
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+        self.started = False
+        self.finished = False
+        self.status = 0
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return value
+        return None
+
+    async def read_body(self, limit: int) -> bytes:
+        length = self.header(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    async def watch_disconnect(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` when the client goes away (run after the body is read)."""
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status, "headers": list(headers)})
+
+    async def write(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, data: bytes = b"") -> None:
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def respond(
+        self,
+        status: int,
+        body: bytes,
+        content_type: bytes = JSON,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        await self.start(status, [(b"content-type", content_type), *headers])
+        await self.finish(body)
+
+    async def respond_error(self, error: APIError) -> None:
+        await self.respond(error.status, error.body(), headers=error.headers)

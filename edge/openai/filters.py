@@ -1,0 +1,182 @@
+"""Streaming text filters: leaked special tokens and think tags.
+
+Both are incremental and split-invariant: feeding a text in any number of
+pieces yields the same output as feeding it whole (tests check this with
+hypothesis). Each holds back at most the longest partial token/tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+# Special tokens of the common chat templates that leak into text when a model
+# server does not strip them.
+DEFAULT_SENTINELS: tuple[str, ...] = (
+    # ChatML (Qwen, Yi, many fine-tunes)
+    "<|im_end|>",
+    "<|im_start|>",
+    "<|endoftext|>",
+    # Llama 3
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    # Mistral
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    # Gemma
+    "<end_of_turn>",
+    "<start_of_turn>",
+    "<eos>",
+    # gpt-oss (harmony), Phi
+    "<|start|>",
+    "<|end|>",
+    "<|return|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|call|>",
+    "<|constrain|>",
+    # DeepSeek
+    "<｜end▁of▁sentence｜>",
+    "<｜begin▁of▁sentence｜>",
+)
+
+
+class SentinelFilter:
+    """Removes sentinel strings from a stream of text.
+
+    Semantics (left to right): at each position, a sentinel that starts there
+    is dropped (the longest if several do); otherwise the character is kept.
+    Text that could still become a sentinel stays pending until the next
+    :meth:`append` or :meth:`flush`.
+    """
+
+    __slots__ = ("_sentinels", "_starts", "_pending")
+
+    def __init__(self, sentinels: Iterable[str]) -> None:
+        uniq = sorted({s for s in sentinels if s}, key=len, reverse=True)
+        self._sentinels = tuple(uniq)
+        self._starts = frozenset(s[0] for s in uniq)
+        self._pending = ""
+
+    def append(self, text: str) -> str:
+        if not self._pending:
+            # Fast path: no character that can start a sentinel.
+            starts = self._starts
+            for ch in starts:
+                if ch in text:
+                    break
+            else:
+                return text
+            buf = text
+        else:
+            buf = self._pending + text
+            self._pending = ""
+        return self._scan(buf, final=False)
+
+    def flush(self) -> str:
+        buf, self._pending = self._pending, ""
+        return self._scan(buf, final=True) if buf else ""
+
+    def _scan(self, buf: str, *, final: bool) -> str:
+        out: list[str] = []
+        starts = self._starts
+        sentinels = self._sentinels
+        i = 0
+        n = len(buf)
+        emit_from = 0
+        while i < n:
+            if buf[i] not in starts:
+                i += 1
+                continue
+            rest_len = n - i
+            matched = 0
+            partial = False
+            for s in sentinels:
+                if len(s) <= rest_len:
+                    if buf.startswith(s, i):
+                        matched = len(s)
+                        break
+                elif not final and s.startswith(buf[i:]):
+                    partial = True
+                    break
+            if partial:
+                out.append(buf[emit_from:i])
+                self._pending = buf[i:]
+                return "".join(out)
+            if matched:
+                out.append(buf[emit_from:i])
+                i += matched
+                emit_from = i
+            else:
+                i += 1
+        out.append(buf[emit_from:])
+        return "".join(out)
+
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+class ThinkSplitter:
+    """Moves ``<think>…</think>`` text out of content into reasoning.
+
+    ``starts_open``: the chat template already consumed ``<think>`` so the
+    stream begins inside reasoning. Tags match case-insensitively; a partial
+    tag at the end of a piece is held back. Output goes to the two callbacks.
+    """
+
+    __slots__ = ("_in_think", "_pending", "_content", "_reasoning")
+
+    def __init__(
+        self,
+        content: Callable[[str], None],
+        reasoning: Callable[[str], None],
+        *,
+        starts_open: bool = False,
+    ) -> None:
+        self._in_think = starts_open
+        self._pending = ""
+        self._content = content
+        self._reasoning = reasoning
+
+    def append(self, text: str) -> None:
+        if not self._pending and "<" not in text:
+            if text:
+                (self._reasoning if self._in_think else self._content)(text)
+            return
+        buf = self._pending + text
+        self._pending = ""
+        while buf:
+            tag = THINK_CLOSE if self._in_think else THINK_OPEN
+            idx = buf.lower().find(tag)
+            if idx >= 0:
+                self._emit(buf[:idx])
+                buf = buf[idx + len(tag) :]
+                self._in_think = not self._in_think
+                continue
+            # Hold back a suffix that may be the start of the tag.
+            hold = _partial_suffix(buf, tag)
+            self._emit(buf[: len(buf) - hold])
+            self._pending = buf[len(buf) - hold :]
+            return
+
+    def flush(self) -> None:
+        buf, self._pending = self._pending, ""
+        self._emit(buf)
+
+    def _emit(self, text: str) -> None:
+        if text:
+            (self._reasoning if self._in_think else self._content)(text)
+
+
+def _partial_suffix(buf: str, tag: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
+    low = buf[-(len(tag) - 1) :].lower()
+    for k in range(min(len(low), len(tag) - 1), 0, -1):
+        if tag.startswith(low[-k:]):
+            return k
+    return 0

@@ -1,0 +1,142 @@
+"""OpenAI chat completion request and response structs.
+
+Requests are validated with :func:`msgspec.convert` from the decoded JSON, so
+the error names the field (``$.messages[0].role``); unknown fields are kept in
+the forwarded body, since model servers take extra sampling parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class FunctionDef(msgspec.Struct, omit_defaults=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+
+
+class ChatRequest(msgspec.Struct, omit_defaults=True):
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    include_reasoning: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def reasoning_included(self) -> bool:
+        if self.include_reasoning is False:
+            return False
+        if self.reasoning and self.reasoning.get("exclude") is True:
+            return False
+        return True
+
+
+# Fields the edge handles itself and never forwards upstream.
+EDGE_ONLY_FIELDS = ("stream", "stream_options", "include_reasoning")
+
+
+# -- responses ---------------------------------------------------------------
+
+
+class ChunkDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class UsageOut(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    completion_tokens_details: dict[str, int] | None = None
+
+
+class Chunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageOut | None = None
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "iop"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

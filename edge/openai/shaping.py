@@ -1,0 +1,175 @@
+"""Turning run events into what the client sees: content and reasoning.
+
+A :class:`Shaper` is made per response. In *live* mode it splits think tags
+as text arrives and hands content and reasoning to callbacks at once; in
+*collect* mode it keeps everything and decides at the end (so an unmatched
+``</think>`` can move the text before it into reasoning).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from edge.config import ModelPolicy
+from edge.openai.filters import DEFAULT_SENTINELS, THINK_CLOSE, THINK_OPEN, SentinelFilter, ThinkSplitter
+
+
+def _ignore(_: str) -> None:
+    pass
+
+
+class Shaper:
+    __slots__ = (
+        "policy",
+        "include_reasoning",
+        "emit_reasoning",
+        "_content_filter",
+        "_reasoning_filter",
+        "_think",
+        "_on_content",
+        "_on_reasoning",
+        "_live",
+        "content_parts",
+        "reasoning_parts",
+        "content_len",
+        "reasoning_len",
+        "has_content",
+    )
+
+    def __init__(
+        self,
+        policy: ModelPolicy,
+        *,
+        include_reasoning: bool,
+        live: bool,
+        on_content: Callable[[str], None] = _ignore,
+        on_reasoning: Callable[[str], None] = _ignore,
+    ) -> None:
+        self.policy = policy
+        self.include_reasoning = include_reasoning and not policy.strict_output
+        self.emit_reasoning = self.include_reasoning
+        sentinels = (*DEFAULT_SENTINELS, *policy.sentinels)
+        self._content_filter = SentinelFilter(sentinels)
+        self._reasoning_filter = SentinelFilter(sentinels)
+        self._on_content = on_content
+        self._on_reasoning = on_reasoning
+        self._live = live
+        self._think: ThinkSplitter | None = None
+        if live and policy.think_tags != "off":
+            self._think = ThinkSplitter(
+                self._content_out, self._reasoning_out, starts_open=policy.think_tags == "open"
+            )
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.content_len = 0
+        self.reasoning_len = 0
+        self.has_content = False
+
+    # -- input -------------------------------------------------------------
+
+    def content(self, text: str) -> None:
+        text = self._content_filter.append(text)
+        if not text:
+            return
+        if self._think is not None:
+            self._think.append(text)
+        elif self._live:
+            self._content_out(text)
+        else:
+            self.content_parts.append(text)
+
+    def reasoning(self, text: str) -> None:
+        text = self._reasoning_filter.append(text)
+        if text:
+            self._reasoning_out(text)
+
+    def finish(self) -> None:
+        """Flush every filter; in collect mode, split think tags now."""
+        rest = self._content_filter.flush()
+        if self._think is not None:
+            if rest:
+                self._think.append(rest)
+            self._think.flush()
+        elif self._live:
+            if rest:
+                self._content_out(rest)
+        else:
+            if rest:
+                self.content_parts.append(rest)
+            raw = "".join(self.content_parts)
+            self.content_parts = []
+            mode = self.policy.think_tags
+            if mode != "off":
+                low = raw.lower()
+                starts_open = mode == "open" or (THINK_CLOSE in low and THINK_OPEN not in low)
+                splitter = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=starts_open)
+                splitter.append(raw)
+                splitter.flush()
+            elif raw:
+                self._content_out(raw)
+        rest = self._reasoning_filter.flush()
+        if rest:
+            self._reasoning_out(rest)
+
+    # -- output ------------------------------------------------------------
+
+    def _content_out(self, text: str) -> None:
+        self.content_len += len(text)
+        if not self.has_content and not text.isspace():
+            self.has_content = True
+        if self._live:
+            self._on_content(text)
+        else:
+            self.content_parts.append(text)
+
+    def _reasoning_out(self, text: str) -> None:
+        self.reasoning_len += len(text)
+        self.reasoning_parts.append(text)
+        if self.emit_reasoning and self._live:
+            self._on_reasoning(text)
+
+    # -- results -----------------------------------------------------------
+
+    @property
+    def content_text(self) -> str:
+        return "".join(self.content_parts)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    def fallback(self, finish_reason: str, has_tool_calls: bool) -> str:
+        """Content for a run that produced reasoning but no answer ("" if none is due)."""
+        if self.policy.strict_output or self.has_content or has_tool_calls:
+            return ""
+        reasoning = self.reasoning_text
+        if not reasoning.strip():
+            return ""
+        if self.include_reasoning:
+            return reasoning
+        return hidden_reasoning_notice(finish_reason)
+
+
+def hidden_reasoning_notice(finish_reason: str) -> str:
+    return (
+        "The model produced only hidden reasoning and no answer "
+        f"(finish_reason: {finish_reason}); try again with a larger max_tokens."
+        if finish_reason == "length"
+        else f"The model produced only hidden reasoning and no answer (finish_reason: {finish_reason})."
+    )
+
+
+_XML_TOOL_USE = re.compile(r"<([a-z][a-z0-9]*(?:_[a-z0-9]+)+)>[\s\S]*</\1>")
+
+
+def holds_xml_tool_use(text: str, completion_tool: str) -> bool:
+    """An XML tool use: a snake_case element (``<read_file>…</read_file>``)
+    or the completion tool's own element."""
+    if completion_tool and f"<{completion_tool}>" in text:
+        return True
+    return _XML_TOOL_USE.search(text) is not None
+
+
+def wrap_in_completion_tool(text: str, tool: str) -> str:
+    return f"<{tool}>\n<result>\n{text.strip()}\n</result>\n</{tool}>"

@@ -1,0 +1,152 @@
+"""One run: the events a node sends for it, its timers, and how it ends."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+from proto import CancelRun, RunEvent
+from proto.frames import ERROR, TERMINAL_TYPES
+
+if TYPE_CHECKING:
+    from edge.runs.service import Slot
+
+# Causes a run can end with (metrics label values).
+COMPLETE = "complete"
+RUN_ERROR = "run_error"
+CLIENT_GONE = "client_gone"
+TIMEOUT = "timeout"
+NODE_LOST = "node_lost"
+SLOW_CLIENT = "slow_client"
+SHUTDOWN = "shutdown"
+
+RUN_TIMED_OUT = "run timed out"
+NODE_DISCONNECTED = "node disconnected"
+
+
+class Run:
+    """Events arrive from the link reader with :meth:`deliver` (never blocks);
+    the request drains them in batches with :meth:`next_batch`.
+
+    The pending list is bounded by ``max_buffered``: a client that stops
+    reading gets its run cancelled on the node instead of growing memory.
+    """
+
+    __slots__ = (
+        "id",
+        "slot",
+        "metadata",
+        "_pending",
+        "_lot",
+        "_max_buffered",
+        "wait_timeout",
+        "deadline",
+        "last_event_at",
+        "started_at",
+        "first_event_at",
+        "events_seen",
+        "finished",
+        "closed",
+        "cause",
+        "_on_close",
+    )
+
+    def __init__(
+        self,
+        run_id: str,
+        slot: Slot,
+        *,
+        wait_timeout: float,
+        run_timeout: float,
+        max_buffered: int,
+        metadata: dict[str, str],
+        on_close,
+    ) -> None:
+        now = trio.current_time()
+        self.id = run_id
+        self.slot = slot
+        self.metadata = metadata
+        self._pending: list[RunEvent] = []
+        self._lot = trio.lowlevel.ParkingLot()
+        self._max_buffered = max_buffered
+        self.wait_timeout = wait_timeout
+        self.deadline = now + run_timeout
+        self.started_at = now
+        self.last_event_at = now
+        self.first_event_at: float | None = None
+        self.events_seen = 0
+        self.finished = False  # a terminal event is queued: nothing more will arrive
+        self.closed = False
+        self.cause: str | None = None
+        self._on_close = on_close
+
+    @property
+    def link(self):
+        return self.slot.link
+
+    # -- producer side (link reader, timers) ---------------------------------
+
+    def deliver(self, event: RunEvent) -> None:
+        if self.finished:
+            return
+        now = trio.current_time()
+        self.last_event_at = now
+        if self.first_event_at is None:
+            self.first_event_at = now
+        self.events_seen += 1
+        self._pending.append(event)
+        if event.type in TERMINAL_TYPES:
+            self.finished = True
+            self.cause = COMPLETE if event.type == "complete" else RUN_ERROR
+        elif len(self._pending) > self._max_buffered:
+            self._pending.clear()
+            self.fail("client is not reading the stream; run cancelled", SLOW_CLIENT)
+            return
+        self._lot.unpark_all()
+
+    def fail(self, message: str, cause: str) -> None:
+        """End the run from the edge's side: the client sees ``message`` as a
+        run error, and the node is told to stop (unless it is gone)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.cause = cause
+        self._pending.append(RunEvent(run_id=self.id, seq=0, type=ERROR, text=message))
+        self._lot.unpark_all()
+        if cause != NODE_LOST:
+            self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
+
+    async def enforce_timeouts(self) -> None:
+        """Fail the run when the node is silent for ``wait_timeout`` or the
+        whole-run deadline passes. Runs as a task the request owns, so it
+        fires even while the response writer is blocked on a slow client."""
+        while not self.finished:
+            due = min(self.last_event_at + self.wait_timeout, self.deadline)
+            if trio.current_time() >= due:
+                self.fail(RUN_TIMED_OUT, TIMEOUT)
+                return
+            await trio.sleep_until(due)
+
+    # -- consumer side (the request) -----------------------------------------
+
+    async def next_batch(self) -> list[RunEvent]:
+        """Every event queued since the last call (at least one)."""
+        while not self._pending:
+            await self._lot.park()
+        batch = self._pending
+        self._pending = []
+        return batch
+
+    def close(self, cause: str) -> None:
+        """Release the run. If it has not ended, it is cancelled on the node
+        with ``cause``. Synchronous and idempotent: safe in any ``finally``."""
+        if self.closed:
+            return
+        if not self.finished:
+            self.finished = True
+            self.cause = cause
+            if cause != NODE_LOST:
+                self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
+        self.closed = True
+        self._on_close(self)

@@ -1,0 +1,137 @@
+"""``iop demo | edge | node``."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import signal
+import sys
+
+import structlog
+import trio
+
+from iop import logs
+from iop.configfile import ConfigError
+
+log = structlog.get_logger("iop")
+
+DEMO_MODEL = "iop-sim"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="iop", description="OpenAI-compatible edge for inference nodes")
+    parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="edge plus an in-process simulated node serving iop-sim")
+    demo.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
+    edge = sub.add_parser("edge", help="run the edge")
+    edge.add_argument("--config", required=False, help="edge TOML file (default: $IOP_EDGE_CONFIG)")
+    edge.add_argument("--bind", default=None, help="HOST:PORT, overrides the config's bind")
+    edge.add_argument("--certfile", default=None, help="TLS certificate (PEM)")
+    edge.add_argument("--keyfile", default=None, help="TLS private key (PEM)")
+    node = sub.add_parser("node", help="run a node")
+    node.add_argument("--config", required=True, help="node TOML file")
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level)
+    try:
+        if args.command == "demo":
+            trio.run(_demo, args.bind)
+        elif args.command == "edge":
+            from edge.config import load_edge_config
+
+            config = load_edge_config(args.config)
+            trio.run(_edge, config, args.bind, args.certfile, args.keyfile)
+        else:
+            from node.config import load_node_config
+
+            trio.run(_node, load_node_config(args.config))
+    except ConfigError as e:
+        print(f"iop: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _wait_for_signal(event: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            event.set()
+            return
+
+
+async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | None) -> None:
+    from edge.app import create_app
+    from edge.serve import serve_edge
+
+    app = create_app(config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_wait_for_signal, stop)
+        url = await nursery.start(
+            lambda task_status: serve_edge(
+                app, bind or config.bind, certfile=certfile, keyfile=keyfile,
+                shutdown_trigger=lambda: _drain_on(stop, app), task_status=task_status,
+            )
+        )
+        log.info("edge listening", url=url, node_link=url.replace("http", "ws", 1) + "/v1/node/link")
+
+
+async def _drain_on(stop: trio.Event, app) -> None:
+    from edge.app import edge_of
+
+    await stop.wait()
+    await edge_of(app).drain()
+
+
+async def _node(config) -> None:
+    from node.agent import NodeAgent
+
+    agent = NodeAgent(config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_wait_for_signal, stop)
+        nursery.start_soon(agent.serve)
+        await stop.wait()
+        await agent.drain()
+        nursery.cancel_scope.cancel()
+
+
+async def _demo(bind: str) -> None:
+    from edge.app import create_app
+    from edge.config import EdgeConfig
+    from edge.serve import serve_edge
+    from node.agent import NodeAgent
+    from node.config import ModelConfig, NodeConfig
+
+    token = secrets.token_urlsafe(16)
+    config = EdgeConfig(bind=bind, node_token=token)
+    app = create_app(config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_wait_for_signal, stop)
+        url = await nursery.start(
+            lambda task_status: serve_edge(app, bind, shutdown_trigger=stop.wait, task_status=task_status)
+        )
+        node_config = NodeConfig(
+            node_id="demo-node",
+            edges=[url.replace("http", "ws", 1) + "/v1/node/link"],
+            token=token,
+            models=[ModelConfig(name=DEMO_MODEL, adapter="sim", max_concurrency=64, context_window=32768)],
+        )
+        agent = NodeAgent(node_config)
+        await nursery.start(agent.serve)
+        print(
+            f"\niop demo: edge on {url}, simulated node serving model {DEMO_MODEL!r}.\n"
+            f"Try:\n\n  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{{\"model\": \"{DEMO_MODEL}\", \"stream\": true, "
+            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'\n\n"
+            "Ctrl-C stops it.\n",
+            flush=True,
+        )
+        await stop.wait()
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

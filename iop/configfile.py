@@ -1,0 +1,60 @@
+"""Loading TOML config files into msgspec Structs with one-line errors."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class ConfigError(Exception):
+    """A config file is unreadable or has a bad key; ``str()`` is one line."""
+
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def _one_line(err: msgspec.ValidationError) -> str:
+    text = str(err)
+    m = _PATH.search(text)
+    problem = _PATH.sub("", text)
+    problem = problem[0].lower() + problem[1:] if problem else problem
+    unknown = re.match(r"object contains unknown field `(.+)`", problem)
+    if m:
+        key = m.group(1)
+        if unknown:
+            return f"{key}.{unknown.group(1)}: unknown key" if key else f"{unknown.group(1)}: unknown key"
+        return f"{key}: {problem}"
+    if unknown:
+        return f"{unknown.group(1)}: unknown key"
+    return problem
+
+
+def load(path: str | Path, cls: type[T]) -> T:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    return convert(raw, cls, source=str(path))
+
+
+def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
+    try:
+        cfg = msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_one_line(e)}") from e
+    check = getattr(cfg, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+    return cfg

@@ -1,0 +1,38 @@
+"""structlog setup: JSON lines in production, readable lines on a terminal."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure(level: str | None = None, *, json: bool | None = None) -> None:
+    level_name = (level or os.environ.get("IOP_LOG_LEVEL") or "info").upper()
+    numeric = logging.getLevelName(level_name)
+    if not isinstance(numeric, int):
+        numeric = logging.INFO
+    if json is None:
+        fmt = os.environ.get("IOP_LOG_FORMAT", "")
+        json = fmt == "json" or (fmt != "console" and not sys.stderr.isatty())
+    processors: list = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if json:
+        processors += [
+            structlog.processors.dict_tracebacks,
+            structlog.processors.EventRenamer("msg"),
+            structlog.processors.JSONRenderer(),
+        ]
+    else:
+        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,1 @@
+"""The iop node agent: dials edges, runs requests against a model server."""

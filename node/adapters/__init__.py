@@ -1,0 +1,48 @@
+"""Adapters run one request against a model server and report through a sink.
+
+An adapter is an object with ``async def run(request, sink)``. It reports
+text with ``await sink.delta(...)`` / ``sink.reasoning(...)`` and ends with
+``sink.complete(...)`` or ``sink.error(...)``. Cancellation (the edge's
+CancelRun, the run deadline, a lost link) arrives as ``trio.Cancelled``
+inside ``run``; an adapter must let it propagate so its upstream request is
+closed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from node.config import ModelConfig
+from proto import RunRequest, ToolCall, Usage
+
+
+class Sink(Protocol):
+    async def delta(self, text: str) -> None: ...
+    async def reasoning(self, text: str) -> None: ...
+    async def complete(
+        self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None
+    ) -> None: ...
+    async def error(self, message: str, status: int = 0) -> None: ...
+
+
+class Adapter(Protocol):
+    async def run(self, request: RunRequest, sink: Sink) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class Counters:
+    """What the node is doing right now, for tests, logs and the status report."""
+
+    def __init__(self) -> None:
+        self.active_upstream = 0  # open upstream requests (sim runs count too)
+        self.active_runs = 0
+
+
+def make_adapter(model: ModelConfig, counters: Counters, *, connect_timeout_s: float, read_timeout_s: float) -> Adapter:
+    if model.adapter == "openai":
+        from node.adapters.openai import OpenAIAdapter
+
+        return OpenAIAdapter(model, counters, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    from node.adapters.sim import SimAdapter
+
+    return SimAdapter(model, counters)

@@ -1,0 +1,188 @@
+"""Any OpenAI-compatible server (vLLM, llama.cpp, SGLang, Ollama, providers).
+
+The request is always streamed upstream (``stream: true`` with usage), so a
+cancel closes the HTTP response mid-generation and the server aborts it.
+"""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+
+from node.adapters import Counters, Sink
+from node.adapters.sse import SSEParser
+from node.config import ModelConfig
+from proto import RunRequest, ToolCall, ToolCallFunction, Usage
+
+
+class _FunctionDelta(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCallDelta(msgspec.Struct):
+    index: int = 0
+    id: str | None = None
+    type: str | None = None
+    function: _FunctionDelta | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[_ToolCallDelta] | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    completion_tokens_details: _CompletionTokensDetails | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: dict | str | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_encode = msgspec.json.Encoder().encode
+_MAX_ERROR_BODY = 4096
+
+
+class UpstreamError(Exception):
+    pass
+
+
+class OpenAIAdapter:
+    def __init__(
+        self, model: ModelConfig, counters: Counters, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 600.0
+    ) -> None:
+        self.model = model
+        self.counters = counters
+        headers = {"Authorization": f"Bearer {model.api_key}"} if model.api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=model.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(model.max_concurrency, 8)),
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def run(self, request: RunRequest, sink: Sink) -> None:
+        body = dict(request.request)
+        body["model"] = request.target or self.model.target or self.model.name
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        self.counters.active_upstream += 1
+        try:
+            async with self.client.stream(
+                "POST",
+                "/chat/completions",
+                content=_encode(body),
+                headers={"content-type": "application/json", "accept": "text/event-stream"},
+            ) as response:
+                if response.status_code != 200:
+                    await sink.error(await _error_text(response), status=response.status_code)
+                    return
+                await self._relay(response, sink)
+        except httpx.HTTPError as e:
+            await sink.error(f"upstream request failed: {type(e).__name__}: {e}".rstrip(": "))
+        finally:
+            self.counters.active_upstream -= 1
+
+    async def _relay(self, response: httpx.Response, sink: Sink) -> None:
+        parser = SSEParser()
+        finish_reason = ""
+        usage: Usage | None = None
+        calls: dict[int, ToolCall] = {}
+        async for raw in response.aiter_raw():
+            for data in parser.feed(raw):
+                if data == b"[DONE]":
+                    await sink.complete(finish_reason or "stop", _ordered(calls), usage)
+                    return
+                try:
+                    chunk = _decode_chunk(data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    await sink.error(f"upstream sent an undecodable chunk: {data[:200]!r}")
+                    return
+                if chunk.error is not None:
+                    message = chunk.error.get("message") if isinstance(chunk.error, dict) else chunk.error
+                    await sink.error(f"upstream error: {message}")
+                    return
+                if chunk.usage is not None:
+                    u = chunk.usage
+                    details = u.completion_tokens_details
+                    usage = Usage(
+                        prompt_tokens=u.prompt_tokens,
+                        completion_tokens=u.completion_tokens,
+                        total_tokens=u.total_tokens,
+                        reasoning_tokens=details.reasoning_tokens if details else None,
+                    )
+                for choice in chunk.choices:
+                    if choice.index != 0:
+                        continue
+                    delta = choice.delta
+                    if delta is not None:
+                        reasoning = delta.reasoning_content or delta.reasoning
+                        if reasoning:
+                            await sink.reasoning(reasoning)
+                        if delta.content:
+                            await sink.delta(delta.content)
+                        if delta.tool_calls:
+                            _merge_tool_calls(calls, delta.tool_calls)
+                    if choice.finish_reason:
+                        finish_reason = choice.finish_reason
+        # The stream ended without [DONE]: still a complete answer if it said why it stopped.
+        if finish_reason:
+            await sink.complete(finish_reason, _ordered(calls), usage)
+        else:
+            await sink.error("upstream closed the stream before it finished")
+
+
+def _merge_tool_calls(calls: dict[int, ToolCall], deltas: list[_ToolCallDelta]) -> None:
+    for d in deltas:
+        call = calls.get(d.index)
+        if call is None:
+            call = calls[d.index] = ToolCall(id="", function=ToolCallFunction())
+        if d.id:
+            call.id = d.id
+        if d.function is not None:
+            if d.function.name:
+                call.function.name += d.function.name
+            if d.function.arguments:
+                call.function.arguments += d.function.arguments
+
+
+def _ordered(calls: dict[int, ToolCall]) -> list[ToolCall] | None:
+    return [calls[i] for i in sorted(calls)] if calls else None
+
+
+async def _error_text(response: httpx.Response) -> str:
+    body = b""
+    async for part in response.aiter_bytes():
+        body += part
+        if len(body) >= _MAX_ERROR_BODY:
+            break
+    message = body[:_MAX_ERROR_BODY].decode("utf-8", "replace")
+    try:
+        parsed = msgspec.json.decode(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            message = str(parsed["error"].get("message") or message)
+    except msgspec.DecodeError:
+        pass
+    return f"upstream returned {response.status_code}: {message}"

@@ -1,0 +1,73 @@
+"""A simulated model: deterministic text at a configured pace, no GPU."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import trio
+
+from node.adapters import Counters, Sink
+from node.config import ModelConfig
+from proto import RunRequest, Usage
+
+_WORDS = (
+    "the edge streams every token the node produces while the model keeps thinking about "
+    "structured concurrency cancellation and prompt caches across many small requests"
+).split()
+
+
+def _last_user_text(request: dict[str, Any]) -> str:
+    for message in reversed(request.get("messages") or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def sim_tokens(prompt: str, count: int) -> list[str]:
+    """The same prompt always gives the same tokens."""
+    seed = zlib.crc32(prompt.encode())
+    out = []
+    for i in range(count):
+        seed = (seed * 1103515245 + 12345) & 0x7FFFFFFF
+        word = _WORDS[seed % len(_WORDS)]
+        out.append(word if i == 0 else " " + word)
+    return out
+
+
+class SimAdapter:
+    def __init__(self, model: ModelConfig, counters: Counters) -> None:
+        self.model = model
+        self.counters = counters
+
+    async def run(self, request: RunRequest, sink: Sink) -> None:
+        body = request.request
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        count = int(limit) if isinstance(limit, int) and limit > 0 else self.model.sim_tokens
+        prompt = _last_user_text(body)
+        tokens = sim_tokens(prompt, count)
+        self.counters.active_upstream += 1
+        try:
+            start = trio.current_time() + self.model.ttft_ms / 1000
+            await trio.sleep_until(start)
+            tps = self.model.tokens_per_s
+            for i, token in enumerate(tokens):
+                if tps > 0 and i:
+                    await trio.sleep_until(start + i / tps)
+                elif i % 64 == 0:
+                    await trio.lowlevel.checkpoint()
+                await sink.delta(token)
+        finally:
+            self.counters.active_upstream -= 1
+        prompt_tokens = max(1, len(prompt) // 4)
+        await sink.complete(
+            "length" if isinstance(limit, int) and limit > 0 else "stop",
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=count, total_tokens=prompt_tokens + count),
+        )
+
+    async def aclose(self) -> None:
+        pass

@@ -1,0 +1,70 @@
+"""The node's configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from iop.configfile import ConfigError, load
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str  # the model group clients ask for
+    adapter: Literal["openai", "sim"]
+    target: str = ""  # the upstream's model name (default: name)
+    base_url: str = ""  # openai: e.g. http://127.0.0.1:8000/v1
+    api_key: str = ""
+    max_concurrency: int = 4
+    context_window: int = 0
+    native_tools: bool = True
+    passthrough: bool = False  # allow raw tunnelled requests (passthrough mode)
+    # sim: deterministic text at a set pace
+    ttft_ms: float = 50.0
+    tokens_per_s: float = 50.0  # 0: as fast as possible
+    sim_tokens: int = 64  # tokens when the request sets no max_tokens
+
+
+class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    node_id: str
+    edges: list[str]
+    token: str = ""
+    models: list[ModelConfig] = msgspec.field(default_factory=list)
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    hello_timeout_s: float = 10.0
+    ping_misses: int = 3
+    upstream_connect_timeout_s: float = 10.0
+    upstream_read_timeout_s: float = 600.0  # the edge's wait timeout normally fires first
+    max_pending_events: int = 4096  # per link, before run tasks wait for the sender
+    max_frame_bytes: int = 16 * 1024 * 1024
+    drain_grace_s: float = 30.0
+
+    def check(self) -> None:
+        if not self.node_id:
+            raise ConfigError("node_id: must not be empty")
+        if not self.edges:
+            raise ConfigError("edges: give at least one edge URL (ws://HOST:PORT/v1/node/link)")
+        for i, url in enumerate(self.edges):
+            if not url.startswith(("ws://", "wss://")):
+                raise ConfigError(f"edges[{i}]: expected a ws:// or wss:// URL, got {url!r}")
+        if not self.models:
+            raise ConfigError("models: the node serves no model; add a [[models]] entry")
+        seen: set[str] = set()
+        for i, m in enumerate(self.models):
+            if m.name in seen:
+                raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
+            seen.add(m.name)
+            if m.max_concurrency < 1:
+                raise ConfigError(f"models[{i}].max_concurrency: must be at least 1")
+            if m.adapter == "openai" and not m.base_url.startswith(("http://", "https://")):
+                raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url")
+            if m.tokens_per_s < 0 or m.ttft_ms < 0:
+                raise ConfigError(f"models[{i}]: ttft_ms and tokens_per_s must not be negative")
+        if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
+            raise ConfigError("reconnect_min_s: must be > 0 and <= reconnect_max_s")
+
+
+def load_node_config(path: str) -> NodeConfig:
+    return load(path, NodeConfig)

@@ -1,0 +1,51 @@
+"""The edge <-> node wire protocol.
+
+One msgpack-encoded frame per binary websocket message; every frame is a
+member of the tagged union :data:`Frame` (the tag travels in the ``t`` key).
+This package depends on msgspec and the standard library only.
+See ``PROTOCOL.md`` beside this file for a language-neutral description.
+"""
+
+from proto.frames import (
+    PROTOCOL_VERSION,
+    CancelRun,
+    Events,
+    Frame,
+    Hello,
+    Load,
+    ModelInfo,
+    Ping,
+    Pong,
+    RunEvent,
+    RunRequest,
+    ToolCall,
+    ToolCallFunction,
+    TunnelFrame,
+    TunnelRequest,
+    Usage,
+    Welcome,
+    decode_frame,
+    encode_frame,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CancelRun",
+    "Events",
+    "Frame",
+    "Hello",
+    "Load",
+    "ModelInfo",
+    "Ping",
+    "Pong",
+    "RunEvent",
+    "RunRequest",
+    "ToolCall",
+    "ToolCallFunction",
+    "TunnelFrame",
+    "TunnelRequest",
+    "Usage",
+    "Welcome",
+    "decode_frame",
+    "encode_frame",
+]

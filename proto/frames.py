@@ -1,0 +1,160 @@
+"""Frame definitions and the one codec both sides use.
+
+New fields always get defaults so that older peers keep decoding newer frames
+(msgspec schema evolution); a change that cannot be read that way bumps
+:data:`PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Run event types.
+DELTA = "delta"
+REASONING_DELTA = "reasoning_delta"
+COMPLETE = "complete"
+ERROR = "error"
+CANCELLED = "cancelled"
+TERMINAL_TYPES = frozenset({COMPLETE, ERROR, CANCELLED})
+
+
+class _Frame(msgspec.Struct, tag_field="t", omit_defaults=True):
+    pass
+
+
+class ModelInfo(msgspec.Struct, omit_defaults=True):
+    """One model a node serves."""
+
+    name: str  # the model group clients ask for
+    adapter: str  # "openai" | "sim"
+    target: str  # the upstream's own model name
+    max_concurrency: int = 1
+    context_window: int = 0  # 0: unknown
+    native_tools: bool = True
+    passthrough: bool = False  # the node accepts TunnelRequests for it
+
+
+class ToolCallFunction(msgspec.Struct, omit_defaults=True):
+    name: str = ""
+    arguments: str = ""
+
+
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    id: str = ""
+    type: str = "function"
+    function: ToolCallFunction = msgspec.field(default_factory=ToolCallFunction)
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+
+class RunEvent(msgspec.Struct, omit_defaults=True):
+    """One event of a run. ``type`` is one of delta, reasoning_delta,
+    complete, error, cancelled; the last three end the run."""
+
+    run_id: str
+    seq: int
+    type: str
+    text: str = ""
+    finish_reason: str = ""
+    tool_calls: list[ToolCall] | None = None
+    usage: Usage | None = None
+    status: int = 0  # error events: the upstream's HTTP status, when it gave one
+
+
+# -- node -> edge -------------------------------------------------------------
+
+
+class Hello(_Frame, tag="hello"):
+    node_id: str
+    protocol: int
+    models: list[ModelInfo]
+    software: str = ""
+
+
+class Events(_Frame, tag="events"):
+    """A batch: every run event the node produced since its last send."""
+
+    events: list[RunEvent]
+
+
+class Load(_Frame, tag="load"):
+    in_flight: dict[str, int]
+    draining: bool = False
+
+
+class Pong(_Frame, tag="pong"):
+    ts: float = 0.0
+
+
+class TunnelFrame(_Frame, tag="tunnel_frame"):
+    run_id: str
+    seq: int
+    kind: Literal["response_start", "body", "error", "end", "usage"]
+    status: int = 0
+    headers: list[tuple[str, str]] | None = None
+    body: bytes = b""
+    error: str = ""
+
+
+# -- edge -> node -------------------------------------------------------------
+
+
+class Welcome(_Frame, tag="welcome"):
+    edge_id: str
+    protocol: int
+    ping_interval_s: float
+
+
+class RunRequest(_Frame, tag="run"):
+    run_id: str
+    model: str  # model group
+    target: str
+    request: dict[str, Any]  # the OpenAI chat request, normalized by the edge
+    timeout_s: float  # the whole run's remaining budget, relative
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class TunnelRequest(_Frame, tag="tunnel"):
+    run_id: str
+    model: str
+    target: str
+    method: str
+    path: str
+    body: bytes
+    timeout_s: float
+    stream: bool = False
+    headers: list[tuple[str, str]] | None = None
+
+
+class CancelRun(_Frame, tag="cancel"):
+    run_id: str
+    reason: str = ""
+
+
+class Ping(_Frame, tag="ping"):
+    ts: float = 0.0
+
+
+Frame = Hello | Events | Load | Pong | TunnelFrame | Welcome | RunRequest | TunnelRequest | CancelRun | Ping
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode_frame(frame: Frame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_frame(data: bytes) -> Frame:
+    """Decode one frame; raises :class:`msgspec.DecodeError` (or
+    :class:`msgspec.ValidationError`) on anything malformed."""
+    return _decoder.decode(data)
