@@ -57,11 +57,12 @@ class RunFailed(Exception):
     """A run ended in error: ``message`` is what the client is told, ``type``
     the OpenAI error type, ``cause`` the reason for metrics and logs."""
 
-    def __init__(self, message: str, *, type: str = "run_error", cause: str = "error") -> None:
+    def __init__(self, message: str, *, type: str = "run_error", cause: str = "error", status: int = 0) -> None:
         super().__init__(message)
         self.message = message
         self.type = type
         self.cause = cause
+        self.status = status  # the upstream's HTTP status, when it gave one
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -149,7 +149,7 @@ def _failure(event: RunEvent, run: Run) -> RunFailed:
     message = event.text or "run failed"
     if event.type == "cancelled" and not event.text:
         message = "run cancelled"
-    return RunFailed(message, cause=cause)
+    return RunFailed(message, cause=cause, status=event.status)
 
 
 def _usage_out(usage: Usage | None) -> UsageOut:
@@ -344,7 +344,8 @@ async def _respond_whole(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, p
     try:
         result = await collect(run, req, policy)
     except RunFailed as failed:
-        raise _http_error(failed, run) from None
+        await ex.respond_error(_http_error(failed, run))
+        return
     message = ResponseMessage(
         role="assistant",
         content=result.content if result.content or not result.tool_calls else None,
@@ -365,6 +366,8 @@ async def _respond_whole(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, p
 
 
 def _http_error(failed: RunFailed, run: Run) -> APIError:
+    if 400 <= failed.status < 500:
+        return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
     if run.cause == TIMEOUT:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if run.cause == NODE_LOST:

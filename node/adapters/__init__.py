@@ -17,6 +17,8 @@ from proto import RunRequest, ToolCall, Usage
 
 
 class Sink(Protocol):
+    ended: bool  # complete() or error() was called
+
     async def delta(self, text: str) -> None: ...
     async def reasoning(self, text: str) -> None: ...
     async def complete(

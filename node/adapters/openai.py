@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 import msgspec
+import trio
 
 from node.adapters import Counters, Sink
 from node.adapters.sse import SSEParser
@@ -60,6 +61,7 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
 _MAX_ERROR_BODY = 4096
+_DRAIN_S = 2.0  # after [DONE], how long the rest of the body may take
 
 
 class UpstreamError(Exception):
@@ -106,52 +108,66 @@ class OpenAIAdapter:
             self.counters.active_upstream -= 1
 
     async def _relay(self, response: httpx.Response, sink: Sink) -> None:
+        # Leaving the body early is done by cancelling `reading`, never by
+        # break/return: the Cancelled then finishes httpx's generator chain
+        # instead of leaving it suspended for the garbage collector.
         parser = SSEParser()
         finish_reason = ""
         usage: Usage | None = None
         calls: dict[int, ToolCall] = {}
-        async for raw in response.aiter_raw():
-            for data in parser.feed(raw):
-                if data == b"[DONE]":
-                    await sink.complete(finish_reason or "stop", _ordered(calls), usage)
-                    return
-                try:
-                    chunk = _decode_chunk(data)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    await sink.error(f"upstream sent an undecodable chunk: {data[:200]!r}")
-                    return
-                if chunk.error is not None:
-                    message = chunk.error.get("message") if isinstance(chunk.error, dict) else chunk.error
-                    await sink.error(f"upstream error: {message}")
-                    return
-                if chunk.usage is not None:
-                    u = chunk.usage
-                    details = u.completion_tokens_details
-                    usage = Usage(
-                        prompt_tokens=u.prompt_tokens,
-                        completion_tokens=u.completion_tokens,
-                        total_tokens=u.total_tokens,
-                        reasoning_tokens=details.reasoning_tokens if details else None,
-                    )
-                for choice in chunk.choices:
-                    if choice.index != 0:
-                        continue
-                    delta = choice.delta
-                    if delta is not None:
-                        reasoning = delta.reasoning_content or delta.reasoning
-                        if reasoning:
-                            await sink.reasoning(reasoning)
-                        if delta.content:
-                            await sink.delta(delta.content)
-                        if delta.tool_calls:
-                            _merge_tool_calls(calls, delta.tool_calls)
-                    if choice.finish_reason:
-                        finish_reason = choice.finish_reason
-        # The stream ended without [DONE]: still a complete answer if it said why it stopped.
+        with trio.CancelScope() as reading:
+            async for raw in response.aiter_raw():
+                if sink.ended:
+                    continue  # draining what follows [DONE]
+                for data in parser.feed(raw):
+                    if data == b"[DONE]":
+                        await sink.complete(finish_reason or "stop", _ordered(calls), usage)
+                        reading.deadline = trio.current_time() + _DRAIN_S
+                        break
+                    try:
+                        chunk = _decode_chunk(data)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        await sink.error(f"upstream sent an undecodable chunk: {data[:200]!r}")
+                        reading.cancel()
+                        break
+                    if chunk.error is not None:
+                        message = chunk.error.get("message") if isinstance(chunk.error, dict) else chunk.error
+                        await sink.error(f"upstream error: {message}")
+                        reading.cancel()
+                        break
+                    if chunk.usage is not None:
+                        usage = _usage(chunk.usage)
+                    for choice in chunk.choices:
+                        if choice.index != 0:
+                            continue
+                        delta = choice.delta
+                        if delta is not None:
+                            reasoning = delta.reasoning_content or delta.reasoning
+                            if reasoning:
+                                await sink.reasoning(reasoning)
+                            if delta.content:
+                                await sink.delta(delta.content)
+                            if delta.tool_calls:
+                                _merge_tool_calls(calls, delta.tool_calls)
+                        if choice.finish_reason:
+                            finish_reason = choice.finish_reason
+        if sink.ended:
+            return
+        # The body ended without [DONE]: still an answer if it said why it stopped.
         if finish_reason:
             await sink.complete(finish_reason, _ordered(calls), usage)
         else:
             await sink.error("upstream closed the stream before it finished")
+
+
+def _usage(u: _Usage) -> Usage:
+    details = u.completion_tokens_details
+    return Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+        reasoning_tokens=details.reasoning_tokens if details else None,
+    )
 
 
 def _merge_tool_calls(calls: dict[int, ToolCall], deltas: list[_ToolCallDelta]) -> None:
@@ -174,10 +190,11 @@ def _ordered(calls: dict[int, ToolCall]) -> list[ToolCall] | None:
 
 async def _error_text(response: httpx.Response) -> str:
     body = b""
-    async for part in response.aiter_bytes():
-        body += part
-        if len(body) >= _MAX_ERROR_BODY:
-            break
+    with trio.CancelScope() as reading:
+        async for part in response.aiter_raw():
+            body += part
+            if len(body) >= _MAX_ERROR_BODY:
+                reading.cancel()  # not break: see _relay
     message = body[:_MAX_ERROR_BODY].decode("utf-8", "replace")
     try:
         parsed = msgspec.json.decode(body)

@@ -1,0 +1,105 @@
+"""Streamed and whole chat completions through edge -> node -> upstream."""
+
+from __future__ import annotations
+
+import msgspec
+import trio
+
+from scripts.upstream import text_script, words
+from tests.conftest import BOUND, http, settled, sdk, sse_events, sync_sdk
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+async def test_stream_arrives_whole_and_in_order(edge, node, upstream):
+    """A streamed completion arrives whole and in order through the OpenAI SDK's own stream parser."""
+    upstream.script_for("m-target", text_script(words(50), usage={"prompt_tokens": 3, "completion_tokens": 50, "total_tokens": 53}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+            chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == "".join(words(50))
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert len({c.created for c in chunks}) == 1
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # The upstream got the target model name and a streamed request.
+    assert upstream.records[0].body["model"] == "m-target"
+    assert upstream.records[0].body["stream"] is True
+    await settled(edge, node.agent)
+
+
+async def test_raw_stream_ends_with_done(edge, node, upstream):
+    """The SSE body is `data:` chunks ending in `data: [DONE]`, with SSE headers."""
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 3})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache"
+    events = sse_events(r.content)
+    assert events[-1] == b"[DONE]"
+    chunks = [msgspec.json.decode(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "tok0 tok1 tok2 "
+
+
+async def test_non_streaming_completion(edge, node, upstream):
+    """stream=false returns one chat.completion with the whole message, finish_reason and usage."""
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            resp = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == "tok0 tok1 tok2 tok3 "
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == 4 and resp.usage.total_tokens == 9
+    await settled(edge, node.agent)
+
+
+async def test_sync_sdk_stream_and_whole(edge, node, upstream):
+    """The synchronous OpenAI SDK works too, streamed and not."""
+
+    def use_sync_client():
+        with sync_sdk(edge) as client:
+            whole = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            with client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, stream=True) as stream:
+                streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+        return whole.choices[0].message.content, streamed
+
+    with trio.fail_after(BOUND):
+        whole, streamed = await trio.to_thread.run_sync(use_sync_client)
+    assert whole == streamed == "tok0 tok1 "
+
+
+async def test_models_lists_what_linked_nodes_serve(edge, node):
+    """GET /v1/models lists the model groups some linked node serves now."""
+    async with sdk(edge) as client:
+        with trio.fail_after(BOUND):
+            models = await client.models.list()
+        assert [m.id for m in models.data] == ["m"]
+        node.stop()
+        with trio.fail_after(BOUND):
+            while edge.edge.runs.links:
+                await trio.sleep(0.01)
+            models = await client.models.list()
+        assert models.data == []
+
+
+async def test_upstream_error_reaches_client(edge, node, upstream):
+    """An upstream HTTP error becomes an OpenAI error: in-stream for streams, same status for whole requests."""
+    upstream.script_for("m-target", [("status", 400, b'{"error": {"message": "bad temperature"}}')])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+            assert r.status_code == 400
+            assert "bad temperature" in r.json()["error"]["message"]
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
+    events = sse_events(r.content)
+    assert events[-1] == b"[DONE]"
+    err = msgspec.json.decode(events[-2])["error"]
+    assert err["type"] == "run_error" and "bad temperature" in err["message"]
+    await settled(edge, node.agent)
