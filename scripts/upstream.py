@@ -146,25 +146,35 @@ class Upstream:
         self._arrivals.unpark_all()
         self.active += 1
         leftover: list[bytes] = []
+
+        def mark_aborted() -> None:
+            if not rec.aborted:
+                rec.aborted = True
+                rec.aborted_at = time.perf_counter()
+
         try:
             async with trio.open_nursery() as nursery:
 
                 async def watch() -> None:
-                    data = await stream.receive_some(65536)
+                    try:
+                        data = await stream.receive_some(65536)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""
                     if not data:
-                        rec.aborted = True
-                        rec.aborted_at = time.perf_counter()
+                        mark_aborted()
                         nursery.cancel_scope.cancel()
                     else:
                         leftover.append(data)
 
+                async def respond() -> None:
+                    try:
+                        await self._respond(stream, rec)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        mark_aborted()
+                    nursery.cancel_scope.cancel()
+
                 nursery.start_soon(watch)
-                await self._respond(stream, rec)
-                nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
-            if not rec.aborted:
-                rec.aborted = True
-                rec.aborted_at = time.perf_counter()
+                nursery.start_soon(respond)
         finally:
             self.active -= 1
             rec.ended = time.perf_counter()

@@ -1,0 +1,169 @@
+"""The core guarantee: whatever ends a request, the run is cancelled on the
+node, the upstream sees its request aborted, and nothing is left running."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import msgspec
+import trio
+
+from scripts.upstream import words
+from tests.conftest import BOUND, edge_config, http, model, settled, sse_events, start_edge, start_node
+
+STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+WHOLE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def tokens_then_hang(n: int):
+    return [*(("chunk", {"content": t}) for t in words(n)), ("hang",)]
+
+
+async def read_then_leave(edge, body: dict, *, content_chunks: int, task_status=trio.TASK_STATUS_IGNORED) -> list[dict]:
+    """Stream, read the role chunk and `content_chunks` content chunks, then close the connection."""
+    seen: list[dict] = []
+    async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        with trio.CancelScope() as reading:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                seen.append(msgspec.json.decode(line[6:]))
+                if sum(1 for c in seen if c["choices"][0]["delta"].get("content")) >= content_chunks:
+                    reading.cancel()
+    return seen
+
+
+async def test_disconnect_before_first_token_aborts_upstream(edge, node, upstream):
+    """Client leaves after the role chunk, while the model has produced nothing yet."""
+    upstream.script_for("m-target", [("hang",)])
+    with trio.fail_after(BOUND):
+        seen = await read_then_leave(edge, STREAM, content_chunks=0)
+        assert seen[0]["choices"][0]["delta"] == {"role": "assistant"}
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    assert rec.aborted
+    await settled(edge, node.agent)
+
+
+async def test_disconnect_mid_stream_aborts_upstream(edge, node, upstream):
+    """Client leaves after two content chunks while the model is still generating."""
+    upstream.script_for("m-target", tokens_then_hang(3))
+    with trio.fail_after(BOUND):
+        seen = await read_then_leave(edge, STREAM, content_chunks=2)
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    assert [c["choices"][0]["delta"].get("content") for c in seen[1:3]] == ["tok0 ", "tok1 "]
+    assert rec.aborted
+    await settled(edge, node.agent)
+
+
+async def test_disconnect_during_non_streaming_request_aborts_upstream(edge, node, upstream):
+    """A non-streaming client that gives up cancels the run just the same."""
+    upstream.script_for("m-target", tokens_then_hang(2))
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+
+            async def client():
+                async with http(edge) as c:
+                    await c.post("/v1/chat/completions", json=WHOLE)
+
+            nursery.start_soon(client)
+            (rec,) = await upstream.wait_requests(1)
+            nursery.cancel_scope.cancel()  # the client goes away
+        await rec.finished.wait()
+    assert rec.aborted
+    await settled(edge, node.agent)
+
+
+async def test_disconnect_while_queued_leaves_the_queue(nursery, upstream):
+    """A client waiting for a free node leaves the queue at once, and its run never starts."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    upstream.script_for("m-target", [("hang",)])
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as clients:
+            clients.start_soon(partial(read_then_leave, edge, STREAM, content_chunks=1))  # occupies the only slot
+            await upstream.wait_requests(1)
+
+            queued = trio.CancelScope()
+
+            async def waiter():
+                with queued:
+                    async with http(edge) as c:
+                        await c.post("/v1/chat/completions", json=WHOLE)
+
+            clients.start_soon(waiter)
+            while edge.edge.runs.queue_depth("m") != 1:
+                await trio.sleep(0.005)
+            queued.cancel()
+            while edge.edge.runs.queue_depth("m") != 0:
+                await trio.sleep(0.005)
+            assert len(upstream.records) == 1  # the queued request never reached a node
+            clients.cancel_scope.cancel()
+        await upstream.records[0].finished.wait()
+    assert upstream.records[0].aborted
+    await settled(edge, node.agent)
+    assert len(upstream.records) == 1
+
+
+async def test_wait_timeout_reports_run_timed_out_and_aborts_upstream(nursery, upstream):
+    """No event for wait_timeout_s: the client gets "run timed out" and the upstream is aborted."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    upstream.script_for("m-target", tokens_then_hang(2))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=STREAM)
+            events = sse_events(r.content)
+            assert events[-1] == b"[DONE]"
+            err = msgspec.json.decode(events[-2])["error"]
+            assert err["message"] == "run timed out" and err["type"] == "run_error"
+            contents = [msgspec.json.decode(e)["choices"][0]["delta"].get("content") for e in events[1:-2]]
+            assert contents == ["tok0 ", "tok1 "]
+            await upstream.records[0].finished.wait()
+            assert upstream.records[0].aborted
+            # Non-streaming: the same timeout is a 504.
+            r = await client.post("/v1/chat/completions", json=WHOLE)
+            assert r.status_code == 504
+            assert r.json()["error"]["message"] == "run timed out"
+            await upstream.records[1].finished.wait()
+            assert upstream.records[1].aborted
+    await settled(edge, node.agent)
+
+
+async def test_run_deadline_cancels_a_run_that_keeps_talking(nursery, upstream):
+    """A run that never goes quiet still ends at run_timeout_s, with the upstream aborted."""
+    edge = await start_edge(nursery, edge_config(run_timeout_s=0.8, wait_timeout_s=10))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    slow = [step for t in words(1000) for step in (("chunk", {"content": t}), ("sleep", 0.02))]
+    upstream.script_for("m-target", slow)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=STREAM)
+        err = msgspec.json.decode(sse_events(r.content)[-2])["error"]
+        assert err["message"] == "run timed out"
+        await upstream.records[0].finished.wait()
+    assert upstream.records[0].aborted
+    await settled(edge, node.agent)
+
+
+async def test_client_that_stops_reading_gets_its_run_cancelled(nursery, upstream):
+    """A client that keeps its socket open but reads nothing does not pin the run:
+    the per-run buffer bound cancels it on the node."""
+    edge = await start_edge(nursery, edge_config(max_buffered_events=50))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    upstream.script_for("m-target", [*(("chunk", {"content": "x" * 2000}) for _ in range(5000)), ("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+            assert r.status_code == 200
+            (rec,) = await upstream.wait_requests(1)
+            await rec.finished.wait()  # we never read the body
+            assert rec.aborted
+            await node_settled(node)
+    await settled(edge, node.agent)
+
+
+async def node_settled(node) -> None:
+    while node.agent.counters.active_upstream:
+        await trio.sleep(0.005)
