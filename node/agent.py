@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import random
 import ssl
+import urllib.parse
 
 import msgspec
 import structlog
 import trio
-from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket_url
+from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, wrap_client_stream
 
 from iop import __version__
 from node.adapters import Adapter, Counters, make_adapter
@@ -283,35 +284,70 @@ class NodeAgent:
     async def _link_once(self, url: str) -> None:
         cfg = self.config
         headers = [(b"Authorization", f"Bearer {cfg.token}".encode()), (b"X-Iop-Node-Id", cfg.node_id.encode())]
-        ssl_context = ssl.create_default_context() if url.startswith("wss://") else None
-        async with open_websocket_url(
-            url,
-            ssl_context,
-            extra_headers=headers,
-            connect_timeout=cfg.connect_timeout_s,
-            disconnect_timeout=2,
-            max_message_size=cfg.max_frame_bytes,
-        ) as ws:
-            await ws.send_message(
-                encode_frame(
-                    Hello(node_id=cfg.node_id, protocol=PROTOCOL_VERSION, models=self.models, software=f"iop {__version__}")
+        host, port, host_header, resource, secure = _parse_ws_url(url)
+        # The TCP stream is ours to close: trio-websocket leaves it open when
+        # the edge rejects the upgrade (a wrong token), which would leak a
+        # socket per redial.
+        with trio.fail_after(cfg.connect_timeout_s):
+            if secure:
+                stream = await trio.open_ssl_over_tcp_stream(
+                    host, port, ssl_context=ssl.create_default_context(), https_compatible=True
                 )
+            else:
+                stream = await trio.open_tcp_stream(host, port)
+        try:
+            async with trio.open_nursery() as ws_nursery:
+                with trio.fail_after(cfg.connect_timeout_s):
+                    ws = await wrap_client_stream(
+                        ws_nursery,
+                        stream,
+                        host_header,
+                        resource,
+                        extra_headers=headers,
+                        max_message_size=cfg.max_frame_bytes,
+                    )
+                try:
+                    await self._speak(url, ws)
+                finally:
+                    # A polite close handshake, briefly: the edge may be gone too.
+                    with trio.CancelScope(shield=True), trio.move_on_after(0.25):
+                        await ws.aclose()
+                    ws_nursery.cancel_scope.cancel()
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _speak(self, url: str, ws) -> None:
+        cfg = self.config
+        await ws.send_message(
+            encode_frame(
+                Hello(node_id=cfg.node_id, protocol=PROTOCOL_VERSION, models=self.models, software=f"iop {__version__}")
             )
-            with trio.fail_after(cfg.hello_timeout_s):
-                data = await ws.get_message()
-            try:
-                welcome = decode_frame(data)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
-                raise LinkRefused("the edge answered the hello with an undecodable frame") from None
-            if not isinstance(welcome, Welcome):
-                raise LinkRefused(f"expected welcome, got {type(welcome).__name__}")
-            link = EdgeLink(self, url, ws, welcome)
-            self.links[url] = link
-            log.info("linked", edge=url, edge_id=welcome.edge_id)
-            try:
-                await link.serve()
-            finally:
-                self.links.pop(url, None)
+        )
+        with trio.fail_after(cfg.hello_timeout_s):
+            data = await ws.get_message()
+        try:
+            welcome = decode_frame(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+            raise LinkRefused("the edge answered the hello with an undecodable frame") from None
+        if not isinstance(welcome, Welcome):
+            raise LinkRefused(f"expected welcome, got {type(welcome).__name__}")
+        link = EdgeLink(self, url, ws, welcome)
+        self.links[url] = link
+        log.info("linked", edge=url, edge_id=welcome.edge_id)
+        try:
+            await link.serve()
+        finally:
+            self.links.pop(url, None)
+
+
+def _parse_ws_url(url: str) -> tuple[str, int, str, str, bool]:
+    parts = urllib.parse.urlsplit(url)
+    secure = parts.scheme == "wss"
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if secure else 80)
+    host_header = host if port in (80, 443) else f"{host}:{port}"
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return host, port, host_header, resource, secure
 
 
 def _root_cause(exc: BaseException) -> BaseException:

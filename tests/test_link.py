@@ -1,0 +1,208 @@
+"""The node link: losing a node, reconnecting, liveness, and protocol rules."""
+
+from __future__ import annotations
+
+import signal
+
+import msgspec
+import pytest
+import trio
+from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
+
+from proto import PROTOCOL_VERSION, Events, Hello, ModelInfo, RunEvent, Welcome, decode_frame, encode_frame
+from scripts.upstream import words
+from tests.conftest import (
+    BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    settled,
+    sse_events,
+    start_edge,
+    start_node,
+    start_node_process,
+)
+
+STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def slow_tokens(n: int, interval: float = 0.02):
+    return [step for t in words(n) for step in (("chunk", {"content": t}), ("sleep", interval))] + [("hang",)]
+
+
+async def test_killed_node_fails_its_stream_with_node_disconnected(nursery, tmp_path, upstream):
+    """SIGKILL of the node mid-stream: the client promptly gets "node disconnected" and the upstream is aborted."""
+    edge = await start_edge(nursery)
+    proc = await start_node_process(
+        nursery,
+        tmp_path,
+        edge,
+        [{"name": "m", "adapter": "openai", "target": "m-target", "base_url": upstream.base_url}],
+    )
+    upstream.script_for("m-target", slow_tokens(1000))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+            received = 0
+            killed_at = None
+            with trio.CancelScope() as reading:
+                async for line in r.aiter_lines():
+                    if killed_at is None and '"content"' in line:
+                        received += 1
+                        if received == 3:
+                            proc.send_signal(signal.SIGKILL)
+                            killed_at = trio.current_time()
+                    if line.startswith('data: {"error"'):
+                        err = msgspec.json.decode(line[6:])["error"]
+                        reading.cancel()
+            gap = trio.current_time() - killed_at
+        assert err["message"] == "node disconnected"
+        assert gap < 5  # the link's close is seen at once, not after a ping timeout
+        await upstream.records[0].finished.wait()
+    assert upstream.records[0].aborted
+    await settled(edge)
+
+
+async def test_node_relinks_after_edge_restart(nursery, upstream):
+    """The node redials with backoff: an edge restarted on the same address serves again."""
+    first = await start_edge(nursery)
+    node = await start_node(nursery, first, [model("m", upstream)])
+    first.stop()
+    await eventually(lambda: not node.agent.links, what="node noticed the edge is gone")
+    second = await start_edge(nursery, bind=f"127.0.0.1:{first.port}")
+    await eventually(lambda: "n1" in second.edge.runs.links, what="node relinked")
+    with trio.fail_after(BOUND):
+        async with http(second) as client:
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 2})
+    assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
+
+
+async def fake_node(edge, script, node_id="fake", token=TOKEN):
+    """Run ``await script(ws)`` on a hand-driven node link and return its result.
+    The test owns the TCP stream and closes it (trio-websocket leaves it open
+    when the server closes or rejects)."""
+    headers = [(b"Authorization", f"Bearer {token}".encode()), (b"X-Iop-Node-Id", node_id.encode())]
+    stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+    try:
+        async with trio.open_nursery() as ws_nursery:
+            ws = await wrap_client_stream(ws_nursery, stream, f"127.0.0.1:{edge.port}", "/v1/node/link", extra_headers=headers)
+            try:
+                return await script(ws)
+            finally:
+                with trio.move_on_after(1):
+                    await ws.aclose()
+                ws_nursery.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+
+
+async def closed_by_edge(ws) -> ConnectionClosed:
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await ws.get_message()
+    return closed.value
+
+
+def hello(node_id="fake", protocol=PROTOCOL_VERSION):
+    return encode_frame(
+        Hello(node_id=node_id, protocol=protocol, models=[ModelInfo(name="m", adapter="sim", target="t", max_concurrency=2)])
+    )
+
+
+async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
+    """A node that stops answering (no frames at all) loses its link within the ping timeout,
+    and its runs fail with "node disconnected"."""
+    edge = await start_edge(nursery, edge_config(ping_interval_s=0.2, ping_misses=3))
+
+    async def frozen(ws):
+        await ws.send_message(hello())
+        assert isinstance(decode_frame(await ws.get_message()), Welcome)
+        # Frozen from here on: reads nothing, answers nothing.
+        async with http(edge) as client:
+            start = trio.current_time()
+            r = await client.post("/v1/chat/completions", json=STREAM)
+            return r, trio.current_time() - start
+
+    with trio.fail_after(BOUND):
+        r, elapsed = await fake_node(edge, frozen)
+    err = msgspec.json.decode(sse_events(r.content)[-2])["error"]
+    assert err["message"] == "node disconnected"
+    assert 0.4 < elapsed < 5
+    assert "fake" not in edge.edge.runs.links
+    await settled(edge)
+
+
+async def test_protocol_version_mismatch_is_refused_with_a_reason(edge):
+    """A node speaking another protocol version is closed with code 4002 and a readable reason."""
+
+    async def newer(ws):
+        await ws.send_message(hello(protocol=PROTOCOL_VERSION + 1))
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, newer)
+    assert closed.reason.code == 4002
+    assert "protocol version mismatch" in closed.reason.reason
+    assert not edge.edge.runs.links
+
+
+async def test_wrong_token_is_refused_at_the_upgrade(nursery, edge, node):
+    """A node with a wrong token gets HTTP 401 on the websocket upgrade, before any frame,
+    and keeps redialling with backoff without linking."""
+    from node.agent import NodeAgent
+    from tests.conftest import node_config
+
+    with trio.fail_after(BOUND), pytest.RaisesGroup(ConnectionRejected, flatten_subgroups=True) as rejected:
+        await fake_node(edge, trio.sleep, token="wrong")
+    assert rejected.value.exceptions[0].status_code == 401
+    intruder = NodeAgent(node_config([edge.link_url], [model("m")], node_id="intruder", token="wrong"))
+    with trio.move_on_after(0.5):
+        await intruder.serve()
+    assert "intruder" not in edge.edge.runs.links
+
+
+async def test_duplicate_node_id_is_refused(edge, node):
+    """A second link with a node id that is already linked is closed with 4009; the first keeps working."""
+
+    async def duplicate(ws):
+        await ws.send_message(hello(node_id="n1"))
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, duplicate, node_id="n1")
+    assert closed.reason.code == 4009
+    assert edge.edge.runs.links["n1"].closed is False
+
+
+async def test_events_for_a_foreign_run_close_only_that_link(edge, node, upstream):
+    """A node that sends events for a run it was not given loses its link; the edge and other nodes go on."""
+
+    async def rogue(ws):
+        await ws.send_message(hello(node_id="rogue"))
+        await ws.get_message()
+        event = RunEvent(run_id="not-yours", seq=1, type="delta", text="x")
+        await ws.send_message(encode_frame(Events(events=[event])))
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, rogue, node_id="rogue")
+        assert closed.reason.code == 4003
+        await eventually(lambda: "rogue" not in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 1})
+    assert r.status_code == 200
+
+
+async def test_garbage_frame_closes_the_link(edge):
+    """An undecodable frame closes that link with 4003."""
+
+    async def junk(ws):
+        await ws.send_message(hello(node_id="junk"))
+        await ws.get_message()
+        await ws.send_message(b"\xc1 not msgpack")
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, junk, node_id="junk")
+    assert closed.reason.code == 4003
