@@ -1,0 +1,116 @@
+"""Bad input gets a clear OpenAI-shaped error and changes nothing else."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import trio
+
+from tests.conftest import BOUND, edge_config, http, sdk, settled, start_edge
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def assert_openai_error(r, status: int, *, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"model": "m"}', "messages"),
+        (b'{"model": "m", "messages": []}', "messages"),
+        (b'{"model": "m", "messages": "hi"}', "messages"),
+        (b'{"model": 3, "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        (b'{"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}', "temperature"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+    ],
+)
+async def test_malformed_requests_are_400(edge, node, body, param):
+    """Malformed JSON and wrong types are a 400 naming the offending field; no run starts."""
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400, param=param)
+    assert err["type"] == "invalid_request_error"
+    assert edge.edge.runs.in_flight == 0
+
+
+async def test_unknown_model_is_404_model_not_found(edge, node):
+    """A model no node serves (or ever served) is a 404 with code model_not_found; the SDK raises NotFoundError."""
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.NotFoundError) as caught:
+                await client.chat.completions.create(model="nope", messages=MESSAGES)
+    assert caught.value.code == "model_not_found"
+
+
+async def test_configured_model_with_no_node_is_503(nursery):
+    """A model the edge knows (configured) with no node linked is a 503, not a 404."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "later"}]))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "later", "messages": MESSAGES})
+    assert_openai_error(r, 503, code="no_node_available")
+
+
+async def test_model_whose_node_left_is_503(edge, node):
+    """Once a node served a model, its absence is a temporary 503."""
+    node.stop()
+    with trio.fail_after(BOUND):
+        while edge.edge.runs.links:
+            await trio.sleep(0.005)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert_openai_error(r, 503)
+
+
+async def test_body_over_the_limit_is_413(nursery):
+    """A body over max_body_bytes is refused with 413 before it is parsed."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=1000))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            big = {"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}
+            r = await client.post("/v1/chat/completions", json=big)
+    assert_openai_error(r, 413, code="request_too_large")
+
+
+async def test_too_many_messages_is_400(nursery):
+    """The message count limit gives a 400 that says so."""
+    edge = await start_edge(nursery, edge_config(max_messages=2))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES * 3})
+    assert_openai_error(r, 400, param="messages", code="too_many_messages")
+
+
+async def test_unknown_route_and_wrong_method(edge):
+    """Unknown routes and methods answer in the OpenAI error shape too."""
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert_openai_error(await client.get("/v1/nothing"), 404)
+            assert_openai_error(await client.get("/v1/chat/completions"), 405)
+
+
+async def test_bad_requests_leave_the_edge_serving(edge, node):
+    """After a burst of bad requests the edge still serves good ones."""
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for _ in range(20):
+                await client.post("/v1/chat/completions", content=b"\x00\xff garbage")
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 1})
+    assert r.status_code == 200
+    await settled(edge, node.agent)
