@@ -1,0 +1,113 @@
+"""Start an upstream, an edge and a node as separate processes on loopback.
+
+Used by scripts/bench.py and scripts/cancel_probe.py; every process is
+killed when the context exits.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "stack-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return str(value)
+
+
+def write_toml(path: Path, data: dict) -> Path:
+    lines = [f"{k} = {_toml(v)}" for k, v in data.items() if not (isinstance(v, list) and v and isinstance(v[0], dict))]
+    for key, value in data.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            for table in value:
+                lines.append(f"\n[[{key}]]")
+                lines += [f"{k} = {_toml(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_http(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up")
+
+
+class Stack(ExitStack):
+    """``with Stack() as s: s.upstream(...); s.edge(...); s.node(...)``"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(self.enter_context(tempfile.TemporaryDirectory(prefix="iop-stack-")))
+        self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(args, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.callback(_kill, proc)
+        return proc
+
+    def upstream(self, *, tokens: int = 0, interval_ms: float = 0.0, ttft_ms: float = 0.0) -> str:
+        port = free_port()
+        args = [sys.executable, "scripts/upstream.py", "--port", str(port), "--interval-ms", str(interval_ms), "--ttft-ms", str(ttft_ms)]
+        if tokens:
+            args += ["--tokens", str(tokens)]
+        self._spawn(args)
+        wait_http(f"http://127.0.0.1:{port}/v1/models")
+        return f"http://127.0.0.1:{port}/v1"
+
+    def edge(self, **config) -> str:
+        port = free_port()
+        cfg = write_toml(self.dir / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, **config})
+        self._spawn([sys.executable, "-m", "iop.cli", "edge", "--config", str(cfg)])
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        return f"http://127.0.0.1:{port}"
+
+    def node(self, edge_url: str, models: list[dict], node_id: str = "stack-node") -> None:
+        link = edge_url.replace("http", "ws", 1) + "/v1/node/link"
+        cfg = write_toml(
+            self.dir / f"{node_id}.toml",
+            {"node_id": node_id, "edges": [link], "token": TOKEN, "models": models},
+        )
+        self._spawn([sys.executable, "-m", "iop.cli", "node", "--config", str(cfg)])
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if httpx.get(edge_url + "/readyz", timeout=1).status_code == 200:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("node did not link")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
