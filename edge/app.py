@@ -18,6 +18,7 @@ from quart_trio import QuartTrio
 from edge.config import EdgeConfig, load_edge_config
 from edge.errors import APIError, error_json
 from edge.link import node_link
+from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
 from edge.openai.routes import openai_routes
 from edge.openai.schema import ModelCard, ModelList
@@ -35,6 +36,7 @@ class Edge:
         self.config = config
         self.id = secrets.token_hex(6)
         self.runs = RunService(config)
+        self.metrics = EdgeMetrics(self.runs)
         self.draining = False
 
     async def drain(self) -> None:
@@ -107,6 +109,10 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         served = edge.runs.models()
         cards = [ModelCard(id=name, created=int(min(lk.linked_wall for lk in links))) for name, links in sorted(served.items())]
         return _json(200, _encode(ModelList(data=cards)))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
 
     @app.get("/healthz")
     async def healthz() -> Response:

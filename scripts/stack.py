@@ -69,7 +69,7 @@ class Stack(ExitStack):
         self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(args, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(args, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=None if os.environ.get("IOP_STACK_LOGS") else subprocess.DEVNULL)
         self.callback(_kill, proc)
         return proc
 

@@ -19,8 +19,9 @@ def tokens_then_hang(n: int):
     return [*(("chunk", {"content": t}) for t in words(n)), ("hang",)]
 
 
-async def read_then_leave(edge, body: dict, *, content_chunks: int, task_status=trio.TASK_STATUS_IGNORED) -> list[dict]:
-    """Stream, read the role chunk and `content_chunks` content chunks, then close the connection."""
+async def read_then_leave(edge, body: dict, *, content_chunks: int, upstream=None) -> list[dict]:
+    """Stream, read the role chunk and `content_chunks` content chunks, wait until the
+    upstream has the request (if given), then close the connection."""
     seen: list[dict] = []
     async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -30,7 +31,9 @@ async def read_then_leave(edge, body: dict, *, content_chunks: int, task_status=
                     continue
                 seen.append(msgspec.json.decode(line[6:]))
                 if sum(1 for c in seen if c["choices"][0]["delta"].get("content")) >= content_chunks:
-                    reading.cancel()
+                    if upstream is not None:
+                        await upstream.wait_requests(1)
+                    reading.cancel()  # closes the connection: the client is gone
     return seen
 
 
@@ -38,7 +41,7 @@ async def test_disconnect_before_first_token_aborts_upstream(edge, node, upstrea
     """Client leaves after the role chunk, while the model has produced nothing yet."""
     upstream.script_for("m-target", [("hang",)])
     with trio.fail_after(BOUND):
-        seen = await read_then_leave(edge, STREAM, content_chunks=0)
+        seen = await read_then_leave(edge, STREAM, content_chunks=0, upstream=upstream)
         assert seen[0]["choices"][0]["delta"] == {"role": "assistant"}
         (rec,) = await upstream.wait_requests(1)
         await rec.finished.wait()
@@ -83,7 +86,7 @@ async def test_disconnect_while_queued_leaves_the_queue(nursery, upstream):
     upstream.script_for("m-target", [("hang",)])
     with trio.fail_after(BOUND):
         async with trio.open_nursery() as clients:
-            clients.start_soon(partial(read_then_leave, edge, STREAM, content_chunks=1))  # occupies the only slot
+            clients.start_soon(partial(read_then_leave, edge, STREAM, content_chunks=1, upstream=upstream))  # the only slot
             await upstream.wait_requests(1)
 
             queued = trio.CancelScope()

@@ -114,7 +114,13 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
 
     t0 = time.perf_counter()
-    slot = await edge.runs.acquire(req.model, session=session)
+    queued_at = trio.current_time()
+    try:
+        slot = await edge.runs.acquire(req.model, session=session)
+    except APIError as e:
+        edge.metrics.requests.labels(req.model, f"rejected_{e.status}").inc()
+        raise
+    edge.metrics.queue_time.labels(req.model).observe(trio.current_time() - queued_at)
     run = edge.runs.start(slot, forward, metadata=metadata)
     structlog.contextvars.bind_contextvars(run_id=run.id)
     try:
@@ -132,6 +138,7 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         raise
     finally:
         run.close("abandoned")
+        edge.metrics.requests.labels(req.model, run.cause or "unknown").inc()
         log.info(
             "chat completion",
             model=req.model,

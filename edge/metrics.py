@@ -1,0 +1,81 @@
+"""Prometheus metrics (``GET /metrics``), one registry per edge.
+
+Names follow what users already graph: vLLM's request/latency histograms
+(``time_to_first_token_seconds``, ``request_time_per_output_token_seconds``,
+``e2e_request_latency_seconds``) and OpenTelemetry's gen_ai server metrics,
+under the ``iop_`` prefix. Nothing here is touched per chunk: runs are
+observed once, when they close.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from edge.runs import Run, RunService
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EdgeMetrics:
+    def __init__(self, runs: RunService) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "iop_requests", "HTTP requests to the OpenAI routes by model and outcome", ["model", "outcome"], registry=r
+        )
+        self.runs_in_flight = Gauge("iop_runs_in_flight", "Runs dispatched to nodes and not yet closed", registry=r)
+        self.runs_in_flight.set_function(lambda: runs.in_flight)
+        self.queue_depth = Gauge("iop_queue_depth", "Requests waiting for a node slot", registry=r)
+        self.queue_depth.set_function(lambda: runs.queue_depth())
+        self.nodes_linked = Gauge("iop_nodes_linked", "Nodes with a live link", registry=r)
+        self.nodes_linked.set_function(lambda: len(runs.links))
+        self.queue_time = Histogram(
+            "iop_queue_time_seconds", "Time spent waiting for a node slot", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "iop_time_to_first_token_seconds",
+            "Time from dispatch to the run's first event",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "iop_request_time_per_output_token_seconds",
+            "Mean inter-token latency of each run",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.run_duration = Histogram(
+            "iop_e2e_request_latency_seconds", "Run duration, dispatch to close", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.run_ends = Counter("iop_runs_ended", "Runs by how they ended", ["model", "cause"], registry=r)
+        self.cancels = Counter(
+            "iop_run_cancels", "Runs cancelled on the node, by cause (client_gone, timeout, node_lost, ...)", ["cause"], registry=r
+        )
+        self.tool_retries = Counter(
+            "iop_tool_validation_retries", "Runs retried because their tool calls failed validation", ["model"], registry=r
+        )
+        runs.on_run_closed.append(self.observe_run)
+
+    def observe_run(self, run: Run, now: float | None = None) -> None:
+        import trio
+
+        now = trio.current_time() if now is None else now
+        model = run.slot.model
+        cause = run.cause or "unknown"
+        self.run_ends.labels(model, cause).inc()
+        self.run_duration.labels(model).observe(now - run.started_at)
+        if run.first_event_at is not None:
+            self.ttft.labels(model).observe(run.first_event_at - run.started_at)
+            if run.events_seen > 2:
+                self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.events_seen - 2))
+        if cause not in ("complete", "run_error"):
+            self.cancels.labels(cause).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
