@@ -9,7 +9,7 @@ import sys
 import structlog
 
 
-def configure(level: str | None = None, *, json: bool | None = None) -> None:
+def configure(level: str | None = None, *, json: bool | None = None, cache: bool = True) -> None:
     level_name = (level or os.environ.get("IOP_LOG_LEVEL") or "info").upper()
     numeric = logging.getLevelName(level_name)
     if not isinstance(numeric, int):
@@ -34,5 +34,5 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )

@@ -25,7 +25,7 @@ from scripts.upstream import Upstream
 TOKEN = "test-token"
 BOUND = 20  # seconds: the absolute limit for any one wait in a test
 
-logs.configure("warning", json=False)
+logs.configure("info", json=False, cache=False)  # uncached: tests capture logs
 
 
 async def eventually(predicate: Callable[[], bool], timeout: float = BOUND, what: str = "condition") -> None:

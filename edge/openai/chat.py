@@ -35,6 +35,7 @@ from edge.openai.schema import (
 )
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
+from edge.openai.trace import TRACE_METADATA_KEY, StreamTrace, trace_enabled
 from edge.runs.run import CLIENT_GONE, NODE_LOST, SLOW_CLIENT, TIMEOUT, Run
 from proto import RunEvent, ToolCall, Usage
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
@@ -44,9 +45,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("iop.edge.chat")
 
-TRACE_ENV = "IOP_OPENAI_COMPAT_TRACE_STREAM"
-TRACE_METADATA_KEY = "iop_trace_stream"
-_TRUE = {"1", "true", "yes", "on"}
 
 
 # -- parsing -------------------------------------------------------------------
@@ -89,14 +87,6 @@ def parse_chat_request(body: bytes, *, max_messages: int, max_tools: int) -> tup
     if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
         del forward["reasoning"]
     return req, forward
-
-
-def _trace_enabled(metadata: dict[str, str]) -> bool:
-    import os
-
-    return os.environ.get(TRACE_ENV, "").strip().lower() in _TRUE or (
-        metadata.get(TRACE_METADATA_KEY, "").strip().lower() in _TRUE
-    )
 
 
 # -- the handler ---------------------------------------------------------------
@@ -192,12 +182,20 @@ def _tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
 async def _stream_live(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, policy: ModelPolicy) -> None:
     enc = ChunkEncoder(f"chatcmpl-{run.id}", int(time.time()), req.model, policy.reasoning_field)
     out: list[bytes] = []
-    trace = _trace_enabled(run.metadata)
-    if trace:
-        on_content, on_reasoning = _traced(out, enc, run)
-    else:
+    trace = StreamTrace() if trace_enabled(run.metadata) else None
+    if trace is None:
         on_content = lambda text: out.append(enc.content(text))  # noqa: E731
         on_reasoning = lambda text: out.append(enc.reasoning(text))  # noqa: E731
+    else:
+
+        def on_content(text: str) -> None:
+            trace.chunk("content", len(text))
+            out.append(enc.content(text))
+
+        def on_reasoning(text: str) -> None:
+            trace.chunk("reasoning", len(text))
+            out.append(enc.reasoning(text))
+
     shaper = Shaper(
         policy,
         include_reasoning=req.reasoning_included(),
@@ -220,11 +218,21 @@ async def _stream_live(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, pol
             for event in batch:
                 kind = event.type
                 if kind == DELTA:
-                    shaper.content(event.text)
+                    if trace is None:
+                        shaper.content(event.text)
+                    else:
+                        mark = trace.emitted
+                        shaper.content(event.text)
+                        trace.source("content", event.text, mark)
                 elif kind == REASONING_DELTA:
-                    shaper.reasoning(event.text)
+                    if trace is None:
+                        shaper.reasoning(event.text)
+                    else:
+                        mark = trace.emitted
+                        shaper.reasoning(event.text)
+                        trace.source("reasoning", event.text, mark)
                 elif kind == COMPLETE:
-                    end = _live_complete(shaper, enc, req, event, out)
+                    end = _live_complete(shaper, enc, req, event, out, trace)
                     break
                 else:
                     failed = _failure(event, run)
@@ -248,39 +256,29 @@ async def _stream_live(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, pol
         )
 
 
-def _live_complete(shaper: Shaper, enc: ChunkEncoder, req: ChatRequest, event: RunEvent, out: list[bytes]) -> bytes:
+def _live_complete(
+    shaper: Shaper, enc: ChunkEncoder, req: ChatRequest, event: RunEvent, out: list[bytes], trace: StreamTrace | None
+) -> bytes:
     shaper.finish()
     finish_reason = event.finish_reason or "stop"
     tail: list[bytes] = []
     if event.tool_calls:
         tail.append(enc.tool_calls(_tool_calls_out(event.tool_calls)))
         finish_reason = "tool_calls"
+        if trace is not None:
+            trace.chunk("tool_calls", 0, tool_call_count=len(event.tool_calls))
     fallback = shaper.fallback(finish_reason, bool(event.tool_calls))
     if fallback:
         out.append(enc.content(fallback))
+        if trace is not None:
+            trace.chunk("content", len(fallback), fallback=True)
+    if trace is not None:
+        trace.chunk("finish", 0, finish_reason=finish_reason)
     tail.append(enc.finish(finish_reason))
     if req.stream_options is not None and req.stream_options.include_usage:
         tail.append(enc.usage(_usage_out(event.usage)))
     tail.append(DONE)
     return b"".join(tail)
-
-
-def _traced(out: list[bytes], enc: ChunkEncoder, run: Run):
-    seq = 0
-
-    def on_content(text: str) -> None:
-        nonlocal seq
-        seq += 1
-        log.info("chat completion stream output chunk", seq=seq, type="content", delta_len=len(text))
-        out.append(enc.content(text))
-
-    def on_reasoning(text: str) -> None:
-        nonlocal seq
-        seq += 1
-        log.info("chat completion stream output chunk", seq=seq, type="reasoning", delta_len=len(text))
-        out.append(enc.reasoning(text))
-
-    return on_content, on_reasoning
 
 
 # -- collecting a whole run ----------------------------------------------------
@@ -406,6 +404,14 @@ async def _stream_buffered(edge: Edge, ex: Exchange, req: ChatRequest, run: Run,
     if req.stream_options is not None and req.stream_options.include_usage:
         parts.append(enc.usage(_usage_out(result.usage)))
     parts.append(DONE)
+    if trace_enabled(run.metadata):
+        trace = StreamTrace()
+        trace.chunk("role", 0)
+        if result.content:
+            trace.chunk("content", len(result.content))
+        if result.tool_calls:
+            trace.chunk("tool_calls", 0, tool_call_count=len(result.tool_calls))
+        trace.chunk("finish", 0, finish_reason=result.finish_reason)
     log.info(
         "chat completion stream closed",
         strict_output=policy.strict_output,

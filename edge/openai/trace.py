@@ -1,0 +1,51 @@
+"""Per-chunk stream tracing, off unless asked for.
+
+``IOP_OPENAI_COMPAT_TRACE_STREAM=1`` (any of 1/true/yes/on), or the run
+metadata key ``iop_trace_stream`` (the request's ``metadata`` object), logs
+every emitted chunk: run id (bound in the log context), sequence number, type,
+length, and for each upstream delta whether the filters changed it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+
+log = structlog.get_logger("iop.edge.trace")
+
+TRACE_ENV = "IOP_OPENAI_COMPAT_TRACE_STREAM"
+TRACE_METADATA_KEY = "iop_trace_stream"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def trace_enabled(metadata: dict[str, str]) -> bool:
+    return (
+        os.environ.get(TRACE_ENV, "").strip().lower() in _TRUE
+        or metadata.get(TRACE_METADATA_KEY, "").strip().lower() in _TRUE
+    )
+
+
+class StreamTrace:
+    __slots__ = ("seq", "emitted")
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.emitted = 0  # characters emitted so far
+
+    def chunk(self, kind: str, length: int, **extra) -> None:
+        self.seq += 1
+        self.emitted += length
+        log.info("chat completion stream output chunk", seq=self.seq, type=kind, delta_len=length, **extra)
+
+    def source(self, kind: str, text: str, emitted_before: int) -> None:
+        """After one upstream delta: say whether the filters changed it."""
+        emitted = self.emitted - emitted_before
+        if emitted != len(text):
+            log.info(
+                "chat completion stream output filtered",
+                type=kind,
+                source_len=len(text),
+                emitted_len=emitted,
+                suppressed=emitted == 0,
+            )

@@ -1,0 +1,247 @@
+"""Output shaping end to end: reasoning, think tags, sentinels, fallbacks,
+strict output, usage, keep-alive and trace, through edge -> node -> upstream."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import structlog
+import trio
+
+from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, settled, sse_events, start_edge, start_node
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+POLICIES = [
+    {"name": "plain"},
+    {"name": "rfield", "reasoning_field": "reasoning"},
+    {"name": "opened", "think_tags": "open"},
+    {"name": "custom", "sentinels": ["<|custom|>"]},
+    {"name": "strict", "strict_output": True},
+    {"name": "strictbuf", "strict_output": True, "stream_buffer": True},
+    {"name": "xmltool", "strict_output": True, "stream_buffer": True, "xml_completion_tool": "attempt_completion"},
+]
+
+
+@pytest.fixture
+async def shaped(nursery, upstream):
+    edge = await start_edge(nursery, edge_config(models=POLICIES, keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model(p["name"], upstream, target="t") for p in POLICIES])
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+def script(*deltas, finish="stop", usage=None, pause=0.0):
+    steps = []
+    if pause:
+        steps.append(("sleep", pause))
+    steps += [("chunk", d) for d in deltas]
+    steps.append(("chunk", {}, finish))
+    if usage:
+        steps.append(("usage", usage))
+    steps.append(("done",))
+    return steps
+
+
+async def stream_raw(edge, **body) -> tuple[list[dict], bytes]:
+    async with http(edge) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True, **body})
+    assert r.status_code == 200
+    events = sse_events(r.content)
+    assert events[-1] == b"[DONE]"
+    return [msgspec.json.decode(e) for e in events[:-1]], r.content
+
+
+def joined(chunks: list[dict], field: str) -> str:
+    return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
+
+
+async def test_reasoning_is_streamed_as_reasoning_content(shaped):
+    """Upstream reasoning (either field name) reaches the SDK as delta.reasoning_content."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "think "}, {"reasoning": "more"}, {"content": "answer"}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(model="plain", messages=MESSAGES, stream=True)
+            chunks = [c async for c in stream]
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    assert reasoning == "think more"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "answer"
+
+
+async def test_reasoning_field_name_is_configurable(shaped):
+    """reasoning_field = "reasoning" renames the delta field, stream and whole."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "r"}, {"content": "c"}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="rfield")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "rfield", "messages": MESSAGES})).json()
+    assert joined(chunks, "reasoning") == "r" and joined(chunks, "reasoning_content") == ""
+    assert whole["choices"][0]["message"]["reasoning"] == "r"
+
+
+@pytest.mark.parametrize("off", [{"include_reasoning": False}, {"reasoning": {"exclude": True}}])
+async def test_request_can_turn_reasoning_off(shaped, off):
+    """include_reasoning: false or reasoning.exclude hides reasoning, streamed and whole."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "secret"}, {"content": "answer"}))
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="plain", **off)
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, **off})).json()
+    assert b"secret" not in raw
+    assert joined(chunks, "content") == "answer"
+    assert "reasoning_content" not in whole["choices"][0]["message"]
+    assert "include_reasoning" not in upstream.records[0].body  # edge-only keys are not forwarded
+
+
+async def test_think_tags_split_across_deltas_become_reasoning(shaped):
+    """<think>…</think> in content moves to reasoning even when the tags are split across deltas."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"content": "<thi"}, {"content": "nk>plan"}, {"content": " more</th"}, {"content": "ink>Answer"}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="plain")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
+    assert joined(chunks, "content") == "Answer"
+    assert joined(chunks, "reasoning_content") == "plan more"
+    assert whole["choices"][0]["message"]["content"] == "Answer"
+    assert whole["choices"][0]["message"]["reasoning_content"] == "plan more"
+
+
+async def test_template_consumed_open_tag(shaped):
+    """Content that starts inside reasoning and only shows </think>: think_tags="open" streams it
+    as reasoning; a non-streaming answer repairs it even in "auto"."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"content": "plan</thi"}, {"content": "nk>Answer"}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="opened")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
+    assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+    message = whole["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ("Answer", "plan")
+
+
+async def test_sentinels_split_across_deltas_are_removed(shaped):
+    """Leaked special tokens vanish from content and reasoning, split or not, defaults and configured."""
+    edge, upstream = shaped
+    upstream.script_for(
+        "t",
+        script({"reasoning_content": "r<|eot"}, {"reasoning_content": "_id|>"}, {"content": "Hello<|im_"}, {"content": "end|> x<|cus"}, {"content": "tom|>"}),
+    )
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="custom")
+    assert joined(chunks, "content") == "Hello x"
+    assert joined(chunks, "reasoning_content") == "r"
+
+
+async def test_reasoning_only_run_gets_fallback_content(shaped):
+    """A run with reasoning but no content gets a fallback: the reasoning itself when it is
+    included, else a notice naming the finish reason; strict gets none."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "only thoughts"}, finish="length"))
+    with trio.fail_after(BOUND):
+        shown, _ = await stream_raw(edge, model="plain")
+        hidden, _ = await stream_raw(edge, model="plain", include_reasoning=False)
+        strict, _ = await stream_raw(edge, model="strict")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, "include_reasoning": False})).json()
+    assert joined(shown, "content") == "only thoughts"
+    notice = joined(hidden, "content")
+    assert "hidden reasoning" in notice and "length" in notice
+    assert whole["choices"][0]["message"]["content"] == notice
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert joined(strict, "content") == "" and joined(strict, "reasoning_content") == ""
+    assert strict[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_strict_without_buffer_streams_content_live_and_hides_reasoning(shaped):
+    """strict_output alone: reasoning never leaves the edge; content still streams delta by delta."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "secret"}, {"content": "a"}, {"content": "b"}, {"content": "c"}))
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="strict")
+    assert b"secret" not in raw
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:4]] == ["a", "b", "c"]
+
+
+async def test_strict_buffered_stream_is_role_content_finish_done(shaped):
+    """strict + stream_buffer: the whole run is collected, then role, one content chunk,
+    finish and [DONE]; keep-alive comments flow while it is collected."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "secret"}, {"content": "a"}, {"content": "b"}, pause=0.7))
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="strictbuf")
+    assert [list(c["choices"][0]["delta"]) for c in chunks] == [["role"], ["content"], []]
+    assert chunks[1]["choices"][0]["delta"]["content"] == "ab"
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+    assert b"secret" not in raw
+    assert raw.startswith(b": keep-alive\n\n")
+
+
+async def test_xml_completion_tool_wraps_plain_text_only(shaped):
+    """Plain text is wrapped in the completion tool; text that already holds an XML tool use is left as is."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"content": "All done."}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="xmltool")
+    assert joined(chunks, "content") == "<attempt_completion>\n<result>\nAll done.\n</result>\n</attempt_completion>"
+    tool_use = "<read_file>\n<path>a.py</path>\n</read_file>"
+    upstream.script_for("t", script({"content": tool_use}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="xmltool")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "xmltool", "messages": MESSAGES})).json()
+    assert joined(chunks, "content") == tool_use
+    assert whole["choices"][0]["message"]["content"] == tool_use
+
+
+async def test_usage_chunk_and_usage_on_whole_responses(shaped):
+    """include_usage adds a usage chunk (choices: []) after the finish chunk; whole responses carry usage;
+    without upstream usage, unknown counts are omitted rather than invented."""
+    edge, upstream = shaped
+    usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    upstream.script_for("t", script({"content": "a"}, {"content": "b"}, usage=usage))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(
+                model="plain", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [c async for c in stream]
+            whole = await client.chat.completions.create(model="plain", messages=MESSAGES)
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
+    assert all(c.usage is None for c in chunks[:-1])
+    assert whole.usage.prompt_tokens == 7 and whole.usage.completion_tokens == 2
+    upstream.script_for("t", script({"content": "a"}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
+    assert whole["usage"] == {}
+
+
+async def test_keep_alive_while_waiting_for_the_first_token(shaped):
+    """A live stream whose model is slow to start gets SSE keep-alive comments, then the answer."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"content": "late"}, pause=0.7))
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="plain")
+    assert raw.count(b": keep-alive\n\n") >= 2
+    assert joined(chunks, "content") == "late"
+
+
+async def test_trace_logs_each_chunk_and_a_summary(shaped):
+    """Run metadata iop_trace_stream logs every emitted chunk (with filtering noted) and one summary."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"content": "a<|im_end|>"}, {"content": "b"}))
+    with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs, trio.fail_after(BOUND):
+        await stream_raw(edge, model="plain", metadata={"iop_trace_stream": "1"})
+        await stream_raw(edge, model="plain")
+        await eventually(lambda: sum(e["event"] == "chat completion stream closed" for e in logs) == 2)
+    chunks = [e for e in logs if e["event"] == "chat completion stream output chunk"]
+    assert [(e["seq"], e["type"], e["delta_len"]) for e in chunks] == [(1, "content", 1), (2, "content", 1), (3, "finish", 0)]
+    assert chunks[0]["run_id"] == chunks[-1]["run_id"]
+    assert [e["source_len"] for e in logs if e["event"] == "chat completion stream output filtered"] == [11]
+    summaries = [e for e in logs if e["event"] == "chat completion stream closed"]
+    assert len(summaries) == 2 and summaries[0]["content_len"] == 2
