@@ -6,37 +6,35 @@ opens per request (a client disconnect cancels it):
 1. parse and validate the body (400);
 2. admission: a slot on a node (404, 503, 429; waiting in the queue);
 3. start the run; a task in the request's nursery enforces the wait timeout
-   and the run deadline;
-4. shape events into SSE chunks (live or buffered) or one JSON body;
+   and the run deadline (:meth:`Turn.run_on`);
+4. shape events into SSE chunks (live or buffered) or one JSON body
+   (:mod:`edge.openai.output`); a request with tools is collected and its
+   calls validated, and retried, before the client sees them;
 5. ``finally``: :meth:`Run.close` cancels the run on the node unless it has
    ended, and frees the slot. It is synchronous: nothing to shield.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import structlog
 import trio
 
 from edge import errors
-from edge.config import ModelPolicy
 from edge.errors import APIError, RunFailed
-from edge.openai.exchange import SSE_HEADERS, Exchange
-from edge.openai.schema import (
-    EDGE_ONLY_FIELDS,
-    ChatCompletion,
-    ChatRequest,
-    CompletionChoice,
-    ResponseMessage,
-    UsageOut,
-)
+from edge.openai.exchange import Exchange
+from edge.openai.request import parse_chat_request
+from edge.openai.schema import ChatRequest
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
-from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
-from edge.openai.trace import TRACE_METADATA_KEY, StreamTrace, trace_enabled
-from edge.runs.run import CLIENT_GONE, NODE_LOST, SLOW_CLIENT, TIMEOUT, Run
+from edge.openai.tools import ToolContract, corrective_message, new_call_id, parse_text_tool_calls, text_tools_request
+from edge.openai.trace import TRACE_METADATA_KEY
+from edge.runs import Run, Slot
+from edge.runs.run import CLIENT_GONE
 from proto import RunEvent, ToolCall, Usage
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -44,241 +42,128 @@ if TYPE_CHECKING:
     from edge.app import Edge
 
 log = structlog.get_logger("iop.edge.chat")
+T = TypeVar("T")
+
+TOOL_VALIDATION_ERROR = "tool_validation_error"
+TOOL_VALIDATION_RETRY_ERROR = "tool_validation_retry_error"
 
 
+class Turn:
+    """One chat completion request, across the runs it takes (tool retries)."""
 
-# -- parsing -------------------------------------------------------------------
+    def __init__(self, edge: Edge, ex: Exchange, req: ChatRequest, forward: dict[str, Any]) -> None:
+        self.edge = edge
+        self.ex = ex
+        self.req = req
+        self.forward = forward
+        self.policy = edge.config.policy(req.model)
+        self.stream = bool(req.stream)
+        self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or req.user
+        self.contract = ToolContract(req) if req.tools else None
+        self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
+        user_meta = forward.get("metadata")
+        if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta:
+            self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
+        self.last_run: Run | None = None
+        self.node_id = ""
+        self.outcome: str | None = None  # set when the client got an error the run's cause does not tell
 
+    @property
+    def buffered(self) -> bool:
+        """Collect the whole run before the client sees anything."""
+        if self.contract is not None and self.policy.tool_stream != "live":
+            return True
+        return self.policy.strict_output and self.policy.stream_buffer
 
-def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
-    text = str(err)
-    param = None
-    if " - at `$." in text:
-        text, _, path = text.partition(" - at `$.")
-        param = path.rstrip("`")
-        return f"Invalid value for `{param}`: {text[0].lower()}{text[1:]}.", param
-    if text.startswith("Object missing required field `"):
-        param = text.split("`")[1]
-        return f"Missing required parameter: `{param}`.", param
-    return f"Invalid request: {text}", param
+    async def acquire(self) -> Slot:
+        edge = self.edge
+        queued_at = trio.current_time()
+        slot = await edge.runs.acquire(self.req.model, session=self.session)
+        edge.metrics.queue_time.labels(self.req.model).observe(trio.current_time() - queued_at)
+        self.node_id = slot.link.node_id
+        return slot
 
+    def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> dict[str, Any]:
+        request = self.forward
+        if extra_messages:
+            request = {**request, "messages": [*request["messages"], *extra_messages]}
+        if self.req.tools and not slot.info.native_tools:
+            request = text_tools_request(request)
+        return request
 
-def parse_chat_request(body: bytes, *, max_messages: int, max_tools: int) -> tuple[ChatRequest, dict[str, Any]]:
-    """The validated request, and the body to forward (edge-only keys removed)."""
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
-    if not isinstance(raw, dict):
-        raise errors.bad_request("The request body must be a JSON object.")
-    try:
-        req = msgspec.convert(raw, ChatRequest)
-    except msgspec.ValidationError as e:
-        message, param = _validation_message(e)
-        raise errors.bad_request(message, param) from None
-    if len(req.messages) > max_messages:
-        raise errors.bad_request(
-            f"Too many messages: {len(req.messages)} (at most {max_messages}).", "messages", "too_many_messages"
-        )
-    if req.tools and len(req.tools) > max_tools:
-        raise errors.bad_request(f"Too many tools: {len(req.tools)} (at most {max_tools}).", "tools", "too_many_tools")
-    forward = {k: v for k, v in raw.items() if k not in EDGE_ONLY_FIELDS}
-    reasoning = forward.get("reasoning")
-    if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
-        del forward["reasoning"]
-    return req, forward
-
-
-# -- the handler ---------------------------------------------------------------
+    async def run_on(
+        self,
+        slot: Slot,
+        consume: Callable[[Run], Awaitable[T]],
+        *,
+        metadata: dict[str, str] | None = None,
+        extra_messages: list[dict[str, Any]] | None = None,
+    ) -> T:
+        """Start a run on ``slot`` and ``consume`` it inside a nursery that also
+        enforces its timers. Whatever happens, the run is closed on the way out."""
+        run = self.edge.runs.start(slot, self.request_for(slot, extra_messages or []), metadata=metadata or self.metadata)
+        self.last_run = run
+        structlog.contextvars.bind_contextvars(run_id=run.id)
+        error: Exception | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run.enforce_timeouts)
+                try:
+                    result = await consume(run)
+                except Exception as e:  # raised below, unwrapped; Cancelled passes through
+                    error = e
+                nursery.cancel_scope.cancel()
+        finally:
+            # In a cancelled scope here means the client left (or the edge is
+            # shutting down): say so when the run is cancelled on the node.
+            gone = trio.current_effective_deadline() == -math.inf
+            run.close(CLIENT_GONE if gone else "abandoned")
+        if error is not None:
+            raise error
+        return result
 
 
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
+    from edge.openai import output
+
     cfg = edge.config
     req, forward = parse_chat_request(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
-    policy = cfg.policy(req.model)
-    session = (ex.header(b"x-session-id") or b"").decode("latin-1") or req.user
-    stream = bool(req.stream)
-    metadata = {"openai_stream": "true" if stream else "false", "attempt": "1"}
-    user_meta = forward.get("metadata")
-    if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta:
-        metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
-
+    turn = Turn(edge, ex, req, forward)
+    if turn.contract is not None:
+        problem = turn.contract.check_request()
+        if problem:
+            raise errors.bad_request(problem, "tools")
     t0 = time.perf_counter()
-    queued_at = trio.current_time()
+    outcome = "unknown"
     try:
-        slot = await edge.runs.acquire(req.model, session=session)
-    except APIError as e:
-        edge.metrics.requests.labels(req.model, f"rejected_{e.status}").inc()
-        raise
-    edge.metrics.queue_time.labels(req.model).observe(trio.current_time() - queued_at)
-    run = edge.runs.start(slot, forward, metadata=metadata)
-    structlog.contextvars.bind_contextvars(run_id=run.id)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.enforce_timeouts)
-            if not stream:
-                await _respond_whole(edge, ex, req, run, policy)
-            elif policy.strict_output and policy.stream_buffer:
-                await _stream_buffered(edge, ex, req, run, policy)
-            else:
-                await _stream_live(edge, ex, req, run, policy)
-            nursery.cancel_scope.cancel()
-    except trio.Cancelled:
-        run.close(CLIENT_GONE)
-        raise
+        try:
+            slot = await turn.acquire()
+        except APIError as e:
+            outcome = f"rejected_{e.status}"
+            raise
+        if not turn.stream:
+            await output.respond_whole(turn, slot)
+        elif turn.buffered:
+            await output.stream_buffered(turn, slot)
+        else:
+            await output.stream_live(turn, slot)
     finally:
-        run.close("abandoned")
-        edge.metrics.requests.labels(req.model, run.cause or "unknown").inc()
+        run = turn.last_run
+        if turn.outcome is not None:
+            outcome = turn.outcome
+        elif run is not None:
+            outcome = run.cause or "unknown"
+        edge.metrics.requests.labels(req.model, outcome).inc()
         log.info(
             "chat completion",
             model=req.model,
-            node_id=slot.link.node_id,
-            stream=stream,
+            node_id=turn.node_id or None,
+            stream=turn.stream,
             status=ex.status,
-            cause=run.cause,
+            cause=outcome,
             duration_ms=round((time.perf_counter() - t0) * 1000, 1),
         )
         structlog.contextvars.unbind_contextvars("run_id")
-
-
-def _failure(event: RunEvent, run: Run) -> RunFailed:
-    cause = run.cause or "run_error"
-    message = event.text or "run failed"
-    if event.type == "cancelled" and not event.text:
-        message = "run cancelled"
-    return RunFailed(message, cause=cause, status=event.status)
-
-
-def _usage_out(usage: Usage | None) -> UsageOut:
-    if usage is None:
-        return UsageOut()
-    details = {"reasoning_tokens": usage.reasoning_tokens} if usage.reasoning_tokens is not None else None
-    total = usage.total_tokens
-    if total is None and usage.prompt_tokens is not None and usage.completion_tokens is not None:
-        total = usage.prompt_tokens + usage.completion_tokens
-    return UsageOut(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=total,
-        completion_tokens_details=details,
-    )
-
-
-def _tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [
-        {
-            "index": i,
-            "id": c.id,
-            "type": "function",
-            "function": {"name": c.function.name, "arguments": c.function.arguments},
-        }
-        for i, c in enumerate(calls)
-    ]
-
-
-# -- live stream -----------------------------------------------------------------
-
-
-async def _stream_live(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, policy: ModelPolicy) -> None:
-    enc = ChunkEncoder(f"chatcmpl-{run.id}", int(time.time()), req.model, policy.reasoning_field)
-    out: list[bytes] = []
-    trace = StreamTrace() if trace_enabled(run.metadata) else None
-    if trace is None:
-        on_content = lambda text: out.append(enc.content(text))  # noqa: E731
-        on_reasoning = lambda text: out.append(enc.reasoning(text))  # noqa: E731
-    else:
-
-        def on_content(text: str) -> None:
-            trace.chunk("content", len(text))
-            out.append(enc.content(text))
-
-        def on_reasoning(text: str) -> None:
-            trace.chunk("reasoning", len(text))
-            out.append(enc.reasoning(text))
-
-    shaper = Shaper(
-        policy,
-        include_reasoning=req.reasoning_included(),
-        live=True,
-        on_content=on_content,
-        on_reasoning=on_reasoning,
-    )
-    keepalive = edge.config.keepalive_s
-    await ex.start(200, SSE_HEADERS)
-    await ex.write(enc.role())
-    try:
-        while True:
-            batch = None
-            with trio.move_on_after(keepalive):
-                batch = await run.next_batch()
-            if batch is None:
-                await ex.write(KEEPALIVE)
-                continue
-            end: bytes | None = None
-            for event in batch:
-                kind = event.type
-                if kind == DELTA:
-                    if trace is None:
-                        shaper.content(event.text)
-                    else:
-                        mark = trace.emitted
-                        shaper.content(event.text)
-                        trace.source("content", event.text, mark)
-                elif kind == REASONING_DELTA:
-                    if trace is None:
-                        shaper.reasoning(event.text)
-                    else:
-                        mark = trace.emitted
-                        shaper.reasoning(event.text)
-                        trace.source("reasoning", event.text, mark)
-                elif kind == COMPLETE:
-                    end = _live_complete(shaper, enc, req, event, out, trace)
-                    break
-                else:
-                    failed = _failure(event, run)
-                    end = sse_error(failed.message, failed.type)
-                    break
-            if end is not None:
-                out.append(end)
-                await ex.finish(b"".join(out))
-                return
-            if out:
-                data = b"".join(out)
-                out.clear()
-                await ex.write(data)
-    finally:
-        log.info(
-            "chat completion stream closed",
-            strict_output=policy.strict_output,
-            strict_stream_buffer=policy.stream_buffer,
-            content_len=shaper.content_len,
-            reasoning_len=shaper.reasoning_len,
-        )
-
-
-def _live_complete(
-    shaper: Shaper, enc: ChunkEncoder, req: ChatRequest, event: RunEvent, out: list[bytes], trace: StreamTrace | None
-) -> bytes:
-    shaper.finish()
-    finish_reason = event.finish_reason or "stop"
-    tail: list[bytes] = []
-    if event.tool_calls:
-        tail.append(enc.tool_calls(_tool_calls_out(event.tool_calls)))
-        finish_reason = "tool_calls"
-        if trace is not None:
-            trace.chunk("tool_calls", 0, tool_call_count=len(event.tool_calls))
-    fallback = shaper.fallback(finish_reason, bool(event.tool_calls))
-    if fallback:
-        out.append(enc.content(fallback))
-        if trace is not None:
-            trace.chunk("content", len(fallback), fallback=True)
-    if trace is not None:
-        trace.chunk("finish", 0, finish_reason=finish_reason)
-    tail.append(enc.finish(finish_reason))
-    if req.stream_options is not None and req.stream_options.include_usage:
-        tail.append(enc.usage(_usage_out(event.usage)))
-    tail.append(DONE)
-    return b"".join(tail)
 
 
 # -- collecting a whole run ----------------------------------------------------
@@ -291,19 +176,24 @@ class Collected(msgspec.Struct):
     tool_calls: list[ToolCall] | None
     usage: Usage | None
     normalized: bool = False
+    tool_error: str = ""  # a tool call block that could not be read
 
 
-async def collect(
-    run: Run, req: ChatRequest, policy: ModelPolicy, *, keepalive_s: float | None = None, on_idle=None
-) -> Collected:
+def failure(event: RunEvent, run: Run) -> RunFailed:
+    message = event.text or ("run cancelled" if event.type == "cancelled" else "run failed")
+    return RunFailed(message, cause=run.cause or "run_error", status=event.status)
+
+
+async def collect(turn: Turn, run: Run, *, on_idle: Callable[[], Awaitable[None]] | None = None) -> Collected:
     """Read the run to its end. Raises :class:`RunFailed` if it fails."""
-    shaper = Shaper(policy, include_reasoning=req.reasoning_included(), live=False)
+    shaper = Shaper(turn.policy, include_reasoning=turn.req.reasoning_included(), live=False)
+    keepalive = turn.edge.config.keepalive_s
     while True:
         if on_idle is None:
             batch = await run.next_batch()
         else:
             batch = None
-            with trio.move_on_after(keepalive_s):
+            with trio.move_on_after(keepalive):
                 batch = await run.next_batch()
             if batch is None:
                 await on_idle()
@@ -316,17 +206,29 @@ async def collect(
                 shaper.reasoning(event.text)
             elif kind == COMPLETE:
                 shaper.finish()
-                return _finish_collected(shaper, policy, event)
+                return _finish(turn, shaper, event)
             else:
-                raise _failure(event, run)
+                raise failure(event, run)
 
 
-def _finish_collected(shaper: Shaper, policy: ModelPolicy, event: RunEvent) -> Collected:
+def _finish(turn: Turn, shaper: Shaper, event: RunEvent) -> Collected:
+    policy = turn.policy
     finish_reason = event.finish_reason or "stop"
+    content = shaper.content_text
     tool_calls = event.tool_calls or None
+    tool_error = ""
+    if tool_calls:
+        for call in tool_calls:
+            if not call.id:
+                call.id = new_call_id()
+    elif turn.contract is not None:
+        parsed = parse_text_tool_calls(content)
+        if parsed.candidate:
+            content = parsed.content
+            tool_calls = parsed.calls or None
+            tool_error = parsed.error
     if tool_calls:
         finish_reason = "tool_calls"
-    content = shaper.content_text
     normalized = False
     if policy.strict_output and policy.xml_completion_tool and not tool_calls:
         if not holds_xml_tool_use(content, policy.xml_completion_tool):
@@ -336,89 +238,46 @@ def _finish_collected(shaper: Shaper, policy: ModelPolicy, event: RunEvent) -> C
     if fallback:
         content = fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
-    return Collected(content, reasoning, finish_reason, tool_calls, event.usage, normalized)
+    return Collected(content, reasoning, finish_reason, tool_calls, event.usage, normalized, tool_error)
 
 
-# -- non-streaming ---------------------------------------------------------------
+async def collect_validated(
+    turn: Turn, slot: Slot, *, on_idle: Callable[[], Awaitable[None]] | None = None
+) -> Collected:
+    """Collect a run; if its tool calls are invalid, retry as a new run (attempt
+    metadata, a corrective message) up to the configured bound.
 
-
-_encode = msgspec.json.Encoder().encode
-
-
-async def _respond_whole(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, policy: ModelPolicy) -> None:
-    try:
-        result = await collect(run, req, policy)
-    except RunFailed as failed:
-        await ex.respond_error(_http_error(failed, run))
-        return
-    message = ResponseMessage(
-        role="assistant",
-        content=result.content if result.content or not result.tool_calls else None,
-        tool_calls=_tool_calls_out(result.tool_calls) if result.tool_calls else None,
-    )
-    body = ChatCompletion(
-        id=f"chatcmpl-{run.id}",
-        object="chat.completion",
-        created=int(time.time()),
-        model=req.model,
-        choices=[CompletionChoice(index=0, message=message, finish_reason=result.finish_reason)],
-        usage=_usage_out(result.usage),
-    )
-    data = msgspec.to_builtins(body)
-    if result.reasoning is not None:
-        data["choices"][0]["message"][policy.reasoning_field] = result.reasoning
-    await ex.respond(200, _encode(data))
-
-
-def _http_error(failed: RunFailed, run: Run) -> APIError:
-    if 400 <= failed.status < 500:
-        return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
-    if run.cause == TIMEOUT:
-        return APIError(504, failed.message, "timeout_error", code="run_timed_out")
-    if run.cause == NODE_LOST:
-        return APIError(502, failed.message, "run_error", code="node_disconnected")
-    if run.cause == SLOW_CLIENT:
-        return APIError(500, failed.message, "run_error")
-    return APIError(502, failed.message, failed.type)
-
-
-# -- buffered stream (strict + stream_buffer) ------------------------------------
-
-
-async def _stream_buffered(edge: Edge, ex: Exchange, req: ChatRequest, run: Run, policy: ModelPolicy) -> None:
-    await ex.start(200, SSE_HEADERS)
-    try:
-        result = await collect(
-            run, req, policy, keepalive_s=edge.config.keepalive_s, on_idle=lambda: ex.write(KEEPALIVE)
-        )
-    except RunFailed as failed:
-        await ex.finish(sse_error(failed.message, failed.type))
-        return
-    enc = ChunkEncoder(f"chatcmpl-{run.id}", int(time.time()), req.model, policy.reasoning_field)
-    parts = [enc.role()]
-    if result.content:
-        parts.append(enc.content(result.content))
-    if result.tool_calls:
-        parts.append(enc.tool_calls(_tool_calls_out(result.tool_calls)))
-    parts.append(enc.finish(result.finish_reason))
-    if req.stream_options is not None and req.stream_options.include_usage:
-        parts.append(enc.usage(_usage_out(result.usage)))
-    parts.append(DONE)
-    if trace_enabled(run.metadata):
-        trace = StreamTrace()
-        trace.chunk("role", 0)
-        if result.content:
-            trace.chunk("content", len(result.content))
-        if result.tool_calls:
-            trace.chunk("tool_calls", 0, tool_call_count=len(result.tool_calls))
-        trace.chunk("finish", 0, finish_reason=result.finish_reason)
-    log.info(
-        "chat completion stream closed",
-        strict_output=policy.strict_output,
-        strict_stream_buffer=policy.stream_buffer,
-        xml_completion_tool=policy.xml_completion_tool,
-        normalized=result.normalized,
-        content_len=len(result.content),
-        reasoning_len=len(result.reasoning or ""),
-    )
-    await ex.finish(b"".join(parts))
+    Raises :class:`RunFailed`: the run's own failure, ``tool_validation_error``
+    when attempts run out, ``tool_validation_retry_error`` when a retry fails.
+    """
+    edge = turn.edge
+    policy = turn.policy
+    max_attempts = policy.max_tool_attempts or edge.config.max_tool_attempts
+    attempt = 1
+    metadata = turn.metadata
+    extra: list[dict[str, Any]] = []
+    while True:
+        try:
+            result = await turn.run_on(slot, lambda run: collect(turn, run, on_idle=on_idle), metadata=metadata, extra_messages=extra)
+        except RunFailed as failed:
+            if attempt > 1:
+                raise RunFailed(f"the retry failed: {failed.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause=failed.cause) from None
+            raise
+        if turn.contract is None:
+            return result
+        reason = result.tool_error or turn.contract.validate(result.tool_calls)
+        if not reason:
+            return result
+        failed_run = turn.last_run.id if turn.last_run else ""
+        if attempt >= max_attempts:
+            log.warning("tool validation failed", attempt=attempt, reason=reason)
+            raise RunFailed(reason, type=TOOL_VALIDATION_ERROR, cause="tool_validation")
+        attempt += 1
+        edge.metrics.tool_retries.labels(turn.req.model).inc()
+        log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, reason=reason)
+        metadata = {**turn.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
+        extra = [corrective_message(reason, result.tool_calls, result.content)]
+        try:
+            slot = await turn.acquire()
+        except APIError as e:
+            raise RunFailed(f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed") from None

@@ -1,0 +1,327 @@
+"""Writing a chat completion to the client: live SSE, buffered SSE, or one JSON body."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import structlog
+import trio
+
+from edge.errors import APIError, RunFailed
+from edge.openai.chat import Collected, Turn, collect_validated, failure
+from edge.openai.exchange import SSE_HEADERS
+from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage, UsageOut
+from edge.openai.shaping import Shaper
+from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
+from edge.openai.tools import ToolTextFilter, new_call_id, parse_text_tool_calls
+from edge.openai.trace import StreamTrace, trace_enabled
+from edge.runs import Run, Slot
+from edge.runs.run import NODE_LOST, SLOW_CLIENT, TIMEOUT
+from proto import RunEvent, ToolCall, Usage
+from proto.frames import COMPLETE, DELTA, REASONING_DELTA
+
+log = structlog.get_logger("iop.edge.chat")
+_encode = msgspec.json.Encoder().encode
+
+
+def usage_out(usage: Usage | None) -> UsageOut:
+    """Only what the upstream reported; unknown counts are omitted, never invented."""
+    if usage is None:
+        return UsageOut()
+    details = {"reasoning_tokens": usage.reasoning_tokens} if usage.reasoning_tokens is not None else None
+    total = usage.total_tokens
+    if total is None and usage.prompt_tokens is not None and usage.completion_tokens is not None:
+        total = usage.prompt_tokens + usage.completion_tokens
+    return UsageOut(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=total,
+        completion_tokens_details=details,
+    )
+
+
+def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [
+        {"index": i, "id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for i, c in enumerate(calls)
+    ]
+
+
+def _encoder(turn: Turn, run: Run) -> ChunkEncoder:
+    return ChunkEncoder(f"chatcmpl-{run.id}", int(time.time()), turn.req.model, turn.policy.reasoning_field)
+
+
+def _wants_usage(turn: Turn) -> bool:
+    opts = turn.req.stream_options
+    return opts is not None and opts.include_usage
+
+
+# -- non-streaming ---------------------------------------------------------------
+
+
+def http_error(failed: RunFailed, run: Run | None) -> APIError:
+    if failed.type != "run_error":
+        return APIError(502, failed.message, failed.type)
+    if 400 <= failed.status < 500:
+        return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
+    cause = run.cause if run is not None else None
+    if cause == TIMEOUT:
+        return APIError(504, failed.message, "timeout_error", code="run_timed_out")
+    if cause == NODE_LOST:
+        return APIError(502, failed.message, "run_error", code="node_disconnected")
+    if cause == SLOW_CLIENT:
+        return APIError(500, failed.message, "run_error")
+    return APIError(502, failed.message, failed.type)
+
+
+async def respond_whole(turn: Turn, slot: Slot) -> None:
+    try:
+        result = await collect_validated(turn, slot)
+    except RunFailed as failed:
+        turn.outcome = failed.cause
+        await turn.ex.respond_error(http_error(failed, turn.last_run))
+        return
+    run = turn.last_run
+    message = ResponseMessage(
+        role="assistant",
+        content=result.content if result.content or not result.tool_calls else None,
+        tool_calls=tool_calls_out(result.tool_calls) if result.tool_calls else None,
+    )
+    body = ChatCompletion(
+        id=f"chatcmpl-{run.id}",
+        object="chat.completion",
+        created=int(time.time()),
+        model=turn.req.model,
+        choices=[CompletionChoice(index=0, message=message, finish_reason=result.finish_reason)],
+        usage=usage_out(result.usage),
+    )
+    data = msgspec.to_builtins(body)
+    if result.reasoning is not None:
+        data["choices"][0]["message"][turn.policy.reasoning_field] = result.reasoning
+    await turn.ex.respond(200, _encode(data))
+
+
+# -- buffered stream -------------------------------------------------------------
+
+
+async def stream_buffered(turn: Turn, slot: Slot) -> None:
+    """Collect (and validate) the whole run, sending only keep-alives, then
+    emit role, content, tool_calls and finish chunks and ``[DONE]``."""
+    ex = turn.ex
+    await ex.start(200, SSE_HEADERS)
+    try:
+        result = await collect_validated(turn, slot, on_idle=lambda: ex.write(KEEPALIVE))
+    except RunFailed as failed:
+        turn.outcome = failed.cause
+        await ex.finish(sse_error(failed.message, failed.type))
+        return
+    await ex.finish(buffered_chunks(turn, turn.last_run, result))
+
+
+def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
+    enc = _encoder(turn, run)
+    parts = [enc.role()]
+    if result.content:
+        parts.append(enc.content(result.content))
+    if result.tool_calls:
+        parts.append(enc.tool_calls(tool_calls_out(result.tool_calls)))
+    parts.append(enc.finish(result.finish_reason))
+    if _wants_usage(turn):
+        parts.append(enc.usage(usage_out(result.usage)))
+    parts.append(DONE)
+    if trace_enabled(run.metadata):
+        trace = StreamTrace()
+        trace.chunk("role", 0)
+        if result.content:
+            trace.chunk("content", len(result.content))
+        if result.tool_calls:
+            trace.chunk("tool_calls", 0, tool_call_count=len(result.tool_calls))
+        trace.chunk("finish", 0, finish_reason=result.finish_reason)
+    policy = turn.policy
+    log.info(
+        "chat completion stream closed",
+        strict_output=policy.strict_output,
+        strict_stream_buffer=policy.stream_buffer,
+        xml_completion_tool=policy.xml_completion_tool,
+        normalized=result.normalized,
+        content_len=len(result.content),
+        reasoning_len=len(result.reasoning or ""),
+    )
+    return b"".join(parts)
+
+
+# -- live stream -------------------------------------------------------------------
+
+
+class LiveStream:
+    """Shapes a run's events into SSE chunks as they arrive.
+
+    Each batch of events becomes one write. With tools (``tool_stream =
+    "live"``), content passes a filter that holds back possible tool-call
+    text, and the calls are validated at the end (no retry once content left).
+    """
+
+    def __init__(self, turn: Turn, run: Run) -> None:
+        self.turn = turn
+        self.run = run
+        self.enc = enc = _encoder(turn, run)
+        self.out: list[bytes] = []
+        self.trace = StreamTrace() if trace_enabled(run.metadata) else None
+        self.tool_filter = ToolTextFilter() if turn.contract is not None else None
+        self.raw_content: list[str] = []  # with tools: all content, for parsing calls at the end
+        self.emitted: list[str] = []
+        out = self.out
+        if self.trace is None and self.tool_filter is None:
+            on_content = lambda text: out.append(enc.content(text))  # noqa: E731
+            on_reasoning = lambda text: out.append(enc.reasoning(text))  # noqa: E731
+        else:
+            on_content, on_reasoning = self._content, self._reasoning
+        self.shaper = Shaper(
+            turn.policy,
+            include_reasoning=turn.req.reasoning_included(),
+            live=True,
+            on_content=on_content,
+            on_reasoning=on_reasoning,
+        )
+
+    def _emit_content(self, text: str, **extra) -> None:
+        if not text:
+            return
+        if self.trace is not None:
+            self.trace.chunk("content", len(text), **extra)
+        if self.tool_filter is not None:
+            self.emitted.append(text)
+        self.out.append(self.enc.content(text))
+
+    def _content(self, text: str) -> None:
+        if self.tool_filter is not None:
+            self.raw_content.append(text)
+            text = self.tool_filter.append(text)
+        self._emit_content(text)
+
+    def _reasoning(self, text: str) -> None:
+        if self.trace is not None:
+            self.trace.chunk("reasoning", len(text))
+        self.out.append(self.enc.reasoning(text))
+
+    def feed(self, batch: list[RunEvent]) -> bytes | None:
+        """Shape a batch into ``self.out``; the closing bytes if the run ended."""
+        shaper = self.shaper
+        trace = self.trace
+        for event in batch:
+            kind = event.type
+            if kind == DELTA:
+                if trace is None:
+                    shaper.content(event.text)
+                else:
+                    mark = trace.emitted
+                    shaper.content(event.text)
+                    trace.source("content", event.text, mark)
+            elif kind == REASONING_DELTA:
+                if trace is None:
+                    shaper.reasoning(event.text)
+                else:
+                    mark = trace.emitted
+                    shaper.reasoning(event.text)
+                    trace.source("reasoning", event.text, mark)
+            elif kind == COMPLETE:
+                return self._complete(event)
+            else:
+                failed = failure(event, self.run)
+                self.turn.outcome = failed.cause
+                return sse_error(failed.message, failed.type)
+        return None
+
+    def _complete(self, event: RunEvent) -> bytes:
+        shaper = self.shaper
+        shaper.finish()
+        enc = self.enc
+        finish_reason = event.finish_reason or "stop"
+        calls = event.tool_calls or None
+        if calls:
+            for call in calls:
+                if not call.id:
+                    call.id = new_call_id()
+            if self.tool_filter is not None:
+                self._emit_content(self.tool_filter.flush_non_candidate())
+        elif self.tool_filter is not None:
+            parsed = parse_text_tool_calls("".join(self.raw_content))
+            if parsed.candidate:
+                calls = parsed.calls or None
+                self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))
+                if parsed.error and not calls:
+                    return sse_error(parsed.error, "tool_validation_error")
+            else:
+                self._emit_content(self.tool_filter.flush())
+        if self.turn.contract is not None:
+            reason = self.turn.contract.validate(calls)
+            if reason:
+                self.turn.outcome = "tool_validation"
+                return sse_error(reason, "tool_validation_error")
+        tail: list[bytes] = []
+        if calls:
+            tail.append(enc.tool_calls(tool_calls_out(calls)))
+            finish_reason = "tool_calls"
+            if self.trace is not None:
+                self.trace.chunk("tool_calls", 0, tool_call_count=len(calls))
+        fallback = shaper.fallback(finish_reason, bool(calls))
+        if fallback:
+            self._emit_content(fallback, fallback=True) if self.trace else self.out.append(enc.content(fallback))
+        if self.trace is not None:
+            self.trace.chunk("finish", 0, finish_reason=finish_reason)
+        tail.append(enc.finish(finish_reason))
+        if _wants_usage(self.turn):
+            tail.append(enc.usage(usage_out(event.usage)))
+        tail.append(DONE)
+        return b"".join(tail)
+
+
+def _unstreamed(cleaned: str, emitted: str) -> str:
+    """The part of the final cleaned content the client has not seen yet."""
+    if cleaned.startswith(emitted):
+        return cleaned[len(emitted) :]
+    cleaned, emitted = cleaned.strip(), emitted.strip()
+    if cleaned.startswith(emitted):
+        return cleaned[len(emitted) :].strip()
+    return ""
+
+
+async def stream_live(turn: Turn, slot: Slot) -> None:
+    await turn.run_on(slot, lambda run: _write_live(turn, run))
+
+
+async def _write_live(turn: Turn, run: Run) -> None:
+    ex = turn.ex
+    live = LiveStream(turn, run)
+    keepalive = turn.edge.config.keepalive_s
+    await ex.start(200, SSE_HEADERS)
+    await ex.write(live.enc.role())
+    out = live.out
+    try:
+        while True:
+            batch = None
+            with trio.move_on_after(keepalive):
+                batch = await run.next_batch()
+            if batch is None:
+                await ex.write(KEEPALIVE)
+                continue
+            end = live.feed(batch)
+            if end is not None:
+                out.append(end)
+                await ex.finish(b"".join(out))
+                return
+            if out:
+                data = b"".join(out)
+                out.clear()
+                await ex.write(data)
+    finally:
+        policy = turn.policy
+        log.info(
+            "chat completion stream closed",
+            strict_output=policy.strict_output,
+            strict_stream_buffer=policy.stream_buffer,
+            content_len=live.shaper.content_len,
+            reasoning_len=live.shaper.reasoning_len,
+        )

@@ -1,0 +1,51 @@
+"""Parsing and validating a chat completion request body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from edge import errors
+from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest
+
+
+def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
+    text = str(err)
+    if " - at `$." in text:
+        text, _, path = text.partition(" - at `$.")
+        param = path.rstrip("`")
+        return f"Invalid value for `{param}`: {text[0].lower()}{text[1:]}.", param
+    if text.startswith("Object missing required field `"):
+        param = text.split("`")[1]
+        return f"Missing required parameter: `{param}`.", param
+    return f"Invalid request: {text}", None
+
+
+def parse_chat_request(body: bytes, *, max_messages: int, max_tools: int) -> tuple[ChatRequest, dict[str, Any]]:
+    """The validated request, and the body to forward (edge-only keys removed).
+
+    Raises :class:`edge.errors.APIError` (400) naming the offending field.
+    """
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
+    if not isinstance(raw, dict):
+        raise errors.bad_request("The request body must be a JSON object.")
+    try:
+        req = msgspec.convert(raw, ChatRequest)
+    except msgspec.ValidationError as e:
+        message, param = _validation_message(e)
+        raise errors.bad_request(message, param) from None
+    if len(req.messages) > max_messages:
+        raise errors.bad_request(
+            f"Too many messages: {len(req.messages)} (at most {max_messages}).", "messages", "too_many_messages"
+        )
+    if req.tools and len(req.tools) > max_tools:
+        raise errors.bad_request(f"Too many tools: {len(req.tools)} (at most {max_tools}).", "tools", "too_many_tools")
+    forward = {k: v for k, v in raw.items() if k not in EDGE_ONLY_FIELDS}
+    reasoning = forward.get("reasoning")
+    if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
+        del forward["reasoning"]
+    return req, forward

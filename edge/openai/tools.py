@@ -1,0 +1,283 @@
+"""Tool calls: parsed from text, validated against the request, rendered for
+models with no native tool support.
+
+Text forms accepted (tag names case-insensitive, several calls in a row, text
+around them stays content):
+
+    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+    {{tool_call}}{"name": "get_weather", "arguments": {"city": "Paris"}}{{/tool_call}}
+
+The second is the mustache form: exactly ``{{tool_call}}`` and
+``{{/tool_call}}`` around the same JSON object. ``arguments`` may also be a
+JSON string holding the object, and ``parameters`` is accepted for
+``arguments``. A last block whose closing tag is missing (the model stopped on
+it) is accepted when its JSON is complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import secrets
+from typing import Any
+
+import jsonschema
+import msgspec
+
+from edge.openai.schema import ChatRequest
+from proto import ToolCall, ToolCallFunction
+
+_encode = msgspec.json.Encoder().encode
+
+XML_OPEN = "<tool_call>"
+MUSTACHE_OPEN = "{{tool_call}}"
+_HINTS = ("<tool_call", "{{tool_call")  # what starts a candidate, for the live filter
+_BLOCK = re.compile(
+    r"<tool_call>(?P<xml>.*?)(?:</tool_call>|\Z)|\{\{tool_call\}\}(?P<mustache>.*?)(?:\{\{/tool_call\}\}|\Z)",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+class TextToolCalls(msgspec.Struct):
+    content: str  # the text with every call block removed
+    calls: list[ToolCall]
+    candidate: bool  # some block looked like a tool call
+    error: str = ""  # a block that could not be read as a call
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def parse_text_tool_calls(text: str) -> TextToolCalls:
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    pieces: list[str] = []
+    pos = 0
+    found = False
+    for m in _BLOCK.finditer(text):
+        found = True
+        pieces.append(text[pos : m.start()])
+        pos = m.end()
+        body = (m.group("xml") if m.group("xml") is not None else m.group("mustache")).strip()
+        call, error = _read_call(body)
+        if call is not None:
+            calls.append(call)
+        else:
+            errors.append(error)
+    pieces.append(text[pos:])
+    content = "".join(pieces).strip() if found else text
+    return TextToolCalls(content, calls, found, "; ".join(errors))
+
+
+def _read_call(body: str) -> tuple[ToolCall | None, str]:
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None, f"a tool call is not valid JSON: {body[:120]!r}"
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, "a tool call has no function name"
+    args = obj.get("arguments", obj.get("parameters", {}))
+    arguments = args if isinstance(args, str) else _encode(args).decode()
+    return ToolCall(id=new_call_id(), function=ToolCallFunction(name=obj["name"], arguments=arguments)), ""
+
+
+# -- validation -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=512)
+def _validator(schema_json: str):
+    schema = msgspec.json.decode(schema_json)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+class ToolContract:
+    """What a turn may call: the request's tools and its tool_choice."""
+
+    def __init__(self, req: ChatRequest) -> None:
+        self.schemas: dict[str, str] = {}
+        for tool in req.tools or ():
+            params = tool.function.parameters
+            self.schemas[tool.function.name] = _encode(params).decode() if params else ""
+        choice = req.tool_choice
+        self.none = choice == "none"
+        self.required = choice == "required"
+        self.forced: str | None = None
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if isinstance(name, str):
+                self.forced = name
+                self.required = True
+
+    def check_request(self) -> str:
+        """A problem with the request itself ("" if none)."""
+        if self.forced is not None and self.forced not in self.schemas:
+            return f"tool_choice names `{self.forced}`, which is not in tools"
+        for name, schema in self.schemas.items():
+            if schema:
+                try:
+                    _validator(schema)
+                except jsonschema.SchemaError as e:
+                    return f"the parameters of tool `{name}` are not a valid JSON Schema: {e.message}"
+        return ""
+
+    def validate(self, calls: list[ToolCall] | None) -> str:
+        """Why this turn's calls are invalid ("" if they are fine)."""
+        calls = calls or []
+        if self.none and calls:
+            return f"tool_choice is none but the model called `{calls[0].function.name}`"
+        if self.required and not calls:
+            wanted = f"`{self.forced}`" if self.forced else "a tool"
+            return f"tool_choice requires a call to {wanted} but the model answered with text only"
+        for call in calls:
+            name = call.function.name
+            if name not in self.schemas:
+                known = ", ".join(f"`{n}`" for n in self.schemas) or "none"
+                return f"the model called `{name}`, which is not one of the request's tools ({known})"
+            if self.forced is not None and name != self.forced:
+                return f"tool_choice requires `{self.forced}` but the model called `{name}`"
+            try:
+                args = msgspec.json.decode(call.function.arguments or "{}")
+            except msgspec.DecodeError as e:
+                return f"the arguments of `{name}` are not valid JSON: {e}"
+            if not isinstance(args, dict):
+                return f"the arguments of `{name}` must be a JSON object"
+            schema = self.schemas[name]
+            if schema:
+                error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(args))
+                if error is not None:
+                    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+                    return f"the arguments of `{name}` do not match its schema at {where}: {error.message}"
+        return ""
+
+
+def corrective_message(reason: str, calls: list[ToolCall] | None, content: str) -> dict[str, Any]:
+    """Appended to the request for a retry only: what was wrong and what to do."""
+    if calls:
+        shown = "; ".join(f"`{c.function.name}` with arguments {c.function.arguments[:500]}" for c in calls)
+        said = f"Your previous reply called {shown}."
+    else:
+        said = f"Your previous reply was: {content[:500]!r}."
+    return {
+        "role": "user",
+        "content": (
+            f"{said} That is invalid: {reason}. Reply again, and call only the provided tools "
+            "with arguments that are a JSON object matching the tool's parameters schema."
+        ),
+    }
+
+
+# -- models with no native tools --------------------------------------------------
+
+
+def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite a request with tools for a model that has no tool support: the
+    tools go into a system prompt asking for <tool_call> blocks, and earlier
+    tool calls and tool results become text the model can read."""
+    out = {k: v for k, v in request.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
+    tools = request.get("tools") or []
+    lines = [
+        "You can call functions. These are available, as JSON Schema:",
+        "<tools>",
+        *(_encode(t.get("function", t)).decode() for t in tools),
+        "</tools>",
+        "To call one, reply with exactly this, one block per call:",
+        '<tool_call>{"name": "<function name>", "arguments": {<arguments as a JSON object>}}</tool_call>',
+    ]
+    choice = request.get("tool_choice")
+    if choice == "required":
+        lines.append("You must call at least one function in this reply.")
+    elif isinstance(choice, dict):
+        lines.append(f"You must call the function {choice.get('function', {}).get('name')!r} in this reply.")
+    elif choice == "none":
+        lines.append("Do not call any function in this reply.")
+    prompt = "\n".join(lines)
+    messages: list[dict[str, Any]] = []
+    for message in request.get("messages") or []:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            text = message.get("content") or ""
+            blocks = [
+                "<tool_call>"
+                + _encode({"name": c["function"]["name"], "arguments": _as_json(c["function"].get("arguments"))}).decode()
+                + "</tool_call>"
+                for c in message["tool_calls"]
+                if isinstance(c, dict) and isinstance(c.get("function"), dict)
+            ]
+            messages.append({"role": "assistant", "content": "\n".join(filter(None, [text, *blocks]))})
+        elif role == "tool":
+            body = message.get("content")
+            body = body if isinstance(body, str) else _encode(body).decode()
+            messages.append({"role": "user", "content": f"<tool_response>\n{body}\n</tool_response>"})
+        else:
+            messages.append(message)
+    if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    out["messages"] = messages
+    return out
+
+
+def _as_json(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return msgspec.json.decode(arguments)
+        except msgspec.DecodeError:
+            return arguments
+    return arguments
+
+
+# -- live streams with tools (tool_stream = "live") ---------------------------------
+
+
+class ToolTextFilter:
+    """Passes content through while holding back anything that may be the start
+    of a tool call; once a call starts, everything after it is held."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    def append(self, text: str) -> str:
+        buf = self._pending + text
+        idx = _first_candidate(buf)
+        if idx >= 0:
+            out = buf[:idx].rstrip()
+            self._pending = buf[len(out) :]
+            return out
+        safe = _safe_len(buf)
+        out = buf[:safe].rstrip()
+        self._pending = buf[len(out) :]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+    def flush_non_candidate(self) -> str:
+        """Held text that is not (the start of) a tool call."""
+        buf, self._pending = self._pending, ""
+        if _first_candidate(buf) >= 0:
+            return ""
+        return buf[: _safe_len(buf)].rstrip()
+
+
+def _first_candidate(text: str) -> int:
+    low = text.lower()
+    found = [i for i in (low.find(h) for h in _HINTS) if i >= 0]
+    return min(found) if found else -1
+
+
+def _safe_len(text: str) -> int:
+    """Length of the prefix that cannot be the start of a candidate."""
+    low = text.lower()
+    longest = max(len(h) for h in _HINTS)
+    for i in range(max(0, len(text) - longest + 1), len(text)):
+        tail = low[i:]
+        if any(h.startswith(tail) for h in _HINTS):
+            return i
+    return len(text)
