@@ -1,0 +1,315 @@
+"""Tool calling end to end: native, from text, validated and retried before the client sees it."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import openai
+import pytest
+import trio
+
+from tests.conftest import BOUND, edge_config, http, model, sdk, settled, sse_events, start_edge, start_node
+
+MESSAGES = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+
+
+@pytest.fixture
+async def tooled(nursery, upstream):
+    edge = await start_edge(
+        nursery, edge_config(models=[{"name": "live", "tool_stream": "live"}], keepalive_s=0.2)
+    )
+    node = await start_node(
+        nursery,
+        edge,
+        [
+            model("native", upstream, target="t"),
+            model("live", upstream, target="t"),
+            model("textonly", upstream, target="t", native_tools=False),
+        ],
+    )
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+def native_call(index, call_id, name, *arg_parts):
+    first = {"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+    rest = [{"tool_calls": [{"index": index, "function": {"arguments": part}}]} for part in arg_parts]
+    return [first, *rest]
+
+
+def steps(*deltas, finish="stop"):
+    return [*(("chunk", d) for d in deltas), ("chunk", {}, finish), ("done",)]
+
+
+def text_call(name, args) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
+    """Streamed native tool_calls deltas arrive as OpenAI tool calls with distinct indexes, ids and names."""
+    edge, upstream = tooled
+    upstream.script_for(
+        "t",
+        steps(
+            *native_call(0, "call_a", "get_weather", '{"city": ', '"Paris"}'),
+            *native_call(1, "call_b", "get_weather", '{"city": "Rome"}'),
+            finish="tool_calls",
+        ),
+    )
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS, stream=True)
+            chunks = [c async for c in stream]
+            whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0, 1]
+    assert [(d.id, d.type, d.function.name) for d in deltas] == [("call_a", "function", "get_weather"), ("call_b", "function", "get_weather")]
+    assert [json.loads(d.function.arguments) for d in deltas] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    calls = whole.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_weather"]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert upstream.records[0].body["tools"] == TOOLS  # native: the tools go upstream as they are
+
+
+async def test_tool_calls_written_as_text_become_real_calls(tooled):
+    """<tool_call> markup in text becomes tool calls; text around stays content; no markup leaks."""
+    edge, upstream = tooled
+    text = "Let me check. " + text_call("get_weather", {"city": "Paris"}) + text_call("get_time", {})
+    upstream.script_for("t", steps({"content": text}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    message = whole.choices[0].message
+    assert message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert all(c.id.startswith("call_") for c in message.tool_calls)
+    assert whole.choices[0].finish_reason == "tool_calls"
+
+
+async def test_tool_call_tag_split_across_deltas(tooled):
+    """A tag split across deltas (<tool_ca + ll>) is still a call, and no markup reaches the client."""
+    edge, upstream = tooled
+    call = text_call("get_weather", {"city": "Rome"})
+    upstream.script_for("t", steps({"content": "On it "}, {"content": call[:8]}, {"content": call[8:30]}, {"content": call[30:]}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+    assert b"tool_call>" not in r.content and b"<tool_ca" not in r.content
+    chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", {"city": "Rome"})]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "On it"
+
+
+async def test_mustache_form_is_parsed(tooled):
+    """The mustache form {{tool_call}}…{{/tool_call}} is a tool call too."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": '{{tool_call}}{"name": "get_time", "arguments": {}}{{/tool_call}}'}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_time"]
+
+
+def bad_then_good(bad_args, good_args, name="get_weather"):
+    def script(body):
+        corrected = any("That is invalid" in str(m.get("content")) for m in body["messages"])
+        args = good_args if corrected else bad_args
+        return steps({"content": text_call(name if corrected else "get_weather", args)})
+
+    return script
+
+
+async def test_invalid_arguments_are_retried_with_a_corrective_message(tooled):
+    """Arguments that break the schema are retried as a new run; the upstream saw exactly two
+    requests, the second with the corrective message; the client sees only the valid call."""
+    edge, upstream = tooled
+    upstream.script_for("t", bad_then_good({"town": "Paris"}, {"city": "Paris"}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+    chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    assert len(upstream.records) == 2
+    first, second = (rec.body["messages"] for rec in upstream.records)
+    assert first == MESSAGES
+    assert second[:-1] == MESSAGES and second[-1]["role"] == "user"
+    assert "city" in second[-1]["content"] and "That is invalid" in second[-1]["content"]
+    assert b"town" not in r.content
+
+
+async def test_invalid_twice_is_a_tool_validation_error(tooled):
+    """Still invalid after the last attempt: SSE error tool_validation_error; non-streaming 502 of that type."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": text_call("get_weather", {"city": 3})}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            events = sse_events(r.content)
+            assert events[-1] == b"[DONE]"
+            err = msgspec.json.decode(events[-2])["error"]
+            assert err["type"] == "tool_validation_error" and "get_weather" in err["message"]
+            assert not any(b"tool_calls" in e for e in events)
+            assert len(upstream.records) == 2
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS})
+    assert r.status_code == 502
+    assert r.json()["error"]["type"] == "tool_validation_error"
+    assert len(upstream.records) == 4
+
+
+async def test_unknown_function_name_is_invalid(tooled):
+    """A call to a function the request does not offer is invalid (and retried)."""
+    edge, upstream = tooled
+    upstream.script_for("t", lambda body: steps({"content": text_call("launch_rockets", {})}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    assert caught.value.status_code == 502
+    assert "launch_rockets" in caught.value.message
+    assert "launch_rockets" in upstream.records[1].body["messages"][-1]["content"]
+
+
+async def test_tool_choice_required_and_named(tooled):
+    """tool_choice required rejects a text-only turn; a named function rejects calls to others."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "It is sunny."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+            )
+            assert r.status_code == 502 and "requires a call" in r.json()["error"]["message"]
+            upstream.script_for("t", steps({"content": text_call("get_time", {})}))
+            named = {"type": "function", "function": {"name": "get_weather"}}
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": named}
+            )
+            assert r.status_code == 502 and "requires `get_weather`" in r.json()["error"]["message"]
+            upstream.script_for("t", steps({"content": text_call("get_weather", {"city": "Oslo"})}))
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": named}
+            )
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+async def test_tool_choice_none_accepts_text(tooled):
+    """tool_choice none: a text answer is fine and any call would be invalid."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "No tools needed."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}
+            )
+    assert r.json()["choices"][0]["message"]["content"] == "No tools needed."
+
+
+async def test_model_without_native_tools_gets_tools_in_its_prompt(tooled):
+    """native_tools = false: tools are described in a system prompt, earlier calls and results are
+    rendered as text, and the text answer comes back as a real tool call."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": text_call("get_weather", {"city": "Rome"})}))
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C sunny"},
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.chat.completions.create(model="textonly", messages=history, tools=TOOLS)
+    (call,) = whole.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    sent = upstream.records[0].body
+    assert "tools" not in sent and "tool_choice" not in sent
+    system = sent["messages"][0]
+    assert system["role"] == "system" and "get_weather" in system["content"] and "<tool_call>" in system["content"]
+    earlier = sent["messages"][2]
+    assert earlier["role"] == "assistant" and earlier["content"].startswith("<tool_call>")
+    assert json.loads(earlier["content"][len("<tool_call>") : -len("</tool_call>")]) == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
+    assert sent["messages"][3]["role"] == "user" and "18C sunny" in sent["messages"][3]["content"]
+
+
+async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
+    """tool_stream = "live": content streams as it comes, the call arrives at the end; an invalid
+    call after content was sent is an SSE tool_validation_error, with no retry."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "Checking "}, {"content": "now. <tool_"}, {"content": "call>" + text_call("get_time", {})[11:]}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
+            contents = [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"][0]["delta"].get("content")]
+            assert contents == ["Checking", " now."]
+            calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+            assert [c["function"]["name"] for c in calls] == ["get_time"]
+            upstream.script_for("t", steps({"content": "Sure "}, {"content": text_call("get_weather", {})}))
+            r = await client.post("/v1/chat/completions", json={"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+    events = sse_events(r.content)
+    assert msgspec.json.decode(events[1])["choices"][0]["delta"]["content"] == "Sure"
+    assert msgspec.json.decode(events[-2])["error"]["type"] == "tool_validation_error"
+    assert len(upstream.records) == 2
+
+
+async def test_bad_tool_schema_is_a_400(tooled):
+    """A tool whose parameters are not a valid JSON Schema is refused before any node is bothered."""
+    edge, upstream = tooled
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [bad]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert upstream.records == []
+
+
+async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):
+    """When the retry run itself fails, the client gets tool_validation_retry_error."""
+    edge, upstream = tooled
+
+    def script(body):
+        if any("That is invalid" in str(m.get("content")) for m in body["messages"]):
+            return [("status", 500, b'{"error": {"message": "model crashed"}}')]
+        return steps({"content": text_call("get_weather", {})})
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+    err = msgspec.json.decode(sse_events(r.content)[-2])["error"]
+    assert err["type"] == "tool_validation_retry_error" and "model crashed" in err["message"]
+
+
+async def test_keep_alive_flows_while_a_tool_stream_is_buffered(tooled):
+    """A long tool-bearing generation is collected behind SSE keep-alive comments."""
+    edge, upstream = tooled
+    upstream.script_for("t", [("sleep", 0.7), *steps({"content": text_call("get_time", {})})])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+    assert r.content.startswith(b": keep-alive\n\n: keep-alive\n\n")
+    assert b'"get_time"' in r.content
