@@ -107,8 +107,41 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         if refused is not None:
             return refused
         served = edge.runs.models()
-        cards = [ModelCard(id=name, created=int(min(lk.linked_wall for lk in links))) for name, links in sorted(served.items())]
+        cards = [
+            ModelCard(id=name, created=int(min(lk.linked_wall for lk in links)), nodes=sorted(lk.node_id for lk in links))
+            for name, links in sorted(served.items())
+        ]
         return _json(200, _encode(ModelList(data=cards)))
+
+    @app.get("/v1/nodes")
+    async def list_nodes() -> Response:
+        refused = client_auth(config.admin_keys or config.api_keys)
+        if refused is not None:
+            return refused
+        now = trio.current_time()
+        nodes = [
+            {
+                "id": link.node_id,
+                "linked_for_s": round(now - link.linked_at, 3),
+                "draining": link.draining,
+                "in_flight": sum(link.in_flight.values()),
+                "models": [
+                    {
+                        "name": info.name,
+                        "adapter": info.adapter,
+                        "target": info.target,
+                        "max_concurrency": info.max_concurrency,
+                        "in_flight": link.in_flight[info.name],
+                        "context_window": info.context_window,
+                        "native_tools": info.native_tools,
+                        "passthrough": info.passthrough,
+                    }
+                    for info in link.models.values()
+                ],
+            }
+            for link in sorted(edge.runs.links.values(), key=lambda lk: lk.node_id)
+        ]
+        return _json(200, _encode({"object": "list", "data": nodes}))
 
     @app.get("/metrics")
     async def metrics() -> Response:

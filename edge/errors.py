@@ -79,10 +79,10 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-def no_node(model: str) -> APIError:
+def no_node(model: str, message: str | None = None) -> APIError:
     return APIError(
         503,
-        f"No node serving `{model}` is linked right now.",
+        message or f"No node serving `{model}` is linked right now.",
         "service_unavailable_error",
         param="model",
         code="no_node_available",
@@ -96,4 +96,15 @@ def queue_rejected(model: str, reason: str, retry_after_s: int) -> APIError:
         "rate_limit_error",
         code="queue_full" if "full" in reason else "queue_timeout",
         headers=[(b"retry-after", str(retry_after_s).encode())],
+    )
+
+
+def context_too_long(needed: int, largest: int) -> APIError:
+    return APIError(
+        400,
+        f"This request needs about {needed} tokens of context (estimated input plus max_tokens), "
+        f"more than any node serving the model has ({largest}).",
+        "invalid_request_error",
+        param="messages",
+        code="context_length_exceeded",
     )

@@ -144,7 +144,9 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                     service.set_draining(link, draining)
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
-                if run is None and not link.recently_ended(run_id):
+                if run is not None:
+                    run.deliver_frame(frame)
+                elif not link.recently_ended(run_id):
                     raise LinkProtocolError(f"tunnel frame for run {run_id!r} not assigned to this node")
             case _:
                 raise LinkProtocolError(f"unexpected {type(frame).__name__} frame from a node")

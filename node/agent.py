@@ -37,6 +37,8 @@ from proto import (
     RunEvent,
     RunRequest,
     ToolCall,
+    TunnelFrame,
+    TunnelRequest,
     Usage,
     Welcome,
     decode_frame,
@@ -158,6 +160,11 @@ class EdgeLink:
                         scope = trio.CancelScope()
                         self.runs[run_id] = scope
                         nursery.start_soon(self._run, frame, scope)
+                case TunnelRequest(run_id=run_id):
+                    if run_id not in self.runs:
+                        scope = trio.CancelScope()
+                        self.runs[run_id] = scope
+                        nursery.start_soon(self._tunnel, frame, scope)
                 case CancelRun(run_id=run_id):
                     scope = self.runs.get(run_id)
                     if scope is not None:
@@ -168,6 +175,32 @@ class EdgeLink:
                     pass
                 case _:
                     log.warning("unexpected frame from the edge", frame=type(frame).__name__)
+
+    async def _tunnel(self, request: TunnelRequest, scope: trio.CancelScope) -> None:
+        agent = self.agent
+        sink = TunnelSink(self, request.run_id)
+        agent.counters.active_runs += 1
+        try:
+            with scope:
+                adapter = agent.adapters.get(request.model)
+                allowed = agent.passthrough.get(request.model, False)
+                if adapter is None or not allowed or not hasattr(adapter, "tunnel"):
+                    await sink.error(f"this node does not allow passthrough for model {request.model!r}")
+                    return
+                async with agent.slots[request.model]:
+                    with trio.move_on_after(max(request.timeout_s, 0)) as deadline:
+                        try:
+                            await adapter.tunnel(request, sink)
+                        except trio.Cancelled:
+                            raise
+                        except Exception as e:
+                            log.exception("tunnel failed", run_id=request.run_id)
+                            await sink.error(f"node tunnel failed: {type(e).__name__}: {e}")
+                    if deadline.cancelled_caught:
+                        await sink.error("run deadline exceeded on the node")
+        finally:
+            agent.counters.active_runs -= 1
+            self.runs.pop(request.run_id, None)
 
     async def _run(self, request: RunRequest, scope: trio.CancelScope) -> None:
         agent = self.agent
@@ -197,6 +230,40 @@ class EdgeLink:
             self.runs.pop(request.run_id, None)
 
 
+class TunnelSink:
+    """Where an adapter sends one tunnelled response, frame by frame, in order."""
+
+    __slots__ = ("_link", "_run_id", "_seq", "started", "ended")
+
+    def __init__(self, link: EdgeLink, run_id: str) -> None:
+        self._link = link
+        self._run_id = run_id
+        self._seq = 0
+        self.started = False
+        self.ended = False
+
+    async def _send(self, kind: str, **fields) -> None:
+        self._seq += 1
+        await self._link.send(TunnelFrame(run_id=self._run_id, seq=self._seq, kind=kind, **fields))
+
+    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        self.started = True
+        await self._send("response_start", status=status, headers=headers)
+
+    async def body(self, data: bytes) -> None:
+        await self._send("body", body=data)
+
+    async def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            await self._send("end")
+
+    async def error(self, message: str) -> None:
+        if not self.ended:
+            self.ended = True
+            await self._send("error", error=message)
+
+
 class NodeAgent:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
@@ -212,6 +279,7 @@ class NodeAgent:
         }
         # Capacity is the node's own: shared by every edge it links to.
         self.slots = {m.name: trio.Semaphore(m.max_concurrency) for m in config.models}
+        self.passthrough = {m.name: m.passthrough for m in config.models}
         self.links: dict[str, EdgeLink] = {}
         self.draining = False
         self.models = [

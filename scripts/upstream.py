@@ -96,6 +96,7 @@ class Upstream:
         self.records: list[Record] = []
         self.port = 0
         self.active = 0  # requests whose response has not ended
+        self.max_active = 0  # high-water mark of active
         self._ids = itertools.count(1)
         self._arrivals = trio.lowlevel.ParkingLot()
 
@@ -145,6 +146,7 @@ class Upstream:
         self.records.append(rec)
         self._arrivals.unpark_all()
         self.active += 1
+        self.max_active = max(self.max_active, self.active)
         leftover: list[bytes] = []
 
         def mark_aborted() -> None:

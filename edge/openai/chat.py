@@ -28,12 +28,12 @@ import trio
 from edge import errors
 from edge.errors import APIError, RunFailed
 from edge.openai.exchange import Exchange
-from edge.openai.request import parse_chat_request
+from edge.openai.request import context_class, estimate_input_tokens, parse_chat_request
 from edge.openai.schema import ChatRequest
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.tools import ToolContract, corrective_message, new_call_id, parse_text_tool_calls, text_tools_request
 from edge.openai.trace import TRACE_METADATA_KEY
-from edge.runs import Run, Slot
+from edge.runs import Run, Slot, Want
 from edge.runs.run import CLIENT_GONE
 from proto import RunEvent, ToolCall, Usage
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
@@ -64,6 +64,11 @@ class Turn:
         user_meta = forward.get("metadata")
         if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta:
             self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
+        self.estimate = estimate_input_tokens(req)
+        self.metadata["estimated_input_tokens"] = str(self.estimate)
+        self.metadata["context_class"] = context_class(self.estimate)
+        limit = req.max_completion_tokens or req.max_tokens or 0
+        self.want = Want(req.model, session=self.session or None, min_context=self.estimate + limit if limit else 0)
         self.last_run: Run | None = None
         self.node_id = ""
         self.outcome: str | None = None  # set when the client got an error the run's cause does not tell
@@ -78,7 +83,7 @@ class Turn:
     async def acquire(self) -> Slot:
         edge = self.edge
         queued_at = trio.current_time()
-        slot = await edge.runs.acquire(self.req.model, session=self.session)
+        slot = await edge.runs.acquire(self.want)
         edge.metrics.queue_time.labels(self.req.model).observe(trio.current_time() - queued_at)
         self.node_id = slot.link.node_id
         return slot
@@ -101,7 +106,9 @@ class Turn:
     ) -> T:
         """Start a run on ``slot`` and ``consume`` it inside a nursery that also
         enforces its timers. Whatever happens, the run is closed on the way out."""
-        run = self.edge.runs.start(slot, self.request_for(slot, extra_messages or []), metadata=metadata or self.metadata)
+        run = self.edge.runs.start(
+            slot, self.request_for(slot, extra_messages or []), want=self.want, metadata=metadata or self.metadata
+        )
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
         error: Exception | None = None
@@ -128,6 +135,11 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
 
     cfg = edge.config
     req, forward = parse_chat_request(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+    if cfg.policy(req.model).response_mode == "passthrough":
+        from edge.openai.passthrough import passthrough
+
+        await passthrough(edge, ex, body, "/chat/completions")
+        return
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:
         problem = turn.contract.check_request()

@@ -49,3 +49,33 @@ def parse_chat_request(body: bytes, *, max_messages: int, max_tools: int) -> tup
     if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
         del forward["reasoning"]
     return req, forward
+
+
+def estimate_input_tokens(req: ChatRequest) -> int:
+    """A cheap, documented estimate: characters of text content, names and
+    tool definitions divided by 4, plus 4 per message. Images count as 0."""
+    chars = 0
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, str):
+            chars += len(content)
+        elif content:
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    chars += len(text)
+        if message.tool_calls:
+            chars += len(msgspec.json.encode(message.tool_calls))
+    if req.tools:
+        chars += len(msgspec.json.encode(req.tools))
+    return chars // 4 + 4 * len(req.messages)
+
+
+CONTEXT_CLASSES = ((4096, "small"), (32768, "medium"), (131072, "large"))
+
+
+def context_class(tokens: int) -> str:
+    for limit, name in CONTEXT_CLASSES:
+        if tokens <= limit:
+            return name
+    return "xlarge"

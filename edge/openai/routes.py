@@ -17,6 +17,7 @@ import trio
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
 from edge.openai.exchange import ClientGone, Exchange
+from edge.openai.passthrough import tunnel_route
 from edge.openai.sse import sse_error
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ Handler = Callable[["Edge", Exchange, bytes], Awaitable[None]]
 
 ROUTES: dict[str, Handler] = {
     "/v1/chat/completions": chat_completions,
+    "/v1/completions": tunnel_route("/completions"),
+    "/v1/embeddings": tunnel_route("/embeddings"),
 }
 
 

@@ -135,6 +135,7 @@ class ModelCard(msgspec.Struct):
     object: str = "model"
     created: int = 0
     owned_by: str = "iop"
+    nodes: list[str] = []  # ids of the nodes serving it now
 
 
 class ModelList(msgspec.Struct):

@@ -7,6 +7,6 @@ and closes it; closing is synchronous, so it needs no shield in a ``finally``.
 
 from edge.runs.link import NodeLink
 from edge.runs.run import Run
-from edge.runs.service import RunService, Slot
+from edge.runs.service import RunService, Slot, Want
 
-__all__ = ["NodeLink", "Run", "RunService", "Slot"]
+__all__ = ["NodeLink", "Run", "RunService", "Slot", "Want"]

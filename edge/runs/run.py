@@ -50,6 +50,9 @@ class Run:
         "closed",
         "cause",
         "_on_close",
+        "want",
+        "request",
+        "failed_over",
     )
 
     def __init__(
@@ -80,6 +83,9 @@ class Run:
         self.closed = False
         self.cause: str | None = None
         self._on_close = on_close
+        self.want = None  # what the request needs of a node (for failover)
+        self.request = None  # the RunRequest frame, kept until the run closes (for failover)
+        self.failed_over = False
 
     @property
     def link(self):
@@ -102,6 +108,25 @@ class Run:
         elif len(self._pending) > self._max_buffered:
             self._pending.clear()
             self.fail("client is not reading the stream; run cancelled", SLOW_CLIENT)
+            return
+        self._lot.unpark_all()
+
+    def deliver_frame(self, frame) -> None:
+        """A tunnel frame (passthrough runs): ``end`` and ``error`` end the run."""
+        if self.finished:
+            return
+        now = trio.current_time()
+        self.last_event_at = now
+        if self.first_event_at is None:
+            self.first_event_at = now
+        self.events_seen += 1
+        self._pending.append(frame)
+        if frame.kind == "end" or frame.kind == "error":
+            self.finished = True
+            self.cause = COMPLETE if frame.kind == "end" else RUN_ERROR
+        elif len(self._pending) > self._max_buffered:
+            self._pending.clear()
+            self.fail("client is not reading the response; tunnel cancelled", SLOW_CLIENT)
             return
         self._lot.unpark_all()
 

@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 
@@ -16,7 +17,7 @@ from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, Run
-from proto import ModelInfo, RunRequest
+from proto import ModelInfo, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
 
@@ -37,14 +38,34 @@ class Slot:
         return self.link.models[self.model]
 
 
-class _Waiter:
-    __slots__ = ("event", "slot", "gone", "session")
+class Want(msgspec.Struct, frozen=True):
+    """What a request needs from a node."""
 
-    def __init__(self, session: str | None) -> None:
+    model: str
+    session: str | None = None
+    min_context: int = 0  # estimated input tokens + max_tokens; 0: anything fits
+    tunnel: bool = False  # the node must allow raw passthrough for the model
+
+    def fits(self, link: NodeLink) -> bool:
+        info = link.models.get(self.model)
+        if info is None:
+            return False
+        if self.tunnel and not info.passthrough:
+            return False
+        return not (self.min_context and info.context_window and info.context_window < self.min_context)
+
+
+class _Waiter:
+    __slots__ = ("event", "slot", "gone", "want")
+
+    def __init__(self, want: Want) -> None:
         self.event = trio.Event()
         self.slot: Slot | None = None
-        self.gone = False  # every node serving the model went away
-        self.session = session
+        self.gone = False  # no linked node can serve it any more
+        self.want = want
+
+
+_MAX_SESSIONS = 100_000
 
 
 def new_run_id() -> str:
@@ -61,6 +82,7 @@ class RunService:
         # a request for one of these with no node linked is a 503, not a 404.
         self._known: set[str] = {m.name for m in config.models}
         self.on_run_closed: list[Callable[[Run], None]] = []
+        self._affinity: dict[str, str] = {}  # session -> node id, oldest first
 
     # -- what is served --------------------------------------------------------
 
@@ -102,14 +124,38 @@ class RunService:
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
         for run in list(link.runs.values()):
-            run.fail(NODE_DISCONNECTED, NODE_LOST)
+            if not self._fail_over(run, link):
+                run.fail(NODE_DISCONNECTED, NODE_LOST)
         for model in link.models:
-            if not self._serving(model):
-                for waiter in self._queues.get(model, ()):
+            queue = self._queues.get(model)
+            if not queue:
+                continue
+            serving = self._serving(model)
+            for waiter in list(queue):
+                if not any(waiter.want.fits(lk) for lk in serving):
+                    queue.remove(waiter)
                     waiter.gone = True
                     waiter.event.set()
-                self._queues.pop(model, None)
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
+
+    def _fail_over(self, run: Run, dead: NodeLink) -> bool:
+        """Move a run that has produced no event yet to another node, at most once."""
+        if run.events_seen or run.failed_over or run.finished or run.request is None:
+            return False
+        link = self._pick(run.want, exclude=dead)
+        if link is None:
+            return False
+        old = run.slot
+        old.released = True
+        old.link.in_flight[old.model] -= 1
+        dead.runs.pop(run.id, None)
+        run.slot = self._reserve(link, run.want)
+        run.failed_over = True
+        link.runs[run.id] = run
+        remaining = max(run.deadline - trio.current_time(), 0.0)
+        link.send_nowait(msgspec.structs.replace(run.request, target=run.slot.info.target, timeout_s=remaining))
+        log.warning("run failed over", run_id=run.id, dead_node=dead.node_id, node_id=link.node_id)
+        return True
 
     def set_draining(self, link: NodeLink, draining: bool) -> None:
         link.draining = draining
@@ -119,11 +165,20 @@ class RunService:
 
     # -- admission -----------------------------------------------------------
 
-    def _pick(self, model: str, session: str | None) -> NodeLink | None:
+    def _pick(self, want: Want, exclude: NodeLink | None = None) -> NodeLink | None:
+        """Session affinity first (the same node while it has room, so the
+        model server's prefix cache is reused), then the least loaded
+        (in-flight / capacity), ties broken at random."""
+        model = want.model
+        if want.session is not None:
+            node_id = self._affinity.get(want.session)
+            link = self.links.get(node_id) if node_id is not None else None
+            if link is not None and link is not exclude and link.free_slots(model) > 0 and want.fits(link):
+                return link
         best: list[NodeLink] = []
         best_load = math.inf
         for link in self.links.values():
-            if link.free_slots(model) <= 0:
+            if link is exclude or link.free_slots(model) <= 0 or not want.fits(link):
                 continue
             load = link.load(model)
             if load < best_load:
@@ -134,9 +189,19 @@ class RunService:
             return None
         return best[0] if len(best) == 1 else random.choice(best)
 
-    def _reserve(self, link: NodeLink, model: str) -> Slot:
-        link.in_flight[model] += 1
-        return Slot(link, model)
+    def _remember_session(self, want: Want, link: NodeLink) -> None:
+        if want.session is None:
+            return
+        affinity = self._affinity
+        affinity.pop(want.session, None)
+        affinity[want.session] = link.node_id
+        if len(affinity) > _MAX_SESSIONS:
+            del affinity[next(iter(affinity))]
+
+    def _reserve(self, link: NodeLink, want: Want) -> Slot:
+        link.in_flight[want.model] += 1
+        self._remember_session(want, link)
+        return Slot(link, want.model)
 
     def release(self, slot: Slot) -> None:
         if slot.released:
@@ -146,36 +211,49 @@ class RunService:
         self._wake(slot.model)
 
     def _wake(self, model: str) -> None:
+        """Hand free slots to waiters in FIFO order. A waiter at the head that
+        no free node fits does not block the ones behind it that fit."""
         queue = self._queues.get(model)
-        while queue:
-            link = self._pick(model, queue[0].session)
+        if not queue:
+            return
+        for waiter in list(queue):
+            link = self._pick(waiter.want)
             if link is None:
-                return
-            waiter = queue.popleft()
-            waiter.slot = self._reserve(link, model)
+                continue
+            queue.remove(waiter)
+            waiter.slot = self._reserve(link, waiter.want)
             waiter.event.set()
+            if not any(lk.free_slots(model) > 0 for lk in self.links.values()):
+                return
 
-    async def acquire(self, model: str, *, session: str | None = None) -> Slot:
-        """A slot on a node serving ``model``: at once if one is free, else
-        after waiting in the model's FIFO queue. Raises :class:`APIError`
-        (404 unknown, 503 none linked, 429 queue full or timed out). A caller
-        cancelled while queued leaves the queue at once."""
-        if not self._serving(model):
+    async def acquire(self, want: Want) -> Slot:
+        """A slot on a node serving ``want.model``: at once if one is free,
+        else after waiting in the model's FIFO queue. Raises :class:`APIError`
+        (404 unknown, 503 none linked, 400 nothing fits the context, 429 queue
+        full or timed out). A caller cancelled while queued leaves the queue
+        at once."""
+        model = want.model
+        serving = self._serving(model)
+        if not serving:
             if model in self._known:
                 raise errors.no_node(model)
             raise errors.model_not_found(model)
+        if not any(want.fits(link) for link in serving):
+            if want.tunnel:
+                raise errors.no_node(model, f"No linked node serving `{model}` allows passthrough.")
+            raise errors.context_too_long(want.min_context, max(lk.models[model].context_window for lk in serving))
         queue = self._queues[model]
         if not queue:
-            link = self._pick(model, session)
+            link = self._pick(want)
             if link is not None:
-                return self._reserve(link, model)
+                return self._reserve(link, want)
         policy = self.config.policy(model)
         max_queue = self.config.max_queue if policy.max_queue is None else policy.max_queue
         timeout_ms = self.config.queue_timeout_ms if policy.queue_timeout_ms is None else policy.queue_timeout_ms
         retry_after = max(1, math.ceil(timeout_ms / 1000 / 4))
         if len(queue) >= max_queue:
             raise errors.queue_rejected(model, "queue is full", retry_after)
-        waiter = _Waiter(session)
+        waiter = _Waiter(want)
         queue.append(waiter)
         try:
             with trio.move_on_after(timeout_ms / 1000):
@@ -203,6 +281,7 @@ class RunService:
         slot: Slot,
         request: dict[str, Any],
         *,
+        want: Want,
         metadata: dict[str, str],
         run_id: str | None = None,
     ) -> Run:
@@ -217,16 +296,56 @@ class RunService:
             metadata=metadata,
             on_close=self._closed,
         )
+        run.want = want
+        run.request = RunRequest(
+            run_id=run.id,
+            model=slot.model,
+            target=slot.info.target,
+            request=request,
+            timeout_s=cfg.run_timeout_s,
+            metadata=metadata,
+        )
+        self.runs[run.id] = run
+        slot.link.runs[run.id] = run
+        slot.link.send_nowait(run.request)
+        return run
+
+    def start_tunnel(
+        self,
+        slot: Slot,
+        *,
+        want: Want,
+        method: str,
+        path: str,
+        body: bytes,
+        stream: bool,
+        headers: list[tuple[str, str]],
+    ) -> Run:
+        """A passthrough run: the node relays one raw HTTP request."""
+        cfg = self.config
+        run = Run(
+            new_run_id(),
+            slot,
+            wait_timeout=cfg.wait_timeout_s,
+            run_timeout=cfg.run_timeout_s,
+            max_buffered=cfg.max_buffered_events,
+            metadata={"response_mode": "passthrough"},
+            on_close=self._closed,
+        )
+        run.want = want
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
         slot.link.send_nowait(
-            RunRequest(
+            TunnelRequest(
                 run_id=run.id,
                 model=slot.model,
                 target=slot.info.target,
-                request=request,
+                method=method,
+                path=path,
+                body=body,
                 timeout_s=cfg.run_timeout_s,
-                metadata=metadata,
+                stream=stream,
+                headers=headers,
             )
         )
         return run
@@ -234,6 +353,7 @@ class RunService:
     def _closed(self, run: Run) -> None:
         self.runs.pop(run.id, None)
         run.slot.link.forget_run(run.id)
+        run.request = None
         self.release(run.slot)
         for hook in self.on_run_closed:
             hook(run)

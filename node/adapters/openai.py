@@ -13,7 +13,7 @@ import trio
 from node.adapters import Counters, Sink
 from node.adapters.sse import SSEParser
 from node.config import ModelConfig
-from proto import RunRequest, ToolCall, ToolCallFunction, Usage
+from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
 
 
 class _FunctionDelta(msgspec.Struct):
@@ -104,6 +104,22 @@ class OpenAIAdapter:
                 await self._relay(response, sink)
         except httpx.HTTPError as e:
             await sink.error(f"upstream request failed: {type(e).__name__}: {e}".rstrip(": "))
+        finally:
+            self.counters.active_upstream -= 1
+
+    async def tunnel(self, request: TunnelRequest, sink) -> None:
+        """Relay one raw request; the provider's status, headers and body bytes go back unchanged."""
+        headers = {k: v for k, v in request.headers or () if k.lower() in ("accept", "content-type")}
+        headers.setdefault("content-type", "application/json")
+        self.counters.active_upstream += 1
+        try:
+            async with self.client.stream(request.method, request.path, content=request.body, headers=headers) as response:
+                await sink.start(response.status_code, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw])
+                async for data in response.aiter_raw():
+                    await sink.body(data)
+                await sink.end()
+        except httpx.HTTPError as e:
+            await sink.error(f"provider request failed: {type(e).__name__}: {e}".rstrip(": "))
         finally:
             self.counters.active_upstream -= 1
 

@@ -1,0 +1,137 @@
+"""The raw provider tunnel: byte-identical relay of a provider's response.
+
+Used for models in ``response_mode = "passthrough"`` (chat completions) and
+always for ``POST /v1/completions`` and ``POST /v1/embeddings``, on nodes
+that allow passthrough for the model. Only ``model`` in the request body is
+rewritten (to the node's target); the provider's status, headers (hop-by-hop
+ones removed) and body bytes reach the client unchanged. An error before the
+provider's response starts is a 502 ``provider_tunnel_error``; after it, the
+response is cut (the connection closes without the final chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+import trio
+
+from edge import errors
+from edge.errors import APIError
+from edge.openai.exchange import Exchange
+from edge.runs import Run, Want
+from edge.runs.run import CLIENT_GONE, NODE_LOST, TIMEOUT
+from proto import RunEvent, TunnelRequest
+
+if TYPE_CHECKING:
+    from edge.app import Edge
+
+log = structlog.get_logger("iop.edge.passthrough")
+
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"}
+)
+_encode = msgspec.json.Encoder().encode
+
+
+def tunnel_route(path: str):
+    """A handler relaying ``POST /v1<path>`` through the tunnel."""
+
+    async def handler(edge: Edge, ex: Exchange, body: bytes) -> None:
+        await passthrough(edge, ex, body, path)
+
+    return handler
+
+
+async def passthrough(edge: Edge, ex: Exchange, body: bytes, path: str) -> None:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), str) or not raw["model"]:
+        raise errors.bad_request("Missing required parameter: `model`.", "model")
+    model = raw["model"]
+    session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (raw.get("user") if isinstance(raw.get("user"), str) else None)
+    want = Want(model, session=session or None, tunnel=True)
+    slot = await edge.runs.acquire(want)
+    raw["model"] = slot.info.target
+    headers = []
+    for name in (b"accept", b"content-type"):
+        value = ex.header(name)
+        if value is not None:
+            headers.append((name.decode(), value.decode("latin-1")))
+    run = edge.runs.start_tunnel(
+        slot,
+        want=want,
+        method="POST",
+        path=path,
+        body=_encode(raw),
+        stream=bool(raw.get("stream")),
+        headers=headers,
+    )
+    structlog.contextvars.bind_contextvars(run_id=run.id)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.enforce_timeouts)
+            await _relay(ex, run)
+            nursery.cancel_scope.cancel()
+    finally:
+        gone = trio.current_effective_deadline() == -math.inf
+        run.close(CLIENT_GONE if gone else "abandoned")
+        edge.metrics.requests.labels(model, run.cause or "unknown").inc()
+        log.info("passthrough", model=model, path=path, status=ex.status, cause=run.cause, node_id=slot.link.node_id)
+        structlog.contextvars.unbind_contextvars("run_id")
+
+
+async def _relay(ex: Exchange, run: Run) -> None:
+    while True:
+        batch = await run.next_batch()
+        body: list[bytes] = []
+        for item in batch:
+            if isinstance(item, RunEvent):  # the edge ended it: timeout, node lost, slow client
+                await _flush(ex, body)
+                if not ex.started:
+                    status = 504 if run.cause == TIMEOUT else 502
+                    code = "node_disconnected" if run.cause == NODE_LOST else None
+                    await ex.respond_error(APIError(status, item.text or "tunnel failed", "provider_tunnel_error", code=code))
+                return  # after the start: cut
+            kind = item.kind
+            if kind == "body":
+                if not ex.started:
+                    await ex.start(200, [])
+                body.append(item.body)
+            elif kind == "response_start":
+                if not ex.started:
+                    await ex.start(item.status or 200, _response_headers(item.headers))
+            elif kind == "end":
+                if not ex.started:
+                    await ex.respond_error(APIError(502, "tunnel ended before the provider's response", "provider_tunnel_error"))
+                    return
+                await ex.finish(b"".join(body))
+                return
+            elif kind == "error":
+                await _flush(ex, body)
+                if not ex.started:
+                    await ex.respond_error(APIError(502, item.error or "provider tunnel failed", "provider_tunnel_error"))
+                else:
+                    log.warning("tunnel error after the response started; cutting it", error=item.error)
+                return
+            # "usage" frames are sideband and never merged into the body.
+        await _flush(ex, body)
+
+
+async def _flush(ex: Exchange, body: list[bytes]) -> None:
+    if body and ex.started:
+        data = b"".join(body)
+        body.clear()
+        await ex.write(data)
+
+
+def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes, bytes]]:
+    return [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in headers or ()
+        if name.lower() not in HOP_BY_HOP
+    ]

@@ -1,0 +1,273 @@
+"""Many nodes: capacity, queueing, affinity, context classes, failover, drain, passthrough."""
+
+from __future__ import annotations
+
+import signal
+from functools import partial
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from scripts.upstream import Upstream, text_script, words
+from tests.conftest import (
+    BOUND,
+    edge_config,
+    eventually,
+    http,
+    model,
+    settled,
+    start_edge,
+    start_node,
+    start_node_process,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def new_upstream(nursery) -> Upstream:
+    up = Upstream()
+    await nursery.start(up.serve)
+    return up
+
+
+async def test_capacity_is_never_exceeded_under_50_concurrent_requests(nursery):
+    """50 concurrent requests over two nodes (capacity 3 and 5): every one is answered, and no
+    upstream ever sees more concurrent requests than its node's max_concurrency."""
+    ups = [await new_upstream(nursery), await new_upstream(nursery)]
+    for up in ups:
+        up.script_for("t", lambda body: text_script(words(5), interval=0.01))
+    edge = await start_edge(nursery, edge_config(max_queue=100))
+    await start_node(nursery, edge, [model("m", ups[0], target="t", max_concurrency=3)], node_id="a")
+    await start_node(nursery, edge, [model("m", ups[1], target="t", max_concurrency=5)], node_id="b")
+    statuses: list[int] = []
+    with trio.fail_after(BOUND):
+        async with http(edge, limits=httpx.Limits(max_connections=60)) as client, trio.open_nursery() as clients:
+
+            async def one():
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
+                statuses.append(r.status_code)
+                assert r.content.endswith(b"data: [DONE]\n\n") and b"tok4" in r.content
+
+            for _ in range(50):
+                clients.start_soon(one)
+    assert statuses == [200] * 50
+    assert ups[0].max_active <= 3 and ups[1].max_active <= 5
+    assert len(ups[0].records) + len(ups[1].records) == 50
+    assert ups[0].max_active == 3 and ups[1].max_active == 5  # both were used to the full
+    await settled(edge)
+
+
+async def test_full_queue_and_queue_timeout_are_429_with_retry_after(nursery, upstream):
+    """A full queue and a timed-out wait answer 429 with Retry-After; a client that leaves frees its place."""
+    upstream.script_for("t", [("hang",)])
+    edge = await start_edge(nursery, edge_config(models=[{"name": "m", "max_queue": 1, "queue_timeout_ms": 600}]))
+    await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=1)])
+    body = {"model": "m", "messages": MESSAGES}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            clients.start_soon(partial(client.post, "/v1/chat/completions", json=body))  # takes the only slot
+            await upstream.wait_requests(1)
+            results: list[httpx.Response] = []
+
+            async def queued():
+                results.append(await client.post("/v1/chat/completions", json=body))
+
+            clients.start_soon(queued)
+            await eventually(lambda: edge.edge.runs.queue_depth("m") == 1)
+            full = await client.post("/v1/chat/completions", json=body)
+            assert full.status_code == 429
+            assert full.json()["error"]["code"] == "queue_full" and int(full.headers["retry-after"]) >= 1
+            await eventually(lambda: results)
+            timed_out = results[0]
+            assert timed_out.status_code == 429
+            assert timed_out.json()["error"]["code"] == "queue_timeout" and "retry-after" in timed_out.headers
+            clients.cancel_scope.cancel()
+    assert len(upstream.records) == 1
+    await settled(edge)
+
+
+async def test_session_affinity_holds_across_20_requests(nursery):
+    """The same X-Session-Id (or `user`) keeps going to the same node while it has capacity."""
+    ups = [await new_upstream(nursery), await new_upstream(nursery)]
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", ups[0], target="t", max_concurrency=4)], node_id="a")
+    await start_node(nursery, edge, [model("m", ups[1], target="t", max_concurrency=4)], node_id="b")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for i in range(20):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "max_tokens": 1},
+                    headers={"X-Session-Id": "conversation-1"},
+                )
+                assert r.status_code == 200
+            counts = sorted([len(ups[0].records), len(ups[1].records)])
+            assert counts == [0, 20]
+            for _ in range(20):
+                await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 1, "user": "alice"})
+    by_user = [sum(1 for r in up.records if r.body.get("user") == "alice") for up in ups]
+    assert sorted(by_user) == [0, 20]
+    await settled(edge)
+
+
+async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery, upstream):
+    """The edge estimates input tokens and refuses, before any node is bothered, a request no
+    node's context_window can hold; a fitting request goes to a node that can."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream, target="small", context_window=200)], node_id="small")
+    await start_node(nursery, edge, [model("m", upstream, target="big", context_window=2000)], node_id="big")
+    long_prompt = [{"role": "user", "content": "word " * 1000}]  # ~1250 tokens by the estimate
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 1000})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert upstream.records == []
+            for _ in range(3):
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 10})
+                assert r.status_code == 200
+    assert {rec.body["model"] for rec in upstream.records} == {"big"}
+
+
+async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_path):
+    """A run whose node dies before producing anything is sent to another node, transparently."""
+    slow, fine = await new_upstream(nursery), await new_upstream(nursery)
+    slow.script_for("t", [("hang",)])
+    edge = await start_edge(nursery)
+    proc = await start_node_process(
+        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url}], node_id="doomed"
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            result: list[httpx.Response] = []
+
+            async def ask():
+                result.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}))
+
+            clients.start_soon(ask)
+            await slow.wait_requests(1)
+            await start_node(nursery, edge, [model("m", fine, target="t")], node_id="survivor")
+            proc.send_signal(signal.SIGKILL)
+    r = result[0]
+    assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+    assert b"error" not in r.content
+    assert b"tok0" in r.content and len(fine.records) == 1
+    await settled(edge)
+
+
+async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):
+    """SIGTERM to a node: it takes no new runs, finishes its in-flight stream, then unlinks."""
+    upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))
+    edge = await start_edge(nursery)
+    proc = await start_node_process(
+        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url}], node_id="d"
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, client.stream(
+            "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+        ) as r:
+            await upstream.wait_requests(1)
+            proc.send_signal(signal.SIGTERM)
+            await eventually(lambda: "d" not in edge.edge.runs.links or edge.edge.runs.links["d"].draining)
+            body = await r.aread()
+        assert body.endswith(b"data: [DONE]\n\n") and b"tok19" in body and b"error" not in body
+        await eventually(lambda: "d" not in edge.edge.runs.links)
+        await proc.wait()
+    assert proc.returncode == 0
+    assert not upstream.records[0].aborted
+
+
+@pytest.fixture
+async def tunnel(nursery, upstream):
+    edge = await start_edge(nursery, edge_config(models=[{"name": "raw", "response_mode": "passthrough"}]))
+    node = await start_node(
+        nursery,
+        edge,
+        [model("raw", upstream, target="raw-target", passthrough=True), model("emb", upstream, target="emb-target", passthrough=True)],
+    )
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+SSE_BYTES = [
+    b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"raw-target","choices":[{"index":0,"delta":{"content":"He"},"finish_reason":null}]}\n\n',
+    b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"raw-target","choices":[{"index":0,"delta":{"content":"llo"},"finish_reason":"stop"}],"x_provider":"kept"}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+async def test_passthrough_is_byte_identical(tunnel):
+    """Passthrough relays the provider's status, headers and body bytes unchanged, streamed or not;
+    only `model` is rewritten in the request."""
+    edge, upstream = tunnel
+    whole = b'{"id": "x",  "weird_spacing": true, "choices": []}'
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, httpx.AsyncClient(timeout=BOUND) as direct:
+            upstream.script_for("raw-target", [("raw", b) for b in SSE_BYTES])
+            body = {"model": "raw", "messages": MESSAGES, "stream": True, "vendor_knob": 7}
+            via_edge = await client.post("/v1/chat/completions", json=body)
+            straight = await direct.post(upstream.base_url + "/chat/completions", json={**body, "model": "raw-target"})
+            assert via_edge.content == straight.content == b"".join(SSE_BYTES)
+            assert via_edge.headers["content-type"] == straight.headers["content-type"]
+            assert upstream.records[0].body == {**body, "model": "raw-target"}
+
+            upstream.script_for("raw-target", [("status", 200, whole)])
+            via_edge = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
+            assert via_edge.content == whole
+            upstream.script_for("raw-target", [("status", 429, b'{"error": {"message": "slow down"}}')])
+            via_edge = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
+            assert via_edge.status_code == 429 and via_edge.content == b'{"error": {"message": "slow down"}}'
+
+            emb = {"model": "emb", "input": ["a", "b"]}
+            via_edge = await client.post("/v1/embeddings", json=emb)
+            straight = await direct.post(upstream.base_url + "/embeddings", json={**emb, "model": "emb-target"})
+    assert via_edge.status_code == 200 and via_edge.content == straight.content
+    assert len(msgspec.json.decode(via_edge.content)["data"]) == 2
+
+
+async def test_passthrough_cancels_on_disconnect(tunnel):
+    """A passthrough client that leaves mid-stream gets the tunnel cancelled: the upstream sees the abort."""
+    edge, upstream = tunnel
+    upstream.script_for("raw-target", [("raw", SSE_BYTES[0]), ("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, client.stream(
+            "POST", "/v1/chat/completions", json={"model": "raw", "messages": MESSAGES, "stream": True}
+        ) as r:
+            with trio.CancelScope() as reading:
+                async for _ in r.aiter_raw():
+                    reading.cancel()
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    assert rec.aborted
+
+
+async def test_passthrough_error_before_response_is_502(nursery):
+    """A provider that cannot be reached: 502 provider_tunnel_error; a node that does not allow
+    passthrough for the model is never asked."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "raw", "response_mode": "passthrough"}]))
+    await start_node(
+        nursery, edge, [model("raw", adapter="openai", target="t", base_url="http://127.0.0.1:9/v1", passthrough=True)]
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
+            assert r.status_code == 502 and r.json()["error"]["type"] == "provider_tunnel_error"
+    await settled(edge)
+
+
+async def test_models_and_nodes_listing(nursery, upstream):
+    """/v1/models lists each model once with its nodes; /v1/nodes (admin key) shows capacity and in-flight."""
+    edge = await start_edge(nursery, edge_config(admin_keys=["admin-secret"]))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=2), model("x", upstream)], node_id="a")
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=3)], node_id="b")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            models = (await client.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["nodes"]) for m in models] == [("m", ["a", "b"]), ("x", ["a"])]
+            assert (await client.get("/v1/nodes")).status_code == 401
+            nodes = (await client.get("/v1/nodes", headers={"Authorization": "Bearer admin-secret"})).json()["data"]
+    assert [n["id"] for n in nodes] == ["a", "b"]
+    assert {m["name"]: m["max_concurrency"] for m in nodes[0]["models"]} == {"m": 2, "x": 4}
+    assert nodes[1]["in_flight"] == 0 and nodes[1]["linked_for_s"] >= 0
