@@ -36,7 +36,12 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     node_tokens: dict[str, str] = msgspec.field(default_factory=dict)
     # Client authentication (empty: open).
     api_keys: list[str] = msgspec.field(default_factory=list)
+    api_keys_file: str = ""  # one key per line; '#' starts a comment
     admin_keys: list[str] = msgspec.field(default_factory=list)
+    admin_keys_file: str = ""
+    # TLS (also --certfile/--keyfile on the command line).
+    certfile: str = ""
+    keyfile: str = ""
     # Run timing.
     wait_timeout_s: float = 120.0  # longest silence between two run events
     run_timeout_s: float = 1800.0  # whole run
@@ -71,6 +76,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for key in ("max_body_bytes", "max_frame_bytes", "link_outbox", "max_buffered_events"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ConfigError("certfile: TLS needs both certfile and keyfile")
         if self.max_tool_attempts < 1:
             raise ConfigError("max_tool_attempts: must be at least 1")
         host, sep, port = self.bind.rpartition(":")
@@ -81,6 +88,23 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             if m.name in seen:
                 raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
             seen.add(m.name)
+
+    def load_key_files(self) -> EdgeConfig:
+        """A copy with the keys of api_keys_file / admin_keys_file merged in."""
+        extra: dict[str, list[str]] = {}
+        for key in ("api_keys", "admin_keys"):
+            path = getattr(self, f"{key}_file")
+            if not path:
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    keys = [line.split("#", 1)[0].strip() for line in f]
+            except OSError as e:
+                raise ConfigError(f"{key}_file: cannot read {path}: {e.strerror}") from e
+            extra[key] = [*getattr(self, key), *(k for k in keys if k)]
+            if not extra[key]:
+                raise ConfigError(f"{key}_file: {path} holds no key")
+        return msgspec.structs.replace(self, **extra) if extra else self
 
     def policy(self, model: str) -> ModelPolicy:
         for m in self.models:
@@ -96,6 +120,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
 def load_edge_config(path: str | None) -> EdgeConfig:
     """Load from ``path``, else from ``$IOP_EDGE_CONFIG``, else defaults."""
     path = path or os.environ.get("IOP_EDGE_CONFIG") or None
-    if path is None:
-        return convert({}, EdgeConfig)
-    return load(path, EdgeConfig)
+    config = convert({}, EdgeConfig) if path is None else load(path, EdgeConfig)
+    try:
+        return config.load_key_files()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e

@@ -70,7 +70,7 @@ async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | N
         nursery.start_soon(_wait_for_signal, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(
-                app, bind or config.bind, certfile=certfile, keyfile=keyfile,
+                app, bind or config.bind, certfile=certfile or config.certfile or None, keyfile=keyfile or config.keyfile or None,
                 shutdown_trigger=lambda: _drain_on(stop, app), task_status=task_status,
             )
         )

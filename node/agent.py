@@ -358,9 +358,8 @@ class NodeAgent:
         # socket per redial.
         with trio.fail_after(cfg.connect_timeout_s):
             if secure:
-                stream = await trio.open_ssl_over_tcp_stream(
-                    host, port, ssl_context=ssl.create_default_context(), https_compatible=True
-                )
+                context = ssl.create_default_context(cafile=cfg.ca_file or None)
+                stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=context, https_compatible=True)
             else:
                 stream = await trio.open_tcp_stream(host, port)
         try:

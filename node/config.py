@@ -29,6 +29,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     node_id: str
     edges: list[str]
     token: str = ""
+    ca_file: str = ""  # wss://: trust this CA bundle (PEM) instead of the system's
     models: list[ModelConfig] = msgspec.field(default_factory=list)
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0

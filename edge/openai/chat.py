@@ -71,7 +71,8 @@ class Turn:
         self.want = Want(req.model, session=self.session or None, min_context=self.estimate + limit if limit else 0)
         self.last_run: Run | None = None
         self.node_id = ""
-        self.outcome: str | None = None  # set when the client got an error the run's cause does not tell
+        self.outcome: str | None = None
+        self.usage: Usage | None = None  # set when the client got an error the run's cause does not tell
 
     @property
     def buffered(self) -> bool:
@@ -173,6 +174,8 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
             stream=turn.stream,
             status=ex.status,
             cause=outcome,
+            prompt_tokens=turn.usage.prompt_tokens if turn.usage else None,
+            completion_tokens=turn.usage.completion_tokens if turn.usage else None,
             duration_ms=round((time.perf_counter() - t0) * 1000, 1),
         )
         structlog.contextvars.unbind_contextvars("run_id")
@@ -218,6 +221,7 @@ async def collect(turn: Turn, run: Run, *, on_idle: Callable[[], Awaitable[None]
                 shaper.reasoning(event.text)
             elif kind == COMPLETE:
                 shaper.finish()
+                turn.usage = event.usage
                 return _finish(turn, shaper, event)
             else:
                 raise failure(event, run)

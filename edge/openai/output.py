@@ -235,6 +235,7 @@ class LiveStream:
         return None
 
     def _complete(self, event: RunEvent) -> bytes:
+        self.turn.usage = event.usage
         shaper = self.shaper
         shaper.finish()
         enc = self.enc

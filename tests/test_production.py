@@ -1,0 +1,297 @@
+"""Production surface: keys and tokens, limits, health, metrics, deployment, drain, scale-out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import ssl
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import structlog
+import trio
+import trustme
+
+from edge.config import load_edge_config
+from iop.configfile import ConfigError
+from proto import Hello, ModelInfo, encode_frame
+from scripts.upstream import text_script, words
+from tests.conftest import (
+    BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    sdk,
+    settled,
+    start_edge,
+    start_node,
+    write_toml,
+)
+from tests.test_link import closed_by_edge, fake_node
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+BODY = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+
+
+async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream):
+    """With api_keys set, /v1/* needs a valid bearer key (401 in the OpenAI shape otherwise);
+    the node link, /healthz and /metrics do not."""
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-one", "sk-two"]))
+    await start_node(nursery, edge, [model("m", upstream)])  # links with its node token
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-one"}):
+                for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/v1/embeddings")):
+                    r = await client.request(method, path, json=BODY, headers=headers)
+                    assert r.status_code == 401, (path, headers)
+                    assert r.json()["error"]["type"] == "authentication_error"
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 200
+        async with sdk(edge, api_key="sk-two") as client:
+            reply = await client.chat.completions.create(**BODY)
+            assert reply.choices[0].message.content == "tok0 tok1 "
+        async with sdk(edge, api_key="sk-nope") as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.models.list()
+
+
+def test_api_keys_file_is_read_and_checked(tmp_path):
+    """api_keys_file adds keys from a file; an unreadable file fails at start naming the key."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# clients\nsk-a\n\nsk-b  # team b\n")
+    cfg = write_toml(tmp_path / "edge.toml", {"api_keys": ["sk-inline"], "api_keys_file": str(keys)})
+    assert load_edge_config(cfg).api_keys == ["sk-inline", "sk-a", "sk-b"]
+    bad = write_toml(tmp_path / "bad.toml", {"api_keys_file": str(tmp_path / "missing.txt")})
+    with pytest.raises(ConfigError, match="api_keys_file: cannot read"):
+        load_edge_config(bad)
+
+
+async def test_open_edge_on_a_public_address_warns(nursery):
+    """An edge configured for a non-loopback address with no api_keys logs a loud warning at start."""
+    with structlog.testing.capture_logs() as logs:
+        await start_edge(nursery, edge_config(bind="0.0.0.0:8080"))  # served on loopback all the same
+    assert any("EDGE IS OPEN" in e["event"] and e["log_level"] == "warning" for e in logs)
+
+
+async def test_per_node_tokens_are_checked_at_the_upgrade(nursery, upstream):
+    """node_tokens gives each node id its own token; the shared one does not open it."""
+    edge = await start_edge(nursery, edge_config(node_token="", node_tokens={"n1": "n1-secret"}))
+    node = await start_node(nursery, edge, [model("m", upstream)], token="n1-secret")
+    assert "n1" in edge.edge.runs.links
+    node.stop()
+    await eventually(lambda: not edge.edge.runs.links)
+    from node.agent import NodeAgent
+    from tests.conftest import node_config
+
+    intruder = NodeAgent(node_config([edge.link_url], [model("m")], node_id="n1", token=TOKEN))
+    with trio.move_on_after(0.5):
+        await intruder.serve()
+    assert not edge.edge.runs.links
+
+
+async def test_oversized_frame_closes_only_that_link(nursery, upstream):
+    """A frame over max_frame_bytes closes the sending node's link; the edge keeps serving."""
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=4096))
+    await start_node(nursery, edge, [model("m", upstream)])
+
+    async def big(ws):
+        models = [ModelInfo(name="m", adapter="sim", target="t")]
+        await ws.send_message(encode_frame(Hello(node_id="big", protocol=1, models=models)))
+        await ws.get_message()
+        await ws.send_message(b"\x00" * 10_000)
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, big, node_id="big")
+        assert closed.reason.code == 1009
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200
+
+
+async def test_health_and_readiness(nursery, upstream):
+    """/healthz is 200 while the process lives; /readyz is 503 until a node links, and while draining."""
+    edge = await start_edge(nursery)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert (await client.get("/healthz")).json() == {"status": "ok"}
+            assert (await client.get("/readyz")).status_code == 503
+            await start_node(nursery, edge, [model("m", upstream)])
+            assert (await client.get("/readyz")).status_code == 200
+            edge.edge.draining = True
+            assert (await client.get("/readyz")).status_code == 503
+            r = await client.post("/v1/chat/completions", json=BODY)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+
+
+async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
+    """/metrics reports requests by model and outcome, in-flight runs, linked nodes, latency
+    histograms and cancels by cause."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            await client.post("/v1/chat/completions", json={**BODY, "stream": True})
+            await client.post("/v1/chat/completions", json={**BODY, "model": "nope"})
+            upstream.script_for("m-target", [("hang",)])
+            async with trio.open_nursery() as clients:
+                clients.start_soon(client.post, "/v1/chat/completions")
+                clients.cancel_scope.cancel()
+            async with trio.open_nursery() as clients:
+
+                async def leave():
+                    await client.post("/v1/chat/completions", json=BODY)
+
+                clients.start_soon(leave)
+                await upstream.wait_requests(2)
+                clients.cancel_scope.cancel()
+            await settled(edge, node.agent)
+            text = (await client.get("/metrics")).text
+    assert 'iop_requests_total{model="m",outcome="complete"} 1.0' in text
+    assert 'iop_requests_total{model="nope",outcome="rejected_404"} 1.0' in text
+    assert 'iop_run_cancels_total{cause="client_gone"} 1.0' in text
+    assert "iop_runs_in_flight 0.0" in text and "iop_nodes_linked 1.0" in text
+    assert 'iop_time_to_first_token_seconds_count{model="m"}' in text
+    assert 'iop_queue_time_seconds_count{model="m"}' in text
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    # Its own process group: hypercorn's CLI runs its worker in a child process.
+    return subprocess.Popen(args, env={**os.environ, **env}, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=BOUND)
+
+
+async def _ready(url: str, **kw) -> None:
+    async with httpx.AsyncClient(timeout=2, **kw) as client:
+        with trio.fail_after(BOUND):
+            while True:
+                try:
+                    if (await client.get(url + "/readyz")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.05)
+
+
+async def test_edge_runs_under_hypercorns_own_cli(nursery, tmp_path, upstream):
+    """`hypercorn --worker-class trio 'edge.app:create_app()'` with IOP_EDGE_CONFIG serves the edge."""
+    from scripts.stack import free_port
+
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"node_token": TOKEN, "wait_timeout_s": 30})
+    hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+    proc = _spawn(
+        [hypercorn, "--worker-class", "trio", "--bind", f"127.0.0.1:{port}", "edge.app:create_app()"],
+        {"IOP_EDGE_CONFIG": cfg},
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with trio.fail_after(BOUND):
+            while True:
+                try:
+                    async with httpx.AsyncClient() as c:
+                        if (await c.get(url + "/healthz")).status_code == 200:
+                            break
+                except httpx.HTTPError:
+                    await trio.sleep(0.05)
+        from tests.conftest import EdgeHandle
+
+        handle = EdgeHandle(None, None, url, trio.CancelScope())
+        from node.agent import NodeAgent
+        from tests.conftest import node_config
+
+        agent = NodeAgent(node_config([handle.link_url], [model("m", upstream)]))
+        nursery.start_soon(agent.serve)
+        await _ready(url)
+        with trio.fail_after(BOUND):
+            async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client:
+                r = await client.post("/v1/chat/completions", json=BODY)
+        assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
+    finally:
+        _stop(proc)
+
+
+async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
+    """The edge serves HTTPS with a certfile/keyfile and nodes link over wss:// trusting a CA file."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    ca.cert_pem.write_to_path(str(cafile))
+    from edge.app import create_app, edge_of
+    from edge.serve import serve_edge
+    from node.agent import NodeAgent
+    from tests.conftest import node_config
+
+    app = create_app(edge_config())
+    url = await nursery.start(lambda task_status: serve_edge(app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile), task_status=task_status))
+    assert url.startswith("https://")
+    link = url.replace("https", "wss", 1) + "/v1/node/link"
+    agent = NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile)))
+    nursery.start_soon(agent.serve)
+    await eventually(lambda: "n1" in edge_of(app).runs.links)
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=url, verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as client:
+            r = await client.post("/v1/chat/completions", json=BODY)
+    assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
+
+
+async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
+    """SIGTERM to `iop edge`: new requests get 503, the in-flight stream finishes, then the process exits 0."""
+    from scripts.stack import free_port
+
+    upstream.script_for("m-target", lambda body: text_script(words(15), interval=0.05))
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "drain_grace_s": 10})
+    proc = _spawn([sys.executable, "-m", "iop.cli", "edge", "--config", cfg], {"IOP_LOG_FORMAT": "json"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        from node.agent import NodeAgent
+        from tests.conftest import node_config
+
+        agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m", upstream)]))
+        nursery.start_soon(agent.serve)
+        await _ready(url)
+        with trio.fail_after(BOUND):
+            async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client, client.stream(
+                "POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}
+            ) as r:
+                await upstream.wait_requests(1)
+                proc.send_signal(signal.SIGTERM)
+                async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:
+                    while True:  # the edge notices the signal within moments
+                        late = await other.post("/v1/chat/completions", json=BODY)
+                        if late.status_code == 503:
+                            break
+                        await trio.sleep(0.02)
+                assert late.json()["error"]["code"] == "draining"
+                body = await r.aread()
+            assert body.endswith(b"data: [DONE]\n\n") and b"tok14" in body and b"error" not in body
+            await trio.to_thread.run_sync(proc.wait, BOUND)
+        assert proc.returncode == 0
+    finally:
+        _stop(proc)
+
+
+async def test_two_edges_one_node(nursery, upstream):
+    """A node given two edge URLs links to both, and either edge serves requests."""
+    first, second = await start_edge(nursery), await start_edge(nursery)
+    await start_node(nursery, [first, second], [model("m", upstream)])
+    with trio.fail_after(BOUND):
+        for edge in (first, second):
+            async with http(edge) as client:
+                r = await client.post("/v1/chat/completions", json=BODY)
+                assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
+    assert len(upstream.records) == 2
