@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench probe clean
+.PHONY: demo test bench probe chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ bench: $(STAMP)
 
 probe: $(STAMP)
 	$(BIN)/python scripts/cancel_probe.py
+
+chaos: $(STAMP)
+	$(BIN)/python scripts/chaos.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

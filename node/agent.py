@@ -72,6 +72,11 @@ class RunSink:
         self._seq = 0
         self.ended = False
 
+    @property
+    def started(self) -> bool:
+        """Some event has been reported."""
+        return self._seq > 0
+
     def _event(self, kind: str, **fields) -> RunEvent:
         self._seq += 1
         return RunEvent(run_id=self._run_id, seq=self._seq, type=kind, **fields)

@@ -7,6 +7,7 @@ killed when the context exits.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -82,29 +83,41 @@ class Stack(ExitStack):
         wait_http(f"http://127.0.0.1:{port}/v1/models")
         return f"http://127.0.0.1:{port}/v1"
 
-    def edge(self, **config) -> str:
-        port = free_port()
+    def edge(self, port: int = 0, **config) -> str:
+        port = port or free_port()
         cfg = write_toml(self.dir / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, **config})
-        self._spawn([sys.executable, "-m", "iop.cli", "edge", "--config", str(cfg)])
+        self.edge_proc = self._spawn([sys.executable, "-m", "iop.cli", "edge", "--config", str(cfg)])
         wait_http(f"http://127.0.0.1:{port}/healthz")
         return f"http://127.0.0.1:{port}"
 
-    def node(self, edge_url: str, models: list[dict], node_id: str = "stack-node") -> None:
+    def node(self, edge_url: str, models: list[dict], node_id: str = "stack-node", **config) -> subprocess.Popen:
         link = edge_url.replace("http", "ws", 1) + "/v1/node/link"
         cfg = write_toml(
             self.dir / f"{node_id}.toml",
-            {"node_id": node_id, "edges": [link], "token": TOKEN, "models": models},
+            {"node_id": node_id, "edges": [link], "token": TOKEN, "models": models, **config},
         )
-        self._spawn([sys.executable, "-m", "iop.cli", "node", "--config", str(cfg)])
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if httpx.get(edge_url + "/readyz", timeout=1).status_code == 200:
+        proc = self._spawn([sys.executable, "-m", "iop.cli", "node", "--config", str(cfg)])
+        wait_linked(edge_url, node_id)
+        return proc
+
+
+def wait_linked(edge_url: str, node_id: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(edge_url + "/v1/nodes", timeout=1)
+            if r.status_code == 200 and any(n["id"] == node_id for n in r.json()["data"]):
                 return
-            time.sleep(0.05)
-        raise RuntimeError("node did not link")
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"node {node_id} did not link to {edge_url}")
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
     proc.terminate()
     try:
         proc.wait(5)

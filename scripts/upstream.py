@@ -129,15 +129,17 @@ class Upstream:
                 if parsed is None:
                     return
                 method, path, headers, raw_body, buf = parsed
-                if not await self._exchange(stream, method, path, headers, raw_body):
+                keep, early = await self._exchange(stream, method, path, headers, raw_body)
+                if not keep:
                     return
+                buf += early  # the client's next request, read while we answered
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             return
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _exchange(self, stream, method: str, path: str, headers: dict[str, str], raw_body: bytes) -> bool:
-        """Serve one request; False if the connection is done."""
+    async def _exchange(self, stream, method: str, path: str, headers: dict[str, str], raw_body: bytes) -> tuple[bool, bytes]:
+        """Serve one request: (keep the connection, bytes of the next request already read)."""
         try:
             body = msgspec.json.decode(raw_body) if raw_body else None
         except msgspec.DecodeError:
@@ -181,7 +183,7 @@ class Upstream:
             self.active -= 1
             rec.ended = time.perf_counter()
             rec.finished.set()
-        return not rec.aborted and not leftover
+        return not rec.aborted, b"".join(leftover)
 
     async def _respond(self, stream, rec: Record) -> None:
         if rec.method == "GET" and rec.path.rstrip("/").endswith("/models"):

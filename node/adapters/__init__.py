@@ -18,6 +18,7 @@ from proto import RunRequest, ToolCall, Usage
 
 class Sink(Protocol):
     ended: bool  # complete() or error() was called
+    started: bool  # some event was reported
 
     async def delta(self, text: str) -> None: ...
     async def reasoning(self, text: str) -> None: ...

@@ -92,16 +92,26 @@ class OpenAIAdapter:
         body["stream_options"] = {"include_usage": True}
         self.counters.active_upstream += 1
         try:
-            async with self.client.stream(
-                "POST",
-                "/chat/completions",
-                content=_encode(body),
-                headers={"content-type": "application/json", "accept": "text/event-stream"},
-            ) as response:
-                if response.status_code != 200:
-                    await sink.error(await _error_text(response), status=response.status_code)
+            for attempt in (1, 2):
+                try:
+                    async with self.client.stream(
+                        "POST",
+                        "/chat/completions",
+                        content=_encode(body),
+                        headers={"content-type": "application/json", "accept": "text/event-stream"},
+                    ) as response:
+                        if response.status_code != 200:
+                            await sink.error(await _error_text(response), status=response.status_code)
+                            return
+                        await self._relay(response, sink)
+                        return
+                except httpx.RemoteProtocolError as e:
+                    # A pooled keep-alive connection the server had just closed:
+                    # nothing was answered, so sending again is safe, once.
+                    if attempt == 1 and not sink.started:
+                        continue
+                    await sink.error(f"upstream request failed: {type(e).__name__}: {e}")
                     return
-                await self._relay(response, sink)
         except httpx.HTTPError as e:
             await sink.error(f"upstream request failed: {type(e).__name__}: {e}".rstrip(": "))
         finally:

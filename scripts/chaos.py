@@ -1,0 +1,230 @@
+"""Chaos on loopback: kill, freeze and restart parts under load; check nothing leaks.
+
+    python scripts/chaos.py [--requests 2000] [--only NAME]
+
+Every scenario is bounded in time and count and prints one row of a pass/fail
+table. The upstream runs inside this process (so its count of open requests
+is exact); the edge and the node are separate processes.
+
+  kill-node       SIGKILL the node mid-stream: every client gets "node disconnected"
+  freeze-node     SIGSTOP the node: the edge fails its runs within the ping timeout
+  restart-edge    SIGKILL and restart the edge under load: the node relinks, requests succeed
+  abort-clients   --requests requests, 30% of clients abort at random points: in-flight
+                  counts return to zero on both sides, and the edge's memory does not grow
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import trio  # noqa: E402
+
+from scripts.stack import Stack, free_port, wait_linked  # noqa: E402
+from scripts.upstream import Upstream, text_script, words  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "chaos"}]
+PING_S = 0.5
+MISSES = 3
+
+
+def drip(body):
+    n = int(body.get("max_tokens") or 400)
+    return text_script(words(n), interval=0.01)
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def metric(client: httpx.AsyncClient, name: str) -> float:
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise RuntimeError(f"{name} not in /metrics")
+
+
+async def stream_errors(edge: str, n: int, on_streaming) -> tuple[list[str], float]:
+    """Start n streams; once all have content, call on_streaming(); return each stream's error and the time to the last."""
+    errors: list[str] = []
+    started = 0
+    all_started = trio.Event()
+    t_fault = 0.0
+    t_last = 0.0
+
+    async def one(client):
+        nonlocal started, t_last
+        async with client.stream("POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}) as r:
+            counted = False
+            async for line in r.aiter_lines():
+                if not counted and '"content"' in line:
+                    counted = True
+                    started += 1
+                    if started == n:
+                        all_started.set()
+                if line.startswith('data: {"error"'):
+                    errors.append(line)
+                    t_last = time.perf_counter()
+
+    async with httpx.AsyncClient(base_url=edge, timeout=60, limits=httpx.Limits(max_connections=n + 4)) as client:
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one, client)
+            await all_started.wait()
+            t_fault = time.perf_counter()
+            on_streaming()
+    return errors, t_last - t_fault
+
+
+async def kill_node(stack: Stack, up: Upstream, edge: str, node) -> tuple[bool, str]:
+    errors, took = await stream_errors(edge, 10, lambda: node.send_signal(signal.SIGKILL))
+    with trio.move_on_after(5):
+        while up.active:
+            await trio.sleep(0.01)
+    ok = len(errors) == 10 and all("node disconnected" in e for e in errors) and up.active == 0
+    return ok, f"{len(errors)}/10 got 'node disconnected' in {took * 1000:.0f} ms; upstream open requests {up.active}"
+
+
+async def freeze_node(stack: Stack, up: Upstream, edge: str, node) -> tuple[bool, str]:
+    errors, took = await stream_errors(edge, 10, lambda: node.send_signal(signal.SIGSTOP))
+    node.send_signal(signal.SIGCONT)
+    limit = PING_S * (MISSES + 1) + 0.5
+    ok = len(errors) == 10 and all("node disconnected" in e for e in errors) and took <= limit
+    return ok, f"{len(errors)}/10 failed after {took:.2f} s (ping timeout {PING_S * MISSES:.1f} s, limit {limit:.1f} s)"
+
+
+async def restart_edge(stack: Stack, up: Upstream, edge: str, port: int, node_id: str) -> tuple[bool, str]:
+    ok_before = ok_after = failed = 0
+
+    async def load(client, stop: trio.Event):
+        nonlocal ok_before, failed
+        while not stop.is_set():
+            try:
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 5})
+                ok_before += r.status_code == 200
+            except httpx.HTTPError:
+                failed += 1
+                await trio.sleep(0.01)
+
+    stop = trio.Event()
+    async with httpx.AsyncClient(base_url=edge, timeout=10) as client, trio.open_nursery() as nursery:
+        for _ in range(8):
+            nursery.start_soon(load, client, stop)
+        await trio.sleep(1.0)
+        stack.edge_proc.send_signal(signal.SIGKILL)
+        stack.edge_proc.wait()
+        await trio.sleep(0.3)
+        t0 = time.perf_counter()
+        await trio.to_thread.run_sync(lambda: stack.edge(port=port, ping_interval_s=PING_S, ping_misses=MISSES))
+        await trio.to_thread.run_sync(wait_linked, edge, node_id)
+        relink = time.perf_counter() - t0
+        stop.set()
+    async with httpx.AsyncClient(base_url=edge, timeout=10) as client:
+        for _ in range(20):
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 5})
+            ok_after += r.status_code == 200
+    ok = ok_after == 20 and ok_before > 0
+    return ok, f"relinked {relink:.2f} s after restart; {ok_before} ok under load, {failed} cut by the kill, {ok_after}/20 ok after"
+
+
+async def abort_clients(stack: Stack, up: Upstream, edge: str, requests: int) -> tuple[bool, str]:
+    rng = random.Random(7)
+    done = aborted = bad = 0
+
+    async def one(client, abort_after: float | None):
+        nonlocal done, aborted, bad
+        body = {"model": "m", "messages": MESSAGES, "stream": rng.random() < 0.7, "max_tokens": rng.randint(1, 40)}
+        with trio.move_on_after(abort_after if abort_after is not None else 60) as scope:
+            r = await client.post("/v1/chat/completions", json=body)
+            done += 1
+            if r.status_code != 200:
+                bad += 1
+                print("bad:", r.status_code, r.text[:200], file=sys.stderr)
+        aborted += scope.cancelled_caught
+
+    async def batch(n: int):
+        limits = httpx.Limits(max_connections=60)
+        async with httpx.AsyncClient(base_url=edge, timeout=60, limits=limits) as client:
+            sem = trio.Semaphore(50)
+
+            async def guarded(abort_after):
+                async with sem:
+                    await one(client, abort_after)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(n):
+                    nursery.start_soon(guarded, rng.uniform(0, 0.3) if rng.random() < 0.3 else None)
+
+    await batch(200)  # warm up before the memory baseline
+    pid = stack.edge_proc.pid
+    before = rss_kb(pid)
+    await batch(requests)
+    async with httpx.AsyncClient(base_url=edge, timeout=10) as client:
+        with trio.move_on_after(10):
+            while await metric(client, "iop_runs_in_flight") or up.active:
+                await trio.sleep(0.02)
+        edge_in_flight = await metric(client, "iop_runs_in_flight")
+        nodes = (await client.get("/v1/nodes")).json()["data"]
+    node_in_flight = sum(n["in_flight"] for n in nodes)
+    growth = (rss_kb(pid) - before) / 1024
+    ok = edge_in_flight == 0 and node_in_flight == 0 and up.active == 0 and bad == 0 and growth < 30
+    return ok, (
+        f"{done} completed, {aborted} aborted, {bad} bad; in flight after: edge {edge_in_flight:.0f}, "
+        f"node slots {node_in_flight}, upstream {up.active}; edge RSS +{growth:.1f} MiB"
+    )
+
+
+async def main(requests: int, only: str | None) -> int:
+    up = Upstream(drip)
+    rows: list[tuple[str, bool, str]] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(up.serve, 0)
+        models = [{"name": "m", "adapter": "openai", "target": "m", "base_url": up.base_url, "max_concurrency": 64}]
+        fast = {"reconnect_min_s": 0.1, "reconnect_max_s": 1.0}
+        with Stack() as stack:
+            port = free_port()
+            edge = await trio.to_thread.run_sync(lambda: stack.edge(port=port, ping_interval_s=PING_S, ping_misses=MISSES))
+            scenarios = ["kill-node", "freeze-node", "restart-edge", "abort-clients"]
+            for i, name in enumerate(scenarios):
+                if only and name != only:
+                    continue
+                node_id = f"chaos-{i}"
+                node = await trio.to_thread.run_sync(lambda: stack.node(edge, models, node_id=node_id, **fast))
+                try:
+                    with trio.fail_after(120):
+                        if name == "kill-node":
+                            ok, detail = await kill_node(stack, up, edge, node)
+                        elif name == "freeze-node":
+                            ok, detail = await freeze_node(stack, up, edge, node)
+                        elif name == "restart-edge":
+                            ok, detail = await restart_edge(stack, up, edge, port, node_id)
+                        else:
+                            ok, detail = await abort_clients(stack, up, edge, requests)
+                except trio.TooSlowError:
+                    ok, detail = False, "timed out after 120 s"
+                rows.append((name, ok, detail))
+                node.kill()
+                node.wait()
+        nursery.cancel_scope.cancel()
+    print(f"\n{'scenario':<15}{'result':<8}detail")
+    for name, ok, detail in rows:
+        print(f"{name:<15}{'PASS' if ok else 'FAIL':<8}{detail}")
+    return 0 if all(ok for _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    sys.exit(trio.run(main, args.requests, args.only))
