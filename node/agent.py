@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import ssl
+from functools import partial
 import urllib.parse
 
 import msgspec
@@ -160,16 +161,8 @@ class EdgeLink:
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
                 raise NodeError(f"undecodable frame from the edge: {e}") from None
             match frame:
-                case RunRequest(run_id=run_id):
-                    if run_id not in self.runs:
-                        scope = trio.CancelScope()
-                        self.runs[run_id] = scope
-                        nursery.start_soon(self._run, frame, scope)
-                case TunnelRequest(run_id=run_id):
-                    if run_id not in self.runs:
-                        scope = trio.CancelScope()
-                        self.runs[run_id] = scope
-                        nursery.start_soon(self._tunnel, frame, scope)
+                case RunRequest() | TunnelRequest():
+                    self._start(frame, nursery)
                 case CancelRun(run_id=run_id):
                     scope = self.runs.get(run_id)
                     if scope is not None:
@@ -181,46 +174,36 @@ class EdgeLink:
                 case _:
                     log.warning("unexpected frame from the edge", frame=type(frame).__name__)
 
-    async def _tunnel(self, request: TunnelRequest, scope: trio.CancelScope) -> None:
-        agent = self.agent
-        sink = TunnelSink(self, request.run_id)
-        agent.counters.active_runs += 1
-        try:
-            with scope:
-                adapter = agent.adapters.get(request.model)
-                allowed = agent.passthrough.get(request.model, False)
-                if adapter is None or not allowed or not hasattr(adapter, "tunnel"):
-                    await sink.error(f"this node does not allow passthrough for model {request.model!r}")
-                    return
-                async with agent.slots[request.model]:
-                    with trio.move_on_after(max(request.timeout_s, 0)) as deadline:
-                        try:
-                            await adapter.tunnel(request, sink)
-                        except trio.Cancelled:
-                            raise
-                        except Exception as e:
-                            log.exception("tunnel failed", run_id=request.run_id)
-                            await sink.error(f"node tunnel failed: {type(e).__name__}: {e}")
-                    if deadline.cancelled_caught:
-                        await sink.error("run deadline exceeded on the node")
-        finally:
-            agent.counters.active_runs -= 1
-            self.runs.pop(request.run_id, None)
+    def _start(self, request: RunRequest | TunnelRequest, nursery: trio.Nursery) -> None:
+        if request.run_id in self.runs:
+            return
+        scope = self.runs[request.run_id] = trio.CancelScope()
+        adapter = self.agent.adapters.get(request.model)
+        if isinstance(request, RunRequest):
+            sink: RunSink | TunnelSink = RunSink(self, request.run_id)
+            refusal = None if adapter is not None else f"this node does not serve model {request.model!r}"
+            work = partial(adapter.run, request, sink) if adapter is not None else None
+        else:
+            sink = TunnelSink(self, request.run_id)
+            allowed = adapter is not None and self.agent.passthrough[request.model] and hasattr(adapter, "tunnel")
+            refusal = None if allowed else f"this node does not allow passthrough for model {request.model!r}"
+            work = partial(adapter.tunnel, request, sink) if allowed else None
+        nursery.start_soon(self._serve_one, request, scope, sink, work, refusal)
 
-    async def _run(self, request: RunRequest, scope: trio.CancelScope) -> None:
+    async def _serve_one(self, request, scope: trio.CancelScope, sink, work, refusal: str | None) -> None:
+        """One run or tunnel: in its own cancel scope (CancelRun), within the
+        model's capacity on this node, bounded by the run's deadline."""
         agent = self.agent
-        sink = RunSink(self, request.run_id)
         agent.counters.active_runs += 1
         try:
             with scope:
-                adapter = agent.adapters.get(request.model)
-                if adapter is None:
-                    await sink.error(f"this node does not serve model {request.model!r}")
+                if refusal is not None:
+                    await sink.error(refusal)
                     return
                 async with agent.slots[request.model]:
                     with trio.move_on_after(max(request.timeout_s, 0)) as deadline:
                         try:
-                            await adapter.run(request, sink)
+                            await work()
                         except trio.Cancelled:
                             raise
                         except Exception as e:

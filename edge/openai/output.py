@@ -216,16 +216,12 @@ class LiveStream:
                 if trace is None:
                     shaper.content(event.text)
                 else:
-                    mark = trace.emitted
-                    shaper.content(event.text)
-                    trace.source("content", event.text, mark)
+                    trace.around("content", event.text, shaper.content)
             elif kind == REASONING_DELTA:
                 if trace is None:
                     shaper.reasoning(event.text)
                 else:
-                    mark = trace.emitted
-                    shaper.reasoning(event.text)
-                    trace.source("reasoning", event.text, mark)
+                    trace.around("reasoning", event.text, shaper.reasoning)
             elif kind == COMPLETE:
                 return self._complete(event)
             else:

@@ -38,8 +38,10 @@ class StreamTrace:
         self.emitted += length
         log.info("chat completion stream output chunk", seq=self.seq, type=kind, delta_len=length, **extra)
 
-    def source(self, kind: str, text: str, emitted_before: int) -> None:
-        """After one upstream delta: say whether the filters changed it."""
+    def around(self, kind: str, text: str, shape) -> None:
+        """Shape one upstream delta, then say whether the filters changed it."""
+        emitted_before = self.emitted
+        shape(text)
         emitted = self.emitted - emitted_before
         if emitted != len(text):
             log.info(

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from proto import CancelRun, RunEvent
+from proto import CancelRun, RunEvent, TunnelFrame
 from proto.frames import ERROR, TERMINAL_TYPES
 
 if TYPE_CHECKING:
@@ -94,25 +94,13 @@ class Run:
     # -- producer side (link reader, timers) ---------------------------------
 
     def deliver(self, event: RunEvent) -> None:
-        if self.finished:
-            return
-        now = trio.current_time()
-        self.last_event_at = now
-        if self.first_event_at is None:
-            self.first_event_at = now
-        self.events_seen += 1
-        self._pending.append(event)
-        if event.type in TERMINAL_TYPES:
-            self.finished = True
-            self.cause = COMPLETE if event.type == "complete" else RUN_ERROR
-        elif len(self._pending) > self._max_buffered:
-            self._pending.clear()
-            self.fail("client is not reading the stream; run cancelled", SLOW_CLIENT)
-            return
-        self._lot.unpark_all()
+        self._push(event, event.type in TERMINAL_TYPES, event.type == "complete")
 
-    def deliver_frame(self, frame) -> None:
+    def deliver_frame(self, frame: TunnelFrame) -> None:
         """A tunnel frame (passthrough runs): ``end`` and ``error`` end the run."""
+        self._push(frame, frame.kind in ("end", "error"), frame.kind == "end")
+
+    def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool) -> None:
         if self.finished:
             return
         now = trio.current_time()
@@ -120,13 +108,13 @@ class Run:
         if self.first_event_at is None:
             self.first_event_at = now
         self.events_seen += 1
-        self._pending.append(frame)
-        if frame.kind == "end" or frame.kind == "error":
+        self._pending.append(item)
+        if terminal:
             self.finished = True
-            self.cause = COMPLETE if frame.kind == "end" else RUN_ERROR
+            self.cause = COMPLETE if complete else RUN_ERROR
         elif len(self._pending) > self._max_buffered:
             self._pending.clear()
-            self.fail("client is not reading the response; tunnel cancelled", SLOW_CLIENT)
+            self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
             return
         self._lot.unpark_all()
 
