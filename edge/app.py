@@ -1,6 +1,6 @@
 """The edge application: ``create_app()`` for hypercorn, ``serve_edge`` for ``iop``.
 
-    hypercorn --worker-class trio 'edge.app:create_app()'   # IOP_EDGE_CONFIG=edge.toml
+hypercorn --worker-class trio 'edge.app:create_app()'   # IOP_EDGE_CONFIG=edge.toml
 """
 
 from __future__ import annotations
@@ -46,13 +46,11 @@ class Edge:
         self.draining = True
         log.info("draining", in_flight=self.runs.in_flight, grace_s=self.config.drain_grace_s)
         with trio.move_on_after(self.config.drain_grace_s):
-            while self.runs.in_flight:
-                await trio.sleep(0.05)
+            await self.runs.wait_idle()
         for run in list(self.runs.runs.values()):
             run.fail("the edge is shutting down", SHUTDOWN)
         with trio.move_on_after(2):
-            while self.runs.in_flight:
-                await trio.sleep(0.02)
+            await self.runs.wait_idle()
         for link in list(self.runs.links.values()):
             link.kill("edge shutting down", code=1001)
 
@@ -108,7 +106,9 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             return refused
         served = edge.runs.models()
         cards = [
-            ModelCard(id=name, created=int(min(lk.linked_wall for lk in links)), nodes=sorted(lk.node_id for lk in links))
+            ModelCard(
+                id=name, created=int(min(lk.linked_wall for lk in links)), nodes=sorted(lk.node_id for lk in links)
+            )
             for name, links in sorted(served.items())
         ]
         return _json(200, _encode(ModelList(data=cards)))

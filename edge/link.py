@@ -16,9 +16,9 @@ import structlog
 import trio
 from quart import Response, websocket
 
+from edge.config import EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
-from edge.config import EdgeConfig
 from proto import (
     PROTOCOL_VERSION,
     Events,

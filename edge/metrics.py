@@ -9,6 +9,7 @@ observed once, when they close.
 
 from __future__ import annotations
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -34,7 +35,11 @@ class EdgeMetrics:
         self.nodes_linked = Gauge("iop_nodes_linked", "Nodes with a live link", registry=r)
         self.nodes_linked.set_function(lambda: len(runs.links))
         self.queue_time = Histogram(
-            "iop_queue_time_seconds", "Time spent waiting for a node slot", ["model"], buckets=LATENCY_BUCKETS, registry=r
+            "iop_queue_time_seconds",
+            "Time spent waiting for a node slot",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
             "iop_time_to_first_token_seconds",
@@ -51,21 +56,29 @@ class EdgeMetrics:
             registry=r,
         )
         self.run_duration = Histogram(
-            "iop_e2e_request_latency_seconds", "Run duration, dispatch to close", ["model"], buckets=LATENCY_BUCKETS, registry=r
+            "iop_e2e_request_latency_seconds",
+            "Run duration, dispatch to close",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.run_ends = Counter("iop_runs_ended", "Runs by how they ended", ["model", "cause"], registry=r)
         self.cancels = Counter(
-            "iop_run_cancels", "Runs cancelled on the node, by cause (client_gone, timeout, node_lost, ...)", ["cause"], registry=r
+            "iop_run_cancels",
+            "Runs cancelled on the node, by cause (client_gone, timeout, node_lost, ...)",
+            ["cause"],
+            registry=r,
         )
         self.tool_retries = Counter(
-            "iop_tool_validation_retries", "Runs retried because their tool calls failed validation", ["model"], registry=r
+            "iop_tool_validation_retries",
+            "Runs retried because their tool calls failed validation",
+            ["model"],
+            registry=r,
         )
         runs.on_run_closed.append(self.observe_run)
 
-    def observe_run(self, run: Run, now: float | None = None) -> None:
-        import trio
-
-        now = trio.current_time() if now is None else now
+    def observe_run(self, run: Run) -> None:
+        now = trio.current_time()
         model = run.slot.model
         cause = run.cause or "unknown"
         self.run_ends.labels(model, cause).inc()

@@ -70,8 +70,12 @@ async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | N
         nursery.start_soon(_wait_for_signal, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(
-                app, bind or config.bind, certfile=certfile or config.certfile or None, keyfile=keyfile or config.keyfile or None,
-                shutdown_trigger=lambda: _drain_on(stop, app), task_status=task_status,
+                app,
+                bind or config.bind,
+                certfile=certfile or config.certfile or None,
+                keyfile=keyfile or config.keyfile or None,
+                shutdown_trigger=lambda: _drain_on(stop, app),
+                task_status=task_status,
             )
         )
         log.info("edge listening", url=url, node_link=url.replace("http", "ws", 1) + "/v1/node/link")
@@ -124,8 +128,8 @@ async def _demo(bind: str) -> None:
         print(
             f"\niop demo: edge on {url}, simulated node serving model {DEMO_MODEL!r}.\n"
             f"Try:\n\n  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{DEMO_MODEL}\", \"stream\": true, "
-            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'\n\n"
+            f'-d \'{{"model": "{DEMO_MODEL}", "stream": true, '
+            f'"messages": [{{"role": "user", "content": "Hello"}}]}}\'\n\n'
             "Ctrl-C stops it.\n",
             flush=True,
         )

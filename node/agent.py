@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import random
 import ssl
-from functools import partial
 import urllib.parse
+from functools import partial
 
 import msgspec
 import structlog
@@ -93,7 +93,9 @@ class RunSink:
     ) -> None:
         if not self.ended:
             self.ended = True
-            await self._link.emit(self._event(COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage))
+            await self._link.emit(
+                self._event(COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage)
+            )
 
     async def error(self, message: str, status: int = 0) -> None:
         if not self.ended:
@@ -215,6 +217,7 @@ class EdgeLink:
                         await sink.error("adapter ended without a result")
         finally:
             agent.counters.active_runs -= 1
+            agent.counters.run_ended.unpark_all()
             self.runs.pop(request.run_id, None)
 
 
@@ -300,11 +303,14 @@ class NodeAgent:
         self.draining = True
         for link in list(self.links.values()):
             with trio.move_on_after(1):
-                await link.send(Load(in_flight={}, draining=True))
+                try:
+                    await link.send(Load(in_flight={}, draining=True))
+                except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # that link is gone: its edge has nothing to drain
         log.info("draining", runs=self.counters.active_runs, grace_s=self.config.drain_grace_s)
         with trio.move_on_after(self.config.drain_grace_s):
             while self.counters.active_runs:
-                await trio.sleep(0.05)
+                await self.counters.run_ended.park()
 
     async def _dial_forever(self, url: str) -> None:
         cfg = self.config

@@ -199,7 +199,7 @@ async def main(requests: int, only: str | None) -> int:
                 if only and name != only:
                     continue
                 node_id = f"chaos-{i}"
-                node = await trio.to_thread.run_sync(lambda: stack.node(edge, models, node_id=node_id, **fast))
+                node = await trio.to_thread.run_sync(lambda node_id=node_id: stack.node(edge, models, node_id=node_id, **fast))
                 try:
                     with trio.fail_after(120):
                         if name == "kill-node":

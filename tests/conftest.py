@@ -28,9 +28,9 @@ BOUND = 20  # seconds: the absolute limit for any one wait in a test
 logs.configure("info", json=False, cache=False)  # uncached: tests capture logs
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = BOUND, what: str = "condition") -> None:
-    """Wait (bounded) until ``predicate()`` holds."""
-    with trio.fail_after(timeout):
+async def eventually(predicate: Callable[[], bool], what: str = "condition") -> None:
+    """Wait (bounded by BOUND) until ``predicate()`` holds."""
+    with trio.fail_after(BOUND):
         while not predicate():
             await trio.sleep(0.005)
 

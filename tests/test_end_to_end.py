@@ -6,7 +6,7 @@ import msgspec
 import trio
 
 from scripts.upstream import text_script, words
-from tests.conftest import BOUND, http, settled, sdk, sse_events, sync_sdk
+from tests.conftest import BOUND, http, sdk, settled, sse_events, sync_sdk
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -96,7 +96,7 @@ async def test_session_affinity_holds_across_20_requests(nursery):
     await start_node(nursery, edge, [model("m", ups[1], target="t", max_concurrency=4)], node_id="b")
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            for i in range(20):
+            for _ in range(20):
                 r = await client.post(
                     "/v1/chat/completions",
                     json={"model": "m", "messages": MESSAGES, "max_tokens": 1},

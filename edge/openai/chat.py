@@ -274,10 +274,14 @@ async def collect_validated(
     extra: list[dict[str, Any]] = []
     while True:
         try:
-            result = await turn.run_on(slot, lambda run: collect(turn, run, on_idle=on_idle), metadata=metadata, extra_messages=extra)
+            result = await turn.run_on(
+                slot, lambda run: collect(turn, run, on_idle=on_idle), metadata=metadata, extra_messages=extra
+            )
         except RunFailed as failed:
             if attempt > 1:
-                raise RunFailed(f"the retry failed: {failed.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause=failed.cause) from None
+                raise RunFailed(
+                    f"the retry failed: {failed.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause=failed.cause
+                ) from None
             raise
         if turn.contract is None:
             return result
@@ -296,4 +300,6 @@ async def collect_validated(
         try:
             slot = await turn.acquire()
         except APIError as e:
-            raise RunFailed(f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed") from None
+            raise RunFailed(
+                f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
+            ) from None

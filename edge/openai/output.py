@@ -44,7 +44,12 @@ def usage_out(usage: Usage | None) -> UsageOut:
 
 def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [
-        {"index": i, "id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        {
+            "index": i,
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.function.name, "arguments": c.function.arguments},
+        }
         for i, c in enumerate(calls)
     ]
 

@@ -23,7 +23,7 @@ from edge.errors import APIError
 from edge.openai.exchange import Exchange
 from edge.runs import Run, Want
 from edge.runs.run import CLIENT_GONE, NODE_LOST, TIMEOUT
-from proto import RunEvent, TunnelRequest
+from proto import RunEvent
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -31,7 +31,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.passthrough")
 
 HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"}
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
 )
 _encode = msgspec.json.Encoder().encode
 
@@ -53,7 +62,9 @@ async def passthrough(edge: Edge, ex: Exchange, body: bytes, path: str) -> None:
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), str) or not raw["model"]:
         raise errors.bad_request("Missing required parameter: `model`.", "model")
     model = raw["model"]
-    session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (raw.get("user") if isinstance(raw.get("user"), str) else None)
+    session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (
+        raw.get("user") if isinstance(raw.get("user"), str) else None
+    )
     want = Want(model, session=session or None, tunnel=True)
     slot = await edge.runs.acquire(want)
     raw["model"] = slot.info.target
@@ -95,7 +106,9 @@ async def _relay(ex: Exchange, run: Run) -> None:
                 if not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
                     code = "node_disconnected" if run.cause == NODE_LOST else None
-                    await ex.respond_error(APIError(status, item.text or "tunnel failed", "provider_tunnel_error", code=code))
+                    await ex.respond_error(
+                        APIError(status, item.text or "tunnel failed", "provider_tunnel_error", code=code)
+                    )
                 return  # after the start: cut
             kind = item.kind
             if kind == "body":
@@ -107,14 +120,18 @@ async def _relay(ex: Exchange, run: Run) -> None:
                     await ex.start(item.status or 200, _response_headers(item.headers))
             elif kind == "end":
                 if not ex.started:
-                    await ex.respond_error(APIError(502, "tunnel ended before the provider's response", "provider_tunnel_error"))
+                    await ex.respond_error(
+                        APIError(502, "tunnel ended before the provider's response", "provider_tunnel_error")
+                    )
                     return
                 await ex.finish(b"".join(body))
                 return
             elif kind == "error":
                 await _flush(ex, body)
                 if not ex.started:
-                    await ex.respond_error(APIError(502, item.error or "provider tunnel failed", "provider_tunnel_error"))
+                    await ex.respond_error(
+                        APIError(502, item.error or "provider tunnel failed", "provider_tunnel_error")
+                    )
                 else:
                     log.warning("tunnel error after the response started; cutting it", error=item.error)
                 return

@@ -57,9 +57,7 @@ class Shaper:
         self._live = live
         self._think: ThinkSplitter | None = None
         if live and policy.think_tags != "off":
-            self._think = ThinkSplitter(
-                self._content_out, self._reasoning_out, starts_open=policy.think_tags == "open"
-            )
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=policy.think_tags == "open")
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.content_len = 0

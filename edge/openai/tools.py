@@ -201,7 +201,9 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             text = message.get("content") or ""
             blocks = [
                 "<tool_call>"
-                + _encode({"name": c["function"]["name"], "arguments": _as_json(c["function"].get("arguments"))}).decode()
+                + _encode(
+                    {"name": c["function"]["name"], "arguments": _as_json(c["function"].get("arguments"))}
+                ).decode()
                 + "</tool_call>"
                 for c in message["tool_calls"]
                 if isinstance(c, dict) and isinstance(c.get("function"), dict)

@@ -83,6 +83,7 @@ class RunService:
         self._known: set[str] = {m.name for m in config.models}
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
+        self._run_closed = trio.lowlevel.ParkingLot()
 
     # -- what is served --------------------------------------------------------
 
@@ -350,7 +351,13 @@ class RunService:
         )
         return run
 
+    async def wait_idle(self) -> None:
+        """Return once no run is in flight."""
+        while self.runs:
+            await self._run_closed.park()
+
     def _closed(self, run: Run) -> None:
+        self._run_closed.unpark_all()
         self.runs.pop(run.id, None)
         run.slot.link.forget_run(run.id)
         run.request = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import trio
+
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, Usage
 
@@ -39,6 +41,7 @@ class Counters:
     def __init__(self) -> None:
         self.active_upstream = 0  # open upstream requests (sim runs count too)
         self.active_runs = 0
+        self.run_ended = trio.lowlevel.ParkingLot()  # unparked whenever a run ends
 
 
 def make_adapter(model: ModelConfig, counters: Counters, *, connect_timeout_s: float, read_timeout_s: float) -> Adapter:

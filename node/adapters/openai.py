@@ -123,8 +123,12 @@ class OpenAIAdapter:
         headers.setdefault("content-type", "application/json")
         self.counters.active_upstream += 1
         try:
-            async with self.client.stream(request.method, request.path, content=request.body, headers=headers) as response:
-                await sink.start(response.status_code, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw])
+            async with self.client.stream(
+                request.method, request.path, content=request.body, headers=headers
+            ) as response:
+                await sink.start(
+                    response.status_code, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw]
+                )
                 async for data in response.aiter_raw():
                     await sink.body(data)
                 await sink.end()
