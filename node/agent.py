@@ -117,6 +117,7 @@ class EdgeLink:
         self._pending: list[RunEvent] = []
         self._has_pending = trio.lowlevel.ParkingLot()
         self._drained = trio.lowlevel.ParkingLot()
+        self._sending = False
         self._max_pending = agent.config.max_pending_events
 
     async def emit(self, event: RunEvent) -> None:
@@ -144,7 +145,17 @@ class EdgeLink:
                 await self._has_pending.park()
             batch, self._pending = self._pending, []
             self._drained.unpark_all()
-            await self.ws.send_message(encode_frame(Events(events=batch)))
+            self._sending = True
+            try:
+                await self.ws.send_message(encode_frame(Events(events=batch)))
+            finally:
+                self._sending = False
+                self._drained.unpark_all()
+
+    async def flushed(self) -> None:
+        """Return once every event emitted so far has been sent."""
+        while self._pending or self._sending:
+            await self._drained.park()
 
     async def _ping(self) -> None:
         timeout = self.ping_interval * max(self.agent.config.ping_misses, 1)
@@ -311,6 +322,9 @@ class NodeAgent:
         with trio.move_on_after(self.config.drain_grace_s):
             while self.counters.active_runs:
                 await self.counters.run_ended.park()
+        with trio.move_on_after(2):  # the last events of those runs are still on their way out
+            for link in list(self.links.values()):
+                await link.flushed()
 
     async def _dial_forever(self, url: str) -> None:
         cfg = self.config

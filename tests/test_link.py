@@ -206,3 +206,30 @@ async def test_garbage_frame_closes_the_link(edge):
     with trio.fail_after(BOUND):
         closed = await fake_node(edge, junk, node_id="junk")
     assert closed.reason.code == 4003
+
+
+async def test_node_declares_a_silent_edge_dead_and_redials(nursery):
+    """An edge that accepts the link and then goes silent is declared dead by the node's own
+    pings after ping_interval * ping_misses, and the node dials again."""
+    from trio_websocket import serve_websocket
+
+    from node.agent import NodeAgent
+    from tests.conftest import model, node_config
+
+    dials: list[float] = []
+
+    async def silent_edge(request):
+        ws = await request.accept()
+        await ws.get_message()  # hello
+        dials.append(trio.current_time())
+        await ws.send_message(encode_frame(Welcome(edge_id="silent", protocol=PROTOCOL_VERSION, ping_interval_s=0.2)))
+        await trio.sleep_forever()
+
+    server = await nursery.start(serve_websocket, silent_edge, "127.0.0.1", 0, None)
+    agent = NodeAgent(node_config([f"ws://127.0.0.1:{server.port}/v1/node/link"], [model("m")], ping_misses=3))
+    nursery.start_soon(agent.serve)
+    with trio.fail_after(BOUND):
+        while len(dials) < 2:
+            await trio.sleep(0.01)
+    assert dials[1] - dials[0] >= 0.6  # not before three silent ping intervals
+    nursery.cancel_scope.cancel()

@@ -1,0 +1,68 @@
+"""The `iop` command line as a user runs it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from scripts.stack import free_port
+from tests.conftest import BOUND, write_toml
+
+IOP = [sys.executable, "-m", "iop.cli"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "expected"),
+    [
+        ("edge", {"wait_timeout_s": "soon"}, "wait_timeout_s: expected `float`, got `str`"),
+        ("edge", {"bind": "nowhere"}, "bind: expected HOST:PORT"),
+        ("edge", {"colour": "blue"}, "colour: unknown key"),
+        ("edge", {"models": [{"name": "m", "strict_outptu": True}]}, "models[0].strict_outptu: unknown key"),
+        ("node", {"node_id": "n1", "edges": ["http://x"], "models": [{"name": "m", "adapter": "sim"}]}, "edges[0]: expected a ws://"),
+        ("node", {"node_id": "n1", "edges": ["ws://127.0.0.1:1/v1/node/link"]}, "models: the node serves no model"),
+        ("node", {"node_id": "n1", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "gpu"}]}, "models[0].adapter"),
+    ],
+)
+def test_bad_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):
+    """A bad config file stops `iop edge` / `iop node` at once with one line naming the key."""
+    path = write_toml(tmp_path / f"{kind}.toml", config)
+    result = subprocess.run([*IOP, kind, "--config", path], capture_output=True, text=True, timeout=BOUND)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_demo_serves_the_simulated_model():
+    """`iop demo --bind` starts an edge with a simulated node and prints a curl line that works."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*IOP, "demo", "--bind", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        deadline = time.monotonic() + BOUND
+        printed = ""
+        while "curl" not in printed:
+            assert time.monotonic() < deadline
+            printed += proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1/chat/completions" in printed
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "iop-sim", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5},
+            timeout=BOUND,
+        )
+        assert r.status_code == 200
+        assert len(r.json()["choices"][0]["message"]["content"].split()) == 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(BOUND)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == 0
