@@ -1,7 +1,7 @@
 """Prometheus metrics (``GET /metrics``), one registry per edge.
 
 Names follow what users already graph: vLLM's request/latency histograms
-(``time_to_first_token_seconds``, ``request_time_per_output_token_seconds``,
+(``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds``) and OpenTelemetry's gen_ai server metrics,
 under the ``iop_`` prefix. Nothing here is touched per chunk: runs are
 observed once, when they close.
@@ -49,8 +49,8 @@ class EdgeMetrics:
             registry=r,
         )
         self.tpot = Histogram(
-            "iop_request_time_per_output_token_seconds",
-            "Mean inter-token latency of each run",
+            "iop_inter_token_latency_seconds",
+            "Inter-token latency: each run's mean gap between events, observed once per run",
             ["model"],
             buckets=ITL_BUCKETS,
             registry=r,

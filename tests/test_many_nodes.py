@@ -220,6 +220,13 @@ async def test_passthrough_is_byte_identical(tunnel):
             via_edge = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
             assert via_edge.status_code == 429 and via_edge.content == b'{"error": {"message": "slow down"}}'
 
+            upstream.script_for("emb-target", [("status", 200, b'{"object": "text_completion", "choices": [{"text": "!"}]}')])
+            legacy = {"model": "emb", "prompt": "Say hi", "max_tokens": 3}
+            via_edge = await client.post("/v1/completions", json=legacy)
+            straight = await direct.post(upstream.base_url + "/completions", json={**legacy, "model": "emb-target"})
+            assert via_edge.status_code == 200 and via_edge.content == straight.content
+            assert upstream.records[-1].path == "/v1/completions"
+
             emb = {"model": "emb", "input": ["a", "b"]}
             via_edge = await client.post("/v1/embeddings", json=emb)
             straight = await direct.post(upstream.base_url + "/embeddings", json={**emb, "model": "emb-target"})
