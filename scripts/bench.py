@@ -54,15 +54,20 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-async def ttft(url: str, model: str, n: int) -> list[float]:
+async def ttft(direct_url: str, edge_url: str, model: str, n: int) -> tuple[list[float], list[float]]:
+    """Time to first content chunk, direct and through the edge, alternating
+    request by request so that both see the same machine load."""
     async with httpx.AsyncClient(timeout=60) as client:
-        for _ in range(20):  # warm up connections and code paths
-            await stream_one(client, url, model, 1)
-        out = []
+        for _ in range(100):  # warm up connections and code paths on both sides
+            await stream_one(client, direct_url, model, 1)
+            await stream_one(client, edge_url, model, 1)
+        direct, edge = [], []
         for _ in range(n):
-            first, _ = await stream_one(client, url, model, 4)
-            out.append(first * 1000)
-        return out
+            first, _ = await stream_one(client, direct_url, model, 4)
+            direct.append(first * 1000)
+            first, _ = await stream_one(client, edge_url, model, 4)
+            edge.append(first * 1000)
+        return direct, edge
 
 
 async def throughput(url: str, model: str, concurrency: int, tokens: int) -> tuple[float, int]:
@@ -103,8 +108,7 @@ def main() -> None:
         direct_url = upstream + "/chat/completions"
         edge_url = edge + "/v1/chat/completions"
 
-        direct_ttft = trio.run(ttft, direct_url, "bench", args.ttft_requests)
-        edge_ttft = trio.run(ttft, edge_url, "bench", args.ttft_requests)
+        direct_ttft, edge_ttft = trio.run(ttft, direct_url, edge_url, "bench", args.ttft_requests)
         direct_rate, direct_total = trio.run(throughput, direct_url, "bench", args.concurrency, args.tokens)
         edge_rate, edge_total = trio.run(throughput, edge_url, "bench", args.concurrency, args.tokens)
 
