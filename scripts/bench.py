@@ -103,7 +103,15 @@ def main() -> None:
         edge = stack.edge(max_queue=1000)
         stack.node(
             edge,
-            [{"name": "bench", "adapter": "openai", "target": "bench", "base_url": upstream, "max_concurrency": args.concurrency + 16}],
+            [
+                {
+                    "name": "bench",
+                    "adapter": "openai",
+                    "target": "bench",
+                    "base_url": upstream,
+                    "max_concurrency": args.concurrency + 16,
+                }
+            ],
         )
         direct_url = upstream + "/chat/completions"
         edge_url = edge + "/v1/chat/completions"

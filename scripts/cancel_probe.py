@@ -46,7 +46,10 @@ async def phase_stream(edge: str, up: Upstream, model: str, after_chunks: int) -
     chunks arrived, close the connection. Returns disconnect -> abort in ms."""
     n = len(up.records)
     body = {"model": model, "messages": MESSAGES, "stream": True}
-    async with httpx.AsyncClient(timeout=BOUND) as client, client.stream("POST", edge + "/v1/chat/completions", json=body) as r:
+    async with (
+        httpx.AsyncClient(timeout=BOUND) as client,
+        client.stream("POST", edge + "/v1/chat/completions", json=body) as r,
+    ):
         seen = 0
         with trio.CancelScope() as reading:
             async for line in r.aiter_lines():
@@ -137,9 +140,27 @@ async def probe(edge: str | None, upstream_port: int, rounds: int) -> dict[str, 
                 edge = await trio.to_thread.run_sync(stack.edge)
                 base = up.base_url
                 models = [
-                    {"name": "probe-hang", "adapter": "openai", "target": "probe-hang", "base_url": base, "max_concurrency": 8},
-                    {"name": "probe-drip", "adapter": "openai", "target": "probe-drip", "base_url": base, "max_concurrency": 8},
-                    {"name": "probe-q", "adapter": "openai", "target": "probe-hang", "base_url": base, "max_concurrency": 1},
+                    {
+                        "name": "probe-hang",
+                        "adapter": "openai",
+                        "target": "probe-hang",
+                        "base_url": base,
+                        "max_concurrency": 8,
+                    },
+                    {
+                        "name": "probe-drip",
+                        "adapter": "openai",
+                        "target": "probe-drip",
+                        "base_url": base,
+                        "max_concurrency": 8,
+                    },
+                    {
+                        "name": "probe-q",
+                        "adapter": "openai",
+                        "target": "probe-hang",
+                        "base_url": base,
+                        "max_concurrency": 1,
+                    },
                 ]
                 await trio.to_thread.run_sync(stack.node, edge, models)
             with trio.fail_after(rounds * 4 * BOUND):

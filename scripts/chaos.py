@@ -64,7 +64,9 @@ async def stream_errors(edge: str, n: int, on_streaming) -> tuple[list[str], flo
 
     async def one(client):
         nonlocal started, t_last
-        async with client.stream("POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}) as r:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+        ) as r:
             counted = False
             async for line in r.aiter_lines():
                 if not counted and '"content"' in line:
@@ -110,7 +112,9 @@ async def restart_edge(stack: Stack, up: Upstream, edge: str, port: int, node_id
         nonlocal ok_before, failed
         while not stop.is_set():
             try:
-                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 5})
+                r = await client.post(
+                    "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 5}
+                )
                 ok_before += r.status_code == 200
             except httpx.HTTPError:
                 failed += 1
@@ -134,7 +138,10 @@ async def restart_edge(stack: Stack, up: Upstream, edge: str, port: int, node_id
             r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 5})
             ok_after += r.status_code == 200
     ok = ok_after == 20 and ok_before > 0
-    return ok, f"relinked {relink:.2f} s after restart; {ok_before} ok under load, {failed} cut by the kill, {ok_after}/20 ok after"
+    return (
+        ok,
+        f"relinked {relink:.2f} s after restart; {ok_before} ok under load, {failed} cut by the kill, {ok_after}/20 ok after",
+    )
 
 
 async def abort_clients(stack: Stack, up: Upstream, edge: str, requests: int) -> tuple[bool, str]:
@@ -193,13 +200,17 @@ async def main(requests: int, only: str | None) -> int:
         fast = {"reconnect_min_s": 0.1, "reconnect_max_s": 1.0}
         with Stack() as stack:
             port = free_port()
-            edge = await trio.to_thread.run_sync(lambda: stack.edge(port=port, ping_interval_s=PING_S, ping_misses=MISSES))
+            edge = await trio.to_thread.run_sync(
+                lambda: stack.edge(port=port, ping_interval_s=PING_S, ping_misses=MISSES)
+            )
             scenarios = ["kill-node", "freeze-node", "restart-edge", "abort-clients"]
             for i, name in enumerate(scenarios):
                 if only and name != only:
                     continue
                 node_id = f"chaos-{i}"
-                node = await trio.to_thread.run_sync(lambda node_id=node_id: stack.node(edge, models, node_id=node_id, **fast))
+                node = await trio.to_thread.run_sync(
+                    lambda node_id=node_id: stack.node(edge, models, node_id=node_id, **fast)
+                )
                 try:
                     with trio.fail_after(120):
                         if name == "kill-node":

@@ -70,13 +70,28 @@ class Stack(ExitStack):
         self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(args, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=None if os.environ.get("IOP_STACK_LOGS") else subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=None if os.environ.get("IOP_STACK_LOGS") else subprocess.DEVNULL,
+        )
         self.callback(_kill, proc)
         return proc
 
     def upstream(self, *, tokens: int = 0, interval_ms: float = 0.0, ttft_ms: float = 0.0) -> str:
         port = free_port()
-        args = [sys.executable, "scripts/upstream.py", "--port", str(port), "--interval-ms", str(interval_ms), "--ttft-ms", str(ttft_ms)]
+        args = [
+            sys.executable,
+            "scripts/upstream.py",
+            "--port",
+            str(port),
+            "--interval-ms",
+            str(interval_ms),
+            "--ttft-ms",
+            str(ttft_ms),
+        ]
         if tokens:
             args += ["--tokens", str(tokens)]
         self._spawn(args)

@@ -86,7 +86,9 @@ def text_script(
 
 def default_script(body: dict[str, Any]) -> Script:
     n = body.get("max_tokens") or body.get("max_completion_tokens") or 8
-    return text_script(words(int(n)), usage={"prompt_tokens": 5, "completion_tokens": int(n), "total_tokens": 5 + int(n)})
+    return text_script(
+        words(int(n)), usage={"prompt_tokens": 5, "completion_tokens": int(n), "total_tokens": 5 + int(n)}
+    )
 
 
 class Upstream:
@@ -138,7 +140,9 @@ class Upstream:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _exchange(self, stream, method: str, path: str, headers: dict[str, str], raw_body: bytes) -> tuple[bool, bytes]:
+    async def _exchange(
+        self, stream, method: str, path: str, headers: dict[str, str], raw_body: bytes
+    ) -> tuple[bool, bytes]:
         """Serve one request: (keep the connection, bytes of the next request already read)."""
         try:
             body = msgspec.json.decode(raw_body) if raw_body else None
@@ -187,10 +191,14 @@ class Upstream:
 
     async def _respond(self, stream, rec: Record) -> None:
         if rec.method == "GET" and rec.path.rstrip("/").endswith("/models"):
-            await _send_whole(stream, 200, _encode({"object": "list", "data": [{"id": m, "object": "model"} for m in self.scripts]}))
+            await _send_whole(
+                stream, 200, _encode({"object": "list", "data": [{"id": m, "object": "model"} for m in self.scripts]})
+            )
             return
         if rec.body is None:
-            await _send_whole(stream, 400, _encode({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}))
+            await _send_whole(
+                stream, 400, _encode({"error": {"message": "invalid JSON", "type": "invalid_request_error"}})
+            )
             return
         if rec.path.endswith("/embeddings"):
             inputs = rec.body.get("input")
@@ -213,10 +221,13 @@ class Upstream:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
-        head = b'data: {"id":"chatcmpl-up%d","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,"delta":' % (
-            rec.id,
-            int(time.time()),
-            _encode(model),
+        head = (
+            b'data: {"id":"chatcmpl-up%d","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,"delta":'
+            % (
+                rec.id,
+                int(time.time()),
+                _encode(model),
+            )
         )
         for step in script:
             kind = step[0]
@@ -305,7 +316,13 @@ async def _read_request(stream, buf: bytes):
     return method, path, headers, buf[:length], buf[length:]
 
 
-_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 429: b"Too Many Requests", 500: b"Internal Server Error"}
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    404: b"Not Found",
+    429: b"Too Many Requests",
+    500: b"Internal Server Error",
+}
 
 
 async def _send_whole(stream, status: int, body: bytes) -> None:

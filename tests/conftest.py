@@ -71,7 +71,9 @@ def edge_config(**overrides) -> EdgeConfig:
     return EdgeConfig(**base, models=[m if isinstance(m, ModelPolicy) else ModelPolicy(**m) for m in models])
 
 
-async def start_edge(nursery: trio.Nursery, config: EdgeConfig | None = None, *, bind: str = "127.0.0.1:0") -> EdgeHandle:
+async def start_edge(
+    nursery: trio.Nursery, config: EdgeConfig | None = None, *, bind: str = "127.0.0.1:0"
+) -> EdgeHandle:
     app = create_app(config or edge_config())
     scope = trio.CancelScope()
 
@@ -139,7 +141,9 @@ def _toml_value(value) -> str:
     return msgspec.json.encode(value).decode()
 
 
-async def start_node_process(nursery: trio.Nursery, tmp_path, edge: EdgeHandle, models: list[dict], node_id: str = "p1"):
+async def start_node_process(
+    nursery: trio.Nursery, tmp_path, edge: EdgeHandle, models: list[dict], node_id: str = "p1"
+):
     """An `iop node` OS process (for SIGKILL / SIGSTOP tests)."""
     cfg = write_toml(
         tmp_path / f"{node_id}.toml",

@@ -86,7 +86,9 @@ async def test_disconnect_while_queued_leaves_the_queue(nursery, upstream):
     upstream.script_for("m-target", [("hang",)])
     with trio.fail_after(BOUND):
         async with trio.open_nursery() as clients:
-            clients.start_soon(partial(read_then_leave, edge, STREAM, content_chunks=1, upstream=upstream))  # the only slot
+            clients.start_soon(
+                partial(read_then_leave, edge, STREAM, content_chunks=1, upstream=upstream)
+            )  # the only slot
             await upstream.wait_requests(1)
 
             queued = trio.CancelScope()

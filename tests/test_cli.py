@@ -23,9 +23,17 @@ IOP = [sys.executable, "-m", "iop.cli"]
         ("edge", {"bind": "nowhere"}, "bind: expected HOST:PORT"),
         ("edge", {"colour": "blue"}, "colour: unknown key"),
         ("edge", {"models": [{"name": "m", "strict_outptu": True}]}, "models[0].strict_outptu: unknown key"),
-        ("node", {"node_id": "n1", "edges": ["http://x"], "models": [{"name": "m", "adapter": "sim"}]}, "edges[0]: expected a ws://"),
+        (
+            "node",
+            {"node_id": "n1", "edges": ["http://x"], "models": [{"name": "m", "adapter": "sim"}]},
+            "edges[0]: expected a ws://",
+        ),
         ("node", {"node_id": "n1", "edges": ["ws://127.0.0.1:1/v1/node/link"]}, "models: the node serves no model"),
-        ("node", {"node_id": "n1", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "gpu"}]}, "models[0].adapter"),
+        (
+            "node",
+            {"node_id": "n1", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "gpu"}]},
+            "models[0].adapter",
+        ),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):

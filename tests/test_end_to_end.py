@@ -13,7 +13,9 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 async def test_stream_arrives_whole_and_in_order(edge, node, upstream):
     """A streamed completion arrives whole and in order through the OpenAI SDK's own stream parser."""
-    upstream.script_for("m-target", text_script(words(50), usage={"prompt_tokens": 3, "completion_tokens": 50, "total_tokens": 53}))
+    upstream.script_for(
+        "m-target", text_script(words(50), usage={"prompt_tokens": 3, "completion_tokens": 50, "total_tokens": 53})
+    )
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
             stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
@@ -36,7 +38,9 @@ async def test_raw_stream_ends_with_done(edge, node, upstream):
     """The SSE body is `data:` chunks ending in `data: [DONE]`, with SSE headers."""
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 3})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 3}
+            )
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["cache-control"] == "no-cache"

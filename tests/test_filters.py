@@ -17,7 +17,25 @@ _REFERENCE = re.compile("|".join(re.escape(s) for s in sorted(SENTINELS, key=len
 # Text made of sentinel pieces, tag pieces and ordinary characters, so that
 # partial and complete tokens show up often.
 fragments = st.sampled_from(
-    ["<|im_end|>", "<|im_", "end|>", "<|", "|>", "<think>", "</think>", "<thi", "nk>", "</", "<", "a", "b c", " ", "\n", "</s>", "ü"]
+    [
+        "<|im_end|>",
+        "<|im_",
+        "end|>",
+        "<|",
+        "|>",
+        "<think>",
+        "</think>",
+        "<thi",
+        "nk>",
+        "</",
+        "<",
+        "a",
+        "b c",
+        " ",
+        "\n",
+        "</s>",
+        "ü",
+    ]
 )
 texts = st.lists(fragments, max_size=30).map("".join)
 

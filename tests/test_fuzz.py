@@ -17,8 +17,14 @@ from hypothesis import strategies as st
 
 from scripts.stack import TOKEN, free_port, write_toml
 
-json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=20)
+json_scalars = (
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20,
+)
 messages = st.lists(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard", 3])},
@@ -46,14 +52,25 @@ requests = st.fixed_dictionaries(
 def edge_url(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     port = free_port()
-    edge_cfg = write_toml(tmp / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "max_body_bytes": 65536})
+    edge_cfg = write_toml(
+        tmp / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "max_body_bytes": 65536}
+    )
     node_cfg = write_toml(
         tmp / "node.toml",
         {
             "node_id": "fuzz",
             "edges": [f"ws://127.0.0.1:{port}/v1/node/link"],
             "token": TOKEN,
-            "models": [{"name": "iop-sim", "adapter": "sim", "ttft_ms": 0, "tokens_per_s": 0, "sim_tokens": 3, "max_concurrency": 8}],
+            "models": [
+                {
+                    "name": "iop-sim",
+                    "adapter": "sim",
+                    "ttft_ms": 0,
+                    "tokens_per_s": 0,
+                    "sim_tokens": 3,
+                    "max_concurrency": 8,
+                }
+            ],
         },
     )
     env = {**os.environ, "IOP_LOG_LEVEL": "error"}
@@ -85,18 +102,24 @@ def check_reply(r: httpx.Response) -> None:
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=requests)
 def test_hostile_json_bodies(edge_url, body):
     """Random JSON request bodies get a completion or a 4xx OpenAI-shaped error."""
     with httpx.Client(base_url=edge_url, timeout=20) as client:
-        r = client.post("/v1/chat/completions", content=msgspec.json.encode(body), headers={"content-type": "application/json"})
+        r = client.post(
+            "/v1/chat/completions", content=msgspec.json.encode(body), headers={"content-type": "application/json"}
+        )
         check_reply(r)
         if r.status_code == 200 and body.get("stream") is True:
             assert r.content.endswith(b"data: [DONE]\n\n")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(raw=st.binary(max_size=300), path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]))
 def test_hostile_bytes(edge_url, raw, path):
     """Arbitrary bytes on the POST routes are refused cleanly."""
@@ -112,4 +135,9 @@ def test_oversized_and_odd_requests(edge_url):
         assert r.status_code == 413
         check_reply(client.get("/v1/chat/completions"))
         check_reply(client.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}))
-        check_reply(client.post("/v1/chat/completions", content=b'{"model": "iop-sim", "messages": [{"role": "user", "content": "\\ud800"}]}'))
+        check_reply(
+            client.post(
+                "/v1/chat/completions",
+                content=b'{"model": "iop-sim", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            )
+        )

@@ -86,7 +86,9 @@ async def fake_node(edge, script, node_id="fake", token=TOKEN):
     stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
     try:
         async with trio.open_nursery() as ws_nursery:
-            ws = await wrap_client_stream(ws_nursery, stream, f"127.0.0.1:{edge.port}", "/v1/node/link", extra_headers=headers)
+            ws = await wrap_client_stream(
+                ws_nursery, stream, f"127.0.0.1:{edge.port}", "/v1/node/link", extra_headers=headers
+            )
             try:
                 return await script(ws)
             finally:
@@ -106,7 +108,11 @@ async def closed_by_edge(ws) -> ConnectionClosed:
 
 def hello(node_id="fake", protocol=PROTOCOL_VERSION):
     return encode_frame(
-        Hello(node_id=node_id, protocol=protocol, models=[ModelInfo(name="m", adapter="sim", target="t", max_concurrency=2)])
+        Hello(
+            node_id=node_id,
+            protocol=protocol,
+            models=[ModelInfo(name="m", adapter="sim", target="t", max_concurrency=2)],
+        )
     )
 
 

@@ -106,7 +106,9 @@ async def test_session_affinity_holds_across_20_requests(nursery):
             counts = sorted([len(ups[0].records), len(ups[1].records)])
             assert counts == [0, 20]
             for _ in range(20):
-                await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 1, "user": "alice"})
+                await client.post(
+                    "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": 1, "user": "alice"}
+                )
     by_user = [sum(1 for r in up.records if r.body.get("user") == "alice") for up in ups]
     assert sorted(by_user) == [0, 20]
     await settled(edge)
@@ -121,12 +123,16 @@ async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery
     long_prompt = [{"role": "user", "content": "word " * 1000}]  # ~1250 tokens by the estimate
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 1000})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 1000}
+            )
             assert r.status_code == 400
             assert r.json()["error"]["code"] == "context_length_exceeded"
             assert upstream.records == []
             for _ in range(3):
-                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 10})
+                r = await client.post(
+                    "/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 10}
+                )
                 assert r.status_code == 200
     assert {rec.body["model"] for rec in upstream.records} == {"big"}
 
@@ -137,14 +143,20 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
     slow.script_for("t", [("hang",)])
     edge = await start_edge(nursery)
     proc = await start_node_process(
-        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url}], node_id="doomed"
+        nursery,
+        tmp_path,
+        edge,
+        [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url}],
+        node_id="doomed",
     )
     with trio.fail_after(BOUND):
         async with http(edge) as client, trio.open_nursery() as clients:
             result: list[httpx.Response] = []
 
             async def ask():
-                result.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}))
+                result.append(
+                    await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
+                )
 
             clients.start_soon(ask)
             await slow.wait_requests(1)
@@ -162,12 +174,19 @@ async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upst
     upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))
     edge = await start_edge(nursery)
     proc = await start_node_process(
-        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url}], node_id="d"
+        nursery,
+        tmp_path,
+        edge,
+        [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url}],
+        node_id="d",
     )
     with trio.fail_after(BOUND):
-        async with http(edge) as client, client.stream(
-            "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
-        ) as r:
+        async with (
+            http(edge) as client,
+            client.stream(
+                "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+            ) as r,
+        ):
             await upstream.wait_requests(1)
             proc.send_signal(signal.SIGTERM)
             await eventually(lambda: "d" not in edge.edge.runs.links or edge.edge.runs.links["d"].draining)
@@ -185,7 +204,10 @@ async def tunnel(nursery, upstream):
     node = await start_node(
         nursery,
         edge,
-        [model("raw", upstream, target="raw-target", passthrough=True), model("emb", upstream, target="emb-target", passthrough=True)],
+        [
+            model("raw", upstream, target="raw-target", passthrough=True),
+            model("emb", upstream, target="emb-target", passthrough=True),
+        ],
     )
     yield edge, upstream
     await settled(edge, node.agent)
@@ -220,7 +242,9 @@ async def test_passthrough_is_byte_identical(tunnel):
             via_edge = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
             assert via_edge.status_code == 429 and via_edge.content == b'{"error": {"message": "slow down"}}'
 
-            upstream.script_for("emb-target", [("status", 200, b'{"object": "text_completion", "choices": [{"text": "!"}]}')])
+            upstream.script_for(
+                "emb-target", [("status", 200, b'{"object": "text_completion", "choices": [{"text": "!"}]}')]
+            )
             legacy = {"model": "emb", "prompt": "Say hi", "max_tokens": 3}
             via_edge = await client.post("/v1/completions", json=legacy)
             straight = await direct.post(upstream.base_url + "/completions", json={**legacy, "model": "emb-target"})
@@ -239,9 +263,12 @@ async def test_passthrough_cancels_on_disconnect(tunnel):
     edge, upstream = tunnel
     upstream.script_for("raw-target", [("raw", SSE_BYTES[0]), ("hang",)])
     with trio.fail_after(BOUND):
-        async with http(edge) as client, client.stream(
-            "POST", "/v1/chat/completions", json={"model": "raw", "messages": MESSAGES, "stream": True}
-        ) as r:
+        async with (
+            http(edge) as client,
+            client.stream(
+                "POST", "/v1/chat/completions", json={"model": "raw", "messages": MESSAGES, "stream": True}
+            ) as r,
+        ):
             with trio.CancelScope() as reading:
                 async for _ in r.aiter_raw():
                     reading.cancel()

@@ -46,7 +46,11 @@ async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-one"}):
-                for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/v1/embeddings")):
+                for method, path in (
+                    ("POST", "/v1/chat/completions"),
+                    ("GET", "/v1/models"),
+                    ("POST", "/v1/embeddings"),
+                ):
                     r = await client.request(method, path, json=BODY, headers=headers)
                     assert r.status_code == 401, (path, headers)
                     assert r.json()["error"]["type"] == "authentication_error"
@@ -236,14 +240,20 @@ async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
     from tests.conftest import node_config
 
     app = create_app(edge_config())
-    url = await nursery.start(lambda task_status: serve_edge(app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile), task_status=task_status))
+    url = await nursery.start(
+        lambda task_status: serve_edge(
+            app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile), task_status=task_status
+        )
+    )
     assert url.startswith("https://")
     link = url.replace("https", "wss", 1) + "/v1/node/link"
     agent = NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile)))
     nursery.start_soon(agent.serve)
     await eventually(lambda: "n1" in edge_of(app).runs.links)
     with trio.fail_after(BOUND):
-        async with httpx.AsyncClient(base_url=url, verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as client:
+        async with httpx.AsyncClient(
+            base_url=url, verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND
+        ) as client:
             r = await client.post("/v1/chat/completions", json=BODY)
     assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
 
@@ -265,9 +275,10 @@ async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
         nursery.start_soon(agent.serve)
         await _ready(url)
         with trio.fail_after(BOUND):
-            async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client, client.stream(
-                "POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}
-            ) as r:
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
+                client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
+            ):
                 await upstream.wait_requests(1)
                 proc.send_signal(signal.SIGTERM)
                 async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:

@@ -88,7 +88,9 @@ async def test_request_can_turn_reasoning_off(shaped, off):
     with trio.fail_after(BOUND):
         chunks, raw = await stream_raw(edge, model="plain", **off)
         async with http(edge) as client:
-            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, **off})).json()
+            whole = (
+                await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, **off})
+            ).json()
     assert b"secret" not in raw
     assert joined(chunks, "content") == "answer"
     assert "reasoning_content" not in whole["choices"][0]["message"]
@@ -98,7 +100,9 @@ async def test_request_can_turn_reasoning_off(shaped, off):
 async def test_think_tags_split_across_deltas_become_reasoning(shaped):
     """<think>…</think> in content moves to reasoning even when the tags are split across deltas."""
     edge, upstream = shaped
-    upstream.script_for("t", script({"content": "<thi"}, {"content": "nk>plan"}, {"content": " more</th"}, {"content": "ink>Answer"}))
+    upstream.script_for(
+        "t", script({"content": "<thi"}, {"content": "nk>plan"}, {"content": " more</th"}, {"content": "ink>Answer"})
+    )
     with trio.fail_after(BOUND):
         chunks, _ = await stream_raw(edge, model="plain")
         async with http(edge) as client:
@@ -128,7 +132,13 @@ async def test_sentinels_split_across_deltas_are_removed(shaped):
     edge, upstream = shaped
     upstream.script_for(
         "t",
-        script({"reasoning_content": "r<|eot"}, {"reasoning_content": "_id|>"}, {"content": "Hello<|im_"}, {"content": "end|> x<|cus"}, {"content": "tom|>"}),
+        script(
+            {"reasoning_content": "r<|eot"},
+            {"reasoning_content": "_id|>"},
+            {"content": "Hello<|im_"},
+            {"content": "end|> x<|cus"},
+            {"content": "tom|>"},
+        ),
     )
     with trio.fail_after(BOUND):
         chunks, _ = await stream_raw(edge, model="custom")
@@ -146,7 +156,11 @@ async def test_reasoning_only_run_gets_fallback_content(shaped):
         hidden, _ = await stream_raw(edge, model="plain", include_reasoning=False)
         strict, _ = await stream_raw(edge, model="strict")
         async with http(edge) as client:
-            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, "include_reasoning": False})).json()
+            whole = (
+                await client.post(
+                    "/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, "include_reasoning": False}
+                )
+            ).json()
     assert joined(shown, "content") == "only thoughts"
     notice = joined(hidden, "content")
     assert "hidden reasoning" in notice and "length" in notice
@@ -159,7 +173,9 @@ async def test_reasoning_only_run_gets_fallback_content(shaped):
 async def test_strict_without_buffer_streams_content_live_and_hides_reasoning(shaped):
     """strict_output alone: reasoning never leaves the edge; content still streams delta by delta."""
     edge, upstream = shaped
-    upstream.script_for("t", script({"reasoning_content": "secret"}, {"content": "a"}, {"content": "b"}, {"content": "c"}))
+    upstream.script_for(
+        "t", script({"reasoning_content": "secret"}, {"content": "a"}, {"content": "b"}, {"content": "c"})
+    )
     with trio.fail_after(BOUND):
         chunks, raw = await stream_raw(edge, model="strict")
     assert b"secret" not in raw
@@ -240,7 +256,11 @@ async def test_trace_logs_each_chunk_and_a_summary(shaped):
         await stream_raw(edge, model="plain")
         await eventually(lambda: sum(e["event"] == "chat completion stream closed" for e in logs) == 2)
     chunks = [e for e in logs if e["event"] == "chat completion stream output chunk"]
-    assert [(e["seq"], e["type"], e["delta_len"]) for e in chunks] == [(1, "content", 1), (2, "content", 1), (3, "finish", 0)]
+    assert [(e["seq"], e["type"], e["delta_len"]) for e in chunks] == [
+        (1, "content", 1),
+        (2, "content", 1),
+        (3, "finish", 0),
+    ]
     assert chunks[0]["run_id"] == chunks[-1]["run_id"]
     assert [e["source_len"] for e in logs if e["event"] == "chat completion stream output filtered"] == [11]
     summaries = [e for e in logs if e["event"] == "chat completion stream closed"]

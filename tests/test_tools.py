@@ -31,9 +31,7 @@ TOOLS = [WEATHER, TIME]
 
 @pytest.fixture
 async def tooled(nursery, upstream):
-    edge = await start_edge(
-        nursery, edge_config(models=[{"name": "live", "tool_stream": "live"}], keepalive_s=0.2)
-    )
+    edge = await start_edge(nursery, edge_config(models=[{"name": "live", "tool_stream": "live"}], keepalive_s=0.2))
     node = await start_node(
         nursery,
         edge,
@@ -48,7 +46,9 @@ async def tooled(nursery, upstream):
 
 
 def native_call(index, call_id, name, *arg_parts):
-    first = {"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+    first = {
+        "tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]
+    }
     rest = [{"tool_calls": [{"index": index, "function": {"arguments": part}}]} for part in arg_parts]
     return [first, *rest]
 
@@ -79,7 +79,10 @@ async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
             whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert [d.index for d in deltas] == [0, 1]
-    assert [(d.id, d.type, d.function.name) for d in deltas] == [("call_a", "function", "get_weather"), ("call_b", "function", "get_weather")]
+    assert [(d.id, d.type, d.function.name) for d in deltas] == [
+        ("call_a", "function", "get_weather"),
+        ("call_b", "function", "get_weather"),
+    ]
     assert [json.loads(d.function.arguments) for d in deltas] == [{"city": "Paris"}, {"city": "Rome"}]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     calls = whole.choices[0].message.tool_calls
@@ -110,14 +113,20 @@ async def test_tool_call_tag_split_across_deltas(tooled):
     """A tag split across deltas (<tool_ca + ll>) is still a call, and no markup reaches the client."""
     edge, upstream = tooled
     call = text_call("get_weather", {"city": "Rome"})
-    upstream.script_for("t", steps({"content": "On it "}, {"content": call[:8]}, {"content": call[8:30]}, {"content": call[30:]}))
+    upstream.script_for(
+        "t", steps({"content": "On it "}, {"content": call[:8]}, {"content": call[8:30]}, {"content": call[30:]})
+    )
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
     assert b"tool_call>" not in r.content and b"<tool_ca" not in r.content
     chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
     calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", {"city": "Rome"})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Rome"})
+    ]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "On it"
 
 
@@ -147,7 +156,9 @@ async def test_invalid_arguments_are_retried_with_a_corrective_message(tooled):
     upstream.script_for("t", bad_then_good({"town": "Paris"}, {"city": "Paris"}))
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
     chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
     calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
@@ -165,14 +176,18 @@ async def test_invalid_twice_is_a_tool_validation_error(tooled):
     upstream.script_for("t", steps({"content": text_call("get_weather", {"city": 3})}))
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
             events = sse_events(r.content)
             assert events[-1] == b"[DONE]"
             err = msgspec.json.decode(events[-2])["error"]
             assert err["type"] == "tool_validation_error" and "get_weather" in err["message"]
             assert not any(b"tool_calls" in e for e in events)
             assert len(upstream.records) == 2
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS}
+            )
     assert r.status_code == 502
     assert r.json()["error"]["type"] == "tool_validation_error"
     assert len(upstream.records) == 4
@@ -198,18 +213,21 @@ async def test_tool_choice_required_and_named(tooled):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             r = await client.post(
-                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+                "/v1/chat/completions",
+                json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"},
             )
             assert r.status_code == 502 and "requires a call" in r.json()["error"]["message"]
             upstream.script_for("t", steps({"content": text_call("get_time", {})}))
             named = {"type": "function", "function": {"name": "get_weather"}}
             r = await client.post(
-                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": named}
+                "/v1/chat/completions",
+                json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": named},
             )
             assert r.status_code == 502 and "requires `get_weather`" in r.json()["error"]["message"]
             upstream.script_for("t", steps({"content": text_call("get_weather", {"city": "Oslo"})}))
             r = await client.post(
-                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": named}
+                "/v1/chat/completions",
+                json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": named},
             )
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -222,7 +240,8 @@ async def test_tool_choice_none_accepts_text(tooled):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             r = await client.post(
-                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}
+                "/v1/chat/completions",
+                json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"},
             )
     assert r.json()["choices"][0]["message"]["content"] == "No tools needed."
 
@@ -234,7 +253,17 @@ async def test_model_without_native_tools_gets_tools_in_its_prompt(tooled):
     upstream.script_for("t", steps({"content": text_call("get_weather", {"city": "Rome"})}))
     history = [
         *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C sunny"},
     ]
     with trio.fail_after(BOUND):
@@ -259,17 +288,26 @@ async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
     """tool_stream = "live": content streams as it comes, the call arrives at the end; an invalid
     call after content was sent is an SSE tool_validation_error, with no retry."""
     edge, upstream = tooled
-    upstream.script_for("t", steps({"content": "Checking "}, {"content": "now. <tool_"}, {"content": "call>" + text_call("get_time", {})[11:]}))
+    upstream.script_for(
+        "t",
+        steps(
+            {"content": "Checking "}, {"content": "now. <tool_"}, {"content": "call>" + text_call("get_time", {})[11:]}
+        ),
+    )
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
             chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
             contents = [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"][0]["delta"].get("content")]
             assert contents == ["Checking", " now."]
             calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
             assert [c["function"]["name"] for c in calls] == ["get_time"]
             upstream.script_for("t", steps({"content": "Sure "}, {"content": text_call("get_weather", {})}))
-            r = await client.post("/v1/chat/completions", json={"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
     events = sse_events(r.content)
     assert msgspec.json.decode(events[1])["choices"][0]["delta"]["content"] == "Sure"
     assert msgspec.json.decode(events[-2])["error"]["type"] == "tool_validation_error"
@@ -282,7 +320,9 @@ async def test_bad_tool_schema_is_a_400(tooled):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [bad]})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [bad]}
+            )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert upstream.records == []
 
@@ -299,7 +339,9 @@ async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):
     upstream.script_for("t", script)
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
     err = msgspec.json.decode(sse_events(r.content)[-2])["error"]
     assert err["type"] == "tool_validation_retry_error" and "model crashed" in err["message"]
 
@@ -310,6 +352,8 @@ async def test_keep_alive_flows_while_a_tool_stream_is_buffered(tooled):
     upstream.script_for("t", [("sleep", 0.7), *steps({"content": text_call("get_time", {})})])
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            )
     assert r.content.startswith(b": keep-alive\n\n: keep-alive\n\n")
     assert b'"get_time"' in r.content
