@@ -58,6 +58,14 @@ async def test_unknown_model_is_404_model_not_found(edge, node):
     assert caught.value.code == "model_not_found"
 
 
+async def test_any_model_is_503_while_no_node_is_linked(edge):
+    """With no node linked at all, the edge cannot tell a model from a typo: 503, not 404."""
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "anything", "messages": MESSAGES})
+    assert_openai_error(r, 503, code="no_node_available")
+
+
 async def test_configured_model_with_no_node_is_503(nursery):
     """A model the edge knows (configured) with no node linked is a 503, not a 404."""
     edge = await start_edge(nursery, edge_config(models=[{"name": "later"}]))

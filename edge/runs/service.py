@@ -236,7 +236,8 @@ class RunService:
         model = want.model
         serving = self._serving(model)
         if not serving:
-            if model in self._known:
+            # With no node linked at all the edge cannot tell what exists: 503.
+            if model in self._known or not self.links:
                 raise errors.no_node(model)
             raise errors.model_not_found(model)
         if not any(want.fits(link) for link in serving):
