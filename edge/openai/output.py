@@ -10,13 +10,13 @@ import structlog
 import trio
 
 from edge.errors import APIError, RunFailed
-from edge.openai.chat import Collected, Turn, collect_validated, failure
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage, UsageOut
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
 from edge.openai.tools import ToolTextFilter, new_call_id, parse_text_tool_calls
 from edge.openai.trace import StreamTrace, trace_enabled
+from edge.openai.turn import Collected, Turn, collect_validated, failure
 from edge.runs import Run, Slot
 from edge.runs.run import NODE_LOST, SLOW_CLIENT, TIMEOUT
 from proto import RunEvent, ToolCall, Usage

@@ -1,0 +1,245 @@
+"""A chat completion request across the runs it takes, and collecting runs.
+
+:class:`Turn` holds one request; :meth:`Turn.run_on` starts a run and
+consumes it inside a nursery that also enforces the run's timers, closing the
+run on the way out whatever happens. :func:`collect_validated` reads whole
+runs and retries those whose tool calls fail validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+import structlog
+import trio
+
+from edge.errors import APIError, RunFailed
+from edge.openai.exchange import Exchange
+from edge.openai.request import context_class, estimate_input_tokens
+from edge.openai.schema import ChatRequest
+from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
+from edge.openai.tools import ToolContract, corrective_message, new_call_id, parse_text_tool_calls, text_tools_request
+from edge.openai.trace import TRACE_METADATA_KEY
+from edge.runs import Run, Slot, Want
+from edge.runs.run import CLIENT_GONE
+from proto import RunEvent, ToolCall, Usage
+from proto.frames import COMPLETE, DELTA, REASONING_DELTA
+
+if TYPE_CHECKING:
+    from edge.app import Edge
+
+log = structlog.get_logger("iop.edge.chat")
+T = TypeVar("T")
+
+TOOL_VALIDATION_ERROR = "tool_validation_error"
+TOOL_VALIDATION_RETRY_ERROR = "tool_validation_retry_error"
+
+
+class Turn:
+    """One chat completion request, across the runs it takes (tool retries)."""
+
+    def __init__(self, edge: Edge, ex: Exchange, req: ChatRequest, forward: dict[str, Any]) -> None:
+        self.edge = edge
+        self.ex = ex
+        self.req = req
+        self.forward = forward
+        self.policy = edge.config.policy(req.model)
+        self.stream = bool(req.stream)
+        self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or req.user
+        self.contract = ToolContract(req) if req.tools else None
+        self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
+        user_meta = forward.get("metadata")
+        if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta:
+            self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
+        self.estimate = estimate_input_tokens(req)
+        self.metadata["estimated_input_tokens"] = str(self.estimate)
+        self.metadata["context_class"] = context_class(self.estimate)
+        limit = req.max_completion_tokens or req.max_tokens or 0
+        self.want = Want(req.model, session=self.session or None, min_context=self.estimate + limit if limit else 0)
+        self.last_run: Run | None = None
+        self.node_id = ""
+        self.outcome: str | None = None
+        self.usage: Usage | None = None  # set when the client got an error the run's cause does not tell
+
+    @property
+    def buffered(self) -> bool:
+        """Collect the whole run before the client sees anything."""
+        if self.contract is not None and self.policy.tool_stream != "live":
+            return True
+        return self.policy.strict_output and self.policy.stream_buffer
+
+    async def acquire(self) -> Slot:
+        edge = self.edge
+        queued_at = trio.current_time()
+        slot = await edge.runs.acquire(self.want)
+        edge.metrics.queue_time.labels(self.req.model).observe(trio.current_time() - queued_at)
+        self.node_id = slot.link.node_id
+        return slot
+
+    def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> dict[str, Any]:
+        request = self.forward
+        if extra_messages:
+            request = {**request, "messages": [*request["messages"], *extra_messages]}
+        if self.req.tools and not slot.info.native_tools:
+            request = text_tools_request(request)
+        return request
+
+    async def run_on(
+        self,
+        slot: Slot,
+        consume: Callable[[Run], Awaitable[T]],
+        *,
+        metadata: dict[str, str] | None = None,
+        extra_messages: list[dict[str, Any]] | None = None,
+    ) -> T:
+        """Start a run on ``slot`` and ``consume`` it inside a nursery that also
+        enforces its timers. Whatever happens, the run is closed on the way out."""
+        run = self.edge.runs.start(
+            slot, self.request_for(slot, extra_messages or []), want=self.want, metadata=metadata or self.metadata
+        )
+        self.last_run = run
+        structlog.contextvars.bind_contextvars(run_id=run.id)
+        error: Exception | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run.enforce_timeouts)
+                try:
+                    result = await consume(run)
+                except Exception as e:  # raised below, unwrapped; Cancelled passes through
+                    error = e
+                nursery.cancel_scope.cancel()
+        finally:
+            # In a cancelled scope here means the client left (or the edge is
+            # shutting down): say so when the run is cancelled on the node.
+            gone = trio.current_effective_deadline() == -math.inf
+            run.close(CLIENT_GONE if gone else "abandoned")
+        if error is not None:
+            raise error
+        return result
+
+
+# -- collecting a whole run ----------------------------------------------------
+
+
+class Collected(msgspec.Struct):
+    content: str
+    reasoning: str | None
+    finish_reason: str
+    tool_calls: list[ToolCall] | None
+    usage: Usage | None
+    normalized: bool = False
+    tool_error: str = ""  # a tool call block that could not be read
+
+
+def failure(event: RunEvent, run: Run) -> RunFailed:
+    message = event.text or ("run cancelled" if event.type == "cancelled" else "run failed")
+    return RunFailed(message, cause=run.cause or "run_error", status=event.status)
+
+
+async def collect(turn: Turn, run: Run, *, on_idle: Callable[[], Awaitable[None]] | None = None) -> Collected:
+    """Read the run to its end. Raises :class:`RunFailed` if it fails."""
+    shaper = Shaper(turn.policy, include_reasoning=turn.req.reasoning_included(), live=False)
+    keepalive = turn.edge.config.keepalive_s
+    while True:
+        if on_idle is None:
+            batch = await run.next_batch()
+        else:
+            batch = None
+            with trio.move_on_after(keepalive):
+                batch = await run.next_batch()
+            if batch is None:
+                await on_idle()
+                continue
+        for event in batch:
+            kind = event.type
+            if kind == DELTA:
+                shaper.content(event.text)
+            elif kind == REASONING_DELTA:
+                shaper.reasoning(event.text)
+            elif kind == COMPLETE:
+                shaper.finish()
+                turn.usage = event.usage
+                return _finish(turn, shaper, event)
+            else:
+                raise failure(event, run)
+
+
+def _finish(turn: Turn, shaper: Shaper, event: RunEvent) -> Collected:
+    policy = turn.policy
+    finish_reason = event.finish_reason or "stop"
+    content = shaper.content_text
+    tool_calls = event.tool_calls or None
+    tool_error = ""
+    if tool_calls:
+        for call in tool_calls:
+            if not call.id:
+                call.id = new_call_id()
+    elif turn.contract is not None:
+        parsed = parse_text_tool_calls(content)
+        if parsed.candidate:
+            content = parsed.content
+            tool_calls = parsed.calls or None
+            tool_error = parsed.error
+    if tool_calls:
+        finish_reason = "tool_calls"
+    normalized = False
+    if policy.strict_output and policy.xml_completion_tool and not tool_calls:
+        if not holds_xml_tool_use(content, policy.xml_completion_tool):
+            content = wrap_in_completion_tool(content, policy.xml_completion_tool)
+            normalized = True
+    fallback = shaper.fallback(finish_reason, bool(tool_calls))
+    if fallback:
+        content = fallback
+    reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
+    return Collected(content, reasoning, finish_reason, tool_calls, event.usage, normalized, tool_error)
+
+
+async def collect_validated(
+    turn: Turn, slot: Slot, *, on_idle: Callable[[], Awaitable[None]] | None = None
+) -> Collected:
+    """Collect a run; if its tool calls are invalid, retry as a new run (attempt
+    metadata, a corrective message) up to the configured bound.
+
+    Raises :class:`RunFailed`: the run's own failure, ``tool_validation_error``
+    when attempts run out, ``tool_validation_retry_error`` when a retry fails.
+    """
+    edge = turn.edge
+    policy = turn.policy
+    max_attempts = policy.max_tool_attempts or edge.config.max_tool_attempts
+    attempt = 1
+    metadata = turn.metadata
+    extra: list[dict[str, Any]] = []
+    while True:
+        try:
+            result = await turn.run_on(
+                slot, lambda run: collect(turn, run, on_idle=on_idle), metadata=metadata, extra_messages=extra
+            )
+        except RunFailed as failed:
+            if attempt > 1:
+                raise RunFailed(
+                    f"the retry failed: {failed.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause=failed.cause
+                ) from None
+            raise
+        if turn.contract is None:
+            return result
+        reason = result.tool_error or turn.contract.validate(result.tool_calls)
+        if not reason:
+            return result
+        failed_run = turn.last_run.id if turn.last_run else ""
+        if attempt >= max_attempts:
+            log.warning("tool validation failed", attempt=attempt, reason=reason)
+            raise RunFailed(reason, type=TOOL_VALIDATION_ERROR, cause="tool_validation")
+        attempt += 1
+        edge.metrics.tool_retries.labels(turn.req.model).inc()
+        log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, reason=reason)
+        metadata = {**turn.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
+        extra = [corrective_message(reason, result.tool_calls, result.content)]
+        try:
+            slot = await turn.acquire()
+        except APIError as e:
+            raise RunFailed(
+                f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
+            ) from None
