@@ -178,6 +178,8 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = host == "localhost"
+        if not config.node_token and not config.node_tokens:
+            log.warning("no node_token or node_tokens configured: no node can link to this edge")
         if not loopback and not config.api_keys:
             log.warning(
                 "EDGE IS OPEN: bound to a non-loopback address with no api_keys; anyone who can reach it can use it",

@@ -50,7 +50,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # trio.Cancelled and KeyboardInterrupt are not Exceptions
+        os_error = _os_error(e)
+        if os_error is None:
+            raise
+        print(f"iop {args.command}: cannot start: {os_error.strerror or os_error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError at the root of ``exc`` (nurseries wrap what their tasks raise)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None
 
 
 async def _wait_for_signal(event: trio.Event) -> None:
