@@ -74,3 +74,19 @@ def test_demo_serves_the_simulated_model():
             proc.wait()
         proc.stdout.close()
     assert proc.returncode == 0
+
+
+def test_busy_address_is_one_line():
+    """An address already in use stops `iop edge` with one line, not a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [*IOP, "edge", "--bind", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=BOUND
+        )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == "iop edge: cannot start: Address already in use"
+    assert "Traceback" not in result.stderr
