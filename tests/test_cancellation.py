@@ -172,3 +172,22 @@ async def test_client_that_stops_reading_gets_its_run_cancelled(nursery, upstrea
 async def node_settled(node) -> None:
     while node.agent.counters.active_upstream:
         await trio.sleep(0.005)
+
+
+async def test_disconnect_while_a_tool_stream_is_buffered_aborts_upstream(edge, node, upstream):
+    """A request with tools is collected before the client sees anything; leaving then still cancels it."""
+    upstream.script_for("m-target", tokens_then_hang(2))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+
+            async def client():
+                async with http(edge) as c:
+                    await c.post("/v1/chat/completions", json={**STREAM, "tools": tools})
+
+            nursery.start_soon(client)
+            (rec,) = await upstream.wait_requests(1)
+            nursery.cancel_scope.cancel()
+        await rec.finished.wait()
+    assert rec.aborted
+    await settled(edge, node.agent)
