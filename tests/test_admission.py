@@ -105,3 +105,20 @@ async def test_context_and_unknown_models_are_refused_at_once(autojump_clock):
         await runs.acquire(Want("m", min_context=5000))
     assert too_long.value.code == "context_length_exceeded"
     assert trio.current_time() == 0
+
+
+async def test_a_new_request_takes_a_free_slot_the_queue_head_cannot_use(autojump_clock):
+    """With a waiter at the head that fits no free node, a new request that fits a free node
+    is served at once instead of queueing behind it."""
+    runs = service(queue_timeout_ms=60_000)
+    big, small = link("big", 1, 100_000), link("small", 1, 1000)
+    runs.add_link(big)
+    runs.add_link(small)
+    await runs.acquire(Want("m", min_context=50_000))  # big is now busy
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runs.acquire, Want("m", min_context=50_000))  # waits for big
+        await trio.sleep(0.001)
+        start = trio.current_time()
+        slot = await runs.acquire(Want("m", min_context=10))
+        assert slot.link is small and trio.current_time() == start
+        nursery.cancel_scope.cancel()

@@ -257,6 +257,7 @@ class RunService:
             raise errors.queue_rejected(model, "queue is full", retry_after)
         waiter = _Waiter(want)
         queue.append(waiter)
+        self._wake(model)  # a free node may fit this request though not the ones ahead of it
         try:
             with trio.move_on_after(timeout_ms / 1000):
                 await waiter.event.wait()
@@ -374,4 +375,4 @@ def _discard(queue: collections.deque[_Waiter], waiter: _Waiter) -> None:
         pass
 
 
-__all__ = ["RunService", "Slot", "NODE_LOST"]
+__all__ = ["RunService", "Slot", "Want"]
