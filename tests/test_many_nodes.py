@@ -62,7 +62,7 @@ async def test_capacity_is_never_exceeded_under_50_concurrent_requests(nursery):
 async def test_full_queue_and_queue_timeout_are_429_with_retry_after(nursery, upstream):
     """A full queue and a timed-out wait answer 429 with Retry-After; a client that leaves frees its place."""
     upstream.script_for("t", [("hang",)])
-    edge = await start_edge(nursery, edge_config(models=[{"name": "m", "max_queue": 1, "queue_timeout_ms": 600}]))
+    edge = await start_edge(nursery, edge_config(models=[{"name": "m", "max_queue": 1, "queue_timeout_ms": 1500}]))
     await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=1)])
     body = {"model": "m", "messages": MESSAGES}
     with trio.fail_after(BOUND):
