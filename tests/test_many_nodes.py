@@ -305,3 +305,15 @@ async def test_models_and_nodes_listing(nursery, upstream):
     assert [n["id"] for n in nodes] == ["a", "b"]
     assert {m["name"]: m["max_concurrency"] for m in nodes[0]["models"]} == {"m": 2, "x": 4}
     assert nodes[1]["in_flight"] == 0 and nodes[1]["linked_for_s"] >= 0
+
+
+async def test_passthrough_does_not_impose_the_chat_schema(tunnel):
+    """A provider-specific body the chat schema would refuse still reaches the provider as sent."""
+    edge, upstream = tunnel
+    upstream.script_for("raw-target", [("status", 200, b'{"ok": true}')])
+    odd = {"model": "raw", "messages": [{"role": "narrator", "content": [{"type": "audio", "id": 1}]}], "n": 3}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=odd)
+    assert r.status_code == 200 and r.content == b'{"ok": true}'
+    assert upstream.records[0].body == {**odd, "model": "raw-target"}

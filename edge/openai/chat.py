@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
 from edge import errors
@@ -35,12 +36,24 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.chat")
 
 
+class _ModelOnly(msgspec.Struct):
+    model: str = ""
+
+
+_peek = msgspec.json.Decoder(_ModelOnly).decode
+
+
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    req, forward = parse_chat_request(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
-    if cfg.policy(req.model).response_mode == "passthrough":
+    try:
+        model = _peek(body).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        model = ""  # parse_chat_request says what is wrong
+    if model and cfg.policy(model).response_mode == "passthrough":
+        # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, body, "/chat/completions")
         return
+    req, forward = parse_chat_request(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:
         problem = turn.contract.check_request()
