@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -357,3 +359,42 @@ async def test_keep_alive_flows_while_a_tool_stream_is_buffered(tooled):
             )
     assert r.content.startswith(b": keep-alive\n\n: keep-alive\n\n")
     assert b'"get_time"' in r.content
+
+
+async def test_retry_waiting_for_a_slot_keeps_the_stream_alive(nursery, upstream):
+    """A tool retry that must queue for a node slot sends keep-alives while it waits (the stream has started)."""
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2, queue_timeout_ms=10_000))
+    await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=1)])
+
+    def script(body):
+        text = str(body["messages"])
+        if "hold the slot" in text:
+            return [("sleep", 1.0), *steps({"content": "done"})]
+        if "That is invalid" in text:
+            return steps({"content": text_call("get_time", {})})
+        return [
+            ("sleep", 0.3),
+            *steps({"content": text_call("get_time", {"x": 1, "y": []}).replace('"get_time"', '"nope"')}),
+        ]
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            result: list[httpx.Response] = []
+
+            async def with_tools():
+                result.append(
+                    await client.post(
+                        "/v1/chat/completions",
+                        json={"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True},
+                    )
+                )
+
+            clients.start_soon(with_tools)
+            await upstream.wait_requests(1)
+            hold = [{"role": "user", "content": "hold the slot"}]
+            clients.start_soon(partial(client.post, "/v1/chat/completions", json={"model": "m", "messages": hold}))
+    raw = result[0].content
+    assert b'"get_time"' in raw and b"error" not in raw
+    assert raw.count(b": keep-alive\n\n") >= 4  # one while the first attempt ran, the rest while the retry queued
+    assert [r.body["messages"][-1]["content"] for r in upstream.records][1] == "hold the slot"

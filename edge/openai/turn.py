@@ -238,8 +238,35 @@ async def collect_validated(
         metadata = {**turn.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
         extra = [corrective_message(reason, result.tool_calls, result.content)]
         try:
-            slot = await turn.acquire()
+            slot = await _acquire_keeping_alive(turn, on_idle)
         except APIError as e:
             raise RunFailed(
                 f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
             ) from None
+
+
+async def _acquire_keeping_alive(turn: Turn, on_idle: Callable[[], Awaitable[None]] | None) -> Slot:
+    """A slot for a retry. The stream has started by then, so while the
+    retry waits in the queue the client gets keep-alive comments."""
+    if on_idle is None:
+        return await turn.acquire()
+    keepalive = turn.edge.config.keepalive_s
+    error: APIError | None = None
+    slot: Slot | None = None
+
+    async def keep_alive() -> None:
+        while True:
+            await trio.sleep(keepalive)
+            await on_idle()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep_alive)
+        try:
+            slot = await turn.acquire()
+        except APIError as e:  # raised below, unwrapped
+            error = e
+        nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    assert slot is not None
+    return slot
