@@ -258,21 +258,22 @@ class RunService:
         waiter = _Waiter(want)
         queue.append(waiter)
         self._wake(model)  # a free node may fit this request though not the ones ahead of it
+        waited = False
         try:
             with trio.move_on_after(timeout_ms / 1000):
                 await waiter.event.wait()
-        except BaseException:
-            # Cancelled (the client left) or worse: give back a slot that was
-            # handed over in the same instant, or leave the queue.
-            if waiter.slot is not None:
-                self.release(waiter.slot)
-            else:
-                _discard(queue, waiter)
-            raise
-        if waiter.slot is None:
-            _discard(queue, waiter)
+            waited = True
+        finally:
+            if not waited:
+                # Cancelled (the client left): give back a slot handed over
+                # in the same instant, or leave the queue.
+                if waiter.slot is not None:
+                    self.release(waiter.slot)
+                else:
+                    _discard(queue, waiter)
         if waiter.slot is not None:
             return waiter.slot
+        _discard(queue, waiter)
         if waiter.gone:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
