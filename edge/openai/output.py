@@ -270,7 +270,7 @@ class LiveStream:
                 self.trace.chunk("tool_calls", 0, tool_call_count=len(calls))
         fallback = shaper.fallback(finish_reason, bool(calls))
         if fallback:
-            self._emit_content(fallback, fallback=True) if self.trace else self.out.append(enc.content(fallback))
+            self._emit_content(fallback, fallback=True)
         if self.trace is not None:
             self.trace.chunk("finish", 0, finish_reason=finish_reason)
         tail.append(enc.finish(finish_reason))
