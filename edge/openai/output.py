@@ -7,7 +7,6 @@ from typing import Any
 
 import msgspec
 import structlog
-import trio
 
 from edge.errors import APIError, RunFailed
 from edge.openai.exchange import SSE_HEADERS
@@ -303,9 +302,7 @@ async def _write_live(turn: Turn, run: Run) -> None:
     out = live.out
     try:
         while True:
-            batch = None
-            with trio.move_on_after(keepalive):
-                batch = await run.next_batch()
+            batch = await run.next_batch_within(keepalive)
             if batch is None:
                 await ex.write(KEEPALIVE)
                 continue

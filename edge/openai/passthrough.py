@@ -11,18 +11,17 @@ response is cut (the connection closes without the final chunk).
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
-import trio
 
 from edge import errors
 from edge.errors import APIError
 from edge.openai.exchange import Exchange
 from edge.runs import Run, Want
-from edge.runs.run import CLIENT_GONE, NODE_LOST, TIMEOUT
+from edge.runs.run import NODE_LOST, TIMEOUT, consume_run
 from proto import RunEvent
 
 if TYPE_CHECKING:
@@ -84,19 +83,15 @@ async def passthrough(edge: Edge, ex: Exchange, body: bytes, path: str) -> None:
     )
     structlog.contextvars.bind_contextvars(run_id=run.id)
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.enforce_timeouts)
-            await _relay(ex, run)
-            nursery.cancel_scope.cancel()
+        await consume_run(run, partial(_relay, ex))
     finally:
-        gone = trio.current_effective_deadline() == -math.inf
-        run.close(CLIENT_GONE if gone else "abandoned")
         edge.metrics.requests.labels(model, run.cause or "unknown").inc()
         log.info("passthrough", model=model, path=path, status=ex.status, cause=run.cause, node_id=slot.link.node_id)
         structlog.contextvars.unbind_contextvars("run_id")
 
 
 async def _relay(ex: Exchange, run: Run) -> None:
+    """Write the tunnel's frames to the client as they come."""
     while True:
         batch = await run.next_batch()
         body: list[bytes] = []

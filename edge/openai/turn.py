@@ -8,7 +8,6 @@ runs and retries those whose tool calls fail validation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,7 +23,7 @@ from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_t
 from edge.openai.tools import ToolContract, corrective_message, new_call_id, parse_text_tool_calls, text_tools_request
 from edge.openai.trace import TRACE_METADATA_KEY
 from edge.runs import Run, Slot, Want
-from edge.runs.run import CLIENT_GONE
+from edge.runs.run import consume_run
 from proto import RunEvent, ToolCall, Usage
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -102,23 +101,7 @@ class Turn:
         )
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
-        error: Exception | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run.enforce_timeouts)
-                try:
-                    result = await consume(run)
-                except Exception as e:  # raised below, unwrapped; Cancelled passes through
-                    error = e
-                nursery.cancel_scope.cancel()
-        finally:
-            # In a cancelled scope here means the client left (or the edge is
-            # shutting down): say so when the run is cancelled on the node.
-            gone = trio.current_effective_deadline() == -math.inf
-            run.close(CLIENT_GONE if gone else "abandoned")
-        if error is not None:
-            raise error
-        return result
+        return await consume_run(run, consume)
 
 
 # -- collecting a whole run ----------------------------------------------------
@@ -147,9 +130,7 @@ async def collect(turn: Turn, run: Run, *, on_idle: Callable[[], Awaitable[None]
         if on_idle is None:
             batch = await run.next_batch()
         else:
-            batch = None
-            with trio.move_on_after(keepalive):
-                batch = await run.next_batch()
+            batch = await run.next_batch_within(keepalive)
             if batch is None:
                 await on_idle()
                 continue

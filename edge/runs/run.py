@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
@@ -20,6 +22,8 @@ TIMEOUT = "timeout"
 NODE_LOST = "node_lost"
 SLOW_CLIENT = "slow_client"
 SHUTDOWN = "shutdown"
+
+T = TypeVar("T")
 
 RUN_TIMED_OUT = "run timed out"
 NODE_DISCONNECTED = "node disconnected"
@@ -127,7 +131,10 @@ class Run:
         self.cause = cause
         self._pending.append(RunEvent(run_id=self.id, seq=0, type=ERROR, text=message))
         self._lot.unpark_all()
-        if cause != NODE_LOST:
+        self._cancel_on_node(cause)
+
+    def _cancel_on_node(self, cause: str) -> None:
+        if cause != NODE_LOST:  # a lost node has nothing left to cancel
             self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
 
     async def enforce_timeouts(self) -> None:
@@ -151,6 +158,12 @@ class Run:
         self._pending = []
         return batch
 
+    async def next_batch_within(self, seconds: float) -> list[RunEvent] | None:
+        """Like :meth:`next_batch`, or None after ``seconds`` of silence (keep-alive time)."""
+        with trio.move_on_after(seconds):
+            return await self.next_batch()
+        return None
+
     def close(self, cause: str) -> None:
         """Release the run. If it has not ended, it is cancelled on the node
         with ``cause``. Synchronous and idempotent: safe in any ``finally``."""
@@ -159,7 +172,28 @@ class Run:
         if not self.finished:
             self.finished = True
             self.cause = cause
-            if cause != NODE_LOST:
-                self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
+            self._cancel_on_node(cause)
         self.closed = True
         self._on_close(self)
+
+
+async def consume_run(run: Run, consume: Callable[[Run], Awaitable[T]]) -> T:
+    """``consume`` the run inside a nursery that also enforces its timers.
+    Whatever happens, the run is closed on the way out: cancelled on the node
+    unless it ended, with cause ``client_gone`` when the caller's scope was
+    cancelled (the client left, or the edge is shutting down)."""
+    error: Exception | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.enforce_timeouts)
+            try:
+                result = await consume(run)
+            except Exception as e:  # raised below, unwrapped; Cancelled passes through
+                error = e
+            nursery.cancel_scope.cancel()
+    finally:
+        gone = trio.current_effective_deadline() == -math.inf
+        run.close(CLIENT_GONE if gone else "abandoned")
+    if error is not None:
+        raise error
+    return result
