@@ -146,11 +146,9 @@ class RunService:
         link = self._pick(run.want, exclude=dead)
         if link is None:
             return False
-        old = run.slot
-        old.released = True
-        old.link.in_flight[old.model] -= 1
         dead.runs.pop(run.id, None)
-        run.slot = self._reserve(link, run.want)
+        old, run.slot = run.slot, self._reserve(link, run.want)
+        self.release(old)
         run.failed_over = True
         link.runs[run.id] = run
         remaining = max(run.deadline - trio.current_time(), 0.0)
@@ -280,16 +278,7 @@ class RunService:
 
     # -- runs ------------------------------------------------------------------
 
-    def start(
-        self,
-        slot: Slot,
-        request: dict[str, Any],
-        *,
-        want: Want,
-        metadata: dict[str, str],
-        run_id: str | None = None,
-    ) -> Run:
-        """Create the run and send it to the slot's node (never blocks)."""
+    def _new_run(self, slot: Slot, want: Want, metadata: dict[str, str], run_id: str | None = None) -> Run:
         cfg = self.config
         run = Run(
             run_id or new_run_id(),
@@ -301,16 +290,29 @@ class RunService:
             on_close=self._closed,
         )
         run.want = want
+        self.runs[run.id] = run
+        slot.link.runs[run.id] = run
+        return run
+
+    def start(
+        self,
+        slot: Slot,
+        request: dict[str, Any],
+        *,
+        want: Want,
+        metadata: dict[str, str],
+        run_id: str | None = None,
+    ) -> Run:
+        """Create the run and send it to the slot's node (never blocks)."""
+        run = self._new_run(slot, want, metadata, run_id)
         run.request = RunRequest(
             run_id=run.id,
             model=slot.model,
             target=slot.info.target,
             request=request,
-            timeout_s=cfg.run_timeout_s,
+            timeout_s=self.config.run_timeout_s,
             metadata=metadata,
         )
-        self.runs[run.id] = run
-        slot.link.runs[run.id] = run
         slot.link.send_nowait(run.request)
         return run
 
@@ -326,19 +328,7 @@ class RunService:
         headers: list[tuple[str, str]],
     ) -> Run:
         """A passthrough run: the node relays one raw HTTP request."""
-        cfg = self.config
-        run = Run(
-            new_run_id(),
-            slot,
-            wait_timeout=cfg.wait_timeout_s,
-            run_timeout=cfg.run_timeout_s,
-            max_buffered=cfg.max_buffered_events,
-            metadata={"response_mode": "passthrough"},
-            on_close=self._closed,
-        )
-        run.want = want
-        self.runs[run.id] = run
-        slot.link.runs[run.id] = run
+        run = self._new_run(slot, want, {"response_mode": "passthrough"})
         slot.link.send_nowait(
             TunnelRequest(
                 run_id=run.id,
@@ -347,7 +337,7 @@ class RunService:
                 method=method,
                 path=path,
                 body=body,
-                timeout_s=cfg.run_timeout_s,
+                timeout_s=self.config.run_timeout_s,
                 stream=stream,
                 headers=headers,
             )
