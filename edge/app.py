@@ -5,7 +5,6 @@ hypercorn --worker-class trio 'edge.app:create_app()'   # IOP_EDGE_CONFIG=edge.t
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import secrets
 
@@ -15,6 +14,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
+from edge.auth import bearer_matches
 from edge.config import EdgeConfig, load_edge_config
 from edge.errors import APIError, error_json
 from edge.link import node_link
@@ -58,23 +58,9 @@ class Edge:
         """Authentication and drain checks for the OpenAI routes."""
         if self.draining:
             return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
-        if self.config.api_keys and not self.key_ok(ex.header(b"authorization"), self.config.api_keys):
+        if self.config.api_keys and not bearer_matches(ex.header(b"authorization"), self.config.api_keys):
             return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
         return None
-
-    @staticmethod
-    def key_ok(header: bytes | str | None, keys: list[str]) -> bool:
-        if not header:
-            return False
-        if isinstance(header, str):
-            header = header.encode("latin-1")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token:
-            return False
-        ok = False
-        for key in keys:  # no early exit: constant time across keys
-            ok |= hmac.compare_digest(token, key.encode())
-        return ok
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -95,7 +81,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     def client_auth(keys: list[str]) -> Response | None:
         from quart import request
 
-        if keys and not Edge.key_ok(request.headers.get("Authorization"), keys):
+        if keys and not bearer_matches(request.headers.get("Authorization"), keys):
             return _json(401, error_json("Invalid or missing API key.", "authentication_error", code="invalid_api_key"))
         return None
 

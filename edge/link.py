@@ -9,13 +9,12 @@ link, its runs fail at once with "node disconnected".
 
 from __future__ import annotations
 
-import hmac
-
 import msgspec
 import structlog
 import trio
 from quart import Response, websocket
 
+from edge.auth import bearer_matches
 from edge.config import EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
@@ -46,13 +45,9 @@ class LinkProtocolError(Exception):
 
 
 def _token_ok(config: EdgeConfig, node_id: str, header: str) -> bool:
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return False
+    """The node's own token if it has one (``node_tokens``), else the shared one."""
     expected = config.node_tokens.get(node_id) if node_id in config.node_tokens else config.node_token
-    if not expected:
-        return False
-    return hmac.compare_digest(token.encode(), expected.encode())
+    return bearer_matches(header, [expected])
 
 
 def _refuse(status: int, message: str) -> Response:

@@ -13,7 +13,7 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage, UsageOut
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
-from edge.openai.tools import ToolTextFilter, new_call_id, parse_text_tool_calls
+from edge.openai.tools import ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import Collected, Turn, collect_validated, failure
 from edge.runs import Run, Slot
@@ -240,11 +240,8 @@ class LiveStream:
         shaper.finish()
         enc = self.enc
         finish_reason = event.finish_reason or "stop"
-        calls = event.tool_calls or None
+        calls = with_ids(event.tool_calls) if event.tool_calls else None
         if calls:
-            for call in calls:
-                if not call.id:
-                    call.id = new_call_id()
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())
         elif self.tool_filter is not None:

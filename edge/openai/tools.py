@@ -49,6 +49,14 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
+def with_ids(calls: list[ToolCall]) -> list[ToolCall]:
+    """Native calls from an upstream that gave no id get one."""
+    for call in calls:
+        if not call.id:
+            call.id = new_call_id()
+    return calls
+
+
 def parse_text_tool_calls(text: str) -> TextToolCalls:
     calls: list[ToolCall] = []
     errors: list[str] = []

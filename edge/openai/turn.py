@@ -20,7 +20,7 @@ from edge.openai.exchange import Exchange
 from edge.openai.request import context_class, estimate_input_tokens
 from edge.openai.schema import ChatRequest
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
-from edge.openai.tools import ToolContract, corrective_message, new_call_id, parse_text_tool_calls, text_tools_request
+from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_calls, text_tools_request, with_ids
 from edge.openai.trace import TRACE_METADATA_KEY
 from edge.runs import Run, Slot, Want
 from edge.runs.run import consume_run
@@ -152,13 +152,9 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent) -> Collected:
     policy = turn.policy
     finish_reason = event.finish_reason or "stop"
     content = shaper.content_text
-    tool_calls = event.tool_calls or None
+    tool_calls = with_ids(event.tool_calls) if event.tool_calls else None
     tool_error = ""
-    if tool_calls:
-        for call in tool_calls:
-            if not call.id:
-                call.id = new_call_id()
-    elif turn.contract is not None:
+    if not tool_calls and turn.contract is not None:
         parsed = parse_text_tool_calls(content)
         if parsed.candidate:
             content = parsed.content
