@@ -12,6 +12,7 @@ import trio
 
 from iop import logs
 from iop.configfile import ConfigError
+from iop.exceptions import first_leaf
 
 log = structlog.get_logger("iop")
 
@@ -51,19 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # trio.Cancelled and KeyboardInterrupt are not Exceptions
-        os_error = _os_error(e)
-        if os_error is None:
+        os_error = first_leaf(e)
+        if not isinstance(os_error, OSError):
             raise
         print(f"iop {args.command}: cannot start: {os_error.strerror or os_error}", file=sys.stderr)
         return 1
     return 0
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError at the root of ``exc`` (nurseries wrap what their tasks raise)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, OSError) else None
 
 
 async def _wait_for_signal(event: trio.Event) -> None:

@@ -24,6 +24,7 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, wrap_client_stream
 
 from iop import __version__
+from iop.exceptions import first_leaf
 from node.adapters import Adapter, Counters, make_adapter
 from node.config import NodeConfig
 from proto import (
@@ -332,7 +333,7 @@ class NodeAgent:
             try:
                 await self._link_once(url)
             except Exception as exc:  # trio.Cancelled is a BaseException: never caught here
-                e = _root_cause(exc)
+                e = first_leaf(exc)
                 if isinstance(e, ConnectionRejected):
                     body = (e.body or b"").decode("utf-8", "replace")[:200]
                     log.error("edge refused the link", edge=url, status=e.status_code, body=body)
@@ -421,13 +422,6 @@ def _parse_ws_url(url: str) -> tuple[str, int, str, str, bool]:
     host_header = host if port in (80, 443) else f"{host}:{port}"
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return host, port, host_header, resource, secure
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The first leaf of an exception group (nurseries wrap what their tasks raise)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
 
 
 __all__ = ["NodeAgent"]
