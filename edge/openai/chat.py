@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
 import structlog
 
 from edge import errors
@@ -27,7 +26,7 @@ from edge.errors import APIError
 from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.passthrough import passthrough
-from edge.openai.request import parse_chat_request
+from edge.openai.request import decode_body, parse_chat_request
 from edge.openai.turn import Turn
 
 if TYPE_CHECKING:
@@ -36,24 +35,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.chat")
 
 
-class _ModelOnly(msgspec.Struct):
-    model: str = ""
-
-
-_peek = msgspec.json.Decoder(_ModelOnly).decode
-
-
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    try:
-        model = _peek(body).model
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        model = ""  # parse_chat_request says what is wrong
-    if model and cfg.policy(model).response_mode == "passthrough":
+    raw = decode_body(body)
+    model = raw.get("model")
+    if isinstance(model, str) and cfg.policy(model).response_mode == "passthrough":
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
-        await passthrough(edge, ex, body, "/chat/completions")
+        await passthrough(edge, ex, raw, "/chat/completions")
         return
-    req, forward = parse_chat_request(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+    req, forward = parse_chat_request(raw, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:
         problem = turn.contract.check_request()

@@ -12,7 +12,7 @@ response is cut (the connection closes without the final chunk).
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -20,6 +20,7 @@ import structlog
 from edge import errors
 from edge.errors import APIError
 from edge.openai.exchange import Exchange
+from edge.openai.request import decode_body
 from edge.runs import Run, Want
 from edge.runs.run import NODE_LOST, TIMEOUT, consume_run
 from proto import RunEvent
@@ -48,17 +49,14 @@ def tunnel_route(path: str):
     """A handler relaying ``POST /v1<path>`` through the tunnel."""
 
     async def handler(edge: Edge, ex: Exchange, body: bytes) -> None:
-        await passthrough(edge, ex, body, path)
+        await passthrough(edge, ex, decode_body(body), path)
 
     return handler
 
 
-async def passthrough(edge: Edge, ex: Exchange, body: bytes, path: str) -> None:
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("model"), str) or not raw["model"]:
+async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) -> None:
+    """Relay one request whose body is ``raw`` (decoded once by the caller)."""
+    if not isinstance(raw.get("model"), str) or not raw["model"]:
         raise errors.bad_request("Missing required parameter: `model`.", "model")
     model = raw["model"]
     session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (

@@ -22,17 +22,22 @@ def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
     return f"Invalid request: {text}", None
 
 
-def parse_chat_request(body: bytes, *, max_messages: int, max_tools: int) -> tuple[ChatRequest, dict[str, Any]]:
-    """The validated request, and the body to forward (edge-only keys removed).
-
-    Raises :class:`edge.errors.APIError` (400) naming the offending field.
-    """
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says why not."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
     if not isinstance(raw, dict):
         raise errors.bad_request("The request body must be a JSON object.")
+    return raw
+
+
+def parse_chat_request(raw: dict[str, Any], *, max_messages: int, max_tools: int) -> tuple[ChatRequest, dict[str, Any]]:
+    """The validated request, and the body to forward (edge-only keys removed).
+
+    Raises :class:`edge.errors.APIError` (400) naming the offending field.
+    """
     try:
         req = msgspec.convert(raw, ChatRequest)
     except msgspec.ValidationError as e:
