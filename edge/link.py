@@ -114,7 +114,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
 async def _read_frames(link: NodeLink, service: RunService) -> None:
     while True:
         data = await websocket.receive()
-        link.last_rx = trio.current_time()
+        link.last_rx = now = trio.current_time()
         if not isinstance(data, bytes):
             raise LinkProtocolError("text message on the link")
         try:
@@ -127,7 +127,7 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                 for event in events:
                     run = runs.get(event.run_id)
                     if run is not None:
-                        run.deliver(event)
+                        run.deliver(event, now)
                     elif not link.recently_ended(event.run_id):
                         raise LinkProtocolError(f"event for run {event.run_id!r} not assigned to this node")
             case Pong():
@@ -140,7 +140,7 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
                 if run is not None:
-                    run.deliver_frame(frame)
+                    run.deliver_frame(frame, now)
                 elif not link.recently_ended(run_id):
                     raise LinkProtocolError(f"tunnel frame for run {run_id!r} not assigned to this node")
             case _:

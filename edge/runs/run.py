@@ -97,17 +97,17 @@ class Run:
 
     # -- producer side (link reader, timers) ---------------------------------
 
-    def deliver(self, event: RunEvent) -> None:
-        self._push(event, event.type in TERMINAL_TYPES, event.type == "complete")
+    def deliver(self, event: RunEvent, now: float) -> None:
+        """``now``: when the frame holding it arrived (read once per frame)."""
+        self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
-    def deliver_frame(self, frame: TunnelFrame) -> None:
+    def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
         """A tunnel frame (passthrough runs): ``end`` and ``error`` end the run."""
-        self._push(frame, frame.kind in ("end", "error"), frame.kind == "end")
+        self._push(frame, frame.kind in ("end", "error"), frame.kind == "end", now)
 
-    def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool) -> None:
+    def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
             return
-        now = trio.current_time()
         self.last_event_at = now
         if self.first_event_at is None:
             self.first_event_at = now
