@@ -88,7 +88,14 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
 
     link = NodeLink(hello.node_id, hello.models, outbox_size=config.link_outbox)
     await websocket.send(
-        encode_frame(Welcome(edge_id=edge_id, protocol=PROTOCOL_VERSION, ping_interval_s=config.ping_interval_s))
+        encode_frame(
+            Welcome(
+                edge_id=edge_id,
+                protocol=PROTOCOL_VERSION,
+                ping_interval_s=config.ping_interval_s,
+                max_frame_bytes=config.max_frame_bytes,
+            )
+        )
     )
     service.add_link(link)
     try:

@@ -112,6 +112,7 @@ class Welcome(_Frame, tag="welcome"):
     edge_id: str
     protocol: int
     ping_interval_s: float
+    max_frame_bytes: int = 0  # the largest message the edge accepts; 0: unknown (use the node's own limit)
 
 
 class RunRequest(_Frame, tag="run"):

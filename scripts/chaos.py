@@ -20,6 +20,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -191,6 +192,10 @@ async def abort_clients(stack: Stack, up: Upstream, edge: str, requests: int) ->
     )
 
 
+# name -> async (stack, upstream) -> (ok, detail); each starts its own edge and nodes.
+STANDALONE: dict[str, Callable[[Stack, Upstream], Awaitable[tuple[bool, str]]]] = {}
+
+
 async def main(requests: int, only: str | None) -> int:
     up = Upstream(drip)
     rows: list[tuple[str, bool, str]] = []
@@ -226,6 +231,17 @@ async def main(requests: int, only: str | None) -> int:
                 rows.append((name, ok, detail))
                 node.kill()
                 node.wait()
+        # Scenarios that build their own edge and nodes (own configs, their own faults).
+        for name, scenario in STANDALONE.items():
+            if only and name != only:
+                continue
+            with Stack() as stack:
+                try:
+                    with trio.fail_after(300):
+                        ok, detail = await scenario(stack, up)
+                except trio.TooSlowError:
+                    ok, detail = False, "timed out after 300 s"
+            rows.append((name, ok, detail))
         nursery.cancel_scope.cancel()
     print(f"\n{'scenario':<15}{'result':<8}detail")
     for name, ok, detail in rows:
