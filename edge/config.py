@@ -57,7 +57,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     ping_misses: int = 3  # a peer silent for this many intervals is dead
     hello_timeout_s: float = 5.0
     max_frame_bytes: int = 16 * 1024 * 1024
-    link_outbox: int = 1024  # frames queued to one node before the link counts as stuck
+    max_node_concurrency: int = 4096  # per node and model: a larger advertised capacity is capped to this
+    stall_after_s: float = 10.0  # a node whose runs wait this long (and 10x its peers' TTFT) for a first event is
+    #                              routed around, and its unstarted runs move to other nodes
     # Requests.
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 2048
@@ -67,13 +69,20 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     models: list[ModelPolicy] = msgspec.field(default_factory=list)
 
     def check(self) -> None:
-        for key in ("wait_timeout_s", "run_timeout_s", "ping_interval_s", "hello_timeout_s", "keepalive_s"):
+        for key in (
+            "wait_timeout_s",
+            "run_timeout_s",
+            "ping_interval_s",
+            "hello_timeout_s",
+            "keepalive_s",
+            "stall_after_s",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
         for key in ("max_queue", "max_messages", "max_tools", "ping_misses"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative")
-        for key in ("max_body_bytes", "max_frame_bytes", "link_outbox", "max_buffered_events"):
+        for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
         if bool(self.certfile) != bool(self.keyfile):

@@ -1,11 +1,13 @@
 """The websocket endpoint nodes dial into: ``GET /v1/node/link``.
 
 The node's token is checked on the upgrade request, before any frame is
-read. Then: ``hello`` (version and node id checked), ``welcome``, and three
+read. Then: ``hello`` (version and node id checked), ``welcome``, and four
 tasks in the link's nursery: the reader (this task), the sender (drains the
-link's outbox) and the pinger (declares a silent node dead). Whatever ends the
-link, its runs fail at once with "node disconnected".
-"""
+link's outbox; the only writer), the pinger (declares the node dead when it
+falls silent: the only way a live link dies) and the stall watch (routes
+around a node whose runs do not start). Whatever ends the link, its
+unstarted runs move to other nodes and the rest fail at once with "node
+disconnected"."""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from proto import (
     Load,
     Ping,
     Pong,
+    RunRequest,
     TunnelFrame,
+    TunnelRequest,
     Welcome,
     decode_frame,
     encode_frame,
@@ -35,6 +39,7 @@ log = structlog.get_logger("iop.edge.link")
 
 NODE_ID_HEADER = "X-Iop-Node-Id"
 
+CLOSE_AUTH = 4001
 CLOSE_VERSION = 4002
 CLOSE_PROTOCOL = 4003
 CLOSE_DUPLICATE = 4009
@@ -44,10 +49,17 @@ class LinkProtocolError(Exception):
     """The node broke the protocol; the link is closed with code 4003."""
 
 
-def _token_ok(config: EdgeConfig, node_id: str, header: str) -> bool:
-    """The node's own token if it has one (``node_tokens``), else the shared one."""
-    expected = config.node_tokens.get(node_id) if node_id in config.node_tokens else config.node_token
-    return bearer_matches(header, [expected])
+_SHARED = ""  # authenticated with the shared node_token: any node id without a token of its own
+
+
+def _authenticate(config: EdgeConfig, node_id: str, header: str) -> str | None:
+    """Which node ids this upgrade may link as: ``node_id`` when it presented
+    that id's own token (``node_tokens``), :data:`_SHARED` for the shared
+    ``node_token``, None when refused. An id that has its own token can link
+    with that token only."""
+    if node_id in config.node_tokens:
+        return node_id if bearer_matches(header, [config.node_tokens[node_id]]) else None
+    return _SHARED if bearer_matches(header, [config.node_token]) else None
 
 
 def _refuse(status: int, message: str) -> Response:
@@ -56,7 +68,8 @@ def _refuse(status: int, message: str) -> Response:
 
 async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Response | None:
     node_id = websocket.headers.get(NODE_ID_HEADER, "")
-    if not _token_ok(config, node_id, websocket.headers.get("Authorization", "")):
+    identity = _authenticate(config, node_id, websocket.headers.get("Authorization", ""))
+    if identity is None:
         log.warning("node link refused: bad token", node_id=node_id or None)
         return _refuse(401, "invalid node token")
     await websocket.accept()
@@ -77,6 +90,10 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
     if node_id and hello.node_id != node_id:
         await websocket.close(CLOSE_PROTOCOL, "hello node_id differs from the upgrade's node id")
         return None
+    if identity == _SHARED and hello.node_id in config.node_tokens:
+        log.warning("node link refused: the shared token used for an id with its own token", node_id=hello.node_id)
+        await websocket.close(CLOSE_AUTH, "this node id has its own token; link with it")
+        return None
     if hello.node_id in service.links:
         log.warning("node link refused: already linked", node_id=hello.node_id)
         await websocket.close(CLOSE_DUPLICATE, "node id already linked")
@@ -85,8 +102,17 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
         if info.max_concurrency < 1:
             await websocket.close(CLOSE_PROTOCOL, f"model {info.name}: max_concurrency must be >= 1")
             return None
+        if info.max_concurrency > config.max_node_concurrency:
+            log.warning(
+                "node advertises more capacity than the edge allows: capped",
+                node_id=hello.node_id,
+                model=info.name,
+                advertised=info.max_concurrency,
+                cap=config.max_node_concurrency,
+            )
+            info.max_concurrency = config.max_node_concurrency
 
-    link = NodeLink(hello.node_id, hello.models, outbox_size=config.link_outbox)
+    link = NodeLink(hello.node_id, hello.models)
     await websocket.send(
         encode_frame(
             Welcome(
@@ -101,8 +127,9 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
     try:
         async with trio.open_nursery() as nursery:
             link.bind_scope(nursery.cancel_scope)
-            nursery.start_soon(_send_frames, link)
+            nursery.start_soon(_send_frames, link, service, config.max_frame_bytes)
             nursery.start_soon(_ping, link, config)
+            nursery.start_soon(_watch_stall, link, service, config)
             await _read_frames(link, service)
             nursery.cancel_scope.cancel()
     except* LinkProtocolError as group:
@@ -154,9 +181,24 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                 raise LinkProtocolError(f"unexpected {type(frame).__name__} frame from a node")
 
 
-async def _send_frames(link: NodeLink) -> None:
-    async for frame in link.outbox:
-        await websocket.send(encode_frame(frame))
+async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int) -> None:
+    """The only writer to the websocket. A frame that cannot be encoded or is
+    over the frame limit fails its own run, never the link."""
+    while True:
+        frame = await link.next_frame()
+        try:
+            data = encode_frame(frame)
+        except (OverflowError, msgspec.EncodeError, RecursionError, TypeError, ValueError) as e:
+            problem = f"cannot encode it ({type(e).__name__})"
+        else:
+            if len(data) <= max_frame_bytes:
+                await websocket.send(data)
+                continue
+            problem = f"{len(data)} bytes, over the {max_frame_bytes}-byte frame limit"
+        if isinstance(frame, (RunRequest, TunnelRequest)):
+            service.unsendable(link, frame, problem)
+        else:
+            log.error("frame to a node not sendable", node_id=link.node_id, frame=type(frame).__name__, problem=problem)
 
 
 async def _ping(link: NodeLink, config: EdgeConfig) -> None:
@@ -166,3 +208,11 @@ async def _ping(link: NodeLink, config: EdgeConfig) -> None:
             link.kill(f"no frame from the node for {config.ping_timeout_s:g} s", code=1011)
             return
         link.send_nowait(Ping(ts=trio.current_time()))
+
+
+async def _watch_stall(link: NodeLink, service: RunService, config: EdgeConfig) -> None:
+    """Every so often: is this node starting the runs it was sent?"""
+    every = min(1.0, config.stall_after_s / 4)
+    while True:
+        await trio.sleep(every)
+        service.check_stall(link)

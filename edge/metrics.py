@@ -75,6 +75,16 @@ class EdgeMetrics:
             ["model"],
             registry=r,
         )
+        self.node_stalls = Counter(
+            "iop_node_stalls",
+            "Times a node was routed around because its runs were not starting (its unstarted runs moved)",
+            registry=r,
+        )
+        self.nodes_stalled = Gauge("iop_nodes_stalled", "Linked nodes being routed around right now", registry=r)
+        self.nodes_stalled.set_function(
+            lambda: sum(lk.stalled(trio.current_time()) for lk in list(runs.links.values()))
+        )
+        runs.on_stall.append(lambda _link: self.node_stalls.inc())
         runs.on_run_closed.append(self.observe_run)
 
     def observe_run(self, run: Run) -> None:

@@ -119,7 +119,9 @@ class RunRequest(_Frame, tag="run"):
     run_id: str
     model: str  # model group
     target: str
-    request: dict[str, Any]  # the OpenAI chat request, normalized by the edge
+    # The OpenAI chat request, normalized by the edge. The edge sends a
+    # pre-encoded msgspec.Raw here (encoded once, checked before dispatch).
+    request: dict[str, Any]
     timeout_s: float  # the whole run's remaining budget, relative
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
 

@@ -20,7 +20,6 @@ def link(node_id: str, capacity: int, context_window: int = 0) -> NodeLink:
     return NodeLink(
         node_id,
         [ModelInfo(name="m", adapter="sim", target="t", max_concurrency=capacity, context_window=context_window)],
-        outbox_size=16,
     )
 
 

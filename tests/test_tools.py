@@ -329,6 +329,40 @@ async def test_bad_tool_schema_is_a_400(tooled):
     assert upstream.records == []
 
 
+async def test_tool_schema_references_never_fetch_and_unresolvable_ones_are_400(tooled, nursery):
+    """`$ref` to http:// or file:// is never fetched; a reference that does not resolve, or loops, is a 400 naming the tool."""
+    edge, upstream = tooled
+    connections: list[trio.SocketStream] = []
+
+    async def hold(stream: trio.SocketStream) -> None:
+        connections.append(stream)
+        await trio.sleep_forever()  # a host that never answers: a fetch would freeze the edge
+
+    listeners = await nursery.start(partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    refs = [f"http://127.0.0.1:{port}/schema.json", "file:///etc/passwd", "#/x", "#"]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for ref in refs:
+                tool = {"type": "function", "function": {"name": "lookup", "parameters": {"$ref": ref}}}
+                r = await client.post(
+                    "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [tool]}
+                )
+                assert r.status_code == 400, (ref, r.text)
+                error = r.json()["error"]
+                assert error["param"] == "tools" and "`lookup`" in error["message"], error
+            local = {
+                "type": "object",
+                "properties": {"city": {"$ref": "#/$defs/city"}},
+                "$defs": {"city": {"type": "string"}},
+            }
+            tool = {"type": "function", "function": {"name": "lookup", "parameters": local}}
+            upstream.script_for("t", steps({"content": "fine"}))
+            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [tool]})
+    assert r.status_code == 200, r.text
+    assert connections == []
+
+
 async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):
     """When the retry run itself fails, the client gets tool_validation_retry_error."""
     edge, upstream = tooled

@@ -23,6 +23,9 @@ from typing import Any
 
 import jsonschema
 import msgspec
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 
 from edge.openai.schema import ChatRequest
 from proto import ToolCall, ToolCallFunction
@@ -93,12 +96,74 @@ def _read_call(body: str) -> tuple[ToolCall | None, str]:
 # -- validation -----------------------------------------------------------------
 
 
+class SchemaProblem(Exception):
+    """A tool's parameters cannot be used as a JSON Schema here."""
+
+
+def _no_retrieval(uri: str):
+    # Schemas never trigger I/O: jsonschema would otherwise fetch http:// and
+    # file:// references, blocking, on the event loop.
+    raise referencing.exceptions.NoSuchResource(ref=uri)
+
+
+_NO_RETRIEVAL = referencing.Registry(retrieve=_no_retrieval)
+_REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
 @functools.lru_cache(maxsize=512)
 def _validator(schema_json: str):
+    """A compiled validator whose references resolve inside the schema only.
+    Raises :class:`SchemaProblem` (not a schema; a reference that leaves the
+    schema or does not resolve; references that loop without end)."""
     schema = msgspec.json.decode(schema_json)
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
+    if not isinstance(schema, dict):
+        raise SchemaProblem("it must be a JSON object")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise SchemaProblem(f"it is not a valid JSON Schema: {e.message}") from None
+    except RecursionError:
+        raise SchemaProblem("it is nested too deeply") from None
+    spec = referencing.jsonschema.specification_with(
+        cls.META_SCHEMA.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
+    )
+    resource = spec.create_resource(schema)
+    registry = _NO_RETRIEVAL.with_resource(resource.id() or "", resource)
+    resolver = registry.resolver_with_root(resource)
+    for ref in _refs(schema):
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            raise SchemaProblem(
+                f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
+            ) from None
+    validator = cls(schema, registry=registry)
+    try:
+        for _ in validator.iter_errors({}):
+            pass
+    except RecursionError:
+        raise SchemaProblem("its references loop without end") from None
+    except referencing.exceptions.Unresolvable as e:
+        raise SchemaProblem(f"a reference does not resolve: {e}") from None
+    return validator
+
+
+def _refs(schema: Any) -> list[str]:
+    """Every reference string in a schema (iteratively: depth is not a risk here)."""
+    found: list[str] = []
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _REF_KEYS and isinstance(value, str):
+                    found.append(value)
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return found
 
 
 class ToolContract:
@@ -127,8 +192,8 @@ class ToolContract:
             if schema:
                 try:
                     _validator(schema)
-                except jsonschema.SchemaError as e:
-                    return f"the parameters of tool `{name}` are not a valid JSON Schema: {e.message}"
+                except SchemaProblem as e:
+                    return f"the parameters of tool `{name}` cannot be used: {e}"
         return ""
 
     def validate(self, calls: list[ToolCall] | None) -> str:
@@ -154,7 +219,10 @@ class ToolContract:
                 return f"the arguments of `{name}` must be a JSON object"
             schema = self.schemas[name]
             if schema:
-                error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(args))
+                try:
+                    error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(args))
+                except (RecursionError, referencing.exceptions.Unresolvable):
+                    return f"the arguments of `{name}` could not be checked: its schema loops on them"
                 if error is not None:
                     where = "/".join(str(p) for p in error.absolute_path) or "(root)"
                     return f"the arguments of `{name}` do not match its schema at {where}: {error.message}"

@@ -24,6 +24,7 @@ from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_
 from edge.openai.trace import TRACE_METADATA_KEY
 from edge.runs import Run, Slot, Want
 from edge.runs.run import consume_run
+from edge.runs.service import encode_run_body
 from proto import RunEvent, ToolCall, Usage
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -45,6 +46,8 @@ class Turn:
         self.ex = ex
         self.req = req
         self.forward = forward
+        # Encoded once: a body that cannot travel to a node is a 400/413 now.
+        self.body = encode_run_body(forward, edge.config.max_frame_bytes)
         self.policy = edge.config.policy(req.model)
         self.stream = bool(req.stream)
         self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or req.user
@@ -78,13 +81,17 @@ class Turn:
         self.node_id = slot.link.node_id
         return slot
 
-    def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> dict[str, Any]:
+    def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> msgspec.Raw:
+        """The encoded body for a run on ``slot`` (raises :class:`APIError` if a
+        rewritten body no longer fits a frame)."""
         request = self.forward
+        if not extra_messages and not (self.req.tools and not slot.info.native_tools):
+            return self.body
         if extra_messages:
             request = {**request, "messages": [*request["messages"], *extra_messages]}
         if self.req.tools and not slot.info.native_tools:
             request = text_tools_request(request)
-        return request
+        return encode_run_body(request, self.edge.config.max_frame_bytes)
 
     async def run_on(
         self,
@@ -96,9 +103,12 @@ class Turn:
     ) -> T:
         """Start a run on ``slot`` and ``consume`` it inside a nursery that also
         enforces its timers. Whatever happens, the run is closed on the way out."""
-        run = self.edge.runs.start(
-            slot, self.request_for(slot, extra_messages or []), want=self.want, metadata=metadata or self.metadata
-        )
+        try:
+            body = self.request_for(slot, extra_messages or [])
+        except APIError:
+            self.edge.runs.release(slot)
+            raise
+        run = self.edge.runs.start(slot, body, want=self.want, metadata=metadata or self.metadata)
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
         return await consume_run(run, consume)
@@ -198,6 +208,12 @@ async def collect_validated(
             if attempt > 1:
                 raise RunFailed(
                     f"the retry failed: {failed.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause=failed.cause
+                ) from None
+            raise
+        except APIError as e:  # the retry's body does not fit a frame
+            if attempt > 1:
+                raise RunFailed(
+                    f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
                 ) from None
             raise
         if turn.contract is None:

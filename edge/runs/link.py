@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from proto import Frame, ModelInfo
+from proto import Frame, ModelInfo, RunRequest, TunnelRequest
 
 if TYPE_CHECKING:
     from edge.runs.run import Run
@@ -17,17 +17,21 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.link")
 
 _RECENT_RUNS = 4096  # ended run ids remembered per link, to drop late events
+_STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: first time, at most
 
 
 class NodeLink:
     """A node's models, its capacity use, its runs and its outgoing frames.
 
-    Frames to the node go through a bounded outbox drained by the link's
-    sender task; :meth:`send_nowait` never blocks, and a full outbox means the
-    node stopped reading, which kills the link.
+    Frames to the node wait in two queues drained by the link's sender task,
+    control frames (ping, pong, cancel) first. :meth:`send_nowait` never
+    blocks and never kills the link: a node that reads slowly is back-pressure,
+    not death (the pinger judges death, by silence). The queues are bounded by
+    construction: run and tunnel requests by the node's capacity (a request
+    holds a slot), cancels by one per run, pings and pongs by one per beat.
     """
 
-    def __init__(self, node_id: str, models: list[ModelInfo], *, outbox_size: int) -> None:
+    def __init__(self, node_id: str, models: list[ModelInfo]) -> None:
         self.node_id = node_id
         self.models: dict[str, ModelInfo] = {m.name: m for m in models}
         self.in_flight: dict[str, int] = {m.name: 0 for m in models}
@@ -41,8 +45,15 @@ class NodeLink:
         self.close_code = 1000
         self._recent: collections.deque[str] = collections.deque(maxlen=_RECENT_RUNS)
         self._recent_set: set[str] = set()
-        self._outbox_send, self.outbox = trio.open_memory_channel[Frame](outbox_size)
+        self._control: collections.deque[Frame] = collections.deque()
+        self._requests: collections.deque[Frame] = collections.deque()
+        self._ready = trio.lowlevel.ParkingLot()
         self._cancel_scope: trio.CancelScope | None = None
+        # Runs sent and not started (no event yet), oldest first: run id -> when sent.
+        self.unstarted: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.ttft: float | None = None  # moving average of the time to a run's first event
+        self.stalled_until = -1.0  # routed around until then (its runs were not starting)
+        self._stall_backoff = _STALL_BACKOFF_S[0]
 
     # -- capacity ------------------------------------------------------------
 
@@ -59,8 +70,38 @@ class NodeLink:
 
     # -- runs ----------------------------------------------------------------
 
+    def sent(self, run_id: str, now: float) -> None:
+        """A run request went to this node; it is unstarted until its first event."""
+        self.unstarted[run_id] = now
+
+    def started(self, run_id: str, now: float) -> None:
+        sent_at = self.unstarted.pop(run_id, None)
+        if sent_at is None:
+            return
+        ttft = now - sent_at
+        self.ttft = ttft if self.ttft is None else 0.8 * self.ttft + 0.2 * ttft
+        self._stall_backoff = _STALL_BACKOFF_S[0]
+
+    def oldest_unstarted(self) -> float | None:
+        """When the longest-waiting unstarted run was sent (None: none waits)."""
+        for sent_at in self.unstarted.values():
+            return sent_at
+        return None
+
+    def stalled(self, now: float) -> bool:
+        return self.stalled_until > now
+
+    def mark_stalled(self, now: float) -> float:
+        """Route around this node for a while (doubling each time it stalls
+        again without a run starting in between); returns for how long."""
+        backoff = self._stall_backoff
+        self.stalled_until = now + backoff
+        self._stall_backoff = min(backoff * 2, _STALL_BACKOFF_S[1])
+        return backoff
+
     def forget_run(self, run_id: str) -> None:
         self.runs.pop(run_id, None)
+        self.unstarted.pop(run_id, None)
         if len(self._recent) == self._recent.maxlen:
             self._recent_set.discard(self._recent[0])
         self._recent.append(run_id)
@@ -74,12 +115,21 @@ class NodeLink:
     def send_nowait(self, frame: Frame) -> None:
         if self.closed:
             return
-        try:
-            self._outbox_send.send_nowait(frame)
-        except trio.WouldBlock:
-            self.kill("node is not reading its link", code=1008)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+        if isinstance(frame, (RunRequest, TunnelRequest)):
+            self._requests.append(frame)
+        else:
+            self._control.append(frame)
+        self._ready.unpark_all()
+
+    @property
+    def queued_frames(self) -> int:
+        return len(self._control) + len(self._requests)
+
+    async def next_frame(self) -> Frame:
+        """The next frame to send: control frames first, then requests in order."""
+        while not (self._control or self._requests):
+            await self._ready.park()
+        return self._control.popleft() if self._control else self._requests.popleft()
 
     def bind_scope(self, scope: trio.CancelScope) -> None:
         self._cancel_scope = scope
@@ -94,4 +144,6 @@ class NodeLink:
             self._cancel_scope.cancel()
 
     def close_outbox(self) -> None:
-        self._outbox_send.close()
+        self.closed = True
+        self._control.clear()
+        self._requests.clear()

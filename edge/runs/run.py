@@ -22,6 +22,7 @@ TIMEOUT = "timeout"
 NODE_LOST = "node_lost"
 SLOW_CLIENT = "slow_client"
 SHUTDOWN = "shutdown"
+UNSENDABLE = "unsendable"  # the run's request could not be encoded or framed for the node
 
 T = TypeVar("T")
 
@@ -57,6 +58,7 @@ class Run:
         "want",
         "request",
         "failed_over",
+        "requeued",
     )
 
     def __init__(
@@ -90,6 +92,7 @@ class Run:
         self.want = None  # what the request needs of a node (for failover)
         self.request = None  # the RunRequest frame, kept until the run closes (for failover)
         self.failed_over = False
+        self.requeued = None  # while a failed-over run waits for a slot: its place in the queue
 
     @property
     def link(self):
@@ -111,6 +114,7 @@ class Run:
         self.last_event_at = now
         if self.first_event_at is None:
             self.first_event_at = now
+            self.slot.link.started(self.id, now)
         self.events_seen += 1
         self._pending.append(item)
         if terminal:

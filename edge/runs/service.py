@@ -16,8 +16,8 @@ import trio
 from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
-from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, Run
-from proto import ModelInfo, RunRequest, TunnelRequest
+from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, UNSENDABLE, Run
+from proto import CancelRun, ModelInfo, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
 
@@ -56,13 +56,17 @@ class Want(msgspec.Struct, frozen=True):
 
 
 class _Waiter:
-    __slots__ = ("event", "slot", "gone", "want")
+    """A request waiting for a slot, or (``run`` set) a run moved off a node
+    that died or stalled before it started, waiting to be sent again."""
 
-    def __init__(self, want: Want) -> None:
+    __slots__ = ("event", "slot", "gone", "want", "run")
+
+    def __init__(self, want: Want, run: Run | None = None) -> None:
         self.event = trio.Event()
         self.slot: Slot | None = None
         self.gone = False  # no linked node can serve it any more
         self.want = want
+        self.run = run
 
 
 _MAX_SESSIONS = 100_000
@@ -72,12 +76,57 @@ def new_run_id() -> str:
     return secrets.token_hex(12)
 
 
+_FRAME_OVERHEAD = 4096  # a run frame's fields besides the request body, with room to spare
+_encode_msgpack = msgspec.msgpack.Encoder().encode
+
+
+def encode_run_body(body: dict[str, Any], max_frame_bytes: int) -> msgspec.Raw:
+    """The request body as the node will get it, encoded once, here, so that a
+    body that cannot travel is this request's 400 or 413 before any node is
+    touched (never an error in a link's sender).
+
+    msgpack holds integers in [-2**63, 2**64 - 1] only, and a body of numbers
+    grows when encoded (a float is 9 bytes): both are checked here.
+    """
+    try:
+        data = _encode_msgpack(body)
+    except OverflowError:
+        param = next((k for k, v in body.items() if not _encodable(v)), None)
+        raise errors.bad_request(
+            "The request holds an integer outside the 64-bit range" + (f" in `{param}`." if param else "."),
+            param,
+            "integer_out_of_range",
+        ) from None
+    except (msgspec.EncodeError, RecursionError, TypeError, ValueError) as e:
+        raise errors.bad_request(f"The request cannot be forwarded: {e}.") from None
+    if len(data) + _FRAME_OVERHEAD > max_frame_bytes:
+        raise errors.APIError(
+            413,
+            f"The request is {len(data)} bytes once encoded for the node, more than a link frame "
+            f"holds ({max_frame_bytes - _FRAME_OVERHEAD} bytes).",
+            code="request_too_large",
+        )
+    return msgspec.Raw(data)
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        _encode_msgpack(value)
+    except (OverflowError, msgspec.EncodeError, RecursionError, TypeError, ValueError):
+        return False
+    return True
+
+
 class RunService:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
         self.links: dict[str, NodeLink] = {}
         self.runs: dict[str, Run] = {}
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
+        # Runs moved off a lost or stalled node, per model: served before the queue.
+        # Bounded by the capacity of the nodes they came from.
+        self._moved: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
+        self.on_stall: list[Callable[[NodeLink], None]] = []
         # Models some node has advertised since start, plus configured ones:
         # a request for one of these with no node linked is a 503, not a 404.
         self._known: set[str] = {m.name for m in config.models}
@@ -93,8 +142,8 @@ class RunService:
 
     def queue_depth(self, model: str | None = None) -> int:
         if model is not None:
-            return len(self._queues.get(model, ()))
-        return sum(len(q) for q in self._queues.values())
+            return len(self._queues.get(model, ())) + len(self._moved.get(model, ()))
+        return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._moved.values())
 
     def models(self) -> dict[str, list[NodeLink]]:
         """Model name -> links serving it now."""
@@ -119,8 +168,8 @@ class RunService:
         log.info("node linked", node_id=link.node_id, models=sorted(link.models))
 
     def remove_link(self, link: NodeLink) -> None:
-        """The link is gone: fail its runs at once and wake waiters that can no
-        longer be served."""
+        """The link is gone: its unstarted runs move to other nodes, the rest
+        fail at once; waiters that can no longer be served are woken."""
         link.closed = True
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
@@ -128,33 +177,95 @@ class RunService:
             if not self._fail_over(run, link):
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
         for model in link.models:
-            queue = self._queues.get(model)
-            if not queue:
-                continue
             serving = self._serving(model)
-            for waiter in list(queue):
-                if not any(waiter.want.fits(lk) for lk in serving):
+            for queue in (self._queues.get(model), self._moved.get(model)):
+                for waiter in list(queue or ()):
+                    if any(waiter.want.fits(lk) for lk in serving):
+                        continue
                     queue.remove(waiter)
-                    waiter.gone = True
-                    waiter.event.set()
+                    if waiter.run is not None:
+                        waiter.run.requeued = None
+                        waiter.run.fail(NODE_DISCONNECTED, NODE_LOST)
+                    else:
+                        waiter.gone = True
+                        waiter.event.set()
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
 
-    def _fail_over(self, run: Run, dead: NodeLink) -> bool:
-        """Move a run that has produced no event yet to another node, at most once."""
+    def _fail_over(self, run: Run, old: NodeLink) -> bool:
+        """Move a run that has produced no event yet off ``old`` (lost, or not
+        starting runs), at most once: to a node with a free slot now, else it
+        waits for one ahead of the queue. False if no other node could run it."""
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
-        link = self._pick(run.want, exclude=dead)
-        if link is None:
+        if not any(run.want.fits(lk) for lk in self._serving(run.want.model) if lk is not old):
             return False
-        dead.runs.pop(run.id, None)
-        old, run.slot = run.slot, self._reserve(link, run.want)
-        self.release(old)
+        old.send_nowait(CancelRun(run_id=run.id, reason="moved to another node"))  # no-op on a lost link
+        old.forget_run(run.id)
+        self.release(run.slot)
         run.failed_over = True
+        moved = self._moved[run.want.model]
+        link = None if moved else self._pick(run.want, exclude=old)
+        if link is not None:
+            self._dispatch(run, self._reserve(link, run.want))
+        else:
+            run.requeued = _Waiter(run.want, run)
+            moved.append(run.requeued)
+        log.warning("run moved", run_id=run.id, from_node=old.node_id, to_node=link.node_id if link else None)
+        return True
+
+    def _dispatch(self, run: Run, slot: Slot) -> None:
+        """Send a moved run to its new slot's node."""
+        run.slot = slot
+        run.requeued = None
+        link = slot.link
         link.runs[run.id] = run
         remaining = max(run.deadline - trio.current_time(), 0.0)
-        link.send_nowait(msgspec.structs.replace(run.request, target=run.slot.info.target, timeout_s=remaining))
-        log.warning("run failed over", run_id=run.id, dead_node=dead.node_id, node_id=link.node_id)
-        return True
+        run.request = msgspec.structs.replace(run.request, target=slot.info.target, timeout_s=remaining)
+        link.send_nowait(run.request)
+        link.sent(run.id, trio.current_time())
+
+    def check_stall(self, link: NodeLink) -> None:
+        """Route around ``link`` if its runs are not starting: its oldest
+        unstarted run has waited ``stall_after_s`` and ten times the typical
+        time to first event of its peers (nodes that are starting runs). A
+        node with no such peers is never judged, so a lone node is left
+        alone. Its unstarted runs move to other nodes."""
+        now = trio.current_time()
+        if link.stalled_until >= 0 and not link.stalled(now):
+            link.stalled_until = -1.0  # its time out is over: it gets traffic again
+            for model in link.models:
+                self._wake(model)
+        oldest = link.oldest_unstarted()
+        if oldest is None or link.stalled(now):
+            return
+        peers = sorted(
+            lk.ttft
+            for lk in self.links.values()
+            if lk is not link and lk.ttft is not None and not lk.stalled(now) and not lk.closed
+        )
+        if not peers:
+            return
+        typical = peers[len(peers) // 2]
+        threshold = max(self.config.stall_after_s, 10 * typical)
+        waited = now - oldest
+        if waited < threshold:
+            return
+        backoff = link.mark_stalled(now)
+        moved = 0
+        for run_id, sent_at in list(link.unstarted.items()):
+            run = link.runs.get(run_id)
+            if run is not None and now - sent_at >= threshold and self._fail_over(run, link):
+                moved += 1
+        log.warning(
+            "node is not starting runs: routing around it",
+            node_id=link.node_id,
+            waited_s=round(waited, 3),
+            peers_ttft_s=round(typical, 4),
+            runs_moved=moved,
+            for_s=backoff,
+        )
+        for hook in self.on_stall:
+            hook(link)
 
     def set_draining(self, link: NodeLink, draining: bool) -> None:
         link.draining = draining
@@ -167,17 +278,25 @@ class RunService:
     def _pick(self, want: Want, exclude: NodeLink | None = None) -> NodeLink | None:
         """Session affinity first (the same node while it has room, so the
         model server's prefix cache is reused), then the least loaded
-        (in-flight / capacity), ties broken at random."""
+        (in-flight / capacity), ties broken at random. A node that is not
+        starting its runs (stalled) is skipped."""
         model = want.model
+        now = trio.current_time()
         if want.session is not None:
             node_id = self._affinity.get(want.session)
             link = self.links.get(node_id) if node_id is not None else None
-            if link is not None and link is not exclude and link.free_slots(model) > 0 and want.fits(link):
+            if (
+                link is not None
+                and link is not exclude
+                and link.free_slots(model) > 0
+                and want.fits(link)
+                and not link.stalled(now)
+            ):
                 return link
         best: list[NodeLink] = []
         best_load = math.inf
         for link in self.links.values():
-            if link is exclude or link.free_slots(model) <= 0 or not want.fits(link):
+            if link is exclude or link.free_slots(model) <= 0 or not want.fits(link) or link.stalled(now):
                 continue
             load = link.load(model)
             if load < best_load:
@@ -210,20 +329,25 @@ class RunService:
         self._wake(slot.model)
 
     def _wake(self, model: str) -> None:
-        """Hand free slots to waiters in FIFO order. A waiter at the head that
-        no free node fits does not block the ones behind it that fit."""
-        queue = self._queues.get(model)
-        if not queue:
-            return
-        for waiter in list(queue):
-            link = self._pick(waiter.want)
-            if link is None:
+        """Hand free slots to waiters: moved runs first, then the queue, in
+        FIFO order. A waiter at the head that no free node fits does not
+        block the ones behind it that fit."""
+        for queue in (self._moved.get(model), self._queues.get(model)):
+            if not queue:
                 continue
-            queue.remove(waiter)
-            waiter.slot = self._reserve(link, waiter.want)
-            waiter.event.set()
-            if not any(lk.free_slots(model) > 0 for lk in self.links.values()):
-                return
+            for waiter in list(queue):
+                link = self._pick(waiter.want)
+                if link is None:
+                    continue
+                queue.remove(waiter)
+                slot = self._reserve(link, waiter.want)
+                if waiter.run is not None:
+                    self._dispatch(waiter.run, slot)
+                else:
+                    waiter.slot = slot
+                    waiter.event.set()
+                if not any(lk.free_slots(model) > 0 for lk in self.links.values()):
+                    return
 
     async def acquire(self, want: Want) -> Slot:
         """A slot on a node serving ``want.model``: at once if one is free,
@@ -243,7 +367,7 @@ class RunService:
                 raise errors.no_node(model, f"No linked node serving `{model}` allows passthrough.")
             raise errors.context_too_long(want.min_context, max(lk.models[model].context_window for lk in serving))
         queue = self._queues[model]
-        if not queue:
+        if not queue and not self._moved.get(model):
             link = self._pick(want)
             if link is not None:
                 return self._reserve(link, want)
@@ -297,13 +421,14 @@ class RunService:
     def start(
         self,
         slot: Slot,
-        request: dict[str, Any],
+        request: msgspec.Raw,
         *,
         want: Want,
         metadata: dict[str, str],
         run_id: str | None = None,
     ) -> Run:
-        """Create the run and send it to the slot's node (never blocks)."""
+        """Create the run and send it to the slot's node (never blocks).
+        ``request``: the body from :func:`encode_run_body`."""
         run = self._new_run(slot, want, metadata, run_id)
         run.request = RunRequest(
             run_id=run.id,
@@ -314,6 +439,7 @@ class RunService:
             metadata=metadata,
         )
         slot.link.send_nowait(run.request)
+        slot.link.sent(run.id, run.started_at)
         return run
 
     def start_tunnel(
@@ -342,6 +468,7 @@ class RunService:
                 headers=headers,
             )
         )
+        slot.link.sent(run.id, run.started_at)
         return run
 
     async def wait_idle(self) -> None:
@@ -349,7 +476,18 @@ class RunService:
         while self.runs:
             await self._run_closed.park()
 
+    def unsendable(self, link: NodeLink, frame: RunRequest | TunnelRequest, problem: str) -> None:
+        """A request frame could not go to the node (encoding, size): that run
+        fails, the link stays."""
+        log.warning("run request not sendable", run_id=frame.run_id, node_id=link.node_id, problem=problem)
+        run = link.runs.get(frame.run_id)
+        if run is not None:
+            run.fail(f"the request could not be sent to the node: {problem}", UNSENDABLE)
+
     def _closed(self, run: Run) -> None:
+        if run.requeued is not None:
+            _discard(self._moved[run.want.model], run.requeued)
+            run.requeued = None
         self._run_closed.unpark_all()
         self.runs.pop(run.id, None)
         run.slot.link.forget_run(run.id)

@@ -1,0 +1,291 @@
+"""Nothing a client sends, and no burst, takes a node link down; a node that
+claims what it does not serve is capped and routed around (issue 9)."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import trio
+from trio_websocket import ConnectionClosed, wrap_client_stream
+
+from edge.runs import Want
+from proto import (
+    PROTOCOL_VERSION,
+    CancelRun,
+    Events,
+    Hello,
+    ModelInfo,
+    Ping,
+    Pong,
+    RunEvent,
+    RunRequest,
+    Welcome,
+    decode_frame,
+    encode_frame,
+)
+from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, settled, start_edge, start_node
+
+ASK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+async def open_link(edge, node_id: str | None, token: str = TOKEN, *, nursery: trio.Nursery):
+    """A hand-driven node link (the test closes the TCP stream it returns)."""
+    headers = [(b"Authorization", f"Bearer {token}".encode())]
+    if node_id is not None:
+        headers.append((b"X-Iop-Node-Id", node_id.encode()))
+    stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+    ws = await wrap_client_stream(
+        nursery, stream, f"127.0.0.1:{edge.port}", "/v1/node/link", extra_headers=headers, message_queue_size=1
+    )
+    return stream, ws
+
+
+async def hello(ws, node_id: str, capacity: int = 4) -> Welcome:
+    info = ModelInfo(name="m", adapter="sim", target="m", max_concurrency=capacity)
+    await ws.send_message(encode_frame(Hello(node_id=node_id, protocol=PROTOCOL_VERSION, models=[info])))
+    welcome = decode_frame(await ws.get_message())
+    assert isinstance(welcome, Welcome)
+    return welcome
+
+
+async def answer_runs(ws, *, started: list[str] | None = None) -> None:
+    """Serve the link like a node that completes every run at once."""
+    while True:
+        frame = decode_frame(await ws.get_message())
+        if isinstance(frame, Ping):
+            await ws.send_message(encode_frame(Pong(ts=frame.ts)))
+        elif isinstance(frame, RunRequest):
+            if started is not None:
+                started.append(frame.run_id)
+            events = [
+                RunEvent(run_id=frame.run_id, seq=1, type="delta", text="ok"),
+                RunEvent(run_id=frame.run_id, seq=2, type="complete", finish_reason="stop"),
+            ]
+            await ws.send_message(encode_frame(Events(events=events)))
+
+
+# -- finding 1: a request that cannot travel is that request's error -----------------
+
+
+async def test_integer_beyond_64_bits_is_a_400_and_the_link_stays(nursery):
+    """`"seed": 2**64` anywhere in a body is a 400 naming the field; the node's link is untouched."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m")])
+    link = edge.edge.runs.links["n1"]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for field in ("seed", "some_unknown_field"):
+                r = await client.post("/v1/chat/completions", json={**ASK, field: 2**64})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["code"] == "integer_out_of_range" and error["param"] == field
+            r = await client.post("/v1/chat/completions", json={**ASK, "seed": -(2**63) - 1, "stream": True})
+            assert r.status_code == 400
+            ok = await client.post("/v1/chat/completions", json={**ASK, "seed": 2**64 - 1})
+    assert ok.status_code == 200
+    assert edge.edge.runs.links["n1"] is link and not link.closed
+
+
+async def test_body_that_outgrows_a_frame_is_a_413_before_any_node(nursery):
+    """Floats grow when encoded for the link: a body over the frame limit then is a 413; no node is asked."""
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=1 << 20, max_body_bytes=4 << 20))
+    node = await start_node(nursery, edge, [model("m")], max_frame_bytes=1 << 20)
+    link = edge.edge.runs.links["n1"]
+    floats = [0.5] * 150_000  # ~0.6 MB of JSON, ~1.35 MB of msgpack
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={**ASK, "logit_bias_like": floats})
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large"
+            ok = await client.post("/v1/chat/completions", json=ASK)
+    assert ok.status_code == 200
+    assert edge.edge.runs.links["n1"] is link and not link.closed
+    assert node.agent.counters.active_runs == 0
+
+
+async def test_unsendable_frame_fails_its_run_not_the_link(nursery):
+    """A run frame over the frame limit (however it got there) is that run's error; other runs go on."""
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=1 << 20))
+    await start_node(nursery, edge, [model("m")])
+    service = edge.edge.runs
+    link = service.links["n1"]
+    slot = await service.acquire(Want("m"))
+    run = service.start(slot, msgspec.Raw(msgspec.msgpack.encode({"x": "y" * (2 << 20)})), want=Want("m"), metadata={})
+    with trio.fail_after(BOUND):
+        batch = await run.next_batch()
+    run.close("done")
+    assert batch[-1].type == "error" and "could not be sent to the node" in batch[-1].text
+    async with http(edge) as client:
+        ok = await client.post("/v1/chat/completions", json=ASK)
+    assert ok.status_code == 200 and service.links["n1"] is link
+
+
+# -- finding 3: back-pressure is not death; a node crash does not spread -------------------
+
+
+async def test_a_burst_past_the_old_outbox_size_does_not_kill_a_slow_reader(nursery):
+    """1,100 runs queued to a node that stops reading for a while: the link waits for it, every request completes."""
+    edge = await start_edge(nursery, edge_config(ping_interval_s=1.0, max_queue=0))
+    n = 1100
+    reading = trio.Event()
+    stream, ws = await open_link(edge, "slow", nursery=nursery)
+    started: list[str] = []
+    try:
+        await hello(ws, "slow", capacity=2000)
+
+        async def node_side():
+            # Keep the link alive (frames from the node) without reading anything.
+            while not reading.is_set():
+                await ws.send_message(encode_frame(Ping(ts=0)))
+                with trio.move_on_after(0.3):
+                    await reading.wait()
+            await answer_runs(ws, started=started)
+
+        nursery.start_soon(node_side)
+        big = "x" * 10_000  # 1,100 of these are far more than the socket buffers hold
+        statuses: list[int] = []
+        async with http(edge, limits=httpx.Limits(max_connections=None)) as client:
+
+            async def one():
+                r = await client.post(
+                    "/v1/chat/completions", json={**ASK, "messages": [{"role": "user", "content": big}]}
+                )
+                statuses.append(r.status_code)
+
+            with trio.fail_after(BOUND * 3):
+                async with trio.open_nursery() as clients:
+                    for i in range(n):
+                        clients.start_soon(one)
+                        if i % 20 == 19:
+                            await trio.sleep(0.05)  # a ramp: the listen backlog is not what this tests
+                    await eventually(lambda: edge.edge.runs.in_flight == n, what="all runs dispatched")
+                    link = edge.edge.runs.links["slow"]
+                    await eventually(lambda: link.queued_frames > 1024, what="the node's frames back up")
+                    await trio.sleep(1.5)  # past the time a full outbox used to kill the link
+                    assert not link.closed
+                    reading.set()
+        assert statuses == [200] * n
+        assert edge.edge.runs.links["slow"] is link and not link.closed
+        assert len(started) == n
+    finally:
+        await stream.aclose()
+
+
+async def test_runs_of_a_crashed_node_wait_for_slots_on_the_survivor(nursery):
+    """A node dies holding 30 unstarted runs; the other node has 2 slots: all 30 complete there, none is lost."""
+    edge = await start_edge(nursery)
+    survivor = await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=2)], "b")
+    stream, ws = await open_link(edge, "a", nursery=nursery)
+    received: list[str] = []
+
+    async def swallow():
+        # Node "a" takes runs and never answers them, then vanishes.
+        while True:
+            frame = decode_frame(await ws.get_message())
+            if isinstance(frame, RunRequest):
+                received.append(frame.run_id)
+            elif isinstance(frame, Ping):
+                await ws.send_message(encode_frame(Pong(ts=frame.ts)))
+
+    await hello(ws, "a", capacity=100)
+    crash = trio.CancelScope()
+
+    async def node_a():
+        with crash:
+            await swallow()
+
+    nursery.start_soon(node_a)
+    results: list[tuple[int, str]] = []
+    with trio.fail_after(BOUND * 2):
+        async with http(edge) as client:
+
+            async def one():
+                r = await client.post("/v1/chat/completions", json=ASK)
+                results.append((r.status_code, r.json()["choices"][0]["message"]["content"] if r.is_success else r.text))
+
+            async with trio.open_nursery() as clients:
+                for _ in range(32):
+                    clients.start_soon(one)
+                await eventually(lambda: len(received) >= 30, what="node a holds 30 runs")
+                crash.cancel()
+                await stream.aclose()  # the crash: the TCP connection is gone
+    assert len(results) == 32
+    assert all(status == 200 for status, _ in results), results
+    assert all(text for _, text in results)
+    await settled(edge, survivor.agent)
+
+
+# -- finding 7: a node id with its own token cannot be taken with the shared one ----------------
+
+
+async def test_shared_token_cannot_link_as_a_node_with_its_own_token(nursery):
+    """With node_token and node_tokens set, the shared token links only ids that have no token of their own."""
+    edge = await start_edge(nursery, edge_config(node_token="shared", node_tokens={"A": "token-of-a"}))
+    with trio.fail_after(BOUND):
+        for header_id in (None, "B"):  # no id on the upgrade, or another id than the hello's
+            stream, ws = await open_link(edge, header_id, "shared", nursery=nursery)
+            try:
+                info = ModelInfo(name="m", adapter="sim", target="m")
+                await ws.send_message(encode_frame(Hello(node_id="A", protocol=PROTOCOL_VERSION, models=[info])))
+                try:
+                    await ws.get_message()
+                    raise AssertionError("linked as A with the shared token")
+                except ConnectionClosed as e:
+                    assert e.reason.code in (4001, 4003)
+            finally:
+                await stream.aclose()
+        assert "A" not in edge.edge.runs.links
+        # The shared token still links an id without a token of its own, and A's own token links A.
+        for node_id, token in (("B", "shared"), ("A", "token-of-a")):
+            stream, ws = await open_link(edge, node_id, token, nursery=nursery)
+            try:
+                await hello(ws, node_id)
+                assert node_id in edge.edge.runs.links
+            finally:
+                await stream.aclose()
+
+
+# -- finding 8: claimed capacity is capped; a node that starts nothing is routed around ---------
+
+
+async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
+    """A node advertising 10^9 slots that never starts a run: capped, its runs moved, every request served."""
+    edge = await start_edge(nursery, edge_config(max_node_concurrency=8, stall_after_s=0.3))
+    await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
+    stream, ws = await open_link(edge, "liar", nursery=nursery)
+    cancelled: list[str] = []
+
+    async def liar():
+        while True:
+            frame = decode_frame(await ws.get_message())
+            if isinstance(frame, Ping):
+                await ws.send_message(encode_frame(Pong(ts=frame.ts)))
+            elif isinstance(frame, CancelRun):
+                cancelled.append(frame.run_id)
+
+    await hello(ws, "liar", capacity=10**9)
+    results: list[int] = []
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(liar)
+                async with http(edge) as client:
+                    nodes = (await client.get("/v1/nodes")).json()["data"]
+                    liar_info = next(n for n in nodes if n["id"] == "liar")
+                    assert liar_info["models"][0]["max_concurrency"] == 8
+
+                    async def one():
+                        r = await client.post("/v1/chat/completions", json=ASK)
+                        results.append(r.status_code)
+
+                    async with trio.open_nursery() as clients:
+                        for _ in range(20):
+                            clients.start_soon(one)
+                    metrics = (await client.get("/metrics")).text
+                inner.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert results == [200] * 20
+    assert cancelled, "the liar was told to drop the runs moved off it"
+    stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
+    assert stalls and float(stalls[0].split()[1]) >= 1, stalls
