@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 from edge.auth import bearer_matches
 from edge.config import EdgeConfig, load_edge_config
 from edge.errors import APIError, error_json
+from edge.frame_limit import install as install_frame_limit
 from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
@@ -71,10 +72,11 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     """The ASGI app. With no ``config``, reads ``$IOP_EDGE_CONFIG`` (or defaults)."""
     if config is None:
         config = load_edge_config(None)
+    install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
     edge = Edge(config)
     app = QuartTrio("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = config.body_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.extensions["iop"] = edge
 

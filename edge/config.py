@@ -31,6 +31,7 @@ class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     bind: str = "127.0.0.1:8080"
+    backlog: int = 4096  # listen queue for connection bursts (hypercorn's default is 100; Linux caps it at somaxconn)
     # Node authentication: one shared token, or one per node id.
     node_token: str = ""
     node_tokens: dict[str, str] = msgspec.field(default_factory=dict)
@@ -64,6 +65,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 2048
     max_tools: int = 256
+    body_timeout_s: float = 60.0  # to receive a whole request body; a slower one is a 408
+    max_output_tokens: int = 131072  # the largest max_tokens / max_completion_tokens a request may ask for
     # Shutdown.
     drain_grace_s: float = 30.0
     models: list[ModelPolicy] = msgspec.field(default_factory=list)
@@ -85,6 +88,12 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
+        if self.backlog <= 0:
+            raise ConfigError("backlog: must be greater than 0")
+        if self.body_timeout_s <= 0:
+            raise ConfigError("body_timeout_s: must be greater than 0")
+        if self.max_output_tokens < 1:
+            raise ConfigError("max_output_tokens: must be at least 1")
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("certfile: TLS needs both certfile and keyfile")
         if self.max_tool_attempts < 1:

@@ -14,6 +14,7 @@ def hypercorn_config(app: QuartTrio, bind: str, *, certfile: str | None = None, 
     cfg = edge_of(app).config
     hc = hypercorn.config.Config()
     hc.bind = [bind]
+    hc.backlog = cfg.backlog
     hc.accesslog = None
     hc.graceful_timeout = cfg.drain_grace_s
     hc.websocket_max_message_size = cfg.max_frame_bytes

@@ -76,7 +76,7 @@ def new_run_id() -> str:
     return secrets.token_hex(12)
 
 
-_FRAME_OVERHEAD = 4096  # a run frame's fields besides the request body, with room to spare
+_FRAME_OVERHEAD = 1024  # a run frame's fields besides the request body (the sender checks the exact size)
 _encode_msgpack = msgspec.msgpack.Encoder().encode
 
 
@@ -144,6 +144,11 @@ class RunService:
         if model is not None:
             return len(self._queues.get(model, ())) + len(self._moved.get(model, ()))
         return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._moved.values())
+
+    def is_known(self, model: str) -> bool:
+        """``model`` is configured (``[[models]]``) or some node has advertised
+        it since the edge started: never a name only a client made up."""
+        return model in self._known
 
     def models(self) -> dict[str, list[NodeLink]]:
         """Model name -> links serving it now."""

@@ -1,0 +1,146 @@
+"""The link's message limit, enforced before hypercorn buffers a byte past it.
+
+Why: hypercorn 0.18's ``WSStream`` appends every data event to its message
+buffer and only then compares the length with ``websocket_max_message_size``;
+past the limit it sends a 1009 close but keeps the connection, so the next
+events are appended again before the same check fails. A node that ignores the
+close (one header declaring 2^40 bytes, or fragments that never end) grows the
+edge by the link's speed until the ping timeout: 2.1 GiB in 15 s on loopback.
+With permessage-deflate (which hypercorn always accepts) it is worse: each
+fragment is inflated before the check, 1.4 MB on the wire made 0.9 GiB.
+
+What: ``install()`` wraps ``WSStream.handle`` (the one entry point for the
+peer's bytes, HTTP/1.1 and HTTP/2 alike):
+
+- the upgrade request reaches hypercorn without ``Sec-WebSocket-Extensions``,
+  so compression is declined (nodes don't offer it) and a message's size on the
+  wire is its size;
+- ``FrameLimit`` reads the frame headers in the bytes before wsproto sees them
+  and adds up the payload lengths they declare per message; a message declared
+  over the limit is refused at its header, before any of its payload is
+  buffered: the edge sends the 1009 close (message too big) and ends the stream
+  at once, so the connection closes and the app sees the link go.
+
+Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19). It relies on
+``WSStream.handle``/``_send_wsproto_event``/``send``, its ``closed``,
+``handshake.accepted``, ``config.websocket_max_message_size``, ``client`` and
+``stream_id``, and on ``Request``/``Data``/``Body``/``StreamClosed`` events;
+``install()`` refuses another hypercorn series, and tests/test_hostile_link.py
+checks the behaviour end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+
+import structlog
+from hypercorn.protocol.events import Body, Data, Request, StreamClosed
+from hypercorn.protocol.ws_stream import WSStream
+from wsproto.events import CloseConnection
+from wsproto.frame_protocol import CloseReason
+
+log = structlog.get_logger("iop.edge.link")
+
+HYPERCORN_SERIES = "0.18."
+EXTENSIONS = b"sec-websocket-extensions"
+STATE = "_iop_frame_limit"  # the FrameLimit of one WSStream, kept in its __dict__
+
+
+class FrameLimit:
+    """Sans-I/O: the payload sizes a peer's frame headers declare, per message.
+
+    Feed it the bytes a websocket client sends, in order, across any split;
+    ``exceeded`` turns true at the header that takes a data message (its
+    fragments added up) over ``limit``. Control frames don't count (wsproto
+    caps them at 125 bytes). Protocol errors are left to wsproto.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._header = bytearray()  # a frame header split across reads
+        self._payload_left = 0  # payload bytes of the current frame still to come
+        self._message = 0  # payload declared so far by the data message in progress
+
+    def _header_size(self) -> int:
+        if len(self._header) < 2:
+            return 2
+        short = self._header[1] & 0x7F
+        extended = 2 if short == 126 else 8 if short == 127 else 0
+        masked = 4 if self._header[1] & 0x80 else 0
+        return 2 + extended + masked
+
+    def exceeded(self, data: bytes) -> bool:
+        """Take the next bytes from the peer; true if a header in them passes the limit."""
+        view = memoryview(data)
+        while view:
+            if self._payload_left:
+                step = min(self._payload_left, len(view))
+                self._payload_left -= step
+                view = view[step:]
+                continue
+            need = self._header_size() - len(self._header)
+            self._header += view[:need]
+            view = view[need:]
+            if len(self._header) == self._header_size() and self._frame_over_limit():
+                return True
+        return False
+
+    def _frame_over_limit(self) -> bool:
+        header, self._header = self._header, bytearray()
+        fin, opcode, short = header[0] & 0x80, header[0] & 0x0F, header[1] & 0x7F
+        if short == 126:
+            length = int.from_bytes(header[2:4], "big")
+        elif short == 127:
+            length = int.from_bytes(header[2:10], "big")
+        else:
+            length = short
+        self._payload_left = length
+        if opcode & 0x8:  # control frame
+            return False
+        self._message += length
+        over = self._message > self.limit
+        if fin:
+            self._message = 0
+        return over
+
+
+async def _refuse(stream: WSStream) -> None:
+    log.warning(
+        "node link closed: message over the frame limit",
+        limit=stream.config.websocket_max_message_size,
+        peer=stream.client[0] if stream.client else None,
+    )
+    await stream._send_wsproto_event(CloseConnection(code=CloseReason.MESSAGE_TOO_BIG))
+    await stream.send(StreamClosed(stream_id=stream.stream_id))
+
+
+def install() -> None:
+    """Wrap ``WSStream.handle`` (idempotent). Raises on a hypercorn it wasn't written for."""
+    version = importlib.metadata.version("hypercorn")
+    if not version.startswith(HYPERCORN_SERIES):
+        raise RuntimeError(
+            f"edge.frame_limit patches hypercorn {HYPERCORN_SERIES}x internals; "
+            f"hypercorn {version} is installed: review the patch"
+        )
+    if getattr(WSStream.handle, "frame_limit", False):
+        return
+    if not hasattr(WSStream, "_send_wsproto_event"):
+        raise RuntimeError("hypercorn's WSStream is not the one edge.frame_limit was written for: review it")
+    hypercorn_handle = WSStream.handle
+
+    async def handle(self: WSStream, event) -> None:
+        if isinstance(event, Request):
+            headers = [(name, value) for name, value in event.headers if name.lower() != EXTENSIONS]
+            event = dataclasses.replace(event, headers=headers)
+        elif isinstance(event, (Body, Data)) and not self.closed and self.handshake.accepted:
+            limit = self.__dict__.get(STATE) or self.__dict__.setdefault(
+                STATE, FrameLimit(self.config.websocket_max_message_size)
+            )
+            if limit.exceeded(event.data):
+                await _refuse(self)
+                return
+        await hypercorn_handle(self, event)
+
+    handle.frame_limit = True  # type: ignore[attr-defined]
+    WSStream.handle = handle  # type: ignore[method-assign]

@@ -1,0 +1,209 @@
+"""Chaos under load (issue 9): scenarios that need many streams at once.
+
+  poison-request    a poison request (an integer >= 2**64, and a body of floats that outgrows a frame)
+                    every second into steady load on two nodes: each is a 4xx, no stream is lost,
+                    no link drops
+  kill-one-of-two   SIGKILL one of two nodes while 2,400 runs wait for their first token: every
+                    run that had not started completes on the other node
+  ramp-5000         ramp to 5,000 concurrent streams through the openai adapter: no link closed,
+                    new requests still answered quickly (p99 reported)
+
+Each starts its own edge and nodes (scripts/stack.py) against the chaos run's
+in-process upstream, and is bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import trio
+
+from scripts.stack import Stack
+from scripts.upstream import Upstream, text_script, words
+
+MESSAGES = [{"role": "user", "content": "chaos"}]
+UNBOUNDED = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+
+def openai_model(up: Upstream, target: str, capacity: int) -> dict:
+    return {"name": "m", "adapter": "openai", "target": target, "base_url": up.base_url, "max_concurrency": capacity}
+
+
+async def nodes_linked(client: httpx.AsyncClient) -> dict[str, float]:
+    """node id -> seconds linked (a relink shows as a smaller number)."""
+    return {n["id"]: n["linked_for_s"] for n in (await client.get("/v1/nodes")).json()["data"]}
+
+
+class Streams:
+    """Counts what many SSE streams ended with."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.first_token = 0
+        self.done = 0
+        self.errors: list[str] = []
+        self.open = 0
+
+    async def one(self, client: httpx.AsyncClient, body: dict) -> None:
+        self.started += 1
+        self.open += 1
+        got_token = False
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                if r.status_code != 200:
+                    self.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:120]!r}")
+                    return
+                async for line in r.aiter_lines():
+                    if not got_token and '"content"' in line:
+                        got_token = True
+                        self.first_token += 1
+                    elif line.startswith('data: {"error"'):
+                        self.errors.append(line[:160])
+                    elif line == "data: [DONE]":
+                        if got_token:
+                            self.done += 1
+                        return
+            self.errors.append("stream ended without [DONE]")
+        except httpx.HTTPError as e:
+            self.errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            self.open -= 1
+
+
+def summary(errors: list[str]) -> str:
+    kinds: dict[str, int] = {}
+    for e in errors:
+        kinds[e[:60]] = kinds.get(e[:60], 0) + 1
+    return "; ".join(f"{n}x {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:3])
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def poison_request(stack: Stack, up: Upstream) -> tuple[bool, str]:
+    up.script_for("poison-t", lambda body: text_script(words(30), interval=0.02))
+    edge = await trio.to_thread.run_sync(lambda: stack.edge(ping_interval_s=0.5, ping_misses=3))
+    for node_id in ("p-a", "p-b"):
+        await trio.to_thread.run_sync(lambda n=node_id: stack.node(edge, [openai_model(up, "poison-t", 64)], n))
+    streams = Streams()
+    poison_status: list[int] = []
+    floats = [0.5] * 2_000_000  # ~8 MB of JSON, ~18 MB once msgpack-encoded: over the 16 MiB frame limit
+    async with httpx.AsyncClient(base_url=edge, timeout=60, limits=UNBOUNDED) as client:
+        before = await nodes_linked(client)
+        stop = trio.Event()
+
+        async def load() -> None:
+            while not stop.is_set():
+                await streams.one(client, {"model": "m", "messages": MESSAGES})
+
+        async def poison() -> None:
+            for i in range(10):
+                body = {"model": "m", "messages": MESSAGES, "seed": 2**64}
+                if i % 2:
+                    body = {"model": "m", "messages": MESSAGES, "numbers": floats}
+                poison_status.append((await client.post("/v1/chat/completions", json=body)).status_code)
+                await trio.sleep(1)
+            stop.set()
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(20):
+                nursery.start_soon(load)
+            nursery.start_soon(poison)
+        after = await nodes_linked(client)
+    relinked = [n for n in before if n not in after or after[n] < before[n]]
+    ok = all(400 <= s < 500 for s in poison_status) and not streams.errors and not relinked and streams.done > 0
+    return ok, (
+        f"poison answers {sorted(set(poison_status))} x{len(poison_status)}; {streams.done} streams completed, "
+        f"{len(streams.errors)} lost {summary(streams.errors)}; links dropped: {len(relinked)}"
+    )
+
+
+async def kill_one_of_two(stack: Stack, up: Upstream, per_node: int = 1200) -> tuple[bool, str]:
+    # Every run waits 3 s for its first token, then streams 5 tokens.
+    up.script_for("storm-t", lambda body: text_script(words(5), ttft=3.0, interval=0.01))
+    edge = await trio.to_thread.run_sync(
+        lambda: stack.edge(max_node_concurrency=per_node, max_queue=0)
+    )
+    procs = {}
+    for node_id in ("s-a", "s-b"):
+        procs[node_id] = await trio.to_thread.run_sync(
+            lambda n=node_id: stack.node(edge, [openai_model(up, "storm-t", per_node)], n)
+        )
+    streams = Streams()
+    total = 2 * per_node
+    base = len(up.records)
+    async with httpx.AsyncClient(base_url=edge, timeout=120, limits=UNBOUNDED) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(total):
+                nursery.start_soon(streams.one, client, {"model": "m", "messages": MESSAGES})
+                if i % 100 == 99:
+                    await trio.sleep(0.05)
+            with trio.fail_after(60):
+                while len(up.records) - base < total:
+                    await trio.sleep(0.05)
+            waiting = total - streams.first_token
+            procs["s-a"].send_signal(signal.SIGKILL)
+            killed_at = time.perf_counter()
+        took = time.perf_counter() - killed_at
+        linked = await nodes_linked(client)
+    ok = streams.done == total and not streams.errors and "s-b" in linked
+    return ok, (
+        f"{waiting} runs waiting for a first token when node s-a was killed; {streams.done}/{total} completed "
+        f"({took:.1f} s after the kill), {len(streams.errors)} lost {summary(streams.errors)}"
+    )
+
+
+async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool, str]:
+    # Held streams: a token every 2 s for 20 s. Probes: one token at once.
+    up.script_for("ramp-t", lambda body: text_script(words(10), interval=2.0))
+    up.script_for("probe-t", lambda body: text_script(words(1)))
+    edge = await trio.to_thread.run_sync(
+        lambda: stack.edge(max_node_concurrency=8192, max_queue=0)
+    )
+    models = [openai_model(up, "ramp-t", total + 500), {**openai_model(up, "probe-t", 64), "name": "probe"}]
+    await trio.to_thread.run_sync(lambda: stack.node(edge, models, "r-a"))
+    streams = Streams()
+    latencies: list[float] = []
+    async with httpx.AsyncClient(base_url=edge, timeout=120, limits=UNBOUNDED) as client:
+        before = await nodes_linked(client)
+        async with trio.open_nursery() as nursery:
+            t0 = time.perf_counter()
+            for i in range(total):
+                nursery.start_soon(streams.one, client, {"model": "m", "messages": MESSAGES})
+                if i % 50 == 49:
+                    await trio.sleep(0.05)  # ~1,000 new streams a second
+            with trio.fail_after(60):
+                while streams.first_token + len(streams.errors) < total:
+                    await trio.sleep(0.1)
+            ramp = time.perf_counter() - t0
+            held = streams.open
+            async with httpx.AsyncClient(base_url=edge, timeout=30) as probe_client:
+                for _ in range(100):
+                    t = time.perf_counter()
+                    r = await probe_client.post(
+                        "/v1/chat/completions", json={"model": "probe", "messages": MESSAGES, "max_tokens": 1}
+                    )
+                    latencies.append((time.perf_counter() - t) * 1000)
+                    if r.status_code != 200:
+                        streams.errors.append(f"probe HTTP {r.status_code}")
+                    await trio.sleep(0.02)
+        after = await nodes_linked(client)
+    relinked = [n for n in before if n not in after or after[n] < before[n]]
+    p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
+    ok = streams.done == total and not streams.errors and not relinked and p99 < 100
+    return ok, (
+        f"{held} streams held after a {ramp:.1f} s ramp; {streams.done}/{total} completed, "
+        f"{len(streams.errors)} lost {summary(streams.errors)}; links dropped: {len(relinked)}; "
+        f"new requests meanwhile p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+    )
+
+
+LOAD_SCENARIOS = {
+    "poison-request": poison_request,
+    "kill-one-of-two": kill_one_of_two,
+    "ramp-5000": ramp_5000,
+}

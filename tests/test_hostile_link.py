@@ -1,0 +1,150 @@
+"""Hostile nodes on the link: a message over max_frame_bytes is refused before the edge buffers it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import msgspec
+import pytest
+import trio
+
+from proto import Pong, decode_frame
+from scripts.hostile_link import (
+    BINARY,
+    CONTINUATION,
+    endless_deflated_fragments,
+    endless_fragments,
+    flood,
+    frame_header,
+    huge_frame,
+    open_link,
+)
+from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, start_edge, start_node
+
+LIMIT = 1024 * 1024
+BUDGET = 8 * LIMIT  # what a hostile node may push before the edge must have cut it
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def hostile_edge(nursery):
+    return await start_edge(nursery, edge_config(max_frame_bytes=LIMIT))
+
+
+async def still_serves(nursery, edge, upstream) -> None:
+    await eventually(lambda: "hostile" not in edge.edge.runs.links, what="hostile link gone")
+    await start_node(nursery, edge, [model("m", upstream)])
+    async with http(edge) as client:
+        r = await client.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 200
+
+
+async def test_header_declaring_2_40_bytes_is_refused_at_the_header(nursery, upstream):
+    """A frame header declaring 2^40 bytes gets a 1009 close and the connection cut before
+    its payload is taken; the edge then serves a normal node."""
+    edge = await hostile_edge(nursery)
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream:
+            result = await flood(stream, frames, huge_frame(bytes(64 * 1024)), BUDGET)
+        assert result.cut and result.sent < BUDGET, result
+        assert result.close_code == 1009
+        await still_serves(nursery, edge, upstream)
+
+
+async def test_endless_fragments_are_refused_once_past_the_limit(nursery, upstream):
+    """Fragments of one message that never ends are refused at the fragment that takes the
+    message past max_frame_bytes; the edge then serves a normal node."""
+    edge = await hostile_edge(nursery)
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream:
+            result = await flood(stream, frames, endless_fragments(bytes(LIMIT // 4)), BUDGET)
+        assert result.cut and result.sent < BUDGET, result
+        assert result.close_code == 1009
+        await still_serves(nursery, edge, upstream)
+
+
+async def test_link_declines_compression(nursery, upstream):
+    """The link doesn't negotiate permessage-deflate (a message's wire size is its size), and
+    compressed fragments that would inflate past the limit are cut."""
+    edge = await hostile_edge(nursery)
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN, deflate=True)
+        async with stream:
+            assert b"permessage-deflate" not in frames.upgrade.lower()
+            result = await flood(stream, frames, endless_deflated_fragments(bytes(LIMIT)), BUDGET)
+        assert result.cut and result.sent < BUDGET, result
+        await still_serves(nursery, edge, upstream)
+
+
+def ping_of_size(ts: float, size: int) -> bytes:
+    """A node Ping frame (the edge answers with Pong(ts)), padded to exactly ``size`` bytes."""
+    short = msgspec.msgpack.encode({"t": "ping", "ts": ts, "pad": b""})
+    data = msgspec.msgpack.encode({"t": "ping", "ts": ts, "pad": bytes(size - len(short) - 3)})  # bin32 head: +3
+    assert len(data) == size
+    return data
+
+
+async def test_messages_up_to_the_limit_still_pass(nursery):
+    """A message of exactly max_frame_bytes passes, whole or in fragments; one byte more is refused with 1009."""
+    edge = await hostile_edge(nursery)
+
+    async def pong(frames) -> float:
+        while True:
+            opcode, payload = await frames.next()
+            assert opcode == BINARY
+            frame = decode_frame(payload)
+            if isinstance(frame, Pong):
+                return frame.ts
+
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream:
+            whole = ping_of_size(1.0, LIMIT)
+            await stream.send_all(frame_header(BINARY, len(whole)) + whole)
+            assert await pong(frames) == 1.0
+            parts = ping_of_size(2.0, LIMIT)
+            cuts = [0, 1000, LIMIT // 2, LIMIT]
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+                opcode = BINARY if i == 0 else CONTINUATION
+                await stream.send_all(frame_header(opcode, b - a, fin=b == LIMIT) + parts[a:b])
+            assert await pong(frames) == 2.0
+            assert "hostile" in edge.edge.runs.links
+            over = ping_of_size(3.0, LIMIT + 1)
+            result = await flood(stream, frames, [frame_header(BINARY, len(over)) + over], BUDGET)
+            assert result.cut and result.close_code == 1009, result
+
+
+def test_frame_limit_reads_headers_across_any_split():
+    """FrameLimit adds up the sizes declared by one message's fragments (not its control frames),
+    and trips at the header that passes the limit, however the bytes are split."""
+    from edge.frame_limit import FrameLimit
+
+    first = frame_header(BINARY, 300, fin=False) + bytes(300)  # 16-bit length
+    ping = frame_header(0x9, 5) + b"hello"  # a control frame inside the message
+    last_head = frame_header(CONTINUATION, 700)
+    message = first + ping + last_head + bytes(700)  # 1000 bytes of payload
+    huge = frame_header(BINARY, 1 << 40)  # 64-bit length
+    for step in (1, 7, 4096):
+        limit = FrameLimit(1000)
+        data = message + message + huge
+        tripped = [i for i in range(0, len(data), step) if limit.exceeded(data[i : i + step])]
+        assert tripped == [(len(data) - 1) // step * step], step  # only at the huge header
+        tight = FrameLimit(999)
+        tripped_at = next(i for i in range(0, len(data), step) if tight.exceeded(data[i : i + step]))
+        end_of_head = len(first + ping + last_head) - 1
+        assert tripped_at == end_of_head // step * step, step
+
+
+def test_frame_limit_refuses_a_hypercorn_it_was_not_written_for(monkeypatch):
+    """The hypercorn patch is installed by create_app, and refuses to patch another hypercorn series."""
+    from hypercorn.protocol.ws_stream import WSStream
+
+    from edge.app import create_app
+    from edge.frame_limit import install
+
+    create_app(edge_config())
+    assert WSStream.handle.frame_limit
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.0")
+    with pytest.raises(RuntimeError, match="hypercorn 0.19.0"):
+        install()
