@@ -1,10 +1,14 @@
 """The node agent: one link per edge URL, each redialled for ever.
 
-Per link: the reader (this task) starts a task per run in the link's
-nursery; the sender packs every run event produced since its last send into
-one ``events`` frame; the pinger declares a silent edge dead. When a link
-ends for any reason its nursery is cancelled, which cancels every run on it
-and so closes their upstream requests.
+Per link, four tasks in the link's nursery: the reader (this task) starts a
+task per run and never waits for the network; the sender, the only task that
+writes to the websocket, sends the link's :class:`~node.outbox.Outbox`
+(control frames first, then every run event produced since its last send,
+packed into frames under the edge's frame limit); the pinger queues pings;
+the watchdog, which never sends, declares the edge dead when no frame has
+arrived for the ping timeout, even while the sender is stuck in a send. When
+a link ends for any reason its nursery is cancelled, which cancels every run
+on it and so closes their upstream requests.
 
     NodeError
       LinkRefused     the edge refused the link (token, version, duplicate id)
@@ -27,10 +31,19 @@ from iop import __version__
 from iop.exceptions import first_leaf
 from node.adapters import Adapter, Counters, make_adapter
 from node.config import NodeConfig
+from node.outbox import (
+    EVENT_OVERHEAD,
+    HEADER_OVERHEAD,
+    USAGE_BYTES,
+    Outbox,
+    frame_budget,
+    split_text,
+    text_bytes,
+    tool_calls_bytes,
+)
 from proto import (
     PROTOCOL_VERSION,
     CancelRun,
-    Events,
     Hello,
     Load,
     ModelInfo,
@@ -50,6 +63,8 @@ from proto.frames import COMPLETE, DELTA, ERROR, REASONING_DELTA
 
 log = structlog.get_logger("iop.node")
 
+_MIN_PING_INTERVAL_S = 0.01  # an edge's ping interval of 0 must not spin the pinger
+
 
 class NodeError(Exception):
     pass
@@ -64,14 +79,19 @@ class LinkDead(NodeError):
 
 
 class RunSink:
-    """Where an adapter reports one run's output (see :mod:`node.adapters`)."""
+    """Where an adapter reports one run's output (see :mod:`node.adapters`).
 
-    __slots__ = ("_link", "_run_id", "_seq", "ended")
+    Every event fits one frame: a delta too large for it goes out as several
+    consecutive deltas; a ``complete`` too large for it becomes this run's
+    error; an error message is cut to fit."""
+
+    __slots__ = ("_outbox", "_run_id", "_seq", "_base", "ended")
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
-        self._link = link
+        self._outbox = link.outbox
         self._run_id = run_id
         self._seq = 0
+        self._base = EVENT_OVERHEAD + text_bytes(run_id)
         self.ended = False
 
     @property
@@ -79,29 +99,52 @@ class RunSink:
         """Some event has been reported."""
         return self._seq > 0
 
-    def _event(self, kind: str, **fields) -> RunEvent:
+    async def _emit(self, size: int, kind: str, **fields) -> None:
         self._seq += 1
-        return RunEvent(run_id=self._run_id, seq=self._seq, type=kind, **fields)
+        await self._outbox.event(RunEvent(run_id=self._run_id, seq=self._seq, type=kind, **fields), size)
 
+    async def _split(self, kind: str, text: str) -> None:
+        for piece in split_text(text, self._outbox.budget - self._base):
+            await self._emit(self._base + text_bytes(piece), kind, text=piece)
+
+    # delta() and reasoning() are the hot path: one event per upstream chunk.
     async def delta(self, text: str) -> None:
-        await self._link.emit(self._event(DELTA, text=text))
+        size = self._base + (len(text) if text.isascii() else 4 * len(text))
+        if size > self._outbox.budget:
+            await self._split(DELTA, text)
+            return
+        self._seq += 1
+        await self._outbox.event(RunEvent(self._run_id, self._seq, DELTA, text), size)
 
     async def reasoning(self, text: str) -> None:
-        await self._link.emit(self._event(REASONING_DELTA, text=text))
+        size = self._base + (len(text) if text.isascii() else 4 * len(text))
+        if size > self._outbox.budget:
+            await self._split(REASONING_DELTA, text)
+            return
+        self._seq += 1
+        await self._outbox.event(RunEvent(self._run_id, self._seq, REASONING_DELTA, text), size)
 
     async def complete(
         self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None
     ) -> None:
-        if not self.ended:
-            self.ended = True
-            await self._link.emit(
-                self._event(COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage)
-            )
+        if self.ended:
+            return
+        size = self._base + text_bytes(finish_reason) + tool_calls_bytes(tool_calls) + USAGE_BYTES
+        if size > self._outbox.budget:
+            log.warning("run output too large to relay", run_id=self._run_id, estimated_bytes=size)
+            await self.error("run output too large to relay")
+            return
+        self.ended = True
+        await self._emit(size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage)
 
     async def error(self, message: str, status: int = 0) -> None:
-        if not self.ended:
-            self.ended = True
-            await self._link.emit(self._event(ERROR, text=message, status=status))
+        if self.ended:
+            return
+        self.ended = True
+        room = self._outbox.budget - self._base
+        if text_bytes(message) > room:
+            message = split_text(message, room)[0]
+        await self._emit(self._base + text_bytes(message), ERROR, text=message, status=status)
 
 
 class EdgeLink:
@@ -111,60 +154,59 @@ class EdgeLink:
         self.agent = agent
         self.url = url
         self.ws = ws
-        self.ping_interval = welcome.ping_interval_s
+        self.ping_interval = max(welcome.ping_interval_s, _MIN_PING_INTERVAL_S)
+        self.ping_timeout = self.ping_interval * max(agent.config.ping_misses, 1)
         self.edge_id = welcome.edge_id
         self.runs: dict[str, trio.CancelScope] = {}
         self.last_rx = trio.current_time()
-        self._pending: list[RunEvent] = []
-        self._has_pending = trio.lowlevel.ParkingLot()
-        self._drained = trio.lowlevel.ParkingLot()
-        self._sending = False
-        self._max_pending = agent.config.max_pending_events
-
-    async def emit(self, event: RunEvent) -> None:
-        self._pending.append(event)
-        self._has_pending.unpark_all()
-        while len(self._pending) >= self._max_pending:
-            await self._drained.park()
-
-    async def send(self, frame) -> None:
-        await self.ws.send_message(encode_frame(frame))
+        budget = frame_budget(agent.config.max_frame_bytes, welcome.max_frame_bytes)
+        self.outbox = Outbox(budget, agent.config.max_pending_events)
 
     async def serve(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_events)
+                nursery.start_soon(self._send_frames)
                 nursery.start_soon(self._ping)
+                nursery.start_soon(self._watch)
                 await self._read(nursery)
         finally:
             if self.runs:
                 log.info("link lost: runs cancelled", edge=self.url, runs=len(self.runs))
 
-    async def _send_events(self) -> None:
+    async def _send_frames(self) -> None:
+        """The only writer to the websocket: control frames first, also between
+        the frames of one batch."""
+        outbox, ws = self.outbox, self.ws
         while True:
-            while not self._pending:
-                await self._has_pending.park()
-            batch, self._pending = self._pending, []
-            self._drained.unpark_all()
-            self._sending = True
+            await outbox.wait()
+            while (control := outbox.next_control()) is not None:
+                await ws.send_message(encode_frame(control))
+            frames = outbox.take()
             try:
-                await self.ws.send_message(encode_frame(Events(events=batch)))
+                for frame in frames:
+                    while (control := outbox.next_control()) is not None:
+                        await ws.send_message(encode_frame(control))
+                    await ws.send_message(encode_frame(frame))
             finally:
-                self._sending = False
-                self._drained.unpark_all()
+                outbox.done()
 
     async def flushed(self) -> None:
-        """Return once every event emitted so far has been sent."""
-        while self._pending or self._sending:
-            await self._drained.park()
+        """Return once everything queued so far has been sent."""
+        await self.outbox.flushed()
 
     async def _ping(self) -> None:
-        timeout = self.ping_interval * max(self.agent.config.ping_misses, 1)
         while True:
             await trio.sleep(self.ping_interval)
-            if trio.current_time() - self.last_rx > timeout:
-                raise LinkDead(f"no frame from the edge for {timeout:g} s")
-            await self.send(Ping(ts=trio.current_time()))
+            self.outbox.control_nowait(Ping(ts=trio.current_time()))
+
+    async def _watch(self) -> None:
+        """Declare the edge dead when no frame has arrived for the ping timeout.
+        Never sends, so a send stuck on a frozen edge cannot stop it."""
+        while True:
+            deadline = self.last_rx + self.ping_timeout
+            if trio.current_time() >= deadline:
+                raise LinkDead(f"no frame from the edge for {self.ping_timeout:g} s")
+            await trio.sleep_until(deadline)
 
     async def _read(self, nursery: trio.Nursery) -> None:
         while True:
@@ -182,7 +224,7 @@ class EdgeLink:
                     if scope is not None:
                         scope.cancel()
                 case Ping(ts=ts):
-                    await self.send(Pong(ts=ts))
+                    self.outbox.control_nowait(Pong(ts=ts))  # full: the sender is stuck, the pong could not go
                 case Pong():
                     pass
                 case _:
@@ -232,37 +274,54 @@ class EdgeLink:
 
 
 class TunnelSink:
-    """Where an adapter sends one tunnelled response, frame by frame, in order."""
+    """Where an adapter sends one tunnelled response, frame by frame, in order.
+    Body bytes too large for one frame go out as several ``body`` frames."""
 
-    __slots__ = ("_link", "_run_id", "_seq", "started", "ended")
+    __slots__ = ("_outbox", "_run_id", "_seq", "_base", "started", "ended")
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
-        self._link = link
+        self._outbox = link.outbox
         self._run_id = run_id
         self._seq = 0
+        self._base = EVENT_OVERHEAD + text_bytes(run_id)
         self.started = False
         self.ended = False
 
-    async def _send(self, kind: str, **fields) -> None:
+    async def _send(self, size: int, kind: str, **fields) -> None:
         self._seq += 1
-        await self._link.send(TunnelFrame(run_id=self._run_id, seq=self._seq, kind=kind, **fields))
+        await self._outbox.tunnel(TunnelFrame(run_id=self._run_id, seq=self._seq, kind=kind, **fields), size)
 
     async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
         self.started = True
-        await self._send("response_start", status=status, headers=headers)
+        size = self._base + sum(HEADER_OVERHEAD + text_bytes(k) + text_bytes(v) for k, v in headers)
+        if size > self._outbox.budget:
+            await self.error("provider response headers too large to relay")
+            return
+        await self._send(size, "response_start", status=status, headers=headers)
 
     async def body(self, data: bytes) -> None:
-        await self._send("body", body=data)
+        if self.ended:
+            return
+        room = max(self._outbox.budget - self._base, 1)
+        if len(data) <= room:
+            await self._send(self._base + len(data), "body", body=data)
+            return
+        for i in range(0, len(data), room):
+            piece = data[i : i + room]
+            await self._send(self._base + len(piece), "body", body=piece)
 
     async def end(self) -> None:
         if not self.ended:
             self.ended = True
-            await self._send("end")
+            await self._send(self._base, "end")
 
     async def error(self, message: str) -> None:
         if not self.ended:
             self.ended = True
-            await self._send("error", error=message)
+            room = self._outbox.budget - self._base
+            if text_bytes(message) > room:
+                message = split_text(message, room)[0]
+            await self._send(self._base + text_bytes(message), "error", error=message)
 
 
 class NodeAgent:
@@ -312,11 +371,8 @@ class NodeAgent:
         ``drain_grace_s``; the caller then cancels :meth:`serve`."""
         self.draining = True
         for link in list(self.links.values()):
-            with trio.move_on_after(1):
-                try:
-                    await link.send(Load(in_flight={}, draining=True))
-                except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass  # that link is gone: its edge has nothing to drain
+            with trio.move_on_after(1):  # queued for that link's sender, ahead of its events
+                await link.outbox.control(Load(in_flight={}, draining=True))
         log.info("draining", runs=self.counters.active_runs, grace_s=self.config.drain_grace_s)
         with trio.move_on_after(self.config.drain_grace_s):
             while self.counters.active_runs:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
 
 from iop.configfile import ConfigError, load
+
+MIN_FRAME_BYTES = 64 * 1024
+# A credential sent as `Authorization: Bearer <value>`: printable ASCII with no
+# space at either end. Anything else is refused at start, since the HTTP layer
+# would reject the header on every dial and put its value in the error.
+_BEARER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -39,7 +46,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     upstream_connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0  # the edge's wait timeout normally fires first
     max_pending_events: int = 4096  # per link, before run tasks wait for the sender
-    max_frame_bytes: int = 16 * 1024 * 1024
+    max_frame_bytes: int = 16 * 1024 * 1024  # frames are also kept under the edge's own limit (welcome)
     drain_grace_s: float = 30.0
 
     def check(self) -> None:
@@ -63,8 +70,21 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url")
             if m.tokens_per_s < 0 or m.ttft_ms < 0:
                 raise ConfigError(f"models[{i}]: ttft_ms and tokens_per_s must not be negative")
+            if m.api_key and not _BEARER_VALUE.fullmatch(m.api_key):
+                raise ConfigError(f"models[{i}].api_key: must be printable ASCII with no spaces around it")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
             raise ConfigError("reconnect_min_s: must be > 0 and <= reconnect_max_s")
+        if self.ping_misses < 1:
+            raise ConfigError("ping_misses: must be at least 1")
+        if self.max_pending_events < 1:
+            raise ConfigError("max_pending_events: must be at least 1")
+        if self.max_frame_bytes < MIN_FRAME_BYTES:
+            raise ConfigError(f"max_frame_bytes: must be at least {MIN_FRAME_BYTES}")
+        # The value is never part of the message: config errors are printed.
+        if not self.token:
+            raise ConfigError("token: missing; the node needs the edge's node token")
+        if not _BEARER_VALUE.fullmatch(self.token):
+            raise ConfigError("token: must be printable ASCII with no spaces around it")
 
 
 def load_node_config(path: str) -> NodeConfig:

@@ -6,6 +6,9 @@ cancel closes the HTTP response mid-generation and the server aborts it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import httpx
 import msgspec
 import trio
@@ -103,7 +106,8 @@ class OpenAIAdapter:
                         if response.status_code != 200:
                             await sink.error(await _error_text(response), status=response.status_code)
                             return
-                        await self._relay(response, sink)
+                        async with _finished_on_cancel(response.aiter_raw()) as chunks:
+                            await self._relay(chunks, sink)
                         return
                 except httpx.RemoteProtocolError as e:
                     # A pooled keep-alive connection the server had just closed:
@@ -129,15 +133,16 @@ class OpenAIAdapter:
                 await sink.start(
                     response.status_code, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw]
                 )
-                async for data in response.aiter_raw():
-                    await sink.body(data)
+                async with _finished_on_cancel(response.aiter_raw()) as chunks:
+                    async for data in chunks:
+                        await sink.body(data)
                 await sink.end()
         except httpx.HTTPError as e:
             await sink.error(f"provider request failed: {type(e).__name__}: {e}".rstrip(": "))
         finally:
             self.counters.active_upstream -= 1
 
-    async def _relay(self, response: httpx.Response, sink: Sink) -> None:
+    async def _relay(self, chunks: AsyncIterator[bytes], sink: Sink) -> None:
         # Leaving the body early is done by cancelling `reading`, never by
         # break/return: the Cancelled then finishes httpx's generator chain
         # instead of leaving it suspended for the garbage collector.
@@ -146,7 +151,7 @@ class OpenAIAdapter:
         usage: Usage | None = None
         calls: dict[int, ToolCall] = {}
         with trio.CancelScope() as reading:
-            async for raw in response.aiter_raw():
+            async for raw in chunks:
                 if sink.ended:
                     continue  # draining what follows [DONE]
                 for data in parser.feed(raw):
@@ -188,6 +193,21 @@ class OpenAIAdapter:
             await sink.complete(finish_reason, _ordered(calls), usage)
         else:
             await sink.error("upstream closed the stream before it finished")
+
+
+@contextlib.asynccontextmanager
+async def _finished_on_cancel(chunks: AsyncIterator[bytes]) -> AsyncIterator[AsyncIterator[bytes]]:
+    """A cancel that arrives while the run waits for the link (outside httpx's
+    generator chain) finishes that chain too, by cancelling inside it, rather
+    than leaving it suspended for the garbage collector."""
+    try:
+        yield chunks
+    except trio.Cancelled:
+        with trio.CancelScope() as inside:
+            inside.cancel()
+            async for _ in chunks:
+                pass
+        raise
 
 
 def _usage(u: _Usage) -> Usage:

@@ -1,0 +1,168 @@
+"""A link's outbox: everything the node sends to one edge, waiting for the
+link's sender, the only task that writes to the websocket.
+
+Nothing else ever waits for the network:
+
+- control frames (pong, ping, load) go to a small bounded queue that the
+  sender empties before anything else, even between two frames of a batch;
+  a pong or ping that finds it full is dropped (the sender is stuck, so it
+  could not have gone out anyway, and the peer's liveness check decides);
+- run events and tunnel frames wait in the pending lists; the sender takes
+  all of them at once and packs the events into ``events`` frames of at most
+  ``budget`` bytes. Run tasks wait while too much is pending.
+
+Sizes are upper bounds estimated where an event is made, never measured by
+encoding: :func:`text_bytes` counts one byte per character of an ASCII
+string and four otherwise (O(1) in CPython), plus a fixed overhead per event.
+So the sender encodes each frame once, and in the common case (everything
+pending fits one frame) looks at no event at all.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import trio
+
+from proto import Events, Load, Ping, Pong, RunEvent, ToolCall, TunnelFrame
+
+FRAME_MARGIN = 4096  # below the edge's limit: the frame's own keys, with room to spare
+EVENT_OVERHEAD = 128  # one run event's keys, type, seq, status and msgpack headers
+TOOL_CALL_OVERHEAD = 64
+USAGE_BYTES = 128
+HEADER_OVERHEAD = 16  # one tunnelled header pair's msgpack headers
+MAX_CONTROL = 16  # control frames waiting for the sender
+MIN_BUDGET = 1024  # an absurdly small limit from an edge must not split text into single characters
+
+ControlFrame = Pong | Ping | Load
+
+
+def text_bytes(text: str) -> int:
+    """An upper bound of ``len(text.encode())``, without encoding."""
+    return len(text) if text.isascii() else 4 * len(text)
+
+
+def tool_calls_bytes(calls: list[ToolCall] | None) -> int:
+    if not calls:
+        return 0
+    return sum(
+        TOOL_CALL_OVERHEAD
+        + text_bytes(c.id)
+        + text_bytes(c.type)
+        + text_bytes(c.function.name)
+        + text_bytes(c.function.arguments)
+        for c in calls
+    )
+
+
+def frame_budget(node_limit: int, edge_limit: int) -> int:
+    """The most bytes one frame may hold: the smaller of the two sides'
+    limits (the edge's is 0 when it did not say), less a margin."""
+    limit = min(node_limit, edge_limit) if edge_limit > 0 else node_limit
+    return max(limit - min(FRAME_MARGIN, limit // 4), MIN_BUDGET)
+
+
+def split_text(text: str, room: int) -> list[str]:
+    """``text`` in consecutive pieces, each estimated at most ``room`` bytes."""
+    step = max(room if text.isascii() else room // 4, 1)
+    return [text[i : i + step] for i in range(0, len(text), step)]
+
+
+def pack(events: list[RunEvent], sizes: list[int], budget: int) -> list[list[RunEvent]]:
+    """Consecutive batches of ``events`` whose estimated sizes sum to at most
+    ``budget`` each (an event is never larger than the budget: the sinks split
+    or refuse it)."""
+    batches: list[list[RunEvent]] = []
+    start = total = 0
+    for i, size in enumerate(sizes):
+        if total + size > budget and i > start:
+            batches.append(events[start:i])
+            start, total = i, 0
+        total += size
+    batches.append(events[start:])
+    return batches
+
+
+class Outbox:
+    def __init__(self, budget: int, max_events: int, max_bytes: int = 0) -> None:
+        self.budget = budget
+        self._max_items = max(max_events, 1)
+        self._max_bytes = max_bytes or 2 * budget  # pending, before producers wait
+        self._control: deque[ControlFrame] = deque()
+        self._events: list[RunEvent] = []
+        self._sizes: list[int] = []
+        self._tunnel: list[TunnelFrame] = []
+        self._bytes = 0  # estimated, of the pending events and tunnel frames
+        self._busy = False  # the sender holds frames it has not sent yet
+        self._wakeup = trio.lowlevel.ParkingLot()  # the sender waits here
+        self._progress = trio.lowlevel.ParkingLot()  # producers and flushed() wait here
+
+    # -- producers ----------------------------------------------------------
+
+    def control_nowait(self, frame: ControlFrame) -> bool:
+        """Queue a control frame; False (and nothing queued) when the queue is full."""
+        if len(self._control) >= MAX_CONTROL:
+            return False
+        self._control.append(frame)
+        self._wakeup.unpark_all()
+        return True
+
+    async def control(self, frame: ControlFrame) -> None:
+        """Queue a control frame, waiting for room."""
+        while not self.control_nowait(frame):
+            await self._progress.park()
+
+    async def event(self, event: RunEvent, size: int) -> None:
+        """Queue a run event of estimated ``size`` bytes (at most the budget)."""
+        self._events.append(event)
+        self._sizes.append(size)
+        self._bytes += size
+        if self._wakeup:
+            self._wakeup.unpark_all()
+        while len(self._events) + len(self._tunnel) >= self._max_items or self._bytes >= self._max_bytes:
+            await self._progress.park()
+
+    async def tunnel(self, frame: TunnelFrame, size: int) -> None:
+        self._tunnel.append(frame)
+        self._bytes += size
+        if self._wakeup:
+            self._wakeup.unpark_all()
+        while len(self._events) + len(self._tunnel) >= self._max_items or self._bytes >= self._max_bytes:
+            await self._progress.park()
+
+    async def flushed(self) -> None:
+        """Return once everything queued so far has been sent."""
+        while self._control or self._events or self._tunnel or self._busy:
+            await self._progress.park()
+
+    # -- the sender ---------------------------------------------------------
+
+    async def wait(self) -> None:
+        while not (self._control or self._events or self._tunnel):
+            await self._wakeup.park()
+
+    def next_control(self) -> ControlFrame | None:
+        if not self._control:
+            return None
+        frame = self._control.popleft()
+        self._progress.unpark_all()
+        return frame
+
+    def take(self) -> list[Events | TunnelFrame]:
+        """Every pending event and tunnel frame, as frames under the budget.
+        The outbox counts as busy until :meth:`done`."""
+        events, sizes, tunnel, pending_bytes = self._events, self._sizes, self._tunnel, self._bytes
+        self._events, self._sizes, self._tunnel, self._bytes = [], [], [], 0
+        self._busy = True
+        self._progress.unpark_all()
+        frames: list[Events | TunnelFrame] = []
+        if events and pending_bytes <= self.budget:  # the common case: one frame, no event looked at
+            frames.append(Events(events=events))
+        elif events:
+            frames.extend(Events(events=batch) for batch in pack(events, sizes, self.budget))
+        frames.extend(tunnel)
+        return frames
+
+    def done(self) -> None:
+        self._busy = False
+        self._progress.unpark_all()

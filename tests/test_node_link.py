@@ -1,0 +1,292 @@
+"""The node's side of the link (issue 9): liveness is judged apart from
+sending, so a frozen edge is noticed by a busy node and its upstream requests
+closed; the reader never waits for a send; and every frame the node sends
+stays under the edge's frame limit."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import msgspec
+import trio
+from trio_websocket import serve_websocket
+
+from node.agent import NodeAgent, RunSink
+from proto import (
+    PROTOCOL_VERSION,
+    CancelRun,
+    Events,
+    Ping,
+    RunRequest,
+    ToolCall,
+    ToolCallFunction,
+    Usage,
+    Welcome,
+    decode_frame,
+    encode_frame,
+)
+from tests.conftest import (
+    BOUND,
+    edge_config,
+    eventually,
+    http,
+    model,
+    node_config,
+    settled,
+    sse_events,
+    start_edge,
+    start_node,
+)
+
+PING_S = 0.2
+MISSES = 3
+TIMEOUT = PING_S * MISSES  # the node's ping timeout against the fake edge
+STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+class CountedScript(list):
+    """An upstream script that counts the steps the upstream has sent, so a
+    test can see the upstream stall once the node stops reading from it."""
+
+    def __init__(self, steps, sent: list[int]) -> None:
+        super().__init__(steps)
+        self.sent = sent
+
+    def __iter__(self):
+        for step in super().__iter__():
+            self.sent[0] += 1
+            yield step
+
+
+class StuckEdge:
+    """A fake edge on port 0 that welcomes the node, gives it ``runs`` runs,
+    then never reads again (the TCP connection stays open), so the node's
+    sends back up. It pings the node every PING_S / 2 until ``freeze()``.
+    Later dials (after the node declared the link dead) are welcomed and left alone."""
+
+    def __init__(self, runs: int) -> None:
+        self.runs = [f"run{i}" for i in range(runs)]
+        self.dials = 0
+        self.pinging = True
+        self.ws = None
+        self.port = 0
+
+    def freeze(self) -> None:
+        self.pinging = False
+
+    async def send(self, frame) -> None:
+        await self.ws.send_message(encode_frame(frame))
+
+    async def _handler(self, request) -> None:
+        ws = await request.accept()
+        await ws.get_message()  # hello
+        self.dials += 1
+        await ws.send_message(encode_frame(Welcome(edge_id="stuck", protocol=PROTOCOL_VERSION, ping_interval_s=PING_S)))
+        if self.dials > 1:
+            await trio.sleep_forever()
+        self.ws = ws
+        for run_id in self.runs:
+            body = {"model": "m", "messages": [{"role": "user", "content": run_id}], "stream": True}
+            await self.send(RunRequest(run_id=run_id, model="m", target="m-target", request=body, timeout_s=60))
+        # From here on nothing is read: the node's frames pile up in the socket buffers.
+        while self.pinging:
+            await self.send(Ping(ts=trio.current_time()))
+            await trio.sleep(PING_S / 2)
+        await trio.sleep_forever()
+
+    async def serve(self, nursery: trio.Nursery) -> str:
+        # Large enough that the node's frames never trip the message limit here.
+        server = await nursery.start(
+            lambda task_status: serve_websocket(
+                self._handler, "127.0.0.1", 0, None, max_message_size=64 << 20, task_status=task_status
+            )
+        )
+        self.port = server.port
+        return f"ws://127.0.0.1:{server.port}/v1/node/link"
+
+
+async def stuck_node(nursery, upstream, runs: int):
+    """A node linked to a StuckEdge, its runs streaming fast until the node's
+    sender is blocked and the upstream has stalled behind it."""
+    sent = [0]
+    big = "x" * 8192
+    upstream.script_for("m-target", lambda body: CountedScript([("chunk", {"content": big})] * 50_000, sent))
+    edge = StuckEdge(runs)
+    url = await edge.serve(nursery)
+    agent = NodeAgent(
+        node_config([url], [model("m", upstream, max_concurrency=runs)], ping_misses=MISSES, max_frame_bytes=256 * 1024)
+    )
+    nursery.start_soon(agent.serve)
+    await upstream.wait_requests(runs)
+    last, still_since = -1, trio.current_time()
+    while trio.current_time() - still_since < 0.5:  # nothing more sent for 0.5 s: the upstream is stalled
+        await trio.sleep(0.05)
+        if sent[0] != last:
+            last, still_since = sent[0], trio.current_time()
+    assert all(not r.finished.is_set() for r in upstream.records)  # all still streaming, none ended
+    return edge, agent, url
+
+
+async def test_reader_reads_pings_and_cancel_while_the_sender_is_blocked(nursery, upstream):
+    """With the edge not reading (the node's sends blocked), the node's reader still takes the
+    edge's pings (the link stays up) and a CancelRun, which aborts that run's upstream request alone."""
+    with trio.fail_after(BOUND):
+        edge, agent, url = await stuck_node(nursery, upstream, runs=3)
+        link = agent.links[url]
+        by_run = {rec.body["messages"][0]["content"]: rec for rec in upstream.records}
+        await edge.send(CancelRun(run_id="run0", reason="client gone"))
+        with trio.fail_after(10 * TIMEOUT):
+            await by_run["run0"].finished.wait()
+        assert by_run["run0"].aborted
+        await trio.sleep(2 * TIMEOUT)  # the edge keeps pinging: the link must not be declared dead
+        assert agent.links.get(url) is link and edge.dials == 1
+        assert not by_run["run1"].finished.is_set() and not by_run["run2"].finished.is_set()
+    nursery.cancel_scope.cancel()
+
+
+async def test_frozen_edge_is_declared_dead_and_every_upstream_request_closed(nursery, upstream):
+    """A busy node whose sends are blocked on an edge that went silent declares the link dead
+    (its watchdog never waits for a send) and every upstream request is aborted promptly."""
+    runs = 6
+    with trio.fail_after(BOUND):
+        edge, agent, url = await stuck_node(nursery, upstream, runs=runs)
+        edge.freeze()
+        with trio.fail_after(10 * TIMEOUT):
+            for rec in upstream.records:
+                await rec.finished.wait()
+            while edge.dials < 2:  # the node declared the link dead and dialled again
+                await trio.sleep(0.01)
+    assert all(rec.aborted for rec in upstream.records)
+    assert len(upstream.records) == runs
+    assert agent.counters.active_upstream == 0 and agent.counters.active_runs == 0
+    nursery.cancel_scope.cancel()
+
+
+# -- every frame under the limit ------------------------------------------------------------
+
+SMALL_FRAME = 256 * 1024
+
+
+def huge_deltas_script(seed: int) -> tuple[list, str]:
+    """Deltas of 32 KiB, one over the frame limit, one of multi-byte text over it once encoded."""
+    rng = random.Random(seed)
+    pieces = [rng.choice("abcdefgh") * 32 * 1024 for _ in range(12)]
+    pieces.insert(3, "L" * (SMALL_FRAME + 50_000))  # ASCII, alone larger than a frame
+    pieces.insert(7, "é€😀" * 40_000)  # ~360 KB of UTF-8 in 120,000 characters
+    steps = [("chunk", {"content": p}) for p in pieces] + [("chunk", {}, "stop"), ("done",)]
+    return steps, "".join(pieces)
+
+
+async def test_huge_deltas_are_split_and_the_link_stays(nursery, upstream):
+    """Concurrent streams of 32 KiB deltas, some single deltas larger than a frame, with a 256 KiB
+    frame limit on both sides: every stream completes with its exact text on the same link."""
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=SMALL_FRAME))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=8)], max_frame_bytes=SMALL_FRAME)
+    edge_link = edge.edge.runs.links["n1"]
+    await eventually(lambda: edge.link_url in node.agent.links, what="node has the welcome")
+    node_link = node.agent.links[edge.link_url]
+    scripts = {}
+
+    def script(body):
+        steps, text = huge_deltas_script(len(scripts))
+        scripts[body["messages"][0]["content"]] = text
+        return steps
+
+    upstream.script_for("m-target", script)
+    results: dict[str, str] = {}
+
+    async def one(client, name: str) -> None:
+        r = await client.post("/v1/chat/completions", json={**STREAM, "messages": [{"role": "user", "content": name}]})
+        assert r.status_code == 200
+        chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
+        assert all("error" not in c for c in chunks), chunks[-1]
+        results[name] = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            for i in range(4):
+                clients.start_soon(one, client, f"client{i}")
+    assert results == scripts
+    assert edge.edge.runs.links["n1"] is edge_link and not edge_link.closed
+    assert node.agent.links[edge.link_url] is node_link
+    await settled(edge, node.agent)
+
+
+async def test_tool_calls_too_large_for_a_frame_fail_that_run_alone(nursery, upstream):
+    """A complete event whose tool calls cannot fit one frame becomes that run's error
+    ("run output too large to relay"); other runs and the link are untouched."""
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=SMALL_FRAME))
+    models = [model("m", upstream, max_concurrency=4), model("big", upstream, max_concurrency=4)]
+    node = await start_node(nursery, edge, models)  # the edge's limit (in its welcome) is the smaller one
+    link = edge.edge.runs.links["n1"]
+    arguments = '{"x": "' + "a" * (SMALL_FRAME + 1000) + '"}'
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    upstream.script_for("big-target", [("chunk", {"tool_calls": [call]}), ("chunk", {}, "tool_calls"), ("done",)])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={**STREAM, "model": "big", "tools": tools})
+            ok = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 3})
+    assert "run output too large to relay" in r.text
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+    assert edge.edge.runs.links["n1"] is link and not link.closed
+    await settled(edge, node.agent)
+
+
+async def test_tunnel_body_is_split_under_the_frame_limit(nursery, upstream):
+    """A passthrough response far larger than the frame limit arrives byte-identical;
+    the node splits body reads that would not fit one frame."""
+    limit = 64 * 1024  # httpx reads up to 64 KiB at once: some reads must be split
+    edge = await start_edge(
+        nursery, edge_config(max_frame_bytes=limit, models=[{"name": "raw", "response_mode": "passthrough"}])
+    )
+    node = await start_node(
+        nursery, edge, [model("raw", upstream, target="raw-target", passthrough=True)], max_frame_bytes=limit
+    )
+    link = edge.edge.runs.links["n1"]
+    whole = b'{"data": "' + bytes(random.Random(1).choices(b"abcdefghij", k=3_000_000)) + b'"}'
+    upstream.script_for("raw-target", [("status", 200, whole)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "raw", "messages": STREAM["messages"]})
+    assert r.status_code == 200 and r.content == whole
+    assert edge.edge.runs.links["n1"] is link and not link.closed
+    await settled(edge, node.agent)
+
+
+async def test_outbox_frames_stay_under_the_budget_with_any_text():
+    """Unit: random ASCII and multi-byte deltas, tiny to several frames large, through RunSink and
+    the outbox: every encoded frame is within the budget, and each run's text and seqs are intact."""
+    from node.outbox import Outbox, frame_budget
+
+    rng = random.Random(9)
+    budget = frame_budget(64 * 1024, 0)
+    outbox = Outbox(budget, max_events=1 << 20, max_bytes=1 << 40)  # no sender here: nothing may wait
+    link = SimpleNamespace(outbox=outbox)
+    sinks = {f"r{i}": RunSink(link, f"r{i}") for i in range(5)}
+    texts = {run_id: [] for run_id in sinks}
+    alphabet = ["a", "Z ", "é", "€", "😀", "\x00", "\u2028"]
+    for _ in range(400):
+        run_id = rng.choice(list(sinks))
+        n = rng.choice([1, 10, 1000, 20_000, 70_000, 200_000])
+        text = "".join(rng.choice(alphabet) for _ in range(min(n, 50))) * max(n // 50, 1)
+        texts[run_id].append(text)
+        await sinks[run_id].delta(text)
+    big_call = ToolCall(id="c", function=ToolCallFunction(name="f", arguments="x" * budget))
+    await sinks["r0"].complete("tool_calls", [big_call], Usage(prompt_tokens=1))
+    await sinks["r1"].complete("stop", [ToolCall(id="c", function=ToolCallFunction(name="f", arguments="{}"))])
+    frames = outbox.take()
+    assert len(frames) > 1
+    got: dict[str, list] = {run_id: [] for run_id in sinks}
+    for frame in frames:
+        data = encode_frame(frame)
+        assert len(data) <= budget, (len(data), budget)
+        for event in decode_frame(data).events:
+            got[event.run_id].append(event)
+    for run_id, events in got.items():
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert "".join(e.text for e in events if e.type == "delta") == "".join(texts[run_id])
+    assert got["r0"][-1].type == "error" and got["r0"][-1].text == "run output too large to relay"
+    assert got["r1"][-1].type == "complete" and got["r1"][-1].tool_calls[0].function.arguments == "{}"
+    assert isinstance(frames[0], Events)
