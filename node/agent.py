@@ -435,6 +435,7 @@ class NodeAgent:
                         resource,
                         extra_headers=headers,
                         max_message_size=cfg.max_frame_bytes,
+                        receive_buffer_size=None,  # trio's default read size, not 4 KiB per read
                     )
                 try:
                     await self._speak(url, ws)
