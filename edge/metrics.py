@@ -5,6 +5,10 @@ Names follow what users already graph: vLLM's request/latency histograms
 ``e2e_request_latency_seconds``) and OpenTelemetry's gen_ai server metrics,
 under the ``iop_`` prefix. Nothing here is touched per chunk: runs are
 observed once, when they close.
+
+A ``model`` label is a name from the config's ``[[models]]`` or one some
+linked node has advertised; any other name a client sends is counted under
+``"other"`` (:data:`OTHER_MODEL`), so invented names cannot grow the series.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+OTHER_MODEL = "other"  # the model label of every name neither configured nor advertised
 
 
 class EdgeMetrics:
     def __init__(self, runs: RunService) -> None:
+        self._runs = runs
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -87,9 +93,16 @@ class EdgeMetrics:
         runs.on_stall.append(lambda _link: self.node_stalls.inc())
         runs.on_run_closed.append(self.observe_run)
 
+    def model_label(self, model: object) -> str:
+        """The ``model`` label for a requested name: the name itself if it is
+        configured or a node has advertised it, else :data:`OTHER_MODEL`."""
+        if isinstance(model, str) and self._runs.is_known(model):
+            return model
+        return OTHER_MODEL
+
     def observe_run(self, run: Run) -> None:
         now = trio.current_time()
-        model = run.slot.model
+        model = self.model_label(run.slot.model)
         cause = run.cause or "unknown"
         self.run_ends.labels(model, cause).inc()
         self.run_duration.labels(model).observe(now - run.started_at)

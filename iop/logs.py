@@ -1,4 +1,10 @@
-"""structlog setup: JSON lines in production, readable lines on a terminal."""
+"""structlog setup: JSON lines in production, readable lines on a terminal.
+
+Exception logs never show local variables: a frame's locals hold configs with
+tokens and keys, request bodies with prompts. JSON logs get structured
+tracebacks without locals; console logs get plain tracebacks (rich and
+better-exceptions, when installed, would print locals).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,10 @@ import os
 import sys
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+
+# structlog.processors.dict_tracebacks, but without locals (show_locals=True there).
+_DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 
 
 def configure(level: str | None = None, *, json: bool | None = None, cache: bool = True) -> None:
@@ -24,12 +34,14 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
     ]
     if json:
         processors += [
-            structlog.processors.dict_tracebacks,
+            _DICT_TRACEBACKS,
             structlog.processors.EventRenamer("msg"),
             structlog.processors.JSONRenderer(),
         ]
     else:
-        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+        processors += [
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)
+        ]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -17,8 +17,27 @@ from hypothesis import strategies as st
 
 from scripts.stack import TOKEN, free_port, write_toml
 
+EXTREME_INTS = [2**64, -(2**64), 2**64 - 1, 2**63, -(2**63), 2**63 - 1, -(2**63) - 1, 2**200, 10**4000]
+EXTREME_FLOATS = [1e308, -1e308, 1.7976931348623157e308, 1.5e300, 1e23, -0.0, 5e-324, 2.2250738585072014e-308]
+extreme_numbers = st.sampled_from(EXTREME_INTS + EXTREME_FLOATS) | st.integers(-(2**66), 2**66)
+
+
+class FloatRun(list):
+    """``[x] * n`` that prints as that (a failing example stays readable)."""
+
+    def __repr__(self) -> str:
+        return f"[{self[0]!r}] * {len(self)}" if self else "[]"
+
+
+# Long lists of floats, up to and past the fuzz edge's 64 KB body limit.
+float_lists = st.builds(lambda x, n: FloatRun([x] * n), st.sampled_from(EXTREME_FLOATS), st.integers(0, 12_000))
 json_scalars = (
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40)
+    | extreme_numbers
 )
 json_values = st.recursive(
     json_scalars,
@@ -46,6 +65,106 @@ requests = st.fixed_dictionaries(
         "n": json_values,
     },
 )
+
+
+USER = [{"role": "user", "content": "hi"}]
+REFS = ["#", "#/x", "#/$defs/a", "#/$defs/loop", "http://127.0.0.1:9/x", "file:///etc/passwd", "x.json", ""]
+ref_schemas = st.sampled_from(REFS).flatmap(
+    lambda ref: st.sampled_from(
+        [
+            {"$ref": ref},
+            {"type": "object", "properties": {"a": {"$ref": ref}}},
+            {"$defs": {"a": {"$ref": ref}, "loop": {"$ref": "#/$defs/loop"}}, "$ref": ref},
+            {"type": "object", "properties": {"a": {"$dynamicRef": ref}}, "$id": ref},
+        ]
+    )
+)
+ref_tools = st.builds(
+    lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+    st.sampled_from(["f", "g"]),
+    ref_schemas | json_values,
+)
+odd_tool_choices = (
+    st.sampled_from(
+        [
+            "none",
+            "auto",
+            "required",
+            "any",
+            "",
+            {"type": "function"},
+            {"type": "function", "function": "f"},
+            {"type": "function", "function": {}},
+            {"type": "function", "function": {"name": 3}},
+            {"type": "function", "function": {"name": "f"}},
+            {"type": "function", "function": {"name": "nope"}},
+            {"function": {"name": "f"}},
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+            ["auto"],
+        ]
+    )
+    | json_values
+)
+# Valid enough to get past the schema: they reach the tool contract, the run
+# frame's encoding and the node.
+knob_requests = st.fixed_dictionaries(
+    {"model": st.just("iop-sim"), "messages": st.just(USER)},
+    optional={
+        "stream": st.booleans(),
+        "max_tokens": st.integers(-1, 5) | extreme_numbers,
+        "max_completion_tokens": st.integers(-1, 5) | extreme_numbers,
+        "seed": extreme_numbers,
+        "top_logprobs": extreme_numbers,
+        "temperature": extreme_numbers,
+        "presence_penalty": extreme_numbers,
+        "logit_bias": st.dictionaries(st.sampled_from(["1", "50256"]), extreme_numbers, max_size=2),
+        "tools": st.lists(ref_tools, min_size=1, max_size=3),
+        "tool_choice": odd_tool_choices,
+        "metadata": float_lists | st.dictionaries(st.text(max_size=5), extreme_numbers, max_size=3),
+        "x_extra": float_lists,
+    },
+)
+
+
+def deep_json(depth: int, opener: bytes) -> bytes:
+    """A JSON value ``depth`` levels deep (arrays or objects)."""
+    if opener == b"[":
+        return b"[" * depth + b"]" * depth
+    return b'{"k":' * depth + b"1" + b"}" * depth
+
+
+LITERALS = [b"1e400", b"-1e400", b"1e99999", b"-0", b"0e0", b"-0.0e-0", b"1" * 5000, b"9" * 4300, b"1.5e300"]
+raw_bodies = st.one_of(
+    st.builds(
+        lambda depth, opener, where: where.replace(b"@", deep_json(depth, opener)),
+        st.integers(1, 3000) | st.sampled_from([63, 64, 65, 998, 999, 1000, 1001]),
+        st.sampled_from([b"[", b"{"]),
+        st.sampled_from(
+            [
+                b"@",
+                b'{"model": "iop-sim", "messages": [{"role": "user", "content": "hi"}], "metadata": @}',
+                b'{"model": "iop-sim", "messages": [{"role": "user", "content": [{"type": "text", "text": @}]}]}',
+                b'{"model": "iop-sim", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",'
+                b' "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": @}}}}]}',
+                b'{"model": "iop-sim", "messages": [{"role": "user", "content": "hi"}], "tool_choice": @}',
+            ]
+        ),
+    ),
+    st.builds(
+        lambda literal, n: (
+            b'{"model": "iop-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ['
+            + b",".join([literal] * n)
+            + b"]}"
+        ),
+        st.sampled_from(LITERALS),
+        st.integers(1, 12),
+    ),
+)
+
+
+def assert_node_linked(client: httpx.Client) -> None:
+    nodes = client.get("/v1/nodes").json()["data"]
+    assert [n["id"] for n in nodes] == ["fuzz"], nodes
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +208,8 @@ def edge_url(tmp_path_factory):
         assert time.monotonic() < deadline, "edge did not come up"
         time.sleep(0.05)
     yield url
+    with httpx.Client(base_url=url, timeout=20) as client:
+        assert_node_linked(client)  # no input, however hostile, cost the node its link
     for proc in procs:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -126,6 +247,34 @@ def test_hostile_bytes(edge_url, raw, path):
     with httpx.Client(base_url=edge_url, timeout=20) as client:
         check_reply(client.post(path, content=raw))
         assert client.get("/healthz").status_code == 200
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(body=knob_requests)
+def test_hostile_numbers_tool_schemas_and_choices(edge_url, body):
+    """Integers and floats at the extremes, long float lists, odd tool_choice shapes and tool schemas with
+    $refs (local, looping, http, file) get a completion or a 4xx OpenAI-shaped error; the node stays linked."""
+    with httpx.Client(base_url=edge_url, timeout=20) as client:
+        r = client.post("/v1/chat/completions", content=msgspec.json.encode(body))
+        if r.status_code == 502:  # a forced tool call the simulated model never makes: the model's failure
+            assert r.json()["error"]["type"] == "tool_validation_error", r.text
+        else:
+            check_reply(r)
+        assert_node_linked(client)
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(raw=raw_bodies)
+def test_hostile_nesting_and_literals(edge_url, raw):
+    """Deep nesting anywhere in a body and number literals beyond every range are refused with a 4xx
+    OpenAI-shaped error (or served); the node stays linked."""
+    with httpx.Client(base_url=edge_url, timeout=20) as client:
+        check_reply(client.post("/v1/chat/completions", content=raw))
+        assert_node_linked(client)
 
 
 def test_oversized_and_odd_requests(edge_url):

@@ -153,7 +153,7 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
             await settled(edge, node.agent)
             text = (await client.get("/metrics")).text
     assert 'iop_requests_total{model="m",outcome="complete"} 1.0' in text
-    assert 'iop_requests_total{model="nope",outcome="rejected_404"} 1.0' in text
+    assert 'iop_requests_total{model="other",outcome="rejected_404"} 1.0' in text  # unknown names share one label
     assert 'iop_run_cancels_total{cause="client_gone"} 1.0' in text
     assert "iop_runs_in_flight 0.0" in text and "iop_nodes_linked 1.0" in text
     assert 'iop_time_to_first_token_seconds_count{model="m"}' in text

@@ -43,7 +43,9 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, raw, "/chat/completions")
         return
-    req, forward = parse_chat_request(raw, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+    req, forward = parse_chat_request(
+        raw, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
+    )
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:
         problem = turn.contract.check_request()
@@ -69,7 +71,7 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
             outcome = turn.outcome
         elif run is not None:
             outcome = run.cause or "unknown"
-        edge.metrics.requests.labels(req.model, outcome).inc()
+        edge.metrics.requests.labels(edge.metrics.model_label(req.model), outcome).inc()
         log.info(
             "chat completion",
             model=req.model,

@@ -26,7 +26,7 @@ class ClientGone(Exception):
 
 
 class Exchange:
-    __slots__ = ("scope", "_receive", "_send", "started", "finished", "status")
+    __slots__ = ("scope", "_receive", "_send", "started", "finished", "status", "body_read")
 
     def __init__(self, scope, receive, send) -> None:
         self.scope = scope
@@ -35,6 +35,7 @@ class Exchange:
         self.started = False
         self.finished = False
         self.status = 0
+        self.body_read = False
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:
@@ -58,6 +59,7 @@ class Exchange:
                 raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
             parts.append(chunk)
             if not message.get("more_body", False):
+                self.body_read = True
                 return b"".join(parts)
 
     async def watch_disconnect(self, scope: trio.CancelScope) -> None:
@@ -68,7 +70,17 @@ class Exchange:
                 scope.cancel()
                 return
 
+    def _body_unread(self) -> bool:
+        if self.body_read:
+            return False
+        length = self.header(b"content-length")
+        return (length is not None and length != b"0") or self.header(b"transfer-encoding") is not None
+
     async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        if self._body_unread():
+            # Answered before its body arrived (401, 413, 408): the server will
+            # close the connection, so say so, or a client reuses it and fails.
+            headers = [*headers, (b"connection", b"close")]
         self.started = True
         self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": list(headers)})

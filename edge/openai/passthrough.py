@@ -83,7 +83,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     try:
         await consume_run(run, partial(_relay, ex))
     finally:
-        edge.metrics.requests.labels(model, run.cause or "unknown").inc()
+        edge.metrics.requests.labels(edge.metrics.model_label(model), run.cause or "unknown").inc()
         log.info("passthrough", model=model, path=path, status=ex.status, cause=run.cause, node_id=slot.link.node_id)
         structlog.contextvars.unbind_contextvars("run_id")
 

@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 
 from edge import errors
-from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest
+from edge.openai.jsonbody import MAX_JSON_DEPTH, decode_json, nested_deeper_than
+from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
 
 
 def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
@@ -22,27 +23,52 @@ def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
     return f"Invalid request: {text}", None
 
 
+def _too_deep() -> errors.APIError:
+    return errors.bad_request(
+        f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.", code="json_too_deep"
+    )
+
+
 def decode_body(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says why not."""
+    """The request body as a JSON object at most :data:`MAX_JSON_DEPTH` levels
+    deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`)."""
     try:
-        raw = msgspec.json.decode(body)
+        raw = decode_json(body)
+    except RecursionError:
+        raise _too_deep() from None
     except msgspec.DecodeError as e:
         raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
     if not isinstance(raw, dict):
         raise errors.bad_request("The request body must be a JSON object.")
+    if nested_deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return raw
 
 
-def parse_chat_request(raw: dict[str, Any], *, max_messages: int, max_tools: int) -> tuple[ChatRequest, dict[str, Any]]:
+def parse_chat_request(
+    raw: dict[str, Any], *, max_messages: int, max_tools: int, max_output_tokens: int | None = None
+) -> tuple[ChatRequest, dict[str, Any]]:
     """The validated request, and the body to forward (edge-only keys removed).
 
     Raises :class:`edge.errors.APIError` (400) naming the offending field.
     """
     try:
         req = msgspec.convert(raw, ChatRequest)
+        if isinstance(req.tool_choice, dict):
+            msgspec.convert({"tool_choice": req.tool_choice}, ToolChoiceShape)
     except msgspec.ValidationError as e:
         message, param = _validation_message(e)
         raise errors.bad_request(message, param) from None
+    _check_text_parts(req)
+    if max_output_tokens is not None:
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(req, name)
+            if value is not None and value > max_output_tokens:
+                raise errors.bad_request(
+                    f"Invalid value for `{name}`: this edge allows at most {max_output_tokens}.",
+                    name,
+                    "integer_above_max_value",
+                )
     if len(req.messages) > max_messages:
         raise errors.bad_request(
             f"Too many messages: {len(req.messages)} (at most {max_messages}).", "messages", "too_many_messages"
@@ -54,6 +80,16 @@ def parse_chat_request(raw: dict[str, Any], *, max_messages: int, max_tools: int
     if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
         del forward["reasoning"]
     return req, forward
+
+
+def _check_text_parts(req: ChatRequest) -> None:
+    """A content part's ``text`` is a string (every adapter joins them)."""
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if "text" in part and not isinstance(part["text"], str):
+                    param = f"messages[{i}].content[{j}].text"
+                    raise errors.bad_request(f"Invalid value for `{param}`: expected a string.", param)
 
 
 def estimate_input_tokens(req: ChatRequest) -> int:

@@ -56,7 +56,16 @@ async def _serve(edge: Edge, handler: Handler, ex: Exchange) -> None:
             problem = edge.refuse_request(ex)
             if problem is not None:
                 raise problem
-            body = await ex.read_body(edge.config.max_body_bytes)
+            # The framework's body timeout does not reach raw ASGI: bound it here.
+            try:
+                with trio.fail_after(edge.config.body_timeout_s):
+                    body = await ex.read_body(edge.config.max_body_bytes)
+            except trio.TooSlowError:
+                raise APIError(
+                    408,
+                    f"The request body did not arrive within {edge.config.body_timeout_s:g} s.",
+                    code="request_timeout",
+                ) from None
             nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
             await handler(edge, ex, body)
         except ClientGone:

@@ -27,6 +27,25 @@ class Tool(msgspec.Struct, omit_defaults=True):
     type: Literal["function"] = "function"
 
 
+class ToolChoiceFunction(msgspec.Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class ToolChoice(msgspec.Struct):
+    """``tool_choice``'s object form: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class ToolChoiceShape(msgspec.Struct):
+    """What ``tool_choice`` may be. :class:`ChatRequest` keeps the object form
+    as a dict (the tool contract reads it so); the request parser checks it
+    against this first, so a wrong shape is a 400 naming ``tool_choice``."""
+
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+
+
 class Message(msgspec.Struct, omit_defaults=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
@@ -55,7 +74,7 @@ class ChatRequest(msgspec.Struct, omit_defaults=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None  # see ToolChoiceShape
     parallel_tool_calls: bool | None = None
     user: str | None = None
     include_reasoning: bool | None = None

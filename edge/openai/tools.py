@@ -215,6 +215,8 @@ class ToolContract:
                 args = msgspec.json.decode(call.function.arguments or "{}")
             except msgspec.DecodeError as e:
                 return f"the arguments of `{name}` are not valid JSON: {e}"
+            except RecursionError:
+                return f"the arguments of `{name}` are nested too deeply"
             if not isinstance(args, dict):
                 return f"the arguments of `{name}` must be a JSON object"
             schema = self.schemas[name]
@@ -313,7 +315,9 @@ def _as_json(arguments: Any) -> Any:
 
 class ToolTextFilter:
     """Passes content through while holding back anything that may be the start
-    of a tool call; once a call starts, everything after it is held."""
+    of a tool call; once a call starts, everything after it is held. What it
+    releases is the text exactly as written, whitespace included, however the
+    deltas split it."""
 
     __slots__ = ("_pending",)
 
@@ -323,14 +327,9 @@ class ToolTextFilter:
     def append(self, text: str) -> str:
         buf = self._pending + text
         idx = _first_candidate(buf)
-        if idx >= 0:
-            out = buf[:idx].rstrip()
-            self._pending = buf[len(out) :]
-            return out
-        safe = _safe_len(buf)
-        out = buf[:safe].rstrip()
-        self._pending = buf[len(out) :]
-        return out
+        cut = idx if idx >= 0 else _safe_len(buf)
+        self._pending = buf[cut:]
+        return buf[:cut]
 
     def flush(self) -> str:
         out, self._pending = self._pending, ""
@@ -341,7 +340,7 @@ class ToolTextFilter:
         buf, self._pending = self._pending, ""
         if _first_candidate(buf) >= 0:
             return ""
-        return buf[: _safe_len(buf)].rstrip()
+        return buf[: _safe_len(buf)]
 
 
 def _first_candidate(text: str) -> int:

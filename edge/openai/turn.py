@@ -21,7 +21,7 @@ from edge.openai.request import context_class, estimate_input_tokens
 from edge.openai.schema import ChatRequest
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_calls, text_tools_request, with_ids
-from edge.openai.trace import TRACE_METADATA_KEY
+from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.runs import Run, Slot, Want
 from edge.runs.run import consume_run
 from edge.runs.service import encode_run_body
@@ -77,7 +77,8 @@ class Turn:
         edge = self.edge
         queued_at = trio.current_time()
         slot = await edge.runs.acquire(self.want)
-        edge.metrics.queue_time.labels(self.req.model).observe(trio.current_time() - queued_at)
+        waited = trio.current_time() - queued_at
+        edge.metrics.queue_time.labels(edge.metrics.model_label(self.req.model)).observe(waited)
         self.node_id = slot.link.node_id
         return slot
 
@@ -222,12 +223,14 @@ async def collect_validated(
         if not reason:
             return result
         failed_run = turn.last_run.id if turn.last_run else ""
+        # The reason quotes the model's arguments: completion text, logged only when tracing.
+        why = {"reason": reason} if trace_enabled(turn.metadata) else {}
         if attempt >= max_attempts:
-            log.warning("tool validation failed", attempt=attempt, reason=reason)
+            log.warning("tool validation failed", attempt=attempt, **why)
             raise RunFailed(reason, type=TOOL_VALIDATION_ERROR, cause="tool_validation")
         attempt += 1
-        edge.metrics.tool_retries.labels(turn.req.model).inc()
-        log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, reason=reason)
+        edge.metrics.tool_retries.labels(edge.metrics.model_label(turn.req.model)).inc()
+        log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, **why)
         metadata = {**turn.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
         extra = [corrective_message(reason, result.tool_calls, result.content)]
         try:

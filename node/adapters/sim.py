@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -24,19 +25,19 @@ def _last_user_text(request: dict[str, Any]) -> str:
             if isinstance(content, str):
                 return content
             if isinstance(content, list):
-                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+                texts = (p.get("text") for p in content if isinstance(p, dict))
+                return " ".join(t for t in texts if isinstance(t, str))
     return ""
 
 
-def sim_tokens(prompt: str, count: int) -> list[str]:
-    """The same prompt always gives the same tokens."""
+def sim_tokens(prompt: str, count: int) -> Iterator[str]:
+    """The same prompt always gives the same tokens, made one at a time (a
+    huge ``count`` costs time, never memory)."""
     seed = zlib.crc32(prompt.encode())
-    out = []
     for i in range(count):
         seed = (seed * 1103515245 + 12345) & 0x7FFFFFFF
         word = _WORDS[seed % len(_WORDS)]
-        out.append(word if i == 0 else " " + word)
-    return out
+        yield word if i == 0 else " " + word
 
 
 class SimAdapter:

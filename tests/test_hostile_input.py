@@ -1,0 +1,576 @@
+"""Hostile input and heavy load: bounded label sets, no secrets or prompts in
+logs, bounded body reads, 4xx (never 5xx) for odd JSON, bounded max_tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import h11
+import httpx
+import msgspec
+import pytest
+import structlog
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edge.openai import chat as chat_route
+from iop import logs
+from node.adapters import sim as sim_adapter
+from scripts.stack import free_port
+from tests.conftest import BOUND, TOKEN, edge_config, http, model, settled, start_edge, start_node, write_toml
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def sim(name: str = "m", **kw):
+    kw = {"ttft_ms": 0, "tokens_per_s": 0, "sim_tokens": 3, **kw}
+    return model(name, **kw)
+
+
+def assert_openai_error(r: httpx.Response, status: int, *, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def nested(depth: int, leaf=1):
+    """A JSON value ``depth`` levels deep (alternating arrays and objects)."""
+    value = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def json_depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(json_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(json_depth, value), default=0)
+    return 0
+
+
+@pytest.fixture
+async def sim_edge(nursery):
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [sim("m", max_concurrency=8)])
+    yield edge
+    await settled(edge, node.agent)
+
+
+@pytest.fixture
+async def capped_edge(nursery):
+    edge = await start_edge(nursery, edge_config(max_output_tokens=1000))
+    node = await start_node(nursery, edge, [sim("m", max_concurrency=8)])
+    yield edge
+    await settled(edge, node.agent)
+
+
+# -- 9. label sets -----------------------------------------------------------------
+
+
+async def test_invented_model_names_share_one_metrics_label(nursery):
+    """500 requests naming invented models add one `other` series to /metrics, not 500; real names keep theirs."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "configured"}]))
+    await start_node(nursery, edge, [sim("m", max_concurrency=8)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+
+            async def invent(first: int) -> None:
+                for i in range(first, 500, 10):
+                    r = await client.post("/v1/chat/completions", json={"model": f"invented-{i}", "messages": USER})
+                    assert r.status_code == 404
+
+            async with trio.open_nursery() as requests:
+                for first in range(10):
+                    requests.start_soon(invent, first)
+            assert (await client.post("/v1/chat/completions", json={"model": "m", "messages": USER})).status_code == 200
+            r = await client.post("/v1/chat/completions", json={"model": "configured", "messages": USER})
+            assert r.status_code == 503
+            text = (await client.get("/metrics")).text
+    requests_series = [line for line in text.splitlines() if line.startswith("iop_requests_total{")]
+    assert "invented" not in text
+    assert sorted(requests_series) == [
+        'iop_requests_total{model="configured",outcome="rejected_503"} 1.0',
+        'iop_requests_total{model="m",outcome="complete"} 1.0',
+        'iop_requests_total{model="other",outcome="rejected_404"} 500.0',
+    ]
+
+
+# -- 10. secrets and prompts in logs ---------------------------------------------------
+
+API_KEY = "sk-client-3f9a1c7e5b"
+NODE_TOKEN = "node-token-8d2e6b4a90"
+WRONG_TOKEN = "wrong-token-51c8e2f7aa"
+SPACED_TOKEN = "spaced-token-7b3d9e1c42 "
+UPSTREAM_KEY = "sk-upstream-c4a8e2d6f1"
+PROMPT = "prompt-marker-e7c1b9a3d5"
+SECRETS = (API_KEY, NODE_TOKEN, WRONG_TOKEN, SPACED_TOKEN.strip(), UPSTREAM_KEY, PROMPT)
+
+
+def _node_toml(tmp_path, node_id: str, token: str, port: int, dead_port: int) -> str:
+    return str(
+        write_toml(
+            tmp_path / f"{node_id}.toml",
+            {
+                "node_id": node_id,
+                "edges": [f"ws://127.0.0.1:{port}/v1/node/link"],
+                "token": token,
+                "reconnect_min_s": 0.05,
+                "reconnect_max_s": 0.2,
+                "models": [
+                    {"name": "m", "adapter": "sim", "ttft_ms": 0, "tokens_per_s": 0, "sim_tokens": 3},
+                    # An upstream that refuses connections: every run on it fails.
+                    {
+                        "name": "up",
+                        "adapter": "openai",
+                        "base_url": f"http://127.0.0.1:{dead_port}/v1",
+                        "api_key": UPSTREAM_KEY,
+                    },
+                ],
+            },
+        )
+    )
+
+
+def _log_file(path: str):
+    return open(path, "wb")  # closed by the caller once the process holds it
+
+
+async def test_no_secret_or_prompt_in_any_log(tmp_path, nursery):
+    """Real `iop edge` and `iop node` processes logging JSON at debug: refused nodes, bad keys, bad and
+    internal-error-prone requests, failed runs; no key, token or prompt text appears in either log."""
+    port, dead_port = free_port(), free_port()
+    edge_cfg = write_toml(
+        tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": NODE_TOKEN, "api_keys": [API_KEY]}
+    )
+    env = {**os.environ, "IOP_LOG_FORMAT": "json"}
+    iop = [sys.executable, "-m", "iop.cli", "--log-level", "debug"]
+    files: dict[str, str] = {}
+    procs: list[trio.Process] = []
+
+    async def spawn(name: str, *args: str) -> trio.Process:
+        files[name] = str(tmp_path / f"{name}.log")
+        with _log_file(files[name]) as err:
+            proc = await trio.lowlevel.open_process([*iop, *args], stderr=err, stdout=subprocess.DEVNULL, env=env)
+        procs.append(proc)
+        return proc
+
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    try:
+        await spawn("edge", "edge", "--config", str(edge_cfg))
+        await spawn("node", "node", "--config", _node_toml(tmp_path, "good", NODE_TOKEN, port, dead_port))
+        await spawn("wrong", "node", "--config", _node_toml(tmp_path, "wrong", WRONG_TOKEN, port, dead_port))
+        spaced = await spawn(
+            "spaced", "node", "--config", _node_toml(tmp_path, "spaced", SPACED_TOKEN, port, dead_port)
+        )
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND) as client:
+            with trio.fail_after(BOUND):
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        r = await client.get("/v1/nodes", headers=auth)
+                        if r.status_code == 200 and [n["id"] for n in r.json()["data"]] == ["good"]:
+                            break
+                    await trio.sleep(0.05)
+                while b"edge refused the link" not in await trio.Path(files["wrong"]).read_bytes():
+                    await trio.sleep(0.05)
+            chat = "/v1/chat/completions"
+            prompt = [{"role": "user", "content": f"say {PROMPT}"}]
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            deep = b'{"k": ' * 1000 + f'"{PROMPT}"'.encode() + b"}" * 1000
+            sent = [  # (body, headers, the status it gets)
+                ({"model": "m", "messages": prompt}, auth, 200),
+                ({"model": "m", "messages": prompt, "stream": True}, auth, 200),
+                ({"model": "up", "messages": prompt}, auth, 502),  # the run fails on the node
+                ({"model": "m", "messages": prompt}, {"authorization": "Bearer x"}, 401),
+                (f'{{"model": "m", "messages": "{PROMPT}'.encode(), auth, 400),
+                ({"model": "m", "messages": prompt, "tools": [tool], "tool_choice": {"function": PROMPT}}, auth, 400),
+                ({"model": "m", "messages": [{"role": "user", "content": [{"text": [PROMPT]}]}]}, auth, 400),
+                (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": ' + deep + b"}", auth, 400),
+            ]
+            statuses = []
+            with trio.fail_after(BOUND):
+                for body, headers, _ in sent:
+                    content = body if isinstance(body, bytes) else msgspec.json.encode(body)
+                    statuses.append((await client.post(chat, content=content, headers=headers)).status_code)
+        with trio.move_on_after(BOUND):
+            await spaced.wait()  # a token no HTTP header can carry is refused at start
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(BOUND):
+            for proc in procs:
+                await proc.wait()
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+    texts = {name: await trio.Path(path).read_text(errors="replace") for name, path in files.items()}
+    for name, text in texts.items():
+        for secret in SECRETS:
+            assert secret not in text, f"{secret!r} in the {name} log:\n{text[:3000]}"
+    assert statuses == [status for _, _, status in sent]
+    assert '"msg": "chat completion"' in texts["edge"] and "node link refused: bad token" in texts["edge"]
+    assert '"msg": "linked"' in texts["node"] and "edge refused the link" in texts["wrong"]
+    assert spaced.returncode == 2
+    assert texts["spaced"].strip().splitlines() == [
+        f"iop: {tmp_path / 'spaced.toml'}: token: must be printable ASCII with no spaces around it"
+    ]
+
+
+@pytest.fixture
+def captured_logs():
+    """Logs rendered as in production (iop.logs), into a buffer."""
+    saved = structlog.get_config()
+    buffer = io.StringIO()
+
+    def render(json: bool) -> None:
+        logs.configure("debug", json=json, cache=False)
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(buffer))
+
+    yield buffer, render
+    structlog.configure(**saved)
+
+
+@pytest.mark.parametrize("json", [True, False])
+async def test_exception_logs_show_no_locals(nursery, upstream, monkeypatch, captured_logs, json):
+    """An edge 500, a crashing node adapter and a failed tool validation are logged with their tracebacks
+    but without local variables: no key, token or prompt text, in JSON or console logs."""
+    buffer, render = captured_logs
+    render(json)
+    edge = await start_edge(nursery, edge_config(api_keys=[API_KEY], max_tool_attempts=1))
+    node = await start_node(nursery, edge, [sim("m"), model("tools", upstream, target="t", api_key=UPSTREAM_KEY)])
+    bad_args = {
+        "tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": f'{{"x": "{PROMPT}"}}'}}]
+    }
+    upstream.script_for("t", [("chunk", bad_args), ("chunk", {}, "tool_calls"), ("done",)])
+
+    def edge_bug(*args, **kwargs):
+        raise RuntimeError("a bug in the edge")
+
+    def adapter_bug(*args, **kwargs):
+        raise RuntimeError("a bug in the adapter")
+
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    prompt = [{"role": "user", "content": f"say {PROMPT}"}]
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+    with trio.fail_after(BOUND):
+        async with http(edge, headers=auth) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "tools", "messages": prompt, "tools": [tool]})
+            assert r.status_code == 502 and r.json()["error"]["type"] == "tool_validation_error"
+            with monkeypatch.context() as patch:
+                patch.setattr(sim_adapter, "_last_user_text", adapter_bug)
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": prompt})
+                assert r.status_code == 502
+            with monkeypatch.context() as patch:
+                patch.setattr(chat_route, "parse_chat_request", edge_bug)
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": prompt})
+                assert r.status_code == 500
+    await settled(edge, node.agent)
+    text = buffer.getvalue()
+    assert "a bug in the edge" in text and "a bug in the adapter" in text and "tool validation failed" in text
+    for secret in (API_KEY, TOKEN, UPSTREAM_KEY, PROMPT):
+        assert secret not in text, f"{secret!r} logged:\n{text[:3000]}"
+
+
+# -- 11. request bodies with no time limit ----------------------------------------------
+
+
+async def _trickle(port: int, path: str) -> tuple[int, bytes]:
+    """POST a body one byte at a time until the edge answers: its status and body."""
+    conn = h11.Connection(h11.CLIENT)
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    request = h11.Request(
+        method="POST",
+        target=path,
+        headers=[("host", "127.0.0.1"), ("content-type", "application/json"), ("content-length", "100000")],
+    )
+    status, body = 0, b""
+    async with stream, trio.open_nursery() as nursery:
+        await stream.send_all(conn.send(request) + conn.send(h11.Data(data=b"{")))
+
+        async def drip() -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while True:
+                    await trio.sleep(0.05)
+                    await stream.send_all(b" ")  # raw: h11 stops sending once the response ends
+
+        nursery.start_soon(drip)
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some())
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                break
+        nursery.cancel_scope.cancel()
+    return status, body
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings"])
+async def test_trickled_body_is_408(nursery, path):
+    """A body that trickles in past body_timeout_s gets a 408 request_timeout in the OpenAI shape."""
+    edge = await start_edge(nursery, edge_config(body_timeout_s=0.5))
+    with trio.fail_after(BOUND):
+        status, body = await _trickle(edge.port, path)
+    assert status == 408, body
+    err = msgspec.json.decode(body)["error"]
+    assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+
+
+async def test_answer_before_the_body_says_connection_close(nursery):
+    """A request answered before its body arrived (413 too large, 401 bad key) says `Connection: close`,
+    so a client's pooled connection is not reused and its next request succeeds."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=65536, api_keys=[API_KEY]))
+    big = b"{" + b" " * 300_000 + b"}"
+    with trio.fail_after(BOUND):
+        for headers, status in [({"authorization": f"Bearer {API_KEY}"}, 413), ({}, 401)]:
+            for _ in range(5):
+                async with http(edge) as client:
+                    r = await client.post("/v1/chat/completions", content=big, headers=headers)
+                    assert r.status_code == status and r.headers["connection"] == "close"
+                    assert (await client.get("/healthz")).status_code == 200
+
+
+# -- 12. more 5xx from client input -----------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [65, 200, 990, 5000, 100_000])
+async def test_deeply_nested_json_is_400(sim_edge, depth):
+    """JSON nested deeper than 64 levels, anywhere in the body, is a 400 json_too_deep (never a 500)."""
+    pairs, odd = divmod(depth - 1, 2)  # the body's own object is level 1
+    deep = b'{"k":[' * pairs + b'{"k":1}' * odd + b"]}" * pairs
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + deep + b"}"
+    if depth < 500:  # deeper is more than this process's own decoder takes
+        assert json_depth(msgspec.json.decode(body)) == depth
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            assert_openai_error(await client.post("/v1/chat/completions", content=body), 400, code="json_too_deep")
+            raw = b'{"model": ' * depth + b"1" + b"}" * depth
+            assert_openai_error(await client.post("/v1/embeddings", content=raw), 400, code="json_too_deep")
+
+
+async def test_json_at_the_depth_limit_is_served(sim_edge):
+    """A body exactly 64 levels deep (in metadata, in a tool's schema) is served, not refused or a 500."""
+    schema: dict = {"type": "string", "enum": ["a"]}
+    for _ in range(29):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    bodies = [
+        {"model": "m", "messages": USER, "metadata": nested(63)},
+        {"model": "m", "messages": USER, "tools": [tool]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": nested(59)}]}]},
+    ]
+    assert [json_depth(body) for body in bodies] == [64, 64, 64]
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            for body in bodies:
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "param"),
+    [
+        ({"type": "function", "function": "f"}, "tool_choice.function"),
+        ({"type": "function", "function": {"name": 3}}, "tool_choice.function.name"),
+        ({"type": "function", "function": {}}, "tool_choice.function"),
+        ({"function": {"name": "f"}}, "tool_choice"),
+        ({"type": "tool", "function": {"name": "f"}}, "tool_choice.type"),
+        ("sometimes", "tool_choice"),
+        (["auto"], "tool_choice"),
+    ],
+)
+async def test_tool_choice_of_the_wrong_shape_is_400(sim_edge, tool_choice, param):
+    """A tool_choice that is neither none/auto/required nor {"type": "function", "function": {"name": ...}}
+    is a 400 naming it."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": USER, "tools": tools, "tool_choice": tool_choice},
+            )
+    assert_openai_error(r, 400, param=param)
+
+
+@pytest.mark.parametrize("text", [3, None, ["hi"], {"a": 1}])
+async def test_text_part_that_is_not_a_string_is_400(sim_edge, text):
+    """A content part whose `text` is not a string is a 400 naming it, not a node adapter failure (502)."""
+    content = [{"type": "text", "text": "hello"}, {"type": "text", "text": text}]
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": content}]}
+            )
+    assert_openai_error(r, 400, param="messages[0].content[1].text")
+
+
+def test_sim_adapter_reads_only_string_text_parts():
+    """The sim adapter's prompt skips content parts whose text is not a string instead of failing the run."""
+    from node.adapters.sim import _last_user_text
+
+    content = [{"type": "text", "text": "a"}, {"type": "text", "text": 3}, {"type": "image_url"}, {"text": "b"}]
+    assert _last_user_text({"messages": [{"role": "user", "content": content}]}) == "a b"
+
+
+tricky_text = st.text(alphabet='[]{}"\\/ u0abé', max_size=6)
+tricky_json = st.recursive(
+    st.none() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | tricky_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(tricky_text, inner, max_size=3),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=tricky_json, indent=st.sampled_from([None, 1]), ascii_only=st.booleans())
+def test_depth_check_counts_only_brackets_outside_strings(value, indent, ascii_only):
+    """The byte-level depth check agrees with the decoded value's depth, whatever brackets, quotes and
+    backslashes its strings hold and however it is encoded."""
+    from edge.openai.jsonbody import nested_deeper_than
+
+    body = json.dumps(value, indent=indent, ensure_ascii=ascii_only).encode()
+    depth = json_depth(value)
+    for limit in {max(depth - 1, 0), depth, depth + 1}:
+        assert nested_deeper_than(body, limit) == (depth > limit), (body, limit)
+        assert nested_deeper_than(msgspec.json.encode(value), limit) == (depth > limit)
+
+
+@pytest.mark.parametrize("literal", [b"1e299", b"1.7976931348623157e308", b"-2.5e+300", b"1e23", b"1e-300", b"0.1"])
+def test_floats_decode_to_the_same_values(literal):
+    """Bodies with large-exponent floats (decoded with Python's float) give msgspec's own values."""
+    from edge.openai.request import decode_body
+
+    body = b'{"x": [' + b", ".join([literal] * 3) + b"]}"
+    assert decode_body(body) == msgspec.json.decode(body)
+
+
+async def test_float_out_of_range_is_400(sim_edge):
+    """A float literal beyond the float range is a 400, with large-exponent floats elsewhere in the body too."""
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": [1e299, 1e400]}'
+            assert_openai_error(await client.post("/v1/chat/completions", content=body), 400)
+
+
+# -- 13. max_tokens is bounded -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [1001, 2**31, 2**63 - 1, 2**64 + 1])
+async def test_max_tokens_above_the_cap_is_400(capped_edge, field, value):
+    """max_tokens / max_completion_tokens above max_output_tokens is a 400 naming the field; no run starts."""
+    with trio.fail_after(BOUND):
+        async with http(capped_edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": USER, field: value})
+    assert_openai_error(r, 400, param=field, code="integer_above_max_value")
+    assert capped_edge.edge.runs.in_flight == 0
+
+
+async def test_max_tokens_at_the_cap_is_served(capped_edge):
+    """max_tokens equal to max_output_tokens is served in full."""
+    with trio.fail_after(BOUND):
+        async with http(capped_edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 1000})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 1000
+
+
+def test_sim_adapter_memory_does_not_grow_with_max_tokens():
+    """The sim adapter streams a run with max_tokens 2**63-1 under a 1 GB address-space limit (tokens are made
+    lazily); the run is cancelled after a few tokens."""
+    program = textwrap.dedent(
+        """
+        import resource, trio
+        from node.adapters import Counters
+        from node.adapters.sim import SimAdapter
+        from node.config import ModelConfig
+        from proto import RunRequest
+
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+        class Sink:
+            def __init__(self, scope):
+                self.scope, self.deltas = scope, []
+            async def delta(self, text):
+                self.deltas.append(text)
+                if len(self.deltas) == 5:
+                    self.scope.cancel()
+            async def complete(self, *args, **kwargs):
+                raise AssertionError("a run of 2**63-1 tokens completed")
+
+        async def main():
+            adapter = SimAdapter(ModelConfig(name="m", adapter="sim", ttft_ms=0, tokens_per_s=0), Counters())
+            request = RunRequest(run_id="r", model="m", target="m", timeout_s=60,
+                                 request={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**63 - 1})
+            with trio.CancelScope() as scope:
+                sink = Sink(scope)
+                await adapter.run(request, sink)
+            print(len(sink.deltas))
+
+        trio.run(main)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=BOUND, cwd=os.getcwd()
+    )
+    assert result.returncode == 0 and int(result.stdout) >= 5, result.stderr[-2000:]
+
+
+# -- config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "expected"),
+    [
+        ("edge", {"body_timeout_s": 0}, "body_timeout_s: must be greater than 0"),
+        ("edge", {"max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
+        ("node", {"token": ""}, "token: missing"),
+        ("node", {"token": "tok\nsecret-f00d"}, "token: must be printable ASCII"),
+        (
+            "node",
+            {
+                "token": "t",
+                "models": [
+                    {"name": "m", "adapter": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": " secret-f00d"}
+                ],
+            },
+            "models[0].api_key: must be printable ASCII",
+        ),
+    ],
+)
+def test_bad_new_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):
+    """A bad body_timeout_s, max_output_tokens, node token or api_key stops the process with one line
+    naming the key and never its value."""
+    if kind == "node":
+        config = {
+            "node_id": "n1",
+            "edges": ["ws://127.0.0.1:9/v1/node/link"],
+            "models": [{"name": "m", "adapter": "sim"}],
+            **config,
+        }
+    path = write_toml(tmp_path / f"{kind}.toml", config)
+    result = subprocess.run(
+        [sys.executable, "-m", "iop.cli", kind, "--config", str(path)], capture_output=True, text=True, timeout=BOUND
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "secret-f00d" not in lines[0], result.stderr
