@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/iop demo
+	$(BIN)/iop demo $(if $(BIND),--bind $(BIND))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,6 +1,8 @@
 """The edge application: ``create_app()`` for hypercorn, ``serve_edge`` for ``iop``.
 
-hypercorn --worker-class trio 'edge.app:create_app()'   # IOP_EDGE_CONFIG=edge.toml
+IOP_EDGE_CONFIG=edge.toml hypercorn --worker-class trio --bind 127.0.0.1:8080 --backlog 4096 'edge.app:create_app()'
+
+(hypercorn's CLI takes its own --bind, --backlog and TLS flags; it does not read those from edge.toml.)
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from quart_trio import QuartTrio
 
 from edge.auth import bearer_matches
 from edge.config import EdgeConfig, load_edge_config
-from edge.errors import APIError, error_json
+from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
 from edge.openai.routes import openai_routes
 from edge.openai.schema import ModelCard, ModelList
-from edge.runs import RunService
+from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
+from iop import logs
 
 log = structlog.get_logger("iop.edge")
 _encode = msgspec.json.Encoder().encode
@@ -68,8 +71,17 @@ def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Re
     return Response(body, status, content_type="application/json", headers=headers)
 
 
+def _model_card(name: str, links: list[NodeLink]) -> ModelCard:
+    """A model group as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it."""
+    return ModelCard(
+        id=name, created=int(min(lk.linked_wall for lk in links)), nodes=sorted(lk.node_id for lk in links)
+    )
+
+
 def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     """The ASGI app. With no ``config``, reads ``$IOP_EDGE_CONFIG`` (or defaults)."""
+    if not structlog.is_configured():  # under hypercorn's CLI: `iop` and the tests configure it first
+        logs.configure()
     if config is None:
         config = load_edge_config(None)
     install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
@@ -92,14 +104,19 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         refused = client_auth(config.api_keys)
         if refused is not None:
             return refused
-        served = edge.runs.models()
-        cards = [
-            ModelCard(
-                id=name, created=int(min(lk.linked_wall for lk in links)), nodes=sorted(lk.node_id for lk in links)
-            )
-            for name, links in sorted(served.items())
-        ]
+        cards = [_model_card(name, links) for name, links in sorted(edge.runs.models().items())]
         return _json(200, _encode(ModelList(data=cards)))
+
+    @app.get("/v1/models/<path:model_id>")  # ids such as Qwen/Qwen3-8B hold slashes
+    async def retrieve_model(model_id: str) -> Response:
+        refused = client_auth(config.api_keys)
+        if refused is not None:
+            return refused
+        links = edge.runs.models().get(model_id)
+        if not links:
+            err = model_not_found(model_id)
+            return _json(err.status, err.body())
+        return _json(200, _encode(_model_card(model_id, links)))
 
     @app.get("/v1/nodes")
     async def list_nodes() -> Response:

@@ -98,9 +98,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("certfile: TLS needs both certfile and keyfile")
         if self.max_tool_attempts < 1:
             raise ConfigError("max_tool_attempts: must be at least 1")
-        host, sep, port = self.bind.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"bind: expected HOST:PORT, got {self.bind!r}")
+        try:
+            check_bind(self.bind)
+        except ConfigError as e:
+            raise ConfigError(f"bind: {e}") from None
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if m.name in seen:
@@ -133,6 +134,17 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     @property
     def ping_timeout_s(self) -> float:
         return self.ping_interval_s * max(self.ping_misses, 1)
+
+
+def check_bind(bind: str) -> None:
+    """A ``HOST:PORT`` the edge can listen on (port 0: any free port); else ConfigError, one line."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit():
+        raise ConfigError(f"expected HOST:PORT, got {bind!r}")
+    if host.startswith("[") != host.endswith("]"):
+        raise ConfigError(f"unbalanced brackets around the host in {bind!r} (IPv6: [::1]:8080)")
+    if int(port) > 65535:
+        raise ConfigError(f"port must be 0-65535, got {bind!r}")
 
 
 def load_edge_config(path: str | None) -> EdgeConfig:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import secrets
 import signal
+import socket
+import ssl
 import sys
 
 import structlog
@@ -34,14 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--config", required=True, help="node TOML file")
     args = parser.parse_args(argv)
     logs.configure(args.log_level)
+    bind: str | None = None  # the address being listened on, for the error that names it
     try:
         if args.command == "demo":
-            trio.run(_demo, args.bind)
+            bind = _checked_bind(args.bind)
+            trio.run(_demo, bind)
         elif args.command == "edge":
             from edge.config import load_edge_config
 
             config = load_edge_config(args.config)
-            trio.run(_edge, config, args.bind, args.certfile, args.keyfile)
+            bind = _checked_bind(args.bind) if args.bind else config.bind
+            certfile = _readable("--certfile", args.certfile) or _readable("certfile", config.certfile)
+            keyfile = _readable("--keyfile", args.keyfile) or _readable("keyfile", config.keyfile)
+            trio.run(_edge, config, bind, certfile, keyfile)
         else:
             from node.config import load_node_config
 
@@ -55,9 +63,45 @@ def main(argv: list[str] | None = None) -> int:
         os_error = first_leaf(e)
         if not isinstance(os_error, OSError):
             raise
-        print(f"iop {args.command}: cannot start: {os_error.strerror or os_error}", file=sys.stderr)
+        print(f"iop {args.command}: {_cannot_start(os_error, bind)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _checked_bind(bind: str) -> str:
+    from edge.config import check_bind
+
+    try:
+        check_bind(bind)
+    except ConfigError as e:
+        raise ConfigError(f"--bind: {e}") from None
+    return bind
+
+
+def _readable(key: str, path: str | None) -> str | None:
+    """``path`` if it can be read (TLS files are otherwise read only after binding, with no name)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e.strerror}") from None
+    return path
+
+
+# What binding a listening socket fails with (gaierror aside: the host does not resolve).
+_LISTEN_ERRNOS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, errno.EAFNOSUPPORT}
+
+
+def _cannot_start(error: OSError, bind: str | None) -> str:
+    """One line for an OSError at start, naming the address when listening on it failed."""
+    if isinstance(error, ssl.SSLError):
+        return f"cannot start: TLS: {error.reason or error}"
+    reason = error.strerror or str(error)
+    if bind is not None and (isinstance(error, socket.gaierror) or error.errno in _LISTEN_ERRNOS):
+        return f"cannot listen on {bind}: {reason}"
+    return f"cannot start: {reason}"
 
 
 async def _wait_for_signal(event: trio.Event) -> None:

@@ -19,6 +19,22 @@ from structlog.tracebacks import ExceptionDictTransformer
 _DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 
 
+class _HypercornAsEvents(logging.Filter):
+    """hypercorn's own lines ("Running on ...", errors it catches) become structlog
+    events, so JSON logs are JSON throughout. A filter on the logger, not a handler:
+    hypercorn replaces that logger's handlers when it sets up (after the app is made)
+    but leaves its filters alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        extra = {"exc_info": record.exc_info} if record.exc_info else {}
+        level = min(max(record.levelno // 10 * 10, logging.DEBUG), logging.CRITICAL)  # structlog knows only these
+        structlog.get_logger().log(level, record.getMessage(), logger=record.name, **extra)
+        return False  # and not through hypercorn's own handler as well
+
+
+_HYPERCORN_AS_EVENTS = _HypercornAsEvents()
+
+
 def configure(level: str | None = None, *, json: bool | None = None, cache: bool = True) -> None:
     level_name = (level or os.environ.get("IOP_LOG_LEVEL") or "info").upper()
     numeric = logging.getLevelName(level_name)
@@ -48,3 +64,8 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=cache,
     )
+    hypercorn_log = logging.getLogger("hypercorn.error")
+    if json:
+        hypercorn_log.addFilter(_HYPERCORN_AS_EVENTS)  # adds it once however often configure runs
+    else:
+        hypercorn_log.removeFilter(_HYPERCORN_AS_EVENTS)

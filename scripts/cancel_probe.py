@@ -1,6 +1,6 @@
 """Time from a client disconnect to the upstream seeing its request aborted, per phase.
 
-    python scripts/cancel_probe.py [--rounds 20]
+    python scripts/cancel_probe.py [--rounds 50]
     python scripts/cancel_probe.py --edge http://127.0.0.1:8080 --upstream-port 8011
 
 By default it starts an edge and a node as separate processes; the OpenAI-
@@ -175,7 +175,7 @@ async def probe(edge: str | None, upstream_port: int, rounds: int) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--edge", default=None, help="a running edge (default: start one)")
     parser.add_argument("--upstream-port", type=int, default=0)
     args = parser.parse_args()

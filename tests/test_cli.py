@@ -88,5 +88,6 @@ def test_busy_address_is_one_line():
             [*IOP, "edge", "--bind", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=BOUND
         )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == "iop edge: cannot start: Address already in use"
+    expected = f"iop edge: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert result.stderr.strip().splitlines()[-1] == expected
     assert "Traceback" not in result.stderr

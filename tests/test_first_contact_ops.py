@@ -1,0 +1,253 @@
+"""First contact (issue 10): what real clients and a newcomer ran into first.
+
+GET /v1/models/{id}, start-up failures that are one line naming the key or the
+address, the README's hypercorn line as written, and README commands and
+samples that match what the code does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from edge.config import EdgeConfig, check_bind
+from iop.configfile import ConfigError, convert
+from node.agent import NodeAgent
+from node.config import NodeConfig
+from scripts.stack import free_port
+from tests.conftest import (
+    BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    node_config,
+    sdk,
+    start_edge,
+    start_node,
+    write_toml,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+IOP = [sys.executable, "-m", "iop.cli"]
+
+
+# -- GET /v1/models/{id} -------------------------------------------------------------
+
+
+async def test_models_retrieve_returns_the_listed_card(nursery, edge, node):
+    """`client.models.retrieve("m")` returns the same card as m's entry in /v1/models."""
+    async with sdk(edge) as client:
+        card = await client.models.retrieve("m")
+        listed = (await client.models.list()).data
+    assert card.id == "m" and card.object == "model"
+    assert card.model_dump() == next(c for c in listed if c.id == "m").model_dump()
+    assert card.model_extra["nodes"] == ["n1"]
+
+
+async def test_models_retrieve_takes_ids_with_slashes(nursery, edge):
+    """A model id holding `/` (Qwen/Qwen3-8B) is retrieved whole, as the SDK sends it (%2F)."""
+    await start_node(nursery, edge, [model("Qwen/Qwen3-8B")])
+    async with sdk(edge) as client:
+        card = await client.models.retrieve("Qwen/Qwen3-8B")
+    assert card.id == "Qwen/Qwen3-8B"
+    async with http(edge) as client:
+        r = await client.get("/v1/models/Qwen/Qwen3-8B")  # and with the slash left as it is
+    assert r.status_code == 200 and r.json()["id"] == "Qwen/Qwen3-8B"
+
+
+async def test_models_retrieve_unknown_id_is_model_not_found(nursery, edge, node):
+    """An id no linked node serves is a 404 `model_not_found` in the OpenAI error shape."""
+    async with sdk(edge) as client:
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.models.retrieve("nope")
+    assert err.value.code == "model_not_found"
+    assert err.value.body["type"] == "invalid_request_error"
+
+
+async def test_models_retrieve_needs_the_api_key_as_the_list_does(nursery):
+    """With api_keys set, /v1/models/{id} refuses a missing key (401) and answers a right one."""
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-right"]))
+    await start_node(nursery, edge, [model("m")])
+    async with sdk(edge) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.retrieve("m")
+    async with sdk(edge, api_key="sk-right") as client:
+        assert (await client.models.retrieve("m")).id == "m"
+
+
+# -- start-up failures: one line naming the key or the address -----------------------
+
+
+def _one_line_failure(args: list[str], **kw) -> str:
+    result = subprocess.run([*IOP, *args], capture_output=True, text=True, timeout=BOUND, **kw)
+    assert result.returncode != 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1:0", "127.0.0.1:8080", "localhost:65535", "[::1]:8080"])
+def test_check_bind_accepts_host_and_port(bind):
+    """HOST:PORT with a port of 0 (any free port) to 65535, IPv6 in brackets, is a bind."""
+    check_bind(bind)
+    assert convert({"bind": bind}, EdgeConfig).bind == bind
+
+
+@pytest.mark.parametrize("bind", ["notaport", ":8080", "127.0.0.1:", "127.0.0.1:99999", "127.0.0.1:-1", "[::1:80"])
+def test_check_bind_refuses_what_cannot_be_listened_on(bind):
+    """A bind with no host, no port, a port above 65535 or unbalanced brackets is a config error."""
+    with pytest.raises(ConfigError, match=re.escape(repr(bind))):
+        check_bind(bind)
+
+
+def test_bind_port_out_of_range_is_one_line(tmp_path):
+    """`bind = "127.0.0.1:99999"` stops `iop edge` with one line naming the key and the address."""
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": "127.0.0.1:99999", "node_token": TOKEN})
+    line = _one_line_failure(["edge", "--config", cfg])
+    assert line == f"iop: {cfg}: bind: port must be 0-65535, got '127.0.0.1:99999'"
+
+
+def test_bind_flag_that_is_not_an_address_is_one_line():
+    """`iop edge --bind notaport` stops with one line naming the flag and the value."""
+    line = _one_line_failure(["edge", "--bind", "notaport"])
+    assert line == "iop: --bind: expected HOST:PORT, got 'notaport'"
+
+
+def test_demo_bind_flag_is_checked_too():
+    """`iop demo --bind` with a port above 65535 stops with one line naming the flag."""
+    line = _one_line_failure(["demo", "--bind", "127.0.0.1:70000"])
+    assert line == "iop: --bind: port must be 0-65535, got '127.0.0.1:70000'"
+
+
+def test_busy_address_names_the_address(tmp_path):
+    """An address already in use stops `iop edge` with one line naming that address."""
+    cfg = write_toml(tmp_path / "edge.toml", {"node_token": TOKEN})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _one_line_failure(["edge", "--config", cfg, "--bind", f"127.0.0.1:{port}"])
+    assert line == f"iop edge: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_unreadable_tls_file_names_the_flag(tmp_path):
+    """A --certfile that cannot be read stops `iop edge` with one line naming the flag and the file."""
+    cfg = write_toml(tmp_path / "edge.toml", {"node_token": TOKEN})
+    missing = tmp_path / "cert.pem"
+    line = _one_line_failure(
+        ["edge", "--config", cfg, "--bind", "127.0.0.1:0", "--certfile", str(missing), "--keyfile", str(missing)]
+    )
+    assert line == f"iop: --certfile: cannot read {missing}: No such file or directory"
+
+
+def test_node_without_token_is_one_line(tmp_path):
+    """A node config with no `token` stops `iop node` at start with one line naming the key."""
+    cfg = write_toml(
+        tmp_path / "node.toml",
+        {"node_id": "n1", "edges": ["ws://127.0.0.1:1/v1/node/link"], "models": [{"name": "m", "adapter": "sim"}]},
+    )
+    line = _one_line_failure(["node", "--config", cfg])
+    assert line.startswith(f"iop: {cfg}: token: ") and "node token" in line
+
+
+# -- the README's hypercorn line, as written -----------------------------------------
+
+
+def _readme_hypercorn_line() -> str:
+    lines = [ln for ln in README.splitlines() if ln.startswith("IOP_EDGE_CONFIG=") and " hypercorn " in ln]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+async def test_readme_hypercorn_line_links_a_node_and_logs_json(nursery, tmp_path, upstream):
+    """The README's hypercorn line, run as written (edge.toml here, a free port for 8080),
+    serves on that port, links a node, and logs JSON lines only when stderr is a file."""
+    line = _readme_hypercorn_line()
+    assert "--bind 127.0.0.1:8080" in line, line
+    port = free_port()
+    argv = shlex.split(line.replace("127.0.0.1:8080", f"127.0.0.1:{port}"))
+    env_assign, argv = argv[0], argv[1:]
+    assert env_assign == "IOP_EDGE_CONFIG=edge.toml" and argv[0] == "hypercorn"
+    argv[0] = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+    write_toml(tmp_path / "edge.toml", {"node_token": TOKEN})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IOP_")}
+    err_path = tmp_path / "stderr.log"
+    with err_path.open("wb") as err:
+        # Its own process group: hypercorn's CLI runs its worker in a child process.
+        proc = await trio.lowlevel.open_process(
+            argv, cwd=tmp_path, env={**env, "IOP_EDGE_CONFIG": "edge.toml"}, stderr=err, start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        agent = NodeAgent(node_config([url.replace("http", "ws", 1) + "/v1/node/link"], [model("m", upstream)]))
+        nursery.start_soon(agent.serve)
+        await eventually(lambda: '"node linked"' in err_path.read_text(), what="the edge logged the node linked")
+        async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client:
+            r = await client.get("/v1/models/m")
+        assert r.status_code == 200 and r.json()["nodes"] == ["n1"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        with trio.CancelScope(shield=True), trio.fail_after(BOUND):
+            await proc.wait()
+    events = [json.loads(ln) for ln in err_path.read_text().splitlines() if ln.strip()]  # every line is JSON
+    msgs = [e["msg"] for e in events]
+    assert "node linked" in msgs
+    assert any(m.startswith(f"Running on http://127.0.0.1:{port}") for m in msgs)  # hypercorn's own line too
+
+
+# -- README commands and samples match the code --------------------------------------
+
+
+def _readme_toml(heading: str) -> dict:
+    block = re.search(rf"### {re.escape(heading)}\n\n```toml\n(.*?)```", README, re.S)
+    assert block, heading
+    return tomllib.loads(block.group(1))
+
+
+def test_readme_configs_load_and_keep_off_hypercorns_port():
+    """The README's edge.toml and node.toml load as written, and no model server sits on 8000
+    (hypercorn's default port)."""
+    edge = convert(_readme_toml("edge.toml"), EdgeConfig)
+    node = convert(_readme_toml("node.toml"), NodeConfig)
+    assert edge.bind == "127.0.0.1:8080" and node.edges == ["ws://127.0.0.1:8080/v1/node/link"]
+    base_urls = [m.base_url for m in node.models if m.base_url]
+    assert base_urls and not any(":8000/" in u for u in base_urls), base_urls
+
+
+def test_readme_sample_config_error_is_what_iop_prints(tmp_path):
+    """The README's sample config error is the line `iop edge --config edge.toml` prints for it."""
+    (tmp_path / "edge.toml").write_text('wait_timeout_s = "soon"\n')
+    line = _one_line_failure(["edge", "--config", "edge.toml"], cwd=tmp_path)
+    assert f"`` {line} ``" in README or f"`{line}`" in README, line
+
+
+def test_readme_probe_round_count_is_the_probes_default():
+    """The rounds the README's cancel-probe table names are what `make probe` runs."""
+    documented = re.search(r"request aborted, (\d+) rounds each", README)
+    default = re.search(r'"--rounds", type=int, default=(\d+)', (ROOT / "scripts" / "cancel_probe.py").read_text())
+    assert documented and default and documented.group(1) == default.group(1)
+
+
+def test_make_demo_takes_bind():
+    """`make demo BIND=HOST:PORT` runs the demo on that address."""
+    result = subprocess.run(
+        ["make", "-n", "demo", "BIND=127.0.0.1:9090"], cwd=ROOT, capture_output=True, text=True, timeout=BOUND
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].endswith("iop demo --bind 127.0.0.1:9090")
