@@ -88,6 +88,9 @@ with httpx.Client(base_url=sys.argv[1], timeout=30) as client:
         t = time.perf_counter()
         r = client.post("/v1/chat/completions", json={"model": "probe", "messages": [{"role": "user", "content": "p"}], "max_tokens": 1})
         print(f"{r.status_code}:{(time.perf_counter() - t) * 1000:.2f}", flush=True)
+        t = time.perf_counter()
+        r = client.get("/healthz")
+        print(f"healthz:{(time.perf_counter() - t) * 1000:.2f}", flush=True)
         time.sleep(0.02)
 """
 
@@ -181,6 +184,7 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
     await trio.to_thread.run_sync(lambda: stack.node(edge, models, "r-a"))
     streams = Streams()
     latencies: list[float] = []
+    health: list[float] = []  # the edge alone (/healthz), to tell its delay from the node's
     async with contextlib.AsyncExitStack() as pools:
         # One httpx pool per 50 streams: a single pool is quadratic in its connections.
         clients = [
@@ -204,6 +208,9 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
             probe = await trio.run_process([sys.executable, "-c", _PROBE, edge], capture_stdout=True, check=False)
             for line in probe.stdout.decode().split():
                 status, ms = line.split(":")
+                if status == "healthz":
+                    health.append(float(ms))
+                    continue
                 latencies.append(float(ms))
                 if status != "200":
                     streams.errors.append(f"probe HTTP {status}")
@@ -214,7 +221,7 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
     return ok, (
         f"{held} streams held after a {ramp:.1f} s ramp; {streams.done}/{total} completed, "
         f"{len(streams.errors)} lost {summary(streams.errors)}; links dropped: {len(relinked)}; "
-        f"new requests meanwhile p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+        f"new requests meanwhile p50 {p50:.1f} ms, p99 {p99:.1f} ms ({sum(v > 100 for v in latencies)} over 100 ms); /healthz p99 {percentile(health, 0.99):.1f} ms"
     )
 
 
