@@ -17,6 +17,7 @@ on it and so closes their upstream requests.
 
 from __future__ import annotations
 
+import math
 import random
 import ssl
 import urllib.parse
@@ -382,12 +383,18 @@ class NodeAgent:
                 await link.flushed()
 
     async def _dial_forever(self, url: str) -> None:
+        """Dial ``url`` for ever. Failures to link in a row back off
+        exponentially (jittered) from ``reconnect_min_s`` to
+        ``reconnect_max_s``; a link that was up (welcomed) starts that over,
+        and for ``relink_window_s`` after it is lost the node redials at least
+        every ``relink_max_s``, so an edge restart is relinked within seconds."""
         cfg = self.config
         backoff = cfg.reconnect_min_s
+        lost_at = -math.inf  # when the last link that was up went down
         while True:
-            linked_at = trio.current_time()
+            linked = trio.Event()
             try:
-                await self._link_once(url)
+                await self._link_once(url, linked)
             except Exception as exc:  # trio.Cancelled is a BaseException: never caught here
                 e = first_leaf(exc)
                 if isinstance(e, ConnectionRejected):
@@ -405,14 +412,19 @@ class NodeAgent:
                     log.warning("link failed", edge=url, error=f"{type(e).__name__}: {e}")
                 else:
                     log.error("link crashed", edge=url, exc_info=exc)
-            if trio.current_time() - linked_at > 30:
-                backoff = cfg.reconnect_min_s
+            now = trio.current_time()
+            if linked.is_set():
+                backoff, lost_at = cfg.reconnect_min_s, now
+            cap = cfg.reconnect_max_s
+            if now - lost_at < cfg.relink_window_s:
+                cap = min(cap, cfg.relink_max_s)
+            backoff = min(backoff, cap)
             delay = backoff * random.uniform(0.5, 1.0)  # jitter: relinking nodes do not stampede
             log.info("redialling edge", edge=url, in_s=round(delay, 2))
             await trio.sleep(delay)
-            backoff = min(backoff * 2, cfg.reconnect_max_s)
+            backoff = min(backoff * 2, cap)
 
-    async def _link_once(self, url: str) -> None:
+    async def _link_once(self, url: str, linked: trio.Event) -> None:
         cfg = self.config
         headers = [(b"Authorization", f"Bearer {cfg.token}".encode()), (b"X-Iop-Node-Id", cfg.node_id.encode())]
         host, port, host_header, resource, secure = _parse_ws_url(url)
@@ -438,7 +450,7 @@ class NodeAgent:
                         receive_buffer_size=None,  # trio's default read size, not 4 KiB per read
                     )
                 try:
-                    await self._speak(url, ws)
+                    await self._speak(url, ws, linked)
                 finally:
                     # A polite close handshake, briefly: the edge may be gone too.
                     with trio.CancelScope(shield=True), trio.move_on_after(0.25):
@@ -447,7 +459,7 @@ class NodeAgent:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _speak(self, url: str, ws) -> None:
+    async def _speak(self, url: str, ws, linked: trio.Event) -> None:
         cfg = self.config
         await ws.send_message(
             encode_frame(
@@ -464,6 +476,7 @@ class NodeAgent:
             raise LinkRefused(f"expected welcome, got {type(welcome).__name__}")
         link = EdgeLink(self, url, ws, welcome)
         self.links[url] = link
+        linked.set()
         log.info("linked", edge=url, edge_id=welcome.edge_id)
         try:
             await link.serve()

@@ -40,6 +40,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     models: list[ModelConfig] = msgspec.field(default_factory=list)
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
+    relink_max_s: float = 2.0  # after losing a link that was up, redial at least this often...
+    relink_window_s: float = 60.0  # ...for this long (an edge restart), then back off up to reconnect_max_s
     connect_timeout_s: float = 10.0
     hello_timeout_s: float = 10.0
     ping_misses: int = 3
@@ -74,6 +76,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"models[{i}].api_key: must be printable ASCII with no spaces around it")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
             raise ConfigError("reconnect_min_s: must be > 0 and <= reconnect_max_s")
+        if self.relink_max_s <= 0 or self.relink_window_s < 0:
+            raise ConfigError("relink_max_s: must be > 0 (and relink_window_s >= 0)")
         if self.ping_misses < 1:
             raise ConfigError("ping_misses: must be at least 1")
         if self.max_pending_events < 1:

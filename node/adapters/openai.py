@@ -2,6 +2,10 @@
 
 The request is always streamed upstream (``stream: true`` with usage), so a
 cancel closes the HTTP response mid-generation and the server aborts it.
+
+Every upstream failure is one warning line on the node naming the model, the
+upstream's host:port and the error class or status, never the api_key,
+headers or bodies: the client's ``run_error`` is not the only trace of it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import msgspec
+import structlog
 import trio
 
 from node.adapters import Counters, Sink
@@ -61,6 +66,8 @@ class _Chunk(msgspec.Struct):
     error: dict | str | None = None
 
 
+log = structlog.get_logger("iop.node")
+
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
 _MAX_ERROR_BODY = 4096
@@ -109,12 +116,23 @@ class _Pools:
             await client.aclose()
 
 
+def _host_port(base_url: str) -> str:
+    """``host:port`` of a base URL, for logs (no scheme, credentials or path)."""
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL:
+        return "?"
+    host = f"[{url.host}]" if ":" in url.host else url.host
+    return f"{host}:{url.port or (443 if url.scheme == 'https' else 80)}"
+
+
 class OpenAIAdapter:
     def __init__(
         self, model: ModelConfig, counters: Counters, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 600.0
     ) -> None:
         self.model = model
         self.counters = counters
+        self.upstream = _host_port(model.base_url)
         self.pools = _Pools(
             base_url=model.base_url,
             headers={"Authorization": f"Bearer {model.api_key}"} if model.api_key else {},
@@ -123,6 +141,12 @@ class OpenAIAdapter:
 
     async def aclose(self) -> None:
         await self.pools.aclose()
+
+    def _log_failure(self, error: str) -> None:
+        log.warning("upstream request failed", model=self.model.name, upstream=self.upstream, error=error)
+
+    def _log_status(self, status: int) -> None:
+        log.warning("upstream error status", model=self.model.name, upstream=self.upstream, status=status)
 
     async def run(self, request: RunRequest, sink: Sink) -> None:
         body = dict(request.request)
@@ -143,6 +167,7 @@ class OpenAIAdapter:
                         ) as response,
                     ):
                         if response.status_code != 200:
+                            self._log_status(response.status_code)
                             await sink.error(await _error_text(response), status=response.status_code)
                             return
                         async with _finished_on_cancel(response.aiter_raw()) as chunks:
@@ -153,9 +178,11 @@ class OpenAIAdapter:
                     # nothing was answered, so sending again is safe, once.
                     if attempt == 1 and not sink.started:
                         continue
+                    self._log_failure(type(e).__name__)
                     await sink.error(f"upstream request failed: {type(e).__name__}: {e}")
                     return
         except httpx.HTTPError as e:
+            self._log_failure(type(e).__name__)
             await sink.error(f"upstream request failed: {type(e).__name__}: {e}".rstrip(": "))
         finally:
             self.counters.active_upstream -= 1
@@ -170,6 +197,8 @@ class OpenAIAdapter:
                 self.pools.lease() as client,
                 client.stream(request.method, request.path, content=request.body, headers=headers) as response,
             ):
+                if response.status_code >= 400:
+                    self._log_status(response.status_code)
                 await sink.start(
                     response.status_code, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw]
                 )
@@ -178,6 +207,7 @@ class OpenAIAdapter:
                         await sink.body(data)
                 await sink.end()
         except httpx.HTTPError as e:
+            self._log_failure(type(e).__name__)
             await sink.error(f"provider request failed: {type(e).__name__}: {e}".rstrip(": "))
         finally:
             self.counters.active_upstream -= 1
@@ -202,10 +232,12 @@ class OpenAIAdapter:
                     try:
                         chunk = _decode_chunk(data)
                     except (msgspec.DecodeError, msgspec.ValidationError):
+                        self._log_failure("undecodable chunk")
                         await sink.error(f"upstream sent an undecodable chunk: {data[:200]!r}")
                         reading.cancel()
                         break
                     if chunk.error is not None:
+                        self._log_failure("error chunk")
                         message = chunk.error.get("message") if isinstance(chunk.error, dict) else chunk.error
                         await sink.error(f"upstream error: {message}")
                         reading.cancel()
@@ -232,6 +264,7 @@ class OpenAIAdapter:
         if finish_reason:
             await sink.complete(finish_reason, _ordered(calls), usage)
         else:
+            self._log_failure("stream closed before it finished")
             await sink.error("upstream closed the stream before it finished")
 
 

@@ -1,4 +1,8 @@
-"""A simulated model: deterministic text at a configured pace, no GPU."""
+"""A simulated model: deterministic text at a configured pace, no GPU.
+
+Given ``tools`` it calls them too, deterministically, with arguments valid
+for their schemas (the rule is in :mod:`node.adapters.sim_tools`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 import trio
 
 from node.adapters import Counters, Sink
+from node.adapters.sim_tools import tool_call_for, tool_results_text
 from node.config import ModelConfig
 from proto import RunRequest, Usage
 
@@ -48,9 +53,24 @@ class SimAdapter:
     async def run(self, request: RunRequest, sink: Sink) -> None:
         body = request.request
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        count = int(limit) if isinstance(limit, int) and limit > 0 else self.model.sim_tokens
+        limited = isinstance(limit, int) and limit > 0
+        count = int(limit) if limited else self.model.sim_tokens
         prompt = _last_user_text(body)
-        tokens = sim_tokens(prompt, count)
+        call = tool_call_for(body)
+        said = tool_results_text(body) if call is None else None
+        tokens: Iterator[str]
+        if call is not None:  # no text, one native call
+            tokens = iter(())
+            count = max(1, len(call.function.arguments) // 4)
+            finish = "tool_calls"
+        elif said is not None:  # after tool results: what they said
+            words = [w if i == 0 else " " + w for i, w in enumerate(said.split(" "))]
+            finish = "length" if limited and len(words) > count else "stop"
+            count = min(count, len(words)) if limited else len(words)
+            tokens = iter(words[:count])
+        else:
+            tokens = sim_tokens(prompt, count)
+            finish = "length" if limited else "stop"
         self.counters.active_upstream += 1
         try:
             start = trio.current_time() + self.model.ttft_ms / 1000
@@ -66,7 +86,8 @@ class SimAdapter:
             self.counters.active_upstream -= 1
         prompt_tokens = max(1, len(prompt) // 4)
         await sink.complete(
-            "length" if isinstance(limit, int) and limit > 0 else "stop",
+            finish,
+            tool_calls=[call] if call is not None else None,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=count, total_tokens=prompt_tokens + count),
         )
 
