@@ -2,6 +2,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+JS := tests/js
+# Inside node_modules: gone with it, so a fresh clone (or rm -rf node_modules) installs again.
+JS_STAMP := $(JS)/node_modules/.installed
 
 .PHONY: demo test bench probe chaos clean
 
@@ -16,7 +19,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/iop demo $(if $(BIND),--bind $(BIND))
 
-test: $(STAMP)
+# The JavaScript clients of tests/test_js_clients.py, pinned by tests/js/package-lock.json.
+$(JS_STAMP): $(JS)/package.json $(JS)/package-lock.json
+	@command -v npm >/dev/null || { echo "npm not found: Node.js 20+ and npm are needed for tests/js"; exit 1; }
+	npm ci --prefix $(JS) --no-audit --no-fund
+	touch $(JS_STAMP)
+
+test: $(STAMP) $(JS_STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
@@ -29,4 +38,4 @@ chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(JS)/node_modules

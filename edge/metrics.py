@@ -32,7 +32,16 @@ class EdgeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "iop_requests", "HTTP requests to the OpenAI routes by model and outcome", ["model", "outcome"], registry=r
+            "iop_requests",
+            "HTTP requests to the OpenAI routes by model and outcome (rejected_<status> before any run)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.usage_estimated = Counter(
+            "iop_usage_estimated",
+            "Responses whose usage holds counts the edge estimated (the upstream reported none)",
+            ["model"],
+            registry=r,
         )
         self.runs_in_flight = Gauge("iop_runs_in_flight", "Runs dispatched to nodes and not yet closed", registry=r)
         self.runs_in_flight.set_function(lambda: runs.in_flight)

@@ -173,7 +173,8 @@ async def kill_one_of_two(stack: Stack, up: Upstream, per_node: int = 1200) -> t
 
 async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool, str]:
     # The model servers are processes of their own here (this process holds the
-    # 5,000 clients): held streams get a token every 2 s, probes one at once.
+    # 5,000 clients): held streams get a token every 2 s for 60 s (so all are held
+    # while the probes run), probes one token at once.
     held_up = await trio.to_thread.run_sync(lambda: stack.upstream(interval_ms=2000))
     probe_up = await trio.to_thread.run_sync(lambda: stack.upstream())
     edge = await trio.to_thread.run_sync(lambda: stack.edge(max_node_concurrency=8192, max_queue=0))
@@ -195,7 +196,7 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
         async with trio.open_nursery() as nursery:
             t0 = time.perf_counter()
             for i in range(total):
-                body = {"model": "m", "messages": MESSAGES, "max_tokens": 10}
+                body = {"model": "m", "messages": MESSAGES, "max_tokens": 30}
                 nursery.start_soon(streams.one, clients[i % len(clients)], body)
                 if i % 50 == 49:
                     await trio.sleep(0.05)  # ~1,000 new streams a second

@@ -37,8 +37,11 @@ async def read_then_leave(edge, body: dict, *, content_chunks: int, upstream=Non
     return seen
 
 
-async def test_disconnect_before_first_token_aborts_upstream(edge, node, upstream):
-    """Client leaves after the role chunk, while the model has produced nothing yet."""
+async def test_disconnect_before_first_token_aborts_upstream(nursery, upstream):
+    """Client leaves after the role chunk (sent when the first keep-alive is due), while the model
+    has produced nothing yet."""
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model("m", upstream)])
     upstream.script_for("m-target", [("hang",)])
     with trio.fail_after(BOUND):
         seen = await read_then_leave(edge, STREAM, content_chunks=0, upstream=upstream)

@@ -94,16 +94,16 @@ async def test_models_lists_what_linked_nodes_serve(edge, node):
 
 
 async def test_upstream_error_reaches_client(edge, node, upstream):
-    """An upstream HTTP error becomes an OpenAI error: in-stream for streams, same status for whole requests."""
+    """An upstream HTTP error before any event becomes an OpenAI error with the same status (4xx),
+    for whole requests and streams alike (a stream commits only at its first event)."""
     upstream.script_for("m-target", [("status", 400, b'{"error": {"message": "bad temperature"}}')])
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
-            assert r.status_code == 400
-            assert "bad temperature" in r.json()["error"]["message"]
-            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
-    events = sse_events(r.content)
-    assert events[-1] == b"[DONE]"
-    err = msgspec.json.decode(events[-2])["error"]
-    assert err["type"] == "run_error" and "bad temperature" in err["message"]
+            for stream in (False, True):
+                r = await client.post(
+                    "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": stream}
+                )
+                assert r.status_code == 400
+                err = r.json()["error"]
+                assert err["code"] == "upstream_rejected" and "bad temperature" in err["message"]
     await settled(edge, node.agent)

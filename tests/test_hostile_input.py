@@ -222,7 +222,7 @@ async def test_no_secret_or_prompt_in_any_log(tmp_path, nursery):
         for secret in SECRETS:
             assert secret not in text, f"{secret!r} in the {name} log:\n{text[:3000]}"
     assert statuses == [status for _, _, status in sent]
-    assert '"msg": "chat completion"' in texts["edge"] and "node link refused: bad token" in texts["edge"]
+    assert '"msg": "request"' in texts["edge"] and "node link refused: bad token" in texts["edge"]
     assert '"msg": "linked"' in texts["node"] and "edge refused the link" in texts["wrong"]
     assert spaced.returncode == 2
     assert texts["spaced"].strip().splitlines() == [

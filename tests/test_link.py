@@ -19,7 +19,6 @@ from tests.conftest import (
     http,
     model,
     settled,
-    sse_events,
     start_edge,
     start_node,
     start_node_process,
@@ -118,7 +117,7 @@ def hello(node_id="fake", protocol=PROTOCOL_VERSION):
 
 async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
     """A node that stops answering (no frames at all) loses its link within the ping timeout,
-    and its runs fail with "node disconnected"."""
+    and its runs fail with "node disconnected" (a 502, for a stream with no event yet)."""
     edge = await start_edge(nursery, edge_config(ping_interval_s=0.2, ping_misses=3))
 
     async def frozen(ws):
@@ -132,8 +131,9 @@ async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
 
     with trio.fail_after(BOUND):
         r, elapsed = await fake_node(edge, frozen)
-    err = msgspec.json.decode(sse_events(r.content)[-2])["error"]
-    assert err["message"] == "node disconnected"
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["message"] == "node disconnected" and err["code"] == "node_disconnected"
     assert 0.4 < elapsed < 5
     assert "fake" not in edge.edge.runs.links
     await settled(edge)

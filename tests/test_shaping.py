@@ -215,7 +215,7 @@ async def test_xml_completion_tool_wraps_plain_text_only(shaped):
 
 async def test_usage_chunk_and_usage_on_whole_responses(shaped):
     """include_usage adds a usage chunk (choices: []) after the finish chunk; whole responses carry usage;
-    without upstream usage, unknown counts are omitted rather than invented."""
+    without upstream usage, the counts are the edge's estimate, always integers."""
     edge, upstream = shaped
     usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     upstream.script_for("t", script({"content": "a"}, {"content": "b"}, usage=usage))
@@ -234,7 +234,7 @@ async def test_usage_chunk_and_usage_on_whole_responses(shaped):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
-    assert whole["usage"] == {}
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
 
 
 async def test_keep_alive_while_waiting_for_the_first_token(shaped):

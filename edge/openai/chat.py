@@ -12,17 +12,17 @@ opens per request (a client disconnect cancels it):
    calls validated, and retried, before the client sees them;
 5. ``finally``: :meth:`Run.close` cancels the run on the node unless it has
    ended, and frees the slot. It is synchronous: nothing to shield.
+
+The request's one access line and its count in ``iop_requests_total`` are
+written by :mod:`edge.openai.routes`, from what the handler records in
+``ex.access``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
-import structlog
-
 from edge import errors
-from edge.errors import APIError
 from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.passthrough import passthrough
@@ -32,13 +32,16 @@ from edge.openai.turn import Turn
 if TYPE_CHECKING:
     from edge.app import Edge
 
-log = structlog.get_logger("iop.edge.chat")
-
 
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw = decode_body(body)
     model = raw.get("model")
+    access = ex.access
+    if isinstance(model, str):
+        access.model = model
+    stream = raw.get("stream")
+    access.stream = stream if isinstance(stream, bool) else None
     if isinstance(model, str) and cfg.policy(model).response_mode == "passthrough":
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, raw, "/chat/completions")
@@ -51,14 +54,8 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         problem = turn.contract.check_request()
         if problem:
             raise errors.bad_request(problem, "tools")
-    t0 = time.perf_counter()
-    outcome = "unknown"
     try:
-        try:
-            slot = await turn.acquire()
-        except APIError as e:
-            outcome = f"rejected_{e.status}"
-            raise
+        slot = await turn.acquire()
         if not turn.stream:
             await output.respond_whole(turn, slot)
         elif turn.buffered:
@@ -66,21 +63,11 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         else:
             await output.stream_live(turn, slot)
     finally:
+        # What the access line (edge.openai.routes) reports of the run.
         run = turn.last_run
         if turn.outcome is not None:
-            outcome = turn.outcome
+            access.outcome = turn.outcome
         elif run is not None:
-            outcome = run.cause or "unknown"
-        edge.metrics.requests.labels(edge.metrics.model_label(req.model), outcome).inc()
-        log.info(
-            "chat completion",
-            model=req.model,
-            node_id=turn.node_id or None,
-            stream=turn.stream,
-            status=ex.status,
-            cause=outcome,
-            prompt_tokens=turn.usage.prompt_tokens if turn.usage else None,
-            completion_tokens=turn.usage.completion_tokens if turn.usage else None,
-            duration_ms=round((time.perf_counter() - t0) * 1000, 1),
-        )
-        structlog.contextvars.unbind_contextvars("run_id")
+            access.outcome = run.cause or "unknown"
+        access.node_id = turn.node_id or None
+        access.usage, access.usage_estimated = turn.usage, turn.usage_estimated

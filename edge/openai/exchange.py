@@ -7,11 +7,13 @@ inside it, and a client disconnect (ASGI ``http.disconnect``) cancels it.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 
 import trio
 
 from edge.errors import APIError
+from edge.openai.schema import UsageOut
 
 JSON = b"application/json"
 SSE_HEADERS = [
@@ -25,8 +27,27 @@ class ClientGone(Exception):
     """The client closed the connection before its body arrived."""
 
 
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
+
+
+class Access:
+    """What a request's one access line reports, filled in by its handler as
+    it goes (never prompt text or keys): the rest comes from the exchange."""
+
+    __slots__ = ("model", "stream", "node_id", "outcome", "usage", "usage_estimated")
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.stream: bool | None = None
+        self.node_id: str | None = None
+        self.outcome: str | None = None  # None: the HTTP layer says (rejected_<status>, client_gone, ...)
+        self.usage: UsageOut | None = None
+        self.usage_estimated = False
+
+
 class Exchange:
-    __slots__ = ("scope", "_receive", "_send", "started", "finished", "status", "body_read")
+    __slots__ = ("scope", "_receive", "_send", "started", "finished", "status", "body_read", "request_id", "access")
 
     def __init__(self, scope, receive, send) -> None:
         self.scope = scope
@@ -36,6 +57,8 @@ class Exchange:
         self.finished = False
         self.status = 0
         self.body_read = False
+        self.request_id = new_request_id()  # also the x-request-id of every response
+        self.access = Access()
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:
@@ -83,7 +106,10 @@ class Exchange:
             headers = [*headers, (b"connection", b"close")]
         self.started = True
         self.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": list(headers)})
+        # A provider's own id (passthrough) stays readable under another name.
+        headers = [(b"x-upstream-request-id" if k == b"x-request-id" else k, v) for k, v in headers]
+        headers.append((b"x-request-id", self.request_id.encode()))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def write(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})

@@ -1,4 +1,11 @@
-"""Writing a chat completion to the client: live SSE, buffered SSE, or one JSON body."""
+"""Writing a chat completion to the client: live SSE, buffered SSE, or one JSON body.
+
+A stream commits (sends ``200`` and its headers) only when its run's first
+event arrives or a keep-alive is due, whichever comes first: a run that fails
+before that is a real HTTP error (:func:`http_error`), so clients see the
+status and their SDKs retry 5xx and 429. A run moved to another node before
+its first event stays invisible either way.
+"""
 
 from __future__ import annotations
 
@@ -10,47 +17,30 @@ import structlog
 
 from edge.errors import APIError, RunFailed
 from edge.openai.exchange import SSE_HEADERS
-from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage, UsageOut
+from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
 from edge.openai.tools import ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import Collected, Turn, collect_validated, failure
 from edge.runs import Run, Slot
-from edge.runs.run import NODE_LOST, SLOW_CLIENT, TIMEOUT
-from proto import RunEvent, ToolCall, Usage
+from edge.runs.run import NODE_LOST, SHUTDOWN, SLOW_CLIENT, TIMEOUT
+from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
 log = structlog.get_logger("iop.edge.chat")
 _encode = msgspec.json.Encoder().encode
 
 
-def usage_out(usage: Usage | None) -> UsageOut:
-    """Only what the upstream reported; unknown counts are omitted, never invented."""
-    if usage is None:
-        return UsageOut()
-    details = {"reasoning_tokens": usage.reasoning_tokens} if usage.reasoning_tokens is not None else None
-    total = usage.total_tokens
-    if total is None and usage.prompt_tokens is not None and usage.completion_tokens is not None:
-        total = usage.prompt_tokens + usage.completion_tokens
-    return UsageOut(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=total,
-        completion_tokens_details=details,
-    )
-
-
-def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [
-        {
-            "index": i,
-            "id": c.id,
-            "type": "function",
-            "function": {"name": c.function.name, "arguments": c.function.arguments},
-        }
-        for i, c in enumerate(calls)
+def tool_calls_out(calls: list[ToolCall], *, indexed: bool = True) -> list[dict[str, Any]]:
+    """``indexed``: stream deltas carry each call's ``index``; a whole message's calls do not."""
+    out = [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for c in calls
     ]
+    if indexed:
+        out = [{"index": i, **call} for i, call in enumerate(out)]
+    return out
 
 
 def _encoder(turn: Turn, run: Run) -> ChunkEncoder:
@@ -66,6 +56,10 @@ def _wants_usage(turn: Turn) -> bool:
 
 
 def http_error(failed: RunFailed, run: Run | None) -> APIError:
+    """A failed run as an HTTP error (a whole response, or a stream not yet
+    committed): an upstream 4xx keeps its status; an upstream 5xx or a node's
+    error is 502, a lost node 502, a wait timeout or run deadline 504, the
+    edge shutting down 503."""
     if failed.type != "run_error":
         return APIError(502, failed.message, failed.type)
     if 400 <= failed.status < 500:
@@ -75,23 +69,33 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if cause == NODE_LOST:
         return APIError(502, failed.message, "run_error", code="node_disconnected")
+    if cause == SHUTDOWN:
+        return APIError(503, failed.message, "service_unavailable_error", code="draining")
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
     return APIError(502, failed.message, failed.type)
+
+
+async def _fail(turn: Turn, failed: RunFailed) -> None:
+    """Tell the client: an HTTP error if nothing was sent yet, else in-stream."""
+    turn.outcome = failed.cause
+    if turn.ex.started:
+        await turn.ex.finish(sse_error(failed.message, failed.type))
+    else:
+        await turn.ex.respond_error(http_error(failed, turn.last_run))
 
 
 async def respond_whole(turn: Turn, slot: Slot) -> None:
     try:
         result = await collect_validated(turn, slot)
     except RunFailed as failed:
-        turn.outcome = failed.cause
-        await turn.ex.respond_error(http_error(failed, turn.last_run))
+        await _fail(turn, failed)
         return
     run = turn.last_run
     message = ResponseMessage(
         role="assistant",
         content=result.content if result.content or not result.tool_calls else None,
-        tool_calls=tool_calls_out(result.tool_calls) if result.tool_calls else None,
+        tool_calls=tool_calls_out(result.tool_calls, indexed=False) if result.tool_calls else None,
     )
     body = ChatCompletion(
         id=f"chatcmpl-{run.id}",
@@ -99,7 +103,7 @@ async def respond_whole(turn: Turn, slot: Slot) -> None:
         created=int(time.time()),
         model=turn.req.model,
         choices=[CompletionChoice(index=0, message=message, finish_reason=result.finish_reason)],
-        usage=usage_out(result.usage),
+        usage=result.usage,
     )
     data = msgspec.to_builtins(body)
     if result.reasoning is not None:
@@ -110,34 +114,48 @@ async def respond_whole(turn: Turn, slot: Slot) -> None:
 # -- buffered stream -------------------------------------------------------------
 
 
+async def _commit(ex) -> None:
+    if not ex.started:
+        await ex.start(200, SSE_HEADERS)
+
+
 async def stream_buffered(turn: Turn, slot: Slot) -> None:
     """Collect (and validate) the whole run, sending only keep-alives, then
-    emit role, content, tool_calls and finish chunks and ``[DONE]``."""
+    emit role, reasoning, content, tool_calls and finish chunks and ``[DONE]``.
+    The stream commits at the first run event or the first keep-alive."""
     ex = turn.ex
-    await ex.start(200, SSE_HEADERS)
+
+    async def keep_alive() -> None:
+        await _commit(ex)
+        await ex.write(KEEPALIVE)
+
     try:
-        result = await collect_validated(turn, slot, on_idle=lambda: ex.write(KEEPALIVE))
+        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=lambda: _commit(ex))
     except RunFailed as failed:
-        turn.outcome = failed.cause
-        await ex.finish(sse_error(failed.message, failed.type))
+        await _fail(turn, failed)
         return
+    await _commit(ex)
     await ex.finish(buffered_chunks(turn, turn.last_run, result))
 
 
 def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
     enc = _encoder(turn, run)
     parts = [enc.role()]
+    if result.reasoning is not None:
+        parts.append(enc.reasoning(result.reasoning))
     if result.content:
         parts.append(enc.content(result.content))
     if result.tool_calls:
         parts.append(enc.tool_calls(tool_calls_out(result.tool_calls)))
     parts.append(enc.finish(result.finish_reason))
     if _wants_usage(turn):
-        parts.append(enc.usage(usage_out(result.usage)))
+        parts.append(enc.usage(result.usage))
     parts.append(DONE)
     if trace_enabled(run.metadata):
         trace = StreamTrace()
         trace.chunk("role", 0)
+        if result.reasoning is not None:
+            trace.chunk("reasoning", len(result.reasoning))
         if result.content:
             trace.chunk("content", len(result.content))
         if result.tool_calls:
@@ -235,25 +253,26 @@ class LiveStream:
         return None
 
     def _complete(self, event: RunEvent) -> bytes:
-        self.turn.usage = event.usage
+        usage = self.turn.usage_of(self.run, event)
         shaper = self.shaper
         shaper.finish()
         enc = self.enc
         finish_reason = event.finish_reason or "stop"
+        cut_off = finish_reason == "length"  # by max_tokens: what was produced goes out as it is
         calls = with_ids(event.tool_calls) if event.tool_calls else None
         if calls:
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())
         elif self.tool_filter is not None:
             parsed = parse_text_tool_calls("".join(self.raw_content))
-            if parsed.candidate:
+            if parsed.candidate and not (cut_off and parsed.error):
                 calls = parsed.calls or None
                 self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))
                 if parsed.error and not calls:
                     return sse_error(parsed.error, "tool_validation_error")
             else:
                 self._emit_content(self.tool_filter.flush())
-        if self.turn.contract is not None:
+        if self.turn.contract is not None and not cut_off:
             reason = self.turn.contract.validate(calls)
             if reason:
                 self.turn.outcome = "tool_validation"
@@ -261,7 +280,8 @@ class LiveStream:
         tail: list[bytes] = []
         if calls:
             tail.append(enc.tool_calls(tool_calls_out(calls)))
-            finish_reason = "tool_calls"
+            if not cut_off:
+                finish_reason = "tool_calls"
             if self.trace is not None:
                 self.trace.chunk("tool_calls", 0, tool_call_count=len(calls))
         fallback = shaper.fallback(finish_reason, bool(calls))
@@ -271,7 +291,7 @@ class LiveStream:
             self.trace.chunk("finish", 0, finish_reason=finish_reason)
         tail.append(enc.finish(finish_reason))
         if _wants_usage(self.turn):
-            tail.append(enc.usage(usage_out(event.usage)))
+            tail.append(enc.usage(usage))
         tail.append(DONE)
         return b"".join(tail)
 
@@ -287,21 +307,31 @@ def _unstreamed(cleaned: str, emitted: str) -> str:
 
 
 async def stream_live(turn: Turn, slot: Slot) -> None:
-    await turn.run_on(slot, lambda run: _write_live(turn, run))
+    try:
+        await turn.run_on(slot, lambda run: _write_live(turn, run))
+    except RunFailed as failed:  # before the stream committed
+        await _fail(turn, failed)
 
 
 async def _write_live(turn: Turn, run: Run) -> None:
+    """Raises :class:`RunFailed` if the run fails before the stream commits."""
     ex = turn.ex
     live = LiveStream(turn, run)
     keepalive = turn.edge.config.keepalive_s
-    await ex.start(200, SSE_HEADERS)
-    await ex.write(live.enc.role())
     out = live.out
     try:
         while True:
             batch = await run.next_batch_within(keepalive)
+            if not ex.started:
+                if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
+                    raise failure(batch[0], run)
+                await ex.start(200, SSE_HEADERS)
+                out.append(live.enc.role())
             if batch is None:
-                await ex.write(KEEPALIVE)
+                out.append(KEEPALIVE)
+                data = b"".join(out)
+                out.clear()
+                await ex.write(data)
                 continue
             end = live.feed(batch)
             if end is not None:

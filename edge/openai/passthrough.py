@@ -59,6 +59,8 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     if not isinstance(raw.get("model"), str) or not raw["model"]:
         raise errors.bad_request("Missing required parameter: `model`.", "model")
     model = raw["model"]
+    ex.access.model = model
+    ex.access.stream = bool(raw.get("stream"))
     session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
@@ -80,12 +82,11 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
         headers=headers,
     )
     structlog.contextvars.bind_contextvars(run_id=run.id)
+    ex.access.node_id = slot.link.node_id
     try:
         await consume_run(run, partial(_relay, ex))
     finally:
-        edge.metrics.requests.labels(edge.metrics.model_label(model), run.cause or "unknown").inc()
-        log.info("passthrough", model=model, path=path, status=ex.status, cause=run.cause, node_id=slot.link.node_id)
-        structlog.contextvars.unbind_contextvars("run_id")
+        ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
 
 
 async def _relay(ex: Exchange, run: Run) -> None:

@@ -111,9 +111,11 @@ class ChunkChoice(msgspec.Struct):
 
 
 class UsageOut(msgspec.Struct, omit_defaults=True):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    total_tokens: int | None = None
+    """Always three integers (see :mod:`edge.openai.usage`); details only when reported."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
     completion_tokens_details: dict[str, int] | None = None
 
 

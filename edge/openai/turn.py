@@ -3,7 +3,8 @@
 :class:`Turn` holds one request; :meth:`Turn.run_on` starts a run and
 consumes it inside a nursery that also enforces the run's timers, closing the
 run on the way out whatever happens. :func:`collect_validated` reads whole
-runs and retries those whose tool calls fail validation.
+runs and retries those whose tool calls fail validation (not a run cut off
+by ``max_tokens``: it is returned as it is, with ``finish_reason: "length"``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import trio
 from edge.errors import APIError, RunFailed
 from edge.openai.exchange import Exchange
 from edge.openai.request import context_class, estimate_input_tokens
-from edge.openai.schema import ChatRequest
+from edge.openai.schema import ChatRequest, UsageOut
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_calls, text_tools_request, with_ids
 from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
+from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
 from edge.runs.run import consume_run
 from edge.runs.service import encode_run_body
-from proto import RunEvent, ToolCall, Usage
+from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
 if TYPE_CHECKING:
@@ -63,8 +65,9 @@ class Turn:
         self.want = Want(req.model, session=self.session or None, min_context=self.estimate + limit if limit else 0)
         self.last_run: Run | None = None
         self.node_id = ""
-        self.outcome: str | None = None
-        self.usage: Usage | None = None  # set when the client got an error the run's cause does not tell
+        self.outcome: str | None = None  # set when the client got an error the run's cause does not tell
+        self.usage: UsageOut | None = None  # of the run that answered (for the access line)
+        self.usage_estimated = False
 
     @property
     def buffered(self) -> bool:
@@ -81,6 +84,14 @@ class Turn:
         edge.metrics.queue_time.labels(edge.metrics.model_label(self.req.model)).observe(waited)
         self.node_id = slot.link.node_id
         return slot
+
+    def usage_of(self, run: Run, event: RunEvent) -> UsageOut:
+        """The usage of ``run``, ended by ``event`` (complete): always numbers,
+        estimated where the upstream gave none (:mod:`edge.openai.usage`)."""
+        self.usage, self.usage_estimated = usage_out(
+            event.usage, prompt_estimate=self.estimate, deltas=run.events_seen - 1, tool_calls=event.tool_calls
+        )
+        return self.usage
 
     def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> msgspec.Raw:
         """The encoded body for a run on ``slot`` (raises :class:`APIError` if a
@@ -123,7 +134,7 @@ class Collected(msgspec.Struct):
     reasoning: str | None
     finish_reason: str
     tool_calls: list[ToolCall] | None
-    usage: Usage | None
+    usage: UsageOut
     normalized: bool = False
     tool_error: str = ""  # a tool call block that could not be read
 
@@ -133,18 +144,34 @@ def failure(event: RunEvent, run: Run) -> RunFailed:
     return RunFailed(message, cause=run.cause or "run_error", status=event.status)
 
 
-async def collect(turn: Turn, run: Run, *, on_idle: Callable[[], Awaitable[None]] | None = None) -> Collected:
-    """Read the run to its end. Raises :class:`RunFailed` if it fails."""
+Hook = Callable[[], Awaitable[None]]
+
+
+async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_started: Hook | None = None) -> Collected:
+    """Read the run to its end. Raises :class:`RunFailed` if it fails.
+
+    ``on_idle`` is awaited each ``keepalive_s`` the caller has had nothing to
+    send (the run may be producing: a buffered stream shows none of it);
+    ``on_started`` once, when the run's first event arrives, unless that
+    event is its failure."""
     shaper = Shaper(turn.policy, include_reasoning=turn.req.reasoning_included(), live=False)
     keepalive = turn.edge.config.keepalive_s
+    idle_at = trio.current_time() + keepalive
     while True:
         if on_idle is None:
             batch = await run.next_batch()
         else:
-            batch = await run.next_batch_within(keepalive)
+            batch = None
+            with trio.move_on_at(idle_at):
+                batch = await run.next_batch()
             if batch is None:
                 await on_idle()
+                idle_at = trio.current_time() + keepalive
                 continue
+        if on_started is not None:
+            if batch[0].type in (DELTA, REASONING_DELTA, COMPLETE):
+                await on_started()
+            on_started = None
         for event in batch:
             kind = event.type
             if kind == DELTA:
@@ -153,25 +180,25 @@ async def collect(turn: Turn, run: Run, *, on_idle: Callable[[], Awaitable[None]
                 shaper.reasoning(event.text)
             elif kind == COMPLETE:
                 shaper.finish()
-                turn.usage = event.usage
-                return _finish(turn, shaper, event)
+                return _finish(turn, shaper, event, turn.usage_of(run, event))
             else:
                 raise failure(event, run)
 
 
-def _finish(turn: Turn, shaper: Shaper, event: RunEvent) -> Collected:
+def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Collected:
     policy = turn.policy
     finish_reason = event.finish_reason or "stop"
+    cut_off = finish_reason == "length"  # what was produced is returned as it is: no retry can help
     content = shaper.content_text
     tool_calls = with_ids(event.tool_calls) if event.tool_calls else None
     tool_error = ""
     if not tool_calls and turn.contract is not None:
         parsed = parse_text_tool_calls(content)
-        if parsed.candidate:
+        if parsed.candidate and not (cut_off and parsed.error):  # a cut-off call block stays text
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
-    if tool_calls:
+    if tool_calls and not cut_off:
         finish_reason = "tool_calls"
     normalized = False
     if policy.strict_output and policy.xml_completion_tool and not tool_calls:
@@ -182,14 +209,18 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent) -> Collected:
     if fallback:
         content = fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
-    return Collected(content, reasoning, finish_reason, tool_calls, event.usage, normalized, tool_error)
+    return Collected(content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error)
 
 
 async def collect_validated(
-    turn: Turn, slot: Slot, *, on_idle: Callable[[], Awaitable[None]] | None = None
+    turn: Turn, slot: Slot, *, on_idle: Hook | None = None, on_started: Hook | None = None
 ) -> Collected:
     """Collect a run; if its tool calls are invalid, retry as a new run (attempt
-    metadata, a corrective message) up to the configured bound.
+    metadata, a corrective message) up to the configured bound. A run that
+    ended with ``finish_reason: "length"`` is returned unvalidated: cut off
+    by ``max_tokens``, a retry would be cut off again. ``on_idle`` and
+    ``on_started``: see :func:`collect` (each run's first event calls
+    ``on_started``: it must be idempotent).
 
     Raises :class:`RunFailed`: the run's own failure, ``tool_validation_error``
     when attempts run out, ``tool_validation_retry_error`` when a retry fails.
@@ -203,7 +234,10 @@ async def collect_validated(
     while True:
         try:
             result = await turn.run_on(
-                slot, lambda run: collect(turn, run, on_idle=on_idle), metadata=metadata, extra_messages=extra
+                slot,
+                lambda run: collect(turn, run, on_idle=on_idle, on_started=on_started),
+                metadata=metadata,
+                extra_messages=extra,
             )
         except RunFailed as failed:
             if attempt > 1:
@@ -217,7 +251,7 @@ async def collect_validated(
                     f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
                 ) from None
             raise
-        if turn.contract is None:
+        if turn.contract is None or result.finish_reason == "length":
             return result
         reason = result.tool_error or turn.contract.validate(result.tool_calls)
         if not reason:
@@ -241,7 +275,7 @@ async def collect_validated(
             ) from None
 
 
-async def _acquire_keeping_alive(turn: Turn, on_idle: Callable[[], Awaitable[None]] | None) -> Slot:
+async def _acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
     """A slot for a retry. The stream has started by then, so while the
     retry waits in the queue the client gets keep-alive comments."""
     if on_idle is None:

@@ -1,0 +1,381 @@
+"""What real clients and a newcomer ran into first: reasoning on streamed tool requests, HTTP errors
+before a stream's first event, usage that is always numbers, whole-message tool calls, tool calls cut
+off by max_tokens, and one access line with a request id for every request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import msgspec
+import openai
+import pytest
+import structlog
+import trio
+from pydantic_ai import Agent
+from pydantic_ai.messages import ThinkingPart
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+
+from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, settled, sse_events, start_edge, start_node
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOLS = [WEATHER]
+CRASH = [("status", 500, b'{"error": {"message": "model crashed"}}')]
+
+
+def steps(*deltas, finish="stop", usage=None):
+    out = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
+    if usage is not None:
+        out.append(("usage", usage))
+    return [*out, ("done",)]
+
+
+def native_call(call_id: str, name: str, arguments: str) -> list[dict]:
+    return [
+        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+    ]
+
+
+def joined(chunks, field: str) -> str:
+    return "".join(getattr(c.choices[0].delta, field, None) or "" for c in chunks if c.choices)
+
+
+@pytest.fixture
+async def first(nursery, upstream):
+    edge = await start_edge(nursery, edge_config(models=[{"name": "live", "tool_stream": "live"}]))
+    node = await start_node(
+        nursery,
+        edge,
+        [
+            model("m", upstream, target="t"),
+            model("live", upstream, target="t"),
+            model("emb", upstream, target="emb-target", passthrough=True),
+        ],
+    )
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+async def stream_all(client: openai.AsyncOpenAI, **kw) -> list:
+    stream = await client.chat.completions.create(messages=MESSAGES, stream=True, **kw)
+    return [c async for c in stream]
+
+
+# -- reasoning with tools -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        [{"reasoning_content": "let me "}, {"reasoning_content": "think"}, {"content": "It is sunny."}],
+        [{"content": "<think>let me "}, {"content": "think</think>It is sunny."}],
+    ],
+    ids=["reasoning_field", "think_tags"],
+)
+async def test_streamed_request_with_tools_carries_reasoning(first, deltas):
+    """A streamed request with tools (buffered by default, or live) carries the reasoning as
+    delta.reasoning_content, like the whole response; a request that excludes reasoning gets none."""
+    edge, upstream = first
+    upstream.script_for("t", steps(*deltas))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for name in ("m", "live"):
+                chunks = await stream_all(client, model=name, tools=TOOLS)
+                assert joined(chunks, "reasoning_content") == "let me think", name
+                assert joined(chunks, "content") == "It is sunny.", name
+            whole = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS)
+            hidden = await stream_all(client, model="m", tools=TOOLS, extra_body={"reasoning": {"exclude": True}})
+    assert whole.choices[0].message.reasoning_content == "let me think"
+    assert joined(hidden, "reasoning_content") == "" and joined(hidden, "content") == "It is sunny."
+
+
+async def pydantic_ai_run_stream(edge, prompt: str):
+    """pydantic-ai's ``Agent.run_stream`` with one tool against the edge: (output, response parts, usage).
+    pydantic-ai needs asyncio, so it runs in a worker thread with its own loop."""
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND)
+        agent = Agent(OpenAIChatModel("m", provider=OpenAIProvider(openai_client=client)))
+
+        @agent.tool_plain
+        def get_weather(city: str) -> str:
+            """Current weather for a city."""
+            return "sunny"
+
+        async with client, agent.run_stream(prompt) as result:
+            output = await result.get_output()
+        return output, result.all_messages()[-1].parts, result.usage
+
+    with trio.fail_after(BOUND):
+        return await trio.to_thread.run_sync(asyncio.run, run(), abandon_on_cancel=True)
+
+
+async def test_pydantic_ai_run_stream_with_tools_shows_reasoning(first):
+    """pydantic-ai's run_stream with a tool attached gets the reasoning as a ThinkingPart."""
+    edge, upstream = first
+    usage = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+    upstream.script_for("t", steps({"reasoning_content": "let me think"}, {"content": "It is sunny."}, usage=usage))
+    output, parts, _ = await pydantic_ai_run_stream(edge, "Weather in Paris?")
+    assert output == "It is sunny."
+    assert [p.content for p in parts if isinstance(p, ThinkingPart)] == ["let me think"]
+    assert upstream.records[0].body["tools"][0]["function"]["name"] == "get_weather"
+
+
+async def test_pydantic_ai_gets_usage_numbers_when_the_upstream_reports_none(first):
+    """With no usage from the upstream, pydantic-ai still reads integer usage (no extraction warning)."""
+    edge, upstream = first
+    upstream.script_for("t", steps({"content": "It is "}, {"content": "sunny."}))
+    output, _, usage = await pydantic_ai_run_stream(edge, "Weather in Paris?")
+    assert output == "It is sunny."
+    assert usage.output_tokens == 2 and usage.input_tokens > 0
+
+
+# -- failures before the first event ---------------------------------------------------
+
+
+async def test_stream_failing_before_its_first_event_is_an_http_error(first):
+    """An upstream 500 before any event: a streamed request, live or with tools, gets a real 502 in the
+    OpenAI shape (openai-python raises InternalServerError); an upstream 400 keeps its status."""
+    edge, upstream = first
+    upstream.script_for("t", CRASH)
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for extra in ({}, {"tools": TOOLS}):
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await stream_all(client, model="m", **extra)
+                assert caught.value.status_code == 502
+                assert "model crashed" in caught.value.message
+                assert caught.value.response.headers["content-type"] == "application/json"
+            upstream.script_for("t", [("status", 400, b'{"error": {"message": "bad temperature"}}')])
+            with pytest.raises(openai.BadRequestError) as caught:
+                await stream_all(client, model="m")
+    assert "bad temperature" in caught.value.message
+
+
+async def test_sdk_retries_a_stream_that_failed_before_its_first_event(first):
+    """With max_retries=1, openai-python retries the 502 of a stream whose upstream failed once, and
+    the second attempt streams the answer."""
+    edge, upstream = first
+    attempts: list[int] = []
+
+    def fails_once(body):
+        attempts.append(1)
+        return CRASH if len(attempts) == 1 else steps({"content": "second "}, {"content": "time"})
+
+    upstream.script_for("t", fails_once)
+    with trio.fail_after(BOUND):
+        async with openai.AsyncOpenAI(
+            base_url=edge.url + "/v1", api_key="unused", max_retries=1, timeout=BOUND
+        ) as client:
+            chunks = await stream_all(client, model="m")
+    assert joined(chunks, "content") == "second time"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert len(upstream.records) == 2
+
+
+async def test_wait_timeout_before_the_first_event_is_504(nursery, upstream):
+    """The wait timeout firing before the first event (no keep-alive due yet) is a real 504, live
+    and with tools, and the upstream is aborted."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.3, keepalive_s=10))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", [("hang",)])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for extra in ({}, {"tools": TOOLS}):
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await stream_all(client, model="m", **extra)
+                assert caught.value.status_code == 504
+                assert caught.value.code == "run_timed_out"
+        for rec in upstream.records:
+            await rec.finished.wait()
+    assert len(upstream.records) == 2 and all(rec.aborted for rec in upstream.records)
+    await settled(edge, node.agent)
+
+
+async def test_keep_alive_due_first_commits_the_stream(nursery, upstream):
+    """When a keep-alive is due before the first event, the stream commits (200, role chunk, keep-alive)
+    and a later failure arrives in-stream."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.6, keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", [("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
+    assert r.status_code == 200
+    assert r.content.startswith(b'data: {"id":"chatcmpl-')
+    assert b"\n\n: keep-alive\n\n" in r.content
+    events = sse_events(r.content)
+    assert msgspec.json.decode(events[0])["choices"][0]["delta"] == {"role": "assistant"}
+    assert msgspec.json.decode(events[-2])["error"]["message"] == "run timed out" and events[-1] == b"[DONE]"
+    await settled(edge, node.agent)
+
+
+async def test_node_lost_before_the_first_event_is_502(nursery, upstream):
+    """A node lost before the first event, with no other node to take the run, is a real 502
+    node_disconnected for a stream."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", [("hang",)])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client, trio.open_nursery() as clients:
+            caught: list[BaseException] = []
+
+            async def ask():
+                try:
+                    await stream_all(client, model="m")
+                except openai.APIStatusError as e:
+                    caught.append(e)
+
+            clients.start_soon(ask)
+            await upstream.wait_requests(1)
+            node.stop()
+    (error,) = caught
+    assert isinstance(error, openai.InternalServerError)
+    assert error.status_code == 502 and error.code == "node_disconnected"
+
+
+# -- usage ---------------------------------------------------------------------------------
+
+
+async def test_usage_without_upstream_numbers_is_estimated_and_marked(first):
+    """With no usage from the upstream, usage still holds integer prompt, completion and total tokens,
+    stream and whole (the estimate: prompt as for admission, one completion token per delta); the
+    access line says usage_estimated and iop_usage_estimated_total counts it. Reported usage is kept."""
+    edge, upstream = first
+    upstream.script_for("t", steps({"reasoning_content": "r"}, {"content": "a"}, {"content": "b"}))
+    prompt = len("hi") // 4 + 4  # edge.openai.request.estimate_input_tokens
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+
+        async def logged(n: int) -> None:  # one access line per request, in order
+            await eventually(lambda: sum(e["event"] == "request" for e in logs) == n)
+
+        async with sdk(edge) as client:
+            chunks = await stream_all(client, model="m", stream_options={"include_usage": True})
+            await logged(1)
+            whole = await client.chat.completions.create(model="m", messages=MESSAGES)
+            await logged(2)
+            reported = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+            upstream.script_for("t", steps({"content": "a"}, usage=reported))
+            kept = await client.chat.completions.create(model="m", messages=MESSAGES)
+            await logged(3)
+        async with http(edge) as raw:
+            metrics = (await raw.get("/metrics")).text
+    for usage in (chunks[-1].usage, whole.usage):
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (prompt, 3, prompt + 3)
+    assert (kept.usage.prompt_tokens, kept.usage.completion_tokens, kept.usage.total_tokens) == (7, 2, 9)
+    lines = [e for e in logs if e["event"] == "request"]
+    assert [e["usage_estimated"] for e in lines] == [True, True, False]
+    assert [e["completion_tokens"] for e in lines] == [3, 3, 2]
+    assert 'iop_usage_estimated_total{model="m"} 2.0' in metrics
+
+
+# -- tool calls --------------------------------------------------------------------------
+
+
+async def test_whole_message_tool_calls_carry_no_index(first):
+    """A non-streamed message's tool_calls have no `index` (a streaming field); stream deltas keep it."""
+    edge, upstream = first
+    upstream.script_for("t", steps(*native_call("c1", "get_weather", '{"city": "Paris"}'), finish="tool_calls"))
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json=body)).json()
+            streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert call == {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    deltas = [msgspec.json.decode(e)["choices"][0]["delta"] for e in sse_events(streamed.content)[:-1]]
+    (streamed_call,) = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert streamed_call == {"index": 0, **call}
+
+
+@pytest.mark.parametrize(
+    ("deltas", "arguments"),
+    [
+        (native_call("c1", "get_weather", '{"city": "Pa'), '{"city": "Pa'),
+        ([{"content": 'Sure. <tool_call>{"name": "get_weather", "arguments": {"ci'}], None),
+    ],
+    ids=["native", "text"],
+)
+async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, deltas, arguments):
+    """A tool call cut off by max_tokens (finish_reason "length") is returned as produced, with
+    finish_reason "length", whole and streamed (buffered and live), and never retried."""
+    edge, upstream = first
+    upstream.script_for("t", steps(*deltas, finish="length"))
+    produced = "".join(d.get("content", "") for d in deltas)
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=9)
+            streams = [await stream_all(client, model=name, tools=TOOLS, max_tokens=9) for name in ("m", "live")]
+    assert len(upstream.records) == 3  # one run each: no retry
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length"
+    assert (choice.message.content or "") == produced
+    if arguments is None:
+        assert choice.message.tool_calls is None
+    else:
+        assert [c.function.arguments for c in choice.message.tool_calls] == [arguments]
+    for chunks in streams:
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert joined(chunks, "content") == produced
+        calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+        assert [c.function.arguments for c in calls] == ([] if arguments is None else [arguments])
+
+
+# -- access lines and request ids ----------------------------------------------------------
+
+
+async def test_every_request_gets_one_access_line_and_a_request_id(first):
+    """Every request to an OpenAI route (400 from validation, 404, 405, stream, whole, embeddings) gets
+    one access line with its real status and a request id, returned as x-request-id, and is counted;
+    the line holds no prompt text and no key."""
+    edge, upstream = first
+    secret = "PROMPT-SECRET-7"
+    headers = {"authorization": "Bearer sk-KEY-SECRET-9"}
+    good = {"model": "m", "messages": [{"role": "user", "content": secret}]}
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        async with http(edge, headers=headers) as client:
+            post = client.post
+            responses: list[httpx.Response] = [
+                await post("/v1/chat/completions", json={**good, "messages": [{"role": "wizard", "content": secret}]}),
+                await post("/v1/chat/completions", json={**good, "model": "nope"}),
+                await client.get("/v1/chat/completions"),
+                await post("/v1/chat/completions", json={**good, "stream": True}),
+                await post("/v1/chat/completions", json=good),
+                await post("/v1/embeddings", json={"model": "emb", "input": secret}),
+            ]
+            await eventually(lambda: sum(e["event"] == "request" for e in logs) == len(responses))
+            metrics = (await client.get("/metrics")).text
+    assert [r.status_code for r in responses] == [400, 404, 405, 200, 200, 200]
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+    ids = [r.headers["x-request-id"] for r in responses]
+    assert sorted(ids) == sorted(lines) and all(re.fullmatch(r"req_[0-9a-f]{24}", i) for i in ids)
+    for r, request_id in zip(responses, ids, strict=True):
+        line = lines[request_id]
+        assert line["status"] == r.status_code and line["route"] == r.request.url.path
+        assert "SECRET" not in repr(line)
+    assert [lines[i]["cause"] for i in ids] == [
+        "rejected_400",
+        "rejected_404",
+        "rejected_405",
+        "complete",
+        "complete",
+        "complete",
+    ]
+    assert 'iop_requests_total{model="m",outcome="rejected_400"} 1.0' in metrics
+    assert 'iop_requests_total{model="other",outcome="rejected_405"} 1.0' in metrics
+    assert 'iop_requests_total{model="m",outcome="complete"} 2.0' in metrics
+    assert 'iop_requests_total{model="emb",outcome="complete"} 1.0' in metrics
