@@ -16,7 +16,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
-from edge.auth import bearer_matches
+from edge.auth import client_key_matches
 from edge.config import EdgeConfig, load_edge_config
 from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
@@ -59,10 +59,11 @@ class Edge:
             link.kill("edge shutting down", code=1001)
 
     def refuse_request(self, ex: Exchange) -> APIError | None:
-        """Authentication and drain checks for the OpenAI routes."""
+        """Authentication and drain checks for the API routes."""
         if self.draining:
             return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
-        if self.config.api_keys and not bearer_matches(ex.header(b"authorization"), self.config.api_keys):
+        keys = self.config.api_keys
+        if keys and not client_key_matches(ex.header(b"authorization"), ex.header(b"x-api-key"), keys):
             return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
         return None
 
@@ -95,7 +96,8 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     def client_auth(keys: list[str]) -> Response | None:
         from quart import request
 
-        if keys and not bearer_matches(request.headers.get("Authorization"), keys):
+        headers = request.headers
+        if keys and not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), keys):
             return _json(401, error_json("Invalid or missing API key.", "authentication_error", code="invalid_api_key"))
         return None
 

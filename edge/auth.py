@@ -20,3 +20,13 @@ def bearer_matches(header: bytes | str | None, keys: list[str]) -> bool:
         if key:
             ok |= hmac.compare_digest(token, key.encode())
     return ok
+
+
+def client_key_matches(authorization: bytes | str | None, x_api_key: bytes | str | None, keys: list[str]) -> bool:
+    """A client's API key, as ``Authorization: Bearer <key>`` (OpenAI clients)
+    or ``x-api-key: <key>`` (Anthropic clients), names one of ``keys``."""
+    if bearer_matches(authorization, keys):
+        return True
+    if not x_api_key:
+        return False
+    return bearer_matches(b"Bearer " + (x_api_key.encode("latin-1") if isinstance(x_api_key, str) else x_api_key), keys)

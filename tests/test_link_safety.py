@@ -208,7 +208,9 @@ async def test_runs_of_a_crashed_node_wait_for_slots_on_the_survivor(nursery):
 
             async def one():
                 r = await client.post("/v1/chat/completions", json=ASK)
-                results.append((r.status_code, r.json()["choices"][0]["message"]["content"] if r.is_success else r.text))
+                results.append(
+                    (r.status_code, r.json()["choices"][0]["message"]["content"] if r.is_success else r.text)
+                )
 
             async with trio.open_nursery() as clients:
                 for _ in range(32):

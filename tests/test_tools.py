@@ -358,7 +358,9 @@ async def test_tool_schema_references_never_fetch_and_unresolvable_ones_are_400(
             }
             tool = {"type": "function", "function": {"name": "lookup", "parameters": local}}
             upstream.script_for("t", steps({"content": "fine"}))
-            r = await client.post("/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [tool]})
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [tool]}
+            )
     assert r.status_code == 200, r.text
     assert connections == []
 

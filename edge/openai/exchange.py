@@ -8,12 +8,14 @@ inside it, and a client disconnect (ASGI ``http.disconnect``) cancels it.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import trio
 
 from edge.errors import APIError
 from edge.openai.schema import UsageOut
+from edge.openai.sse import sse_error
 
 JSON = b"application/json"
 SSE_HEADERS = [
@@ -21,6 +23,17 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+class ErrorShape(NamedTuple):
+    """How a front door's errors look: a whole JSON body (with the status of
+    the :class:`APIError`), and the closing bytes of a stream that had started."""
+
+    body: Callable[[APIError], bytes]
+    stream: Callable[[str, str, str | None], bytes]  # (message, type, code)
+
+
+OPENAI_ERRORS = ErrorShape(APIError.body, sse_error)
 
 
 class ClientGone(Exception):
@@ -47,7 +60,18 @@ class Access:
 
 
 class Exchange:
-    __slots__ = ("scope", "_receive", "_send", "started", "finished", "status", "body_read", "request_id", "access")
+    __slots__ = (
+        "scope",
+        "_receive",
+        "_send",
+        "started",
+        "finished",
+        "status",
+        "body_read",
+        "request_id",
+        "access",
+        "errors",
+    )
 
     def __init__(self, scope, receive, send) -> None:
         self.scope = scope
@@ -59,6 +83,7 @@ class Exchange:
         self.body_read = False
         self.request_id = new_request_id()  # also the x-request-id of every response
         self.access = Access()
+        self.errors = OPENAI_ERRORS  # the route's error shape (edge.openai.routes sets it)
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:
@@ -129,4 +154,4 @@ class Exchange:
         await self.finish(body)
 
     async def respond_error(self, error: APIError) -> None:
-        await self.respond(error.status, error.body(), headers=error.headers)
+        await self.respond(error.status, self.errors.body(error), headers=error.headers)

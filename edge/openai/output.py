@@ -10,7 +10,8 @@ its first event stays invisible either way.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -228,6 +229,9 @@ class LiveStream:
             self.trace.chunk("reasoning", len(text))
         self.out.append(self.enc.reasoning(text))
 
+    def opening(self) -> bytes:
+        return self.enc.role()
+
     def feed(self, batch: list[RunEvent]) -> bytes | None:
         """Shape a batch into ``self.out``; the closing bytes if the run ended."""
         shaper = self.shaper
@@ -306,17 +310,31 @@ def _unstreamed(cleaned: str, emitted: str) -> str:
     return ""
 
 
-async def stream_live(turn: Turn, slot: Slot) -> None:
+class LiveEncoder(Protocol):
+    """What :func:`stream_live` writes with: :class:`LiveStream` for chat
+    chunks; another API's front door brings its own (same commit rule)."""
+
+    out: list[bytes]  # bytes shaped and not yet written
+    shaper: Shaper
+
+    def opening(self) -> bytes: ...  # written when the stream commits
+
+    def feed(self, batch: list[RunEvent]) -> bytes | None: ...  # the closing bytes if the run ended
+
+
+async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEncoder] = LiveStream) -> None:
+    """A live stream, encoded by ``make(turn, run)``. A run that fails before
+    the stream commits is an HTTP error (:func:`http_error`)."""
     try:
-        await turn.run_on(slot, lambda run: _write_live(turn, run))
+        await turn.run_on(slot, lambda run: _write_live(turn, run, make))
     except RunFailed as failed:  # before the stream committed
         await _fail(turn, failed)
 
 
-async def _write_live(turn: Turn, run: Run) -> None:
+async def _write_live(turn: Turn, run: Run, make: Callable[[Turn, Run], LiveEncoder] = LiveStream) -> None:
     """Raises :class:`RunFailed` if the run fails before the stream commits."""
     ex = turn.ex
-    live = LiveStream(turn, run)
+    live = make(turn, run)
     keepalive = turn.edge.config.keepalive_s
     out = live.out
     try:
@@ -326,7 +344,7 @@ async def _write_live(turn: Turn, run: Run) -> None:
                 if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
                     raise failure(batch[0], run)
                 await ex.start(200, SSE_HEADERS)
-                out.append(live.enc.role())
+                out.append(live.opening())
             if batch is None:
                 out.append(KEEPALIVE)
                 data = b"".join(out)

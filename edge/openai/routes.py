@@ -1,27 +1,31 @@
 """ASGI middleware in front of Quart for the OpenAI POST routes.
 
 Quart serves everything else (models, health, metrics, the node link); these
-routes run on raw ASGI so that one nursery per request owns the body, the
-admission wait, the run and every write, and the client's disconnect cancels
-exactly that nursery. Every request here gets a request id (``req_`` + hex,
-the ``x-request-id`` of its response), one access line with its real status,
-and one count in ``iop_requests_total``, rejections included.
+routes (and the Anthropic Messages routes, :mod:`edge.anthropic`) run on raw
+ASGI so that one nursery per request owns the body, the admission wait, the
+run and every write, and the client's disconnect cancels exactly that nursery.
+Every request here gets a request id (``req_`` + hex, the ``x-request-id`` of
+its response), one access line with its real status
+and the API it spoke (``api``), and one count in ``iop_requests_total``,
+rejections included. Each route renders errors in its API's shape
+(:class:`~edge.openai.exchange.ErrorShape`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 import trio
 
+from edge.anthropic.messages import ANTHROPIC_ERRORS, count_tokens, messages
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
-from edge.openai.exchange import ClientGone, Exchange
+from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange
 from edge.openai.passthrough import tunnel_route
-from edge.openai.sse import sse_error
+from edge.openai.responses_route import create_response
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -30,10 +34,20 @@ log = structlog.get_logger("iop.edge.http")
 
 Handler = Callable[["Edge", Exchange, bytes], Awaitable[None]]
 
-ROUTES: dict[str, Handler] = {
-    "/v1/chat/completions": chat_completions,
-    "/v1/completions": tunnel_route("/completions"),
-    "/v1/embeddings": tunnel_route("/embeddings"),
+
+class Route(NamedTuple):
+    handler: Handler
+    api: str  # the access line's ``api``: which front door
+    errors: ErrorShape = OPENAI_ERRORS
+
+
+ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": Route(chat_completions, "chat"),
+    "/v1/completions": Route(tunnel_route("/completions"), "completions"),
+    "/v1/embeddings": Route(tunnel_route("/embeddings"), "embeddings"),
+    "/v1/responses": Route(create_response, "responses"),
+    "/v1/messages": Route(messages, "messages", ANTHROPIC_ERRORS),
+    "/v1/messages/count_tokens": Route(count_tokens, "messages", ANTHROPIC_ERRORS),
 }
 
 CLIENT_CLOSED = 499  # the access line's status when the client left before any response (nginx's)
@@ -43,19 +57,20 @@ _MAX_MODEL_LOGGED = 256  # a model name is the client's string: bounded in the l
 def openai_routes(edge: Edge, quart_asgi):
     async def asgi(scope, receive, send) -> None:
         if scope["type"] == "http":
-            handler = ROUTES.get(scope["path"])
-            if handler is not None:
-                await _serve(edge, handler, Exchange(scope, receive, send))
+            route = ROUTES.get(scope["path"])
+            if route is not None:
+                await _serve(edge, route, Exchange(scope, receive, send))
                 return
         await quart_asgi(scope, receive, send)
 
     return asgi
 
 
-async def _serve(edge: Edge, handler: Handler, ex: Exchange) -> None:
+async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     """One request: its response (every one carries ``x-request-id``), then
     its one access line and its count in ``iop_requests_total``."""
     t0 = time.perf_counter()
+    ex.errors = route.errors
     structlog.contextvars.bind_contextvars(request_id=ex.request_id)
     outcome: str | None = None  # what ended it, when the handler did not say
     try:
@@ -77,7 +92,7 @@ async def _serve(edge: Edge, handler: Handler, ex: Exchange) -> None:
                         code="request_timeout",
                     ) from None
                 nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
-                await handler(edge, ex, body)
+                await route.handler(edge, ex, body)
             except ClientGone:
                 outcome = "client_gone"
             except APIError as e:
@@ -85,22 +100,22 @@ async def _serve(edge: Edge, handler: Handler, ex: Exchange) -> None:
                 if not ex.started:
                     await ex.respond_error(e)
                 elif not ex.finished:
-                    await ex.finish(sse_error(e.message, e.type, e.code))
+                    await ex.finish(ex.errors.stream(e.message, e.type, e.code))
             except Exception:
                 outcome = "internal_error"
                 log.exception("request failed")
                 if not ex.started:
                     await ex.respond_error(APIError(500, "Internal error in the edge.", "server_error"))
                 elif not ex.finished:
-                    await ex.finish(sse_error("internal error in the edge", "server_error"))
+                    await ex.finish(ex.errors.stream("internal error in the edge", "server_error", None))
             finally:
                 nursery.cancel_scope.cancel()
     finally:
-        _access(edge, ex, outcome, time.perf_counter() - t0)
+        _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
 
 
-def _access(edge: Edge, ex: Exchange, outcome: str | None, seconds: float) -> None:
+def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:
     """The request's one access line (no prompt text, no keys) and its counts."""
     access = ex.access
     if access.outcome is not None:
@@ -118,6 +133,7 @@ def _access(edge: Edge, ex: Exchange, outcome: str | None, seconds: float) -> No
         request_id=ex.request_id,
         method=ex.scope["method"],
         route=ex.scope["path"],
+        api=api,
         model=access.model[:_MAX_MODEL_LOGGED] if access.model is not None else None,
         stream=access.stream,
         status=ex.status if ex.started else CLIENT_CLOSED,

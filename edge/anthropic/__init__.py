@@ -1,0 +1,1 @@
+"""The Anthropic Messages API front door (``POST /v1/messages``)."""

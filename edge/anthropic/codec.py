@@ -1,0 +1,449 @@
+"""The Anthropic Messages API as a codec: no I/O, no clock, no tasks.
+
+:func:`chat_body` decodes a Messages request into the chat path's request
+(an OpenAI chat completion body, validated afterwards by
+:func:`edge.openai.request.parse_chat_request`). :class:`MessageStream`
+encodes what a run produced (thinking, text, tool calls, the end) as the
+Messages API's server-sent events; :func:`message_body` as one ``message``
+object. :func:`error_body` and :func:`stream_error` give errors Anthropic's
+shape (``{"type": "error", "error": {"type", "message"}}``).
+
+What the decoder does with each part of a request:
+
+- ``system`` (a string or text blocks) and any ``role: "system"`` entry in
+  ``messages`` become one leading system message; ``cache_control`` and other
+  block fields the edge has no use for are ignored;
+- ``text`` and ``image`` blocks (base64 or url) become content parts;
+  ``tool_use`` blocks an assistant message's ``tool_calls``; ``tool_result``
+  blocks ``tool`` messages (``is_error`` marks the text); ``thinking`` and
+  ``redacted_thinking`` blocks (and server tool history) are not sent upstream;
+- ``tools`` with ``input_schema`` become functions; server tools (a ``type``
+  other than ``custom``) are not model tools and are left out;
+- ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` become ``auto`` /
+  ``required`` / the named function / ``none``; ``stop_sequences`` ``stop``;
+  ``metadata.user_id`` ``user`` (session affinity); ``thinking`` enabled or
+  adaptive shows reasoning as thinking blocks, otherwise it is hidden (as
+  Anthropic sends no thinking unless asked);
+- other top-level fields (``output_config``, ``context_management``, ...)
+  are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from edge import errors
+from edge.errors import APIError
+from edge.openai.schema import UsageOut
+from proto import ToolCall
+
+_encode = msgspec.json.Encoder().encode
+
+# -- decoding a request ----------------------------------------------------------
+
+
+class MessageParam(msgspec.Struct):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(msgspec.Struct):
+    """The fields the edge reads; unknown ones are accepted and ignored."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    messages: list[MessageParam]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+# History blocks that are never sent upstream: the model's own thinking, and
+# server tools' calls and results (the edge runs no server tools).
+_SKIPPED_BLOCKS = frozenset(
+    {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result"}
+)
+
+
+def _bad(message: str, param: str) -> APIError:
+    return errors.bad_request(message, param)
+
+
+def _text_of(block: dict[str, Any], param: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"Invalid value for `{param}.text`: expected a string.", param)
+    return text
+
+
+def _system_text(system: str | list[dict[str, Any]], param: str) -> str:
+    if isinstance(system, str):
+        return system
+    parts = []
+    for i, block in enumerate(system):
+        if block.get("type") != "text":
+            raise _bad(f"Invalid value for `{param}[{i}]`: system blocks must be text blocks.", f"{param}[{i}]")
+        parts.append(_text_of(block, f"{param}[{i}]"))
+    return "\n\n".join(parts)
+
+
+def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
+    source = block.get("source")
+    if isinstance(source, dict):
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            media = source.get("media_type") or "image/png"
+            return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
+        if source.get("type") == "url" and isinstance(source.get("url"), str):
+            return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise _bad(f"Invalid value for `{param}.source`: expected a base64 or url image source.", param)
+
+
+def _tool_result_text(block: dict[str, Any], param: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        pieces = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                pieces.append(_text_of(part, f"{param}.content[{j}]"))
+            elif kind == "image":
+                pieces.append("[image omitted: this edge passes no images in tool results]")
+            else:
+                raise _bad(f"Invalid value for `{param}.content[{j}]`: expected a text or image block.", param)
+        text = "\n".join(pieces)
+    else:
+        raise _bad(f"Invalid value for `{param}.content`: expected a string or blocks.", param)
+    if block.get("is_error") is True:
+        text = f"[tool error] {text}"
+    return text
+
+
+def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    """A user turn's blocks: ``tool`` messages for its tool results (first,
+    right after the assistant's calls), then one user message for the rest."""
+    tool_messages: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        where = f"{param}[{i}]"
+        kind = block.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": _text_of(block, where)})
+        elif kind == "image":
+            parts.append(_image_part(block, where))
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad(f"Missing required parameter: `{where}.tool_use_id`.", where)
+            tool_messages.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, where)})
+        elif kind in _SKIPPED_BLOCKS:
+            continue
+        else:
+            raise _bad(f"Invalid value for `{where}.type`: this edge does not take `{kind}` blocks.", where)
+    if parts:
+        return [*tool_messages, {"role": "user", "content": parts}]
+    return tool_messages
+
+
+def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        where = f"{param}[{i}]"
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text_of(block, where))
+        elif kind == "tool_use":
+            call_id, name = block.get("id"), block.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise _bad(f"Invalid value for `{where}`: a tool_use block needs an `id` and a `name`.", where)
+            arguments = _encode(block.get("input") or {}).decode()
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        elif kind in _SKIPPED_BLOCKS:
+            continue
+        else:
+            raise _bad(f"Invalid value for `{where}.type`: an assistant turn takes no `{kind}` blocks.", where)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    functions: list[dict[str, Any]] = []
+    server: list[str] = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            server.append(str(tool.get("name") or kind))
+            continue
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not isinstance(schema, dict):
+            raise _bad(f"Invalid value for `tools[{i}]`: a tool needs a `name` and an `input_schema`.", f"tools[{i}]")
+        function: dict[str, Any] = {"name": name, "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        functions.append({"type": "function", "function": function})
+    return functions, server
+
+
+def _tool_choice(choice: dict[str, Any], body: dict[str, Any]) -> None:
+    kind = choice.get("type")
+    if kind == "auto":
+        body["tool_choice"] = "auto"
+    elif kind == "any":
+        body["tool_choice"] = "required"
+    elif kind == "none":
+        body["tool_choice"] = "none"
+    elif kind == "tool" and isinstance(choice.get("name"), str):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    else:
+        raise _bad("Invalid value for `tool_choice`: expected auto, any, none or tool with a name.", "tool_choice")
+    if choice.get("disable_parallel_tool_use") is True:
+        body["parallel_tool_calls"] = False
+
+
+def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The chat completion body for a Messages request, and the names of the
+    server tools left out of it. Raises :class:`APIError` (400)."""
+    try:
+        req = msgspec.convert(raw, MessagesRequest)
+    except msgspec.ValidationError as e:
+        raise errors.bad_request(f"Invalid request: {e}.") from None
+    system: list[str] = []
+    if req.system:
+        system.append(_system_text(req.system, "system"))
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(req.messages):
+        param = f"messages[{i}].content"
+        content = message.content
+        if message.role == "system":
+            system.append(_system_text(content, param))
+        elif isinstance(content, str):
+            messages.append({"role": message.role, "content": content})
+        elif message.role == "user":
+            messages.extend(_user_messages(content, param))
+        else:
+            messages.append(_assistant_message(content, param))
+    if system:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
+    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        value = getattr(req, name)
+        if value is not None:
+            body[name] = value
+    if req.stop_sequences:
+        body["stop"] = req.stop_sequences
+    server: list[str] = []
+    if req.tools:
+        functions, server = _tools(req.tools)
+        if functions:
+            body["tools"] = functions
+            if req.tool_choice is not None:
+                _tool_choice(req.tool_choice, body)
+    thinking = (req.thinking or {}).get("type")
+    body["include_reasoning"] = thinking in ("enabled", "adaptive")
+    user = (req.metadata or {}).get("user_id")
+    if isinstance(user, str) and user:
+        body["user"] = user
+    return body, server
+
+
+# -- encoding a response -----------------------------------------------------------
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+
+
+def stop_reason(finish_reason: str) -> str:
+    """A run's ``finish_reason`` as a Messages ``stop_reason``. (The upstream
+    does not say which stop sequence matched: a stop is ``end_turn``.)"""
+    return _STOP_REASONS.get(finish_reason, "end_turn")
+
+
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic clients expect it (``toolu_…``); sent back
+    in the next request's history, it travels upstream as it is."""
+    return call_id if call_id.startswith("toolu_") else f"toolu_{call_id}"
+
+
+def _input(arguments: str) -> Any:
+    try:
+        value = msgspec.json.decode(arguments or "{}")
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _usage(usage: UsageOut) -> dict[str, int]:
+    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+
+
+def message_body(
+    message_id: str,
+    model: str,
+    *,
+    reasoning: str | None,
+    content: str,
+    tool_calls: list[ToolCall] | None,
+    finish_reason: str,
+    usage: UsageOut,
+) -> bytes:
+    """A whole response: one ``message`` object."""
+    blocks: list[dict[str, Any]] = []
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if content:
+        blocks.append({"type": "text", "text": content})
+    for call in tool_calls or ():
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(call.id),
+                "name": call.function.name,
+                "input": _input(call.function.arguments),
+            }
+        )
+    return _encode(
+        {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": blocks,
+            "stop_reason": stop_reason(finish_reason),
+            "stop_sequence": None,
+            "usage": _usage(usage),
+        }
+    )
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + _encode(data) + b"\n\n"
+
+
+PING = _event("ping", {"type": "ping"})
+
+
+class MessageStream:
+    """The Messages API stream of one response, block by block: consecutive
+    thinking (or text) pieces share a block; a change of kind closes it."""
+
+    __slots__ = ("message_id", "model", "_index", "_open")
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.message_id = message_id
+        self.model = model
+        self._index = -1
+        self._open: str | None = None  # the kind of the open block
+
+    def start(self, input_tokens: int) -> bytes:
+        """``message_start``; ``input_tokens`` is the edge's estimate (the
+        final count comes in ``message_delta``)."""
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+        }
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
+        closed = self._close()
+        self._index += 1
+        self._open = kind
+        return closed + _event(
+            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+        )
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+
+    def thinking(self, text: str) -> bytes:
+        head = (
+            b""
+            if self._open == "thinking"
+            else self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        )
+        return head + self._delta({"type": "thinking_delta", "thinking": text})
+
+    def text(self, text: str) -> bytes:
+        if not text:
+            return b""
+        head = b"" if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
+        return head + self._delta({"type": "text_delta", "text": text})
+
+    def tool_use(self, call: ToolCall) -> bytes:
+        head = self._begin(
+            "tool_use", {"type": "tool_use", "id": tool_use_id(call.id), "name": call.function.name, "input": {}}
+        )
+        arguments = call.function.arguments or "{}"
+        return head + self._delta({"type": "input_json_delta", "partial_json": arguments}) + self._close()
+
+    def finish(self, finish_reason: str, usage: UsageOut) -> bytes:
+        """Close the open block; ``message_delta`` (stop reason, usage) and ``message_stop``."""
+        delta = {"stop_reason": stop_reason(finish_reason), "stop_sequence": None}
+        return (
+            self._close()
+            + _event("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(usage)})
+            + _event("message_stop", {"type": "message_stop"})
+        )
+
+    def error(self, message: str, type: str) -> bytes:
+        return stream_error(message, type)
+
+
+# -- errors --------------------------------------------------------------------------
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+# The edge's own (OpenAI) error types, for an error inside a stream.
+_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "rate_limit_error": "rate_limit_error",
+    "service_unavailable_error": "overloaded_error",
+}
+
+
+def _error(type: str, message: str) -> bytes:
+    return _encode({"type": "error", "error": {"type": type, "message": message}})
+
+
+def error_body(error: APIError) -> bytes:
+    """An HTTP error in Anthropic's shape; the type follows the status."""
+    status = error.status
+    default = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    return _error(_STATUS_TYPES.get(status, default), error.message)
+
+
+def stream_error(message: str, type: str, code: str | None = None) -> bytes:
+    """An error after the stream started: ``event: error``, which ends it."""
+    return b"event: error\ndata: " + _error(_TYPES.get(type, "api_error"), message) + b"\n\n"

@@ -1,0 +1,495 @@
+"""The OpenAI Responses API as a codec over the chat path (sans-I/O).
+
+    decode_request(raw, ...)  a ``POST /v1/responses`` body -> a chat completion
+                              body (then :func:`parse_chat_request`, as chat)
+    ResponseEncoder           what a run produced -> Responses SSE events
+                              (``event:`` + ``data:``) or one ``response`` object
+
+No sockets, clock or tasks here: the request's life (admission, runs, tool
+validation and retries, shaping, keep-alives, cancellation) is the chat path's,
+driven by :mod:`edge.openai.responses_route`.
+
+Stateless: nothing is stored (every response says ``store: false``), so
+``previous_response_id``, ``conversation`` and item references are a 400.
+Tools other than ``function`` (``web_search``, ``file_search``, ``namespace``,
+``custom``, ...) are not model tools here: they are left out of the request
+(:attr:`Decoded.ignored_tools`), never an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from edge import errors
+from edge.openai.schema import UsageOut
+from proto import ToolCall
+
+_encode = msgspec.json.Encoder().encode
+
+STATELESS = (
+    "This edge keeps no responses or conversations (it is stateless): "
+    "send the full conversation in `input` instead of `{param}`."
+)
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text")
+_SKIPPED_ITEMS = ("reasoning",)  # the model's own reasoning: never sent back upstream
+
+
+@dataclass
+class Decoded:
+    """A Responses request as the chat path's body, and what the response echoes."""
+
+    chat: dict[str, Any]
+    show_reasoning: bool = False
+    ignored_tools: list[str] = field(default_factory=list)  # types of tools left out
+    ignored_items: list[str] = field(default_factory=list)  # types of input items left out
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+
+
+def _bad(message: str, param: str | None) -> errors.APIError:
+    return errors.bad_request(message, param)
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(f"Invalid value for `{param}`: expected a string.", param)
+    return value
+
+
+def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None) -> Decoded:
+    """The chat completion body for a Responses request body. Raises
+    :class:`edge.errors.APIError` (400) naming the Responses field at fault."""
+    for param in ("previous_response_id", "conversation"):
+        if raw.get(param) is not None:
+            raise errors.APIError(
+                400, STATELESS.format(param=param), "invalid_request_error", param=param, code="stateless_edge"
+            )
+    decoded = Decoded(chat={})
+    chat = decoded.chat
+    if "model" in raw:
+        chat["model"] = raw["model"]
+    messages: list[dict[str, Any]] = []
+    instructions = raw.get("instructions")
+    if instructions is not None:
+        messages.append({"role": "system", "content": _text(instructions, "instructions")})
+    messages.extend(_input_messages(raw.get("input"), decoded))
+    if not any(m["role"] != "system" for m in messages):
+        raise _bad("Missing required parameter: `input` (a string or a list of input items).", "input")
+    chat["messages"] = _one_leading_system(messages)
+    if isinstance(raw.get("stream"), bool):
+        chat["stream"] = raw["stream"]
+    for name in ("temperature", "top_p", "metadata"):
+        if raw.get(name) is not None:
+            chat[name] = raw[name]
+    limit = raw.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise _bad("Invalid value for `max_output_tokens`: expected an integer >= 1.", "max_output_tokens")
+        if max_output_tokens is not None and limit > max_output_tokens:
+            raise errors.bad_request(
+                f"Invalid value for `max_output_tokens`: this edge allows at most {max_output_tokens}.",
+                "max_output_tokens",
+                "integer_above_max_value",
+            )
+        chat["max_tokens"] = limit
+    user = raw.get("user") if raw.get("user") is not None else raw.get("prompt_cache_key")
+    if isinstance(user, str) and user:
+        chat["user"] = user  # the session a run keeps to (a node's warm cache)
+    _decode_tools(raw, decoded)
+    _decode_text_format(raw.get("text"), chat)
+    reasoning = raw.get("reasoning")
+    summary = reasoning.get("summary") if isinstance(reasoning, dict) else None
+    decoded.show_reasoning = summary is not None and summary != "none"
+    chat["include_reasoning"] = decoded.show_reasoning  # the effort is ignored
+    decoded.echo = {
+        "instructions": instructions,
+        "max_output_tokens": limit,
+        "metadata": raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {},
+        "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+        "reasoning": {"effort": None, "summary": summary if decoded.show_reasoning else None},
+        "temperature": raw.get("temperature"),
+        "text": raw.get("text") if isinstance(raw.get("text"), dict) else {"format": {"type": "text"}},
+        "tool_choice": raw.get("tool_choice", "auto"),
+        "tools": [t for t in raw.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"],
+        "top_p": raw.get("top_p"),
+        "user": raw.get("user"),
+    }
+    return decoded
+
+
+# -- input items ---------------------------------------------------------------------
+
+
+def _input_messages(value: Any, decoded: Decoded) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise _bad("Invalid value for `input`: expected a string or a list of input items.", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"Invalid value for `{param}`: expected an object.", param)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("user", "assistant", "system"):
+                raise _bad(f"Invalid value for `{param}.role`: expected user, assistant, system or developer.", param)
+            out.append({"role": role, "content": _content(item.get("content"), f"{param}.content", role)})
+        elif kind == "function_call":
+            call = {
+                "id": _text(item.get("call_id"), f"{param}.call_id"),
+                "type": "function",
+                "function": {
+                    "name": _text(item.get("name"), f"{param}.name"),
+                    "arguments": _text(item.get("arguments", ""), f"{param}.arguments"),
+                },
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":  # its text, or the calls before it
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _joined(output, f"{param}.output")
+            out.append(
+                {"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{param}.call_id"), "content": text}
+            )
+        elif kind == "item_reference":
+            raise errors.APIError(
+                400, STATELESS.format(param=param), "invalid_request_error", param=param, code="stateless_edge"
+            )
+        elif kind in _SKIPPED_ITEMS:
+            continue
+        else:
+            decoded.ignored_items.append(str(kind))
+    return out
+
+
+def _one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Instructions and leading developer/system messages as one system message
+    (many chat templates accept a system message only first, and only one)."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n < 2:
+        return messages
+    joined = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": joined}, *messages[n:]]
+
+
+def _joined(parts: Any, param: str) -> str:
+    if not isinstance(parts, list):
+        raise _bad(f"Invalid value for `{param}`: expected a string or a list of content parts.", param)
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or chat content parts (text, image_url).
+    Only a user message keeps a list; others are joined (chat templates expect
+    strings there)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _bad(f"Invalid value for `{param}`: expected a string or a list of content parts.", param)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(value):
+        where = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS:
+            parts.append({"type": "text", "text": _text(part.get("text"), f"{where}.text")})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": _text(part.get("refusal"), f"{where}.refusal")})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise _bad(f"`{where}`: only images given by `image_url` are supported (no file ids).", where)
+            image: dict[str, Any] = {"url": url}
+            if isinstance(part.get("detail"), str):
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            raise _bad(f"`{where}`: content parts of type {kind!r} are not supported by this edge.", where)
+    if role != "user" or (len(parts) <= 1 and all(p["type"] == "text" for p in parts)):
+        return "".join(p.get("text", "") for p in parts)
+    return parts
+
+
+# -- tools and formats -----------------------------------------------------------------
+
+
+def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
+    tools = raw.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise _bad("Invalid value for `tools`: expected a list.", "tools")
+    functions: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _bad(f"Invalid value for `tools[{i}]`: expected an object.", f"tools[{i}]")
+        if tool.get("type") != "function":
+            decoded.ignored_tools.append(str(tool.get("type")))
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"Missing required parameter: `tools[{i}].name`.", f"tools[{i}].name")
+        fn: dict[str, Any] = {"name": name}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                fn[key] = tool[key]
+        functions.append({"type": "function", "function": fn})
+    if not functions:
+        return  # tool_choice and parallel_tool_calls mean nothing without a tool the model can call
+    chat = decoded.chat
+    chat["tools"] = functions
+    if isinstance(raw.get("parallel_tool_calls"), bool):
+        chat["parallel_tool_calls"] = raw["parallel_tool_calls"]
+    choice = raw.get("tool_choice")
+    if choice in ("auto", "none", "required"):
+        chat["tool_choice"] = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    # any other choice (a hosted tool, allowed_tools): the model chooses (auto)
+
+
+def _decode_text_format(text: Any, chat: dict[str, Any]) -> None:
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict):
+        return
+    kind = fmt.get("type")
+    if kind == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+
+
+# -- the response ----------------------------------------------------------------------
+
+
+def usage_json(usage: UsageOut) -> dict[str, Any]:
+    details = usage.completion_tokens_details or {}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def status_of(finish_reason: str) -> tuple[str, dict[str, str] | None]:
+    """A run's finish reason as a response's ``status`` and ``incomplete_details``."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if finish_reason == "content_filter":
+        return "incomplete", {"reason": "content_filter"}
+    return "completed", None
+
+
+class ResponseEncoder:
+    """One response's items and events. Each ``*`` method returns the SSE bytes
+    of the events it makes (every one with the next ``sequence_number``); the
+    items it finishes are kept for the final ``response`` object.
+
+    Text and reasoning arrive as deltas: a delta of the other kind closes the
+    open item and opens a new one. Reasoning is shown as ``reasoning_text``
+    and as summary text (what Codex displays)."""
+
+    def __init__(self, response_id: str, model: str, created_at: int, echo: dict[str, Any]) -> None:
+        self.id = response_id
+        self.model = model
+        self.created_at = created_at
+        self.echo = echo
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # finished items
+        self._open: dict[str, Any] | None = None  # the item receiving deltas
+        self._open_text: list[str] = []
+        self._n = 0
+
+    # -- objects ---------------------------------------------------------------
+
+    def response(
+        self,
+        status: str,
+        *,
+        usage: UsageOut | None = None,
+        error: dict[str, Any] | None = None,
+        incomplete: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": list(self.output),
+            "previous_response_id": None,
+            "store": False,
+            "truncation": "disabled",
+            "usage": usage_json(usage) if usage is not None else None,
+            **self.echo,
+        }
+
+    def _item_id(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}_{self.id.removeprefix('resp_')}_{self._n}"
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = _encode({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    # -- stream ----------------------------------------------------------------
+
+    def opening(self) -> bytes:
+        snapshot = self.response("in_progress")
+        return self._event("response.created", response=snapshot) + self._event(
+            "response.in_progress", response=snapshot
+        )
+
+    def text(self, delta: str) -> bytes:
+        head = b""
+        if self._open is None or self._open["type"] != "message":
+            head = self._close() + self._open_message()
+        self._open_text.append(delta)
+        item_id = self._open["id"]
+        index = len(self.output)
+        return head + self._event(
+            "response.output_text.delta",
+            item_id=item_id,
+            output_index=index,
+            content_index=0,
+            delta=delta,
+            logprobs=[],
+        )
+
+    def reasoning(self, delta: str) -> bytes:
+        head = b""
+        if self._open is None or self._open["type"] != "reasoning":
+            head = self._close() + self._open_reasoning()
+        self._open_text.append(delta)
+        where = {"item_id": self._open["id"], "output_index": len(self.output)}
+        return (
+            head
+            + self._event("response.reasoning_summary_text.delta", **where, summary_index=0, delta=delta)
+            + self._event("response.reasoning_text.delta", **where, content_index=0, delta=delta)
+        )
+
+    def _open_message(self) -> bytes:
+        self._open = {"id": self._item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant"}
+        index = len(self.output)
+        return self._event("response.output_item.added", output_index=index, item={**self._open, "content": []}) + (
+            self._event(
+                "response.content_part.added",
+                item_id=self._open["id"],
+                output_index=index,
+                content_index=0,
+                part=_output_text(""),
+            )
+        )
+
+    def _open_reasoning(self) -> bytes:
+        self._open = {"id": self._item_id("rs"), "type": "reasoning"}
+        index = len(self.output)
+        return self._event(
+            "response.output_item.added", output_index=index, item={**self._open, "summary": [], "content": []}
+        ) + self._event(
+            "response.reasoning_summary_part.added",
+            item_id=self._open["id"],
+            output_index=index,
+            summary_index=0,
+            part={"type": "summary_text", "text": ""},
+        )
+
+    def _close(self, status: str = "completed") -> bytes:
+        """Close the open item (``b""`` if none)."""
+        item = self._open
+        if item is None:
+            return b""
+        self._open = None
+        text = "".join(self._open_text)
+        self._open_text = []
+        index = len(self.output)
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            part = _output_text(text)
+            done = {**item, "status": status, "content": [part]}
+            events = self._event(
+                "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+            ) + self._event("response.content_part.done", **where, content_index=0, part=part)
+        else:
+            summary = {"type": "summary_text", "text": text}
+            done = {**item, "summary": [summary], "content": [{"type": "reasoning_text", "text": text}]}
+            events = (
+                self._event("response.reasoning_summary_text.done", **where, summary_index=0, text=text)
+                + self._event("response.reasoning_summary_part.done", **where, summary_index=0, part=summary)
+                + self._event("response.reasoning_text.done", **where, content_index=0, text=text)
+            )
+        self.output.append(done)
+        return events + self._event("response.output_item.done", output_index=index, item=done)
+
+    def function_calls(self, calls: list[ToolCall]) -> bytes:
+        parts = [self._close()]
+        for call in calls:
+            item = {
+                "id": self._item_id("fc"),
+                "type": "function_call",
+                "status": "completed",
+                "call_id": call.id,
+                "name": call.function.name,
+                "arguments": call.function.arguments,
+            }
+            index = len(self.output)
+            where = {"item_id": item["id"], "output_index": index}
+            parts.append(self._event("response.output_item.added", output_index=index, item={**item, "arguments": ""}))
+            parts.append(self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]))
+            parts.append(self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]))
+            self.output.append(item)
+            parts.append(self._event("response.output_item.done", output_index=index, item=item))
+        return b"".join(parts)
+
+    def completed(self, usage: UsageOut, finish_reason: str) -> bytes:
+        """The closing events: ``response.completed``, or ``response.incomplete``."""
+        status, incomplete = status_of(finish_reason)
+        head = self._close("completed" if status == "completed" else "incomplete")
+        response = self.response(status, usage=usage, incomplete=incomplete)
+        return head + self._event(f"response.{status}", response=response)
+
+    def failed(self, message: str, code: str) -> bytes:
+        """The closing event of a response that failed after it started."""
+        self._open = None  # an unfinished item is left out of the output
+        self._open_text = []
+        response = self.response("failed", error={"code": code, "message": message})
+        return self._event("response.failed", response=response)
+
+    # -- whole -----------------------------------------------------------------
+
+    def whole(
+        self, content: str, reasoning: str | None, calls: list[ToolCall] | None, usage: UsageOut, finish_reason: str
+    ) -> tuple[dict[str, Any], bytes]:
+        """A finished run as its output items: the ``response`` object, and the
+        stream events that carry them (for a buffered stream)."""
+        events = []
+        if reasoning is not None:
+            events.append(self.reasoning(reasoning))
+        if content or not calls:
+            events.append(self.text(content))
+        if calls:
+            events.append(self.function_calls(calls))
+        events.append(self.completed(usage, finish_reason))
+        status, incomplete = status_of(finish_reason)
+        return self.response(status, usage=usage, incomplete=incomplete), b"".join(events)
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

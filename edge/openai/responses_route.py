@@ -1,0 +1,182 @@
+"""``POST /v1/responses``: the Responses codec (:mod:`edge.openai.responses`)
+on the chat path's request life.
+
+The body is decoded into a chat completion body and validated by
+:func:`parse_chat_request`; a :class:`Turn` then does admission (queue, 429),
+placement and failover, timeouts, cancellation and usage, as for chat. Three
+ways out, as chat:
+
+- not streamed: :func:`collect_validated`, then one ``response`` object;
+- streamed with function tools (or a strict buffered model): collected and
+  validated (and retried) first, keep-alives meanwhile, then every item;
+- streamed without tools: live, through :func:`output.stream_live` with
+  :class:`ResponsesLive` as its encoder.
+
+A stream commits at the run's first event (or a due keep-alive), so a
+failure before it is an HTTP error in the OpenAI shape; after it, the
+stream ends with ``response.failed``, never silently.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from edge import errors
+from edge.errors import RunFailed
+from edge.openai import output
+from edge.openai.exchange import SSE_HEADERS, Exchange
+from edge.openai.request import decode_body, parse_chat_request
+from edge.openai.responses import ResponseEncoder, decode_request
+from edge.openai.shaping import Shaper
+from edge.openai.sse import KEEPALIVE
+from edge.openai.tools import with_ids
+from edge.openai.turn import Turn, collect_validated, failure
+from edge.runs import Run, Slot
+from proto import RunEvent
+from proto.frames import COMPLETE, DELTA, REASONING_DELTA
+
+if TYPE_CHECKING:
+    from edge.app import Edge
+
+log = structlog.get_logger("iop.edge.responses")
+_encode = output._encode
+
+
+async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
+    cfg = edge.config
+    raw = decode_body(body)
+    access = ex.access
+    model = raw.get("model")
+    if isinstance(model, str):
+        access.model = model
+    stream = raw.get("stream")
+    access.stream = stream if isinstance(stream, bool) else None
+    decoded = decode_request(raw, max_output_tokens=cfg.max_output_tokens)
+    if decoded.ignored_tools or decoded.ignored_items:
+        log.info(
+            "responses request: left out",
+            tool_types=sorted(set(decoded.ignored_tools)),
+            item_types=sorted(set(decoded.ignored_items)),
+        )
+    req, forward = parse_chat_request(
+        decoded.chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
+    )
+    turn = Turn(edge, ex, req, forward)
+    if turn.contract is not None:
+        problem = turn.contract.check_request()
+        if problem:
+            raise errors.bad_request(problem, "tools")
+    enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), req.model, int(time.time()), decoded.echo)
+    try:
+        slot = await turn.acquire()
+        if not turn.stream:
+            await _respond_whole(turn, slot, enc)
+        elif turn.contract is not None or turn.buffered:
+            await _stream_buffered(turn, slot, enc)
+        else:
+            await output.stream_live(turn, slot, lambda t, run: ResponsesLive(t, run, enc))
+    except Exception:
+        if ex.started and not ex.finished:  # never a silent end
+            await ex.finish(enc.failed("internal error in the edge", "server_error"))
+        raise
+    finally:
+        # What the access line (edge.openai.routes) reports of the run.
+        run = turn.last_run
+        if turn.outcome is not None:
+            access.outcome = turn.outcome
+        elif run is not None:
+            access.outcome = run.cause or "unknown"
+        access.node_id = turn.node_id or None
+        access.usage, access.usage_estimated = turn.usage, turn.usage_estimated
+
+
+async def _respond_whole(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
+    try:
+        result = await collect_validated(turn, slot)
+    except RunFailed as failed:
+        turn.outcome = failed.cause
+        await turn.ex.respond_error(output.http_error(failed, turn.last_run))
+        return
+    response, _ = enc.whole(result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason)
+    await turn.ex.respond(200, _encode(response))
+
+
+async def _stream_buffered(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
+    """Collect (and validate) the whole run, sending only keep-alives, then
+    every item. Commits at the first run event or the first keep-alive."""
+    ex = turn.ex
+
+    async def commit() -> None:
+        if not ex.started:
+            await ex.start(200, SSE_HEADERS)
+            await ex.write(enc.opening())
+
+    async def keep_alive() -> None:
+        await commit()
+        await ex.write(KEEPALIVE)
+
+    try:
+        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
+    except RunFailed as failed:
+        turn.outcome = failed.cause
+        if ex.started:
+            await ex.finish(enc.failed(failed.message, failed.type))
+        else:
+            await ex.respond_error(output.http_error(failed, turn.last_run))
+        return
+    await commit()
+    _, events = enc.whole(result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason)
+    await ex.finish(events)
+
+
+class ResponsesLive:
+    """A run's events as Responses stream events, as they arrive (the encoder
+    of :func:`output.stream_live`, which owns the commit and keep-alives)."""
+
+    def __init__(self, turn: Turn, run: Run, enc: ResponseEncoder) -> None:
+        self.turn = turn
+        self.run = run
+        self.enc = enc
+        self.out: list[bytes] = []
+        out = self.out
+        self.shaper = Shaper(
+            turn.policy,
+            include_reasoning=turn.req.reasoning_included(),
+            live=True,
+            on_content=lambda text: out.append(enc.text(text)),
+            on_reasoning=lambda text: out.append(enc.reasoning(text)),
+        )
+
+    def opening(self) -> bytes:
+        return self.enc.opening()
+
+    def feed(self, batch: list[RunEvent]) -> bytes | None:
+        shaper = self.shaper
+        for event in batch:
+            kind = event.type
+            if kind == DELTA:
+                shaper.content(event.text)
+            elif kind == REASONING_DELTA:
+                shaper.reasoning(event.text)
+            elif kind == COMPLETE:
+                return self._complete(event)
+            else:
+                failed = failure(event, self.run)
+                self.turn.outcome = failed.cause
+                return self.enc.failed(failed.message, failed.type)
+        return None
+
+    def _complete(self, event: RunEvent) -> bytes:
+        usage = self.turn.usage_of(self.run, event)
+        shaper = self.shaper
+        shaper.finish()
+        finish_reason = event.finish_reason or "stop"
+        calls = event.tool_calls  # none asked for (no tools): shown as the model made them
+        fallback = shaper.fallback(finish_reason, bool(calls))
+        tail = [self.enc.text(fallback)] if fallback else []
+        if calls:
+            tail.append(self.enc.function_calls(with_ids(calls)))
+        return b"".join([*tail, self.enc.completed(usage, finish_reason)])

@@ -1,0 +1,530 @@
+"""POST /v1/messages (the Anthropic Messages API), with the official anthropic SDK as the client:
+text, thinking and tool-use streams, whole messages, a tool round trip, count_tokens, x-api-key,
+errors in Anthropic's shape, and cancellation reaching the upstream."""
+
+from __future__ import annotations
+
+import os
+
+import anthropic
+import msgspec
+import pytest
+import structlog
+import trio
+
+from edge.anthropic.codec import MessageStream, chat_body, error_body, stream_error
+from edge.errors import APIError
+from edge.openai.schema import UsageOut
+from proto import ToolCall
+from proto.frames import ToolCallFunction
+from scripts.upstream import words
+from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
+
+USER = [{"role": "user", "content": "hi"}]
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+USAGE = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+
+
+def steps(*deltas, finish="stop", usage=None):
+    out = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
+    if usage is not None:
+        out.append(("usage", usage))
+    return [*out, ("done",)]
+
+
+def native_call(call_id: str, name: str, arguments: str) -> list[dict]:
+    return [
+        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+    ]
+
+
+def client_for(edge, **kw) -> anthropic.AsyncAnthropic:
+    kw.setdefault("api_key", "unused")
+    return anthropic.AsyncAnthropic(base_url=edge.url, max_retries=0, timeout=BOUND, **kw)
+
+
+@pytest.fixture
+async def setup(nursery, upstream):
+    edge = await start_edge(nursery, edge_config())
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=4)])
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+# -- the codec, without I/O -------------------------------------------------------------
+
+
+def test_decoder_maps_claude_code_requests_to_chat():
+    """System text (string, blocks, and role=system entries), images, tool_use / tool_result
+    history, thinking history, tools (server tools left out), tool_choice, stop_sequences,
+    top_k, metadata.user_id and unknown top-level fields."""
+    raw = {
+        "model": "m",
+        "max_tokens": 100,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "system", "content": "Extra system text."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look", "cache_control": {"type": "ephemeral"}},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAA="}},
+                    {"type": "image", "source": {"type": "url", "url": "https://example.invalid/a.png"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                    {"type": "text", "text": "Let me check."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
+                    {"type": "text", "text": "and tomorrow?"},
+                ],
+            },
+        ],
+        "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search"}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "stop_sequences": ["END"],
+        "top_k": 20,
+        "temperature": 0.5,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "metadata": {"user_id": "session-1"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": []},
+        "stream": True,
+    }
+    body, server = chat_body(raw)
+    assert server == ["web_search"]
+    assert body["messages"] == [
+        {"role": "system", "content": "You are Claude Code.\n\nExtra system text."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA="}},
+                {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "[tool error] boom"},
+        {"role": "user", "content": [{"type": "text", "text": "and tomorrow?"}]},
+    ]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": WEATHER["input_schema"],
+                "description": WEATHER["description"],
+            },
+        }
+    ]
+    assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
+    assert body["stop"] == ["END"] and body["top_k"] == 20 and body["temperature"] == 0.5
+    assert body["include_reasoning"] is True and body["user"] == "session-1" and body["stream"] is True
+    assert "output_config" not in body and "context_management" not in body
+    named, _ = chat_body({**raw, "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": None})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert named["include_reasoning"] is False
+
+
+def test_decoder_rejects_what_it_cannot_read():
+    """A wrong shape is a 400 that names the place."""
+    for raw, where in [
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0]"),
+        ({"model": "m", "messages": USER, "tools": [{"name": "f"}]}, "tools[0]"),
+        ({"model": "m", "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "x"}}, "tool_choice"),
+    ]:
+        with pytest.raises(APIError) as caught:
+            chat_body(raw)
+        assert caught.value.status == 400 and where in caught.value.message
+
+
+def test_stream_encoder_blocks_and_errors():
+    """Thinking and text pieces share a block until the kind changes; a tool call is one whole
+    block; the end closes the open block; errors have Anthropic's shape and type by status."""
+    enc = MessageStream("msg_1", "m")
+    raw = b"".join(
+        [
+            enc.start(7),
+            enc.thinking("a"),
+            enc.thinking("b"),
+            enc.text("c"),
+            enc.tool_use(ToolCall(id="call_9", function=ToolCallFunction(name="f", arguments='{"x":1}'))),
+            enc.finish("tool_calls", UsageOut(7, 3, 10)),
+        ]
+    )
+    events = [block.split(b"\n", 1) for block in raw.strip().split(b"\n\n")]
+    names = [e[0].removeprefix(b"event: ").decode() for e in events]
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    data = [msgspec.json.decode(e[1].removeprefix(b"data: ")) for e in events]
+    assert data[8]["content_block"] == {"type": "tool_use", "id": "toolu_call_9", "name": "f", "input": {}}
+    assert data[11]["delta"]["stop_reason"] == "tool_use" and data[11]["usage"]["output_tokens"] == 3
+    assert msgspec.json.decode(error_body(APIError(429, "slow down"))) == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+    }
+    assert msgspec.json.decode(error_body(APIError(504, "late")))["error"]["type"] == "api_error"
+    assert stream_error("gone", "run_error").startswith(b"event: error\ndata: ")
+
+
+# -- the SDK against a real edge ---------------------------------------------------------
+
+
+async def test_messages_create_returns_a_text_message(setup):
+    """messages.create: one message with a text block, end_turn and the upstream's usage; the upstream
+    gets the system text first, stop_sequences as stop, top_k and max_tokens."""
+    edge, upstream = setup
+    upstream.script_for("t", steps({"content": "Hello "}, {"content": "world"}, usage=USAGE))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            message = await client.messages.create(
+                model="m",
+                max_tokens=64,
+                system="Be brief.",
+                messages=USER,
+                stop_sequences=["END"],
+                extra_body={"top_k": 5},
+            )
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == "Hello world"
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (30, 3)
+    sent = upstream.records[0].body
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert sent["stop"] == ["END"] and sent["top_k"] == 5 and sent["max_tokens"] == 64
+
+
+async def test_messages_stream_text(setup):
+    """messages.stream: message_start, one text block, message_delta and message_stop, parsed by the SDK."""
+    edge, upstream = setup
+    upstream.script_for("t", steps({"content": "Hello "}, {"content": "world"}, usage=USAGE))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            async with client.messages.stream(model="m", max_tokens=64, messages=USER) as stream:
+                types = [event.type async for event in stream]
+                final = await stream.get_final_message()
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+    assert "content_block_start" in types and "message_delta" in types
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text == "Hello world"
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 3 and final.usage.input_tokens == 30
+
+
+async def test_messages_stream_with_thinking(setup):
+    """thinking enabled: the upstream's reasoning_content is a thinking block before the text;
+    without `thinking` the reasoning stays hidden."""
+    edge, upstream = setup
+    upstream.script_for(
+        "t", steps({"reasoning_content": "let me "}, {"reasoning_content": "think"}, {"content": "It is sunny."})
+    )
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            async with client.messages.stream(
+                model="m", max_tokens=2048, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
+            ) as stream:
+                thinking = [e.thinking async for e in stream if e.type == "thinking"]
+                final = await stream.get_final_message()
+            async with client.messages.stream(model="m", max_tokens=2048, messages=USER) as stream:
+                hidden = await stream.get_final_message()
+    assert "".join(thinking) == "let me think"
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "let me think" and final.content[1].text == "It is sunny."
+    assert [b.type for b in hidden.content] == ["text"] and hidden.content[0].text == "It is sunny."
+
+
+async def test_messages_stream_with_tool_use(setup):
+    """A native tool call from the upstream is a tool_use block (toolu_ id, parsed input) and
+    stop_reason tool_use, streamed (buffered and validated) and whole."""
+    edge, upstream = setup
+    upstream.script_for("t", steps(*native_call("call_1", "get_weather", '{"city": "Paris"}'), finish="tool_calls"))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            async with client.messages.stream(model="m", max_tokens=256, messages=USER, tools=[WEATHER]) as stream:
+                final = await stream.get_final_message()
+            whole = await client.messages.create(model="m", max_tokens=256, messages=USER, tools=[WEATHER])
+    for message in (final, whole):
+        (block,) = message.content
+        assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
+        assert block.id == "toolu_call_1"
+        assert message.stop_reason == "tool_use"
+    sent = upstream.records[0].body
+    assert sent["tools"][0]["function"]["name"] == "get_weather"
+    assert sent["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
+
+
+async def test_tool_round_trip(setup):
+    """Turn one asks for a tool; turn two sends the tool_use back with a tool_result: the upstream
+    gets the assistant's tool_calls and a tool message with the same id, and the answer is text."""
+    edge, upstream = setup
+    replies = iter(
+        [
+            steps(
+                {"content": "Checking."}, *native_call("call_7", "get_weather", '{"city":"Oslo"}'), finish="tool_calls"
+            ),
+            steps({"content": "Snowing in Oslo."}),
+        ]
+    )
+    upstream.script_for("t", lambda body: next(replies))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            first = await client.messages.create(model="m", max_tokens=256, messages=USER, tools=[WEATHER])
+            assert [b.type for b in first.content] == ["text", "tool_use"]
+            use = first.content[1]
+            history = [
+                *USER,
+                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "snow"}]}
+                    ],
+                },
+            ]
+            async with client.messages.stream(model="m", max_tokens=256, messages=history, tools=[WEATHER]) as stream:
+                second = await stream.get_final_message()
+    assert second.content[0].text == "Snowing in Oslo." and second.stop_reason == "end_turn"
+    sent = upstream.records[1].body["messages"]
+    assert sent[1]["role"] == "assistant" and sent[1]["content"] == "Checking."
+    assert sent[1]["tool_calls"][0]["id"] == use.id
+    assert msgspec.json.decode(sent[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert sent[2] == {"role": "tool", "tool_call_id": use.id, "content": "snow"}
+
+
+async def test_count_tokens(setup):
+    """count_tokens answers the edge's estimate (characters / 4 + 4 per message) without a run."""
+    edge, upstream = setup
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            count = await client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x" * 400}])
+    assert count.input_tokens == 100 + 4
+    assert upstream.records == []
+
+
+async def test_x_api_key_auth(nursery, upstream):
+    """With api_keys set, the SDK's x-api-key is accepted on /v1/messages and /v1/models; a wrong key
+    is an AuthenticationError; Authorization: Bearer still works."""
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-edge"]))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", steps({"content": "ok"}))
+    with trio.fail_after(BOUND):
+        async with client_for(edge, api_key="sk-edge") as client:
+            message = await client.messages.create(model="m", max_tokens=8, messages=USER)
+            assert message.content[0].text == "ok"
+        async with client_for(edge, api_key="wrong") as client:
+            with pytest.raises(anthropic.AuthenticationError) as caught:
+                await client.messages.create(model="m", max_tokens=8, messages=USER)
+        assert caught.value.body["error"]["type"] == "authentication_error"
+        async with http(edge) as c:
+            assert (await c.get("/v1/models", headers={"x-api-key": "sk-edge"})).status_code == 200
+            r = await c.post(
+                "/v1/messages",
+                json={"model": "m", "max_tokens": 8, "messages": USER},
+                headers={"authorization": "Bearer sk-edge"},
+            )
+            assert r.status_code == 200
+    await settled(edge, node.agent)
+
+
+async def test_errors_have_anthropic_types(setup):
+    """An unknown model is NotFoundError (not_found_error); a bad request BadRequestError
+    (invalid_request_error); an upstream 500 before the first event a 502 api_error."""
+    edge, upstream = setup
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            with pytest.raises(anthropic.NotFoundError) as caught:
+                await client.messages.create(model="nope", max_tokens=8, messages=USER)
+            assert caught.value.body == {
+                "type": "error",
+                "error": {"type": "not_found_error", "message": caught.value.body["error"]["message"]},
+            }
+            with pytest.raises(anthropic.BadRequestError) as bad:
+                await client.messages.create(model="m", max_tokens=8, messages=[{"role": "tool", "content": "x"}])
+            assert bad.value.body["error"]["type"] == "invalid_request_error"
+            upstream.script_for("t", [("status", 500, b'{"error": {"message": "model crashed"}}')])
+            with pytest.raises(anthropic.InternalServerError) as crashed:
+                async with client.messages.stream(model="m", max_tokens=8, messages=USER) as stream:
+                    await stream.get_final_message()
+            assert crashed.value.status_code == 502 and crashed.value.body["error"]["type"] == "api_error"
+            assert "model crashed" in crashed.value.body["error"]["message"]
+
+
+async def test_claude_code_shaped_request_over_http(setup):
+    """What Claude Code sends: ?beta=true, anthropic-version / anthropic-beta headers, system blocks with
+    cache_control, a system entry in messages, a server tool, unknown top-level fields. The server tool
+    is left out (and logged); the access line says api=messages."""
+    edge, upstream = setup
+    upstream.script_for("t", steps({"content": "done"}))
+    body = {
+        "model": "m",
+        "max_tokens": 32,
+        "stream": True,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "system", "content": "env"}, *USER],
+        "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
+        "metadata": {"user_id": "user_abc_session_1"},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+    }
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"}
+    with trio.fail_after(BOUND), structlog.testing.capture_logs() as logs:
+        async with http(edge) as c:
+            r = await c.post("/v1/messages?beta=true", json=body, headers=headers)
+        await eventually(lambda: any(e["event"] == "request" for e in logs))
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    assert b"event: message_stop" in r.content and b'"text":"done"' in r.content
+    sent = upstream.records[0].body
+    assert [t["function"]["name"] for t in sent["tools"]] == ["get_weather"]
+    assert sent["messages"][0] == {"role": "system", "content": "You are Claude Code.\n\nenv"}
+    assert sent["user"] == "user_abc_session_1"
+    assert any(e["event"] == "server tools left out" and e["tools"] == ["web_search"] for e in logs)
+    (line,) = [e for e in logs if e["event"] == "request"]
+    assert line["api"] == "messages" and line["status"] == 200 and line["route"] == "/v1/messages"
+
+
+async def test_error_after_the_stream_started_is_an_error_event(nursery, upstream):
+    """A run that fails after its first event ends the stream with `event: error`; the SDK raises it."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", [("chunk", {"content": "partial "}), ("hang",)])
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                async with client.messages.stream(model="m", max_tokens=8, messages=USER) as stream:
+                    await stream.get_final_message()
+    assert caught.value.body == {"type": "error", "error": {"type": "api_error", "message": "run timed out"}}
+    await settled(edge, node.agent)
+
+
+# -- cancellation ---------------------------------------------------------------------------
+# These read with httpx, not the SDK: the SDK, left mid-stream under trio, leaves its own (and
+# httpx2's) async generators suspended, which trio reports at garbage collection.
+
+STREAM = {"model": "m", "max_tokens": 8, "messages": USER, "stream": True}
+
+
+async def read_then_leave(edge, upstream, *, texts: int) -> list[dict]:
+    """Stream, read events until `texts` text deltas (0: message_start and a ping) have arrived
+    and the upstream has the request, then close the connection."""
+    seen: list[dict] = []
+    async with http(edge) as client, client.stream("POST", "/v1/messages", json=STREAM) as r:
+        assert r.status_code == 200
+        with trio.CancelScope() as reading:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                seen.append(msgspec.json.decode(line[6:]))
+                deltas = [e for e in seen if e["type"] == "content_block_delta"]
+                if len(deltas) >= texts and (texts or seen[-1]["type"] == "ping"):
+                    await upstream.wait_requests(1)
+                    reading.cancel()  # closes the connection: the client is gone
+    return seen
+
+
+async def test_client_gone_before_first_token_aborts_upstream(nursery, upstream):
+    """The client leaves after message_start and a ping (the model has produced nothing): the
+    upstream sees its request aborted."""
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", [("hang",)])
+    with trio.fail_after(BOUND):
+        seen = await read_then_leave(edge, upstream, texts=0)
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    assert [e["type"] for e in seen] == ["message_start", "ping"]
+    assert rec.aborted
+    await settled(edge, node.agent)
+
+
+async def test_client_gone_mid_stream_aborts_upstream(setup):
+    """The client leaves after two text deltas while the model is still generating."""
+    edge, upstream = setup
+    upstream.script_for("t", [*(("chunk", {"content": t}) for t in words(3)), ("hang",)])
+    with trio.fail_after(BOUND):
+        seen = await read_then_leave(edge, upstream, texts=2)
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    texts = [e["delta"]["text"] for e in seen if e["type"] == "content_block_delta"]
+    assert texts[:2] == ["tok0 ", "tok1 "]
+    assert rec.aborted
+
+
+# -- the real Claude Code CLI ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.environ.get("IOP_CLAUDE"), reason="IOP_CLAUDE names no claude binary")
+async def test_claude_code_cli_answers_through_the_edge(nursery, upstream, tmp_path):
+    """`claude -p` (IOP_CLAUDE: the binary of `npm i @anthropic-ai/claude-code`), pointed at the edge
+    with ANTHROPIC_BASE_URL and ANTHROPIC_AUTH_TOKEN, a throwaway HOME and telemetry off, prints the
+    model's answer; every request it made reached the upstream as a chat request. Run it without a
+    route off the machine (e.g. under `unshare -rn`): nothing here may leave loopback."""
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-edge"]))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=4)])
+    upstream.script_for("t", lambda body: steps({"content": "Hello from "}, {"content": "the edge."}, usage=USAGE))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": edge.url,
+        "ANTHROPIC_AUTH_TOKEN": "sk-edge",
+        "ANTHROPIC_SMALL_FAST_MODEL": "m",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "m",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CI": "1",
+    }
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            [os.environ["IOP_CLAUDE"], "-p", "Say hello.", "--model", "m"],
+            env=env,
+            cwd=str(tmp_path),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    out = done.stdout.decode(errors="replace")
+    assert done.returncode == 0, (out, done.stderr.decode(errors="replace")[-2000:])
+    assert "Hello from the edge." in out
+    assert upstream.records and all(r.body["model"] == "t" for r in upstream.records)
+    await settled(edge, node.agent)

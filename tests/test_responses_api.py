@@ -1,0 +1,457 @@
+"""``POST /v1/responses`` (the OpenAI Responses API, stateless) with the official SDK: whole and
+streamed responses, function tools and their round trip, reasoning, length, the stateless 400,
+hosted tool types left out, errors, and cancellation."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import msgspec
+import openai
+import pytest
+import trio
+
+from edge.openai.responses import decode_request
+from scripts.upstream import words
+from tests.conftest import BOUND, edge_config, http, model, sdk, settled, start_edge, start_node
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def steps(*deltas, finish="stop", usage=None):
+    out = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
+    if usage is not None:
+        out.append(("usage", usage))
+    return [*out, ("done",)]
+
+
+def native_call(call_id: str, name: str, arguments: str) -> list[dict]:
+    return [
+        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+    ]
+
+
+@pytest.fixture
+async def edge_up(nursery, upstream):
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+def check_sequence(events) -> None:
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+
+
+# -- whole and streamed -------------------------------------------------------------------
+
+
+async def test_create_whole_response(edge_up):
+    """A non-streamed request is one `response` object: id, status, output text, usage, model; the
+    upstream gets the chat body (instructions and leading developer messages as one system message,
+    max_output_tokens as max_tokens)."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": "Hello "}, {"content": "there."}, usage=USAGE))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            r = await client.responses.create(
+                model="m",
+                instructions="Be brief.",
+                input=[
+                    {"role": "developer", "content": "No jokes."},
+                    {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                ],
+                max_output_tokens=50,
+                store=True,
+                metadata={"k": "v"},
+                user="u1",
+            )
+    assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
+    assert r.output_text == "Hello there." and r.model == "m" and r.created_at > 0
+    assert r.store is False  # nothing is stored
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (7, 3, 10)
+    body = upstream.records[0].body
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief.\n\nNo jokes."},  # one system message, first
+        {"role": "user", "content": "hi"},
+    ]
+    assert body["max_tokens"] == 50 and body["user"] == "u1"
+    assert "include_reasoning" not in body and body["metadata"] == {"k": "v"}
+
+
+async def test_stream_helper_and_create_stream(edge_up):
+    """`responses.stream(...)` and `create(stream=True)` consume the stream: typed events with
+    increasing sequence numbers, text deltas, a final response with usage."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": "Hello "}, {"content": "there."}, usage=USAGE))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            async with client.responses.stream(model="m", input="hi") as stream:
+                events = [e async for e in stream]
+                final = await stream.get_final_response()
+            raw = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
+    for seen in (events, raw):
+        check_sequence(seen)
+        assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == "Hello there."
+        assert seen[-1].type == "response.completed"
+        assert seen[-1].response.usage.total_tokens == 10
+    assert final.output_text == "Hello there." and final.status == "completed"
+    types = [e.type for e in raw]
+    assert types[2:5] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert upstream.records[0].body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+async def test_sse_lines_name_each_event(edge_up):
+    """Each SSE event is `event: <type>` + `data: <json>` with the same type."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": "ok"}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    blocks = [b for b in r.text.split("\n\n") if b.strip() and not b.startswith(":")]
+    for block in blocks:
+        event, data = block.split("\n")
+        assert event.removeprefix("event: ") == msgspec.json.decode(data.removeprefix("data: "))["type"]
+
+
+# -- tools --------------------------------------------------------------------------------
+
+
+async def test_function_call_round_trip(edge_up):
+    """A native tool call is a `function_call` item (call_id, name, JSON arguments), streamed and
+    whole; the next turn's `function_call` and `function_call_output` items reach the upstream as an
+    assistant tool call and a tool message."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps(*native_call("call_1", "get_weather", '{"city": "Paris"}'), finish="tool_calls"))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            async with client.responses.stream(model="m", input="weather in Paris?", tools=[WEATHER]) as stream:
+                events = [e async for e in stream]
+                final = await stream.get_final_response()
+            whole = await client.responses.create(model="m", input="weather in Paris?", tools=[WEATHER])
+            upstream.script_for("t", steps({"content": "Sunny in Paris."}))
+            second = await client.responses.create(
+                model="m",
+                tools=[WEATHER],
+                input=[
+                    {"role": "user", "content": "weather in Paris?"},
+                    *[item.model_dump(exclude_none=True) for item in whole.output],
+                    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                ],
+            )
+    check_sequence(events)
+    for r in (final, whole):
+        (call,) = [item for item in r.output if item.type == "function_call"]
+        assert call.call_id == "call_1" and call.name == "get_weather"
+        assert msgspec.json.decode(call.arguments) == {"city": "Paris"}
+    assert "response.function_call_arguments.done" in [e.type for e in events]
+    assert second.output_text == "Sunny in Paris."
+    assert upstream.records[0].body["tools"][0]["function"]["name"] == "get_weather"
+    messages = upstream.records[2].body["messages"]
+    assert messages[1]["role"] == "assistant"
+    assert messages[1]["tool_calls"][0]["id"] == "call_1"
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+async def test_hosted_tool_types_are_left_out(edge_up):
+    """`web_search`, `namespace`, `file_search` and `custom` tools never fail a request or reject a
+    call: only the function tools reach the upstream."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps(*native_call("call_9", "get_weather", '{"city": "Oslo"}'), finish="tool_calls"))
+    tools = [
+        {"type": "web_search"},
+        {"type": "namespace", "name": "mcp", "tools": []},
+        {"type": "file_search", "vector_store_ids": ["vs_1"]},
+        {"type": "custom", "name": "apply_patch"},
+        WEATHER,
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            r = await client.responses.create(model="m", input="hi", tools=tools, tool_choice="auto")
+    (call,) = r.output
+    assert call.type == "function_call" and call.call_id == "call_9"
+    assert [t["function"]["name"] for t in upstream.records[0].body["tools"]] == ["get_weather"]
+
+
+# -- reasoning, length, errors ------------------------------------------------------------
+
+
+async def test_reasoning_shown_when_a_summary_is_asked(edge_up):
+    """With `reasoning.summary`, the upstream's reasoning is a reasoning item (summary and reasoning
+    text, streamed as deltas) before the message; without it, no reasoning item."""
+    edge, upstream = edge_up
+    script = steps({"reasoning_content": "let me "}, {"reasoning_content": "think"}, {"content": "Sunny."})
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            async with client.responses.stream(model="m", input="hi", reasoning={"summary": "auto"}) as stream:
+                events = [e async for e in stream]
+                final = await stream.get_final_response()
+            whole = await client.responses.create(
+                model="m", input="hi", reasoning={"effort": "high", "summary": "auto"}
+            )
+            hidden = await client.responses.create(model="m", input="hi", reasoning={"effort": "low"})
+    check_sequence(events)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(deltas) == "let me think"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "let me think"
+    for r in (final, whole):
+        reasoning, message = r.output
+        assert reasoning.type == "reasoning" and reasoning.summary[0].text == "let me think"
+        assert r.output_text == "Sunny."
+    assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == "Sunny."
+    assert "reasoning" not in upstream.records[1].body  # the effort is ignored
+
+
+async def test_length_is_incomplete(edge_up):
+    """A run cut off by max_output_tokens is `incomplete` with reason max_output_tokens, streamed
+    (`response.incomplete`) and whole."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": "tok0 "}, {"content": "tok1 "}, finish="length"))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+            events = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text == "tok0 tok1 "
+    check_sequence(events)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+async def test_stateless_edge_rejects_previous_response_id(edge_up):
+    """`previous_response_id` and `conversation` are a 400 saying the edge keeps no responses."""
+    edge, _ = edge_up
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.responses.create(model="m", input="hi", previous_response_id="resp_123")
+            with pytest.raises(openai.BadRequestError) as conversation:
+                await client.responses.create(model="m", input="hi", conversation="conv_1")
+    assert "full conversation" in caught.value.message and "stateless" in caught.value.message
+    assert caught.value.body["type"] == "invalid_request_error"
+    assert conversation.value.body["param"] == "conversation"
+
+
+async def test_errors_before_and_after_the_stream_starts(nursery, upstream):
+    """A run failing before its first event is an HTTP error in the OpenAI shape; one failing
+    after the stream started ends it with `response.failed` carrying the error."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", [("status", 500, b'{"error": {"message": "model crashed"}}')])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.responses.create(model="m", input="hi", stream=True)
+            assert caught.value.status_code == 502
+            upstream.script_for("t", [("chunk", {"content": "tok0 "}), ("hang",)])
+            events = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
+    check_sequence(events)
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.message == "run timed out"
+    await settled(edge, node.agent)
+
+
+async def test_invalid_tool_calls_fail_the_stream(edge_up):
+    """Tool calls that fail validation on every attempt end a started stream with `response.failed`
+    (and a whole response with a 502), after the retries the chat path makes."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps(*native_call("call_1", "nope", "{}"), finish="tool_calls"))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            events = [
+                e async for e in await client.responses.create(model="m", input="hi", tools=[WEATHER], stream=True)
+            ]
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.responses.create(model="m", input="hi", tools=[WEATHER])
+    check_sequence(events)
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "tool_validation_error"
+    assert "not one of the request's tools" in events[-1].response.error.message
+    assert caught.value.status_code == 502
+    assert len(upstream.records) == 4  # two attempts each
+
+
+# -- cancellation -------------------------------------------------------------------------
+
+
+async def read_then_leave(edge, upstream, *, deltas: int) -> list[dict]:
+    """Stream, read `deltas` text deltas (after the opening events), wait for the upstream to have
+    the request, then close the connection."""
+    seen: list[dict] = []
+    body = {"model": "m", "input": "hi", "stream": True}
+    async with http(edge) as client, client.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        with trio.CancelScope() as reading:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                seen.append(msgspec.json.decode(line[6:]))
+                if sum(1 for e in seen if e["type"] == "response.output_text.delta") >= deltas and len(seen) >= 2:
+                    await upstream.wait_requests(1)
+                    reading.cancel()
+    return seen
+
+
+@pytest.mark.parametrize("deltas", [0, 2], ids=["before_first_token", "mid_stream"])
+async def test_client_gone_aborts_upstream(edge_up, deltas):
+    """A client that leaves before the first token (after the keep-alive commit) or mid-stream
+    cancels the run: the upstream sees its request aborted."""
+    edge, upstream = edge_up
+    upstream.script_for("t", [*(("chunk", {"content": t}) for t in words(deltas)), ("hang",)])
+    with trio.fail_after(BOUND):
+        seen = await read_then_leave(edge, upstream, deltas=deltas)
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    assert seen[0]["type"] == "response.created"
+    assert rec.aborted
+
+
+# -- the codec ----------------------------------------------------------------------------
+
+
+def test_decode_maps_items_and_options():
+    """The decoder, without I/O: items, tool choice, text format, reasoning, hosted tools."""
+    d = decode_request(
+        {
+            "model": "m",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:x"}],
+                },
+                {"type": "reasoning", "summary": []},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "r"}]},
+                {"type": "web_search_call", "id": "ws_1"},
+            ],
+            "tools": [{"type": "function", "name": "f"}, {"type": "web_search"}],
+            "tool_choice": {"type": "function", "name": "f"},
+            "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
+            "reasoning": {"summary": "detailed"},
+            "unknown_field": 1,
+        }
+    )
+    chat = d.chat
+    assert chat["messages"][0]["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:x"}},
+    ]
+    assert chat["messages"][1]["content"] == "b"
+    assert [c["id"] for c in chat["messages"][1]["tool_calls"]] == ["c1", "c2"]
+    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["response_format"]["json_schema"]["name"] == "s"
+    assert chat["include_reasoning"] is True and "unknown_field" not in chat
+    assert d.ignored_tools == ["web_search"] and d.ignored_items == ["web_search_call"]
+
+
+async def test_bad_input_is_a_400_naming_the_field(edge_up):
+    """A malformed input item is a 400 in the OpenAI shape naming the Responses field."""
+    edge, _ = edge_up
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/responses", json={"model": "m", "input": [{"role": "robot", "content": "x"}]})
+            empty = await client.post("/v1/responses", json={"model": "m", "input": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+    assert isinstance(r, httpx.Response)
+
+
+# -- the real Codex CLI -------------------------------------------------------------------
+
+
+CODEX = os.environ.get("IOP_CODEX", "")  # a `codex` binary: npm i --prefix /tmp/codex @openai/codex
+
+
+def codex_script(body: dict) -> list:
+    """Turn 1: reason, then call Codex's shell tool; turn 2 (a tool result came back): answer."""
+    if any(m["role"] == "tool" for m in body["messages"]):
+        return steps({"content": "All done: file written."})
+    shell = next(t["function"]["name"] for t in body["tools"] if t["function"]["name"] in ("exec_command", "shell"))
+    args = (
+        {"cmd": "echo hi-from-iop > out.txt"}
+        if shell == "exec_command"
+        else {"command": ["bash", "-lc", "echo hi-from-iop > out.txt"]}
+    )
+    return steps(
+        {"reasoning_content": "I will write the file."},
+        *native_call("call_codex", shell, msgspec.json.encode(args).decode()),
+        finish="tool_calls",
+    )
+
+
+@pytest.mark.skipif(not CODEX, reason="set IOP_CODEX to a codex binary (npm i --prefix /tmp/codex @openai/codex)")
+async def test_codex_cli_runs_a_tool_through_the_edge(edge_up, tmp_path):
+    """`codex exec` with a `[model_providers.iop]` entry (wire_api = "responses") streams a reasoning
+    summary and a function call from the edge, runs the command, sends its output back as
+    `function_call_output`, and prints the final answer."""
+    edge, upstream = edge_up
+    upstream.script_for("t", codex_script)
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    (home / ".codex" / "config.toml").write_text(
+        f"""model = "m"
+model_provider = "iop"
+model_reasoning_summary = "auto"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.iop]
+name = "iop"
+base_url = "{edge.url}/v1"
+wire_api = "responses"
+env_key = "IOP_API_KEY"
+"""
+    )
+    blackhole = "http://127.0.0.1:9"  # anything Codex tries beyond loopback goes nowhere
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "CODEX_HOME": str(home / ".codex"),
+        "IOP_API_KEY": "unused",
+        "HTTPS_PROXY": blackhole,
+        "HTTP_PROXY": blackhole,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "RUST_LOG": "error",
+    }
+    argv = [CODEX, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    with trio.fail_after(90):
+        done = await trio.run_process(
+            [*argv, "-C", str(work), "--color", "never", "write out.txt"],
+            env=env,
+            stdin=b"",
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert "All done: file written." in done.stdout.decode()
+    assert "I will write the file." in done.stderr.decode()  # the reasoning summary, shown
+    assert (work / "out.txt").read_text() == "hi-from-iop\n"
+    second = upstream.records[-1].body["messages"]
+    assert second[-2]["tool_calls"][0]["id"] == "call_codex"
+    assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == "call_codex"
