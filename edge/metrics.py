@@ -9,6 +9,9 @@ observed once, when they close.
 A ``model`` label is a name from the config's ``[[models]]`` or one some
 linked node has advertised; any other name a client sends is counted under
 ``"other"`` (:data:`OTHER_MODEL`), so invented names cannot grow the series.
+An ``api`` label is the front door the request came through (its route's
+``api``: chat, completions, embeddings, messages, responses), never a
+client's string; a run carries its request's (``Run.api``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class EdgeMetrics:
         r = self.registry
         self.requests = Counter(
             "iop_requests",
-            "HTTP requests to the OpenAI routes by model and outcome (rejected_<status> before any run)",
-            ["model", "outcome"],
+            "HTTP requests to the API routes by API, model and outcome (rejected_<status> before any run)",
+            ["api", "model", "outcome"],
             registry=r,
         )
         self.usage_estimated = Counter(
@@ -59,7 +62,7 @@ class EdgeMetrics:
         self.ttft = Histogram(
             "iop_time_to_first_token_seconds",
             "Time from dispatch to the run's first event",
-            ["model"],
+            ["api", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -77,7 +80,7 @@ class EdgeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.run_ends = Counter("iop_runs_ended", "Runs by how they ended", ["model", "cause"], registry=r)
+        self.run_ends = Counter("iop_runs_ended", "Runs by how they ended", ["api", "model", "cause"], registry=r)
         self.cancels = Counter(
             "iop_run_cancels",
             "Runs cancelled on the node, by cause (client_gone, timeout, node_lost, ...)",
@@ -113,10 +116,11 @@ class EdgeMetrics:
         now = trio.current_time()
         model = self.model_label(run.slot.model)
         cause = run.cause or "unknown"
-        self.run_ends.labels(model, cause).inc()
+        api = run.api or "unknown"
+        self.run_ends.labels(api, model, cause).inc()
         self.run_duration.labels(model).observe(now - run.started_at)
         if run.first_event_at is not None:
-            self.ttft.labels(model).observe(run.first_event_at - run.started_at)
+            self.ttft.labels(api, model).observe(run.first_event_at - run.started_at)
             if run.events_seen > 2:
                 self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.events_seen - 2))
         if cause not in ("complete", "run_error"):

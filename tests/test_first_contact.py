@@ -375,7 +375,7 @@ async def test_every_request_gets_one_access_line_and_a_request_id(first):
         "complete",
         "complete",
     ]
-    assert 'iop_requests_total{model="m",outcome="rejected_400"} 1.0' in metrics
-    assert 'iop_requests_total{model="other",outcome="rejected_405"} 1.0' in metrics
-    assert 'iop_requests_total{model="m",outcome="complete"} 2.0' in metrics
-    assert 'iop_requests_total{model="emb",outcome="complete"} 1.0' in metrics
+    assert 'iop_requests_total{api="chat",model="m",outcome="rejected_400"} 1.0' in metrics
+    assert 'iop_requests_total{api="chat",model="other",outcome="rejected_405"} 1.0' in metrics
+    assert 'iop_requests_total{api="chat",model="m",outcome="complete"} 2.0' in metrics
+    assert 'iop_requests_total{api="embeddings",model="emb",outcome="complete"} 1.0' in metrics

@@ -103,9 +103,9 @@ async def test_invented_model_names_share_one_metrics_label(nursery):
     requests_series = [line for line in text.splitlines() if line.startswith("iop_requests_total{")]
     assert "invented" not in text
     assert sorted(requests_series) == [
-        'iop_requests_total{model="configured",outcome="rejected_503"} 1.0',
-        'iop_requests_total{model="m",outcome="complete"} 1.0',
-        'iop_requests_total{model="other",outcome="rejected_404"} 500.0',
+        'iop_requests_total{api="chat",model="configured",outcome="rejected_503"} 1.0',
+        'iop_requests_total{api="chat",model="m",outcome="complete"} 1.0',
+        'iop_requests_total{api="chat",model="other",outcome="rejected_404"} 500.0',
     ]
 
 

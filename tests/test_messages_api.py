@@ -18,6 +18,7 @@ from edge.openai.schema import UsageOut
 from proto import ToolCall
 from proto.frames import ToolCallFunction
 from scripts.upstream import words
+from tests.agents import quiet_env, require_agent, run_offline
 from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
 
 USER = [{"role": "user", "content": "hi"}]
@@ -490,41 +491,63 @@ async def test_client_gone_mid_stream_aborts_upstream(setup):
 # -- the real Claude Code CLI ----------------------------------------------------------------
 
 
-@pytest.mark.skipif(not os.environ.get("IOP_CLAUDE"), reason="IOP_CLAUDE names no claude binary")
-async def test_claude_code_cli_answers_through_the_edge(nursery, upstream, tmp_path):
-    """`claude -p` (IOP_CLAUDE: the binary of `npm i @anthropic-ai/claude-code`), pointed at the edge
-    with ANTHROPIC_BASE_URL and ANTHROPIC_AUTH_TOKEN, a throwaway HOME and telemetry off, prints the
-    model's answer; every request it made reached the upstream as a chat request. Run it without a
-    route off the machine (e.g. under `unshare -rn`): nothing here may leave loopback."""
+def claude_script(body: dict, work: str) -> list:
+    """A scripted model for Claude Code: asked to write out.txt (and given its Write tool), it calls
+    Write on work/out.txt; once the tool result is back it answers; anything else gets a greeting."""
+    if any(m["role"] == "tool" for m in body["messages"]):
+        return steps({"content": "All done: out.txt written."}, usage=USAGE)
+    asks = msgspec.json.encode([m for m in body["messages"] if m["role"] == "user"]).decode()
+    tools = {t["function"]["name"] for t in body.get("tools") or ()}
+    if "out.txt" in asks and "Write" in tools:
+        args = {"file_path": os.path.join(work, "out.txt"), "content": "hi-from-iop\n"}
+        return steps(*native_call("toolu_iop1", "Write", msgspec.json.encode(args).decode()), finish="tool_calls")
+    return steps({"content": "Hello from "}, {"content": "the edge."}, usage=USAGE)
+
+
+async def run_claude(nursery, upstream, tmp_path, prompt: str, *extra: str):
+    """`claude -p PROMPT --model m` (the binary of tests/js, or IOP_CLAUDE) pointed at an edge with
+    ANTHROPIC_BASE_URL and ANTHROPIC_AUTH_TOKEN, in a throwaway HOME with telemetry and updates off,
+    inside `unshare -rn` (tests/agents.py): nothing here may leave loopback."""
+    claude = require_agent("claude", "IOP_CLAUDE")
     edge = await start_edge(nursery, edge_config(api_keys=["sk-edge"]))
     node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=4)])
-    upstream.script_for("t", lambda body: steps({"content": "Hello from "}, {"content": "the edge."}, usage=USAGE))
-    home = tmp_path / "home"
+    home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "ANTHROPIC_BASE_URL": edge.url,
-        "ANTHROPIC_AUTH_TOKEN": "sk-edge",
-        "ANTHROPIC_SMALL_FAST_MODEL": "m",
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "m",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CI": "1",
-    }
-    with trio.fail_after(60):
-        done = await trio.run_process(
-            [os.environ["IOP_CLAUDE"], "-p", "Say hello.", "--model", "m"],
-            env=env,
-            cwd=str(tmp_path),
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-        )
-    out = done.stdout.decode(errors="replace")
-    assert done.returncode == 0, (out, done.stderr.decode(errors="replace")[-2000:])
-    assert "Hello from the edge." in out
+    work.mkdir()
+    upstream.script_for("t", lambda body: claude_script(body, str(work)))
+    env = quiet_env(
+        home,
+        ANTHROPIC_BASE_URL=edge.url,
+        ANTHROPIC_AUTH_TOKEN="sk-edge",
+        ANTHROPIC_SMALL_FAST_MODEL="m",
+        DISABLE_TELEMETRY="1",
+        DISABLE_ERROR_REPORTING="1",
+        DISABLE_AUTOUPDATER="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    )
+    with trio.fail_after(45):
+        done = await run_offline([claude, "-p", prompt, "--model", "m", *extra], port=edge.port, env=env, cwd=work)
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
     assert upstream.records and all(r.body["model"] == "t" for r in upstream.records)
     await settled(edge, node.agent)
+    return done, work
+
+
+async def test_claude_code_cli_answers_through_the_edge(nursery, upstream, tmp_path):
+    """A plain prompt: `claude -p` prints the model's answer."""
+    done, _ = await run_claude(nursery, upstream, tmp_path, "Say hello.")
+    assert "Hello from the edge." in done.stdout
+
+
+async def test_claude_code_cli_writes_a_file_through_the_edge(nursery, upstream, tmp_path):
+    """A tool round trip: the model calls Claude Code's own Write tool (a streamed tool_use block),
+    Claude Code writes the file (`--permission-mode acceptEdits`) and sends a tool_result back,
+    which reaches the upstream as a tool message; the final answer is printed."""
+    done, work = await run_claude(
+        nursery, upstream, tmp_path, "Write hi-from-iop to out.txt.", "--permission-mode", "acceptEdits"
+    )
+    assert "All done: out.txt written." in done.stdout
+    assert (work / "out.txt").read_text() == "hi-from-iop\n"
+    last = next(r.body["messages"] for r in reversed(upstream.records) if r.body.get("tools"))
+    assert last[-2]["tool_calls"][0]["id"] == "toolu_iop1" and last[-2]["tool_calls"][0]["function"]["name"] == "Write"
+    assert last[-1]["role"] == "tool" and last[-1]["tool_call_id"] == "toolu_iop1"

@@ -133,7 +133,7 @@ async def test_health_and_readiness(nursery, upstream):
 
 
 async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
-    """/metrics reports requests by model and outcome, in-flight runs, linked nodes, latency
+    """/metrics reports requests by API, model and outcome, in-flight runs, linked nodes, latency
     histograms and cancels by cause."""
     edge = await start_edge(nursery)
     node = await start_node(nursery, edge, [model("m", upstream)])
@@ -141,6 +141,8 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
         async with http(edge) as client:
             await client.post("/v1/chat/completions", json={**BODY, "stream": True})
             await client.post("/v1/chat/completions", json={**BODY, "model": "nope"})
+            await client.post("/v1/messages", json={**BODY, "stream": True})
+            await client.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2})
             upstream.script_for("m-target", [("hang",)])
             async with trio.open_nursery() as clients:
 
@@ -148,15 +150,19 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
                     await client.post("/v1/chat/completions", json=BODY)
 
                 clients.start_soon(leave)
-                await upstream.wait_requests(2)
+                await upstream.wait_requests(4)
                 clients.cancel_scope.cancel()
             await settled(edge, node.agent)
             text = (await client.get("/metrics")).text
-    assert 'iop_requests_total{model="m",outcome="complete"} 1.0' in text
-    assert 'iop_requests_total{model="other",outcome="rejected_404"} 1.0' in text  # unknown names share one label
+    assert 'iop_requests_total{api="chat",model="m",outcome="complete"} 1.0' in text
+    assert 'iop_requests_total{api="chat",model="other",outcome="rejected_404"} 1.0' in text  # unknown names share one
+    assert 'iop_requests_total{api="messages",model="m",outcome="complete"} 1.0' in text  # the front door, labelled
+    assert 'iop_requests_total{api="responses",model="m",outcome="complete"} 1.0' in text
+    assert 'iop_runs_ended_total{api="messages",cause="complete",model="m"} 1.0' in text
     assert 'iop_run_cancels_total{cause="client_gone"} 1.0' in text
     assert "iop_runs_in_flight 0.0" in text and "iop_nodes_linked 1.0" in text
-    assert 'iop_time_to_first_token_seconds_count{model="m"}' in text
+    assert 'iop_time_to_first_token_seconds_count{api="chat",model="m"}' in text
+    assert 'iop_time_to_first_token_seconds_count{api="responses",model="m"}' in text
     assert 'iop_queue_time_seconds_count{model="m"}' in text
 
 

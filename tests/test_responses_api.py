@@ -4,8 +4,6 @@ hosted tool types left out, errors, and cancellation."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import msgspec
 import openai
@@ -14,6 +12,7 @@ import trio
 
 from edge.openai.responses import decode_request
 from scripts.upstream import words
+from tests.agents import quiet_env, require_agent, run_offline
 from tests.conftest import BOUND, edge_config, http, model, sdk, settled, start_edge, start_node
 
 WEATHER = {
@@ -381,14 +380,16 @@ async def test_bad_input_is_a_400_naming_the_field(edge_up):
 # -- the real Codex CLI -------------------------------------------------------------------
 
 
-CODEX = os.environ.get("IOP_CODEX", "")  # a `codex` binary: npm i --prefix /tmp/codex @openai/codex
-
-
 def codex_script(body: dict) -> list:
-    """Turn 1: reason, then call Codex's shell tool; turn 2 (a tool result came back): answer."""
+    """A scripted model for Codex: asked to write out.txt, it reasons, then calls Codex's own shell
+    tool; once the tool result is back it answers; anything else gets a greeting."""
     if any(m["role"] == "tool" for m in body["messages"]):
         return steps({"content": "All done: file written."})
-    shell = next(t["function"]["name"] for t in body["tools"] if t["function"]["name"] in ("exec_command", "shell"))
+    user = [m for m in body["messages"] if m["role"] == "user"]
+    tools = [t["function"]["name"] for t in body.get("tools") or ()]
+    shell = next((name for name in tools if name in ("exec_command", "shell")), None)
+    if not (user and "out.txt" in msgspec.json.encode(user[-1]).decode() and shell):
+        return steps({"content": "Hello from "}, {"content": "the edge."})
     args = (
         {"cmd": "echo hi-from-iop > out.txt"}
         if shell == "exec_command"
@@ -401,11 +402,11 @@ def codex_script(body: dict) -> list:
     )
 
 
-@pytest.mark.skipif(not CODEX, reason="set IOP_CODEX to a codex binary (npm i --prefix /tmp/codex @openai/codex)")
-async def test_codex_cli_runs_a_tool_through_the_edge(edge_up, tmp_path):
-    """`codex exec` with a `[model_providers.iop]` entry (wire_api = "responses") streams a reasoning
-    summary and a function call from the edge, runs the command, sends its output back as
-    `function_call_output`, and prints the final answer."""
+async def run_codex(edge_up, tmp_path, prompt: str):
+    """`codex exec` (the binary of tests/js, or IOP_CODEX) with the `[model_providers.iop]` entry of
+    the README (wire_api = "responses") in a throwaway CODEX_HOME, analytics and update checks off,
+    approvals and sandbox bypassed, inside `unshare -rn` (tests/agents.py): loopback only."""
+    codex = require_agent("codex", "IOP_CODEX")
     edge, upstream = edge_up
     upstream.script_for("t", codex_script)
     home, work = tmp_path / "home", tmp_path / "work"
@@ -427,30 +428,30 @@ wire_api = "responses"
 env_key = "IOP_API_KEY"
 """
     )
-    blackhole = "http://127.0.0.1:9"  # anything Codex tries beyond loopback goes nowhere
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(home),
-        "CODEX_HOME": str(home / ".codex"),
-        "IOP_API_KEY": "unused",
-        "HTTPS_PROXY": blackhole,
-        "HTTP_PROXY": blackhole,
-        "NO_PROXY": "127.0.0.1,localhost",
-        "RUST_LOG": "error",
-    }
-    argv = [CODEX, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-    with trio.fail_after(90):
-        done = await trio.run_process(
-            [*argv, "-C", str(work), "--color", "never", "write out.txt"],
-            env=env,
-            stdin=b"",
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
+    env = quiet_env(home, CODEX_HOME=str(home / ".codex"), IOP_API_KEY="unused", RUST_LOG="error")
+    argv = [codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    with trio.fail_after(45):
+        done = await run_offline(
+            [*argv, "-C", str(work), "--color", "never", prompt], port=edge.port, env=env, cwd=work
         )
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    assert "All done: file written." in done.stdout.decode()
-    assert "I will write the file." in done.stderr.decode()  # the reasoning summary, shown
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    assert upstream.records and all(r.body["model"] == "t" for r in upstream.records)
+    return done, work, upstream
+
+
+async def test_codex_cli_answers_through_the_edge(edge_up, tmp_path):
+    """A plain prompt: `codex exec` prints the model's answer."""
+    done, _, _ = await run_codex(edge_up, tmp_path, "Say hello.")
+    assert "Hello from the edge." in done.stdout
+
+
+async def test_codex_cli_runs_a_tool_through_the_edge(edge_up, tmp_path):
+    """A tool round trip: Codex streams a reasoning summary and a function call to its own shell
+    tool from the edge, runs the command (the file appears), sends its output back as
+    `function_call_output` (a tool message upstream), and prints the final answer."""
+    done, work, upstream = await run_codex(edge_up, tmp_path, "Write hi-from-iop to out.txt.")
+    assert "All done: file written." in done.stdout
+    assert "I will write the file." in done.stderr  # the reasoning summary, shown
     assert (work / "out.txt").read_text() == "hi-from-iop\n"
     second = upstream.records[-1].body["messages"]
     assert second[-2]["tool_calls"][0]["id"] == "call_codex"

@@ -254,7 +254,7 @@ async def test_trace_logs_each_chunk_and_a_summary(shaped):
     with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs, trio.fail_after(BOUND):
         await stream_raw(edge, model="plain", metadata={"iop_trace_stream": "1"})
         await stream_raw(edge, model="plain")
-        await eventually(lambda: sum(e["event"] == "chat completion stream closed" for e in logs) == 2)
+        await eventually(lambda: sum(e["event"] == "stream closed" for e in logs) == 2)
     chunks = [e for e in logs if e["event"] == "chat completion stream output chunk"]
     assert [(e["seq"], e["type"], e["delta_len"]) for e in chunks] == [
         (1, "content", 1),
@@ -263,5 +263,5 @@ async def test_trace_logs_each_chunk_and_a_summary(shaped):
     ]
     assert chunks[0]["run_id"] == chunks[-1]["run_id"]
     assert [e["source_len"] for e in logs if e["event"] == "chat completion stream output filtered"] == [11]
-    summaries = [e for e in logs if e["event"] == "chat completion stream closed"]
+    summaries = [e for e in logs if e["event"] == "stream closed"]
     assert len(summaries) == 2 and summaries[0]["content_len"] == 2

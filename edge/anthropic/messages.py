@@ -5,11 +5,13 @@ The request is decoded (:mod:`edge.anthropic.codec`) into the chat path's
 request and lives the chat path's life (:class:`edge.openai.turn.Turn`):
 admission and the queue, failover, timeouts, cancellation, tool validation
 and retries (:func:`edge.openai.turn.collect_validated`), shaping
-(:class:`edge.openai.shaping.Shaper`) and usage. Only the encoding differs:
-a request with tools is collected and validated, then sent as whole blocks;
-one without streams live. As on the chat path, a stream commits at its run's
-first event (or a due keep-alive, here ``event: ping``), so a failure before
-that is a real HTTP error, in Anthropic's shape.
+(:class:`edge.openai.shaping.Shaper`) and usage, and chat's stream loops
+(:func:`edge.openai.output.stream_live`, :func:`~edge.openai.output.stream_buffered`).
+Only the encoders here differ: a request with tools is collected and
+validated, then sent as whole blocks (:class:`MessagesBuffered`); one without
+streams live (:class:`MessagesLive`). As on the chat path, a stream commits
+at its run's first event (or a due keep-alive, here ``event: ping``), so a
+failure before that is a real HTTP error, in Anthropic's shape.
 
 ``count_tokens`` answers the edge's estimate (characters / 4, plus 4 per
 message: :func:`edge.openai.request.estimate_input_tokens`), not a tokenizer's count.
@@ -25,14 +27,14 @@ import structlog
 from edge import errors
 from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stream_error
 from edge.errors import RunFailed
-from edge.openai.exchange import SSE_HEADERS, ErrorShape, Exchange
-from edge.openai.output import http_error
+from edge.openai import output
+from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import decode_body, estimate_input_tokens, parse_chat_request
 from edge.openai.shaping import Shaper
 from edge.openai.tools import with_ids
-from edge.openai.turn import Collected, Turn, collect_validated, failure
+from edge.openai.turn import Collected, Turn, collect_validated
 from edge.runs import Run, Slot
-from proto.frames import COMPLETE, DELTA, REASONING_DELTA
+from proto import RunEvent
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -82,9 +84,9 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
         if not turn.stream:
             await _respond_whole(turn, slot)
         elif turn.contract is not None or turn.buffered:
-            await _stream_buffered(turn, slot)
+            await output.stream_buffered(turn, slot, MessagesBuffered(turn))
         else:
-            await _stream_live(turn, slot)
+            await output.stream_live(turn, slot, MessagesLive)
     finally:
         # What the access line (edge.openai.routes) reports of the run.
         run = turn.last_run
@@ -100,15 +102,6 @@ def _message_id(ex: Exchange) -> str:
     return "msg_" + ex.request_id.removeprefix("req_")
 
 
-async def _fail(turn: Turn, failed: RunFailed) -> None:
-    """Tell the client: an HTTP error if nothing was sent yet, else ``event: error``."""
-    turn.outcome = failed.cause
-    if turn.ex.started:
-        await turn.ex.finish(stream_error(failed.message, failed.type))
-    else:
-        await turn.ex.respond_error(http_error(failed, turn.last_run))
-
-
 # -- a whole message ---------------------------------------------------------------
 
 
@@ -116,7 +109,7 @@ async def _respond_whole(turn: Turn, slot: Slot) -> None:
     try:
         result = await collect_validated(turn, slot)
     except RunFailed as failed:
-        await _fail(turn, failed)
+        await output.fail(turn, failed, stream_error)
         return
     body = message_body(
         _message_id(turn.ex),
@@ -130,30 +123,28 @@ async def _respond_whole(turn: Turn, slot: Slot) -> None:
     await turn.ex.respond(200, body)
 
 
-# -- a buffered stream (requests with tools) ---------------------------------------
+# -- the encoders of output's stream loops -----------------------------------------
 
 
-async def _stream_buffered(turn: Turn, slot: Slot) -> None:
-    """Collect (and validate) the whole run, sending only pings, then every block."""
-    ex = turn.ex
-    enc = MessageStream(_message_id(ex), turn.req.model)
+class MessagesBuffered:
+    """A collected run as Messages events (the encoder of
+    :func:`output.stream_buffered`): ``message_start`` at the commit,
+    ``event: ping`` meanwhile, then every block."""
 
-    async def commit() -> None:
-        if not ex.started:
-            await ex.start(200, SSE_HEADERS)
-            await ex.write(enc.start(turn.estimate))
+    keep_alive = PING
 
-    async def keep_alive() -> None:
-        await commit()
-        await ex.write(PING)
+    def __init__(self, turn: Turn) -> None:
+        self.turn = turn
+        self.enc = MessageStream(_message_id(turn.ex), turn.req.model)
 
-    try:
-        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
-    except RunFailed as failed:
-        await _fail(turn, failed)
-        return
-    await commit()
-    await ex.finish(collected_events(enc, result))
+    def opening(self) -> bytes:
+        return self.enc.start(self.turn.estimate)
+
+    def error(self, message: str, type: str) -> bytes:
+        return stream_error(message, type)
+
+    def whole(self, run: Run, result: Collected) -> bytes:
+        return collected_events(self.enc, result)
 
 
 def collected_events(enc: MessageStream, result: Collected) -> bytes:
@@ -166,82 +157,44 @@ def collected_events(enc: MessageStream, result: Collected) -> bytes:
     return b"".join(parts)
 
 
-# -- a live stream -----------------------------------------------------------------
+class MessagesLive(output.LiveEncoder):
+    """A run's events as Messages events as they arrive (the encoder of
+    :func:`output.stream_live`, which owns the commit and keep-alives)."""
 
+    keep_alive = PING
 
-async def _stream_live(turn: Turn, slot: Slot) -> None:
-    try:
-        await turn.run_on(slot, lambda run: _write_live(turn, run))
-    except RunFailed as failed:  # before the stream committed
-        await _fail(turn, failed)
+    def __init__(self, turn: Turn, run: Run) -> None:
+        super().__init__(turn, run)
+        self.enc = enc = MessageStream(_message_id(turn.ex), turn.req.model)
+        out = self.out
+        self.shaper = Shaper(
+            turn.policy,
+            include_reasoning=turn.req.reasoning_included(),
+            live=True,
+            on_content=lambda text: out.append(enc.text(text)),
+            on_reasoning=lambda text: out.append(enc.thinking(text)),
+        )
 
+    def opening(self) -> bytes:
+        return self.enc.start(self.turn.estimate)
 
-async def _write_live(turn: Turn, run: Run) -> None:
-    """Raises :class:`RunFailed` if the run fails before the stream commits."""
-    ex = turn.ex
-    enc = MessageStream(_message_id(ex), turn.req.model)
-    out: list[bytes] = []
-    shaper = Shaper(
-        turn.policy,
-        include_reasoning=turn.req.reasoning_included(),
-        live=True,
-        on_content=lambda text: out.append(enc.text(text)),
-        on_reasoning=lambda text: out.append(enc.thinking(text)),
-    )
-    keepalive = turn.edge.config.keepalive_s
-    try:
-        while True:
-            batch = await run.next_batch_within(keepalive)
-            if not ex.started:
-                if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
-                    raise failure(batch[0], run)
-                await ex.start(200, SSE_HEADERS)
-                out.append(enc.start(turn.estimate))
-            if batch is None:
-                out.append(PING)
-                data = b"".join(out)
-                out.clear()
-                await ex.write(data)
-                continue
-            end: bytes | None = None
-            for event in batch:
-                kind = event.type
-                if kind == DELTA:
-                    shaper.content(event.text)
-                elif kind == REASONING_DELTA:
-                    shaper.reasoning(event.text)
-                elif kind == COMPLETE:
-                    end = _complete(turn, run, shaper, enc, event)
-                    break
-                else:
-                    failed = failure(event, run)
-                    turn.outcome = failed.cause
-                    end = stream_error(failed.message, failed.type)
-                    break
-            if end is not None:
-                out.append(end)
-                await ex.finish(b"".join(out))
-                return
-            if out:
-                data = b"".join(out)
-                out.clear()
-                await ex.write(data)
-    finally:
-        log.info("message stream closed", content_len=shaper.content_len, reasoning_len=shaper.reasoning_len)
+    def error(self, message: str, type: str) -> bytes:
+        return stream_error(message, type)
 
-
-def _complete(turn: Turn, run: Run, shaper: Shaper, enc: MessageStream, event) -> bytes:
-    usage = turn.usage_of(run, event)
-    shaper.finish()  # flushes held-back text through the callbacks
-    parts: list[bytes] = []
-    finish_reason = event.finish_reason or "stop"
-    calls = with_ids(event.tool_calls) if event.tool_calls else None
-    fallback = shaper.fallback(finish_reason, bool(calls))
-    if fallback:
-        parts.append(enc.text(fallback))
-    for call in calls or ():
-        parts.append(enc.tool_use(call))
-    if calls and finish_reason != "length":
-        finish_reason = "tool_calls"
-    parts.append(enc.finish(finish_reason, usage))
-    return b"".join(parts)
+    def complete(self, event: RunEvent) -> bytes:
+        usage = self.turn.usage_of(self.run, event)
+        shaper = self.shaper
+        shaper.finish()  # flushes held-back text through the callbacks
+        enc = self.enc
+        parts: list[bytes] = []
+        finish_reason = event.finish_reason or "stop"
+        calls = with_ids(event.tool_calls) if event.tool_calls else None
+        fallback = shaper.fallback(finish_reason, bool(calls))
+        if fallback:
+            parts.append(enc.text(fallback))
+        for call in calls or ():
+            parts.append(enc.tool_use(call))
+        if calls and finish_reason != "length":
+            finish_reason = "tool_calls"
+        parts.append(enc.finish(finish_reason, usage))
+        return b"".join(parts)

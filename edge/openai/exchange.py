@@ -71,6 +71,7 @@ class Exchange:
         "request_id",
         "access",
         "errors",
+        "api",
     )
 
     def __init__(self, scope, receive, send) -> None:
@@ -84,6 +85,7 @@ class Exchange:
         self.request_id = new_request_id()  # also the x-request-id of every response
         self.access = Access()
         self.errors = OPENAI_ERRORS  # the route's error shape (edge.openai.routes sets it)
+        self.api = "chat"  # the route's front door: the ``api`` of its access line and metrics (routes sets it)
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:

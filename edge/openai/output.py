@@ -1,4 +1,9 @@
-"""Writing a chat completion to the client: live SSE, buffered SSE, or one JSON body.
+"""Writing a run to the client: live SSE, buffered SSE, or one JSON body.
+
+The two stream loops here (:func:`stream_live`, :func:`stream_buffered`) are
+every API's: each front door brings an encoder that makes its bytes (opening,
+events, keep-alive, in-stream error, closing) and owns no I/O. Chat's are
+:class:`LiveStream` and :class:`ChatBuffered`.
 
 A stream commits (sends ``200`` and its headers) only when its run's first
 event arrives or a keep-alive is due, whichever comes first: a run that fails
@@ -77,11 +82,12 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     return APIError(502, failed.message, failed.type)
 
 
-async def _fail(turn: Turn, failed: RunFailed) -> None:
-    """Tell the client: an HTTP error if nothing was sent yet, else in-stream."""
+async def fail(turn: Turn, failed: RunFailed, in_stream: Callable[[str, str], bytes] = sse_error) -> None:
+    """Tell the client: an HTTP error if nothing was sent yet, else the
+    stream's closing error bytes (``in_stream(message, type)``: the API's)."""
     turn.outcome = failed.cause
     if turn.ex.started:
-        await turn.ex.finish(sse_error(failed.message, failed.type))
+        await turn.ex.finish(in_stream(failed.message, failed.type))
     else:
         await turn.ex.respond_error(http_error(failed, turn.last_run))
 
@@ -90,7 +96,7 @@ async def respond_whole(turn: Turn, slot: Slot) -> None:
     try:
         result = await collect_validated(turn, slot)
     except RunFailed as failed:
-        await _fail(turn, failed)
+        await fail(turn, failed)
         return
     run = turn.last_run
     message = ResponseMessage(
@@ -115,28 +121,78 @@ async def respond_whole(turn: Turn, slot: Slot) -> None:
 # -- buffered stream -------------------------------------------------------------
 
 
-async def _commit(ex) -> None:
-    if not ex.started:
-        await ex.start(200, SSE_HEADERS)
+class BufferedEncoder(Protocol):
+    """What :func:`stream_buffered` writes with: one API's bytes for a stream
+    collected before the client sees any of it (:class:`ChatBuffered` for chat)."""
+
+    keep_alive: bytes  # written each keepalive_s the run shows nothing
+
+    def opening(self) -> bytes: ...  # written when the stream commits
+
+    def error(self, message: str, type: str) -> bytes: ...  # the closing bytes of a failed stream
+
+    def whole(self, run: Run, result: Collected) -> bytes: ...  # every event, then the closing bytes
 
 
-async def stream_buffered(turn: Turn, slot: Slot) -> None:
-    """Collect (and validate) the whole run, sending only keep-alives, then
-    emit role, reasoning, content, tool_calls and finish chunks and ``[DONE]``.
-    The stream commits at the first run event or the first keep-alive."""
+class ChatBuffered:
+    """Chat chunks for a collected run: nothing at the commit (the role
+    chunk leads the rest), ``: keep-alive`` comments meanwhile."""
+
+    keep_alive = KEEPALIVE
+
+    def __init__(self, turn: Turn) -> None:
+        self.turn = turn
+
+    def opening(self) -> bytes:
+        return b""
+
+    def error(self, message: str, type: str) -> bytes:
+        return sse_error(message, type)
+
+    def whole(self, run: Run, result: Collected) -> bytes:
+        return buffered_chunks(self.turn, run, result)
+
+
+async def stream_buffered(turn: Turn, slot: Slot, enc: BufferedEncoder | None = None) -> None:
+    """Collect (and validate, and retry) the whole run, sending only
+    ``enc``'s keep-alives, then all of it at once. The stream commits at the
+    run's first event or the first keep-alive; a run that fails before that
+    is an HTTP error (:func:`http_error`)."""
     ex = turn.ex
+    if enc is None:
+        enc = ChatBuffered(turn)
+
+    async def commit() -> None:
+        if not ex.started:
+            await ex.start(200, SSE_HEADERS)
+            opening = enc.opening()
+            if opening:
+                await ex.write(opening)
 
     async def keep_alive() -> None:
-        await _commit(ex)
-        await ex.write(KEEPALIVE)
+        await commit()
+        await ex.write(enc.keep_alive)
 
     try:
-        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=lambda: _commit(ex))
+        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
     except RunFailed as failed:
-        await _fail(turn, failed)
+        await fail(turn, failed, enc.error)
         return
-    await _commit(ex)
-    await ex.finish(buffered_chunks(turn, turn.last_run, result))
+    await commit()
+    data = enc.whole(turn.last_run, result)
+    policy = turn.policy
+    log.info(
+        "stream closed",
+        api=ex.api,
+        buffered=True,
+        strict_output=policy.strict_output,
+        strict_stream_buffer=policy.stream_buffer,
+        xml_completion_tool=policy.xml_completion_tool,
+        normalized=result.normalized,
+        content_len=len(result.content),
+        reasoning_len=len(result.reasoning or ""),
+    )
+    await ex.finish(data)
 
 
 def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
@@ -162,24 +218,64 @@ def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
         if result.tool_calls:
             trace.chunk("tool_calls", 0, tool_call_count=len(result.tool_calls))
         trace.chunk("finish", 0, finish_reason=result.finish_reason)
-    policy = turn.policy
-    log.info(
-        "chat completion stream closed",
-        strict_output=policy.strict_output,
-        strict_stream_buffer=policy.stream_buffer,
-        xml_completion_tool=policy.xml_completion_tool,
-        normalized=result.normalized,
-        content_len=len(result.content),
-        reasoning_len=len(result.reasoning or ""),
-    )
     return b"".join(parts)
 
 
 # -- live stream -------------------------------------------------------------------
 
 
-class LiveStream:
-    """Shapes a run's events into SSE chunks as they arrive.
+class LiveEncoder:
+    """What :func:`stream_live` writes with: one API's bytes for a run's
+    events as they arrive. The loop (commit, keep-alives, writes) is
+    :func:`stream_live`'s; an encoder only makes bytes, no I/O.
+
+    A subclass sets ``shaper`` (its callbacks append to ``out``) and gives
+    :meth:`opening`, :meth:`complete`, :meth:`error` and ``keep_alive``.
+    """
+
+    keep_alive = KEEPALIVE  # written each keepalive_s the run shows nothing
+
+    def __init__(self, turn: Turn, run: Run) -> None:
+        self.turn = turn
+        self.run = run
+        self.out: list[bytes] = []  # bytes shaped and not yet written
+        self.shaper: Shaper
+
+    def opening(self) -> bytes:
+        """Written when the stream commits."""
+        return b""
+
+    def complete(self, event: RunEvent) -> bytes:
+        """The run ended well: its last events and the closing bytes."""
+        raise NotImplementedError
+
+    def error(self, message: str, type: str) -> bytes:
+        """The closing bytes of a stream whose run failed after it committed."""
+        return sse_error(message, type)
+
+    def feed(self, batch: list[RunEvent]) -> bytes | None:
+        """Shape a batch into ``out``; the closing bytes if the run ended."""
+        shaper = self.shaper
+        for event in batch:
+            kind = event.type
+            if kind == DELTA:
+                shaper.content(event.text)
+            elif kind == REASONING_DELTA:
+                shaper.reasoning(event.text)
+            elif kind == COMPLETE:
+                return self.complete(event)
+            else:
+                return self.failed(event)
+        return None
+
+    def failed(self, event: RunEvent) -> bytes:
+        failed = failure(event, self.run)
+        self.turn.outcome = failed.cause
+        return self.error(failed.message, failed.type)
+
+
+class LiveStream(LiveEncoder):
+    """Shapes a run's events into chat SSE chunks as they arrive.
 
     Each batch of events becomes one write. With tools (``tool_stream =
     "live"``), content passes a filter that holds back possible tool-call
@@ -187,10 +283,8 @@ class LiveStream:
     """
 
     def __init__(self, turn: Turn, run: Run) -> None:
-        self.turn = turn
-        self.run = run
+        super().__init__(turn, run)
         self.enc = enc = _encoder(turn, run)
-        self.out: list[bytes] = []
         self.trace = StreamTrace() if trace_enabled(run.metadata) else None
         self.tool_filter = ToolTextFilter() if turn.contract is not None else None
         self.raw_content: list[str] = []  # with tools: all content, for parsing calls at the end
@@ -233,30 +327,23 @@ class LiveStream:
         return self.enc.role()
 
     def feed(self, batch: list[RunEvent]) -> bytes | None:
-        """Shape a batch into ``self.out``; the closing bytes if the run ended."""
+        if self.trace is None:
+            return super().feed(batch)
         shaper = self.shaper
         trace = self.trace
         for event in batch:
             kind = event.type
             if kind == DELTA:
-                if trace is None:
-                    shaper.content(event.text)
-                else:
-                    trace.around("content", event.text, shaper.content)
+                trace.around("content", event.text, shaper.content)
             elif kind == REASONING_DELTA:
-                if trace is None:
-                    shaper.reasoning(event.text)
-                else:
-                    trace.around("reasoning", event.text, shaper.reasoning)
+                trace.around("reasoning", event.text, shaper.reasoning)
             elif kind == COMPLETE:
-                return self._complete(event)
+                return self.complete(event)
             else:
-                failed = failure(event, self.run)
-                self.turn.outcome = failed.cause
-                return sse_error(failed.message, failed.type)
+                return self.failed(event)
         return None
 
-    def _complete(self, event: RunEvent) -> bytes:
+    def complete(self, event: RunEvent) -> bytes:
         usage = self.turn.usage_of(self.run, event)
         shaper = self.shaper
         shaper.finish()
@@ -273,14 +360,14 @@ class LiveStream:
                 calls = parsed.calls or None
                 self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))
                 if parsed.error and not calls:
-                    return sse_error(parsed.error, "tool_validation_error")
+                    return self.error(parsed.error, "tool_validation_error")
             else:
                 self._emit_content(self.tool_filter.flush())
         if self.turn.contract is not None and not cut_off:
             reason = self.turn.contract.validate(calls)
             if reason:
                 self.turn.outcome = "tool_validation"
-                return sse_error(reason, "tool_validation_error")
+                return self.error(reason, "tool_validation_error")
         tail: list[bytes] = []
         if calls:
             tail.append(enc.tool_calls(tool_calls_out(calls)))
@@ -310,31 +397,28 @@ def _unstreamed(cleaned: str, emitted: str) -> str:
     return ""
 
 
-class LiveEncoder(Protocol):
-    """What :func:`stream_live` writes with: :class:`LiveStream` for chat
-    chunks; another API's front door brings its own (same commit rule)."""
-
-    out: list[bytes]  # bytes shaped and not yet written
-    shaper: Shaper
-
-    def opening(self) -> bytes: ...  # written when the stream commits
-
-    def feed(self, batch: list[RunEvent]) -> bytes | None: ...  # the closing bytes if the run ended
-
-
 async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEncoder] = LiveStream) -> None:
-    """A live stream, encoded by ``make(turn, run)``. A run that fails before
-    the stream commits is an HTTP error (:func:`http_error`)."""
+    """A live stream, its bytes made by ``make(turn, run)``: commits (``200``
+    and the encoder's opening) at the run's first event or when a keep-alive
+    is due, writes each batch's bytes, the encoder's keep-alive when the run
+    is quiet, and its closing bytes. A run that fails before the stream
+    commits is an HTTP error (:func:`http_error`)."""
+    live: LiveEncoder | None = None
+
+    async def write(run: Run) -> None:
+        nonlocal live
+        live = make(turn, run)
+        await _write_live(turn, run, live)
+
     try:
-        await turn.run_on(slot, lambda run: _write_live(turn, run, make))
+        await turn.run_on(slot, write)
     except RunFailed as failed:  # before the stream committed
-        await _fail(turn, failed)
+        await fail(turn, failed, live.error if live is not None else sse_error)
 
 
-async def _write_live(turn: Turn, run: Run, make: Callable[[Turn, Run], LiveEncoder] = LiveStream) -> None:
+async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
     """Raises :class:`RunFailed` if the run fails before the stream commits."""
     ex = turn.ex
-    live = make(turn, run)
     keepalive = turn.edge.config.keepalive_s
     out = live.out
     try:
@@ -346,7 +430,7 @@ async def _write_live(turn: Turn, run: Run, make: Callable[[Turn, Run], LiveEnco
                 await ex.start(200, SSE_HEADERS)
                 out.append(live.opening())
             if batch is None:
-                out.append(KEEPALIVE)
+                out.append(live.keep_alive)
                 data = b"".join(out)
                 out.clear()
                 await ex.write(data)
@@ -363,7 +447,8 @@ async def _write_live(turn: Turn, run: Run, make: Callable[[Turn, Run], LiveEnco
     finally:
         policy = turn.policy
         log.info(
-            "chat completion stream closed",
+            "stream closed",
+            api=ex.api,
             strict_output=policy.strict_output,
             strict_stream_buffer=policy.stream_buffer,
             content_len=live.shaper.content_len,

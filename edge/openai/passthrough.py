@@ -80,6 +80,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
         body=_encode(raw),
         stream=bool(raw.get("stream")),
         headers=headers,
+        api=ex.api,
     )
     structlog.contextvars.bind_contextvars(run_id=run.id)
     ex.access.node_id = slot.link.node_id

@@ -8,7 +8,8 @@ ways out, as chat:
 
 - not streamed: :func:`collect_validated`, then one ``response`` object;
 - streamed with function tools (or a strict buffered model): collected and
-  validated (and retried) first, keep-alives meanwhile, then every item;
+  validated (and retried) first, keep-alives meanwhile, then every item,
+  through :func:`output.stream_buffered` with :class:`ResponsesBuffered`;
 - streamed without tools: live, through :func:`output.stream_live` with
   :class:`ResponsesLive` as its encoder.
 
@@ -27,16 +28,15 @@ import structlog
 from edge import errors
 from edge.errors import RunFailed
 from edge.openai import output
-from edge.openai.exchange import SSE_HEADERS, Exchange
+from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body, parse_chat_request
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.shaping import Shaper
 from edge.openai.sse import KEEPALIVE
 from edge.openai.tools import with_ids
-from edge.openai.turn import Turn, collect_validated, failure
+from edge.openai.turn import Collected, Turn, collect_validated
 from edge.runs import Run, Slot
 from proto import RunEvent
-from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -75,7 +75,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
         if not turn.stream:
             await _respond_whole(turn, slot, enc)
         elif turn.contract is not None or turn.buffered:
-            await _stream_buffered(turn, slot, enc)
+            await output.stream_buffered(turn, slot, ResponsesBuffered(enc))
         else:
             await output.stream_live(turn, slot, lambda t, run: ResponsesLive(t, run, enc))
     except Exception:
@@ -104,43 +104,38 @@ async def _respond_whole(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
     await turn.ex.respond(200, _encode(response))
 
 
-async def _stream_buffered(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
-    """Collect (and validate) the whole run, sending only keep-alives, then
-    every item. Commits at the first run event or the first keep-alive."""
-    ex = turn.ex
+class ResponsesBuffered:
+    """A collected run as Responses events (the encoder of
+    :func:`output.stream_buffered`): ``response.created`` at the commit,
+    keep-alive comments meanwhile, then every item."""
 
-    async def commit() -> None:
-        if not ex.started:
-            await ex.start(200, SSE_HEADERS)
-            await ex.write(enc.opening())
+    keep_alive = KEEPALIVE
 
-    async def keep_alive() -> None:
-        await commit()
-        await ex.write(KEEPALIVE)
+    def __init__(self, enc: ResponseEncoder) -> None:
+        self.enc = enc
 
-    try:
-        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
-    except RunFailed as failed:
-        turn.outcome = failed.cause
-        if ex.started:
-            await ex.finish(enc.failed(failed.message, failed.type))
-        else:
-            await ex.respond_error(output.http_error(failed, turn.last_run))
-        return
-    await commit()
-    _, events = enc.whole(result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason)
-    await ex.finish(events)
+    def opening(self) -> bytes:
+        return self.enc.opening()
+
+    def error(self, message: str, type: str) -> bytes:
+        return self.enc.failed(message, type)
+
+    def whole(self, run: Run, result: Collected) -> bytes:
+        _, events = self.enc.whole(
+            result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason
+        )
+        return events
 
 
-class ResponsesLive:
+class ResponsesLive(output.LiveEncoder):
     """A run's events as Responses stream events, as they arrive (the encoder
     of :func:`output.stream_live`, which owns the commit and keep-alives)."""
 
+    keep_alive = KEEPALIVE
+
     def __init__(self, turn: Turn, run: Run, enc: ResponseEncoder) -> None:
-        self.turn = turn
-        self.run = run
+        super().__init__(turn, run)
         self.enc = enc
-        self.out: list[bytes] = []
         out = self.out
         self.shaper = Shaper(
             turn.policy,
@@ -153,23 +148,10 @@ class ResponsesLive:
     def opening(self) -> bytes:
         return self.enc.opening()
 
-    def feed(self, batch: list[RunEvent]) -> bytes | None:
-        shaper = self.shaper
-        for event in batch:
-            kind = event.type
-            if kind == DELTA:
-                shaper.content(event.text)
-            elif kind == REASONING_DELTA:
-                shaper.reasoning(event.text)
-            elif kind == COMPLETE:
-                return self._complete(event)
-            else:
-                failed = failure(event, self.run)
-                self.turn.outcome = failed.cause
-                return self.enc.failed(failed.message, failed.type)
-        return None
+    def error(self, message: str, type: str) -> bytes:
+        return self.enc.failed(message, type)
 
-    def _complete(self, event: RunEvent) -> bytes:
+    def complete(self, event: RunEvent) -> bytes:
         usage = self.turn.usage_of(self.run, event)
         shaper = self.shaper
         shaper.finish()

@@ -71,6 +71,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     its one access line and its count in ``iop_requests_total``."""
     t0 = time.perf_counter()
     ex.errors = route.errors
+    ex.api = route.api
     structlog.contextvars.bind_contextvars(request_id=ex.request_id)
     outcome: str | None = None  # what ended it, when the handler did not say
     try:
@@ -124,7 +125,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         outcome = "unknown" if ex.finished else "client_gone"
     metrics = edge.metrics
     model = metrics.model_label(access.model)
-    metrics.requests.labels(model, outcome).inc()
+    metrics.requests.labels(api, model, outcome).inc()
     usage = access.usage
     if access.usage_estimated:
         metrics.usage_estimated.labels(model).inc()

@@ -59,6 +59,7 @@ class Run:
         "request",
         "failed_over",
         "requeued",
+        "api",
     )
 
     def __init__(
@@ -93,6 +94,7 @@ class Run:
         self.request = None  # the RunRequest frame, kept until the run closes (for failover)
         self.failed_over = False
         self.requeued = None  # while a failed-over run waits for a slot: its place in the queue
+        self.api = ""  # the front door its request came through (a metrics label; never sent to the node)
 
     @property
     def link(self):

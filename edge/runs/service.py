@@ -407,7 +407,9 @@ class RunService:
 
     # -- runs ------------------------------------------------------------------
 
-    def _new_run(self, slot: Slot, want: Want, metadata: dict[str, str], run_id: str | None = None) -> Run:
+    def _new_run(
+        self, slot: Slot, want: Want, metadata: dict[str, str], run_id: str | None = None, api: str = ""
+    ) -> Run:
         cfg = self.config
         run = Run(
             run_id or new_run_id(),
@@ -419,6 +421,7 @@ class RunService:
             on_close=self._closed,
         )
         run.want = want
+        run.api = api
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
         return run
@@ -431,10 +434,12 @@ class RunService:
         want: Want,
         metadata: dict[str, str],
         run_id: str | None = None,
+        api: str = "",
     ) -> Run:
         """Create the run and send it to the slot's node (never blocks).
-        ``request``: the body from :func:`encode_run_body`."""
-        run = self._new_run(slot, want, metadata, run_id)
+        ``request``: the body from :func:`encode_run_body`; ``api``: the front
+        door the request came through, for metrics only (the node never sees it)."""
+        run = self._new_run(slot, want, metadata, run_id, api)
         run.request = RunRequest(
             run_id=run.id,
             model=slot.model,
@@ -457,9 +462,10 @@ class RunService:
         body: bytes,
         stream: bool,
         headers: list[tuple[str, str]],
+        api: str = "",
     ) -> Run:
         """A passthrough run: the node relays one raw HTTP request."""
-        run = self._new_run(slot, want, {"response_mode": "passthrough"})
+        run = self._new_run(slot, want, {"response_mode": "passthrough"}, api=api)
         slot.link.send_nowait(
             TunnelRequest(
                 run_id=run.id,
