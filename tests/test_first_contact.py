@@ -162,6 +162,22 @@ async def test_stream_failing_before_its_first_event_is_an_http_error(first):
     assert "bad temperature" in caught.value.message
 
 
+async def test_upstream_429_before_the_first_event_is_a_429_with_retry_after(first):
+    """A saturated model server (429) before any event: the client gets HTTP 429 with Retry-After, streamed or not."""
+    edge, upstream = first
+    upstream.script_for("t", [("status", 429, b'{"error": {"message": "too many requests"}}')])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for stream in (True, False):
+                with pytest.raises(openai.RateLimitError) as caught:
+                    if stream:
+                        await stream_all(client, model="m")
+                    else:
+                        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                assert caught.value.status_code == 429
+                assert caught.value.response.headers["retry-after"] == "1"
+
+
 async def test_sdk_retries_a_stream_that_failed_before_its_first_event(first):
     """With max_retries=1, openai-python retries the 502 of a stream whose upstream failed once, and
     the second attempt streams the answer."""

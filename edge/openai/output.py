@@ -65,9 +65,15 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     """A failed run as an HTTP error (a whole response, or a stream not yet
     committed): an upstream 4xx keeps its status; an upstream 5xx or a node's
     error is 502, a lost node 502, a wait timeout or run deadline 504, the
-    edge shutting down 503."""
+    edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``."""
     if failed.type != "run_error":
         return APIError(502, failed.message, failed.type)
+    if failed.status == 429:
+        # The model server is saturated: the client may retry. Its own
+        # Retry-After does not travel over the link; say 1 s.
+        return APIError(
+            429, failed.message, "rate_limit_error", code="upstream_rate_limited", headers=[(b"retry-after", b"1")]
+        )
     if 400 <= failed.status < 500:
         return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
     cause = run.cause if run is not None else None
