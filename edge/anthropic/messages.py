@@ -30,7 +30,6 @@ from edge.errors import RunFailed
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import decode_body, estimate_input_tokens, parse_chat_request
-from edge.openai.shaping import Shaper
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated
 from edge.runs import Run, Slot
@@ -88,14 +87,7 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
         else:
             await output.stream_live(turn, slot, MessagesLive)
     finally:
-        # What the access line (edge.openai.routes) reports of the run.
-        run = turn.last_run
-        if turn.outcome is not None:
-            access.outcome = turn.outcome
-        elif run is not None:
-            access.outcome = run.cause or "unknown"
-        access.node_id = turn.node_id or None
-        access.usage, access.usage_estimated = turn.usage, turn.usage_estimated
+        turn.report(access)
 
 
 def _message_id(ex: Exchange) -> str:
@@ -166,14 +158,7 @@ class MessagesLive(output.LiveEncoder):
     def __init__(self, turn: Turn, run: Run) -> None:
         super().__init__(turn, run)
         self.enc = enc = MessageStream(_message_id(turn.ex), turn.req.model)
-        out = self.out
-        self.shaper = Shaper(
-            turn.policy,
-            include_reasoning=turn.req.reasoning_included(),
-            live=True,
-            on_content=lambda text: out.append(enc.text(text)),
-            on_reasoning=lambda text: out.append(enc.thinking(text)),
-        )
+        self.shaper = self.shape_into_out(enc.text, enc.thinking)
 
     def opening(self) -> bytes:
         return self.enc.start(self.turn.estimate)

@@ -63,11 +63,4 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         else:
             await output.stream_live(turn, slot)
     finally:
-        # What the access line (edge.openai.routes) reports of the run.
-        run = turn.last_run
-        if turn.outcome is not None:
-            access.outcome = turn.outcome
-        elif run is not None:
-            access.outcome = run.cause or "unknown"
-        access.node_id = turn.node_id or None
-        access.usage, access.usage_estimated = turn.usage, turn.usage_estimated
+        turn.report(access)

@@ -247,6 +247,20 @@ class LiveEncoder:
         self.out: list[bytes] = []  # bytes shaped and not yet written
         self.shaper: Shaper
 
+    def shape_into_out(self, content: Callable[[str], bytes], reasoning: Callable[[str], bytes]) -> Shaper:
+        """A live :class:`Shaper` for this request whose shaped content and
+        reasoning go to ``out`` through the API's ``content``/``reasoning``
+        encoders."""
+        out = self.out
+        turn = self.turn
+        return Shaper(
+            turn.policy,
+            include_reasoning=turn.req.reasoning_included(),
+            live=True,
+            on_content=lambda text: out.append(content(text)),
+            on_reasoning=lambda text: out.append(reasoning(text)),
+        )
+
     def opening(self) -> bytes:
         """Written when the stream commits."""
         return b""

@@ -31,7 +31,6 @@ from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body, parse_chat_request
 from edge.openai.responses import ResponseEncoder, decode_request
-from edge.openai.shaping import Shaper
 from edge.openai.sse import KEEPALIVE
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated
@@ -83,14 +82,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             await ex.finish(enc.failed("internal error in the edge", "server_error"))
         raise
     finally:
-        # What the access line (edge.openai.routes) reports of the run.
-        run = turn.last_run
-        if turn.outcome is not None:
-            access.outcome = turn.outcome
-        elif run is not None:
-            access.outcome = run.cause or "unknown"
-        access.node_id = turn.node_id or None
-        access.usage, access.usage_estimated = turn.usage, turn.usage_estimated
+        turn.report(access)
 
 
 async def _respond_whole(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
@@ -136,14 +128,7 @@ class ResponsesLive(output.LiveEncoder):
     def __init__(self, turn: Turn, run: Run, enc: ResponseEncoder) -> None:
         super().__init__(turn, run)
         self.enc = enc
-        out = self.out
-        self.shaper = Shaper(
-            turn.policy,
-            include_reasoning=turn.req.reasoning_included(),
-            live=True,
-            on_content=lambda text: out.append(enc.text(text)),
-            on_reasoning=lambda text: out.append(enc.reasoning(text)),
-        )
+        self.shaper = self.shape_into_out(enc.text, enc.reasoning)
 
     def opening(self) -> bytes:
         return self.enc.opening()

@@ -69,6 +69,17 @@ class Turn:
         self.usage: UsageOut | None = None  # of the run that answered (for the access line)
         self.usage_estimated = False
 
+    def report(self, access) -> None:
+        """Fill in what the access line (edge.openai.routes) reports of this
+        request's runs: outcome, node, usage."""
+        run = self.last_run
+        if self.outcome is not None:
+            access.outcome = self.outcome
+        elif run is not None:
+            access.outcome = run.cause or "unknown"
+        access.node_id = self.node_id or None
+        access.usage, access.usage_estimated = self.usage, self.usage_estimated
+
     @property
     def buffered(self) -> bool:
         """Collect the whole run before the client sees anything."""
