@@ -61,6 +61,13 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_node_concurrency: int = 4096  # per node and model: a larger advertised capacity is capped to this
     stall_after_s: float = 10.0  # a node whose runs wait this long (and 10x its peers' TTFT) for a first event is
     #                              routed around, and its unstarted runs move to other nodes
+    # Placement (README "Many nodes"): "prefix" (session, then the node holding the longest
+    # prompt prefix, then rendezvous hashing), "session" (session, then least loaded),
+    # "least_loaded", "random".
+    routing: Literal["prefix", "session", "least_loaded", "random"] = "prefix"
+    prefix_index_entries: int = 500_000  # prefix blocks remembered (about 80 bytes each: ~40 MB); 0: none
+    prefix_max_load_gap: float = 0.25  # a prefix or rendezvous choice may be this much busier (fraction of
+    #                                    capacity) than the least loaded node; beyond it load wins
     # Requests.
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 2048
@@ -88,6 +95,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
+        if self.prefix_index_entries < 0:
+            raise ConfigError("prefix_index_entries: must not be negative")
+        if not 0 <= self.prefix_max_load_gap <= 1:
+            raise ConfigError("prefix_max_load_gap: must be between 0 and 1")
         if self.backlog <= 0:
             raise ConfigError("backlog: must be greater than 0")
         if self.body_timeout_s <= 0:

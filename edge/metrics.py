@@ -21,8 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from edge.runs import Run, RunService
+from edge.runs.service import PLACEMENTS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+PREFIX_BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -103,6 +105,28 @@ class EdgeMetrics:
             lambda: sum(lk.stalled(trio.current_time()) for lk in list(runs.links.values()))
         )
         runs.on_stall.append(lambda _link: self.node_stalls.inc())
+        self.placements = Counter(
+            "iop_placements",
+            "Nodes chosen for requests, by how: session (affinity), prefix (the longest prompt prefix sent "
+            "there), rendezvous (no local match: the same choice on every edge), least_loaded, random",
+            ["how"],
+            registry=r,
+        )
+        for how in PLACEMENTS:
+            self.placements.labels(how)
+        self.prefix_blocks = Histogram(
+            "iop_prefix_matched_blocks",
+            "Prompt prefix blocks (256 bytes of text each) matched on the chosen node, per prefix placement",
+            buckets=PREFIX_BLOCK_BUCKETS,
+            registry=r,
+        )
+        self.prefix_index_entries = Gauge(
+            "iop_prefix_index_entries",
+            "Prompt prefix blocks the edge remembers (prefix_index_entries caps it)",
+            registry=r,
+        )
+        self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
+        runs.on_placed.append(self.observe_placement)
         runs.on_run_closed.append(self.observe_run)
 
     def model_label(self, model: object) -> str:
@@ -111,6 +135,11 @@ class EdgeMetrics:
         if isinstance(model, str) and self._runs.is_known(model):
             return model
         return OTHER_MODEL
+
+    def observe_placement(self, how: str, blocks: int) -> None:
+        self.placements.labels(how).inc()
+        if blocks:
+            self.prefix_blocks.observe(blocks)
 
     def observe_run(self, run: Run) -> None:
         now = trio.current_time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -9,6 +10,7 @@ import msgspec
 from edge import errors
 from edge.openai.jsonbody import MAX_JSON_DEPTH, decode_json, nested_deeper_than
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
+from edge.runs.placement import prefix_chain
 
 
 def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
@@ -110,6 +112,32 @@ def estimate_input_tokens(req: ChatRequest) -> int:
     if req.tools:
         chars += len(msgspec.json.encode(req.tools))
     return chars // 4 + 4 * len(req.messages)
+
+
+def prompt_prefix(req: ChatRequest) -> tuple[int, ...]:
+    """The request's prefix chain (:func:`edge.runs.placement.prefix_chain`)
+    over what a chat template renders first: tool definitions, then each
+    message's role and text (text parts joined; a non-text part counts by
+    its type only), with its tool calls."""
+    return prefix_chain(req.model, _rendered(req))
+
+
+def _rendered(req: ChatRequest) -> Iterator[tuple[str, str]]:
+    if req.tools:
+        yield "tools", msgspec.json.encode(req.tools).decode()
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, str) or content is None:
+            text = content or ""
+        else:
+            text = "".join(
+                part["text"] if isinstance(part.get("text"), str) else f"<{part.get('type')}>"
+                for part in content
+                if isinstance(part, dict)
+            )
+        if message.tool_calls:
+            text += msgspec.json.encode(message.tool_calls).decode()
+        yield message.role, text
 
 
 CONTEXT_CLASSES = ((4096, "small"), (32768, "medium"), (131072, "large"))

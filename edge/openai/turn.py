@@ -18,7 +18,7 @@ import trio
 
 from edge.errors import APIError, RunFailed
 from edge.openai.exchange import Exchange
-from edge.openai.request import context_class, estimate_input_tokens
+from edge.openai.request import context_class, estimate_input_tokens, prompt_prefix
 from edge.openai.schema import ChatRequest, UsageOut
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_calls, text_tools_request, with_ids
@@ -62,7 +62,12 @@ class Turn:
         self.metadata["estimated_input_tokens"] = str(self.estimate)
         self.metadata["context_class"] = context_class(self.estimate)
         limit = req.max_completion_tokens or req.max_tokens or 0
-        self.want = Want(req.model, session=self.session or None, min_context=self.estimate + limit if limit else 0)
+        self.want = Want(
+            req.model,
+            session=self.session or None,
+            min_context=self.estimate + limit if limit else 0,
+            prefix=prompt_prefix(req) if edge.config.routing == "prefix" else (),
+        )
         self.last_run: Run | None = None
         self.node_id = ""
         self.outcome: str | None = None  # set when the client got an error the run's cause does not tell

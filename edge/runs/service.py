@@ -16,6 +16,7 @@ import trio
 from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
+from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
 from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, UNSENDABLE, Run
 from proto import CancelRun, ModelInfo, RunRequest, TunnelRequest
 
@@ -45,6 +46,7 @@ class Want(msgspec.Struct, frozen=True):
     session: str | None = None
     min_context: int = 0  # estimated input tokens + max_tokens; 0: anything fits
     tunnel: bool = False  # the node must allow raw passthrough for the model
+    prefix: tuple[int, ...] = ()  # the prompt's prefix chain (edge.runs.placement.prefix_chain)
 
     def fits(self, link: NodeLink) -> bool:
         info = link.models.get(self.model)
@@ -70,6 +72,7 @@ class _Waiter:
 
 
 _MAX_SESSIONS = 100_000
+PLACEMENTS = ("session", "prefix", "rendezvous", "least_loaded", "random")  # how a node was chosen
 
 
 def new_run_id() -> str:
@@ -132,6 +135,11 @@ class RunService:
         self._known: set[str] = {m.name for m in config.models}
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
+        self.prefixes = PrefixIndex(config.prefix_index_entries)
+        # Called with (how, matched prefix blocks) each time a node is chosen
+        # for a request; ``how`` is one of PLACEMENTS.
+        self.on_placed: list[Callable[[str, int], None]] = []
+        self._placed: tuple[str, int] = ("least_loaded", 0)  # set by _pick, read by the _reserve after it
         self._run_closed = trio.lowlevel.ParkingLot()
 
     # -- what is served --------------------------------------------------------
@@ -281,13 +289,33 @@ class RunService:
     # -- admission -----------------------------------------------------------
 
     def _pick(self, want: Want, exclude: NodeLink | None = None) -> NodeLink | None:
-        """Session affinity first (the same node while it has room, so the
-        model server's prefix cache is reused), then the least loaded
-        (in-flight / capacity), ties broken at random. A node that is not
-        starting its runs (stalled) is skipped."""
+        """The node for ``want`` among those that can take it now (a free
+        slot, the context fits, not stalled), by ``config.routing``:
+
+        - ``session``: session affinity first (the same node while it has
+          room, so the model server's prefix cache is reused), then the least
+          loaded (in-flight / capacity), ties broken at random;
+        - ``prefix``: session affinity first; then, among the nodes at most
+          ``prefix_max_load_gap`` busier than the least loaded, the one the
+          edge sent the longest prefix of this prompt (the least loaded of
+          several); with no match, rendezvous hashing of the session, else of
+          the first prefix block, so every edge makes the same choice; with
+          neither, as ``least_loaded``;
+        - ``least_loaded``: ties broken at random; ``random``: any.
+
+        Sets ``_placed`` (how, matched blocks) for the :meth:`_reserve` that follows."""
         model = want.model
         now = trio.current_time()
-        if want.session is not None:
+        routing = self.config.routing
+        self._placed = (routing, 0)
+        if routing == "random":
+            free = [
+                lk
+                for lk in self.links.values()
+                if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now)
+            ]
+            return random.choice(free) if free else None
+        if want.session is not None and routing != "least_loaded":
             node_id = self._affinity.get(want.session)
             link = self.links.get(node_id) if node_id is not None else None
             if (
@@ -297,20 +325,35 @@ class RunService:
                 and want.fits(link)
                 and not link.stalled(now)
             ):
+                self._placed = ("session", 0)
                 return link
-        best: list[NodeLink] = []
+        free: list[tuple[float, NodeLink]] = []
         best_load = math.inf
         for link in self.links.values():
             if link is exclude or link.free_slots(model) <= 0 or not want.fits(link) or link.stalled(now):
                 continue
             load = link.load(model)
-            if load < best_load:
-                best, best_load = [link], load
-            elif load == best_load:
-                best.append(link)
-        if not best:
+            free.append((load, link))
+            best_load = min(best_load, load)
+        if not free:
             return None
-        return best[0] if len(best) == 1 else random.choice(best)
+        key = rendezvous_key(want.session, want.prefix) if routing == "prefix" else None
+        if key is None:
+            self._placed = ("least_loaded", 0)
+            best = [lk for load, lk in free if load == best_load]
+            return best[0] if len(best) == 1 else random.choice(best)
+        limit = best_load + self.config.prefix_max_load_gap
+        near = {lk.node_id: (load, lk) for load, lk in free if load <= limit}
+        depth, holders = self.prefixes.match(want.prefix, near) if want.prefix else (0, set())
+        if depth:
+            # Several nodes hold the same prefix: the least loaded of them.
+            low = min(near[node_id][0] for node_id in holders)
+            pool = [node_id for node_id in holders if near[node_id][0] == low]
+            self._placed = ("prefix", depth)
+        else:
+            pool = list(near)
+            self._placed = ("rendezvous", 0)
+        return near[rendezvous(key, pool)][1]
 
     def _remember_session(self, want: Want, link: NodeLink) -> None:
         if want.session is None:
@@ -324,6 +367,11 @@ class RunService:
     def _reserve(self, link: NodeLink, want: Want) -> Slot:
         link.in_flight[want.model] += 1
         self._remember_session(want, link)
+        if want.prefix and self.config.routing == "prefix":
+            self.prefixes.record(want.prefix, link.node_id)
+        how, depth = self._placed
+        for hook in self.on_placed:
+            hook(how, depth)
         return Slot(link, want.model)
 
     def release(self, slot: Slot) -> None:

@@ -1,0 +1,257 @@
+"""Placement across a fleet: prefix chains, the prefix index, rendezvous hashing, the load gap."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import msgspec
+import pytest
+import trio
+
+from edge.config import ConfigError, EdgeConfig
+from edge.openai.request import prompt_prefix
+from edge.openai.schema import ChatRequest
+from edge.runs import NodeLink, RunService, Want
+from edge.runs.placement import BLOCK_BYTES, PrefixIndex, prefix_chain, rendezvous
+from proto import ModelInfo
+from scripts.upstream import Upstream
+from tests.conftest import BOUND, http, model, settled, start_edge, start_node
+
+SYSTEM = "You are a careful assistant. " * 70  # 2030 bytes: 8 blocks
+
+
+def service(**kw) -> RunService:
+    return RunService(EdgeConfig(**kw))
+
+
+def link(node_id: str, capacity: int = 8) -> NodeLink:
+    return NodeLink(node_id, [ModelInfo(name="m", adapter="sim", target="t", max_concurrency=capacity)])
+
+
+def fleet(n: int, capacity: int = 8, **kw) -> tuple[RunService, list[NodeLink]]:
+    runs = service(**kw)
+    links = [link(f"node-{i}", capacity) for i in range(n)]
+    for lk in links:
+        runs.add_link(lk)
+    return runs, links
+
+
+def chain(*messages: tuple[str, str]) -> tuple[int, ...]:
+    return prefix_chain("m", messages)
+
+
+def test_a_growing_conversation_matches_its_head():
+    """Every block of the earlier turns matches when the conversation grows by messages."""
+    first = chain(("system", SYSTEM), ("user", "What is 2 + 2?"))
+    grown = chain(("system", SYSTEM), ("user", "What is 2 + 2?"), ("assistant", "4"), ("user", "And 3 + 3?"))
+    assert grown[: len(first)] == first and len(grown) == len(first) + 2
+    index = PrefixIndex(1000)
+    index.record(first, "a")
+    assert index.match(grown, {"a", "b"}) == (len(first), {"a"})
+    assert index.match(grown, {"b"}) == (0, set())  # only candidates count
+
+
+def test_a_shared_system_prompt_with_different_tails_matches_the_system_blocks():
+    """Different tails after the same system prompt match its blocks, plus the full blocks
+    a long message shares before it differs."""
+    index = PrefixIndex(1000)
+    index.record(chain(("system", SYSTEM), ("user", "x" * 600 + "one")), "a")
+    assert index.match(chain(("system", SYSTEM), ("user", "short")), {"a"})[0] == 8
+    assert index.match(chain(("system", SYSTEM), ("user", "x" * 600 + "two")), {"a"})[0] == 8 + 600 // BLOCK_BYTES
+    assert index.match(chain(("system", "Another prompt."), ("user", "short")), {"a"})[0] == 0
+    assert prefix_chain("other-model", [("system", SYSTEM)])[0] != chain(("system", SYSTEM))[0]
+
+
+def test_the_chain_is_over_rendered_text_not_json_shape():
+    """Text parts and a plain string give the same chain; tools come first; roles count."""
+
+    def req(messages, **kw) -> ChatRequest:
+        return msgspec.convert({"model": "m", "messages": messages, **kw}, ChatRequest)
+
+    plain = prompt_prefix(req([{"role": "user", "content": "hello world"}]))
+    parts = prompt_prefix(req([{"role": "user", "content": [{"type": "text", "text": "hello world"}]}]))
+    assert plain == parts and len(plain) == 1
+    assert prompt_prefix(req([{"role": "system", "content": "hello world"}])) != plain
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = prompt_prefix(req([{"role": "user", "content": "hello world"}], tools=[tool]))
+    assert len(with_tools) == 2 and with_tools[1] != plain[0]
+
+
+def test_the_index_is_capped_and_forgets_the_least_recent():
+    """Never more than max_entries keys; a key recorded again survives keys recorded once
+    since; the memory per key stays small."""
+    index = PrefixIndex(100)
+    hot = chain(("user", "hot"))
+    for i in range(1000):
+        index.record(chain(("user", f"cold {i}")), f"n{i % 3}")
+        if i % 10 == 0:
+            index.record(hot, "a")
+        assert len(index) <= 100
+    assert index.match(hot, {"a"}) == (1, {"a"})
+    assert index.match(chain(("user", "cold 999")), {"n0"})[0] == 1
+    assert index.match(chain(("user", "cold 0")), {"n0"})[0] == 0
+    assert len(PrefixIndex(0)) == 0
+    off = PrefixIndex(0)
+    off.record(hot, "a")
+    assert len(off) == 0
+
+    n = 100_000
+    tracemalloc.start()
+    try:
+        big = PrefixIndex(2 * n)
+        before = tracemalloc.get_traced_memory()[0]
+        big.record(range(2**59, 2**59 + n), "node-1")
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert len(big) == n and per_key < 120, per_key
+
+
+def test_a_block_remembers_several_nodes_most_recent_first():
+    """A prefix sent to several nodes matches on each of them (up to MAX_HOLDERS)."""
+    index = PrefixIndex(1000)
+    c = chain(("system", SYSTEM))
+    for node in ("a", "b", "c"):
+        index.record(c, node)
+    assert index.match(c, {"a", "b", "c", "d"}) == (8, {"a", "b", "c"})
+    assert index.holders(c[0]) == ("c", "b", "a")
+
+
+def test_removing_a_node_moves_only_its_own_keys():
+    """Rendezvous hashing: with one of 8 nodes removed, every key it did not own stays put,
+    and keys spread over all nodes."""
+    nodes = [f"node-{i}" for i in range(8)]
+    keys = [f"session-{i}".encode() for i in range(2000)]
+    owner = {k: rendezvous(k, nodes) for k in keys}
+    counts = {n: sum(1 for o in owner.values() if o == n) for n in nodes}
+    assert min(counts.values()) > 2000 / 8 / 2
+    gone = "node-3"
+    rest = [n for n in nodes if n != gone]
+    for k in keys:
+        after = rendezvous(k, rest)
+        if owner[k] != gone:
+            assert after == owner[k]
+    assert rendezvous(keys[0], reversed(nodes)) == owner[keys[0]]  # order does not matter
+
+
+async def test_two_edges_choose_the_same_node_for_a_cold_request(autojump_clock):
+    """Two run services that share nothing but their links' node ids send the same cold
+    request (by session, else by first prefix block) to the same node."""
+    one, _ = fleet(8)
+    two, _ = fleet(8)
+    chosen: set[str] = set()
+    for i in range(40):
+        want = Want("m", prefix=chain(("system", f"prompt {i}"), ("user", "hi")))
+        by_session = Want("m", session=f"conversation-{i}")
+        for w in (want, by_session):
+            a, b = await one.acquire(w), await two.acquire(w)
+            assert a.link.node_id == b.link.node_id
+            chosen.add(a.link.node_id)
+            one.release(a)
+            two.release(b)
+    assert len(chosen) >= 6  # cold requests spread
+
+
+async def test_the_longest_prefix_wins_over_rendezvous(autojump_clock):
+    """A new session whose prompt shares a system prompt goes to the node that holds it, not
+    to the node its session hashes to; the placement hook says so."""
+    runs, links = fleet(4)
+    placed: list[tuple[str, int]] = []
+    runs.on_placed.append(lambda how, blocks: placed.append((how, blocks)))
+    first = await runs.acquire(Want("m", session="u0", prefix=chain(("system", SYSTEM), ("user", "a"))))
+    runs.release(first)
+    assert placed == [("rendezvous", 0)]
+    ids = [lk.node_id for lk in links]
+    other = next(f"u{i}" for i in range(1, 100) if rendezvous(b"su%d" % i, ids) != first.link.node_id)
+    slot = await runs.acquire(Want("m", session=other, prefix=chain(("system", SYSTEM), ("user", "b"))))
+    assert slot.link is first.link
+    assert placed[-1] == ("prefix", 8)
+
+
+async def test_a_hot_prefix_does_not_pile_onto_one_node(autojump_clock):
+    """Requests sharing a prefix stay on its node until that node is more than
+    prefix_max_load_gap busier than the least loaded; then load wins."""
+    runs, links = fleet(4, capacity=8, prefix_max_load_gap=0.25)
+    want = Want("m", prefix=chain(("system", SYSTEM), ("user", "same question")))
+    held = [await runs.acquire(want) for _ in range(3)]
+    assert len({s.link.node_id for s in held}) == 1  # loads 1/8, 2/8, 3/8: the gap allows it
+    for _ in range(25):
+        held.append(await runs.acquire(want))
+        loads = [lk.load("m") for lk in links]
+        assert max(loads) - min(loads) <= 0.25 + 1 / 8
+    for slot in held:
+        runs.release(slot)
+    assert runs.prefixes.match(want.prefix, {lk.node_id for lk in links})[0] == len(want.prefix)
+
+
+async def test_a_session_id_beats_the_prefix(autojump_clock):
+    """A session placed on one node stays there even when another node holds its prompt's prefix."""
+    runs, links = fleet(2)
+    prompt = chain(("system", SYSTEM), ("user", "q"))
+    holder = await runs.acquire(Want("m", prefix=prompt))
+    runs.release(holder)
+    other = next(lk for lk in links if lk is not holder.link)
+    runs.set_draining(holder.link, True)
+    placed = await runs.acquire(Want("m", session="s"))
+    runs.release(placed)
+    runs.set_draining(holder.link, False)
+    assert placed.link is other
+    slot = await runs.acquire(Want("m", session="s", prefix=prompt))
+    assert slot.link is other
+
+
+async def test_routing_policies_can_be_switched_off(autojump_clock):
+    """routing = "least_loaded" ignores sessions and prefixes; "session" ignores prefixes."""
+    prompt = chain(("system", SYSTEM))
+    for routing in ("least_loaded", "session"):
+        runs, links = fleet(2, capacity=2, routing=routing)
+        session = None if routing == "session" else "s"
+        held = [await runs.acquire(Want("m", session=session, prefix=prompt)) for _ in range(2)]
+        assert {s.link.node_id for s in held} == {"node-0", "node-1"}
+        assert len(runs.prefixes) == 0
+    runs, _ = fleet(3, routing="random")
+    assert (await runs.acquire(Want("m", prefix=prompt))).link.node_id.startswith("node-")
+
+
+def test_placement_config_is_checked():
+    """A load gap outside [0, 1] or a negative index size is a config error."""
+    EdgeConfig(routing="prefix", prefix_max_load_gap=0.5, prefix_index_entries=0).check()
+    with pytest.raises(ConfigError):
+        EdgeConfig(prefix_max_load_gap=1.5).check()
+    with pytest.raises(ConfigError):
+        EdgeConfig(prefix_index_entries=-1).check()
+
+
+async def test_two_edges_send_each_growing_conversation_to_one_node(nursery):
+    """Three nodes linked to two edges; conversations without a session id, their turns sent
+    alternately to either edge, each stay on one node, and different conversations spread."""
+    ups = []
+    for _ in range(3):
+        up = Upstream()
+        await nursery.start(up.serve)
+        ups.append(up)
+    edges = [await start_edge(nursery), await start_edge(nursery)]
+    for i, up in enumerate(ups):
+        await start_node(nursery, edges, [model("m", up, target="t", max_concurrency=4)], node_id=f"node-{i}")
+    with trio.fail_after(BOUND):
+        async with http(edges[0]) as first, http(edges[1]) as second:
+            for c in range(12):
+                messages = [{"role": "system", "content": f"Conversation {c}. " + SYSTEM}]
+                for turn in range(4):
+                    messages.append({"role": "user", "content": f"question {turn}"})
+                    client = (first, second)[turn % 2]
+                    r = await client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
+                    assert r.status_code == 200
+                    messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            metrics = (await first.get("/metrics")).text
+    by_conversation: dict[str, set[int]] = {}
+    for i, up in enumerate(ups):
+        for record in up.records:
+            by_conversation.setdefault(record.body["messages"][0]["content"], set()).add(i)
+    assert len(by_conversation) == 12
+    assert all(len(nodes) == 1 for nodes in by_conversation.values()), by_conversation
+    assert len(set().union(*by_conversation.values())) > 1
+    assert 'iop_placements_total{how="prefix"} 12.0' in metrics  # turns 3 and 4 matched on edge 1's index
+    assert 'iop_placements_total{how="rendezvous"} 12.0' in metrics
+    for edge in edges:
+        await settled(edge)
