@@ -30,6 +30,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     ttft_ms: float = 50.0
     tokens_per_s: float = 50.0  # 0: as fast as possible
     sim_tokens: int = 64  # tokens when the request sets no max_tokens
+    # sim: a prefix cache (node.adapters.sim_cache), a model of a real engine's; 0: none
+    prefix_cache_tokens: int = 0  # LRU capacity in prompt tokens
+    prefix_block_tokens: int = 64  # cached in whole blocks of this many tokens (4 characters a token)
+    prefill_tokens_per_s: float = 5000.0  # uncached prompt tokens add to ttft_ms at this rate; 0: no cost
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -72,6 +76,10 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url")
             if m.tokens_per_s < 0 or m.ttft_ms < 0:
                 raise ConfigError(f"models[{i}]: ttft_ms and tokens_per_s must not be negative")
+            if m.prefix_cache_tokens < 0 or m.prefill_tokens_per_s < 0:
+                raise ConfigError(f"models[{i}]: prefix_cache_tokens and prefill_tokens_per_s must not be negative")
+            if m.prefix_block_tokens < 1:
+                raise ConfigError(f"models[{i}].prefix_block_tokens: must be at least 1")
             if m.api_key and not _BEARER_VALUE.fullmatch(m.api_key):
                 raise ConfigError(f"models[{i}].api_key: must be printable ASCII with no spaces around it")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:

@@ -69,16 +69,20 @@ class Stack(ExitStack):
         self.dir = Path(self.enter_context(tempfile.TemporaryDirectory(prefix="iop-stack-")))
         self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=None if os.environ.get("IOP_STACK_LOGS") else subprocess.DEVNULL,
-        )
+    def _spawn(self, args: list[str], log_file: Path | None = None) -> subprocess.Popen:
+        """``log_file``: the process logs there, at info level."""
+        if log_file is not None:
+            env = {**self.env, "IOP_LOG_LEVEL": "info"}
+            stderr = self.enter_context(open(log_file, "wb"))  # closed with the stack
+        else:
+            env, stderr = self.env, None if os.environ.get("IOP_STACK_LOGS") else subprocess.DEVNULL
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         self.callback(_kill, proc)
         return proc
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """SIGTERM (a node drains, an edge too) and wait; SIGKILL after 5 s."""
+        _kill(proc)
 
     def upstream(self, *, tokens: int = 0, interval_ms: float = 0.0, ttft_ms: float = 0.0) -> str:
         port = free_port()
@@ -100,19 +104,29 @@ class Stack(ExitStack):
 
     def edge(self, port: int = 0, **config) -> str:
         port = port or free_port()
-        cfg = write_toml(self.dir / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, **config})
+        cfg = write_toml(self.dir / f"edge-{port}.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, **config})
         self.edge_proc = self._spawn([sys.executable, "-m", "iop.cli", "edge", "--config", str(cfg)])
         wait_http(f"http://127.0.0.1:{port}/healthz")
         return f"http://127.0.0.1:{port}"
 
-    def node(self, edge_url: str, models: list[dict], node_id: str = "stack-node", **config) -> subprocess.Popen:
-        link = edge_url.replace("http", "ws", 1) + "/v1/node/link"
+    def node(
+        self,
+        edge_url: str | list[str],
+        models: list[dict],
+        node_id: str = "stack-node",
+        log_file: Path | None = None,
+        **config,
+    ) -> subprocess.Popen:
+        """A node linked to one edge or several; ``log_file``: its info-level log."""
+        edge_urls = [edge_url] if isinstance(edge_url, str) else edge_url
+        links = [url.replace("http", "ws", 1) + "/v1/node/link" for url in edge_urls]
         cfg = write_toml(
             self.dir / f"{node_id}.toml",
-            {"node_id": node_id, "edges": [link], "token": TOKEN, "models": models, **config},
+            {"node_id": node_id, "edges": links, "token": TOKEN, "models": models, **config},
         )
-        proc = self._spawn([sys.executable, "-m", "iop.cli", "node", "--config", str(cfg)])
-        wait_linked(edge_url, node_id)
+        proc = self._spawn([sys.executable, "-m", "iop.cli", "node", "--config", str(cfg)], log_file)
+        for url in edge_urls:
+            wait_linked(url, node_id)
         return proc
 
 

@@ -41,6 +41,8 @@ class Counters:
     def __init__(self) -> None:
         self.active_upstream = 0  # open upstream requests (sim runs count too)
         self.active_runs = 0
+        self.prefix_hit_tokens = 0  # sim models with a prefix cache: prompt tokens found cached...
+        self.prefix_miss_tokens = 0  # ...and prefilled
         self.run_ended = trio.lowlevel.ParkingLot()  # unparked whenever a run ends
 
 

@@ -2,6 +2,14 @@
 
 Given ``tools`` it calls them too, deterministically, with arguments valid
 for their schemas (the rule is in :mod:`node.adapters.sim_tools`).
+
+With ``prefix_cache_tokens`` set it models a prefix cache
+(:mod:`node.adapters.sim_cache`): the first token waits ``ttft_ms`` plus the
+uncached prompt tokens at ``prefill_tokens_per_s``, and usage counts the
+whole rendered prompt (without the cache: the last user message). Hits and
+misses add to the
+node's :class:`~node.adapters.Counters` and are logged per model, one line
+every :data:`SUMMARY_EVERY` runs and one when the node stops.
 """
 
 from __future__ import annotations
@@ -10,12 +18,18 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import structlog
 import trio
 
 from node.adapters import Counters, Sink
+from node.adapters.sim_cache import PrefixCache, block_chain, prompt_tokens, render
 from node.adapters.sim_tools import tool_call_for, tool_results_text
 from node.config import ModelConfig
 from proto import RunRequest, Usage
+
+log = structlog.get_logger("iop.node")
+
+SUMMARY_EVERY = 100  # runs between two "sim prefix cache" log lines, per model
 
 _WORDS = (
     "the edge streams every token the node produces while the model keeps thinking about "
@@ -49,6 +63,47 @@ class SimAdapter:
     def __init__(self, model: ModelConfig, counters: Counters) -> None:
         self.model = model
         self.counters = counters
+        on = model.prefix_cache_tokens > 0
+        self.cache = PrefixCache(model.prefix_cache_tokens, model.prefix_block_tokens) if on else None
+        self.runs = 0
+        self.hit_tokens = 0  # this model's, as counted in counters.prefix_hit_tokens
+        self.miss_tokens = 0
+        self.active = 0
+        self.peak_active = 0
+
+    def _prefill(self, body: dict[str, Any]) -> tuple[float, int]:
+        """With the cache on: (prefill seconds, prompt tokens), and the cache
+        counted and updated."""
+        assert self.cache is not None
+        rendered = render(body)
+        total = prompt_tokens(rendered)
+        hit = min(self.cache.admit(block_chain(rendered, self.model.prefix_block_tokens)), total)
+        miss = total - hit
+        self.runs += 1
+        self.hit_tokens += hit
+        self.miss_tokens += miss
+        self.counters.prefix_hit_tokens += hit
+        self.counters.prefix_miss_tokens += miss
+        if self.runs % SUMMARY_EVERY == 0:
+            self.log_summary()
+        rate = self.model.prefill_tokens_per_s
+        return (miss / rate if rate > 0 else 0.0), total
+
+    def log_summary(self) -> None:
+        if self.cache is None:
+            return
+        prompt = self.hit_tokens + self.miss_tokens
+        log.info(
+            "sim prefix cache",
+            model=self.model.name,
+            runs=self.runs,
+            hit_tokens=self.hit_tokens,
+            miss_tokens=self.miss_tokens,
+            hit_ratio=round(self.hit_tokens / prompt, 4) if prompt else 0.0,
+            cached_tokens=self.cache.cached_tokens,
+            evicted_tokens=self.cache.evicted_tokens,
+            peak_active=self.peak_active,
+        )
 
     async def run(self, request: RunRequest, sink: Sink) -> None:
         body = request.request
@@ -71,9 +126,12 @@ class SimAdapter:
         else:
             tokens = sim_tokens(prompt, count)
             finish = "length" if limited else "stop"
+        prefill_s, cache_prompt_tokens = self._prefill(body) if self.cache is not None else (0.0, 0)
         self.counters.active_upstream += 1
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
         try:
-            start = trio.current_time() + self.model.ttft_ms / 1000
+            start = trio.current_time() + self.model.ttft_ms / 1000 + prefill_s
             await trio.sleep_until(start)
             tps = self.model.tokens_per_s
             for i, token in enumerate(tokens):
@@ -84,12 +142,14 @@ class SimAdapter:
                 await sink.delta(token)
         finally:
             self.counters.active_upstream -= 1
-        prompt_tokens = max(1, len(prompt) // 4)
+            self.active -= 1
+        prompt_count = cache_prompt_tokens or max(1, len(prompt) // 4)
         await sink.complete(
             finish,
             tool_calls=[call] if call is not None else None,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=count, total_tokens=prompt_tokens + count),
+            usage=Usage(prompt_tokens=prompt_count, completion_tokens=count, total_tokens=prompt_count + count),
         )
 
     async def aclose(self) -> None:
-        pass
+        if self.runs % SUMMARY_EVERY:  # runs since the last line
+            self.log_summary()
