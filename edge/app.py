@@ -138,6 +138,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
                         "adapter": info.adapter,
                         "target": info.target,
                         "max_concurrency": info.max_concurrency,
+                        "grant": link.grants[info.name],  # this edge's share of max_concurrency
                         "in_flight": link.in_flight[info.name],
                         "context_window": info.context_window,
                         "native_tools": info.native_tools,

@@ -1,11 +1,13 @@
 """The websocket endpoint nodes dial into: ``GET /v1/node/link``.
 
 The node's token is checked on the upgrade request, before any frame is
-read. Then: ``hello`` (version and node id checked), ``welcome``, and four
+read. Then: ``hello`` (version and node id checked), ``welcome``, and five
 tasks in the link's nursery: the reader (this task), the sender (drains the
 link's outbox; the only writer), the pinger (declares the node dead when it
-falls silent: the only way a live link dies) and the stall watch (routes
-around a node whose runs do not start). Whatever ends the link, its
+falls silent: the only way a live link dies), the stall watch (routes
+around a node whose runs do not start) and the demand reporter (tells the
+node this edge's in-flight and queue depth per model, so that the node's
+grants follow them). Whatever ends the link, its
 unstarted runs move to other nodes and the rest fail at once with "node
 disconnected"."""
 
@@ -22,7 +24,9 @@ from edge.errors import error_json
 from edge.runs import NodeLink, RunService
 from proto import (
     PROTOCOL_VERSION,
+    Demand,
     Events,
+    Grant,
     Hello,
     Load,
     Ping,
@@ -43,6 +47,8 @@ CLOSE_AUTH = 4001
 CLOSE_VERSION = 4002
 CLOSE_PROTOCOL = 4003
 CLOSE_DUPLICATE = 4009
+
+DEMAND_INTERVAL_S = 0.02  # demand reports to one node are coalesced: at most one per model this often
 
 
 class LinkProtocolError(Exception):
@@ -112,7 +118,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
             )
             info.max_concurrency = config.max_node_concurrency
 
-    link = NodeLink(hello.node_id, hello.models)
+    link = NodeLink(hello.node_id, hello.models, grants={})  # the node's grants follow
     await websocket.send(
         encode_frame(
             Welcome(
@@ -130,6 +136,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
             nursery.start_soon(_send_frames, link, service, config.max_frame_bytes)
             nursery.start_soon(_ping, link, config)
             nursery.start_soon(_watch_stall, link, service, config)
+            nursery.start_soon(_report_demand, link, service)
             await _read_frames(link, service)
             nursery.cancel_scope.cancel()
     except* LinkProtocolError as group:
@@ -168,6 +175,8 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                 pass
             case Ping(ts=ts):
                 link.send_nowait(Pong(ts=ts))
+            case Grant(model=model, slots=slots, seq=seq):
+                service.set_grant(link, model, slots, seq)
             case Load(draining=draining):
                 if draining != link.draining:
                     service.set_draining(link, draining)
@@ -208,6 +217,29 @@ async def _ping(link: NodeLink, config: EdgeConfig) -> None:
             link.kill(f"no frame from the node for {config.ping_timeout_s:g} s", code=1011)
             return
         link.send_nowait(Ping(ts=trio.current_time()))
+
+
+async def _report_demand(link: NodeLink, service: RunService) -> None:
+    """Tell the node, per model, this edge's runs on it, the model's queue
+    depth here and the last grant applied, whenever one of them changes: at
+    once after a quiet spell, then at most every DEMAND_INTERVAL_S. A report
+    still waiting to go out (the node reads slowly) is not piled on."""
+    sent: dict[str, tuple[int, int, int]] = {}
+    while True:
+        if link.demands_queued:
+            await trio.sleep(DEMAND_INTERVAL_S)
+            continue
+        changed = False
+        for model in link.models:
+            state = (link.in_flight[model], service.queue_depth(model), link.grant_seq[model])
+            if sent.get(model) != state:
+                sent[model] = state
+                link.send_nowait(Demand(model=model, in_flight=state[0], waiting=state[1], seq=state[2]))
+                changed = True
+        if changed:
+            await trio.sleep(DEMAND_INTERVAL_S)
+        else:
+            await service.demand_changed.park()
 
 
 async def _watch_stall(link: NodeLink, service: RunService, config: EdgeConfig) -> None:

@@ -10,6 +10,10 @@ arrived for the ping timeout, even while the sender is stuck in a send. When
 a link ends for any reason its nursery is cancelled, which cancels every run
 on it and so closes their upstream requests.
 
+A model's capacity is split between the linked edges as grants that follow
+their demand (:mod:`node.grants`): an edge never has more runs here than its
+grant, so no run waits for a slot inside the node.
+
     NodeError
       LinkRefused     the edge refused the link (token, version, duplicate id)
       LinkDead        the edge went silent past the ping timeout
@@ -32,6 +36,7 @@ from iop import __version__
 from iop.exceptions import first_leaf
 from node.adapters import Adapter, Counters, make_adapter
 from node.config import NodeConfig
+from node.grants import GrantBook
 from node.outbox import (
     EVENT_OVERHEAD,
     HEADER_OVERHEAD,
@@ -45,6 +50,7 @@ from node.outbox import (
 from proto import (
     PROTOCOL_VERSION,
     CancelRun,
+    Demand,
     Hello,
     Load,
     ModelInfo,
@@ -65,6 +71,7 @@ from proto.frames import COMPLETE, DELTA, ERROR, REASONING_DELTA
 log = structlog.get_logger("iop.node")
 
 _MIN_PING_INTERVAL_S = 0.01  # an edge's ping interval of 0 must not spin the pinger
+_EARLY_CANCELS = 1024  # cancels remembered per link for runs not seen yet
 
 
 class NodeError(Exception):
@@ -159,11 +166,17 @@ class EdgeLink:
         self.ping_timeout = self.ping_interval * max(agent.config.ping_misses, 1)
         self.edge_id = welcome.edge_id
         self.runs: dict[str, trio.CancelScope] = {}
+        self.counted: dict[str, str] = {}  # run id -> model: runs holding a slot of this edge's grant
+        self._early: dict[str, None] = {}  # run ids cancelled before they arrived, oldest first
         self.last_rx = trio.current_time()
         budget = frame_budget(agent.config.max_frame_bytes, welcome.max_frame_bytes)
         self.outbox = Outbox(budget, agent.config.max_pending_events)
 
     async def serve(self) -> None:
+        agent = self.agent
+        for model, book in agent.grants.items():
+            book.add(self)
+            agent.rebalance(model)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_frames)
@@ -173,6 +186,18 @@ class EdgeLink:
         finally:
             if self.runs:
                 log.info("link lost: runs cancelled", edge=self.url, runs=len(self.runs))
+            # Every run of this link has ended (the nursery waited for them): its grants go back.
+            for model, book in agent.grants.items():
+                book.remove(self)
+                agent.rebalance(model)
+
+    def _uncount(self, run_id: str) -> None:
+        """The run no longer counts against this edge's grant: it ended, or
+        the edge cancelled it (the edge has taken the slot back already)."""
+        model = self.counted.pop(run_id, None)
+        if model is not None:
+            self.agent.grants[model].end(self)
+            self.agent.rebalance(model)
 
     async def _send_frames(self) -> None:
         """The only writer to the websocket: control frames first, also between
@@ -224,6 +249,16 @@ class EdgeLink:
                     scope = self.runs.get(run_id)
                     if scope is not None:
                         scope.cancel()
+                        self._uncount(run_id)
+                    else:  # overtook its run on the wire (cancels go ahead of requests)
+                        self._early[run_id] = None
+                        if len(self._early) > _EARLY_CANCELS:
+                            del self._early[next(iter(self._early))]
+                case Demand(model=model, in_flight=in_flight, waiting=waiting, seq=seq):
+                    book = self.agent.grants.get(model)
+                    if book is not None:
+                        book.report(self, in_flight, waiting, seq)
+                        self.agent.rebalance(model)
                 case Ping(ts=ts):
                     self.outbox.control_nowait(Pong(ts=ts))  # full: the sender is stuck, the pong could not go
                 case Pong():
@@ -233,6 +268,9 @@ class EdgeLink:
 
     def _start(self, request: RunRequest | TunnelRequest, nursery: trio.Nursery) -> None:
         if request.run_id in self.runs:
+            return
+        if request.run_id in self._early:  # the edge cancelled it before it arrived
+            del self._early[request.run_id]
             return
         scope = self.runs[request.run_id] = trio.CancelScope()
         adapter = self.agent.adapters.get(request.model)
@@ -245,6 +283,12 @@ class EdgeLink:
             allowed = adapter is not None and self.agent.passthrough[request.model] and hasattr(adapter, "tunnel")
             refusal = None if allowed else f"this node does not allow passthrough for model {request.model!r}"
             work = partial(adapter.tunnel, request, sink) if allowed else None
+        if refusal is None:
+            if self.agent.grants[request.model].start(self):
+                self.counted[request.run_id] = request.model
+            else:
+                log.warning("run beyond the edge's grant refused", edge=self.url, model=request.model)
+                refusal = f"run beyond this edge's grant for model {request.model!r}"
         nursery.start_soon(self._serve_one, request, scope, sink, work, refusal)
 
     async def _serve_one(self, request, scope: trio.CancelScope, sink, work, refusal: str | None) -> None:
@@ -257,7 +301,11 @@ class EdgeLink:
                 if refusal is not None:
                     await sink.error(refusal)
                     return
-                async with agent.slots[request.model]:
+                slots = agent.slots[request.model]
+                if slots.value == 0:  # grants should make this impossible: count it
+                    agent.slot_waits += 1
+                    log.warning("run waits for a slot on the node", run_id=request.run_id, model=request.model)
+                async with slots:
                     with trio.move_on_after(max(request.timeout_s, 0)) as deadline:
                         try:
                             await work()
@@ -272,6 +320,7 @@ class EdgeLink:
             agent.counters.active_runs -= 1
             agent.counters.run_ended.unpark_all()
             self.runs.pop(request.run_id, None)
+            self._uncount(request.run_id)
 
 
 class TunnelSink:
@@ -338,8 +387,12 @@ class NodeAgent:
             )
             for m in config.models
         }
-        # Capacity is the node's own: shared by every edge it links to.
+        # Capacity is the node's own: split between the edges it links to as
+        # grants; the semaphores are the last guard, never waited on while
+        # every edge keeps to its grant (slot_waits counts the waits).
         self.slots = {m.name: trio.Semaphore(m.max_concurrency) for m in config.models}
+        self.grants = {m.name: GrantBook(m.name, m.max_concurrency) for m in config.models}
+        self.slot_waits = 0
         self.passthrough = {m.name: m.passthrough for m in config.models}
         self.links: dict[str, EdgeLink] = {}
         self.draining = False
@@ -355,6 +408,11 @@ class NodeAgent:
             )
             for m in config.models
         ]
+
+    def rebalance(self, model: str) -> None:
+        """Move ``model``'s grants toward the edges' demand; queue the changes."""
+        for link, grant in self.grants[model].rebalance():
+            link.outbox.grant(grant)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -474,6 +532,10 @@ class NodeAgent:
             raise LinkRefused("the edge answered the hello with an undecodable frame") from None
         if not isinstance(welcome, Welcome):
             raise LinkRefused(f"expected welcome, got {type(welcome).__name__}")
+        if welcome.protocol != PROTOCOL_VERSION:
+            raise LinkRefused(
+                f"protocol version mismatch: node speaks {PROTOCOL_VERSION}, edge speaks {welcome.protocol}"
+            )
         link = EdgeLink(self, url, ws, welcome)
         self.links[url] = link
         linked.set()

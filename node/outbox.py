@@ -7,6 +7,9 @@ Nothing else ever waits for the network:
   sender empties before anything else, even between two frames of a batch;
   a pong or ping that finds it full is dropped (the sender is stuck, so it
   could not have gone out anyway, and the peer's liveness check decides);
+- grants go ahead of everything else, and are never dropped: only the latest
+  grant of each model waits (a newer one replaces it; the edge acknowledges
+  by sequence number, so a grant it never saw needs no answer);
 - run events and tunnel frames wait in the pending lists; the sender takes
   all of them at once and packs the events into ``events`` frames of at most
   ``budget`` bytes. Run tasks wait while too much is pending.
@@ -24,7 +27,7 @@ from collections import deque
 
 import trio
 
-from proto import Events, Load, Ping, Pong, RunEvent, ToolCall, TunnelFrame
+from proto import Events, Grant, Load, Ping, Pong, RunEvent, ToolCall, TunnelFrame
 
 FRAME_MARGIN = 4096  # below the edge's limit: the frame's own keys, with room to spare
 EVENT_OVERHEAD = 128  # one run event's keys, type, seq, status and msgpack headers
@@ -34,7 +37,7 @@ HEADER_OVERHEAD = 16  # one tunnelled header pair's msgpack headers
 MAX_CONTROL = 16  # control frames waiting for the sender
 MIN_BUDGET = 1024  # an absurdly small limit from an edge must not split text into single characters
 
-ControlFrame = Pong | Ping | Load
+ControlFrame = Pong | Ping | Load | Grant
 
 
 def text_bytes(text: str) -> int:
@@ -89,6 +92,7 @@ class Outbox:
         self._max_items = max(max_events, 1)
         self._max_bytes = max_bytes or 2 * budget  # pending, before producers wait
         self._control: deque[ControlFrame] = deque()
+        self._grants: dict[str, Grant] = {}  # model -> the latest grant not sent yet
         self._events: list[RunEvent] = []
         self._sizes: list[int] = []
         self._tunnel: list[TunnelFrame] = []
@@ -106,6 +110,11 @@ class Outbox:
         self._control.append(frame)
         self._wakeup.unpark_all()
         return True
+
+    def grant(self, frame: Grant) -> None:
+        """Queue a grant, replacing an unsent one of the same model."""
+        self._grants[frame.model] = frame
+        self._wakeup.unpark_all()
 
     async def control(self, frame: ControlFrame) -> None:
         """Queue a control frame, waiting for room."""
@@ -132,16 +141,19 @@ class Outbox:
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent."""
-        while self._control or self._events or self._tunnel or self._busy:
+        while self._grants or self._control or self._events or self._tunnel or self._busy:
             await self._progress.park()
 
     # -- the sender ---------------------------------------------------------
 
     async def wait(self) -> None:
-        while not (self._control or self._events or self._tunnel):
+        while not (self._grants or self._control or self._events or self._tunnel):
             await self._wakeup.park()
 
     def next_control(self) -> ControlFrame | None:
+        if self._grants:
+            model = next(iter(self._grants))
+            return self._grants.pop(model)
         if not self._control:
             return None
         frame = self._control.popleft()

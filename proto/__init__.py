@@ -9,8 +9,10 @@ See ``PROTOCOL.md`` beside this file for a language-neutral description.
 from proto.frames import (
     PROTOCOL_VERSION,
     CancelRun,
+    Demand,
     Events,
     Frame,
+    Grant,
     Hello,
     Load,
     ModelInfo,
@@ -31,8 +33,10 @@ from proto.frames import (
 __all__ = [
     "PROTOCOL_VERSION",
     "CancelRun",
+    "Demand",
     "Events",
     "Frame",
+    "Grant",
     "Hello",
     "Load",
     "ModelInfo",

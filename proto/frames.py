@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: capacity shared across edges (grant, demand)
 
 # Run event types.
 DELTA = "delta"
@@ -95,6 +95,15 @@ class Pong(_Frame, tag="pong"):
     ts: float = 0.0
 
 
+class Grant(_Frame, tag="grant"):
+    """The most runs of ``model`` this edge may have on the node at once
+    (absolute). ``seq`` counts the grants of that model on this link: 1, 2, ..."""
+
+    model: str
+    slots: int
+    seq: int
+
+
 class TunnelFrame(_Frame, tag="tunnel_frame"):
     run_id: str
     seq: int
@@ -147,7 +156,20 @@ class Ping(_Frame, tag="ping"):
     ts: float = 0.0
 
 
-Frame = Hello | Events | Load | Pong | TunnelFrame | Welcome | RunRequest | TunnelRequest | CancelRun | Ping
+class Demand(_Frame, tag="demand"):
+    """The edge's use of and want for a node's model: runs it has on the node
+    (sent and not ended), requests of the model waiting in its queue, and the
+    ``seq`` of the last ``grant`` of that model it has applied."""
+
+    model: str
+    in_flight: int
+    waiting: int
+    seq: int = 0
+
+
+NodeFrame = Hello | Events | Load | Pong | Grant | TunnelFrame
+EdgeFrame = Welcome | RunRequest | TunnelRequest | CancelRun | Ping | Demand
+Frame = NodeFrame | EdgeFrame
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)

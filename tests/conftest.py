@@ -116,8 +116,14 @@ async def start_node(
 
     await nursery.start(run)
     for e in edges:
-        await eventually(lambda e=e: node_id in e.edge.runs.links, what="node linked")
+        await eventually(lambda e=e: _granted(e, node_id), what="node linked and its first grants in")
     return NodeHandle(agent, scope, config)
+
+
+def _granted(edge: EdgeHandle, node_id: str) -> bool:
+    """The node is linked to ``edge`` and its first grant of every model has arrived."""
+    link = edge.edge.runs.links.get(node_id)
+    return link is not None and all(seq > 0 for seq in link.grant_seq.values())
 
 
 def write_toml(path, data: dict) -> str:

@@ -9,7 +9,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
-from proto import PROTOCOL_VERSION, Events, Hello, ModelInfo, RunEvent, Welcome, decode_frame, encode_frame
+from proto import PROTOCOL_VERSION, Events, Grant, Hello, ModelInfo, RunEvent, Welcome, decode_frame, encode_frame
 from scripts.upstream import words
 from tests.conftest import (
     BOUND,
@@ -123,6 +123,7 @@ async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
     async def frozen(ws):
         await ws.send_message(hello())
         assert isinstance(decode_frame(await ws.get_message()), Welcome)
+        await ws.send_message(encode_frame(Grant(model="m", slots=2, seq=1)))
         # Frozen from here on: reads nothing, answers nothing.
         async with http(edge) as client:
             start = trio.current_time()

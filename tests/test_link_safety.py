@@ -15,6 +15,7 @@ from proto import (
     PROTOCOL_VERSION,
     CancelRun,
     Events,
+    Grant,
     Hello,
     ModelInfo,
     Ping,
@@ -47,6 +48,7 @@ async def hello(ws, node_id: str, capacity: int = 4) -> Welcome:
     await ws.send_message(encode_frame(Hello(node_id=node_id, protocol=PROTOCOL_VERSION, models=[info])))
     welcome = decode_frame(await ws.get_message())
     assert isinstance(welcome, Welcome)
+    await ws.send_message(encode_frame(Grant(model="m", slots=capacity, seq=1)))  # a lone edge gets it all
     return welcome
 
 

@@ -17,7 +17,7 @@ import trustme
 
 from edge.config import load_edge_config
 from iop.configfile import ConfigError
-from proto import Hello, ModelInfo, encode_frame
+from proto import PROTOCOL_VERSION, Hello, ModelInfo, encode_frame
 from scripts.upstream import text_script, words
 from tests.conftest import (
     BOUND,
@@ -105,7 +105,7 @@ async def test_oversized_frame_closes_only_that_link(nursery, upstream):
 
     async def big(ws):
         models = [ModelInfo(name="m", adapter="sim", target="t")]
-        await ws.send_message(encode_frame(Hello(node_id="big", protocol=1, models=models)))
+        await ws.send_message(encode_frame(Hello(node_id="big", protocol=PROTOCOL_VERSION, models=models)))
         await ws.get_message()
         await ws.send_message(b"\x00" * 10_000)
         return await closed_by_edge(ws)

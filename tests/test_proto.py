@@ -8,7 +8,9 @@ import pytest
 from proto import (
     PROTOCOL_VERSION,
     CancelRun,
+    Demand,
     Events,
+    Grant,
     Hello,
     Load,
     ModelInfo,
@@ -75,6 +77,8 @@ FRAMES = [
     Load(in_flight={"m": 2}, draining=True),
     Ping(ts=1.5),
     Pong(ts=1.5),
+    Grant(model="m", slots=3, seq=7),
+    Demand(model="m", in_flight=2, waiting=5, seq=7),
 ]
 
 

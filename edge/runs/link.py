@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from proto import Frame, ModelInfo, RunRequest, TunnelRequest
+from proto import Demand, Frame, ModelInfo, RunRequest, TunnelRequest
 
 if TYPE_CHECKING:
     from edge.runs.run import Run
@@ -24,17 +24,26 @@ class NodeLink:
     """A node's models, its capacity use, its runs and its outgoing frames.
 
     Frames to the node wait in two queues drained by the link's sender task,
-    control frames (ping, pong, cancel) first. :meth:`send_nowait` never
+    control frames (ping, pong, cancel) first; a ``demand`` keeps its place
+    among the run requests (it acknowledges a grant: the node must have every
+    run sent before it). :meth:`send_nowait` never
     blocks and never kills the link: a node that reads slowly is back-pressure,
     not death (the pinger judges death, by silence). The queues are bounded by
     construction: run and tunnel requests by the node's capacity (a request
     holds a slot), cancels by one per run, pings and pongs by one per beat.
     """
 
-    def __init__(self, node_id: str, models: list[ModelInfo]) -> None:
+    def __init__(self, node_id: str, models: list[ModelInfo], grants: dict[str, int] | None = None) -> None:
         self.node_id = node_id
         self.models: dict[str, ModelInfo] = {m.name: m for m in models}
         self.in_flight: dict[str, int] = {m.name: 0 for m in models}
+        # The node's grant per model (runs this edge may have on it) and the
+        # grant's sequence number. A linked node starts with none (``{}``):
+        # nothing is sent before its first grant. None: the whole capacity.
+        self.grants: dict[str, int] = {
+            m.name: m.max_concurrency if grants is None else grants.get(m.name, 0) for m in models
+        }
+        self.grant_seq: dict[str, int] = {m.name: 0 for m in models}
         self.runs: dict[str, Run] = {}
         self.linked_at = trio.current_time()
         self.linked_wall = time.time()
@@ -47,6 +56,7 @@ class NodeLink:
         self._recent_set: set[str] = set()
         self._control: collections.deque[Frame] = collections.deque()
         self._requests: collections.deque[Frame] = collections.deque()
+        self.demands_queued = 0  # demand frames waiting in _requests
         self._ready = trio.lowlevel.ParkingLot()
         self._cancel_scope: trio.CancelScope | None = None
         # Runs sent and not started (no event yet), oldest first: run id -> when sent.
@@ -63,7 +73,15 @@ class NodeLink:
         info = self.models.get(model)
         if info is None:
             return 0
-        return info.max_concurrency - self.in_flight[model]
+        return min(info.max_concurrency, self.grants[model]) - self.in_flight[model]
+
+    def set_grant(self, model: str, slots: int, seq: int) -> bool:
+        """Apply the node's grant for ``model``; True if it makes room."""
+        if model not in self.grants or seq <= self.grant_seq[model]:
+            return False
+        before = self.free_slots(model)
+        self.grants[model], self.grant_seq[model] = max(slots, 0), seq
+        return self.free_slots(model) > before
 
     def load(self, model: str) -> float:
         return self.in_flight[model] / max(self.models[model].max_concurrency, 1)
@@ -115,7 +133,8 @@ class NodeLink:
     def send_nowait(self, frame: Frame) -> None:
         if self.closed:
             return
-        if isinstance(frame, (RunRequest, TunnelRequest)):
+        if isinstance(frame, (RunRequest, TunnelRequest, Demand)):
+            self.demands_queued += isinstance(frame, Demand)
             self._requests.append(frame)
         else:
             self._control.append(frame)
@@ -129,7 +148,11 @@ class NodeLink:
         """The next frame to send: control frames first, then requests in order."""
         while not (self._control or self._requests):
             await self._ready.park()
-        return self._control.popleft() if self._control else self._requests.popleft()
+        if self._control:
+            return self._control.popleft()
+        frame = self._requests.popleft()
+        self.demands_queued -= isinstance(frame, Demand)
+        return frame
 
     def bind_scope(self, scope: trio.CancelScope) -> None:
         self._cancel_scope = scope
@@ -147,3 +170,4 @@ class NodeLink:
         self.closed = True
         self._control.clear()
         self._requests.clear()
+        self.demands_queued = 0

@@ -141,6 +141,9 @@ class RunService:
         self.on_placed: list[Callable[[str, int], None]] = []
         self._placed: tuple[str, int] = ("least_loaded", 0)  # set by _pick, read by the _reserve after it
         self._run_closed = trio.lowlevel.ParkingLot()
+        # Unparked when a model's in-flight or queue depth may have changed:
+        # each link's demand reporter (edge.link) wakes to tell its node.
+        self.demand_changed = trio.lowlevel.ParkingLot()
 
     # -- what is served --------------------------------------------------------
 
@@ -280,6 +283,14 @@ class RunService:
         for hook in self.on_stall:
             hook(link)
 
+    def set_grant(self, link: NodeLink, model: str, slots: int, seq: int) -> None:
+        """The node granted this edge ``slots`` runs of ``model``: queued
+        requests take the room it makes; the grant is acknowledged with the
+        next demand report."""
+        if link.set_grant(model, slots, seq):
+            self._wake(model)
+        self.demand_changed.unpark_all()
+
     def set_draining(self, link: NodeLink, draining: bool) -> None:
         link.draining = draining
         if not draining:
@@ -366,6 +377,7 @@ class RunService:
 
     def _reserve(self, link: NodeLink, want: Want) -> Slot:
         link.in_flight[want.model] += 1
+        self.demand_changed.unpark_all()
         self._remember_session(want, link)
         if want.prefix and self.config.routing == "prefix":
             self.prefixes.record(want.prefix, link.node_id)
@@ -385,6 +397,7 @@ class RunService:
         """Hand free slots to waiters: moved runs first, then the queue, in
         FIFO order. A waiter at the head that no free node fits does not
         block the ones behind it that fit."""
+        self.demand_changed.unpark_all()
         for queue in (self._moved.get(model), self._queues.get(model)):
             if not queue:
                 continue
@@ -446,9 +459,11 @@ class RunService:
                     self.release(waiter.slot)
                 else:
                     _discard(queue, waiter)
+                    self.demand_changed.unpark_all()
         if waiter.slot is not None:
             return waiter.slot
         _discard(queue, waiter)
+        self.demand_changed.unpark_all()
         if waiter.gone:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)

@@ -1,0 +1,161 @@
+"""A node's capacity for one model, split between the edges it is linked to.
+
+Sans-I/O: the agent tells a :class:`GrantBook` what happens (an edge linked
+or left, a run started or ended, an edge reported its demand) and sends the
+``Grant`` frames :meth:`GrantBook.rebalance` returns.
+
+Each edge holds a **grant**: the most runs of the model it may have on this
+node at once. The rules:
+
+- the sum of what the edges may be using never exceeds the capacity. What an
+  edge may be using (``held``) is the largest of its grant, every grant it was
+  sent and has not acknowledged yet (a shrink counts only once the edge says
+  it has seen it: runs it sent under the larger grant may still be on the
+  wire), and the runs it has running here;
+- a grant is never below the edge's running runs (a running run keeps its
+  slot; grants shrink as runs end);
+- the target of each edge: a max-min fair share of the capacity by demand
+  (the edge's in-flight plus waiting), never below its running runs; what no
+  edge asks for is split evenly, so an idle edge keeps a little for a burst
+  and a lone edge holds the whole capacity. Shrinks are sent first; grows take only
+  capacity no edge may be using.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from proto import Grant
+
+
+class EdgeShare:
+    """One edge's share of one model's capacity."""
+
+    __slots__ = ("grant", "seq", "pending", "active", "in_flight", "waiting", "order")
+
+    def __init__(self, order: int) -> None:
+        self.grant = 0  # the last grant sent
+        self.seq = 0  # its sequence number
+        self.pending: list[tuple[int, int]] = []  # (seq, slots) sent and not acknowledged
+        self.active = 0  # runs of this edge running here (not ended, not cancelled)
+        self.in_flight = 0  # as the edge last reported
+        self.waiting = 0  # as the edge last reported
+        self.order = order  # link order: ties go to the older link
+
+    @property
+    def held(self) -> int:
+        """The most runs this edge may have on the node, as far as the node can know."""
+        return max(self.grant, self.active, max((slots for _, slots in self.pending), default=0))
+
+    @property
+    def demand(self) -> int:
+        return max(self.in_flight + self.waiting, self.active)
+
+
+class GrantBook:
+    """One model's capacity on this node and the edges' grants of it."""
+
+    def __init__(self, model: str, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.shares: dict[Hashable, EdgeShare] = {}
+        self._order = 0
+
+    # -- what happens ------------------------------------------------------------
+
+    def add(self, edge: Hashable) -> None:
+        self._order += 1
+        self.shares[edge] = EdgeShare(self._order)
+
+    def remove(self, edge: Hashable) -> None:
+        """The edge's link is gone and its runs have ended."""
+        self.shares.pop(edge, None)
+
+    def report(self, edge: Hashable, in_flight: int, waiting: int, seq: int) -> None:
+        """The edge's demand, and the last grant it has seen (``seq``)."""
+        share = self.shares.get(edge)
+        if share is None:
+            return
+        share.in_flight, share.waiting = max(in_flight, 0), max(waiting, 0)
+        if share.pending and seq >= share.pending[0][0]:
+            share.pending = [p for p in share.pending if p[0] > seq]
+
+    def start(self, edge: Hashable) -> bool:
+        """A run of ``edge`` wants to start: False if that would exceed its grant."""
+        share = self.shares.get(edge)
+        if share is None or share.active >= share.held:
+            return False
+        share.active += 1
+        return True
+
+    def end(self, edge: Hashable) -> None:
+        share = self.shares.get(edge)
+        if share is not None and share.active > 0:
+            share.active -= 1
+
+    # -- accounting --------------------------------------------------------------
+
+    def held(self) -> int:
+        return sum(s.held for s in self.shares.values())
+
+    def targets(self) -> dict[Hashable, int]:
+        """What each edge should hold: max-min fair by demand (each edge the
+        same level, or its whole demand if less), never below its running
+        runs; capacity no edge asks for is split evenly."""
+        shares = sorted(self.shares.items(), key=lambda kv: kv[1].order)
+        if not shares:
+            return {}
+
+        def at(level: int) -> list[int]:
+            return [min(max(level, s.active), s.demand) for _, s in shares]
+
+        wanted = sum(s.demand for _, s in shares)
+        if wanted <= self.capacity:
+            target = [s.demand for _, s in shares]
+            each, extra = divmod(self.capacity - wanted, len(shares))
+            target = [t + each + (1 if i < extra else 0) for i, t in enumerate(target)]
+        else:
+            low, high = 0, self.capacity  # the highest level that fits
+            while low < high:
+                mid = (low + high + 1) // 2
+                if sum(at(mid)) <= self.capacity:
+                    low = mid
+                else:
+                    high = mid - 1
+            target = at(low)
+            left = self.capacity - sum(target)
+            for i, more in enumerate(at(low + 1)):  # the remainder: one more each, older links first
+                if left <= 0:
+                    break
+                if more > target[i]:
+                    target[i] += 1
+                    left -= 1
+        return {edge: t for (edge, _), t in zip(shares, target, strict=True)}
+
+    def rebalance(self) -> list[tuple[Hashable, Grant]]:
+        """Move grants toward the targets; the ``Grant`` frames to send, per edge."""
+        target = self.targets()
+        out: list[tuple[Hashable, Grant]] = []
+        for edge, share in self.shares.items():
+            if target[edge] < share.grant:
+                out.append((edge, self._set(share, target[edge])))
+        free = self.capacity - self.held()
+        growing = [(edge, share) for edge, share in self.shares.items() if target[edge] > share.grant]
+        growing.sort(key=lambda kv: (kv[1].waiting == 0, kv[1].order))  # edges with waiting runs first
+        for edge, share in growing:
+            held = share.held
+            slots = min(target[edge], held + max(free, 0))
+            if slots <= share.grant:
+                continue
+            free -= max(slots - held, 0)
+            out.append((edge, self._set(share, slots)))
+        return out
+
+    def _set(self, share: EdgeShare, slots: int) -> Grant:
+        share.seq += 1
+        share.pending.append((share.seq, share.grant))  # the old grant stays held until acknowledged
+        share.grant = slots
+        return Grant(model=self.model, slots=slots, seq=share.seq)
+
+
+__all__ = ["EdgeShare", "GrantBook"]
