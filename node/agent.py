@@ -93,9 +93,10 @@ class RunSink:
     consecutive deltas; a ``complete`` too large for it becomes this run's
     error; an error message is cut to fit."""
 
-    __slots__ = ("_outbox", "_run_id", "_seq", "_base", "ended")
+    __slots__ = ("_link", "_outbox", "_run_id", "_seq", "_base", "ended")
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
+        self._link = link
         self._outbox = link.outbox
         self._run_id = run_id
         self._seq = 0
@@ -143,12 +144,17 @@ class RunSink:
             await self.error("run output too large to relay")
             return
         self.ended = True
+        # The edge frees its slot when this event arrives and may send the next
+        # run at once: the grant is given back now, not when the task ends
+        # (an adapter may still be closing its upstream response).
+        self._link._uncount(self._run_id)
         await self._emit(size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage)
 
     async def error(self, message: str, status: int = 0) -> None:
         if self.ended:
             return
         self.ended = True
+        self._link._uncount(self._run_id)  # as in complete()
         room = self._outbox.budget - self._base
         if text_bytes(message) > room:
             message = split_text(message, room)[0]
@@ -287,8 +293,11 @@ class EdgeLink:
             if self.agent.grants[request.model].start(self):
                 self.counted[request.run_id] = request.model
             else:
-                log.warning("run beyond the edge's grant refused", edge=self.url, model=request.model)
-                refusal = f"run beyond this edge's grant for model {request.model!r}"
+                # Only an edge that does not keep to its grant gets here. The run
+                # is still served (the slot semaphore bounds the upstream), never
+                # failed: a client must not pay for an accounting race.
+                self.agent.beyond_grant += 1
+                log.warning("run beyond the edge's grant: it may wait for a slot", edge=self.url, model=request.model)
         nursery.start_soon(self._serve_one, request, scope, sink, work, refusal)
 
     async def _serve_one(self, request, scope: trio.CancelScope, sink, work, refusal: str | None) -> None:
@@ -392,6 +401,7 @@ class NodeAgent:
         # every edge keeps to its grant (slot_waits counts the waits).
         self.slots = {m.name: trio.Semaphore(m.max_concurrency) for m in config.models}
         self.grants = {m.name: GrantBook(m.name, m.max_concurrency) for m in config.models}
+        self.beyond_grant = 0  # runs an edge sent beyond its grant (served anyway)
         self.slot_waits = 0
         self.passthrough = {m.name: m.passthrough for m in config.models}
         self.links: dict[str, EdgeLink] = {}

@@ -528,3 +528,19 @@ async def test_virtual_clock_random_load_stays_within_capacity(nursery, autojump
                 await trio.sleep(rng.expovariate(100))
         watcher.cancel_scope.cancel()
     assert served[0] == 300
+
+
+async def test_a_run_still_closing_its_upstream_does_not_cost_the_next_run(nursery, upstream):
+    """After a run's last event its adapter may still be closing the upstream response: the next run
+    the edge sends on that slot is served (the grant is given back with the last event), never refused."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    upstream.script_for("m-target", [("chunk", {"content": "hi"}), ("chunk", {}, "stop"), ("done",), ("sleep", 0.3)])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for _ in range(4):
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == "hi"
+    assert node.agent.beyond_grant == 0

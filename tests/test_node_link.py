@@ -263,7 +263,7 @@ async def test_outbox_frames_stay_under_the_budget_with_any_text():
     rng = random.Random(9)
     budget = frame_budget(64 * 1024, 0)
     outbox = Outbox(budget, max_events=1 << 20, max_bytes=1 << 40)  # no sender here: nothing may wait
-    link = SimpleNamespace(outbox=outbox)
+    link = SimpleNamespace(outbox=outbox, _uncount=lambda run_id: None)
     sinks = {f"r{i}": RunSink(link, f"r{i}") for i in range(5)}
     texts = {run_id: [] for run_id in sinks}
     alphabet = ["a", "Z ", "é", "€", "😀", "\x00", "\u2028"]
