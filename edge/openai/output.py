@@ -275,18 +275,11 @@ class LiveEncoder:
 
     def feed(self, batch: list[RunEvent]) -> bytes | None:
         """Shape a batch into ``out``; the closing bytes if the run ended."""
-        shaper = self.shaper
-        for event in batch:
-            kind = event.type
-            if kind == DELTA:
-                shaper.content(event.text)
-            elif kind == REASONING_DELTA:
-                shaper.reasoning(event.text)
-            elif kind == COMPLETE:
-                return self.complete(event)
-            else:
-                return self.failed(event)
-        return None
+        end = self.shaper.take(batch)
+        return None if end is None else self._end(end)
+
+    def _end(self, event: RunEvent) -> bytes:
+        return self.complete(event) if event.type == COMPLETE else self.failed(event)
 
     def failed(self, event: RunEvent) -> bytes:
         failed = failure(event, self.run)
@@ -349,19 +342,8 @@ class LiveStream(LiveEncoder):
     def feed(self, batch: list[RunEvent]) -> bytes | None:
         if self.trace is None:
             return super().feed(batch)
-        shaper = self.shaper
-        trace = self.trace
-        for event in batch:
-            kind = event.type
-            if kind == DELTA:
-                trace.around("content", event.text, shaper.content)
-            elif kind == REASONING_DELTA:
-                trace.around("reasoning", event.text, shaper.reasoning)
-            elif kind == COMPLETE:
-                return self.complete(event)
-            else:
-                return self.failed(event)
-        return None
+        end = self.shaper.take(batch, self.trace.around)
+        return None if end is None else self._end(end)
 
     def complete(self, event: RunEvent) -> bytes:
         usage = self.turn.usage_of(self.run, event)

@@ -13,6 +13,10 @@ from collections.abc import Callable
 
 from edge.config import ModelPolicy
 from edge.openai.filters import DEFAULT_SENTINELS, THINK_CLOSE, THINK_OPEN, SentinelFilter, ThinkSplitter
+from proto import RunEvent
+from proto.frames import DELTA, REASONING_DELTA
+
+Around = Callable[[str, str, Callable[[str], None]], None]
 
 
 def _ignore(_: str) -> None:
@@ -81,6 +85,25 @@ class Shaper:
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
+
+    def take(self, events: list[RunEvent], around: Around | None = None) -> RunEvent | None:
+        """Shape a batch of run events in order, up to the one that ended the
+        run (complete, error, cancelled), which is returned (None: the run goes
+        on). ``around(kind, text, shape)``, if given, wraps each shaping call
+        (stream tracing)."""
+        for event in events:
+            kind = event.type
+            if kind == DELTA:
+                shape = self.content
+            elif kind == REASONING_DELTA:
+                shape = self.reasoning
+            else:
+                return event
+            if around is None:
+                shape(event.text)
+            else:
+                around("content" if kind == DELTA else "reasoning", event.text, shape)
+        return None
 
     def finish(self) -> None:
         """Flush every filter; in collect mode, split think tags now."""

@@ -188,17 +188,13 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
             if batch[0].type in (DELTA, REASONING_DELTA, COMPLETE):
                 await on_started()
             on_started = None
-        for event in batch:
-            kind = event.type
-            if kind == DELTA:
-                shaper.content(event.text)
-            elif kind == REASONING_DELTA:
-                shaper.reasoning(event.text)
-            elif kind == COMPLETE:
-                shaper.finish()
-                return _finish(turn, shaper, event, turn.usage_of(run, event))
-            else:
-                raise failure(event, run)
+        end = shaper.take(batch)
+        if end is None:
+            continue
+        if end.type != COMPLETE:
+            raise failure(end, run)
+        shaper.finish()
+        return _finish(turn, shaper, end, turn.usage_of(run, end))
 
 
 def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Collected:
