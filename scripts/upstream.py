@@ -84,6 +84,23 @@ def text_script(
     return steps
 
 
+def steps(*deltas: dict[str, Any], finish: str = "stop", usage: dict[str, int] | None = None) -> Script:
+    """A script of the given chunk deltas (content, reasoning, tool_calls), a
+    finish chunk, optionally usage, and [DONE]."""
+    out: Script = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
+    if usage is not None:
+        out.append(("usage", usage))
+    return [*out, ("done",)]
+
+
+def native_call(call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+    """The deltas of one native tool call, its arguments in a second delta."""
+    return [
+        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+    ]
+
+
 def default_script(body: dict[str, Any]) -> Script:
     n = body.get("max_tokens") or body.get("max_completion_tokens") or 8
     return text_script(

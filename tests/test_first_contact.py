@@ -18,6 +18,7 @@ from pydantic_ai.messages import ThinkingPart
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
+from scripts.upstream import native_call, steps
 from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, settled, sse_events, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -30,20 +31,6 @@ WEATHER = {
 }
 TOOLS = [WEATHER]
 CRASH = [("status", 500, b'{"error": {"message": "model crashed"}}')]
-
-
-def steps(*deltas, finish="stop", usage=None):
-    out = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
-    if usage is not None:
-        out.append(("usage", usage))
-    return [*out, ("done",)]
-
-
-def native_call(call_id: str, name: str, arguments: str) -> list[dict]:
-    return [
-        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
-    ]
 
 
 def joined(chunks, field: str) -> str:

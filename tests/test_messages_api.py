@@ -17,7 +17,7 @@ from edge.errors import APIError
 from edge.openai.schema import UsageOut
 from proto import ToolCall
 from proto.frames import ToolCallFunction
-from scripts.upstream import words
+from scripts.upstream import native_call, steps, words
 from tests.agents import quiet_env, require_agent, run_offline
 from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
 
@@ -28,20 +28,6 @@ WEATHER = {
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 USAGE = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
-
-
-def steps(*deltas, finish="stop", usage=None):
-    out = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
-    if usage is not None:
-        out.append(("usage", usage))
-    return [*out, ("done",)]
-
-
-def native_call(call_id: str, name: str, arguments: str) -> list[dict]:
-    return [
-        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
-    ]
 
 
 def client_for(edge, **kw) -> anthropic.AsyncAnthropic:

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from edge.openai.responses import decode_request
-from scripts.upstream import words
+from scripts.upstream import native_call, steps, words
 from tests.agents import quiet_env, require_agent, run_offline
 from tests.conftest import BOUND, edge_config, http, model, sdk, settled, start_edge, start_node
 
@@ -22,20 +22,6 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-
-
-def steps(*deltas, finish="stop", usage=None):
-    out = [*(("chunk", d) for d in deltas), ("chunk", {}, finish)]
-    if usage is not None:
-        out.append(("usage", usage))
-    return [*out, ("done",)]
-
-
-def native_call(call_id: str, name: str, arguments: str) -> list[dict]:
-    return [
-        {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
-    ]
 
 
 @pytest.fixture
