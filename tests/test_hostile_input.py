@@ -21,7 +21,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.openai import chat as chat_route
+from edge.openai import turn as turn_module
 from iop import logs
 from node.adapters import sim as sim_adapter
 from scripts.stack import free_port
@@ -278,7 +278,7 @@ async def test_exception_logs_show_no_locals(nursery, upstream, monkeypatch, cap
                 r = await client.post("/v1/chat/completions", json={"model": "m", "messages": prompt})
                 assert r.status_code == 502
             with monkeypatch.context() as patch:
-                patch.setattr(chat_route, "parse_chat_request", edge_bug)
+                patch.setattr(turn_module, "parse_chat_request", edge_bug)
                 r = await client.post("/v1/chat/completions", json={"model": "m", "messages": prompt})
                 assert r.status_code == 500
     await settled(edge, node.agent)

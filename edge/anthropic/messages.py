@@ -24,14 +24,13 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from edge import errors
 from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stream_error
 from edge.errors import RunFailed
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import decode_body, estimate_input_tokens, parse_chat_request
 from edge.openai.tools import with_ids
-from edge.openai.turn import Collected, Turn, collect_validated
+from edge.openai.turn import Collected, Turn, collect_validated, open_turn
 from edge.runs import Run, Slot
 from proto import RunEvent
 
@@ -67,16 +66,8 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
 
 
 async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
-    cfg = edge.config
     _, chat = _decode(edge, ex, body)
-    req, forward = parse_chat_request(
-        chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
-    )
-    turn = Turn(edge, ex, req, forward)
-    if turn.contract is not None:
-        problem = turn.contract.check_request()
-        if problem:
-            raise errors.bad_request(problem, "tools")
+    turn = open_turn(edge, ex, chat)
     access = ex.access
     try:
         slot = await turn.acquire()

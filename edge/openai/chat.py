@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from edge import errors
 from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.passthrough import passthrough
-from edge.openai.request import decode_body, parse_chat_request
-from edge.openai.turn import Turn
+from edge.openai.request import decode_body
+from edge.openai.turn import open_turn
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -46,14 +45,7 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, raw, "/chat/completions")
         return
-    req, forward = parse_chat_request(
-        raw, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
-    )
-    turn = Turn(edge, ex, req, forward)
-    if turn.contract is not None:
-        problem = turn.contract.check_request()
-        if problem:
-            raise errors.bad_request(problem, "tools")
+    turn = open_turn(edge, ex, raw)
     try:
         slot = await turn.acquire()
         if not turn.stream:

@@ -25,15 +25,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from edge import errors
 from edge.errors import RunFailed
 from edge.openai import output
 from edge.openai.exchange import Exchange
-from edge.openai.request import decode_body, parse_chat_request
+from edge.openai.request import decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.sse import KEEPALIVE
 from edge.openai.tools import with_ids
-from edge.openai.turn import Collected, Turn, collect_validated
+from edge.openai.turn import Collected, Turn, collect_validated, open_turn
 from edge.runs import Run, Slot
 from proto import RunEvent
 
@@ -60,15 +59,8 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             tool_types=sorted(set(decoded.ignored_tools)),
             item_types=sorted(set(decoded.ignored_items)),
         )
-    req, forward = parse_chat_request(
-        decoded.chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
-    )
-    turn = Turn(edge, ex, req, forward)
-    if turn.contract is not None:
-        problem = turn.contract.check_request()
-        if problem:
-            raise errors.bad_request(problem, "tools")
-    enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), req.model, int(time.time()), decoded.echo)
+    turn = open_turn(edge, ex, decoded.chat)
+    enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo)
     try:
         slot = await turn.acquire()
         if not turn.stream:

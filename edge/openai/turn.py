@@ -16,9 +16,9 @@ import msgspec
 import structlog
 import trio
 
-from edge.errors import APIError, RunFailed
+from edge.errors import APIError, RunFailed, bad_request
 from edge.openai.exchange import Exchange
-from edge.openai.request import context_class, estimate_input_tokens, prompt_prefix
+from edge.openai.request import context_class, estimate_input_tokens, parse_chat_request, prompt_prefix
 from edge.openai.schema import ChatRequest, UsageOut
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_calls, text_tools_request, with_ids
@@ -140,6 +140,21 @@ class Turn:
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
         return await consume_run(run, consume)
+
+
+def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
+    """The turn for a chat request body (what every front door decodes into):
+    validated, with its tools' schemas checked. Raises :class:`APIError` (400)."""
+    cfg = edge.config
+    req, forward = parse_chat_request(
+        chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
+    )
+    turn = Turn(edge, ex, req, forward)
+    if turn.contract is not None:
+        problem = turn.contract.check_request()
+        if problem:
+            raise bad_request(problem, "tools")
+    return turn
 
 
 # -- collecting a whole run ----------------------------------------------------
