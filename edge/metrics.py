@@ -150,8 +150,8 @@ class EdgeMetrics:
         self.run_duration.labels(model).observe(now - run.started_at)
         if run.first_event_at is not None:
             self.ttft.labels(api, model).observe(run.first_event_at - run.started_at)
-            if run.events_seen > 2:
-                self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.events_seen - 2))
+            if run.deltas_seen > 2:
+                self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.deltas_seen - 2))
         if cause not in ("complete", "run_error"):
             self.cancels.labels(cause).inc()
 

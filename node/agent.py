@@ -93,7 +93,7 @@ class RunSink:
     consecutive deltas; a ``complete`` too large for it becomes this run's
     error; an error message is cut to fit."""
 
-    __slots__ = ("_link", "_outbox", "_run_id", "_seq", "_base", "ended")
+    __slots__ = ("_link", "_outbox", "_run_id", "_seq", "_base", "ended", "_last", "_last_at", "_last_gen")
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
         self._link = link
@@ -102,6 +102,9 @@ class RunSink:
         self._seq = 0
         self._base = EVENT_OVERHEAD + text_bytes(run_id)
         self.ended = False
+        self._last: RunEvent | None = None  # the last delta queued, maybe still pending
+        self._last_at = 0  # its index in the outbox's pending list
+        self._last_gen = -1  # the outbox generation it was queued in
 
     @property
     def started(self) -> bool:
@@ -116,22 +119,33 @@ class RunSink:
         for piece in split_text(text, self._outbox.budget - self._base):
             await self._emit(self._base + text_bytes(piece), kind, text=piece)
 
-    # delta() and reasoning() are the hot path: one event per upstream chunk.
-    async def delta(self, text: str) -> None:
-        size = self._base + (len(text) if text.isascii() else 4 * len(text))
-        if size > self._outbox.budget:
-            await self._split(DELTA, text)
+    # delta() and reasoning() are the hot path: one event per upstream read.
+    async def _text(self, kind: str, text: str, parts: int) -> None:
+        extra = len(text) if text.isascii() else 4 * len(text)
+        outbox = self._outbox
+        last = self._last
+        if last is not None and last.type == kind and outbox.grow(self._last_at, self._last_gen, extra):
+            last.text += text  # still pending: it leaves with this text too
+            last.parts = (last.parts or 1) + parts
+            await outbox.room()
+            return
+        size = self._base + extra
+        if size > outbox.budget:
+            self._last = None
+            await self._split(kind, text)
             return
         self._seq += 1
-        await self._outbox.event(RunEvent(self._run_id, self._seq, DELTA, text), size)
+        event = RunEvent(self._run_id, self._seq, kind, text)
+        if parts > 1:
+            event.parts = parts
+        self._last, self._last_at, self._last_gen = event, outbox.pending_index(), outbox.generation
+        await outbox.event(event, size)
 
-    async def reasoning(self, text: str) -> None:
-        size = self._base + (len(text) if text.isascii() else 4 * len(text))
-        if size > self._outbox.budget:
-            await self._split(REASONING_DELTA, text)
-            return
-        self._seq += 1
-        await self._outbox.event(RunEvent(self._run_id, self._seq, REASONING_DELTA, text), size)
+    async def delta(self, text: str, parts: int = 1) -> None:
+        await self._text(DELTA, text, parts)
+
+    async def reasoning(self, text: str, parts: int = 1) -> None:
+        await self._text(REASONING_DELTA, text, parts)
 
     async def complete(
         self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None
@@ -393,6 +407,7 @@ class NodeAgent:
                 self.counters,
                 connect_timeout_s=config.upstream_connect_timeout_s,
                 read_timeout_s=config.upstream_read_timeout_s,
+                ca_file=config.ca_file,
             )
             for m in config.models
         }

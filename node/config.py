@@ -8,6 +8,7 @@ from typing import Literal
 import msgspec
 
 from iop.configfile import ConfigError, load
+from node.http1 import InvalidURL, Origin
 
 MIN_FRAME_BYTES = 64 * 1024
 # A credential sent as `Authorization: Bearer <value>`: printable ASCII with no
@@ -40,7 +41,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     node_id: str
     edges: list[str]
     token: str = ""
-    ca_file: str = ""  # wss://: trust this CA bundle (PEM) instead of the system's
+    # A CA bundle (PEM) to trust: for wss:// edges instead of the system's, for https model servers besides certifi's.
+    ca_file: str = ""
     models: list[ModelConfig] = msgspec.field(default_factory=list)
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
@@ -72,8 +74,11 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             seen.add(m.name)
             if m.max_concurrency < 1:
                 raise ConfigError(f"models[{i}].max_concurrency: must be at least 1")
-            if m.adapter == "openai" and not m.base_url.startswith(("http://", "https://")):
-                raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url")
+            if m.adapter == "openai":
+                try:
+                    Origin(m.base_url)
+                except InvalidURL:
+                    raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url") from None
             if m.tokens_per_s < 0 or m.ttft_ms < 0:
                 raise ConfigError(f"models[{i}]: ttft_ms and tokens_per_s must not be negative")
             if m.prefix_cache_tokens < 0 or m.prefill_tokens_per_s < 0:

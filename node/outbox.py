@@ -12,7 +12,10 @@ Nothing else ever waits for the network:
   by sequence number, so a grant it never saw needs no answer);
 - run events and tunnel frames wait in the pending lists; the sender takes
   all of them at once and packs the events into ``events`` frames of at most
-  ``budget`` bytes. Run tasks wait while too much is pending.
+  ``budget`` bytes. Run tasks wait while too much is pending. Text of a run
+  that arrives while its previous delta is still pending joins that delta
+  (up to :data:`MAX_JOINED` bytes): when the link is the bottleneck, tokens
+  travel together instead of queueing one event each.
 
 Sizes are upper bounds estimated where an event is made, never measured by
 encoding: :func:`text_bytes` counts one byte per character of an ASCII
@@ -36,6 +39,7 @@ USAGE_BYTES = 128
 HEADER_OVERHEAD = 16  # one tunnelled header pair's msgpack headers
 MAX_CONTROL = 16  # control frames waiting for the sender
 MIN_BUDGET = 1024  # an absurdly small limit from an edge must not split text into single characters
+MAX_JOINED = 16 * 1024  # a pending delta grows by later text of its run up to this (bounds the copying)
 
 ControlFrame = Pong | Ping | Load | Grant
 
@@ -98,6 +102,7 @@ class Outbox:
         self._tunnel: list[TunnelFrame] = []
         self._bytes = 0  # estimated, of the pending events and tunnel frames
         self._busy = False  # the sender holds frames it has not sent yet
+        self.generation = 0  # counts take()s: an event queued in this generation is still pending
         self._wakeup = trio.lowlevel.ParkingLot()  # the sender waits here
         self._progress = trio.lowlevel.ParkingLot()  # producers and flushed() wait here
 
@@ -129,6 +134,25 @@ class Outbox:
         if self._wakeup:
             self._wakeup.unpark_all()
         while len(self._events) + len(self._tunnel) >= self._max_items or self._bytes >= self._max_bytes:
+            await self._progress.park()
+
+    def pending_index(self) -> int:
+        """Where the next event will sit in the pending list."""
+        return len(self._events)
+
+    def grow(self, index: int, generation: int, extra: int) -> bool:
+        """Count ``extra`` more bytes in the event queued at ``index`` in
+        ``generation``, if it is still pending and stays small (the caller
+        then adds them to it at once, and awaits :meth:`room`); False: queue a
+        new event instead."""
+        if generation != self.generation or self._sizes[index] + extra > MAX_JOINED:
+            return False
+        self._sizes[index] += extra
+        self._bytes += extra
+        return True
+
+    async def room(self) -> None:
+        while self._bytes >= self._max_bytes:
             await self._progress.park()
 
     async def tunnel(self, frame: TunnelFrame, size: int) -> None:
@@ -165,6 +189,7 @@ class Outbox:
         The outbox counts as busy until :meth:`done`."""
         events, sizes, tunnel, pending_bytes = self._events, self._sizes, self._tunnel, self._bytes
         self._events, self._sizes, self._tunnel, self._bytes = [], [], [], 0
+        self.generation += 1
         self._busy = True
         self._progress.unpark_all()
         frames: list[Events | TunnelFrame] = []

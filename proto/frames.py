@@ -68,6 +68,7 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
     usage: Usage | None = None
     status: int = 0  # error events: the upstream's HTTP status, when it gave one
+    parts: int = 0  # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
 
 
 # -- node -> edge -------------------------------------------------------------

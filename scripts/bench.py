@@ -1,21 +1,38 @@
-"""Throughput and added latency of edge+node, against the same upstream called directly.
+"""Throughput, CPU per token, added latency and idle-stream memory of edge+node.
 
     python scripts/bench.py [--concurrency 200] [--tokens 200] [--ttft-requests 300]
+                            [--idle-streams 10000] [--baseline REV]
 
-Starts an upstream (scripts/upstream.py), an edge and a node as separate
-processes on loopback; the client is this process (trio + httpx). Prints:
+Starts one upstream (scripts/upstream.py) and, for the current checkout (and,
+with --baseline, for a git worktree of REV, side by side in the same run), an
+edge and a node as separate processes on loopback; the client is this process
+(trio + httpx, raw sockets for the idle streams). Prints, per revision:
 - time to first content chunk at concurrency 1, direct and through the edge
-  (p50/p90/p99), and the added p50;
-- aggregate streamed chunks/s at --concurrency with --tokens-chunk streams,
-  direct and through the edge, and their ratio.
+  (p50/p90/p99, requests alternating between the two), and the added p50;
+- aggregate streamed tokens/s at --concurrency with --tokens-token streams,
+  direct and through the edge, and the CPU time the edge and the node each
+  spent per streamed token (from /proc, over the measured interval);
+- with --idle-streams N: N streams that got their first token and then wait,
+  the edge's resident memory per stream, and the latency of new requests
+  (p50/p99) served while they are open.
+
+Tokens are counted in the text the client received, so an edge that puts
+several tokens in one chunk is measured on what it delivers, not on chunks.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,30 +40,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import trio  # noqa: E402
 
-from scripts.stack import Stack  # noqa: E402
+from scripts.stack import ROOT, Stack  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "bench"}]
+TOKEN = b"tok"  # every token the bench upstream sends is "tok<i> "
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+CHUNKS = {"n": 0}  # content chunks received (to report tokens per chunk)
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> tuple[float, int]:
-    """(seconds to the first content chunk, content chunks received)."""
+    """(seconds to the first content, tokens received)."""
     body = {"model": model, "messages": MESSAGES, "stream": True, "max_tokens": max_tokens}
     start = time.perf_counter()
     first = 0.0
-    chunks = 0
+    tokens = 0
     tail = b""
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for raw in r.aiter_raw():
             data = tail + raw
-            n = data.count(b'"content":')
+            n = data.count(TOKEN)
+            CHUNKS["n"] += raw.count(b'"content":"')
             if n and not first:
                 first = time.perf_counter() - start
-            chunks += n
-            tail = data[-12:]
-            chunks -= tail.count(b'"content":')  # counted again with the next read
-    chunks += tail.count(b'"content":')
-    return first, chunks
+            tokens += n
+            tail = data[-2:]
+            tokens -= tail.count(TOKEN)  # counted again with the next read
+    tokens += tail.count(TOKEN)
+    return first, tokens
 
 
 def pct(values: list[float], p: float) -> float:
@@ -54,9 +77,26 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 async def ttft(direct_url: str, edge_url: str, model: str, n: int) -> tuple[list[float], list[float]]:
-    """Time to first content chunk, direct and through the edge, alternating
-    request by request so that both see the same machine load."""
+    """Time to first content, direct and through the edge, alternating request
+    by request so that both see the same machine load."""
     async with httpx.AsyncClient(timeout=60) as client:
         for _ in range(100):  # warm up connections and code paths on both sides
             await stream_one(client, direct_url, model, 1)
@@ -70,7 +110,11 @@ async def ttft(direct_url: str, edge_url: str, model: str, n: int) -> tuple[list
         return direct, edge
 
 
-async def throughput(url: str, model: str, concurrency: int, tokens: int) -> tuple[float, int]:
+async def throughput(
+    url: str, model: str, concurrency: int, tokens: int, pids: list[int]
+) -> tuple[float, int, list[float]]:
+    """(tokens/s, tokens received, CPU seconds each of ``pids`` spent
+    meanwhile, content chunks received)."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         async with trio.open_nursery() as nursery:  # warm up
@@ -80,28 +124,166 @@ async def throughput(url: str, model: str, concurrency: int, tokens: int) -> tup
 
         async def one() -> None:
             nonlocal total
-            _, chunks = await stream_one(client, url, model, tokens)
-            total += chunks
+            _, n = await stream_one(client, url, model, tokens)
+            total += n
 
+        cpu0 = [cpu_seconds(p) for p in pids]
+        CHUNKS["n"] = 0
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for _ in range(concurrency):
                 nursery.start_soon(one)
         elapsed = time.perf_counter() - start
-    return total / elapsed, total
+        cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
+    return total / elapsed, total, cpu, CHUNKS["n"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--ttft-requests", type=int, default=300)
-    args = parser.parse_args()
+async def idle_streams(
+    edge: str, model: str, n: int, probe_model: str, probes: int, edge_pid: int
+) -> tuple[float, list[float], int]:
+    """Open ``n`` streams that each get their first token and then wait. Returns
+    (edge RSS bytes per stream, latencies in ms of ``probes`` new requests
+    made while they are open, streams that got their first token)."""
+    host, port = edge.removeprefix("http://").split(":")
+    body = b'{"model":"%s","messages":[{"role":"user","content":"idle"}],"stream":true,"max_tokens":2}' % model.encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (edge.encode(), len(body), body)
+    )
+    opened = 0
+    held: list[trio.SocketStream] = []
+    limit = trio.CapacityLimiter(200)
 
-    with Stack() as stack:
-        upstream = stack.upstream()
-        edge = stack.edge(max_queue=1000)
-        stack.node(
+    async def open_one() -> None:
+        nonlocal opened
+        async with limit:
+            for attempt in range(5):
+                try:
+                    s = await trio.open_tcp_stream(host, int(port))
+                    break
+                except OSError:
+                    await trio.sleep(0.2 * (attempt + 1))
+            else:
+                return
+            await s.send_all(request)
+            data = b""
+            while TOKEN not in data:
+                chunk = await s.receive_some(65536)
+                if not chunk:
+                    await s.aclose()
+                    return
+                data += chunk
+            held.append(s)
+            opened += 1
+
+    await trio.sleep(1)
+    base = rss_bytes(edge_pid)
+    with trio.fail_after(300):
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(open_one)
+    await trio.sleep(2)
+    per_stream = (rss_bytes(edge_pid) - base) / max(opened, 1)
+    latencies = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(probes):
+            start = time.perf_counter()
+            await stream_one(client, edge + "/v1/chat/completions", probe_model, 4)
+            latencies.append((time.perf_counter() - start) * 1000)
+    for s in held:
+        await s.aclose()
+    return per_stream, latencies, opened
+
+
+@contextlib.contextmanager
+def profiled(out: Path | None, pids: dict[str, int]):
+    """With ``out``: py-spy samples each of ``pids`` meanwhile, into
+    ``out/<name>.txt`` (collapsed stacks), summarised by :func:`flame_summary`."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    spies = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "py-spy"),
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "-o",
+                str(out / f"{name}.txt"),
+                "-p",
+                str(pid),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, pid in pids.items()
+    ]
+    time.sleep(1)  # attached
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(30)
+        for name in pids:
+            print(flame_summary(out / f"{name}.txt", name))
+
+
+def flame_summary(path: Path, name: str, top: int = 12) -> str:
+    """The functions holding the most samples, inclusive and by themselves."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines() if path.exists() else ():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        frames = [
+            f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")" for f in stack.split(";")
+        ]
+        total += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+    lines = [f"\n{name}: {total} samples; top inclusive / own (% of samples)"]
+    for (f1, n1), (f2, n2) in zip(inclusive.most_common(top), own.most_common(top), strict=False):
+        lines.append(f"  {100 * n1 / max(total, 1):5.1f} {f1[:60]:<60} {100 * n2 / max(total, 1):5.1f} {f2[:60]}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Result:
+    name: str
+    direct_ttft: list[float] = field(default_factory=list)
+    edge_ttft: list[float] = field(default_factory=list)
+    direct_rate: float = 0.0
+    edge_rate: float = 0.0
+    edge_tokens: int = 0
+    edge_chunks: int = 0
+    cpu_edge_us: float = 0.0
+    cpu_node_us: float = 0.0
+    idle_kb: float = 0.0
+    idle_opened: int = 0
+    idle_latency: list[float] = field(default_factory=list)
+
+
+def worktree(rev: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="iop-bench-")) / rev.replace("/", "_")
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True, capture_output=True)
+    return path
+
+
+def run_revision(name: str, root: Path, upstream: str, idle_upstream: str, args) -> Result:
+    result = Result(name)
+    with Stack(root) as stack:
+        wanted = {"max_queue": 1000, "backlog": 4096, "max_node_concurrency": args.idle_streams + 1000}
+        known = (root / "edge/config.py").read_text()  # an older revision may not have every key
+        edge = stack.edge(**{k: v for k, v in wanted.items() if k in known})
+        node = stack.node(
             edge,
             [
                 {
@@ -110,29 +292,88 @@ def main() -> None:
                     "target": "bench",
                     "base_url": upstream,
                     "max_concurrency": args.concurrency + 16,
-                }
+                },
+                {
+                    "name": "idle",
+                    "adapter": "openai",
+                    "target": "idle",
+                    "base_url": idle_upstream,
+                    "max_concurrency": args.idle_streams + 100,
+                },
             ],
         )
+        pids = [stack.edge_proc.pid, node.pid]
         direct_url = upstream + "/chat/completions"
         edge_url = edge + "/v1/chat/completions"
+        result.direct_ttft, result.edge_ttft = trio.run(ttft, direct_url, edge_url, "bench", args.ttft_requests)
+        result.direct_rate, _, _, _ = trio.run(throughput, direct_url, "bench", args.concurrency, args.tokens, [])
+        with profiled(args.profile and args.profile / name, {"edge": pids[0], "node": pids[1]}):
+            result.edge_rate, result.edge_tokens, cpu, result.edge_chunks = trio.run(
+                throughput, edge_url, "bench", args.concurrency, args.tokens, pids
+            )
+        result.cpu_edge_us = cpu[0] / max(result.edge_tokens, 1) * 1e6
+        result.cpu_node_us = cpu[1] / max(result.edge_tokens, 1) * 1e6
+        if args.idle_streams:
+            per_stream, result.idle_latency, result.idle_opened = trio.run(
+                idle_streams, edge, "idle", args.idle_streams, "bench", 200, stack.edge_proc.pid
+            )
+            result.idle_kb = per_stream / 1024
+    return result
 
-        direct_ttft, edge_ttft = trio.run(ttft, direct_url, edge_url, "bench", args.ttft_requests)
-        direct_rate, direct_total = trio.run(throughput, direct_url, "bench", args.concurrency, args.tokens)
-        edge_rate, edge_total = trio.run(throughput, edge_url, "bench", args.concurrency, args.tokens)
 
+def report(results: list[Result], args) -> None:
     expected = args.concurrency * args.tokens
-    print(f"\nTime to first content chunk, concurrency 1, {args.ttft_requests} requests (ms)")
-    print(f"{'path':<12}{'p50':>8}{'p90':>8}{'p99':>8}")
-    for name, values in (("direct", direct_ttft), ("edge+node", edge_ttft)):
-        print(f"{name:<12}{pct(values, 50):>8.2f}{pct(values, 90):>8.2f}{pct(values, 99):>8.2f}")
-    print(f"added p50: {statistics.median(edge_ttft) - statistics.median(direct_ttft):.2f} ms")
-    print(f"\nStreamed chunks/s, concurrency {args.concurrency}, {args.tokens}-chunk streams")
-    print(f"{'path':<12}{'chunks/s':>10}{'chunks':>10}")
-    print(f"{'direct':<12}{direct_rate:>10.0f}{direct_total:>10}")
-    print(f"{'edge+node':<12}{edge_rate:>10.0f}{edge_total:>10}")
-    print(f"ratio edge/direct: {edge_rate / direct_rate:.2f}")
-    if direct_total != expected or edge_total != expected:
-        print(f"WARNING: expected {expected} chunks per path", file=sys.stderr)
+    print(f"\nTime to first content, concurrency 1, {args.ttft_requests} requests (ms)")
+    print(f"{'revision':<14}{'path':<12}{'p50':>8}{'p90':>8}{'p99':>8}{'added p50':>11}")
+    for r in results:
+        added = statistics.median(r.edge_ttft) - statistics.median(r.direct_ttft)
+        for path, values in (("direct", r.direct_ttft), ("edge+node", r.edge_ttft)):
+            extra = f"{added:>11.2f}" if path == "edge+node" else ""
+            print(f"{r.name:<14}{path:<12}{pct(values, 50):>8.2f}{pct(values, 90):>8.2f}{pct(values, 99):>8.2f}{extra}")
+    print(f"\nStreamed tokens, concurrency {args.concurrency}, {args.tokens}-token streams")
+    print(
+        f"{'revision':<14}{'direct/s':>10}{'edge/s':>10}{'ratio':>7}{'edge µs/tok':>13}{'node µs/tok':>13}{'sum':>7}{'tok/chunk':>11}"
+    )
+    for r in results:
+        print(
+            f"{r.name:<14}{r.direct_rate:>10.0f}{r.edge_rate:>10.0f}{r.edge_rate / r.direct_rate:>7.2f}"
+            f"{r.cpu_edge_us:>13.1f}{r.cpu_node_us:>13.1f}{r.cpu_edge_us + r.cpu_node_us:>7.1f}"
+            f"{r.edge_tokens / max(r.edge_chunks, 1):>11.2f}"
+        )
+        if r.edge_tokens != expected:
+            print(f"WARNING: {r.name}: {r.edge_tokens} tokens, expected {expected}", file=sys.stderr)
+    if len(results) == 2:
+        print(f"tokens/s {results[0].name} / {results[1].name}: {results[0].edge_rate / results[1].edge_rate:.2f}")
+    if args.idle_streams:
+        print(f"\nIdle streams ({args.idle_streams} asked), edge memory and new requests meanwhile")
+        print(f"{'revision':<14}{'open':>7}{'KB/stream':>11}{'new p50 ms':>12}{'new p99 ms':>12}")
+        for r in results:
+            print(
+                f"{r.name:<14}{r.idle_opened:>7}{r.idle_kb:>11.1f}{pct(r.idle_latency, 50):>12.2f}{pct(r.idle_latency, 99):>12.2f}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--ttft-requests", type=int, default=300)
+    parser.add_argument("--idle-streams", type=int, default=0, help="e.g. 10000; 0 skips the idle-stream phase")
+    parser.add_argument("--baseline", metavar="REV", help="also measure this git revision, side by side")
+    parser.add_argument("--profile", type=Path, metavar="DIR", help="py-spy the throughput phase into DIR")
+    args = parser.parse_args()
+
+    with Stack() as upstreams:
+        upstream = upstreams.upstream()
+        idle_upstream = upstreams.upstream(tokens=2, interval_ms=3_600_000)
+        results = [run_revision("current", ROOT, upstream, idle_upstream, args)]
+        if args.baseline:
+            tree = worktree(args.baseline)
+            try:
+                results.append(run_revision(args.baseline[:12], tree, upstream, idle_upstream, args))
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    report(results, args)
 
 
 if __name__ == "__main__":

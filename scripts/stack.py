@@ -64,10 +64,13 @@ def wait_http(url: str, timeout: float = 20.0) -> None:
 class Stack(ExitStack):
     """``with Stack() as s: s.upstream(...); s.edge(...); s.node(...)``"""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path = ROOT) -> None:
+        """``root``: the checkout whose edge and node run (the upstream is
+        always this one's), e.g. a worktree of an older revision."""
         super().__init__()
+        self.root = root
         self.dir = Path(self.enter_context(tempfile.TemporaryDirectory(prefix="iop-stack-")))
-        self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}
+        self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(root)}
 
     def _spawn(self, args: list[str], log_file: Path | None = None) -> subprocess.Popen:
         """``log_file``: the process logs there, at info level."""
@@ -76,7 +79,7 @@ class Stack(ExitStack):
             stderr = self.enter_context(open(log_file, "wb"))  # closed with the stack
         else:
             env, stderr = self.env, None if os.environ.get("IOP_STACK_LOGS") else subprocess.DEVNULL
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(args, cwd=self.root, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         self.callback(_kill, proc)
         return proc
 
@@ -88,7 +91,7 @@ class Stack(ExitStack):
         port = free_port()
         args = [
             sys.executable,
-            "scripts/upstream.py",
+            str(ROOT / "scripts/upstream.py"),
             "--port",
             str(port),
             "--interval-ms",

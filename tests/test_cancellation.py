@@ -19,9 +19,14 @@ def tokens_then_hang(n: int):
     return [*(("chunk", {"content": t}) for t in words(n)), ("hang",)]
 
 
-async def read_then_leave(edge, body: dict, *, content_chunks: int, upstream=None) -> list[dict]:
-    """Stream, read the role chunk and `content_chunks` content chunks, wait until the
-    upstream has the request (if given), then close the connection."""
+def text_of(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+async def read_then_leave(edge, body: dict, *, tokens: int, upstream=None) -> list[dict]:
+    """Stream, read the role chunk and content holding `tokens` tokens (however they are
+    split into chunks), wait until the upstream has the request (if given), then close
+    the connection."""
     seen: list[dict] = []
     async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -30,7 +35,7 @@ async def read_then_leave(edge, body: dict, *, content_chunks: int, upstream=Non
                 if not line.startswith("data: {"):
                     continue
                 seen.append(msgspec.json.decode(line[6:]))
-                if sum(1 for c in seen if c["choices"][0]["delta"].get("content")) >= content_chunks:
+                if text_of(seen).count("tok") >= tokens:
                     if upstream is not None:
                         await upstream.wait_requests(1)
                     reading.cancel()  # closes the connection: the client is gone
@@ -44,7 +49,7 @@ async def test_disconnect_before_first_token_aborts_upstream(nursery, upstream):
     node = await start_node(nursery, edge, [model("m", upstream)])
     upstream.script_for("m-target", [("hang",)])
     with trio.fail_after(BOUND):
-        seen = await read_then_leave(edge, STREAM, content_chunks=0, upstream=upstream)
+        seen = await read_then_leave(edge, STREAM, tokens=0, upstream=upstream)
         assert seen[0]["choices"][0]["delta"] == {"role": "assistant"}
         (rec,) = await upstream.wait_requests(1)
         await rec.finished.wait()
@@ -53,13 +58,13 @@ async def test_disconnect_before_first_token_aborts_upstream(nursery, upstream):
 
 
 async def test_disconnect_mid_stream_aborts_upstream(edge, node, upstream):
-    """Client leaves after two content chunks while the model is still generating."""
+    """Client leaves after two tokens while the model is still generating."""
     upstream.script_for("m-target", tokens_then_hang(3))
     with trio.fail_after(BOUND):
-        seen = await read_then_leave(edge, STREAM, content_chunks=2)
+        seen = await read_then_leave(edge, STREAM, tokens=2)
         (rec,) = await upstream.wait_requests(1)
         await rec.finished.wait()
-    assert [c["choices"][0]["delta"].get("content") for c in seen[1:3]] == ["tok0 ", "tok1 "]
+    assert text_of(seen).startswith("tok0 tok1 ")
     assert rec.aborted
     await settled(edge, node.agent)
 
@@ -89,9 +94,7 @@ async def test_disconnect_while_queued_leaves_the_queue(nursery, upstream):
     upstream.script_for("m-target", [("hang",)])
     with trio.fail_after(BOUND):
         async with trio.open_nursery() as clients:
-            clients.start_soon(
-                partial(read_then_leave, edge, STREAM, content_chunks=1, upstream=upstream)
-            )  # the only slot
+            clients.start_soon(partial(read_then_leave, edge, STREAM, tokens=1, upstream=upstream))  # the only slot
             await upstream.wait_requests(1)
 
             queued = trio.CancelScope()
@@ -127,8 +130,7 @@ async def test_wait_timeout_reports_run_timed_out_and_aborts_upstream(nursery, u
             assert events[-1] == b"[DONE]"
             err = msgspec.json.decode(events[-2])["error"]
             assert err["message"] == "run timed out" and err["type"] == "run_error"
-            contents = [msgspec.json.decode(e)["choices"][0]["delta"].get("content") for e in events[1:-2]]
-            assert contents == ["tok0 ", "tok1 "]
+            assert text_of([msgspec.json.decode(e) for e in events[1:-2]]) == "tok0 tok1 "
             await upstream.records[0].finished.wait()
             assert upstream.records[0].aborted
             # Non-streaming: the same timeout is a 504.

@@ -278,8 +278,8 @@ async def test_invalid_tool_calls_fail_the_stream(edge_up):
 
 
 async def read_then_leave(edge, upstream, *, deltas: int) -> list[dict]:
-    """Stream, read `deltas` text deltas (after the opening events), wait for the upstream to have
-    the request, then close the connection."""
+    """Stream, read text holding `deltas` of the upstream's deltas (after the opening events;
+    the edge may join them), wait for the upstream to have the request, then close the connection."""
     seen: list[dict] = []
     body = {"model": "m", "input": "hi", "stream": True}
     async with http(edge) as client, client.stream("POST", "/v1/responses", json=body) as r:
@@ -289,7 +289,8 @@ async def read_then_leave(edge, upstream, *, deltas: int) -> list[dict]:
                 if not line.startswith("data: "):
                     continue
                 seen.append(msgspec.json.decode(line[6:]))
-                if sum(1 for e in seen if e["type"] == "response.output_text.delta") >= deltas and len(seen) >= 2:
+                text = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+                if text.count("tok") >= deltas and len(seen) >= 2:
                     await upstream.wait_requests(1)
                     reading.cancel()
     return seen

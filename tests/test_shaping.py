@@ -171,11 +171,13 @@ async def test_reasoning_only_run_gets_fallback_content(shaped):
 
 
 async def test_strict_without_buffer_streams_content_live_and_hides_reasoning(shaped):
-    """strict_output alone: reasoning never leaves the edge; content still streams delta by delta."""
+    """strict_output alone: reasoning never leaves the edge; content still streams delta by
+    delta (the model pauses between them, so no layer joins them)."""
     edge, upstream = shaped
-    upstream.script_for(
-        "t", script({"reasoning_content": "secret"}, {"content": "a"}, {"content": "b"}, {"content": "c"})
-    )
+    steps = [("chunk", {"reasoning_content": "secret"})]
+    for text in "abc":
+        steps += [("chunk", {"content": text}), ("sleep", 0.05)]
+    upstream.script_for("t", [*steps, ("chunk", {}, "stop"), ("done",)])
     with trio.fail_after(BOUND):
         chunks, raw = await stream_raw(edge, model="strict")
     assert b"secret" not in raw

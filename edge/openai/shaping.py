@@ -89,9 +89,12 @@ class Shaper:
     def take(self, events: list[RunEvent], around: Around | None = None) -> RunEvent | None:
         """Shape a batch of run events in order, up to the one that ended the
         run (complete, error, cancelled), which is returned (None: the run goes
-        on). ``around(kind, text, shape)``, if given, wraps each shaping call
-        (stream tracing)."""
-        for event in events:
+        on). Consecutive deltas of one kind are shaped as one text: what was
+        queued together becomes one chunk (never waited for). ``around(kind,
+        text, shape)``, if given, wraps each shaping call (stream tracing)."""
+        i, n = 0, len(events)
+        while i < n:
+            event = events[i]
             kind = event.type
             if kind == DELTA:
                 shape = self.content
@@ -99,10 +102,15 @@ class Shaper:
                 shape = self.reasoning
             else:
                 return event
+            j = i + 1
+            while j < n and events[j].type == kind:
+                j += 1
+            text = event.text if j == i + 1 else "".join([e.text for e in events[i:j]])
+            i = j
             if around is None:
-                shape(event.text)
+                shape(text)
             else:
-                around("content" if kind == DELTA else "reasoning", event.text, shape)
+                around("content" if kind == DELTA else "reasoning", text, shape)
         return None
 
     def finish(self) -> None:

@@ -105,7 +105,7 @@ class Turn:
         """The usage of ``run``, ended by ``event`` (complete): always numbers,
         estimated where the upstream gave none (:mod:`edge.openai.usage`)."""
         self.usage, self.usage_estimated = usage_out(
-            event.usage, prompt_estimate=self.estimate, deltas=run.events_seen - 1, tool_calls=event.tool_calls
+            event.usage, prompt_estimate=self.estimate, deltas=run.deltas_seen - 1, tool_calls=event.tool_calls
         )
         return self.usage
 

@@ -5,7 +5,8 @@ A count the upstream did not report is estimated: prompt tokens as
 :func:`edge.openai.request.estimate_input_tokens` does for admission
 (characters / 4, plus 4 per message); completion tokens as one per generated
 delta, content or reasoning (nodes always stream from the model server, which
-sends about one token per delta), plus the characters / 4 of native tool calls
+sends about one token per delta; a node that joins deltas it read together
+says how many in the event's ``parts``), plus the characters / 4 of native tool calls
 (they arrive whole). A response with an estimated count is marked in the
 access line (``usage_estimated``) and counted in ``iop_usage_estimated_total``.
 """

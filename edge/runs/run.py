@@ -51,6 +51,7 @@ class Run:
         "started_at",
         "first_event_at",
         "events_seen",
+        "deltas_seen",
         "finished",
         "closed",
         "cause",
@@ -86,6 +87,7 @@ class Run:
         self.last_event_at = now
         self.first_event_at: float | None = None
         self.events_seen = 0
+        self.deltas_seen = 0  # model-server deltas in the events seen (a node joins those read together)
         self.finished = False  # a terminal event is queued: nothing more will arrive
         self.closed = False
         self.cause: str | None = None
@@ -104,6 +106,7 @@ class Run:
 
     def deliver(self, event: RunEvent, now: float) -> None:
         """``now``: when the frame holding it arrived (read once per frame)."""
+        self.deltas_seen += event.parts or 1
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:

@@ -22,8 +22,8 @@ class Sink(Protocol):
     ended: bool  # complete() or error() was called
     started: bool  # some event was reported
 
-    async def delta(self, text: str) -> None: ...
-    async def reasoning(self, text: str) -> None: ...
+    async def delta(self, text: str, parts: int = 1) -> None: ...
+    async def reasoning(self, text: str, parts: int = 1) -> None: ...
     async def complete(
         self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None
     ) -> None: ...
@@ -46,11 +46,15 @@ class Counters:
         self.run_ended = trio.lowlevel.ParkingLot()  # unparked whenever a run ends
 
 
-def make_adapter(model: ModelConfig, counters: Counters, *, connect_timeout_s: float, read_timeout_s: float) -> Adapter:
+def make_adapter(
+    model: ModelConfig, counters: Counters, *, connect_timeout_s: float, read_timeout_s: float, ca_file: str = ""
+) -> Adapter:
     if model.adapter == "openai":
         from node.adapters.openai import OpenAIAdapter
 
-        return OpenAIAdapter(model, counters, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+        return OpenAIAdapter(
+            model, counters, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, ca_file=ca_file
+        )
     from node.adapters.sim import SimAdapter
 
     return SimAdapter(model, counters)

@@ -1,0 +1,378 @@
+"""A lean HTTP/1.1 client for the node's calls to its model servers.
+
+The node's hot path is reading one server-sent event stream per run. A
+general client (httpx over httpcore over h11) builds request and response
+models, an event object per chunk and an async generator chain per body;
+measured, that was the largest CPU cost of a streamed token. This client does
+only what the node needs: keep-alive connections to one origin, a request
+with a body, the response's status and headers, and its body de-chunked with
+bytes operations, a read at a time (every chunk already received is returned
+at once, so a busy server's tokens arrive together).
+
+- ``read()`` returns b"" at the end of the body; there are no async
+  generators, so a cancel leaves nothing suspended for the garbage collector.
+- Leaving a response before its end (a cancel, an error) closes the
+  connection: that is what makes a model server abort the generation. Only a
+  response read to its end returns its connection to the pool.
+- A connection taken from the pool that the server had already closed is
+  detected before use; a request that then fails before any byte of the
+  answer arrived is sent again once, on a new connection.
+- Timeouts: connect, read (each wait for bytes), write. Errors are the
+  classes below, named as httpx names them (operators grep for them).
+- No proxies, no redirects, no compression, no HTTP/2: model servers are
+  addressed directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import certifi
+import trio
+
+MAX_HEAD_BYTES = 64 * 1024
+MAX_CHUNK_LINE = 1024
+MAX_IDLE = 256  # idle keep-alive connections kept per origin
+READ_SIZE = 256 * 1024
+
+_LENGTH, _CHUNKED, _CLOSE = 0, 1, 2
+
+
+class HTTPError(Exception):
+    pass
+
+
+class ConnectError(HTTPError):
+    pass
+
+
+class ConnectTimeout(HTTPError):
+    pass
+
+
+class ReadTimeout(HTTPError):
+    pass
+
+
+class WriteTimeout(HTTPError):
+    pass
+
+
+class RemoteProtocolError(HTTPError):
+    pass
+
+
+class InvalidURL(HTTPError):
+    pass
+
+
+class Origin:
+    __slots__ = ("scheme", "host", "port", "path", "host_header")
+
+    def __init__(self, base_url: str) -> None:
+        try:
+            url = urlsplit(base_url)
+            port = url.port
+        except ValueError as e:
+            raise InvalidURL(str(e)) from None
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise InvalidURL(f"not an http(s) URL: {base_url!r}")
+        self.scheme = url.scheme
+        self.host = url.hostname
+        self.port = port or (443 if url.scheme == "https" else 80)
+        self.path = url.path.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = self.port == (443 if url.scheme == "https" else 80)
+        self.host_header = host if default else f"{host}:{self.port}"
+
+    @property
+    def host_port(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+class _Connection:
+    __slots__ = ("stream", "sock", "buf")
+
+    def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
+        self.stream = stream
+        self.sock = sock
+        self.buf = b""
+
+    def closed_by_peer(self) -> bool:
+        """An idle connection that is readable: the server closed it (or sent
+        bytes on it, which an idle HTTP/1.1 connection must not have either)."""
+        if self.buf:
+            return True
+        poll = select.poll()
+        poll.register(self.sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
+
+
+class Response:
+    """A response whose head has arrived; ``read()`` the body."""
+
+    __slots__ = ("status", "headers", "_conn", "_timeout", "_mode", "_left", "_trailer", "done", "keep_alive")
+
+    def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]], timeout: float) -> None:
+        self.status = status
+        self.headers = headers
+        self._conn = conn
+        self._timeout = timeout
+        self.done = False
+        self._trailer = False
+        self._left = 0  # _LENGTH: body bytes to come; _CHUNKED: of this chunk, with its CRLF
+        self.keep_alive = True
+        length = None
+        chunked = False
+        for name, value in headers:
+            if name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    raise RemoteProtocolError("invalid content-length") from None
+            elif name == b"connection" and value.lower() == b"close":
+                self.keep_alive = False
+        if chunked:
+            self._mode = _CHUNKED
+        elif length is not None:
+            self._mode, self._left = _LENGTH, length
+            self.done = length == 0
+        else:
+            self._mode, self.keep_alive = _CLOSE, False
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    async def _recv(self) -> bytes:
+        with trio.move_on_after(self._timeout) as scope:
+            try:
+                return await self._conn.stream.receive_some(READ_SIZE)
+            except trio.BrokenResourceError as e:
+                raise RemoteProtocolError(f"connection lost: {e}") from None
+        assert scope.cancelled_caught
+        raise ReadTimeout("no bytes from the server in the read timeout")
+
+    async def read(self) -> bytes:
+        """The next body bytes: everything received so far, at least one byte; b"" at the end."""
+        conn = self._conn
+        while not self.done:
+            data = conn.buf or await self._recv()
+            conn.buf = b""
+            if self._mode == _CHUNKED:
+                if not data:
+                    raise RemoteProtocolError("connection closed inside a chunked body")
+                out = self._dechunk(data)
+                if out:
+                    return out
+            elif self._mode == _LENGTH:
+                if not data:
+                    raise RemoteProtocolError("connection closed before the end of the body")
+                if len(data) > self._left:
+                    data, conn.buf = data[: self._left], data[self._left :]
+                self._left -= len(data)
+                self.done = self._left == 0
+                return data
+            else:
+                if not data:
+                    self.done = True
+                return data
+        return b""
+
+    def _dechunk(self, buf: bytes) -> bytes:
+        """The data of every chunk (or part of one) in ``buf``; the rest is kept."""
+        out: list[bytes] = []
+        pos, n = 0, len(buf)
+        while pos < n:
+            left = self._left
+            if left > 2:  # inside a chunk's data
+                end = min(pos + left - 2, n)
+                out.append(buf[pos:end])
+                self._left -= end - pos
+                pos = end
+                continue
+            if left:  # the CRLF after a chunk's data
+                take = min(left, n - pos)
+                self._left -= take
+                pos += take
+                continue
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                if n - pos > MAX_CHUNK_LINE:
+                    raise RemoteProtocolError("chunk size line too long")
+                break
+            line = buf[pos:end]
+            pos = end + 2
+            if self._trailer:
+                if not line:  # the empty line that ends the trailers
+                    self.done = True
+                    self._conn.buf = buf[pos:]
+                    return b"".join(out)
+                continue
+            try:
+                size = int(line.split(b";", 1)[0], 16)
+            except ValueError:
+                raise RemoteProtocolError("invalid chunk size") from None
+            if size < 0:
+                raise RemoteProtocolError("invalid chunk size")
+            if size == 0:
+                self._trailer = True
+            else:
+                self._left = size + 2
+        self._conn.buf = buf[pos:]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+class Client:
+    """Keep-alive HTTP/1.1 connections to one origin (the model's base URL)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str] | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 600.0,
+        write_timeout: float = 60.0,
+        ca_file: str = "",
+    ) -> None:
+        """``ca_file``: a CA bundle (PEM) trusted for https, besides certifi's."""
+        self.origin = Origin(base_url)
+        self._headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._write_timeout = write_timeout
+        self._idle: list[_Connection] = []
+        self._ssl: ssl.SSLContext | None = None
+        if self.origin.scheme == "https":
+            self._ssl = ssl.create_default_context(cafile=certifi.where())
+            if ca_file:
+                self._ssl.load_verify_locations(cafile=ca_file)
+
+    async def _connect(self) -> _Connection:
+        origin = self.origin
+        with trio.move_on_after(self._connect_timeout) as scope:
+            try:
+                tcp = await trio.open_tcp_stream(origin.host, origin.port)
+            except OSError as e:
+                raise ConnectError(str(e) or type(e).__name__) from None
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is None:
+                return _Connection(tcp, tcp.socket)
+            tls = trio.SSLStream(tcp, self._ssl, server_hostname=origin.host, https_compatible=True)
+            try:
+                await tls.do_handshake()
+            except (trio.BrokenResourceError, ssl.SSLError) as e:
+                await trio.aclose_forcefully(tcp)
+                raise ConnectError(f"TLS handshake failed: {e}") from None
+            return _Connection(tls, tcp.socket)
+        assert scope.cancelled_caught
+        raise ConnectTimeout(f"no connection within {self._connect_timeout:g} s")
+
+    def _pooled(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed_by_peer():
+                return conn
+            conn.sock.close()
+        return None
+
+    async def _send(self, conn: _Connection, data: bytes) -> None:
+        with trio.move_on_after(self._write_timeout) as scope:
+            try:
+                await conn.stream.send_all(data)
+                return
+            except trio.BrokenResourceError as e:
+                raise RemoteProtocolError(f"connection lost while sending: {e}") from None
+        assert scope.cancelled_caught
+        raise WriteTimeout(f"request not sent within {self._write_timeout:g} s")
+
+    async def _head(self, conn: _Connection) -> tuple[int, list[tuple[bytes, bytes]]]:
+        buf = b""
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            if len(buf) > MAX_HEAD_BYTES:
+                raise RemoteProtocolError("response head too large")
+            with trio.move_on_after(self._read_timeout) as scope:
+                try:
+                    data = await conn.stream.receive_some(READ_SIZE)
+                except trio.BrokenResourceError as e:
+                    raise RemoteProtocolError(f"connection lost: {e}") from None
+            if scope.cancelled_caught:
+                raise ReadTimeout("no response head in the read timeout")
+            if not data:
+                raise RemoteProtocolError("server closed the connection without a response")
+            buf += data
+        conn.buf = buf[end + 4 :]
+        lines = buf[:end].split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise RemoteProtocolError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+        try:
+            status = int(parts[1])
+        except ValueError:
+            raise RemoteProtocolError("invalid status code") from None
+        headers = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers.append((name.strip().lower(), value.strip()))
+        return status, headers
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> AsyncIterator[Response]:
+        """Send a request; the response's head has arrived when this enters.
+        Its connection goes back to the pool only if the body was read to the end."""
+        origin = self.origin
+        start = f"{method} {origin.path}{path} HTTP/1.1\r\nhost: {origin.host_header}\r\n"
+        start += f"content-length: {len(body)}\r\n"
+        head = (
+            start.encode("latin-1")
+            + self._headers
+            + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+            + b"\r\n"
+        )
+        message = head + body
+        conn = self._pooled()
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = await self._connect()
+            try:
+                await self._send(conn, message)
+                status, response_headers = await self._head(conn)
+                break
+            except RemoteProtocolError:
+                # A kept-alive connection the server closed as we sent: nothing
+                # was answered, so sending again is safe, once.
+                await trio.aclose_forcefully(conn.stream)
+                if not reused:
+                    raise
+                conn, reused = None, False
+            except BaseException:
+                await trio.aclose_forcefully(conn.stream)
+                raise
+        response = Response(conn, status, response_headers, self._read_timeout)
+        try:
+            yield response
+        finally:
+            if response.done and response.keep_alive and len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+            else:
+                await trio.aclose_forcefully(conn.stream)
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await trio.aclose_forcefully(conn.stream)

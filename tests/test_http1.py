@@ -1,0 +1,251 @@
+"""The node's HTTP/1.1 client (node/http1.py) against real loopback servers:
+body framings, keep-alive reuse, a kept-alive connection the server closed,
+leaving a response early, timeouts; and its de-chunking at every split."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+
+import pytest
+import trio
+import trustme
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node import http1
+from tests.conftest import BOUND
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+class Server:
+    """Answers each request on a connection with the next scripted reply
+    (bytes, or a callable taking the stream); counts connections and requests,
+    and records whether a connection was closed by the client."""
+
+    def __init__(self, replies: list) -> None:
+        self.replies = replies
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.client_closed = trio.Event()
+        self.port = 0
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = await stream.receive_some(65536)
+                if not data:
+                    self.client_closed.set()
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = int(
+                next(
+                    (line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                    b"0",
+                )
+            )
+            while len(buf) < length:
+                buf += await stream.receive_some(65536)
+            self.requests.append(head + b"\r\n\r\n" + buf[:length])
+            buf = buf[length:]
+            reply = self.replies.pop(0)
+            if callable(reply):
+                await reply(stream)
+                if stream.socket.fileno() < 0:  # the reply closed the connection
+                    return
+                continue
+            await stream.send_all(reply)
+
+
+@pytest.fixture
+async def serve(nursery):
+    clients: list[http1.Client] = []
+
+    async def start(*replies) -> tuple[Server, http1.Client]:
+        server = Server(list(replies))
+        await nursery.start(server.serve)
+        clients.append(
+            http1.Client(f"http://127.0.0.1:{server.port}/v1", {"authorization": "Bearer k"}, read_timeout=2)
+        )
+        return server, clients[-1]
+
+    yield start
+    for client in clients:
+        await client.aclose()
+
+
+async def body_of(client: http1.Client, path: str = "/chat/completions") -> tuple[int, bytes]:
+    async with client.request("POST", path, b'{"a":1}', {"content-type": "application/json"}) as r:
+        body = b""
+        while data := await r.read():
+            body += data
+        return r.status, body
+
+
+async def test_framings_and_keep_alive_reuse(serve):
+    """Chunked, content-length and close-delimited bodies read whole; the
+    request carries path, host, headers and body; a connection whose body was
+    read to the end serves the next request."""
+
+    async def close_delimited(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end")
+        await stream.aclose()
+
+    server, client = await serve(
+        CHUNKED_HEAD + chunked(b"data: a\n\n", b"data: [DONE]\n\n"),
+        b"HTTP/1.1 400 Bad Request\r\ncontent-length: 5\r\n\r\nnope!",
+        close_delimited,
+    )
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"data: a\n\ndata: [DONE]\n\n")
+        assert await body_of(client) == (400, b"nope!")
+        status, body = await body_of(client, "/models")
+    assert (status, body) == (200, b"until the end")
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"host: 127.0.0.1:%d\r\n" % server.port in first and b"authorization: Bearer k\r\n" in first
+    assert first.endswith(b'\r\n\r\n{"a":1}')
+
+
+async def test_a_kept_alive_connection_the_server_closed_is_not_used(serve):
+    """The server closes the connection after answering: the next request
+    goes out on a new connection and succeeds."""
+
+    closed = trio.Event()
+
+    async def answer_then_close(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await stream.aclose()
+        closed.set()
+
+    server, client = await serve(answer_then_close, b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok2")
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        await closed.wait()
+        await trio.sleep(0.05)  # the FIN has reached the client's socket
+        assert await body_of(client) == (200, b"ok2")
+    assert server.connections == 2
+
+
+async def test_leaving_a_response_early_closes_its_connection(serve):
+    """A cancel mid-body closes the connection (the model server's signal to
+    abort), and the next request opens a new one."""
+
+    gone = trio.Event()
+
+    async def drip(stream):
+        await stream.send_all(CHUNKED_HEAD + b"5\r\ntok0 \r\n")
+        while await stream.receive_some(100):  # until the client closes
+            pass
+        gone.set()
+        await stream.aclose()
+
+    server, client = await serve(drip, CHUNKED_HEAD + chunked(b"fine"))
+    with trio.fail_after(BOUND):
+        with trio.CancelScope() as scope:
+            async with client.request("POST", "/chat/completions", b"{}") as r:
+                assert await r.read() == b"tok0 "
+                scope.cancel()
+                await r.read()
+        await gone.wait()
+        assert await body_of(client) == (200, b"fine")
+    assert server.connections == 2
+
+
+async def test_timeouts_and_refusals_are_named_errors(serve):
+    async def silent(stream):
+        await trio.sleep_forever()
+
+    _, client = await serve(silent)
+    with trio.fail_after(BOUND), pytest.raises(http1.ReadTimeout):
+        await body_of(client)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    with trio.fail_after(BOUND), pytest.raises(http1.ConnectError):
+        await body_of(http1.Client(f"http://127.0.0.1:{port}"))
+
+
+async def test_a_malformed_response_is_a_protocol_error(serve):
+    _, client = await serve(b"SMTP ready\r\n\r\n", CHUNKED_HEAD + b"zz\r\n")
+    with trio.fail_after(BOUND):
+        with pytest.raises(http1.RemoteProtocolError):
+            await body_of(client)
+        with pytest.raises(http1.RemoteProtocolError):
+            await body_of(client)
+
+
+async def test_https_with_a_trusted_ca(nursery, tmp_path):
+    """An https model server whose certificate a ``ca_file`` vouches for; without it, the
+    handshake fails as a ConnectError."""
+    ca = trustme.CA()
+    cafile = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(cafile))
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    listeners = await trio.open_ssl_over_tcp_listeners(0, server_ctx, host="127.0.0.1")
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+
+    async def answer(stream):
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecure")
+
+    nursery.start_soon(trio.serve_listeners, answer, listeners)
+    trusted = http1.Client(f"https://127.0.0.1:{port}/v1", ca_file=str(cafile))
+    with trio.fail_after(BOUND):
+        assert await body_of(trusted) == (200, b"secure")
+        with pytest.raises(http1.ConnectError):
+            await body_of(http1.Client(f"https://127.0.0.1:{port}/v1"))
+    await trusted.aclose()
+
+
+def test_base_urls():
+    assert http1.Origin("https://api.example.com/v1/").host_header == "api.example.com"
+    assert http1.Origin("http://[::1]:8000/v1").host_port == "[::1]:8000"
+    with pytest.raises(http1.InvalidURL):
+        http1.Origin("ftp://x")
+    with pytest.raises(http1.InvalidURL):
+        http1.Origin("http://x:notaport")
+
+
+class _NoStream:
+    stream = sock = None
+    buf = b""
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
+    st.lists(st.integers(0, 400), max_size=12),
+    st.booleans(),
+)
+def test_dechunking_at_every_split(parts, cuts, extension):
+    """However the chunked body is cut into reads, the data comes out whole
+    and in order, the end is found, and bytes after it are kept."""
+    ext = b";name=value" if extension else b""
+    wire = b"".join(b"%x%s\r\n%s\r\n" % (len(p), ext, p) for p in parts) + b"0\r\ntrailer: x\r\n\r\nNEXT"
+    conn = _NoStream()
+    response = http1.Response(conn, 200, [(b"transfer-encoding", b"chunked")], 1.0)  # type: ignore[arg-type]
+    points = sorted({c % (len(wire) + 1) for c in cuts} | {0, len(wire)})
+    out = b""
+    for a, b in zip(points, points[1:], strict=False):
+        out += response._dechunk(conn.buf + wire[a:b])
+    assert out == b"".join(parts)
+    assert response.done and conn.buf == b"NEXT"
