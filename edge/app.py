@@ -143,6 +143,8 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
                         "context_window": info.context_window,
                         "native_tools": info.native_tools,
                         "passthrough": info.passthrough,
+                        # the model server's own load (from its metrics), when the node samples it
+                        **({"engine": link.engine[info.name]} if info.name in link.engine else {}),
                     }
                     for info in link.models.values()
                 ],

@@ -177,7 +177,9 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                 link.send_nowait(Pong(ts=ts))
             case Grant(model=model, slots=slots, seq=seq):
                 service.set_grant(link, model, slots, seq)
-            case Load(draining=draining):
+            case Load(draining=draining, engine=engine):
+                if engine:
+                    link.set_engine(engine)
                 if draining != link.draining:
                     service.set_draining(link, draining)
             case TunnelFrame(run_id=run_id):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from edge.runs import Run, RunService
@@ -126,6 +127,7 @@ class EdgeMetrics:
             registry=r,
         )
         self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
+        r.register(_EngineCollector(runs))
         runs.on_placed.append(self.observe_placement)
         runs.on_run_closed.append(self.observe_run)
 
@@ -157,3 +159,46 @@ class EdgeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """``iop_engine_*{node, model}``: each linked node's model servers' own
+    load, as last reported (read at scrape time, so an unlinked node's series
+    are gone with it)."""
+
+    def __init__(self, runs: RunService) -> None:
+        self._runs = runs
+
+    def collect(self):
+        gauges = (
+            (
+                "waiting",
+                GaugeMetricFamily(
+                    "iop_engine_requests_waiting", "Requests queued in the model server", labels=("node", "model")
+                ),
+            ),
+            (
+                "running",
+                GaugeMetricFamily(
+                    "iop_engine_requests_running",
+                    "Requests the model server is generating for",
+                    labels=("node", "model"),
+                ),
+            ),
+            (
+                "kv_cache_usage",
+                GaugeMetricFamily(
+                    "iop_engine_kv_cache_usage",
+                    "Fraction of the model server's KV cache in use",
+                    labels=("node", "model"),
+                ),
+            ),
+        )
+        for link in list(self._runs.links.values()):
+            for model, load in link.engine.items():
+                for field, gauge in gauges:
+                    value = getattr(load, field)
+                    if value is not None:
+                        gauge.add_metric((link.node_id, model), value)
+        for _, gauge in gauges:
+            yield gauge

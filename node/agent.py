@@ -36,6 +36,7 @@ from iop import __version__
 from iop.exceptions import first_leaf
 from node.adapters import Adapter, Counters, make_adapter
 from node.config import NodeConfig
+from node.engine import EngineSampler
 from node.grants import GrantBook
 from node.outbox import (
     EVENT_OVERHEAD,
@@ -51,6 +52,7 @@ from proto import (
     PROTOCOL_VERSION,
     CancelRun,
     Demand,
+    EngineLoad,
     Hello,
     Load,
     ModelInfo,
@@ -421,6 +423,8 @@ class NodeAgent:
         self.passthrough = {m.name: m.passthrough for m in config.models}
         self.links: dict[str, EdgeLink] = {}
         self.draining = False
+        self.engine: dict[str, EngineLoad] = {}  # model -> its server's load (models with a metrics_url)
+        self.samplers = [EngineSampler(m, self._engine_changed, config.ca_file) for m in config.models if m.metrics_url]
         self.models = [
             ModelInfo(
                 name=m.name,
@@ -439,9 +443,19 @@ class NodeAgent:
         for link, grant in self.grants[model].rebalance():
             link.outbox.grant(grant)
 
+    def _engine_changed(self, model: str, load: EngineLoad) -> None:
+        """Tell every linked edge (a link whose control queue is full is stuck:
+        its liveness check decides, and a new link gets the whole view)."""
+        self.engine[model] = load
+        frame = Load(in_flight={}, draining=self.draining, engine={model: load})
+        for link in self.links.values():
+            link.outbox.control_nowait(frame)
+
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                for sampler in self.samplers:
+                    nursery.start_soon(sampler.run)
                 for url in self.config.edges:
                     nursery.start_soon(self._dial_forever, url)
                 task_status.started()
@@ -563,6 +577,8 @@ class NodeAgent:
             )
         link = EdgeLink(self, url, ws, welcome)
         self.links[url] = link
+        if self.engine:
+            link.outbox.control_nowait(Load(in_flight={}, draining=self.draining, engine=dict(self.engine)))
         linked.set()
         log.info("linked", edge=url, edge_id=welcome.edge_id)
         try:

@@ -35,6 +35,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     prefix_cache_tokens: int = 0  # LRU capacity in prompt tokens
     prefix_block_tokens: int = 64  # cached in whole blocks of this many tokens (4 characters a token)
     prefill_tokens_per_s: float = 5000.0  # uncached prompt tokens add to ttft_ms at this rate; 0: no cost
+    # The model server's Prometheus metrics (vLLM, SGLang, llama.cpp: e.g. http://127.0.0.1:8000/metrics),
+    # sampled every metrics_interval_s and reported to the edges as its load (node.engine); "": none.
+    metrics_url: str = ""
+    metrics_interval_s: float = 1.0
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -79,6 +83,13 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                     Origin(m.base_url)
                 except InvalidURL:
                     raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url") from None
+            if m.metrics_url:
+                try:
+                    Origin(m.metrics_url)
+                except InvalidURL:
+                    raise ConfigError(f"models[{i}].metrics_url: not an http(s) URL") from None
+                if m.metrics_interval_s < 0.05:
+                    raise ConfigError(f"models[{i}].metrics_interval_s: must be at least 0.05")
             if m.tokens_per_s < 0 or m.ttft_ms < 0:
                 raise ConfigError(f"models[{i}]: ttft_ms and tokens_per_s must not be negative")
             if m.prefix_cache_tokens < 0 or m.prefill_tokens_per_s < 0:

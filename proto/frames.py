@@ -87,9 +87,19 @@ class Events(_Frame, tag="events"):
     events: list[RunEvent]
 
 
+class EngineLoad(msgspec.Struct, omit_defaults=True):
+    """A model server's own load, sampled by the node from its Prometheus
+    metrics; a field is None when the server does not export it."""
+
+    waiting: float | None = None  # requests queued in the engine
+    running: float | None = None  # requests it is generating for
+    kv_cache_usage: float | None = None  # fraction of its KV cache in use, 0..1
+
+
 class Load(_Frame, tag="load"):
     in_flight: dict[str, int]
     draining: bool = False
+    engine: dict[str, EngineLoad] | None = None  # model -> its server's load; {} for a model: no longer known
 
 
 class Pong(_Frame, tag="pong"):

@@ -118,6 +118,10 @@ class Upstream:
         self.max_active = 0  # high-water mark of active
         self._ids = itertools.count(1)
         self._arrivals = trio.lowlevel.ParkingLot()
+        # GET /metrics answers this Prometheus text (a model server's own load); "": 404.
+        # Not recorded in ``records``; ``metrics_scrapes`` counts them.
+        self.metrics = ""
+        self.metrics_scrapes = 0
 
     @property
     def base_url(self) -> str:
@@ -161,6 +165,10 @@ class Upstream:
         self, stream, method: str, path: str, headers: dict[str, str], raw_body: bytes
     ) -> tuple[bool, bytes]:
         """Serve one request: (keep the connection, bytes of the next request already read)."""
+        if method == "GET" and path.split("?")[0].endswith("/metrics"):
+            self.metrics_scrapes += 1
+            await _send_whole(stream, 200 if self.metrics else 404, self.metrics.encode())
+            return True, b""
         try:
             body = msgspec.json.decode(raw_body) if raw_body else None
         except msgspec.DecodeError:

@@ -252,7 +252,9 @@ async def test_keep_alive_while_waiting_for_the_first_token(shaped):
 async def test_trace_logs_each_chunk_and_a_summary(shaped):
     """Run metadata iop_trace_stream logs every emitted chunk (with filtering noted) and one summary."""
     edge, upstream = shaped
-    upstream.script_for("t", script({"content": "a<|im_end|>"}, {"content": "b"}))
+    upstream.script_for(  # a pause between the deltas: no layer joins them
+        "t", [("chunk", {"content": "a<|im_end|>"}), ("sleep", 0.05), *script({"content": "b"})]
+    )
     with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs, trio.fail_after(BOUND):
         await stream_raw(edge, model="plain", metadata={"iop_trace_stream": "1"})
         await stream_raw(edge, model="plain")

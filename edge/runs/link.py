@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from proto import Demand, Frame, ModelInfo, RunRequest, TunnelRequest
+from proto import Demand, EngineLoad, Frame, ModelInfo, RunRequest, TunnelRequest
 
 if TYPE_CHECKING:
     from edge.runs.run import Run
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.link")
 
 _RECENT_RUNS = 4096  # ended run ids remembered per link, to drop late events
+KV_CACHE_FULL = 0.9  # a model server's KV cache past this fraction makes its node look busier
 _STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: first time, at most
 
 
@@ -61,6 +62,7 @@ class NodeLink:
         self._cancel_scope: trio.CancelScope | None = None
         # Runs sent and not started (no event yet), oldest first: run id -> when sent.
         self.unstarted: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.engine: dict[str, EngineLoad] = {}  # model -> its server's own load, as the node last reported
         self.ttft: float | None = None  # moving average of the time to a run's first event
         self.stalled_until = -1.0  # routed around until then (its runs were not starting)
         self._stall_backoff = _STALL_BACKOFF_S[0]
@@ -84,7 +86,35 @@ class NodeLink:
         return self.free_slots(model) > before
 
     def load(self, model: str) -> float:
-        return self.in_flight[model] / max(self.models[model].max_concurrency, 1)
+        """How busy the node is for ``model``, 0 = idle, 1 = every slot used:
+        this edge's in-flight runs over the capacity; with the model server's
+        own load (``engine``), its running requests when they are more (other
+        edges, other clients), plus its queue, plus a steep term as its KV
+        cache fills past :data:`KV_CACHE_FULL` (preemption is near)."""
+        capacity = max(self.models[model].max_concurrency, 1)
+        engine = self.engine.get(model)
+        if engine is None:
+            return self.in_flight[model] / capacity
+        busy = float(self.in_flight[model])
+        if engine.running is not None and engine.running > busy:
+            busy = engine.running
+        if engine.waiting:
+            busy += engine.waiting
+        load = busy / capacity
+        kv = engine.kv_cache_usage
+        if kv is not None and kv > KV_CACHE_FULL:
+            load += (kv - KV_CACHE_FULL) * 10
+        return load
+
+    def set_engine(self, engine: dict[str, EngineLoad]) -> None:
+        """Apply a node's engine report: a model mapped to an empty load is no longer known."""
+        for model, load in engine.items():
+            if model not in self.models:
+                continue
+            if load.waiting is None and load.running is None and load.kv_cache_usage is None:
+                self.engine.pop(model, None)
+            else:
+                self.engine[model] = load
 
     # -- runs ----------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""A model server's own load, from its Prometheus metrics.
+
+A model with ``metrics_url`` is sampled every ``metrics_interval_s``: the
+node GETs the text exposition, reads the few gauges below and reports them to
+every linked edge in a ``load`` frame (only when they changed, and to a new
+link at once). Edges use them beside their own in-flight counts to place runs
+(``edge.runs.link.NodeLink.load``), show them in ``/v1/nodes`` and export
+them as ``iop_engine_*`` gauges.
+
+Known names (a series per model, engine or rank: waiting and running are
+summed, the KV-cache fraction is the highest):
+
+- waiting: ``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``,
+  ``llamacpp:requests_deferred``;
+- running: ``vllm:num_requests_running``, ``sglang:num_running_reqs``,
+  ``llamacpp:requests_processing``;
+- KV cache in use (0..1): ``vllm:kv_cache_usage_perc`` (older vLLM:
+  ``vllm:gpu_cache_usage_perc``), ``sglang:token_usage``,
+  ``llamacpp:kv_cache_usage_ratio``.
+
+A server that cannot be reached, answers with an error or with none of these
+names has no engine load (reported as unknown, so edges fall back to their
+in-flight counts); one warning is logged when sampling starts failing and one
+info line when it works again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import structlog
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from node import http1
+from node.config import ModelConfig
+from proto import EngineLoad
+
+log = structlog.get_logger("iop.node.engine")
+
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")
+KV_CACHE = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+    "llamacpp:kv_cache_usage_ratio",
+)
+
+
+def parse(text: str) -> EngineLoad:
+    """The engine load in a Prometheus text exposition (fields it lacks are None)."""
+    waiting: float | None = None
+    running: float | None = None
+    kv: float | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, value = sample.name, sample.value
+            if value != value:  # NaN
+                continue
+            if name in WAITING:
+                waiting = (waiting or 0.0) + value
+            elif name in RUNNING:
+                running = (running or 0.0) + value
+            elif name in KV_CACHE:
+                kv = max(kv or 0.0, min(max(value, 0.0), 1.0))
+    return EngineLoad(waiting=waiting, running=running, kv_cache_usage=kv)
+
+
+class EngineSampler:
+    """Samples one model's metrics URL for ever; ``report(model, load)`` gets
+    every change (an empty :class:`EngineLoad` when it is no longer known)."""
+
+    def __init__(self, model: ModelConfig, report: Callable[[str, EngineLoad], None], ca_file: str = "") -> None:
+        self.model = model.name
+        self.interval = model.metrics_interval_s
+        parts = urlsplit(model.metrics_url)
+        self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self.client = http1.Client(
+            f"{parts.scheme}://{parts.netloc}",
+            connect_timeout=max(self.interval, 1.0),
+            read_timeout=max(self.interval, 1.0),
+            ca_file=ca_file,
+        )
+        self.report = report
+        self.current = EngineLoad()
+        self.failing = False
+
+    async def sample(self) -> EngineLoad:
+        async with self.client.request("GET", self.path, headers={"accept": "text/plain"}) as response:
+            body = b""
+            while data := await response.read():
+                body += data
+                if len(body) > MAX_METRICS_BYTES:
+                    raise ValueError(f"metrics larger than {MAX_METRICS_BYTES} bytes")
+            if response.status != 200:
+                raise ValueError(f"status {response.status}")
+        load = parse(body.decode("utf-8", "replace"))
+        if load.waiting is None and load.running is None and load.kv_cache_usage is None:
+            raise ValueError("no known engine metric")
+        return load
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    with trio.fail_after(max(self.interval, 1.0) * 2):
+                        load = await self.sample()
+                except (http1.HTTPError, ValueError, trio.TooSlowError) as e:
+                    if not self.failing:
+                        self.failing = True
+                        log.warning("engine metrics unavailable", model=self.model, error=f"{type(e).__name__}: {e}")
+                    load = EngineLoad()
+                else:
+                    if self.failing:
+                        self.failing = False
+                        log.info("engine metrics available again", model=self.model)
+                if load != self.current:
+                    self.current = load
+                    self.report(self.model, load)
+                await trio.sleep(self.interval)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self.client.aclose()

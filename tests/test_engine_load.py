@@ -1,0 +1,127 @@
+"""Engine load: nodes sample their model servers' Prometheus metrics, edges
+show them (/v1/nodes, /metrics) and place runs by them."""
+
+from __future__ import annotations
+
+import trio
+
+from node.engine import parse
+from proto import EngineLoad
+from scripts.upstream import Upstream
+from tests.conftest import BOUND, edge_config, eventually, http, model, start_edge, start_node
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+VLLM = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m-target"} %s
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m-target"} %s
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m-target"} %s
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m-target"} 12345.0
+"""
+
+
+def test_known_servers_metrics_are_read():
+    assert parse(VLLM % (3, 5, 0.25)) == EngineLoad(waiting=3, running=5, kv_cache_usage=0.25)
+    sglang = "sglang:num_queue_reqs 2\nsglang:num_running_reqs 7\nsglang:token_usage 0.5\n"
+    assert parse(sglang) == EngineLoad(waiting=2, running=7, kv_cache_usage=0.5)
+    llama = "llamacpp:requests_deferred 1\nllamacpp:requests_processing 4\nllamacpp:kv_cache_usage_ratio 0.75\n"
+    assert parse(llama) == EngineLoad(waiting=1, running=4, kv_cache_usage=0.75)
+    assert parse("other_metric 1\n") == EngineLoad()
+
+
+async def new_upstream(nursery, metrics: str = "") -> Upstream:
+    up = Upstream()
+    up.metrics = metrics
+    await nursery.start(up.serve)
+    return up
+
+
+async def nodes_view(edge) -> dict:
+    async with http(edge) as client:
+        r = await client.get("/v1/nodes")
+    return {n["id"]: n["models"][0] for n in r.json()["data"]}
+
+
+async def test_engine_load_reaches_nodes_listing_and_metrics(nursery):
+    """A node with a metrics_url reports its server's queue, running count and KV cache use;
+    a change is seen within an interval; a server that stops answering is 'no longer known'."""
+    up = await new_upstream(nursery, VLLM % (3, 5, 0.25))
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", up, metrics_url=up.base_url[:-3] + "/metrics", metrics_interval_s=0.1)])
+    with trio.fail_after(BOUND):
+        while (await nodes_view(edge)).get("n1", {}).get("engine") != {
+            "waiting": 3.0,
+            "running": 5.0,
+            "kv_cache_usage": 0.25,
+        }:
+            await trio.sleep(0.05)
+        async with http(edge) as client:
+            text = (await client.get("/metrics")).text
+        assert 'iop_engine_requests_waiting{model="m",node="n1"} 3.0' in text
+        assert 'iop_engine_requests_running{model="m",node="n1"} 5.0' in text
+        assert 'iop_engine_kv_cache_usage{model="m",node="n1"} 0.25' in text
+        up.metrics = VLLM % (9, 5, 0.25)
+        while (await nodes_view(edge))["n1"].get("engine", {}).get("waiting") != 9.0:
+            await trio.sleep(0.05)
+        up.metrics = ""  # now 404
+        while "engine" in (await nodes_view(edge))["n1"]:
+            await trio.sleep(0.05)
+        async with http(edge) as client:
+            assert "iop_engine_requests_waiting{" not in (await client.get("/metrics")).text
+
+
+async def test_placement_avoids_a_node_whose_engine_is_queueing(nursery):
+    """Two idle nodes as this edge sees them; one's model server reports a queue of 40
+    (other clients are using it). Every request goes to the other node; once the queue
+    is gone, both take requests again."""
+    busy_up = await new_upstream(nursery, VLLM % (40, 8, 0.5))
+    free_up = await new_upstream(nursery, VLLM % (0, 0, 0.1))
+    edge = await start_edge(nursery, edge_config(routing="least_loaded"))
+
+    def sampled(up):
+        return model("m", up, max_concurrency=8, metrics_url=up.base_url[:-3] + "/metrics", metrics_interval_s=0.1)
+
+    await start_node(nursery, edge, [sampled(busy_up)], node_id="busy")
+    await start_node(nursery, edge, [sampled(free_up)], node_id="free")
+    with trio.fail_after(BOUND):
+        while not all("engine" in m for m in (await nodes_view(edge)).values()):
+            await trio.sleep(0.05)
+        async with http(edge) as client:
+            for _ in range(20):
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+                assert r.status_code == 200
+        assert (len(busy_up.records), len(free_up.records)) == (0, 20)
+        busy_up.metrics = VLLM % (0, 0, 0.1)
+        await eventually(lambda: edge.edge.runs.links["busy"].engine["m"].waiting == 0)
+        async with http(edge) as client:
+            for _ in range(40):
+                await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert len(busy_up.records) > 0 and len(free_up.records) > 20  # ties broken at random
+
+
+async def test_a_full_kv_cache_makes_a_node_look_busier(nursery):
+    """No queue yet, but one server's KV cache is 98% full: new requests go to the other."""
+    full_up = await new_upstream(nursery, VLLM % (0, 2, 0.98))
+    free_up = await new_upstream(nursery, VLLM % (0, 2, 0.30))
+    edge = await start_edge(nursery, edge_config(routing="least_loaded"))
+    for node_id, up in (("full", full_up), ("roomy", free_up)):
+        await start_node(
+            nursery,
+            edge,
+            [model("m", up, max_concurrency=8, metrics_url=up.base_url[:-3] + "/metrics", metrics_interval_s=0.1)],
+            node_id=node_id,
+        )
+    with trio.fail_after(BOUND):
+        while not all("engine" in m for m in (await nodes_view(edge)).values()):
+            await trio.sleep(0.05)
+        async with http(edge) as client:
+            for _ in range(10):
+                await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert (len(full_up.records), len(free_up.records)) == (0, 10)
