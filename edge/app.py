@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+import time
 
 import msgspec
 import structlog
@@ -16,10 +17,13 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
+from edge.admin import admin_routes
 from edge.auth import client_key_matches
 from edge.config import EdgeConfig, load_edge_config
 from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
+from edge.keys import Key, Keys, Policy
+from edge.ledger import Ledger
 from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
@@ -40,7 +44,20 @@ class Edge:
         self.config = config
         self.id = secrets.token_hex(6)
         self.runs = RunService(config)
-        self.metrics = EdgeMetrics(self.runs)
+        self.keys = Keys(config)
+        path = config.ledger_path
+        self.ledger = Ledger(path) if path else None
+        if self.ledger is not None:
+            if self.ledger.had_keys():
+                self.keys.ever = True
+            for key_id, sha, policy, _ in self.ledger.stored_keys():
+                if key_id not in self.keys.by_id:  # the config's own keys win
+                    self.keys.add(Key(key_id, sha, msgspec.json.decode(policy, type=Policy), "admin"))
+            for key_id, used in self.ledger.today_usage().items():
+                key = self.keys.by_id.get(key_id)
+                if key is not None:
+                    key.day, key.day_used = int(time.time() // 86400), used
+        self.metrics = EdgeMetrics(self.runs, self)
         self.draining = False
 
     async def drain(self) -> None:
@@ -62,10 +79,28 @@ class Edge:
         """Authentication and drain checks for the API routes."""
         if self.draining:
             return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
-        keys = self.config.api_keys
-        if keys and not client_key_matches(ex.header(b"authorization"), ex.header(b"x-api-key"), keys):
+        if self.keys.open:
+            return None
+        key = self.keys.authenticate(ex.header(b"authorization"), ex.header(b"x-api-key"))
+        if key is None:
             return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+        ex.key = key
         return None
+
+    def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
+        """A keyed request's admission (edge.keys): raises 404/429, or holds
+        a lease (settled by the access record) and sets its rate-limit headers."""
+        key = ex.key
+        if key is None:
+            return
+        try:
+            ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+        except APIError as e:
+            limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
+            if limit is not None:
+                key.limited[limit] = key.limited.get(limit, 0) + 1
+            raise
+        ex.extra_headers = self.keys.headers(key)
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -93,36 +128,55 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.extensions["iop"] = edge
 
-    def client_auth(keys: list[str]) -> Response | None:
+    def unauthorized() -> Response:
+        return _json(401, error_json("Invalid or missing API key.", "authentication_error", code="invalid_api_key"))
+
+    def client_key() -> tuple[Key | None, Response | None]:
+        """The request's key (None on an open edge), or the 401 refusing it."""
         from quart import request
 
-        headers = request.headers
-        if keys and not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), keys):
-            return _json(401, error_json("Invalid or missing API key.", "authentication_error", code="invalid_api_key"))
-        return None
+        if edge.keys.open:
+            return None, None
+        key = edge.keys.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        return (key, None) if key is not None else (None, unauthorized())
+
+    def admin_auth() -> Response | None:
+        """admin_keys when configured; else any client key (open edge: open)."""
+        from quart import request
+
+        if config.admin_keys:
+            headers = request.headers
+            if client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), config.admin_keys):
+                return None
+            return unauthorized()
+        return client_key()[1]
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        refused = client_auth(config.api_keys)
+        key, refused = client_key()
         if refused is not None:
             return refused
-        cards = [_model_card(name, links) for name, links in sorted(edge.runs.models().items())]
+        cards = [
+            _model_card(name, links)
+            for name, links in sorted(edge.runs.models().items())
+            if key is None or key.may_use(name)
+        ]
         return _json(200, _encode(ModelList(data=cards)))
 
     @app.get("/v1/models/<path:model_id>")  # ids such as Qwen/Qwen3-8B hold slashes
     async def retrieve_model(model_id: str) -> Response:
-        refused = client_auth(config.api_keys)
+        key, refused = client_key()
         if refused is not None:
             return refused
         links = edge.runs.models().get(model_id)
-        if not links:
+        if not links or (key is not None and not key.may_use(model_id)):
             err = model_not_found(model_id)
             return _json(err.status, err.body())
         return _json(200, _encode(_model_card(model_id, links)))
 
     @app.get("/v1/nodes")
     async def list_nodes() -> Response:
-        refused = client_auth(config.admin_keys or config.api_keys)
+        refused = admin_auth()
         if refused is not None:
             return refused
         now = trio.current_time()
@@ -182,6 +236,11 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         return _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
 
     @app.before_serving
+    async def start_ledger() -> None:
+        if edge.ledger is not None:
+            app.add_background_task(edge.ledger.run)
+
+    @app.before_serving
     async def warn_open() -> None:
         host = config.bind.rpartition(":")[0].strip("[]")
         try:
@@ -190,12 +249,13 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             loopback = host == "localhost"
         if not config.node_token and not config.node_tokens:
             log.warning("no node_token or node_tokens configured: no node can link to this edge")
-        if not loopback and not config.api_keys:
+        if not loopback and edge.keys.open:
             log.warning(
                 "EDGE IS OPEN: bound to a non-loopback address with no api_keys; anyone who can reach it can use it",
                 bind=config.bind,
             )
 
+    admin_routes(app, edge)
     app.asgi_app = openai_routes(edge, app.asgi_app)  # type: ignore[method-assign]
     return app
 

@@ -30,3 +30,16 @@ def client_key_matches(authorization: bytes | str | None, x_api_key: bytes | str
     if not x_api_key:
         return False
     return bearer_matches(b"Bearer " + (x_api_key.encode("latin-1") if isinstance(x_api_key, str) else x_api_key), keys)
+
+
+def client_token(authorization: bytes | str | None, x_api_key: bytes | str | None) -> bytes | None:
+    """The secret a client sent: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``."""
+    if authorization:
+        if isinstance(authorization, str):
+            authorization = authorization.encode("latin-1")
+        scheme, _, token = authorization.partition(b" ")
+        if scheme.lower() == b"bearer" and token:
+            return token.strip()
+    if x_api_key:
+        return x_api_key.encode("latin-1") if isinstance(x_api_key, str) else x_api_key
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 import msgspec
@@ -29,6 +30,19 @@ class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     response_mode: Literal["normal", "passthrough"] = "normal"
 
 
+class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A client key with policy (edge.keys); 0 = unlimited."""
+
+    id: str  # shown in logs, metrics and the ledger; never the secret
+    key: str = ""  # the secret, or:
+    key_sha256: str = ""  # its SHA-256, hex (only the hash needs to be stored)
+    models: list[str] = msgspec.field(default_factory=lambda: ["*"])  # glob patterns
+    rpm: int = 0  # requests per minute
+    tpm: int = 0  # tokens per minute (prompt + completion)
+    max_concurrent: int = 0  # requests in flight
+    daily_tokens: int = 0  # tokens per UTC day
+
+
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     bind: str = "127.0.0.1:8080"
     backlog: int = 4096  # listen queue for connection bursts (hypercorn's default is 100; Linux caps it at somaxconn)
@@ -40,6 +54,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     api_keys_file: str = ""  # one key per line; '#' starts a comment
     admin_keys: list[str] = msgspec.field(default_factory=list)
     admin_keys_file: str = ""
+    keys: list[KeyConfig] = msgspec.field(default_factory=list)  # keys with policy (README "Keys")
+    # Where the edge keeps its state: the usage ledger and run-time keys (SQLite).
+    state_dir: str = "iop-state"
+    ledger: str = ""  # "": <state_dir>/ledger.sqlite3; a file path; "off": no ledger, no run-time keys
     # TLS (also --certfile/--keyfile on the command line).
     certfile: str = ""
     keyfile: str = ""
@@ -113,11 +131,34 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             check_bind(self.bind)
         except ConfigError as e:
             raise ConfigError(f"bind: {e}") from None
+        ids: set[str] = set()
+        for i, k in enumerate(self.keys):
+            if not k.id or len(k.id) > 64 or k.id in ids:
+                raise ConfigError(f"keys[{i}].id: 1 to 64 characters, unique")
+            ids.add(k.id)
+            if bool(k.key) == bool(k.key_sha256):
+                raise ConfigError(f"keys[{i}]: give key or key_sha256 (one of them)")
+            if k.key_sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", k.key_sha256):
+                raise ConfigError(f"keys[{i}].key_sha256: 64 hex digits")
+            for name in ("rpm", "tpm", "max_concurrent", "daily_tokens"):
+                if getattr(k, name) < 0:
+                    raise ConfigError(f"keys[{i}].{name}: must not be negative")
+            if not k.models:
+                raise ConfigError(f'keys[{i}].models: at least one pattern ("*": all)')
+        if self.ledger.startswith(("postgresql://", "postgres://", "redis://")):
+            raise ConfigError('ledger: only SQLite is supported in this version (a path, "" or "off")')
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if m.name in seen:
                 raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
             seen.add(m.name)
+
+    @property
+    def ledger_path(self) -> str | None:
+        """The SQLite file of the ledger and run-time keys; None: off."""
+        if self.ledger == "off":
+            return None
+        return self.ledger.removeprefix("sqlite:///") or os.path.join(self.state_dir, "ledger.sqlite3")
 
     def load_key_files(self) -> EdgeConfig:
         """A copy with the keys of api_keys_file / admin_keys_file merged in."""

@@ -16,9 +16,11 @@ client's string; a run carries its request's (``Run.api``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from edge.runs import Run, RunService
@@ -33,7 +35,7 @@ OTHER_MODEL = "other"  # the model label of every name neither configured nor ad
 
 
 class EdgeMetrics:
-    def __init__(self, runs: RunService) -> None:
+    def __init__(self, runs: RunService, edge: Any = None) -> None:
         self._runs = runs
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -128,6 +130,8 @@ class EdgeMetrics:
         )
         self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
         r.register(_EngineCollector(runs))
+        if edge is not None:
+            r.register(_KeyCollector(edge))
         runs.on_placed.append(self.observe_placement)
         runs.on_run_closed.append(self.observe_run)
 
@@ -152,8 +156,8 @@ class EdgeMetrics:
         self.run_duration.labels(model).observe(now - run.started_at)
         if run.first_event_at is not None:
             self.ttft.labels(api, model).observe(run.first_event_at - run.started_at)
-            if run.deltas_seen > 2:
-                self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.deltas_seen - 2))
+            if run.deltas_seen > 1:
+                self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.deltas_seen - 1))
         if cause not in ("complete", "run_error"):
             self.cancels.labels(cause).inc()
 
@@ -202,3 +206,31 @@ class _EngineCollector:
                         gauge.add_metric((link.node_id, model), value)
         for _, gauge in gauges:
             yield gauge
+
+
+class _KeyCollector:
+    """``iop_key_*{key}``: requests, tokens and refusals per client key (the
+    key's id; bounded by the keys the edge has: configured and run-time)."""
+
+    def __init__(self, edge: Any) -> None:
+        self._edge = edge
+
+    def collect(self):
+        requests = CounterMetricFamily("iop_key_requests", "API requests per client key", labels=("key",))
+        tokens = CounterMetricFamily(
+            "iop_key_tokens", "Tokens per client key (usage, or the edge's estimate)", labels=("key", "kind")
+        )
+        limited = CounterMetricFamily(
+            "iop_key_rate_limited",
+            "Requests refused with 429 per client key, by limit: rpm, tpm, concurrency, budget",
+            labels=("key", "limit"),
+        )
+        in_flight = GaugeMetricFamily("iop_key_in_flight", "Requests in flight per client key", labels=("key",))
+        for key in list(self._edge.keys.by_id.values()):
+            requests.add_metric((key.id,), key.requests)
+            tokens.add_metric((key.id, "prompt"), key.prompt_tokens)
+            tokens.add_metric((key.id, "completion"), key.completion_tokens)
+            for limit, n in key.limited.items():
+                limited.add_metric((key.id, limit), n)
+            in_flight.add_metric((key.id,), key.in_flight)
+        yield from (requests, tokens, limited, in_flight)

@@ -1,4 +1,4 @@
-"""``iop demo | edge | node``."""
+"""``iop demo | edge | node | usage``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     edge.add_argument("--keyfile", default=None, help="TLS private key (PEM)")
     node = sub.add_parser("node", help="run a node")
     node.add_argument("--config", required=True, help="node TOML file")
+    usage = sub.add_parser("usage", help="the edge's usage ledger, as a table")
+    usage.add_argument("--config", required=False, help="edge TOML file (default: $IOP_EDGE_CONFIG)")
+    usage.add_argument("--from", dest="start", default=None, help="ISO date/time (UTC) or unix seconds")
+    usage.add_argument("--to", dest="end", default=None, help="ISO date/time (UTC) or unix seconds, exclusive")
+    usage.add_argument("--group-by", default="key,model", help="comma-separated: key, model, node, api, day")
+    usage.add_argument("--format", choices=("table", "csv", "json"), default="table")
     args = parser.parse_args(argv)
+    if args.command == "usage":
+        try:
+            return _usage(args)
+        except ConfigError as e:
+            print(f"iop: {e}", file=sys.stderr)
+            return 2
     logs.configure(args.log_level)
     bind: str | None = None  # the address being listened on, for the error that names it
     try:
@@ -65,6 +77,49 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"iop {args.command}: {_cannot_start(os_error, bind)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _usage(args: argparse.Namespace) -> int:
+    """Print the ledger's usage, grouped as ``/v1/admin/usage`` groups it."""
+    import os
+    import sqlite3
+
+    import msgspec
+
+    from edge.admin import parse_group_by, parse_time, usage_csv
+    from edge.config import load_edge_config
+    from edge.ledger import query_usage
+
+    config = load_edge_config(args.config)
+    path = config.ledger_path
+    if path is None:
+        raise ConfigError('ledger: "off" in this config: there is no ledger')
+    if not os.path.exists(path):
+        raise ConfigError(f"ledger: {path} does not exist (has this edge served a request?)")
+    try:
+        start, end = parse_time(args.start, "--from"), parse_time(args.end, "--to")
+        groups = parse_group_by(args.group_by)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = query_usage(db, start, end, groups)
+    finally:
+        db.close()
+    if args.format == "csv":
+        sys.stdout.write(usage_csv(rows, groups).decode())
+    elif args.format == "json":
+        sys.stdout.write(msgspec.json.encode(rows).decode() + "\n")
+    else:
+        columns = [*groups, "requests", "not_completed", "prompt_tokens", "completion_tokens", "total_tokens"]
+        table = [[str(r.get(c) if r.get(c) is not None else "-") for c in columns] for r in rows]
+        widths = [max([len(c), *(len(row[i]) for row in table)]) for i, c in enumerate(columns)]
+        print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+        for row in table:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+        if not table:
+            print("(no requests in this range)")
     return 0
 
 

@@ -107,6 +107,8 @@ class Stack(ExitStack):
 
     def edge(self, port: int = 0, **config) -> str:
         port = port or free_port()
+        if "state_dir" in (self.root / "edge/config.py").read_text():  # an older revision may not have it
+            config.setdefault("state_dir", str(self.dir / f"state-{port}"))
         cfg = write_toml(self.dir / f"edge-{port}.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, **config})
         self.edge_proc = self._spawn([sys.executable, "-m", "iop.cli", "edge", "--config", str(cfg)])
         wait_http(f"http://127.0.0.1:{port}/healthz")

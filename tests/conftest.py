@@ -65,7 +65,8 @@ class NodeHandle:
 
 
 def edge_config(**overrides) -> EdgeConfig:
-    base = dict(bind="127.0.0.1:0", node_token=TOKEN, ping_interval_s=1.0, keepalive_s=5.0)
+    # No ledger unless a test asks for one (tests/test_keys.py): every edge would share ./iop-state.
+    base = dict(bind="127.0.0.1:0", node_token=TOKEN, ping_interval_s=1.0, keepalive_s=5.0, ledger="off")
     base.update(overrides)
     models = base.pop("models", [])
     return EdgeConfig(**base, models=[m if isinstance(m, ModelPolicy) else ModelPolicy(**m) for m in models])

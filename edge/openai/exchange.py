@@ -48,7 +48,7 @@ class Access:
     """What a request's one access line reports, filled in by its handler as
     it goes (never prompt text or keys): the rest comes from the exchange."""
 
-    __slots__ = ("model", "stream", "node_id", "outcome", "usage", "usage_estimated")
+    __slots__ = ("model", "stream", "node_id", "outcome", "usage", "usage_estimated", "partial", "ttft_ms")
 
     def __init__(self) -> None:
         self.model: str | None = None
@@ -57,6 +57,8 @@ class Access:
         self.outcome: str | None = None  # None: the HTTP layer says (rejected_<status>, client_gone, ...)
         self.usage: UsageOut | None = None
         self.usage_estimated = False
+        self.partial: tuple[int, int] | None = None  # no usage: (prompt estimate, deltas seen) of the last run
+        self.ttft_ms: float | None = None
 
 
 class Exchange:
@@ -72,6 +74,9 @@ class Exchange:
         "access",
         "errors",
         "api",
+        "key",
+        "lease",
+        "extra_headers",
     )
 
     def __init__(self, scope, receive, send) -> None:
@@ -84,6 +89,9 @@ class Exchange:
         self.body_read = False
         self.request_id = new_request_id()  # also the x-request-id of every response
         self.access = Access()
+        self.key = None  # the client's key (edge.keys.Key), when the edge has keys
+        self.lease = None  # its admission (edge.keys.Lease), settled when the request ends
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # x-ratelimit-*
         self.errors = OPENAI_ERRORS  # the route's error shape (edge.openai.routes sets it)
         self.api = "chat"  # the route's front door: the ``api`` of its access line and metrics (routes sets it)
 
@@ -133,6 +141,8 @@ class Exchange:
             headers = [*headers, (b"connection", b"close")]
         self.started = True
         self.status = status
+        if self.extra_headers:
+            headers = [*headers, *self.extra_headers]
         # A provider's own id (passthrough) stays readable under another name.
         headers = [(b"x-upstream-request-id" if k == b"x-request-id" else k, v) for k, v in headers]
         headers.append((b"x-request-id", self.request_id.encode()))

@@ -129,6 +129,39 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     usage = access.usage
     if access.usage_estimated:
         metrics.usage_estimated.labels(model).inc()
+    if usage is not None:
+        prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, access.usage_estimated
+    elif access.partial is not None:  # ended without usage (cancelled, failed): what it had streamed
+        (prompt, completion), estimated = access.partial, True
+    else:
+        prompt = completion = 0
+        estimated = False
+    key = ex.key
+    if key is not None:
+        key.requests += 1
+        key.prompt_tokens += prompt
+        key.completion_tokens += completion
+        if ex.lease is not None:
+            edge.keys.settle(ex.lease, prompt + completion)
+    status = ex.status if ex.started else CLIENT_CLOSED
+    if edge.ledger is not None:
+        edge.ledger.record(
+            (
+                time.time(),
+                ex.request_id,
+                key.id if key is not None else None,
+                access.model[:_MAX_MODEL_LOGGED] if access.model is not None else None,
+                access.node_id,
+                api,
+                status,
+                outcome,
+                prompt,
+                completion,
+                int(estimated),
+                access.ttft_ms,
+                round(seconds * 1000, 1),
+            )
+        )
     log.info(
         "request",
         request_id=ex.request_id,
@@ -137,8 +170,9 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         api=api,
         model=access.model[:_MAX_MODEL_LOGGED] if access.model is not None else None,
         stream=access.stream,
-        status=ex.status if ex.started else CLIENT_CLOSED,
+        status=status,
         cause=outcome,
+        key=key.id if key is not None else None,
         node_id=access.node_id,
         prompt_tokens=usage.prompt_tokens if usage else None,
         completion_tokens=usage.completion_tokens if usage else None,

@@ -84,6 +84,11 @@ class Turn:
             access.outcome = run.cause or "unknown"
         access.node_id = self.node_id or None
         access.usage, access.usage_estimated = self.usage, self.usage_estimated
+        if run is not None:
+            if run.first_event_at is not None:
+                access.ttft_ms = round((run.first_event_at - run.started_at) * 1000, 1)
+            if self.usage is None:
+                access.partial = (self.estimate, run.deltas_seen)
 
     @property
     def buffered(self) -> bool:
@@ -105,8 +110,11 @@ class Turn:
         """The usage of ``run``, ended by ``event`` (complete): always numbers,
         estimated where the upstream gave none (:mod:`edge.openai.usage`)."""
         self.usage, self.usage_estimated = usage_out(
-            event.usage, prompt_estimate=self.estimate, deltas=run.deltas_seen - 1, tool_calls=event.tool_calls
+            event.usage, prompt_estimate=self.estimate, deltas=run.deltas_seen, tool_calls=event.tool_calls
         )
+        lease = self.ex.lease
+        if lease is not None:  # settled now, before the client can send its next request
+            self.edge.keys.settle(lease, self.usage.prompt_tokens + self.usage.completion_tokens)
         return self.usage
 
     def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> msgspec.Raw:
@@ -154,6 +162,7 @@ def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
         problem = turn.contract.check_request()
         if problem:
             raise bad_request(problem, "tools")
+    edge.admit(ex, req.model, turn.estimate, req.max_completion_tokens or req.max_tokens)
     return turn
 
 

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, TypeVar
 import trio
 
 from proto import CancelRun, RunEvent, TunnelFrame
-from proto.frames import ERROR, TERMINAL_TYPES
+from proto.frames import DELTA, ERROR, REASONING_DELTA, TERMINAL_TYPES
+
+TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
 
 if TYPE_CHECKING:
     from edge.runs.service import Slot
@@ -87,7 +89,7 @@ class Run:
         self.last_event_at = now
         self.first_event_at: float | None = None
         self.events_seen = 0
-        self.deltas_seen = 0  # model-server deltas in the events seen (a node joins those read together)
+        self.deltas_seen = 0  # model-server text deltas in the events seen (a node joins those read together)
         self.finished = False  # a terminal event is queued: nothing more will arrive
         self.closed = False
         self.cause: str | None = None
@@ -106,7 +108,8 @@ class Run:
 
     def deliver(self, event: RunEvent, now: float) -> None:
         """``now``: when the frame holding it arrived (read once per frame)."""
-        self.deltas_seen += event.parts or 1
+        if event.type in TEXT_TYPES:
+            self.deltas_seen += event.parts or 1
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:

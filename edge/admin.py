@@ -1,0 +1,233 @@
+"""The admin API (admin keys only): the usage ledger and run-time keys.
+
+- ``GET /v1/admin/usage?from=&to=&group_by=key,model,node,api,day&format=json|csv``:
+  requests and tokens from the ledger; ``from``/``to`` are ISO dates or
+  times (UTC unless they say) or unix seconds; ``to`` is exclusive.
+- ``POST /v1/admin/keys`` ``{"id": ..., "models": [...], "rpm": ..., ...}``:
+  a new key; its secret is in the answer, once (only its hash is stored).
+- ``GET /v1/admin/keys``: every key's id, source, policy, in-flight count,
+  today's tokens and usage to date.
+- ``PATCH /v1/admin/keys/{id}``: change a run-time key's policy (the fields given).
+- ``DELETE /v1/admin/keys/{id}``: revoke at once: new requests get 401, its
+  streams in flight finish.
+
+Keys from the config file are listed but not changed here (409).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import re
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from quart import Response, request
+
+from edge.auth import client_key_matches
+from edge.errors import error_json
+from edge.keys import Key, Policy, new_secret, sha256_hex
+from edge.ledger import GROUPS
+
+if TYPE_CHECKING:
+    from quart_trio import QuartTrio
+
+    from edge.app import Edge
+
+_encode = msgspec.json.Encoder().encode
+_ID = re.compile(r"[A-Za-z0-9._@-]{1,64}")
+_MAX_KEYS = 10_000
+
+
+def _json(status: int, body: Any) -> Response:
+    return Response(body if isinstance(body, bytes) else _encode(body), status, content_type="application/json")
+
+
+def _error(status: int, message: str, code: str, type: str = "invalid_request_error", param: str | None = None):
+    return _json(status, error_json(message, type, param=param, code=code))
+
+
+def parse_time(value: str | None, name: str) -> float | None:
+    """Unix seconds from an ISO date/time (UTC unless it says) or a number; None if absent."""
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{name}: an ISO date or time, or unix seconds") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
+
+
+def parse_group_by(value: str | None) -> list[str]:
+    groups = [g.strip() for g in (value or "").split(",") if g.strip()]
+    bad = [g for g in groups if g not in GROUPS]
+    if bad or len(set(groups)) != len(groups):
+        raise ValueError(f"group_by: a comma-separated list of {', '.join(GROUPS)}")
+    return groups
+
+
+def usage_csv(rows: list[dict[str, Any]], groups: list[str]) -> bytes:
+    out = io.StringIO()
+    fields = [
+        *groups,
+        "requests",
+        "not_completed",
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "estimated_requests",
+    ]
+    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue().encode()
+
+
+def _key_view(key: Key, totals: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+    requests, prompt, completion = totals.get(key.id, (0, 0, 0))
+    key._today()
+    return {
+        "id": key.id,
+        "source": key.source,
+        "policy": key.policy,
+        "in_flight": key.in_flight,
+        "today_tokens": key.day_used,
+        "usage": {
+            "requests": requests,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+def admin_routes(app: QuartTrio, edge: Edge) -> None:
+    config = edge.config
+
+    def refused() -> Response | None:
+        if not config.admin_keys:
+            return _error(
+                403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error"
+            )
+        headers = request.headers
+        if not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), config.admin_keys):
+            return _error(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
+        return None
+
+    def no_ledger() -> Response:
+        return _error(409, 'The ledger is off (ledger = "off"): no usage records or run-time keys.', "ledger_off")
+
+    @app.get("/v1/admin/usage")
+    async def usage() -> Response:
+        problem = refused()
+        if problem is not None:
+            return problem
+        if edge.ledger is None:
+            return no_ledger()
+        args = request.args
+        try:
+            start = parse_time(args.get("from"), "from")
+            end = parse_time(args.get("to"), "to")
+            groups = parse_group_by(args.get("group_by"))
+        except ValueError as e:
+            return _error(400, str(e), "invalid_parameter")
+        rows = await edge.ledger.usage(start, end, groups)
+        if args.get("format") == "csv":
+            return Response(usage_csv(rows, groups), 200, content_type="text/csv; charset=utf-8")
+        return _json(200, {"object": "list", "group_by": groups, "data": rows})
+
+    @app.get("/v1/admin/keys")
+    async def list_keys() -> Response:
+        problem = refused()
+        if problem is not None:
+            return problem
+        totals = await edge.ledger.key_totals() if edge.ledger is not None else {}
+        keys = sorted(edge.keys.by_id.values(), key=lambda k: k.id)
+        return _json(200, {"object": "list", "data": [_key_view(k, totals) for k in keys]})
+
+    async def body_policy(base: Policy | None) -> tuple[dict[str, Any], Policy] | Response:
+        try:
+            data = await request.get_json(force=True, silent=False)
+        except Exception:
+            return _error(400, "The body must be a JSON object.", "invalid_json")
+        if not isinstance(data, dict):
+            return _error(400, "The body must be a JSON object.", "invalid_json")
+        fields = {k: v for k, v in data.items() if k in Policy.__struct_fields__}
+        unknown = set(data) - set(Policy.__struct_fields__) - {"id"}
+        if unknown:
+            return _error(400, f"Unknown fields: {', '.join(sorted(unknown))[:200]}.", "unknown_parameter")
+        merged = {**msgspec.structs.asdict(base), **fields} if base is not None else fields
+        try:
+            policy = msgspec.convert(merged, Policy)
+        except msgspec.ValidationError as e:
+            return _error(400, f"Invalid policy: {e}", "invalid_parameter")
+        problem = policy.check()
+        if problem:
+            return _error(400, f"Invalid policy: {problem}", "invalid_parameter")
+        return data, policy
+
+    @app.post("/v1/admin/keys")
+    async def create_key() -> Response:
+        problem = refused()
+        if problem is not None:
+            return problem
+        if edge.ledger is None:
+            return no_ledger()
+        parsed = await body_policy(None)
+        if isinstance(parsed, Response):
+            return parsed
+        data, policy = parsed
+        key_id = data.get("id")
+        if not isinstance(key_id, str) or not _ID.fullmatch(key_id):
+            return _error(400, "id: 1 to 64 letters, digits, '.', '_', '@' or '-'.", "invalid_parameter", param="id")
+        if key_id in edge.keys.by_id:
+            return _error(409, f"A key {key_id!r} exists.", "key_exists")
+        if len(edge.keys.by_id) >= _MAX_KEYS:
+            return _error(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
+        secret = new_secret()
+        sha = sha256_hex(secret)
+        await edge.ledger.put_key(key_id, sha, policy)
+        key = Key(key_id, sha, policy, "admin")
+        edge.keys.add(key)
+        return _json(201, {"id": key_id, "key": secret, "policy": policy})
+
+    def run_time_key(key_id: str, verb: str) -> Key | Response:
+        """The run-time key ``key_id`` (admin auth checked), or the refusal."""
+        problem = refused()
+        if problem is not None:
+            return problem
+        key = edge.keys.by_id.get(key_id)
+        if key is None:
+            return _error(404, f"No key {key_id!r}.", "key_not_found")
+        if key.source != "admin":
+            return _error(409, f"Key {key_id!r} comes from the config file; {verb} it there.", "key_in_config")
+        return key
+
+    @app.patch("/v1/admin/keys/<key_id>")
+    async def change_key(key_id: str) -> Response:
+        key = run_time_key(key_id, "change")
+        if isinstance(key, Response):
+            return key
+        parsed = await body_policy(key.policy)
+        if isinstance(parsed, Response):
+            return parsed
+        _, policy = parsed
+        await edge.ledger.put_key(key_id, key.sha256, policy)  # type: ignore[union-attr]
+        key.set_policy(policy)
+        return _json(200, _key_view(key, {}))
+
+    @app.delete("/v1/admin/keys/<key_id>")
+    async def revoke_key(key_id: str) -> Response:
+        key = run_time_key(key_id, "remove")
+        if isinstance(key, Response):
+            return key
+        edge.keys.revoke(key)
+        await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
+        return _json(200, {"id": key_id, "deleted": True})

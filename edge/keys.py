@@ -1,0 +1,309 @@
+"""Client keys with policy: which models, how fast, how much.
+
+A key is found by the SHA-256 of the secret a client sends (``Authorization:
+Bearer`` or ``x-api-key``); only hashes are stored. Keys come from the
+config (``[[keys]]``, and plain ``api_keys``, which have no limits) and from
+the admin API (``/v1/admin/keys``, kept in the ledger's database).
+
+Limits, all local to this edge and checked without any I/O:
+
+- ``models``: glob patterns; a model no pattern matches is 404
+  ``model_not_found`` for that key and absent from its ``/v1/models``;
+- ``rpm``: a token bucket of ``rpm`` requests refilled continuously over a
+  minute;
+- ``tpm``: a token bucket of ``tpm`` tokens. A request is admitted on its
+  *reservation*: the prompt estimate (characters / 4, as for placement) plus
+  its ``max_tokens`` (or :data:`DEFAULT_OUTPUT_RESERVE` when it sets none),
+  at most :data:`MAX_OUTPUT_RESERVE` of output, and never more than ``tpm``.
+  When the request ends the bucket is settled with what it really used
+  (prompt + completion tokens of the response's usage; a request that
+  produced nothing gives its reservation back);
+- ``max_concurrent``: requests in flight;
+- ``daily_tokens``: tokens used since 00:00 UTC (restored from the ledger at
+  start). A request is admitted while the day's use is below the budget; the
+  one that crosses it finishes.
+
+Over ``rpm``, ``tpm`` or ``max_concurrent``: 429 ``rate_limit_exceeded`` with
+``Retry-After``; over budget: 429 ``insufficient_quota``. Every response to a
+key with ``rpm``/``tpm`` carries OpenAI's ``x-ratelimit-*`` headers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+import re
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from edge.auth import client_token
+from edge.errors import APIError, model_not_found
+
+if TYPE_CHECKING:
+    from edge.config import EdgeConfig, KeyConfig
+
+DEFAULT_OUTPUT_RESERVE = 1024  # tokens reserved for a request that sets no max_tokens
+MAX_OUTPUT_RESERVE = 4096  # output tokens reserved at most
+SECRET_PREFIX = "sk-iop-"
+
+
+def sha256_hex(secret: str | bytes) -> str:
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+class Policy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a key may do; 0 = unlimited."""
+
+    models: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    rpm: int = 0
+    tpm: int = 0
+    max_concurrent: int = 0
+    daily_tokens: int = 0
+
+    def check(self) -> str | None:
+        """A problem with this policy, or None."""
+        for name in ("rpm", "tpm", "max_concurrent", "daily_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0 or value > 10**15:
+                return f"{name}: must be an integer between 0 and 10^15"
+        if not self.models or len(self.models) > 256 or any(not p or len(p) > 256 for p in self.models):
+            return "models: 1 to 256 patterns of 1 to 256 characters"
+        return None
+
+
+def _bucket_take(level: float, at: float, now: float, capacity: int, amount: float) -> tuple[float, bool]:
+    """Refill ``level`` (per minute, up to ``capacity``) to ``now``; take ``amount`` if there."""
+    level = min(capacity, level + (now - at) * capacity / 60.0)
+    if level >= amount:
+        return level - amount, True
+    return level, False
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(int(seconds * 1000), 0)}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes}m{rest}s"
+
+
+class Key:
+    """One key's policy and its live counters."""
+
+    __slots__ = (
+        "id",
+        "sha256",
+        "policy",
+        "source",
+        "_patterns",
+        "_allowed",
+        "req_level",
+        "req_at",
+        "tok_level",
+        "tok_at",
+        "in_flight",
+        "day",
+        "day_used",
+        "revoked",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        "limited",
+    )
+
+    def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
+        self.id = id
+        self.sha256 = sha256
+        self.source = source  # "config", "api_keys" or "admin"
+        self.in_flight = 0
+        self.day = 0
+        self.day_used = 0
+        self.revoked = False
+        self.requests = 0  # counted for /metrics (iop_key_*)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.limited: dict[str, int] = {}  # refusals by limit: rpm, tpm, concurrency, budget
+        self.set_policy(policy)
+
+    def set_policy(self, policy: Policy) -> None:
+        now = time.monotonic()
+        self.policy = policy
+        self._patterns = (
+            None if "*" in policy.models else re.compile("|".join(fnmatch.translate(p) for p in policy.models))
+        )
+        self._allowed: dict[str, bool] = {}
+        self.req_level, self.req_at = float(policy.rpm), now
+        self.tok_level, self.tok_at = float(policy.tpm), now
+
+    def may_use(self, model: str) -> bool:
+        if self._patterns is None:
+            return True
+        allowed = self._allowed.get(model)
+        if allowed is None:
+            allowed = self._patterns.fullmatch(model) is not None
+            if len(self._allowed) < 4096:
+                self._allowed[model] = allowed
+        return allowed
+
+    def _today(self) -> None:
+        day = int(time.time() // 86400)
+        if day != self.day:
+            self.day, self.day_used = day, 0
+
+
+class Lease:
+    """A request admitted for a key: settled (once) when it ends."""
+
+    __slots__ = ("key", "reserved", "settled")
+
+    def __init__(self, key: Key, reserved: int) -> None:
+        self.key = key
+        self.reserved = reserved
+        self.settled = False
+
+
+class Keys:
+    """Every key this edge knows, by hash. The edge is ``open`` (no key asked
+    for) only while it has never had one: revoking every key does not open it."""
+
+    def __init__(self, config: EdgeConfig) -> None:
+        self.by_hash: dict[str, Key] = {}
+        self.by_id: dict[str, Key] = {}
+        self.ever = False  # some key was configured or made (also: the ledger holds one, revoked or not)
+        for i, secret in enumerate(config.api_keys):
+            sha = sha256_hex(secret)
+            self._add(Key(f"api_keys[{i}]", sha, Policy(), "api_keys"))
+        for kc in config.keys:
+            self._add(Key(kc.id, kc.key_sha256.lower() or sha256_hex(kc.key), policy_of(kc), "config"))
+
+    def _add(self, key: Key) -> None:
+        self.by_hash[key.sha256] = key
+        self.by_id[key.id] = key
+        self.ever = True
+
+    def add(self, key: Key) -> None:
+        self._add(key)
+
+    def revoke(self, key: Key) -> None:
+        key.revoked = True
+        self.by_hash.pop(key.sha256, None)
+        self.by_id.pop(key.id, None)
+
+    @property
+    def open(self) -> bool:
+        return not self.ever
+
+    def authenticate(self, authorization: bytes | None, x_api_key: bytes | None) -> Key | None:
+        token = client_token(authorization, x_api_key)
+        if token is None:
+            return None
+        return self.by_hash.get(sha256_hex(token))
+
+    # -- admission -------------------------------------------------------------
+
+    def admit(self, key: Key, model: str, prompt_estimate: int, max_tokens: int | None) -> Lease:
+        """Admit a request of ``key`` for ``model``, or raise the APIError
+        (404, 429) that refuses it. The caller settles the lease at the end."""
+        if not key.may_use(model):
+            raise model_not_found(model)
+        policy = key.policy
+        now = time.monotonic()
+        reserved = prompt_estimate + min(max_tokens or DEFAULT_OUTPUT_RESERVE, MAX_OUTPUT_RESERVE)
+        if policy.daily_tokens:
+            key._today()
+            if key.day_used >= policy.daily_tokens:
+                midnight = (key.day + 1) * 86400 - time.time()
+                raise APIError(
+                    429,
+                    f"Key {key.id!r} has used its daily budget of {policy.daily_tokens} tokens; "
+                    "it resets at 00:00 UTC.",
+                    "insufficient_quota",
+                    code="insufficient_quota",
+                    headers=[(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode())],
+                )
+        if policy.max_concurrent and key.in_flight >= policy.max_concurrent:
+            raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "concurrency")
+        if policy.rpm:
+            level, ok = _bucket_take(key.req_level, key.req_at, now, policy.rpm, 1)
+            key.req_level, key.req_at = level, now
+            if not ok:
+                raise self._limited(key, f"{policy.rpm} requests per minute", (1 - level) * 60 / policy.rpm, "rpm")
+        if policy.tpm:
+            reserved = min(reserved, policy.tpm)
+            level, ok = _bucket_take(key.tok_level, key.tok_at, now, policy.tpm, reserved)
+            key.tok_level, key.tok_at = level, now
+            if not ok:
+                if policy.rpm:
+                    key.req_level += 1  # the request was not made
+                wait = (reserved - level) * 60 / policy.tpm
+                raise self._limited(key, f"{policy.tpm} tokens per minute", wait, "tpm")
+        key.in_flight += 1
+        return Lease(key, reserved if policy.tpm else 0)
+
+    def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:
+        error = APIError(
+            429,
+            f"Rate limit reached for key {key.id!r}: {what}. Try again in {_duration(retry_after)}.",
+            "rate_limit_exceeded",
+            code="rate_limit_exceeded",
+            headers=[(b"retry-after", str(max(int(math.ceil(retry_after)), 1)).encode()), *self.headers(key)],
+        )
+        error.limit = limit  # type: ignore[attr-defined]  # for the metrics
+        return error
+
+    def settle(self, lease: Lease, used: int) -> None:
+        """The request ended having used ``used`` tokens (prompt + completion)."""
+        if lease.settled:
+            return
+        lease.settled = True
+        key = lease.key
+        key.in_flight -= 1
+        policy = key.policy
+        if policy.tpm:
+            now = time.monotonic()
+            level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
+            key.tok_level, key.tok_at = min(policy.tpm, level + lease.reserved - used), now
+        if policy.daily_tokens:
+            key._today()
+            key.day_used += used
+
+    def headers(self, key: Key) -> list[tuple[bytes, bytes]]:
+        """OpenAI's ``x-ratelimit-*`` headers for ``key`` (none without rpm/tpm)."""
+        policy = key.policy
+        out: list[tuple[bytes, bytes]] = []
+        now = time.monotonic()
+        if policy.rpm:
+            level = min(policy.rpm, key.req_level + (now - key.req_at) * policy.rpm / 60.0)
+            out += [
+                (b"x-ratelimit-limit-requests", str(policy.rpm).encode()),
+                (b"x-ratelimit-remaining-requests", str(max(int(level), 0)).encode()),
+                (b"x-ratelimit-reset-requests", _duration((policy.rpm - level) * 60 / policy.rpm).encode()),
+            ]
+        if policy.tpm:
+            level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
+            out += [
+                (b"x-ratelimit-limit-tokens", str(policy.tpm).encode()),
+                (b"x-ratelimit-remaining-tokens", str(max(int(level), 0)).encode()),
+                (b"x-ratelimit-reset-tokens", _duration((policy.tpm - level) * 60 / policy.tpm).encode()),
+            ]
+        return out
+
+
+def policy_of(kc: KeyConfig) -> Policy:
+    return Policy(
+        models=list(kc.models),
+        rpm=kc.rpm,
+        tpm=kc.tpm,
+        max_concurrent=kc.max_concurrent,
+        daily_tokens=kc.daily_tokens,
+    )

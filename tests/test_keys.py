@@ -1,0 +1,297 @@
+"""Keys with policy (models, rpm, tpm, concurrency, daily budget), the usage
+ledger (SQLite), run-time keys (/v1/admin/keys), per-key metrics, `iop usage`."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import anthropic
+import httpx
+import openai
+import pytest
+import trio
+
+from edge.config import KeyConfig
+from scripts.stack import write_toml
+from scripts.upstream import Upstream
+from tests.conftest import BOUND, edge_config, eventually, model, start_edge, start_node
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+ADMIN = "sk-admin"
+ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def sim(name: str, **kw):
+    return model(name, ttft_ms=0, tokens_per_s=0, sim_tokens=8, **kw)
+
+
+async def keyed_edge(nursery, tmp_path, keys: list[KeyConfig], *, models=("qwen-a", "llama-b"), **config):
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=keys, admin_keys=[ADMIN], ledger=str(tmp_path / "ledger.sqlite3"), **config),
+    )
+    await start_node(nursery, edge, [sim(m) for m in models])
+    return edge
+
+
+def client(edge, secret: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers={"Authorization": f"Bearer {secret}"})
+
+
+async def chat(c: httpx.AsyncClient, model_name: str = "qwen-a", **body) -> httpx.Response:
+    return await c.post("/v1/chat/completions", json={"model": model_name, "messages": MESSAGES, **body})
+
+
+async def test_model_globs_hide_models_a_key_may_not_use(nursery, tmp_path):
+    secret = "sk-alice"
+    edge = await keyed_edge(
+        nursery,
+        tmp_path,
+        [KeyConfig(id="alice", key_sha256=hashlib.sha256(secret.encode()).hexdigest(), models=["qwen*"])],
+    )
+    with trio.fail_after(BOUND):
+        async with client(edge, secret) as c:
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["qwen-a"]
+            r = await chat(c, "llama-b")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert (await c.get("/v1/models/llama-b")).status_code == 404
+            assert (await chat(c, "qwen-a")).status_code == 200
+        async with client(edge, "sk-wrong") as c:
+            assert (await chat(c)).status_code == 401
+        # The official SDK sees the same
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=secret, max_retries=0) as sdk:
+            with pytest.raises(openai.NotFoundError):
+                await sdk.chat.completions.create(model="llama-b", messages=MESSAGES)
+
+
+async def test_rpm_refuses_with_retry_after_and_ratelimit_headers(nursery, tmp_path):
+    edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="bob", key="sk-bob", rpm=3)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-bob") as c:
+            remaining = []
+            for _ in range(3):
+                r = await chat(c)
+                assert r.status_code == 200
+                assert r.headers["x-ratelimit-limit-requests"] == "3"
+                remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
+            assert remaining == [2, 1, 0]
+            r = await chat(c)
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_tpm_admits_on_an_estimate_and_settles_on_real_usage(nursery, tmp_path):
+    """tpm 2000: a request that sets no max_tokens reserves its prompt estimate + 1024, and gives
+    back what it did not use (the sim answers 8 tokens), so 10 fit in the minute where 1 would
+    without settling; a request whose reservation (4096, capped at 2000) does not fit is refused."""
+    edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="tina", key="sk-tina", tpm=2000)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-tina") as c:
+            used = 0
+            for _ in range(10):
+                r = await chat(c)
+                assert r.status_code == 200, r.text
+                used += r.json()["usage"]["total_tokens"]
+                assert r.headers["x-ratelimit-limit-tokens"] == "2000"
+            remaining = int(r.headers["x-ratelimit-remaining-tokens"])
+            assert 2000 - used - 1030 <= remaining <= 2000 - 1024  # this request's reservation is out
+            r = await chat(c, max_tokens=4096)
+    assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"]
+    assert int(r.headers["retry-after"]) >= 1
+
+
+async def test_max_concurrent_counts_streams_in_flight(nursery, tmp_path):
+    up = Upstream()
+    await nursery.start(up.serve)
+    up.script_for("slow-target", [("chunk", {"content": "a"}), ("hang",)])
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=[KeyConfig(id="cy", key="sk-cy", max_concurrent=1)], ledger=str(tmp_path / "l.sqlite3")),
+    )
+    await start_node(nursery, edge, [model("slow", up)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-cy") as c:
+            body = {"model": "slow", "messages": MESSAGES, "stream": True}
+            with trio.CancelScope() as reading:
+                async with c.stream("POST", "/v1/chat/completions", json=body) as s:
+                    async for line in s.aiter_lines():
+                        if '"content"' in line:  # in flight: a second request is refused
+                            r = await chat(c, "slow")
+                            assert r.status_code == 429 and "1 concurrent" in r.json()["error"]["message"]
+                            reading.cancel()
+            await eventually(lambda: edge.edge.keys.by_id["cy"].in_flight == 0)
+            up.script_for("slow-target", [("chunk", {"content": "b"}), ("chunk", {}, "stop"), ("done",)])
+            assert (await chat(c, "slow")).status_code == 200
+
+
+async def test_daily_budget_is_insufficient_quota_and_survives_a_restart(nursery, tmp_path):
+    keys = [KeyConfig(id="dee", key="sk-dee", daily_tokens=20)]
+    edge = await keyed_edge(nursery, tmp_path, keys)
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-dee") as c:
+            responses = [await chat(c) for _ in range(4)]
+    # 9 tokens each (8 completion, 1 prompt): admitted while the day's use is below 20
+    assert [r.status_code for r in responses] == [200, 200, 200, 429]
+    assert responses[3].json()["error"]["type"] == "insufficient_quota"
+    assert edge.edge.keys.by_id["dee"].day_used == 27
+    # A new edge on the same ledger remembers today's use.
+    await edge.edge.ledger.flush()
+    again = await keyed_edge(nursery, tmp_path, keys)
+    async with client(again, "sk-dee") as c:
+        assert (await chat(c)).status_code == 429
+
+
+async def test_ledger_holds_one_record_per_request_with_matching_tokens(nursery, tmp_path):
+    """Requests with a mix of keys, models, streams, a refusal and a cancellation: the ledger has
+    exactly one record each, and its token sums match what the clients were told."""
+    edge = await keyed_edge(
+        nursery,
+        tmp_path,
+        [KeyConfig(id="a", key="sk-a"), KeyConfig(id="b", key="sk-b", models=["llama*"])],
+    )
+    told = {("a", "qwen-a"): 0, ("a", "llama-b"): 0, ("b", "llama-b"): 0}
+    n = 0
+    with trio.fail_after(BOUND):
+        for key_id, model_name in [("a", "qwen-a"), ("a", "llama-b"), ("b", "llama-b")] * 3:
+            async with client(edge, f"sk-{key_id}") as c:
+                r = await chat(c, model_name)
+                n += 1
+                told[(key_id, model_name)] += r.json()["usage"]["total_tokens"]
+                stream = await c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": model_name,
+                        "messages": MESSAGES,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    },
+                )
+                n += 1
+                last = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
+                told[(key_id, model_name)] += httpx.Response(200, content=last[6:]).json()["usage"]["total_tokens"]
+        async with client(edge, "sk-b") as c:
+            assert (await chat(c, "qwen-a")).status_code == 404  # a refusal is a record too
+            n += 1
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            r = await admin.get("/v1/admin/usage", params={"group_by": "key,model"})
+            rows = r.json()["data"]
+            csv_text = (await admin.get("/v1/admin/usage", params={"group_by": "key", "format": "csv"})).text
+    assert sum(row["requests"] for row in rows) == n
+    for (key_id, model_name), total in told.items():
+        (row,) = [x for x in rows if x["key"] == key_id and x["model"] == model_name]
+        assert row["total_tokens"] == total and row["requests"] == 6
+    assert csv_text.splitlines()[0].startswith("key,requests,not_completed,prompt_tokens")
+    # `iop usage` prints the same from the file.
+    cfg = write_toml(tmp_path / "edge.toml", {"ledger": str(tmp_path / "ledger.sqlite3")})
+    with trio.fail_after(60):
+        out = await trio.run_process(
+            [sys.executable, "-m", "iop.cli", "usage", "--config", str(cfg), "--group-by", "key"],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.decode().splitlines()
+    assert lines[0].split()[:2] == ["key", "requests"]
+    a_line = next(line.split() for line in lines if line.startswith("a "))
+    assert int(a_line[1]) == 12 and int(a_line[5]) == told[("a", "qwen-a")] + told[("a", "llama-b")]
+
+
+async def test_a_cancelled_stream_is_recorded_with_what_it_streamed(nursery, tmp_path):
+    up = Upstream()
+    await nursery.start(up.serve)
+    up.script_for("slow-target", [*(("chunk", {"content": f"t{i} "}) for i in range(5)), ("hang",)])
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=[KeyConfig(id="k", key="sk-k")], admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")),
+    )
+    await start_node(nursery, edge, [model("slow", up)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-k") as c:
+            with trio.CancelScope() as scope:
+                async with c.stream(
+                    "POST", "/v1/chat/completions", json={"model": "slow", "messages": MESSAGES, "stream": True}
+                ) as s:
+                    async for line in s.aiter_lines():
+                        if "t4" in line:
+                            scope.cancel()
+        await eventually(lambda: edge.edge.keys.by_id["k"].in_flight == 0)
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            (row,) = (await admin.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
+    assert row["requests"] == 1 and row["not_completed"] == 1
+    assert row["completion_tokens"] == 5 and row["estimated_requests"] == 1
+
+
+async def test_run_time_keys_create_list_change_revoke(nursery, tmp_path):
+    up = Upstream()
+    await nursery.start(up.serve)
+    up.script_for(
+        "slow-target",
+        [("chunk", {"content": "a"}), ("sleep", 0.5), ("chunk", {"content": "b"}), ("chunk", {}, "stop"), ("done",)],
+    )
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [sim("qwen-a"), model("slow", up)])
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            assert (await admin.post("/v1/admin/keys", json={"id": "x", "rpm": -1})).status_code == 400
+            r = await admin.post("/v1/admin/keys", json={"id": "carol", "models": ["qwen*", "slow"], "rpm": 100})
+            assert r.status_code == 201
+            secret = r.json()["key"]
+            assert (await admin.post("/v1/admin/keys", json={"id": "carol"})).status_code == 409
+            async with client(edge, "not-a-key") as c:
+                assert (await chat(c)).status_code == 401  # the edge has keys now: it is closed
+            async with client(edge, secret) as c:
+                assert (await chat(c)).status_code == 200
+            listed = (await admin.get("/v1/admin/keys")).json()["data"]
+            (carol,) = [k for k in listed if k["id"] == "carol"]
+            assert (
+                carol["policy"]["rpm"] == 100 and carol["usage"]["requests"] == 1 and carol["usage"]["total_tokens"] > 0
+            )
+            assert "key" not in carol and secret not in str(listed)
+            r = await admin.patch("/v1/admin/keys/carol", json={"rpm": 1})
+            assert r.status_code == 200 and r.json()["policy"]["rpm"] == 1
+            async with client(edge, secret) as c:
+                assert (await chat(c)).status_code == 200
+                assert (await chat(c)).status_code == 429  # the new policy holds at once
+            await admin.patch("/v1/admin/keys/carol", json={"rpm": 0})
+            # Revoked mid-stream: the stream finishes, the next request is 401.
+            async with client(edge, secret) as c:
+                async with c.stream(
+                    "POST", "/v1/chat/completions", json={"model": "slow", "messages": MESSAGES, "stream": True}
+                ) as s:
+                    text = ""
+                    async for line in s.aiter_lines():
+                        if '"content":"a"' in line:
+                            assert (await admin.delete("/v1/admin/keys/carol")).status_code == 200
+                        text += line
+                assert '"b"' in text and "[DONE]" in text
+                assert (await chat(c)).status_code == 401
+            assert (await admin.delete("/v1/admin/keys/carol")).status_code == 404
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as anyone:
+            assert (await anyone.get("/v1/admin/keys")).status_code == 401
+    # Stored: a new edge on the same ledger knows the keys made at run time (and not the revoked one).
+    async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+        secret2 = (await admin.post("/v1/admin/keys", json={"id": "dave"})).json()["key"]
+    again = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")))
+    assert set(again.edge.keys.by_id) == {"dave"}
+    assert again.edge.keys.authenticate(f"Bearer {secret2}".encode(), None) is not None
+
+
+async def test_messages_api_and_metrics_per_key(nursery, tmp_path):
+    """The Anthropic SDK (x-api-key) gets the same policy; /metrics counts requests, tokens and 429s by key id."""
+    edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="ann", key="sk-ann", models=["qwen*"], rpm=1)])
+    async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="sk-ann", max_retries=0) as sdk:
+        with trio.fail_after(BOUND):
+            with pytest.raises(anthropic.NotFoundError):
+                await sdk.messages.create(model="llama-b", max_tokens=16, messages=MESSAGES)
+            message = await sdk.messages.create(model="qwen-a", max_tokens=16, messages=MESSAGES)
+            assert message.content[0].text
+            with pytest.raises(anthropic.RateLimitError):
+                await sdk.messages.create(model="qwen-a", max_tokens=16, messages=MESSAGES)
+            async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as c:
+                text = (await c.get("/metrics")).text
+    assert 'iop_key_requests_total{key="ann"} 3.0' in text
+    assert 'iop_key_rate_limited_total{key="ann",limit="rpm"} 1.0' in text
+    assert f'iop_key_tokens_total{{key="ann",kind="completion"}} {float(message.usage.output_tokens)}' in text
