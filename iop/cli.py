@@ -13,7 +13,7 @@ import sys
 import structlog
 import trio
 
-from iop import logs
+from iop import gc_policy, logs
 from iop.configfile import ConfigError
 from iop.exceptions import first_leaf
 
@@ -174,6 +174,8 @@ async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | N
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
+        gc_policy.tune()
+        nursery.start_soon(gc_policy.collect_periodically, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(
                 app,
@@ -201,6 +203,8 @@ async def _node(config) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
+        gc_policy.tune()
+        nursery.start_soon(gc_policy.collect_periodically, stop)
         nursery.start_soon(agent.serve)
         await stop.wait()
         await agent.drain()
@@ -220,6 +224,8 @@ async def _demo(bind: str) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
+        gc_policy.tune()
+        nursery.start_soon(gc_policy.collect_periodically, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(app, bind, shutdown_trigger=stop.wait, task_status=task_status)
         )

@@ -48,6 +48,8 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 CHUNKS = {"n": 0}  # content chunks received (to report tokens per chunk)
+HEADERS: dict[str, str] = {}  # sent with every request (the --keys variant's client key)
+BENCH_KEY = {"id": "bench", "key": "sk-bench", "rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> tuple[float, int]:
@@ -97,7 +99,7 @@ def rss_bytes(pid: int) -> int:
 async def ttft(direct_url: str, edge_url: str, model: str, n: int) -> tuple[list[float], list[float]]:
     """Time to first content, direct and through the edge, alternating request
     by request so that both see the same machine load."""
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=HEADERS) as client:
         for _ in range(100):  # warm up connections and code paths on both sides
             await stream_one(client, direct_url, model, 1)
             await stream_one(client, edge_url, model, 1)
@@ -116,7 +118,7 @@ async def throughput(
     """(tokens/s, tokens received, CPU seconds each of ``pids`` spent
     meanwhile, content chunks received)."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=HEADERS) as client:
         async with trio.open_nursery() as nursery:  # warm up
             for _ in range(min(concurrency, 50)):
                 nursery.start_soon(stream_one, client, url, model, 4)
@@ -147,8 +149,8 @@ async def idle_streams(
     host, port = edge.removeprefix("http://").split(":")
     body = b'{"model":"%s","messages":[{"role":"user","content":"idle"}],"stream":true,"max_tokens":2}' % model.encode()
     request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-        % (edge.encode(), len(body), body)
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+        % (edge.encode(), b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in HEADERS.items()), len(body), body)
     )
     opened = 0
     held: list[trio.SocketStream] = []
@@ -185,7 +187,7 @@ async def idle_streams(
     await trio.sleep(2)
     per_stream = (rss_bytes(edge_pid) - base) / max(opened, 1)
     latencies = []
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=HEADERS) as client:
         for _ in range(probes):
             start = time.perf_counter()
             await stream_one(client, edge + "/v1/chat/completions", probe_model, 4)
@@ -277,10 +279,14 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def run_revision(name: str, root: Path, upstream: str, idle_upstream: str, args) -> Result:
+def run_revision(name: str, root: Path, upstream: str, idle_upstream: str, args, extra: dict | None = None) -> Result:
+    """``extra``: more edge config (the --keys variant)."""
     result = Result(name)
+    HEADERS.clear()
+    if extra and "keys" in extra:
+        HEADERS["Authorization"] = f"Bearer {BENCH_KEY['key']}"
     with Stack(root) as stack:
-        wanted = {"max_queue": 1000, "backlog": 4096, "max_node_concurrency": args.idle_streams + 1000}
+        wanted = {"max_queue": 1000, "backlog": 4096, "max_node_concurrency": args.idle_streams + 1000, **(extra or {})}
         known = (root / "edge/config.py").read_text()  # an older revision may not have every key
         edge = stack.edge(**{k: v for k, v in wanted.items() if k in known})
         node = stack.node(
@@ -342,7 +348,7 @@ def report(results: list[Result], args) -> None:
         )
         if r.edge_tokens != expected:
             print(f"WARNING: {r.name}: {r.edge_tokens} tokens, expected {expected}", file=sys.stderr)
-    if len(results) == 2:
+    if len(results) >= 2:
         print(f"tokens/s {results[0].name} / {results[1].name}: {results[0].edge_rate / results[1].edge_rate:.2f}")
     if args.idle_streams:
         print(f"\nIdle streams ({args.idle_streams} asked), edge memory and new requests meanwhile")
@@ -361,12 +367,21 @@ def main() -> None:
     parser.add_argument("--idle-streams", type=int, default=0, help="e.g. 10000; 0 skips the idle-stream phase")
     parser.add_argument("--baseline", metavar="REV", help="also measure this git revision, side by side")
     parser.add_argument("--profile", type=Path, metavar="DIR", help="py-spy the throughput phase into DIR")
+    parser.add_argument(
+        "--keys",
+        action="store_true",
+        help="also measure the current code with a keyed client (rpm/tpm limits, SQLite ledger) against "
+        "no keys and the ledger off",
+    )
     args = parser.parse_args()
 
     with Stack() as upstreams:
         upstream = upstreams.upstream()
         idle_upstream = upstreams.upstream(tokens=2, interval_ms=3_600_000)
-        results = [run_revision("current", ROOT, upstream, idle_upstream, args)]
+        plain = {"ledger": "off"} if args.keys else None
+        results = [run_revision("current", ROOT, upstream, idle_upstream, args, plain)]
+        if args.keys:
+            results.append(run_revision("current+keys", ROOT, upstream, idle_upstream, args, {"keys": [BENCH_KEY]}))
         if args.baseline:
             tree = worktree(args.baseline)
             try:

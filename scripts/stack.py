@@ -69,6 +69,7 @@ class Stack(ExitStack):
         always this one's), e.g. a worktree of an older revision."""
         super().__init__()
         self.root = root
+        self.auth: dict[str, dict[str, str]] = {}  # edge URL -> headers for its /v1/nodes
         self.dir = Path(self.enter_context(tempfile.TemporaryDirectory(prefix="iop-stack-")))
         self.env = {**os.environ, "IOP_LOG_LEVEL": "warning", "IOP_LOG_FORMAT": "json", "PYTHONPATH": str(root)}
 
@@ -112,7 +113,11 @@ class Stack(ExitStack):
         cfg = write_toml(self.dir / f"edge-{port}.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, **config})
         self.edge_proc = self._spawn([sys.executable, "-m", "iop.cli", "edge", "--config", str(cfg)])
         wait_http(f"http://127.0.0.1:{port}/healthz")
-        return f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        keys = config.get("admin_keys") or [k["key"] for k in config.get("keys", ()) if k.get("key")]
+        if keys:  # /v1/nodes, which wait_linked reads, asks for a key
+            self.auth[url] = {"Authorization": f"Bearer {keys[0]}"}
+        return url
 
     def node(
         self,
@@ -131,15 +136,15 @@ class Stack(ExitStack):
         )
         proc = self._spawn([sys.executable, "-m", "iop.cli", "node", "--config", str(cfg)], log_file)
         for url in edge_urls:
-            wait_linked(url, node_id)
+            wait_linked(url, node_id, self.auth.get(url))
         return proc
 
 
-def wait_linked(edge_url: str, node_id: str, timeout: float = 20.0) -> None:
+def wait_linked(edge_url: str, node_id: str, headers: dict[str, str] | None = None, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(edge_url + "/v1/nodes", timeout=1)
+            r = httpx.get(edge_url + "/v1/nodes", timeout=1, headers=headers)
             if r.status_code == 200 and any(n["id"] == node_id for n in r.json()["data"]):
                 return
         except httpx.HTTPError:
