@@ -6,7 +6,7 @@ JS := tests/js
 # Inside node_modules: gone with it, so a fresh clone (or rm -rf node_modules) installs again.
 JS_STAMP := $(JS)/node_modules/.installed
 
-.PHONY: demo test bench probe chaos clean
+.PHONY: demo test bench probe chaos clean servers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ $(JS_STAMP): $(JS)/package.json $(JS)/package-lock.json
 	npm ci --prefix $(JS) --no-audit --no-fund
 	touch $(JS_STAMP)
 
-test: $(STAMP) $(JS_STAMP)
+# redis-server and PostgreSQL for tests/test_keys_shared.py (apt-get when missing).
+servers:
+	bash scripts/install_servers.sh
+
+test: $(STAMP) $(JS_STAMP) servers
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -31,6 +31,7 @@ from edge.openai.routes import openai_routes
 from edge.openai.schema import ModelCard, ModelList
 from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
+from edge.shared_state import SharedState
 from iop import logs
 
 log = structlog.get_logger("iop.edge")
@@ -45,18 +46,17 @@ class Edge:
         self.id = secrets.token_hex(6)
         self.runs = RunService(config)
         self.keys = Keys(config)
-        path = config.ledger_path
-        self.ledger = Ledger(path) if path else None
+        target = config.ledger_target
+        self.ledger = Ledger(target) if target else None
         if self.ledger is not None:
-            if self.ledger.had_keys():
-                self.keys.ever = True
-            for key_id, sha, policy, _ in self.ledger.stored_keys():
-                if key_id not in self.keys.by_id:  # the config's own keys win
-                    self.keys.add(Key(key_id, sha, msgspec.json.decode(policy, type=Policy), "admin"))
-            for key_id, used in self.ledger.today_usage().items():
+            stored, today = self.ledger.startup_state()
+            self.apply_stored_keys(stored)
+            self.ledger.on_keys = self.apply_stored_keys
+            for key_id, used in today.items():
                 key = self.keys.by_id.get(key_id)
                 if key is not None:
                     key.day, key.day_used = int(time.time() // 86400), used
+        self.shared = SharedState(config.state, self.keys, self.id) if config.state else None
         self.metrics = EdgeMetrics(self.runs, self)
         self.draining = False
 
@@ -86,6 +86,26 @@ class Edge:
             return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
         ex.key = key
         return None
+
+    def apply_stored_keys(self, rows: list[tuple]) -> None:
+        """Make the run-time keys match the ledger's key table (another edge
+        may have made, changed or revoked some). The config's keys win."""
+        for key_id, sha, policy_json, revoked in rows:
+            self.keys.ever = True  # a revoked key still closes the edge
+            known = self.keys.by_id.get(key_id)
+            if known is not None and known.source != "admin":
+                continue
+            if revoked is not None or (known is not None and known.sha256 != sha):
+                if known is not None:
+                    self.keys.revoke(known)
+                if revoked is not None:
+                    continue
+                known = None
+            policy = msgspec.json.decode(policy_json, type=Policy)
+            if known is None:
+                self.keys.add(Key(key_id, sha, policy, "admin"))
+            elif known.policy != policy:
+                known.set_policy(policy)
 
     def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
         """A keyed request's admission (edge.keys): raises 404/429, or holds
@@ -239,6 +259,8 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     async def start_ledger() -> None:
         if edge.ledger is not None:
             app.add_background_task(edge.ledger.run)
+        if edge.shared is not None:
+            app.add_background_task(edge.shared.run)
 
     @app.before_serving
     async def warn_open() -> None:

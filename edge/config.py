@@ -55,9 +55,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     admin_keys: list[str] = msgspec.field(default_factory=list)
     admin_keys_file: str = ""
     keys: list[KeyConfig] = msgspec.field(default_factory=list)  # keys with policy (README "Keys")
-    # Where the edge keeps its state: the usage ledger and run-time keys (SQLite).
+    # Where the edge keeps its state: the usage ledger and run-time keys.
     state_dir: str = "iop-state"
-    ledger: str = ""  # "": <state_dir>/ledger.sqlite3; a file path; "off": no ledger, no run-time keys
+    ledger: str = ""  # "": <state_dir>/ledger.sqlite3; a file path; "postgresql://…" (shared by edges); "off"
+    state: str = ""  # "redis://host:port/db": key limits shared by every edge using it (edge.shared_state)
     # TLS (also --certfile/--keyfile on the command line).
     certfile: str = ""
     keyfile: str = ""
@@ -145,8 +146,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                     raise ConfigError(f"keys[{i}].{name}: must not be negative")
             if not k.models:
                 raise ConfigError(f'keys[{i}].models: at least one pattern ("*": all)')
-        if self.ledger.startswith(("postgresql://", "postgres://", "redis://")):
-            raise ConfigError('ledger: only SQLite is supported in this version (a path, "" or "off")')
+        if self.state and not self.state.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError('state: a redis:// URL, or "" (limits per edge)')
+        if self.ledger.startswith("redis://"):
+            raise ConfigError('ledger: a SQLite path, a postgresql:// URL, "" or "off"')
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if m.name in seen:
@@ -154,8 +157,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             seen.add(m.name)
 
     @property
-    def ledger_path(self) -> str | None:
-        """The SQLite file of the ledger and run-time keys; None: off."""
+    def ledger_target(self) -> str | None:
+        """The ledger's SQLite file or PostgreSQL URL; None: off."""
         if self.ledger == "off":
             return None
         return self.ledger.removeprefix("sqlite:///") or os.path.join(self.state_dir, "ledger.sqlite3")

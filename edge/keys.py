@@ -119,6 +119,8 @@ class Key:
         "prompt_tokens",
         "completion_tokens",
         "limited",
+        "day_others",
+        "others_in_flight",
     )
 
     def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
@@ -133,6 +135,8 @@ class Key:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.limited: dict[str, int] = {}  # refusals by limit: rpm, tpm, concurrency, budget
+        self.day_others = 0  # shared state: other edges' tokens today
+        self.others_in_flight = 0  # shared state: other edges' requests in flight
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -180,6 +184,8 @@ class Keys:
         self.by_hash: dict[str, Key] = {}
         self.by_id: dict[str, Key] = {}
         self.ever = False  # some key was configured or made (also: the ledger holds one, revoked or not)
+        # Shared state (edge.shared_state): rpm/tpm levels are leased balances, not refilled here.
+        self.shared = False
         for i, secret in enumerate(config.api_keys):
             sha = sha256_hex(secret)
             self._add(Key(f"api_keys[{i}]", sha, Policy(), "api_keys"))
@@ -198,6 +204,17 @@ class Keys:
         key.revoked = True
         self.by_hash.pop(key.sha256, None)
         self.by_id.pop(key.id, None)
+
+    def zero_levels(self) -> None:
+        for key in self.by_id.values():
+            key.req_level = key.tok_level = 0.0
+
+    def local_levels(self) -> None:
+        """Full local buckets (shared state unreachable: this edge limits on its own)."""
+        now = time.monotonic()
+        for key in self.by_id.values():
+            key.req_level, key.req_at = float(key.policy.rpm), now
+            key.tok_level, key.tok_at = float(key.policy.tpm), now
 
     @property
     def open(self) -> bool:
@@ -221,7 +238,7 @@ class Keys:
         reserved = prompt_estimate + min(max_tokens or DEFAULT_OUTPUT_RESERVE, MAX_OUTPUT_RESERVE)
         if policy.daily_tokens:
             key._today()
-            if key.day_used >= policy.daily_tokens:
+            if key.day_used + key.day_others >= policy.daily_tokens:
                 midnight = (key.day + 1) * 86400 - time.time()
                 raise APIError(
                     429,
@@ -231,17 +248,28 @@ class Keys:
                     code="insufficient_quota",
                     headers=[(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode())],
                 )
-        if policy.max_concurrent and key.in_flight >= policy.max_concurrent:
+        if policy.max_concurrent and key.in_flight + key.others_in_flight >= policy.max_concurrent:
             raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "concurrency")
+        shared = self.shared
         if policy.rpm:
-            level, ok = _bucket_take(key.req_level, key.req_at, now, policy.rpm, 1)
-            key.req_level, key.req_at = level, now
+            if shared:
+                level, ok = key.req_level, key.req_level >= 1
+                if ok:
+                    key.req_level -= 1
+            else:
+                level, ok = _bucket_take(key.req_level, key.req_at, now, policy.rpm, 1)
+                key.req_level, key.req_at = level, now
             if not ok:
                 raise self._limited(key, f"{policy.rpm} requests per minute", (1 - level) * 60 / policy.rpm, "rpm")
         if policy.tpm:
             reserved = min(reserved, policy.tpm)
-            level, ok = _bucket_take(key.tok_level, key.tok_at, now, policy.tpm, reserved)
-            key.tok_level, key.tok_at = level, now
+            if shared:
+                level, ok = key.tok_level, key.tok_level >= reserved
+                if ok:
+                    key.tok_level -= reserved
+            else:
+                level, ok = _bucket_take(key.tok_level, key.tok_at, now, policy.tpm, reserved)
+                key.tok_level, key.tok_at = level, now
             if not ok:
                 if policy.rpm:
                     key.req_level += 1  # the request was not made
@@ -270,9 +298,12 @@ class Keys:
         key.in_flight -= 1
         policy = key.policy
         if policy.tpm:
-            now = time.monotonic()
-            level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
-            key.tok_level, key.tok_at = min(policy.tpm, level + lease.reserved - used), now
+            if self.shared:
+                key.tok_level += lease.reserved - used  # may go below 0: a debt the next leases pay
+            else:
+                now = time.monotonic()
+                level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
+                key.tok_level, key.tok_at = min(policy.tpm, level + lease.reserved - used), now
         if policy.daily_tokens:
             key._today()
             key.day_used += used
@@ -282,15 +313,16 @@ class Keys:
         policy = key.policy
         out: list[tuple[bytes, bytes]] = []
         now = time.monotonic()
+        shared = self.shared  # levels are this edge's leased balances: shown as they are
         if policy.rpm:
-            level = min(policy.rpm, key.req_level + (now - key.req_at) * policy.rpm / 60.0)
+            level = key.req_level if shared else min(policy.rpm, key.req_level + (now - key.req_at) * policy.rpm / 60.0)
             out += [
                 (b"x-ratelimit-limit-requests", str(policy.rpm).encode()),
                 (b"x-ratelimit-remaining-requests", str(max(int(level), 0)).encode()),
                 (b"x-ratelimit-reset-requests", _duration((policy.rpm - level) * 60 / policy.rpm).encode()),
             ]
         if policy.tpm:
-            level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
+            level = key.tok_level if shared else min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
             out += [
                 (b"x-ratelimit-limit-tokens", str(policy.tpm).encode()),
                 (b"x-ratelimit-remaining-tokens", str(max(int(level), 0)).encode()),

@@ -1,16 +1,20 @@
-"""The usage ledger and the run-time key store: one SQLite file.
+"""The usage ledger and the run-time key store: SQLite (one edge) or PostgreSQL (many).
 
 One record per API request (time, request id, key id, model, node, API,
 status, outcome, prompt/completion tokens and whether they were estimated,
 TTFT, duration). A request appends its record to a bounded in-memory buffer
 and goes on; a writer task stores the buffer in batches, in a worker thread,
-so a write never delays a request. A buffer that fills while the disk is
-stuck drops its oldest records, counted in ``iop_ledger_dropped_total`` (at
-:data:`MAX_PENDING` records that is about a minute of 1,500 requests/s).
+so a write never delays a request. A database that cannot be reached (a
+PostgreSQL restart, a full disk) keeps the records in the buffer; they are
+written when it is back. A buffer that fills meanwhile drops its oldest
+records, counted in ``iop_ledger_dropped_total`` (:data:`MAX_PENDING`
+records: about a minute at 1,500 requests/s).
 
 Queries (``GET /v1/admin/usage``, ``iop usage``) group by any of key, model,
 node, api and day (UTC). Run-time keys (``/v1/admin/keys``) are stored by id
-with the SHA-256 of their secret and their policy; a revoked key is marked so.
+with the SHA-256 of their secret and their policy; a revoked key is marked
+so. With PostgreSQL every edge sees the keys any edge made or revoked (each
+reads the table every :data:`KEYS_REFRESH_S`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import collections
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,56 +35,135 @@ log = structlog.get_logger("iop.edge.ledger")
 MAX_PENDING = 100_000
 BATCH = 2_000
 FLUSH_EVERY_S = 0.5
+KEYS_REFRESH_S = 2.0
 GROUPS = ("key", "model", "node", "api", "day")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage (
-    ts REAL NOT NULL,
-    request_id TEXT NOT NULL,
-    key TEXT,
-    model TEXT,
-    node TEXT,
-    api TEXT,
-    status INTEGER,
-    outcome TEXT,
-    prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    completion_tokens INTEGER NOT NULL DEFAULT 0,
-    estimated INTEGER NOT NULL DEFAULT 0,
-    ttft_ms REAL,
-    duration_ms REAL
-);
-CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
-CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key, ts);
-CREATE TABLE IF NOT EXISTS keys (
-    id TEXT PRIMARY KEY,
-    sha256 TEXT NOT NULL UNIQUE,
-    policy TEXT NOT NULL,
-    created REAL NOT NULL,
-    revoked REAL
-);
-"""
+_COLUMNS = (
+    "ts {real} NOT NULL, request_id TEXT NOT NULL, key TEXT, model TEXT, node TEXT, api TEXT, "
+    "status INTEGER, outcome TEXT, prompt_tokens BIGINT NOT NULL DEFAULT 0, "
+    "completion_tokens BIGINT NOT NULL DEFAULT 0, estimated INTEGER NOT NULL DEFAULT 0, "
+    "ttft_ms {real}, duration_ms {real}"
+)
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS usage (" + _COLUMNS + ")",
+    "CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts)",
+    "CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key, ts)",
+    "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, sha256 TEXT NOT NULL UNIQUE, policy TEXT NOT NULL, "
+    "created {real} NOT NULL, revoked {real})",
+)
 
 # (ts, request_id, key, model, node, api, status, outcome, prompt, completion, estimated, ttft_ms, duration_ms)
 Record = tuple
 
 
-class Ledger:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(keys)")}
+def is_postgres(target: str) -> bool:
+    return target.startswith(("postgresql://", "postgres://"))
+
+
+class Dialect:
+    """What differs between SQLite and PostgreSQL here."""
+
+    def __init__(self, postgres: bool) -> None:
+        self.postgres = postgres
+        self.p = "%s" if postgres else "?"
+        self.real = "DOUBLE PRECISION" if postgres else "REAL"
+        self.day = (
+            "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+            if postgres
+            else "strftime('%Y-%m-%d', ts, 'unixepoch')"
+        )
+
+    def sql(self, text: str) -> str:
+        return text.replace("?", self.p)
+
+
+def connect(target: str) -> Any:
+    """A connection to the ledger ``target`` (a SQLite path or a PostgreSQL URL), schema made."""
+    if is_postgres(target):
+        import psycopg
+
+        db = psycopg.connect(target, autocommit=True, connect_timeout=3)
+        dialect = Dialect(True)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        dialect = Dialect(False)
+    for statement in _SCHEMA:
+        db.execute(statement.format(real=dialect.real))
+    if not dialect.postgres:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
         if "revoked" not in columns:  # a ledger made before keys could be revoked
-            self._db.execute("ALTER TABLE keys ADD COLUMN revoked REAL")
+            db.execute("ALTER TABLE keys ADD COLUMN revoked REAL")
+    return db
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    try:
+        import psycopg
+
+        return (sqlite3.Error, psycopg.Error, OSError)
+    except ImportError:  # pragma: no cover - psycopg is a dependency
+        return (sqlite3.Error, OSError)
+
+
+class Ledger:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.dialect = Dialect(is_postgres(target))
+        self.where = "postgresql" if self.dialect.postgres else target
+        self._errors = _errors()
+        self._db: Any = None
         self._lock = trio.Lock()  # one thread at a time on the connection
         self._pending: collections.deque[Record] = collections.deque(maxlen=MAX_PENDING)
         self._wake = trio.Event()
         self.written = 0
         self.dropped = 0
         self.failures = 0
+        self.available = True
+        self.on_keys: Callable[[list[tuple]], None] | None = None  # the edge's: applies the key table
+        try:
+            self._db = connect(target)
+        except self._errors as e:
+            if not self.dialect.postgres:
+                raise  # a local file that cannot be opened is a configuration error
+            self._unavailable(e)
+
+    def _unavailable(self, error: BaseException) -> None:
+        self.failures += 1
+        if self.available:
+            self.available = False
+            log.warning(
+                "ledger unavailable; records kept and written when it is back",
+                ledger=self.where,
+                error=f"{type(error).__name__}: {str(error)[:200]}",
+            )
+        if self._db is not None and self.dialect.postgres:
+            try:
+                self._db.close()
+            except self._errors:
+                pass
+            self._db = None
+
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(connection)`` in this (worker) thread; reconnects if needed."""
+        if self._db is None:
+            self._db = connect(self.target)
+        result = fn(self._db)
+        if not self.available:
+            self.available = True
+            log.info("ledger available again", ledger=self.where, pending=len(self._pending))
+        return result
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn`` on the connection in a worker thread; raises the driver's error."""
+        async with self._lock:
+            try:
+                return await trio.to_thread.run_sync(self._run, fn)
+            except self._errors as e:
+                self._unavailable(e)
+                raise
 
     # -- records -----------------------------------------------------------------
 
@@ -91,119 +175,133 @@ class Ledger:
         if len(self._pending) >= BATCH:
             self._wake.set()
 
-    def _write(self, batch: list[Record]) -> None:
-        with self._db:
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", batch)
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
-    async def flush(self) -> None:
-        """Store everything queued so far."""
-        async with self._lock:
-            while self._pending:
-                batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
-                try:
-                    await trio.to_thread.run_sync(self._write, batch)
-                except sqlite3.Error as e:
-                    self.failures += 1
-                    self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
-                    log.warning("ledger write failed; records kept for the next try", error=str(e))
-                    return
-                self.written += len(batch)
+    async def flush(self) -> bool:
+        """Store everything queued so far; False if the database failed (records kept)."""
+        insert = self.dialect.sql("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")
+        while self._pending:
+            batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
+
+            def write(db: Any, batch: list[Record] = batch) -> None:
+                if self.dialect.postgres:
+                    with db.transaction(), db.cursor() as cur:
+                        cur.executemany(insert, batch)
+                else:
+                    with db:
+                        db.execute("BEGIN")
+                        db.executemany(insert, batch)
+
+            try:
+                await self._call(write)
+            except self._errors:
+                self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
+                return False
+            self.written += len(batch)
+        return True
 
     async def run(self) -> None:
-        """The writer: every :data:`FLUSH_EVERY_S`, or sooner when a batch is full.
-        On the way out (shutdown) what is queued is stored, within 5 s."""
+        """The writer: every :data:`FLUSH_EVERY_S`, or sooner when a batch is
+        full; the key table every :data:`KEYS_REFRESH_S`. On the way out
+        (shutdown) what is queued is stored, within 5 s."""
+        next_keys = trio.current_time() + KEYS_REFRESH_S
         try:
             while True:
                 with trio.move_on_after(FLUSH_EVERY_S):
                     await self._wake.wait()
                 self._wake = trio.Event()
                 await self.flush()
+                if self.on_keys is not None and trio.current_time() >= next_keys:
+                    next_keys = trio.current_time() + KEYS_REFRESH_S
+                    try:
+                        self.on_keys(await self._call(_all_keys))
+                    except self._errors:
+                        pass
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await self.flush()
+            self.close()
+
+    def close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            try:
+                db.close()
+            except self._errors:
+                pass
 
     # -- queries -----------------------------------------------------------------
 
-    def today_usage(self) -> dict[str, int]:
-        """Tokens per key since 00:00 UTC (daily budgets survive a restart)."""
+    def startup_state(self) -> tuple[list[tuple], dict[str, int]]:
+        """Every stored key (revoked ones too) and today's tokens per key,
+        read once at start (empty if the database is unreachable)."""
+        if self._db is None:
+            return [], {}
         midnight = (time.time() // 86400) * 86400
+        keys = _all_keys(self._db)
         rows = self._db.execute(
-            "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key", (midnight,)
+            self.dialect.sql(
+                "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
+            ),
+            (midnight,),
         ).fetchall()
-        return {key: int(total or 0) for key, total in rows if key}
+        return keys, {key: int(total or 0) for key, total in rows if key}
 
     async def usage(self, start: float | None, end: float | None, group_by: list[str]) -> list[dict[str, Any]]:
         await self.flush()
-        async with self._lock:
-            return await trio.to_thread.run_sync(query_usage, self._db, start, end, group_by)
-
-    # -- run-time keys -------------------------------------------------------------
-
-    def stored_keys(self) -> list[tuple[str, str, str, float]]:
-        """The run-time keys not revoked."""
-        return self._db.execute(
-            "SELECT id, sha256, policy, created FROM keys WHERE revoked IS NULL ORDER BY id"
-        ).fetchall()
-
-    def had_keys(self) -> bool:
-        """Some run-time key was ever made here (revoked ones count: the edge stays closed)."""
-        return self._db.execute("SELECT 1 FROM keys LIMIT 1").fetchone() is not None
-
-    async def put_key(self, key_id: str, sha256: str, policy: Any) -> None:
-        data = msgspec.json.encode(policy).decode()
-
-        def put() -> None:
-            self._db.execute(
-                "INSERT INTO keys VALUES (?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET policy = excluded.policy,"
-                " sha256 = excluded.sha256, revoked = NULL",
-                (key_id, sha256, data, time.time()),
-            )
-
-        async with self._lock:
-            await trio.to_thread.run_sync(put)
-
-    async def revoke_key(self, key_id: str) -> None:
-        """Kept, marked revoked: its id stays in the ledger's history, its secret works no more."""
-        async with self._lock:
-            await trio.to_thread.run_sync(
-                lambda: self._db.execute("UPDATE keys SET revoked = ? WHERE id = ?", (time.time(), key_id))
-            )
+        return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by))
 
     async def key_totals(self) -> dict[str, tuple[int, int, int]]:
         """Per key: (requests, prompt tokens, completion tokens) to date."""
         await self.flush()
 
-        def totals() -> dict[str, tuple[int, int, int]]:
-            rows = self._db.execute(
+        def totals(db: Any) -> dict[str, tuple[int, int, int]]:
+            rows = db.execute(
                 "SELECT key, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage GROUP BY key"
             ).fetchall()
             return {k: (n, int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
 
-        async with self._lock:
-            return await trio.to_thread.run_sync(totals)
+        try:
+            return await self._call(totals)
+        except self._errors:
+            return {}
 
-    def close(self) -> None:
-        self._db.close()
+    # -- run-time keys -------------------------------------------------------------
+
+    async def put_key(self, key_id: str, sha256: str, policy: Any) -> None:
+        data = msgspec.json.encode(policy).decode()
+        sql = self.dialect.sql(
+            "INSERT INTO keys VALUES (?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET policy = excluded.policy,"
+            " sha256 = excluded.sha256, revoked = NULL"
+        )
+        await self._call(lambda db: db.execute(sql, (key_id, sha256, data, time.time())))
+
+    async def revoke_key(self, key_id: str) -> None:
+        """Kept, marked revoked: its id stays in the ledger's history, its secret works no more."""
+        sql = self.dialect.sql("UPDATE keys SET revoked = ? WHERE id = ?")
+        await self._call(lambda db: db.execute(sql, (time.time(), key_id)))
 
 
-def query_usage(db: sqlite3.Connection, start: float | None, end: float | None, group_by: list[str]) -> list[dict]:
+def _all_keys(db: Any) -> list[tuple]:
+    """(id, sha256, policy JSON, revoked or None) of every stored key."""
+    return db.execute("SELECT id, sha256, policy, revoked FROM keys ORDER BY id").fetchall()
+
+
+def query_usage(
+    db: Any, dialect: Dialect, start: float | None, end: float | None, group_by: list[str]
+) -> list[dict[str, Any]]:
     """Rows of requests and token sums between ``start`` and ``end`` (unix
     seconds, either open), grouped by ``group_by`` (members of :data:`GROUPS`)."""
-    columns = {
-        "key": "key",
-        "model": "model",
-        "node": "node",
-        "api": "api",
-        "day": "strftime('%Y-%m-%d', ts, 'unixepoch')",
-    }
+    columns = {"key": "key", "model": "model", "node": "node", "api": "api", "day": dialect.day}
     selected = [f"{columns[g]} AS {g}" for g in group_by]
     where, args = [], []
     if start is not None:
-        where.append("ts >= ?")
+        where.append(f"ts >= {dialect.p}")
         args.append(start)
     if end is not None:
-        where.append("ts < ?")
+        where.append(f"ts < {dialect.p}")
         args.append(end)
     sql = (
         "SELECT "
@@ -211,7 +309,7 @@ def query_usage(db: sqlite3.Connection, start: float | None, end: float | None, 
             [
                 *selected,
                 "COUNT(*) AS requests",
-                "SUM(CASE WHEN status >= 400 OR status = 499 OR outcome NOT IN ('complete') THEN 1 ELSE 0 END)",
+                "SUM(CASE WHEN status >= 400 OR outcome <> 'complete' THEN 1 ELSE 0 END)",
                 "SUM(prompt_tokens)",
                 "SUM(completion_tokens)",
                 "SUM(estimated)",
@@ -229,7 +327,7 @@ def query_usage(db: sqlite3.Connection, start: float | None, end: float | None, 
         if not requests:
             continue
         item.update(
-            requests=requests,
+            requests=int(requests),
             not_completed=int(not_complete or 0),
             prompt_tokens=int(prompt or 0),
             completion_tokens=int(completion or 0),

@@ -132,6 +132,7 @@ class EdgeMetrics:
         r.register(_EngineCollector(runs))
         if edge is not None:
             r.register(_KeyCollector(edge))
+            r.register(_StateCollector(edge))
         runs.on_placed.append(self.observe_placement)
         runs.on_run_closed.append(self.observe_run)
 
@@ -234,3 +235,29 @@ class _KeyCollector:
                 limited.add_metric((key.id, limit), n)
             in_flight.add_metric((key.id,), key.in_flight)
         yield from (requests, tokens, limited, in_flight)
+
+
+class _StateCollector:
+    """The ledger's and the shared state's health."""
+
+    def __init__(self, edge: Any) -> None:
+        self._edge = edge
+
+    def collect(self):
+        ledger, shared = self._edge.ledger, self._edge.shared
+        if ledger is not None:
+            up = GaugeMetricFamily("iop_ledger_up", "1 while the ledger's database answers")
+            up.add_metric((), 1 if ledger.available else 0)
+            pending = GaugeMetricFamily("iop_ledger_pending", "Usage records waiting to be written")
+            pending.add_metric((), ledger.pending)
+            failures = CounterMetricFamily("iop_ledger_write_failures", "Failed ledger database calls")
+            failures.add_metric((), ledger.failures)
+            dropped = CounterMetricFamily("iop_ledger_dropped", "Usage records dropped from a full buffer")
+            dropped.add_metric((), ledger.dropped)
+            yield from (up, pending, failures, dropped)
+        if shared is not None:
+            state = GaugeMetricFamily(
+                "iop_shared_state_up", "1 while key limits are leased from the shared state (Redis), 0: local limits"
+            )
+            state.add_metric((), 1 if shared.up else 0)
+            yield state

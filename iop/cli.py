@@ -89,22 +89,30 @@ def _usage(args: argparse.Namespace) -> int:
 
     from edge.admin import parse_group_by, parse_time, usage_csv
     from edge.config import load_edge_config
-    from edge.ledger import query_usage
+    from edge.ledger import Dialect, is_postgres, query_usage
 
     config = load_edge_config(args.config)
-    path = config.ledger_path
-    if path is None:
+    target = config.ledger_target
+    if target is None:
         raise ConfigError('ledger: "off" in this config: there is no ledger')
-    if not os.path.exists(path):
-        raise ConfigError(f"ledger: {path} does not exist (has this edge served a request?)")
     try:
         start, end = parse_time(args.start, "--from"), parse_time(args.end, "--to")
         groups = parse_group_by(args.group_by)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    if is_postgres(target):
+        import psycopg
+
+        try:
+            db = psycopg.connect(target, connect_timeout=5)
+        except psycopg.Error as e:
+            raise ConfigError(f"ledger: cannot connect: {e}") from None
+    elif not os.path.exists(target):
+        raise ConfigError(f"ledger: {target} does not exist (has this edge served a request?)")
+    else:
+        db = sqlite3.connect(f"file:{target}?mode=ro", uri=True)
     try:
-        rows = query_usage(db, start, end, groups)
+        rows = query_usage(db, Dialect(is_postgres(target)), start, end, groups)
     finally:
         db.close()
     if args.format == "csv":

@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import trio  # noqa: E402
 
-from scripts.stack import ROOT, Stack  # noqa: E402
+from scripts.stack import ROOT, Stack, free_port  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "bench"}]
 TOKEN = b"tok"  # every token the bench upstream sends is "tok<i> "
@@ -273,6 +274,18 @@ class Result:
     idle_latency: list[float] = field(default_factory=list)
 
 
+def start_redis(stack: Stack) -> str | None:
+    """A redis-server on loopback for the --keys variant with shared state (None: not installed)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        print("redis-server not found: skipping the shared-state variant", file=sys.stderr)
+        return None
+    port = free_port()
+    stack._spawn([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+    time.sleep(0.5)
+    return f"redis://127.0.0.1:{port}/0"
+
+
 def worktree(rev: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix="iop-bench-")) / rev.replace("/", "_")
     subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True, capture_output=True)
@@ -370,8 +383,8 @@ def main() -> None:
     parser.add_argument(
         "--keys",
         action="store_true",
-        help="also measure the current code with a keyed client (rpm/tpm limits, SQLite ledger) against "
-        "no keys and the ledger off",
+        help="also measure the current code with a keyed client (rpm/tpm limits, SQLite ledger; then also "
+        "limits shared through a redis-server it starts) against no keys and the ledger off",
     )
     args = parser.parse_args()
 
@@ -382,6 +395,10 @@ def main() -> None:
         results = [run_revision("current", ROOT, upstream, idle_upstream, args, plain)]
         if args.keys:
             results.append(run_revision("current+keys", ROOT, upstream, idle_upstream, args, {"keys": [BENCH_KEY]}))
+            redis_url = start_redis(upstreams)
+            if redis_url:
+                shared = {"keys": [BENCH_KEY], "state": redis_url}
+                results.append(run_revision("+keys+redis", ROOT, upstream, idle_upstream, args, shared))
         if args.baseline:
             tree = worktree(args.baseline)
             try:

@@ -1,0 +1,142 @@
+"""Many edges: one PostgreSQL ledger and key store, key limits shared through Redis (real servers)."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from edge.config import KeyConfig
+from tests.conftest import BOUND, edge_config, eventually, start_edge, start_node
+from tests.servers import postgres, postgres_url, redis_server  # noqa: F401  (fixtures)
+from tests.test_keys import ADMIN, ADMIN_H, chat, client, sim
+
+
+async def pg_edge(nursery, url: str):
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=url))
+    await start_node(nursery, edge, [sim("qwen-a")], node_id=f"n-{edge.url[-5:]}")
+    return edge
+
+
+def admin(edge) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H)
+
+
+async def test_two_edges_share_keys_and_one_ledger(nursery, postgres_url):  # noqa: F811
+    a = await pg_edge(nursery, postgres_url)
+    b = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND):
+        async with admin(a) as admin_a:
+            secret = (await admin_a.post("/v1/admin/keys", json={"id": "shared", "rpm": 1000})).json()["key"]
+        await eventually(lambda: "shared" in b.edge.keys.by_id, "edge b learns the key")
+        told = 0
+        for edge in (a, b, a, b):
+            async with client(edge, secret) as c:
+                r = await chat(c)
+                assert r.status_code == 200
+                told += r.json()["usage"]["total_tokens"]
+        async with admin(b) as admin_b:
+            rows = (await admin_b.get("/v1/admin/usage", params={"group_by": "key,node"})).json()["data"]
+            await a.edge.ledger.flush()
+            rows = (await admin_b.get("/v1/admin/usage", params={"group_by": "key,node"})).json()["data"]
+            assert sum(r["requests"] for r in rows if r["key"] == "shared") == 4
+            assert sum(r["total_tokens"] for r in rows if r["key"] == "shared") == told
+            assert len({r["node"] for r in rows if r["key"] == "shared"}) == 2  # both edges' nodes
+            assert (await admin_b.delete("/v1/admin/keys/shared")).status_code == 200
+        await eventually(lambda: "shared" not in a.edge.keys.by_id, "edge a learns the revocation")
+        async with client(a, secret) as c:
+            assert (await chat(c)).status_code == 401
+
+
+async def test_postgres_down_loses_no_record_and_fails_no_request(nursery, postgres, postgres_url):  # noqa: F811
+    edge = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND * 2):
+        async with admin(edge) as adm:
+            secret = (await adm.post("/v1/admin/keys", json={"id": "k"})).json()["key"]
+        async with client(edge, secret) as c:
+            for _ in range(5):
+                assert (await chat(c)).status_code == 200
+            await edge.edge.ledger.flush()
+            await trio.to_thread.run_sync(postgres.stop)
+            for _ in range(20):  # the database is gone: requests go on, records wait
+                assert (await chat(c)).status_code == 200
+            assert not await edge.edge.ledger.flush()
+            assert edge.edge.ledger.pending == 20 and not edge.edge.ledger.available
+            metrics = (await c.get("/metrics")).text
+            assert "iop_ledger_up 0.0" in metrics and "iop_ledger_pending 20.0" in metrics
+            await trio.to_thread.run_sync(postgres.start)
+            await eventually(lambda: edge.edge.ledger.pending == 0, "the buffered records written")
+        async with admin(edge) as adm:
+            (row,) = (await adm.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
+    assert row["key"] == "k" and row["requests"] == 25
+
+
+async def hammer(edges, secret: str, seconds: float, loops_per_edge: int = 4) -> list[tuple[float, int]]:
+    """(time, status) of every request from ``loops_per_edge`` clients per edge, for ``seconds``."""
+    results: list[tuple[float, int]] = []
+    deadline = trio.current_time() + seconds
+
+    async def loop(edge) -> None:
+        async with client(edge, secret) as c:
+            while trio.current_time() < deadline:
+                r = await chat(c)
+                results.append((trio.current_time(), r.status_code))
+                await trio.sleep(0.02)
+
+    async with trio.open_nursery() as nursery:
+        for edge in edges:
+            for _ in range(loops_per_edge):
+                nursery.start_soon(loop, edge)
+    return results
+
+
+async def redis_edge(nursery, url: str, tmp_path, name: str, rpm: int):
+    edge = await start_edge(
+        nursery,
+        edge_config(
+            keys=[KeyConfig(id="r", key="sk-r", rpm=rpm)], state=url, ledger=str(tmp_path / f"{name}.sqlite3")
+        ),
+    )
+    await start_node(nursery, edge, [sim("qwen-a")], node_id=f"n-{name}")
+    await eventually(lambda: edge.edge.shared.up, "leasing from redis")
+    return edge
+
+
+async def test_two_edges_sharing_redis_admit_a_keys_rate_within_5_percent(nursery, redis_server, tmp_path):  # noqa: F811
+    """rpm 600 across two edges, both hammered for 30 s: after the first 5 s (the bucket's
+    initial minute), the admitted rate is within 5% of 600 a minute, not 1,200."""
+    rpm = 600
+    a = await redis_edge(nursery, redis_server.url, tmp_path, "a", rpm)
+    b = await redis_edge(nursery, redis_server.url, tmp_path, "b", rpm)
+    start = trio.current_time()
+    results = await hammer([a, b], "sk-r", 30)
+    assert {status for _, status in results} <= {200, 429}
+    steady = [t for t, status in results if status == 200 and t >= start + 5]
+    rate = len(steady) / (trio.current_time() - (start + 5)) * 60
+    print(f"\nadmitted across two edges: {rate:.0f} a minute (limit {rpm})")
+    assert abs(rate - rpm) <= 0.05 * rpm, rate
+    assert sum(1 for _, s in results if s == 200 and _ < start + 5) >= rpm * 0.9  # the initial minute's allowance
+
+
+async def test_a_redis_restart_fails_no_request_and_loses_no_record(nursery, redis_server, tmp_path):  # noqa: F811
+    a = await redis_edge(nursery, redis_server.url, tmp_path, "a", 6000)
+    results: list[tuple[float, int]] = []
+
+    async def outage() -> None:
+        await trio.sleep(1.5)
+        await trio.to_thread.run_sync(redis_server.stop)
+        await eventually(lambda: not a.edge.shared.up, "the edge notices")
+        await trio.sleep(1.0)
+        await trio.to_thread.run_sync(redis_server.start)
+
+    with trio.fail_after(BOUND * 2):
+        async with trio.open_nursery() as nursery2:
+            nursery2.start_soon(outage)
+            results = await hammer([a], "sk-r", 5, loops_per_edge=2)
+        await eventually(lambda: a.edge.shared.up, "leasing again")
+        async with httpx.AsyncClient(base_url=a.url, timeout=BOUND) as c:
+            assert "iop_shared_state_up 1.0" in (await c.get("/metrics")).text
+        await a.edge.ledger.flush()
+    statuses = [status for _, status in results]
+    assert statuses and set(statuses) == {200}, [(i, s) for i, s in enumerate(statuses) if s != 200][:10]
+    (row,) = await a.edge.ledger.usage(None, None, ["key"])
+    assert row["requests"] == len(results)
