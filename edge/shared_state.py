@@ -77,7 +77,7 @@ class SharedState:
         self.edge_id = edge_id
         self.up = False
         self.failures = 0
-        self._reported_day: dict[str, int] = {}  # key id -> its day_used already added to Redis
+        self._reported: dict[tuple[str, int], int] = {}  # (key id, day) -> its day_used already added to Redis
 
     def _slice(self, limit: int, floor: int = 1) -> int:
         return max(int(math.ceil(limit * SLICE)), floor)
@@ -150,7 +150,7 @@ class SharedState:
             policy = key.policy
             if policy.daily_tokens or policy.max_concurrent:
                 key._today()
-                add = key.day_used - self._reported_day.get(key.id, 0) if policy.daily_tokens else 0
+                add = key.day_used - self._reported.get((key.id, key.day), 0) if policy.daily_tokens else 0
                 counters.append((key.id, key.day, add, bool(policy.daily_tokens), bool(policy.max_concurrent)))
             if policy.max_concurrent:
                 flights[key.id] = key.in_flight
@@ -170,9 +170,11 @@ class SharedState:
                 continue
             day_total, others = totals[key_id]
             if has_budget and key.day == day:
-                self._reported_day[key_id] = self._reported_day.get(key_id, 0) + add
+                reported = self._reported[(key_id, day)] = self._reported.get((key_id, day), 0) + add
+                for old in [k for k in self._reported if k[0] == key_id and k[1] != day]:
+                    del self._reported[old]
                 # Others' use too, so the budget holds across edges.
-                key.day_others = max(day_total - self._reported_day[key_id], 0)
+                key.day_others = max(day_total - reported, 0)
             key.others_in_flight = others
 
     async def run(self) -> None:

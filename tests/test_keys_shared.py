@@ -140,3 +140,25 @@ async def test_a_redis_restart_fails_no_request_and_loses_no_record(nursery, red
     assert statuses and set(statuses) == {200}, [(i, s) for i, s in enumerate(statuses) if s != 200][:10]
     (row,) = await a.edge.ledger.usage(None, None, ["key"])
     assert row["requests"] == len(results)
+
+
+async def test_a_daily_budget_holds_across_edges(nursery, redis_server, tmp_path):  # noqa: F811
+    """daily_tokens 20 shared by two edges: 9 tokens a request; two on edge a, then edge b
+    knows the day's 18 (admits one more, crossing it) and refuses the next."""
+    keys = [KeyConfig(id="d", key="sk-d", daily_tokens=20)]
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        await start_node(nursery, edge, [sim("qwen-a")], node_id=f"n-{name}")
+        edges.append(edge)
+    a, b = edges
+    with trio.fail_after(BOUND):
+        async with client(a, "sk-d") as c:
+            assert [(await chat(c)).status_code for _ in range(2)] == [200, 200]
+        await eventually(lambda: b.edge.keys.by_id["d"].day_others == 18, "edge b sees edge a's use")
+        async with client(b, "sk-d") as c:
+            assert (await chat(c)).status_code == 200
+            r = await chat(c)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota"
