@@ -151,7 +151,12 @@ async def idle_streams(
     body = b'{"model":"%s","messages":[{"role":"user","content":"idle"}],"stream":true,"max_tokens":2}' % model.encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
-        % (edge.encode(), b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in HEADERS.items()), len(body), body)
+        % (
+            edge.encode(),
+            b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in HEADERS.items()),
+            len(body),
+            body,
+        )
     )
     opened = 0
     held: list[trio.SocketStream] = []
