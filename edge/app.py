@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+import sqlite3
 import time
 
 import msgspec
@@ -33,6 +34,7 @@ from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
 from edge.shared_state import SharedState
 from iop import logs
+from iop.configfile import ConfigError
 
 log = structlog.get_logger("iop.edge")
 _encode = msgspec.json.Encoder().encode
@@ -47,7 +49,12 @@ class Edge:
         self.runs = RunService(config)
         self.keys = Keys(config)
         target = config.ledger_target
-        self.ledger = Ledger(target) if target else None
+        try:
+            self.ledger = Ledger(target) if target else None
+        except (sqlite3.Error, OSError) as e:
+            raise ConfigError(
+                f'ledger: cannot open {target}: {e} (set state_dir, a ledger path, or ledger = "off")'
+            ) from None
         if self.ledger is not None:
             stored, today = self.ledger.startup_state()
             self.apply_stored_keys(stored)

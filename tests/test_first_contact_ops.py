@@ -257,3 +257,13 @@ def test_make_demo_takes_bind():
     # Under `make test` the outer make's MAKEFLAGS reach this one: look at the commands only.
     commands = [line for line in result.stdout.splitlines() if not line.startswith("make")]
     assert commands[-1].endswith("iop demo --bind 127.0.0.1:9090"), result.stdout
+
+
+def test_a_ledger_that_cannot_be_opened_is_one_line(tmp_path):
+    """`iop edge` whose state_dir cannot hold the ledger stops with one line saying what to set."""
+    (tmp_path / "a-file").write_text("not a directory")
+    cfg = write_toml(
+        tmp_path / "edge.toml", {"bind": "127.0.0.1:0", "node_token": TOKEN, "state_dir": str(tmp_path / "a-file")}
+    )
+    line = _one_line_failure(["edge", "--config", cfg])
+    assert line.startswith("iop: ledger: cannot open ") and 'ledger = "off"' in line
