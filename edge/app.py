@@ -263,7 +263,8 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         return _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
 
     @app.before_serving
-    async def start_ledger() -> None:
+    async def start_background() -> None:
+        app.add_background_task(edge.runs.timers.run)
         if edge.ledger is not None:
             app.add_background_task(edge.ledger.run)
         if edge.shared is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -63,6 +65,8 @@ class Run:
         "failed_over",
         "requeued",
         "api",
+        "timers",
+        "timer",
     )
 
     def __init__(
@@ -98,6 +102,8 @@ class Run:
         self.request = None  # the RunRequest frame, kept until the run closes (for failover)
         self.failed_over = False
         self.requeued = None  # while a failed-over run waits for a slot: its place in the queue
+        self.timers: RunTimers | None = None  # the service's, which enforce wait_timeout and the deadline
+        self.timer: list | None = None  # this run's entry there
         self.api = ""  # the front door its request came through (a metrics label; never sent to the node)
 
     @property
@@ -149,16 +155,9 @@ class Run:
         if cause != NODE_LOST:  # a lost node has nothing left to cancel
             self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
 
-    async def enforce_timeouts(self) -> None:
-        """Fail the run when the node is silent for ``wait_timeout`` or the
-        whole-run deadline passes. Runs as a task the request owns, so it
-        fires even while the response writer is blocked on a slow client."""
-        while not self.finished:
-            due = min(self.last_event_at + self.wait_timeout, self.deadline)
-            if trio.current_time() >= due:
-                self.fail(RUN_TIMED_OUT, TIMEOUT)
-                return
-            await trio.sleep_until(due)
+    def due(self) -> float:
+        """When the run times out if nothing arrives: silence, or the whole-run deadline."""
+        return min(self.last_event_at + self.wait_timeout, self.deadline)
 
     # -- consumer side (the request) -----------------------------------------
 
@@ -190,22 +189,73 @@ class Run:
 
 
 async def consume_run(run: Run, consume: Callable[[Run], Awaitable[T]]) -> T:
-    """``consume`` the run inside a nursery that also enforces its timers.
-    Whatever happens, the run is closed on the way out: cancelled on the node
-    unless it ended, with cause ``client_gone`` when the caller's scope was
-    cancelled (the client left, or the edge is shutting down)."""
-    error: Exception | None = None
+    """``consume`` the run while the service's :class:`RunTimers` enforce its
+    timeouts. Whatever happens, the run is closed on the way out: cancelled on
+    the node unless it ended, with cause ``client_gone`` when the caller's
+    scope was cancelled (the client left, or the edge is shutting down)."""
+    if run.timers is not None:
+        run.timers.add(run)
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.enforce_timeouts)
-            try:
-                result = await consume(run)
-            except Exception as e:  # raised below, unwrapped; Cancelled passes through
-                error = e
-            nursery.cancel_scope.cancel()
+        return await consume(run)
     finally:
         gone = trio.current_effective_deadline() == -math.inf
         run.close(CLIENT_GONE if gone else "abandoned")
-    if error is not None:
-        raise error
-    return result
+
+
+class RunTimers:
+    """Fails every run whose node went silent for ``wait_timeout`` or whose
+    whole-run deadline passed, from one task for all runs (a heap of due
+    times) rather than a task per run: a stream then holds no timer task, no
+    nursery and no cancel scope while it waits. A run's entry is re-armed
+    when it comes due while events kept arriving; a closed run's entry is
+    emptied at once and dropped when it comes up (or when empties pile up).
+    The timeout fires even while the request's writer is blocked on a slow
+    client: it fails the run (an error event, a cancel to the node)."""
+
+    def __init__(self) -> None:
+        self._heap: list[list] = []  # [due, seq, run or None]
+        self._seq = itertools.count()
+        self._changed = trio.lowlevel.ParkingLot()
+        self._empty = 0
+
+    def __len__(self) -> int:
+        return len(self._heap) - self._empty
+
+    def add(self, run: Run) -> None:
+        entry = [run.due(), next(self._seq), run]
+        run.timer = entry
+        heapq.heappush(self._heap, entry)
+        if self._heap[0] is entry:
+            self._changed.unpark_all()  # sooner than what the task sleeps until
+
+    def discard(self, run: Run) -> None:
+        entry = run.timer
+        if entry is None:
+            return
+        run.timer = None
+        entry[2] = None
+        self._empty += 1
+        if self._empty > 1024 and 2 * self._empty > len(self._heap):
+            self._heap = [e for e in self._heap if e[2] is not None]
+            heapq.heapify(self._heap)
+            self._empty = 0
+
+    async def run(self) -> None:
+        while True:
+            now = trio.current_time()
+            heap = self._heap
+            while heap and heap[0][0] <= now:
+                entry = heapq.heappop(heap)
+                run = entry[2]
+                if run is None:
+                    self._empty -= 1
+                    continue
+                due = run.due()
+                if due <= now:
+                    run.timer = None
+                    run.fail(RUN_TIMED_OUT, TIMEOUT)
+                else:
+                    entry[0], entry[1] = due, next(self._seq)
+                    heapq.heappush(heap, entry)
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await self._changed.park()

@@ -17,7 +17,7 @@ from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
-from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, UNSENDABLE, Run
+from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, UNSENDABLE, Run, RunTimers
 from proto import CancelRun, ModelInfo, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
@@ -125,6 +125,7 @@ class RunService:
         self.config = config
         self.links: dict[str, NodeLink] = {}
         self.runs: dict[str, Run] = {}
+        self.timers = RunTimers()  # its task runs with the app (edge.app)
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
         # Runs moved off a lost or stalled node, per model: served before the queue.
         # Bounded by the capacity of the nodes they came from.
@@ -485,6 +486,7 @@ class RunService:
         )
         run.want = want
         run.api = api
+        run.timers = self.timers
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
         return run
@@ -559,6 +561,7 @@ class RunService:
             run.fail(f"the request could not be sent to the node: {problem}", UNSENDABLE)
 
     def _closed(self, run: Run) -> None:
+        self.timers.discard(run)
         if run.requeued is not None:
             _discard(self._moved[run.want.model], run.requeued)
             run.requeued = None
