@@ -54,6 +54,7 @@ class Usage(msgspec.Struct, omit_defaults=True):
     completion_tokens: int | None = None
     total_tokens: int | None = None
     reasoning_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the model server found in its prefix cache
 
 
 class RunEvent(msgspec.Struct, omit_defaults=True):

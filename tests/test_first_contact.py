@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import anthropic
 import httpx
 import msgspec
 import openai
@@ -382,3 +383,28 @@ async def test_every_request_gets_one_access_line_and_a_request_id(first):
     assert 'iop_requests_total{api="chat",model="other",outcome="rejected_405"} 1.0' in metrics
     assert 'iop_requests_total{api="chat",model="m",outcome="complete"} 2.0' in metrics
     assert 'iop_requests_total{api="embeddings",model="emb",outcome="complete"} 1.0' in metrics
+
+
+async def test_cached_prompt_tokens_reach_every_api(nursery, upstream):
+    """A model server's prompt_tokens_details.cached_tokens reaches the OpenAI SDK (chat and
+    Responses) and the Anthropic SDK (cache_read_input_tokens, input_tokens without them)."""
+    usage = {
+        "prompt_tokens": 40,
+        "completion_tokens": 2,
+        "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    upstream.script_for("m-target", lambda body: steps({"content": "hi "}, {"content": "there"}, usage=usage))
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream)])
+    with trio.fail_after(BOUND):
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="x", max_retries=0) as sdk:
+            chat = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+            assert chat.usage.prompt_tokens_details.cached_tokens == 32
+            response = await sdk.responses.create(model="m", input="q")
+            assert response.usage.input_tokens_details.cached_tokens == 32
+        async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="x", max_retries=0) as claude:
+            message = await claude.messages.create(
+                model="m", max_tokens=16, messages=[{"role": "user", "content": "q"}]
+            )
+    assert (message.usage.cache_read_input_tokens, message.usage.input_tokens) == (32, 8)

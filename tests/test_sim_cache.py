@@ -129,11 +129,13 @@ async def test_time_to_first_token_is_base_plus_uncached_prefill(autojump_clock)
     adapter, _ = sim(prefix_cache_tokens=100_000, prefill_tokens_per_s=1000.0)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello " * 100}]
     total = prompt_tokens(render({"messages": messages}))
-    ttft, _ = await ask(adapter, messages)
+    ttft, sink = await ask(adapter, messages)
     assert ttft == pytest.approx(0.1 + total / 1000)
-    ttft, _ = await ask(adapter, messages)  # all whole blocks cached now
+    assert sink.usage.cached_tokens == 0
+    ttft, sink = await ask(adapter, messages)  # all whole blocks cached now
     assert ttft == pytest.approx(0.1 + (total - cacheable(messages)) / 1000)
     assert total - cacheable(messages) < 64
+    assert sink.usage.cached_tokens == cacheable(messages)  # reported as OpenAI's cached_tokens
 
 
 async def test_off_by_default_keeps_the_sim_as_it_was(autojump_clock):

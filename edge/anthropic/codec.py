@@ -285,7 +285,15 @@ def _input(arguments: str) -> Any:
 
 
 def _usage(usage: UsageOut) -> dict[str, int]:
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    """Anthropic counts cached prompt tokens apart: ``input_tokens`` are the others."""
+    cached = (usage.prompt_tokens_details or {}).get("cached_tokens")
+    if cached is None:
+        return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    return {
+        "input_tokens": max(usage.prompt_tokens - cached, 0),
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.completion_tokens,
+    }
 
 
 def message_body(

@@ -277,7 +277,7 @@ def usage_json(usage: UsageOut) -> dict[str, Any]:
     details = usage.completion_tokens_details or {}
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage.total_tokens,

@@ -117,6 +117,7 @@ class UsageOut(msgspec.Struct, omit_defaults=True):
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens, when the model server said
 
 
 class Chunk(msgspec.Struct, omit_defaults=True):

@@ -35,4 +35,5 @@ def usage_out(
             completion, estimated = deltas + calls // 4, True
     total = r.total_tokens if r.total_tokens is not None and not estimated else prompt + completion
     details = {"reasoning_tokens": r.reasoning_tokens} if r.reasoning_tokens is not None else None
-    return UsageOut(prompt, completion, total, details), estimated
+    cached = {"cached_tokens": r.cached_tokens} if r.cached_tokens is not None else None
+    return UsageOut(prompt, completion, total, details, cached), estimated

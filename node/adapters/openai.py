@@ -50,11 +50,16 @@ class _CompletionTokensDetails(msgspec.Struct):
     reasoning_tokens: int | None = None
 
 
+class _PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
     completion_tokens_details: _CompletionTokensDetails | None = None
+    prompt_tokens_details: _PromptTokensDetails | None = None
 
 
 class _Chunk(msgspec.Struct):
@@ -229,6 +234,7 @@ def _usage(u: _Usage) -> Usage:
         completion_tokens=u.completion_tokens,
         total_tokens=u.total_tokens,
         reasoning_tokens=details.reasoning_tokens if details else None,
+        cached_tokens=u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else None,
     )
 
 

@@ -71,9 +71,9 @@ class SimAdapter:
         self.active = 0
         self.peak_active = 0
 
-    def _prefill(self, body: dict[str, Any]) -> tuple[float, int]:
-        """With the cache on: (prefill seconds, prompt tokens), and the cache
-        counted and updated."""
+    def _prefill(self, body: dict[str, Any]) -> tuple[float, int, int]:
+        """With the cache on: (prefill seconds, prompt tokens, of them cached),
+        and the cache counted and updated."""
         assert self.cache is not None
         rendered = render(body)
         total = prompt_tokens(rendered)
@@ -87,7 +87,7 @@ class SimAdapter:
         if self.runs % SUMMARY_EVERY == 0:
             self.log_summary()
         rate = self.model.prefill_tokens_per_s
-        return (miss / rate if rate > 0 else 0.0), total
+        return (miss / rate if rate > 0 else 0.0), total, hit
 
     def log_summary(self) -> None:
         if self.cache is None:
@@ -126,7 +126,7 @@ class SimAdapter:
         else:
             tokens = sim_tokens(prompt, count)
             finish = "length" if limited else "stop"
-        prefill_s, cache_prompt_tokens = self._prefill(body) if self.cache is not None else (0.0, 0)
+        prefill_s, cache_prompt_tokens, cached = self._prefill(body) if self.cache is not None else (0.0, 0, None)
         self.counters.active_upstream += 1
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
@@ -147,7 +147,12 @@ class SimAdapter:
         await sink.complete(
             finish,
             tool_calls=[call] if call is not None else None,
-            usage=Usage(prompt_tokens=prompt_count, completion_tokens=count, total_tokens=prompt_count + count),
+            usage=Usage(
+                prompt_tokens=prompt_count,
+                completion_tokens=count,
+                total_tokens=prompt_count + count,
+                cached_tokens=cached,
+            ),
         )
 
     async def aclose(self) -> None:
