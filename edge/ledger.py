@@ -82,7 +82,18 @@ def connect(target: str) -> Any:
     if is_postgres(target):
         import psycopg
 
-        db = psycopg.connect(target, autocommit=True, connect_timeout=3)
+        # A server that stops answering must not hold the writer for ever: statements
+        # and dead connections time out (keepalives), and the records wait.
+        db = psycopg.connect(
+            target,
+            autocommit=True,
+            connect_timeout=3,
+            options="-c statement_timeout=10000",
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+        )
         dialect = Dialect(True)
     else:
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)

@@ -138,6 +138,8 @@ class Response:
                     length = int(value)
                 except ValueError:
                     raise RemoteProtocolError("invalid content-length") from None
+                if length < 0:
+                    raise RemoteProtocolError("invalid content-length")
             elif name == b"connection" and value.lower() == b"close":
                 self.keep_alive = False
         if chunked:
@@ -147,12 +149,6 @@ class Response:
             self.done = length == 0
         else:
             self._mode, self.keep_alive = _CLOSE, False
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
 
     async def _recv(self) -> bytes:
         with trio.move_on_after(self._timeout) as scope:
@@ -360,10 +356,14 @@ class Client:
                 if not reused:
                     raise
                 conn, reused = None, False
-            except BaseException:
+            except BaseException:  # Cancelled too: the connection is closed, the exception goes on
                 await trio.aclose_forcefully(conn.stream)
                 raise
-        response = Response(conn, status, response_headers, self._read_timeout)
+        try:
+            response = Response(conn, status, response_headers, self._read_timeout)
+        except RemoteProtocolError:  # an answer whose framing cannot be read: not sent again
+            await trio.aclose_forcefully(conn.stream)
+            raise
         try:
             yield response
         finally:

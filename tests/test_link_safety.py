@@ -298,3 +298,39 @@ async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
     assert cancelled, "the liar was told to drop the runs moved off it"
     stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
     assert stalls and float(stalls[0].split()[1]) >= 1, stalls
+
+
+# -- fields added later: engine load and joined deltas ------------------------------
+
+
+async def test_strange_engine_loads_and_parts_from_a_node_change_nothing_else(nursery):
+    """A node reports NaN, infinite and negative engine loads (ignored: placement still
+    works), and claims a delta joined 2^63 model-server deltas (counted as at most one per
+    character, so the usage estimate stays sane)."""
+    from proto import EngineLoad, Load
+
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "odd", nursery=nursery)
+    await hello(ws, "odd")
+    strange = EngineLoad(waiting=float("nan"), running=float("inf"), kv_cache_usage=-1.0)
+    await ws.send_message(encode_frame(Load(in_flight={}, engine={"m": strange, "unknown": strange})))
+
+    async def answer() -> None:
+        while True:
+            frame = decode_frame(await ws.get_message())
+            if isinstance(frame, RunRequest):
+                events = [
+                    RunEvent(run_id=frame.run_id, seq=1, type="delta", text="abc", parts=2**63),
+                    RunEvent(run_id=frame.run_id, seq=2, type="complete", finish_reason="stop"),
+                ]
+                await ws.send_message(encode_frame(Events(events=events)))
+
+    nursery.start_soon(answer)
+    with trio.fail_after(BOUND):
+        await eventually(lambda: "odd" in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=ASK)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abc"
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert edge.edge.runs.links["odd"].engine == {}
+    await stream.aclose()

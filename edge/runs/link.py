@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.link")
 
 _RECENT_RUNS = 4096  # ended run ids remembered per link, to drop late events
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and 0 <= value < math.inf else None
+
+
 KV_CACHE_FULL = 0.9  # a model server's KV cache past this fraction makes its node look busier
 _STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: first time, at most
 
@@ -107,10 +114,17 @@ class NodeLink:
         return load
 
     def set_engine(self, engine: dict[str, EngineLoad]) -> None:
-        """Apply a node's engine report: a model mapped to an empty load is no longer known."""
+        """Apply a node's engine report: a model mapped to an empty load is no
+        longer known. A value that is not a finite number >= 0 (NaN would
+        break placement's comparisons) counts as not reported."""
         for model, load in engine.items():
             if model not in self.models:
                 continue
+            load = EngineLoad(
+                waiting=_finite(load.waiting),
+                running=_finite(load.running),
+                kv_cache_usage=_finite(load.kv_cache_usage),
+            )
             if load.waiting is None and load.running is None and load.kv_cache_usage is None:
                 self.engine.pop(model, None)
             else:

@@ -115,7 +115,8 @@ class Run:
     def deliver(self, event: RunEvent, now: float) -> None:
         """``now``: when the frame holding it arrived (read once per frame)."""
         if event.type in TEXT_TYPES:
-            self.deltas_seen += event.parts or 1
+            parts = event.parts  # from the node: at most one delta per character counts
+            self.deltas_seen += 1 if parts <= 1 else min(parts, len(event.text))
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
