@@ -121,16 +121,17 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return _error(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
         return None
 
-    def no_ledger() -> Response:
-        return _error(409, 'The ledger is off (ledger = "off"): no usage records or run-time keys.', "ledger_off")
+    def refused_or_no_ledger() -> Response | None:
+        problem = refused()
+        if problem is None and edge.ledger is None:
+            return _error(409, 'The ledger is off (ledger = "off"): no usage records or run-time keys.', "ledger_off")
+        return problem
 
     @app.get("/v1/admin/usage")
     async def usage() -> Response:
-        problem = refused()
+        problem = refused_or_no_ledger()
         if problem is not None:
             return problem
-        if edge.ledger is None:
-            return no_ledger()
         args = request.args
         try:
             start = parse_time(args.get("from"), "from")
@@ -175,11 +176,9 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
 
     @app.post("/v1/admin/keys")
     async def create_key() -> Response:
-        problem = refused()
+        problem = refused_or_no_ledger()
         if problem is not None:
             return problem
-        if edge.ledger is None:
-            return no_ledger()
         parsed = await body_policy(None)
         if isinstance(parsed, Response):
             return parsed

@@ -188,17 +188,14 @@ class Keys:
         self.shared = False
         for i, secret in enumerate(config.api_keys):
             sha = sha256_hex(secret)
-            self._add(Key(f"api_keys[{i}]", sha, Policy(), "api_keys"))
+            self.add(Key(f"api_keys[{i}]", sha, Policy(), "api_keys"))
         for kc in config.keys:
-            self._add(Key(kc.id, kc.key_sha256.lower() or sha256_hex(kc.key), policy_of(kc), "config"))
+            self.add(Key(kc.id, kc.key_sha256.lower() or sha256_hex(kc.key), policy_of(kc), "config"))
 
-    def _add(self, key: Key) -> None:
+    def add(self, key: Key) -> None:
         self.by_hash[key.sha256] = key
         self.by_id[key.id] = key
         self.ever = True
-
-    def add(self, key: Key) -> None:
-        self._add(key)
 
     def revoke(self, key: Key) -> None:
         key.revoked = True
@@ -311,22 +308,20 @@ class Keys:
     def headers(self, key: Key) -> list[tuple[bytes, bytes]]:
         """OpenAI's ``x-ratelimit-*`` headers for ``key`` (none without rpm/tpm)."""
         policy = key.policy
-        out: list[tuple[bytes, bytes]] = []
         now = time.monotonic()
-        shared = self.shared  # levels are this edge's leased balances: shown as they are
-        if policy.rpm:
-            level = key.req_level if shared else min(policy.rpm, key.req_level + (now - key.req_at) * policy.rpm / 60.0)
+        out: list[tuple[bytes, bytes]] = []
+        for limit, level, at, unit in (
+            (policy.rpm, key.req_level, key.req_at, b"requests"),
+            (policy.tpm, key.tok_level, key.tok_at, b"tokens"),
+        ):
+            if not limit:
+                continue
+            if not self.shared:  # (shared: the level is this edge's leased balance, shown as it is)
+                level = min(limit, level + (now - at) * limit / 60.0)
             out += [
-                (b"x-ratelimit-limit-requests", str(policy.rpm).encode()),
-                (b"x-ratelimit-remaining-requests", str(max(int(level), 0)).encode()),
-                (b"x-ratelimit-reset-requests", _duration((policy.rpm - level) * 60 / policy.rpm).encode()),
-            ]
-        if policy.tpm:
-            level = key.tok_level if shared else min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
-            out += [
-                (b"x-ratelimit-limit-tokens", str(policy.tpm).encode()),
-                (b"x-ratelimit-remaining-tokens", str(max(int(level), 0)).encode()),
-                (b"x-ratelimit-reset-tokens", _duration((policy.tpm - level) * 60 / policy.tpm).encode()),
+                (b"x-ratelimit-limit-" + unit, str(limit).encode()),
+                (b"x-ratelimit-remaining-" + unit, str(max(int(level), 0)).encode()),
+                (b"x-ratelimit-reset-" + unit, _duration((limit - level) * 60 / limit).encode()),
             ]
         return out
 

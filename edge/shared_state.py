@@ -79,6 +79,12 @@ class SharedState:
         self.failures = 0
         self._reported: dict[tuple[str, int], int] = {}  # (key id, day) -> its day_used already added to Redis
 
+    def _slices(self, key: Key) -> tuple[int, int]:
+        """The requests and tokens an edge leases at a time: 1% of the per-minute
+        allowance, at least one request, at least one large reservation (5,120 tokens)."""
+        policy = key.policy
+        return self._slice(policy.rpm), self._slice(policy.tpm, min(policy.tpm, 5120))
+
     def _slice(self, limit: int, floor: int = 1) -> int:
         return max(int(math.ceil(limit * SLICE)), floor)
 
@@ -88,12 +94,12 @@ class SharedState:
         for key in list(self.keys.by_id.values()):
             policy = key.policy
             if policy.rpm:
-                target = self._slice(policy.rpm)
+                target = self._slices(key)[0]
                 amount = target - int(key.req_level)
                 if amount > 0 or key.req_level > 2 * target:
                     plan.append((key, "rpm", amount if amount > 0 else -int(key.req_level - target), policy.rpm))
             if policy.tpm:
-                target = self._slice(policy.tpm, floor=min(policy.tpm, 5120))
+                target = self._slices(key)[1]
                 amount = target - int(key.tok_level)
                 if amount > 0 or key.tok_level > 2 * target:
                     plan.append((key, "tpm", amount if amount > 0 else -int(key.tok_level - target), policy.tpm))
@@ -188,8 +194,8 @@ class SharedState:
                     self.up = True
                     if not self.keys.shared:  # back from local limits: keep at most a slice, lease the rest
                         for key in list(self.keys.by_id.values()):
-                            key.req_level = min(key.req_level, self._slice(key.policy.rpm))
-                            key.tok_level = min(key.tok_level, self._slice(key.policy.tpm, min(key.policy.tpm, 5120)))
+                            requests, tokens = self._slices(key)
+                            key.req_level, key.tok_level = min(key.req_level, requests), min(key.tok_level, tokens)
                         self.keys.shared = True
                     log.info("shared state up: leasing key limits from redis")
             await trio.sleep(SYNC_S)
