@@ -183,7 +183,7 @@ async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | N
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
         gc_policy.tune()
-        nursery.start_soon(gc_policy.collect_periodically, stop)
+        nursery.start_soon(gc_policy.collect, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(
                 app,
@@ -212,7 +212,7 @@ async def _node(config) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
         gc_policy.tune()
-        nursery.start_soon(gc_policy.collect_periodically, stop)
+        nursery.start_soon(gc_policy.collect, stop)
         nursery.start_soon(agent.serve)
         await stop.wait()
         await agent.drain()
@@ -233,7 +233,7 @@ async def _demo(bind: str) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
         gc_policy.tune()
-        nursery.start_soon(gc_policy.collect_periodically, stop)
+        nursery.start_soon(gc_policy.collect, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(app, bind, shutdown_trigger=stop.wait, task_status=task_status)
         )

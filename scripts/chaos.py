@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import trio  # noqa: E402
 
+from iop import gc_policy  # noqa: E402
 from scripts.chaos_load import LOAD_SCENARIOS  # noqa: E402
 from scripts.hostile_link import endless_fragments, flood, huge_frame, open_link  # noqa: E402
 from scripts.stack import TOKEN, Stack, free_port, wait_linked  # noqa: E402
@@ -410,7 +411,9 @@ STANDALONE["oversized-batch"] = oversized_batch
 async def main(requests: int, only: str | None) -> int:
     up = Upstream(drip)
     rows: list[tuple[str, bool, str]] = []
+    gc_policy.tune()  # this process holds thousands of clients: no multi-second full collections
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(gc_policy.collect, trio.Event())
         await nursery.start(up.serve, 0)
         models = [{"name": "m", "adapter": "openai", "target": "m", "base_url": up.base_url, "max_concurrency": 64}]
         fast = {"reconnect_min_s": 0.1, "reconnect_max_s": 1.0}

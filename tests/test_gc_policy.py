@@ -1,5 +1,6 @@
 """The edge's and node's garbage-collection policy (iop/gc_policy.py): no automatic
-full collection, one per interval instead, and cyclic garbage still freed."""
+full collection; one when the heap has grown, none while it holds steady, and
+cyclic garbage still freed."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class _Cycle:
         self.me = self
 
 
-async def test_full_collections_come_from_the_periodic_task_and_free_cycles():
+async def test_a_full_collection_comes_when_the_heap_grows_and_frees_cycles():
     before = gc.get_threshold()
     try:
         gc_policy.tune()
@@ -31,11 +32,16 @@ async def test_full_collections_come_from_the_periodic_task_and_free_cycles():
         stop = trio.Event()
         with trio.fail_after(BOUND):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(gc_policy.collect_periodically, stop, 0.05)
+                nursery.start_soon(gc_policy.collect, stop, 0.001, 0.0, 300_000)
+                await trio.sleep(0.3)  # a steady heap: no full collection, the cycle waits
+                assert gc.get_stats()[2]["collections"] == full
+                assert alive() is not None
+                grown = [object() for _ in range(400_000)]  # the heap grows by more than the floor
                 while gc.get_stats()[2]["collections"] == full:
                     await trio.sleep(0.01)
                 stop.set()
         assert alive() is None
+        del grown
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
