@@ -25,7 +25,7 @@ $(JS_STAMP): $(JS)/package.json $(JS)/package-lock.json
 	npm ci --prefix $(JS) --no-audit --no-fund
 	touch $(JS_STAMP)
 
-# redis-server and PostgreSQL for tests/test_keys_shared.py (apt-get when missing).
+# redis-server, PostgreSQL (tests/test_keys_shared.py) and Chromium (tests/test_console_browser.py): apt-get when missing.
 servers:
 	bash scripts/install_servers.sh
 

@@ -108,18 +108,20 @@ def _key_view(key: Key, totals: dict[str, tuple[int, int, int]]) -> dict[str, An
     }
 
 
-def admin_routes(app: QuartTrio, edge: Edge) -> None:
-    config = edge.config
+def admin_refusal(edge: Edge) -> Response | None:
+    """The current request's refusal (403 with no admin_keys, 401 without one of them), or None."""
+    admin_keys = edge.config.admin_keys
+    if not admin_keys:
+        return _error(403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error")
+    headers = request.headers
+    if not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), admin_keys):
+        return _error(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
+    return None
 
+
+def admin_routes(app: QuartTrio, edge: Edge) -> None:
     def refused() -> Response | None:
-        if not config.admin_keys:
-            return _error(
-                403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error"
-            )
-        headers = request.headers
-        if not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), config.admin_keys):
-            return _error(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
-        return None
+        return admin_refusal(edge)
 
     def refused_or_no_ledger() -> Response | None:
         problem = refused()

@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 from edge.admin import admin_routes
 from edge.auth import client_key_matches
 from edge.config import EdgeConfig, load_edge_config
+from edge.console import Console, console_routes
 from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.keys import Key, Keys, Policy
@@ -65,6 +66,7 @@ class Edge:
                     key.day, key.day_used = int(time.time() // 86400), used
         self.shared = SharedState(config.state, self.keys, self.id) if config.state else None
         self.metrics = EdgeMetrics(self.runs, self)
+        self.console = Console(self)
         self.draining = False
 
     async def drain(self) -> None:
@@ -265,6 +267,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     @app.before_serving
     async def start_background() -> None:
         app.add_background_task(edge.runs.timers.run)
+        app.add_background_task(edge.console.run)
         if edge.ledger is not None:
             app.add_background_task(edge.ledger.run)
         if edge.shared is not None:
@@ -286,6 +289,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             )
 
     admin_routes(app, edge)
+    console_routes(app, edge)
     app.asgi_app = openai_routes(edge, app.asgi_app)  # type: ignore[method-assign]
     return app
 

@@ -227,7 +227,8 @@ async def _demo(bind: str) -> None:
     from node.config import ModelConfig, NodeConfig
 
     token = secrets.token_urlsafe(16)
-    config = EdgeConfig(bind=bind, node_token=token)
+    admin_key = "iop-admin-" + secrets.token_urlsafe(12)  # for the console; new each run
+    config = EdgeConfig(bind=bind, node_token=token, admin_keys=[admin_key])
     app = create_app(config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -250,6 +251,7 @@ async def _demo(bind: str) -> None:
             f"Try:\n\n  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{DEMO_MODEL}", "stream": true, '
             f'"messages": [{{"role": "user", "content": "Hello"}}]}}\'\n\n'
+            f"Console: {url}/console (admin key: {admin_key})\n\n"
             "Ctrl-C stops it.\n",
             flush=True,
         )

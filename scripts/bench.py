@@ -1,7 +1,7 @@
 """Throughput, CPU per token, added latency and idle-stream memory of edge+node.
 
     python scripts/bench.py [--concurrency 200] [--tokens 200] [--ttft-requests 300]
-                            [--idle-streams 10000] [--baseline REV]
+                            [--idle-streams 10000] [--baseline REV] [--keys] [--console]
 
 Starts one upstream (scripts/upstream.py) and, for the current checkout (and,
 with --baseline, for a git worktree of REV, side by side in the same run), an
@@ -15,6 +15,10 @@ edge and a node as separate processes on loopback; the client is this process
 - with --idle-streams N: N streams that got their first token and then wait,
   the edge's resident memory per stream, and the latency of new requests
   (p50/p99) served while they are open.
+
+With --console, the current code is measured twice more, with admin keys
+set: once alone and once with an operator console attached (a process of its
+own reading /v1/admin/events for the whole run, as a browser would).
 
 Tokens are counted in the text the client received, so an edge that puts
 several tokens in one chunk is measured on what it delivers, not on chunks.
@@ -51,6 +55,22 @@ TICKS = os.sysconf("SC_CLK_TCK")
 CHUNKS = {"n": 0}  # content chunks received (to report tokens per chunk)
 HEADERS: dict[str, str] = {}  # sent with every request (the --keys variant's client key)
 BENCH_KEY = {"id": "bench", "key": "sk-bench", "rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
+BENCH_ADMIN = "sk-bench-admin"
+# The --console variant's console: reads the event stream until killed, then says how much it got.
+_CONSOLE = """
+import signal, sys, httpx
+events = [0, 0, 0]
+def done(*_):
+    print(f"{events[0]} {events[1]} {events[2]}", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, done)
+with httpx.stream("GET", sys.argv[1] + "/v1/admin/events", headers={"Authorization": "Bearer " + sys.argv[2]}, timeout=None) as r:
+    for line in r.iter_lines():
+        if line.startswith("event:"):
+            events[0] += 1
+        events[1] += len(line) + 1
+        events[2] = max(events[2], len(line))
+"""
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> tuple[float, int]:
@@ -277,6 +297,7 @@ class Result:
     idle_kb: float = 0.0
     idle_opened: int = 0
     idle_latency: list[float] = field(default_factory=list)
+    console: str = ""  # with a console attached: what it received
 
 
 def start_redis(stack: Stack) -> str | None:
@@ -297,8 +318,10 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def run_revision(name: str, root: Path, upstream: str, idle_upstream: str, args, extra: dict | None = None) -> Result:
-    """``extra``: more edge config (the --keys variant)."""
+def run_revision(
+    name: str, root: Path, upstream: str, idle_upstream: str, args, extra: dict | None = None, console: bool = False
+) -> Result:
+    """``extra``: more edge config (the --keys variant); ``console``: a console attached throughout."""
     result = Result(name)
     HEADERS.clear()
     if extra and "keys" in extra:
@@ -327,6 +350,11 @@ def run_revision(name: str, root: Path, upstream: str, idle_upstream: str, args,
             ],
         )
         pids = [stack.edge_proc.pid, node.pid]
+        watcher = None
+        if console:
+            watcher = subprocess.Popen(
+                [sys.executable, "-c", _CONSOLE, edge, BENCH_ADMIN], stdout=subprocess.PIPE, text=True
+            )
         direct_url = upstream + "/chat/completions"
         edge_url = edge + "/v1/chat/completions"
         result.direct_ttft, result.edge_ttft = trio.run(ttft, direct_url, edge_url, "bench", args.ttft_requests)
@@ -342,6 +370,10 @@ def run_revision(name: str, root: Path, upstream: str, idle_upstream: str, args,
                 idle_streams, edge, "idle", args.idle_streams, "bench", 200, stack.edge_proc.pid
             )
             result.idle_kb = per_stream / 1024
+        if watcher is not None:
+            watcher.terminate()
+            events, size, largest = (watcher.communicate(timeout=10)[0].split() or ["0", "0", "0"])[:3]
+            result.console = f"{events} events, {int(size) / 1024:.0f} KiB, the largest {int(largest) / 1024:.1f} KiB"
     return result
 
 
@@ -368,6 +400,9 @@ def report(results: list[Result], args) -> None:
             print(f"WARNING: {r.name}: {r.edge_tokens} tokens, expected {expected}", file=sys.stderr)
     if len(results) >= 2:
         print(f"tokens/s {results[0].name} / {results[1].name}: {results[0].edge_rate / results[1].edge_rate:.2f}")
+    for r in results:
+        if r.console:
+            print(f"{r.name}: the console received {r.console}")
     if args.idle_streams:
         print(f"\nIdle streams ({args.idle_streams} asked), edge memory and new requests meanwhile")
         print(f"{'revision':<14}{'open':>7}{'KB/stream':>11}{'new p50 ms':>12}{'new p99 ms':>12}")
@@ -391,6 +426,11 @@ def main() -> None:
         help="also measure the current code with a keyed client (rpm/tpm limits, SQLite ledger; then also "
         "limits shared through a redis-server it starts) against no keys and the ledger off",
     )
+    parser.add_argument(
+        "--console",
+        action="store_true",
+        help="also measure the current code with admin keys set, without and with a console attached",
+    )
     args = parser.parse_args()
 
     with Stack() as upstreams:
@@ -404,6 +444,10 @@ def main() -> None:
             if redis_url:
                 shared = {"keys": [BENCH_KEY], "state": redis_url}
                 results.append(run_revision("+keys+redis", ROOT, upstream, idle_upstream, args, shared))
+        if args.console:
+            admin = {"admin_keys": [BENCH_ADMIN]}
+            results.append(run_revision("+admin", ROOT, upstream, idle_upstream, args, admin))
+            results.append(run_revision("+console", ROOT, upstream, idle_upstream, args, admin, console=True))
         if args.baseline:
             tree = worktree(args.baseline)
             try:

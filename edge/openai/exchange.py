@@ -48,7 +48,7 @@ class Access:
     """What a request's one access line reports, filled in by its handler as
     it goes (never prompt text or keys): the rest comes from the exchange."""
 
-    __slots__ = ("model", "stream", "node_id", "outcome", "usage", "usage_estimated", "partial", "ttft_ms")
+    __slots__ = ("model", "stream", "node_id", "outcome", "usage", "usage_estimated", "partial", "ttft_ms", "error")
 
     def __init__(self) -> None:
         self.model: str | None = None
@@ -59,6 +59,7 @@ class Access:
         self.usage_estimated = False
         self.partial: tuple[int, int] | None = None  # no usage: (prompt estimate, deltas seen) of the last run
         self.ttft_ms: float | None = None
+        self.error: str | None = None  # a refused request's error code (the console lists 429s)
 
 
 class Exchange:

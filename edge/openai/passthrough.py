@@ -82,6 +82,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
         stream=bool(raw.get("stream")),
         headers=headers,
         api=ex.api,
+        client=ex,
     )
     structlog.contextvars.bind_contextvars(run_id=run.id)
     ex.access.node_id = slot.link.node_id

@@ -98,6 +98,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                 outcome = "client_gone"
             except APIError as e:
                 outcome = f"rejected_{e.status}"
+                ex.access.error = e.code or e.type
                 if not ex.started:
                     await ex.respond_error(e)
                 elif not ex.finished:
@@ -144,6 +145,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         if ex.lease is not None:
             edge.keys.settle(ex.lease, prompt + completion)
     status = ex.status if ex.started else CLIENT_CLOSED
+    edge.console.request_done(model, key.id if key is not None else None, status, access.error, prompt, completion)
     if edge.ledger is not None:
         edge.ledger.record(
             (

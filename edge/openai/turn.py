@@ -144,7 +144,9 @@ class Turn:
         except APIError:
             self.edge.runs.release(slot)
             raise
-        run = self.edge.runs.start(slot, body, want=self.want, metadata=metadata or self.metadata, api=self.ex.api)
+        run = self.edge.runs.start(
+            slot, body, want=self.want, metadata=metadata or self.metadata, api=self.ex.api, client=self.ex
+        )
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
         return await consume_run(run, consume)

@@ -27,6 +27,7 @@ NODE_LOST = "node_lost"
 SLOW_CLIENT = "slow_client"
 SHUTDOWN = "shutdown"
 UNSENDABLE = "unsendable"  # the run's request could not be encoded or framed for the node
+CANCELLED = "cancelled"  # by an operator (the console, POST /v1/admin/runs/{id}/cancel)
 
 T = TypeVar("T")
 
@@ -67,6 +68,8 @@ class Run:
         "api",
         "timers",
         "timer",
+        "client",
+        "error",
     )
 
     def __init__(
@@ -105,6 +108,8 @@ class Run:
         self.timers: RunTimers | None = None  # the service's, which enforce wait_timeout and the deadline
         self.timer: list | None = None  # this run's entry there
         self.api = ""  # the front door its request came through (a metrics label; never sent to the node)
+        self.client = None  # the request's Exchange (its key and stream flag, for the console)
+        self.error: str | None = None  # how it failed, when it did (for the console)
 
     @property
     def link(self):
@@ -135,6 +140,8 @@ class Run:
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else RUN_ERROR
+            if not complete:
+                self.error = getattr(item, "text", None) or getattr(item, "error", None) or "error"
         elif len(self._pending) > self._max_buffered:
             self._pending.clear()
             self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
@@ -148,6 +155,7 @@ class Run:
             return
         self.finished = True
         self.cause = cause
+        self.error = message
         self._pending.append(RunEvent(run_id=self.id, seq=0, type=ERROR, text=message))
         self._lot.unpark_all()
         self._cancel_on_node(cause)

@@ -61,9 +61,10 @@ class _Waiter:
     """A request waiting for a slot, or (``run`` set) a run moved off a node
     that died or stalled before it started, waiting to be sent again."""
 
-    __slots__ = ("event", "slot", "gone", "want", "run")
+    __slots__ = ("event", "slot", "gone", "want", "run", "since")
 
     def __init__(self, want: Want, run: Run | None = None) -> None:
+        self.since = trio.current_time()
         self.event = trio.Event()
         self.slot: Slot | None = None
         self.gone = False  # no linked node can serve it any more
@@ -469,10 +470,14 @@ class RunService:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
 
+    def queued(self) -> list[tuple[str, float]]:
+        """(model, since) of every request waiting for a slot (not moved runs)."""
+        return [(model, w.since) for model, queue in self._queues.items() for w in queue]
+
     # -- runs ------------------------------------------------------------------
 
     def _new_run(
-        self, slot: Slot, want: Want, metadata: dict[str, str], run_id: str | None = None, api: str = ""
+        self, slot: Slot, want: Want, metadata: dict[str, str], run_id: str | None, api: str, client: Any
     ) -> Run:
         cfg = self.config
         run = Run(
@@ -486,6 +491,7 @@ class RunService:
         )
         run.want = want
         run.api = api
+        run.client = client
         run.timers = self.timers
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
@@ -500,11 +506,13 @@ class RunService:
         metadata: dict[str, str],
         run_id: str | None = None,
         api: str = "",
+        client: Any = None,
     ) -> Run:
         """Create the run and send it to the slot's node (never blocks).
         ``request``: the body from :func:`encode_run_body`; ``api``: the front
-        door the request came through, for metrics only (the node never sees it)."""
-        run = self._new_run(slot, want, metadata, run_id, api)
+        door the request came through, for metrics only (the node never sees it);
+        ``client``: the request's exchange (the console shows its key)."""
+        run = self._new_run(slot, want, metadata, run_id, api, client)
         run.request = RunRequest(
             run_id=run.id,
             model=slot.model,
@@ -528,9 +536,10 @@ class RunService:
         stream: bool,
         headers: list[tuple[str, str]],
         api: str = "",
+        client: Any = None,
     ) -> Run:
         """A passthrough run: the node relays one raw HTTP request."""
-        run = self._new_run(slot, want, {"response_mode": "passthrough"}, api=api)
+        run = self._new_run(slot, want, {"response_mode": "passthrough"}, None, api, client)
         slot.link.send_nowait(
             TunnelRequest(
                 run_id=run.id,

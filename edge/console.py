@@ -1,0 +1,460 @@
+"""The operator console: ``GET /console`` (a page shipped in the package:
+plain HTML, CSS and JS, nothing fetched from elsewhere) and what it reads.
+
+- ``GET /v1/admin/events``: server-sent events, admin key. ``snapshot`` (the
+  fleet, the runs in flight, queues, recent 429s and run errors) every
+  ``SNAPSHOT_EVERY_S``, and ``usage`` (tokens per minute over the last hour,
+  today's totals per key and per model) at most once a second after a
+  request ended, else every ``USAGE_EVERY_S`` (the ledger, when there is one,
+  is asked for today's totals at that slower pace only). One
+  task builds each event once for every subscriber, and only while someone
+  is subscribed; a subscriber holds the latest of each kind, never a backlog,
+  so a slow browser cannot grow the edge's memory and a busy edge sends no
+  more often.
+- ``GET /v1/admin/runs``: the same runs as JSON.
+- ``POST /v1/admin/runs/{id}/cancel``: ends the run as a client leaving would
+  end it: the node is told to cancel, the model server sees the request
+  aborted; the client gets an error event (``cancelled by an operator``).
+
+The request path pays one call per request (:meth:`Console.request_done`:
+counters, and a ring entry for a 429) and one per failed run.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+from functools import partial
+from importlib import resources
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+import trio
+from quart import Response
+
+from edge.admin import admin_refusal
+from edge.errors import error_json
+from edge.runs.run import CANCELLED, CLIENT_GONE, COMPLETE, Run
+
+if TYPE_CHECKING:
+    from quart_trio import QuartTrio
+
+    from edge.app import Edge
+
+log = structlog.get_logger("iop.edge.console")
+
+SNAPSHOT_EVERY_S = 0.25
+USAGE_EVERY_S = 5.0
+USAGE_MIN_S = 1.0
+MAX_RUNS = 200  # runs listed in a snapshot, oldest first (the counts cover all)
+RECENT = 50  # 429s and run errors remembered
+MAX_SUBSCRIBERS = 16
+MINUTES = 60
+
+_encode = msgspec.json.Encoder().encode
+
+
+class ModelView(msgspec.Struct):
+    name: str
+    adapter: str
+    max_concurrency: int
+    grant: int
+    in_flight: int
+    queued: int
+    engine: dict[str, float | None] | None = None
+
+
+class NodeView(msgspec.Struct):
+    id: str
+    linked_for_s: float
+    draining: bool
+    stalled: bool
+    in_flight: int
+    capacity: int
+    ttft_ms: float | None
+    models: list[ModelView]
+
+
+class RunView(msgspec.Struct):
+    id: str | None  # None: a request waiting in the queue (no run yet)
+    model: str
+    node: str | None
+    api: str
+    key: str | None
+    age_s: float
+    tokens: int
+    phase: str  # queued, waiting (for the first token), streaming, buffered
+
+
+class Rejection(msgspec.Struct):
+    t: float
+    model: str
+    key: str | None
+    code: str | None
+
+
+class RunError(msgspec.Struct):
+    t: float
+    run_id: str
+    model: str
+    node: str
+    api: str
+    cause: str
+    message: str
+
+
+class Snapshot(msgspec.Struct):
+    t: float
+    edge_id: str
+    uptime_s: float
+    draining: bool
+    in_flight: int
+    queued: int
+    phases: dict[str, int]
+    queues: dict[str, int]
+    nodes: list[NodeView]
+    runs: list[RunView]
+    rejected: list[Rejection]
+    errors: list[RunError]
+
+
+class UsageRow(msgspec.Struct):
+    name: str | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Usage(msgspec.Struct):
+    t: float
+    source: str  # "ledger" (today's totals from it) or "memory" (since this edge started, today)
+    minutes: list[tuple[int, int, int, int]]  # (unix minute, requests, prompt, completion), oldest first
+    keys: list[UsageRow]
+    models: list[UsageRow]
+
+
+def phase(run: Run) -> str:
+    if run.requeued is not None:
+        return "queued"
+    if run.first_event_at is None:
+        return "waiting"
+    client = run.client
+    return "streaming" if client is None or client.access.stream else "buffered"
+
+
+class _Subscriber:
+    __slots__ = ("snapshot", "usage", "lot")
+
+    def __init__(self) -> None:
+        self.snapshot: bytes | None = None
+        self.usage: bytes | None = None
+        self.lot = trio.lowlevel.ParkingLot()
+
+    async def next(self) -> bytes:
+        while self.snapshot is None and self.usage is None:
+            await self.lot.park()
+        out = (self.usage or b"") + (self.snapshot or b"")
+        self.snapshot = self.usage = None
+        return out
+
+
+class Console:
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+        self.started = time.time()  # create_app may run outside trio (hypercorn's CLI)
+        self._subscribers: set[_Subscriber] = set()
+        self._subscribed = trio.lowlevel.ParkingLot()
+        self.rejected: collections.deque[Rejection] = collections.deque(maxlen=RECENT)
+        self.errors: collections.deque[RunError] = collections.deque(maxlen=RECENT)
+        # (unix minute, requests, prompt, completion), one per minute of the last hour
+        self._minutes: collections.deque[list[int]] = collections.deque(maxlen=MINUTES)
+        self._day = 0
+        self._by_key: dict[str | None, list[int]] = {}
+        self._by_model: dict[str, list[int]] = {}
+        self._usage_changed = False
+        self._today: tuple[list[UsageRow], list[UsageRow]] | None = None  # from the ledger
+        edge.runs.on_run_closed.append(self._run_closed)
+
+    # -- what the request path tells it ------------------------------------------
+
+    def request_done(
+        self, model: str, key: str | None, status: int, code: str | None, prompt: int, completion: int
+    ) -> None:
+        """One request ended (edge.openai.routes). ``model``: its metrics label (bounded)."""
+        now = time.time()
+        minute = int(now // 60)
+        self._usage_changed = True
+        minutes = self._minutes
+        if not minutes or minutes[-1][0] != minute:
+            minutes.append([minute, 0, 0, 0])
+        row = minutes[-1]
+        row[1] += 1
+        row[2] += prompt
+        row[3] += completion
+        day = minute // 1440
+        if day != self._day:
+            self._day = day
+            self._by_key.clear()
+            self._by_model.clear()
+        for table, name in ((self._by_key, key), (self._by_model, model)):
+            totals = table.get(name)
+            if totals is None:
+                totals = table[name] = [0, 0, 0]
+            totals[0] += 1
+            totals[1] += prompt
+            totals[2] += completion
+        if status == 429:
+            self.rejected.append(Rejection(round(now, 3), model, key, code))
+
+    def _run_closed(self, run: Run) -> None:
+        if run.cause in (COMPLETE, CLIENT_GONE, None) or run.error is None:
+            return
+        self.errors.append(
+            RunError(
+                round(time.time(), 3),
+                run.id,
+                run.slot.model,
+                run.slot.link.node_id,
+                run.api,
+                run.cause,
+                run.error[:300],
+            )
+        )
+
+    def cancel(self, run_id: str) -> bool:
+        run = self.edge.runs.runs.get(run_id)
+        if run is None or run.finished:
+            return False
+        log.info("run cancelled by an operator", run_id=run_id, node_id=run.slot.link.node_id)
+        run.fail("cancelled by an operator", CANCELLED)
+        return True
+
+    # -- what it shows -------------------------------------------------------------
+
+    def run_views(self, limit: int = MAX_RUNS) -> tuple[list[RunView], dict[str, int]]:
+        """The ``limit`` oldest runs and queued requests, and the count of each phase."""
+        now = trio.current_time()
+        runs = self.edge.runs
+        phases = dict.fromkeys(("queued", "waiting", "streaming", "buffered"), 0)
+        for run in runs.runs.values():
+            phases[phase(run)] += 1
+        queued = runs.queued()
+        phases["queued"] += len(queued)
+        views = []
+        for run in heapq.nsmallest(limit, runs.runs.values(), key=lambda r: r.started_at):
+            client = run.client
+            key = client.key if client is not None else None
+            views.append(
+                RunView(
+                    run.id,
+                    run.slot.model,
+                    run.slot.link.node_id,
+                    run.api,
+                    key.id if key is not None else None,
+                    round(now - run.started_at, 2),
+                    run.deltas_seen,
+                    phase(run),
+                )
+            )
+        for model, since in heapq.nsmallest(max(0, limit - len(views)), queued, key=lambda q: q[1]):
+            views.append(RunView(None, model, None, "", None, round(now - since, 2), 0, "queued"))
+        views.sort(key=lambda v: -v.age_s)
+        return views, phases
+
+    def snapshot(self) -> Snapshot:
+        edge = self.edge
+        runs = edge.runs
+        now = trio.current_time()
+        nodes = []
+        for link in sorted(runs.links.values(), key=lambda lk: lk.node_id):
+            models = [
+                ModelView(
+                    name,
+                    info.adapter,
+                    info.max_concurrency,
+                    link.grants.get(name, 0),
+                    link.in_flight.get(name, 0),
+                    runs.queue_depth(name),
+                    msgspec.structs.asdict(link.engine[name]) if name in link.engine else None,
+                )
+                for name, info in sorted(link.models.items())
+            ]
+            nodes.append(
+                NodeView(
+                    link.node_id,
+                    round(now - link.linked_at, 1),
+                    link.draining,
+                    link.stalled(now),
+                    sum(link.in_flight.values()),
+                    sum(link.grants.values()),
+                    round(link.ttft * 1000, 1) if link.ttft is not None else None,
+                    models,
+                )
+            )
+        views, phases = self.run_views()
+        queues = {name: runs.queue_depth(name) for name in sorted(runs.models())}
+        return Snapshot(
+            round(time.time(), 3),
+            edge.id,
+            round(time.time() - self.started, 1),
+            edge.draining,
+            runs.in_flight,
+            runs.queue_depth(),
+            phases,
+            queues,
+            nodes,
+            views,
+            list(self.rejected),
+            list(self.errors),
+        )
+
+    async def usage(self, ask_ledger: bool = True) -> Usage:
+        """``ask_ledger``: today's totals from the ledger now, else as it last said."""
+        now = time.time()
+        minute = int(now // 60)
+        recent = {row[0]: row for row in self._minutes}
+        minutes = [
+            tuple(recent.get(m, (m, 0, 0, 0))) for m in range(minute - MINUTES + 1, minute + 1)
+        ]  # a full hour, empty minutes included
+        ledger = self.edge.ledger
+        if ledger is not None and (ask_ledger or self._today is None):
+            start = (minute // 1440) * 86400
+            try:
+                by_key = await ledger.usage(start, None, ["key"])
+                by_model = await ledger.usage(start, None, ["model"])
+                self._today = (
+                    [UsageRow(r["key"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in by_key],
+                    [UsageRow(r["model"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in by_model],
+                )
+            except Exception as e:  # the ledger's database is down: today's counts from memory
+                log.warning("console: ledger unavailable, usage from memory", error=str(e))
+                self._today = None
+        if ledger is not None and self._today is not None:
+            return Usage(round(now, 3), "ledger", minutes, *self._today)  # type: ignore[arg-type]
+        keys = [UsageRow(k, *v) for k, v in sorted(self._by_key.items(), key=lambda kv: str(kv[0]))]
+        models = [UsageRow(k, *v) for k, v in sorted(self._by_model.items())]
+        return Usage(round(now, 3), "memory", minutes, keys, models)  # type: ignore[arg-type]
+
+    # -- the event stream --------------------------------------------------------------
+
+    def subscribe(self) -> _Subscriber | None:
+        if len(self._subscribers) >= MAX_SUBSCRIBERS:
+            return None
+        sub = _Subscriber()
+        self._subscribers.add(sub)
+        self._subscribed.unpark_all()
+        return sub
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        self._subscribers.discard(sub)
+
+    async def run(self) -> None:
+        """Publishes while anyone is subscribed (the app runs it in the background)."""
+        usage_due = usage_sent = 0.0
+        known: set[_Subscriber] = set()
+        while True:
+            while not self._subscribers:
+                known.clear()
+                await self._subscribed.park()
+            now = trio.current_time()
+            subscribers = list(self._subscribers)
+            due = now >= usage_due
+            if due or not known.issuperset(subscribers) or (self._usage_changed and now - usage_sent >= USAGE_MIN_S):
+                self._usage_changed = False
+                usage_sent = now
+                if due:
+                    usage_due = now + USAGE_EVERY_S
+                usage = b"event: usage\ndata: " + _encode(await self.usage(ask_ledger=due)) + b"\n\n"
+                for sub in subscribers:
+                    sub.usage = usage
+            known = set(subscribers)
+            snapshot = b"event: snapshot\ndata: " + _encode(self.snapshot()) + b"\n\n"
+            for sub in subscribers:
+                sub.snapshot = snapshot
+                sub.lot.unpark_all()
+            await trio.sleep(SNAPSHOT_EVERY_S)
+
+
+def console_routes(app: QuartTrio, edge: Edge) -> None:
+    console = edge.console
+    refused = partial(admin_refusal, edge)
+
+    static = resources.files("edge") / "static"
+    pages = {
+        "console.js": "text/javascript; charset=utf-8",
+        "console.css": "text/css; charset=utf-8",
+    }
+
+    @app.get("/console")
+    async def page() -> Response:
+        body = (static / "console.html").read_bytes()
+        return Response(body, 200, content_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+    @app.get("/console/<name>")
+    async def asset(name: str) -> Response:
+        kind = pages.get(name)
+        if kind is None:
+            return Response(b"", 404)
+        return Response((static / name).read_bytes(), 200, content_type=kind, headers=_PAGE_HEADERS)
+
+    @app.get("/v1/admin/events")
+    async def events() -> Response | tuple:
+        problem = refused()
+        if problem is not None:
+            return problem
+        sub = console.subscribe()
+        if sub is None:
+            return _too_many()
+
+        async def stream():
+            try:
+                yield b": iop console events\n\n"
+                while True:
+                    yield await sub.next()
+            finally:
+                console.unsubscribe(sub)
+
+        response = Response(stream(), 200, content_type="text/event-stream")
+        response.headers["cache-control"] = "no-cache"
+        response.headers["x-accel-buffering"] = "no"
+        response.timeout = None
+        return response
+
+    @app.get("/v1/admin/runs")
+    async def list_runs() -> Response:
+        problem = refused()
+        if problem is not None:
+            return problem
+        views, phases = console.run_views(limit=10_000)
+        return Response(_encode({"object": "list", "phases": phases, "data": views}), 200, content_type=_JSON)
+
+    @app.post("/v1/admin/runs/<run_id>/cancel")
+    async def cancel(run_id: str) -> Response:
+        problem = refused()
+        if problem is not None:
+            return problem
+        if not console.cancel(run_id):
+            body = _error(f"No run {run_id[:64]!r} in flight.", "run_not_found")
+            return Response(body, 404, content_type=_JSON)
+        return Response(_encode({"id": run_id, "cancelled": True}), 200, content_type=_JSON)
+
+
+_JSON = "application/json"
+# The page runs only its own files, and no other site may frame it.
+_PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+
+
+def _error(message: str, code: str) -> bytes:
+    return error_json(message, "invalid_request_error", code=code)
+
+
+def _too_many() -> Response:
+    body = _error(f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles")
+    return Response(body, 429, content_type=_JSON)

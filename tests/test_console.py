@@ -1,0 +1,187 @@
+"""The operator console's data (edge/console.py), read the way the page reads
+it: /v1/admin/events over HTTP, and the cancel a button sends. The page
+itself, in a real browser: tests/test_console_browser.py."""
+
+from __future__ import annotations
+
+import msgspec
+import trio
+
+from scripts.upstream import text_script, words
+from tests.conftest import BOUND, edge_config, eventually, http, model, start_edge, start_node
+
+ADMIN = "admin-secret"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+class Events:
+    """Reads /v1/admin/events in the background; keeps every event."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict] = []
+        self.usage: list[dict] = []
+        self.changed = trio.Event()
+
+    async def read(self, client, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with client.stream("GET", "/v1/admin/events", headers=AUTH) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            task_status.started()
+            event = None
+            async for line in r.aiter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: "):
+                    (self.snapshots if event == "snapshot" else self.usage).append(msgspec.json.decode(line[6:]))
+                    self.changed.set()
+                    self.changed = trio.Event()
+
+    async def until(self, predicate, what: str) -> dict:
+        with trio.fail_after(BOUND):
+            while True:
+                if self.snapshots and predicate(self.snapshots[-1]):
+                    return self.snapshots[-1]
+                await self.changed.wait()
+
+
+async def stream(client, body: dict, out: list[str]) -> None:
+    """A client stream: every data line into ``out``."""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+
+
+async def test_events_need_an_admin_key(nursery):
+    closed = await start_edge(nursery)  # no admin_keys: the admin API is off
+    async with http(closed) as client:
+        r = await client.get("/v1/admin/events", headers=AUTH)
+        assert r.status_code == 403
+        assert r.json()["error"]["code"] == "admin_disabled"
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], api_keys=["client-key"]))
+    async with http(edge) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer client-key"}):
+            r = await client.get("/v1/admin/events", headers=headers)
+            assert r.status_code == 401, headers
+            assert r.json()["error"]["type"] == "authentication_error"
+        page = await client.get("/console")  # the page itself holds no data: it asks for the key
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        for asset in ("console.js", "console.css"):
+            assert (await client.get(f"/console/{asset}")).status_code == 200
+        assert (await client.get("/console/../app.py")).status_code == 404
+    assert not edge.edge.console._subscribers
+
+
+async def test_a_stream_shows_up_grows_and_an_operator_cancel_aborts_it_upstream(nursery, upstream):
+    upstream.script_for("m-target", lambda body: text_script(words(400), interval=0.05))
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=4)], node_id="node-a")
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=4)], node_id="node-b")
+    events = Events()
+    got: list[str] = []
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        snap = await events.until(lambda s: len(s["nodes"]) == 2, "two nodes")
+        assert [n["id"] for n in snap["nodes"]] == ["node-a", "node-b"]
+        assert all(n["models"][0]["max_concurrency"] == 4 for n in snap["nodes"])
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                clients.start_soon(stream, client, STREAM, got)
+                snap = await events.until(lambda s: s["phases"]["streaming"] == 1, "a streaming run")
+                (run,) = snap["runs"]
+                assert run["model"] == "m" and run["api"] == "chat" and run["node"] in ("node-a", "node-b")
+                first = run["tokens"]
+                snap = await events.until(lambda s: s["runs"] and s["runs"][0]["tokens"] > first + 3, "tokens grow")
+                assert snap["runs"][0]["id"] == run["id"]
+                r = await admin.post(f"/v1/admin/runs/{run['id']}/cancel", headers=AUTH)
+                assert r.status_code == 200 and r.json() == {"id": run["id"], "cancelled": True}
+        # The client's stream ended with the operator's error, then [DONE]; the model server saw the abort.
+        assert got[-1] == "[DONE]"
+        assert "cancelled by an operator" in got[-2]
+        (rec,) = upstream.records
+        with trio.fail_after(BOUND):
+            await rec.finished.wait()
+        assert rec.aborted
+        snap = await events.until(lambda s: not s["runs"] and s["errors"], "the run gone, its error listed")
+        (error,) = snap["errors"]
+        assert error["run_id"] == run["id"] and error["cause"] == "cancelled"
+        again = await admin.post(f"/v1/admin/runs/{run['id']}/cancel", headers=AUTH)
+        assert again.status_code == 404 and again.json()["error"]["code"] == "run_not_found"
+        # The request counts in the hour's chart and today's totals.
+        with trio.fail_after(BOUND):
+            while not events.usage or not any(m[1] for m in events.usage[-1]["minutes"]):
+                await events.changed.wait()
+        usage = events.usage[-1]
+        assert usage["source"] == "memory"
+        assert sum(m[1] for m in usage["minutes"]) == 1
+        assert usage["models"][0]["name"] == "m" and usage["models"][0]["requests"] == 1
+        assert usage["models"][0]["completion_tokens"] >= first + 3
+        reading.cancel_scope.cancel()
+    await eventually(lambda: not edge.edge.console._subscribers, "the console's stream unsubscribed")
+
+
+async def test_snapshots_stay_a_few_a_second_however_busy(nursery, upstream):
+    """50 fast streams: the console gets ~4 snapshots a second, not one per event."""
+    upstream.script_for("m-target", lambda body: text_script(words(200), interval=0.002))
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=64)])
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        await events.until(lambda s: s["nodes"], "the node")
+        before = len(events.snapshots)
+        t0 = trio.current_time()
+        outs: list[list[str]] = [[] for _ in range(50)]
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                for out in outs:
+                    clients.start_soon(stream, client, STREAM, out)
+        seconds = trio.current_time() - t0
+        assert all(out[-1] == "[DONE]" for out in outs)
+        sent = len(events.snapshots) - before
+        reading.cancel_scope.cancel()
+    assert sent <= 5 * seconds + 2, (sent, seconds)
+
+
+async def test_429s_are_listed_with_their_model_and_code(nursery, upstream):
+    upstream.script_for("m-target", [("hang",)])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], max_queue=0))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                clients.start_soon(stream, client, STREAM, [])
+                await events.until(lambda s: s["in_flight"] == 1, "the one slot taken")
+                r = await client.post("/v1/chat/completions", json=STREAM)
+                assert r.status_code == 429
+                snap = await events.until(lambda s: s["rejected"], "the 429 listed")
+                clients.cancel_scope.cancel()
+        reading.cancel_scope.cancel()
+    (rejected,) = snap["rejected"]
+    assert rejected["model"] == "m" and rejected["code"] == r.json()["error"]["code"]
+
+
+async def test_usage_today_comes_from_the_ledger_when_there_is_one(nursery, tmp_path):
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "ledger.sqlite3")))
+    await start_node(nursery, edge, [model("m")])  # the simulated model
+    events = Events()
+    async with http(edge) as client, http(edge) as admin:
+        for _ in range(3):
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 5})
+            assert r.status_code == 200
+        async with trio.open_nursery() as reading:
+            await reading.start(events.read, admin)
+            with trio.fail_after(BOUND):
+                while not events.usage:
+                    await events.changed.wait()
+            reading.cancel_scope.cancel()
+    usage = events.usage[-1]
+    assert usage["source"] == "ledger"
+    (row,) = usage["models"]
+    assert row["name"] == "m" and row["requests"] == 3 and row["completion_tokens"] > 0

@@ -1,0 +1,150 @@
+"""The operator console in a real headless Chromium (Debian's ``chromium``,
+driven by Playwright for Python with the system browser; ``make test``
+installs both): log in, watch two nodes, a stream, a cancel, a node killed,
+the usage chart. A screenshot of each state goes to ``artifacts/console/``
+(``$IOP_ARTIFACTS`` overrides the folder)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from scripts.upstream import text_script, words
+from tests.conftest import BOUND, edge_config, http, model, start_edge, start_node, start_node_process
+
+ADMIN = "admin-secret-for-the-browser"
+STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+CHROMIUM = os.environ.get("IOP_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+SHOTS = Path(os.environ.get("IOP_ARTIFACTS", "artifacts")) / "console"
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # pragma: no cover - make test installs it
+    sync_playwright = None
+
+if sync_playwright is None or CHROMIUM is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("the console tests need playwright (pip) and chromium (apt): make test installs them")
+    pytest.skip("playwright or chromium missing (make test installs them)", allow_module_level=True)
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def tokens_shown(page) -> int:
+    cell = page.locator("#runs-table tbody tr[data-phase=streaming] .tokens")
+    return int(cell.text_content().replace(",", ""))
+
+
+async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
+    upstream.script_for("m-target", lambda body: text_script(words(600), interval=0.05))
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ping_interval_s=0.5, ping_misses=2))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=4)], node_id="node-a")
+    killable = await start_node_process(
+        nursery,
+        tmp_path,
+        edge,
+        [{"name": "m", "adapter": "openai", "base_url": upstream.base_url, "target": "m-target", "max_concurrency": 4}],
+        node_id="node-b",
+    )
+    stream_out: list[str] = []
+
+    async def client_stream() -> None:
+        async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+            async for line in r.aiter_lines():
+                if line:
+                    stream_out.append(line)
+
+    async def start_stream_and_wait_for_its_run() -> None:
+        nursery.start_soon(client_stream)
+        with trio.fail_after(BOUND):
+            while not edge.edge.runs.runs:
+                await trio.sleep(0.005)
+
+    async def upstream_saw_the_abort() -> bool:
+        with trio.fail_after(BOUND):
+            (rec,) = await upstream.wait_requests(1)
+            await rec.finished.wait()
+        return rec.aborted
+
+    def browse() -> None:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(edge.url + "/console")
+
+                # A wrong key is refused, and not kept.
+                page.fill("#key", "not-the-key")
+                page.click("#login-form button[type=submit]")
+                expect(page.locator("#login-error")).to_contain_text("Invalid or missing admin key", timeout=5000)
+                expect(page.locator("#console")).to_be_hidden()
+                assert page.evaluate("sessionStorage.getItem('iop.adminKey')") is None
+                shot(page, "01-wrong-key-refused")
+
+                # The right one opens the console; both nodes are there.
+                page.fill("#key", ADMIN)
+                page.click("#login-form button[type=submit]")
+                expect(page.locator("#status")).to_have_text("live", timeout=5000)
+                nodes = page.locator("#nodes tbody tr")
+                expect(nodes).to_have_count(2, timeout=5000)
+                expect(page.locator("#nodes tbody tr[data-node-id=node-a]")).to_contain_text("m 0 / ")
+                expect(page.locator("#nodes tbody tr[data-node-id=node-b]")).to_be_visible()
+                shot(page, "02-fleet-two-nodes")
+
+                # A client's stream appears within a second of its run, and its token count grows.
+                trio.from_thread.run(start_stream_and_wait_for_its_run)
+                row = page.locator("#runs-table tbody tr[data-run-id]:not([data-run-id=''])")
+                expect(row).to_have_count(1, timeout=1000)
+                expect(page.locator("#runs-table tbody tr[data-phase=streaming]")).to_have_count(1, timeout=5000)
+                first = tokens_shown(page)
+                deadline = time.monotonic() + BOUND
+                while tokens_shown(page) <= first + 5:
+                    assert time.monotonic() < deadline, "the token count did not grow"
+                    page.wait_for_timeout(100)
+                shot(page, "03-run-streaming")
+
+                # Cancel: the run ends, the model server sees the abort, the error is listed.
+                row.locator("button.cancel").click()
+                assert trio.from_thread.run(upstream_saw_the_abort)
+                expect(row).to_have_count(0, timeout=5000)
+                expect(page.locator("#errors li")).to_contain_text("cancelled", timeout=5000)
+                shot(page, "04-run-cancelled")
+
+                # A node killed (SIGKILL) leaves the fleet within the ping timeout (1 s here).
+                killable.kill()
+                expect(page.locator("#nodes tbody tr[data-node-id=node-b]")).to_have_count(0, timeout=3000)
+                expect(nodes).to_have_count(1)
+                shot(page, "05-node-killed")
+
+                # The usage chart has the request just made (sent within a second of its end).
+                page.wait_for_function(
+                    "() => [...document.querySelectorAll('#chart g')]"
+                    ".reduce((n, g) => n + Number(g.dataset.requests), 0) >= 1",
+                    timeout=5000,
+                )
+                expect(page.locator("#usage-models tbody tr[data-name=m]")).to_be_visible()
+                shot(page, "06-usage")
+
+                # A phone-sized screen: nothing wider than the screen but the tables' own scroll.
+                page.set_viewport_size({"width": 390, "height": 844})
+                page.wait_for_timeout(300)
+                assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+                shot(page, "07-phone")
+                assert not errors, errors
+            finally:
+                browser.close()
+
+    with trio.fail_after(120):
+        await trio.to_thread.run_sync(browse)
+    assert stream_out[-1] == "data: [DONE]"
+    assert any("cancelled by an operator" in line for line in stream_out)
