@@ -52,6 +52,7 @@ MAX_RUNS = 200  # runs listed in a snapshot, oldest first (the counts cover all)
 RECENT = 50  # 429s and run errors remembered
 MAX_SUBSCRIBERS = 16
 MINUTES = 60
+MAX_USAGE_ROWS = 50  # per table, the most tokens first; the rest summed in one row
 
 _encode = msgspec.json.Encoder().encode
 
@@ -133,6 +134,35 @@ class Usage(msgspec.Struct):
     minutes: list[tuple[int, int, int, int]]  # (unix minute, requests, prompt, completion), oldest first
     keys: list[UsageRow]
     models: list[UsageRow]
+
+
+def _rows(name: str | None, row: dict) -> UsageRow:
+    return UsageRow(name, row["requests"], row["prompt_tokens"], row["completion_tokens"])
+
+
+def _top(rows) -> list[UsageRow]:
+    """Rows with the same name merged, the most tokens first, at most
+    MAX_USAGE_ROWS (the rest summed in one row named "(others)")."""
+    merged: dict[str | None, UsageRow] = {}
+    for row in rows:
+        seen = merged.get(row.name)
+        if seen is None:
+            merged[row.name] = row
+        else:
+            seen.requests += row.requests
+            seen.prompt_tokens += row.prompt_tokens
+            seen.completion_tokens += row.completion_tokens
+    ordered = sorted(merged.values(), key=lambda r: (-(r.prompt_tokens + r.completion_tokens), str(r.name)))
+    if len(ordered) <= MAX_USAGE_ROWS:
+        return ordered
+    rest = ordered[MAX_USAGE_ROWS - 1 :]
+    others = UsageRow(
+        "(others)",
+        sum(r.requests for r in rest),
+        sum(r.prompt_tokens for r in rest),
+        sum(r.completion_tokens for r in rest),
+    )
+    return [*ordered[: MAX_USAGE_ROWS - 1], others]
 
 
 def phase(run: Run) -> str:
@@ -324,17 +354,20 @@ class Console:
             try:
                 by_key = await ledger.usage(start, None, ["key"])
                 by_model = await ledger.usage(start, None, ["model"])
+                # The ledger holds whatever model name a client sent (a 404 too): names
+                # no node serves or the config lists are summed as "other", as in /metrics.
+                label = self.edge.metrics.model_label
                 self._today = (
-                    [UsageRow(r["key"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in by_key],
-                    [UsageRow(r["model"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in by_model],
+                    _top(_rows(r["key"], r) for r in by_key),
+                    _top(_rows(label(r["model"]), r) for r in by_model),
                 )
             except Exception as e:  # the ledger's database is down: today's counts from memory
                 log.warning("console: ledger unavailable, usage from memory", error=str(e))
                 self._today = None
         if ledger is not None and self._today is not None:
             return Usage(round(now, 3), "ledger", minutes, *self._today)  # type: ignore[arg-type]
-        keys = [UsageRow(k, *v) for k, v in sorted(self._by_key.items(), key=lambda kv: str(kv[0]))]
-        models = [UsageRow(k, *v) for k, v in sorted(self._by_model.items())]
+        keys = _top(UsageRow(k, *v) for k, v in self._by_key.items())
+        models = _top(UsageRow(k, *v) for k, v in self._by_model.items())
         return Usage(round(now, 3), "memory", minutes, keys, models)  # type: ignore[arg-type]
 
     # -- the event stream --------------------------------------------------------------
@@ -388,6 +421,7 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
     }
 
     @app.get("/console")
+    @app.get("/console/")
     async def page() -> Response:
         body = (static / "console.html").read_bytes()
         return Response(body, 200, content_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
@@ -396,7 +430,7 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
     async def asset(name: str) -> Response:
         kind = pages.get(name)
         if kind is None:
-            return Response(b"", 404)
+            return Response(_error("Unknown route.", "not_found"), 404, content_type=_JSON)
         return Response((static / name).read_bytes(), 200, content_type=kind, headers=_PAGE_HEADERS)
 
     @app.get("/v1/admin/events")

@@ -228,7 +228,8 @@ async def _demo(bind: str) -> None:
 
     token = secrets.token_urlsafe(16)
     admin_key = "iop-admin-" + secrets.token_urlsafe(12)  # for the console; new each run
-    config = EdgeConfig(bind=bind, node_token=token, admin_keys=[admin_key])
+    # No ledger: the demo writes no files, and its console counts only its own requests.
+    config = EdgeConfig(bind=bind, node_token=token, admin_keys=[admin_key], ledger="off")
     app = create_app(config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:

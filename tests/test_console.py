@@ -175,6 +175,9 @@ async def test_usage_today_comes_from_the_ledger_when_there_is_one(nursery, tmp_
         for _ in range(3):
             r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 5})
             assert r.status_code == 200
+        for i in range(60):  # the ledger keeps the names clients make up: the console does not list them
+            r = await client.post("/v1/chat/completions", json={**STREAM, "model": f"<b>junk-{i}</b>" + "x" * 500})
+            assert r.status_code == 404
         async with trio.open_nursery() as reading:
             await reading.start(events.read, admin)
             with trio.fail_after(BOUND):
@@ -183,5 +186,20 @@ async def test_usage_today_comes_from_the_ledger_when_there_is_one(nursery, tmp_
             reading.cancel_scope.cancel()
     usage = events.usage[-1]
     assert usage["source"] == "ledger"
-    (row,) = usage["models"]
-    assert row["name"] == "m" and row["requests"] == 3 and row["completion_tokens"] > 0
+    m, other = usage["models"]
+    assert m["name"] == "m" and m["requests"] == 3 and m["completion_tokens"] > 0
+    assert other == {"name": "other", "requests": 60, "prompt_tokens": 0, "completion_tokens": 0}
+
+
+async def test_at_most_16_consoles_then_a_clear_429(nursery):
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    async with http(edge) as admin, trio.open_nursery() as reading:
+        readers = [Events() for _ in range(16)]
+        for events in readers:
+            await reading.start(events.read, admin)
+        r = await admin.get("/v1/admin/events", headers=AUTH)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_consoles"
+        reading.cancel_scope.cancel()
+    await eventually(lambda: not edge.edge.console._subscribers, "every console's stream unsubscribed")
+    async with http(edge) as admin, admin.stream("GET", "/v1/admin/events", headers=AUTH) as r:
+        assert r.status_code == 200  # the slots came back

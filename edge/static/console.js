@@ -42,6 +42,7 @@ function setStatus(text, kind) {
 }
 
 function showLogin(message) {
+  setNotice("");
   if (controller) controller.abort();
   controller = null;
   clearTimeout(retryTimer);
@@ -123,11 +124,11 @@ function renderRuns(snap) {
     return el(
       "tr",
       { "data-run-id": r.id || "", "data-phase": r.phase },
-      el("td", { title: r.id || "" }, r.id ? r.id.slice(0, 12) : "(queued)"),
-      el("td", {}, r.model),
-      el("td", {}, r.node || "–"),
-      el("td", {}, r.api || "–"),
-      el("td", {}, r.key || "–"),
+      el("td", { title: r.id || "", class: "wide" }, r.id ? r.id.slice(0, 12) : "(queued)"),
+      el("td", { class: "name" }, r.model),
+      el("td", { class: "wide" }, r.node || "–"),
+      el("td", { class: "wide" }, r.api || "–"),
+      el("td", { class: "wide" }, r.key || "–"),
       el("td", { class: "num" }, fmtAge(r.age_s)),
       el("td", { class: "num tokens" }, fmtNum(r.tokens)),
       el("td", { class: "phase phase-" + r.phase }, r.phase),
@@ -161,7 +162,7 @@ function renderSnapshot(snap) {
   renderNodes(snap.nodes);
   renderRuns(snap);
   const queues = Object.entries(snap.queues).map(([model, depth]) =>
-    el("tr", { "data-model": model }, el("td", {}, model), el("td", { class: "num" }, fmtNum(depth))),
+    el("tr", { "data-model": model }, el("td", { class: "name" }, model), el("td", { class: "num" }, fmtNum(depth))),
   );
   replaceRows($("queue-table").tBodies[0], queues);
   renderEvents($("rejected"), "no-rejected", snap.rejected, (r) => `${r.model}${r.key ? " · key " + r.key : ""} · ${r.code || "429"}`);
@@ -217,7 +218,7 @@ function usageRows(rows, none) {
     el(
       "tr",
       { "data-name": r.name === null ? "" : r.name },
-      el("td", {}, r.name === null ? none : r.name),
+      el("td", { class: "name", title: r.name === null ? none : r.name }, r.name === null ? none : r.name),
       el("td", { class: "num" }, fmtNum(r.requests)),
       el("td", { class: "num" }, fmtNum(r.prompt_tokens)),
       el("td", { class: "num" }, fmtNum(r.completion_tokens)),
@@ -271,7 +272,15 @@ async function connect() {
     } catch (e) {}
     return showLogin(message);
   }
-  if (!response.ok) return retry(mine);
+  if (!response.ok) {
+    let message = `The edge answered ${response.status}.`;
+    try {
+      message = (await response.json()).error.message || message;
+    } catch (e) {}
+    setNotice(message + " Trying again.");
+    return retry(mine, response.status === 429 ? 5000 : 1000);
+  }
+  setNotice("");
   $("login").hidden = true;
   $("console").hidden = false;
   $("signout").hidden = false;
@@ -297,16 +306,25 @@ async function connect() {
   retry(mine);
 }
 
-function retry(mine) {
+function retry(mine, delay = 1000) {
   if (controller !== mine || mine.signal.aborted) return;
   setStatus("reconnecting", "retry");
-  retryTimer = setTimeout(connect, 1000);
+  retryTimer = setTimeout(connect, delay);
+}
+
+function setNotice(text) {
+  $("notice").textContent = text;
+  $("notice").hidden = !text;
 }
 
 $("login-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const key = $("key").value.trim();
   if (!key) return;
+  if (/[^\x21-\x7e]/.test(key)) {
+    $("login-error").textContent = "An admin key is printable ASCII without spaces (it travels in a header).";
+    return;
+  }
   sessionStorage.setItem(KEY, key);
   $("key").value = "";
   $("login-error").textContent = "";
