@@ -35,6 +35,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     prefix_cache_tokens: int = 0  # LRU capacity in prompt tokens
     prefix_block_tokens: int = 64  # cached in whole blocks of this many tokens (4 characters a token)
     prefill_tokens_per_s: float = 5000.0  # uncached prompt tokens add to ttft_ms at this rate; 0: no cost
+    prefill_shared: bool = True  # the rate is the model's, not each request's: a prefill waits for those ahead
     # The model server's Prometheus metrics (vLLM, SGLang, llama.cpp: e.g. http://127.0.0.1:8000/metrics),
     # sampled every metrics_interval_s and reported to the edges as its load (node.engine); "": none.
     metrics_url: str = ""

@@ -138,6 +138,26 @@ async def test_time_to_first_token_is_base_plus_uncached_prefill(autojump_clock)
     assert sink.usage.cached_tokens == cacheable(messages)  # reported as OpenAI's cached_tokens
 
 
+async def test_concurrent_prefills_share_the_models_rate(autojump_clock):
+    """prefill_shared: a second uncached prompt arriving with the first waits for it
+    (one GPU's prefill throughput); without it, each prefills at the full rate."""
+    for shared in (True, False):
+        adapter, _ = sim(prefix_cache_tokens=100_000, prefill_tokens_per_s=1000.0, prefill_shared=shared)
+        prompts = [[{"role": "user", "content": f"{name} " * 400}] for name in ("first", "second")]
+        sizes = [prompt_tokens(render({"messages": m})) for m in prompts]
+        ttfts: list[float] = []
+
+        async def one(adapter, messages, ttfts):
+            ttfts.append((await ask(adapter, messages))[0])
+
+        async with trio.open_nursery() as nursery:
+            for messages in prompts:
+                nursery.start_soon(one, adapter, messages, ttfts)
+                await trio.lowlevel.checkpoint()
+        expected = [0.1 + sizes[0] / 1000, 0.1 + (sizes[0] + sizes[1]) / 1000 if shared else 0.1 + sizes[1] / 1000]
+        assert sorted(ttfts) == pytest.approx(sorted(expected)), shared
+
+
 async def test_off_by_default_keeps_the_sim_as_it_was(autojump_clock):
     """With no prefix_cache_tokens: no cache, TTFT is ttft_ms whatever the prompt, usage as before."""
     assert ModelConfig(name="m", adapter="sim").prefix_cache_tokens == 0

@@ -6,7 +6,10 @@ for their schemas (the rule is in :mod:`node.adapters.sim_tools`).
 With ``prefix_cache_tokens`` set it models a prefix cache
 (:mod:`node.adapters.sim_cache`): the first token waits ``ttft_ms`` plus the
 uncached prompt tokens at ``prefill_tokens_per_s``, and usage counts the
-whole rendered prompt (without the cache: the last user message). Hits and
+whole rendered prompt (without the cache: the last user message). With
+``prefill_shared`` (the default) that rate is the model's: prefills run one
+after another, first come first served, as on one GPU whose prefill
+throughput concurrent requests share; a prefill waits for those ahead. Hits and
 misses add to the
 node's :class:`~node.adapters.Counters` and are logged per model, one line
 every :data:`SUMMARY_EVERY` runs and one when the node stops.
@@ -14,6 +17,7 @@ every :data:`SUMMARY_EVERY` runs and one when the node stops.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +74,7 @@ class SimAdapter:
         self.miss_tokens = 0
         self.active = 0
         self.peak_active = 0
+        self._prefill_free = -math.inf  # (prefill_shared) when the prefills already admitted are done
 
     def _prefill(self, body: dict[str, Any]) -> tuple[float, int, int]:
         """With the cache on: (prefill seconds, prompt tokens, of them cached),
@@ -87,7 +92,12 @@ class SimAdapter:
         if self.runs % SUMMARY_EVERY == 0:
             self.log_summary()
         rate = self.model.prefill_tokens_per_s
-        return (miss / rate if rate > 0 else 0.0), total, hit
+        seconds = miss / rate if rate > 0 else 0.0
+        if self.model.prefill_shared:  # one GPU's prefill throughput, first come first served
+            now = trio.current_time()
+            self._prefill_free = max(now, self._prefill_free) + seconds
+            seconds = self._prefill_free - now
+        return seconds, total, hit
 
     def log_summary(self) -> None:
         if self.cache is None:
