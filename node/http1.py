@@ -97,12 +97,16 @@ class Origin:
 
 
 class _Connection:
-    __slots__ = ("stream", "sock", "buf")
+    __slots__ = ("stream", "sock", "buf", "plain")
 
     def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         self.stream = stream
         self.sock = sock
         self.buf = b""
+        # No TLS: body reads go to the socket itself. A read waits (a stream
+        # holds one open between tokens), and each layer it passes through is
+        # objects that live that long: the garbage collector's work.
+        self.plain = isinstance(stream, trio.SocketStream)
 
     def closed_by_peer(self) -> bool:
         """An idle connection that is readable: the server closed it (or sent
@@ -151,10 +155,13 @@ class Response:
             self._mode, self.keep_alive = _CLOSE, False
 
     async def _recv(self) -> bytes:
+        conn = self._conn
         with trio.move_on_after(self._timeout) as scope:
             try:
-                return await self._conn.stream.receive_some(READ_SIZE)
-            except trio.BrokenResourceError as e:
+                if conn.plain:
+                    return await conn.sock.recv(READ_SIZE)
+                return await conn.stream.receive_some(READ_SIZE)
+            except (trio.BrokenResourceError, OSError) as e:
                 raise RemoteProtocolError(f"connection lost: {e}") from None
         assert scope.cancelled_caught
         raise ReadTimeout("no bytes from the server in the read timeout")

@@ -15,6 +15,7 @@ in-process upstream, and is bounded in time and count.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import sys
 import time
@@ -81,10 +82,11 @@ def summary(errors: list[str]) -> str:
     return "; ".join(f"{n}x {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:3])
 
 
+PROBES = 300  # new requests while the streams are held: p99 is then the 297th, not one probe's luck
 _PROBE = """
 import sys, time, httpx
 with httpx.Client(base_url=sys.argv[1], timeout=30) as client:
-    for _ in range(100):
+    for _ in range(int(sys.argv[2])):
         t = time.perf_counter()
         r = client.post("/v1/chat/completions", json={"model": "probe", "messages": [{"role": "user", "content": "p"}], "max_tokens": 1})
         print(f"{r.status_code}:{(time.perf_counter() - t) * 1000:.2f}", flush=True)
@@ -96,8 +98,9 @@ with httpx.Client(base_url=sys.argv[1], timeout=30) as client:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least ``q`` of them at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
 async def poison_request(stack: Stack, up: Upstream) -> tuple[bool, str]:
@@ -206,7 +209,7 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
             ramp = time.perf_counter() - t0
             held = streams.open
             # Probes from a process of their own, so this busy one does not delay them.
-            probe = await trio.run_process([sys.executable, "-c", _PROBE, edge], capture_stdout=True, check=False)
+            probe = await trio.run_process([sys.executable, "-c", _PROBE, edge, str(PROBES)], capture_stdout=True, check=False)
             for line in probe.stdout.decode().split():
                 status, ms = line.split(":")
                 if status == "healthz":
