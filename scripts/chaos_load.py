@@ -14,7 +14,6 @@ in-process upstream, and is bounded in time and count.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import sys
@@ -47,6 +46,7 @@ class Streams:
         self.first_token = 0
         self.done = 0
         self.errors: list[str] = []
+        self.cut = 0  # of the errors, those after the stream's first token (e.g. its node died under it)
         self.open = 0
 
     async def one(self, client: httpx.AsyncClient, body: dict) -> None:
@@ -64,12 +64,50 @@ class Streams:
                         self.first_token += 1
                     elif line.startswith('data: {"error"'):
                         self.errors.append(line[:160])
+                        self.cut += got_token
                     elif line == "data: [DONE]":
                         if got_token:
                             self.done += 1
                         return
             self.errors.append("stream ended without [DONE]")
         except httpx.HTTPError as e:
+            self.errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            self.open -= 1
+
+    async def raw(self, host: str, port: int, request: bytes) -> None:
+        """Like :meth:`one`, over a bare socket: the ramp's 5,000 streams then
+        cost this process (on the same 2 cores as the edge) little more than
+        the reads (httpx and its line splitting took 100-200 ms scheduler
+        batches here). Markers are found in the raw chunked bytes; the tail
+        of each read is kept, so one split across reads is still found."""
+        self.started += 1
+        self.open += 1
+        got_token = False
+        try:
+            async with await trio.open_tcp_stream(host, port) as sock:
+                await sock.send_all(request)
+                seen = b""
+                while True:
+                    data = await sock.receive_some(65536)
+                    if not data:
+                        self.errors.append("stream ended without [DONE]")
+                        return
+                    if not seen and not data.startswith(b"HTTP/1.1 200"):
+                        self.errors.append(data[:120].decode(errors="replace"))
+                        return
+                    seen = seen[-32:] + data
+                    if not got_token and b'"content"' in seen:
+                        got_token = True
+                        self.first_token += 1
+                    if b'data: {"error"' in seen:
+                        self.errors.append(seen[seen.index(b'data: {"error"') :][:160].decode(errors="replace"))
+                        self.cut += got_token
+                        return
+                    if b"data: [DONE]" in seen:
+                        self.done += got_token
+                        return
+        except OSError as e:
             self.errors.append(f"{type(e).__name__}: {e}")
         finally:
             self.open -= 1
@@ -167,10 +205,14 @@ async def kill_one_of_two(stack: Stack, up: Upstream, per_node: int = 1200) -> t
             killed_at = time.perf_counter()
         took = time.perf_counter() - killed_at
         linked = await nodes_linked(client)
-    ok = streams.done == total and not streams.errors and "s-b" in linked
+    # A stream that had started on s-a is cut (an error after its first token): only those may fail.
+    started = total - waiting
+    unstarted_lost = len(streams.errors) - streams.cut
+    ok = streams.done == total and not unstarted_lost and streams.cut <= started and "s-b" in linked
     return ok, (
         f"{waiting} runs waiting for a first token when node s-a was killed; {streams.done}/{total} completed "
-        f"({took:.1f} s after the kill), {len(streams.errors)} lost {summary(streams.errors)}"
+        f"({took:.1f} s after the kill); {unstarted_lost} lost that had not started; "
+        f"{streams.cut} of the {started} started before the kill cut by it {summary(streams.errors)}"
     )
 
 
@@ -189,18 +231,22 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
     streams = Streams()
     latencies: list[float] = []
     health: list[float] = []  # the edge alone (/healthz), to tell its delay from the node's
-    async with contextlib.AsyncExitStack() as pools:
-        # One httpx pool per 50 streams: a single pool is quadratic in its connections.
-        clients = [
-            await pools.enter_async_context(httpx.AsyncClient(base_url=edge, timeout=120, limits=UNBOUNDED))
-            for _ in range(total // 50)
-        ]
-        before = await nodes_linked(clients[0])
+    host, port = edge.removeprefix("http://").rsplit(":", 1)
+    body = b'{"model":"m","messages":[{"role":"user","content":"chaos"}],"max_tokens":30,"stream":true}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (
+            host.encode(),
+            len(body),
+            body,
+        )
+    )
+    async with httpx.AsyncClient(base_url=edge, timeout=30) as client:
+        before = await nodes_linked(client)
         async with trio.open_nursery() as nursery:
             t0 = time.perf_counter()
             for i in range(total):
-                body = {"model": "m", "messages": MESSAGES, "max_tokens": 30}
-                nursery.start_soon(streams.one, clients[i % len(clients)], body)
+                nursery.start_soon(streams.raw, host, int(port), request)
                 if i % 50 == 49:
                     await trio.sleep(0.05)  # ~1,000 new streams a second
             with trio.fail_after(90):
@@ -209,7 +255,9 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
             ramp = time.perf_counter() - t0
             held = streams.open
             # Probes from a process of their own, so this busy one does not delay them.
-            probe = await trio.run_process([sys.executable, "-c", _PROBE, edge, str(PROBES)], capture_stdout=True, check=False)
+            probe = await trio.run_process(
+                [sys.executable, "-c", _PROBE, edge, str(PROBES)], capture_stdout=True, check=False
+            )
             for line in probe.stdout.decode().split():
                 status, ms = line.split(":")
                 if status == "healthz":
@@ -218,7 +266,7 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
                 latencies.append(float(ms))
                 if status != "200":
                     streams.errors.append(f"probe HTTP {status}")
-        after = await nodes_linked(clients[0])
+        after = await nodes_linked(client)
     relinked = [n for n in before if n not in after or after[n] < before[n]]
     p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
     ok = streams.done == total and not streams.errors and not relinked and p99 < 100
