@@ -417,6 +417,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--ttft-requests", type=int, default=300)
+    parser.add_argument(
+        "--interval-ms",
+        type=float,
+        default=0.0,
+        help="the upstream's pause between tokens; at 0 a 200-token stream ends in a few ms and far fewer "
+        "than --concurrency streams are open at once (measured: 8-13 of 200), so per-request costs dominate",
+    )
     parser.add_argument("--idle-streams", type=int, default=0, help="e.g. 10000; 0 skips the idle-stream phase")
     parser.add_argument("--baseline", metavar="REV", help="also measure this git revision, side by side")
     parser.add_argument("--profile", type=Path, metavar="DIR", help="py-spy the throughput phase into DIR")
@@ -434,7 +441,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with Stack() as upstreams:
-        upstream = upstreams.upstream()
+        upstream = upstreams.upstream(interval_ms=args.interval_ms)
         idle_upstream = upstreams.upstream(tokens=2, interval_ms=3_600_000)
         plain = {"ledger": "off"} if args.keys else None
         results = [run_revision("current", ROOT, upstream, idle_upstream, args, plain)]
