@@ -20,6 +20,7 @@ import csv
 import datetime
 import io
 import re
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -40,12 +41,14 @@ _ID = re.compile(r"[A-Za-z0-9._@-]{1,64}")
 _MAX_KEYS = 10_000
 
 
-def _json(status: int, body: Any) -> Response:
+def json_response(status: int, body: Any) -> Response:
     return Response(body if isinstance(body, bytes) else _encode(body), status, content_type="application/json")
 
 
-def _error(status: int, message: str, code: str, type: str = "invalid_request_error", param: str | None = None):
-    return _json(status, error_json(message, type, param=param, code=code))
+def error_response(
+    status: int, message: str, code: str, type: str = "invalid_request_error", param: str | None = None
+) -> Response:
+    return json_response(status, error_json(message, type, param=param, code=code))
 
 
 def parse_time(value: str | None, name: str) -> float | None:
@@ -112,21 +115,24 @@ def admin_refusal(edge: Edge) -> Response | None:
     """The current request's refusal (403 with no admin_keys, 401 without one of them), or None."""
     admin_keys = edge.config.admin_keys
     if not admin_keys:
-        return _error(403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error")
+        return error_response(
+            403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error"
+        )
     headers = request.headers
     if not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), admin_keys):
-        return _error(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
+        return error_response(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
     return None
 
 
 def admin_routes(app: QuartTrio, edge: Edge) -> None:
-    def refused() -> Response | None:
-        return admin_refusal(edge)
+    refused = partial(admin_refusal, edge)
 
     def refused_or_no_ledger() -> Response | None:
         problem = refused()
         if problem is None and edge.ledger is None:
-            return _error(409, 'The ledger is off (ledger = "off"): no usage records or run-time keys.', "ledger_off")
+            return error_response(
+                409, 'The ledger is off (ledger = "off"): no usage records or run-time keys.', "ledger_off"
+            )
         return problem
 
     @app.get("/v1/admin/usage")
@@ -140,11 +146,11 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             end = parse_time(args.get("to"), "to")
             groups = parse_group_by(args.get("group_by"))
         except ValueError as e:
-            return _error(400, str(e), "invalid_parameter")
+            return error_response(400, str(e), "invalid_parameter")
         rows = await edge.ledger.usage(start, end, groups)
         if args.get("format") == "csv":
             return Response(usage_csv(rows, groups), 200, content_type="text/csv; charset=utf-8")
-        return _json(200, {"object": "list", "group_by": groups, "data": rows})
+        return json_response(200, {"object": "list", "group_by": groups, "data": rows})
 
     @app.get("/v1/admin/keys")
     async def list_keys() -> Response:
@@ -153,27 +159,27 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return problem
         totals = await edge.ledger.key_totals() if edge.ledger is not None else {}
         keys = sorted(edge.keys.by_id.values(), key=lambda k: k.id)
-        return _json(200, {"object": "list", "data": [_key_view(k, totals) for k in keys]})
+        return json_response(200, {"object": "list", "data": [_key_view(k, totals) for k in keys]})
 
     async def body_policy(base: Policy | None) -> tuple[dict[str, Any], Policy] | Response:
         try:
             data = await request.get_json(force=True, silent=False)
         except Exception:
-            return _error(400, "The body must be a JSON object.", "invalid_json")
+            return error_response(400, "The body must be a JSON object.", "invalid_json")
         if not isinstance(data, dict):
-            return _error(400, "The body must be a JSON object.", "invalid_json")
+            return error_response(400, "The body must be a JSON object.", "invalid_json")
         fields = {k: v for k, v in data.items() if k in Policy.__struct_fields__}
         unknown = set(data) - set(Policy.__struct_fields__) - {"id"}
         if unknown:
-            return _error(400, f"Unknown fields: {', '.join(sorted(unknown))[:200]}.", "unknown_parameter")
+            return error_response(400, f"Unknown fields: {', '.join(sorted(unknown))[:200]}.", "unknown_parameter")
         merged = {**msgspec.structs.asdict(base), **fields} if base is not None else fields
         try:
             policy = msgspec.convert(merged, Policy)
         except msgspec.ValidationError as e:
-            return _error(400, f"Invalid policy: {e}", "invalid_parameter")
+            return error_response(400, f"Invalid policy: {e}", "invalid_parameter")
         problem = policy.check()
         if problem:
-            return _error(400, f"Invalid policy: {problem}", "invalid_parameter")
+            return error_response(400, f"Invalid policy: {problem}", "invalid_parameter")
         return data, policy
 
     @app.post("/v1/admin/keys")
@@ -187,17 +193,19 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         data, policy = parsed
         key_id = data.get("id")
         if not isinstance(key_id, str) or not _ID.fullmatch(key_id):
-            return _error(400, "id: 1 to 64 letters, digits, '.', '_', '@' or '-'.", "invalid_parameter", param="id")
+            return error_response(
+                400, "id: 1 to 64 letters, digits, '.', '_', '@' or '-'.", "invalid_parameter", param="id"
+            )
         if key_id in edge.keys.by_id:
-            return _error(409, f"A key {key_id!r} exists.", "key_exists")
+            return error_response(409, f"A key {key_id!r} exists.", "key_exists")
         if len(edge.keys.by_id) >= _MAX_KEYS:
-            return _error(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
+            return error_response(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
         secret = new_secret()
         sha = sha256_hex(secret)
         await edge.ledger.put_key(key_id, sha, policy)
         key = Key(key_id, sha, policy, "admin")
         edge.keys.add(key)
-        return _json(201, {"id": key_id, "key": secret, "policy": policy})
+        return json_response(201, {"id": key_id, "key": secret, "policy": policy})
 
     def run_time_key(key_id: str, verb: str) -> Key | Response:
         """The run-time key ``key_id`` (admin auth checked), or the refusal."""
@@ -206,9 +214,9 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return problem
         key = edge.keys.by_id.get(key_id)
         if key is None:
-            return _error(404, f"No key {key_id!r}.", "key_not_found")
+            return error_response(404, f"No key {key_id!r}.", "key_not_found")
         if key.source != "admin":
-            return _error(409, f"Key {key_id!r} comes from the config file; {verb} it there.", "key_in_config")
+            return error_response(409, f"Key {key_id!r} comes from the config file; {verb} it there.", "key_in_config")
         return key
 
     @app.patch("/v1/admin/keys/<key_id>")
@@ -222,7 +230,7 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         _, policy = parsed
         await edge.ledger.put_key(key_id, key.sha256, policy)  # type: ignore[union-attr]
         key.set_policy(policy)
-        return _json(200, _key_view(key, {}))
+        return json_response(200, _key_view(key, {}))
 
     @app.delete("/v1/admin/keys/<key_id>")
     async def revoke_key(key_id: str) -> Response:
@@ -231,4 +239,4 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return key
         edge.keys.revoke(key)
         await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
-        return _json(200, {"id": key_id, "deleted": True})
+        return json_response(200, {"id": key_id, "deleted": True})

@@ -34,8 +34,7 @@ import structlog
 import trio
 from quart import Response
 
-from edge.admin import admin_refusal
-from edge.errors import error_json
+from edge.admin import admin_refusal, error_response, json_response
 from edge.runs.run import CANCELLED, CLIENT_GONE, COMPLETE, Run
 
 if TYPE_CHECKING:
@@ -175,9 +174,10 @@ def phase(run: Run) -> str:
 
 
 class _Subscriber:
-    __slots__ = ("snapshot", "usage", "lot")
+    __slots__ = ("snapshot", "usage", "lot", "fresh")
 
     def __init__(self) -> None:
+        self.fresh = True  # has had no usage event yet
         self.snapshot: bytes | None = None
         self.usage: bytes | None = None
         self.lot = trio.lowlevel.ParkingLot()
@@ -361,7 +361,7 @@ class Console:
                     _top(_rows(r["key"], r) for r in by_key),
                     _top(_rows(label(r["model"]), r) for r in by_model),
                 )
-            except Exception as e:  # the ledger's database is down: today's counts from memory
+            except ledger._errors as e:  # the ledger's database is down: today's counts from memory
                 log.warning("console: ledger unavailable, usage from memory", error=str(e))
                 self._today = None
         if ledger is not None and self._today is not None:
@@ -386,15 +386,14 @@ class Console:
     async def run(self) -> None:
         """Publishes while anyone is subscribed (the app runs it in the background)."""
         usage_due = usage_sent = 0.0
-        known: set[_Subscriber] = set()
         while True:
             while not self._subscribers:
-                known.clear()
                 await self._subscribed.park()
             now = trio.current_time()
             subscribers = list(self._subscribers)
             due = now >= usage_due
-            if due or not known.issuperset(subscribers) or (self._usage_changed and now - usage_sent >= USAGE_MIN_S):
+            fresh = any(sub.fresh for sub in subscribers)
+            if due or fresh or (self._usage_changed and now - usage_sent >= USAGE_MIN_S):
                 self._usage_changed = False
                 usage_sent = now
                 if due:
@@ -402,7 +401,7 @@ class Console:
                 usage = b"event: usage\ndata: " + _encode(await self.usage(ask_ledger=due)) + b"\n\n"
                 for sub in subscribers:
                     sub.usage = usage
-            known = set(subscribers)
+                    sub.fresh = False
             snapshot = b"event: snapshot\ndata: " + _encode(self.snapshot()) + b"\n\n"
             for sub in subscribers:
                 sub.snapshot = snapshot
@@ -430,7 +429,7 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
     async def asset(name: str) -> Response:
         kind = pages.get(name)
         if kind is None:
-            return Response(_error("Unknown route.", "not_found"), 404, content_type=_JSON)
+            return error_response(404, "Unknown route.", "not_found")
         return Response((static / name).read_bytes(), 200, content_type=kind, headers=_PAGE_HEADERS)
 
     @app.get("/v1/admin/events")
@@ -440,7 +439,7 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
             return problem
         sub = console.subscribe()
         if sub is None:
-            return _too_many()
+            return error_response(429, f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles")
 
         async def stream():
             try:
@@ -462,7 +461,7 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
         if problem is not None:
             return problem
         views, phases = console.run_views(limit=10_000)
-        return Response(_encode({"object": "list", "phases": phases, "data": views}), 200, content_type=_JSON)
+        return json_response(200, {"object": "list", "phases": phases, "data": views})
 
     @app.post("/v1/admin/runs/<run_id>/cancel")
     async def cancel(run_id: str) -> Response:
@@ -470,12 +469,10 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
         if problem is not None:
             return problem
         if not console.cancel(run_id):
-            body = _error(f"No run {run_id[:64]!r} in flight.", "run_not_found")
-            return Response(body, 404, content_type=_JSON)
-        return Response(_encode({"id": run_id, "cancelled": True}), 200, content_type=_JSON)
+            return error_response(404, f"No run {run_id[:64]!r} in flight.", "run_not_found")
+        return json_response(200, {"id": run_id, "cancelled": True})
 
 
-_JSON = "application/json"
 # The page runs only its own files, and no other site may frame it.
 _PAGE_HEADERS = {
     "content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
@@ -483,12 +480,3 @@ _PAGE_HEADERS = {
     "referrer-policy": "no-referrer",
     "cache-control": "no-cache",
 }
-
-
-def _error(message: str, code: str) -> bytes:
-    return error_json(message, "invalid_request_error", code=code)
-
-
-def _too_many() -> Response:
-    body = _error(f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles")
-    return Response(body, 429, content_type=_JSON)
