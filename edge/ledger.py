@@ -127,6 +127,7 @@ class Ledger:
         self._errors = _errors()
         self._db: Any = None
         self._lock = trio.Lock()  # one thread at a time on the connection
+        self._flushing = trio.Lock()  # one flush at a time: records stay in order, and a flush sees all
         self._pending: collections.deque[Record] = collections.deque(maxlen=MAX_PENDING)
         self._wake = trio.Event()
         self.written = 0
@@ -191,7 +192,12 @@ class Ledger:
         return len(self._pending)
 
     async def flush(self) -> bool:
-        """Store everything queued so far; False if the database failed (records kept)."""
+        """Store everything queued so far; False if the database failed (records kept).
+        Flushes take turns, so one that returns True has seen every earlier record stored."""
+        async with self._flushing:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
         insert = self.dialect.sql("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")
         while self._pending:
             batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]

@@ -59,6 +59,8 @@ async def test_postgres_down_loses_no_record_and_fails_no_request(nursery, postg
             await trio.to_thread.run_sync(postgres.stop)
             for _ in range(20):  # the database is gone: requests go on, records wait
                 assert (await chat(c)).status_code == 200
+            # a request's record is queued as its handler ends, just after the client has the reply
+            await eventually(lambda: edge.edge.ledger.pending == 20, "the 20 records queued")
             assert not await edge.edge.ledger.flush()
             assert edge.edge.ledger.pending == 20 and not edge.edge.ledger.available
             metrics = (await c.get("/metrics")).text
