@@ -87,6 +87,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     prefix_index_entries: int = 500_000  # prefix blocks remembered (about 80 bytes each: ~40 MB); 0: none
     prefix_max_load_gap: float = 0.25  # a prefix or rendezvous choice may be this much busier (fraction of
     #                                    capacity) than the least loaded node; beyond it load wins
+    prefix_wait_ms: float = 250.0  # a request whose prefix is on a node with no free slot (but not beyond the
+    #                                load gap) waits this long for one there before it goes elsewhere; 0: never
     # Requests.
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 2048
@@ -118,6 +120,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("prefix_index_entries: must not be negative")
         if not 0 <= self.prefix_max_load_gap <= 1:
             raise ConfigError("prefix_max_load_gap: must be between 0 and 1")
+        if not 0 <= self.prefix_wait_ms <= 60_000:
+            raise ConfigError("prefix_wait_ms: must be between 0 and 60000")
         if self.backlog <= 0:
             raise ConfigError("backlog: must be greater than 0")
         if self.body_timeout_s <= 0:

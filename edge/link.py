@@ -233,7 +233,7 @@ async def _report_demand(link: NodeLink, service: RunService) -> None:
             continue
         changed = False
         for model in link.models:
-            state = (link.in_flight[model], service.queue_depth(model), link.grant_seq[model])
+            state = (link.in_flight[model], service.waiting_for(model, link.node_id), link.grant_seq[model])
             if sent.get(model) != state:
                 sent[model] = state
                 link.send_nowait(Demand(model=model, in_flight=state[0], waiting=state[1], seq=state[2]))

@@ -127,7 +127,7 @@ with httpx.Client(base_url=sys.argv[1], timeout=30) as client:
     for _ in range(int(sys.argv[2])):
         t = time.perf_counter()
         r = client.post("/v1/chat/completions", json={"model": "probe", "messages": [{"role": "user", "content": "p"}], "max_tokens": 1})
-        print(f"{r.status_code}:{(time.perf_counter() - t) * 1000:.2f}", flush=True)
+        print(f"{r.status_code}:{(time.perf_counter() - t) * 1000:.2f}:{time.time():.3f}", flush=True)
         t = time.perf_counter()
         r = client.get("/healthz")
         print(f"healthz:{(time.perf_counter() - t) * 1000:.2f}", flush=True)
@@ -259,7 +259,7 @@ async def ramp_5000(stack: Stack, up: Upstream, total: int = 5000) -> tuple[bool
                 [sys.executable, "-c", _PROBE, edge, str(PROBES)], capture_stdout=True, check=False
             )
             for line in probe.stdout.decode().split():
-                status, ms = line.split(":")
+                status, ms = line.split(":")[:2]
                 if status == "healthz":
                     health.append(float(ms))
                     continue

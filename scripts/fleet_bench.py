@@ -221,14 +221,27 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
+def placements(edges: list[str]) -> dict[str, int]:
+    """How the edges chose nodes (iop_placements_total by how, summed over edges and workloads)."""
+    out: dict[str, int] = {}
+    for edge in edges:
+        for line in httpx.get(edge + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("iop_placements_total{"):
+                how = line.split('how="', 1)[1].split('"', 1)[0]
+                out[how] = out.get(how, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return {how: n for how, n in out.items() if n}
+
+
 def run_fleet(policy: str, n_edges: int, args) -> dict[str, dict]:
     """One fresh fleet: every workload, then the nodes' figures."""
     with Stack() as stack:
-        edges = [stack.edge(routing=policy, max_queue=4096) for _ in range(n_edges)]
+        extra = {"prefix_wait_ms": args.prefix_wait_ms} if args.prefix_wait_ms is not None else {}
+        edges = [stack.edge(routing=policy, max_queue=4096, **extra) for _ in range(n_edges)]
         models = [{"name": name, **SIM} for name in args.workloads]
         logs = [stack.dir / f"node{i}.log" for i in range(args.nodes)]
         nodes = [stack.node(edges, models, node_id=f"node{i}", log_file=logs[i]) for i in range(args.nodes)]
         results = trio.run(run_workloads, edges, args)
+        placed = placements(edges)
         for proc in nodes:
             stack.stop(proc)  # the node logs its final cache line as it stops
         per_node = [cache_lines(f) for f in logs]
@@ -250,6 +263,7 @@ def run_fleet(policy: str, n_edges: int, args) -> dict[str, dict]:
             "errors": result.errors,
             "wall": result.wall_s,
         }
+    print(f"  placements ({policy}, {n_edges} edge(s), all workloads): {placed}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -264,6 +278,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="conversations per system prompt (a)")
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--independent", type=int, default=256, help="requests (b)")
+    parser.add_argument("--prefix-wait-ms", type=float, help="the edges' prefix_wait_ms (default: theirs)")
     parser.add_argument("--hot", type=int, default=32, help="conversations in the hot group (c)")
     args = parser.parse_args()
     args.workloads = [w for w in args.workloads if w in WORKLOADS]

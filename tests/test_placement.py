@@ -184,6 +184,59 @@ async def test_a_hot_prefix_does_not_pile_onto_one_node(autojump_clock):
     assert runs.prefixes.match(want.prefix, {lk.node_id for lk in links})[0] == len(want.prefix)
 
 
+async def _busy_prefix_holder(**kw) -> tuple[RunService, NodeLink, NodeLink, Want, list]:
+    """Two nodes of 4 slots: the one holding the prompt's prefix full, the other 3/4 busy
+    with other prompts (within the 0.25 load gap)."""
+    runs, links = fleet(2, capacity=4, **kw)
+    holder, other = links
+    want = Want("m", prefix=chain(("system", SYSTEM), ("user", "the question")))
+    runs.set_draining(other, True)
+    held = [await runs.acquire(want) for _ in range(4)]
+    runs.set_draining(other, False)
+    runs.set_draining(holder, True)
+    held += [await runs.acquire(Want("m", prefix=chain(("user", f"other {i}")))) for i in range(3)]
+    runs.set_draining(holder, False)
+    assert holder.in_flight["m"] == 4 and other.in_flight["m"] == 3
+    return runs, holder, other, want, held
+
+
+async def test_a_request_waits_briefly_for_the_busy_node_holding_its_prefix(autojump_clock):
+    """With its prefix's node full but within the load gap, a request waits (up to
+    prefix_wait_ms) for a slot there rather than taking the free node that would
+    prefill it all again; meanwhile it counts as demand to that node only."""
+    runs, holder, other, want, held = await _busy_prefix_holder(prefix_wait_ms=250)
+    got: list = []
+
+    async def ask() -> None:
+        got.append((await runs.acquire(want), trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        nursery.start_soon(ask)
+        await trio.sleep(0.1)
+        assert not got and other.free_slots("m") == 1
+        assert runs.waiting_for("m", holder.node_id) == 1 and runs.waiting_for("m", other.node_id) == 0
+        runs.release(next(s for s in held if s.link is holder))
+    (slot, at) = got[0]
+    assert slot.link is holder and at - start == pytest.approx(0.1)
+    assert runs.waiting_for("m", holder.node_id) == 0
+
+
+async def test_the_wait_for_a_prefix_node_is_bounded_and_can_be_switched_off(autojump_clock):
+    """No slot frees there: after prefix_wait_ms the request takes the free node; with
+    prefix_wait_ms = 0 it takes it at once. A waiter that is cancelled is no one's demand."""
+    for wait_ms in (250, 0):
+        runs, holder, other, want, _ = await _busy_prefix_holder(prefix_wait_ms=wait_ms)
+        start = trio.current_time()
+        slot = await runs.acquire(want)
+        assert slot.link is other and trio.current_time() - start == pytest.approx(wait_ms / 1000)
+        assert runs.waiting_for("m", holder.node_id) == 0
+    runs, holder, other, want, _ = await _busy_prefix_holder()
+    with trio.move_on_after(0.05):
+        await runs.acquire(want)
+    assert runs.waiting_for("m", holder.node_id) == 0 and runs.queue_depth("m") == 0
+
+
 async def test_a_session_id_beats_the_prefix(autojump_clock):
     """A session placed on one node stays there even when another node holds its prompt's prefix."""
     runs, links = fleet(2)

@@ -61,18 +61,25 @@ class _Waiter:
     """A request waiting for a slot, or (``run`` set) a run moved off a node
     that died or stalled before it started, waiting to be sent again."""
 
-    __slots__ = ("event", "slot", "gone", "want", "run", "since")
+    __slots__ = ("event", "slot", "gone", "want", "run", "since", "wait_until", "prefer")
 
-    def __init__(self, want: Want, run: Run | None = None) -> None:
+    def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0) -> None:
         self.since = trio.current_time()
         self.event = trio.Event()
         self.slot: Slot | None = None
         self.gone = False  # no linked node can serve it any more
         self.want = want
         self.run = run
+        # Until then it may pass over free nodes to wait for the one holding
+        # its prompt's prefix (``prefer``, whose demand it counts in).
+        self.wait_until = wait_until
+        self.prefer: str | None = None
 
 
 _MAX_SESSIONS = 100_000
+# A request waits for the busy node holding its prefix only if that node holds
+# this many more of its leading blocks (1 KB of text, ~256 tokens) than any free one.
+PREFIX_WAIT_BLOCKS = 4
 PLACEMENTS = ("session", "prefix", "rendezvous", "least_loaded", "random")  # how a node was chosen
 
 
@@ -142,6 +149,9 @@ class RunService:
         # for a request; ``how`` is one of PLACEMENTS.
         self.on_placed: list[Callable[[str, int], None]] = []
         self._placed: tuple[str, int] = ("least_loaded", 0)  # set by _pick, read by the _reserve after it
+        self._wanted: str | None = None  # set by _pick: the busy node it would rather wait for
+        # Per model: queued requests waiting for one node (its prefix's), by node id.
+        self._preferring: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._run_closed = trio.lowlevel.ParkingLot()
         # Unparked when a model's in-flight or queue depth may have changed:
         # each link's demand reporter (edge.link) wakes to tell its node.
@@ -157,6 +167,15 @@ class RunService:
         if model is not None:
             return len(self._queues.get(model, ())) + len(self._moved.get(model, ()))
         return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._moved.values())
+
+    def waiting_for(self, model: str, node_id: str) -> int:
+        """Queued requests of ``model`` that ``node_id`` may take: all but
+        those waiting for another node (the one holding their prefix)."""
+        depth = self.queue_depth(model)
+        counts = self._preferring.get(model)
+        if not counts:
+            return depth
+        return depth - sum(counts.values()) + counts.get(node_id, 0)
 
     def is_known(self, model: str) -> bool:
         """``model`` is configured (``[[models]]``) or some node has advertised
@@ -201,6 +220,7 @@ class RunService:
                     if any(waiter.want.fits(lk) for lk in serving):
                         continue
                     queue.remove(waiter)
+                    self._prefer(waiter, None)
                     if waiter.run is not None:
                         waiter.run.requeued = None
                         waiter.run.fail(NODE_DISCONNECTED, NODE_LOST)
@@ -301,7 +321,7 @@ class RunService:
 
     # -- admission -----------------------------------------------------------
 
-    def _pick(self, want: Want, exclude: NodeLink | None = None) -> NodeLink | None:
+    def _pick(self, want: Want, exclude: NodeLink | None = None, wait_until: float = 0.0) -> NodeLink | None:
         """The node for ``want`` among those that can take it now (a free
         slot, the context fits, not stalled), by ``config.routing``:
 
@@ -313,7 +333,10 @@ class RunService:
           edge sent the longest prefix of this prompt (the least loaded of
           several); with no match, rendezvous hashing of the session, else of
           the first prefix block, so every edge makes the same choice; with
-          neither, as ``least_loaded``;
+          neither, as ``least_loaded``. Until ``wait_until``, a node with no
+          free slot here but within the load gap, holding at least
+          :data:`PREFIX_WAIT_BLOCKS` more of the prefix than any free one, is
+          waited for: None, with ``_wanted`` naming it;
         - ``least_loaded``: ties broken at random; ``random``: any.
 
         Sets ``_placed`` (how, matched blocks) for the :meth:`_reserve` that follows."""
@@ -321,6 +344,7 @@ class RunService:
         now = trio.current_time()
         routing = self.config.routing
         self._placed = (routing, 0)
+        self._wanted = None
         if routing == "random":
             free = [
                 lk
@@ -341,9 +365,15 @@ class RunService:
                 self._placed = ("session", 0)
                 return link
         free: list[tuple[float, NodeLink]] = []
+        busy: list[NodeLink] = []  # serving, no free slot here: worth waiting for if it holds the prefix
+        may_wait = routing == "prefix" and bool(want.prefix) and now < wait_until
         best_load = math.inf
         for link in self.links.values():
-            if link is exclude or link.free_slots(model) <= 0 or not want.fits(link) or link.stalled(now):
+            if link is exclude or not want.fits(link) or link.stalled(now):
+                continue
+            if link.free_slots(model) <= 0:
+                if may_wait and not link.closed and not link.draining:
+                    busy.append(link)
                 continue
             load = link.load(model)
             free.append((load, link))
@@ -358,6 +388,13 @@ class RunService:
         limit = best_load + self.config.prefix_max_load_gap
         near = {lk.node_id: (load, lk) for load, lk in free if load <= limit}
         depth, holders = self.prefixes.match(want.prefix, near) if want.prefix else (0, set())
+        if busy:
+            waitable = {lk.node_id: lk for lk in busy if lk.load(model) <= limit}
+            if waitable:
+                deeper, held = self.prefixes.match(want.prefix, near.keys() | waitable.keys())
+                if deeper >= depth + PREFIX_WAIT_BLOCKS:  # only busy nodes hold that much of it
+                    self._wanted = min(held, key=lambda node_id: (waitable[node_id].load(model), node_id))
+                    return None
         if depth:
             # Several nodes hold the same prefix: the least loaded of them.
             low = min(near[node_id][0] for node_id in holders)
@@ -404,10 +441,13 @@ class RunService:
             if not queue:
                 continue
             for waiter in list(queue):
-                link = self._pick(waiter.want)
+                link = self._pick(waiter.want, wait_until=waiter.wait_until)
                 if link is None:
+                    if self._wanted is not None or waiter.wait_until <= trio.current_time():
+                        self._prefer(waiter, self._wanted)
                     continue
                 queue.remove(waiter)
+                self._prefer(waiter, None)
                 slot = self._reserve(link, waiter.want)
                 if waiter.run is not None:
                     self._dispatch(waiter.run, slot)
@@ -416,6 +456,25 @@ class RunService:
                     waiter.event.set()
                 if not any(lk.free_slots(model) > 0 for lk in self.links.values()):
                     return
+
+    def _prefer(self, waiter: _Waiter, node_id: str | None) -> None:
+        """``waiter`` now waits for ``node_id`` only (None: for any node)."""
+        if waiter.prefer == node_id:
+            return
+        counts = self._preferring[waiter.want.model]
+        if waiter.prefer is not None:
+            counts[waiter.prefer] -= 1
+            if counts[waiter.prefer] <= 0:
+                del counts[waiter.prefer]
+        if node_id is not None:
+            counts[node_id] += 1
+        waiter.prefer = node_id
+        self.demand_changed.unpark_all()
+
+    def _leave(self, queue: collections.deque[_Waiter], waiter: _Waiter) -> None:
+        _discard(queue, waiter)
+        self._prefer(waiter, None)
+        self.demand_changed.unpark_all()
 
     async def acquire(self, want: Want) -> Slot:
         """A slot on a node serving ``want.model``: at once if one is free,
@@ -435,22 +494,37 @@ class RunService:
                 raise errors.no_node(model, f"No linked node serving `{model}` allows passthrough.")
             raise errors.context_too_long(want.min_context, max(lk.models[model].context_window for lk in serving))
         queue = self._queues[model]
+        now = trio.current_time()
+        wait_until = now + self.config.prefix_wait_ms / 1000 if self.config.routing == "prefix" else 0.0
+        wanted = None
         if not queue and not self._moved.get(model):
-            link = self._pick(want)
+            link = self._pick(want, wait_until=wait_until)
             if link is not None:
                 return self._reserve(link, want)
+            wanted = self._wanted
         policy = self.config.policy(model)
         max_queue = self.config.max_queue if policy.max_queue is None else policy.max_queue
         timeout_ms = self.config.queue_timeout_ms if policy.queue_timeout_ms is None else policy.queue_timeout_ms
         retry_after = max(1, math.ceil(timeout_ms / 1000 / 4))
         if len(queue) >= max_queue:
+            if wanted is not None:  # no room to wait for its prefix's node: a free one after all
+                link = self._pick(want)
+                if link is not None:
+                    return self._reserve(link, want)
             raise errors.queue_rejected(model, "queue is full", retry_after)
-        waiter = _Waiter(want)
+        waiter = _Waiter(want, wait_until=wait_until)
         queue.append(waiter)
+        self._prefer(waiter, wanted)
         self._wake(model)  # a free node may fit this request though not the ones ahead of it
+        deadline = now + timeout_ms / 1000
         waited = False
         try:
-            with trio.move_on_after(timeout_ms / 1000):
+            if wait_until > now:
+                with trio.move_on_at(min(wait_until, deadline)):
+                    await waiter.event.wait()
+                if not waiter.event.is_set():
+                    self._wake(model)  # its time to wait for its prefix's node is up: any node now
+            with trio.move_on_at(deadline):
                 await waiter.event.wait()
             waited = True
         finally:
@@ -460,12 +534,10 @@ class RunService:
                 if waiter.slot is not None:
                     self.release(waiter.slot)
                 else:
-                    _discard(queue, waiter)
-                    self.demand_changed.unpark_all()
+                    self._leave(queue, waiter)
         if waiter.slot is not None:
             return waiter.slot
-        _discard(queue, waiter)
-        self.demand_changed.unpark_all()
+        self._leave(queue, waiter)
         if waiter.gone:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
