@@ -123,6 +123,16 @@ class EdgeMetrics:
             buckets=PREFIX_BLOCK_BUCKETS,
             registry=r,
         )
+        self.prefix_waits = Counter(
+            "iop_prefix_waits",
+            "Requests that waited for the busy node holding their prompt prefix (prefix_wait_ms), by how the "
+            "wait ended: there (a slot freed on that node), elsewhere (the wait ran out: another node)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("there", "elsewhere"):
+            self.prefix_waits.labels(outcome)
+        runs.on_prefix_wait.append(lambda there: self.prefix_waits.labels("there" if there else "elsewhere").inc())
         self.prefix_index_entries = Gauge(
             "iop_prefix_index_entries",
             "Prompt prefix blocks the edge remembers (prefix_index_entries caps it)",

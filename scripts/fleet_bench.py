@@ -222,12 +222,15 @@ def pct(values: list[float], p: float) -> float:
 
 
 def placements(edges: list[str]) -> dict[str, int]:
-    """How the edges chose nodes (iop_placements_total by how, summed over edges and workloads)."""
+    """How the edges chose nodes (iop_placements_total by how, iop_prefix_waits_total by outcome),
+    summed over edges and workloads."""
     out: dict[str, int] = {}
     for edge in edges:
         for line in httpx.get(edge + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("iop_placements_total{"):
-                how = line.split('how="', 1)[1].split('"', 1)[0]
+            if line.startswith(("iop_placements_total{", "iop_prefix_waits_total{")):
+                how = line.split('="', 1)[1].split('"', 1)[0]
+                if line.startswith("iop_prefix_waits"):
+                    how = "waited, " + how
                 out[how] = out.get(how, 0) + int(float(line.rsplit(" ", 1)[1]))
     return {how: n for how, n in out.items() if n}
 

@@ -205,6 +205,8 @@ async def test_a_request_waits_briefly_for_the_busy_node_holding_its_prefix(auto
     prefix_wait_ms) for a slot there rather than taking the free node that would
     prefill it all again; meanwhile it counts as demand to that node only."""
     runs, holder, other, want, held = await _busy_prefix_holder(prefix_wait_ms=250)
+    waits: list[bool] = []
+    runs.on_prefix_wait.append(waits.append)
     got: list = []
 
     async def ask() -> None:
@@ -219,7 +221,7 @@ async def test_a_request_waits_briefly_for_the_busy_node_holding_its_prefix(auto
         runs.release(next(s for s in held if s.link is holder))
     (slot, at) = got[0]
     assert slot.link is holder and at - start == pytest.approx(0.1)
-    assert runs.waiting_for("m", holder.node_id) == 0
+    assert runs.waiting_for("m", holder.node_id) == 0 and waits == [True]  # iop_prefix_waits_total{outcome="there"}
 
 
 async def test_the_wait_for_a_prefix_node_is_bounded_and_can_be_switched_off(autojump_clock):
@@ -227,10 +229,13 @@ async def test_the_wait_for_a_prefix_node_is_bounded_and_can_be_switched_off(aut
     prefix_wait_ms = 0 it takes it at once. A waiter that is cancelled is no one's demand."""
     for wait_ms in (250, 0):
         runs, holder, other, want, _ = await _busy_prefix_holder(prefix_wait_ms=wait_ms)
+        waits: list[bool] = []
+        runs.on_prefix_wait.append(waits.append)
         start = trio.current_time()
         slot = await runs.acquire(want)
         assert slot.link is other and trio.current_time() - start == pytest.approx(wait_ms / 1000)
         assert runs.waiting_for("m", holder.node_id) == 0
+        assert waits == ([False] if wait_ms else [])
     runs, holder, other, want, _ = await _busy_prefix_holder()
     with trio.move_on_after(0.05):
         await runs.acquire(want)

@@ -150,6 +150,9 @@ class RunService:
         self.on_placed: list[Callable[[str, int], None]] = []
         self._placed: tuple[str, int] = ("least_loaded", 0)  # set by _pick, read by the _reserve after it
         self._wanted: str | None = None  # set by _pick: the busy node it would rather wait for
+        # Called with True (placed on the node it waited for) or False (elsewhere, the wait
+        # over) when a request that waited for its prefix's node leaves the queue for a node.
+        self.on_prefix_wait: list[Callable[[bool], None]] = []
         # Per model: queued requests waiting for one node (its prefix's), by node id.
         self._preferring: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._run_closed = trio.lowlevel.ParkingLot()
@@ -447,7 +450,10 @@ class RunService:
                         self._prefer(waiter, self._wanted)
                     continue
                 queue.remove(waiter)
-                self._prefer(waiter, None)
+                if waiter.prefer is not None:
+                    for hook in self.on_prefix_wait:
+                        hook(link.node_id == waiter.prefer)
+                    self._prefer(waiter, None)
                 slot = self._reserve(link, waiter.want)
                 if waiter.run is not None:
                     self._dispatch(waiter.run, slot)
