@@ -14,6 +14,7 @@ from typing import NamedTuple
 import trio
 
 from edge.errors import APIError
+from edge.openai.direct import DirectBody
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
 
@@ -67,6 +68,7 @@ class Exchange:
         "scope",
         "_receive",
         "_send",
+        "_direct",
         "started",
         "finished",
         "status",
@@ -84,6 +86,7 @@ class Exchange:
         self.scope = scope
         self._receive = receive
         self._send = send
+        self._direct: DirectBody | bool | None = None  # found at the first write (False: none)
         self.started = False
         self.finished = False
         self.status = 0
@@ -150,6 +153,15 @@ class Exchange:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def write(self, data: bytes) -> None:
+        direct = self._direct
+        if direct is None:
+            direct = self._direct = DirectBody.find(self.scope, self._send) or False
+        if direct and data:
+            rest = direct.write(data)
+            if rest is not None:
+                if rest:
+                    await direct.send_rest(rest)
+                return
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, data: bytes = b"") -> None:

@@ -1,0 +1,110 @@
+"""Streamed chunks written straight to the client's socket (edge.openai.direct): the same bytes
+as through ASGI, on a kept-alive connection, and when the kernel takes only part of a write."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import h11
+import httpx
+import msgspec
+import trio
+
+from edge.openai import direct
+from tests.conftest import BOUND, model, start_edge, start_node
+
+STREAM = {"model": "m", "stream": True}
+
+
+class Spy:
+    """Counts what DirectBody.write did (the real method runs)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.whole = self.partial = self.declined = 0
+        write = direct.DirectBody.write
+
+        def counted(body, data: bytes) -> bytes | None:
+            rest = write(body, data)
+            if rest is None:
+                self.declined += 1
+            elif rest:
+                self.partial += 1
+            else:
+                self.whole += 1
+            return rest
+
+        monkeypatch.setattr(direct.DirectBody, "write", counted)
+
+
+def content_of(sse: bytes) -> str:
+    """The text of an SSE chat stream's content deltas; it must end with [DONE]."""
+    lines = [line for line in sse.split(b"\n") if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    text = []
+    for line in lines[:-1]:
+        for choice in msgspec.json.decode(line[6:])["choices"]:
+            text.append(choice["delta"].get("content") or "")
+    return "".join(text)
+
+
+async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nursery, upstream, monkeypatch):
+    """Two streams, one after the other on one kept-alive connection: each arrives whole and
+    well framed (httpx parses the chunked body), and their middle chunks took the direct path."""
+    spy = Spy(monkeypatch)
+    words = [f"w{i} " for i in range(40)]
+    upstream.script_for(
+        "m-target",
+        [*(step for w in words for step in (("chunk", {"content": w}), ("sleep", 0.002)))]
+        + [("chunk", {}, "stop"), ("done",)],
+    )
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream)])
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
+            for _ in range(2):
+                r = await client.post(
+                    "/v1/chat/completions", json={**STREAM, "messages": [{"role": "user", "content": "x"}]}
+                )
+                assert r.status_code == 200 and content_of(r.content) == "".join(words)
+    assert spy.whole >= 20
+
+
+async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery, upstream, monkeypatch):
+    """8 MB of deltas to a client with a small receive window that reads only after a pause:
+    the kernel's send buffer fills, writes are taken in part or declined and finish the ASGI
+    way, and the client still reads one well-formed chunked body with the exact text."""
+    spy = Spy(monkeypatch)
+    rng = random.Random(7)
+    pieces = [rng.choice("abcdefghij") * rng.randint(1_000, 16_000) for _ in range(900)]
+    upstream.script_for("m-target", [*(("chunk", {"content": p}) for p in pieces), ("chunk", {}, "stop"), ("done",)])
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream)])
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
+    client = h11.Connection(h11.CLIENT)
+    received = bytearray()
+    with trio.fail_after(BOUND * 2):
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        request = h11.Request(
+            method="POST",
+            target="/v1/chat/completions",
+            headers=[("host", host), ("content-type", "application/json"), ("content-length", str(len(body)))],
+        )
+        await sock.send(client.send(request) + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage()))
+        await trio.sleep(1.0)  # not reading: the edge's writes pile up in the kernel
+        while True:
+            event = client.next_event()
+            if event is h11.NEED_DATA:
+                client.receive_data(await sock.recv(65536))
+            elif isinstance(event, h11.Response):
+                assert event.status_code == 200
+            elif isinstance(event, h11.Data):
+                received += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+        sock.close()
+    assert content_of(bytes(received)) == "".join(pieces)
+    assert spy.whole and spy.partial + spy.declined  # both ways were taken
