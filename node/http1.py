@@ -26,6 +26,7 @@ at once, so a busy server's tokens arrive together).
 from __future__ import annotations
 
 import contextlib
+import math
 import select
 import socket
 import ssl
@@ -121,13 +122,14 @@ class _Connection:
 class Response:
     """A response whose head has arrived; ``read()`` the body."""
 
-    __slots__ = ("status", "headers", "_conn", "_timeout", "_mode", "_left", "_trailer", "done", "keep_alive")
+    __slots__ = ("status", "headers", "_conn", "_timeout", "_mode", "_left", "_trailer", "done", "keep_alive", "_idle")
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]], timeout: float) -> None:
         self.status = status
         self.headers = headers
         self._conn = conn
         self._timeout = timeout
+        self._idle: trio.CancelScope | None = None  # while inside reading(): the reads' timeout
         self.done = False
         self._trailer = False
         self._left = 0  # _LENGTH: body bytes to come; _CHUNKED: of this chunk, with its CRLF
@@ -154,8 +156,26 @@ class Response:
         else:
             self._mode, self.keep_alive = _CLOSE, False
 
+    def reading(self) -> _Reading:
+        """Wrap a loop of :meth:`read` calls in this (``with``): each read then
+        arms one scope's deadline while it waits for bytes, rather than
+        opening a cancel scope of its own (the streaming hot path: one read
+        per token). :class:`ReadTimeout` when the read timeout passes."""
+        return _Reading(self)
+
     async def _recv(self) -> bytes:
         conn = self._conn
+        idle = self._idle
+        if idle is not None:
+            idle.deadline = trio.current_time() + self._timeout
+            try:
+                if conn.plain:
+                    return await conn.sock.recv(READ_SIZE)
+                return await conn.stream.receive_some(READ_SIZE)
+            except (trio.BrokenResourceError, OSError) as e:
+                raise RemoteProtocolError(f"connection lost: {e}") from None
+            finally:
+                idle.deadline = math.inf  # what the caller does between reads is not timed
         with trio.move_on_after(self._timeout) as scope:
             try:
                 if conn.plain:
@@ -234,6 +254,27 @@ class Response:
                 self._left = size + 2
         self._conn.buf = buf[pos:]
         return out[0] if len(out) == 1 else b"".join(out)
+
+
+class _Reading:
+    """:meth:`Response.reading`: a cancel scope whose deadline the reads inside it arm."""
+
+    __slots__ = ("_response", "_scope")
+
+    def __init__(self, response: Response) -> None:
+        self._response = response
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+        self._response._idle = self._scope
+
+    def __exit__(self, etype, exc, tb) -> bool:
+        self._response._idle = None
+        swallowed = self._scope.__exit__(etype, exc, tb)
+        if self._scope.cancelled_caught:  # only a read's deadline cancels it
+            raise ReadTimeout("no bytes from the server in the read timeout")
+        return swallowed
 
 
 class Client:

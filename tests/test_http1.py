@@ -182,6 +182,31 @@ async def test_timeouts_and_refusals_are_named_errors(serve):
         await body_of(http1.Client(f"http://127.0.0.1:{port}"))
 
 
+async def test_reads_inside_reading_time_only_the_wait_for_bytes(serve):
+    """Inside ``reading()`` (the streaming relay's hot path, one scope for all reads) a server
+    that stops sending is a ReadTimeout after the read timeout, while the caller's own time
+    between reads, longer than that timeout, is not counted."""
+
+    async def stalls(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await trio.sleep(0.6)
+        await stream.send_all(b"6\r\nsecond\r\n")
+        await trio.sleep_forever()
+
+    server, _ = await serve(stalls)
+    client = http1.Client(f"http://127.0.0.1:{server.port}/v1", read_timeout=0.4)
+    got: list[bytes] = []
+    with trio.fail_after(BOUND), pytest.raises(http1.ReadTimeout):
+        async with client.request("POST", "/chat/completions", b"{}") as r:
+            with r.reading():
+                got.append(await r.read())
+                await trio.sleep(0.5)  # the caller's time: not a read timeout
+                got.append(await r.read())
+                await r.read()  # the server says nothing more
+    assert got == [b"first", b"second"]
+    await client.aclose()
+
+
 async def test_a_malformed_response_is_a_protocol_error(serve):
     _, client = await serve(
         b"SMTP ready\r\n\r\n", CHUNKED_HEAD + b"zz\r\n", b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\nabc"

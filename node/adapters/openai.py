@@ -151,71 +151,72 @@ class OpenAIAdapter:
     async def _relay(self, response: http1.Response, sink: Sink) -> None:
         """Relay the event stream. Text of one kind that arrived in one read is
         one event: a busy server's tokens travel together (never waited for)."""
-        parser = SSEParser()
-        finish_reason = ""
-        usage: Usage | None = None
-        calls: dict[int, ToolCall] = {}
-        while data := await response.read():
-            kind = 0
-            texts: list[str] = []
-            for payload in parser.feed(data):
-                if payload == b"[DONE]":
-                    if texts:
-                        await _emit(sink, kind, texts)
-                        texts = []
-                    await sink.complete(finish_reason or "stop", _ordered(calls), usage)
-                    with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
-                        while await response.read():
-                            pass
-                    return
-                try:
-                    chunk = _decode_chunk(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    chunk = None
-                if chunk is None or chunk.error is not None:
-                    if texts:
-                        await _emit(sink, kind, texts)
-                    if chunk is None:
-                        self._log_failure("undecodable chunk")
-                        await sink.error(f"upstream sent an undecodable chunk: {payload[:200]!r}")
-                    else:
-                        self._log_failure("error chunk")
-                        error = chunk.error
-                        message = error.get("message") if isinstance(error, dict) else error
-                        await sink.error(f"upstream error: {message}")
-                    return
-                if chunk.usage is not None:
-                    usage = _usage(chunk.usage)
-                for choice in chunk.choices:
-                    if choice.index != 0:
-                        continue
-                    delta = choice.delta
-                    if delta is not None:
-                        reasoning = delta.reasoning_content or delta.reasoning
-                        if reasoning:
-                            if kind != _REASONING and texts:
-                                await _emit(sink, kind, texts)
-                                texts = []
-                            kind = _REASONING
-                            texts.append(reasoning)
-                        if delta.content:
-                            if kind != _CONTENT and texts:
-                                await _emit(sink, kind, texts)
-                                texts = []
-                            kind = _CONTENT
-                            texts.append(delta.content)
-                        if delta.tool_calls:
-                            _merge_tool_calls(calls, delta.tool_calls)
-                    if choice.finish_reason:
-                        finish_reason = choice.finish_reason
-            if texts:
-                await _emit(sink, kind, texts)
-        # The body ended without [DONE]: still an answer if it said why it stopped.
-        if finish_reason:
-            await sink.complete(finish_reason, _ordered(calls), usage)
-        else:
-            self._log_failure("stream closed before it finished")
-            await sink.error("upstream closed the stream before it finished")
+        with response.reading():  # one timeout scope for every read of the stream
+            parser = SSEParser()
+            finish_reason = ""
+            usage: Usage | None = None
+            calls: dict[int, ToolCall] = {}
+            while data := await response.read():
+                kind = 0
+                texts: list[str] = []
+                for payload in parser.feed(data):
+                    if payload == b"[DONE]":
+                        if texts:
+                            await _emit(sink, kind, texts)
+                            texts = []
+                        await sink.complete(finish_reason or "stop", _ordered(calls), usage)
+                        with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
+                            while await response.read():
+                                pass
+                        return
+                    try:
+                        chunk = _decode_chunk(payload)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        chunk = None
+                    if chunk is None or chunk.error is not None:
+                        if texts:
+                            await _emit(sink, kind, texts)
+                        if chunk is None:
+                            self._log_failure("undecodable chunk")
+                            await sink.error(f"upstream sent an undecodable chunk: {payload[:200]!r}")
+                        else:
+                            self._log_failure("error chunk")
+                            error = chunk.error
+                            message = error.get("message") if isinstance(error, dict) else error
+                            await sink.error(f"upstream error: {message}")
+                        return
+                    if chunk.usage is not None:
+                        usage = _usage(chunk.usage)
+                    for choice in chunk.choices:
+                        if choice.index != 0:
+                            continue
+                        delta = choice.delta
+                        if delta is not None:
+                            reasoning = delta.reasoning_content or delta.reasoning
+                            if reasoning:
+                                if kind != _REASONING and texts:
+                                    await _emit(sink, kind, texts)
+                                    texts = []
+                                kind = _REASONING
+                                texts.append(reasoning)
+                            if delta.content:
+                                if kind != _CONTENT and texts:
+                                    await _emit(sink, kind, texts)
+                                    texts = []
+                                kind = _CONTENT
+                                texts.append(delta.content)
+                            if delta.tool_calls:
+                                _merge_tool_calls(calls, delta.tool_calls)
+                        if choice.finish_reason:
+                            finish_reason = choice.finish_reason
+                if texts:
+                    await _emit(sink, kind, texts)
+            # The body ended without [DONE]: still an answer if it said why it stopped.
+            if finish_reason:
+                await sink.complete(finish_reason, _ordered(calls), usage)
+            else:
+                self._log_failure("stream closed before it finished")
+                await sink.error("upstream closed the stream before it finished")
 
 
 async def _emit(sink: Sink, kind: int, texts: list[str]) -> None:
