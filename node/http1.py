@@ -119,6 +119,9 @@ class _Connection:
         return bool(poll.poll(0))
 
 
+_TIMED_OUTSIDE = contextlib.nullcontext()  # a read inside Response.reading(): its scope times it
+
+
 class Response:
     """A response whose head has arrived; ``read()`` the body."""
 
@@ -166,25 +169,22 @@ class Response:
     async def _recv(self) -> bytes:
         conn = self._conn
         idle = self._idle
-        if idle is not None:
+        if idle is None:
+            timer = trio.move_on_after(self._timeout)
+        else:  # inside reading(): arm its deadline for this wait only
+            timer = _TIMED_OUTSIDE
             idle.deadline = trio.current_time() + self._timeout
-            try:
+        try:
+            with timer:
                 if conn.plain:
                     return await conn.sock.recv(READ_SIZE)
                 return await conn.stream.receive_some(READ_SIZE)
-            except (trio.BrokenResourceError, OSError) as e:
-                raise RemoteProtocolError(f"connection lost: {e}") from None
-            finally:
+        except (trio.BrokenResourceError, OSError) as e:
+            raise RemoteProtocolError(f"connection lost: {e}") from None
+        finally:
+            if idle is not None:
                 idle.deadline = math.inf  # what the caller does between reads is not timed
-        with trio.move_on_after(self._timeout) as scope:
-            try:
-                if conn.plain:
-                    return await conn.sock.recv(READ_SIZE)
-                return await conn.stream.receive_some(READ_SIZE)
-            except (trio.BrokenResourceError, OSError) as e:
-                raise RemoteProtocolError(f"connection lost: {e}") from None
-        assert scope.cancelled_caught
-        raise ReadTimeout("no bytes from the server in the read timeout")
+        raise ReadTimeout("no bytes from the server in the read timeout")  # our own timer fired
 
     async def read(self) -> bytes:
         """The next body bytes: everything received so far, at least one byte; b"" at the end."""
