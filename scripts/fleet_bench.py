@@ -2,7 +2,7 @@
 
     python scripts/fleet_bench.py [--edges 1,2] [--policies random,least_loaded,session,prefix]
                                   [--conversations 64] [--turns 8] [--group 8] [--system-tokens 2000]
-                                  [--independent 256] [--hot 32]
+                                  [--independent 256] [--hot 32] [--prefix-wait-ms MS]
 
 Everything runs in one process tree on this machine (scripts/stack.py): for
 each routing policy and edge count, a fresh fleet of --nodes sim nodes (their
@@ -24,7 +24,9 @@ oracle hit ratio (one node with an unlimited cache, replaying the requests in
 the order they were sent), time to the first content chunk as the client sees
 it (p50/p99), and node load: runs on the busiest node over the mean, and the
 most runs any node had at once. A policy this edge does not know (its config
-has no such ``routing``) prints n/a.
+has no such ``routing``) prints n/a. Each fleet's placements
+(``iop_placements_total``) and prefix waits (``iop_prefix_waits_total``),
+summed over its edges, go to stderr as it ends.
 """
 
 from __future__ import annotations
