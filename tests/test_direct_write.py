@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import socket
+from pathlib import Path
 
 import h11
 import httpx
@@ -15,6 +16,9 @@ from edge.openai import direct
 from tests.conftest import BOUND, model, start_edge, start_node
 
 STREAM = {"model": "m", "stream": True}
+# The most a socket's send buffer grows to here (autotuning): a slow reader's stream must
+# outgrow it for the kernel to take a write only in part.
+SEND_BUFFER_MAX = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
 
 
 class Spy:
@@ -71,12 +75,14 @@ async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nu
 
 
 async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery, upstream, monkeypatch):
-    """8 MB of deltas to a client with a small receive window that reads only after a pause:
-    the kernel's send buffer fills, writes are taken in part or declined and finish the ASGI
+    """8 MB of deltas (at least twice the largest send buffer) to a client with a small receive
+    window that reads only after a pause: the kernel's send buffer fills, writes are taken in part or declined and finish the ASGI
     way, and the client still reads one well-formed chunked body with the exact text."""
     spy = Spy(monkeypatch)
     rng = random.Random(7)
-    pieces = [rng.choice("abcdefghij") * rng.randint(1_000, 16_000) for _ in range(900)]
+    pieces: list[str] = []
+    while sum(map(len, pieces)) < max(2 * SEND_BUFFER_MAX, 8_000_000):
+        pieces.append(rng.choice("abcdefghij") * rng.randint(1_000, 16_000))
     upstream.script_for("m-target", [*(("chunk", {"content": p}) for p in pieces), ("chunk", {}, "stop"), ("done",)])
     edge = await start_edge(nursery)
     await start_node(nursery, edge, [model("m", upstream)])
