@@ -15,7 +15,7 @@ import sys
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
-# structlog.processors.dict_tracebacks, but without locals (show_locals=True there).
+# Like structlog.processors.dict_tracebacks (whose default renders each frame's locals), with locals off.
 _DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 
 
