@@ -242,6 +242,34 @@ async def test_the_wait_for_a_prefix_node_is_bounded_and_can_be_switched_off(aut
     assert runs.waiting_for("m", holder.node_id) == 0 and runs.queue_depth("m") == 0
 
 
+async def test_requests_waiting_for_a_busy_node_cost_nothing_while_it_stays_busy(autojump_clock, monkeypatch):
+    """200 requests wait for the busy node holding their (2,048-block) prefix: slots coming and
+    going on the other node look at none of their prompts (no prefix matching per waiter on each
+    wake, which made every slot change cost O(queue x prompt))."""
+    runs, holder, other, want, held = await _busy_prefix_holder(prefix_wait_ms=250, max_queue=1000)
+    long = Want("m", prefix=chain(("system", SYSTEM), ("user", "y" * 600_000)))
+    runs.prefixes.record(long.prefix, holder.node_id)
+    matches = 0
+    match = runs.prefixes.match
+
+    def counted(chain, candidates):
+        nonlocal matches
+        matches += 1
+        return match(chain, candidates)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(200):
+            nursery.start_soon(runs.acquire, long)
+        await trio.sleep(0.01)
+        assert runs.waiting_for("m", holder.node_id) == 200 and runs.waiting_for("m", other.node_id) == 0
+        monkeypatch.setattr(runs.prefixes, "match", counted)
+        for _ in range(20):
+            runs.release(next(s for s in held if s.link is other and not s.released))
+            held.append(await runs.acquire(Want("m")))  # no prefix: takes the freed slot
+        assert matches == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_session_id_beats_the_prefix(autojump_clock):
     """A session placed on one node stays there even when another node holds its prompt's prefix."""
     runs, links = fleet(2)

@@ -444,24 +444,34 @@ class RunService:
             if not queue:
                 continue
             for waiter in list(queue):
-                link = self._pick(waiter.want, wait_until=waiter.wait_until)
-                if link is None:
-                    if self._wanted is not None or waiter.wait_until <= trio.current_time():
-                        self._prefer(waiter, self._wanted)
-                    continue
-                queue.remove(waiter)
-                if waiter.prefer is not None:
-                    for hook in self.on_prefix_wait:
-                        hook(link.node_id == waiter.prefer)
-                    self._prefer(waiter, None)
-                slot = self._reserve(link, waiter.want)
-                if waiter.run is not None:
-                    self._dispatch(waiter.run, slot)
-                else:
-                    waiter.slot = slot
-                    waiter.event.set()
-                if not any(lk.free_slots(model) > 0 for lk in self.links.values()):
+                if self._place(queue, waiter) and not any(lk.free_slots(model) > 0 for lk in self.links.values()):
                     return
+
+    def _place(self, queue: collections.deque[_Waiter], waiter: _Waiter) -> bool:
+        """Give ``waiter`` a slot if :meth:`_pick` finds one for it now."""
+        if waiter.prefer is not None and trio.current_time() < waiter.wait_until:
+            # Still waiting for its prefix's node: nothing to look at while that
+            # node has no free slot (O(1) per waiter, however long the queue or prompt).
+            preferred = self.links.get(waiter.prefer)
+            if preferred is not None and preferred.free_slots(waiter.want.model) <= 0:
+                return False
+        link = self._pick(waiter.want, wait_until=waiter.wait_until)
+        if link is None:
+            if self._wanted is not None or waiter.wait_until <= trio.current_time():
+                self._prefer(waiter, self._wanted)
+            return False
+        queue.remove(waiter)
+        if waiter.prefer is not None:
+            for hook in self.on_prefix_wait:
+                hook(link.node_id == waiter.prefer)
+            self._prefer(waiter, None)
+        slot = self._reserve(link, waiter.want)
+        if waiter.run is not None:
+            self._dispatch(waiter.run, slot)
+        else:
+            waiter.slot = slot
+            waiter.event.set()
+        return True
 
     def _prefer(self, waiter: _Waiter, node_id: str | None) -> None:
         """``waiter`` now waits for ``node_id`` only (None: for any node)."""
@@ -528,8 +538,8 @@ class RunService:
             if wait_until > now:
                 with trio.move_on_at(min(wait_until, deadline)):
                     await waiter.event.wait()
-                if not waiter.event.is_set():
-                    self._wake(model)  # its time to wait for its prefix's node is up: any node now
+                if not waiter.event.is_set():  # still queued (leaving the queue sets it)
+                    self._place(queue, waiter)  # its time to wait for its prefix's node is up: any node now
             with trio.move_on_at(deadline):
                 await waiter.event.wait()
             waited = True
