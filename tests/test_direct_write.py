@@ -13,7 +13,7 @@ import msgspec
 import trio
 
 from edge.openai import direct
-from tests.conftest import BOUND, model, start_edge, start_node
+from tests.conftest import BOUND, model, sse_events, start_edge, start_node
 
 STREAM = {"model": "m", "stream": True}
 # The most a socket's send buffer grows to here (autotuning): a slow reader's stream must
@@ -43,13 +43,13 @@ class Spy:
 
 def content_of(sse: bytes) -> str:
     """The text of an SSE chat stream's content deltas; it must end with [DONE]."""
-    lines = [line for line in sse.split(b"\n") if line.startswith(b"data: ")]
-    assert lines[-1] == b"data: [DONE]"
-    text = []
-    for line in lines[:-1]:
-        for choice in msgspec.json.decode(line[6:])["choices"]:
-            text.append(choice["delta"].get("content") or "")
-    return "".join(text)
+    events = sse_events(sse)
+    assert events[-1] == b"[DONE]"
+    return "".join(
+        choice["delta"].get("content") or ""
+        for event in events[:-1]
+        for choice in msgspec.json.decode(event)["choices"]
+    )
 
 
 async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nursery, upstream, monkeypatch):
