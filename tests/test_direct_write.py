@@ -114,3 +114,32 @@ async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery,
         sock.close()
     assert content_of(bytes(received)) == "".join(pieces)
     assert spy.whole and spy.partial + spy.declined  # both ways were taken
+
+
+async def test_an_http_1_0_client_gets_its_stream_unframed(nursery, upstream, monkeypatch):
+    """HTTP/1.0 has no chunked encoding: the body is delimited by the connection's close, so
+    nothing may be chunk-framed; such a stream goes the ASGI way and arrives as plain SSE."""
+    spy = Spy(monkeypatch)
+    words = [f"w{i} " for i in range(20)]
+    upstream.script_for(
+        "m-target",
+        [*(step for w in words for step in (("chunk", {"content": w}), ("sleep", 0.002)))]
+        + [("chunk", {}, "stop"), ("done",)],
+    )
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream)])
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.0\r\nhost: %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (host.encode(), len(body), body)
+        )
+        raw = b""
+        while not raw.endswith(b"data: [DONE]\n\n"):
+            raw += await stream.receive_some(65536)
+        await stream.aclose()
+    head, _, sse = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"200" and b"transfer-encoding" not in head.lower()
+    assert content_of(sse) == "".join(words) and spy.whole == spy.partial == 0
