@@ -30,6 +30,7 @@ from proto import (
     Hello,
     Load,
     Ping,
+    Placed,
     Pong,
     RunRequest,
     TunnelFrame,
@@ -119,6 +120,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
             info.max_concurrency = config.max_node_concurrency
 
     link = NodeLink(hello.node_id, hello.models, grants={})  # the node's grants follow
+    link.relays_prefixes = hello.relays_prefixes
     await websocket.send(
         encode_frame(
             Welcome(
@@ -126,6 +128,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
                 protocol=PROTOCOL_VERSION,
                 ping_interval_s=config.ping_interval_s,
                 max_frame_bytes=config.max_frame_bytes,
+                wants_prefixes=config.routing == "prefix",
             )
         )
     )
@@ -182,6 +185,10 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                     link.set_engine(engine)
                 if draining != link.draining:
                     service.set_draining(link, draining)
+            case Placed(model=model, prefix=prefix):
+                if model not in link.models:
+                    raise LinkProtocolError(f"placed frame for model {model!r} the node does not serve")
+                service.placed_elsewhere(link, prefix)
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
                 if run is not None:

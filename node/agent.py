@@ -57,6 +57,7 @@ from proto import (
     Load,
     ModelInfo,
     Ping,
+    Placed,
     Pong,
     RunEvent,
     RunRequest,
@@ -187,6 +188,7 @@ class EdgeLink:
         self.ping_interval = max(welcome.ping_interval_s, _MIN_PING_INTERVAL_S)
         self.ping_timeout = self.ping_interval * max(agent.config.ping_misses, 1)
         self.edge_id = welcome.edge_id
+        self.wants_prefixes = welcome.wants_prefixes
         self.runs: dict[str, trio.CancelScope] = {}
         self.counted: dict[str, str] = {}  # run id -> model: runs holding a slot of this edge's grant
         self._early: dict[str, None] = {}  # run ids cancelled before they arrived, oldest first
@@ -306,6 +308,8 @@ class EdgeLink:
             refusal = None if allowed else f"this node does not allow passthrough for model {request.model!r}"
             work = partial(adapter.tunnel, request, sink) if allowed else None
         if refusal is None:
+            if isinstance(request, RunRequest) and request.prefix:
+                self.agent.placed(self, request.model, request.prefix)
             if self.agent.grants[request.model].start(self):
                 self.counted[request.run_id] = request.model
             else:
@@ -443,6 +447,17 @@ class NodeAgent:
         for link, grant in self.grants[model].rebalance():
             link.outbox.grant(grant)
 
+    def placed(self, origin: EdgeLink, model: str, prefix: list[int]) -> None:
+        """``origin``'s edge sent a run with this prefix chain here: tell the
+        other edges that route by prefix, so that all of them send the
+        conversation's next turn to this node (each edge otherwise knows only
+        the turns it placed itself)."""
+        frame = None
+        for link in self.links.values():
+            if link is not origin and link.wants_prefixes:
+                frame = frame or Placed(model=model, prefix=prefix)
+                link.outbox.hint(frame)
+
     def _engine_changed(self, model: str, load: EngineLoad) -> None:
         """Tell every linked edge (a link whose control queue is full is stuck:
         its liveness check decides, and a new link gets the whole view)."""
@@ -560,7 +575,13 @@ class NodeAgent:
         cfg = self.config
         await ws.send_message(
             encode_frame(
-                Hello(node_id=cfg.node_id, protocol=PROTOCOL_VERSION, models=self.models, software=f"iop {__version__}")
+                Hello(
+                    node_id=cfg.node_id,
+                    protocol=PROTOCOL_VERSION,
+                    models=self.models,
+                    software=f"iop {__version__}",
+                    relays_prefixes=True,
+                )
             )
         )
         with trio.fail_after(cfg.hello_timeout_s):

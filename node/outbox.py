@@ -15,7 +15,9 @@ Nothing else ever waits for the network:
   ``budget`` bytes. Run tasks wait while too much is pending. Text of a run
   that arrives while its previous delta is still pending joins that delta
   (up to :data:`MAX_JOINED` bytes): when the link is the bottleneck, tokens
-  travel together instead of queueing one event each.
+  travel together instead of queueing one event each;
+- ``placed`` hints (another edge's run went here) go with the next batch; at
+  most :data:`MAX_HINTS` wait, the oldest dropped first.
 
 Sizes are upper bounds estimated where an event is made, never measured by
 encoding: :func:`text_bytes` counts one byte per character of an ASCII
@@ -30,7 +32,7 @@ from collections import deque
 
 import trio
 
-from proto import Events, Grant, Load, Ping, Pong, RunEvent, ToolCall, TunnelFrame
+from proto import Events, Grant, Load, Ping, Placed, Pong, RunEvent, ToolCall, TunnelFrame
 
 FRAME_MARGIN = 4096  # below the edge's limit: the frame's own keys, with room to spare
 EVENT_OVERHEAD = 128  # one run event's keys, type, seq, status and msgpack headers
@@ -40,6 +42,7 @@ HEADER_OVERHEAD = 16  # one tunnelled header pair's msgpack headers
 MAX_CONTROL = 16  # control frames waiting for the sender
 MIN_BUDGET = 1024  # an absurdly small limit from an edge must not split text into single characters
 MAX_JOINED = 16 * 1024  # a pending delta grows by later text of its run up to this (bounds the copying)
+MAX_HINTS = 256  # ``placed`` frames waiting for the sender; the oldest is dropped (a hint, not a duty)
 
 ControlFrame = Pong | Ping | Load | Grant
 
@@ -100,6 +103,7 @@ class Outbox:
         self._events: list[RunEvent] = []
         self._sizes: list[int] = []
         self._tunnel: list[TunnelFrame] = []
+        self._hints: deque[Placed] = deque(maxlen=MAX_HINTS)
         self._bytes = 0  # estimated, of the pending events and tunnel frames
         self._busy = False  # the sender holds frames it has not sent yet
         self.generation = 0  # counts take()s: an event queued in this generation is still pending
@@ -119,6 +123,14 @@ class Outbox:
     def grant(self, frame: Grant) -> None:
         """Queue a grant, replacing an unsent one of the same model."""
         self._grants[frame.model] = frame
+        self._wakeup.unpark_all()
+
+    def hint(self, frame: Placed) -> None:
+        """Queue a ``placed`` hint (dropping the oldest waiting one when full;
+        one that would not fit a frame is not sent at all)."""
+        if EVENT_OVERHEAD + text_bytes(frame.model) + 9 * len(frame.prefix) > self.budget:
+            return
+        self._hints.append(frame)
         self._wakeup.unpark_all()
 
     async def control(self, frame: ControlFrame) -> None:
@@ -165,13 +177,13 @@ class Outbox:
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent."""
-        while self._grants or self._control or self._events or self._tunnel or self._busy:
+        while self._grants or self._control or self._events or self._tunnel or self._hints or self._busy:
             await self._progress.park()
 
     # -- the sender ---------------------------------------------------------
 
     async def wait(self) -> None:
-        while not (self._grants or self._control or self._events or self._tunnel):
+        while not (self._grants or self._control or self._events or self._tunnel or self._hints):
             await self._wakeup.park()
 
     def next_control(self) -> ControlFrame | None:
@@ -184,20 +196,23 @@ class Outbox:
         self._progress.unpark_all()
         return frame
 
-    def take(self) -> list[Events | TunnelFrame]:
-        """Every pending event and tunnel frame, as frames under the budget.
+    def take(self) -> list[Events | TunnelFrame | Placed]:
+        """Every pending event, tunnel frame and hint, as frames under the budget.
         The outbox counts as busy until :meth:`done`."""
         events, sizes, tunnel, pending_bytes = self._events, self._sizes, self._tunnel, self._bytes
         self._events, self._sizes, self._tunnel, self._bytes = [], [], [], 0
         self.generation += 1
         self._busy = True
         self._progress.unpark_all()
-        frames: list[Events | TunnelFrame] = []
+        frames: list[Events | TunnelFrame | Placed] = []
         if events and pending_bytes <= self.budget:  # the common case: one frame, no event looked at
             frames.append(Events(events=events))
         elif events:
             frames.extend(Events(events=batch) for batch in pack(events, sizes, self.budget))
         frames.extend(tunnel)
+        if self._hints:
+            frames.extend(self._hints)
+            self._hints.clear()
         return frames
 
     def done(self) -> None:

@@ -7,6 +7,7 @@ See ``PROTOCOL.md`` beside this file for a language-neutral description.
 """
 
 from proto.frames import (
+    MAX_PREFIX_BLOCKS,
     PROTOCOL_VERSION,
     CancelRun,
     Demand,
@@ -18,6 +19,7 @@ from proto.frames import (
     Load,
     ModelInfo,
     Ping,
+    Placed,
     Pong,
     RunEvent,
     RunRequest,
@@ -32,6 +34,7 @@ from proto.frames import (
 )
 
 __all__ = [
+    "MAX_PREFIX_BLOCKS",
     "PROTOCOL_VERSION",
     "CancelRun",
     "Demand",
@@ -43,6 +46,7 @@ __all__ = [
     "Load",
     "ModelInfo",
     "Ping",
+    "Placed",
     "Pong",
     "RunEvent",
     "RunRequest",

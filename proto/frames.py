@@ -7,11 +7,16 @@ New fields always get defaults so that older peers keep decoding newer frames
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 PROTOCOL_VERSION = 2  # 2: capacity shared across edges (grant, demand)
+MAX_PREFIX_BLOCKS = 2048  # keys in a prompt's prefix chain (``run`` and ``placed``)
+
+# A prompt's prefix chain: 60-bit block keys, each covering the prompt up to its block's end.
+PrefixKey = Annotated[int, msgspec.Meta(ge=0, lt=1 << 60)]
+PrefixChain = Annotated[list[PrefixKey], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
 
 # Run event types.
 DELTA = "delta"
@@ -80,6 +85,7 @@ class Hello(_Frame, tag="hello"):
     protocol: int
     models: list[ModelInfo]
     software: str = ""
+    relays_prefixes: bool = False  # tells every other edge that asked for it where a prefix went (``placed``)
 
 
 class Events(_Frame, tag="events"):
@@ -105,6 +111,14 @@ class Load(_Frame, tag="load"):
 
 class Pong(_Frame, tag="pong"):
     ts: float = 0.0
+
+
+class Placed(_Frame, tag="placed"):
+    """Another edge sent this node a run of ``model`` whose prompt has this
+    prefix chain: the node's model server now holds (or is computing) it."""
+
+    model: str
+    prefix: PrefixChain
 
 
 class Grant(_Frame, tag="grant"):
@@ -134,6 +148,7 @@ class Welcome(_Frame, tag="welcome"):
     protocol: int
     ping_interval_s: float
     max_frame_bytes: int = 0  # the largest message the edge accepts; 0: unknown (use the node's own limit)
+    wants_prefixes: bool = False  # send this edge ``placed`` for other edges' runs (it routes by prefix)
 
 
 class RunRequest(_Frame, tag="run"):
@@ -145,6 +160,7 @@ class RunRequest(_Frame, tag="run"):
     request: dict[str, Any]
     timeout_s: float  # the whole run's remaining budget, relative
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    prefix: PrefixChain | None = None  # the prompt's prefix chain, for a node that relays them
 
 
 class TunnelRequest(_Frame, tag="tunnel"):
@@ -179,7 +195,7 @@ class Demand(_Frame, tag="demand"):
     seq: int = 0
 
 
-NodeFrame = Hello | Events | Load | Pong | Grant | TunnelFrame
+NodeFrame = Hello | Events | Load | Pong | Grant | TunnelFrame | Placed
 EdgeFrame = Welcome | RunRequest | TunnelRequest | CancelRun | Ping | Demand
 Frame = NodeFrame | EdgeFrame
 

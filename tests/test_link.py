@@ -9,7 +9,19 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
-from proto import PROTOCOL_VERSION, Events, Grant, Hello, ModelInfo, RunEvent, Welcome, decode_frame, encode_frame
+from proto import (
+    MAX_PREFIX_BLOCKS,
+    PROTOCOL_VERSION,
+    Events,
+    Grant,
+    Hello,
+    ModelInfo,
+    Placed,
+    RunEvent,
+    Welcome,
+    decode_frame,
+    encode_frame,
+)
 from scripts.upstream import words
 from tests.conftest import (
     BOUND,
@@ -199,6 +211,31 @@ async def test_events_for_a_foreign_run_close_only_that_link(edge, node, upstrea
         async with http(edge) as client:
             r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 1})
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [Placed(model="not-served", prefix=[1, 2]), Placed(model="m", prefix=list(range(MAX_PREFIX_BLOCKS + 1)))],
+    ids=["unknown-model", "chain-too-long"],
+)
+async def test_a_bad_placed_hint_closes_only_that_link(edge, node, frame):
+    """A ``placed`` hint for a model the node does not serve, or with a chain longer than
+    any prompt's, closes that link with 4003; the edge's index is untouched and it serves on."""
+
+    async def liar(ws):
+        await ws.send_message(hello(node_id="liar"))
+        await ws.get_message()
+        await ws.send_message(encode_frame(frame))
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, liar, node_id="liar")
+        assert closed.reason.code == 4003
+        await eventually(lambda: "liar" not in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 1})
+    assert r.status_code == 200
+    assert len(edge.edge.runs.prefixes) == 1  # only the request's own prompt
 
 
 async def test_garbage_frame_closes_the_link(edge):

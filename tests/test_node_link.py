@@ -18,6 +18,7 @@ from proto import (
     CancelRun,
     Events,
     Ping,
+    Placed,
     RunRequest,
     ToolCall,
     ToolCallFunction,
@@ -290,3 +291,23 @@ async def test_outbox_frames_stay_under_the_budget_with_any_text():
     assert got["r0"][-1].type == "error" and got["r0"][-1].text == "run output too large to relay"
     assert got["r1"][-1].type == "complete" and got["r1"][-1].tool_calls[0].function.arguments == "{}"
     assert isinstance(frames[0], Events)
+
+
+def test_placed_hints_are_bounded_and_fit_the_frame_budget():
+    """Unit: ``placed`` hints wait in a bounded queue (the oldest dropped), each fits the frame
+    budget when encoded (a chain that would not is never queued), and go out with the next batch."""
+    from node.outbox import MAX_HINTS, Outbox, frame_budget
+
+    budget = frame_budget(8 * 1024, 0)
+    outbox = Outbox(budget, max_events=16)
+    for i in range(MAX_HINTS + 10):
+        outbox.hint(Placed(model="m", prefix=[i, (1 << 60) - 1]))
+    outbox.hint(Placed(model="m", prefix=[(1 << 60) - 1] * 2048))  # 18 KB encoded: over the budget
+    frames = outbox.take()
+    assert [f.prefix[0] for f in frames] == list(range(10, MAX_HINTS + 10))
+    assert all(len(encode_frame(f)) <= budget for f in frames)
+    most = (budget - 200) // 9
+    outbox.hint(Placed(model="m", prefix=[(1 << 60) - 1] * most))
+    (frame,) = outbox.take()
+    assert len(encode_frame(frame)) <= budget
+    assert outbox.take() == []

@@ -15,7 +15,7 @@ from edge.runs import NodeLink, RunService, Want
 from edge.runs.placement import BLOCK_BYTES, PrefixIndex, prefix_chain, rendezvous
 from proto import ModelInfo
 from scripts.upstream import Upstream
-from tests.conftest import BOUND, http, model, settled, start_edge, start_node
+from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
 
 SYSTEM = "You are a careful assistant. " * 70  # 2030 bytes: 8 blocks
 
@@ -340,4 +340,53 @@ async def test_two_edges_send_each_growing_conversation_to_one_node(nursery):
     assert 'iop_placements_total{how="prefix"} 12.0' in metrics  # turns 3 and 4 matched on edge 1's index
     assert 'iop_placements_total{how="rendezvous"} 12.0' in metrics
     for edge in edges:
+        await settled(edge)
+
+
+async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
+    """Two edges, two nodes. A conversation's first turn goes through edge A to node X; its
+    second goes through edge B to node Y (B's session affinity tells it to). Y tells A where that turn
+    went (a ``placed`` frame), so the third turn, through A and with no session id, goes to Y,
+    which holds the whole conversation, not back to X, which holds only its first turn. An edge
+    that does not route by prefix is told nothing."""
+    ups = []
+    for _ in range(2):
+        up = Upstream()
+        await nursery.start(up.serve)
+        ups.append(up)
+    a, b = await start_edge(nursery), await start_edge(nursery)
+    plain = await start_edge(nursery, edge_config(routing="least_loaded"))
+    ids = ["node-0", "node-1"]
+    for node_id, up in zip(ids, ups, strict=True):
+        await start_node(nursery, [a, b, plain], [model("m", up, target="t", max_concurrency=4)], node_id=node_id)
+
+    def body(messages):
+        return {"model": "m", "messages": messages, "max_tokens": 4}
+
+    async def turn(client, messages, **kw) -> None:
+        r = await client.post("/v1/chat/completions", json=body(messages), **kw)
+        assert r.status_code == 200
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    with trio.fail_after(BOUND):
+        async with http(a) as via_a, http(b) as via_b:
+            await turn(via_a, messages)
+            x = next(i for i, up in enumerate(ups) if up.records)
+            y = 1 - x
+            session = {"X-Session-Id": next(f"s{i}" for i in range(100) if rendezvous(b"ss%d" % i, ids) == ids[y])}
+            await turn(via_b, [{"role": "user", "content": "another conversation"}], headers=session)
+            messages.append({"role": "user", "content": "second question"})
+            await turn(via_b, messages, headers=session)
+            assert len(ups[y].records) == 2
+            second = prompt_prefix(msgspec.convert(body(messages[:-1]), ChatRequest))
+            await eventually(lambda: a.edge.runs.prefixes.holders(second[-1]) == ids[y], what="A told of Y")
+            messages.append({"role": "user", "content": "third question"})
+            await turn(via_a, messages)
+            metrics = (await via_a.get("/metrics")).text
+    assert [len(up.records) for up in (ups[x], ups[y])] == [1, 3]
+    assert ups[y].records[-1].body["messages"][-1]["content"] == "third question"
+    assert 'iop_placements_total{how="prefix"} 1.0' in metrics
+    assert len(plain.edge.runs.prefixes) == 0  # told nothing: it does not route by prefix
+    for edge in (a, b, plain):
         await settled(edge)

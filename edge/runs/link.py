@@ -57,6 +57,7 @@ class NodeLink:
         self.linked_wall = time.time()
         self.last_rx = self.linked_at
         self.draining = False
+        self.relays_prefixes = False  # the node tells other edges where this edge's prompts went
         self.closed = False
         self.close_reason = ""
         self.close_code = 1000

@@ -26,8 +26,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable
 
+from proto import MAX_PREFIX_BLOCKS
+
 BLOCK_BYTES = 256  # of UTF-8 text: about 64 tokens, a few KV cache pages
-MAX_BLOCKS = 2048  # a chain stops here (512 KB of text, about 128k tokens)
+MAX_BLOCKS = MAX_PREFIX_BLOCKS  # a chain stops here (512 KB of text, about 128k tokens)
 MAX_HOLDERS = 4  # nodes remembered per block, most recent first
 _KEY_BITS = 60
 

@@ -408,6 +408,13 @@ class RunService:
             self._placed = ("rendezvous", 0)
         return near[rendezvous(key, pool)][1]
 
+    def placed_elsewhere(self, link: NodeLink, prefix: list[int]) -> None:
+        """Another edge sent ``link``'s node a prompt with this prefix chain
+        (the node relayed it): this edge's next turn of that conversation
+        goes there too."""
+        if self.config.routing == "prefix":
+            self.prefixes.record(prefix, link.node_id)
+
     def _remember_session(self, want: Want, link: NodeLink) -> None:
         if want.session is None:
             return
@@ -608,6 +615,7 @@ class RunService:
             request=request,
             timeout_s=self.config.run_timeout_s,
             metadata=metadata,
+            prefix=want.prefix if want.prefix and slot.link.relays_prefixes else None,
         )
         slot.link.send_nowait(run.request)
         slot.link.sent(run.id, run.started_at)
