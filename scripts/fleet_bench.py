@@ -101,10 +101,11 @@ class Result:
 
 
 class Client:
-    def __init__(self, http: httpx.AsyncClient, edges: list[str], result: Result) -> None:
+    def __init__(self, http: httpx.AsyncClient, edges: list[str], result: Result, think_s: float = 0.0) -> None:
         self.http = http
         self.edges = itertools.cycle(edges)
         self.result = result
+        self.think_s = think_s
 
     async def ask(self, model: str, messages: list[dict]) -> str:
         """One streamed request; the answer's text ("" on an error)."""
@@ -135,6 +136,8 @@ class Client:
     async def conversation(self, model: str, system: str, rng: random.Random, turns: int) -> None:
         messages = [{"role": "system", "content": system}]
         for turn in range(turns):
+            if turn and self.think_s:  # the agent runs its tool: 0.5-1.5x the mean
+                await trio.sleep(self.think_s * rng.uniform(0.5, 1.5))
             messages.append({"role": "user", "content": f"turn {turn}: " + text(rng, 150)})
             answer = await self.ask(model, messages)
             messages.append({"role": "assistant", "content": answer})
@@ -181,7 +184,7 @@ async def run_workloads(edges: list[str], args) -> dict[str, Result]:
         for name in args.workloads:
             results[name] = Result()
             start = time.perf_counter()
-            await WORKLOADS[name][1](Client(http, edges, results[name]), args)
+            await WORKLOADS[name][1](Client(http, edges, results[name], args.think_ms / 1000), args)
             results[name].wall_s = time.perf_counter() - start
     return results
 
@@ -262,6 +265,7 @@ def run_fleet(policy: str, n_edges: int, args) -> dict[str, dict]:
             "oracle": oracle(result.trace),
             "p50": pct(result.ttft_ms, 50),
             "p99": pct(result.ttft_ms, 99),
+            "mean": sum(result.ttft_ms) / len(result.ttft_ms) if result.ttft_ms else float("nan"),
             "load": max(runs) / mean if mean else float("nan"),
             "peak": max(line.get("peak_active", 0) for line in lines),
             "runs": "/".join(str(r) for r in runs),
@@ -284,6 +288,9 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--independent", type=int, default=256, help="requests (b)")
     parser.add_argument("--prefix-wait-ms", type=float, help="the edges' prefix_wait_ms (default: theirs)")
+    parser.add_argument(
+        "--think-ms", type=float, default=0.0, help="mean pause between a conversation's turns (a and c)"
+    )
     parser.add_argument("--hot", type=int, default=32, help="conversations in the hot group (c)")
     args = parser.parse_args()
     args.workloads = [w for w in args.workloads if w in WORKLOADS]
@@ -301,7 +308,7 @@ def main() -> None:
     sim = ", ".join(f"{k}={v}" for k, v in SIM.items() if k != "adapter")
     print(f"\n{args.nodes} sim nodes ({sim}), max_tokens={MAX_TOKENS}; total {time.perf_counter() - started:.0f} s")
     header = (
-        f"{'edges':>5} {'policy':<13}{'hit':>7}{'oracle':>8}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'edges':>5} {'policy':<13}{'hit':>7}{'oracle':>8}{'p50 ms':>9}{'p99 ms':>9}{'mean':>7}"
         f"{'max/mean':>10}{'peak':>6}  {'runs per node':<18}{'err':>4}{'wall s':>8}"
     )
     for name in args.workloads:
@@ -313,7 +320,7 @@ def main() -> None:
                 continue
             r = rows[name]
             print(
-                f"{n_edges:>5} {LABELS[policy]:<13}{r['hit']:>7.1%}{r['oracle']:>8.1%}{r['p50']:>9.0f}{r['p99']:>9.0f}"
+                f"{n_edges:>5} {LABELS[policy]:<13}{r['hit']:>7.1%}{r['oracle']:>8.1%}{r['p50']:>9.0f}{r['p99']:>9.0f}{r['mean']:>7.0f}"
                 f"{r['load']:>10.2f}{r['peak']:>6}  {r['runs']:<18}{r['errors']:>4}{r['wall']:>8.1f}"
             )
 
