@@ -83,6 +83,7 @@ class Edge:
             await self.runs.wait_idle()
         for link in list(self.runs.links.values()):
             link.kill("edge shutting down", code=1001)
+        self.console.close()
 
     def refuse_request(self, ex: Exchange) -> APIError | None:
         """Authentication and drain checks for the API routes."""

@@ -14,7 +14,10 @@ plain HTML, CSS and JS, nothing fetched from elsewhere) and what it reads.
 - ``GET /v1/admin/runs``: the same runs as JSON.
 - ``POST /v1/admin/runs/{id}/cancel``: ends the run as a client leaving would
   end it: the node is told to cancel, the model server sees the request
-  aborted; the client gets an error event (``cancelled by an operator``).
+  aborted; the client gets an error event (``cancelled by an operator``), or,
+  before its response started, a 499 with ``x-should-retry: false`` (so the
+  SDKs do not start it again). A queued request (by its request id) leaves
+  the queue with the same 499.
 
 The request path pays one call per request (:meth:`Console.request_done`:
 counters, and a ring entry for a 429) and one per failed run.
@@ -78,7 +81,7 @@ class NodeView(msgspec.Struct):
 
 
 class RunView(msgspec.Struct):
-    id: str | None  # None: a request waiting in the queue (no run yet)
+    id: str | None  # a queued request (no run yet): its request id (req_...); None only if it has none
     model: str
     node: str | None
     api: str
@@ -89,10 +92,12 @@ class RunView(msgspec.Struct):
 
 
 class Rejection(msgspec.Struct):
-    t: float
+    t: float  # the latest
     model: str
     key: str | None
     code: str | None
+    message: str = ""  # which limit (or the queue), in the edge's words
+    count: int = 1  # the same refusal, one after another
 
 
 class RunError(msgspec.Struct):
@@ -174,16 +179,20 @@ def phase(run: Run) -> str:
 
 
 class _Subscriber:
-    __slots__ = ("snapshot", "usage", "lot", "fresh")
+    __slots__ = ("snapshot", "usage", "lot", "fresh", "closed")
 
     def __init__(self) -> None:
         self.fresh = True  # has had no usage event yet
+        self.closed = False  # the edge is going away: end the stream once the last events are out
         self.snapshot: bytes | None = None
         self.usage: bytes | None = None
         self.lot = trio.lowlevel.ParkingLot()
 
-    async def next(self) -> bytes:
+    async def next(self) -> bytes | None:
+        """The latest events not yet sent; None: the stream is over."""
         while self.snapshot is None and self.usage is None:
+            if self.closed:
+                return None
             await self.lot.park()
         out = (self.usage or b"") + (self.snapshot or b"")
         self.snapshot = self.usage = None
@@ -195,6 +204,7 @@ class Console:
         self.edge = edge
         self.started = time.time()  # create_app may run outside trio (hypercorn's CLI)
         self._subscribers: set[_Subscriber] = set()
+        self.closed = False
         self._subscribed = trio.lowlevel.ParkingLot()
         self.rejected: collections.deque[Rejection] = collections.deque(maxlen=RECENT)
         self.errors: collections.deque[RunError] = collections.deque(maxlen=RECENT)
@@ -210,7 +220,14 @@ class Console:
     # -- what the request path tells it ------------------------------------------
 
     def request_done(
-        self, model: str, key: str | None, status: int, code: str | None, prompt: int, completion: int
+        self,
+        model: str,
+        key: str | None,
+        status: int,
+        code: str | None,
+        prompt: int,
+        completion: int,
+        refusal: str = "",
     ) -> None:
         """One request ended (edge.openai.routes). ``model``: its metrics label (bounded)."""
         now = time.time()
@@ -236,7 +253,13 @@ class Console:
             totals[1] += prompt
             totals[2] += completion
         if status == 429:
-            self.rejected.append(Rejection(round(now, 3), model, key, code))
+            refusal = refusal[:200]
+            last = self.rejected[-1] if self.rejected else None
+            if last is not None and (last.model, last.key, last.code, last.message) == (model, key, code, refusal):
+                last.count += 1
+                last.t = round(now, 3)
+            else:
+                self.rejected.append(Rejection(round(now, 3), model, key, code, refusal))
 
     def _run_closed(self, run: Run) -> None:
         if run.cause in (COMPLETE, CLIENT_GONE, None) or run.error is None:
@@ -254,8 +277,18 @@ class Console:
         )
 
     def cancel(self, run_id: str) -> bool:
-        run = self.edge.runs.runs.get(run_id)
-        if run is None or run.finished:
+        """End a run in flight, or a request waiting in the queue (by its
+        request id), as its client leaving would; False: no such one."""
+        runs = self.edge.runs
+        run = runs.runs.get(run_id)
+        if run is None:
+            waiter = next((w for w in runs.queued() if w.client is not None and w.client.request_id == run_id), None)
+            if waiter is None:
+                return False
+            log.info("queued request cancelled by an operator", request_id=run_id, model=waiter.want.model)
+            runs.cancel_queued(waiter)
+            return True
+        if run.finished:
             return False
         log.info("run cancelled by an operator", run_id=run_id, node_id=run.slot.link.node_id)
         run.fail("cancelled by an operator", CANCELLED)
@@ -288,8 +321,21 @@ class Console:
                     phase(run),
                 )
             )
-        for model, since in heapq.nsmallest(max(0, limit - len(views)), queued, key=lambda q: q[1]):
-            views.append(RunView(None, model, None, "", None, round(now - since, 2), 0, "queued"))
+        for waiter in heapq.nsmallest(max(0, limit - len(views)), queued, key=lambda w: w.since):
+            client = waiter.client
+            key = client.key if client is not None else None
+            views.append(
+                RunView(
+                    client.request_id if client is not None else None,
+                    waiter.want.model,
+                    None,
+                    client.api if client is not None else "",
+                    key.id if key is not None else None,
+                    round(now - waiter.since, 2),
+                    0,
+                    "queued",
+                )
+            )
         views.sort(key=lambda v: -v.age_s)
         return views, phases
 
@@ -373,7 +419,7 @@ class Console:
     # -- the event stream --------------------------------------------------------------
 
     def subscribe(self) -> _Subscriber | None:
-        if len(self._subscribers) >= MAX_SUBSCRIBERS:
+        if self.closed or len(self._subscribers) >= MAX_SUBSCRIBERS:
             return None
         sub = _Subscriber()
         self._subscribers.add(sub)
@@ -382,6 +428,17 @@ class Console:
 
     def unsubscribe(self, sub: _Subscriber) -> None:
         self._subscribers.discard(sub)
+
+    def close(self) -> None:
+        """The edge has drained: every console gets a last snapshot and its
+        stream ends (an open one would hold the server's shutdown for its
+        whole grace period); no new one is taken."""
+        self.closed = True
+        snapshot = b"event: snapshot\ndata: " + _encode(self.snapshot()) + b"\n\n"
+        for sub in self._subscribers:
+            sub.snapshot = snapshot
+            sub.closed = True
+            sub.lot.unpark_all()
 
     async def run(self) -> None:
         """Publishes while anyone is subscribed (the app runs it in the background)."""
@@ -437,6 +494,8 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
         problem = refused()
         if problem is not None:
             return problem
+        if console.closed:
+            return error_response(503, "The edge is shutting down.", "draining", "service_unavailable_error")
         sub = console.subscribe()
         if sub is None:
             return error_response(429, f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles")
@@ -444,8 +503,8 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
         async def stream():
             try:
                 yield b": iop console events\n\n"
-                while True:
-                    yield await sub.next()
+                while (events := await sub.next()) is not None:
+                    yield events
             finally:
                 console.unsubscribe(sub)
 

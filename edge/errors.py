@@ -65,6 +65,14 @@ class RunFailed(Exception):
         self.status = status  # the upstream's HTTP status, when it gave one
 
 
+def operator_cancelled(message: str = "cancelled by an operator") -> APIError:
+    """An operator cancelled the request (the console): 499, gRPC's CANCELLED
+    over HTTP, and ``x-should-retry: false``, which the OpenAI and Anthropic
+    SDKs obey. A 5xx would be retried, starting the run again; the cancel
+    must end the request as a client leaving would."""
+    return APIError(499, message, "cancelled", code="cancelled_by_operator", headers=[(b"x-should-retry", b"false")])
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param=param, code=code)
 

@@ -4,9 +4,13 @@ itself, in a real browser: tests/test_console_browser.py."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
+import openai
 import trio
 
+from edge.config import KeyConfig
 from scripts.upstream import text_script, words
 from tests.conftest import BOUND, edge_config, eventually, http, model, start_edge, start_node
 
@@ -165,6 +169,114 @@ async def test_429s_are_listed_with_their_model_and_code(nursery, upstream):
         reading.cancel_scope.cancel()
     (rejected,) = snap["rejected"]
     assert rejected["model"] == "m" and rejected["code"] == r.json()["error"]["code"]
+    assert rejected["message"] == r.json()["error"]["message"] and rejected["count"] == 1
+
+
+async def test_the_same_429_over_and_over_is_one_line_with_a_count(nursery, upstream):
+    """A key over its rpm, refused 5 times in a row: one entry saying which limit, counted 5."""
+    upstream.script_for("m-target", text_script(["ok"]))
+    keys = [KeyConfig(id="bob", key="sk-bob", rpm=1)]
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], keys=keys))
+    await start_node(nursery, edge, [model("m", upstream)])
+    events = Events()
+    bob = {"Authorization": "Bearer sk-bob"}
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        assert (await client.post("/v1/chat/completions", json={**STREAM, "stream": False}, headers=bob)).is_success
+        for _ in range(5):
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False}, headers=bob)
+            assert r.status_code == 429
+        snap = await events.until(lambda s: s["rejected"] and s["rejected"][-1]["count"] == 5, "five 429s counted")
+        reading.cancel_scope.cancel()
+    (rejected,) = snap["rejected"]
+    assert rejected["key"] == "bob" and rejected["code"] == "rate_limit_exceeded"
+    assert "requests per minute" in rejected["message"], rejected
+
+
+async def test_an_operator_cancel_before_the_first_token_is_not_retried_by_the_sdk(nursery, upstream):
+    """The OpenAI SDK retries a 502 twice by default: a cancelled request must not come back.
+    Cancelled before its first token it is a 499 with x-should-retry: false, and the model
+    server saw exactly one request, aborted."""
+    upstream.script_for("m-target", [("hang",)])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream)])
+    client = openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="x", timeout=BOUND)  # default retries
+    caught: list[openai.APIStatusError] = []
+
+    async def ask() -> None:
+        try:
+            await client.chat.completions.create(model="m", messages=STREAM["messages"])
+        except openai.APIStatusError as e:
+            caught.append(e)
+
+    async with http(edge) as admin, client:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                clients.start_soon(ask)
+                (rec,) = await upstream.wait_requests(1)
+                (run_id,) = edge.edge.runs.runs
+                assert (await admin.post(f"/v1/admin/runs/{run_id}/cancel", headers=AUTH)).status_code == 200
+            await rec.finished.wait()
+        await trio.sleep(1.0)  # the SDK's first retry would come within its 0.5-1 s backoff
+    (e,) = caught
+    assert e.status_code == 499 and e.response.headers["x-should-retry"] == "false"
+    assert e.body["code"] == "cancelled_by_operator"
+    assert len(upstream.records) == 1 and rec.aborted
+
+
+async def test_a_queued_request_is_listed_with_its_key_and_can_be_cancelled(nursery, upstream):
+    """Requests waiting for a slot are rows too (request id, key, API, phase queued); cancelling
+    one takes it out of the queue with a 499 and leaves the run ahead of it alone."""
+    upstream.script_for("m-target", [("hang",)])
+    keys = [KeyConfig(id="alice", key="sk-alice")]
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], keys=keys))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    events = Events()
+    alice = {"Authorization": "Bearer sk-alice"}
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                clients.start_soon(partial(client.post, "/v1/chat/completions", json=STREAM, headers=alice))
+                await events.until(lambda s: s["in_flight"] == 1, "the one slot taken")
+                answer = []
+
+                async def wait_in_queue():
+                    answer.append(await client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=alice))
+
+                clients.start_soon(wait_in_queue)
+                snap = await events.until(lambda s: s["phases"]["queued"] == 1, "the request queued")
+                (row,) = [r for r in snap["runs"] if r["phase"] == "queued"]
+                assert row["id"].startswith("req_") and row["key"] == "alice" and row["api"] == "responses"
+                r = await admin.post(f"/v1/admin/runs/{row['id']}/cancel", headers=AUTH)
+                assert r.status_code == 200
+                while not answer:
+                    await trio.sleep(0.01)
+                snap = await events.until(lambda s: s["phases"]["queued"] == 0, "the queue empty")
+                assert snap["in_flight"] == 1  # the run ahead of it goes on
+                clients.cancel_scope.cancel()
+        reading.cancel_scope.cancel()
+    (r,) = answer
+    assert r.status_code == 499 and r.headers["x-should-retry"] == "false"
+    assert r.headers["x-request-id"] == row["id"]
+    assert len(upstream.records) == 1  # it never reached the model server
+
+
+async def test_an_open_console_does_not_hold_the_edge_shutdown(nursery):
+    """Draining with a console open: the console gets a last snapshot that says draining, its
+    stream ends, and a new one is refused with 503."""
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], drain_grace_s=30))
+    events = Events()
+    async with http(edge) as admin:
+        with trio.fail_after(5):  # far less than drain_grace_s
+            async with trio.open_nursery() as reading:
+                await reading.start(events.read, admin)
+                await events.until(lambda s: True, "a first snapshot")
+                await edge.edge.drain()
+            # the stream ended by itself: the nursery is done
+        assert events.snapshots[-1]["draining"] is True
+        r = await admin.get("/v1/admin/events", headers=AUTH)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
 
 
 async def test_usage_today_comes_from_the_ledger_when_there_is_one(nursery, tmp_path):

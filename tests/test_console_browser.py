@@ -135,10 +135,20 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
                 expect(page.locator("#usage-models tbody tr[data-name=m]")).to_be_visible()
                 shot(page, "06-usage")
 
-                # A phone-sized screen: nothing wider than the screen but the tables' own scroll.
+                # A phone-sized screen: nothing wider than the screen; a node is a card whose
+                # every field (state, TTFT, engine...) is on screen, no sideways scrolling.
                 page.set_viewport_size({"width": 390, "height": 844})
                 page.wait_for_timeout(300)
                 assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+                assert page.evaluate(
+                    "[...document.querySelectorAll('#nodes td, #runs-table td')]"
+                    ".every((td) => td.getBoundingClientRect().right <= window.innerWidth)"
+                )
+                fleet = page.locator("#fleet .scroll")
+                assert fleet.evaluate("(s) => s.scrollWidth <= s.clientWidth + 1")
+                expect(page.locator("#nodes tbody tr[data-node-id=node-a] td[data-label=state]")).to_contain_text(
+                    "serving"
+                )
                 shot(page, "07-phone")
                 assert not errors, errors
             finally:

@@ -429,6 +429,7 @@ _STATUS_TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    499: "api_error",  # cancelled by an operator (not the client's doing)
     503: "overloaded_error",
     529: "overloaded_error",
 }

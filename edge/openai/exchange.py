@@ -49,7 +49,18 @@ class Access:
     """What a request's one access line reports, filled in by its handler as
     it goes (never prompt text or keys): the rest comes from the exchange."""
 
-    __slots__ = ("model", "stream", "node_id", "outcome", "usage", "usage_estimated", "partial", "ttft_ms", "error")
+    __slots__ = (
+        "model",
+        "stream",
+        "node_id",
+        "outcome",
+        "usage",
+        "usage_estimated",
+        "partial",
+        "ttft_ms",
+        "error",
+        "refusal",
+    )
 
     def __init__(self) -> None:
         self.model: str | None = None
@@ -61,6 +72,7 @@ class Access:
         self.partial: tuple[int, int] | None = None  # no usage: (prompt estimate, deltas seen) of the last run
         self.ttft_ms: float | None = None
         self.error: str | None = None  # a refused request's error code (the console lists 429s)
+        self.refusal = ""  # a 429's message: which limit, or the queue (the edge's own words)
 
 
 class Exchange:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from edge.errors import APIError, RunFailed
+from edge.errors import APIError, RunFailed, operator_cancelled
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
@@ -30,7 +30,7 @@ from edge.openai.tools import ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import Collected, Turn, collect_validated, failure
 from edge.runs import Run, Slot
-from edge.runs.run import NODE_LOST, SHUTDOWN, SLOW_CLIENT, TIMEOUT
+from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TIMEOUT
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -65,7 +65,11 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     """A failed run as an HTTP error (a whole response, or a stream not yet
     committed): an upstream 4xx keeps its status; an upstream 5xx or a node's
     error is 502, a lost node 502, a wait timeout or run deadline 504, the
-    edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``."""
+    edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``;
+    an operator's cancel is :func:`operator_cancelled`."""
+    cause = run.cause if run is not None else None
+    if cause == CANCELLED:
+        return operator_cancelled(failed.message)
     if failed.type != "run_error":
         return APIError(502, failed.message, failed.type)
     if failed.status == 429:
@@ -76,7 +80,6 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         )
     if 400 <= failed.status < 500:
         return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
-    cause = run.cause if run is not None else None
     if cause == TIMEOUT:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if cause == NODE_LOST:

@@ -22,7 +22,7 @@ from edge.errors import APIError
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
 from edge.runs import Run, Want
-from edge.runs.run import NODE_LOST, TIMEOUT, consume_run
+from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
 from proto import RunEvent
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     )
     want = Want(model, session=session or None, tunnel=True)
     edge.admit(ex, model, 0, None)
-    slot = await edge.runs.acquire(want)
+    slot = await edge.runs.acquire(want, ex)
     raw["model"] = slot.info.target
     headers = []
     for name in (b"accept", b"content-type"):
@@ -100,7 +100,9 @@ async def _relay(ex: Exchange, run: Run) -> None:
         for item in batch:
             if isinstance(item, RunEvent):  # the edge ended it: timeout, node lost, slow client
                 await _flush(ex, body)
-                if not ex.started:
+                if run.cause == CANCELLED and not ex.started:
+                    await ex.respond_error(errors.operator_cancelled(item.text))
+                elif not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
                     code = "node_disconnected" if run.cause == NODE_LOST else None
                     await ex.respond_error(

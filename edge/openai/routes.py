@@ -99,6 +99,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
             except APIError as e:
                 outcome = f"rejected_{e.status}"
                 ex.access.error = e.code or e.type
+                if e.status == 429:
+                    ex.access.refusal = e.message
                 if not ex.started:
                     await ex.respond_error(e)
                 elif not ex.finished:
@@ -145,7 +147,9 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         if ex.lease is not None:
             edge.keys.settle(ex.lease, prompt + completion)
     status = ex.status if ex.started else CLIENT_CLOSED
-    edge.console.request_done(model, key.id if key is not None else None, status, access.error, prompt, completion)
+    edge.console.request_done(
+        model, key.id if key is not None else None, status, access.error, prompt, completion, access.refusal
+    )
     if edge.ledger is not None:
         edge.ledger.record(
             (

@@ -100,7 +100,7 @@ class Turn:
     async def acquire(self) -> Slot:
         edge = self.edge
         queued_at = trio.current_time()
-        slot = await edge.runs.acquire(self.want)
+        slot = await edge.runs.acquire(self.want, self.ex)
         waited = trio.current_time() - queued_at
         edge.metrics.queue_time.labels(edge.metrics.model_label(self.req.model)).observe(waited)
         self.node_id = slot.link.node_id

@@ -61,13 +61,15 @@ class _Waiter:
     """A request waiting for a slot, or (``run`` set) a run moved off a node
     that died or stalled before it started, waiting to be sent again."""
 
-    __slots__ = ("event", "slot", "gone", "want", "run", "since", "wait_until", "prefer")
+    __slots__ = ("event", "slot", "gone", "cancelled", "want", "run", "client", "since", "wait_until", "prefer")
 
-    def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0) -> None:
+    def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0, client: Any = None) -> None:
         self.since = trio.current_time()
         self.event = trio.Event()
         self.slot: Slot | None = None
         self.gone = False  # no linked node can serve it any more
+        self.cancelled = False  # by an operator (the console)
+        self.client = client  # the request's exchange (the console shows and cancels it)
         self.want = want
         self.run = run
         # Until then it may pass over free nodes to wait for the one holding
@@ -499,12 +501,13 @@ class RunService:
         self._prefer(waiter, None)
         self.demand_changed.unpark_all()
 
-    async def acquire(self, want: Want) -> Slot:
+    async def acquire(self, want: Want, client: Any = None) -> Slot:
         """A slot on a node serving ``want.model``: at once if one is free,
         else after waiting in the model's FIFO queue. Raises :class:`APIError`
         (404 unknown, 503 none linked, 400 nothing fits the context, 429 queue
-        full or timed out). A caller cancelled while queued leaves the queue
-        at once."""
+        full or timed out, 499 cancelled by an operator while queued). A
+        caller cancelled while queued leaves the queue at once. ``client``:
+        the request's exchange, for the console."""
         model = want.model
         serving = self._serving(model)
         if not serving:
@@ -535,7 +538,7 @@ class RunService:
                 if link is not None:
                     return self._reserve(link, want)
             raise errors.queue_rejected(model, "queue is full", retry_after)
-        waiter = _Waiter(want, wait_until=wait_until)
+        waiter = _Waiter(want, wait_until=wait_until, client=client)
         queue.append(waiter)
         self._prefer(waiter, wanted)
         self._wake(model)  # a free node may fit this request though not the ones ahead of it
@@ -561,13 +564,23 @@ class RunService:
         if waiter.slot is not None:
             return waiter.slot
         self._leave(queue, waiter)
+        if waiter.cancelled:
+            raise errors.operator_cancelled()
         if waiter.gone:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
 
-    def queued(self) -> list[tuple[str, float]]:
-        """(model, since) of every request waiting for a slot (not moved runs)."""
-        return [(model, w.since) for model, queue in self._queues.items() for w in queue]
+    def queued(self) -> list[_Waiter]:
+        """Every request waiting for a slot (not moved runs): ``want.model``,
+        ``since`` and ``client`` say what it is."""
+        return [w for queue in self._queues.values() for w in queue]
+
+    def cancel_queued(self, waiter: _Waiter) -> None:
+        """An operator ends a queued request: it leaves the queue with a 499."""
+        if not waiter.event.is_set():
+            waiter.cancelled = True
+            self._leave(self._queues[waiter.want.model], waiter)
+            waiter.event.set()
 
     # -- runs ------------------------------------------------------------------
 

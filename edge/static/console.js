@@ -58,11 +58,17 @@ function replaceRows(tbody, rows) {
   tbody.replaceChildren(...rows);
 }
 
+// A cell that names its column (data-label): on a phone each row is a card
+// of "label: value" lines instead of a table wider than the screen.
+function td(label, attrs, ...children) {
+  return el("td", { ...attrs, "data-label": label }, ...children);
+}
+
 // -- snapshot -----------------------------------------------------------------
 
 function renderNodes(nodes) {
   const rows = nodes.map((n) => {
-    const models = el("td", { class: "models" });
+    const models = td("models", { class: "models" });
     for (const m of n.models) {
       models.append(el("span", { class: "tag", title: m.adapter }, `${m.name} ${m.in_flight} / ${m.grant} / ${m.max_concurrency}`));
     }
@@ -81,13 +87,13 @@ function renderNodes(nodes) {
     return el(
       "tr",
       { "data-node-id": n.id },
-      el("td", {}, n.id),
+      td("node", { class: "title" }, n.id),
       models,
-      el("td", { class: "num in-flight" }, n.in_flight),
-      el("td", { class: "state-" + state }, state),
-      el("td", { class: "num" }, fmtAge(n.linked_for_s)),
-      el("td", { class: "num" }, n.ttft_ms === null ? "–" : n.ttft_ms.toFixed(1) + " ms"),
-      el("td", {}, engine || "–"),
+      td("in flight", { class: "num in-flight" }, n.in_flight),
+      td("state", { class: "state-" + state }, state),
+      td("linked", { class: "num" }, fmtAge(n.linked_for_s)),
+      td("TTFT", { class: "num" }, n.ttft_ms === null ? "–" : n.ttft_ms.toFixed(1) + " ms"),
+      td("engine", {}, engine || "–"),
     );
   });
   replaceRows($("nodes").tBodies[0], rows);
@@ -112,7 +118,7 @@ function cancelButton(runId) {
   return button;
 }
 
-let pendingCancels = new Map(); // run id -> its button, kept across snapshots
+let pendingCancels = new Map(); // run (or queued request) id -> its button, kept across snapshots
 
 function renderRuns(snap) {
   const rows = snap.runs.map((r) => {
@@ -124,15 +130,15 @@ function renderRuns(snap) {
     return el(
       "tr",
       { "data-run-id": r.id || "", "data-phase": r.phase },
-      el("td", { title: r.id || "", class: "wide" }, r.id ? r.id.slice(0, 12) : "(queued)"),
-      el("td", { class: "name" }, r.model),
-      el("td", { class: "wide" }, r.node || "–"),
-      el("td", { class: "wide" }, r.api || "–"),
-      el("td", { class: "wide" }, r.key || "–"),
-      el("td", { class: "num" }, fmtAge(r.age_s)),
-      el("td", { class: "num tokens" }, fmtNum(r.tokens)),
-      el("td", { class: "phase phase-" + r.phase }, r.phase),
-      el("td", {}, action),
+      td("run", { title: r.id || "", class: "title" }, r.id ? r.id.slice(0, 12) : "–"),
+      td("model", { class: "name" }, r.model),
+      td("node", {}, r.node || "–"),
+      td("API", {}, r.api || "–"),
+      td("key", {}, r.key || "–"),
+      td("age", { class: "num" }, fmtAge(r.age_s)),
+      td("tokens", { class: "num tokens" }, fmtNum(r.tokens)),
+      td("phase", { class: "phase phase-" + r.phase }, r.phase),
+      td("", { class: "action" }, action),
     );
   });
   const listed = new Set(snap.runs.map((r) => r.id));
@@ -165,7 +171,13 @@ function renderSnapshot(snap) {
     el("tr", { "data-model": model }, el("td", { class: "name" }, model), el("td", { class: "num" }, fmtNum(depth))),
   );
   replaceRows($("queue-table").tBodies[0], queues);
-  renderEvents($("rejected"), "no-rejected", snap.rejected, (r) => `${r.model}${r.key ? " · key " + r.key : ""} · ${r.code || "429"}`);
+  $("no-queues").hidden = queues.length > 0;
+  renderEvents(
+    $("rejected"),
+    "no-rejected",
+    snap.rejected,
+    (r) => `${r.count > 1 ? r.count + "× " : ""}${r.model}${r.key ? " · key " + r.key : ""} · ${r.code || "429"}${r.message ? ": " + r.message : ""}`,
+  );
   renderEvents($("errors"), "no-errors", snap.errors, (e) => `${e.cause} · ${e.model} on ${e.node} · ${e.message}`);
 }
 
@@ -209,7 +221,9 @@ function renderChart(minutes) {
     bars.push(group);
   });
   svg.replaceChildren(...bars);
-  $("chart-max").textContent = `max ${fmtNum(max)} tokens/min (dark: prompt, light: completion)`;
+  $("chart-max").textContent = totals.some((t) => t > 0)
+    ? `max ${fmtNum(max)} tokens/min (dark: prompt, light: completion)`
+    : "no tokens in the last hour";
   $("s-tpm").textContent = fmtNum(totals[totals.length - 1]);
 }
 
@@ -231,6 +245,8 @@ function renderUsage(usage) {
   renderChart(usage.minutes);
   replaceRows($("usage-keys").tBodies[0], usageRows(usage.keys, "(no key)"));
   replaceRows($("usage-models").tBodies[0], usageRows(usage.models, "–"));
+  $("no-usage-keys").hidden = usage.keys.length > 0;
+  $("no-usage-models").hidden = usage.models.length > 0;
 }
 
 // -- the stream ------------------------------------------------------------------
