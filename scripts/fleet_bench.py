@@ -2,7 +2,7 @@
 
     python scripts/fleet_bench.py [--edges 1,2] [--policies random,least_loaded,session,prefix]
                                   [--conversations 64] [--turns 8] [--group 8] [--system-tokens 2000]
-                                  [--independent 256] [--hot 32] [--prefix-wait-ms MS]
+                                  [--independent 256] [--hot 32] [--prefix-wait-ms MS] [--think-ms 1000]
 
 Everything runs in one process tree on this machine (scripts/stack.py): for
 each routing policy and edge count, a fresh fleet of --nodes sim nodes (their
@@ -14,9 +14,12 @@ slots are separate:
   a  multi-turn agent conversations: --conversations x --turns, growing
      context (each turn adds the sim's answer and a new user message), one
      ~--system-tokens system prompt per group of --group conversations;
+     between turns an agent runs its tool: a pause of 0.5-1.5x --think-ms
+     (1000; 0 sends the next turn at once, which keeps every node's prefill
+     busy all the time: TTFT is then the prefill queue);
   b  --independent single-turn requests with no shared prefix;
   c  one hot group: --hot conversations x --turns sharing one system prompt,
-     more than one node's slots.
+     more than one node's slots (with the same pauses as a).
 
 Per workload and policy it prints the prefix-cache hit ratio in prompt tokens
 (from the nodes' "sim prefix cache" log lines, read when they stop), the
@@ -289,7 +292,7 @@ def main() -> None:
     parser.add_argument("--independent", type=int, default=256, help="requests (b)")
     parser.add_argument("--prefix-wait-ms", type=float, help="the edges' prefix_wait_ms (default: theirs)")
     parser.add_argument(
-        "--think-ms", type=float, default=0.0, help="mean pause between a conversation's turns (a and c)"
+        "--think-ms", type=float, default=1000.0, help="mean pause between a conversation's turns (a and c); 0: none"
     )
     parser.add_argument("--hot", type=int, default=32, help="conversations in the hot group (c)")
     args = parser.parse_args()
