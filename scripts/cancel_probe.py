@@ -12,7 +12,8 @@ abort are timed on one clock. With --edge, point a node of that edge at
 
 Phases:
   queued        waiting for a node slot; measured until the edge's queue is
-                empty again (its /metrics), since no upstream request exists
+                empty again (polling /v1/admin/runs, or /metrics of an edge
+                given with --edge), since no upstream request exists
   first-token   streamed, the model has produced nothing yet
   mid-stream    streamed, after 5 content chunks
   non-stream    a stream=false request
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -85,7 +87,16 @@ async def phase_non_stream(edge: str, up: Upstream) -> float:
     return (rec.aborted_at - t0) * 1000
 
 
+ADMIN = "probe-admin"  # the admin key of the edge the probe starts
+
+
 async def queue_depth(client: httpx.AsyncClient, edge: str) -> float:
+    """Requests waiting in the edge's queue: from /v1/admin/runs when the
+    probe started the edge (a small answer), else from /metrics (a whole
+    scrape, a few ms, which then counts in the measured time)."""
+    r = await client.get(edge + "/v1/admin/runs", headers={"Authorization": f"Bearer {ADMIN}"})
+    if r.status_code == 200:
+        return float(r.json()["phases"]["queued"])
     text = (await client.get(edge + "/metrics")).text
     for line in text.splitlines():
         if line.startswith("iop_queue_depth "):
@@ -137,7 +148,7 @@ async def probe(edge: str | None, upstream_port: int, rounds: int) -> dict[str, 
         await nursery.start(up.serve, upstream_port)
         with Stack() as stack:
             if edge is None:
-                edge = await trio.to_thread.run_sync(stack.edge)
+                edge = await trio.to_thread.run_sync(partial(stack.edge, admin_keys=[ADMIN]))
                 base = up.base_url
                 models = [
                     {
