@@ -146,12 +146,13 @@ def _rows(name: str | None, row: dict) -> UsageRow:
 
 def _top(rows) -> list[UsageRow]:
     """Rows with the same name merged, the most tokens first, at most
-    MAX_USAGE_ROWS (the rest summed in one row named "(others)")."""
+    MAX_USAGE_ROWS (the rest summed in one row named "(others)"). The rows
+    given are not changed."""
     merged: dict[str | None, UsageRow] = {}
     for row in rows:
         seen = merged.get(row.name)
         if seen is None:
-            merged[row.name] = row
+            merged[row.name] = UsageRow(row.name, row.requests, row.prompt_tokens, row.completion_tokens)
         else:
             seen.requests += row.requests
             seen.prompt_tokens += row.prompt_tokens
@@ -167,6 +168,17 @@ def _top(rows) -> list[UsageRow]:
         sum(r.completion_tokens for r in rest),
     )
     return [*ordered[: MAX_USAGE_ROWS - 1], others]
+
+
+def _since(now: dict, then: dict) -> list[UsageRow]:
+    """Rows of what ``now``'s counters (name -> [requests, prompt, completion])
+    gained over ``then``'s."""
+    rows = []
+    for name, (requests, prompt, completion) in now.items():
+        before = then.get(name, (0, 0, 0))
+        if requests > before[0]:
+            rows.append(UsageRow(name, requests - before[0], prompt - before[1], completion - before[2]))
+    return rows
 
 
 def phase(run: Run) -> str:
@@ -215,6 +227,9 @@ class Console:
         self._by_model: dict[str, list[int]] = {}
         self._usage_changed = False
         self._today: tuple[list[UsageRow], list[UsageRow]] | None = None  # from the ledger
+        # This edge's own totals when the ledger was last read (day, by key, by model):
+        # what it counted since is added to the ledger's figures until the next read.
+        self._counted_at_read: tuple[int, dict, dict] = (0, {}, {})
         edge.runs.on_run_closed.append(self._run_closed)
 
     # -- what the request path tells it ------------------------------------------
@@ -407,11 +422,23 @@ class Console:
                     _top(_rows(r["key"], r) for r in by_key),
                     _top(_rows(label(r["model"]), r) for r in by_model),
                 )
+                # Taken after the read: a request that ended during it is then in
+                # the ledger's figures or in neither, never counted twice.
+                self._counted_at_read = (
+                    self._day,
+                    {k: list(v) for k, v in self._by_key.items()},
+                    {k: list(v) for k, v in self._by_model.items()},
+                )
             except ledger._errors as e:  # the ledger's database is down: today's counts from memory
                 log.warning("console: ledger unavailable, usage from memory", error=str(e))
                 self._today = None
         if ledger is not None and self._today is not None:
-            return Usage(round(now, 3), "ledger", minutes, *self._today)  # type: ignore[arg-type]
+            keys, models = self._today
+            day, keys_then, models_then = self._counted_at_read
+            if day == self._day:  # the ledger's figures, and what this edge counted since it was read
+                keys = _top([*keys, *_since(self._by_key, keys_then)])
+                models = _top([*models, *_since(self._by_model, models_then)])
+            return Usage(round(now, 3), "ledger", minutes, keys, models)  # type: ignore[arg-type]
         keys = _top(UsageRow(k, *v) for k, v in self._by_key.items())
         models = _top(UsageRow(k, *v) for k, v in self._by_model.items())
         return Usage(round(now, 3), "memory", minutes, keys, models)  # type: ignore[arg-type]

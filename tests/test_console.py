@@ -313,6 +313,45 @@ async def test_usage_today_comes_from_the_ledger_when_there_is_one(nursery, tmp_
     assert other == {"name": "other", "requests": 60, "prompt_tokens": 0, "completion_tokens": 0}
 
 
+async def test_ledger_totals_include_requests_since_the_ledger_was_read(nursery, tmp_path, monkeypatch):
+    """The ledger is read every USAGE_EVERY_S; requests that end in between are in the next
+    usage event (within about a second, like the chart), and once the ledger has them too
+    they are not counted twice."""
+    monkeypatch.setattr("edge.console.USAGE_EVERY_S", 3.0)
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "ledger.sqlite3")))
+    await start_node(nursery, edge, [model("m")])  # the simulated model
+    body = {**STREAM, "stream": False, "max_tokens": 5}
+    events = Events()
+
+    def requests_of_m() -> int:
+        usage = events.usage[-1]
+        return sum(row["requests"] for row in usage["models"] if row["name"] == "m")
+
+    async def until_requests(n: int, within: float) -> dict:
+        with trio.fail_after(within):
+            while not events.usage or requests_of_m() != n:
+                await events.changed.wait()
+        return events.usage[-1]
+
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        assert await edge.edge.ledger.flush()
+        await reading.start(events.read, admin)
+        first = await until_requests(1, BOUND)  # the ledger, read as the console opened
+        assert first["source"] == "ledger"
+        for _ in range(2):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        usage = await until_requests(3, 2.5)  # before the next ledger read
+        assert usage["source"] == "ledger"
+        assert usage["models"][0]["completion_tokens"] == 3 * first["models"][0]["completion_tokens"]
+        assert await edge.edge.ledger.flush()  # the ledger has all three now
+        with trio.fail_after(BOUND):  # the next event after the ledger is read again
+            while events.usage[-1]["t"] < first["t"] + 3:
+                await events.changed.wait()
+        assert requests_of_m() == 3
+        reading.cancel_scope.cancel()
+
+
 async def test_at_most_16_consoles_then_a_clear_429(nursery):
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
     async with http(edge) as admin, trio.open_nursery() as reading:
