@@ -1,7 +1,7 @@
 """Throughput, CPU per token, added latency and idle-stream memory of edge+node.
 
     python scripts/bench.py [--concurrency 200] [--tokens 200] [--ttft-requests 300]
-                            [--idle-streams 10000] [--baseline REV] [--keys] [--console]
+                            [--idle-streams 10000] [--baseline REV] [--keys] [--console] [--rounds N]
 
 Starts one upstream (scripts/upstream.py) and, for the current checkout (and,
 with --baseline, for a git worktree of REV, side by side in the same run), an
@@ -22,6 +22,15 @@ own reading /v1/admin/events for the whole run, as a browser would).
 
 Tokens are counted in the text the client received, so an edge that puts
 several tokens in one chunk is measured on what it delivers, not on chunks.
+
+With --rounds N, the whole measurement runs N times, the revisions taking
+turns (current, baseline, current, ...: machine drift falls on both), each
+round on fresh processes; the report gives each figure's median over the
+rounds and, for CPU per token and tokens/s, the range. One round's figures
+vary by about +-25% on this 2-core machine. With 3 rounds the ranges were
+within +-4%, but the same code measured as "current" and as a HEAD worktree
+differed by 7% in edge CPU per token (12.0 against 11.2 µs): a smaller
+difference is not a result.
 """
 
 from __future__ import annotations
@@ -298,6 +307,29 @@ class Result:
     idle_opened: int = 0
     idle_latency: list[float] = field(default_factory=list)
     console: str = ""  # with a console attached: what it received
+    rounds: list[Result] = field(default_factory=list)  # with --rounds: each round's figures
+
+
+def merged(rounds: list[Result]) -> Result:
+    """One revision's rounds as one result: the medians (TTFT samples pooled)."""
+    med = statistics.median
+    first = rounds[0]
+    return Result(
+        first.name,
+        [t for r in rounds for t in r.direct_ttft],
+        [t for r in rounds for t in r.edge_ttft],
+        med(r.direct_rate for r in rounds),
+        med(r.edge_rate for r in rounds),
+        first.edge_tokens,
+        round(med(r.edge_chunks for r in rounds)),
+        med(r.cpu_edge_us for r in rounds),
+        med(r.cpu_node_us for r in rounds),
+        med(r.idle_kb for r in rounds),
+        first.idle_opened,
+        [t for r in rounds for t in r.idle_latency],
+        first.console,
+        rounds,
+    )
 
 
 def start_redis(stack: Stack) -> str | None:
@@ -396,6 +428,13 @@ def report(results: list[Result], args) -> None:
             f"{r.cpu_edge_us:>13.1f}{r.cpu_node_us:>13.1f}{r.cpu_edge_us + r.cpu_node_us:>7.1f}"
             f"{r.edge_tokens / max(r.edge_chunks, 1):>11.2f}"
         )
+        if len(r.rounds) > 1:
+            print(
+                f"{'':<14}{len(r.rounds)} rounds: edge/s {min(x.edge_rate for x in r.rounds):.0f}-"
+                f"{max(x.edge_rate for x in r.rounds):.0f}, edge µs/tok {min(x.cpu_edge_us for x in r.rounds):.1f}-"
+                f"{max(x.cpu_edge_us for x in r.rounds):.1f}, node µs/tok {min(x.cpu_node_us for x in r.rounds):.1f}-"
+                f"{max(x.cpu_node_us for x in r.rounds):.1f}"
+            )
         if r.edge_tokens != expected:
             print(f"WARNING: {r.name}: {r.edge_tokens} tokens, expected {expected}", file=sys.stderr)
     if len(results) >= 2:
@@ -438,30 +477,39 @@ def main() -> None:
         action="store_true",
         help="also measure the current code with admin keys set, without and with a console attached",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run everything N times, revisions taking turns; report medians"
+    )
     args = parser.parse_args()
 
     with Stack() as upstreams:
         upstream = upstreams.upstream(interval_ms=args.interval_ms)
         idle_upstream = upstreams.upstream(tokens=2, interval_ms=3_600_000)
         plain = {"ledger": "off"} if args.keys else None
-        results = [run_revision("current", ROOT, upstream, idle_upstream, args, plain)]
-        if args.keys:
-            results.append(run_revision("current+keys", ROOT, upstream, idle_upstream, args, {"keys": [BENCH_KEY]}))
-            redis_url = start_redis(upstreams)
-            if redis_url:
-                shared = {"keys": [BENCH_KEY], "state": redis_url}
-                results.append(run_revision("+keys+redis", ROOT, upstream, idle_upstream, args, shared))
-        if args.console:
-            admin = {"admin_keys": [BENCH_ADMIN]}
-            results.append(run_revision("+admin", ROOT, upstream, idle_upstream, args, admin))
-            results.append(run_revision("+console", ROOT, upstream, idle_upstream, args, admin, console=True))
-        if args.baseline:
-            tree = worktree(args.baseline)
-            try:
-                results.append(run_revision(args.baseline[:12], tree, upstream, idle_upstream, args))
-            finally:
+        redis_url = start_redis(upstreams) if args.keys else None
+        tree = worktree(args.baseline) if args.baseline else None
+        rounds: dict[str, list[Result]] = {}
+        try:
+            for _ in range(max(args.rounds, 1)):
+                results = [run_revision("current", ROOT, upstream, idle_upstream, args, plain)]
+                if args.keys:
+                    keyed = {"keys": [BENCH_KEY]}
+                    results.append(run_revision("current+keys", ROOT, upstream, idle_upstream, args, keyed))
+                    if redis_url:
+                        shared = {"keys": [BENCH_KEY], "state": redis_url}
+                        results.append(run_revision("+keys+redis", ROOT, upstream, idle_upstream, args, shared))
+                if args.console:
+                    admin = {"admin_keys": [BENCH_ADMIN]}
+                    results.append(run_revision("+admin", ROOT, upstream, idle_upstream, args, admin))
+                    results.append(run_revision("+console", ROOT, upstream, idle_upstream, args, admin, console=True))
+                if tree is not None:
+                    results.append(run_revision(args.baseline[:12], tree, upstream, idle_upstream, args))
+                for result in results:
+                    rounds.setdefault(result.name, []).append(result)
+        finally:
+            if tree is not None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
-    report(results, args)
+    report([merged(r) for r in rounds.values()], args)
 
 
 if __name__ == "__main__":
