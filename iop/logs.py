@@ -15,7 +15,7 @@ import sys
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
-# Like structlog.processors.dict_tracebacks (whose default renders each frame's locals), with locals off.
+# structlog.processors.dict_tracebacks, but its frames carry no variables (show_locals=False).
 _DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
 
 
