@@ -110,6 +110,23 @@ async def fake_node(edge, script, node_id="fake", token=TOKEN):
         await stream.aclose()
 
 
+async def sent_after_hello(edge, node_id: str, data: bytes) -> ConnectionClosed:
+    """A node that says hello, then sends ``data``: how the edge closed its link."""
+
+    async def script(ws):
+        await ws.send_message(hello(node_id=node_id))
+        await ws.get_message()
+        await ws.send_message(data)
+        return await closed_by_edge(ws)
+
+    return await fake_node(edge, script, node_id=node_id)
+
+
+async def one_request(edge):
+    async with http(edge) as client:
+        return await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 1})
+
+
 async def closed_by_edge(ws) -> ConnectionClosed:
     with pytest.raises(ConnectionClosed) as closed:
         while True:
@@ -197,19 +214,12 @@ async def test_duplicate_node_id_is_refused(edge, node):
 async def test_events_for_a_foreign_run_close_only_that_link(edge, node, upstream):
     """A node that sends events for a run it was not given loses its link; the edge and other nodes go on."""
 
-    async def rogue(ws):
-        await ws.send_message(hello(node_id="rogue"))
-        await ws.get_message()
-        event = RunEvent(run_id="not-yours", seq=1, type="delta", text="x")
-        await ws.send_message(encode_frame(Events(events=[event])))
-        return await closed_by_edge(ws)
-
+    event = RunEvent(run_id="not-yours", seq=1, type="delta", text="x")
     with trio.fail_after(BOUND):
-        closed = await fake_node(edge, rogue, node_id="rogue")
+        closed = await sent_after_hello(edge, "rogue", encode_frame(Events(events=[event])))
         assert closed.reason.code == 4003
         await eventually(lambda: "rogue" not in edge.edge.runs.links)
-        async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 1})
+        r = await one_request(edge)
     assert r.status_code == 200
 
 
@@ -222,18 +232,11 @@ async def test_a_bad_placed_hint_closes_only_that_link(edge, node, frame):
     """A ``placed`` hint for a model the node does not serve, or with a chain longer than
     any prompt's, closes that link with 4003; the edge's index is untouched and it serves on."""
 
-    async def liar(ws):
-        await ws.send_message(hello(node_id="liar"))
-        await ws.get_message()
-        await ws.send_message(encode_frame(frame))
-        return await closed_by_edge(ws)
-
     with trio.fail_after(BOUND):
-        closed = await fake_node(edge, liar, node_id="liar")
+        closed = await sent_after_hello(edge, "liar", encode_frame(frame))
         assert closed.reason.code == 4003
         await eventually(lambda: "liar" not in edge.edge.runs.links)
-        async with http(edge) as client:
-            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 1})
+        r = await one_request(edge)
     assert r.status_code == 200
     assert len(edge.edge.runs.prefixes) == 1  # only the request's own prompt
 
@@ -241,14 +244,8 @@ async def test_a_bad_placed_hint_closes_only_that_link(edge, node, frame):
 async def test_garbage_frame_closes_the_link(edge):
     """An undecodable frame closes that link with 4003."""
 
-    async def junk(ws):
-        await ws.send_message(hello(node_id="junk"))
-        await ws.get_message()
-        await ws.send_message(b"\xc1 not msgpack")
-        return await closed_by_edge(ws)
-
     with trio.fail_after(BOUND):
-        closed = await fake_node(edge, junk, node_id="junk")
+        closed = await sent_after_hello(edge, "junk", b"\xc1 not msgpack")
     assert closed.reason.code == 4003
 
 
