@@ -188,7 +188,8 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
             case Placed(model=model, prefix=prefix):
                 if model not in link.models:
                     raise LinkProtocolError(f"placed frame for model {model!r} the node does not serve")
-                service.placed_elsewhere(link, prefix)
+                if link.admit_placed(len(prefix), now):
+                    service.placed_elsewhere(link, prefix)
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
                 if run is not None:

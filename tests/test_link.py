@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 
 import msgspec
@@ -9,6 +10,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
+from edge.runs.link import PLACED_KEYS_PER_S
 from proto import (
     MAX_PREFIX_BLOCKS,
     PROTOCOL_VERSION,
@@ -16,7 +18,9 @@ from proto import (
     Grant,
     Hello,
     ModelInfo,
+    Ping,
     Placed,
+    Pong,
     RunEvent,
     Welcome,
     decode_frame,
@@ -247,6 +251,30 @@ async def test_garbage_frame_closes_the_link(edge):
     with trio.fail_after(BOUND):
         closed = await sent_after_hello(edge, "junk", b"\xc1 not msgpack")
     assert closed.reason.code == 4003
+
+
+async def test_a_node_flooding_placed_hints_costs_the_edge_bounded_work(nursery):
+    """300 ``placed`` frames of 2,048 keys each (614,400 keys) as fast as a node can send them:
+    the edge records at most PLACED_KEYS_PER_S keys a second of them, drops the rest (they are
+    hints), and keeps the link."""
+    edge = await start_edge(nursery, edge_config(prefix_index_entries=10_000_000))
+
+    async def flood(ws):
+        await ws.send_message(hello(node_id="flood"))
+        await ws.get_message()
+        start = trio.current_time()
+        for i in range(300):
+            chain = [i * MAX_PREFIX_BLOCKS + k for k in range(MAX_PREFIX_BLOCKS)]
+            await ws.send_message(encode_frame(Placed(model="m", prefix=chain)))
+        await ws.send_message(encode_frame(Ping(ts=1.0)))
+        while not isinstance(decode_frame(await ws.get_message()), Pong):  # every frame before it is read
+            pass
+        return trio.current_time() - start, len(edge.edge.runs.prefixes), "flood" in edge.edge.runs.links
+
+    with trio.fail_after(BOUND):
+        elapsed, recorded, linked = await fake_node(edge, flood, node_id="flood")
+    assert linked
+    assert 0 < recorded <= PLACED_KEYS_PER_S * (math.ceil(elapsed) + 1), (recorded, elapsed)
 
 
 async def test_node_declares_a_silent_edge_dead_and_redials(nursery):
