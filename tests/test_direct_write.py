@@ -52,11 +52,9 @@ def content_of(sse: bytes) -> str:
     )
 
 
-async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nursery, upstream, monkeypatch):
-    """Two streams, one after the other on one kept-alive connection: each arrives whole and
-    well framed (httpx parses the chunked body), and their middle chunks took the direct path."""
-    spy = Spy(monkeypatch)
-    words = [f"w{i} " for i in range(40)]
+async def edge_with_paced_words(nursery, upstream, n: int):
+    """An edge and a node whose model streams ``n`` words 2 ms apart: (the words, the edge)."""
+    words = [f"w{i} " for i in range(n)]
     upstream.script_for(
         "m-target",
         [*(step for w in words for step in (("chunk", {"content": w}), ("sleep", 0.002)))]
@@ -64,6 +62,14 @@ async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nu
     )
     edge = await start_edge(nursery)
     await start_node(nursery, edge, [model("m", upstream)])
+    return words, edge
+
+
+async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nursery, upstream, monkeypatch):
+    """Two streams, one after the other on one kept-alive connection: each arrives whole and
+    well framed (httpx parses the chunked body), and their middle chunks took the direct path."""
+    spy = Spy(monkeypatch)
+    words, edge = await edge_with_paced_words(nursery, upstream, 40)
     with trio.fail_after(BOUND):
         async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
             for _ in range(2):
@@ -120,14 +126,7 @@ async def test_an_http_1_0_client_gets_its_stream_unframed(nursery, upstream, mo
     """HTTP/1.0 has no chunked encoding: the body is delimited by the connection's close, so
     nothing may be chunk-framed; such a stream goes the ASGI way and arrives as plain SSE."""
     spy = Spy(monkeypatch)
-    words = [f"w{i} " for i in range(20)]
-    upstream.script_for(
-        "m-target",
-        [*(step for w in words for step in (("chunk", {"content": w}), ("sleep", 0.002)))]
-        + [("chunk", {}, "stop"), ("done",)],
-    )
-    edge = await start_edge(nursery)
-    await start_node(nursery, edge, [model("m", upstream)])
+    words, edge = await edge_with_paced_words(nursery, upstream, 20)
     host, port = edge.url.removeprefix("http://").rsplit(":", 1)
     body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
     with trio.fail_after(BOUND):
