@@ -196,3 +196,29 @@ async def test_disconnect_while_a_tool_stream_is_buffered_aborts_upstream(edge, 
         await rec.finished.wait()
     assert rec.aborted
     await settled(edge, node.agent)
+
+
+async def test_disconnect_is_watched_under_any_asgi_server(edge, node, upstream):
+    """Under hypercorn the edge hears the client leave from hypercorn itself
+    (no task per request waits for it); any other ASGI server's
+    ``http.disconnect`` cancels the run the same way, through a watcher task."""
+    upstream.script_for("m-target", tokens_then_hang(1))
+    to_app, from_client = trio.open_memory_channel(4)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:  # a plain function: not hypercorn's wiring
+        sent.append(message)
+
+    scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(edge.app.asgi_app, scope, from_client.receive, send)
+            await to_app.send({"type": "http.request", "body": msgspec.json.encode(STREAM), "more_body": False})
+            (rec,) = await upstream.wait_requests(1)
+            while not any(b"tok0" in m.get("body", b"") for m in sent):
+                await trio.sleep(0.005)
+            await to_app.send({"type": "http.disconnect"})
+        await rec.finished.wait()
+    assert rec.aborted
+    assert sent[0]["status"] == 200 and not any(m.get("more_body") is False for m in sent)
+    await settled(edge, node.agent)

@@ -1,12 +1,12 @@
 """``POST /v1/chat/completions``.
 
-The request's life, all inside the nursery that :mod:`edge.openai.routes`
+The request's life, all inside the cancel scope that :mod:`edge.openai.routes`
 opens per request (a client disconnect cancels it):
 
 1. parse and validate the body (400);
 2. admission: a slot on a node (404, 503, 429; waiting in the queue);
-3. start the run; a task in the request's nursery enforces the wait timeout
-   and the run deadline (:meth:`Turn.run_on`);
+3. start the run; the run service's timers enforce the wait timeout and the
+   run deadline (:meth:`Turn.run_on`);
 4. shape events into SSE chunks (live or buffered) or one JSON body
    (:mod:`edge.openai.output`); a request with tools is collected and its
    calls validated, and retried, before the client sees them;

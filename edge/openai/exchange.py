@@ -14,7 +14,7 @@ from typing import NamedTuple
 import trio
 
 from edge.errors import APIError
-from edge.openai.direct import DirectBody
+from edge.openai.direct import DirectBody, on_disconnect
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
 
@@ -92,6 +92,9 @@ class Exchange:
         "key",
         "lease",
         "extra_headers",
+        "_scope",
+        "_task",
+        "_left",
     )
 
     def __init__(self, scope, receive, send) -> None:
@@ -110,6 +113,9 @@ class Exchange:
         self.extra_headers: list[tuple[bytes, bytes]] = []  # x-ratelimit-*
         self.errors = OPENAI_ERRORS  # the route's error shape (edge.openai.routes sets it)
         self.api = "chat"  # the route's front door: the ``api`` of its access line and metrics (routes sets it)
+        self._scope: trio.CancelScope | None = None  # cancelled when the client leaves (cancel_on_disconnect)
+        self._task = None
+        self._left = False  # the client left during one of our sends: cancel once it returns
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:
@@ -135,6 +141,41 @@ class Exchange:
             if not message.get("more_body", False):
                 self.body_read = True
                 return b"".join(parts)
+
+    def cancel_on_disconnect(self, scope: trio.CancelScope) -> bool:
+        """Have the server's own delivery of ``http.disconnect`` cancel
+        ``scope``, with no task waiting for it (:func:`~edge.openai.direct.on_disconnect`);
+        False when the server is wired otherwise: run :meth:`watch_disconnect`."""
+        if not on_disconnect(self._send, self._client_left):
+            return False
+        self._scope = scope
+        self._task = trio.lowlevel.current_task()
+        return True
+
+    def _client_left(self) -> None:
+        if self.finished:  # our own last write ended the exchange
+            return
+        if trio.lowlevel.current_task() is self._task:
+            # Delivered from inside one of our sends (the server found the
+            # socket broken): cancelling now would interrupt the server's own
+            # bookkeeping, so the scope is cancelled once that send returns.
+            self._left = True
+        else:
+            self._scope.cancel()
+
+    def check_disconnect(self, scope: trio.CancelScope) -> None:
+        """After the body: cancel ``scope`` if the client's disconnect is
+        already queued (it came before :meth:`cancel_on_disconnect`)."""
+        channel = getattr(self._receive, "__self__", None)
+        if not isinstance(channel, trio.MemoryReceiveChannel):
+            return
+        try:
+            while True:
+                if channel.receive_nowait()["type"] == "http.disconnect":
+                    scope.cancel()
+                    return
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            pass
 
     async def watch_disconnect(self, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` when the client goes away (run after the body is read)."""
@@ -163,6 +204,8 @@ class Exchange:
         headers = [(b"x-upstream-request-id" if k == b"x-request-id" else k, v) for k, v in headers]
         headers.append((b"x-request-id", self.request_id.encode()))
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        if self._left:
+            self._scope.cancel()
 
     async def write(self, data: bytes) -> None:
         direct = self._direct
@@ -175,6 +218,8 @@ class Exchange:
                     await direct.send_rest(rest)
                 return
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        if self._left:
+            self._scope.cancel()
 
     async def finish(self, data: bytes = b"") -> None:
         self.finished = True

@@ -2,8 +2,11 @@
 
 Quart serves everything else (models, health, metrics, the node link); these
 routes (and the Anthropic Messages routes, :mod:`edge.anthropic`) run on raw
-ASGI so that one nursery per request owns the body, the admission wait, the
-run and every write, and the client's disconnect cancels exactly that nursery.
+ASGI so that one cancel scope per request owns the body, the admission wait,
+the run and every write, and the client's disconnect cancels exactly that
+scope. Under hypercorn the disconnect reaches the scope from hypercorn's own
+delivery of it (:func:`edge.openai.direct.on_disconnect`): no task of the
+request's waits for it. Under another server a task does.
 Every request here gets a request id (``req_`` + hex, the ``x-request-id`` of
 its response), one access line with its real status
 and the API it spoke (``api``), and one count in ``iop_requests_total``,
@@ -75,48 +78,66 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     structlog.contextvars.bind_contextvars(request_id=ex.request_id)
     outcome: str | None = None  # what ended it, when the handler did not say
     try:
-        async with trio.open_nursery() as nursery:
-            try:
-                if ex.scope["method"] != "POST":
-                    raise APIError(405, "Method not allowed; use POST.", code="method_not_allowed")
-                problem = edge.refuse_request(ex)
-                if problem is not None:
-                    raise problem
-                # The framework's body timeout does not reach raw ASGI: bound it here.
-                try:
-                    with trio.fail_after(edge.config.body_timeout_s):
-                        body = await ex.read_body(edge.config.max_body_bytes)
-                except trio.TooSlowError:
-                    raise APIError(
-                        408,
-                        f"The request body did not arrive within {edge.config.body_timeout_s:g} s.",
-                        code="request_timeout",
-                    ) from None
-                nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
-                await route.handler(edge, ex, body)
-            except ClientGone:
-                outcome = "client_gone"
-            except APIError as e:
-                outcome = f"rejected_{e.status}"
-                ex.access.error = e.code or e.type
-                if e.status == 429:
-                    ex.access.refusal = e.message
-                if not ex.started:
-                    await ex.respond_error(e)
-                elif not ex.finished:
-                    await ex.finish(ex.errors.stream(e.message, e.type, e.code))
-            except Exception:
-                outcome = "internal_error"
-                log.exception("request failed")
-                if not ex.started:
-                    await ex.respond_error(APIError(500, "Internal error in the edge.", "server_error"))
-                elif not ex.finished:
-                    await ex.finish(ex.errors.stream("internal error in the edge", "server_error", None))
-            finally:
-                nursery.cancel_scope.cancel()
+        with trio.CancelScope() as scope:
+            if ex.cancel_on_disconnect(scope):
+                outcome = await _respond(edge, route, ex, scope, None)
+            else:  # another server's wiring: a task waits for the disconnect
+                async with trio.open_nursery() as nursery:
+                    outcome = await _respond(edge, route, ex, scope, nursery)
     finally:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
+
+
+async def _respond(
+    edge: Edge, route: Route, ex: Exchange, scope: trio.CancelScope, nursery: trio.Nursery | None
+) -> str | None:
+    """Read the body and run the handler inside ``scope``, which the client's
+    disconnect cancels (through the server's own delivery of it, or a task in
+    ``nursery`` when there is one). Returns what ended the request, when the
+    handler did not say."""
+    try:
+        if ex.scope["method"] != "POST":
+            raise APIError(405, "Method not allowed; use POST.", code="method_not_allowed")
+        problem = edge.refuse_request(ex)
+        if problem is not None:
+            raise problem
+        # The framework's body timeout does not reach raw ASGI: bound it here.
+        try:
+            with trio.fail_after(edge.config.body_timeout_s):
+                body = await ex.read_body(edge.config.max_body_bytes)
+        except trio.TooSlowError:
+            raise APIError(
+                408,
+                f"The request body did not arrive within {edge.config.body_timeout_s:g} s.",
+                code="request_timeout",
+            ) from None
+        if nursery is not None:
+            nursery.start_soon(ex.watch_disconnect, scope)
+        else:
+            ex.check_disconnect(scope)  # one queued behind the body, before the hook was in place
+        await route.handler(edge, ex, body)
+    except ClientGone:
+        return "client_gone"
+    except APIError as e:
+        ex.access.error = e.code or e.type
+        if e.status == 429:
+            ex.access.refusal = e.message
+        if not ex.started:
+            await ex.respond_error(e)
+        elif not ex.finished:
+            await ex.finish(ex.errors.stream(e.message, e.type, e.code))
+        return f"rejected_{e.status}"
+    except Exception:
+        log.exception("request failed")
+        if not ex.started:
+            await ex.respond_error(APIError(500, "Internal error in the edge.", "server_error"))
+        elif not ex.finished:
+            await ex.finish(ex.errors.stream("internal error in the edge", "server_error", None))
+        return "internal_error"
+    finally:
+        scope.cancel()  # ends the disconnect watcher, if there is one
+    return None
 
 
 def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:

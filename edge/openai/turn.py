@@ -1,7 +1,7 @@
 """A chat completion request across the runs it takes, and collecting runs.
 
 :class:`Turn` holds one request; :meth:`Turn.run_on` starts a run and
-consumes it inside a nursery that also enforces the run's timers, closing the
+consumes it while the run service's timers enforce its timeouts, closing the
 run on the way out whatever happens. :func:`collect_validated` reads whole
 runs and retries those whose tool calls fail validation (not a run cut off
 by ``max_tokens``: it is returned as it is, with ``finish_reason: "length"``).
@@ -137,8 +137,8 @@ class Turn:
         metadata: dict[str, str] | None = None,
         extra_messages: list[dict[str, Any]] | None = None,
     ) -> T:
-        """Start a run on ``slot`` and ``consume`` it inside a nursery that also
-        enforces its timers. Whatever happens, the run is closed on the way out."""
+        """Start a run on ``slot`` and ``consume`` it while the service's
+        timers enforce its timeouts. Whatever happens, the run is closed on the way out."""
         try:
             body = self.request_for(slot, extra_messages or [])
         except APIError:
