@@ -249,6 +249,26 @@ async def test_keep_alive_while_waiting_for_the_first_token(shaped):
     assert joined(chunks, "content") == "late"
 
 
+async def test_keep_alive_in_a_pause_mid_stream_and_none_while_text_flows(shaped):
+    """A model that pauses mid-answer gets keep-alives during the pause (the
+    run's timers wake the stream: it holds no timer of its own); text that
+    keeps arriving faster than keepalive_s gets none."""
+    edge, upstream = shaped
+    pause = [("chunk", {"content": "a"}), ("sleep", 0.7), *script({"content": "b"})]
+    steady = [step for t in "cdefghij" for step in (("chunk", {"content": t}), ("sleep", 0.05))]
+    upstream.script_for("t", pause)
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="plain")
+        assert joined(chunks, "content") == "ab"
+        head, _, tail = raw.partition(b'"content":"a"')
+        assert tail.split(b'"content":"b"')[0].count(b": keep-alive\n\n") >= 2
+        assert b": keep-alive" not in head
+        upstream.script_for("t", [*steady, *script()])
+        chunks, raw = await stream_raw(edge, model="plain")
+    assert joined(chunks, "content") == "cdefghij"
+    assert b": keep-alive" not in raw
+
+
 async def test_trace_logs_each_chunk_and_a_summary(shaped):
     """Run metadata iop_trace_stream logs every emitted chunk (with filtering noted) and one summary."""
     edge, upstream = shaped

@@ -416,7 +416,7 @@ async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEn
         await _write_live(turn, run, live)
 
     try:
-        await turn.run_on(slot, write)
+        await turn.run_on(slot, write, keepalive=turn.edge.config.keepalive_s)
     except RunFailed as failed:  # before the stream committed
         await fail(turn, failed, live.error if live is not None else sse_error)
 
@@ -424,11 +424,10 @@ async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEn
 async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
     """Raises :class:`RunFailed` if the run fails before the stream commits."""
     ex = turn.ex
-    keepalive = turn.edge.config.keepalive_s
     out = live.out
     try:
         while True:
-            batch = await run.next_batch_within(keepalive)
+            batch = await run.next_batch_or_idle()
             if not ex.started:
                 if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
                     raise failure(batch[0], run)

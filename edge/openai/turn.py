@@ -136,6 +136,7 @@ class Turn:
         *,
         metadata: dict[str, str] | None = None,
         extra_messages: list[dict[str, Any]] | None = None,
+        keepalive: float = 0.0,
     ) -> T:
         """Start a run on ``slot`` and ``consume`` it while the service's
         timers enforce its timeouts. Whatever happens, the run is closed on the way out."""
@@ -149,7 +150,7 @@ class Turn:
         )
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
-        return await consume_run(run, consume)
+        return await consume_run(run, consume, keepalive)
 
 
 def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:

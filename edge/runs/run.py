@@ -70,6 +70,9 @@ class Run:
         "timer",
         "client",
         "error",
+        "keepalive",
+        "idle_since",
+        "_idle",
     )
 
     def __init__(
@@ -110,6 +113,9 @@ class Run:
         self.api = ""  # the front door its request came through (a metrics label; never sent to the node)
         self.client = None  # the request's Exchange (its key and stream flag, for the console)
         self.error: str | None = None  # how it failed, when it did (for the console)
+        self.keepalive = 0.0  # > 0: the timers wake the reader after this long with nothing (next_batch_or_idle)
+        self.idle_since = now  # the last event, or the last keep-alive the timers called
+        self._idle = False  # a keep-alive is due
 
     @property
     def link(self):
@@ -165,8 +171,15 @@ class Run:
             self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
 
     def due(self) -> float:
-        """When the run times out if nothing arrives: silence, or the whole-run deadline."""
-        return min(self.last_event_at + self.wait_timeout, self.deadline)
+        """When the run times out if nothing arrives (silence, or the whole-run
+        deadline), or sooner when its reader's keep-alive is due."""
+        due = min(self.last_event_at + self.wait_timeout, self.deadline)
+        if self.keepalive > 0:
+            return min(due, max(self.last_event_at, self.idle_since) + self.keepalive)
+        return due
+
+    def timed_out(self, now: float) -> bool:
+        return min(self.last_event_at + self.wait_timeout, self.deadline) <= now
 
     # -- consumer side (the request) -----------------------------------------
 
@@ -178,11 +191,25 @@ class Run:
         self._pending = []
         return batch
 
-    async def next_batch_within(self, seconds: float) -> list[RunEvent] | None:
-        """Like :meth:`next_batch`, or None after ``seconds`` of silence (keep-alive time)."""
-        with trio.move_on_after(seconds):
-            return await self.next_batch()
-        return None
+    async def next_batch_or_idle(self) -> list[RunEvent] | None:
+        """Like :meth:`next_batch`, or None when ``keepalive`` seconds passed
+        with no event (and none since the last None): the run's
+        :class:`RunTimers` say so, so waiting costs no cancel scope."""
+        while not self._pending:
+            if self._idle:
+                self._idle = False
+                return None
+            await self._lot.park()
+        self._idle = False
+        batch = self._pending
+        self._pending = []
+        return batch
+
+    def idle_due(self, now: float) -> None:
+        """Called by the timers ``keepalive`` seconds after the last event or keep-alive."""
+        self.idle_since = now
+        self._idle = True
+        self._lot.unpark_all()
 
     def close(self, cause: str) -> None:
         """Release the run. If it has not ended, it is cancelled on the node
@@ -197,11 +224,13 @@ class Run:
         self._on_close(self)
 
 
-async def consume_run(run: Run, consume: Callable[[Run], Awaitable[T]]) -> T:
+async def consume_run(run: Run, consume: Callable[[Run], Awaitable[T]], keepalive: float = 0.0) -> T:
     """``consume`` the run while the service's :class:`RunTimers` enforce its
-    timeouts. Whatever happens, the run is closed on the way out: cancelled on
-    the node unless it ended, with cause ``client_gone`` when the caller's
-    scope was cancelled (the client left, or the edge is shutting down)."""
+    timeouts (and, with ``keepalive``, wake :meth:`Run.next_batch_or_idle`).
+    Whatever happens, the run is closed on the way out: cancelled on the node
+    unless it ended, with cause ``client_gone`` when the caller's scope was
+    cancelled (the client left, or the edge is shutting down)."""
+    run.keepalive = keepalive
     if run.timers is not None:
         run.timers.add(run)
     try:
@@ -213,9 +242,11 @@ async def consume_run(run: Run, consume: Callable[[Run], Awaitable[T]]) -> T:
 
 class RunTimers:
     """Fails every run whose node went silent for ``wait_timeout`` or whose
-    whole-run deadline passed, from one task for all runs (a heap of due
-    times) rather than a task per run: a stream then holds no timer task, no
-    nursery and no cancel scope while it waits. A run's entry is re-armed
+    whole-run deadline passed, and wakes the reader of a run with a
+    ``keepalive`` when that long passed with no event, from one task for all
+    runs (a heap of due times) rather than a task per run: a stream then holds
+    no timer task, no nursery and no cancel scope while it waits, nor makes
+    one per wait. A run's entry is re-armed
     when it comes due while events kept arriving; a closed run's entry is
     emptied at once and dropped when it comes up (or when empties pile up).
     The timeout fires even while the request's writer is blocked on a slow
@@ -259,12 +290,15 @@ class RunTimers:
                 if run is None:
                     self._empty -= 1
                     continue
-                due = run.due()
-                if due <= now:
+                if run.timed_out(now):
                     run.timer = None
                     run.fail(RUN_TIMED_OUT, TIMEOUT)
-                else:
-                    entry[0], entry[1] = due, next(self._seq)
-                    heapq.heappush(heap, entry)
+                    continue
+                due = run.due()
+                if due <= now:  # only a keep-alive is due
+                    run.idle_due(now)
+                    due = run.due()
+                entry[0], entry[1] = due, next(self._seq)
+                heapq.heappush(heap, entry)
             with trio.move_on_at(heap[0][0] if heap else math.inf):
                 await self._changed.park()
