@@ -31,6 +31,7 @@ from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
 from edge.openai.routes import openai_routes
 from edge.openai.schema import ModelCard, ModelList
+from edge.reads import install as install_reads
 from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
 from edge.shared_state import SharedState
@@ -151,6 +152,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     if config is None:
         config = load_edge_config(None)
     install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
+    install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
     edge = Edge(config)
     app = QuartTrio("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
