@@ -501,8 +501,9 @@ def main() -> None:
         rounds: dict[str, list[Result]] = {}
         try:
             for round_no in range(max(args.rounds, 1)):
-                # The baseline goes first in every other round: whichever runs first in a round
-                # measured up to 10% more CPU per token on the same code.
+                # The baseline goes first in every other round, so that neither revision always
+                # meets the machine in the same state (the node's CPU per token, identical code in
+                # both, measured 6-16% apart with the current code always first).
                 if tree is not None and round_no % 2 == 1:
                     result = run_revision(args.baseline[:12], tree, upstream, idle_upstream, args)
                     rounds.setdefault(result.name, []).append(result)
