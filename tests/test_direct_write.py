@@ -25,20 +25,31 @@ class Spy:
     """Counts what DirectBody.write did (the real method runs)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.whole = self.partial = self.declined = 0
-        write = direct.DirectBody.write
+        self.whole = self.partial = self.declined = self.last = 0
+        self.heads: list[tuple[bytes, bool] | None] = []  # what each head_and_chunk did
+        write, head_and_chunk = direct.DirectBody.write, direct.DirectBody.head_and_chunk
 
-        def counted(body, data: bytes) -> bytes | None:
-            rest = write(body, data)
+        def counted(body, data: bytes, more: bool = False) -> bytes | None:
+            rest = write(body, data, more)
             if rest is None:
                 self.declined += 1
             elif rest:
                 self.partial += 1
             else:
                 self.whole += 1
+                self.last += more
             return rest
 
+        def counted_head(body, send, message, data):
+            done = head_and_chunk(body, send, message, data)
+            self.heads.append(done)
+            if done is not None:  # a direct write too (with the head before the chunk)
+                self.partial += bool(done[0])
+                self.whole += not done[0]
+            return done
+
         monkeypatch.setattr(direct.DirectBody, "write", counted)
+        monkeypatch.setattr(direct.DirectBody, "head_and_chunk", counted_head)
 
 
 def content_of(sse: bytes) -> str:
@@ -77,7 +88,13 @@ async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nu
                     "/v1/chat/completions", json={**STREAM, "messages": [{"role": "user", "content": "x"}]}
                 )
                 assert r.status_code == 200 and content_of(r.content) == "".join(words)
+                # The head written with the first chunk says what hypercorn's own would.
+                assert r.headers["transfer-encoding"] == "chunked" and r.headers["content-type"] == "text/event-stream"
+                assert {"date", "server", "x-request-id"} <= r.headers.keys()
     assert spy.whole >= 20
+    # Each stream's head went out with its first chunk in one write, its last chunk with
+    # the end of the body hypercorn wrote after it.
+    assert spy.heads == [(b"", True), (b"", True)] and spy.last == 2
 
 
 async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery, upstream, monkeypatch):

@@ -25,6 +25,7 @@ when anything differs, so a change there costs speed, never bytes.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -33,18 +34,20 @@ import trio
 
 
 class DirectBody:
-    __slots__ = ("_socket", "_stream", "_lock", "_h11")
+    __slots__ = ("_socket", "_raw", "_stream", "_lock", "_h11", "_protocol")
 
-    def __init__(self, stream: trio.SocketStream, lock: Any, connection: h11.Connection) -> None:
+    def __init__(
+        self, stream: trio.SocketStream, raw: socket.socket, lock: Any, connection: h11.Connection, protocol: Any
+    ) -> None:
         self._stream = stream
         self._socket = stream.socket
+        self._raw = raw  # the stdlib socket under trio's (for send flags)
         self._lock = lock
         self._h11 = connection
+        self._protocol = protocol
 
     @classmethod
-    def find(cls, scope: dict, send: Any) -> DirectBody | None:
-        """The connection behind hypercorn's ASGI ``send``, if it is one this can
-        write to: call it once the response's head has gone."""
+    def _wired(cls, scope: dict, send: Any) -> DirectBody | None:
         if scope.get("type") != "http" or scope.get("http_version") != "1.1":
             return None
         try:
@@ -57,18 +60,77 @@ class DirectBody:
             return None
         if type(stream) is not trio.SocketStream or not hasattr(lock, "locked"):
             return None
-        # Only a chunked body (not one with a Content-Length, nor HTTP/1.0's close-delimited one).
-        if (
-            connection.our_state is not h11.SEND_BODY
-            or type(getattr(connection, "_writer", None)).__name__ != "ChunkedWriter"
-        ):
+        raw = getattr(stream.socket, "_sock", None)
+        if type(raw) is not socket.socket:
             return None
-        return cls(stream, lock, connection)
+        return cls(stream, raw, lock, connection, protocol)
 
-    def write(self, data: bytes) -> bytes | None:
+    @classmethod
+    def find(cls, scope: dict, send: Any) -> DirectBody | None:
+        """The connection behind hypercorn's ASGI ``send``, if it is one this can
+        write to: call it once the response's head has gone."""
+        direct = cls._wired(scope, send)
+        # Only a chunked body (not one with a Content-Length, nor HTTP/1.0's close-delimited one).
+        if direct is None or not direct._chunked():
+            return None
+        return direct
+
+    @classmethod
+    def before_head(cls, scope: dict, send: Any) -> DirectBody | None:
+        """Like :meth:`find`, before the response's head: for :meth:`head_and_chunk`."""
+        direct = cls._wired(scope, send)
+        stream = getattr(send, "__self__", None)
+        if direct is None or type(stream).__name__ != "HTTPStream" or getattr(stream, "response", None) is not None:
+            return None
+        if direct._h11.our_state is not h11.SEND_RESPONSE or getattr(stream.state, "name", None) != "REQUEST":
+            return None
+        return direct
+
+    def _chunked(self) -> bool:
+        connection = self._h11
+        return (
+            connection.our_state is h11.SEND_BODY
+            and type(getattr(connection, "_writer", None)).__name__ == "ChunkedWriter"
+        )
+
+    def head_and_chunk(self, send: Any, message: dict, data: bytes) -> tuple[bytes, bool] | None:
+        """The response's head (``message``, an ASGI ``http.response.start``
+        of a 200 with no Content-Length) and ``data`` as its body's first
+        chunk, in one write to the kernel, framed as hypercorn's HTTPStream and
+        H11Protocol would (its date and server headers, ``connection: close``
+        at the keep-alive limit); hypercorn's stream is left as after its own
+        start. None if nothing was done (send both the ASGI way), else what
+        the kernel did not take (for :meth:`send_rest`) and whether ``data``
+        was in it (h11 chose a framing other than chunked: send it the ASGI
+        way after the rest)."""
+        if self._lock.locked() or self._h11.our_state is not h11.SEND_RESPONSE or self._socket.fileno() < 0:
+            return None
+        stream, protocol = send.__self__, self._protocol
+        config = protocol.config
+        headers = [(bytes(k).strip(), bytes(v).strip()) for k, v in message["headers"]]
+        headers += config.response_headers("h11")
+        if protocol.keep_alive_requests >= config.keep_alive_max_requests:
+            headers.append((b"connection", b"close"))
+        try:
+            head = self._h11.send(h11.Response(status_code=message["status"], headers=headers))
+        except h11.LocalProtocolError:
+            return None  # nothing changed: the ASGI way raises it where hypercorn does
+        stream.response = message
+        stream.state = type(stream.state).RESPONSE
+        chunked = self._chunked()
+        framed = head + b"%x\r\n%b\r\n" % (len(data), data) if chunked else head
+        try:
+            sent = os.write(self._socket.fileno(), framed)
+        except OSError:  # full (EAGAIN) or broken: nothing was written
+            sent = 0
+        return framed[sent:], chunked
+
+    def write(self, data: bytes, more: bool = False) -> bytes | None:
         """Send ``data`` as one chunk, now: None if nothing was sent (send it
         the ASGI way), else what the kernel did not take (b"" when all),
-        which must go out with :meth:`send_rest` before anything else."""
+        which must go out with :meth:`send_rest` before anything else.
+        ``more``: the end of the body follows at once (``MSG_MORE``: the
+        kernel sends both in one packet)."""
         if self._lock.locked() or self._h11.our_state is not h11.SEND_BODY:
             return None
         fd = self._socket.fileno()
@@ -76,7 +138,7 @@ class DirectBody:
             return None
         framed = b"%x\r\n%b\r\n" % (len(data), data)
         try:
-            sent = os.write(fd, framed)
+            sent = self._raw.send(framed, socket.MSG_MORE) if more else os.write(fd, framed)
         except OSError:  # full (EAGAIN) or broken: nothing was written
             return None
         return framed[sent:]

@@ -191,7 +191,10 @@ class Exchange:
         length = self.header(b"content-length")
         return (length is not None and length != b"0") or self.header(b"transfer-encoding") is not None
 
-    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
+    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]], first: bytes = b"") -> None:
+        """Send the response's head; with ``first`` (a chunked 200's first
+        body bytes), both in one write when the connection allows
+        (:meth:`DirectBody.head_and_chunk`): one packet, one wake-up of the client."""
         if self._body_unread():
             # Answered before its body arrived (401, 413, 408): the server will
             # close the connection, so say so, or a client reuses it and fails.
@@ -203,9 +206,25 @@ class Exchange:
         # A provider's own id (passthrough) stays readable under another name.
         headers = [(b"x-upstream-request-id" if k == b"x-request-id" else k, v) for k, v in headers]
         headers.append((b"x-request-id", self.request_id.encode()))
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        message = {"type": "http.response.start", "status": status, "headers": headers}
+        if first and status == 200 and self._direct is None:
+            direct = DirectBody.before_head(self.scope, self._send)
+            done = direct.head_and_chunk(self._send, message, first) if direct is not None else None
+            if done is not None:
+                rest, included = done
+                self._direct = direct if included else False
+                if rest:
+                    await direct.send_rest(rest)
+                if not included:
+                    await self._send({"type": "http.response.body", "body": first, "more_body": True})
+                if self._left:
+                    self._scope.cancel()
+                return
+        await self._send(message)
         if self._left:
             self._scope.cancel()
+        if first:
+            await self.write(first)
 
     async def write(self, data: bytes) -> None:
         direct = self._direct
@@ -223,6 +242,16 @@ class Exchange:
 
     async def finish(self, data: bytes = b"") -> None:
         self.finished = True
+        if data and self.started:
+            direct = self._direct
+            if direct is None:
+                direct = self._direct = DirectBody.find(self.scope, self._send) or False
+            if direct:  # the last chunk now, held for the end of the body hypercorn sends next
+                rest = direct.write(data, more=True)
+                if rest is not None:
+                    if rest:
+                        await direct.send_rest(rest)
+                    data = b""
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def respond(

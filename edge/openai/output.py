@@ -428,25 +428,29 @@ async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
     try:
         while True:
             batch = await run.next_batch_or_idle()
-            if not ex.started:
+            commit = not ex.started
+            if commit:
                 if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
                     raise failure(batch[0], run)
-                await ex.start(200, SSE_HEADERS)
                 out.append(live.opening())
+            end = None
             if batch is None:
                 out.append(live.keep_alive)
-                data = b"".join(out)
-                out.clear()
-                await ex.write(data)
+            else:
+                end = live.feed(batch)
+                if end is not None:
+                    out.append(end)
+            if not out:
                 continue
-            end = live.feed(batch)
+            data = b"".join(out)
+            out.clear()
+            if commit:  # the head and the first bytes together: one packet to the client
+                await ex.start(200, SSE_HEADERS, data)
+                data = b""
             if end is not None:
-                out.append(end)
-                await ex.finish(b"".join(out))
+                await ex.finish(data)
                 return
-            if out:
-                data = b"".join(out)
-                out.clear()
+            if data:
                 await ex.write(data)
     finally:
         policy = turn.policy
