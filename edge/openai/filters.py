@@ -7,6 +7,7 @@ hypothesis). Each holds back at most the longest partial token/tag.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 # Special tokens of the common chat templates that leak into text when a model
@@ -45,6 +46,14 @@ DEFAULT_SENTINELS: tuple[str, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=64)
+def _prepared(sentinels: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Longest first, and their first characters: one copy for every stream
+    with the same list (a stream holds two filters; the list is per model)."""
+    uniq = sorted({s for s in sentinels if s}, key=len, reverse=True)
+    return tuple(uniq), frozenset(s[0] for s in uniq)
+
+
 class SentinelFilter:
     """Removes sentinel strings from a stream of text.
 
@@ -57,9 +66,7 @@ class SentinelFilter:
     __slots__ = ("_sentinels", "_starts", "_pending")
 
     def __init__(self, sentinels: Iterable[str]) -> None:
-        uniq = sorted({s for s in sentinels if s}, key=len, reverse=True)
-        self._sentinels = tuple(uniq)
-        self._starts = frozenset(s[0] for s in uniq)
+        self._sentinels, self._starts = _prepared(tuple(sentinels))
         self._pending = ""
 
     def append(self, text: str) -> str:

@@ -38,6 +38,10 @@ class ChunkEncoder:
         self.model = model
         self._reasoning_field = reasoning_field
         self._content = _template(self._chunk(ChunkDelta(content=_MARK)))
+        self._reasoning: tuple[bytes, bytes] | None = None  # made at the first reasoning delta
+
+    def _reasoning_template(self) -> tuple[bytes, bytes]:
+        completion_id, created, model, reasoning_field = self.id, self.created, self.model, self._reasoning_field
         self._reasoning = _template(
             {
                 "id": completion_id,
@@ -47,6 +51,7 @@ class ChunkEncoder:
                 "choices": [{"index": 0, "delta": {reasoning_field: _MARK}, "finish_reason": None, "logprobs": None}],
             }
         )
+        return self._reasoning
 
     def _chunk(self, delta: ChunkDelta, finish_reason: str | None = None) -> Chunk:
         return Chunk(
@@ -62,7 +67,7 @@ class ChunkEncoder:
         return head + _encode(text) + tail
 
     def reasoning(self, text: str) -> bytes:
-        head, tail = self._reasoning
+        head, tail = self._reasoning or self._reasoning_template()
         return head + _encode(text) + tail
 
     def role(self) -> bytes:
