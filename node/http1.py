@@ -216,18 +216,18 @@ class Response:
         """The data of every chunk (or part of one) in ``buf``; the rest is kept."""
         out: list[bytes] = []
         pos, n = 0, len(buf)
+        left = self._left  # of the current chunk: its data and CRLF still to come
         while pos < n:
-            left = self._left
-            if left > 2:  # inside a chunk's data
-                end = min(pos + left - 2, n)
-                out.append(buf[pos:end])
-                self._left -= end - pos
-                pos = end
-                continue
-            if left:  # the CRLF after a chunk's data
-                take = min(left, n - pos)
-                self._left -= take
-                pos += take
+            if left:
+                avail = n - pos
+                if left > 2:  # data first (a chunk whole in ``buf``, CRLF included, takes one turn)
+                    out.append(buf[pos : pos + left - 2] if avail > left - 2 else buf[pos:])
+                if avail >= left:
+                    pos += left
+                    left = 0
+                else:
+                    left -= avail
+                    pos = n
                 continue
             end = buf.find(b"\r\n", pos)
             if end < 0:
@@ -239,6 +239,7 @@ class Response:
             if self._trailer:
                 if not line:  # the empty line that ends the trailers
                     self.done = True
+                    self._left = 0
                     self._conn.buf = buf[pos:]
                     return b"".join(out)
                 continue
@@ -251,7 +252,8 @@ class Response:
             if size == 0:
                 self._trailer = True
             else:
-                self._left = size + 2
+                left = size + 2
+        self._left = left
         self._conn.buf = buf[pos:]
         return out[0] if len(out) == 1 else b"".join(out)
 
