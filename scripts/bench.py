@@ -1,7 +1,8 @@
 """Throughput, CPU per token, added latency and idle-stream memory of edge+node.
 
     python scripts/bench.py [--concurrency 200] [--tokens 200] [--ttft-requests 300]
-                            [--idle-streams 10000] [--baseline REV] [--keys] [--console] [--rounds N]
+                            [--idle-streams 10000] [--baseline REV [--interleave]] [--keys] [--console]
+                            [--rounds N] [--streams-each N]
 
 Starts one upstream (scripts/upstream.py) and, for the current checkout (and,
 with --baseline, for a git worktree of REV, side by side in the same run), an
@@ -24,13 +25,19 @@ Tokens are counted in the text the client received, so an edge that puts
 several tokens in one chunk is measured on what it delivers, not on chunks.
 
 With --rounds N, the whole measurement runs N times, the revisions taking
-turns (current, baseline, current, ...: machine drift falls on both), each
-round on fresh processes; the report gives each figure's median over the
-rounds and, for CPU per token and tokens/s, the range. One round's figures
-vary by about +-25% on this 2-core machine. With 3 rounds the ranges were
-within +-4%, but the same code measured as "current" and as a HEAD worktree
-differed by 7% in edge CPU per token (12.0 against 11.2 µs): a smaller
-difference is not a result.
+turns (the baseline first in every other round), each round on fresh
+processes; the report gives each figure's median over the rounds and, for CPU
+per token and tokens/s, the range. One round's figures vary by about +-25% on
+this 2-core machine, and the machine drifts over minutes: the same code
+measured as "current" and as a HEAD worktree differed by 7% in edge CPU per
+token over 3 rounds, and two 3-round runs of the same comparison ten minutes
+apart disagreed on its sign.
+
+With --interleave (and --baseline), both revisions are up at once and
+measured in --rounds short slices that take turns (TTFT requests split
+between them; each slice one throughput phase), so drift falls on both
+alike; the idle streams are measured once each at the end. This is the
+comparison to trust: --interleave --rounds 6 --streams-each 2.
 """
 
 from __future__ import annotations
@@ -315,6 +322,7 @@ def merged(rounds: list[Result]) -> Result:
     """One revision's rounds as one result: the medians (TTFT samples pooled)."""
     med = statistics.median
     first = rounds[0]
+    idle = [r for r in rounds if r.idle_opened] or rounds[:1]  # --interleave measures it once
     return Result(
         first.name,
         [t for r in rounds for t in r.direct_ttft],
@@ -325,9 +333,9 @@ def merged(rounds: list[Result]) -> Result:
         round(med(r.edge_chunks for r in rounds)),
         med(r.cpu_edge_us for r in rounds),
         med(r.cpu_node_us for r in rounds),
-        med(r.idle_kb for r in rounds),
-        first.idle_opened,
-        [t for r in rounds for t in r.idle_latency],
+        med(r.idle_kb for r in idle),
+        idle[0].idle_opened,
+        [t for r in idle for t in r.idle_latency],
         first.console,
         rounds,
     )
@@ -351,14 +359,20 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def run_revision(
-    name: str, root: Path, upstream: str, idle_upstream: str, args, extra: dict | None = None, console: bool = False
-) -> Result:
+@dataclass
+class Live:
+    """One revision's edge and node, up."""
+
+    name: str
+    stack: Stack
+    edge: str
+    pids: list[int]
+    watcher: subprocess.Popen | None
+
+
+@contextlib.contextmanager
+def revision(name: str, root: Path, upstream: str, idle_upstream: str, args, extra=None, console: bool = False):
     """``extra``: more edge config (the --keys variant); ``console``: a console attached throughout."""
-    result = Result(name)
-    HEADERS.clear()
-    if extra and "keys" in extra:
-        HEADERS["Authorization"] = f"Bearer {BENCH_KEY['key']}"
     with Stack(root) as stack:
         wanted = {"max_queue": 1000, "backlog": 4096, "max_node_concurrency": args.idle_streams + 1000, **(extra or {})}
         known = (root / "edge/config.py").read_text()  # an older revision may not have every key
@@ -381,35 +395,78 @@ def run_revision(
                     "max_concurrency": args.idle_streams + 100,
                 },
             ],
+            node_id=f"bench-{name}",
         )
-        pids = [stack.edge_proc.pid, node.pid]
         watcher = None
         if console:
             watcher = subprocess.Popen(
                 [sys.executable, "-c", _CONSOLE, edge, BENCH_ADMIN], stdout=subprocess.PIPE, text=True
             )
-        direct_url = upstream + "/chat/completions"
-        edge_url = edge + "/v1/chat/completions"
-        result.direct_ttft, result.edge_ttft = trio.run(ttft, direct_url, edge_url, "bench", args.ttft_requests)
-        result.direct_rate, _, _, _ = trio.run(
-            throughput, direct_url, "bench", args.concurrency, args.tokens, [], args.streams_each
+        yield Live(name, stack, edge, [stack.edge_proc.pid, node.pid], watcher)
+
+
+def measure(live: Live, upstream: str, args, ttft_requests: int) -> Result:
+    """TTFT and one throughput phase of ``live``, as a Result."""
+    result = Result(live.name)
+    direct_url = upstream + "/chat/completions"
+    edge_url = live.edge + "/v1/chat/completions"
+    result.direct_ttft, result.edge_ttft = trio.run(ttft, direct_url, edge_url, "bench", ttft_requests)
+    result.direct_rate, _, _, _ = trio.run(
+        throughput, direct_url, "bench", args.concurrency, args.tokens, [], args.streams_each
+    )
+    with profiled(args.profile and args.profile / live.name, {"edge": live.pids[0], "node": live.pids[1]}):
+        result.edge_rate, result.edge_tokens, cpu, result.edge_chunks = trio.run(
+            throughput, edge_url, "bench", args.concurrency, args.tokens, live.pids, args.streams_each
         )
-        with profiled(args.profile and args.profile / name, {"edge": pids[0], "node": pids[1]}):
-            result.edge_rate, result.edge_tokens, cpu, result.edge_chunks = trio.run(
-                throughput, edge_url, "bench", args.concurrency, args.tokens, pids, args.streams_each
-            )
-        result.cpu_edge_us = cpu[0] / max(result.edge_tokens, 1) * 1e6
-        result.cpu_node_us = cpu[1] / max(result.edge_tokens, 1) * 1e6
-        if args.idle_streams:
-            per_stream, result.idle_latency, result.idle_opened = trio.run(
-                idle_streams, edge, "idle", args.idle_streams, "bench", 200, stack.edge_proc.pid
-            )
-            result.idle_kb = per_stream / 1024
-        if watcher is not None:
-            watcher.terminate()
-            events, size, largest = (watcher.communicate(timeout=10)[0].split() or ["0", "0", "0"])[:3]
+    result.cpu_edge_us = cpu[0] / max(result.edge_tokens, 1) * 1e6
+    result.cpu_node_us = cpu[1] / max(result.edge_tokens, 1) * 1e6
+    return result
+
+
+def measure_idle(live: Live, result: Result, args) -> None:
+    if args.idle_streams:
+        per_stream, result.idle_latency, result.idle_opened = trio.run(
+            idle_streams, live.edge, "idle", args.idle_streams, "bench", 200, live.pids[0]
+        )
+        result.idle_kb = per_stream / 1024
+
+
+def run_revision(
+    name: str, root: Path, upstream: str, idle_upstream: str, args, extra: dict | None = None, console: bool = False
+) -> Result:
+    """One revision on fresh processes: everything, then its idle streams."""
+    HEADERS.clear()
+    if extra and "keys" in extra:
+        HEADERS["Authorization"] = f"Bearer {BENCH_KEY['key']}"
+    with revision(name, root, upstream, idle_upstream, args, extra, console) as live:
+        result = measure(live, upstream, args, args.ttft_requests)
+        measure_idle(live, result, args)
+        if live.watcher is not None:
+            live.watcher.terminate()
+            events, size, largest = (live.watcher.communicate(timeout=10)[0].split() or ["0", "0", "0"])[:3]
             result.console = f"{events} events, {int(size) / 1024:.0f} KiB, the largest {int(largest) / 1024:.1f} KiB"
     return result
+
+
+def interleaved(tree: Path, upstream: str, idle_upstream: str, args) -> dict[str, list[Result]]:
+    """--interleave: both revisions up at once, measured in --rounds slices
+    that take turns (current, baseline, baseline, current, ...), so that the
+    machine's drift during the run falls on both alike; then each one's idle
+    streams."""
+    rounds: dict[str, list[Result]] = {}
+    per_slice = max(args.ttft_requests // max(args.rounds, 1), 20)
+    HEADERS.clear()
+    with contextlib.ExitStack() as up:
+        lives = [
+            up.enter_context(revision("current", ROOT, upstream, idle_upstream, args)),
+            up.enter_context(revision(args.baseline[:12], tree, upstream, idle_upstream, args)),
+        ]
+        for round_no in range(max(args.rounds, 1)):
+            for live in lives if round_no % 2 == 0 else lives[::-1]:
+                rounds.setdefault(live.name, []).append(measure(live, upstream, args, per_slice))
+        for live in lives:
+            measure_idle(live, rounds[live.name][-1], args)
+    return rounds
 
 
 def report(results: list[Result], args) -> None:
@@ -490,7 +547,15 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="run everything N times, revisions taking turns; report medians"
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --baseline: both revisions up at once, measured in --rounds slices taking turns "
+        "(TTFT requests split between the slices); idle streams once each at the end",
+    )
     args = parser.parse_args()
+    if args.interleave and (not args.baseline or args.keys or args.console):
+        parser.error("--interleave compares the current code with --baseline (without --keys or --console)")
 
     with Stack() as upstreams:
         upstream = upstreams.upstream(interval_ms=args.interval_ms)
@@ -500,7 +565,9 @@ def main() -> None:
         tree = worktree(args.baseline) if args.baseline else None
         rounds: dict[str, list[Result]] = {}
         try:
-            for round_no in range(max(args.rounds, 1)):
+            if args.interleave:
+                rounds = interleaved(tree, upstream, idle_upstream, args)
+            for round_no in range(0 if args.interleave else max(args.rounds, 1)):
                 # The baseline goes first in every other round, so that neither revision always
                 # meets the machine in the same state (the node's CPU per token, identical code in
                 # both, measured 6-16% apart with the current code always first).
