@@ -6,18 +6,23 @@ lock, a shielded cancel scope) -> SocketStream.send_all: about half of the
 edge's CPU per streamed token (py-spy, 200 paced streams). For the writes in
 the middle of a chunked response, :class:`DirectBody` frames the chunk itself
 and hands it to the kernel at once when nothing else is being sent on the
-connection: one ``send``, no task switch. Everything else goes the ASGI way:
-the head and the last write, a body with a Content-Length (passthrough), a
-connection busy with another send, a write the kernel takes only part of (its
-rest is sent under hypercorn's own lock, as hypercorn would), a closed or
-failing socket, HTTP/1.0, TLS, HTTP/2, another server. h11 counts no bytes
-of a chunked body, so chunks it did not frame leave its state as it was.
+connection: one ``send``, no task switch. A stream's head goes out with its
+first chunk in one write (:meth:`DirectBody.head_and_chunk`: h11 makes the
+head, as hypercorn would have it, and hypercorn's stream is moved on as its
+own start would), and its last chunk is sent with ``MSG_MORE``, so the kernel
+joins it with the end of the body that hypercorn writes next: one packet each
+instead of two. Everything else goes the ASGI way: the end of the body, a
+body with a Content-Length (passthrough), a connection busy with another
+send, a write the kernel takes only part of (its rest is sent under
+hypercorn's own lock, as hypercorn would), a closed or failing socket,
+HTTP/1.0, TLS, HTTP/2, another server. h11 counts no bytes of a chunked body,
+so chunks it did not frame leave its state as it was.
 
 :func:`on_disconnect` lets hypercorn's own delivery of ``http.disconnect``
 cancel a request, so that no task per request waits on ``receive`` for it (a
 task, its coroutine and a nursery: 2.4 KB of an idle stream's edge memory).
 
-Both rely on how hypercorn 0.18 wires a connection (the objects behind the
+All of it relies on how hypercorn 0.18 wires a connection (the objects behind the
 ASGI ``send`` callable); each checks every link it follows and does nothing
 when anything differs, so a change there costs speed, never bytes.
 """
