@@ -11,6 +11,7 @@ import ipaddress
 import secrets
 import sqlite3
 import time
+from functools import partial
 
 import msgspec
 import structlog
@@ -35,6 +36,7 @@ from edge.reads import install as install_reads
 from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
 from edge.shared_state import SharedState
+from edge.ws import link_route
 from iop import logs
 from iop.configfile import ConfigError
 
@@ -255,10 +257,6 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             return _json(503, b'{"status":"no node linked"}')
         return _json(200, b'{"status":"ready"}')
 
-    @app.websocket("/v1/node/link")
-    async def link() -> Response | None:
-        return await node_link(config, edge.runs, edge.id)
-
     @app.errorhandler(404)
     async def not_found(_: Exception) -> Response:
         return _json(404, error_json("Unknown route.", "invalid_request_error", code="not_found"))
@@ -294,6 +292,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     admin_routes(app, edge)
     console_routes(app, edge)
     app.asgi_app = openai_routes(edge, app.asgi_app)  # type: ignore[method-assign]
+    app.asgi_app = link_route(partial(node_link, config, edge.runs, edge.id), app.asgi_app)  # type: ignore[method-assign]
     return app
 
 

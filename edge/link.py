@@ -16,12 +16,12 @@ from __future__ import annotations
 import msgspec
 import structlog
 import trio
-from quart import Response, websocket
 
 from edge.auth import bearer_matches
 from edge.config import EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
+from edge.ws import RawWebsocket
 from proto import (
     PROTOCOL_VERSION,
     Demand,
@@ -69,16 +69,13 @@ def _authenticate(config: EdgeConfig, node_id: str, header: str) -> str | None:
     return _SHARED if bearer_matches(header, [config.node_token]) else None
 
 
-def _refuse(status: int, message: str) -> Response:
-    return Response(error_json(message, "authentication_error"), status, content_type="application/json")
-
-
-async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Response | None:
-    node_id = websocket.headers.get(NODE_ID_HEADER, "")
-    identity = _authenticate(config, node_id, websocket.headers.get("Authorization", ""))
+async def node_link(config: EdgeConfig, service: RunService, edge_id: str, websocket: RawWebsocket) -> None:
+    node_id = websocket.header(NODE_ID_HEADER)
+    identity = _authenticate(config, node_id, websocket.header("Authorization"))
     if identity is None:
         log.warning("node link refused: bad token", node_id=node_id or None)
-        return _refuse(401, "invalid node token")
+        await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
+        return None
     await websocket.accept()
     try:
         with trio.fail_after(config.hello_timeout_s):
@@ -136,11 +133,11 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
     try:
         async with trio.open_nursery() as nursery:
             link.bind_scope(nursery.cancel_scope)
-            nursery.start_soon(_send_frames, link, service, config.max_frame_bytes)
+            nursery.start_soon(_send_frames, link, service, config.max_frame_bytes, websocket)
             nursery.start_soon(_ping, link, config)
             nursery.start_soon(_watch_stall, link, service, config)
             nursery.start_soon(_report_demand, link, service)
-            await _read_frames(link, service)
+            await _read_frames(link, service, websocket)
             nursery.cancel_scope.cancel()
     except* LinkProtocolError as group:
         e = group.exceptions[0]
@@ -155,7 +152,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str) -> Re
     return None
 
 
-async def _read_frames(link: NodeLink, service: RunService) -> None:
+async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsocket) -> None:
     while True:
         data = await websocket.receive()
         link.last_rx = now = trio.current_time()
@@ -200,7 +197,7 @@ async def _read_frames(link: NodeLink, service: RunService) -> None:
                 raise LinkProtocolError(f"unexpected {type(frame).__name__} frame from a node")
 
 
-async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int) -> None:
+async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int, websocket: RawWebsocket) -> None:
     """The only writer to the websocket. A frame that cannot be encoded or is
     over the frame limit fails its own run, never the link."""
     while True:

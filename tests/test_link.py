@@ -302,3 +302,29 @@ async def test_node_declares_a_silent_edge_dead_and_redials(nursery):
             await trio.sleep(0.01)
     assert dials[1] - dials[0] >= 0.6  # not before three silent ping intervals
     nursery.cancel_scope.cancel()
+
+
+async def test_the_link_on_a_server_without_http_refusals_and_a_node_that_leaves_early(edge):
+    """The link is served on raw ASGI (edge.ws). Under a server that cannot send an HTTP
+    response to a websocket upgrade, a wrong token closes the handshake (1008) instead; a
+    node that goes away before its hello ends the link quietly, with nothing registered."""
+
+    async def drive(headers: list[tuple[bytes, bytes]], then: list[dict]) -> list[dict]:
+        to_app, from_server = trio.open_memory_channel(8)
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "websocket", "path": "/v1/node/link", "headers": headers, "extensions": {}}
+        for message in [{"type": "websocket.connect"}, *then]:
+            to_app.send_nowait(message)
+        await edge.app.asgi_app(scope, from_server.receive, send)
+        return sent
+
+    with trio.fail_after(BOUND):
+        refused = await drive([(b"authorization", b"Bearer wrong")], [])
+        left = await drive([(b"authorization", f"Bearer {TOKEN}".encode())], [{"type": "websocket.disconnect"}])
+    assert refused == [{"type": "websocket.close", "code": 1008}]
+    assert left == [{"type": "websocket.accept"}]
+    assert not edge.edge.runs.links
