@@ -29,7 +29,6 @@ when anything differs, so a change there costs speed, never bytes.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -125,7 +124,7 @@ class DirectBody:
         chunked = self._chunked()
         framed = head + b"%x\r\n%b\r\n" % (len(data), data) if chunked else head
         try:
-            sent = os.write(self._socket.fileno(), framed)
+            sent = self._raw.send(framed)
         except OSError:  # full (EAGAIN) or broken: nothing was written
             sent = 0
         return framed[sent:], chunked
@@ -138,12 +137,11 @@ class DirectBody:
         kernel sends both in one packet)."""
         if self._lock.locked() or self._h11.our_state is not h11.SEND_BODY:
             return None
-        fd = self._socket.fileno()
-        if fd < 0:  # closed: hypercorn's own path knows what to do
+        if self._socket.fileno() < 0:  # closed: hypercorn's own path knows what to do
             return None
         framed = b"%x\r\n%b\r\n" % (len(data), data)
         try:
-            sent = self._raw.send(framed, socket.MSG_MORE) if more else os.write(fd, framed)
+            sent = self._raw.send(framed, socket.MSG_MORE if more else 0)
         except OSError:  # full (EAGAIN) or broken: nothing was written
             return None
         return framed[sent:]

@@ -216,13 +216,9 @@ class Exchange:
                 if rest:
                     await direct.send_rest(rest)
                 if not included:
-                    await self._send({"type": "http.response.body", "body": first, "more_body": True})
-                if self._left:
-                    self._scope.cancel()
+                    await self.write(first)
                 return
-        await self._send(message)
-        if self._left:
-            self._scope.cancel()
+        await self._asgi(message)
         if first:
             await self.write(first)
 
@@ -236,23 +232,25 @@ class Exchange:
                 if rest:
                     await direct.send_rest(rest)
                 return
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-        if self._left:
-            self._scope.cancel()
+        await self._asgi({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, data: bytes = b"") -> None:
         self.finished = True
-        if data and self.started:
-            direct = self._direct
-            if direct is None:
-                direct = self._direct = DirectBody.find(self.scope, self._send) or False
-            if direct:  # the last chunk now, held for the end of the body hypercorn sends next
-                rest = direct.write(data, more=True)
-                if rest is not None:
-                    if rest:
-                        await direct.send_rest(rest)
-                    data = b""
+        direct = self._direct  # a stream's: found at its first write
+        if data and direct:  # the last chunk now, held for the end of the body hypercorn sends next
+            rest = direct.write(data, more=True)
+            if rest is not None:
+                if rest:
+                    await direct.send_rest(rest)
+                data = b""
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def _asgi(self, message: dict) -> None:
+        """Send ``message`` the ASGI way; if the client's disconnect was
+        delivered inside that send, cancel the request now that it returned."""
+        await self._send(message)
+        if self._left:
+            self._scope.cancel()
 
     async def respond(
         self,

@@ -173,13 +173,16 @@ class Run:
     def due(self) -> float:
         """When the run times out if nothing arrives (silence, or the whole-run
         deadline), or sooner when its reader's keep-alive is due."""
-        due = min(self.last_event_at + self.wait_timeout, self.deadline)
+        due = self._times_out_at()
         if self.keepalive > 0:
             return min(due, max(self.last_event_at, self.idle_since) + self.keepalive)
         return due
 
     def timed_out(self, now: float) -> bool:
-        return min(self.last_event_at + self.wait_timeout, self.deadline) <= now
+        return self._times_out_at() <= now
+
+    def _times_out_at(self) -> float:
+        return min(self.last_event_at + self.wait_timeout, self.deadline)
 
     # -- consumer side (the request) -----------------------------------------
 
