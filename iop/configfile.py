@@ -46,7 +46,26 @@ def load(path: str | Path, cls: type[T]) -> T:
     return convert(raw, cls, source=str(path))
 
 
+def _nan_key(raw: Any) -> str | None:
+    """The first key holding a NaN (TOML's ``nan``): no setting means "not a
+    number", and NaN passes every ``<=`` check a setting has (a NaN timeout
+    reached the run timers' heap)."""
+    stack: list[tuple[str, Any]] = [("", raw)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and value != value:
+            return path
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
 def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
+    nan = _nan_key(raw)
+    if nan is not None:
+        raise ConfigError(f"{source}: {nan}: must be a number, not nan")
     try:
         cfg = msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:

@@ -145,6 +145,8 @@ def write_toml(path, data: dict) -> str:
 def _toml_value(value) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, float) and value != value:
+        return "nan"  # JSON has no NaN; TOML does
     return msgspec.json.encode(value).decode()
 
 
