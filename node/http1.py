@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import certifi
@@ -40,8 +42,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 1024
 MAX_IDLE = 256  # idle keep-alive connections kept per origin
 READ_SIZE = 256 * 1024
+READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
 _LENGTH, _CHUNKED, _CLOSE = 0, 1, 2
+_T = TypeVar("_T")
 
 
 class HTTPError(Exception):
@@ -98,7 +102,7 @@ class Origin:
 
 
 class _Connection:
-    __slots__ = ("stream", "sock", "buf", "plain")
+    __slots__ = ("stream", "sock", "buf", "plain", "fd")
 
     def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         self.stream = stream
@@ -108,6 +112,7 @@ class _Connection:
         # holds one open between tokens), and each layer it passes through is
         # objects that live that long: the garbage collector's work.
         self.plain = isinstance(stream, trio.SocketStream)
+        self.fd = sock.fileno()
 
     def closed_by_peer(self) -> bool:
         """An idle connection that is readable: the server closed it (or sent
@@ -125,7 +130,20 @@ _TIMED_OUTSIDE = contextlib.nullcontext()  # a read inside Response.reading(): i
 class Response:
     """A response whose head has arrived; ``read()`` the body."""
 
-    __slots__ = ("status", "headers", "_conn", "_timeout", "_mode", "_left", "_trailer", "done", "keep_alive", "_idle")
+    __slots__ = (
+        "status",
+        "headers",
+        "_conn",
+        "_timeout",
+        "_mode",
+        "_left",
+        "_trailer",
+        "done",
+        "keep_alive",
+        "_idle",
+        "_ready",
+        "_line",
+    )
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]], timeout: float) -> None:
         self.status = status
@@ -133,6 +151,8 @@ class Response:
         self._conn = conn
         self._timeout = timeout
         self._idle: trio.CancelScope | None = None  # while inside reading(): the reads' timeout
+        self._ready = 0  # reads in a row that found bytes waiting (see _recv)
+        self._line = b""  # _CHUNKED: the start of a size or trailer line, the rest of it not yet received
         self.done = False
         self._trailer = False
         self._left = 0  # _LENGTH: body bytes to come; _CHUNKED: of this chunk, with its CRLF
@@ -168,6 +188,29 @@ class Response:
 
     async def _recv(self) -> bytes:
         conn = self._conn
+        if not conn.plain:
+            return await self._wait(conn.stream.receive_some, READ_SIZE)
+        # Plain TCP: read the socket directly. Bytes already waiting (a busy
+        # server) cost one syscall: no read timeout armed, no pass through
+        # the scheduler. Every READY_READS-th read in a row is still a
+        # schedule point, so other runs, and a cancel, get their turn.
+        if self._ready >= READY_READS:
+            self._ready = 0
+            await trio.lowlevel.checkpoint()
+        while True:
+            try:
+                data = os.read(conn.fd, READ_SIZE)
+            except BlockingIOError:
+                self._ready = 0
+                await self._wait(trio.lowlevel.wait_readable, conn.sock)
+                continue
+            except OSError as e:
+                raise RemoteProtocolError(f"connection lost: {e}") from None
+            self._ready += 1
+            return data
+
+    async def _wait(self, wait: Callable[..., Awaitable[_T]], arg) -> _T:
+        """``await wait(arg)``, under the read timeout (:class:`ReadTimeout`)."""
         idle = self._idle
         if idle is None:
             timer = trio.move_on_after(self._timeout)
@@ -176,9 +219,7 @@ class Response:
             idle.deadline = trio.current_time() + self._timeout
         try:
             with timer:
-                if conn.plain:
-                    return await conn.sock.recv(READ_SIZE)
-                return await conn.stream.receive_some(READ_SIZE)
+                return await wait(arg)
         except (trio.BrokenResourceError, OSError) as e:
             raise RemoteProtocolError(f"connection lost: {e}") from None
         finally:
@@ -213,7 +254,12 @@ class Response:
         return b""
 
     def _dechunk(self, buf: bytes) -> bytes:
-        """The data of every chunk (or part of one) in ``buf``; the rest is kept."""
+        """The data of every chunk (or part of one) in ``buf``. A line cut by
+        the end of ``buf`` waits in ``_line`` for the next bytes; bytes after
+        the body's end go back to the connection."""
+        if self._line:
+            buf = self._line + buf
+            self._line = b""
         out: list[bytes] = []
         pos, n = 0, len(buf)
         left = self._left  # of the current chunk: its data and CRLF still to come
@@ -254,7 +300,7 @@ class Response:
             else:
                 left = size + 2
         self._left = left
-        self._conn.buf = buf[pos:]
+        self._line = buf[pos:]
         return out[0] if len(out) == 1 else b"".join(out)
 
 

@@ -44,6 +44,10 @@ class Server:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
+        with contextlib.suppress(trio.BrokenResourceError):  # a client that left mid-answer resets
+            await self._requests(stream)
+
+    async def _requests(self, stream: trio.SocketStream) -> None:
         buf = b""
         while True:
             while b"\r\n\r\n" not in buf:
@@ -168,6 +172,57 @@ async def test_leaving_a_response_early_closes_its_connection(serve):
     assert server.connections == 2
 
 
+async def test_a_read_that_ends_inside_a_chunk_size_line(serve):
+    """A read can end in the middle of a chunk's size line (or of the last chunk, or of the
+    trailers): the client waits for the rest of the line and reads on, it does not spin on the
+    piece it has (it once did: 100% CPU, the run stuck)."""
+    wire = CHUNKED_HEAD + chunked(b"tok0 ", b"x" * 300, b"tok2 ")
+    cuts = [len(CHUNKED_HEAD) + 1, len(CHUNKED_HEAD) + 9, len(wire) - 6, len(wire) - 3]
+
+    async def in_pieces(stream):
+        start = 0
+        for cut in [*cuts, len(wire)]:
+            await stream.send_all(wire[start:cut])
+            await trio.sleep(0.05)  # each piece its own read
+            start = cut
+
+    _, client = await serve(in_pieces)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"tok0 " + b"x" * 300 + b"tok2 ")
+
+
+async def test_a_body_that_never_makes_the_reader_wait_is_still_cancellable(serve, monkeypatch):
+    """Reads that find bytes waiting skip the scheduler, but not for long: with a whole body
+    already in the socket, in 64 reads, another task's cancel still ends the reading within
+    a few reads (a fast model server's stream is cancellable), and uncancelled it reads to the end."""
+    monkeypatch.setattr(http1, "READ_SIZE", 1024)
+    body = chunked(*[b"x" * 1000] * 64)  # fits in the socket's buffers: every read finds bytes
+
+    async def flood(stream):
+        await stream.send_all(CHUNKED_HEAD + body)
+
+    server, client = await serve(flood, flood, flood)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"x" * 64_000)
+        reads = 0
+        async with trio.open_nursery() as nursery:
+            async with client.request("POST", "/chat/completions", b"{}") as r:
+                await trio.sleep(0.2)  # all of it is waiting in the socket
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(trio.lowlevel.checkpoint)  # wakes first at the reader's next schedule point
+                    nursery.start_soon(lambda: _cancel(scope))
+                    while await r.read():
+                        reads += 1
+        assert scope.cancelled_caught
+        assert 0 < reads <= 3 * http1.READY_READS
+        assert await body_of(client) == (200, b"x" * 64_000)
+    assert server.connections == 2  # the first connection served two; the cancel closed it
+
+
+async def _cancel(scope: trio.CancelScope) -> None:
+    scope.cancel()
+
+
 async def test_timeouts_and_refusals_are_named_errors(serve):
     async def silent(stream):
         await trio.sleep_forever()
@@ -264,14 +319,18 @@ class _NoStream:
 )
 def test_dechunking_at_every_split(parts, cuts, extension):
     """However the chunked body is cut into reads, the data comes out whole
-    and in order, the end is found, and bytes after it are kept."""
+    and in order, the end is found, and bytes after it are kept (for the connection)."""
     ext = b";name=value" if extension else b""
     wire = b"".join(b"%x%s\r\n%s\r\n" % (len(p), ext, p) for p in parts) + b"0\r\ntrailer: x\r\n\r\nNEXT"
     conn = _NoStream()
     response = http1.Response(conn, 200, [(b"transfer-encoding", b"chunked")], 1.0)  # type: ignore[arg-type]
     points = sorted({c % (len(wire) + 1) for c in cuts} | {0, len(wire)})
     out = b""
+    after = b""  # what the connection reads next: bytes it kept past the end, then the unread rest
     for a, b in zip(points, points[1:], strict=False):
-        out += response._dechunk(conn.buf + wire[a:b])
+        out += response._dechunk(wire[a:b])
+        if response.done:
+            after = conn.buf + wire[b:]
+            break
     assert out == b"".join(parts)
-    assert response.done and conn.buf == b"NEXT"
+    assert response.done and after == b"NEXT"
