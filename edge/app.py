@@ -25,6 +25,7 @@ from edge.config import EdgeConfig, load_edge_config
 from edge.console import Console, console_routes
 from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
+from edge.keepalive import install as install_keepalive
 from edge.keys import Key, Keys, Policy
 from edge.ledger import Ledger
 from edge.link import node_link
@@ -155,6 +156,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         config = load_edge_config(None)
     install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
+    install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections
     edge = Edge(config)
     app = QuartTrio("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream

@@ -1,0 +1,114 @@
+"""Idle kept-alive client connections (edge.keepalive): closed once hypercorn's
+keep_alive_timeout passes with no request, never while a request is in flight
+or while requests keep coming, and at once when the edge starts shutting down."""
+
+from __future__ import annotations
+
+import hypercorn.trio
+import trio
+
+from edge.app import create_app, edge_of
+from edge.keepalive import TICK
+from edge.serve import hypercorn_config
+from scripts.upstream import text_script, words
+from tests.conftest import BOUND, EdgeHandle, edge_config, model, start_node
+
+TIMEOUT = 1.0  # the keep-alive timeout these edges run with (the edge's own is 75 s)
+GET = b"GET /healthz HTTP/1.1\r\nhost: edge\r\n\r\n"
+
+
+async def serve(nursery, shutdown: trio.Event | None = None):
+    """An edge whose hypercorn has a short keep_alive_timeout; its port and the task's scope."""
+    app = create_app(edge_config())
+    hc = hypercorn_config(app, "127.0.0.1:0")
+    hc.keep_alive_timeout = TIMEOUT
+    trigger = shutdown.wait if shutdown is not None else None
+    stopped = trio.Event()
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED):
+        try:
+            await hypercorn.trio.serve(app, hc, shutdown_trigger=trigger, task_status=task_status)
+        finally:
+            stopped.set()
+
+    binds = await nursery.start(run)
+    return app, int(binds[0].rsplit(":", 1)[1]), stopped
+
+
+async def request(sock: trio.SocketStream, raw: bytes, until: bytes) -> bytes:
+    await sock.send_all(raw)
+    data = b""
+    while until not in data:
+        more = await sock.receive_some(65536)
+        assert more, f"the edge closed the connection mid-response: {data!r}"
+        data += more
+    return data
+
+
+async def closed_after(sock: trio.SocketStream) -> float:
+    """Seconds until the edge closes ``sock`` (EOF or reset)."""
+    start = trio.current_time()
+    try:
+        while await sock.receive_some(65536):
+            pass
+    except trio.BrokenResourceError:
+        pass
+    return trio.current_time() - start
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(nursery):
+    _, port, _ = await serve(nursery)
+    with trio.fail_after(BOUND):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as sock:
+            assert b"HTTP/1.1 200 " in await request(sock, GET, b'"ok"}')
+            waited = await closed_after(sock)
+    assert TIMEOUT - 0.1 <= waited <= TIMEOUT + TICK + 1.0
+
+
+async def test_requests_that_keep_coming_keep_the_connection(nursery):
+    """Gaps shorter than the timeout, for three times the timeout: one connection serves them all."""
+    _, port, _ = await serve(nursery)
+    with trio.fail_after(BOUND):
+        async with await trio.open_tcp_stream("127.0.0.1", port) as sock:
+            start = trio.current_time()
+            served = 0
+            while trio.current_time() - start < 3 * TIMEOUT:
+                assert b"HTTP/1.1 200 " in await request(sock, GET, b'"ok"}')
+                served += 1
+                await trio.sleep(TIMEOUT / 3)
+            assert served >= 8
+            assert TIMEOUT - 0.1 <= await closed_after(sock)  # and idle again, it is timed again
+
+
+async def test_a_stream_longer_than_the_timeout_is_not_cut(nursery, upstream):
+    """While a request is in flight its connection is not idle, however long the answer takes."""
+    app, port, _ = await serve(nursery)
+    upstream.script_for("slow", lambda body: text_script(words(12), interval=0.25))
+    handle = EdgeHandle(app, edge_of(app), f"http://127.0.0.1:{port}", trio.CancelScope())
+    await start_node(nursery, handle, [model("m", upstream, target="slow")])
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\ncontent-type: application/json\r\n"
+    post += b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    with trio.fail_after(BOUND):
+        while not edge_of(app).runs.links:
+            await trio.sleep(0.02)
+        async with await trio.open_tcp_stream("127.0.0.1", port) as sock:
+            start = trio.current_time()
+            answer = await request(sock, post, b"data: [DONE]\n\n\r\n0\r\n\r\n")
+            assert trio.current_time() - start > 2 * TIMEOUT
+            assert b"tok11" in answer
+            assert b"HTTP/1.1 200 " in await request(sock, GET, b'"ok"}')  # the same connection, still open
+
+
+async def test_shutdown_closes_idle_connections_at_once(nursery):
+    shutdown = trio.Event()
+    _, port, stopped = await serve(nursery, shutdown)
+    with trio.fail_after(BOUND):
+        socks = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
+        for sock in socks:
+            assert b"HTTP/1.1 200 " in await request(sock, GET, b'"ok"}')
+        shutdown.set()
+        for sock in socks:
+            assert await closed_after(sock) < TIMEOUT / 2
+            await sock.aclose()
+        await stopped.wait()
