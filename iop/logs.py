@@ -11,12 +11,40 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
+import msgspec
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
 # structlog.processors.dict_tracebacks, but its frames carry no variables (show_locals=False).
 _DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False))
+
+
+class _UTCStamp:
+    """``timestamp``: ISO 8601 UTC with microseconds ("2026-12-01T10:29:48.627192Z"),
+    the date and time of day formatted once per second rather than per line."""
+
+    __slots__ = ("_second", "_prefix")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(self, logger, name: str, event_dict: dict) -> dict:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second, self._prefix = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        event_dict["timestamp"] = f"{self._prefix}.{int((now - second) * 1e6):06d}Z"
+        return event_dict
+
+
+_json_encode = msgspec.json.Encoder(enc_hook=repr).encode  # what JSON cannot say is logged as its repr
+
+
+def _json_dumps(event_dict: dict, **_: object) -> str:
+    return _json_encode(event_dict).decode()
 
 
 class _HypercornAsEvents(logging.Filter):
@@ -46,13 +74,13 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
     processors: list = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _UTCStamp(),
     ]
     if json:
         processors += [
             _DICT_TRACEBACKS,
             structlog.processors.EventRenamer("msg"),
-            structlog.processors.JSONRenderer(),
+            structlog.processors.JSONRenderer(serializer=_json_dumps),
         ]
     else:
         processors += [
