@@ -49,6 +49,8 @@ CLOSE_VERSION = 4002
 CLOSE_PROTOCOL = 4003
 CLOSE_DUPLICATE = 4009
 
+MAX_BATCH_FRAMES = 64  # frames to a node taken at once by its writer (they go out in one write when they can)
+MAX_BATCH_BYTES = 256 * 1024  # ... and written once this many bytes are encoded
 DEMAND_INTERVAL_S = 0.02  # demand reports to one node are coalesced: at most one per model this often
 
 
@@ -201,20 +203,31 @@ async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int
     """The only writer to the websocket. A frame that cannot be encoded or is
     over the frame limit fails its own run, never the link."""
     while True:
-        frame = await link.next_frame()
-        try:
-            data = encode_frame(frame)
-        except (OverflowError, msgspec.EncodeError, RecursionError, TypeError, ValueError) as e:
-            problem = f"cannot encode it ({type(e).__name__})"
-        else:
-            if len(data) <= max_frame_bytes:
-                await websocket.send(data)
-                continue
-            problem = f"{len(data)} bytes, over the {max_frame_bytes}-byte frame limit"
-        if isinstance(frame, (RunRequest, TunnelRequest)):
-            service.unsendable(link, frame, problem)
-        else:
-            log.error("frame to a node not sendable", node_id=link.node_id, frame=type(frame).__name__, problem=problem)
+        frames = await link.next_frames(MAX_BATCH_FRAMES)
+        batch: list[bytes] = []
+        size = 0
+        for frame in frames:
+            try:
+                data = encode_frame(frame)
+            except (OverflowError, msgspec.EncodeError, RecursionError, TypeError, ValueError) as e:
+                problem = f"cannot encode it ({type(e).__name__})"
+            else:
+                if len(data) <= max_frame_bytes:
+                    batch.append(data)
+                    size += len(data)
+                    if size >= MAX_BATCH_BYTES:
+                        await websocket.send_many(batch)
+                        batch, size = [], 0
+                    continue
+                problem = f"{len(data)} bytes, over the {max_frame_bytes}-byte frame limit"
+            if isinstance(frame, (RunRequest, TunnelRequest)):
+                service.unsendable(link, frame, problem)
+            else:
+                log.error(
+                    "frame to a node not sendable", node_id=link.node_id, frame=type(frame).__name__, problem=problem
+                )
+        if batch:
+            await websocket.send_many(batch)
 
 
 async def _ping(link: NodeLink, config: EdgeConfig) -> None:

@@ -7,13 +7,30 @@ reader had it: two task switches per frame on the edge's busiest path (node
 :class:`RawWebsocket` reads hypercorn's ASGI ``receive`` directly and gives
 :func:`edge.link.node_link` the few calls it makes (headers, accept, receive,
 send, close, and an HTTP refusal before accepting).
+
+The edge's frames to a node take a shorter way too (:class:`DirectFrames`):
+through ASGI each crossed WSStream.app_send, wsproto's framing, H11Protocol
+and TCPServer.protocol_send (a lock, a shielded cancel scope) before
+``send_all``. When nothing else is being sent on the connection, the link's
+writer frames its binary messages itself (a server's frames are not masked)
+and hands every frame that is waiting to the kernel in one ``send``; the
+rest of a write the kernel took only part of goes out under hypercorn's lock.
+Anything unusual (an extension such as permessage-deflate, a closing
+connection, TLS, another server) goes the ASGI way.
 """
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
+import trio
+from wsproto.connection import ConnectionState
+
+from edge.openai.direct import send_locked
 
 log = structlog.get_logger("iop.edge.link")
 
@@ -24,8 +41,73 @@ class LinkGone(Exception):
     """The node's side of the websocket is gone (ASGI ``websocket.disconnect``)."""
 
 
+def _frame_head(size: int) -> bytes:
+    """The head of an unmasked, final, binary frame (RFC 6455 5.2) of ``size`` bytes."""
+    if size < 126:
+        return bytes((0x82, size))
+    if size < 65536:
+        return struct.pack("!BBH", 0x82, 126, size)
+    return struct.pack("!BBQ", 0x82, 127, size)
+
+
+class DirectFrames:
+    """Binary messages straight to a websocket's socket (hypercorn 0.18, HTTP/1.1
+    upgrade, plain TCP, no extension); every link it follows is checked."""
+
+    __slots__ = ("_connection", "_socket", "_raw", "_stream", "_lock")
+
+    def __init__(self, connection: Any, stream: trio.SocketStream, raw: socket.socket, lock: Any) -> None:
+        self._connection = connection  # wsproto's: its state says whether frames may still be sent
+        self._stream = stream
+        self._socket = stream.socket
+        self._raw = raw
+        self._lock = lock
+
+    @classmethod
+    def find(cls, send: Any) -> DirectFrames | None:
+        """The connection behind hypercorn's ASGI ``send``, once the websocket is accepted."""
+        ws = getattr(send, "__self__", None)
+        if type(ws).__name__ != "WSStream":
+            return None
+        try:
+            protocol = ws.send.__self__  # WSStream.send -> H11Protocol.stream_send
+            server = protocol.send.__self__  # -> TCPServer.protocol_send
+            stream, lock, connection = server.stream, server.send_lock, ws.connection
+            extensions = connection._proto.extensions
+        except AttributeError:
+            return None
+        if type(protocol).__name__ != "H11Protocol" or extensions or connection.state is not ConnectionState.OPEN:
+            return None
+        if type(stream) is not trio.SocketStream or not hasattr(lock, "locked"):
+            return None
+        raw = getattr(stream.socket, "_sock", None)
+        if type(raw) is not socket.socket:
+            return None
+        return cls(connection, stream, raw, lock)
+
+    def write(self, messages: list[bytes]) -> bytes | None:
+        """Send ``messages`` as frames, in one write: None if nothing was sent
+        (send them the ASGI way), else what the kernel did not take (b"" when
+        all), which must go out with :meth:`send_rest` before anything else."""
+        if self._lock.locked() or self._connection.state is not ConnectionState.OPEN or self._socket.fileno() < 0:
+            return None
+        parts = []
+        for message in messages:
+            parts.append(_frame_head(len(message)))
+            parts.append(message)
+        data = b"".join(parts)
+        try:
+            sent = self._raw.send(data)
+        except OSError:  # full (EAGAIN) or broken: nothing was written
+            return None
+        return data[sent:]
+
+    async def send_rest(self, rest: bytes) -> None:
+        await send_locked(self._lock, self._stream, rest)
+
+
 class RawWebsocket:
-    __slots__ = ("headers", "_receive", "_send", "_extensions", "accepted", "closed")
+    __slots__ = ("headers", "_receive", "_send", "_extensions", "_direct", "accepted", "closed")
 
     def __init__(self, scope: dict, receive, send) -> None:
         # Header names lowercased; a repeated header keeps its first value.
@@ -36,6 +118,7 @@ class RawWebsocket:
         self._receive = receive
         self._send = send
         self._extensions = scope.get("extensions") or {}
+        self._direct: DirectFrames | None = None
         self.accepted = False
         self.closed = False
 
@@ -48,6 +131,7 @@ class RawWebsocket:
             raise LinkGone
         await self._send({"type": "websocket.accept"})
         self.accepted = True
+        self._direct = DirectFrames.find(self._send)
 
     async def receive(self) -> bytes | str:
         while True:
@@ -62,6 +146,19 @@ class RawWebsocket:
 
     async def send(self, data: bytes) -> None:
         await self._send({"type": "websocket.send", "bytes": data})
+
+    async def send_many(self, messages: list[bytes]) -> None:
+        """Binary messages in order: in one write to the kernel when it can
+        (:class:`DirectFrames`), else one ASGI send each. A schedule point."""
+        direct = self._direct
+        rest = direct.write(messages) if direct is not None else None
+        if rest is None:
+            for message in messages:
+                await self.send(message)
+        elif rest:
+            await direct.send_rest(rest)
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def close(self, code: int, reason: str = "") -> None:
         if self.closed:

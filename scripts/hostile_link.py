@@ -70,7 +70,7 @@ class ServerFrames:
 
 
 async def open_link(
-    port: int, token: str, node_id: str = "hostile", *, deflate: bool = False
+    port: int, token: str, node_id: str = "hostile", *, deflate: bool = False, max_concurrency: int = 1
 ) -> tuple[trio.SocketStream, ServerFrames]:
     """Dial the edge's link on loopback, upgrade with the node token (offering
     permessage-deflate if ``deflate``; ``frames.upgrade`` says if it was taken), send a
@@ -96,7 +96,7 @@ async def open_link(
             raise RuntimeError(f"upgrade refused: {head.splitlines()[0]!r}")
         frames.upgrade = head
         frames.buffer = bytearray(rest)
-        models = [ModelInfo(name="hostile", adapter="sim", target="t", max_concurrency=1)]
+        models = [ModelInfo(name="hostile", adapter="sim", target="t", max_concurrency=max_concurrency)]
         hello = encode_frame(Hello(node_id=node_id, protocol=PROTOCOL_VERSION, models=models))
         await stream.send_all(frame_header(BINARY, len(hello)) + hello)
         opcode, _ = await frames.next()

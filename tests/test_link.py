@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import signal
+from functools import partial
 
 import msgspec
 import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
+from edge import ws as edge_ws
 from edge.runs.link import PLACED_KEYS_PER_S
 from proto import (
     MAX_PREFIX_BLOCKS,
@@ -22,10 +24,12 @@ from proto import (
     Placed,
     Pong,
     RunEvent,
+    RunRequest,
     Welcome,
     decode_frame,
     encode_frame,
 )
+from scripts.hostile_link import BINARY, frame_header, open_link
 from scripts.upstream import words
 from tests.conftest import (
     BOUND,
@@ -328,3 +332,40 @@ async def test_the_link_on_a_server_without_http_refusals_and_a_node_that_leaves
     assert refused == [{"type": "websocket.close", "code": 1008}]
     assert left == [{"type": "websocket.accept"}]
     assert not edge.edge.runs.links
+
+
+async def test_frames_to_a_node_are_whole_when_written_together(nursery, monkeypatch):
+    """The edge writes frames to a node straight to the socket, every frame waiting in one
+    write: 30 runs started at once reach the node as 30 whole RunRequest frames, each with
+    its own prompt; so do prompts past 64 KiB (an 8-byte length) and past what the kernel
+    takes at once (the rest sent after)."""
+    batches: list[int] = []
+    write = edge_ws.DirectFrames.write
+
+    def counted(direct, messages):
+        rest = write(direct, messages)
+        if rest is not None:
+            batches.append(len(messages))
+        return rest
+
+    monkeypatch.setattr(edge_ws.DirectFrames, "write", counted)
+    edge = await start_edge(nursery)
+    runs: dict[str, str] = {}
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN, max_concurrency=64)
+        grant = encode_frame(Grant(model="hostile", slots=64, seq=1))
+        await stream.send_all(frame_header(BINARY, len(grant)) + grant)
+        async with stream, http(edge) as client, trio.open_nursery() as clients:
+            prompts = [f"q{i}" for i in range(28)] + ["x" * 70_000, "y" * 3_000_000]
+            for prompt in prompts:
+                body = {"model": "hostile", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+                clients.start_soon(partial(client.post, "/v1/chat/completions", json=body))
+            while len(runs) < 30:
+                opcode, payload = await frames.next()
+                assert opcode == BINARY, payload
+                frame = decode_frame(payload)
+                if isinstance(frame, RunRequest):
+                    runs[frame.run_id] = frame.request["messages"][0]["content"]
+            clients.cancel_scope.cancel()
+    assert sorted(runs.values()) == sorted(prompts)
+    assert sum(batches) >= 30 and max(batches) > 1, batches

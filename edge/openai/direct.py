@@ -148,12 +148,18 @@ class DirectBody:
 
     async def send_rest(self, rest: bytes) -> None:
         """The rest of a chunk the kernel took part of, as hypercorn sends."""
-        async with self._lock:
-            try:
-                with trio.CancelScope(shield=True):
-                    await self._stream.send_all(rest)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the connection is gone: hypercorn's reader tells the app
+        await send_locked(self._lock, self._stream, rest)
+
+
+async def send_locked(lock: Any, stream: trio.SocketStream, data: bytes) -> None:
+    """``data`` under hypercorn's send lock, shielded, as ``TCPServer.protocol_send``
+    sends (for the rest of a write the kernel took only part of)."""
+    async with lock:
+        try:
+            with trio.CancelScope(shield=True):
+                await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the connection is gone: hypercorn's reader tells the app
 
 
 def on_disconnect(send: Any, callback: Callable[[], object]) -> bool:

@@ -206,13 +206,22 @@ class NodeLink:
 
     async def next_frame(self) -> Frame:
         """The next frame to send: control frames first, then requests in order."""
+        return (await self.next_frames(1))[0]
+
+    async def next_frames(self, most: int) -> list[Frame]:
+        """The frames waiting to be sent, at least one, at most ``most``:
+        control frames first, then requests in order."""
         while not (self._control or self._requests):
             await self._ready.park()
-        if self._control:
-            return self._control.popleft()
-        frame = self._requests.popleft()
-        self.demands_queued -= isinstance(frame, Demand)
-        return frame
+        control, requests = self._control, self._requests
+        frames: list[Frame] = []
+        while control and len(frames) < most:
+            frames.append(control.popleft())
+        while requests and len(frames) < most:
+            frame = requests.popleft()
+            self.demands_queued -= isinstance(frame, Demand)
+            frames.append(frame)
+        return frames
 
     def bind_scope(self, scope: trio.CancelScope) -> None:
         self._cancel_scope = scope
