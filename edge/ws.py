@@ -30,7 +30,7 @@ import structlog
 import trio
 from wsproto.connection import ConnectionState
 
-from edge.openai.direct import send_locked
+from edge.openai.direct import plain_tcp, send_locked
 
 log = structlog.get_logger("iop.edge.link")
 
@@ -69,21 +69,15 @@ class DirectFrames:
         ws = getattr(send, "__self__", None)
         if type(ws).__name__ != "WSStream":
             return None
+        wired = plain_tcp(getattr(ws, "send", None))  # WSStream.send -> H11Protocol.stream_send
         try:
-            protocol = ws.send.__self__  # WSStream.send -> H11Protocol.stream_send
-            server = protocol.send.__self__  # -> TCPServer.protocol_send
-            stream, lock, connection = server.stream, server.send_lock, ws.connection
+            connection = ws.connection
             extensions = connection._proto.extensions
         except AttributeError:
             return None
-        if type(protocol).__name__ != "H11Protocol" or extensions or connection.state is not ConnectionState.OPEN:
+        if wired is None or extensions or connection.state is not ConnectionState.OPEN:
             return None
-        if type(stream) is not trio.SocketStream or not hasattr(lock, "locked"):
-            return None
-        raw = getattr(stream.socket, "_sock", None)
-        if type(raw) is not socket.socket:
-            return None
-        return cls(connection, stream, raw, lock)
+        return cls(connection, *wired)
 
     def write(self, messages: list[bytes]) -> bytes | None:
         """Send ``messages`` as frames, in one write: None if nothing was sent

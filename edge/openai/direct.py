@@ -54,20 +54,13 @@ class DirectBody:
     def _wired(cls, scope: dict, send: Any) -> DirectBody | None:
         if scope.get("type") != "http" or scope.get("http_version") != "1.1":
             return None
-        try:
-            protocol = send.__self__.send.__self__  # HTTPStream.app_send -> H11Protocol.stream_send
-            server = protocol.send.__self__  # -> TCPServer.protocol_send
-            stream, lock, connection = server.stream, server.send_lock, protocol.connection
-        except AttributeError:
+        protocol = getattr(
+            getattr(send, "__self__", None), "send", None
+        )  # HTTPStream.app_send -> H11Protocol.stream_send
+        wired = plain_tcp(protocol)
+        if wired is None or not isinstance(protocol.__self__.connection, h11.Connection):
             return None
-        if type(protocol).__name__ != "H11Protocol" or not isinstance(connection, h11.Connection):
-            return None
-        if type(stream) is not trio.SocketStream or not hasattr(lock, "locked"):
-            return None
-        raw = getattr(stream.socket, "_sock", None)
-        if type(raw) is not socket.socket:
-            return None
-        return cls(stream, raw, lock, connection, protocol)
+        return cls(*wired, protocol.__self__.connection, protocol.__self__)
 
     @classmethod
     def find(cls, scope: dict, send: Any) -> DirectBody | None:
@@ -149,6 +142,26 @@ class DirectBody:
     async def send_rest(self, rest: bytes) -> None:
         """The rest of a chunk the kernel took part of, as hypercorn sends."""
         await send_locked(self._lock, self._stream, rest)
+
+
+def plain_tcp(stream_send: Any) -> tuple[trio.SocketStream, socket.socket, Any] | None:
+    """The socket stream, its stdlib socket and hypercorn's send lock behind an
+    ``H11Protocol.stream_send`` (what an HTTP or websocket stream sends through),
+    when the connection is plain TCP; else None."""
+    protocol = getattr(stream_send, "__self__", None)
+    if type(protocol).__name__ != "H11Protocol":
+        return None
+    try:
+        server = protocol.send.__self__  # -> TCPServer.protocol_send
+        stream, lock = server.stream, server.send_lock
+    except AttributeError:
+        return None
+    if type(stream) is not trio.SocketStream or not hasattr(lock, "locked"):
+        return None
+    raw = getattr(stream.socket, "_sock", None)
+    if type(raw) is not socket.socket:
+        return None
+    return stream, raw, lock
 
 
 async def send_locked(lock: Any, stream: trio.SocketStream, data: bytes) -> None:
