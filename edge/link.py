@@ -155,8 +155,11 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
 
 
 async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsocket) -> None:
-    while True:
-        data = await websocket.receive()
+    """Every frame from the node, each handled as it arrives (under hypercorn,
+    in its reader task: :meth:`RawWebsocket.read_into`). Ends by raising:
+    :class:`LinkProtocolError`, or LinkGone when the node leaves."""
+
+    def on_message(data: bytes | str) -> None:
         link.last_rx = now = trio.current_time()
         if not isinstance(data, bytes):
             raise LinkProtocolError("text message on the link")
@@ -197,6 +200,8 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                     raise LinkProtocolError(f"tunnel frame for run {run_id!r} not assigned to this node")
             case _:
                 raise LinkProtocolError(f"unexpected {type(frame).__name__} frame from a node")
+
+    await websocket.read_into(on_message)
 
 
 async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int, websocket: RawWebsocket) -> None:

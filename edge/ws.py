@@ -24,7 +24,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 import trio
@@ -137,6 +137,51 @@ class RawWebsocket:
             if kind == "websocket.disconnect":
                 self.closed = True
                 raise LinkGone
+
+    async def read_into(self, on_message: Callable[[bytes | str], None]) -> NoReturn:
+        """Hand every message to ``on_message`` (synchronous) as it arrives,
+        until the node leaves (:class:`LinkGone`) or ``on_message`` raises
+        (raised here). Under hypercorn it is called from hypercorn's own
+        reader task, through the stream's ``app_put``: no channel and no task
+        switch per message, and hypercorn reads no further until it returns."""
+        stream = getattr(self._send, "__self__", None)
+        put = getattr(stream, "app_put", None)
+        queued = getattr(self._receive, "__self__", None)  # hypercorn's channel to the app
+        if type(stream).__name__ != "WSStream" or put is None or not hasattr(queued, "receive_nowait"):
+            while True:
+                on_message(await self.receive())
+        ended = trio.Event()
+        outcome: list[BaseException] = []
+
+        def take(message: dict) -> None:
+            kind = message["type"]
+            if kind == "websocket.receive":
+                data = message.get("bytes")
+                try:
+                    on_message(data if data is not None else message.get("text") or "")
+                except Exception as error:  # noqa: BLE001 (raised in the link's task below)
+                    outcome.append(error)
+                    ended.set()
+            elif kind == "websocket.disconnect":
+                self.closed = True
+                outcome.append(LinkGone())
+                ended.set()
+
+        async def app_put(message: dict) -> None:
+            if not ended.is_set():  # once the link ends, what still comes is dropped
+                take(message)
+
+        while not ended.is_set():  # what was queued before: first, and without a schedule point in between
+            try:
+                take(queued.receive_nowait())
+            except trio.WouldBlock:
+                break
+        stream.app_put = app_put
+        try:
+            await ended.wait()
+        finally:
+            ended.set()
+        raise outcome[0]
 
     async def send(self, data: bytes) -> None:
         await self._send({"type": "websocket.send", "bytes": data})

@@ -311,7 +311,8 @@ async def test_node_declares_a_silent_edge_dead_and_redials(nursery):
 async def test_the_link_on_a_server_without_http_refusals_and_a_node_that_leaves_early(edge):
     """The link is served on raw ASGI (edge.ws). Under a server that cannot send an HTTP
     response to a websocket upgrade, a wrong token closes the handshake (1008) instead; a
-    node that goes away before its hello ends the link quietly, with nothing registered."""
+    node that goes away before its hello ends the link quietly, with nothing registered;
+    one that breaks the protocol after it is closed with 4003, as under hypercorn."""
 
     async def drive(headers: list[tuple[bytes, bytes]], then: list[dict]) -> list[dict]:
         to_app, from_server = trio.open_memory_channel(8)
@@ -326,11 +327,18 @@ async def test_the_link_on_a_server_without_http_refusals_and_a_node_that_leaves
         await edge.app.asgi_app(scope, from_server.receive, send)
         return sent
 
+    authorized = [(b"authorization", f"Bearer {TOKEN}".encode())]
+    foreign = encode_frame(Events(events=[RunEvent(run_id="nope", seq=0, type="delta", text="x")]))
     with trio.fail_after(BOUND):
         refused = await drive([(b"authorization", b"Bearer wrong")], [])
-        left = await drive([(b"authorization", f"Bearer {TOKEN}".encode())], [{"type": "websocket.disconnect"}])
+        left = await drive(authorized, [{"type": "websocket.disconnect"}])
+        broke = await drive(authorized, [{"type": "websocket.receive", "bytes": b} for b in (hello(), foreign)])
     assert refused == [{"type": "websocket.close", "code": 1008}]
     assert left == [{"type": "websocket.accept"}]
+    # Frames after the hello are read the plain ASGI way here, and a broken rule still closes with 4003.
+    assert isinstance(decode_frame(broke[1]["bytes"]), Welcome)
+    assert broke[-1]["type"] == "websocket.close" and broke[-1]["code"] == 4003
+    assert "not assigned to this node" in broke[-1]["reason"]
     assert not edge.edge.runs.links
 
 
