@@ -41,7 +41,7 @@ import trio
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 1024
 MAX_IDLE = 256  # idle keep-alive connections kept per origin
-READ_SIZE = 256 * 1024
+READ_SIZE = 64 * 1024  # not more: a bigger buffer makes each read grow and trim the heap (measured 14.5 against 2.5 µs a read)
 READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
 _LENGTH, _CHUNKED, _CLOSE = 0, 1, 2
