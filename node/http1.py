@@ -26,6 +26,7 @@ at once, so a busy server's tokens arrive together).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import select
@@ -41,7 +42,10 @@ import trio
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 1024
 MAX_IDLE = 256  # idle keep-alive connections kept per origin
-READ_SIZE = 64 * 1024  # not more: a bigger buffer makes each read grow and trim the heap (measured 14.5 against 2.5 µs a read)
+READ_SIZE = (
+    64 * 1024
+)  # not more: a bigger buffer makes each read grow and trim the heap (measured 14.5 against 2.5 µs a read)
+WATCH_TICK = 1.0  # seconds: the most a read inside Response.reading() times out late (or a quarter of its timeout)
 READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
 _LENGTH, _CHUNKED, _CLOSE = 0, 1, 2
@@ -124,9 +128,6 @@ class _Connection:
         return bool(poll.poll(0))
 
 
-_TIMED_OUTSIDE = contextlib.nullcontext()  # a read inside Response.reading(): its scope times it
-
-
 class Response:
     """A response whose head has arrived; ``read()`` the body."""
 
@@ -150,7 +151,7 @@ class Response:
         self.headers = headers
         self._conn = conn
         self._timeout = timeout
-        self._idle: trio.CancelScope | None = None  # while inside reading(): the reads' timeout
+        self._idle: _Reading | None = None  # while inside reading(): what times the reads
         self._ready = 0  # reads in a row that found bytes waiting (see _recv)
         self._line = b""  # _CHUNKED: the start of a size or trailer line, the rest of it not yet received
         self.done = False
@@ -180,10 +181,12 @@ class Response:
             self._mode, self.keep_alive = _CLOSE, False
 
     def reading(self) -> _Reading:
-        """Wrap a loop of :meth:`read` calls in this (``with``): each read then
-        arms one scope's deadline while it waits for bytes, rather than
-        opening a cancel scope of its own (the streaming hot path: one read
-        per token). :class:`ReadTimeout` when the read timeout passes."""
+        """Wrap a loop of :meth:`read` calls in this (``with``): a read then
+        only notes when it started waiting for bytes, and one task per
+        process (:class:`_ReadWatch`) ends a read that waited past the read
+        timeout, rather than each wait arming a cancel scope's deadline (the
+        streaming hot path: a wait per token). :class:`ReadTimeout` when the
+        read timeout passes; the caller's own time between reads is not counted."""
         return _Reading(self)
 
     async def _recv(self) -> bytes:
@@ -211,20 +214,19 @@ class Response:
 
     async def _wait(self, wait: Callable[..., Awaitable[_T]], arg) -> _T:
         """``await wait(arg)``, under the read timeout (:class:`ReadTimeout`)."""
-        idle = self._idle
-        if idle is None:
-            timer = trio.move_on_after(self._timeout)
-        else:  # inside reading(): arm its deadline for this wait only
-            timer = _TIMED_OUTSIDE
-            idle.deadline = trio.current_time() + self._timeout
+        reading = self._idle
         try:
-            with timer:
-                return await wait(arg)
+            if reading is None:
+                with trio.move_on_after(self._timeout):
+                    return await wait(arg)
+            else:  # inside reading(): its watch times this wait
+                reading.since = trio.current_time()
+                try:
+                    return await wait(arg)
+                finally:
+                    reading.since = math.inf  # what the caller does between reads is not timed
         except (trio.BrokenResourceError, OSError) as e:
             raise RemoteProtocolError(f"connection lost: {e}") from None
-        finally:
-            if idle is not None:
-                idle.deadline = math.inf  # what the caller does between reads is not timed
         raise ReadTimeout("no bytes from the server in the read timeout")  # our own timer fired
 
     async def read(self) -> bytes:
@@ -305,24 +307,86 @@ class Response:
 
 
 class _Reading:
-    """:meth:`Response.reading`: a cancel scope whose deadline the reads inside it arm."""
+    """:meth:`Response.reading`: a cancel scope that the process's read watch
+    cancels when a read inside it waited past the read timeout."""
 
-    __slots__ = ("_response", "_scope")
+    __slots__ = ("_response", "_scope", "timeout", "since", "__weakref__")
 
     def __init__(self, response: Response) -> None:
         self._response = response
         self._scope = trio.CancelScope()
+        self.timeout = response._timeout
+        self.since = math.inf  # when the read now waiting started to wait (inf: none waits)
 
     def __enter__(self) -> None:
         self._scope.__enter__()
-        self._response._idle = self._scope
+        self._response._idle = self
+        _ReadWatch.of_this_run().add(self)
 
     def __exit__(self, etype, exc, tb) -> bool:
         self._response._idle = None
+        _ReadWatch.of_this_run().readings.discard(self)
         swallowed = self._scope.__exit__(etype, exc, tb)
-        if self._scope.cancelled_caught:  # only a read's deadline cancels it
+        if self._scope.cancelled_caught:  # only the watch cancels it
             raise ReadTimeout("no bytes from the server in the read timeout")
         return swallowed
+
+    def expire(self) -> None:
+        self._scope.cancel()
+
+
+class _ReadWatch:
+    """The read timeouts of every :meth:`Response.reading` of one trio run: a
+    task, alive while any is open, that looks at them at least every
+    :data:`WATCH_TICK` seconds (and every quarter of the shortest timeout),
+    and ends each read that has waited past its timeout. So a read times out
+    at most that much late, and a wait costs two float stores instead of
+    arming and clearing a deadline (measured: 3.6 µs a wait)."""
+
+    __slots__ = ("readings", "running", "_tick", "_sleep")
+    _runvar: trio.lowlevel.RunVar[_ReadWatch] = trio.lowlevel.RunVar("iop.node.http1.read_watch")
+
+    def __init__(self) -> None:
+        self.readings: set[_Reading] = set()
+        self.running = False
+        self._tick = WATCH_TICK  # how long the watch sleeps now
+        self._sleep: trio.CancelScope | None = None  # its sleep, cut short for a shorter timeout
+
+    @classmethod
+    def of_this_run(cls) -> _ReadWatch:
+        try:
+            return cls._runvar.get()
+        except LookupError:
+            watch = cls()
+            cls._runvar.set(watch)
+            return watch
+
+    def add(self, reading: _Reading) -> None:
+        self.readings.add(reading)
+        if not self.running:
+            self.running = True
+            name, context = "iop.node.http1.read_watch", contextvars.Context()
+            trio.lowlevel.spawn_system_task(self._watch, name=name, context=context)
+        elif reading.timeout / 4 < self._tick and self._sleep is not None:
+            self._sleep.cancel()  # look again sooner
+
+    async def _watch(self) -> None:
+        readings = self.readings
+        try:
+            while readings:
+                now = trio.current_time()
+                tick = WATCH_TICK
+                for reading in list(readings):
+                    tick = min(tick, reading.timeout / 4)
+                    if reading.since + reading.timeout <= now:
+                        readings.discard(reading)
+                        reading.expire()
+                self._tick = tick
+                with trio.move_on_after(max(tick, 0.001)) as self._sleep:
+                    await trio.sleep_forever()
+                self._sleep = None
+        finally:
+            self.running = False
 
 
 class Client:

@@ -262,6 +262,50 @@ async def test_reads_inside_reading_time_only_the_wait_for_bytes(serve):
     await client.aclose()
 
 
+async def test_each_reading_has_its_own_read_timeout(serve):
+    """One watch times every reading() of the process: a silent server with a short read
+    timeout is a ReadTimeout soon after it, while a stream with a long one that keeps
+    sending is untouched, before and after."""
+
+    async def silent(stream):
+        await stream.send_all(CHUNKED_HEAD)
+        await trio.sleep_forever()
+
+    async def slow(stream):
+        await stream.send_all(CHUNKED_HEAD)
+        for _ in range(10):
+            await trio.sleep(0.1)
+            await stream.send_all(b"1\r\nx\r\n")
+        await stream.send_all(b"0\r\n\r\n")
+
+    quiet, _ = await serve(silent)
+    steady, _ = await serve(slow)
+    short = http1.Client(f"http://127.0.0.1:{quiet.port}/v1", read_timeout=0.3)
+    long = http1.Client(f"http://127.0.0.1:{steady.port}/v1", read_timeout=600)
+    timed_out_after: list[float] = []
+
+    async def short_read() -> None:
+        start = trio.current_time()
+        with pytest.raises(http1.ReadTimeout):
+            async with short.request("POST", "/chat/completions", b"{}") as r:
+                with r.reading():
+                    await r.read()
+        timed_out_after.append(trio.current_time() - start)
+
+    with trio.fail_after(BOUND):
+        async with long.request("POST", "/chat/completions", b"{}") as r:
+            with r.reading():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(short_read)
+                    body = b""
+                    while data := await r.read():
+                        body += data
+    assert body == b"x" * 10
+    assert 0.3 <= timed_out_after[0] < 0.3 + 0.3 / 4 + 0.5
+    await short.aclose()
+    await long.aclose()
+
+
 async def test_a_malformed_response_is_a_protocol_error(serve):
     _, client = await serve(
         b"SMTP ready\r\n\r\n", CHUNKED_HEAD + b"zz\r\n", b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\nabc"
