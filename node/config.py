@@ -103,6 +103,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("reconnect_min_s: must be > 0 and <= reconnect_max_s")
         if self.relink_max_s <= 0 or self.relink_window_s < 0:
             raise ConfigError("relink_max_s: must be > 0 (and relink_window_s >= 0)")
+        if not self.upstream_read_timeout_s > 0:
+            raise ConfigError("upstream_read_timeout_s: must be greater than 0 (inf: never)")
         if self.ping_misses < 1:
             raise ConfigError("ping_misses: must be at least 1")
         if self.max_pending_events < 1:

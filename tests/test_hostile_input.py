@@ -551,6 +551,7 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
         ("edge", {"wait_timeout_s": float("nan")}, "wait_timeout_s: must be a number, not nan"),
         ("edge", {"max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
         ("node", {"token": ""}, "token: missing"),
+        ("node", {"token": "t", "upstream_read_timeout_s": 0}, "upstream_read_timeout_s: must be greater than 0"),
         ("node", {"token": "tok\nsecret-f00d"}, "token: must be printable ASCII"),
         (
             "node",
@@ -565,7 +566,7 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
     ],
 )
 def test_bad_new_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):
-    """A bad body_timeout_s, max_output_tokens, node token or api_key, or a NaN timeout (TOML's
+    """A bad body_timeout_s, max_output_tokens, upstream read timeout, node token or api_key, or a NaN timeout (TOML's
     nan passes every <= check), stops the process with one line naming the key and never its value."""
     if kind == "node":
         config = {
