@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import signal
+import socket
 from functools import partial
 
 import msgspec
@@ -12,10 +13,11 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
 from edge import ws as edge_ws
-from edge.runs.link import PLACED_KEYS_PER_S
+from edge.runs.link import MAX_LIVENESS_QUEUED, PLACED_KEYS_PER_S, NodeLink
 from proto import (
     MAX_PREFIX_BLOCKS,
     PROTOCOL_VERSION,
+    CancelRun,
     Events,
     Grant,
     Hello,
@@ -377,3 +379,32 @@ async def test_frames_to_a_node_are_whole_when_written_together(nursery, monkeyp
             clients.cancel_scope.cancel()
     assert sorted(runs.values()) == sorted(prompts)
     assert sum(batches) >= 30 and max(batches) > 1, batches
+
+
+async def test_a_node_that_pings_but_never_reads_cannot_grow_the_edge_queue(nursery):
+    """Every Ping from a node queues a Pong for the link's writer; a node that pings without
+    reading would grow that queue for ever. Past a bound, pings and pongs are dropped, and
+    a cancel is still queued; over a real link, a flood of pings from a node that reads
+    nothing leaves the queue within the bound and the edge serving."""
+    link = NodeLink("n", [ModelInfo(name="m", adapter="sim", target="t", max_concurrency=1)])
+    for i in range(10_000):
+        link.send_nowait(Pong(ts=float(i)))
+    assert link.queued_frames == MAX_LIVENESS_QUEUED
+    link.send_nowait(CancelRun(run_id="r1", reason="client gone"))
+    frames = await link.next_frames(10_000)
+    assert len(frames) == MAX_LIVENESS_QUEUED + 1 and isinstance(frames[-1], CancelRun)
+
+    edge = await start_edge(nursery)
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream:
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it reads nothing more
+            ping = encode_frame(Ping(ts=1.0))
+            flood = (frame_header(BINARY, len(ping)) + ping) * 20_000
+            await stream.send_all(flood)
+            await eventually(lambda: "hostile" in edge.edge.runs.links)
+            link = edge.edge.runs.links["hostile"]
+            await eventually(lambda: trio.current_time() - link.last_rx > 0.3)  # the whole flood read
+            assert link.queued_frames <= MAX_LIVENESS_QUEUED
+            async with http(edge) as client:
+                assert (await client.get("/healthz")).status_code == 200

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from proto import Demand, EngineLoad, Frame, ModelInfo, RunRequest, TunnelRequest
+from proto import Demand, EngineLoad, Frame, ModelInfo, Ping, Pong, RunRequest, TunnelRequest
 
 if TYPE_CHECKING:
     from edge.runs.run import Run
 
 log = structlog.get_logger("iop.edge.link")
 
+MAX_LIVENESS_QUEUED = 64  # pings and pongs waiting for the link's writer; more are dropped (the node is not reading)
 _RECENT_RUNS = 4096  # ended run ids remembered per link, to drop late events
 # Prefix-chain keys relayed by one node (``placed``) the edge records per second; beyond
 # that they are dropped (hints only). About 40 ms of the edge's CPU a second at most,
@@ -196,6 +197,11 @@ class NodeLink:
         if isinstance(frame, (RunRequest, TunnelRequest, Demand)):
             self.demands_queued += isinstance(frame, Demand)
             self._requests.append(frame)
+        elif isinstance(frame, (Ping, Pong)) and len(self._control) >= MAX_LIVENESS_QUEUED:
+            # A node that sends pings but reads nothing would grow this queue without end: a
+            # liveness frame it cannot receive anyway is dropped (cancels are never dropped;
+            # they are bounded by the node's runs). Its own ping timeout decides.
+            return
         else:
             self._control.append(frame)
         self._ready.unpark_all()
