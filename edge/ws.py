@@ -127,16 +127,22 @@ class RawWebsocket:
         self.accepted = True
         self._direct = DirectFrames.find(self._send)
 
+    def _payload(self, message: dict) -> bytes | str | None:
+        """A received message's payload; None for any other ASGI message;
+        :class:`LinkGone` for the disconnect."""
+        kind = message["type"]
+        if kind == "websocket.receive":
+            data = message.get("bytes")
+            return data if data is not None else message.get("text") or ""
+        if kind == "websocket.disconnect":
+            self.closed = True
+            raise LinkGone
+        return None
+
     async def receive(self) -> bytes | str:
-        while True:
-            message = await self._receive()
-            kind = message["type"]
-            if kind == "websocket.receive":
-                data = message.get("bytes")
-                return data if data is not None else message.get("text") or ""
-            if kind == "websocket.disconnect":
-                self.closed = True
-                raise LinkGone
+        while (data := self._payload(await self._receive())) is None:
+            pass
+        return data
 
     async def read_into(self, on_message: Callable[[bytes | str], None]) -> NoReturn:
         """Hand every message to ``on_message`` (synchronous) as it arrives,
@@ -154,17 +160,12 @@ class RawWebsocket:
         outcome: list[BaseException] = []
 
         def take(message: dict) -> None:
-            kind = message["type"]
-            if kind == "websocket.receive":
-                data = message.get("bytes")
-                try:
-                    on_message(data if data is not None else message.get("text") or "")
-                except Exception as error:  # noqa: BLE001 (raised in the link's task below)
-                    outcome.append(error)
-                    ended.set()
-            elif kind == "websocket.disconnect":
-                self.closed = True
-                outcome.append(LinkGone())
+            try:
+                data = self._payload(message)
+                if data is not None:
+                    on_message(data)
+            except Exception as error:  # noqa: BLE001 (LinkGone or on_message's: raised in the link's task below)
+                outcome.append(error)
                 ended.set()
 
         async def app_put(message: dict) -> None:

@@ -42,9 +42,8 @@ import trio
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE = 1024
 MAX_IDLE = 256  # idle keep-alive connections kept per origin
-READ_SIZE = (
-    64 * 1024
-)  # not more: a bigger buffer makes each read grow and trim the heap (measured 14.5 against 2.5 µs a read)
+# Not more: a buffer of 128 KiB or more makes each read grow and trim the heap (15-21 against 2.6 µs a read).
+READ_SIZE = 64 * 1024
 WATCH_TICK = 1.0  # seconds: the most a read inside Response.reading() times out late (or a quarter of its timeout)
 READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
@@ -310,7 +309,7 @@ class _Reading:
     """:meth:`Response.reading`: a cancel scope that the process's read watch
     cancels when a read inside it waited past the read timeout."""
 
-    __slots__ = ("_response", "_scope", "timeout", "since", "__weakref__")
+    __slots__ = ("_response", "_scope", "timeout", "since")
 
     def __init__(self, response: Response) -> None:
         self._response = response
