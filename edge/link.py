@@ -13,6 +13,8 @@ disconnected"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import structlog
 import trio
@@ -26,6 +28,7 @@ from proto import (
     PROTOCOL_VERSION,
     Demand,
     Events,
+    Frame,
     Grant,
     Hello,
     Load,
@@ -131,6 +134,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
             )
         )
     )
+    link.write_now = _writer_now(websocket, config.max_frame_bytes)
     service.add_link(link)
     try:
         async with trio.open_nursery() as nursery:
@@ -204,11 +208,31 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
     await websocket.read_into(on_message)
 
 
+def _writer_now(websocket: RawWebsocket, max_frame_bytes: int) -> Callable[[Frame], bytes | None]:
+    """:attr:`NodeLink.write_now`: one frame straight to the socket (None when
+    it cannot go that way, or is not sendable: the writer then deals with it)."""
+
+    def write_now(frame: Frame) -> bytes | None:
+        try:
+            data = encode_frame(frame)
+        except (OverflowError, msgspec.EncodeError, RecursionError, TypeError, ValueError):
+            return None
+        if len(data) > max_frame_bytes:
+            return None
+        return websocket.write_now(data)
+
+    return write_now
+
+
 async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int, websocket: RawWebsocket) -> None:
-    """The only writer to the websocket. A frame that cannot be encoded or is
-    over the frame limit fails its own run, never the link."""
+    """The writer to the websocket: every frame that had to wait (the others
+    go out at once, :meth:`NodeLink.send_nowait`). A frame that cannot be
+    encoded or is over the frame limit fails its own run, never the link."""
     while True:
         frames = await link.next_frames(MAX_BATCH_FRAMES)
+        rest = link.take_rest()
+        if rest:
+            await websocket.send_rest(rest)
         batch: list[bytes] = []
         size = 0
         for frame in frames:

@@ -200,6 +200,16 @@ class RawWebsocket:
         else:
             await trio.lowlevel.checkpoint()
 
+    def write_now(self, message: bytes) -> bytes | None:
+        """One binary message straight to the socket, when it can go that way
+        (:meth:`DirectFrames.write`): None if nothing was sent, else what the
+        kernel did not take, for :meth:`send_rest` before anything else."""
+        direct = self._direct
+        return direct.write([message]) if direct is not None else None
+
+    async def send_rest(self, rest: bytes) -> None:
+        await self._direct.send_rest(rest)
+
     async def close(self, code: int, reason: str = "") -> None:
         if self.closed:
             return

@@ -10,6 +10,7 @@ from functools import partial
 import msgspec
 import pytest
 import trio
+import trio.testing
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
 from edge import ws as edge_ws
@@ -379,6 +380,56 @@ async def test_frames_to_a_node_are_whole_when_written_together(nursery, monkeyp
             clients.cancel_scope.cancel()
     assert sorted(runs.values()) == sorted(prompts)
     assert sum(batches) >= 30 and max(batches) > 1, batches
+
+
+async def test_a_lone_frame_goes_to_the_node_at_once_and_a_burst_still_leaves_together(nursery):
+    """With nothing queued and the link's writer idle, a frame (a run's request, its cancel)
+    is written to the node's socket by the task that sends it: no task switch before it is
+    on the wire. Frames that follow in the same tick wait and leave together in the writer's
+    next batch; the end of a frame the kernel took only part of goes out before them; a frame
+    that cannot be written at once is queued."""
+    link = NodeLink("n", [ModelInfo(name="m", adapter="sim", target="t", max_concurrency=1)])
+    written: list = []
+    kernel_leaves = [b""]  # what write_now reports the kernel did not take (None: cannot write)
+
+    def write_now(frame):
+        if kernel_leaves[0] is not None:
+            written.append(frame.run_id)
+        return kernel_leaves[0]
+
+    link.write_now = write_now
+    batches: list[tuple[bytes, list[str]]] = []
+
+    async def writer():
+        while True:
+            frames = await link.next_frames(64)
+            batches.append((link.take_rest(), [f.run_id for f in frames]))
+
+    def cancel(run_id: str) -> None:
+        link.send_nowait(CancelRun(run_id=run_id, reason="client gone"))
+
+    nursery.start_soon(writer)
+    with trio.fail_after(BOUND):
+        await trio.testing.wait_all_tasks_blocked()
+        cancel("r1")
+        assert written == ["r1"] and link.queued_frames == 0
+        cancel("r2")
+        cancel("r3")  # the same tick: they wait for the writer
+        assert written == ["r1"] and link.queued_frames == 2
+        await trio.testing.wait_all_tasks_blocked()
+        assert batches == [(b"", ["r2", "r3"])]
+
+        kernel_leaves[0] = b"the end of r4"
+        cancel("r4")
+        cancel("r5")
+        await trio.testing.wait_all_tasks_blocked()
+        assert written == ["r1", "r4"] and batches[-1] == (b"the end of r4", ["r5"])
+
+        kernel_leaves[0] = None
+        await trio.testing.wait_all_tasks_blocked()
+        cancel("r6")
+        await trio.testing.wait_all_tasks_blocked()
+        assert written == ["r1", "r4"] and batches[-1] == (b"", ["r6"])
 
 
 async def test_a_node_that_pings_but_never_reads_cannot_grow_the_edge_queue(nursery):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -74,6 +75,11 @@ class NodeLink:
         self._requests: collections.deque[Frame] = collections.deque()
         self.demands_queued = 0  # demand frames waiting in _requests
         self._ready = trio.lowlevel.ParkingLot()
+        # Set by the link's task: writes one frame to the node's socket now, returning None when
+        # it cannot (the frame is then queued), else what the kernel did not take (b"" when all).
+        self.write_now: Callable[[Frame], bytes | None] | None = None
+        self._writer_idle = False  # the writer is parked with nothing queued
+        self._rest = b""  # the unsent end of a frame written now: the writer sends it before anything else
         self._cancel_scope: trio.CancelScope | None = None
         # Runs sent and not started (no event yet), oldest first: run id -> when sent.
         self.unstarted: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -194,6 +200,16 @@ class NodeLink:
     def send_nowait(self, frame: Frame) -> None:
         if self.closed:
             return
+        if self._writer_idle and self.write_now is not None:
+            # Nothing waits and the writer is idle: the frame goes to the kernel from here, with
+            # no task switch on the way (a run's request, its cancel). The writer is still woken,
+            # so frames that follow in the same tick are queued and leave together in one write.
+            rest = self.write_now(frame)
+            if rest is not None:
+                self._rest = rest
+                self._writer_idle = False
+                self._ready.unpark_all()
+                return
         if isinstance(frame, (RunRequest, TunnelRequest, Demand)):
             self.demands_queued += isinstance(frame, Demand)
             self._requests.append(frame)
@@ -215,10 +231,15 @@ class NodeLink:
         return (await self.next_frames(1))[0]
 
     async def next_frames(self, most: int) -> list[Frame]:
-        """The frames waiting to be sent, at least one, at most ``most``:
-        control frames first, then requests in order."""
-        while not (self._control or self._requests):
-            await self._ready.park()
+        """The frames waiting to be sent, at most ``most``, control frames
+        first, then requests in order; at least one, unless the end of a
+        frame written at once is waiting (:meth:`take_rest`)."""
+        while not (self._control or self._requests or self._rest):
+            self._writer_idle = True
+            try:
+                await self._ready.park()
+            finally:
+                self._writer_idle = False
         control, requests = self._control, self._requests
         frames: list[Frame] = []
         while control and len(frames) < most:
@@ -228,6 +249,12 @@ class NodeLink:
             self.demands_queued -= isinstance(frame, Demand)
             frames.append(frame)
         return frames
+
+    def take_rest(self) -> bytes:
+        """What the kernel did not take of a frame written at once (b"" when
+        nothing): the writer sends it before the frames it took."""
+        rest, self._rest = self._rest, b""
+        return rest
 
     def bind_scope(self, scope: trio.CancelScope) -> None:
         self._cancel_scope = scope
@@ -245,4 +272,5 @@ class NodeLink:
         self.closed = True
         self._control.clear()
         self._requests.clear()
+        self._rest = b""
         self.demands_queued = 0
