@@ -129,8 +129,16 @@ class Exchange:
             raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
         parts: list[bytes] = []
         size = 0
+        # What the server has queued already (the whole body of a small request,
+        # read with its head) is taken without a pass through the scheduler.
+        queued = getattr(getattr(self._receive, "__self__", None), "receive_nowait", None)
         while True:
-            message = await self._receive()
+            try:
+                if queued is None:
+                    raise trio.WouldBlock
+                message = queued()
+            except trio.WouldBlock:
+                message = await self._receive()
             if message["type"] == "http.disconnect":
                 raise ClientGone
             chunk = message.get("body", b"")
