@@ -334,7 +334,11 @@ class EdgeLink:
                 if slots.value == 0:  # grants should make this impossible: count it
                     agent.slot_waits += 1
                     log.warning("run waits for a slot on the node", run_id=request.run_id, model=request.model)
-                async with slots:
+                try:  # a free slot (the usual case) is taken without a pass through the scheduler
+                    slots.acquire_nowait()
+                except trio.WouldBlock:
+                    await slots.acquire()
+                try:
                     with trio.move_on_after(max(request.timeout_s, 0)) as deadline:
                         try:
                             await work()
@@ -345,6 +349,8 @@ class EdgeLink:
                         await sink.error("run deadline exceeded on the node")
                     elif not sink.ended:
                         await sink.error("adapter ended without a result")
+                finally:
+                    slots.release()
         finally:
             agent.counters.active_runs -= 1
             agent.counters.run_ended.unpark_all()
