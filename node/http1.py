@@ -142,6 +142,7 @@ class Response:
         "keep_alive",
         "_idle",
         "_ready",
+        "_drained",
         "_line",
     )
 
@@ -152,6 +153,7 @@ class Response:
         self._timeout = timeout
         self._idle: _Reading | None = None  # while inside reading(): what times the reads
         self._ready = 0  # reads in a row that found bytes waiting (see _recv)
+        self._drained = False  # the last read took every byte the socket had (see _recv)
         self._line = b""  # _CHUNKED: the start of a size or trailer line, the rest of it not yet received
         self.done = False
         self._trailer = False
@@ -196,7 +198,15 @@ class Response:
         # server) cost one syscall: no read timeout armed, no pass through
         # the scheduler. Every READY_READS-th read in a row is still a
         # schedule point, so other runs, and a cancel, get their turn.
-        if self._ready >= READY_READS:
+        # After a read that emptied the socket, more bytes arriving while
+        # they were handled is the exception (about one read in ten, 200
+        # streams at full speed): the next read waits for them first rather
+        # than try a read that fails (EAGAIN: a syscall and an exception).
+        if self._drained:
+            self._drained = False
+            self._ready = 0
+            await self._wait(trio.lowlevel.wait_readable, conn.sock)
+        elif self._ready >= READY_READS:
             self._ready = 0
             await trio.lowlevel.checkpoint()
         while True:
@@ -209,6 +219,7 @@ class Response:
             except OSError as e:
                 raise RemoteProtocolError(f"connection lost: {e}") from None
             self._ready += 1
+            self._drained = len(data) < READ_SIZE
             return data
 
     async def _wait(self, wait: Callable[..., Awaitable[_T]], arg) -> _T:

@@ -5,6 +5,7 @@ leaving a response early, timeouts; and its de-chunking at every split."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 
@@ -217,6 +218,47 @@ async def test_a_body_that_never_makes_the_reader_wait_is_still_cancellable(serv
         assert 0 < reads <= 3 * http1.READY_READS
         assert await body_of(client) == (200, b"x" * 64_000)
     assert server.connections == 2  # the first connection served two; the cancel closed it
+
+
+async def test_a_paced_body_makes_no_read_that_finds_nothing(serve, monkeypatch):
+    """A model server sends a token, then the next one a while later. After a read that took
+    all the socket had, the reader waits for bytes before it reads again: the read that would
+    find nothing (EAGAIN, a syscall and an exception per token) is not made. It once was, once
+    per token."""
+    calls = {"read": 0, "empty": 0}
+
+    class CountingOS:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def read(self, fd: int, size: int) -> bytes:
+            calls["read"] += 1
+            try:
+                return os.read(fd, size)
+            except BlockingIOError:
+                calls["empty"] += 1
+                raise
+
+    tokens = [b"data: tok%d\n\n" % i for i in range(20)]
+
+    async def paced(stream):
+        await stream.send_all(CHUNKED_HEAD)
+        for token in tokens:
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(token), token))
+            await trio.sleep(0.01)
+        await stream.send_all(b"0\r\n\r\n")
+
+    _, client = await serve(paced)
+    monkeypatch.setattr(http1, "os", CountingOS())
+    with trio.fail_after(BOUND):
+        async with client.request("POST", "/chat/completions", b"{}") as r:
+            body = b""
+            with r.reading():
+                while data := await r.read():
+                    body += data
+    assert body == b"".join(tokens)
+    assert calls["read"] >= len(tokens)
+    assert calls["empty"] <= 2, calls
 
 
 async def _cancel(scope: trio.CancelScope) -> None:
