@@ -159,3 +159,56 @@ async def test_an_http_1_0_client_gets_its_stream_unframed(nursery, upstream, mo
     head, _, sse = raw.partition(b"\r\n\r\n")
     assert head.split(b" ", 2)[1] == b"200" and b"transfer-encoding" not in head.lower()
     assert content_of(sse) == "".join(words) and spy.whole == spy.partial == 0
+
+
+async def test_paced_chunks_are_written_as_their_events_arrive_and_arrive_whole(nursery, upstream, monkeypatch):
+    """Once a stream has committed, each text event is shaped and written to the client's
+    socket by the task that reads the node's link, as it arrives: the stream's own task is
+    not woken per chunk. The client reads the same text, framed as ever."""
+    writers: list[str] = []
+    write = direct.DirectBody.write
+
+    def spied(body, data: bytes, more: bool = False) -> bytes | None:
+        writers.append(trio.lowlevel.current_task().name)
+        return write(body, data, more)
+
+    monkeypatch.setattr(direct.DirectBody, "write", spied)
+    words, edge = await edge_with_paced_words(nursery, upstream, 40)
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={**STREAM, "messages": [{"role": "user", "content": "x"}]}
+            )
+    assert r.status_code == 200 and content_of(r.content) == "".join(words)
+    from_link = [name for name in writers if name.endswith("_run_handler")]  # hypercorn's reader of the link
+    assert len(from_link) >= 20, writers
+
+
+async def test_a_failure_shaping_a_chunk_on_the_link_fails_that_request_not_the_link(nursery, upstream, monkeypatch):
+    """Shaping runs in the link reader's task for a committed stream: a bug there (an
+    exception) ends that request's stream with an error event, and the node's link, and
+    every other request on it, carry on."""
+    from edge.openai import output
+
+    feed = output.LiveStream.feed
+
+    def broken(self, batch):
+        if any(event.text == "w10 " for event in batch):
+            raise RuntimeError("a bug in shaping")
+        return feed(self, batch)
+
+    monkeypatch.setattr(output.LiveStream, "feed", broken)
+    words, edge = await edge_with_paced_words(nursery, upstream, 20)
+    link = edge.edge.runs.links["n1"]
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
+            request = {**STREAM, "messages": [{"role": "user", "content": "x"}]}
+            r = await client.post("/v1/chat/completions", json=request)
+            assert r.status_code == 200
+            events = sse_events(r.content)
+            assert any(b"internal error in the edge" in event for event in events)
+            assert b"w9 " in r.content and b"w10 " not in r.content
+            monkeypatch.setattr(output.LiveStream, "feed", feed)
+            r = await client.post("/v1/chat/completions", json=request)
+            assert r.status_code == 200 and content_of(r.content) == "".join(words)
+    assert edge.edge.runs.links["n1"] is link  # the same link served both

@@ -230,6 +230,12 @@ class Exchange:
         if first:
             await self.write(first)
 
+    @property
+    def direct(self) -> DirectBody | None:
+        """The connection's direct writer, once the response's first body
+        bytes found one (None: not yet, or the connection has none)."""
+        return self._direct or None
+
     async def write(self, data: bytes) -> None:
         direct = self._direct
         if direct is None:

@@ -30,7 +30,7 @@ from edge.openai.tools import ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import Collected, Turn, collect_validated, failure
 from edge.runs import Run, Slot
-from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TIMEOUT
+from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -421,13 +421,80 @@ async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEn
         await fail(turn, failed, live.error if live is not None else sse_error)
 
 
+class _LiveSink:
+    """Shapes a committed stream's text events and writes their chunks as they
+    arrive, in the link reader's task, while the stream's own task waits
+    (:attr:`Run.sink`): no wake-up of that task, nor a pass through its loop,
+    per chunk (one token a chunk when a model server paces its tokens). Each
+    chunk goes to the socket at once (:class:`~edge.openai.direct.DirectBody`)
+    or not at all; whatever cannot be finished synchronously (a write the
+    kernel took only part of or none of, a failure while shaping) is left to
+    the stream's task, which is woken for it and takes every later event
+    itself until it has dealt with it, so bytes keep their order."""
+
+    __slots__ = ("_run", "_live", "_direct", "rest", "error", "_held")
+
+    def __init__(self, run: Run, live: LiveEncoder, direct) -> None:
+        self._run = run
+        self._live = live
+        self._direct = direct
+        self.rest = b""  # what the kernel did not take of a chunk: the stream's task sends it first
+        self.error: Exception | None = None  # raised in the stream's task
+        self._held = False  # shaped bytes wait in ``live.out`` for the stream's task
+
+    def take(self, event: RunEvent) -> bool:
+        if self.rest or self.error is not None or self._held or event.type not in TEXT_TYPES:
+            return False
+        live = self._live
+        out = live.out
+        try:
+            live.feed([event])  # text only: shaped into ``out``, never an end
+            if not out:
+                return True
+            data = out[0] if len(out) == 1 else b"".join(out)
+            rest = self._direct.write(data)
+        except Exception as error:  # noqa: BLE001 (a bug here must fail this request, not the node's link)
+            self.error = error
+            self._run.nudge()
+            return True
+        if rest is None:  # the socket takes nothing now: the stream's task writes ``out``
+            self._held = True
+            self._run.nudge()
+            return True
+        out.clear()
+        if rest:
+            self.rest = rest
+            self._run.nudge()
+        return True
+
+    async def settle(self) -> None:
+        """In the stream's task: what :meth:`take` left to it."""
+        self._held = False
+        if self.error is not None:
+            raise self.error
+        if self.rest:
+            rest, self.rest = self.rest, b""
+            await self._direct.send_rest(rest)
+
+
 async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
     """Raises :class:`RunFailed` if the run fails before the stream commits."""
     ex = turn.ex
     out = live.out
+    sink: _LiveSink | None = None
     try:
         while True:
-            batch = await run.next_batch_or_idle()
+            if sink is None and ex.started and not ex.finished and ex.direct:
+                sink = _LiveSink(run, live, ex.direct)
+            if sink is not None:
+                run.sink = sink.take
+                try:
+                    batch = await run.next_batch_or_idle()
+                finally:
+                    run.sink = None
+                await sink.settle()
+            else:
+                batch = await run.next_batch_or_idle()
             commit = not ex.started
             if commit:
                 if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):

@@ -73,6 +73,8 @@ class Run:
         "keepalive",
         "idle_since",
         "_idle",
+        "sink",
+        "_nudged",
     )
 
     def __init__(
@@ -116,6 +118,10 @@ class Run:
         self.keepalive = 0.0  # > 0: the timers wake the reader after this long with nothing (next_batch_or_idle)
         self.idle_since = now  # the last event, or the last keep-alive the timers called
         self._idle = False  # a keep-alive is due
+        # While the reader waits for events, it may take text events as they arrive, in the
+        # link reader's task (no wake-up of its own): True if it took the event (Run.sink).
+        self.sink: Callable[[RunEvent], bool] | None = None
+        self._nudged = False  # the sink left the reader something to do (next_batch_or_idle returns [])
 
     @property
     def link(self):
@@ -142,6 +148,8 @@ class Run:
             self.first_event_at = now
             self.slot.link.started(self.id, now)
         self.events_seen += 1
+        if not terminal and self.sink is not None and not self._pending and self.sink(item):
+            return
         self._pending.append(item)
         if terminal:
             self.finished = True
@@ -202,11 +210,21 @@ class Run:
             if self._idle:
                 self._idle = False
                 return None
+            if self._nudged:
+                self._nudged = False
+                return []
             await self._lot.park()
         self._idle = False
+        self._nudged = False
         batch = self._pending
         self._pending = []
         return batch
+
+    def nudge(self) -> None:
+        """Wake the reader with nothing new (:meth:`next_batch_or_idle` returns
+        ``[]``): the sink left it bytes to write, or an error to raise."""
+        self._nudged = True
+        self._lot.unpark_all()
 
     def idle_due(self, now: float) -> None:
         """Called by the timers ``keepalive`` seconds after the last event or keep-alive."""
