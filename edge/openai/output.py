@@ -425,7 +425,10 @@ class _LiveSink:
     """Shapes a committed stream's text events and writes their chunks as they
     arrive, in the link reader's task, while the stream's own task waits
     (:attr:`Run.sink`): no wake-up of that task, nor a pass through its loop,
-    per chunk (one token a chunk when a model server paces its tokens). Each
+    per chunk (one token a chunk when a model server paces its tokens). An
+    event that joins several of the model server's deltas (they came faster
+    than the node sent them) is left to the stream's task, whose batches
+    join what arrives meanwhile. Each
     chunk goes to the socket at once (:class:`~edge.openai.direct.DirectBody`)
     or not at all; whatever cannot be finished synchronously (a write the
     kernel took only part of or none of, a failure while shaping) is left to
@@ -444,6 +447,11 @@ class _LiveSink:
 
     def take(self, event: RunEvent) -> bool:
         if self.rest or self.error is not None or self._held or event.type not in TEXT_TYPES:
+            return False
+        if event.parts > 1:
+            # The node joined several of the model server's deltas into it: tokens are coming
+            # faster than they are sent, and the stream's task, woken, takes every event queued
+            # by then in one chunk (fewer, larger writes when the edge is busiest).
             return False
         live = self._live
         out = live.out
