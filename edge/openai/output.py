@@ -425,15 +425,16 @@ class _LiveSink:
     """Shapes a committed stream's text events and writes their chunks as they
     arrive, in the link reader's task, while the stream's own task waits
     (:attr:`Run.sink`): no wake-up of that task, nor a pass through its loop,
-    per chunk (one token a chunk when a model server paces its tokens). An
-    event that joins several of the model server's deltas (they came faster
-    than the node sent them) is left to the stream's task, whose batches
-    join what arrives meanwhile. Each
-    chunk goes to the socket at once (:class:`~edge.openai.direct.DirectBody`)
-    or not at all; whatever cannot be finished synchronously (a write the
-    kernel took only part of or none of, a failure while shaping) is left to
-    the stream's task, which is woken for it and takes every later event
-    itself until it has dealt with it, so bytes keep their order."""
+    per chunk (one token a chunk when a model server paces its tokens).
+
+    An event that joins several of the model server's deltas (they came
+    faster than the node sent them) is left to the stream's task, whose
+    batches join what arrives meanwhile. Each chunk goes to the socket at
+    once (:class:`~edge.openai.direct.DirectBody`) or not at all; whatever
+    cannot be finished synchronously (a write the kernel took only part of
+    or none of, a failure while shaping) is left to the stream's task, which
+    is woken for it and takes every later event itself until it has dealt
+    with it, so bytes keep their order."""
 
     __slots__ = ("_run", "_live", "_direct", "rest", "error", "_held")
 
