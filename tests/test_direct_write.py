@@ -63,6 +63,13 @@ def content_of(sse: bytes) -> str:
     )
 
 
+def roles(sse: bytes) -> int:
+    """How many chunks of an SSE chat stream open the assistant's message."""
+    return sum(
+        "role" in choice["delta"] for event in sse_events(sse)[:-1] for choice in msgspec.json.decode(event)["choices"]
+    )
+
+
 async def edge_with_paced_words(nursery, upstream, n: int):
     """An edge and a node whose model streams ``n`` words 2 ms apart: (the words, the edge)."""
     words = [f"w{i} " for i in range(n)]
@@ -159,29 +166,37 @@ async def test_an_http_1_0_client_gets_its_stream_unframed(nursery, upstream, mo
     head, _, sse = raw.partition(b"\r\n\r\n")
     assert head.split(b" ", 2)[1] == b"200" and b"transfer-encoding" not in head.lower()
     assert content_of(sse) == "".join(words) and spy.whole == spy.partial == 0
+    assert roles(sse) == 1  # the link's reader shaped the first text, and left the commit to the stream's task
 
 
 async def test_paced_chunks_are_written_as_their_events_arrive_and_arrive_whole(nursery, upstream, monkeypatch):
-    """Once a stream has committed, each text event is shaped and written to the client's
-    socket by the task that reads the node's link, as it arrives: the stream's own task is
-    not woken per chunk. The client reads the same text, framed as ever."""
+    """Each text event is shaped and written to the client's socket by the task that reads
+    the node's link, as it arrives, the first one with the response's head: the stream's own
+    task is not woken per chunk, nor to commit. The client reads the same text, framed as ever."""
     writers: list[str] = []
-    write = direct.DirectBody.write
+    head_writers: list[str] = []
+    write, head_and_chunk = direct.DirectBody.write, direct.DirectBody.head_and_chunk
 
     def spied(body, data: bytes, more: bool = False) -> bytes | None:
         writers.append(trio.lowlevel.current_task().name)
         return write(body, data, more)
 
+    def spied_head(body, send, message, data):
+        head_writers.append(trio.lowlevel.current_task().name)
+        return head_and_chunk(body, send, message, data)
+
     monkeypatch.setattr(direct.DirectBody, "write", spied)
+    monkeypatch.setattr(direct.DirectBody, "head_and_chunk", spied_head)
     words, edge = await edge_with_paced_words(nursery, upstream, 40)
     with trio.fail_after(BOUND):
         async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
             r = await client.post(
                 "/v1/chat/completions", json={**STREAM, "messages": [{"role": "user", "content": "x"}]}
             )
-    assert r.status_code == 200 and content_of(r.content) == "".join(words)
+    assert r.status_code == 200 and content_of(r.content) == "".join(words) and roles(r.content) == 1
     from_link = [name for name in writers if name.endswith("_run_handler")]  # hypercorn's reader of the link
     assert len(from_link) >= 20, writers
+    assert len(head_writers) == 1 and head_writers[0].endswith("_run_handler"), head_writers
 
 
 async def test_a_failure_shaping_a_chunk_on_the_link_fails_that_request_not_the_link(nursery, upstream, monkeypatch):

@@ -199,34 +199,57 @@ class Exchange:
         length = self.header(b"content-length")
         return (length is not None and length != b"0") or self.header(b"transfer-encoding") is not None
 
-    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]], first: bytes = b"") -> None:
-        """Send the response's head; with ``first`` (a chunked 200's first
-        body bytes), both in one write when the connection allows
-        (:meth:`DirectBody.head_and_chunk`): one packet, one wake-up of the client."""
+    def _head(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> dict:
+        """The ASGI ``http.response.start`` of this response."""
         if self._body_unread():
             # Answered before its body arrived (401, 413, 408): the server will
             # close the connection, so say so, or a client reuses it and fails.
             headers = [*headers, (b"connection", b"close")]
-        self.started = True
-        self.status = status
         if self.extra_headers:
             headers = [*headers, *self.extra_headers]
         # A provider's own id (passthrough) stays readable under another name.
         headers = [(b"x-upstream-request-id" if k == b"x-request-id" else k, v) for k, v in headers]
         headers.append((b"x-request-id", self.request_id.encode()))
-        message = {"type": "http.response.start", "status": status, "headers": headers}
-        if first and status == 200 and self._direct is None:
-            direct = DirectBody.before_head(self.scope, self._send)
-            done = direct.head_and_chunk(self._send, message, first) if direct is not None else None
-            if done is not None:
-                rest, included = done
-                self._direct = direct if included else False
-                if rest:
-                    await direct.send_rest(rest)
-                if not included:
-                    await self.write(first)
-                return
-        await self._asgi(message)
+        return {"type": "http.response.start", "status": status, "headers": headers}
+
+    def start_now(
+        self, status: int, headers: Iterable[tuple[bytes, bytes]], first: bytes
+    ) -> tuple[DirectBody, bytes, bool] | None:
+        """:meth:`start` without awaiting, when the connection takes the head
+        and ``first`` (a chunked 200's first body bytes) in one direct write
+        (:meth:`DirectBody.head_and_chunk`: one packet, one wake-up of the
+        client). None if nothing was done (call :meth:`start`); else the
+        writer, what the kernel did not take (for its ``send_rest``) and
+        whether ``first`` was in the write (if not, write it after)."""
+        if not first or status != 200 or self._direct is not None:
+            return None
+        direct = DirectBody.before_head(self.scope, self._send)
+        if direct is None:
+            return None
+        done = direct.head_and_chunk(self._send, self._head(status, headers), first)
+        if done is None:
+            return None
+        self.started = True
+        self.status = status
+        rest, included = done
+        self._direct = direct if included else False
+        return direct, rest, included
+
+    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]], first: bytes = b"") -> None:
+        """Send the response's head; with ``first`` (a chunked 200's first
+        body bytes), both in one write when the connection allows
+        (:meth:`start_now`)."""
+        done = self.start_now(status, headers, first)
+        if done is not None:
+            direct, rest, included = done
+            if rest:
+                await direct.send_rest(rest)
+            if not included:
+                await self.write(first)
+            return
+        self.started = True
+        self.status = status
+        await self._asgi(self._head(status, headers))
         if first:
             await self.write(first)
 

@@ -422,34 +422,48 @@ async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEn
 
 
 class _LiveSink:
-    """Shapes a committed stream's text events and writes their chunks as they
-    arrive, in the link reader's task, while the stream's own task waits
+    """Shapes a stream's text events and writes their chunks as they arrive,
+    in the link reader's task, while the stream's own task waits
     (:attr:`Run.sink`): no wake-up of that task, nor a pass through its loop,
-    per chunk (one token a chunk when a model server paces its tokens).
+    per chunk (one token a chunk when a model server paces its tokens). The
+    run's first text commits the stream from here too: the head, the
+    opening and the first chunk in one write (:meth:`Exchange.start_now`).
 
-    An event that joins several of the model server's deltas (they came
-    faster than the node sent them) is left to the stream's task, whose
-    batches join what arrives meanwhile. Each chunk goes to the socket at
-    once (:class:`~edge.openai.direct.DirectBody`) or not at all; whatever
+    After that, an event that joins several of the model server's deltas
+    (they came faster than the node sent them) is left to the stream's task,
+    whose batches join what arrives meanwhile. Each chunk goes to the socket
+    at once (:class:`~edge.openai.direct.DirectBody`) or not at all; whatever
     cannot be finished synchronously (a write the kernel took only part of
     or none of, a failure while shaping) is left to the stream's task, which
     is woken for it and takes every later event itself until it has dealt
     with it, so bytes keep their order."""
 
-    __slots__ = ("_run", "_live", "_direct", "rest", "error", "_held")
+    __slots__ = ("_run", "_live", "_live_traced", "_ex", "_direct", "_writer", "rest", "error", "_held", "opened")
 
-    def __init__(self, run: Run, live: LiveEncoder, direct) -> None:
+    def __init__(self, run: Run, live: LiveEncoder, ex) -> None:
         self._run = run
         self._live = live
-        self._direct = direct
-        self.rest = b""  # what the kernel did not take of a chunk: the stream's task sends it first
+        self._live_traced = getattr(live, "trace", None) is not None
+        self._ex = ex
+        # None: not known yet (the stream has not committed); False: chunks go the ASGI way.
+        self._direct = ex.direct if ex.started else None
+        self._writer = self._direct  # what sends the end of a write the kernel took in part
+        self.rest = b""  # what the kernel did not take of a write: the stream's task sends it first
         self.error: Exception | None = None  # raised in the stream's task
         self._held = False  # shaped bytes wait in ``live.out`` for the stream's task
+        self.opened = False  # the opening is in ``live.out``, for the stream's task to commit with
 
     def take(self, event: RunEvent) -> bool:
         if self.rest or self.error is not None or self._held or event.type not in TEXT_TYPES:
             return False
-        if event.parts > 1:
+        if self._live_traced:  # its log lines carry the request's context: written by the request's task
+            return False
+        direct = self._direct
+        if direct is None:
+            if not self._ex.started:
+                return self._commit(event)
+            direct = self._direct = self._ex.direct or False  # the stream's task committed it
+        if direct is False or event.parts > 1:
             # The node joined several of the model server's deltas into it: tokens are coming
             # faster than they are sent, and the stream's task, woken, takes every event queued
             # by then in one chunk (fewer, larger writes when the edge is busiest).
@@ -461,19 +475,50 @@ class _LiveSink:
             if not out:
                 return True
             data = out[0] if len(out) == 1 else b"".join(out)
-            rest = self._direct.write(data)
+            rest = direct.write(data)
         except Exception as error:  # noqa: BLE001 (a bug here must fail this request, not the node's link)
-            self.error = error
-            self._run.nudge()
-            return True
+            return self._fail(error)
         if rest is None:  # the socket takes nothing now: the stream's task writes ``out``
-            self._held = True
-            self._run.nudge()
-            return True
+            return self._hand_over()
         out.clear()
         if rest:
             self.rest = rest
             self._run.nudge()
+        return True
+
+    def _commit(self, event: RunEvent) -> bool:
+        """The run's first text: the stream's head, opening and first chunk."""
+        live = self._live
+        out = live.out
+        try:
+            out.append(live.opening())
+            live.feed([event])
+            done = self._ex.start_now(200, SSE_HEADERS, b"".join(out))
+        except Exception as error:  # noqa: BLE001 (as in take)
+            return self._fail(error)
+        if done is None:  # the stream's task commits with what is in ``out``
+            self.opened = True
+            return self._hand_over()
+        direct, rest, included = done
+        self._writer = direct
+        self._direct = direct if included else False  # False: every later chunk goes the ASGI way
+        if included:
+            out.clear()
+        else:  # h11 framed the body otherwise: the stream's task writes ``out`` after the head
+            self._held = True
+        if rest or not included:
+            self.rest = rest
+            self._run.nudge()
+        return True
+
+    def _hand_over(self) -> bool:
+        self._held = True
+        self._run.nudge()
+        return True
+
+    def _fail(self, error: Exception) -> bool:
+        self.error = error
+        self._run.nudge()
         return True
 
     async def settle(self) -> None:
@@ -483,32 +528,28 @@ class _LiveSink:
             raise self.error
         if self.rest:
             rest, self.rest = self.rest, b""
-            await self._direct.send_rest(rest)
+            await self._writer.send_rest(rest)
 
 
 async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
     """Raises :class:`RunFailed` if the run fails before the stream commits."""
     ex = turn.ex
     out = live.out
-    sink: _LiveSink | None = None
+    sink = _LiveSink(run, live, ex)
     try:
         while True:
-            if sink is None and ex.started and not ex.finished and ex.direct:
-                sink = _LiveSink(run, live, ex.direct)
-            if sink is not None:
-                run.sink = sink.take
-                try:
-                    batch = await run.next_batch_or_idle()
-                finally:
-                    run.sink = None
-                await sink.settle()
-            else:
+            run.sink = sink.take
+            try:
                 batch = await run.next_batch_or_idle()
+            finally:
+                run.sink = None
+            await sink.settle()
             commit = not ex.started
             if commit:
-                if batch is not None and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
+                if batch and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
                     raise failure(batch[0], run)
-                out.append(live.opening())
+                if not sink.opened:  # else the sink put it in ``out`` with the first text
+                    out.append(live.opening())
             end = None
             if batch is None:
                 out.append(live.keep_alive)
