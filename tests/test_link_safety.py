@@ -183,7 +183,10 @@ async def test_a_burst_past_the_old_outbox_size_does_not_kill_a_slow_reader(nurs
 async def test_runs_of_a_crashed_node_wait_for_slots_on_the_survivor(nursery):
     """A node dies holding 30 unstarted runs; the other node has 2 slots: all 30 complete there, none is lost."""
     edge = await start_edge(nursery)
-    survivor = await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=2)], "b")
+    # The survivor's runs take long enough that it cannot finish its two and take more of the 32
+    # while they are being placed (it did, on a slow machine, once a run's frame reached it sooner:
+    # node a then held fewer than 30 and the wait below timed out).
+    survivor = await start_node(nursery, edge, [model("m", ttft_ms=100, tokens_per_s=0, max_concurrency=2)], "b")
     stream, ws = await open_link(edge, "a", nursery=nursery)
     received: list[str] = []
 
