@@ -438,7 +438,7 @@ class _LiveSink:
     is woken for it and takes every later event itself until it has dealt
     with it, so bytes keep their order."""
 
-    __slots__ = ("_run", "_live", "_live_traced", "_ex", "_direct", "_writer", "rest", "error", "_held", "opened")
+    __slots__ = ("_run", "_live", "_live_traced", "_ex", "_direct", "_writer", "rest", "error", "_handed", "opened")
 
     def __init__(self, run: Run, live: LiveEncoder, ex) -> None:
         self._run = run
@@ -450,13 +450,12 @@ class _LiveSink:
         self._writer = self._direct  # what sends the end of a write the kernel took in part
         self.rest = b""  # what the kernel did not take of a write: the stream's task sends it first
         self.error: Exception | None = None  # raised in the stream's task
-        self._held = False  # shaped bytes wait in ``live.out`` for the stream's task
+        self._handed = False  # the stream's task was woken to deal with something: it takes every event
         self.opened = False  # the opening is in ``live.out``, for the stream's task to commit with
 
     def take(self, event: RunEvent) -> bool:
-        if self.rest or self.error is not None or self._held or event.type not in TEXT_TYPES:
-            return False
-        if self._live_traced:  # its log lines carry the request's context: written by the request's task
+        if self._handed or self._live_traced or event.type not in TEXT_TYPES:
+            # (a traced stream's log lines carry the request's context: written by the request's task)
             return False
         direct = self._direct
         if direct is None:
@@ -483,7 +482,7 @@ class _LiveSink:
         out.clear()
         if rest:
             self.rest = rest
-            self._run.nudge()
+            self._hand_over()
         return True
 
     def _commit(self, event: RunEvent) -> bool:
@@ -502,28 +501,25 @@ class _LiveSink:
         direct, rest, included = done
         self._writer = direct
         self._direct = direct if included else False  # False: every later chunk goes the ASGI way
+        self.rest = rest
         if included:
             out.clear()
-        else:  # h11 framed the body otherwise: the stream's task writes ``out`` after the head
-            self._held = True
-        if rest or not included:
-            self.rest = rest
-            self._run.nudge()
+        if rest or not included:  # (not included: h11 framed the body otherwise; ``out`` goes after the head)
+            self._hand_over()
         return True
 
     def _hand_over(self) -> bool:
-        self._held = True
+        self._handed = True
         self._run.nudge()
         return True
 
     def _fail(self, error: Exception) -> bool:
         self.error = error
-        self._run.nudge()
-        return True
+        return self._hand_over()
 
     async def settle(self) -> None:
         """In the stream's task: what :meth:`take` left to it."""
-        self._held = False
+        self._handed = False
         if self.error is not None:
             raise self.error
         if self.rest:
