@@ -341,3 +341,56 @@ async def test_strange_engine_loads_and_parts_from_a_node_change_nothing_else(nu
     assert r.json()["usage"]["completion_tokens"] == 3
     assert edge.edge.runs.links["odd"].engine == {}
     await stream.aclose()
+
+
+async def test_a_frame_of_8k_tiny_events_is_not_8k_writes_from_the_link(nursery, monkeypatch):
+    """A committed stream's single-token events are written by the link's reader as they
+    arrive, but at most one per frame: a node that packs 8,000 one-character deltas of a run
+    into one frame (just under the run's max_buffered_events; past it the run is cut as a
+    slow client's) gets them to the client in a chunk or two, not 8,000 writes made while
+    the link's reader (and with it every other run on that link) waits."""
+    from edge.openai import direct
+
+    writes = {"n": 0}
+    write = direct.DirectBody.write
+
+    def counted(body, data: bytes, more: bool = False) -> bytes | None:
+        writes["n"] += 1
+        return write(body, data, more)
+
+    monkeypatch.setattr(direct.DirectBody, "write", counted)
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "a", nursery=nursery)
+    await hello(ws, "a")
+    n = 8_000
+
+    async def node():
+        with contextlib.suppress(ConnectionClosed):  # the test closes the link at its end
+            await serve()
+
+    async def serve():
+        while True:
+            frame = decode_frame(await ws.get_message())
+            if isinstance(frame, RunRequest):
+                run_id = frame.run_id
+                first = [RunEvent(run_id=run_id, seq=1, type="delta", text="<")]
+                await ws.send_message(encode_frame(Events(events=first)))  # commits the stream
+                await trio.sleep(0.05)
+                flood = [RunEvent(run_id=run_id, seq=i + 2, type="delta", text="x") for i in range(n)]
+                await ws.send_message(encode_frame(Events(events=flood)))
+                end = [RunEvent(run_id=run_id, seq=n + 2, type="complete", finish_reason="stop")]
+                await ws.send_message(encode_frame(Events(events=end)))
+
+    nursery.start_soon(node)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
+    text = "".join(
+        choice["delta"].get("content") or ""
+        for event in r.text.split("\n\n")
+        if event.startswith("data: {") and '"choices"' in event
+        for choice in msgspec.json.decode(event[6:])["choices"]
+    )
+    assert text == "<" + "x" * n, r.text[-300:]
+    assert writes["n"] <= 4, writes  # the flood: one event from the reader, the rest one batch
+    await stream.aclose()

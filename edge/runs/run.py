@@ -74,6 +74,7 @@ class Run:
         "idle_since",
         "_idle",
         "sink",
+        "_sunk_at",
         "_nudged",
     )
 
@@ -121,6 +122,7 @@ class Run:
         # While the reader waits for events, it may take text events as they arrive, in the
         # link reader's task (no wake-up of its own): True if it took the event (Run.sink).
         self.sink: Callable[[RunEvent], bool] | None = None
+        self._sunk_at = -math.inf  # when the frame whose event the sink last took arrived
         self._nudged = False  # the sink left the reader something to do (next_batch_or_idle returns [])
 
     @property
@@ -148,7 +150,11 @@ class Run:
             self.first_event_at = now
             self.slot.link.started(self.id, now)
         self.events_seen += 1
-        if not terminal and self.sink is not None and not self._pending and self.sink(item):
+        # One event a frame at most goes to the sink: the rest of a frame's events for this run
+        # wait for the reader, which takes them in one batch (a frame of 10^5 tiny events is
+        # one chunk, not 10^5 writes from the link's reader).
+        if not terminal and self.sink is not None and not self._pending and self._sunk_at != now and self.sink(item):
+            self._sunk_at = now
             return
         self._pending.append(item)
         if terminal:
