@@ -118,37 +118,52 @@ class RunSink:
         self._seq += 1
         await self._outbox.event(RunEvent(run_id=self._run_id, seq=self._seq, type=kind, **fields), size)
 
-    async def _split(self, kind: str, text: str) -> None:
+    def _split(self, kind: str, text: str) -> bool:
+        room = True
         for piece in split_text(text, self._outbox.budget - self._base):
-            await self._emit(self._base + text_bytes(piece), kind, text=piece)
+            self._seq += 1
+            event = RunEvent(self._run_id, self._seq, kind, piece)
+            room = self._outbox.event_nowait(event, self._base + text_bytes(piece))
+        return room
 
-    # delta() and reasoning() are the hot path: one event per upstream read.
-    async def _text(self, kind: str, text: str, parts: int) -> None:
+    # The hot path: one event per upstream read, queued from the node's poll
+    # of upstream sockets (node.http1._Poll), so it never waits; False: the
+    # outbox is full, and the adapter awaits room() before reading on.
+    def _text(self, kind: str, text: str, parts: int) -> bool:
         extra = len(text) if text.isascii() else 4 * len(text)
         outbox = self._outbox
         last = self._last
         if last is not None and last.type == kind and outbox.grow(self._last_at, self._last_gen, extra):
             last.text += text  # still pending: it leaves with this text too
             last.parts = (last.parts or 1) + parts
-            await outbox.room()
-            return
+            return outbox.has_room()
         size = self._base + extra
         if size > outbox.budget:
             self._last = None
-            await self._split(kind, text)
-            return
+            return self._split(kind, text)
         self._seq += 1
         event = RunEvent(self._run_id, self._seq, kind, text)
         if parts > 1:
             event.parts = parts
         self._last, self._last_at, self._last_gen = event, outbox.pending_index(), outbox.generation
-        await outbox.event(event, size)
+        return outbox.event_nowait(event, size)
+
+    def delta_nowait(self, text: str, parts: int = 1) -> bool:
+        return self._text(DELTA, text, parts)
+
+    def reasoning_nowait(self, text: str, parts: int = 1) -> bool:
+        return self._text(REASONING_DELTA, text, parts)
+
+    async def room(self) -> None:
+        await self._outbox.room()
 
     async def delta(self, text: str, parts: int = 1) -> None:
-        await self._text(DELTA, text, parts)
+        if not self._text(DELTA, text, parts):
+            await self._outbox.room()
 
     async def reasoning(self, text: str, parts: int = 1) -> None:
-        await self._text(REASONING_DELTA, text, parts)
+        if not self._text(REASONING_DELTA, text, parts):
+            await self._outbox.room()
 
     async def complete(
         self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None

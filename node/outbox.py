@@ -138,15 +138,20 @@ class Outbox:
         while not self.control_nowait(frame):
             await self._progress.park()
 
-    async def event(self, event: RunEvent, size: int) -> None:
-        """Queue a run event of estimated ``size`` bytes (at most the budget)."""
+    def event_nowait(self, event: RunEvent, size: int) -> bool:
+        """Queue a run event of estimated ``size`` bytes (at most the budget);
+        False: too much is pending now, await :meth:`room` before queueing more."""
         self._events.append(event)
         self._sizes.append(size)
         self._bytes += size
         if self._wakeup:
             self._wakeup.unpark_all()
-        while len(self._events) + len(self._tunnel) >= self._max_items or self._bytes >= self._max_bytes:
-            await self._progress.park()
+        return self.has_room()
+
+    async def event(self, event: RunEvent, size: int) -> None:
+        """Queue a run event, then wait while too much is pending."""
+        if not self.event_nowait(event, size):
+            await self.room()
 
     def pending_index(self) -> int:
         """Where the next event will sit in the pending list."""
@@ -163,8 +168,12 @@ class Outbox:
         self._bytes += extra
         return True
 
+    def has_room(self) -> bool:
+        return len(self._events) + len(self._tunnel) < self._max_items and self._bytes < self._max_bytes
+
     async def room(self) -> None:
-        while self._bytes >= self._max_bytes:
+        """Wait while too much is pending."""
+        while not self.has_room():
             await self._progress.park()
 
     async def tunnel(self, frame: TunnelFrame, size: int) -> None:
@@ -172,8 +181,7 @@ class Outbox:
         self._bytes += size
         if self._wakeup:
             self._wakeup.unpark_all()
-        while len(self._events) + len(self._tunnel) >= self._max_items or self._bytes >= self._max_bytes:
-            await self._progress.park()
+        await self.room()
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent."""

@@ -77,6 +77,32 @@ class Server:
             await stream.send_all(reply)
 
 
+def paced_reply(tokens: list[bytes], pause: float = 0.01):
+    """A reply streaming each of ``tokens`` as a chunk, ``pause`` seconds apart."""
+
+    async def paced(stream):
+        await stream.send_all(CHUNKED_HEAD)
+        for token in tokens:
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(token), token))
+            await trio.sleep(pause)
+        await stream.send_all(b"0\r\n\r\n")
+
+    return paced
+
+
+def drip_reply(gone: trio.Event):
+    """A reply that sends one token and waits for the client to close the connection (then ``gone``)."""
+
+    async def drip(stream):
+        await stream.send_all(CHUNKED_HEAD + b"5\r\ntok0 \r\n")
+        while await stream.receive_some(100):  # until the client closes
+            pass
+        gone.set()
+        await stream.aclose()
+
+    return drip
+
+
 @pytest.fixture
 async def serve(nursery):
     clients: list[http1.Client] = []
@@ -154,12 +180,7 @@ async def test_leaving_a_response_early_closes_its_connection(serve):
 
     gone = trio.Event()
 
-    async def drip(stream):
-        await stream.send_all(CHUNKED_HEAD + b"5\r\ntok0 \r\n")
-        while await stream.receive_some(100):  # until the client closes
-            pass
-        gone.set()
-        await stream.aclose()
+    drip = drip_reply(gone)
 
     server, client = await serve(drip, CHUNKED_HEAD + chunked(b"fine"))
     with trio.fail_after(BOUND):
@@ -241,12 +262,7 @@ async def test_a_paced_body_makes_no_read_that_finds_nothing(serve, monkeypatch)
 
     tokens = [b"data: tok%d\n\n" % i for i in range(20)]
 
-    async def paced(stream):
-        await stream.send_all(CHUNKED_HEAD)
-        for token in tokens:
-            await stream.send_all(b"%x\r\n%s\r\n" % (len(token), token))
-            await trio.sleep(0.01)
-        await stream.send_all(b"0\r\n\r\n")
+    paced = paced_reply(tokens)
 
     _, client = await serve(paced)
     monkeypatch.setattr(http1, "os", CountingOS())
@@ -259,6 +275,148 @@ async def test_a_paced_body_makes_no_read_that_finds_nothing(serve, monkeypatch)
     assert body == b"".join(tokens)
     assert calls["read"] >= len(tokens)
     assert calls["empty"] <= 2, calls
+
+
+async def pump_body(client: http1.Client, feed=None) -> bytes:
+    """The body of one request, taken with ``pump``; ``feed`` (optional) sees each piece first."""
+    body = bytearray()
+
+    def take(data: bytes) -> bool:
+        body.extend(data)
+        return feed(data) if feed else True
+
+    async with client.request("POST", "/chat/completions", b"{}") as r:
+        with r.reading():
+            while not r.done:
+                await r.pump(take)
+    return bytes(body)
+
+
+class TaskSteps(trio.abc.Instrument):
+    """How many times each task ran (was woken)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[trio.lowlevel.Task, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task] = self.steps.get(task, 0) + 1
+
+
+async def test_pumped_streams_are_read_without_waking_their_tasks(serve):
+    """Twenty paced streams of 30 tokens each, pumped at once: every token arrives, in order,
+    and the task of each stream runs a handful of times, not once per token: the process's
+    poll reads all of them (a task switch per read was most of a streamed token's CPU)."""
+    tokens = [b"data: tok%d\n\n" % i for i in range(30)]
+
+    paced = paced_reply(tokens)
+
+    _, client = await serve(*[paced] * 20)
+    steps = TaskSteps()
+    bodies: dict[trio.lowlevel.Task, bytes] = {}
+
+    async def one() -> None:
+        bodies[trio.lowlevel.current_task()] = await pump_body(client)
+
+    trio.lowlevel.add_instrument(steps)
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(one)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert len(bodies) == 20 and all(body == b"".join(tokens) for body in bodies.values())
+    assert max(steps.steps[task] for task in bodies) <= 12, sorted(steps.steps[task] for task in bodies)
+
+
+async def test_a_paused_pump_resumes_where_it_stopped(serve):
+    """A feed that says stop (the node's outbox is full) ends ``pump`` with nothing lost: the
+    next ``pump`` goes on from the next byte, to the end of the body."""
+    parts = [b"part%03d;" % i for i in range(200)]
+
+    async def flood(stream):
+        for part in parts:  # one write each: many reads, some of several chunks
+            await stream.send_all((CHUNKED_HEAD if part == parts[0] else b"") + b"%x\r\n%s\r\n" % (len(part), part))
+        await stream.send_all(b"0\r\n\r\n")
+
+    _, client = await serve(flood)
+    calls = 0
+
+    def every_third(data: bytes) -> bool:
+        nonlocal calls
+        calls += 1
+        return calls % 3 != 0
+
+    with trio.fail_after(BOUND):
+        assert await pump_body(client, every_third) == b"".join(parts)
+    assert calls >= 3
+
+
+async def test_a_pump_ends_on_cancel_timeout_error_and_a_closed_connection(serve):
+    """Every way a pump can end leaves the others reading: a cancel closes the connection (the
+    model server's signal to abort); a silent server is a ReadTimeout; an exception in a feed
+    is raised in the task that pumps; a connection closed inside the body is a protocol error.
+    Meanwhile a paced stream pumped beside them arrives whole."""
+    gone = trio.Event()
+
+    drip = drip_reply(gone)
+
+    async def silent(stream):
+        await stream.send_all(CHUNKED_HEAD + b"5\r\nhello\r\n")
+        await trio.sleep_forever()
+
+    async def cut(stream):
+        await stream.send_all(CHUNKED_HEAD + b"5\r\nhello\r\n9\r\npart")
+        await stream.aclose()
+
+    async def steady(stream):
+        await stream.send_all(CHUNKED_HEAD)
+        for _ in range(40):
+            await stream.send_all(b"1\r\nx\r\n")
+            await trio.sleep(0.02)
+        await stream.send_all(b"0\r\n\r\n")
+
+    _, dripping = await serve(drip)
+    quiet, _ = await serve(silent)
+    _, cutting = await serve(cut, cut)
+    _, steady_client = await serve(steady)
+    short = http1.Client(f"http://127.0.0.1:{quiet.port}/v1", read_timeout=0.3)
+    outcomes: dict[str, object] = {}
+
+    async def cancelled() -> None:
+        with trio.CancelScope() as scope:
+
+            def cancel_after_first(data: bytes) -> bool:
+                scope.cancel()
+                return True
+
+            await pump_body(dripping, cancel_after_first)
+        outcomes["cancel"] = scope.cancelled_caught
+        await gone.wait()
+
+    async def expect(name: str, client: http1.Client, error: type[BaseException], feed=None) -> None:
+        with pytest.raises(error):
+            await pump_body(client, feed)
+        outcomes[name] = error
+
+    def broken(data: bytes) -> bool:
+        raise ValueError("a bug in the feed")
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancelled)
+            nursery.start_soon(expect, "timeout", short, http1.ReadTimeout)
+            nursery.start_soon(expect, "feed", cutting, ValueError, broken)
+            nursery.start_soon(expect, "cut", cutting, http1.RemoteProtocolError)
+            outcomes["steady"] = await pump_body(steady_client)
+    assert outcomes == {
+        "cancel": True,
+        "timeout": http1.ReadTimeout,
+        "feed": ValueError,
+        "cut": http1.RemoteProtocolError,
+        "steady": b"x" * 40,
+    }
+    await short.aclose()
 
 
 async def _cancel(scope: trio.CancelScope) -> None:
@@ -371,13 +529,14 @@ async def test_https_with_a_trusted_ca(nursery, tmp_path):
 
     async def answer(stream):
         with contextlib.suppress(trio.BrokenResourceError):
-            await stream.receive_some(65536)
-            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecure")
+            while await stream.receive_some(65536):
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecure")
 
     nursery.start_soon(trio.serve_listeners, answer, listeners)
     trusted = http1.Client(f"https://127.0.0.1:{port}/v1", ca_file=str(cafile))
     with trio.fail_after(BOUND):
         assert await body_of(trusted) == (200, b"secure")
+        assert await pump_body(trusted) == b"secure"  # TLS: read by the pumping task itself
         with pytest.raises(http1.ConnectError):
             await body_of(http1.Client(f"https://127.0.0.1:{port}/v1"))
     await trusted.aclose()

@@ -149,83 +149,113 @@ class OpenAIAdapter:
             self.counters.active_upstream -= 1
 
     async def _relay(self, response: http1.Response, sink: Sink) -> None:
-        """Relay the event stream. Text of one kind that arrived in one read is
-        one event: a busy server's tokens travel together (never waited for)."""
+        """Relay the event stream: the process's poll of upstream sockets
+        hands each read to :meth:`_Relay.feed` (no task switch per read); this
+        task waits, for room in the link's outbox when it is full, and ends the run."""
         with response.reading():  # one timeout scope for every read of the stream
-            parser = SSEParser()
-            finish_reason = ""
-            usage: Usage | None = None
-            calls: dict[int, ToolCall] = {}
-            while data := await response.read():
-                kind = 0
-                texts: list[str] = []
-                for payload in parser.feed(data):
-                    if payload == b"[DONE]":
-                        if texts:
-                            await _emit(sink, kind, texts)
-                            texts = []
-                        await sink.complete(finish_reason or "stop", _ordered(calls), usage)
-                        with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
-                            while await response.read():
-                                pass
-                        return
-                    try:
-                        chunk = _decode_chunk(payload)
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        chunk = None
-                    if chunk is None or chunk.error is not None:
-                        if texts:
-                            await _emit(sink, kind, texts)
-                        if chunk is None:
-                            self._log_failure("undecodable chunk")
-                            await sink.error(f"upstream sent an undecodable chunk: {payload[:200]!r}")
-                        else:
-                            self._log_failure("error chunk")
-                            error = chunk.error
-                            message = error.get("message") if isinstance(error, dict) else error
-                            await sink.error(f"upstream error: {message}")
-                        return
-                    if chunk.usage is not None:
-                        usage = _usage(chunk.usage)
-                    for choice in chunk.choices:
-                        if choice.index != 0:
-                            continue
-                        delta = choice.delta
-                        if delta is not None:
-                            reasoning = delta.reasoning_content or delta.reasoning
-                            if reasoning:
-                                if kind != _REASONING and texts:
-                                    await _emit(sink, kind, texts)
-                                    texts = []
-                                kind = _REASONING
-                                texts.append(reasoning)
-                            if delta.content:
-                                if kind != _CONTENT and texts:
-                                    await _emit(sink, kind, texts)
-                                    texts = []
-                                kind = _CONTENT
-                                texts.append(delta.content)
-                            if delta.tool_calls:
-                                _merge_tool_calls(calls, delta.tool_calls)
-                        if choice.finish_reason:
-                            finish_reason = choice.finish_reason
-                if texts:
-                    await _emit(sink, kind, texts)
-            # The body ended without [DONE]: still an answer if it said why it stopped.
-            if finish_reason:
-                await sink.complete(finish_reason, _ordered(calls), usage)
+            relay = _Relay(sink)
+            while True:
+                await response.pump(relay.feed)
+                if relay.end or response.done:
+                    break
+                await sink.room()  # feed() said stop and nothing ended: the outbox is full
+            if relay.end == _DONE:
+                await sink.complete(relay.finish_reason or "stop", _ordered(relay.calls), relay.usage)
+                with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
+                    while await response.read():
+                        pass
+            elif relay.end == _FAILED:
+                self._log_failure(relay.failure)
+                await sink.error(relay.message)
+            elif relay.finish_reason:  # the body ended without [DONE]: still an answer if it said why it stopped
+                await sink.complete(relay.finish_reason, _ordered(relay.calls), relay.usage)
             else:
                 self._log_failure("stream closed before it finished")
                 await sink.error("upstream closed the stream before it finished")
 
 
-async def _emit(sink: Sink, kind: int, texts: list[str]) -> None:
-    if len(texts) == 1:
-        await (sink.delta(texts[0]) if kind == _CONTENT else sink.reasoning(texts[0]))
-    elif kind == _CONTENT:
-        await sink.delta("".join(texts), len(texts))
-    else:
-        await sink.reasoning("".join(texts), len(texts))
+_DONE, _FAILED = 1, 2
+
+
+class _Relay:
+    """What one event stream said so far. :meth:`feed` takes a read of the
+    body and reports its text: text of one kind that arrived in one read is
+    one event, so a busy server's tokens travel together (never waited for)."""
+
+    __slots__ = ("sink", "parser", "finish_reason", "usage", "calls", "end", "failure", "message", "room")
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.parser = SSEParser()
+        self.finish_reason = ""
+        self.usage: Usage | None = None
+        self.calls: dict[int, ToolCall] = {}
+        self.end = 0  # _DONE ([DONE] came) or _FAILED (then failure and message)
+        self.failure = ""
+        self.message = ""
+        self.room = True  # the sink takes more now
+
+    def _emit(self, kind: int, texts: list[str]) -> None:
+        sink = self.sink
+        if len(texts) == 1:
+            text, parts = texts[0], 1
+        else:
+            text, parts = "".join(texts), len(texts)
+        self.room = sink.delta_nowait(text, parts) if kind == _CONTENT else sink.reasoning_nowait(text, parts)
+
+    def feed(self, data: bytes) -> bool:
+        """Take body bytes; False: stop reading (the stream ended, or the sink is full)."""
+        kind = 0
+        texts: list[str] = []
+        for payload in self.parser.feed(data):
+            if payload == b"[DONE]":
+                if texts:
+                    self._emit(kind, texts)
+                self.end = _DONE
+                return False
+            try:
+                chunk = _decode_chunk(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                chunk = None
+            if chunk is None or chunk.error is not None:
+                if texts:
+                    self._emit(kind, texts)
+                self.end = _FAILED
+                if chunk is None:
+                    self.failure = "undecodable chunk"
+                    self.message = f"upstream sent an undecodable chunk: {payload[:200]!r}"
+                else:
+                    error = chunk.error
+                    self.failure = "error chunk"
+                    self.message = f"upstream error: {error.get('message') if isinstance(error, dict) else error}"
+                return False
+            if chunk.usage is not None:
+                self.usage = _usage(chunk.usage)
+            for choice in chunk.choices:
+                if choice.index != 0:
+                    continue
+                delta = choice.delta
+                if delta is not None:
+                    reasoning = delta.reasoning_content or delta.reasoning
+                    if reasoning:
+                        if kind != _REASONING and texts:
+                            self._emit(kind, texts)
+                            texts = []
+                        kind = _REASONING
+                        texts.append(reasoning)
+                    if delta.content:
+                        if kind != _CONTENT and texts:
+                            self._emit(kind, texts)
+                            texts = []
+                        kind = _CONTENT
+                        texts.append(delta.content)
+                    if delta.tool_calls:
+                        _merge_tool_calls(self.calls, delta.tool_calls)
+                if choice.finish_reason:
+                    self.finish_reason = choice.finish_reason
+        if texts:
+            self._emit(kind, texts)
+        return self.room
 
 
 def _usage(u: _Usage) -> Usage:
