@@ -5,8 +5,9 @@ hypercorn 0.18's ``TCPServer._read_data`` wraps every ``receive_some`` in
 edge sets none: a stream's client may say nothing for as long as it reads)
 that is a cancel scope made and torn down per read, which can never fire, on
 every client connection and on every node link, and one held by each idle
-connection. ``install()`` replaces the method with the same loop without the
-scope when ``read_timeout`` is None, and leaves hypercorn's own otherwise.
+connection. ``install()`` replaces the method with a loop without the scope
+when ``read_timeout`` is None, and leaves hypercorn's own otherwise. On a
+plain TCP connection that loop reads the socket itself (:func:`_read_socket`).
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
 refuses a ``TCPServer`` that does not have the attributes it uses.
@@ -14,10 +15,52 @@ refuses a ``TCPServer`` that does not have the attributes it uses.
 
 from __future__ import annotations
 
+import os
+
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
+
+READY_READS = 8  # reads in a row that filled the buffer, before one waits (a schedule point)
+
+
+async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int) -> None:
+    """Read a plain TCP connection's socket itself until it ends, giving
+    ``handle`` each read. trio's ``receive_some`` passes the bytes through
+    three more coroutines and a pass through the scheduler per read, and an
+    idle connection holds their frames (about 1.4 KB) while it waits.
+
+    After a read that emptied the socket (less than ``max_recv``), the next
+    one waits for bytes first, rather than try a read that finds nothing; a
+    read that filled the buffer is followed by another at once, but every
+    :data:`READY_READS`-th one waits first, so a peer that floods the
+    connection cannot keep the other tasks from their turn."""
+    wait, in_a_row = False, 0
+    while True:
+        if sock.fileno() < 0:  # closed by the protocol while it handled the last bytes
+            return
+        if wait or in_a_row >= READY_READS:
+            wait, in_a_row = False, 0
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except (trio.ClosedResourceError, OSError):  # closed meanwhile
+                return
+        fd = sock.fileno()
+        if fd < 0:
+            return
+        try:
+            data = os.read(fd, max_recv)
+        except BlockingIOError:
+            wait = True
+            continue
+        except OSError:  # reset by the peer: as hypercorn's reader, the end
+            return
+        in_a_row += 1
+        wait = len(data) < max_recv
+        await handle(RawData(data))
+        if not data:
+            return
 
 
 def install() -> None:
@@ -33,15 +76,18 @@ def install() -> None:
         if self.config.read_timeout is not None:
             await hypercorn_read(self)
             return
-        receive_some, handle = self.stream.receive_some, self.protocol.handle
-        while True:
-            try:
-                data = await receive_some(max_recv)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                break
-            await handle(RawData(bytes(data)))
-            if data == b"":
-                break
+        stream, handle = self.stream, self.protocol.handle
+        if isinstance(stream, trio.SocketStream):
+            await _read_socket(stream.socket, handle, max_recv)
+        else:  # TLS
+            while True:
+                try:
+                    data = await stream.receive_some(max_recv)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                await handle(RawData(bytes(data)))
+                if data == b"":
+                    break
         await handle(Closed())
 
     _read_data.iop_reads = True  # type: ignore[attr-defined]

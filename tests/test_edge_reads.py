@@ -1,0 +1,118 @@
+"""The edge's connection reader (edge/reads.py): on plain TCP it reads the
+socket itself. Every byte arrives in order, a flooding peer still lets the
+other tasks run, and a paced peer costs no read that finds nothing."""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from hypercorn.events import RawData
+
+from edge import reads
+from tests.conftest import BOUND
+
+
+class CountingOS:
+    """``os`` with its reads counted, and the ones that found nothing."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.empty = 0
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def read(self, fd: int, size: int) -> bytes:
+        self.reads += 1
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            self.empty += 1
+            raise
+
+
+async def test_a_flooding_peer_is_read_whole_and_others_get_their_turn():
+    """128 KB already waiting, read 1 KiB at a time by a handler that never yields: every byte
+    arrives in order, then the end, and a task beside it runs at least once per
+    READY_READS reads (without that limit it would not run until the flood is read)."""
+    a, b = trio.socket.socketpair()
+    flood = bytes(range(256)) * 512  # fits the socket's default buffers
+    got: list[bytes] = []
+    turns = 0
+
+    async def handle(event: RawData) -> None:  # never a schedule point
+        got.append(event.data)
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(BOUND):
+        sent = 0
+        while sent < len(flood):  # all of it waits in the socket before the reader starts
+            sent += await a.send(flood[sent:])
+        a.close()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await reads._read_socket(b, handle, 1024)
+            nursery.cancel_scope.cancel()
+    b.close()
+    assert b"".join(got) == flood and got[-1] == b""
+    data_reads = len(got) - 1
+    assert data_reads >= 128
+    assert reads.READY_READS <= 8
+    assert turns >= data_reads // 8 - 1, (turns, data_reads)  # 0 without the limit
+
+
+async def test_a_paced_peer_costs_no_read_that_finds_nothing(monkeypatch):
+    """A peer that sends a little, then more a while later (a node's frames, a client's next
+    request): after a read that emptied the socket the reader waits for bytes, so no read
+    finds nothing (a syscall and an exception each)."""
+    counting = CountingOS()
+    monkeypatch.setattr(reads, "os", counting)
+    a, b = trio.socket.socketpair()
+    got: list[bytes] = []
+
+    async def handle(event: RawData) -> None:
+        got.append(event.data)
+
+    async def paced() -> None:
+        with a:
+            for i in range(20):
+                await a.send(b"frame%02d" % i)
+                await trio.sleep(0.01)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(paced)
+            await reads._read_socket(b, handle, 65536)
+    b.close()
+    assert b"".join(got) == b"".join(b"frame%02d" % i for i in range(20))
+    assert counting.reads >= 20
+    assert counting.empty <= 1, counting.empty
+
+
+async def test_a_socket_closed_while_the_reader_waits_ends_it():
+    """The protocol closes the connection (hypercorn's own close) while the reader waits for
+    bytes: the reader returns, it does not raise or read a closed descriptor."""
+    a, b = trio.socket.socketpair()
+    got: list[bytes] = []
+
+    async def handle(event: RawData) -> None:
+        got.append(event.data)
+        b.close()  # as hypercorn does when the handler decides the connection is over
+
+    with trio.fail_after(BOUND):
+        await a.send(b"request")
+        await reads._read_socket(b, handle, 65536)
+        async with trio.open_nursery() as nursery:
+            c, d = trio.socket.socketpair()
+            nursery.start_soon(reads._read_socket, d, handle, 65536)
+            await trio.sleep(0.05)
+            d.close()  # trio tells the waiting reader
+    a.close()
+    c.close()
+    assert got == [b"request"]
