@@ -293,6 +293,56 @@ async def test_outbox_frames_stay_under_the_budget_with_any_text():
     assert isinstance(frames[0], Events)
 
 
+async def test_a_full_outbox_pauses_the_upstream_read_and_nothing_is_lost(upstream):
+    """The openai adapter streaming 3,000 tokens (reasoning, then content) into a tiny outbox
+    that a slow sender empties every 5 ms: the relay stops reading the model server whenever the
+    outbox is full and resumes where it stopped; the text arrives whole and in order, seqs have
+    no gap, and the run completes."""
+    from node.adapters import Counters
+    from node.adapters.openai import OpenAIAdapter
+    from node.outbox import Outbox, frame_budget
+    from scripts.upstream import text_script, words
+
+    tokens, thoughts = words(2000), words(1000, "think")
+    upstream.script_for("m-target", text_script(tokens, reasoning=thoughts))
+    outbox = Outbox(frame_budget(64 * 1024, 0), max_events=4, max_bytes=512)
+    link = SimpleNamespace(outbox=outbox, _uncount=lambda run_id: None)
+    sink = RunSink(link, "r1")
+    pauses = 0
+    room = outbox.room
+
+    async def counted_room() -> None:
+        nonlocal pauses
+        pauses += 1
+        await room()
+
+    outbox.room = counted_room  # type: ignore[method-assign]
+    events = []
+
+    async def slow_sender() -> None:
+        while True:
+            await outbox.wait()
+            await trio.sleep(0.005)
+            for frame in outbox.take():
+                events.extend(frame.events)
+            outbox.done()
+
+    adapter = OpenAIAdapter(model("m", upstream), Counters())
+    request = RunRequest(run_id="r1", model="m", target="m-target", timeout_s=60, request=dict(STREAM))
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_sender)
+            await adapter.run(request, sink)
+            await outbox.flushed()
+            nursery.cancel_scope.cancel()
+    await adapter.aclose()
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert "".join(e.text for e in events if e.type == "reasoning_delta") == "".join(thoughts)
+    assert "".join(e.text for e in events if e.type == "delta") == "".join(tokens)
+    assert events[-1].type == "complete" and events[-1].finish_reason == "stop"
+    assert pauses > 0
+
+
 def test_placed_hints_are_bounded_and_fit_the_frame_budget():
     """Unit: ``placed`` hints wait in a bounded queue (the oldest dropped), each fits the frame
     budget when encoded (a chain that would not is never queued), and go out with the next batch."""

@@ -1,8 +1,11 @@
 """Adapters run one request against a model server and report through a sink.
 
 An adapter is an object with ``async def run(request, sink)``. It reports
-text with ``await sink.delta(...)`` / ``sink.reasoning(...)`` and ends with
-``sink.complete(...)`` or ``sink.error(...)``. Cancellation (the edge's
+text with ``await sink.delta(...)`` / ``sink.reasoning(...)`` (or, from code
+that must not wait, such as the node's poll of upstream sockets,
+``sink.delta_nowait(...)``, then ``await sink.room()`` when it says the
+link's outbox is full) and ends with ``sink.complete(...)`` or
+``sink.error(...)``. Cancellation (the edge's
 CancelRun, the run deadline, a lost link) arrives as ``trio.Cancelled``
 inside ``run``; an adapter must let it propagate so its upstream request is
 closed.

@@ -205,6 +205,7 @@ class _Relay:
 
     def feed(self, data: bytes) -> bool:
         """Take body bytes; False: stop reading (the stream ended, or the sink is full)."""
+        self.room = True
         kind = 0
         texts: list[str] = []
         for payload in self.parser.feed(data):
