@@ -379,13 +379,15 @@ class _Poll:
     available = hasattr(select, "epoll")
     MAX_READY = 64  # sockets read in one step, at most: then a schedule point
 
-    __slots__ = ("_epoll", "_pumps", "running")
+    __slots__ = ("_epoll", "_pumps")
     _runvar: trio.lowlevel.RunVar[_Poll] = trio.lowlevel.RunVar("iop.node.http1.poll")
 
     def __init__(self) -> None:
+        """Made at the first pump of a trio run (:meth:`of_this_run`); its task lives as long as the run."""
         self._epoll = select.epoll()
         self._pumps: dict[int, _Pump] = {}
-        self.running = False
+        name, context = "iop.node.http1.poll", contextvars.Context()
+        trio.lowlevel.spawn_system_task(self._serve, name=name, context=context)
 
     @classmethod
     def of_this_run(cls) -> _Poll:
@@ -399,10 +401,6 @@ class _Poll:
         reading = response._idle
         if reading is not None:
             reading.since = trio.current_time()
-        if not self.running:
-            self.running = True
-            name, context = "iop.node.http1.poll", contextvars.Context()
-            trio.lowlevel.spawn_system_task(self._serve, name=name, context=context)
 
         def abort(_: object) -> trio.lowlevel.Abort:
             self._drop(fd)

@@ -227,3 +227,23 @@ async def settled(edge: EdgeHandle, *agents: NodeAgent) -> None:
 
 def sse_events(raw: bytes) -> list[bytes]:
     return [block[6:] for block in raw.split(b"\n\n") if block.startswith(b"data: ")]
+
+
+class CountingOS:
+    """``os`` with its reads counted, and the ones that found nothing (EAGAIN):
+    monkeypatch a module's ``os`` with it."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.empty = 0
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def read(self, fd: int, size: int) -> bytes:
+        self.reads += 1
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            self.empty += 1
+            raise

@@ -4,32 +4,11 @@ other tasks run, and a paced peer costs no read that finds nothing."""
 
 from __future__ import annotations
 
-import os
-
 import trio
 from hypercorn.events import RawData
 
 from edge import reads
-from tests.conftest import BOUND
-
-
-class CountingOS:
-    """``os`` with its reads counted, and the ones that found nothing."""
-
-    def __init__(self) -> None:
-        self.reads = 0
-        self.empty = 0
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def read(self, fd: int, size: int) -> bytes:
-        self.reads += 1
-        try:
-            return os.read(fd, size)
-        except BlockingIOError:
-            self.empty += 1
-            raise
+from tests.conftest import BOUND, CountingOS
 
 
 async def test_a_flooding_peer_is_read_whole_and_others_get_their_turn():

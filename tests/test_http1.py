@@ -5,7 +5,6 @@ leaving a response early, timeouts; and its de-chunking at every split."""
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import ssl
 
@@ -16,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node import http1
-from tests.conftest import BOUND
+from tests.conftest import BOUND, CountingOS
 
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -246,26 +245,13 @@ async def test_a_paced_body_makes_no_read_that_finds_nothing(serve, monkeypatch)
     all the socket had, the reader waits for bytes before it reads again: the read that would
     find nothing (EAGAIN, a syscall and an exception per token) is not made. It once was, once
     per token."""
-    calls = {"read": 0, "empty": 0}
-
-    class CountingOS:
-        def __getattr__(self, name):
-            return getattr(os, name)
-
-        def read(self, fd: int, size: int) -> bytes:
-            calls["read"] += 1
-            try:
-                return os.read(fd, size)
-            except BlockingIOError:
-                calls["empty"] += 1
-                raise
-
+    counting = CountingOS()
     tokens = [b"data: tok%d\n\n" % i for i in range(20)]
 
     paced = paced_reply(tokens)
 
     _, client = await serve(paced)
-    monkeypatch.setattr(http1, "os", CountingOS())
+    monkeypatch.setattr(http1, "os", counting)
     with trio.fail_after(BOUND):
         async with client.request("POST", "/chat/completions", b"{}") as r:
             body = b""
@@ -273,8 +259,8 @@ async def test_a_paced_body_makes_no_read_that_finds_nothing(serve, monkeypatch)
                 while data := await r.read():
                     body += data
     assert body == b"".join(tokens)
-    assert calls["read"] >= len(tokens)
-    assert calls["empty"] <= 2, calls
+    assert counting.reads >= len(tokens)
+    assert counting.empty <= 2, counting.empty
 
 
 async def pump_body(client: http1.Client, feed=None) -> bytes:
