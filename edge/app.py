@@ -20,6 +20,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from edge.admin import admin_routes
+from edge.app_queue import install as install_app_queue
 from edge.auth import client_key_matches
 from edge.config import EdgeConfig, load_edge_config
 from edge.console import Console, console_routes
@@ -148,6 +149,16 @@ def _model_card(name: str, links: list[NodeLink]) -> ModelCard:
     )
 
 
+class EdgeApp(QuartTrio):
+    """Quart's ``__call__`` only awaits ``asgi_app``: one more coroutine frame
+    between hypercorn and the edge's routes, held by every open stream (272
+    bytes). Here the app, called, is its ``asgi_app`` itself."""
+
+    @property
+    def __call__(self):  # type: ignore[override]
+        return self.asgi_app
+
+
 def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     """The ASGI app. With no ``config``, reads ``$IOP_EDGE_CONFIG`` (or defaults)."""
     if not structlog.is_configured():  # under hypercorn's CLI: `iop` and the tests configure it first
@@ -157,8 +168,9 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
     install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections
+    install_app_queue()  # hypercorn's memory channel to the app: 1.7 KB an open stream holds
     edge = Edge(config)
-    app = QuartTrio("iop-edge")
+    app = EdgeApp("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
     app.config["BODY_TIMEOUT"] = config.body_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
@@ -293,8 +305,10 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
 
     admin_routes(app, edge)
     console_routes(app, edge)
-    app.asgi_app = openai_routes(edge, app.asgi_app)  # type: ignore[method-assign]
+    # Outermost, the routes a stream is served on: every frame between hypercorn and the
+    # request's own code is held by each open stream.
     app.asgi_app = link_route(partial(node_link, config, edge.runs, edge.id), app.asgi_app)  # type: ignore[method-assign]
+    app.asgi_app = openai_routes(edge, app.asgi_app)  # type: ignore[method-assign]
     return app
 
 

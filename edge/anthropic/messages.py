@@ -66,8 +66,10 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
 
 
 async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
-    _, chat = _decode(edge, ex, body)
+    chat = _decode(edge, ex, body)[1]
+    del body  # (see routes._respond)
     turn = open_turn(edge, ex, chat)
+    del chat  # the turn keeps what it forwards
     access = ex.access
     try:
         slot = await turn.acquire()

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw = decode_body(body)
+    del body  # (see routes._respond)
     model = raw.get("model")
     access = ex.access
     if isinstance(model, str):
@@ -46,6 +47,7 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         await passthrough(edge, ex, raw, "/chat/completions")
         return
     turn = open_turn(edge, ex, raw)
+    del raw  # the turn keeps what it forwards
     try:
         slot = await turn.acquire()
         if not turn.stream:

@@ -174,12 +174,12 @@ class Exchange:
     def check_disconnect(self, scope: trio.CancelScope) -> None:
         """After the body: cancel ``scope`` if the client's disconnect is
         already queued (it came before :meth:`cancel_on_disconnect`)."""
-        channel = getattr(self._receive, "__self__", None)
-        if not isinstance(channel, trio.MemoryReceiveChannel):
+        queued = getattr(getattr(self._receive, "__self__", None), "receive_nowait", None)
+        if queued is None:
             return
         try:
             while True:
-                if channel.receive_nowait()["type"] == "http.disconnect":
+                if queued()["type"] == "http.disconnect":
                     scope.cancel()
                     return
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):

@@ -15,7 +15,7 @@ its first event stays invisible either way.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -410,10 +410,10 @@ async def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEn
     commits is an HTTP error (:func:`http_error`)."""
     live: LiveEncoder | None = None
 
-    async def write(run: Run) -> None:
+    def write(run: Run) -> Awaitable[None]:  # (not a coroutine: no frame of its own, held by the stream)
         nonlocal live
         live = make(turn, run)
-        await _write_live(turn, run, live)
+        return _write_live(turn, run, live)
 
     try:
         await turn.run_on(slot, write, keepalive=turn.edge.config.keepalive_s)

@@ -46,6 +46,7 @@ _encode = output._encode
 async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw = decode_body(body)
+    del body  # (see routes._respond)
     access = ex.access
     model = raw.get("model")
     if isinstance(model, str):
@@ -61,6 +62,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
         )
     turn = open_turn(edge, ex, decoded.chat)
     enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo)
+    del raw, decoded  # the turn keeps what it forwards, the encoder what it echoes
     try:
         slot = await turn.acquire()
         if not turn.stream:

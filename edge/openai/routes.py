@@ -116,7 +116,9 @@ async def _respond(
             nursery.start_soon(ex.watch_disconnect, scope)
         else:
             ex.check_disconnect(scope)  # one queued behind the body, before the hook was in place
-        await route.handler(edge, ex, body)
+        handling = route.handler(edge, ex, body)
+        del body  # the handler drops it once decoded: an open stream holds no copy of its request's bytes
+        await handling
     except ClientGone:
         return "client_gone"
     except APIError as e:

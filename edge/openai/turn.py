@@ -129,7 +129,7 @@ class Turn:
             request = text_tools_request(request)
         return encode_run_body(request, self.edge.config.max_frame_bytes)
 
-    async def run_on(
+    def run_on(
         self,
         slot: Slot,
         consume: Callable[[Run], Awaitable[T]],
@@ -137,9 +137,12 @@ class Turn:
         metadata: dict[str, str] | None = None,
         extra_messages: list[dict[str, Any]] | None = None,
         keepalive: float = 0.0,
-    ) -> T:
+    ) -> Awaitable[T]:
         """Start a run on ``slot`` and ``consume`` it while the service's
-        timers enforce its timeouts. Whatever happens, the run is closed on the way out."""
+        timers enforce its timeouts (await what this returns). Whatever
+        happens, the run is closed on the way out. Not a coroutine: it starts
+        the run and hands :func:`consume_run` back, so a stream holds no frame
+        of this one's."""
         try:
             body = self.request_for(slot, extra_messages or [])
         except APIError:
@@ -150,7 +153,7 @@ class Turn:
         )
         self.last_run = run
         structlog.contextvars.bind_contextvars(run_id=run.id)
-        return await consume_run(run, consume, keepalive)
+        return consume_run(run, consume, keepalive)
 
 
 def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
