@@ -10,7 +10,8 @@ trio's checkpoint machinery in the connection's reader. ``install()`` gives
 while it is full), the same order, the same ``receive``/``receive_nowait``
 the edge's own code uses (:meth:`Exchange.read_body`, :class:`RawWebsocket`),
 in about 300 bytes. A ``send`` that does not have to wait is not a
-schedule point: the reader reaches one at its next read.
+schedule point: the reader reaches one at its next read. The app is called
+without ``ASGIWrapper``'s coroutine between (:class:`_Direct`).
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
 refuses a ``TaskGroup`` that does not have what it uses.
@@ -22,6 +23,7 @@ import inspect
 
 import outcome
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.trio import task_group
 from hypercorn.trio.task_group import TaskGroup
 
@@ -98,6 +100,20 @@ class AppQueue:
         await trio.lowlevel.wait_task_rescheduled(abort)
 
 
+class _Direct:
+    """hypercorn's ``ASGIWrapper`` calls the app from a coroutine of its own,
+    one more frame that every open stream holds (288 bytes): this calls it
+    as the wrapper would, handing back the app's coroutine itself."""
+
+    __slots__ = ("app",)
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    def __call__(self, scope, receive, send, sync_spawn, call_soon):  # noqa: ARG002 (the wrapper's signature)
+        return self.app(scope, receive, send)
+
+
 def install() -> None:
     """Idempotent."""
     if getattr(TaskGroup.spawn_app, "iop_app_queue", False):
@@ -114,6 +130,8 @@ def install() -> None:
 
     async def spawn_app(self: TaskGroup, app, config, scope, send):
         queue = AppQueue(config.max_app_queue_size)
+        if type(app) is ASGIWrapper:
+            app = app.__dict__.get("iop_direct") or app.__dict__.setdefault("iop_direct", _Direct(app.app))
         self._nursery.start_soon(  # noqa: SLF001
             handle, app, config, scope, queue.receive, send, trio.to_thread.run_sync, trio.from_thread.run
         )

@@ -16,6 +16,7 @@ refuses a ``TCPServer`` that does not have the attributes it uses.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable
 
 import trio
 from hypercorn.events import Closed, RawData
@@ -27,9 +28,10 @@ READY_READS = 8  # reads in a row that filled the buffer, before one waits (a sc
 
 async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int) -> None:
     """Read a plain TCP connection's socket itself until it ends, giving
-    ``handle`` each read. trio's ``receive_some`` passes the bytes through
-    three more coroutines and a pass through the scheduler per read, and an
-    idle connection holds their frames (about 1.4 KB) while it waits.
+    ``handle`` each read, then ``Closed()``. trio's ``receive_some`` passes
+    the bytes through three more coroutines and a pass through the scheduler
+    per read, and an idle connection holds their frames (about 1.4 KB) while
+    it waits.
 
     After a read that emptied the socket (less than ``max_recv``), the next
     one waits for bytes first, rather than try a read that finds nothing; a
@@ -37,30 +39,42 @@ async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int) -> N
     :data:`READY_READS`-th one waits first, so a peer that floods the
     connection cannot keep the other tasks from their turn."""
     wait, in_a_row = False, 0
-    while True:
-        if sock.fileno() < 0:  # closed by the protocol while it handled the last bytes
-            return
+    while sock.fileno() >= 0:  # (< 0: closed by the protocol while it handled the last bytes)
         if wait or in_a_row >= READY_READS:
             wait, in_a_row = False, 0
             try:
                 await trio.lowlevel.wait_readable(sock)
             except (trio.ClosedResourceError, OSError):  # closed meanwhile
-                return
+                break
         fd = sock.fileno()
         if fd < 0:
-            return
+            break
         try:
             data = os.read(fd, max_recv)
         except BlockingIOError:
             wait = True
             continue
         except OSError:  # reset by the peer: as hypercorn's reader, the end
-            return
+            break
         in_a_row += 1
         wait = len(data) < max_recv
         await handle(RawData(data))
         if not data:
-            return
+            break
+    await handle(Closed())
+
+
+async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int) -> None:
+    """hypercorn's loop without its cancel scope (TLS)."""
+    while True:
+        try:
+            data = await stream.receive_some(max_recv)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            break
+        await handle(RawData(bytes(data)))
+        if data == b"":
+            break
+    await handle(Closed())
 
 
 def install() -> None:
@@ -72,23 +86,14 @@ def install() -> None:
         raise RuntimeError("hypercorn's TCPServer is not the one edge.reads was written for: review it")
     max_recv = tcp_server.MAX_RECV
 
-    async def _read_data(self: TCPServer) -> None:
+    def _read_data(self: TCPServer) -> Awaitable[None]:
+        # Not a coroutine: it hands hypercorn the loop's, and a connection holds no frame of its own.
         if self.config.read_timeout is not None:
-            await hypercorn_read(self)
-            return
-        stream, handle = self.stream, self.protocol.handle
+            return hypercorn_read(self)
+        stream = self.stream
         if isinstance(stream, trio.SocketStream):
-            await _read_socket(stream.socket, handle, max_recv)
-        else:  # TLS
-            while True:
-                try:
-                    data = await stream.receive_some(max_recv)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    break
-                await handle(RawData(bytes(data)))
-                if data == b"":
-                    break
-        await handle(Closed())
+            return _read_socket(stream.socket, self.protocol.handle, max_recv)
+        return _read_stream(stream, self.protocol.handle, max_recv)  # TLS
 
     _read_data.iop_reads = True  # type: ignore[attr-defined]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]

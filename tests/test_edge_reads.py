@@ -5,7 +5,7 @@ other tasks run, and a paced peer costs no read that finds nothing."""
 from __future__ import annotations
 
 import trio
-from hypercorn.events import RawData
+from hypercorn.events import Closed, RawData
 
 from edge import reads
 from tests.conftest import BOUND, CountingOS
@@ -20,8 +20,8 @@ async def test_a_flooding_peer_is_read_whole_and_others_get_their_turn():
     got: list[bytes] = []
     turns = 0
 
-    async def handle(event: RawData) -> None:  # never a schedule point
-        got.append(event.data)
+    async def handle(event: RawData | Closed) -> None:  # never a schedule point
+        got.append(event.data if isinstance(event, RawData) else event)
 
     async def other() -> None:
         nonlocal turns
@@ -39,8 +39,9 @@ async def test_a_flooding_peer_is_read_whole_and_others_get_their_turn():
             await reads._read_socket(b, handle, 1024)
             nursery.cancel_scope.cancel()
     b.close()
-    assert b"".join(got) == flood and got[-1] == b""
-    data_reads = len(got) - 1
+    assert got[-1] == Closed() and got[-2] == b""  # the end, then the protocol is told
+    assert b"".join(got[:-1]) == flood
+    data_reads = len(got) - 2
     assert data_reads >= 128
     assert reads.READY_READS <= 8
     assert turns >= data_reads // 8 - 1, (turns, data_reads)  # 0 without the limit
@@ -55,8 +56,8 @@ async def test_a_paced_peer_costs_no_read_that_finds_nothing(monkeypatch):
     a, b = trio.socket.socketpair()
     got: list[bytes] = []
 
-    async def handle(event: RawData) -> None:
-        got.append(event.data)
+    async def handle(event: RawData | Closed) -> None:
+        got.append(event.data if isinstance(event, RawData) else b"")
 
     async def paced() -> None:
         with a:
@@ -79,8 +80,12 @@ async def test_a_socket_closed_while_the_reader_waits_ends_it():
     bytes: the reader returns, it does not raise or read a closed descriptor."""
     a, b = trio.socket.socketpair()
     got: list[bytes] = []
+    closed: list[Closed] = []
 
-    async def handle(event: RawData) -> None:
+    async def handle(event: RawData | Closed) -> None:
+        if isinstance(event, Closed):
+            closed.append(event)
+            return
         got.append(event.data)
         b.close()  # as hypercorn does when the handler decides the connection is over
 
@@ -95,3 +100,4 @@ async def test_a_socket_closed_while_the_reader_waits_ends_it():
     a.close()
     c.close()
     assert got == [b"request"]
+    assert len(closed) == 2  # each reader ended by telling the protocol, once
