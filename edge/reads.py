@@ -57,9 +57,10 @@ async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int) -> N
         except OSError:  # reset by the peer: as hypercorn's reader, the end
             break
         in_a_row += 1
-        wait = len(data) < max_recv
+        wait, end = len(data) < max_recv, not data
         await handle(RawData(data))
-        if not data:
+        data = None  # the protocol has it: a connection waiting for bytes holds none of its last read
+        if end:
             break
     await handle(Closed())
 

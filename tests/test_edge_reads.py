@@ -4,7 +4,10 @@ other tasks run, and a paced peer costs no read that finds nothing."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import trio
+import trio.testing
 from hypercorn.events import Closed, RawData
 
 from edge import reads
@@ -101,3 +104,34 @@ async def test_a_socket_closed_while_the_reader_waits_ends_it():
     c.close()
     assert got == [b"request"]
     assert len(closed) == 2  # each reader ended by telling the protocol, once
+
+
+async def test_a_reader_waiting_for_bytes_holds_none_of_its_last_read():
+    """A client's request (here 60 KB in one read) is the protocol's once handed over: the
+    reader of a connection whose stream is open, waiting for the client's next bytes, does not
+    keep the last read alive (a coding agent's prompt, per open stream)."""
+    a, b = trio.socket.socketpair()
+    handed: list[int] = []
+
+    async def handle(event: RawData | Closed) -> None:
+        if isinstance(event, RawData):
+            handed.append(len(event.data))  # the protocol keeps nothing here
+
+    with trio.fail_after(BOUND):
+        await a.send(b"x" * 60_000)
+        tracemalloc.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reads._read_socket, b, handle, 65536)
+                await trio.testing.wait_all_tasks_blocked()
+                held = sum(
+                    stat.size
+                    for stat in tracemalloc.take_snapshot().statistics("filename")
+                    if stat.traceback[0].filename == reads.__file__
+                )
+                a.close()
+        finally:
+            tracemalloc.stop()
+    b.close()
+    assert handed == [60_000, 0]  # the read, then the end
+    assert held < 4096, held

@@ -112,7 +112,11 @@ class DirectBody:
             head = self._h11.send(h11.Response(status_code=message["status"], headers=headers))
         except h11.LocalProtocolError:
             return None  # nothing changed: the ASGI way raises it where hypercorn does
-        stream.response = message
+        # What hypercorn reads of it later: the status (and "trailers", never asked for here). The
+        # headers, which every open stream would hold (0.4 KB), serve only hypercorn's access log,
+        # which the edge turns off (edge.serve); under hypercorn's CLI with one, its response-header
+        # fields of a stream show "-".
+        stream.response = {"type": message["type"], "status": message["status"]}
         stream.state = type(stream.state).RESPONSE
         chunked = self._chunked()
         framed = head + b"%x\r\n%b\r\n" % (len(data), data) if chunked else head
