@@ -43,6 +43,9 @@ class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     daily_tokens: int = 0  # tokens per UTC day
 
 
+DEFAULT_POLICY = ModelPolicy(name="*")  # a model with no [[models]] entry
+
+
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     bind: str = "127.0.0.1:8080"
     backlog: int = 4096  # listen queue for connection bursts (hypercorn's default is 100; Linux caps it at somaxconn)
@@ -185,10 +188,12 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         return msgspec.structs.replace(self, **extra) if extra else self
 
     def policy(self, model: str) -> ModelPolicy:
+        """The model's ``[[models]]`` entry, or the defaults: one shared
+        instance (named ``*``), not one per request that every stream holds."""
         for m in self.models:
             if m.name == model:
                 return m
-        return ModelPolicy(name=model)
+        return DEFAULT_POLICY
 
     @property
     def ping_timeout_s(self) -> float:

@@ -121,3 +121,15 @@ def test_live_and_collected_shaping_agree_when_tags_match(case, mode):
         return
     assert "".join(live_content) == whole.content_text
     assert live.reasoning_text == whole.reasoning_text
+
+
+def test_a_think_tag_the_sentinel_filter_held_until_the_end_is_still_split():
+    """A live stream's last text, held back as a possible sentinel (here a model's own
+    "<think>END") and released at the end, goes through the think splitter like the rest."""
+    policy = ModelPolicy(name="m", sentinels=["<think>END"])
+    live_content: list[str] = []
+    live = Shaper(policy, include_reasoning=True, live=True, on_content=live_content.append)
+    live.content("hi <think>E")
+    assert live_content == ["hi "]  # "<think>E" may yet be the sentinel
+    live.finish()
+    assert "".join(live_content) == "hi " and live.reasoning_text == "E"

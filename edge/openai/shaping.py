@@ -31,6 +31,7 @@ class Shaper:
         "_content_filter",
         "_reasoning_filter",
         "_think",
+        "_splits",
         "_on_content",
         "_on_reasoning",
         "_live",
@@ -59,9 +60,13 @@ class Shaper:
         self._on_content = on_content
         self._on_reasoning = on_reasoning
         self._live = live
+        # Live think tags are split by a ThinkSplitter, made at the first "<" unless the stream
+        # starts inside reasoning: until then text passes as it would through one (a stream that
+        # never has a tag, most of them, holds and calls none).
+        self._splits = live and policy.think_tags != "off"
         self._think: ThinkSplitter | None = None
-        if live and policy.think_tags != "off":
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=policy.think_tags == "open")
+        if self._splits and policy.think_tags == "open":
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True)
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.content_len = 0
@@ -74,6 +79,8 @@ class Shaper:
         text = self._content_filter.append(text)
         if not text:
             return
+        if self._think is None and self._splits and "<" in text:
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out)
         if self._think is not None:
             self._think.append(text)
         elif self._live:
@@ -116,6 +123,8 @@ class Shaper:
     def finish(self) -> None:
         """Flush every filter; in collect mode, split think tags now."""
         rest = self._content_filter.flush()
+        if self._think is None and self._splits and "<" in rest:
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out)
         if self._think is not None:
             if rest:
                 self._think.append(rest)
