@@ -3,13 +3,33 @@ node, the upstream sees its request aborted, and nothing is left running."""
 
 from __future__ import annotations
 
+import ssl
 from functools import partial
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import msgspec
 import trio
+import trustme
 
+from edge.app import create_app, edge_of
+from edge.serve import serve_edge
+from node.agent import NodeAgent
 from scripts.upstream import words
-from tests.conftest import BOUND, edge_config, http, model, settled, sse_events, start_edge, start_node
+from tests.conftest import (
+    BOUND,
+    edge_config,
+    eventually,
+    http,
+    model,
+    node_config,
+    settled,
+    sse_events,
+    start_edge,
+    start_node,
+)
 
 STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 WHOLE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -222,3 +242,71 @@ async def test_disconnect_is_watched_under_any_asgi_server(edge, node, upstream)
     assert rec.aborted
     assert sent[0]["status"] == 200 and not any(m.get("more_body") is False for m in sent)
     await settled(edge, node.agent)
+
+
+async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tmp_path, upstream):
+    """Over HTTPS with HTTP/2 (ALPN), a client that resets its stream (RST_STREAM, CANCEL) while
+    the connection stays open: the upstream sees its request aborted, and the connection still
+    serves the next stream."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    certfile, keyfile, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    ca.cert_pem.write_to_path(str(cafile))
+    app = create_app(edge_config())
+    url = await nursery.start(partial(serve_edge, app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile)))
+    link = url.replace("https", "wss", 1) + "/v1/node/link"
+    nursery.start_soon(NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile))).serve)
+    await eventually(lambda: "n1" in edge_of(app).runs.links)
+    upstream.script_for("m-target", tokens_then_hang(3))
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    body = msgspec.json.encode(STREAM)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+
+    async def request(stream, stream_id: int) -> None:
+        h2c.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                (":scheme", "https"),
+                (":authority", host),
+                ("content-type", "application/json"),
+                ("content-length", str(len(body))),
+            ],
+        )
+        h2c.send_data(stream_id, body, end_stream=True)
+        await stream.send_all(h2c.data_to_send())
+
+    async def until_text(stream, stream_id: int, text: bytes) -> None:
+        seen = b""
+        while text not in seen:
+            data = await stream.receive_some(65536)
+            assert data, "the edge closed the connection"
+            for event in h2c.receive_data(data):
+                if isinstance(event, h2.events.DataReceived) and event.stream_id == stream_id:
+                    seen += event.data
+                    h2c.acknowledge_received_data(event.flow_controlled_length, stream_id)
+            await stream.send_all(h2c.data_to_send())
+
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        await stream.send_all(h2c.data_to_send())
+        await request(stream, 1)
+        await until_text(stream, 1, b"tok2")
+        assert stream.selected_alpn_protocol() == "h2"
+        (record,) = await upstream.wait_requests(1)
+        h2c.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+        await stream.send_all(h2c.data_to_send())
+        await eventually(lambda: record.aborted, "the upstream saw its request aborted")
+        upstream.script_for(
+            "m-target", [*(("chunk", {"content": t}) for t in words(2)), ("chunk", {}, "stop"), ("done",)]
+        )
+        await request(stream, 3)
+        await until_text(stream, 3, b"[DONE]")
+        await stream.aclose()
+        await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
