@@ -118,6 +118,7 @@ class Exchange:
         self._left = False  # the client left during one of our sends: cancel once it returns
 
     def header(self, name: bytes) -> bytes | None:
+        """A request header (None once the response has started: see :meth:`_head`)."""
         for key, value in self.scope["headers"]:
             if key == name:
                 return value
@@ -210,6 +211,11 @@ class Exchange:
         # A provider's own id (passthrough) stays readable under another name.
         headers = [(b"x-upstream-request-id" if k == b"x-request-id" else k, v) for k, v in headers]
         headers.append((b"x-request-id", self.request_id.encode()))
+        if self.body_read:
+            # Everything that reads the request's headers has by now (its key, its session, its
+            # body's framing), and an open stream would hold them all (an SDK sends a dozen or
+            # more): they go. (hypercorn reads them again only to push, over HTTP/2, never asked.)
+            self.scope["headers"] = []
         return {"type": "http.response.start", "status": status, "headers": headers}
 
     def start_now(
