@@ -109,7 +109,10 @@ def test_live_and_collected_shaping_agree_when_tags_match(case, mode):
     text, pieces = case
     policy = ModelPolicy(name="m", think_tags=mode)
     live_content: list[str] = []
-    live = Shaper(policy, include_reasoning=True, live=True, on_content=live_content.append)
+    live_reasoning: list[str] = []
+    live = Shaper(
+        policy, include_reasoning=True, live=True, on_content=live_content.append, on_reasoning=live_reasoning.append
+    )
     whole = Shaper(policy, include_reasoning=True, live=False)
     for piece in pieces:
         live.content(piece)
@@ -120,7 +123,8 @@ def test_live_and_collected_shaping_agree_when_tags_match(case, mode):
     if mode == "auto" and "</think>" in low and "<think>" not in low:
         return
     assert "".join(live_content) == whole.content_text
-    assert live.reasoning_text == whole.reasoning_text
+    assert "".join(live_reasoning) == whole.reasoning_text
+    assert live.reasoning_len == len(whole.reasoning_text)
 
 
 def test_a_think_tag_the_sentinel_filter_held_until_the_end_is_still_split():
@@ -128,8 +132,33 @@ def test_a_think_tag_the_sentinel_filter_held_until_the_end_is_still_split():
     "<think>END") and released at the end, goes through the think splitter like the rest."""
     policy = ModelPolicy(name="m", sentinels=["<think>END"])
     live_content: list[str] = []
-    live = Shaper(policy, include_reasoning=True, live=True, on_content=live_content.append)
+    live_reasoning: list[str] = []
+    live = Shaper(
+        policy, include_reasoning=True, live=True, on_content=live_content.append, on_reasoning=live_reasoning.append
+    )
     live.content("hi <think>E")
     assert live_content == ["hi "]  # "<think>E" may yet be the sentinel
     live.finish()
-    assert "".join(live_content) == "hi " and live.reasoning_text == "E"
+    assert "".join(live_content) == "hi " and live_reasoning == ["E"]
+
+
+def test_a_live_stream_keeps_its_reasoning_only_until_it_has_content():
+    """A live stream's reasoning is kept only for the fallback (a run that ends with reasoning
+    and no answer): once content arrives it goes, and later reasoning is not kept either (a
+    reasoning model's thousands of deltas), while every delta still reaches the client."""
+    policy = ModelPolicy(name="m")
+    seen: list[str] = []
+    live = Shaper(policy, include_reasoning=True, live=True, on_content=seen.append, on_reasoning=seen.append)
+    for i in range(1000):
+        live.reasoning(f"r{i} ")
+    assert len(live.reasoning_text) > 4000  # the fallback may still need it
+    live.content("answer")
+    for i in range(1000):
+        live.reasoning(f"s{i} ")
+    live.finish()
+    assert live.reasoning_text == "" and live.fallback("stop", False) == ""
+    assert len(seen) == 2001 and live.reasoning_len == len("".join(seen)) - len("answer")
+    only_reasoning = Shaper(policy, include_reasoning=True, live=True)
+    only_reasoning.reasoning("thinking, no answer")
+    only_reasoning.finish()
+    assert only_reasoning.fallback("stop", False) == "thinking, no answer"

@@ -156,6 +156,8 @@ class Shaper:
         self.content_len += len(text)
         if not self.has_content and not text.isspace():
             self.has_content = True
+            if self._live:  # the only use of a live stream's reasoning text, the fallback, is gone
+                self.reasoning_parts = []
         if self._live:
             self._on_content(text)
         else:
@@ -163,7 +165,11 @@ class Shaper:
 
     def _reasoning_out(self, text: str) -> None:
         self.reasoning_len += len(text)
-        self.reasoning_parts.append(text)
+        if not (self._live and self.has_content):
+            # Kept for :meth:`fallback` until a live stream has content (a reasoning model's
+            # thousands of deltas would otherwise stay in memory to its end), and always when
+            # collecting.
+            self.reasoning_parts.append(text)
         if self.emit_reasoning and self._live:
             self._on_reasoning(text)
 
@@ -175,6 +181,7 @@ class Shaper:
 
     @property
     def reasoning_text(self) -> str:
+        """All the reasoning (live: only until the stream has content)."""
         return "".join(self.reasoning_parts)
 
     def fallback(self, finish_reason: str, has_tool_calls: bool) -> str:
