@@ -31,7 +31,6 @@ class Shaper:
         "_content_filter",
         "_reasoning_filter",
         "_think",
-        "_splits",
         "_on_content",
         "_on_reasoning",
         "_live",
@@ -63,9 +62,8 @@ class Shaper:
         # Live think tags are split by a ThinkSplitter, made at the first "<" unless the stream
         # starts inside reasoning: until then text passes as it would through one (a stream that
         # never has a tag, most of them, holds and calls none).
-        self._splits = live and policy.think_tags != "off"
         self._think: ThinkSplitter | None = None
-        if self._splits and policy.think_tags == "open":
+        if live and policy.think_tags == "open":
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True)
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
@@ -79,14 +77,19 @@ class Shaper:
         text = self._content_filter.append(text)
         if not text:
             return
-        if self._think is None and self._splits and "<" in text:
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out)
+        if self._think is None and "<" in text:
+            self._split_think()
         if self._think is not None:
             self._think.append(text)
         elif self._live:
             self._content_out(text)
         else:
             self.content_parts.append(text)
+
+    def _split_think(self) -> None:
+        """Text with a "<" in a live stream whose think tags are on: split from here."""
+        if self._live and self.policy.think_tags != "off":
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out)
 
     def reasoning(self, text: str) -> None:
         text = self._reasoning_filter.append(text)
@@ -123,8 +126,8 @@ class Shaper:
     def finish(self) -> None:
         """Flush every filter; in collect mode, split think tags now."""
         rest = self._content_filter.flush()
-        if self._think is None and self._splits and "<" in rest:
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out)
+        if self._think is None and "<" in rest:
+            self._split_think()
         if self._think is not None:
             if rest:
                 self._think.append(rest)
