@@ -37,6 +37,7 @@ from edge.openai.schema import ModelCard, ModelList
 from edge.reads import install as install_reads
 from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
+from edge.send_lock import install as install_send_lock
 from edge.shared_state import SharedState
 from edge.ws import link_route
 from iop import logs
@@ -169,6 +170,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
     install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections
     install_app_queue()  # hypercorn's memory channel to the app: 1.7 KB an open stream holds
+    install_send_lock()  # hypercorn's trio.Lock per connection: 0.4 KB an open stream holds
     edge = Edge(config)
     app = EdgeApp("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream

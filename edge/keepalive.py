@@ -22,6 +22,7 @@ refuses a ``TCPServer`` that does not have the attributes it uses.
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import structlog
 import trio
@@ -109,6 +110,7 @@ def install() -> None:
             raise RuntimeError("hypercorn's TCPServer is not the one edge.keepalive was written for: review it")
     hypercorn_init, hypercorn_close = TCPServer.__init__, TCPServer._close
 
+    @functools.wraps(hypercorn_init)  # (keeps the other patches' marks: each stays idempotent)
     def __init__(self: TCPServer, *args, **kwargs) -> None:
         hypercorn_init(self, *args, **kwargs)
         self.idle_task = _IdleTimer(self)
