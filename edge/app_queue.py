@@ -103,12 +103,15 @@ class AppQueue:
 class _Direct:
     """hypercorn's ``ASGIWrapper`` calls the app from a coroutine of its own,
     one more frame that every open stream holds (288 bytes): this calls it
-    as the wrapper would, handing back the app's coroutine itself."""
+    as the wrapper would, handing back the app's coroutine itself. An app
+    whose ``asgi_app`` has an ``iop_dispatch`` (the edge's routes: a plain
+    function that returns the request's coroutine) is called through that,
+    which spares the routes' own frame too."""
 
     __slots__ = ("app",)
 
     def __init__(self, app) -> None:
-        self.app = app
+        self.app = getattr(getattr(app, "asgi_app", None), "iop_dispatch", app)
 
     def __call__(self, scope, receive, send, sync_spawn, call_soon):  # noqa: ARG002 (the wrapper's signature)
         return self.app(scope, receive, send)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw = decode_body(body)
-    del body  # (see routes._respond)
+    del body  # (see routes._serve)
     model = raw.get("model")
     access = ex.access
     if isinstance(model, str):

@@ -46,7 +46,7 @@ _encode = output._encode
 async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw = decode_body(body)
-    del body  # (see routes._respond)
+    del body  # (see routes._serve)
     access = ex.access
     model = raw.get("model")
     if isinstance(model, str):

@@ -58,20 +58,44 @@ _MAX_MODEL_LOGGED = 256  # a model name is the client's string: bounded in the l
 
 
 def openai_routes(edge: Edge, quart_asgi):
-    async def asgi(scope, receive, send) -> None:
+    def dispatch(scope, receive, send) -> Awaitable[None]:
+        """The app, called: not a coroutine, so no frame of its own that
+        every open stream holds (:class:`edge.app_queue._Direct` calls this)."""
         if scope["type"] == "http":
             route = ROUTES.get(scope["path"])
             if route is not None:
-                await _serve(edge, route, Exchange(scope, receive, send))
-                return
-        await quart_asgi(scope, receive, send)
+                return _serve(edge, route, Exchange(scope, receive, send))
+        return quart_asgi(scope, receive, send)
 
+    async def asgi(scope, receive, send) -> None:  # what servers see: a coroutine function is ASGI 3
+        await dispatch(scope, receive, send)
+
+    asgi.iop_dispatch = dispatch  # type: ignore[attr-defined]
     return asgi
 
 
+class _Unwatched:
+    """In place of the watcher's nursery when the server's own delivery of
+    the disconnect cancels the request (hypercorn): nothing to open or wait for."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *_: object) -> None:
+        return None
+
+
+_UNWATCHED = _Unwatched()
+
+
 async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
-    """One request: its response (every one carries ``x-request-id``), then
-    its one access line and its count in ``iop_requests_total``."""
+    """One request, in one frame: its body and its handler run inside a
+    cancel scope that the client's disconnect cancels (through the server's
+    own delivery of it, or a task in a nursery under another server's
+    wiring). Every response carries ``x-request-id``; then its one access
+    line and its count in ``iop_requests_total``."""
     t0 = time.perf_counter()
     ex.errors = route.errors
     ex.api = route.api
@@ -79,67 +103,53 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     outcome: str | None = None  # what ended it, when the handler did not say
     try:
         with trio.CancelScope() as scope:
-            if ex.cancel_on_disconnect(scope):
-                outcome = await _respond(edge, route, ex, scope, None)
-            else:  # another server's wiring: a task waits for the disconnect
-                async with trio.open_nursery() as nursery:
-                    outcome = await _respond(edge, route, ex, scope, nursery)
+            async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
+                try:
+                    if ex.scope["method"] != "POST":
+                        raise APIError(405, "Method not allowed; use POST.", code="method_not_allowed")
+                    problem = edge.refuse_request(ex)
+                    if problem is not None:
+                        raise problem
+                    # The framework's body timeout does not reach raw ASGI: bound it here.
+                    try:
+                        with trio.fail_after(edge.config.body_timeout_s):
+                            body = await ex.read_body(edge.config.max_body_bytes)
+                    except trio.TooSlowError:
+                        raise APIError(
+                            408,
+                            f"The request body did not arrive within {edge.config.body_timeout_s:g} s.",
+                            code="request_timeout",
+                        ) from None
+                    if watcher is not None:
+                        watcher.start_soon(ex.watch_disconnect, scope)
+                    else:
+                        ex.check_disconnect(scope)  # one queued behind the body, before the hook was in place
+                    handling = route.handler(edge, ex, body)
+                    del body  # the handler drops it once decoded: an open stream holds no copy of its request's bytes
+                    await handling
+                except ClientGone:
+                    outcome = "client_gone"
+                except APIError as e:
+                    ex.access.error = e.code or e.type
+                    if e.status == 429:
+                        ex.access.refusal = e.message
+                    if not ex.started:
+                        await ex.respond_error(e)
+                    elif not ex.finished:
+                        await ex.finish(ex.errors.stream(e.message, e.type, e.code))
+                    outcome = f"rejected_{e.status}"
+                except Exception:
+                    log.exception("request failed")
+                    if not ex.started:
+                        await ex.respond_error(APIError(500, "Internal error in the edge.", "server_error"))
+                    elif not ex.finished:
+                        await ex.finish(ex.errors.stream("internal error in the edge", "server_error", None))
+                    outcome = "internal_error"
+                finally:
+                    scope.cancel()  # ends the disconnect watcher, if there is one
     finally:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
-
-
-async def _respond(
-    edge: Edge, route: Route, ex: Exchange, scope: trio.CancelScope, nursery: trio.Nursery | None
-) -> str | None:
-    """Read the body and run the handler inside ``scope``, which the client's
-    disconnect cancels (through the server's own delivery of it, or a task in
-    ``nursery`` when there is one). Returns what ended the request, when the
-    handler did not say."""
-    try:
-        if ex.scope["method"] != "POST":
-            raise APIError(405, "Method not allowed; use POST.", code="method_not_allowed")
-        problem = edge.refuse_request(ex)
-        if problem is not None:
-            raise problem
-        # The framework's body timeout does not reach raw ASGI: bound it here.
-        try:
-            with trio.fail_after(edge.config.body_timeout_s):
-                body = await ex.read_body(edge.config.max_body_bytes)
-        except trio.TooSlowError:
-            raise APIError(
-                408,
-                f"The request body did not arrive within {edge.config.body_timeout_s:g} s.",
-                code="request_timeout",
-            ) from None
-        if nursery is not None:
-            nursery.start_soon(ex.watch_disconnect, scope)
-        else:
-            ex.check_disconnect(scope)  # one queued behind the body, before the hook was in place
-        handling = route.handler(edge, ex, body)
-        del body  # the handler drops it once decoded: an open stream holds no copy of its request's bytes
-        await handling
-    except ClientGone:
-        return "client_gone"
-    except APIError as e:
-        ex.access.error = e.code or e.type
-        if e.status == 429:
-            ex.access.refusal = e.message
-        if not ex.started:
-            await ex.respond_error(e)
-        elif not ex.finished:
-            await ex.finish(ex.errors.stream(e.message, e.type, e.code))
-        return f"rejected_{e.status}"
-    except Exception:
-        log.exception("request failed")
-        if not ex.started:
-            await ex.respond_error(APIError(500, "Internal error in the edge.", "server_error"))
-        elif not ex.finished:
-            await ex.finish(ex.errors.stream("internal error in the edge", "server_error", None))
-        return "internal_error"
-    finally:
-        scope.cancel()  # ends the disconnect watcher, if there is one
-    return None
 
 
 def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:
