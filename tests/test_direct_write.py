@@ -227,3 +227,51 @@ async def test_a_failure_shaping_a_chunk_on_the_link_fails_that_request_not_the_
             r = await client.post("/v1/chat/completions", json=request)
             assert r.status_code == 200 and content_of(r.content) == "".join(words)
     assert edge.edge.runs.links["n1"] is link  # the same link served both
+
+
+def _server_after(request: bytes) -> h11.Connection:
+    """A server-side h11 connection that has read ``request`` whole."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(request)
+    while type(conn.next_event()) is not h11.EndOfMessage:
+        pass
+    return conn
+
+
+def test_a_streams_head_is_what_h11_would_send_and_leaves_h11_as_h11_would():
+    """The head of a stream, made without h11's send (direct._send_head): the same bytes and the
+    same connection state after (framing, keep-alive, the next chunk's bytes) as h11's own send,
+    with hypercorn's keep-alive-limit close header and a client's Connection: close; anything
+    with framing or headers it does not vouch for is left to h11."""
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n%b\r\n{}"
+    ours = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"req_1"), (b"date", b"Tue, 01 Dec 2026")]
+    cases = [
+        (b"", ours),
+        (b"", [*ours, (b"connection", b"close")]),  # hypercorn's keep_alive_max_requests
+        (b"connection: close\r\n", ours),
+        (b"Connection: keep-alive, close\r\n", [*ours, (b"connection", b"close")]),
+    ]
+    for request_extra, headers in cases:
+        theirs, mine = _server_after(post % request_extra), _server_after(post % request_extra)
+        expected = theirs.send(h11.Response(status_code=200, headers=headers))
+        assert direct._send_head(mine, 200, list(headers)) == expected
+        assert (mine.our_state, mine._cstate.keep_alive) == (theirs.our_state, theirs._cstate.keep_alive)
+        assert mine.send(h11.Data(data=b"x")) == theirs.send(h11.Data(data=b"x")) == b"1\r\nx\r\n"
+        assert mine.send(h11.EndOfMessage()) == theirs.send(h11.EndOfMessage())
+        assert mine.our_state is theirs.our_state
+    left_to_h11 = [
+        [*ours, (b"content-length", b"10")],
+        [*ours, (b"transfer-encoding", b"chunked")],
+        [(b"connection", b"close"), *ours],  # a close header anywhere but hypercorn's place
+        [*ours, (b"x-evil", b"a\r\nset-cookie: b")],  # header injection
+        [*ours, (b"bad name", b"v")],
+    ]
+    for headers in left_to_h11:
+        conn = _server_after(post % b"")
+        assert direct._send_head(conn, 200, headers) is None
+        assert conn.our_state is h11.SEND_RESPONSE  # untouched
+    http10 = h11.Connection(h11.SERVER)
+    http10.receive_data(b"POST / HTTP/1.0\r\ncontent-length: 0\r\n\r\n")
+    while type(http10.next_event()) is not h11.EndOfMessage:
+        pass
+    assert direct._send_head(http10, 200, ours) is None  # h11 frames it by closing

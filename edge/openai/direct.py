@@ -108,10 +108,12 @@ class DirectBody:
         headers += config.response_headers("h11")
         if protocol.keep_alive_requests >= config.keep_alive_max_requests:
             headers.append((b"connection", b"close"))
-        try:
-            head = self._h11.send(h11.Response(status_code=message["status"], headers=headers))
-        except h11.LocalProtocolError:
-            return None  # nothing changed: the ASGI way raises it where hypercorn does
+        head = _send_head(self._h11, message["status"], headers)
+        if head is None:
+            try:
+                head = self._h11.send(h11.Response(status_code=message["status"], headers=headers))
+            except h11.LocalProtocolError:
+                return None  # nothing changed: the ASGI way raises it where hypercorn does
         # What hypercorn reads of it later: the status (and "trailers", never asked for here). The
         # headers, which every open stream would hold (0.4 KB), serve only hypercorn's access log,
         # which the edge turns off (edge.serve); under hypercorn's CLI with one, its response-header
@@ -146,6 +148,51 @@ class DirectBody:
     async def send_rest(self, rest: bytes) -> None:
         """The rest of a chunk the kernel took part of, as hypercorn sends."""
         await send_locked(self._lock, self._stream, rest)
+
+
+_NAME = getattr(h11._headers, "_field_name_re", None)  # noqa: SLF001 (h11 0.16's own header grammar)
+_VALUE = getattr(h11._headers, "_field_value_re", None)  # noqa: SLF001
+_FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection"))
+
+
+def _send_head(connection: h11.Connection, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """``connection.send(h11.Response(status_code=status, headers=headers))``
+    for a response with no framing headers to an HTTP/1.1 request (a
+    stream's head), the same bytes and the same state after, for a third of
+    the work: h11 checks every header against its grammar twice and rebuilds
+    the event between (0.25 ms of a request's edge CPU under cProfile). None
+    when this does not apply (h11 does it). Tested byte for byte against h11.
+
+    The only framing header allowed is hypercorn's ``connection: close``
+    appended last (its keep-alive request limit)."""
+    if (
+        _NAME is None
+        or _VALUE is None
+        or type(status) is not int
+        or not 200 <= status < 600
+        or connection.our_role is not h11.SERVER
+        or connection.their_http_version != b"1.1"
+        or connection._request_method == b"HEAD"  # noqa: SLF001
+        or not hasattr(connection, "_process_event")
+    ):
+        return None
+    name_ok, value_ok = _NAME.fullmatch, _VALUE.fullmatch
+    last = len(headers) - 1
+    for i, (name, value) in enumerate(headers):
+        if type(name) is not bytes or type(value) is not bytes or not name_ok(name) or not value_ok(value):
+            return None
+        if name.lower() in _FRAMING and not (i == last and name == b"connection" and value == b"close"):
+            return None
+    headers = [*headers, (b"Transfer-Encoding", b"chunked")]
+    if not connection._cstate.keep_alive:  # noqa: SLF001 (the request said close: so does h11, last)
+        headers = [(n, v) for n, v in headers if n != b"connection"]
+        headers.append((b"Connection", b"close"))
+    event = h11.Response(status_code=status, headers=headers, _parsed=True)
+    try:
+        connection._process_event(connection.our_role, event)  # noqa: SLF001 (what send does, but write)
+    except h11.LocalProtocolError:
+        return None  # refused before any state changed: h11's own send raises it as it would
+    return b"HTTP/1.1 %d \r\n%b\r\n" % (status, b"".join([b"%s: %s\r\n" % pair for pair in headers]))
 
 
 def plain_tcp(stream_send: Any) -> tuple[trio.SocketStream, socket.socket, Any] | None:
