@@ -270,6 +270,8 @@ def test_a_streams_head_is_what_h11_would_send_and_leaves_h11_as_h11_would():
         conn = _server_after(post % b"")
         assert direct._send_head(conn, 200, headers) is None
         assert conn.our_state is h11.SEND_RESPONSE  # untouched
+    conn = _server_after(post % b"")
+    assert direct._send_head(conn, 204, ours) is None  # h11 frames a 204 by length
     http10 = h11.Connection(h11.SERVER)
     http10.receive_data(b"POST / HTTP/1.0\r\ncontent-length: 0\r\n\r\n")
     while type(http10.next_event()) is not h11.EndOfMessage:

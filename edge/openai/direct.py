@@ -157,22 +157,22 @@ _FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 
 def _send_head(connection: h11.Connection, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
     """``connection.send(h11.Response(status_code=status, headers=headers))``
-    for a response with no framing headers to an HTTP/1.1 request (a
-    stream's head), the same bytes and the same state after, for a third of
-    the work: h11 checks every header against its grammar twice and rebuilds
-    the event between (0.25 ms of a request's edge CPU under cProfile). None
-    when this does not apply (h11 does it). Tested byte for byte against h11.
+    for a 200 with no framing headers to an HTTP/1.1 POST (a stream's head):
+    the same bytes and the same state after, with less work (h11 checks
+    every header against its grammar twice and rebuilds the event between;
+    measured, the edge's CPU per 4-token stream went from 1,150 to 1,122
+    µs). None when this does not apply (h11 does it). Tested byte for byte
+    against h11.
 
     The only framing header allowed is hypercorn's ``connection: close``
     appended last (its keep-alive request limit)."""
     if (
         _NAME is None
         or _VALUE is None
-        or type(status) is not int
-        or not 200 <= status < 600
+        or status != 200  # (h11 frames a 204 or 304 by length, and so the answer to a HEAD or CONNECT)
         or connection.our_role is not h11.SERVER
         or connection.their_http_version != b"1.1"
-        or connection._request_method == b"HEAD"  # noqa: SLF001
+        or connection._request_method != b"POST"  # noqa: SLF001
         or not hasattr(connection, "_process_event")
     ):
         return None
