@@ -170,7 +170,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
     install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections
     install_app_queue()  # hypercorn's memory channel to the app: 1.7 KB an open stream holds
-    install_send_lock()  # hypercorn's trio.Lock per connection: 0.4 KB an open stream holds
+    install_send_lock()  # hypercorn's trio.Lock per connection: 0.3 KB an open stream holds
     edge = Edge(config)
     app = EdgeApp("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
