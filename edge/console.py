@@ -100,6 +100,12 @@ class Rejection(msgspec.Struct):
     count: int = 1  # the same refusal, one after another
 
 
+def _limit_of(refusal: str) -> str:
+    """A refusal's words without its "Try again in ..." (edge.keys), which
+    changes every tenth of a second: the same limit refused over and over is one line."""
+    return refusal.partition(" Try again in ")[0]
+
+
 class RunError(msgspec.Struct):
     t: float
     run_id: str
@@ -270,9 +276,14 @@ class Console:
         if status == 429:
             refusal = refusal[:200]
             last = self.rejected[-1] if self.rejected else None
-            if last is not None and (last.model, last.key, last.code, last.message) == (model, key, code, refusal):
+            if (
+                last is not None
+                and (last.model, last.key, last.code) == (model, key, code)
+                and _limit_of(last.message) == _limit_of(refusal)
+            ):
                 last.count += 1
                 last.t = round(now, 3)
+                last.message = refusal  # the latest "Try again in"
             else:
                 self.rejected.append(Rejection(round(now, 3), model, key, code, refusal))
 

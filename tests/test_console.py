@@ -4,6 +4,7 @@ itself, in a real browser: tests/test_console_browser.py."""
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import anthropic
@@ -174,8 +175,25 @@ async def test_429s_are_listed_with_their_model_and_code(nursery, upstream):
     assert rejected["message"] == r.json()["error"]["message"] and rejected["count"] == 1
 
 
-async def test_the_same_429_over_and_over_is_one_line_with_a_count(nursery, upstream):
-    """A key over its rpm, refused 5 times in a row: one entry saying which limit, counted 5."""
+class _StillClock:
+    """``time`` for edge.keys with a monotonic clock that moves only when the test says: a
+    refusal's "Try again in" is what the test makes it, however slowly the machine sends them."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+async def test_the_same_429_over_and_over_is_one_line_with_a_count(nursery, upstream, monkeypatch):
+    """A key over its rpm, refused 5 times in a row, each saying a different "Try again in": one
+    entry saying which limit, counted 5, with the latest wait."""
+    clock = _StillClock()
+    monkeypatch.setattr("edge.keys.time", clock)
     upstream.script_for("m-target", text_script(["ok"]))
     keys = [KeyConfig(id="bob", key="sk-bob", rpm=1)]
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], keys=keys))
@@ -185,14 +203,19 @@ async def test_the_same_429_over_and_over_is_one_line_with_a_count(nursery, upst
     async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
         await reading.start(events.read, admin)
         assert (await client.post("/v1/chat/completions", json={**STREAM, "stream": False}, headers=bob)).is_success
+        waits = set()
         for _ in range(5):
+            clock.now += 1.5  # (a fifth of the 60 s an rpm of 1 refills in, over five refusals: none is let in)
             r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False}, headers=bob)
             assert r.status_code == 429
+            waits.add(r.json()["error"]["message"].partition("Try again in ")[2])
         snap = await events.until(lambda s: s["rejected"] and s["rejected"][-1]["count"] == 5, "five 429s counted")
         reading.cancel_scope.cancel()
+    assert len(waits) == 5  # each refusal said a different wait
     (rejected,) = snap["rejected"]
     assert rejected["key"] == "bob" and rejected["code"] == "rate_limit_exceeded"
     assert "requests per minute" in rejected["message"], rejected
+    assert rejected["message"] == r.json()["error"]["message"]  # the latest
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
