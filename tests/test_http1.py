@@ -428,9 +428,11 @@ async def test_reads_inside_reading_time_only_the_wait_for_bytes(serve):
     that stops sending is a ReadTimeout after the read timeout, while the caller's own time
     between reads, longer than that timeout, is not counted."""
 
+    slept = trio.Event()
+
     async def stalls(stream):
         await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-        await trio.sleep(0.6)
+        await slept.wait()  # the next bytes once the caller's time is over, however late that is
         await stream.send_all(b"6\r\nsecond\r\n")
         await trio.sleep_forever()
 
@@ -442,16 +444,21 @@ async def test_reads_inside_reading_time_only_the_wait_for_bytes(serve):
             with r.reading():
                 got.append(await r.read())
                 await trio.sleep(0.5)  # the caller's time: not a read timeout
+                slept.set()
                 got.append(await r.read())
                 await r.read()  # the server says nothing more
     assert got == [b"first", b"second"]
     await client.aclose()
 
 
-async def test_each_reading_has_its_own_read_timeout(serve):
+async def test_each_reading_has_its_own_read_timeout(serve, monkeypatch):
     """One watch times every reading() of the process: a silent server with a short read
     timeout is a ReadTimeout soon after it, while a stream with a long one that keeps
     sending is untouched, before and after."""
+    # The watch's longest sleep made long: a short timeout that waited for it (the watch not
+    # woken for the new, shorter timeout) would come 5 s late, far past the bound below, which
+    # leaves a slow machine seconds of room.
+    monkeypatch.setattr(http1, "WATCH_TICK", 5.0)
 
     async def silent(stream):
         await stream.send_all(CHUNKED_HEAD)
@@ -487,7 +494,7 @@ async def test_each_reading_has_its_own_read_timeout(serve):
                     while data := await r.read():
                         body += data
     assert body == b"x" * 10
-    assert 0.3 <= timed_out_after[0] < 0.3 + 0.3 / 4 + 0.5
+    assert 0.3 <= timed_out_after[0] < 0.3 + 0.3 / 4 + 2.5
     await short.aclose()
     await long.aclose()
 

@@ -102,19 +102,26 @@ async def redis_edge(nursery, url: str, tmp_path, name: str, rpm: int):
 
 
 async def test_two_edges_sharing_redis_admit_a_keys_rate_within_5_percent(nursery, redis_server, tmp_path):  # noqa: F811
-    """rpm 600 across two edges, both hammered for 30 s: after the first 5 s (the bucket's
-    initial minute), the admitted rate is within 5% of 600 a minute, not 1,200."""
+    """rpm 600 across two edges, both hammered for 30 s: once the bucket's initial minute is
+    spent, the admitted rate is within 5% of 600 a minute, not 1,200."""
     rpm = 600
     a = await redis_edge(nursery, redis_server.url, tmp_path, "a", rpm)
     b = await redis_edge(nursery, redis_server.url, tmp_path, "b", rpm)
     start = trio.current_time()
     results = await hammer([a, b], "sk-r", 30)
+    end = trio.current_time()
     assert {status for _, status in results} <= {200, 429}
-    steady = [t for t, status in results if status == 200 and t >= start + 5]
-    rate = len(steady) / (trio.current_time() - (start + 5)) * 60
-    print(f"\nadmitted across two edges: {rate:.0f} a minute (limit {rpm})")
+    # The initial minute's allowance goes as fast as this machine serves it (each edge leases a
+    # slice at a time: a few seconds, 10 on a loaded machine): it is spent once the requests
+    # admitted reach it plus the refill so far, less what the two edges' leases may hold.
+    admitted = sorted(t for t, status in results if status == 200)
+    held = 2 * 2 * rpm // 100  # at most about two slices of 1% each, per edge
+    spent = next((t for n, t in enumerate(admitted, 1) if n >= rpm + rpm / 60 * (t - start) - held), None)
+    assert spent is not None and spent < end - 10, (spent, len(admitted))  # the initial minute's allowance
+    steady = [t for t in admitted if t >= spent + 1]
+    rate = len(steady) / (end - (spent + 1)) * 60
+    print(f"\nadmitted across two edges: {rate:.0f} a minute (limit {rpm}), after {spent - start:.1f} s")
     assert abs(rate - rpm) <= 0.05 * rpm, rate
-    assert sum(1 for _, s in results if s == 200 and _ < start + 5) >= rpm * 0.9  # the initial minute's allowance
 
 
 async def test_a_redis_restart_fails_no_request_and_loses_no_record(nursery, redis_server, tmp_path):  # noqa: F811

@@ -10,7 +10,7 @@ import httpx
 import trio
 
 from scripts.upstream import words
-from tests.conftest import BOUND, EdgeHandle, eventually, model, start_edge, start_node
+from tests.conftest import BOUND, EdgeHandle, edge_config, eventually, model, start_edge, start_node
 
 STREAMS = 4
 
@@ -56,7 +56,9 @@ async def _held_per_stream(edge: EdgeHandle, body: dict, headers: dict[str, str]
 async def _hanging_edge(nursery, upstream) -> EdgeHandle:
     """An edge whose model sends one token, then nothing, until the client leaves."""
     upstream.script_for("m-target", [*(("chunk", {"content": t}) for t in words(1)), ("hang",)])
-    edge = await start_edge(nursery)
+    # Pings far apart: tracing every allocation of megabytes of prompts can keep a slow machine
+    # busy for longer than the tests' usual 3 s ping timeout, which is not what is measured here.
+    edge = await start_edge(nursery, edge_config(ping_interval_s=BOUND))
     await start_node(nursery, edge, [model("m", upstream)])
     return edge
 
