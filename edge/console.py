@@ -38,6 +38,7 @@ import trio
 from quart import Response
 
 from edge.admin import admin_refusal, error_response, json_response
+from edge.keys import RETRY_HINT
 from edge.runs.run import CANCELLED, CLIENT_GONE, COMPLETE, Run
 
 if TYPE_CHECKING:
@@ -101,9 +102,9 @@ class Rejection(msgspec.Struct):
 
 
 def _limit_of(refusal: str) -> str:
-    """A refusal's words without its "Try again in ..." (edge.keys), which
-    changes every tenth of a second: the same limit refused over and over is one line."""
-    return refusal.partition(" Try again in ")[0]
+    """A refusal's words without its wait (after :data:`edge.keys.RETRY_HINT`),
+    which changes every tenth of a second: the same limit refused over and over is one line."""
+    return refusal.partition(RETRY_HINT)[0]
 
 
 class RunError(msgspec.Struct):

@@ -87,6 +87,9 @@ def _bucket_take(level: float, at: float, now: float, capacity: int, amount: flo
     return level, False
 
 
+RETRY_HINT = " Try again in "  # ends a refusal's message, before its wait (the console groups without it)
+
+
 def _duration(seconds: float) -> str:
     """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
     if seconds < 1:
@@ -278,7 +281,7 @@ class Keys:
     def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:
         error = APIError(
             429,
-            f"Rate limit reached for key {key.id!r}: {what}. Try again in {_duration(retry_after)}.",
+            f"Rate limit reached for key {key.id!r}: {what}.{RETRY_HINT}{_duration(retry_after)}.",
             "rate_limit_exceeded",
             code="rate_limit_exceeded",
             headers=[(b"retry-after", str(max(int(math.ceil(retry_after)), 1)).encode()), *self.headers(key)],
