@@ -25,19 +25,23 @@ class Spy:
     """Counts what DirectBody.write did (the real method runs)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.whole = self.partial = self.declined = self.last = 0
+        self.whole = self.partial = self.declined = self.ends = 0
         self.heads: list[tuple[bytes, bool] | None] = []  # what each head_and_chunk did
-        write, head_and_chunk = direct.DirectBody.write, direct.DirectBody.head_and_chunk
+        write, head_and_chunk, end = direct.DirectBody.write, direct.DirectBody.head_and_chunk, direct.DirectBody.end
 
-        def counted(body, data: bytes, more: bool = False) -> bytes | None:
-            rest = write(body, data, more)
+        def counted(body, data: bytes) -> bytes | None:
+            rest = write(body, data)
             if rest is None:
                 self.declined += 1
             elif rest:
                 self.partial += 1
             else:
                 self.whole += 1
-                self.last += more
+            return rest
+
+        def counted_end(body, data: bytes) -> bytes | None:
+            rest = end(body, data)
+            self.ends += rest == b""  # all of it taken at once: one send for the last chunk and the end
             return rest
 
         def counted_head(body, send, message, data):
@@ -50,6 +54,7 @@ class Spy:
 
         monkeypatch.setattr(direct.DirectBody, "write", counted)
         monkeypatch.setattr(direct.DirectBody, "head_and_chunk", counted_head)
+        monkeypatch.setattr(direct.DirectBody, "end", counted_end)
 
 
 def content_of(sse: bytes) -> str:
@@ -68,6 +73,31 @@ def roles(sse: bytes) -> int:
     return sum(
         "role" in choice["delta"] for event in sse_events(sse)[:-1] for choice in msgspec.json.decode(event)["choices"]
     )
+
+
+def chat_request(client: h11.Connection, host: str, body: bytes) -> bytes:
+    """The bytes of a POST of ``body`` to /v1/chat/completions, from ``client``."""
+    request = h11.Request(
+        method="POST",
+        target="/v1/chat/completions",
+        headers=[("host", host), ("content-type", "application/json"), ("content-length", str(len(body)))],
+    )
+    return client.send(request) + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage())
+
+
+async def read_response(client: h11.Connection, receive) -> tuple[h11.Response, bytes]:
+    """A response's head and body, read with ``client`` from ``receive()``'s bytes."""
+    head, received = None, bytearray()
+    while True:
+        event = client.next_event()
+        if event is h11.NEED_DATA:
+            client.receive_data(await receive())
+        elif isinstance(event, h11.Response):
+            head = event
+        elif isinstance(event, h11.Data):
+            received += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return head, bytes(received)
 
 
 async def edge_with_paced_words(nursery, upstream, n: int):
@@ -100,8 +130,36 @@ async def test_streamed_chunks_go_straight_to_the_socket_and_keep_their_bytes(nu
                 assert {"date", "server", "x-request-id"} <= r.headers.keys()
     assert spy.whole >= 20
     # Each stream's head went out with its first chunk in one write, its last chunk with
-    # the end of the body hypercorn wrote after it.
-    assert spy.heads == [(b"", True), (b"", True)] and spy.last == 2
+    # the end of the body in another; the connection was then reused for the next request.
+    assert spy.heads == [(b"", True), (b"", True)] and spy.ends == 2
+
+
+async def test_a_kept_alive_connection_serves_streams_until_its_limit_then_closes(nursery, upstream, monkeypatch):
+    """The end of a stream's body is written with its last chunk, h11 and hypercorn moved on
+    as their own end would: the same connection then serves the next request, and at
+    hypercorn's keep_alive_max_requests the last response says ``connection: close`` and the
+    connection is closed after its body, as hypercorn's own end does."""
+    from hypercorn.config import Config
+
+    monkeypatch.setattr(Config, "keep_alive_max_requests", 3)
+    spy = Spy(monkeypatch)
+    words, edge = await edge_with_paced_words(nursery, upstream, 5)
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
+    client = h11.Connection(h11.CLIENT)
+    closes: list[bool] = []
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream(host, int(port))
+        for _ in range(3):
+            await stream.send_all(chat_request(client, host, body))
+            head, received = await read_response(client, lambda: stream.receive_some(65536))
+            assert head.status_code == 200 and content_of(received) == "".join(words)
+            closes.append((b"connection", b"close") in head.headers)
+            if client.our_state is h11.DONE and client.their_state is h11.DONE:
+                client.start_next_cycle()
+        assert await stream.receive_some(65536) == b""  # the server closed it after the third
+        await stream.aclose()
+    assert closes == [False, False, True] and spy.ends == 3
 
 
 async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery, upstream, monkeypatch):
@@ -119,30 +177,16 @@ async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery,
     host, port = edge.url.removeprefix("http://").rsplit(":", 1)
     body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
     client = h11.Connection(h11.CLIENT)
-    received = bytearray()
     with trio.fail_after(BOUND * 2):
         sock = trio.socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         await sock.connect((host, int(port)))
-        request = h11.Request(
-            method="POST",
-            target="/v1/chat/completions",
-            headers=[("host", host), ("content-type", "application/json"), ("content-length", str(len(body)))],
-        )
-        await sock.send(client.send(request) + client.send(h11.Data(data=body)) + client.send(h11.EndOfMessage()))
+        await sock.send(chat_request(client, host, body))
         await trio.sleep(1.0)  # not reading: the edge's writes pile up in the kernel
-        while True:
-            event = client.next_event()
-            if event is h11.NEED_DATA:
-                client.receive_data(await sock.recv(65536))
-            elif isinstance(event, h11.Response):
-                assert event.status_code == 200
-            elif isinstance(event, h11.Data):
-                received += event.data
-            elif isinstance(event, h11.EndOfMessage):
-                break
+        head, received = await read_response(client, lambda: sock.recv(65536))
+        assert head.status_code == 200
         sock.close()
-    assert content_of(bytes(received)) == "".join(pieces)
+    assert content_of(received) == "".join(pieces)
     assert spy.whole and spy.partial + spy.declined  # both ways were taken
 
 
@@ -177,9 +221,9 @@ async def test_paced_chunks_are_written_as_their_events_arrive_and_arrive_whole(
     head_writers: list[str] = []
     write, head_and_chunk = direct.DirectBody.write, direct.DirectBody.head_and_chunk
 
-    def spied(body, data: bytes, more: bool = False) -> bytes | None:
+    def spied(body, data: bytes) -> bytes | None:
         writers.append(trio.lowlevel.current_task().name)
-        return write(body, data, more)
+        return write(body, data)
 
     def spied_head(body, send, message, data):
         head_writers.append(trio.lowlevel.current_task().name)

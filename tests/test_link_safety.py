@@ -354,9 +354,9 @@ async def test_a_frame_of_8k_tiny_events_is_not_8k_writes_from_the_link(nursery,
     writes = {"n": 0}
     write = direct.DirectBody.write
 
-    def counted(body, data: bytes, more: bool = False) -> bytes | None:
+    def counted(body, data: bytes) -> bytes | None:
         writes["n"] += 1
-        return write(body, data, more)
+        return write(body, data)
 
     monkeypatch.setattr(direct.DirectBody, "write", counted)
     edge = await start_edge(nursery)

@@ -9,9 +9,10 @@ and hands it to the kernel at once when nothing else is being sent on the
 connection: one ``send``, no task switch. A stream's head goes out with its
 first chunk in one write (:meth:`DirectBody.head_and_chunk`: h11 makes the
 head, as hypercorn would have it, and hypercorn's stream is moved on as its
-own start would), and its last chunk is sent with ``MSG_MORE``, so the kernel
-joins it with the end of the body that hypercorn writes next: one packet each
-instead of two. Everything else goes the ASGI way: the end of the body, a
+own start would), and its last chunk with the end of the body in one write
+(:meth:`DirectBody.end`: h11 and hypercorn's stream are moved on as their
+own end of a body would; one ``send`` and one packet where the ASGI way took
+two sends, a lock and h11's writer). Everything else goes the ASGI way: a
 body with a Content-Length (passthrough), a connection busy with another
 send, a write the kernel takes only part of (its rest is sent under
 hypercorn's own lock, as hypercorn would), a closed or failing socket,
@@ -30,11 +31,13 @@ when anything differs, so a change there costs speed, never bytes.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 import h11
 import trio
+from hypercorn.protocol.events import StreamClosed
 
 
 class DirectBody:
@@ -128,21 +131,41 @@ class DirectBody:
             sent = 0
         return framed[sent:], chunked
 
-    def write(self, data: bytes, more: bool = False) -> bytes | None:
+    def write(self, data: bytes) -> bytes | None:
         """Send ``data`` as one chunk, now: None if nothing was sent (send it
         the ASGI way), else what the kernel did not take (b"" when all),
-        which must go out with :meth:`send_rest` before anything else.
-        ``more``: the end of the body follows at once (``MSG_MORE``: the
-        kernel sends both in one packet)."""
+        which must go out with :meth:`send_rest` before anything else."""
         if self._lock.locked() or self._h11.our_state is not h11.SEND_BODY:
             return None
         if self._socket.fileno() < 0:  # closed: hypercorn's own path knows what to do
             return None
         framed = b"%x\r\n%b\r\n" % (len(data), data)
         try:
-            sent = self._raw.send(framed, socket.MSG_MORE if more else 0)
+            sent = self._raw.send(framed)
         except OSError:  # full (EAGAIN) or broken: nothing was written
             return None
+        return framed[sent:]
+
+    def end(self, data: bytes) -> bytes | None:
+        """``data`` (if any) as the body's last chunk and the chunked body's
+        end (``0\r\n\r\n``, no trailers), in one write, now; h11 is moved
+        on as its ``send(EndOfMessage())`` would (DONE, or MUST_CLOSE when
+        the connection is not kept alive). None if nothing was done (end it
+        the ASGI way); else what the kernel did not take, for
+        :meth:`send_rest`. Then hypercorn's stream must be closed
+        (:func:`close_stream`)."""
+        connection = self._h11
+        if self._lock.locked() or not self._chunked() or self._socket.fileno() < 0:
+            return None
+        try:
+            connection._process_event(connection.our_role, h11.EndOfMessage())  # noqa: SLF001 (as send does)
+        except h11.LocalProtocolError:
+            return None  # refused before any state changed: the ASGI way raises it as it would
+        framed = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        try:
+            sent = self._raw.send(framed)
+        except OSError:  # full (EAGAIN) or broken: all of it is the rest, sent under the lock
+            sent = 0
         return framed[sent:]
 
     async def send_rest(self, rest: bytes) -> None:
@@ -193,6 +216,17 @@ def _send_head(connection: h11.Connection, status: int, headers: list[tuple[byte
     except h11.LocalProtocolError:
         return None  # refused before any state changed: h11's own send raises it as it would
     return b"HTTP/1.1 %d \r\n%b\r\n" % (status, b"".join([b"%s: %s\r\n" % pair for pair in headers]))
+
+
+async def close_stream(send: Any) -> None:
+    """What hypercorn 0.18's ``HTTPStream._send_closed`` does after the end of
+    the body it sent (:meth:`DirectBody.end` sent it): the stream is closed,
+    its access line logged and the connection moved on to its next request
+    (or closed)."""
+    stream = send.__self__
+    stream.state = type(stream.state).CLOSED
+    await stream.config.log.access(stream.scope, stream.response, time.time() - stream.start_time)
+    await stream.send(StreamClosed(stream_id=stream.stream_id))
 
 
 def plain_tcp(stream_send: Any) -> tuple[trio.SocketStream, socket.socket, Any] | None:

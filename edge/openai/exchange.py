@@ -14,7 +14,7 @@ from typing import NamedTuple
 import trio
 
 from edge.errors import APIError
-from edge.openai.direct import DirectBody, on_disconnect
+from edge.openai.direct import DirectBody, close_stream, on_disconnect
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
 
@@ -280,12 +280,13 @@ class Exchange:
     async def finish(self, data: bytes = b"") -> None:
         self.finished = True
         direct = self._direct  # a stream's: found at its first write
-        if data and direct:  # the last chunk now, held for the end of the body hypercorn sends next
-            rest = direct.write(data, more=True)
+        if direct:  # the last chunk and the body's end in one write
+            rest = direct.end(data)
             if rest is not None:
                 if rest:
                     await direct.send_rest(rest)
-                data = b""
+                await close_stream(self._send)
+                return
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def _asgi(self, message: dict) -> None:
