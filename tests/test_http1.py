@@ -153,6 +153,43 @@ async def test_framings_and_keep_alive_reuse(serve):
     assert first.endswith(b'\r\n\r\n{"a":1}')
 
 
+async def test_a_request_larger_than_the_socket_buffer_arrives_whole(serve):
+    """A request is written to the socket at once when it fits; one far larger than
+    the socket's buffer (a long prompt, to a server that reads it late) goes out in
+    part at once and the rest as the server reads, byte for byte."""
+    body = bytes(range(256)) * (8 * 1024 * 1024 // 256)
+
+    async def late(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    server, client = await serve(late)
+    original = server._requests
+
+    async def slow_reader(stream):
+        await trio.sleep(0.3)  # the client's first write finds the buffers small and fills them
+        await original(stream)
+
+    server._requests = slow_reader
+    with trio.fail_after(BOUND):
+        async with client.request("POST", "/chat/completions", body) as r:
+            assert r.status == 200 and await r.read() == b"ok"
+    assert server.requests[0].endswith(b"\r\n\r\n" + body)
+
+
+async def test_a_cancelled_request_sends_nothing_on_a_kept_alive_connection(serve):
+    """A run cancelled before its request goes out (the client left while it waited)
+    sends the server nothing, not even on a connection ready to take it at once."""
+    server, client = await serve(CHUNKED_HEAD + chunked(b"data: a\n\n"), CHUNKED_HEAD + chunked(b"data: b\n\n"))
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"data: a\n\n")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await body_of(client)
+        assert scope.cancelled_caught
+        await trio.sleep(0.1)
+    assert len(server.requests) == 1
+
+
 async def test_a_kept_alive_connection_the_server_closed_is_not_used(serve):
     """The server closes the connection after answering: the next request
     goes out on a new connection and succeeds."""
