@@ -162,6 +162,29 @@ async def test_a_kept_alive_connection_serves_streams_until_its_limit_then_close
     assert closes == [False, False, True] and spy.ends == 3
 
 
+async def test_pipelined_requests_are_answered_in_order(nursery, upstream, monkeypatch):
+    """Two requests sent at once on one connection (HTTP/1.1 pipelining): the first
+    stream's direct end moves the connection on, and the second, already read, is
+    answered after it, whole."""
+    spy = Spy(monkeypatch)
+    words, edge = await edge_with_paced_words(nursery, upstream, 5)
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
+    client = h11.Connection(h11.CLIENT)
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream(host, int(port))
+        # h11 sends a request only once the last is answered: the second one's bytes, made ahead.
+        await stream.send_all(chat_request(client, host, body) + chat_request(h11.Connection(h11.CLIENT), host, body))
+        for i in range(2):
+            head, received = await read_response(client, lambda: stream.receive_some(65536))
+            assert head.status_code == 200 and content_of(received) == "".join(words)
+            if i == 0:
+                client.start_next_cycle()
+                chat_request(client, host, body)  # (already sent) h11 now expects its answer
+        await stream.aclose()
+    assert spy.ends == 2
+
+
 async def test_a_reader_slower_than_the_stream_gets_every_byte_in_order(nursery, upstream, monkeypatch):
     """8 MB of deltas (at least twice the largest send buffer) to a client with a small receive
     window that reads only after a pause: the kernel's send buffer fills, writes are taken in part or declined and finish the ASGI
