@@ -48,7 +48,6 @@ from node.outbox import (
     text_bytes,
     tool_calls_bytes,
 )
-from node.ws_direct import DirectFrames
 from proto import (
     PROTOCOL_VERSION,
     CancelRun,
@@ -240,29 +239,19 @@ class EdgeLink:
             self.agent.rebalance(model)
 
     async def _send_frames(self) -> None:
-        """The only writer to the websocket: control frames first. A batch goes
-        out in one write when the connection takes it at once (DirectFrames);
-        else message by message, control frames also between them."""
+        """The only writer to the websocket: control frames first, also between
+        the frames of one batch."""
         outbox, ws = self.outbox, self.ws
-        direct = DirectFrames.find(ws)
         while True:
             await outbox.wait()
-            messages = []
             while (control := outbox.next_control()) is not None:
-                messages.append(encode_frame(control))
+                await ws.send_message(encode_frame(control))
             frames = outbox.take()
             try:
-                messages += [encode_frame(frame) for frame in frames]
-                rest = direct.write(messages) if direct is not None else None
-                if rest is None:
-                    for message in messages:
-                        while (control := outbox.next_control()) is not None:
-                            await ws.send_message(encode_frame(control))
-                        await ws.send_message(message)
-                elif rest:
-                    await direct.send_rest(rest)
-                else:
-                    await trio.lowlevel.checkpoint()
+                for frame in frames:
+                    while (control := outbox.next_control()) is not None:
+                        await ws.send_message(encode_frame(control))
+                    await ws.send_message(encode_frame(frame))
             finally:
                 outbox.done()
 
