@@ -100,6 +100,24 @@ async def read_response(client: h11.Connection, receive) -> tuple[h11.Response, 
             return head, bytes(received)
 
 
+async def streams_in_turn(edge, words: list[str], n: int) -> tuple[trio.SocketStream, list[h11.Response]]:
+    """``n`` stream requests one after another on one connection, each answered with
+    ``words``: the connection (left open) and the heads of the answers."""
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
+    client = h11.Connection(h11.CLIENT)
+    stream = await trio.open_tcp_stream(host, int(port))
+    heads = []
+    for _ in range(n):
+        await stream.send_all(chat_request(client, host, body))
+        head, received = await read_response(client, lambda: stream.receive_some(65536))
+        assert head.status_code == 200 and content_of(received) == "".join(words)
+        heads.append(head)
+        if client.our_state is h11.DONE and client.their_state is h11.DONE:
+            client.start_next_cycle()
+    return stream, heads
+
+
 async def edge_with_paced_words(nursery, upstream, n: int):
     """An edge and a node whose model streams ``n`` words 2 ms apart: (the words, the edge)."""
     words = [f"w{i} " for i in range(n)]
@@ -144,22 +162,51 @@ async def test_a_kept_alive_connection_serves_streams_until_its_limit_then_close
     monkeypatch.setattr(Config, "keep_alive_max_requests", 3)
     spy = Spy(monkeypatch)
     words, edge = await edge_with_paced_words(nursery, upstream, 5)
-    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
-    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": "x"}]})
-    client = h11.Connection(h11.CLIENT)
-    closes: list[bool] = []
     with trio.fail_after(BOUND):
-        stream = await trio.open_tcp_stream(host, int(port))
-        for _ in range(3):
-            await stream.send_all(chat_request(client, host, body))
-            head, received = await read_response(client, lambda: stream.receive_some(65536))
-            assert head.status_code == 200 and content_of(received) == "".join(words)
-            closes.append((b"connection", b"close") in head.headers)
-            if client.our_state is h11.DONE and client.their_state is h11.DONE:
-                client.start_next_cycle()
+        stream, heads = await streams_in_turn(edge, words, 3)
         assert await stream.receive_some(65536) == b""  # the server closed it after the third
         await stream.aclose()
+    closes = [(b"connection", b"close") in head.headers for head in heads]
     assert closes == [False, False, True] and spy.ends == 3
+
+
+class _Kernel:
+    """A stream's socket whose ``send`` takes only half of what it is given, or
+    nothing (EAGAIN): the kernel of a client that has stopped reading, on cue."""
+
+    def __init__(self, raw, takes_nothing: bool) -> None:
+        self.raw = raw
+        self.takes_nothing = takes_nothing
+
+    def send(self, data: bytes, *flags) -> int:
+        if self.takes_nothing:
+            raise BlockingIOError
+        return self.raw.send(data[: len(data) // 2], *flags)
+
+
+async def test_the_end_of_a_body_the_kernel_takes_in_part_or_not_at_all_arrives_whole(nursery, upstream, monkeypatch):
+    """A stream's last chunk and end, when the kernel takes half of the write or none of it:
+    the rest goes out under hypercorn's lock, the body arrives whole and well framed, and the
+    kept-alive connection serves the next request."""
+    end = direct.DirectBody.end
+    rests: list[int] = []
+
+    def reluctant(body, data: bytes) -> bytes | None:
+        raw = body._raw
+        body._raw = _Kernel(raw, takes_nothing=len(rests) % 2 == 1)
+        try:
+            rest = end(body, data)
+        finally:
+            body._raw = raw
+        rests.append(len(rest) if rest is not None else -1)
+        return rest
+
+    monkeypatch.setattr(direct.DirectBody, "end", reluctant)
+    words, edge = await edge_with_paced_words(nursery, upstream, 5)
+    with trio.fail_after(BOUND):
+        stream, _ = await streams_in_turn(edge, words, 2)  # both on this one connection
+        await stream.aclose()
+    assert len(rests) == 2 and all(rest > 0 for rest in rests), rests  # half taken, then none
 
 
 async def test_pipelined_requests_are_answered_in_order(nursery, upstream, monkeypatch):
