@@ -102,7 +102,7 @@ class Stack(ExitStack):
         ]
         if tokens:
             args += ["--tokens", str(tokens)]
-        self._spawn(args)
+        self.upstream_proc = self._spawn(args)  # the last one started
         wait_http(f"http://127.0.0.1:{port}/v1/models")
         return f"http://127.0.0.1:{port}/v1"
 

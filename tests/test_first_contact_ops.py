@@ -244,6 +244,26 @@ def test_readme_probe_round_count_is_the_probes_default():
     assert documented and default and documented.group(1) == default.group(1)
 
 
+def test_cost_model_script_runs_as_the_readme_names_it():
+    """`scripts/cost_model.py`, which the README's figures on where the CPU goes
+    come from, runs end to end (a small run) and reports every part it names."""
+    result = subprocess.run(
+        [sys.executable, "scripts/cost_model.py", "--requests", "60", "--concurrency", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for name in ("hypercorn, bare ASGI app", "edge", "node"):
+        row = re.search(rf"^  {re.escape(name)} +(\d+)  \((\d+) \+ (\d+)\)$", out, re.M)
+        assert row and int(row.group(1)) > 0, out
+    assert re.search(r"^  edge +\d+ +\d+ +-?\d+ +-?[\d.]+ +[\d.]+$", out, re.M), out
+    assert "cores in use meanwhile" in out and "per-request work" in out, out
+    assert "scripts/cost_model.py" in README
+
+
 def test_make_demo_takes_bind():
     """`make demo BIND=HOST:PORT` runs the demo on that address."""
     result = subprocess.run(
