@@ -74,11 +74,6 @@ trio.run(serve, app, config)
 """
 
 
-def cpu(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of ``pid`` so far."""
-    return bench.cpu_split(pid)
-
-
 async def sequential(url: str, model: str, n: int) -> None:
     async with httpx.AsyncClient(timeout=60, headers=bench.HEADERS) as client:
         for _ in range(n):
@@ -88,9 +83,9 @@ async def sequential(url: str, model: str, n: int) -> None:
 def per_request(url: str, model: str, pids: list[int], n: int) -> list[tuple[float, float]]:
     """(user, system) µs per request of each of ``pids``, over ``n`` sequential 4-token streams."""
     trio.run(sequential, url, model, min(n, 200))  # warm: connections, code paths, caches
-    before = [cpu(p) for p in pids]
+    before = [bench.cpu_split(p) for p in pids]
     trio.run(sequential, url, model, n)
-    after = [cpu(p) for p in pids]
+    after = [bench.cpu_split(p) for p in pids]
     return [((a[0] - b[0]) / n * 1e6, (a[1] - b[1]) / n * 1e6) for a, b in zip(after, before, strict=True)]
 
 
@@ -126,6 +121,8 @@ def under_load(url: str, pids: list[int], concurrency: int) -> tuple[dict[int, t
             mine = own_cpu()
             rate, got, spent, chunks = trio.run(bench.throughput, url, "bench", concurrency, tokens, pids, each)
             mine = own_cpu() - mine
+            if not got:
+                raise SystemExit(f"no tokens came back through {url}: nothing to measure")
             t = totals.setdefault(tokens, [0.0, 0.0, 0.0, 0.0])
             t[0] += spent[0]
             t[1] += spent[1]
@@ -140,10 +137,17 @@ def under_load(url: str, pids: list[int], concurrency: int) -> tuple[dict[int, t
     return per_stream, [c / seconds for c in cores]
 
 
+def at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000, help="sequential requests per measurement")
-    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--requests", type=at_least_one, default=2000, help="sequential requests per measurement")
+    parser.add_argument("--concurrency", type=at_least_one, default=200)
     args = parser.parse_args()
 
     bare = floor(args.requests)
