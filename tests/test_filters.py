@@ -98,6 +98,11 @@ def test_think_splitter_examples():
     assert run_think(["<thi", "nk>plan</th", "ink>answer"]) == ("answer", "plan")
     assert run_think(["<THINK>x</Think>y"]) == ("y", "x")
     assert run_think(["plan</think>answer"], starts_open=True) == ("answer", "plan")
+    # "open", but this model writes <think> itself: the tag is not reasoning text
+    assert run_think(["\n<Thi", "nk>plan</think>answer"], starts_open=True) == ("answer", "plan")
+    assert run_think(["<think>"], starts_open=True) == ("", "")
+    assert run_think(["  <thi"], starts_open=True) == ("", "  <thi")  # cut short: what it was, as reasoning
+    assert run_think(["x<think>y</think>z"], starts_open=True) == ("z", "x<think>y")  # only a leading tag
     assert run_think(["no tags at all"]) == ("no tags at all", "")
 
 

@@ -19,6 +19,7 @@ POLICIES = [
     {"name": "strict", "strict_output": True},
     {"name": "strictbuf", "strict_output": True, "stream_buffer": True},
     {"name": "xmltool", "strict_output": True, "stream_buffer": True, "xml_completion_tool": "attempt_completion"},
+    {"name": "xmllive", "strict_output": True, "xml_completion_tool": "attempt_completion"},  # no stream_buffer
 ]
 
 
@@ -125,6 +126,11 @@ async def test_template_consumed_open_tag(shaped):
     assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
     message = whole["choices"][0]["message"]
     assert (message["content"], message["reasoning_content"]) == ("Answer", "plan")
+    # "open", and the model writes <think> itself after all: the tag is not reasoning text
+    upstream.script_for("t", script({"content": "<thi"}, {"content": "nk>plan</think>Answer"}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="opened")
+    assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
 
 
 async def test_sentinels_split_across_deltas_are_removed(shaped):
@@ -213,6 +219,20 @@ async def test_xml_completion_tool_wraps_plain_text_only(shaped):
             whole = (await client.post("/v1/chat/completions", json={"model": "xmltool", "messages": MESSAGES})).json()
     assert joined(chunks, "content") == tool_use
     assert whole["choices"][0]["message"]["content"] == tool_use
+
+
+async def test_xml_completion_tool_wraps_a_stream_without_stream_buffer_too(shaped):
+    """The wrap needs the whole text: a strict model with xml_completion_tool and no
+    stream_buffer still streams it wrapped, the same as its whole responses."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"content": "All "}, {"content": "done."}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="xmllive")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "xmllive", "messages": MESSAGES})).json()
+    wrapped = "<attempt_completion>\n<result>\nAll done.\n</result>\n</attempt_completion>"
+    assert joined(chunks, "content") == wrapped
+    assert whole["choices"][0]["message"]["content"] == wrapped
 
 
 async def test_usage_chunk_and_usage_on_whole_responses(shaped):

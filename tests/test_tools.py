@@ -93,6 +93,50 @@ async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
     assert upstream.records[0].body["tools"] == TOOLS  # native: the tools go upstream as they are
 
 
+async def test_native_calls_hide_call_markup_in_the_text(tooled):
+    """Native calls and <tool_call> markup in the same turn: the native calls are the
+    turn's; the markup never reaches the client (the seeds' rule), streamed or not."""
+    edge, upstream = tooled
+    upstream.script_for(
+        "t",
+        steps(
+            {"content": "I will call. " + text_call("get_time", {})},
+            *native_call(0, "call_a", "get_weather", '{"city": "Paris"}'),
+            finish="tool_calls",
+        ),
+    )
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS, stream=True)
+            chunks = [c async for c in stream]
+            whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content == "I will call."
+    names = [tc.function.name for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert names == [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
+
+
+async def test_native_calls_without_index_are_told_apart(tooled):
+    """A server that sends each call whole, several in one delta and with no index:
+    each is its own call, and a later fragment with no index continues the last one."""
+    edge, upstream = tooled
+    whole_calls = [
+        {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{"}},
+    ]
+    upstream.script_for(
+        "t", steps({"tool_calls": whole_calls}, {"tool_calls": [{"function": {"arguments": "}"}}]}, finish="tool_calls")
+    )
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    calls = whole.choices[0].message.tool_calls
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("call_a", "get_weather", {"city": "Paris"}),
+        ("call_b", "get_time", {}),
+    ]
+
+
 async def test_tool_calls_written_as_text_become_real_calls(tooled):
     """<tool_call> markup in text becomes tool calls; text around stays content; no markup leaks."""
     edge, upstream = tooled

@@ -132,11 +132,13 @@ class ThinkSplitter:
     """Moves ``<think>…</think>`` text out of content into reasoning.
 
     ``starts_open``: the chat template already consumed ``<think>`` so the
-    stream begins inside reasoning. Tags match case-insensitively; a partial
-    tag at the end of a piece is held back. Output goes to the two callbacks.
+    stream begins inside reasoning; a ``<think>`` the model writes anyway
+    before any other text (whitespace aside) is dropped, not passed on as
+    reasoning. Tags match case-insensitively; a partial tag at the end of a
+    piece is held back. Output goes to the two callbacks.
     """
 
-    __slots__ = ("_in_think", "_pending", "_content", "_reasoning")
+    __slots__ = ("_in_think", "_head", "_pending", "_content", "_reasoning")
 
     def __init__(
         self,
@@ -146,11 +148,16 @@ class ThinkSplitter:
         starts_open: bool = False,
     ) -> None:
         self._in_think = starts_open
+        self._head = starts_open  # still before the first text of an open stream
         self._pending = ""
         self._content = content
         self._reasoning = reasoning
 
     def append(self, text: str) -> None:
+        if self._head:
+            text = self._past_head(text)
+            if text is None:
+                return
         if not self._pending and "<" not in text:
             if text:
                 (self._reasoning if self._in_think else self._content)(text)
@@ -171,8 +178,21 @@ class ThinkSplitter:
             self._pending = buf[len(buf) - hold :]
             return
 
+    def _past_head(self, text: str) -> str | None:
+        """An open stream's first text, with a leading ``<think>`` dropped;
+        None while what came so far is whitespace or a part of the tag."""
+        buf = self._pending + text
+        rest = buf.lstrip()
+        if len(rest) < len(THINK_OPEN) and THINK_OPEN.startswith(rest.lower()):
+            self._pending = buf
+            return None
+        self._head = False
+        self._pending = ""
+        return rest[len(THINK_OPEN) :] if rest[: len(THINK_OPEN)].lower() == THINK_OPEN else buf
+
     def flush(self) -> None:
         buf, self._pending = self._pending, ""
+        self._head = False
         self._emit(buf)
 
     def _emit(self, text: str) -> None:

@@ -343,6 +343,16 @@ class ToolTextFilter:
         return buf[: _safe_len(buf)]
 
 
+def before_tool_markup(text: str) -> str:
+    """``text`` up to the first tool-call block or what may start one (then
+    without the whitespace before it): the content of a turn whose calls came
+    natively (the live filter's :meth:`ToolTextFilter.flush_non_candidate`,
+    on a whole text). Text with neither is returned as it is."""
+    idx = _first_candidate(text)
+    cut = idx if idx >= 0 else _safe_len(text)
+    return text if cut == len(text) else text[:cut].rstrip()
+
+
 def _first_candidate(text: str) -> int:
     low = text.lower()
     found = [i for i in (low.find(h) for h in _HINTS) if i >= 0]

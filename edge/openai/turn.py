@@ -21,7 +21,14 @@ from edge.openai.exchange import Exchange
 from edge.openai.request import context_class, estimate_input_tokens, parse_chat_request, prompt_prefix
 from edge.openai.schema import ChatRequest, UsageOut
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
-from edge.openai.tools import ToolContract, corrective_message, parse_text_tool_calls, text_tools_request, with_ids
+from edge.openai.tools import (
+    ToolContract,
+    before_tool_markup,
+    corrective_message,
+    parse_text_tool_calls,
+    text_tools_request,
+    with_ids,
+)
 from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
@@ -92,10 +99,13 @@ class Turn:
 
     @property
     def buffered(self) -> bool:
-        """Collect the whole run before the client sees anything."""
+        """Collect the whole run before the client sees anything. A strict
+        model's ``xml_completion_tool`` wraps the whole text, so its streams
+        are collected too, ``stream_buffer`` or not."""
         if self.contract is not None and self.policy.tool_stream != "live":
             return True
-        return self.policy.strict_output and self.policy.stream_buffer
+        policy = self.policy
+        return policy.strict_output and (policy.stream_buffer or bool(policy.xml_completion_tool))
 
     async def acquire(self) -> Slot:
         edge = self.edge
@@ -234,7 +244,9 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     content = shaper.content_text
     tool_calls = with_ids(event.tool_calls) if event.tool_calls else None
     tool_error = ""
-    if not tool_calls and turn.contract is not None:
+    if tool_calls and turn.contract is not None:
+        content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
+    elif turn.contract is not None:
         parsed = parse_text_tool_calls(content)
         if parsed.candidate and not (cut_off and parsed.error):  # a cut-off call block stays text
             content = parsed.content

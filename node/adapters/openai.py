@@ -27,7 +27,7 @@ class _FunctionDelta(msgspec.Struct):
 
 
 class _ToolCallDelta(msgspec.Struct):
-    index: int = 0
+    index: int | None = None  # some servers leave it out (see _merge_tool_calls)
     id: str | None = None
     type: str | None = None
     function: _FunctionDelta | None = None
@@ -271,10 +271,21 @@ def _usage(u: _Usage) -> Usage:
 
 
 def _merge_tool_calls(calls: dict[int, ToolCall], deltas: list[_ToolCallDelta]) -> None:
-    for d in deltas:
-        call = calls.get(d.index)
+    """Join streamed tool-call fragments by their ``index``. A fragment with
+    no index (servers that send each call whole, several in one delta) starts
+    a new call when it names a new id or is not the first of its delta's
+    list, and continues the last call otherwise."""
+    for position, d in enumerate(deltas):
+        index = d.index
+        if index is None:
+            last = max(calls) if calls else -1
+            if last < 0 or position > 0 or (d.id and d.id != calls[last].id):
+                index = last + 1
+            else:
+                index = last
+        call = calls.get(index)
         if call is None:
-            call = calls[d.index] = ToolCall(id="", function=ToolCallFunction())
+            call = calls[index] = ToolCall(id="", function=ToolCallFunction())
         if d.id:
             call.id = d.id
         if d.function is not None:
