@@ -161,11 +161,20 @@ class EdgeApp(QuartTrio):
 
 
 def create_app(config: EdgeConfig | None = None) -> QuartTrio:
-    """The ASGI app. With no ``config``, reads ``$IOP_EDGE_CONFIG`` (or defaults)."""
+    """The ASGI app. With no ``config``, reads ``$IOP_EDGE_CONFIG`` (or
+    defaults); a config that cannot be used then ends the process with one
+    line naming the key (under hypercorn's CLI: its worker)."""
     if not structlog.is_configured():  # under hypercorn's CLI: `iop` and the tests configure it first
         logs.configure()
     if config is None:
-        config = load_edge_config(None)
+        try:
+            return _create_app(load_edge_config(None))
+        except ConfigError as e:
+            raise SystemExit(f"iop: {e}") from None
+    return _create_app(config)
+
+
+def _create_app(config: EdgeConfig) -> QuartTrio:
     install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
     install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections

@@ -343,9 +343,10 @@ async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, de
 
 
 async def test_every_request_gets_one_access_line_and_a_request_id(first):
-    """Every request to an OpenAI route (400 from validation, 404, 405, stream, whole, embeddings) gets
-    one access line with its real status and a request id, returned as x-request-id, and is counted;
-    the line holds no prompt text and no key."""
+    """Every HTTP request (to an OpenAI route: 400 from validation, 404, 405, stream, whole,
+    embeddings; and to what Quart serves: models, health, an unknown route) gets one access line
+    with its real status and a request id, returned as x-request-id, and is counted; the line
+    holds no prompt text and no key."""
     edge, upstream = first
     secret = "PROMPT-SECRET-7"
     headers = {"authorization": "Bearer sk-KEY-SECRET-9"}
@@ -360,13 +361,20 @@ async def test_every_request_gets_one_access_line_and_a_request_id(first):
                 await post("/v1/chat/completions", json={**good, "stream": True}),
                 await post("/v1/chat/completions", json=good),
                 await post("/v1/embeddings", json={"model": "emb", "input": secret}),
+                await client.get("/v1/models"),
+                await client.get("/v1/models/m"),
+                await client.get("/v1/models/nope"),
+                await post("/v1/models", json={}),
+                await client.get("/healthz"),
+                await client.get("/no/such/route"),
             ]
             await eventually(lambda: sum(e["event"] == "request" for e in logs) == len(responses))
             metrics = (await client.get("/metrics")).text
-    assert [r.status_code for r in responses] == [400, 404, 405, 200, 200, 200]
+    assert [r.status_code for r in responses] == [400, 404, 405, 200, 200, 200, 200, 200, 404, 405, 200, 404]
     lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
     ids = [r.headers["x-request-id"] for r in responses]
-    assert sorted(ids) == sorted(lines) and all(re.fullmatch(r"req_[0-9a-f]{24}", i) for i in ids)
+    assert len(set(ids)) == len(ids) and set(ids) <= set(lines)
+    assert all(re.fullmatch(r"req_[0-9a-f]{24}", i) for i in ids)
     for r, request_id in zip(responses, ids, strict=True):
         line = lines[request_id]
         assert line["status"] == r.status_code and line["route"] == r.request.url.path
@@ -378,11 +386,21 @@ async def test_every_request_gets_one_access_line_and_a_request_id(first):
         "complete",
         "complete",
         "complete",
+        "ok",
+        "ok",
+        "rejected_404",
+        "rejected_405",
+        "ok",
+        "rejected_404",
     ]
+    assert [lines[i]["api"] for i in ids[6:]] == ["models", "models", "models", "models", "health", "other"]
     assert 'iop_requests_total{api="chat",model="m",outcome="rejected_400"} 1.0' in metrics
     assert 'iop_requests_total{api="chat",model="other",outcome="rejected_405"} 1.0' in metrics
     assert 'iop_requests_total{api="chat",model="m",outcome="complete"} 2.0' in metrics
     assert 'iop_requests_total{api="embeddings",model="emb",outcome="complete"} 1.0' in metrics
+    assert 'iop_requests_total{api="models",model="m",outcome="ok"} 1.0' in metrics
+    assert 'iop_requests_total{api="models",model="other",outcome="rejected_404"} 1.0' in metrics
+    assert 'iop_requests_total{api="other",model="other",outcome="rejected_404"} 1.0' in metrics
 
 
 async def test_cached_prompt_tokens_reach_every_api(nursery, upstream):

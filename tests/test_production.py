@@ -229,6 +229,30 @@ async def test_edge_runs_under_hypercorns_own_cli(nursery, tmp_path, upstream):
         _stop(proc)
 
 
+def test_a_bad_config_under_hypercorns_cli_is_one_line(tmp_path):
+    """Under hypercorn's CLI a config the edge cannot use stops its worker with the one line
+    `iop edge` prints (naming the file and the key), not a traceback."""
+    from scripts.stack import free_port
+
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text('node_token = "t"\nwait_timeout_s = "soon"\n')
+    hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+    said = {}
+    for path in (cfg, tmp_path / "missing.toml"):
+        proc = subprocess.run(
+            [hypercorn, "--worker-class", "trio", "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
+            env={**os.environ, "IOP_EDGE_CONFIG": str(path)},
+            capture_output=True,
+            text=True,
+            timeout=BOUND,
+        )
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        said[path.name] = lines[0]
+    assert said["edge.toml"] == f"iop: {cfg}: wait_timeout_s: expected `float`, got `str`"
+    assert said["missing.toml"] == f"iop: {tmp_path / 'missing.toml'}: cannot read: No such file or directory"
+
+
 async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
     """The edge serves HTTPS with a certfile/keyfile and nodes link over wss:// trusting a CA file."""
     ca = trustme.CA()

@@ -11,7 +11,10 @@ Every request here gets a request id (``req_`` + hex, the ``x-request-id`` of
 its response), one access line with its real status
 and the API it spoke (``api``), and one count in ``iop_requests_total``,
 rejections included. Each route renders errors in its API's shape
-(:class:`~edge.openai.exchange.ErrorShape`).
+(:class:`~edge.openai.exchange.ErrorShape`). The HTTP requests Quart serves
+(models, nodes, health, metrics, admin, console, unknown routes) get the
+same: an id, an access line and a count, their ``api`` named by
+:func:`_quart_api`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import trio
 from edge.anthropic.messages import ANTHROPIC_ERRORS, count_tokens, messages
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
-from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange
+from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange, new_request_id
 from edge.openai.passthrough import tunnel_route
 from edge.openai.responses_route import create_response
 
@@ -65,6 +68,7 @@ def openai_routes(edge: Edge, quart_asgi):
             route = ROUTES.get(scope["path"])
             if route is not None:
                 return _serve(edge, route, Exchange(scope, receive, send))
+            return _serve_quart(edge, quart_asgi, scope, receive, send)
         return quart_asgi(scope, receive, send)
 
     async def asgi(scope, receive, send) -> None:  # what servers see: a coroutine function is ASGI 3
@@ -150,6 +154,61 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     finally:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
+
+
+def _quart_api(path: str) -> str:
+    """The ``api`` label of a request Quart serves: one of a fixed few, never the client's string."""
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return "models"
+    if path.startswith("/v1/admin/") or path == "/v1/nodes":
+        return "admin"
+    if path == "/console" or path.startswith("/console/"):
+        return "console"
+    if path in ("/healthz", "/readyz"):
+        return "health"
+    if path == "/metrics":
+        return "metrics"
+    return "other"
+
+
+async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send) -> None:
+    """A request Quart serves, with its ``x-request-id``, its access line and its count."""
+    t0 = time.perf_counter()
+    request_id = new_request_id()
+    header = (b"x-request-id", request_id.encode())
+    status = 0
+
+    async def send_with_id(message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            message = {**message, "headers": [*message.get("headers", ()), header]}
+        await send(message)
+
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        await quart_asgi(scope, receive, send_with_id)
+    finally:
+        path = scope["path"]
+        api = _quart_api(path)
+        model = path[len("/v1/models/") :] if path.startswith("/v1/models/") else None
+        if not status:
+            status, outcome = CLIENT_CLOSED, "client_gone"
+        else:
+            outcome = "ok" if status < 400 else f"rejected_{status}"
+        edge.metrics.requests.labels(api, edge.metrics.model_label(model), outcome).inc()
+        log.info(
+            "request",
+            request_id=request_id,
+            method=scope["method"],
+            route=path[:_MAX_MODEL_LOGGED],
+            api=api,
+            model=model[:_MAX_MODEL_LOGGED] if model is not None else None,
+            status=status,
+            cause=outcome,
+            duration_ms=round((time.perf_counter() - t0) * 1000, 1),
+        )
+        structlog.contextvars.unbind_contextvars("request_id")
 
 
 def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:
