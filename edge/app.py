@@ -23,6 +23,7 @@ from edge.admin import admin_routes
 from edge.app_queue import install as install_app_queue
 from edge.auth import client_key_matches
 from edge.config import EdgeConfig, load_edge_config
+from edge.connection import install as install_connection_guard
 from edge.console import Console, console_routes
 from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
@@ -180,6 +181,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections
     install_app_queue()  # hypercorn's memory channel to the app: 1.7 KB an open stream holds
     install_send_lock()  # hypercorn's trio.Lock per connection: 0.3 KB an open stream holds
+    install_connection_guard()  # an exception in one connection ends that connection, not the edge
     edge = Edge(config)
     app = EdgeApp("iop-edge")
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream

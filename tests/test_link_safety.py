@@ -4,6 +4,10 @@ claims what it does not serve is capped and routed around (issue 9)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -394,3 +398,103 @@ async def test_a_frame_of_8k_tiny_events_is_not_8k_writes_from_the_link(nursery,
     assert text == "<" + "x" * n, r.text[-300:]
     assert writes["n"] <= 4, writes  # the flood: one event from the reader, the rest one batch
     await stream.aclose()
+
+
+def _spawn_edge(cfg: str, log_path) -> subprocess.Popen:
+    """An `iop edge` OS process, its log lines (warnings and up, JSON) in ``log_path``."""
+    with open(log_path, "wb") as log_file:  # the child has its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "iop.cli", "--log-level", "warning", "edge", "--config", cfg],
+            env={**os.environ, "IOP_LOG_FORMAT": "json"},
+            stderr=log_file,
+        )
+
+
+async def test_an_edge_paused_past_its_ping_timeout_drops_the_links_and_goes_on(nursery, tmp_path):
+    """An edge frozen for longer than its node pings allow (SIGSTOP, a VM pause) resumes,
+    drops the links it stopped hearing, and serves on: the nodes relink and requests succeed.
+    (Found from outside: the edge died of a BusyResourceError while closing those links.)"""
+    import httpx
+
+    from node.agent import NodeAgent
+    from scripts.stack import free_port
+    from tests.conftest import node_config, write_toml
+
+    port = free_port()
+    cfg = write_toml(
+        tmp_path / "edge.toml",
+        {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "ping_interval_s": 0.5, "ping_misses": 2, "ledger": "off"},
+    )
+    log_path = tmp_path / "edge.log"
+    proc = _spawn_edge(cfg, log_path)
+    url = f"http://127.0.0.1:{port}"
+    link = f"ws://127.0.0.1:{port}/v1/node/link"
+    for i in range(3):
+        agent = NodeAgent(node_config([link], [model("m", max_concurrency=4)], f"p{i}"))
+        nursery.start_soon(agent.serve)
+
+    async def linked(client: httpx.AsyncClient) -> int:
+        text = (await client.get("/metrics")).text
+        return int(float(next(line.split()[1] for line in text.splitlines() if line.startswith("iop_nodes_linked "))))
+
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client:
+            for pause in (3.0, 2.0):
+                with trio.fail_after(BOUND):
+                    while True:
+                        try:
+                            if await linked(client) == 3:
+                                break
+                        except httpx.HTTPError:
+                            pass
+                        await trio.sleep(0.05)
+                    r = await client.post("/v1/chat/completions", json=ASK)
+                    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+                os.kill(proc.pid, signal.SIGSTOP)
+                await trio.sleep(pause)
+                os.kill(proc.pid, signal.SIGCONT)
+                await trio.sleep(1.5)  # its timers fire, it drops the silent links, the nodes redial
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+            with trio.fail_after(BOUND):
+                while await linked(client) != 3:
+                    await trio.sleep(0.05)
+                r = await client.post("/v1/chat/completions", json=ASK)
+            assert r.status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=BOUND)
+    logged = log_path.read_text()
+    assert "no frame from the node" in logged  # the pauses did cost the links
+    assert "BusyResourceError" not in logged and "connection failed" not in logged
+
+
+async def test_an_error_in_one_connection_ends_that_connection_only(nursery, monkeypatch):
+    """hypercorn runs every connection in the server's nursery: an exception a connection
+    raised (any bug in the stack under it) ended the whole edge. Now it closes that
+    connection, is logged once, and every other connection goes on."""
+    import structlog
+    from hypercorn.events import RawData
+    from hypercorn.protocol.h11 import H11Protocol
+
+    hypercorn_handle = H11Protocol.handle
+
+    async def handle(self, event):
+        if isinstance(event, RawData) and b"x-boom" in event.data:
+            raise RuntimeError("a bug under one connection")
+        await hypercorn_handle(self, event)
+
+    monkeypatch.setattr(H11Protocol, "handle", handle)
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m")])
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        async with http(edge) as client:
+            streaming = await client.send(client.build_request("POST", "/v1/chat/completions", json=ASK), stream=True)
+            stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-boom: 1\r\n\r\n")
+            assert await stream.receive_some(1024) == b""  # that connection, closed
+            await stream.aclose()
+            await streaming.aread()
+            assert streaming.status_code == 200
+            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+    failed = [e for e in logs if e["event"].startswith("connection failed")]
+    assert len(failed) == 1 and failed[0]["log_level"] == "error"

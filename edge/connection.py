@@ -1,0 +1,66 @@
+"""hypercorn's per-connection server, hardened: one connection can end only itself.
+
+hypercorn 0.18 runs every connection (``TCPServer.run``) in the server's own
+nursery and catches only ``OSError`` there, so any other exception a
+connection raises ends the nursery, and with it the listener and every other
+connection: the whole edge. One such exception was found from outside: an
+edge frozen for a few seconds (SIGSTOP, a VM pause) resumed, closed the node
+links whose pings it had missed, and died of ``trio.BusyResourceError``.
+``TCPServer._close`` calls ``send_eof`` without the connection's send lock,
+and ``send_eof`` holds trio's send-conflict detector across a checkpoint; a
+pong or close reply that the connection's reader sent meanwhile, under the
+lock, met that detector.
+
+``install()`` patches two things:
+
+- ``protocol_send``: bytes whose ``send_all`` meets ``_close`` in progress
+  are dropped, as if the socket had closed under them (it is closing);
+- ``run``: any other exception a connection raises is logged and ends that
+  connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
+  was.
+
+Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
+refuses a ``TCPServer`` that lacks what it wraps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import structlog
+import trio
+from hypercorn.events import RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+log = structlog.get_logger("iop.edge.http")
+
+
+def install() -> None:
+    """Idempotent."""
+    if getattr(TCPServer.run, "iop_guarded", False):
+        return
+    if not all(callable(getattr(TCPServer, name, None)) for name in ("run", "protocol_send", "_close")):
+        raise RuntimeError("hypercorn's TCPServer is not the one edge.connection was written for: review it")
+    hypercorn_run = TCPServer.run
+    hypercorn_protocol_send = TCPServer.protocol_send
+
+    @functools.wraps(hypercorn_protocol_send)
+    async def protocol_send(self: TCPServer, event) -> None:
+        try:
+            await hypercorn_protocol_send(self, event)
+        except trio.BusyResourceError:
+            if not isinstance(event, RawData):
+                raise
+            # _close's send_eof holds the stream: the connection is closing, these bytes go nowhere
+
+    @functools.wraps(hypercorn_run)
+    async def run(self: TCPServer) -> None:
+        try:
+            await hypercorn_run(self)
+        except Exception:
+            log.exception("connection failed; closed it, the edge goes on")
+
+    protocol_send.iop_guarded = True  # type: ignore[attr-defined]
+    run.iop_guarded = True  # type: ignore[attr-defined]
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+    TCPServer.run = run  # type: ignore[method-assign]
