@@ -22,6 +22,17 @@ log = structlog.get_logger("iop")
 DEMO_MODEL = "iop-sim"
 
 
+def demo_model():
+    """The demo's simulated model. It answers in 64 tokens and stops, as a model would,
+    whatever max_tokens asks (Claude Code asks 32,000), and takes a coding agent's prompt:
+    Claude Code's system prompt and tools are about 19,000 tokens, plus its max_tokens."""
+    from node.config import ModelConfig
+
+    return ModelConfig(
+        name=DEMO_MODEL, adapter="sim", max_concurrency=64, context_window=131072, sim_tokens=64, sim_stops=True
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="iop", description="OpenAI-compatible edge for inference nodes")
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: info)")
@@ -224,7 +235,7 @@ async def _demo(bind: str) -> None:
     from edge.config import EdgeConfig
     from edge.serve import serve_edge
     from node.agent import NodeAgent
-    from node.config import ModelConfig, NodeConfig
+    from node.config import NodeConfig
 
     token = secrets.token_urlsafe(16)
     admin_key = "iop-admin-" + secrets.token_urlsafe(12)  # for the console; new each run
@@ -243,7 +254,7 @@ async def _demo(bind: str) -> None:
             node_id="demo-node",
             edges=[url.replace("http", "ws", 1) + "/v1/node/link"],
             token=token,
-            models=[ModelConfig(name=DEMO_MODEL, adapter="sim", max_concurrency=64, context_window=32768)],
+            models=[demo_model()],
         )
         agent = NodeAgent(node_config)
         await nursery.start(agent.serve)

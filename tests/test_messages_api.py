@@ -538,3 +538,36 @@ async def test_claude_code_cli_writes_a_file_through_the_edge(nursery, upstream,
     last = next(r.body["messages"] for r in reversed(upstream.records) if r.body.get("tools"))
     assert last[-2]["tool_calls"][0]["id"] == "toolu_iop1" and last[-2]["tool_calls"][0]["function"]["name"] == "Write"
     assert last[-1]["role"] == "tool" and last[-1]["tool_call_id"] == "toolu_iop1"
+
+
+async def test_claude_code_cli_answers_from_the_demo_model(nursery, tmp_path):
+    """The README's first steps, then Claude Code: `iop demo`'s simulated model takes Claude
+    Code's request (its ~19k-token system prompt and tools plus max_tokens 32,000 fit the
+    model's context) and answers in a few dozen tokens, not 32,000 of them."""
+    from iop.cli import DEMO_MODEL, demo_model
+    from node.adapters.sim import sim_tokens
+
+    claude = require_agent("claude", "IOP_CLAUDE")
+    edge = await start_edge(nursery, edge_config())
+    node = await start_node(nursery, edge, [demo_model()])
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = quiet_env(
+        home,
+        ANTHROPIC_BASE_URL=edge.url,
+        ANTHROPIC_AUTH_TOKEN="unused",
+        ANTHROPIC_SMALL_FAST_MODEL=DEMO_MODEL,
+        DISABLE_TELEMETRY="1",
+        DISABLE_ERROR_REPORTING="1",
+        DISABLE_AUTOUPDATER="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    )
+    with structlog.testing.capture_logs() as logs, trio.fail_after(60):
+        done = await run_offline([claude, "-p", "Say hello.", "--model", DEMO_MODEL], port=edge.port, env=env, cwd=work)
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    words_said = done.stdout.split()
+    assert 10 <= len(words_said) <= 64 and set(words_said) <= set("".join(sim_tokens("x", 4096)).split())
+    asked = [e for e in logs if e["event"] == "request" and e.get("api") == "messages"]
+    assert asked and all(e["status"] == 200 for e in asked)
+    await settled(edge, node.agent)

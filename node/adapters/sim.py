@@ -120,6 +120,8 @@ class SimAdapter:
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         limited = isinstance(limit, int) and limit > 0
         count = int(limit) if limited else self.model.sim_tokens
+        if limited and self.model.sim_stops and count > self.model.sim_tokens:
+            count, limited = self.model.sim_tokens, False  # its own answer ends before max_tokens
         prompt = _last_user_text(body)
         call = tool_call_for(body)
         said = tool_results_text(body) if call is None else None
