@@ -582,3 +582,101 @@ def test_bad_new_config_fails_at_start_with_one_line(tmp_path, kind, config, exp
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0] and "secret-f00d" not in lines[0], result.stderr
+
+
+# -- tool schemas: bounded compile cost, bounded patterns ------------------------------------
+
+
+def _wide_tool(properties: int, tag: str) -> dict:
+    """A tool whose schema has ``properties`` plain string properties (its compile costs
+    about 0.3 ms each: the check against the draft's metaschema)."""
+    props = {f"{tag}{i}": {"type": "string"} for i in range(properties)}
+    return {"type": "function", "function": {"name": "wide", "parameters": {"type": "object", "properties": props}}}
+
+
+async def _healthz_while(edge, request) -> tuple[httpx.Response, int]:
+    """``request`` (a coroutine making one HTTP call), and how many /healthz answers
+    came back while it was in flight (each within 1 s, or the test fails)."""
+    served = 0
+    done: list[httpx.Response] = []
+
+    async def probe(client, cancel_scope) -> None:
+        nonlocal served
+        while True:
+            with trio.fail_after(1):
+                assert (await client.get("/healthz")).status_code == 200
+            served += 1
+            await trio.sleep(0.02)
+
+    async with http(edge) as client, trio.open_nursery() as nursery:
+        nursery.start_soon(probe, client, nursery.cancel_scope)
+        done.append(await request)
+        nursery.cancel_scope.cancel()
+    return done[0], served
+
+
+async def test_a_large_tool_schema_compiles_off_the_event_loop(sim_edge):
+    """A request whose tool schema takes a second or more to check is served, and the edge
+    answers others meanwhile (it froze for 17 s on a 1.8 MB schema before: every node link
+    dropped); past MAX_SCHEMA_NODES in all, the request is a 400 before any work."""
+    from edge.openai.tools import MAX_SCHEMA_NODES
+
+    body = {"model": "m", "messages": USER, "tools": [_wide_tool(4000, "a")], "max_tokens": 2}
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r, served = await _healthz_while(sim_edge, client.post("/v1/chat/completions", json=body))
+            assert r.status_code == 200, r.text
+            assert served >= 5  # /healthz answered all along the compile (about a second here)
+            too_big = {**body, "tools": [_wide_tool(MAX_SCHEMA_NODES, "b")]}
+            err = assert_openai_error(await client.post("/v1/chat/completions", json=too_big), 400, param="tools")
+    assert f"at most {MAX_SCHEMA_NODES}" in err["message"]
+
+
+async def test_a_backtracking_pattern_is_bounded(nursery, upstream):
+    """A client's `pattern` against a model's argument can backtrack for minutes (^(a+)+$
+    froze the edge 47 s on Python's re; ^(a|aa)+$ still backtracks on `regex`): patterns
+    run with a deadline, the call counts as unchecked (tool_validation_error after the
+    retry), and the edge goes on."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a|aa)+$"}}},
+        },
+    }
+    evil = json.dumps({"a": "a" * 60 + "!"})
+    call = {
+        "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": evil}}]
+    }
+    upstream.script_for("t", [("chunk", call), ("chunk", {}, "tool_calls"), ("done",)])
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    body = {"model": "m", "messages": USER, "tools": [tool]}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r, served = await _healthz_while(edge, client.post("/v1/chat/completions", json=body))
+    err = assert_openai_error(r, 502, code=None)
+    assert err["type"] == "tool_validation_error" and "patterns take too long" in err["message"]
+    assert len(upstream.records) == 2  # the retry, then the error: each validation within its budget
+    await settled(edge, node.agent)
+
+
+async def test_a_huge_session_id_is_kept_as_a_digest(nursery):
+    """The session affinity map keeps what a client sends as `user` or X-Session-Id (up to
+    100,000 of them): 4 MiB ones grew the edge by 425 MB in 100 requests. Past 128
+    characters a session is kept as a digest; affinity still holds for it."""
+    edge = await start_edge(nursery)
+    nodes = [await start_node(nursery, edge, [sim("m", max_concurrency=8)], node_id=f"n{i}") for i in range(2)]
+    huge = [f"u{i}" + "x" * (1 << 20) for i in range(3)]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for user in huge + huge:
+                body = {"model": "m", "messages": USER, "user": user, "max_tokens": 1}
+                assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": USER}, headers={"x-session-id": "s" * 5000}
+            )
+            assert r.status_code == 200
+    affinity = edge.edge.runs._affinity
+    assert len(affinity) == 4 and all(len(k) <= 128 for k in affinity)
+    await settled(edge, *(n.agent for n in nodes))

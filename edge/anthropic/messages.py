@@ -68,7 +68,7 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
 async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
     chat = _decode(edge, ex, body)[1]
     del body  # (see routes._serve)
-    turn = open_turn(edge, ex, chat)
+    turn = await open_turn(edge, ex, chat)
     del chat  # the turn keeps what it forwards
     access = ex.access
     try:

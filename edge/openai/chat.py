@@ -46,7 +46,7 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, raw, "/chat/completions")
         return
-    turn = open_turn(edge, ex, raw)
+    turn = await open_turn(edge, ex, raw)
     del raw  # the turn keeps what it forwards
     try:
         slot = await turn.acquire()

@@ -23,6 +23,7 @@ from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
+from edge.runs.service import session_key
 from proto import RunEvent
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
-    want = Want(model, session=session or None, tunnel=True)
+    want = Want(model, session=session_key(session), tunnel=True)
     edge.admit(ex, model, 0, None)
     slot = await edge.runs.acquire(want, ex)
     raw["model"] = slot.info.target

@@ -60,7 +60,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             tool_types=sorted(set(decoded.ignored_tools)),
             item_types=sorted(set(decoded.ignored_items)),
         )
-    turn = open_turn(edge, ex, decoded.chat)
+    turn = await open_turn(edge, ex, decoded.chat)
     enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo)
     del raw, decoded  # the turn keeps what it forwards, the encoder what it echoes
     try:

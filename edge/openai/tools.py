@@ -19,13 +19,19 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+import threading
+import time
 from typing import Any
 
 import jsonschema
+import jsonschema._keywords
+import jsonschema._utils
 import msgspec
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
+import regex
+import trio
 
 from edge.openai.schema import ChatRequest
 from proto import ToolCall, ToolCallFunction
@@ -100,6 +106,76 @@ class SchemaProblem(Exception):
     """A tool's parameters cannot be used as a JSON Schema here."""
 
 
+# What a request's tool schemas may cost. Checking a schema against its draft's
+# metaschema costs about 0.3 ms per property on this machine (jsonschema, 2020-12):
+# a budget of nodes (objects and arrays) bounds it, and a schema past a few hundred
+# nodes is compiled in a worker thread, one at a time, so the event loop (node
+# links, streams) goes on meanwhile. Cached compiles (the same schema text) cost nothing.
+MAX_SCHEMA_NODES = 20_000  # in all of a request's tool schemas
+THREAD_SCHEMA_NODES = 400
+_COMPILES = trio.CapacityLimiter(1)
+
+# Every regex jsonschema runs (pattern, patternProperties, additionalProperties
+# beside patternProperties) is a client's, matched against a model's output: a
+# pattern such as ^(a+)+$ backtracks for minutes on Python's re. They run on the
+# `regex` module with a deadline instead: PATTERN_BUDGET_S for one validation in
+# all, after which the arguments count as not checkable.
+PATTERN_BUDGET_S = 0.25
+_deadline = threading.local()
+
+
+class PatternTimeout(Exception):
+    """A schema's patterns took longer than :data:`PATTERN_BUDGET_S` on one validation."""
+
+
+class _BoundedRe:
+    """Stands in for the ``re`` module inside jsonschema: ``search`` with a deadline."""
+
+    def __getattr__(self, name: str):
+        import re as stdlib_re
+
+        return getattr(stdlib_re, name)
+
+    @staticmethod
+    def search(pattern: str, string: str, flags: int = 0):
+        end = getattr(_deadline, "at", None)
+        left = PATTERN_BUDGET_S if end is None else end - time.monotonic()
+        if left <= 0:
+            raise PatternTimeout
+        try:
+            return regex.search(pattern, string, flags, timeout=left)
+        except TimeoutError:
+            raise PatternTimeout from None
+
+
+def _bound_jsonschema_patterns() -> None:
+    for module in (jsonschema._keywords, jsonschema._utils):
+        current = getattr(module, "re", None)
+        if isinstance(current, _BoundedRe):
+            continue
+        if current is None or getattr(current, "__name__", "") != "re":
+            raise RuntimeError(f"{module.__name__} no longer uses the re module: review edge.openai.tools")
+        module.re = _BoundedRe()  # type: ignore[attr-defined]
+
+
+_bound_jsonschema_patterns()
+
+
+def _schema_nodes(schema: Any) -> int:
+    """Objects and arrays in a decoded schema (iteratively)."""
+    count = 0
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            count += 1
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            count += 1
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return count
+
+
 def _no_retrieval(uri: str):
     # Schemas never trigger I/O: jsonschema would otherwise fetch http:// and
     # file:// references, blocking, on the event loop.
@@ -140,13 +216,26 @@ def _validator(schema_json: str):
             ) from None
     validator = cls(schema, registry=registry)
     try:
-        for _ in validator.iter_errors({}):
-            pass
+        with _pattern_deadline():
+            for _ in validator.iter_errors({}):
+                pass
+    except PatternTimeout:
+        raise SchemaProblem("its patterns take too long to match") from None
     except RecursionError:
         raise SchemaProblem("its references loop without end") from None
     except referencing.exceptions.Unresolvable as e:
         raise SchemaProblem(f"a reference does not resolve: {e}") from None
     return validator
+
+
+class _pattern_deadline:
+    """Every pattern of one validation, together, within :data:`PATTERN_BUDGET_S`."""
+
+    def __enter__(self) -> None:
+        _deadline.at = time.monotonic() + PATTERN_BUDGET_S
+
+    def __exit__(self, *_: object) -> None:
+        _deadline.at = None
 
 
 def _refs(schema: Any) -> list[str]:
@@ -184,16 +273,32 @@ class ToolContract:
                 self.forced = name
                 self.required = True
 
-    def check_request(self) -> str:
-        """A problem with the request itself ("" if none)."""
+    async def check_request(self, req: ChatRequest) -> str:
+        """A problem with the request itself ("" if none). Every tool's schema
+        is compiled (and cached) here: within :data:`MAX_SCHEMA_NODES`, and
+        off the event loop when large."""
         if self.forced is not None and self.forced not in self.schemas:
             return f"tool_choice names `{self.forced}`, which is not in tools"
+        sizes = {
+            tool.function.name: _schema_nodes(tool.function.parameters)
+            for tool in req.tools or ()
+            if tool.function.parameters
+        }
+        if sum(sizes.values()) > MAX_SCHEMA_NODES:
+            return (
+                f"the tools' parameter schemas hold {sum(sizes.values())} objects and arrays in all; "
+                f"this edge takes at most {MAX_SCHEMA_NODES}"
+            )
         for name, schema in self.schemas.items():
-            if schema:
-                try:
+            if not schema:
+                continue
+            try:
+                if sizes.get(name, 0) > THREAD_SCHEMA_NODES:
+                    await trio.to_thread.run_sync(_validator, schema, limiter=_COMPILES, abandon_on_cancel=True)
+                else:
                     _validator(schema)
-                except SchemaProblem as e:
-                    return f"the parameters of tool `{name}` cannot be used: {e}"
+            except SchemaProblem as e:
+                return f"the parameters of tool `{name}` cannot be used: {e}"
         return ""
 
     def validate(self, calls: list[ToolCall] | None) -> str:
@@ -222,9 +327,12 @@ class ToolContract:
             schema = self.schemas[name]
             if schema:
                 try:
-                    error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(args))
+                    with _pattern_deadline():
+                        error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(args))
                 except (RecursionError, referencing.exceptions.Unresolvable):
                     return f"the arguments of `{name}` could not be checked: its schema loops on them"
+                except PatternTimeout:
+                    return f"the arguments of `{name}` could not be checked: its schema's patterns take too long"
                 if error is not None:
                     where = "/".join(str(p) for p in error.absolute_path) or "(root)"
                     return f"the arguments of `{name}` do not match its schema at {where}: {error.message}"

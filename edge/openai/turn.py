@@ -33,7 +33,7 @@ from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
 from edge.runs.run import consume_run
-from edge.runs.service import encode_run_body
+from edge.runs.service import encode_run_body, session_key
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -71,7 +71,7 @@ class Turn:
         limit = req.max_completion_tokens or req.max_tokens or 0
         self.want = Want(
             req.model,
-            session=self.session or None,
+            session=session_key(self.session),
             min_context=self.estimate + limit if limit else 0,
             prefix=prompt_prefix(req) if edge.config.routing == "prefix" else (),
         )
@@ -166,7 +166,7 @@ class Turn:
         return consume_run(run, consume, keepalive)
 
 
-def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
+async def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
     """The turn for a chat request body (what every front door decodes into):
     validated, with its tools' schemas checked. Raises :class:`APIError` (400)."""
     cfg = edge.config
@@ -175,7 +175,7 @@ def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
     )
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:
-        problem = turn.contract.check_request()
+        problem = await turn.contract.check_request(req)
         if problem:
             raise bad_request(problem, "tools")
     edge.admit(ex, req.model, turn.estimate, req.max_completion_tokens or req.max_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import random
 import secrets
@@ -37,6 +38,20 @@ class Slot:
     @property
     def info(self) -> ModelInfo:
         return self.link.models[self.model]
+
+
+_SESSION_CHARS = 128  # a longer session id (a client's string, kept by _affinity) is kept as its digest
+
+
+def session_key(session: str | None) -> str | None:
+    """A session id as the edge keeps it: itself, or past :data:`_SESSION_CHARS`
+    a 32-character digest of it, so that what the affinity map holds per session
+    is bounded whatever a client sends as ``X-Session-Id`` or ``user``."""
+    if not session:
+        return None
+    if len(session) <= _SESSION_CHARS:
+        return session
+    return "sha256:" + hashlib.sha256(session.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 class Want(msgspec.Struct, frozen=True):
