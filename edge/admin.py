@@ -11,7 +11,9 @@
 - ``DELETE /v1/admin/keys/{id}``: revoke at once: new requests get 401, its
   streams in flight finish.
 
-Keys from the config file are listed but not changed here (409).
+Keys from the config file are listed but not changed here (409). A ledger
+whose database fails the call (PostgreSQL down, SQLite locked or read-only):
+503 ``ledger_unavailable``, nothing changed.
 """
 
 from __future__ import annotations
@@ -24,21 +26,24 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 from quart import Response, request
 
 from edge.auth import client_key_matches
 from edge.errors import error_json
 from edge.keys import Key, Policy, new_secret, sha256_hex
-from edge.ledger import GROUPS
+from edge.ledger import GROUPS, LedgerUnavailable
 
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
     from edge.app import Edge
 
+log = structlog.get_logger("iop.edge.admin")
 _encode = msgspec.json.Encoder().encode
 _ID = re.compile(r"[A-Za-z0-9._@-]{1,64}")
 _MAX_KEYS = 10_000
+USAGE_FORMATS = ("json", "csv")
 
 
 def json_response(status: int, body: Any) -> Response:
@@ -74,6 +79,14 @@ def parse_group_by(value: str | None) -> list[str]:
     if bad or len(set(groups)) != len(groups):
         raise ValueError(f"group_by: a comma-separated list of {', '.join(GROUPS)}")
     return groups
+
+
+def parse_format(value: str | None) -> str:
+    if not value:
+        return "json"
+    if value not in USAGE_FORMATS:
+        raise ValueError(f"format: {' or '.join(USAGE_FORMATS)}")
+    return value
 
 
 def usage_csv(rows: list[dict[str, Any]], groups: list[str]) -> bytes:
@@ -135,6 +148,18 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             )
         return problem
 
+    @app.errorhandler(LedgerUnavailable)
+    async def ledger_unavailable(e: LedgerUnavailable) -> Response:
+        """The ledger's database failed the route's call: 503, one warning line (the
+        ledger logs its own going down and coming back)."""
+        log.warning("admin request failed: ledger unavailable", route=request.path[:100], error=str(e))
+        return error_response(
+            503,
+            "The ledger's database is unavailable right now; try again later.",
+            "ledger_unavailable",
+            "service_unavailable_error",
+        )
+
     @app.get("/v1/admin/usage")
     async def usage() -> Response:
         problem = refused_or_no_ledger()
@@ -145,10 +170,11 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             start = parse_time(args.get("from"), "from")
             end = parse_time(args.get("to"), "to")
             groups = parse_group_by(args.get("group_by"))
-        except ValueError as e:
-            return error_response(400, str(e), "invalid_parameter")
+            fmt = parse_format(args.get("format"))
+        except ValueError as e:  # each says "<parameter>: what it takes"
+            return error_response(400, str(e), "invalid_parameter", param=str(e).partition(":")[0])
         rows = await edge.ledger.usage(start, end, groups)
-        if args.get("format") == "csv":
+        if fmt == "csv":
             return Response(usage_csv(rows, groups), 200, content_type="text/csv; charset=utf-8")
         return json_response(200, {"object": "list", "group_by": groups, "data": rows})
 
@@ -237,6 +263,8 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         key = run_time_key(key_id, "remove")
         if isinstance(key, Response):
             return key
-        edge.keys.revoke(key)
+        # Stored first: a ledger that cannot store it (503) leaves the key as it was, not
+        # revoked here only to come back when this edge next reads the key table.
         await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
+        edge.keys.revoke(key)
         return json_response(200, {"id": key_id, "deleted": True})

@@ -184,6 +184,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     install_connection_guard()  # an exception in one connection ends that connection, not the edge
     edge = Edge(config)
     app = EdgeApp("iop-edge")
+    logs.as_events(app.name)  # app.logger: Quart's errors as structlog events, not plain-text lines
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
     app.config["BODY_TIMEOUT"] = config.body_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
@@ -291,6 +292,11 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     @app.errorhandler(405)
     async def not_allowed(_: Exception) -> Response:
         return _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
+
+    @app.errorhandler(500)
+    async def internal_error(_: Exception) -> Response:
+        """A route's unexpected exception (Quart has logged it, traceback and all, through app.logger)."""
+        return _json(500, error_json("Internal error in the edge.", "server_error", code="internal_error"))
 
     @app.before_serving
     async def start_background() -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 
 import msgspec
 
+from edge.keys import sha256_hex
 from iop.configfile import ConfigError, convert, load
 
 
@@ -171,20 +172,26 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         return self.ledger.removeprefix("sqlite:///") or os.path.join(self.state_dir, "ledger.sqlite3")
 
     def load_key_files(self) -> EdgeConfig:
-        """A copy with the keys of api_keys_file / admin_keys_file merged in."""
+        """A copy with the keys of api_keys_file / admin_keys_file merged in;
+        ConfigError if a ``[[keys]]`` entry's secret is another client key's."""
         extra: dict[str, list[str]] = {}
+        plain = [(f"api_keys[{i}]", k) for i, k in enumerate(self.api_keys)]  # (name, secret)
         for key in ("api_keys", "admin_keys"):
             path = getattr(self, f"{key}_file")
             if not path:
                 continue
             try:
                 with open(path, encoding="utf-8") as f:
-                    keys = [line.split("#", 1)[0].strip() for line in f]
+                    lines = [(n, line.split("#", 1)[0].strip()) for n, line in enumerate(f, 1)]
             except OSError as e:
                 raise ConfigError(f"{key}_file: cannot read {path}: {e.strerror}") from e
-            extra[key] = [*getattr(self, key), *(k for k in keys if k)]
+            keys = [(n, k) for n, k in lines if k]
+            if key == "api_keys":
+                plain += [(f"api_keys_file line {n}", k) for n, k in keys]
+            extra[key] = [*getattr(self, key), *(k for _, k in keys)]
             if not extra[key]:
                 raise ConfigError(f"{key}_file: {path} holds no key")
+        check_secrets(plain, self.keys)
         return msgspec.structs.replace(self, **extra) if extra else self
 
     def policy(self, model: str) -> ModelPolicy:
@@ -198,6 +205,22 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     @property
     def ping_timeout_s(self) -> float:
         return self.ping_interval_s * max(self.ping_misses, 1)
+
+
+def check_secrets(plain: list[tuple[str, str]], keys: list[KeyConfig]) -> None:
+    """ConfigError if a ``[[keys]]`` entry has the secret (compared by SHA-256, as
+    edge.keys finds a key) of another entry or of a plain key (``plain``: name and
+    secret): the last would win, and the other entry could never be used, or a plain
+    key would quietly get that entry's limits. The line names both, never the secret.
+    Plain keys given twice are one key, as before."""
+    seen = {sha256_hex(secret): name for name, secret in plain}
+    for k in keys:
+        digest = k.key_sha256.lower() or sha256_hex(k.key)
+        name = msgspec.json.encode(k.id).decode()  # "id", as TOML writes it
+        other = seen.get(digest)
+        if other is not None:
+            raise ConfigError(f"keys: {name} has the same secret as {other}")
+        seen[digest] = name
 
 
 def check_bind(bind: str) -> None:

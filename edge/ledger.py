@@ -15,6 +15,10 @@ node, api and day (UTC). Run-time keys (``/v1/admin/keys``) are stored by id
 with the SHA-256 of their secret and their policy; a revoked key is marked
 so. With PostgreSQL every edge sees the keys any edge made or revoked (each
 reads the table every :data:`KEYS_REFRESH_S`).
+
+A call the database fails (either driver's error, in the worker thread)
+raises :class:`LedgerUnavailable`, the driver's error as its ``__cause__``;
+the admin API answers it with 503 ``ledger_unavailable``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ _SCHEMA = (
 
 # (ts, request_id, key, model, node, api, status, outcome, prompt, completion, estimated, ttft_ms, duration_ms)
 Record = tuple
+
+
+class LedgerUnavailable(Exception):
+    """The ledger's database failed a call (unreachable, locked, read-only, full);
+    ``__cause__`` is the driver's error. Records stay queued and are retried."""
 
 
 def is_postgres(target: str) -> bool:
@@ -111,12 +120,14 @@ def connect(target: str) -> Any:
 
 
 def _errors() -> tuple[type[BaseException], ...]:
+    """What a ledger call may raise: the drivers' errors in the worker thread,
+    and LedgerUnavailable made of them (edge/console.py catches ``ledger._errors``)."""
     try:
         import psycopg
 
-        return (sqlite3.Error, psycopg.Error, OSError)
+        return (sqlite3.Error, psycopg.Error, OSError, LedgerUnavailable)
     except ImportError:  # pragma: no cover - psycopg is a dependency
-        return (sqlite3.Error, OSError)
+        return (sqlite3.Error, OSError, LedgerUnavailable)
 
 
 class Ledger:
@@ -169,13 +180,13 @@ class Ledger:
         return result
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn`` on the connection in a worker thread; raises the driver's error."""
+        """Run ``fn`` on the connection in a worker thread; LedgerUnavailable if the database fails it."""
         async with self._lock:
             try:
                 return await trio.to_thread.run_sync(self._run, fn)
             except self._errors as e:
                 self._unavailable(e)
-                raise
+                raise LedgerUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from e
 
     # -- records -----------------------------------------------------------------
 
@@ -192,12 +203,20 @@ class Ledger:
         return len(self._pending)
 
     async def flush(self) -> bool:
-        """Store everything queued so far; False if the database failed (records kept).
-        Flushes take turns, so one that returns True has seen every earlier record stored."""
-        async with self._flushing:
-            return await self._flush()
+        """Store everything queued so far; False if the database failed (records kept)."""
+        try:
+            await self.store_pending()
+        except LedgerUnavailable:
+            return False
+        return True
 
-    async def _flush(self) -> bool:
+    async def store_pending(self) -> None:
+        """Store everything queued so far, or raise LedgerUnavailable (the records kept).
+        Flushes take turns, so one that returns has seen every earlier record stored."""
+        async with self._flushing:
+            await self._flush()
+
+    async def _flush(self) -> None:
         insert = self.dialect.sql("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")
         while self._pending:
             batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
@@ -213,11 +232,10 @@ class Ledger:
 
             try:
                 await self._call(write)
-            except self._errors:
+            except LedgerUnavailable:
                 self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
-                return False
+                raise
             self.written += len(batch)
-        return True
 
     async def run(self) -> None:
         """The writer: every :data:`FLUSH_EVERY_S`, or sooner when a batch is
@@ -234,7 +252,7 @@ class Ledger:
                     next_keys = trio.current_time() + KEYS_REFRESH_S
                     try:
                         self.on_keys(await self._call(_all_keys))
-                    except self._errors:
+                    except LedgerUnavailable:
                         pass
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
@@ -267,7 +285,9 @@ class Ledger:
         return keys, {key: int(total or 0) for key, total in rows if key}
 
     async def usage(self, start: float | None, end: float | None, group_by: list[str]) -> list[dict[str, Any]]:
-        await self.flush()
+        """Usage rows (:func:`query_usage`), every record queued so far included: a
+        database that cannot store them raises LedgerUnavailable rather than answer short."""
+        await self.store_pending()
         return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by))
 
     async def key_totals(self) -> dict[str, tuple[int, int, int]]:
@@ -282,7 +302,7 @@ class Ledger:
 
         try:
             return await self._call(totals)
-        except self._errors:
+        except LedgerUnavailable:
             return {}
 
     # -- run-time keys -------------------------------------------------------------

@@ -47,6 +47,13 @@ def _json_dumps(event_dict: dict, **_: object) -> str:
     return _json_encode(event_dict).decode()
 
 
+def _as_event(record: logging.LogRecord) -> None:
+    """A stdlib log record as a structlog event (its traceback, if any, too)."""
+    extra = {"exc_info": record.exc_info} if record.exc_info else {}
+    level = min(max(record.levelno // 10 * 10, logging.DEBUG), logging.CRITICAL)  # structlog knows only these
+    structlog.get_logger().log(level, record.getMessage(), logger=record.name, **extra)
+
+
 class _HypercornAsEvents(logging.Filter):
     """hypercorn's own lines ("Running on ...", errors it catches) become structlog
     events, so JSON logs are JSON throughout. A filter on the logger, not a handler:
@@ -54,13 +61,29 @@ class _HypercornAsEvents(logging.Filter):
     but leaves its filters alone."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        extra = {"exc_info": record.exc_info} if record.exc_info else {}
-        level = min(max(record.levelno // 10 * 10, logging.DEBUG), logging.CRITICAL)  # structlog knows only these
-        structlog.get_logger().log(level, record.getMessage(), logger=record.name, **extra)
+        _as_event(record)
         return False  # and not through hypercorn's own handler as well
 
 
 _HYPERCORN_AS_EVENTS = _HypercornAsEvents()
+
+
+class _AsEvents(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _as_event(record)
+
+
+_AS_EVENTS = _AsEvents()
+
+
+def as_events(name: str) -> None:
+    """The stdlib logger ``name`` logs through structlog only (console or JSON, as
+    configured): for Quart's ``app.logger`` (named after the app), whose own
+    ``default_handler`` writes plain-text lines and tracebacks. Quart (Flask's
+    ``create_logger``) adds that handler only to a logger that has none."""
+    logger = logging.getLogger(name)
+    logger.handlers = [_AS_EVENTS]
+    logger.propagate = False
 
 
 def configure(level: str | None = None, *, json: bool | None = None, cache: bool = True) -> None:

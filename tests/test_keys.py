@@ -4,12 +4,14 @@ ledger (SQLite), run-time keys (/v1/admin/keys), per-key metrics, `iop usage`.""
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 import sys
 
 import anthropic
 import httpx
 import openai
 import pytest
+import structlog
 import trio
 
 from edge.config import KeyConfig
@@ -295,3 +297,95 @@ async def test_messages_api_and_metrics_per_key(nursery, tmp_path):
     assert 'iop_key_requests_total{key="ann"} 3.0' in text
     assert 'iop_key_rate_limited_total{key="ann",limit="rpm"} 1.0' in text
     assert f'iop_key_tokens_total{{key="ann",kind="completion"}} {float(message.usage.output_tokens)}' in text
+
+
+def admin(edge) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H)
+
+
+async def test_usage_format_is_json_or_csv(nursery, tmp_path):
+    """`/v1/admin/usage?format=` other than json or csv is a 400 naming the parameter and what
+    it takes (it was answered as JSON); `iop usage --format` refuses other values too."""
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")))
+    with trio.fail_after(BOUND):
+        async with admin(edge) as adm:
+            for fmt in ("xml", "CSV", "table"):
+                r = await adm.get("/v1/admin/usage", params={"format": fmt})
+                assert r.status_code == 400, (fmt, r.text)
+                assert r.json()["error"] == {
+                    "message": "format: json or csv",
+                    "type": "invalid_request_error",
+                    "param": "format",
+                    "code": "invalid_parameter",
+                }
+            assert (await adm.get("/v1/admin/usage", params={"format": "json"})).json()["data"] == []
+            assert (await adm.get("/v1/admin/usage", params={"format": "csv"})).text.startswith("requests,")
+            r = await adm.get("/v1/admin/usage", params={"group_by": "colour"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "group_by"
+    with trio.fail_after(60):
+        out = await trio.run_process(
+            [sys.executable, "-m", "iop.cli", "usage", "--format", "xml"],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert out.returncode == 2 and "--format: invalid choice: 'xml'" in out.stderr.decode()
+
+
+async def test_a_locked_sqlite_ledger_is_503_and_changes_nothing(nursery, tmp_path):
+    """Another process holding the SQLite ledger's write lock (its writes fail as on a read-only
+    file or a full disk): making or revoking a key is 503 `ledger_unavailable` once SQLite's busy
+    wait (5 s) is over, and changes nothing; when the lock is gone the same requests work."""
+    path = tmp_path / "l.sqlite3"
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(path)))
+    with trio.fail_after(BOUND * 2):
+        async with admin(edge) as adm:
+            secret = (await adm.post("/v1/admin/keys", json={"id": "carol"})).json()["key"]
+            holder = sqlite3.connect(path, isolation_level=None)
+            try:
+                holder.execute("BEGIN IMMEDIATE")
+                refused = [
+                    await adm.post("/v1/admin/keys", json={"id": "dave"}),
+                    await adm.delete("/v1/admin/keys/carol"),
+                ]
+            finally:
+                holder.execute("ROLLBACK")
+                holder.close()
+            for r in refused:
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "ledger_unavailable"
+                assert r.json()["error"]["type"] == "service_unavailable_error"
+            assert "dave" not in edge.edge.keys.by_id
+            async with client(edge, secret) as c:  # not revoked
+                assert (await c.get("/v1/models")).status_code == 200
+            assert (await adm.post("/v1/admin/keys", json={"id": "dave"})).status_code == 201
+            assert (await adm.delete("/v1/admin/keys/carol")).status_code == 200
+            async with client(edge, secret) as c:
+                assert (await c.get("/v1/models")).status_code == 401
+
+
+async def test_an_unexpected_error_in_a_quart_route_is_a_json_500_logged_once(nursery, tmp_path, monkeypatch, capsys):
+    """A route Quart serves that raises an exception nobody expected answers an OpenAI-shaped 500
+    (not Quart's HTML page), and the exception is one structlog event with its traceback, not
+    plain-text lines from Quart's own log handler."""
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")))
+
+    async def broken() -> dict:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(edge.edge.ledger, "key_totals", broken)  # the fault: a bug in the ledger's code
+    capsys.readouterr()
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        async with admin(edge) as adm:
+            r = await adm.get("/v1/admin/keys")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"] == {
+        "message": "Internal error in the edge.",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+    (event,) = [e for e in logs if e.get("exc_info")]
+    assert event["log_level"] == "error" and "GET /v1/admin/keys" in event["event"]
+    assert isinstance(event["exc_info"][1], RuntimeError)
+    assert "a bug" not in capsys.readouterr().err

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import httpx
 import trio
 
 from edge.config import KeyConfig
-from tests.conftest import BOUND, edge_config, eventually, start_edge, start_node
+from scripts.stack import free_port, write_toml
+from tests.conftest import BOUND, TOKEN, edge_config, eventually, start_edge, start_node
 from tests.servers import postgres, postgres_url, redis_server  # noqa: F401  (fixtures)
 from tests.test_keys import ADMIN, ADMIN_H, chat, client, sim
 
@@ -169,3 +176,65 @@ async def test_a_daily_budget_holds_across_edges(nursery, redis_server, tmp_path
             assert (await chat(c)).status_code == 200
             r = await chat(c)
     assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota"
+
+
+def _edge_process(cfg: str, stderr_path) -> subprocess.Popen:
+    """`iop edge --config cfg` with JSON logs, its stderr to a file."""
+    with open(stderr_path, "w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "iop.cli", "edge", "--config", cfg],
+            env={**os.environ, "IOP_LOG_FORMAT": "json"},
+            stderr=stderr,
+        )
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(BOUND)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_path, postgres, postgres_url):  # noqa: F811
+    """`iop edge` with JSON logs and a PostgreSQL ledger, the server stopped: the usage query and
+    making a key are 503 `ledger_unavailable` in the OpenAI shape (not Quart's HTML 500), each
+    logged as one JSON line, and every line on stderr is JSON; with the server back, the key is made."""
+    port = free_port()
+    cfg = write_toml(
+        tmp_path / "edge.toml",
+        {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "admin_keys": [ADMIN], "ledger": postgres_url},
+    )
+    proc = _edge_process(cfg, tmp_path / "stderr")
+    stopped = False
+    try:
+        with trio.fail_after(BOUND * 2):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND, headers=ADMIN_H) as adm:
+                while True:
+                    try:
+                        if (await adm.get("/healthz")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        await trio.sleep(0.05)
+                assert (await adm.get("/v1/admin/usage")).status_code == 200
+                await trio.to_thread.run_sync(postgres.stop)
+                stopped = True
+                refused = [await adm.get("/v1/admin/usage"), await adm.post("/v1/admin/keys", json={"id": "k"})]
+                await trio.to_thread.run_sync(postgres.start)
+                stopped = False
+                made = await adm.post("/v1/admin/keys", json={"id": "k"})
+    finally:
+        with trio.CancelScope(shield=True):
+            if stopped:
+                await trio.to_thread.run_sync(postgres.start)
+            await trio.to_thread.run_sync(_end, proc)
+    for r in refused:
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["error"]["code"] == "ledger_unavailable"
+    assert made.status_code == 201
+    lines = [line for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
+    events = [json.loads(line) for line in lines]  # every line is JSON
+    failed = [e for e in events if e["msg"] == "admin request failed: ledger unavailable"]
+    assert [e["route"] for e in failed] == ["/v1/admin/usage", "/v1/admin/keys"]
+    assert all(e["level"] == "warning" and e["request_id"].startswith("req_") for e in failed)

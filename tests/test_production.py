@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import ssl
@@ -333,3 +334,53 @@ async def test_two_edges_one_node(nursery, upstream):
                 r = await client.post("/v1/chat/completions", json=BODY)
                 assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
     assert len(upstream.records) == 2
+
+
+_B_SHA256 = hashlib.sha256(b"sk-b").hexdigest().upper()
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"keys": [{"id": "b", "key": "sk-b"}, {"id": "c", "key": "sk-b"}]}, 'keys: "c" has the same secret as "b"'),
+        (
+            {"keys": [{"id": "b", "key": "sk-b"}, {"id": "c", "key_sha256": _B_SHA256}]},
+            'keys: "c" has the same secret as "b"',
+        ),
+        (
+            {"keys": [{"id": "b", "key_sha256": _B_SHA256}, {"id": "c", "key_sha256": _B_SHA256.lower()}]},
+            'keys: "c" has the same secret as "b"',
+        ),
+        (
+            {"api_keys": ["sk-a", "sk-b"], "keys": [{"id": "b", "key": "sk-b"}]},
+            'keys: "b" has the same secret as api_keys[1]',
+        ),
+        (
+            {"api_keys_file": "KEYS", "keys": [{"id": "b", "key": "sk-b"}]},
+            'keys: "b" has the same secret as api_keys_file line 2',
+        ),
+    ],
+)
+def test_a_secret_given_twice_is_one_line(tmp_path, config, expected):
+    """Two [[keys]] entries with one secret (as key or key_sha256, any case), or a plain api_keys /
+    api_keys_file key that is a [[keys]] entry's: `iop edge` stops with one line naming both
+    entries, never the secret (the last entry won, and the other could never be used)."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# clients\nsk-b\n")
+    if config.get("api_keys_file") == "KEYS":
+        config = {**config, "api_keys_file": str(keys)}
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": "127.0.0.1:0", "node_token": TOKEN, **config})
+    result = subprocess.run(
+        [sys.executable, "-m", "iop.cli", "edge", "--config", cfg], capture_output=True, text=True, timeout=BOUND
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"iop: {cfg}: {expected}"]
+    assert "sk-b" not in result.stderr and _B_SHA256 not in result.stderr.upper()
+
+
+def test_plain_keys_given_twice_are_one_key(tmp_path):
+    """The same plain key inline and in api_keys_file is no conflict: neither has a policy."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-a\n")
+    cfg = write_toml(tmp_path / "edge.toml", {"api_keys": ["sk-a"], "api_keys_file": str(keys)})
+    assert load_edge_config(cfg).api_keys == ["sk-a", "sk-a"]
