@@ -124,7 +124,7 @@ class Edge:
             elif known.policy != policy:
                 known.set_policy(policy)
 
-    def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
+    async def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
         """A keyed request's admission (edge.keys): raises 404/429, or holds
         a lease (settled by the access record) and sets its rate-limit headers."""
         key = ex.key

@@ -66,7 +66,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
     want = Want(model, session=session_key(session), tunnel=True)
-    edge.admit(ex, model, 0, None)
+    await edge.admit(ex, model, 0, None)
     slot = await edge.runs.acquire(want, ex)
     raw["model"] = slot.info.target
     headers = []

@@ -178,7 +178,7 @@ async def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
         problem = await turn.contract.check_request(req)
         if problem:
             raise bad_request(problem, "tools")
-    edge.admit(ex, req.model, turn.estimate, req.max_completion_tokens or req.max_tokens)
+    await edge.admit(ex, req.model, turn.estimate, req.max_completion_tokens or req.max_tokens)
     return turn
 
 
