@@ -54,12 +54,16 @@ class ToolCall(msgspec.Struct, omit_defaults=True):
     function: ToolCallFunction = msgspec.field(default_factory=ToolCallFunction)
 
 
+MAX_TOKEN_COUNT = 1 << 40  # a usage count above this (or below 0) is no count: a frame with one is refused
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_COUNT)]
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    total_tokens: int | None = None
-    reasoning_tokens: int | None = None
-    cached_tokens: int | None = None  # prompt tokens the model server found in its prefix cache
+    prompt_tokens: TokenCount | None = None
+    completion_tokens: TokenCount | None = None
+    total_tokens: TokenCount | None = None
+    reasoning_tokens: TokenCount | None = None
+    cached_tokens: TokenCount | None = None  # prompt tokens the model server found in its prefix cache
 
 
 class RunEvent(msgspec.Struct, omit_defaults=True):

@@ -26,6 +26,7 @@ from proto import (
     Pong,
     RunEvent,
     RunRequest,
+    Usage,
     Welcome,
     decode_frame,
     encode_frame,
@@ -498,3 +499,37 @@ async def test_an_error_in_one_connection_ends_that_connection_only(nursery, mon
             assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
     failed = [e for e in logs if e["event"].startswith("connection failed")]
     assert len(failed) == 1 and failed[0]["log_level"] == "error"
+
+
+async def test_a_usage_count_no_model_could_have_closes_that_nodes_link(nursery, tmp_path):
+    """A node completing a run with prompt_tokens 2^64-1 (or a negative count): its frame is
+    invalid, so its link closes, as for any frame the edge cannot decode. Before, the count
+    reached the client and the ledger, whose writer then died (SQLite cannot hold it) and
+    stored nothing more. The other node, and the ledger, go on."""
+    edge = await start_edge(nursery, edge_config(ledger=str(tmp_path / "ledger.sqlite3")))
+    stream, ws = await open_link(edge, "liar", nursery=nursery)
+    await hello(ws, "liar")
+
+    async def lie() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                frame = decode_frame(await ws.get_message())
+                if isinstance(frame, RunRequest):
+                    usage = Usage(prompt_tokens=2**64 - 1, completion_tokens=-5)
+                    done = RunEvent(run_id=frame.run_id, seq=1, type="complete", finish_reason="stop", usage=usage)
+                    await ws.send_message(encode_frame(Events(events=[done])))
+
+    nursery.start_soon(lie)
+    with trio.fail_after(BOUND):
+        await eventually(lambda: "liar" in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=ASK)
+            assert r.status_code == 502 and "node" in r.json()["error"]["message"]
+            await eventually(lambda: "liar" not in edge.edge.runs.links, what="the liar's link closed")
+            node = await start_node(nursery, edge, [model("m")], node_id="honest")
+            r = await client.post("/v1/chat/completions", json=ASK)
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] < 100
+            assert await edge.edge.ledger.flush()
+    assert edge.edge.ledger.written == 2
+    await stream.aclose()
+    await settled(edge, node.agent)

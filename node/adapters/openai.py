@@ -19,6 +19,7 @@ from node.adapters import Counters, Sink
 from node.adapters.sse import SSEParser
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
+from proto.frames import MAX_TOKEN_COUNT
 
 
 class _FunctionDelta(msgspec.Struct):
@@ -259,14 +260,19 @@ class _Relay:
         return self.room
 
 
+def _count(value: int | None) -> int | None:
+    """A model server's token count, or None (unknown) when it is none a frame may carry."""
+    return value if value is not None and 0 <= value <= MAX_TOKEN_COUNT else None
+
+
 def _usage(u: _Usage) -> Usage:
     details = u.completion_tokens_details
     return Usage(
-        prompt_tokens=u.prompt_tokens,
-        completion_tokens=u.completion_tokens,
-        total_tokens=u.total_tokens,
-        reasoning_tokens=details.reasoning_tokens if details else None,
-        cached_tokens=u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else None,
+        prompt_tokens=_count(u.prompt_tokens),
+        completion_tokens=_count(u.completion_tokens),
+        total_tokens=_count(u.total_tokens),
+        reasoning_tokens=_count(details.reasoning_tokens) if details else None,
+        cached_tokens=_count(u.prompt_tokens_details.cached_tokens) if u.prompt_tokens_details else None,
     )
 
 
