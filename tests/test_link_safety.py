@@ -533,3 +533,42 @@ async def test_a_usage_count_no_model_could_have_closes_that_nodes_link(nursery,
     assert edge.edge.ledger.written == 2
     await stream.aclose()
     await settled(edge, node.agent)
+
+
+async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nursery):
+    """A node relays a provider's response head with headers no HTTP response may carry
+    (a value beyond Latin-1, a CR LF in a value, a name with a space or colon): the edge
+    drops those and relays the rest (it answered its own 500 before)."""
+    from proto import TunnelFrame, TunnelRequest
+
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "odd", nursery=nursery)
+    info = ModelInfo(name="m", adapter="openai", target="m", max_concurrency=4, passthrough=True)
+    await ws.send_message(encode_frame(Hello(node_id="odd", protocol=PROTOCOL_VERSION, models=[info])))
+    assert isinstance(decode_frame(await ws.get_message()), Welcome)
+    await ws.send_message(encode_frame(Grant(model="m", slots=4, seq=1)))
+    headers = [("x-good", "yes"), ("x-euro", "5 €"), ("x-split", "a\r\nx-injected: 1"), ("bad name:", "v")]
+
+    async def answer() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                frame = decode_frame(await ws.get_message())
+                if isinstance(frame, TunnelRequest):
+                    rid = frame.run_id
+                    for seq, kind, extra in (
+                        (1, "response_start", {"status": 200, "headers": headers}),
+                        (2, "body", {"body": b'{"choices": []}'}),
+                        (3, "end", {}),
+                    ):
+                        await ws.send_message(encode_frame(TunnelFrame(run_id=rid, seq=seq, kind=kind, **extra)))
+
+    nursery.start_soon(answer)
+    with trio.fail_after(BOUND):
+        await eventually(lambda: "odd" in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 200 and r.content == b'{"choices": []}'
+    assert r.headers["x-good"] == "yes"
+    assert not {"x-euro", "x-split", "x-injected", "bad name"} & set(r.headers)
+    assert "odd" in edge.edge.runs.links
+    await stream.aclose()

@@ -317,3 +317,72 @@ async def test_passthrough_does_not_impose_the_chat_schema(tunnel):
             r = await client.post("/v1/chat/completions", json=odd)
     assert r.status_code == 200 and r.content == b'{"ok": true}'
     assert upstream.records[0].body == {**odd, "model": "raw-target"}
+
+
+async def test_passthrough_charges_keys_what_the_provider_said(nursery, upstream, tmp_path):
+    """A keyed request through the tunnel (/v1/completions, /v1/embeddings, a passthrough
+    chat model) is charged the provider's `usage` (a whole body's, or a stream's last
+    chunk's), or an estimate marked as one: its daily budget holds, and the ledger has
+    the counts. (Found from outside: every tunnelled request was charged 0.)"""
+    from edge.config import KeyConfig
+
+    edge = await start_edge(
+        nursery,
+        edge_config(
+            models=[{"name": "raw", "response_mode": "passthrough"}],
+            keys=[KeyConfig(id="fay", key="sk-fay", daily_tokens=100)],
+            admin_keys=["sk-admin"],
+            ledger=str(tmp_path / "ledger.sqlite3"),
+        ),
+    )
+    node = await start_node(
+        nursery,
+        edge,
+        [
+            model("raw", upstream, target="raw-target", passthrough=True),
+            model("emb", upstream, target="emb-target", passthrough=True),
+        ],
+    )
+    whole = b'{"object": "text_completion", "choices": [{"text": "hi"}], "usage": {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}}'
+    stream = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"He"}}],"usage":null}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":20,"total_tokens":27}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge, headers={"authorization": "Bearer sk-fay"}) as client:
+            upstream.script_for("emb-target", [("status", 200, whole)])
+            r = await client.post("/v1/completions", json={"model": "emb", "prompt": "Say hi", "max_tokens": 10})
+            assert r.status_code == 200 and r.content == whole
+            upstream.script_for("raw-target", [("raw", b) for b in stream])
+            body = {"model": "raw", "messages": MESSAGES, "stream": True}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.content == b"".join(stream)
+            r = await client.post("/v1/embeddings", json={"model": "emb", "input": "x" * 400})  # no usage: estimated
+            assert r.status_code == 200
+            fay = edge.edge.keys.by_id["fay"]
+            await eventually(lambda: fay.day_used == 15 + 27 + 100, what="the estimate charged")
+            r = await client.post("/v1/completions", json={"model": "emb", "prompt": "again", "max_tokens": 10})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+            assert await edge.edge.ledger.flush()
+            usage = await client.get("/v1/admin/usage?group_by=api", headers={"authorization": "Bearer sk-admin"})
+    rows = {row["api"]: row for row in usage.json()["data"]}
+    assert (rows["completions"]["prompt_tokens"], rows["completions"]["completion_tokens"]) == (5, 10)
+    assert (rows["chat"]["prompt_tokens"], rows["chat"]["completion_tokens"]) == (7, 20)
+    assert rows["embeddings"]["total_tokens"] == 100 and rows["embeddings"]["estimated_requests"] == 1
+    await settled(edge, node.agent)
+
+
+async def test_passthrough_keeps_the_edges_bounds(tunnel):
+    """The tunnel relays the body as sent, but the edge's bounds hold: max_tokens past
+    max_output_tokens, an integer past 64 bits: 400s as on chat, before any node."""
+    edge, upstream = tunnel
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/completions", json={"model": "emb", "prompt": "x", "max_tokens": 2**63 - 1})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "integer_above_max_value"
+            r = await client.post("/v1/completions", json={"model": "emb", "prompt": "x", "seed": 2**64})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "integer_out_of_range"
+            r = await client.post("/v1/embeddings", json={"model": "emb", "input": [[1, -(2**63) - 1]]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert not upstream.records

@@ -7,10 +7,25 @@ rewritten (to the node's target); the provider's status, headers (hop-by-hop
 ones removed) and body bytes reach the client unchanged. An error before the
 provider's response starts is a 502 ``provider_tunnel_error``; after it, the
 response is cut (the connection closes without the final chunk).
+
+The edge's own bounds still hold: ``max_tokens`` / ``max_completion_tokens``
+at most ``max_output_tokens``, and integers within 64 bits (400s, as on
+chat). A keyed request is admitted on an estimate (characters / 4 of its
+``prompt``, ``input`` or ``messages``, a token list counting its length, plus
+its ``max_tokens``) and charged what the provider's ``usage`` said: the last
+``usage`` object in the response's final :data:`_TAIL` bytes (a whole body
+ends with it; a stream with ``include_usage`` sends it last). Without one the
+charge is estimated: the prompt as admitted, plus a completion token per
+streamed event (or characters / 4 of a whole body's text). Provider headers
+that are not valid HTTP (a name with other characters than a token's, a
+value with a control character or beyond Latin-1) are dropped, logged.
 """
 
 from __future__ import annotations
 
+import collections
+import json
+import re
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +36,12 @@ from edge import errors
 from edge.errors import APIError
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
+from edge.openai.schema import UsageOut
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
 from edge.runs.service import session_key
 from proto import RunEvent
+from proto.frames import MAX_TOKEN_COUNT
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -44,6 +61,10 @@ HOP_BY_HOP = frozenset(
     }
 )
 _encode = msgspec.json.Encoder().encode
+_TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_INT64 = (-(1 << 63), (1 << 64) - 1)
 
 
 def tunnel_route(path: str):
@@ -62,11 +83,15 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     model = raw["model"]
     ex.access.model = model
     ex.access.stream = bool(raw.get("stream"))
+    _check_bounds(raw, edge.config.max_output_tokens)
     session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
     want = Want(model, session=session_key(session), tunnel=True)
-    await edge.admit(ex, model, 0, None)
+    prompt = _prompt_estimate(raw)
+    limit = raw.get("max_completion_tokens") or raw.get("max_tokens")
+    max_tokens = 1 if path == "/embeddings" else (limit if isinstance(limit, int) and limit > 0 else None)
+    await edge.admit(ex, model, prompt, max_tokens)
     slot = await edge.runs.acquire(want, ex)
     raw["model"] = slot.info.target
     headers = []
@@ -87,13 +112,149 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     )
     structlog.contextvars.bind_contextvars(run_id=run.id)
     ex.access.node_id = slot.link.node_id
+    seen = _Seen()
     try:
-        await consume_run(run, partial(_relay, ex))
+        await consume_run(run, partial(_relay, ex, seen))
     finally:
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
+        if ex.started:
+            ex.access.usage, ex.access.usage_estimated = seen.usage(prompt)
 
 
-async def _relay(ex: Exchange, run: Run) -> None:
+class _Seen:
+    """What the client was sent of a tunnelled response, for its usage: the last
+    :data:`_TAIL` bytes, how many in all, and how many stream events."""
+
+    __slots__ = ("parts", "kept", "size", "events")
+
+    def __init__(self) -> None:
+        self.parts: collections.deque[bytes] = collections.deque()
+        self.kept = 0  # bytes in parts: at most _TAIL plus the oldest part's
+        self.size = 0
+        self.events = 0
+
+    def add(self, data: bytes) -> None:
+        self.size += len(data)
+        self.events += data.count(b"data:")
+        self.parts.append(data)
+        self.kept += len(data)
+        while self.kept - len(self.parts[0]) >= _TAIL:
+            self.kept -= len(self.parts.popleft())
+
+    @property
+    def tail(self) -> bytes:
+        return b"".join(self.parts)[-_TAIL:]
+
+    def usage(self, prompt_estimate: int) -> tuple[UsageOut, bool]:
+        """The provider's usage if it sent one, else the estimate (and whether it is one)."""
+        tail = self.tail
+        found = _last_usage(tail)
+        if found is not None:
+            prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens", 0)
+            if _count(prompt) and _count(completion) is not None:
+                total = found.get("total_tokens")
+                return UsageOut(prompt, completion, total if _count(total) else prompt + completion), False
+        if self.events:
+            completion = max(self.events - 1, 0)  # one a streamed event, less [DONE]
+        elif self.size <= _TAIL:
+            completion = len(_whole_text(tail)) // 4
+        else:
+            completion = self.size // 4
+        return UsageOut(prompt_estimate, completion, prompt_estimate + completion), True
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT
+
+
+def _last_usage(tail: bytes) -> dict[str, Any] | None:
+    """The last ``"usage": {...}`` object in ``tail`` (a few tries back past ``null`` ones)."""
+    text = tail.decode("utf-8", "replace")
+    end = len(text)
+    decoder = json.JSONDecoder()
+    for _ in range(8):
+        i = text.rfind('"usage"', 0, end)
+        if i < 0:
+            return None
+        rest = text[i + len('"usage"') :].lstrip()
+        if rest.startswith(":"):
+            rest = rest[1:].lstrip()
+            if rest.startswith("{"):
+                try:
+                    found, _ = decoder.raw_decode(rest)
+                except ValueError:
+                    found = None
+                if isinstance(found, dict):
+                    return found
+        end = i
+    return None
+
+
+def _whole_text(body: bytes) -> str:
+    """The generated text of a whole (not streamed) completion body, for an estimate."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+    parts = []
+    for choice in decoded.get("choices") or () if isinstance(decoded, dict) else ():
+        if isinstance(choice, dict):
+            message = choice.get("message")
+            text = choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
+            if isinstance(text, str):
+                parts.append(text)
+    return "".join(parts)
+
+
+def _prompt_estimate(raw: dict[str, Any]) -> int:
+    """Characters / 4 of the request's prompt, input or messages' text (a token
+    list counts its length), plus 4 a message."""
+    chars = tokens = 0
+    stack: list[Any] = [raw.get("prompt"), raw.get("input")]
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        tokens += 4 * len(messages)
+        stack.extend(m.get("content") for m in messages if isinstance(m, dict))
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            if value and all(isinstance(v, int) for v in value):
+                tokens += len(value)
+            else:
+                stack.extend(value)
+        elif isinstance(value, dict):
+            text = value.get("text")
+            if isinstance(text, str):
+                chars += len(text)
+    return chars // 4 + tokens
+
+
+def _check_bounds(raw: dict[str, Any], max_output_tokens: int) -> None:
+    """The edge's bounds on a body it relays: 400 as on chat."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = raw.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_output_tokens:
+            raise errors.bad_request(
+                f"Invalid value for `{name}`: this edge allows at most {max_output_tokens}.",
+                name,
+                "integer_above_max_value",
+            )
+    stack: list[tuple[str, Any]] = list(raw.items())
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
+            raise errors.bad_request(
+                f"The request holds an integer outside the 64-bit range in `{name}`.", name, "integer_out_of_range"
+            )
+        if isinstance(value, dict):
+            stack.extend((name, v) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((name, v) for v in value)
+
+
+async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
     """Write the tunnel's frames to the client as they come."""
     while True:
         batch = await run.next_batch()
@@ -115,6 +276,7 @@ async def _relay(ex: Exchange, run: Run) -> None:
                 if not ex.started:
                     await ex.start(200, [])
                 body.append(item.body)
+                seen.add(item.body)
             elif kind == "response_start":
                 if not ex.started:
                     await ex.start(item.status or 200, _response_headers(item.headers))
@@ -147,8 +309,26 @@ async def _flush(ex: Exchange, body: list[bytes]) -> None:
 
 
 def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes, bytes]]:
-    return [
-        (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in headers or ()
-        if name.lower() not in HOP_BY_HOP
-    ]
+    """The provider's headers the client gets: hop-by-hop ones left out, and any
+    that is not valid HTTP (dropped, logged: it would break the response)."""
+    out = []
+    dropped = []
+    for name, value in headers or ():
+        lower = name.lower()
+        if lower in HOP_BY_HOP:
+            continue
+        if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
+            dropped.append(name[:100])
+            continue
+        out.append((lower.encode("latin-1"), value.strip(" \t").encode("latin-1")))
+    if dropped:
+        log.warning("provider headers not valid HTTP, dropped", headers=dropped[:20])
+    return out
+
+
+def _latin1(value: str) -> bool:
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
