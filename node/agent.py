@@ -166,11 +166,11 @@ class RunSink:
             await self._outbox.room()
 
     async def complete(
-        self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None
+        self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None, stop: str = ""
     ) -> None:
         if self.ended:
             return
-        size = self._base + text_bytes(finish_reason) + tool_calls_bytes(tool_calls) + USAGE_BYTES
+        size = self._base + text_bytes(finish_reason) + tool_calls_bytes(tool_calls) + USAGE_BYTES + text_bytes(stop)
         if size > self._outbox.budget:
             log.warning("run output too large to relay", run_id=self._run_id, estimated_bytes=size)
             await self.error("run output too large to relay")
@@ -180,7 +180,7 @@ class RunSink:
         # run at once: the grant is given back now, not when the task ends
         # (an adapter may still be closing its upstream response).
         self._link._uncount(self._run_id)
-        await self._emit(size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage)
+        await self._emit(size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage, stop=stop)
 
     async def error(self, message: str, status: int = 0) -> None:
         if self.ended:

@@ -79,6 +79,7 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
     status: int = 0  # error events: the upstream's HTTP status, when it gave one
     parts: int = 0  # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
+    stop: str = ""  # complete: the stop sequence that ended the run, when the model server said which
 
 
 # -- node -> edge -------------------------------------------------------------

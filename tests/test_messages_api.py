@@ -571,3 +571,36 @@ async def test_claude_code_cli_answers_from_the_demo_model(nursery, tmp_path):
     asked = [e for e in logs if e["event"] == "request" and e.get("api") == "messages"]
     assert asked and all(e["status"] == 200 for e in asked)
     await settled(edge, node.agent)
+
+
+async def test_a_matched_stop_sequence_is_stop_reason_stop_sequence(setup):
+    """A model server that says which stop string ended the run (vLLM's `stop_reason`,
+    SGLang's `matched_stop`) gives `stop_reason: "stop_sequence"` and that `stop_sequence`,
+    streamed and whole, when it is one of the request's stop_sequences; any other stop
+    (an end-of-turn token, a token id) stays `end_turn`."""
+    edge, upstream = setup
+
+    def ended_by(matched) -> list:
+        key = "matched_stop" if isinstance(matched, int) else "stop_reason"
+        last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", key: matched}]}
+        head = {"choices": [{"index": 0, "delta": {"content": "one two"}, "finish_reason": None}]}
+        return [("raw", b"data: " + msgspec.json.encode(c) + b"\n\n") for c in (head, last)] + [("done",)]
+
+    async with client_for(edge) as client:
+        with trio.fail_after(BOUND):
+            for matched, expected in (("END", ("stop_sequence", "END")), ("<|im_end|>", ("end_turn", None))):
+                upstream.script_for("t", ended_by(matched))
+                whole = await client.messages.create(
+                    model="m", max_tokens=50, messages=USER, stop_sequences=["END", "STOP"]
+                )
+                async with client.messages.stream(
+                    model="m", max_tokens=50, messages=USER, stop_sequences=["END", "STOP"]
+                ) as stream:
+                    streamed = await stream.get_final_message()
+                assert (whole.stop_reason, whole.stop_sequence) == expected
+                assert (streamed.stop_reason, streamed.stop_sequence) == expected
+                assert whole.content[0].text == streamed.content[0].text == "one two"
+            upstream.script_for("t", ended_by(7))  # a token id: no sequence to name
+            whole = await client.messages.create(model="m", max_tokens=50, messages=USER, stop_sequences=["END"])
+            assert (whole.stop_reason, whole.stop_sequence) == ("end_turn", None)
+    assert upstream.records[0].body["stop"] == ["END", "STOP"]

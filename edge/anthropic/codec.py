@@ -265,9 +265,18 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 
 
 def stop_reason(finish_reason: str) -> str:
-    """A run's ``finish_reason`` as a Messages ``stop_reason``. (The upstream
-    does not say which stop sequence matched: a stop is ``end_turn``.)"""
+    """A run's ``finish_reason`` as a Messages ``stop_reason`` (see :func:`stopped`)."""
     return _STOP_REASONS.get(finish_reason, "end_turn")
+
+
+def stopped(finish_reason: str, stop: str, sequences: list[str] | None) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence``: ``stop_sequence`` when the model
+    server said which string ended the run (vLLM's ``stop_reason``, SGLang's
+    ``matched_stop``) and it is one of the request's ``stop_sequences``; any
+    other stop is ``end_turn``."""
+    if finish_reason == "stop" and stop and sequences and stop in sequences:
+        return "stop_sequence", stop
+    return stop_reason(finish_reason), None
 
 
 def tool_use_id(call_id: str) -> str:
@@ -305,8 +314,10 @@ def message_body(
     tool_calls: list[ToolCall] | None,
     finish_reason: str,
     usage: UsageOut,
+    stop_sequence: str | None = None,
 ) -> bytes:
-    """A whole response: one ``message`` object."""
+    """A whole response: one ``message`` object (``finish_reason`` and
+    ``stop_sequence`` as :func:`stopped` gives them)."""
     blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -328,8 +339,8 @@ def message_body(
             "role": "assistant",
             "model": model,
             "content": blocks,
-            "stop_reason": stop_reason(finish_reason),
-            "stop_sequence": None,
+            "stop_reason": "stop_sequence" if stop_sequence is not None else stop_reason(finish_reason),
+            "stop_sequence": stop_sequence,
             "usage": _usage(usage),
         }
     )
@@ -407,9 +418,10 @@ class MessageStream:
         arguments = call.function.arguments or "{}"
         return head + self._delta({"type": "input_json_delta", "partial_json": arguments}) + self._close()
 
-    def finish(self, finish_reason: str, usage: UsageOut) -> bytes:
+    def finish(self, finish_reason: str, usage: UsageOut, stop_sequence: str | None = None) -> bytes:
         """Close the open block; ``message_delta`` (stop reason, usage) and ``message_stop``."""
-        delta = {"stop_reason": stop_reason(finish_reason), "stop_sequence": None}
+        reason = "stop_sequence" if stop_sequence is not None else stop_reason(finish_reason)
+        delta = {"stop_reason": reason, "stop_sequence": stop_sequence}
         return (
             self._close()
             + _event("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(usage)})

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stream_error
+from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stopped, stream_error
 from edge.errors import RunFailed
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
@@ -104,6 +104,7 @@ async def _respond_whole(turn: Turn, slot: Slot) -> None:
         tool_calls=result.tool_calls,
         finish_reason=result.finish_reason,
         usage=result.usage,
+        stop_sequence=_stop_sequence(turn, result.finish_reason, result.stop),
     )
     await turn.ex.respond(200, body)
 
@@ -129,16 +130,21 @@ class MessagesBuffered:
         return stream_error(message, type)
 
     def whole(self, run: Run, result: Collected) -> bytes:
-        return collected_events(self.enc, result)
+        return collected_events(self.enc, result, _stop_sequence(self.turn, result.finish_reason, result.stop))
 
 
-def collected_events(enc: MessageStream, result: Collected) -> bytes:
+def _stop_sequence(turn: Turn, finish_reason: str, stop: str) -> str | None:
+    asked = turn.req.stop  # the request's stop_sequences, as chat's `stop`
+    return stopped(finish_reason, stop, [asked] if isinstance(asked, str) else asked)[1]
+
+
+def collected_events(enc: MessageStream, result: Collected, stop_sequence: str | None = None) -> bytes:
     parts = []
     if result.reasoning:
         parts.append(enc.thinking(result.reasoning))
     parts.append(enc.text(result.content))
     parts.extend(enc.tool_use(call) for call in result.tool_calls or ())
-    parts.append(enc.finish(result.finish_reason, result.usage))
+    parts.append(enc.finish(result.finish_reason, result.usage, stop_sequence))
     return b"".join(parts)
 
 
@@ -174,5 +180,5 @@ class MessagesLive(output.LiveEncoder):
             parts.append(enc.tool_use(call))
         if calls and finish_reason != "length":
             finish_reason = "tool_calls"
-        parts.append(enc.finish(finish_reason, usage))
+        parts.append(enc.finish(finish_reason, usage, _stop_sequence(self.turn, finish_reason, event.stop)))
         return b"".join(parts)

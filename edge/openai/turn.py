@@ -193,6 +193,7 @@ class Collected(msgspec.Struct):
     usage: UsageOut
     normalized: bool = False
     tool_error: str = ""  # a tool call block that could not be read
+    stop: str = ""  # the stop sequence that ended the run, when the model server said which
 
 
 def failure(event: RunEvent, run: Run) -> RunFailed:
@@ -263,7 +264,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     if fallback:
         content = fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
-    return Collected(content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error)
+    return Collected(content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error, event.stop)
 
 
 async def collect_validated(

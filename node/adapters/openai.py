@@ -45,6 +45,8 @@ class _Choice(msgspec.Struct):
     index: int = 0
     delta: _Delta | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string (or token id) that ended it
+    matched_stop: str | int | None = None  # SGLang's name for the same
 
 
 class _CompletionTokensDetails(msgspec.Struct):
@@ -161,7 +163,7 @@ class OpenAIAdapter:
                     break
                 await sink.room()  # feed() said stop and nothing ended: the outbox is full
             if relay.end == _DONE:
-                await sink.complete(relay.finish_reason or "stop", _ordered(relay.calls), relay.usage)
+                await sink.complete(relay.finish_reason or "stop", _ordered(relay.calls), relay.usage, stop=relay.stop)
                 with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
                     while await response.read():
                         pass
@@ -169,13 +171,14 @@ class OpenAIAdapter:
                 self._log_failure(relay.failure)
                 await sink.error(relay.message)
             elif relay.finish_reason:  # the body ended without [DONE]: still an answer if it said why it stopped
-                await sink.complete(relay.finish_reason, _ordered(relay.calls), relay.usage)
+                await sink.complete(relay.finish_reason, _ordered(relay.calls), relay.usage, stop=relay.stop)
             else:
                 self._log_failure("stream closed before it finished")
                 await sink.error("upstream closed the stream before it finished")
 
 
 _DONE, _FAILED = 1, 2
+_MAX_STOP = 1024  # a longer "stop string" is no request's stop sequence: not relayed
 
 
 class _Relay:
@@ -183,13 +186,14 @@ class _Relay:
     body and reports its text: text of one kind that arrived in one read is
     one event, so a busy server's tokens travel together (never waited for)."""
 
-    __slots__ = ("sink", "parser", "finish_reason", "usage", "calls", "end", "failure", "message", "room")
+    __slots__ = ("sink", "parser", "finish_reason", "stop", "usage", "calls", "end", "failure", "message", "room")
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.parser = SSEParser()
         self.finish_reason = ""
         self.usage: Usage | None = None
+        self.stop = ""  # the stop sequence the model server said ended it
         self.calls: dict[int, ToolCall] = {}
         self.end = 0  # _DONE ([DONE] came) or _FAILED (then failure and message)
         self.failure = ""
@@ -255,6 +259,9 @@ class _Relay:
                         _merge_tool_calls(self.calls, delta.tool_calls)
                 if choice.finish_reason:
                     self.finish_reason = choice.finish_reason
+                    matched = choice.stop_reason if choice.stop_reason is not None else choice.matched_stop
+                    if isinstance(matched, str) and len(matched) <= _MAX_STOP:
+                        self.stop = matched
         if texts:
             self._emit(kind, texts)
         return self.room
