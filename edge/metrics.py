@@ -208,6 +208,14 @@ class _EngineCollector:
                     labels=("node", "model"),
                 ),
             ),
+            (
+                "prefix_cache_hit_rate",
+                GaugeMetricFamily(
+                    "iop_engine_prefix_cache_hit_rate",
+                    "Share of prompt tokens the model server found in its prefix cache since it started",
+                    labels=("node", "model"),
+                ),
+            ),
         )
         for link in list(self._runs.links.values()):
             for model, load in link.engine.items():

@@ -35,6 +35,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError,
 from iop import __version__
 from iop.exceptions import first_leaf
 from node.adapters import Adapter, Counters, make_adapter
+from node.adapters.sim import SimAdapter
 from node.config import NodeConfig
 from node.engine import EngineSampler
 from node.grants import GrantBook
@@ -479,6 +480,18 @@ class NodeAgent:
                 frame = frame or Placed(model=model, prefix=prefix)
                 link.outbox.hint(frame)
 
+    async def _report_sim_cache(self, model: str, adapter: SimAdapter, interval: float) -> None:
+        """A ``sim`` model with a prefix cache reports its hit rate as a model
+        server's metrics would (``iop_engine_prefix_cache_hit_rate`` on the edges)."""
+        reported: float | None = None
+        while True:
+            await trio.sleep(interval)
+            prompt = adapter.hit_tokens + adapter.miss_tokens
+            rate = round(adapter.hit_tokens / prompt, 4) if prompt else None
+            if rate != reported:
+                reported = rate
+                self._engine_changed(model, EngineLoad(prefix_cache_hit_rate=rate))
+
     def _engine_changed(self, model: str, load: EngineLoad) -> None:
         """Tell every linked edge (a link whose control queue is full is stuck:
         its liveness check decides, and a new link gets the whole view)."""
@@ -492,6 +505,10 @@ class NodeAgent:
             async with trio.open_nursery() as nursery:
                 for sampler in self.samplers:
                     nursery.start_soon(sampler.run)
+                for model in self.config.models:
+                    adapter = self.adapters[model.name]
+                    if isinstance(adapter, SimAdapter) and adapter.cache is not None and not model.metrics_url:
+                        nursery.start_soon(self._report_sim_cache, model.name, adapter, model.metrics_interval_s)
                 for url in self.config.edges:
                     nursery.start_soon(self._dial_forever, url)
                 task_status.started()

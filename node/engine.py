@@ -16,7 +16,11 @@ summed, the KV-cache fraction is the highest):
   ``llamacpp:requests_processing``;
 - KV cache in use (0..1): ``vllm:kv_cache_usage_perc`` (older vLLM:
   ``vllm:gpu_cache_usage_perc``), ``sglang:token_usage``,
-  ``llamacpp:kv_cache_usage_ratio``.
+  ``llamacpp:kv_cache_usage_ratio``;
+- prefix cache hit rate (0..1, prompt tokens found cached since it started):
+  ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
+  (older vLLM: ``vllm:gpu_prefix_cache_hit_rate``), ``sglang:cache_hit_rate``.
+  (The ``sim`` adapter reports its own, :meth:`node.agent.NodeAgent`.)
 
 A server that cannot be reached, answers with an error or with none of these
 names has no engine load (reported as unknown, so edges fall back to their
@@ -51,11 +55,21 @@ KV_CACHE = (
 )
 
 
+HIT_RATE = ("vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate")
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+
+
+def _ratio(value: float) -> float:
+    return min(max(value, 0.0), 1.0)
+
+
 def parse(text: str) -> EngineLoad:
     """The engine load in a Prometheus text exposition (fields it lacks are None)."""
     waiting: float | None = None
     running: float | None = None
     kv: float | None = None
+    rate: float | None = None
+    hits = queries = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, value = sample.name, sample.value
@@ -66,8 +80,16 @@ def parse(text: str) -> EngineLoad:
             elif name in RUNNING:
                 running = (running or 0.0) + value
             elif name in KV_CACHE:
-                kv = max(kv or 0.0, min(max(value, 0.0), 1.0))
-    return EngineLoad(waiting=waiting, running=running, kv_cache_usage=kv)
+                kv = max(kv or 0.0, _ratio(value))
+            elif name == HITS:
+                hits += value
+            elif name == QUERIES:
+                queries += value
+            elif name in HIT_RATE:
+                rate = _ratio(value)
+    if queries > 0:
+        rate = _ratio(hits / queries)
+    return EngineLoad(waiting=waiting, running=running, kv_cache_usage=kv, prefix_cache_hit_rate=rate)
 
 
 class EngineSampler:
@@ -99,7 +121,7 @@ class EngineSampler:
             if response.status != 200:
                 raise ValueError(f"status {response.status}")
         load = parse(body.decode("utf-8", "replace"))
-        if load.waiting is None and load.running is None and load.kv_cache_usage is None:
+        if load == EngineLoad():
             raise ValueError("no known engine metric")
         return load
 

@@ -106,6 +106,7 @@ class EngineLoad(msgspec.Struct, omit_defaults=True):
     waiting: float | None = None  # requests queued in the engine
     running: float | None = None  # requests it is generating for
     kv_cache_usage: float | None = None  # fraction of its KV cache in use, 0..1
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in its prefix cache, 0..1, since it started
 
 
 class Load(_Frame, tag="load"):

@@ -125,3 +125,38 @@ async def test_a_full_kv_cache_makes_a_node_look_busier(nursery):
             for _ in range(10):
                 await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert (len(full_up.records), len(free_up.records)) == (0, 10)
+
+
+def test_prefix_cache_hit_rates_are_read():
+    """vLLM's prefix-cache counters (hits over queried prompt tokens), older vLLM's and
+    SGLang's hit-rate gauges."""
+    v1 = (
+        'vllm:prefix_cache_queries_total{engine="0"} 2000.0\nvllm:prefix_cache_hits_total{engine="0"} 1500.0\n'
+        'vllm:prefix_cache_queries_total{engine="1"} 2000.0\nvllm:prefix_cache_hits_total{engine="1"} 500.0\n'
+    )
+    assert parse(v1) == EngineLoad(prefix_cache_hit_rate=0.5)
+    assert parse("vllm:gpu_prefix_cache_hit_rate 0.8\n") == EngineLoad(prefix_cache_hit_rate=0.8)
+    assert parse("sglang:cache_hit_rate 1.5\nsglang:num_queue_reqs 1\n") == EngineLoad(
+        waiting=1, prefix_cache_hit_rate=1.0
+    )
+
+
+async def test_a_sim_models_prefix_cache_hits_reach_the_edges_metrics(nursery):
+    """The sim's prefix cache reports its hit rate as a model server's metrics would:
+    /v1/nodes and iop_engine_prefix_cache_hit_rate on the edge (issue 12: its cache hits
+    are visible in the node's metrics)."""
+    edge = await start_edge(nursery)
+    sim = model("m", ttft_ms=0, tokens_per_s=0, prefix_cache_tokens=4096, metrics_interval_s=0.05)
+    await start_node(nursery, edge, [sim])
+    prompt = [{"role": "user", "content": "a long shared prompt " * 200}]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for _ in range(2):
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": prompt, "max_tokens": 2})
+                assert r.status_code == 200
+            while not (rate := (await nodes_view(edge))["n1"].get("engine", {}).get("prefix_cache_hit_rate")):
+                await trio.sleep(0.05)
+            text = (await client.get("/metrics")).text
+    assert 0.3 < rate < 0.6  # the second request found the first's blocks
+    assert f'iop_engine_prefix_cache_hit_rate{{model="m",node="n1"}} {rate}' in text
+    assert "iop_engine_requests_running{" not in text  # the sim reports no load: placement is unchanged

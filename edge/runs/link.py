@@ -143,12 +143,14 @@ class NodeLink:
         for model, load in engine.items():
             if model not in self.models:
                 continue
+            rate = _finite(load.prefix_cache_hit_rate)
             load = EngineLoad(
                 waiting=_finite(load.waiting),
                 running=_finite(load.running),
                 kv_cache_usage=_finite(load.kv_cache_usage),
+                prefix_cache_hit_rate=min(rate, 1.0) if rate is not None else None,
             )
-            if load.waiting is None and load.running is None and load.kv_cache_usage is None:
+            if load == EngineLoad():
                 self.engine.pop(model, None)
             else:
                 self.engine[model] = load

@@ -80,6 +80,7 @@ function renderNodes(nodes) {
         if (e.running !== null && e.running !== undefined) parts.push(`run ${e.running}`);
         if (e.waiting !== null && e.waiting !== undefined) parts.push(`wait ${e.waiting}`);
         if (e.kv_cache_usage !== null && e.kv_cache_usage !== undefined) parts.push(`KV ${Math.round(e.kv_cache_usage * 100)}%`);
+        if (e.prefix_cache_hit_rate !== null && e.prefix_cache_hit_rate !== undefined) parts.push(`cache hits ${Math.round(e.prefix_cache_hit_rate * 100)}%`);
         return `${m.name}: ${parts.join(", ")}`;
       })
       .join("; ");
