@@ -113,7 +113,18 @@ class SchemaProblem(Exception):
 # links, streams) goes on meanwhile. Cached compiles (the same schema text) cost nothing.
 MAX_SCHEMA_NODES = 20_000  # in all of a request's tool schemas
 THREAD_SCHEMA_NODES = 400
-_COMPILES = trio.CapacityLimiter(1)
+_COMPILES: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("iop_schema_compiles")
+
+
+def _compiles() -> trio.CapacityLimiter:
+    """One large compile at a time (per trio run: a limiter belongs to its run)."""
+    try:
+        return _COMPILES.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(1)
+        _COMPILES.set(limiter)
+        return limiter
+
 
 # Every regex jsonschema runs (pattern, patternProperties, additionalProperties
 # beside patternProperties) is a client's, matched against a model's output: a
@@ -294,7 +305,7 @@ class ToolContract:
                 continue
             try:
                 if sizes.get(name, 0) > THREAD_SCHEMA_NODES:
-                    await trio.to_thread.run_sync(_validator, schema, limiter=_COMPILES, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(_validator, schema, limiter=_compiles(), abandon_on_cancel=True)
                 else:
                     _validator(schema)
             except SchemaProblem as e:
