@@ -8,6 +8,7 @@ from functools import partial
 import httpx
 import msgspec
 import pytest
+import structlog
 import trio
 
 from scripts.upstream import Upstream, text_script, words
@@ -149,7 +150,7 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
         [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url}],
         node_id="doomed",
     )
-    with trio.fail_after(BOUND):
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
         async with http(edge) as client, trio.open_nursery() as clients:
             result: list[httpx.Response] = []
 
@@ -166,6 +167,8 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
     assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
     assert b"error" not in r.content
     assert b"tok0" in r.content and len(fine.records) == 1
+    (line,) = [e for e in logs if e["event"] == "request"]
+    assert line["node_id"] == "survivor" and line["stream"] is True  # the node that answered
     await settled(edge)
 
 

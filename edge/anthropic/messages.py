@@ -50,7 +50,7 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     if isinstance(model, str):
         ex.access.model = model
     stream = raw.get("stream")
-    ex.access.stream = stream if isinstance(stream, bool) else None
+    ex.access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     chat, server_tools = chat_body(raw)
     if server_tools:
         log.info("server tools left out", tools=server_tools[:20])

@@ -41,7 +41,7 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     if isinstance(model, str):
         access.model = model
     stream = raw.get("stream")
-    access.stream = stream if isinstance(stream, bool) else None
+    access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     if isinstance(model, str) and cfg.policy(model).response_mode == "passthrough":
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, raw, "/chat/completions")

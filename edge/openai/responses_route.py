@@ -52,7 +52,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     if isinstance(model, str):
         access.model = model
     stream = raw.get("stream")
-    access.stream = stream if isinstance(stream, bool) else None
+    access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     decoded = decode_request(raw, max_output_tokens=cfg.max_output_tokens)
     if decoded.ignored_tools or decoded.ignored_items:
         log.info(

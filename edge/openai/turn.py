@@ -89,7 +89,8 @@ class Turn:
             access.outcome = self.outcome
         elif run is not None:
             access.outcome = run.cause or "unknown"
-        access.node_id = self.node_id or None
+        # The node that ran it: a run moved to another node before its first event (failover) says where.
+        access.node_id = (run.slot.link.node_id if run is not None else self.node_id) or None
         access.usage, access.usage_estimated = self.usage, self.usage_estimated
         if run is not None:
             if run.first_event_at is not None:
