@@ -108,13 +108,12 @@ def usage_csv(rows: list[dict[str, Any]], groups: list[str]) -> bytes:
 
 def _key_view(key: Key, totals: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
     requests, prompt, completion = totals.get(key.id, (0, 0, 0))
-    key._today()
     return {
         "id": key.id,
         "source": key.source,
         "policy": key.policy,
         "in_flight": key.in_flight,
-        "today_tokens": key.day_used,
+        "today_tokens": key.today_tokens(),  # with shared state and daily_tokens: across edges
         "usage": {
             "requests": requests,
             "prompt_tokens": prompt,

@@ -69,8 +69,8 @@ class Edge:
             self.ledger.on_keys = self.apply_stored_keys
             for key_id, used in today.items():
                 key = self.keys.by_id.get(key_id)
-                if key is not None:
-                    key.day, key.day_used = int(time.time() // 86400), used
+                if key is not None:  # (restored: what shared state may find in Redis already)
+                    key.day, key.day_used, key.restored = int(time.time() // 86400), used, used
         self.shared = SharedState(config.state, self.keys, self.id) if config.state else None
         self.metrics = EdgeMetrics(self.runs, self)
         self.console = Console(self)
@@ -126,12 +126,19 @@ class Edge:
 
     async def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
         """A keyed request's admission (edge.keys): raises 404/429, or holds
-        a lease (settled by the access record) and sets its rate-limit headers."""
+        a lease (settled by the access record) and sets its rate-limit headers.
+        With shared state, a request this edge's balance cannot cover borrows
+        what it lacks from Redis (a bounded wait) and is admitted once more."""
         key = ex.key
         if key is None:
             return
         try:
-            ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+            try:
+                ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+            except APIError as refusal:
+                if self.shared is None or not await self.shared.cover(key, refusal, prompt_estimate, max_tokens):
+                    raise
+                ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
         except APIError as e:
             limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
             if limit is not None:

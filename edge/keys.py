@@ -5,7 +5,9 @@ Bearer`` or ``x-api-key``); only hashes are stored. Keys come from the
 config (``[[keys]]``, and plain ``api_keys``, which have no limits) and from
 the admin API (``/v1/admin/keys``, kept in the ledger's database).
 
-Limits, all local to this edge and checked without any I/O:
+Limits, checked in memory (with shared state, edge.shared_state, the rpm/tpm
+levels are balances leased from Redis, and a request they cannot cover
+borrows the rest from Redis, a bounded wait, before it is refused):
 
 - ``models``: glob patterns; a model no pattern matches is 404
   ``model_not_found`` for that key and absent from its ``/v1/models``;
@@ -21,7 +23,8 @@ Limits, all local to this edge and checked without any I/O:
 - ``max_concurrent``: requests in flight;
 - ``daily_tokens``: tokens used since 00:00 UTC (restored from the ledger at
   start). A request is admitted while the day's use is below the budget; the
-  one that crosses it finishes.
+  one that crosses it finishes. Every key counts its day's tokens, budget or
+  not (``today_tokens`` in ``/v1/admin/keys``).
 
 Over ``rpm``, ``tpm`` or ``max_concurrent``: 429 ``rate_limit_exceeded`` with
 ``Retry-After``; over budget: 429 ``insufficient_quota``. Every response to a
@@ -124,6 +127,9 @@ class Key:
         "limited",
         "day_others",
         "others_in_flight",
+        "restored",
+        "req_seen",
+        "tok_seen",
     )
 
     def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
@@ -140,6 +146,7 @@ class Key:
         self.limited: dict[str, int] = {}  # refusals by limit: rpm, tpm, concurrency, budget
         self.day_others = 0  # shared state: other edges' tokens today
         self.others_in_flight = 0  # shared state: other edges' requests in flight
+        self.restored = 0  # of day_used: loaded from the ledger at start
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -151,6 +158,9 @@ class Key:
         self._allowed: dict[str, bool] = {}
         self.req_level, self.req_at = float(policy.rpm), now
         self.tok_level, self.tok_at = float(policy.tpm), now
+        # shared state: the Redis bucket's level and when it was seen (monotonic), or None
+        self.req_seen: tuple[float, float] | None = None
+        self.tok_seen: tuple[float, float] | None = None
 
     def may_use(self, model: str) -> bool:
         if self._patterns is None:
@@ -165,7 +175,13 @@ class Key:
     def _today(self) -> None:
         day = int(time.time() // 86400)
         if day != self.day:
-            self.day, self.day_used = day, 0
+            self.day, self.day_used, self.day_others, self.restored = day, 0, 0, 0
+
+    def today_tokens(self) -> int:
+        """Tokens today: this edge's, plus the other edges' where shared state follows them
+        (keys with ``daily_tokens``; ``day_others`` is 0 otherwise)."""
+        self._today()
+        return self.day_used + self.day_others
 
 
 class Lease:
@@ -196,6 +212,8 @@ class Keys:
             self.add(Key(kc.id, kc.key_sha256.lower() or sha256_hex(kc.key), policy_of(kc), "config"))
 
     def add(self, key: Key) -> None:
+        if self.shared:  # its balances are leased, not a full minute on every edge
+            key.req_level = key.tok_level = 0.0
         self.by_hash[key.sha256] = key
         self.by_id[key.id] = key
         self.ever = True
@@ -235,7 +253,7 @@ class Keys:
             raise model_not_found(model)
         policy = key.policy
         now = time.monotonic()
-        reserved = prompt_estimate + min(max_tokens or DEFAULT_OUTPUT_RESERVE, MAX_OUTPUT_RESERVE)
+        reserved = self.reservation(key, prompt_estimate, max_tokens)
         if policy.daily_tokens:
             key._today()
             if key.day_used + key.day_others >= policy.daily_tokens:
@@ -262,7 +280,6 @@ class Keys:
             if not ok:
                 raise self._limited(key, f"{policy.rpm} requests per minute", (1 - level) * 60 / policy.rpm, "rpm")
         if policy.tpm:
-            reserved = min(reserved, policy.tpm)
             if shared:
                 level, ok = key.tok_level, key.tok_level >= reserved
                 if ok:
@@ -277,6 +294,17 @@ class Keys:
                 raise self._limited(key, f"{policy.tpm} tokens per minute", wait, "tpm")
         key.in_flight += 1
         return Lease(key, reserved if policy.tpm else 0)
+
+    def reservation(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> int:
+        """The tokens a request is admitted on (see the module docstring)."""
+        reserved = prompt_estimate + min(max_tokens or DEFAULT_OUTPUT_RESERVE, MAX_OUTPUT_RESERVE)
+        return min(reserved, key.policy.tpm) if key.policy.tpm else reserved
+
+    def needs(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> tuple[int, int]:
+        """The requests and tokens admitting this request takes from ``key``'s rpm and tpm."""
+        policy = key.policy
+        tokens = self.reservation(key, prompt_estimate, max_tokens) if policy.tpm else 0
+        return (1 if policy.rpm else 0), tokens
 
     def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:
         error = APIError(
@@ -304,23 +332,25 @@ class Keys:
                 now = time.monotonic()
                 level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
                 key.tok_level, key.tok_at = min(policy.tpm, level + lease.reserved - used), now
-        if policy.daily_tokens:
-            key._today()
-            key.day_used += used
+        key._today()
+        key.day_used += used  # every key's (today_tokens), not only a budget's
 
     def headers(self, key: Key) -> list[tuple[bytes, bytes]]:
         """OpenAI's ``x-ratelimit-*`` headers for ``key`` (none without rpm/tpm)."""
         policy = key.policy
         now = time.monotonic()
         out: list[tuple[bytes, bytes]] = []
-        for limit, level, at, unit in (
-            (policy.rpm, key.req_level, key.req_at, b"requests"),
-            (policy.tpm, key.tok_level, key.tok_at, b"tokens"),
+        for limit, level, at, seen, unit in (
+            (policy.rpm, key.req_level, key.req_at, key.req_seen, b"requests"),
+            (policy.tpm, key.tok_level, key.tok_at, key.tok_seen, b"tokens"),
         ):
             if not limit:
                 continue
-            if not self.shared:  # (shared: the level is this edge's leased balance, shown as it is)
+            if not self.shared:
                 level = min(limit, level + (now - at) * limit / 60.0)
+            elif seen is not None:  # the Redis bucket as last seen, refilled since, plus this edge's balance
+                bucket, seen_at = seen
+                level = min(limit, min(limit, bucket + (now - seen_at) * limit / 60.0) + level)
             out += [
                 (b"x-ratelimit-limit-" + unit, str(limit).encode()),
                 (b"x-ratelimit-remaining-" + unit, str(max(int(level), 0)).encode()),

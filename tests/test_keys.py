@@ -389,3 +389,20 @@ async def test_an_unexpected_error_in_a_quart_route_is_a_json_500_logged_once(nu
     assert event["log_level"] == "error" and "GET /v1/admin/keys" in event["event"]
     assert isinstance(event["exc_info"][1], RuntimeError)
     assert "a bug" not in capsys.readouterr().err
+
+
+async def test_today_tokens_counts_every_key_not_only_a_budgets(nursery, tmp_path):
+    """`today_tokens` in /v1/admin/keys grows with a key's use while the edge runs, daily budget or not."""
+    edge = await keyed_edge(
+        nursery, tmp_path, [KeyConfig(id="free", key="sk-free"), KeyConfig(id="fast", key="sk-fast", rpm=100)]
+    )
+    with trio.fail_after(BOUND):
+        told = {}
+        for key_id in ("free", "fast"):
+            async with client(edge, f"sk-{key_id}") as c:
+                told[key_id] = 0
+                for _ in range(2):
+                    told[key_id] += (await chat(c)).json()["usage"]["total_tokens"]
+        async with admin(edge) as adm:
+            listed = {k["id"]: k["today_tokens"] for k in (await adm.get("/v1/admin/keys")).json()["data"]}
+    assert told["free"] > 0 and listed == told

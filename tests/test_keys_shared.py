@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import trio
@@ -238,3 +240,149 @@ async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_pa
     failed = [e for e in events if e["msg"] == "admin request failed: ledger unavailable"]
     assert [e["route"] for e in failed] == ["/v1/admin/usage", "/v1/admin/keys"]
     assert all(e["level"] == "warning" and e["request_id"].startswith("req_") for e in failed)
+
+
+async def shared_edge(nursery, url: str, tmp_path, name: str, keys: list[KeyConfig], ledger: str | None = None):
+    """An edge with ``keys`` leasing from the Redis at ``url`` (its own SQLite ledger unless given one)."""
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=keys, state=url, admin_keys=[ADMIN], ledger=ledger or str(tmp_path / f"{name}.sqlite3")),
+    )
+    await start_node(nursery, edge, [sim("qwen-a")], node_id=f"n-{name}-{edge.url[-5:]}")
+    await eventually(lambda: edge.edge.shared.up, "leasing from redis")
+    return edge
+
+
+async def burst(edge, secret: str, n: int, **body) -> list[httpx.Response]:
+    """``n`` chat requests at once."""
+    responses: list[httpx.Response] = []
+    async with client(edge, secret) as c:
+
+        async def one() -> None:
+            responses.append(await chat(c, **body))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+    return responses
+
+
+async def test_a_burst_borrows_from_redis_what_the_edges_slice_lacks(nursery, redis_server, tmp_path):  # noqa: F811
+    """An edge holds a slice (1%) of a key's minute: a burst beyond it borrows from the Redis bucket
+    instead of being refused (rpm 60: 30 at once; tpm 200,000: 3 reservations of 4,000+; rpm 60 with
+    max_concurrent 4: 4 at once), and the key's limit still holds (rpm 20: 40 at once admit 20 and
+    what refilled meanwhile; the rest are 429 as before)."""
+    keys = [
+        KeyConfig(id="burst", key="sk-burst", rpm=60),
+        KeyConfig(id="big", key="sk-big", tpm=200_000),
+        KeyConfig(id="alice2", key="sk-alice2", rpm=60, tpm=200_000, max_concurrent=4),
+        KeyConfig(id="tight", key="sk-tight", rpm=20),
+    ]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    with trio.fail_after(BOUND * 2):
+        await eventually(lambda: all(k.req_level >= 1 or k.tok_level >= 5120 for k in edge.edge.keys.by_id.values()))
+        for secret, n, body in (("sk-burst", 30, {}), ("sk-big", 3, {"max_tokens": 4000}), ("sk-alice2", 4, {})):
+            responses = await burst(edge, secret, n, **body)
+            refused = [r.text for r in responses if r.status_code != 200]
+            assert len(responses) == n and not refused, (secret, refused[:3])
+        start = trio.current_time()
+        responses = await burst(edge, "sk-tight", 40)
+        refilled = (trio.current_time() - start) * 20 / 60
+    admitted = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert 20 <= len(admitted) <= 20 + math.ceil(refilled) + 1, (len(admitted), refilled)
+    assert refused and all(
+        r.status_code == 429 and "20 requests per minute" in r.json()["error"]["message"] for r in refused
+    )
+
+
+async def test_ratelimit_headers_show_the_shared_bucket(nursery, redis_server, tmp_path):  # noqa: F811
+    """With shared state, x-ratelimit-remaining-* is the Redis bucket's level plus this edge's
+    balance (a fresh rpm 600 / tpm 100,000 key: about 599 and 99k after one request, not the
+    edge's slice of 5 and 5,114), and the reset is computed from it."""
+    keys = [KeyConfig(id="h", key="sk-h", rpm=600, tpm=100_000)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    key = edge.edge.keys.by_id["h"]
+    with trio.fail_after(BOUND):
+        await eventually(lambda: key.req_level >= 6 and key.tok_level >= 5120, "the first lease")
+        async with client(edge, "sk-h") as c:
+            r = await chat(c)
+    assert r.status_code == 200
+    assert 590 <= int(r.headers["x-ratelimit-remaining-requests"]) <= 600, r.headers
+    assert 90_000 <= int(r.headers["x-ratelimit-remaining-tokens"]) <= 100_000, r.headers
+    assert r.headers["x-ratelimit-reset-requests"].endswith("ms"), r.headers  # 1 request of 600 a minute: 0.1 s
+
+
+def _redis_day(url: str, key_id: str) -> int | None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=1.0)
+    try:
+        value = client.get(f"iop:day:{key_id}:{int(time.time() // 86400)}")
+    finally:
+        client.close()
+    return None if value is None else int(value)
+
+
+async def redis_day(url: str, key_id: str) -> int | None:
+    """A key's day counter in Redis now."""
+    return await trio.to_thread.run_sync(_redis_day, url, key_id)
+
+
+async def test_a_redis_restart_reconciles_daily_budgets(nursery, redis_server, tmp_path):  # noqa: F811
+    """daily_tokens 100 spent through edge a (edge b refuses too); redis-server restarts empty: the
+    edges add again what they know of the day, so both still refuse, and Redis holds the day's use."""
+    keys = [KeyConfig(id="jo", key="sk-jo", daily_tokens=100, max_concurrent=1)]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys)
+    with trio.fail_after(BOUND * 3):
+        async with client(a, "sk-jo") as c:
+            for _ in range(30):
+                if (await chat(c)).status_code != 200:
+                    break
+        spent = a.edge.keys.by_id["jo"].day_used
+        assert spent >= 100
+        await eventually(lambda: b.edge.keys.by_id["jo"].day_others == spent, "edge b sees edge a's use")
+        async with client(b, "sk-jo") as c:
+            assert (await chat(c)).status_code == 429
+        await trio.to_thread.run_sync(redis_server.stop)
+        await trio.to_thread.run_sync(redis_server.start)
+        while (await redis_day(redis_server.url, "jo") or 0) < spent:  # both edges' rounds, in the new Redis
+            await trio.sleep(0.05)
+        assert await redis_day(redis_server.url, "jo") == spent
+        await eventually(lambda: b.edge.keys.by_id["jo"].day_others == spent, "edge b sees edge a's use again")
+        for edge in (a, b):
+            async with client(edge, "sk-jo") as c:
+                r = await chat(c)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota", r.text
+
+
+async def test_an_edge_restart_adds_only_new_use_and_today_tokens_is_across_edges(nursery, redis_server, tmp_path):  # noqa: F811
+    """An edge that restarts restores its day from its ledger and does not add it to Redis again
+    (Redis holds it already); `today_tokens` in /v1/admin/keys is the day across edges for a key
+    with daily_tokens, on any edge."""
+    keys = [KeyConfig(id="d", key="sk-d", daily_tokens=1000)]
+    ledger = str(tmp_path / "a.sqlite3")
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys, ledger)
+    b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys)
+    with trio.fail_after(BOUND * 2):
+        async with client(a, "sk-d") as c:
+            spent = 0
+            for _ in range(3):
+                spent += (await chat(c)).json()["usage"]["total_tokens"]
+        while await redis_day(redis_server.url, "d") != spent:
+            await trio.sleep(0.05)
+        await a.edge.ledger.flush()
+        a.scope.cancel()
+        again = await shared_edge(nursery, redis_server.url, tmp_path, "a2", keys, ledger)
+        day = int(time.time() // 86400)
+        await eventually(lambda: ("d", day) in again.edge.shared._reported, "the restarted edge reports its day")
+        assert await redis_day(redis_server.url, "d") == spent
+        async with client(b, "sk-d") as c:
+            spent += (await chat(c)).json()["usage"]["total_tokens"]
+        await eventually(lambda: again.edge.keys.by_id["d"].today_tokens() == spent, "edge a2 sees edge b's use")
+        for edge in (again, b):
+            async with admin(edge) as adm:
+                (d,) = (await adm.get("/v1/admin/keys")).json()["data"]
+            assert d["today_tokens"] == spent, (edge.url, d)
+    assert await redis_day(redis_server.url, "d") == spent
