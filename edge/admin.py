@@ -254,7 +254,7 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return parsed
         _, policy = parsed
         await edge.ledger.put_key(key_id, key.sha256, policy)  # type: ignore[union-attr]
-        key.set_policy(policy)
+        edge.keys.change(key, policy)
         return json_response(200, _key_view(key, {}))
 
     @app.delete("/v1/admin/keys/<key_id>")

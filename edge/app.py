@@ -122,7 +122,7 @@ class Edge:
             if known is None:
                 self.keys.add(Key(key_id, sha, policy, "admin"))
             elif known.policy != policy:
-                known.set_policy(policy)
+                self.keys.change(known, policy)
 
     async def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
         """A keyed request's admission (edge.keys): raises 404/429, or holds

@@ -211,6 +211,13 @@ class Keys:
         for kc in config.keys:
             self.add(Key(kc.id, kc.key_sha256.lower() or sha256_hex(kc.key), policy_of(kc), "config"))
 
+    def change(self, key: Key, policy: Policy) -> None:
+        """A new policy for ``key``, at once; with shared state its balances start
+        from leases again (not a full minute on every edge)."""
+        key.set_policy(policy)
+        if self.shared:
+            key.req_level = key.tok_level = 0.0
+
     def add(self, key: Key) -> None:
         if self.shared:  # its balances are leased, not a full minute on every edge
             key.req_level = key.tok_level = 0.0
