@@ -27,6 +27,8 @@ from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.trio import task_group
 from hypercorn.trio.task_group import TaskGroup
 
+_ENDS = frozenset(("http.disconnect", "websocket.disconnect"))
+
 
 class AppQueue:
     """A bounded first-in first-out queue with one receiver (the app) and one
@@ -78,11 +80,23 @@ class AppQueue:
         return await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def send(self, message) -> None:
-        """Queue ``message``; waits while the queue is full."""
+        """Queue ``message``; waits while the queue is full. The stream's end
+        (``http.disconnect``, ``websocket.disconnect``) never waits, and
+        releases any sender still waiting: its message goes nowhere, the
+        stream is over. (Else an app that answered before reading a body
+        its client was still sending, a 413, deadlocked: hypercorn hands the
+        disconnect over from inside the app's last send, the full queue
+        waited for the app, and the connection never closed.)"""
         receiver = self._receiver
         if receiver is not None:  # the app waits on an empty queue: it takes this one directly
             self._receiver = None
             trio.lowlevel.reschedule(receiver, outcome.Value(message))
+            return
+        if type(message) is dict and message.get("type") in _ENDS:
+            self._items.append(message)
+            senders, self._senders = self._senders, None
+            for task, _ in senders or ():
+                trio.lowlevel.reschedule(task)
             return
         if len(self._items) < self._capacity and not self._senders:
             self._items.append(message)

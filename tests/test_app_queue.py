@@ -126,3 +126,30 @@ def _dechunk(body: bytes) -> bytes:
             break
         out, rest = out + rest[:n], rest[n + 2 :]
     return out
+
+
+async def test_the_streams_end_never_waits_and_releases_a_waiting_sender():
+    """hypercorn hands the app `http.disconnect` from inside the app's own last send when
+    the response ends: with the queue full of a body the app will never read (it answered
+    413 first), that put waited for the app itself, and the connection never closed. The
+    end is queued past the bound, and a sender still waiting (the connection's reader, with
+    more body) is released: its message goes nowhere."""
+    queue = AppQueue(2)
+    body = {"type": "http.request", "body": b"x", "more_body": True}
+    released = False
+
+    async def reader() -> None:
+        nonlocal released
+        for _ in range(3):
+            await queue.send(body)
+        released = True
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not released  # the third waits: the queue is full
+            await queue.send({"type": "http.disconnect"})  # the app's side: does not wait
+            await trio.testing.wait_all_tasks_blocked()
+            assert released
+    assert [queue.receive_nowait()["type"] for _ in range(3)] == ["http.request", "http.request", "http.disconnect"]

@@ -680,3 +680,28 @@ async def test_a_huge_session_id_is_kept_as_a_digest(nursery):
     affinity = edge.edge.runs._affinity
     assert len(affinity) == 4 and all(len(k) <= 128 for k in affinity)
     await settled(edge, *(n.agent for n in nodes))
+
+
+async def test_a_413_while_the_client_still_sends_closes_the_connection(sim_edge):
+    """A client that declares a body past max_body_bytes and keeps sending it gets the 413
+    and then the connection closes (before, the edge answered and then neither read nor
+    closed: hypercorn's disconnect waited on the app's full queue from inside the app's
+    last send, and the client and its task hung until their timeouts)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", sim_edge.port)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    await stream.send_all(head + b"content-length: 12000000\r\n\r\n")
+    got = b""
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+
+            async def keep_sending() -> None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    for _ in range(12_000_000 // 65536):
+                        await stream.send_all(b"x" * 65536)
+
+            nursery.start_soon(keep_sending)
+            while data := await stream.receive_some(65536):
+                got += data
+            nursery.cancel_scope.cancel()
+    await stream.aclose()
+    assert got.startswith(b"HTTP/1.1 413 ") and b"request_too_large" in got and got.endswith(b"0\r\n\r\n")

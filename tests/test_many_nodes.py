@@ -389,3 +389,34 @@ async def test_passthrough_keeps_the_edges_bounds(tunnel):
             r = await client.post("/v1/embeddings", json={"model": "emb", "input": [[1, -(2**63) - 1]]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     assert not upstream.records
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [b"18446744073709551616", b"NaN", b"-5000", b"1.5e300", b'"x"', b"null", b"{" * 20000 + b"}" * 20000],
+)
+async def test_a_providers_usage_that_is_no_count_is_not_charged(nursery, upstream, tmp_path, completion):
+    """A provider's `usage` through the tunnel whose count is no token count (past 2^64,
+    NaN, negative, a float, a string, null, nested deeper than JSON can be read) is not
+    charged as it stands: the request is charged the estimate, the key's day and the
+    ledger stay sane. (Found from outside: 2^64 killed the ledger's writer; NaN jammed it;
+    -5000 gave a budget back; 1.5e300 locked the key out for the day.)"""
+    from edge.config import KeyConfig
+
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=[KeyConfig(id="fay", key="sk-fay", daily_tokens=100_000)], ledger=str(tmp_path / "l.sqlite3")),
+    )
+    node = await start_node(nursery, edge, [model("emb", upstream, target="emb-target", passthrough=True)])
+    body = b'{"choices": [{"text": "hi"}], "usage": {"prompt_tokens": 5, "completion_tokens": ' + completion + b"}}"
+    upstream.script_for("emb-target", [("status", 200, body)])
+    with trio.fail_after(BOUND):
+        async with http(edge, headers={"authorization": "Bearer sk-fay"}) as client:
+            r = await client.post("/v1/completions", json={"model": "emb", "prompt": "x" * 40, "max_tokens": 5})
+            assert r.status_code == 200 and r.content == body
+            fay = edge.edge.keys.by_id["fay"]
+            await eventually(lambda: fay.day_used > 0, what="the request charged")
+            assert await edge.edge.ledger.flush()
+    assert fay.day_used == 10  # the estimate: 40 characters of prompt / 4, and "hi" / 4 (0) of completion
+    assert edge.edge.ledger.written == 1
+    await settled(edge, node.agent)

@@ -151,7 +151,7 @@ class _Seen:
         found = _last_usage(tail)
         if found is not None:
             prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens", 0)
-            if _count(prompt) and _count(completion) is not None:
+            if _count(prompt) and _count(completion):  # each an int in 0..2^40, or it is no count
                 total = found.get("total_tokens")
                 return UsageOut(prompt, completion, total if _count(total) else prompt + completion), False
         if self.events:
@@ -164,6 +164,7 @@ class _Seen:
 
 
 def _count(value: Any) -> bool:
+    """Whether ``value`` is a token count: an int (not a float, NaN or bool) in 0..2^40."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT
 
 
@@ -182,7 +183,7 @@ def _last_usage(tail: bytes) -> dict[str, Any] | None:
             if rest.startswith("{"):
                 try:
                     found, _ = decoder.raw_decode(rest)
-                except ValueError:
+                except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
                     found = None
                 if isinstance(found, dict):
                     return found
