@@ -235,11 +235,24 @@ class Keys:
             key.req_level = key.tok_level = 0.0
 
     def local_levels(self) -> None:
-        """Full local buckets (shared state unreachable: this edge limits on its own)."""
+        """Local buckets (shared state unreachable: this edge limits on its own), from
+        the shared bucket as last seen (refilled since) plus this edge's balance, or
+        full if it was never seen: not a fresh minute for a key that had just spent
+        its own (a Redis stall then gave it edges x its limit)."""
         now = time.monotonic()
         for key in self.by_id.values():
-            key.req_level, key.req_at = float(key.policy.rpm), now
-            key.tok_level, key.tok_at = float(key.policy.tpm), now
+            policy = key.policy
+            for limit, balance, seen, name in (
+                (policy.rpm, key.req_level, key.req_seen, "req"),
+                (policy.tpm, key.tok_level, key.tok_seen, "tok"),
+            ):
+                if seen is None:
+                    level = float(limit)
+                else:
+                    bucket, seen_at = seen
+                    level = min(float(limit), bucket + (now - seen_at) * limit / 60.0 + max(balance, 0.0))
+                setattr(key, f"{name}_level", level)
+                setattr(key, f"{name}_at", now)
 
     @property
     def open(self) -> bool:

@@ -291,8 +291,9 @@ class Ledger:
         return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by))
 
     async def key_totals(self) -> dict[str, tuple[int, int, int]]:
-        """Per key: (requests, prompt tokens, completion tokens) to date."""
-        await self.flush()
+        """Per key: (requests, prompt tokens, completion tokens) to date, every
+        record queued so far included; LedgerUnavailable rather than short totals."""
+        await self.store_pending()
 
         def totals(db: Any) -> dict[str, tuple[int, int, int]]:
             rows = db.execute(
@@ -300,10 +301,7 @@ class Ledger:
             ).fetchall()
             return {k: (n, int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
 
-        try:
-            return await self._call(totals)
-        except LedgerUnavailable:
-            return {}
+        return await self._call(totals)
 
     # -- run-time keys -------------------------------------------------------------
 

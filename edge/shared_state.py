@@ -147,9 +147,13 @@ class SharedState:
 
     def _slices(self, key: Key) -> tuple[int, int]:
         """The requests and tokens an edge leases at a time: 1% of the per-minute
-        allowance, at least one request, at least one large reservation (5,120 tokens)."""
+        allowance, at least one request, and at least one large reservation (5,120
+        tokens) or a tenth of the tpm if that is less: a slice of a small tpm was
+        its whole minute, which the first edge held while the others refused
+        (tpm 3,000, two edges: 12 of 20 requests admitted). A request a slice
+        cannot cover borrows the rest (:meth:`cover`)."""
         policy = key.policy
-        return self._slice(policy.rpm), self._slice(policy.tpm, min(policy.tpm, 5120))
+        return self._slice(policy.rpm), self._slice(policy.tpm, min(5120, max(policy.tpm // 10, 1)))
 
     def _slice(self, limit: int, floor: int = 1) -> int:
         return max(int(math.ceil(limit * SLICE)), floor)

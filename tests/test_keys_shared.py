@@ -222,7 +222,11 @@ async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_pa
                 assert (await adm.get("/v1/admin/usage")).status_code == 200
                 await trio.to_thread.run_sync(postgres.stop)
                 stopped = True
-                refused = [await adm.get("/v1/admin/usage"), await adm.post("/v1/admin/keys", json={"id": "k"})]
+                refused = [
+                    await adm.get("/v1/admin/usage"),
+                    await adm.post("/v1/admin/keys", json={"id": "k"}),
+                    await adm.get("/v1/admin/keys"),  # its usage to date would be short: not a list of zeros
+                ]
                 await trio.to_thread.run_sync(postgres.start)
                 stopped = False
                 made = await adm.post("/v1/admin/keys", json={"id": "k"})
@@ -238,7 +242,7 @@ async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_pa
     lines = [line for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in lines]  # every line is JSON
     failed = [e for e in events if e["msg"] == "admin request failed: ledger unavailable"]
-    assert [e["route"] for e in failed] == ["/v1/admin/usage", "/v1/admin/keys"]
+    assert [e["route"] for e in failed] == ["/v1/admin/usage", "/v1/admin/keys", "/v1/admin/keys"]
     assert all(e["level"] == "warning" and e["request_id"].startswith("req_") for e in failed)
 
 
@@ -386,3 +390,43 @@ async def test_an_edge_restart_adds_only_new_use_and_today_tokens_is_across_edge
                 (d,) = (await adm.get("/v1/admin/keys")).json()["data"]
             assert d["today_tokens"] == spent, (edge.url, d)
     assert await redis_day(redis_server.url, "d") == spent
+
+
+async def test_a_small_tpm_is_shared_by_two_edges(nursery, redis_server, tmp_path):  # noqa: F811
+    """A slice was at least 5,120 tokens: for a tpm of 3,000 one edge leased the whole
+    minute and the other refused (12 of 20 admitted, found from outside). A slice is now
+    at most a tenth of the tpm: 20 small requests, alternating between two edges, pass."""
+    keys = [KeyConfig(id="tk", key="sk-tk", tpm=3000)]
+    edges = [await shared_edge(nursery, redis_server.url, tmp_path, name, keys) for name in ("a", "b")]
+    with trio.fail_after(BOUND * 2):
+        await eventually(lambda: all(e.edge.keys.by_id["tk"].tok_level > 0 for e in edges), "both leased")
+        statuses = []
+        for i in range(20):
+            async with client(edges[i % 2], "sk-tk") as c:
+                statuses.append((await chat(c, max_tokens=100)).status_code)
+            await trio.sleep(0.05)
+    assert statuses == [200] * 20, statuses
+    assert all(e.edge.keys.by_id["tk"].tok_level <= 600 for e in edges)  # two slices of 300 at most, each
+
+
+async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, redis_server, tmp_path):  # noqa: F811
+    """When Redis stops answering, each edge limits keys on its own: it starts from the
+    shared bucket as it last saw it (refilled since), not from a full minute. (Found from
+    outside: a key that had just spent its rpm 60 got 100 more across two edges in a
+    2.5 s stall.)"""
+    import os
+    import signal
+
+    keys = [KeyConfig(id="spent", key="sk-spent", rpm=20)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    with trio.fail_after(BOUND * 2):
+        await eventually(lambda: edge.edge.keys.by_id["spent"].req_level >= 1, "the first lease")
+        first = await burst(edge, "sk-spent", 25)
+        assert sum(r.status_code == 200 for r in first) >= 20
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: not edge.edge.shared.up, "redis seen down")
+            stalled = await burst(edge, "sk-spent", 20)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert sum(r.status_code == 200 for r in stalled) <= 3, [r.status_code for r in stalled]
