@@ -32,7 +32,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     tokens_per_s: float = 50.0  # 0: as fast as possible
     sim_tokens: int = 64  # tokens when the request sets no max_tokens
     # true: sim_tokens is the answer's own length, as a model's (finish "stop"); a request's max_tokens
-    # only cuts it shorter ("length"). false: a request's max_tokens sets the length (benchmarks).
+    # only cuts it shorter ("length"); usage counts the whole prompt (characters / 4). false: a
+    # request's max_tokens sets the length, and the prompt counted is the last user message (benchmarks).
     sim_stops: bool = False
     # sim: a prefix cache (node.adapters.sim_cache), a model of a real engine's; 0: none
     prefix_cache_tokens: int = 0  # LRU capacity in prompt tokens

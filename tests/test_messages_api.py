@@ -604,3 +604,40 @@ async def test_a_matched_stop_sequence_is_stop_reason_stop_sequence(setup):
             whole = await client.messages.create(model="m", max_tokens=50, messages=USER, stop_sequences=["END"])
             assert (whole.stop_reason, whole.stop_sequence) == ("end_turn", None)
     assert upstream.records[0].body["stop"] == ["END", "STOP"]
+
+
+async def test_the_demo_model_stops_at_a_stop_sequence_and_counts_its_prompt(nursery):
+    """`iop demo`'s sim stops at a request's stop sequence as a model server does (the text
+    before it, then `stop_sequence` naming it) and counts the whole prompt in its usage,
+    so a Messages stream's input_tokens agree at its start and its end within the estimate's
+    own slack (a 40,000-character system prompt counted 4 tokens before)."""
+    from iop.cli import DEMO_MODEL, demo_model
+    from node.adapters.sim import sim_tokens
+
+    edge = await start_edge(nursery, edge_config())
+    node = await start_node(nursery, edge, [demo_model()])
+    answer = "".join(sim_tokens("Hello", 64))
+    stop = answer.split()[5]  # a word the answer holds
+    async with client_for(edge) as client:
+        with trio.fail_after(BOUND):
+            whole = await client.messages.create(
+                model=DEMO_MODEL,
+                max_tokens=1024,
+                messages=[{"role": "user", "content": "Hello"}],
+                stop_sequences=[stop],
+            )
+            async with client.messages.stream(
+                model=DEMO_MODEL,
+                max_tokens=1024,
+                system="s" * 40_000,
+                messages=[{"role": "user", "content": "Hello"}],
+            ) as stream:
+                first = None
+                async for event in stream:
+                    if event.type == "message_start":
+                        first = event.message.usage.input_tokens
+                final = await stream.get_final_message()
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", stop)
+    assert whole.content[0].text == answer[: answer.index(stop)]
+    assert first is not None and abs(final.usage.input_tokens - first) <= 0.05 * first  # both about 10,000
+    await settled(edge, node.agent)

@@ -37,7 +37,7 @@ class RecordingSink:
     async def reasoning(self, text: str) -> None:
         self.started = True
 
-    async def complete(self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage=None) -> None:
+    async def complete(self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage=None, stop="") -> None:
         self.ended = True
         self.usage = usage
 

@@ -53,6 +53,13 @@ def _last_user_text(request: dict[str, Any]) -> str:
     return ""
 
 
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    """The request's stop strings (``stop``: a string or a list of them)."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    return tuple(s for s in stops[:16] if isinstance(s, str) and s)
+
+
 def sim_tokens(prompt: str, count: int) -> Iterator[str]:
     """The same prompt always gives the same tokens, made one at a time (a
     huge ``count`` costs time, never memory)."""
@@ -139,6 +146,7 @@ class SimAdapter:
             tokens = sim_tokens(prompt, count)
             finish = "length" if limited else "stop"
         prefill_s, cache_prompt_tokens, cached = self._prefill(body) if self.cache is not None else (0.0, 0, None)
+        matched = ""
         self.counters.active_upstream += 1
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
@@ -146,19 +154,38 @@ class SimAdapter:
             start = trio.current_time() + self.model.ttft_ms / 1000 + prefill_s
             await trio.sleep_until(start)
             tps = self.model.tokens_per_s
+            stops = _stops(body) if call is None else ()
+            tail = ""  # the end of the text so far, as long as the longest stop string less one
+            keep = max((len(stop) for stop in stops), default=1) - 1
             for i, token in enumerate(tokens):
                 if tps > 0 and i:
                     await trio.sleep_until(start + i / tps)
                 elif i % 64 == 0:
                     await trio.lowlevel.checkpoint()
+                if stops:
+                    window = tail + token
+                    found = [(window.find(stop), stop) for stop in stops if stop in window]
+                    if found:  # as a model server stops: the text before the stop string, and which it was
+                        at, matched = min(found)
+                        if at > len(tail):
+                            await sink.delta(token[: at - len(tail)])
+                        count, finish = i + 1, "stop"
+                        break
+                    tail = window[-keep:] if keep else ""
                 await sink.delta(token)
         finally:
             self.counters.active_upstream -= 1
             self.active -= 1
-        prompt_count = cache_prompt_tokens or max(1, len(prompt) // 4)
+        if cache_prompt_tokens:
+            prompt_count = cache_prompt_tokens
+        elif self.model.sim_stops:  # as a model: the whole prompt (Claude Code's 19k tokens, not its last words)
+            prompt_count = prompt_tokens(render(body))
+        else:
+            prompt_count = max(1, len(prompt) // 4)
         await sink.complete(
             finish,
             tool_calls=[call] if call is not None else None,
+            stop=matched,
             usage=Usage(
                 prompt_tokens=prompt_count,
                 completion_tokens=count,
