@@ -621,12 +621,12 @@ async def test_a_large_tool_schema_compiles_off_the_event_loop(sim_edge):
     dropped); past MAX_SCHEMA_NODES in all, the request is a 400 before any work."""
     from edge.openai.tools import MAX_SCHEMA_NODES
 
-    body = {"model": "m", "messages": USER, "tools": [_wide_tool(4000, "a")], "max_tokens": 2}
+    body = {"model": "m", "messages": USER, "tools": [_wide_tool(8000, "a")], "max_tokens": 2}
     with trio.fail_after(BOUND):
         async with http(sim_edge) as client:
             r, served = await _healthz_while(sim_edge, client.post("/v1/chat/completions", json=body))
             assert r.status_code == 200, r.text
-            assert served >= 5  # /healthz answered all along the compile (about a second here)
+            assert served >= 3  # /healthz answered all along the compile (2-3 s here; inline, it waited)
             too_big = {**body, "tools": [_wide_tool(MAX_SCHEMA_NODES, "b")]}
             err = assert_openai_error(await client.post("/v1/chat/completions", json=too_big), 400, param="tools")
     assert f"at most {MAX_SCHEMA_NODES}" in err["message"]
