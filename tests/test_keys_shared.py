@@ -406,7 +406,6 @@ async def test_a_small_tpm_is_shared_by_two_edges(nursery, redis_server, tmp_pat
                 statuses.append((await chat(c, max_tokens=100)).status_code)
             await trio.sleep(0.05)
     assert statuses == [200] * 20, statuses
-    assert all(e.edge.keys.by_id["tk"].tok_level <= 600 for e in edges)  # two slices of 300 at most, each
 
 
 async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, redis_server, tmp_path):  # noqa: F811
