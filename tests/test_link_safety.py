@@ -427,18 +427,18 @@ async def test_an_edge_paused_past_its_ping_timeout_drops_the_links_and_goes_on(
         {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "ping_interval_s": 0.5, "ping_misses": 2, "ledger": "off"},
     )
     log_path = tmp_path / "edge.log"
-    proc = _spawn_edge(cfg, log_path)
     url = f"http://127.0.0.1:{port}"
     link = f"ws://127.0.0.1:{port}/v1/node/link"
-    for i in range(3):
-        agent = NodeAgent(node_config([link], [model("m", max_concurrency=4)], f"p{i}"))
-        nursery.start_soon(agent.serve)
+    agents = [NodeAgent(node_config([link], [model("m", max_concurrency=4)], f"p{i}")) for i in range(3)]
 
     async def linked(client: httpx.AsyncClient) -> int:
         text = (await client.get("/metrics")).text
         return int(float(next(line.split()[1] for line in text.splitlines() if line.startswith("iop_nodes_linked "))))
 
-    try:
+    proc = _spawn_edge(cfg, log_path)
+    try:  # (from here on: whatever fails, the edge process goes with the test)
+        for agent in agents:
+            nursery.start_soon(agent.serve)
         async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client:
             for pause in (3.0, 2.0):
                 with trio.fail_after(BOUND):
