@@ -58,6 +58,11 @@ MAX_TOKEN_COUNT = 1 << 40  # a usage count above this (or below 0) is no count: 
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_COUNT)]
 
 
+def is_token_count(value: object) -> bool:
+    """``value`` is a token count a frame may carry: an int (not a bool, float or NaN) in 0..2^40."""
+    return type(value) is int and 0 <= value <= MAX_TOKEN_COUNT
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: TokenCount | None = None
     completion_tokens: TokenCount | None = None

@@ -41,7 +41,7 @@ from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
 from edge.runs.service import session_key
 from proto import RunEvent
-from proto.frames import MAX_TOKEN_COUNT
+from proto.frames import is_token_count
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -151,9 +151,9 @@ class _Seen:
         found = _last_usage(tail)
         if found is not None:
             prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens", 0)
-            if _count(prompt) and _count(completion):  # each an int in 0..2^40, or it is no count
+            if is_token_count(prompt) and is_token_count(completion):  # each an int in 0..2^40, or it is no count
                 total = found.get("total_tokens")
-                return UsageOut(prompt, completion, total if _count(total) else prompt + completion), False
+                return UsageOut(prompt, completion, total if is_token_count(total) else prompt + completion), False
         if self.events:
             completion = max(self.events - 1, 0)  # one a streamed event, less [DONE]
         elif self.size <= _TAIL:
@@ -161,11 +161,6 @@ class _Seen:
         else:
             completion = self.size // 4
         return UsageOut(prompt_estimate, completion, prompt_estimate + completion), True
-
-
-def _count(value: Any) -> bool:
-    """Whether ``value`` is a token count: an int (not a float, NaN or bool) in 0..2^40."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT
 
 
 def _last_usage(tail: bytes) -> dict[str, Any] | None:

@@ -32,7 +32,7 @@ from edge.openai.chat import chat_completions
 from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange, new_request_id
 from edge.openai.passthrough import tunnel_route
 from edge.openai.responses_route import create_response
-from proto.frames import MAX_TOKEN_COUNT
+from proto.frames import is_token_count
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -212,10 +212,6 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send) -> None:
         structlog.contextvars.unbind_contextvars("request_id")
 
 
-def _a_count(value: object) -> bool:
-    return type(value) is int and 0 <= value <= MAX_TOKEN_COUNT
-
-
 def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:
     """The request's one access line (no prompt text, no keys) and its counts."""
     access = ex.access
@@ -236,7 +232,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     else:
         prompt = completion = 0
         estimated = False
-    if not (_a_count(prompt) and _a_count(completion)):  # (never, from a run: a last guard for the ledger)
+    if not (is_token_count(prompt) and is_token_count(completion)):  # (never, from a run: a last guard for the ledger)
         log.warning("usage out of range, not recorded", prompt=str(prompt)[:40], completion=str(completion)[:40])
         prompt = completion = 0
     key = ex.key

@@ -19,7 +19,7 @@ from node.adapters import Counters, Sink
 from node.adapters.sse import SSEParser
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
-from proto.frames import MAX_TOKEN_COUNT
+from proto.frames import is_token_count
 
 
 class _FunctionDelta(msgspec.Struct):
@@ -269,7 +269,7 @@ class _Relay:
 
 def _count(value: int | None) -> int | None:
     """A model server's token count, or None (unknown) when it is none a frame may carry."""
-    return value if value is not None and 0 <= value <= MAX_TOKEN_COUNT else None
+    return value if is_token_count(value) else None
 
 
 def _usage(u: _Usage) -> Usage:
