@@ -242,17 +242,9 @@ class Keys:
         now = time.monotonic()
         for key in self.by_id.values():
             policy = key.policy
-            for limit, balance, seen, name in (
-                (policy.rpm, key.req_level, key.req_seen, "req"),
-                (policy.tpm, key.tok_level, key.tok_seen, "tok"),
-            ):
-                if seen is None:
-                    level = float(limit)
-                else:
-                    bucket, seen_at = seen
-                    level = min(float(limit), bucket + (now - seen_at) * limit / 60.0 + max(balance, 0.0))
-                setattr(key, f"{name}_level", level)
-                setattr(key, f"{name}_at", now)
+            key.req_level = _local_level(policy.rpm, key.req_level, key.req_seen, now)
+            key.tok_level = _local_level(policy.tpm, key.tok_level, key.tok_seen, now)
+            key.req_at = key.tok_at = now
 
     @property
     def open(self) -> bool:
@@ -377,6 +369,15 @@ class Keys:
                 (b"x-ratelimit-reset-" + unit, _duration((limit - level) * 60 / limit).encode()),
             ]
         return out
+
+
+def _local_level(limit: int, balance: float, seen: tuple[float, float] | None, now: float) -> float:
+    """A limit's local bucket when shared state goes away: the shared bucket as last
+    seen, refilled since, plus this edge's balance; full if it was never seen."""
+    if seen is None:
+        return float(limit)
+    bucket, seen_at = seen
+    return min(float(limit), bucket + (now - seen_at) * limit / 60.0 + max(balance, 0.0))
 
 
 def policy_of(kc: KeyConfig) -> Policy:
