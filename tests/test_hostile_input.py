@@ -632,6 +632,35 @@ async def test_a_large_tool_schema_compiles_off_the_event_loop(sim_edge):
     assert f"at most {MAX_SCHEMA_NODES}" in err["message"]
 
 
+async def test_one_clients_large_schemas_wait_their_turn_in_its_own_lane(nursery, tmp_path):
+    """Large compiles run one at a time; a client's wait in that queue is its own. Key `a`
+    sends four schemas of 3,000 properties at once, then key `b` one of 500: `b` waits for
+    the compile under way, not for all of `a`'s (20 huge schemas from one client delayed
+    another's by 6.7 s before)."""
+    from edge.config import KeyConfig
+
+    keys = [KeyConfig(id="a", key="sk-a"), KeyConfig(id="b", key="sk-b")]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    node = await start_node(nursery, edge, [sim("m", max_concurrency=8)])
+    done: list[str] = []
+
+    async def ask(secret: str, tool: dict, name: str) -> None:
+        body = {"model": "m", "messages": USER, "tools": [tool], "max_tokens": 2}
+        async with http(edge, headers={"Authorization": f"Bearer {secret}"}) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        done.append(name)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as n:
+            for i in range(4):
+                n.start_soon(ask, "sk-a", _wide_tool(3000, f"a{i}_"), f"a{i}")
+            await trio.sleep(0.3)  # a's four are queued
+            n.start_soon(ask, "sk-b", _wide_tool(500, "b"), "b")
+    assert done.index("b") <= 2, done  # before the lane: last, behind all four of a's
+    await settled(edge, node.agent)
+
+
 async def test_a_backtracking_pattern_is_bounded(nursery, upstream):
     """A client's `pattern` against a model's argument can backtrack for minutes (^(a+)+$
     froze the edge 47 s on Python's re; ^(a|aa)+$ still backtracks on `regex`): patterns

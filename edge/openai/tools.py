@@ -126,6 +126,30 @@ def _compiles() -> trio.CapacityLimiter:
         return limiter
 
 
+# A client's large compiles take their turns in the queue above one at a time: twenty
+# huge schemas from one client make another client's wait one compile, not twenty.
+_LANES: trio.lowlevel.RunVar[dict[str, list]] = trio.lowlevel.RunVar("iop_schema_lanes")
+
+
+async def _compile_off_loop(schema: str, lane: str) -> None:
+    try:
+        lanes = _LANES.get()
+    except LookupError:
+        lanes = {}
+        _LANES.set(lanes)
+    entry = lanes.get(lane)
+    if entry is None:
+        entry = lanes[lane] = [trio.Lock(), 0]  # the lane's lock and how many use it
+    entry[1] += 1
+    try:
+        async with entry[0]:
+            await trio.to_thread.run_sync(_validator, schema, limiter=_compiles(), abandon_on_cancel=True)
+    finally:
+        entry[1] -= 1
+        if not entry[1]:
+            del lanes[lane]
+
+
 # Every regex jsonschema runs (pattern, patternProperties, additionalProperties
 # beside patternProperties) is a client's, matched against a model's output: a
 # pattern such as ^(a+)+$ backtracks for minutes on Python's re. They run on the
@@ -284,10 +308,11 @@ class ToolContract:
                 self.forced = name
                 self.required = True
 
-    async def check_request(self, req: ChatRequest) -> str:
+    async def check_request(self, req: ChatRequest, lane: str = "") -> str:
         """A problem with the request itself ("" if none). Every tool's schema
         is compiled (and cached) here: within :data:`MAX_SCHEMA_NODES`, and
-        off the event loop when large."""
+        off the event loop when large, in the ``lane`` of its client (key or
+        address): one large compile of a client's in the queue at a time."""
         if self.forced is not None and self.forced not in self.schemas:
             return f"tool_choice names `{self.forced}`, which is not in tools"
         sizes = {
@@ -305,7 +330,7 @@ class ToolContract:
                 continue
             try:
                 if sizes.get(name, 0) > THREAD_SCHEMA_NODES:
-                    await trio.to_thread.run_sync(_validator, schema, limiter=_compiles(), abandon_on_cancel=True)
+                    await _compile_off_loop(schema, lane)
                 else:
                     _validator(schema)
             except SchemaProblem as e:

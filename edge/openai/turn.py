@@ -176,7 +176,8 @@ async def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
     )
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:
-        problem = await turn.contract.check_request(req)
+        lane = f"key {ex.key.id}" if ex.key is not None else f"address {(ex.scope.get('client') or ('',))[0]}"
+        problem = await turn.contract.check_request(req, lane)
         if problem:
             raise bad_request(problem, "tools")
     await edge.admit(ex, req.model, turn.estimate, req.max_completion_tokens or req.max_tokens)
