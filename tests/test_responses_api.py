@@ -10,6 +10,7 @@ import openai
 import pytest
 import trio
 
+from edge.errors import APIError
 from edge.openai.responses import decode_request
 from scripts.upstream import native_call, steps, words
 from tests.agents import quiet_env, require_agent, run_offline
@@ -268,7 +269,7 @@ async def test_invalid_tool_calls_fail_the_stream(edge_up):
             with pytest.raises(openai.APIStatusError) as caught:
                 await client.responses.create(model="m", input="hi", tools=[WEATHER])
     check_sequence(events)
-    assert events[-1].type == "response.failed" and events[-1].response.error.code == "tool_validation_error"
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "server_error"  # OpenAI's
     assert "not one of the request's tools" in events[-1].response.error.message
     assert caught.value.status_code == 502
     assert len(upstream.records) == 4  # two attempts each
@@ -329,6 +330,7 @@ def test_decode_maps_items_and_options():
                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                 {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "r"}]},
+                {"type": "function_call_output", "call_id": "c2", "output": "s"},
                 {"type": "web_search_call", "id": "ws_1"},
             ],
             "tools": [{"type": "function", "name": "f"}, {"type": "web_search"}],
@@ -382,14 +384,17 @@ def codex_script(body: dict) -> list:
         if shell == "exec_command"
         else {"command": ["bash", "-lc", "echo hi-from-iop > out.txt"]}
     )
-    return steps(
+    script = steps(
         {"reasoning_content": "I will write the file."},
         *native_call("call_codex", shell, msgspec.json.encode(args).decode()),
         finish="tool_calls",
     )
+    if "Slowly" in msgspec.json.encode(user[-1]).decode():  # a model that thinks 2.5 s before its call
+        script.insert(1, ("sleep", 2.5))
+    return script
 
 
-async def run_codex(edge_up, tmp_path, prompt: str):
+async def run_codex(edge_up, tmp_path, prompt: str, provider: str = ""):
     """`codex exec` (the binary of tests/js, or IOP_CODEX) with the `[model_providers.iop]` entry of
     the README (wire_api = "responses") in a throwaway CODEX_HOME, analytics and update checks off,
     approvals and sandbox bypassed, inside `unshare -rn` (tests/agents.py): loopback only."""
@@ -413,7 +418,7 @@ name = "iop"
 base_url = "{edge.url}/v1"
 wire_api = "responses"
 env_key = "IOP_API_KEY"
-"""
+{provider}"""
     )
     env = quiet_env(home, CODEX_HOME=str(home / ".codex"), IOP_API_KEY="unused", RUST_LOG="error")
     argv = [codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
@@ -443,3 +448,105 @@ async def test_codex_cli_runs_a_tool_through_the_edge(edge_up, tmp_path):
     second = upstream.records[-1].body["messages"]
     assert second[-2]["tool_calls"][0]["id"] == "call_codex"
     assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == "call_codex"
+
+
+async def test_codex_waits_through_a_long_collected_turn(edge_up, tmp_path):
+    """Codex's tools make its streams collected (validated before the client sees them), and its
+    idle timer counts SSE events, not comments: the edge's keep-alive on /v1/responses is a
+    `response.in_progress` event. With a 1 s idle timeout and no retries, a model that thinks
+    2.5 s before its call still gets its tool run (before: "idle timeout waiting for SSE", and
+    with the default 300 s, a turn that long failed after five retries of the whole generation)."""
+    provider = "stream_idle_timeout_ms = 1000\nstream_max_retries = 0\n"
+    done, work, upstream = await run_codex(edge_up, tmp_path, "Slowly write hi-from-iop to out.txt.", provider)
+    assert "All done: file written." in done.stdout
+    assert (work / "out.txt").read_text() == "hi-from-iop\n"
+    assert len(upstream.records) == 2  # the call, then the answer: no retry
+
+
+async def test_keep_alives_are_in_progress_events(edge_up):
+    """While a tool stream is collected, the keep-alive is `response.in_progress` (sequence
+    numbers continuous), which the SDK takes as it takes the first."""
+    edge, upstream = edge_up
+    call = steps(*native_call("c1", "get_weather", '{"city": "Oslo"}'), finish="tool_calls")
+    upstream.script_for("t", [("sleep", 0.9), *call])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            events = [
+                e async for e in await client.responses.create(model="m", input="hi", tools=[WEATHER], stream=True)
+            ]
+    check_sequence(events)
+    kinds = [e.type for e in events]
+    assert kinds.count("response.in_progress") >= 3, kinds  # the opening's, then one each 0.2 s
+    assert all(e.response.status == "in_progress" for e in events if e.type == "response.in_progress")
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "get_weather"
+
+
+def test_decode_moves_every_developer_message_first_and_checks_calls():
+    """Developer messages anywhere join the one leading system message (chat templates take a
+    system message only first: Codex sends one mid-conversation when its sandbox changes); a call
+    without its output, or an output without its call, is a 400 as on OpenAI."""
+    d = decode_request(
+        {
+            "model": "m",
+            "instructions": "I",
+            "input": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "developer", "content": "d"},
+                {"role": "user", "content": "c"},
+            ],
+        }
+    )
+    assert d.chat["messages"] == [
+        {"role": "system", "content": "I\n\nd"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c9", "output": "x"}
+    for items, message in (
+        ([{"role": "user", "content": "a"}, call], "No tool output found for function call c1."),
+        ([{"role": "user", "content": "a"}, output], "No tool call found for function call output with call_id c9."),
+    ):
+        with pytest.raises(APIError) as caught:
+            decode_request({"model": "m", "input": items})
+        assert caught.value.message == message and caught.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("tool_choice", "sometimes", "tool_choice"),
+        ("tool_choice", {"type": "function"}, "tool_choice.name"),
+        ("stream", "yes", "stream"),
+        ("metadata", "str", "metadata"),
+        ("parallel_tool_calls", "no", "parallel_tool_calls"),
+        ("text", {"format": {"type": "bogus"}}, "text.format.type"),
+        ("reasoning", "high", "reasoning"),
+        ("background", True, "background"),
+    ],
+)
+def test_decode_refuses_what_openai_refuses(field, value, param):
+    """A field of the wrong type or value is a 400 naming it (these were ignored, echoed or
+    forwarded as they came; `background` needs a stored response)."""
+    with pytest.raises(APIError) as caught:
+        decode_request({"model": "m", "input": "hi", "tools": [WEATHER], field: value})
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+async def test_one_call_when_parallel_calls_are_off(edge_up):
+    """`parallel_tool_calls: false` means at most one call, as OpenAI promises: a model that makes
+    two anyway returns the first."""
+    edge, upstream = edge_up
+    rome = '{"city": "Rome"}'
+    second = {"index": 1, "id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": rome}}
+    two = steps(*native_call("c1", "get_weather", '{"city": "Oslo"}'), {"tool_calls": [second]}, finish="tool_calls")
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            upstream.script_for("t", two)
+            both = await client.responses.create(model="m", input="hi", tools=[WEATHER])
+            upstream.script_for("t", two)
+            one = await client.responses.create(model="m", input="hi", tools=[WEATHER], parallel_tool_calls=False)
+    assert [item.call_id for item in both.output] == ["c1", "c2"]
+    assert [item.call_id for item in one.output] == ["c1"]

@@ -66,6 +66,16 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
             raise errors.APIError(
                 400, STATELESS.format(param=param), "invalid_request_error", param=param, code="stateless_edge"
             )
+    if raw.get("background") is not None and raw["background"] is not False:
+        raise errors.APIError(
+            400,
+            "This edge keeps no responses (it is stateless), so it cannot run one in the background: "
+            "leave out `background`, or set it to false.",
+            "invalid_request_error",
+            param="background",
+            code="stateless_edge",
+        )
+    _check_types(raw)
     decoded = Decoded(chat={})
     chat = decoded.chat
     if "model" in raw:
@@ -77,6 +87,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
     messages.extend(_input_messages(raw.get("input"), decoded))
     if not any(m["role"] != "system" for m in messages):
         raise _bad("Missing required parameter: `input` (a string or a list of input items).", "input")
+    _check_calls(messages)
     chat["messages"] = _one_leading_system(messages)
     if isinstance(raw.get("stream"), bool):
         chat["stream"] = raw["stream"]
@@ -108,7 +119,10 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
         "max_output_tokens": limit,
         "metadata": raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {},
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
-        "reasoning": {"effort": None, "summary": summary if decoded.show_reasoning else None},
+        "reasoning": {
+            "effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
+            "summary": summary if decoded.show_reasoning else None,
+        },
         "temperature": raw.get("temperature"),
         "text": raw.get("text") if isinstance(raw.get("text"), dict) else {"format": {"type": "text"}},
         "tool_choice": raw.get("tool_choice", "auto"),
@@ -172,15 +186,79 @@ def _input_messages(value: Any, decoded: Decoded) -> list[dict[str, Any]]:
 
 
 def _one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Instructions and leading developer/system messages as one system message
-    (many chat templates accept a system message only first, and only one)."""
-    n = 0
-    while n < len(messages) and messages[n]["role"] == "system":
-        n += 1
-    if n < 2:
+    """Instructions and every developer/system message, in their order, as one
+    system message first: many chat templates accept a system message only
+    first, and only one (Codex sends a developer message mid-conversation when
+    a session's sandbox or approvals change)."""
+    system = [m for m in messages if m["role"] == "system"]
+    if not system or (len(system) == 1 and messages[0] is system[0]):
         return messages
-    joined = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
-    return [{"role": "system", "content": joined}, *messages[n:]]
+    joined = "\n\n".join(m["content"] for m in system if m["content"])
+    return [{"role": "system", "content": joined}, *(m for m in messages if m["role"] != "system")]
+
+
+def _check_calls(messages: list[dict[str, Any]]) -> None:
+    """Every function call has its output and every output its call, as OpenAI
+    checks (a chat template would fail on them, or the model be misled)."""
+    called: dict[str, None] = {}
+    answered: set[str] = set()
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            called[call["id"]] = None
+        if m["role"] == "tool":
+            call_id = m["tool_call_id"]
+            if call_id not in called:
+                raise _bad(f"No tool call found for function call output with call_id {call_id}.", "input")
+            answered.add(call_id)
+    for call_id in called:
+        if call_id not in answered:
+            raise _bad(f"No tool output found for function call {call_id}.", "input")
+
+
+# Request fields of the Responses API the edge reads, and the JSON types each may be
+# (a wrong one is a 400 naming it, as OpenAI's; ``None`` means left out).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "stream": (bool,),
+    "metadata": (dict,),
+    "parallel_tool_calls": (bool,),
+    "reasoning": (dict,),
+    "text": (dict,),
+    "tools": (list,),
+    "include": (list,),
+    "tool_choice": (str, dict),
+    "store": (bool,),
+}
+_TOOL_CHOICES = ("auto", "none", "required")
+_TEXT_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_types(raw: dict[str, Any]) -> None:
+    for name, kinds in _TYPES.items():
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+            wanted = " or ".join(
+                {bool: "a boolean", dict: "an object", list: "an array", str: "a string"}[k] for k in kinds
+            )
+            raise _bad(f"Invalid type for `{name}`: expected {wanted}.", name)
+    choice = raw.get("tool_choice")
+    if isinstance(choice, str) and choice not in _TOOL_CHOICES:
+        raise _bad(
+            f"Invalid value for `tool_choice`: expected one of {', '.join(_TOOL_CHOICES)}, or an object.", "tool_choice"
+        )
+    if isinstance(choice, dict):
+        if not isinstance(choice.get("type"), str):
+            raise _bad("Missing required parameter: `tool_choice.type`.", "tool_choice.type")
+        if choice["type"] == "function" and not (isinstance(choice.get("name"), str) and choice["name"]):
+            raise _bad("Missing required parameter: `tool_choice.name`.", "tool_choice.name")
+    fmt = raw["text"].get("format") if isinstance(raw.get("text"), dict) else None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in _TEXT_FORMATS:
+            raise _bad(
+                f"Invalid value for `text.format.type`: expected one of {', '.join(_TEXT_FORMATS)}.", "text.format.type"
+            )
+    effort = raw["reasoning"].get("effort") if isinstance(raw.get("reasoning"), dict) else None
+    if effort is not None and not isinstance(effort, str):
+        raise _bad("Invalid type for `reasoning.effort`: expected a string.", "reasoning.effort")
 
 
 def _joined(parts: Any, param: str) -> str:
@@ -438,20 +516,23 @@ class ResponseEncoder:
         self.output.append(done)
         return events + self._event("response.output_item.done", output_index=index, item=done)
 
-    def function_calls(self, calls: list[ToolCall]) -> bytes:
+    def function_calls(self, calls: list[ToolCall], status: str = "completed") -> bytes:
+        """The calls' items; ``status`` is ``incomplete`` for calls cut off
+        by ``max_output_tokens`` (their arguments may be cut too)."""
         parts = [self._close()]
         for call in calls:
             item = {
                 "id": self._item_id("fc"),
                 "type": "function_call",
-                "status": "completed",
+                "status": status,
                 "call_id": call.id,
                 "name": call.function.name,
                 "arguments": call.function.arguments,
             }
             index = len(self.output)
             where = {"item_id": item["id"], "output_index": index}
-            parts.append(self._event("response.output_item.added", output_index=index, item={**item, "arguments": ""}))
+            added = {**item, "status": "in_progress", "arguments": ""}
+            parts.append(self._event("response.output_item.added", output_index=index, item=added))
             parts.append(self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]))
             parts.append(self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]))
             self.output.append(item)
@@ -465,10 +546,19 @@ class ResponseEncoder:
         response = self.response(status, usage=usage, incomplete=incomplete)
         return head + self._event(f"response.{status}", response=response)
 
-    def failed(self, message: str, code: str) -> bytes:
-        """The closing event of a response that failed after it started."""
+    def in_progress(self) -> bytes:
+        """A keep-alive that clients count as an event (Codex's idle timer
+        does not count SSE comments): ``response.in_progress`` again."""
+        return self._event("response.in_progress", response=self.response("in_progress"))
+
+    def failed(self, message: str, type: str) -> bytes:
+        """The closing event of a response that failed after it started. Its
+        ``error.code`` is one of OpenAI's (``server_error``,
+        ``rate_limit_exceeded``), which clients such as Codex act on, not the
+        edge's own error type."""
         self._open = None  # an unfinished item is left out of the output
         self._open_text = []
+        code = _FAILED_CODES.get(type, "server_error")
         response = self.response("failed", error={"code": code, "message": message})
         return self._event("response.failed", response=response)
 
@@ -485,10 +575,15 @@ class ResponseEncoder:
         if content or not calls:
             events.append(self.text(content))
         if calls:
-            events.append(self.function_calls(calls))
+            events.append(self.function_calls(calls, "incomplete" if finish_reason == "length" else "completed"))
         events.append(self.completed(usage, finish_reason))
         status, incomplete = status_of(finish_reason)
         return self.response(status, usage=usage, incomplete=incomplete), b"".join(events)
+
+
+# The edge's error types as the codes of a failed response OpenAI documents; any
+# other type (run_error, tool_validation_error, ...) is a ``server_error``.
+_FAILED_CODES = {"server_error": "server_error", "rate_limit_error": "rate_limit_exceeded"}
 
 
 def _output_text(text: str) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
-from edge.openai.sse import KEEPALIVE
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, open_turn
 from edge.runs import Run, Slot
@@ -93,12 +92,14 @@ async def _respond_whole(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
 class ResponsesBuffered:
     """A collected run as Responses events (the encoder of
     :func:`output.stream_buffered`): ``response.created`` at the commit,
-    keep-alive comments meanwhile, then every item."""
-
-    keep_alive = KEEPALIVE
+    ``response.in_progress`` as the keep-alive meanwhile, then every item."""
 
     def __init__(self, enc: ResponseEncoder) -> None:
         self.enc = enc
+
+    @property
+    def keep_alive(self) -> bytes:
+        return self.enc.in_progress()
 
     def opening(self) -> bytes:
         return self.enc.opening()
@@ -117,12 +118,14 @@ class ResponsesLive(output.LiveEncoder):
     """A run's events as Responses stream events, as they arrive (the encoder
     of :func:`output.stream_live`, which owns the commit and keep-alives)."""
 
-    keep_alive = KEEPALIVE
-
     def __init__(self, turn: Turn, run: Run, enc: ResponseEncoder) -> None:
         super().__init__(turn, run)
         self.enc = enc
         self.shaper = self.shape_into_out(enc.text, enc.reasoning)
+
+    @property
+    def keep_alive(self) -> bytes:  # type: ignore[override]  # (a class attribute on LiveEncoder)
+        return self.enc.in_progress()
 
     def opening(self) -> bytes:
         return self.enc.opening()
@@ -139,5 +142,6 @@ class ResponsesLive(output.LiveEncoder):
         fallback = shaper.fallback(finish_reason, bool(calls))
         tail = [self.enc.text(fallback)] if fallback else []
         if calls:
-            tail.append(self.enc.function_calls(with_ids(calls)))
+            status = "incomplete" if finish_reason == "length" else "completed"
+            tail.append(self.enc.function_calls(with_ids(calls), status))
         return b"".join([*tail, self.enc.completed(usage, finish_reason)])

@@ -312,6 +312,8 @@ async def collect_validated(
             return result
         reason = result.tool_error or turn.contract.validate(result.tool_calls)
         if not reason:
+            if turn.req.parallel_tool_calls is False and result.tool_calls and len(result.tool_calls) > 1:
+                result.tool_calls = result.tool_calls[:1]  # the client asked for one call a turn
             return result
         failed_run = turn.last_run.id if turn.last_run else ""
         # The reason quotes the model's arguments: completion text, logged only when tracing.
