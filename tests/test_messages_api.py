@@ -70,6 +70,7 @@ def test_decoder_maps_claude_code_requests_to_chat():
                     {"type": "thinking", "thinking": "hmm", "signature": "sig"},
                     {"type": "text", "text": "Let me check."},
                     {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                    {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}},
                 ],
             },
             {
@@ -112,7 +113,12 @@ def test_decoder_maps_claude_code_requests_to_chat():
                     "id": "toolu_1",
                     "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
-                }
+                },
+                {
+                    "id": "toolu_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
@@ -641,3 +647,111 @@ async def test_the_demo_model_stops_at_a_stop_sequence_and_counts_its_prompt(nur
     assert whole.content[0].text == answer[: answer.index(stop)]
     assert first is not None and abs(final.usage.input_tokens - first) <= 0.05 * first  # both about 10,000
     await settled(edge, node.agent)
+
+
+# -- what an outside audit found (documents, tool_use ends, required fields) ------------------
+
+PDF = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}
+
+
+async def test_documents_reach_the_model_as_text(setup):
+    """`document` blocks (Claude Code reads a PDF as one, then sends it in every later request of
+    the session) were a 400: a text document is inlined after its title, a PDF is a note that it
+    was left out, a search_result in a tool result is its title, source and text."""
+    edge, upstream = setup
+    upstream.script_for("t", steps({"content": "ok"}))
+    messages = [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_r", "name": "Read", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_r",
+                    "content": [
+                        {"type": "document", "source": PDF, "title": "spec.pdf"},
+                        {
+                            "type": "search_result",
+                            "source": "https://example.invalid/a",
+                            "title": "A",
+                            "content": [{"type": "text", "text": "alpha"}],
+                        },
+                    ],
+                },
+                {
+                    "type": "document",
+                    "source": {"type": "text", "media_type": "text/plain", "data": "line one"},
+                    "title": "notes",
+                },
+            ],
+        },
+    ]
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            message = await client.messages.create(model="m", max_tokens=64, messages=messages)
+    assert message.content[0].text == "ok"
+    sent = upstream.records[0].body["messages"]
+    assert sent[2]["role"] == "tool" and sent[2]["content"] == (
+        "[document spec.pdf (application/pdf) omitted: this edge passes no PDF documents to the model]\n"
+        "[search result: A https://example.invalid/a]\nalpha"
+    )
+    assert sent[3] == {"role": "user", "content": [{"type": "text", "text": "[document: notes]\nline one"}]}
+
+
+async def test_a_tool_use_end_without_a_call_is_end_turn(setup):
+    """A model server that says `tool_calls` but sends no call: `stop_reason: "tool_use"` with no
+    tool_use block broke the usual loop (`next(b for b in content if b.type == "tool_use")`)."""
+    edge, upstream = setup
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            for tools in ([], [WEATHER]):
+                upstream.script_for("t", steps({"content": "hi"}, finish="tool_calls"))
+                whole = await client.messages.create(model="m", max_tokens=64, messages=USER, tools=tools)
+                upstream.script_for("t", steps({"content": "hi"}, finish="tool_calls"))
+                async with client.messages.stream(model="m", max_tokens=64, messages=USER, tools=tools) as stream:
+                    streamed = await stream.get_final_message()
+                for message in (whole, streamed):
+                    assert [b.type for b in message.content] == ["text"], tools
+                    assert message.stop_reason == "end_turn", tools
+
+
+async def test_one_tool_use_when_parallel_use_is_off(setup):
+    """`disable_parallel_tool_use: true` means at most one tool_use block, as Anthropic documents."""
+    edge, upstream = setup
+    second = {"index": 1, "id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    second["function"]["arguments"] = '{"city": "Rome"}'
+    script = steps(*native_call("c1", "get_weather", '{"city": "Oslo"}'), {"tool_calls": [second]}, finish="tool_calls")
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            upstream.script_for("t", script)
+            both = await client.messages.create(model="m", max_tokens=64, messages=USER, tools=[WEATHER])
+            upstream.script_for("t", script)
+            one = await client.messages.create(
+                model="m",
+                max_tokens=64,
+                messages=USER,
+                tools=[WEATHER],
+                tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+            )
+    assert [b.input["city"] for b in both.content] == ["Oslo", "Rome"]
+    assert [b.input["city"] for b in one.content] == ["Oslo"]
+
+
+async def test_missing_max_tokens_and_orphan_results_are_400s(setup):
+    """As Anthropic's API: `max_tokens` is required (count_tokens takes none), and a tool_result
+    must answer a tool_use (an orphan tool message fails chat templates upstream)."""
+    edge, upstream = setup
+    orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}]}]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/messages", json={"model": "m", "messages": USER})
+            counted = await client.post("/v1/messages/count_tokens", json={"model": "m", "messages": USER})
+            o = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": orphan})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": "max_tokens: Field required",
+    }
+    assert counted.status_code == 200
+    assert o.status_code == 400 and "unexpected `tool_use_id`" in o.json()["error"]["message"]
+    assert not upstream.records

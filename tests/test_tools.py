@@ -478,3 +478,26 @@ async def test_retry_waiting_for_a_slot_keeps_the_stream_alive(nursery, upstream
     assert b'"get_time"' in raw and b"error" not in raw
     assert raw.count(b": keep-alive\n\n") >= 4  # one while the first attempt ran, the rest while the retry queued
     assert [r.body["messages"][-1]["content"] for r in upstream.records][1] == "hold the slot"
+
+
+async def test_a_tool_calls_end_without_a_call_is_stop(tooled):
+    """A model server that ends with `tool_calls` but sent no call: the client sees `stop`, not a
+    finish that promises calls it then does not find (SDK loops index `message.tool_calls`).
+    Streamed (live and collected) and whole, with and without tools."""
+    edge, upstream = tooled
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for name, tools in (("native", TOOLS), ("live", TOOLS), ("native", None)):
+                kw = {"tools": tools} if tools else {}
+                upstream.script_for("t", steps({"content": "hi"}, finish="tool_calls"))
+                whole = await client.chat.completions.create(model=name, messages=MESSAGES, **kw)
+                upstream.script_for("t", steps({"content": "hi"}, finish="tool_calls"))
+                chunks = [
+                    c
+                    async for c in await client.chat.completions.create(
+                        model=name, messages=MESSAGES, stream=True, **kw
+                    )
+                ]
+                finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert whole.choices[0].finish_reason == "stop" and whole.choices[0].message.tool_calls is None, name
+                assert finishes == ["stop"], (name, finishes)

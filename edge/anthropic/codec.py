@@ -119,14 +119,55 @@ def _tool_result_text(block: dict[str, Any], param: str) -> str:
                 pieces.append(_text_of(part, f"{param}.content[{j}]"))
             elif kind == "image":
                 pieces.append("[image omitted: this edge passes no images in tool results]")
+            elif kind == "document":
+                pieces.append(_document_text(part, f"{param}.content[{j}]"))
+            elif kind == "search_result":
+                pieces.append(_search_result_text(part))
             else:
-                raise _bad(f"Invalid value for `{param}.content[{j}]`: expected a text or image block.", param)
+                raise _bad(
+                    f"Invalid value for `{param}.content[{j}]`: "
+                    "expected a text, image, document or search_result block.",
+                    param,
+                )
         text = "\n".join(pieces)
     else:
         raise _bad(f"Invalid value for `{param}.content`: expected a string or blocks.", param)
     if block.get("is_error") is True:
         text = f"[tool error] {text}"
     return text
+
+
+def _document_text(block: dict[str, Any], param: str) -> str:
+    """A ``document`` block as text: a plain-text or content source inline,
+    after its title; a PDF (base64, url, file) as a note that it was left
+    out, so the model can say so (Claude Code sends a PDF it reads as one,
+    and again in every later request of the session)."""
+    source = block.get("source")
+    title = block.get("title") if isinstance(block.get("title"), str) else ""
+    if isinstance(source, dict):
+        kind = source.get("type")
+        content = source.get("data") if kind == "text" else source.get("content") if kind == "content" else None
+        if isinstance(content, list):
+            content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if isinstance(content, str):
+            return f"[document: {title}]\n{content}" if title else content
+        if kind in ("base64", "url", "file"):
+            media = source.get("media_type") if isinstance(source.get("media_type"), str) else "application/pdf"
+            name = f" {title}" if title else ""
+            return f"[document{name} ({media}) omitted: this edge passes no PDF documents to the model]"
+    raise _bad(f"Invalid value for `{param}.source`: expected a text, content, base64 or url document source.", param)
+
+
+def _search_result_text(block: dict[str, Any]) -> str:
+    """A ``search_result`` block (in a tool result) as text: its title and source, then its text."""
+    head = " ".join(str(block[k]) for k in ("title", "source") if isinstance(block.get(k), str))
+    content = block.get("content")
+    texts = (
+        [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if isinstance(content, list)
+        else []
+    )
+    return "\n".join([f"[search result: {head}]", *texts])
 
 
 def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
@@ -141,6 +182,8 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
             parts.append({"type": "text", "text": _text_of(block, where)})
         elif kind == "image":
             parts.append(_image_part(block, where))
+        elif kind == "document":
+            parts.append({"type": "text", "text": _document_text(block, where)})
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
@@ -177,6 +220,21 @@ def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, A
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Every ``tool_result`` answers a ``tool_use`` made before it, as Anthropic
+    checks (an orphan tool message fails chat templates upstream)."""
+    called: set[str] = set()
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            called.add(call["id"])
+        if m["role"] == "tool" and m["tool_call_id"] not in called:
+            raise _bad(
+                f"unexpected `tool_use_id` found in `tool_result` blocks: {m['tool_call_id']}. "
+                "Each `tool_result` block must have a corresponding `tool_use` block before it.",
+                "messages",
+            )
 
 
 def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -235,6 +293,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             messages.extend(_user_messages(content, param))
         else:
             messages.append(_assistant_message(content, param))
+    _check_tool_results(messages)
     if system:
         messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 
 from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stopped, stream_error
-from edge.errors import RunFailed
+from edge.errors import RunFailed, bad_request
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import decode_body, estimate_input_tokens, parse_chat_request
@@ -66,7 +66,10 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
 
 
 async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
-    chat = _decode(edge, ex, body)[1]
+    raw, chat = _decode(edge, ex, body)
+    if raw.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
+        raise bad_request("max_tokens: Field required", "max_tokens")
+    del raw
     del body  # (see routes._serve)
     turn = await open_turn(edge, ex, chat)
     del chat  # the turn keeps what it forwards
@@ -180,5 +183,7 @@ class MessagesLive(output.LiveEncoder):
             parts.append(enc.tool_use(call))
         if calls and finish_reason != "length":
             finish_reason = "tool_calls"
+        elif not calls and finish_reason == "tool_calls":  # a tool_use stop with no tool_use block breaks loops
+            finish_reason = "stop"
         parts.append(enc.finish(finish_reason, usage, _stop_sequence(self.turn, finish_reason, event.stop)))
         return b"".join(parts)

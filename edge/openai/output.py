@@ -386,6 +386,8 @@ class LiveStream(LiveEncoder):
                 finish_reason = "tool_calls"
             if self.trace is not None:
                 self.trace.chunk("tool_calls", 0, tool_call_count=len(calls))
+        elif finish_reason == "tool_calls":  # and no call came (as turn._finish)
+            finish_reason = "stop"
         fallback = shaper.fallback(finish_reason, bool(calls))
         if fallback:
             self._emit_content(fallback, fallback=True)

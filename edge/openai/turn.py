@@ -257,6 +257,8 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             tool_error = parsed.error
     if tool_calls and not cut_off:
         finish_reason = "tool_calls"
+    elif finish_reason == "tool_calls":  # and no call came: clients look for the calls a tool_calls end promises
+        finish_reason = "stop"
     normalized = False
     if policy.strict_output and policy.xml_completion_tool and not tool_calls:
         if not holds_xml_tool_use(content, policy.xml_completion_tool):
