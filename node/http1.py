@@ -41,6 +41,7 @@ import outcome
 import trio
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_INTERIM = 8  # 1xx heads (100 Continue, 103 Early Hints) skipped before the answer
 MAX_CHUNK_LINE = 1024
 MAX_IDLE = 256  # idle keep-alive connections kept per origin
 # Not more: a buffer of 128 KiB or more makes each read grow and trim the heap (15-21 against 2.6 µs a read).
@@ -74,6 +75,11 @@ class WriteTimeout(HTTPError):
 
 class RemoteProtocolError(HTTPError):
     pass
+
+
+class _NoAnswer(RemoteProtocolError):
+    """The connection ended before any byte of an answer: a kept-alive one
+    the server closed as we sent. Only this is sent again."""
 
 
 class InvalidURL(HTTPError):
@@ -612,7 +618,7 @@ class Client:
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                raise RemoteProtocolError(f"connection lost while sending: {e}") from None
+                raise _NoAnswer(f"connection lost while sending: {e}") from None
             if sent == len(data):
                 return
             data = data[sent:]
@@ -621,12 +627,28 @@ class Client:
                 await conn.stream.send_all(data)
                 return
             except trio.BrokenResourceError as e:
-                raise RemoteProtocolError(f"connection lost while sending: {e}") from None
+                raise _NoAnswer(f"connection lost while sending: {e}") from None
         assert scope.cancelled_caught
         raise WriteTimeout(f"request not sent within {self._write_timeout:g} s")
 
     async def _head(self, conn: _Connection) -> tuple[int, list[tuple[bytes, bytes]]]:
-        buf = b""
+        """The answer's status and headers, past any interim 1xx heads."""
+        for _ in range(MAX_INTERIM + 1):
+            status, lines = await self._one_head(conn)
+            if not 100 <= status < 200:
+                break
+        else:
+            raise RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) responses")
+        headers = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers.append((name.strip().lower(), value.strip()))
+        return status, headers
+
+    async def _one_head(self, conn: _Connection) -> tuple[int, list[bytes]]:
+        buf, conn.buf = conn.buf, b""
+        answered = bool(buf)
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > MAX_HEAD_BYTES:
                 raise RemoteProtocolError("response head too large")
@@ -634,27 +656,25 @@ class Client:
                 try:
                     data = await conn.stream.receive_some(READ_SIZE)
                 except trio.BrokenResourceError as e:
-                    raise RemoteProtocolError(f"connection lost: {e}") from None
+                    raise (RemoteProtocolError if answered else _NoAnswer)(f"connection lost: {e}") from None
             if scope.cancelled_caught:
                 raise ReadTimeout("no response head in the read timeout")
             if not data:
-                raise RemoteProtocolError("server closed the connection without a response")
+                if answered:
+                    raise RemoteProtocolError("server closed the connection inside a response head")
+                raise _NoAnswer("server closed the connection without a response")
+            answered = True
             buf += data
         conn.buf = buf[end + 4 :]
         lines = buf[:end].split(b"\r\n")
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
             raise RemoteProtocolError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-        try:
-            status = int(parts[1])
-        except ValueError:
-            raise RemoteProtocolError("invalid status code") from None
-        headers = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if sep:
-                headers.append((name.strip().lower(), value.strip()))
-        return status, headers
+        code = parts[1]
+        # Three digits, 100-599 (RFC 9110): int() would take "+200", "-1" or a hundred digits.
+        if len(code) != 3 or not code.isdigit() or not b"100" <= code <= b"599":
+            raise RemoteProtocolError(f"invalid status code: {code[:16]!r}")
+        return int(code), lines
 
     @contextlib.asynccontextmanager
     async def request(
@@ -681,7 +701,7 @@ class Client:
                 await self._send(conn, message)
                 status, response_headers = await self._head(conn)
                 break
-            except RemoteProtocolError:
+            except _NoAnswer:
                 # A kept-alive connection the server closed as we sent: nothing
                 # was answered, so sending again is safe, once.
                 await trio.aclose_forcefully(conn.stream)

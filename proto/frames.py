@@ -58,6 +58,11 @@ MAX_TOKEN_COUNT = 1 << 40  # a usage count above this (or below 0) is no count: 
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_COUNT)]
 
 
+# An HTTP status in a frame: 0 (none) or three digits. A node's HTTP client takes 100-599 only;
+# a frame past 999 is refused (a status past 2^64 once could not even be encoded).
+HTTPStatus = Annotated[int, msgspec.Meta(ge=0, le=999)]
+
+
 def is_token_count(value: object) -> bool:
     """``value`` is a token count a frame may carry: an int (not a bool, float or NaN) in 0..2^40."""
     return type(value) is int and 0 <= value <= MAX_TOKEN_COUNT
@@ -82,7 +87,7 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     finish_reason: str = ""
     tool_calls: list[ToolCall] | None = None
     usage: Usage | None = None
-    status: int = 0  # error events: the upstream's HTTP status, when it gave one
+    status: HTTPStatus = 0  # error events: the upstream's HTTP status, when it gave one
     parts: int = 0  # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
     stop: str = ""  # complete: the stop sequence that ended the run, when the model server said which
 
@@ -145,7 +150,7 @@ class TunnelFrame(_Frame, tag="tunnel_frame"):
     run_id: str
     seq: int
     kind: Literal["response_start", "body", "error", "end", "usage"]
-    status: int = 0
+    status: HTTPStatus = 0
     headers: list[tuple[str, str]] | None = None
     body: bytes = b""
     error: str = ""

@@ -9,8 +9,9 @@ how tests prove a cancel reached the model server.
 
 Scripts are lists of steps: ``("chunk", delta_dict[, finish_reason])``,
 ``("raw", bytes)``, ``("sleep", seconds)``, ``("hang",)``, ``("usage",
-dict)``, ``("status", code, body_bytes)`` (as the first step only) and
-``("done",)``; ``script_for(model, fn)`` routes a target model to a script
+dict)``, ``("status", code, body_bytes)`` and ``("response", bytes)`` (the
+whole answer, head and all, as it is; then ``("hang",)`` may follow: as the
+first step only) and ``("done",)``; ``script_for(model, fn)`` routes a target model to a script
 builder ``fn(body) -> steps``.
 """
 
@@ -236,6 +237,11 @@ class Upstream:
         script = self.scripts.get(model, self.default)(rec.body)
         if script and script[0][0] == "status":
             await _send_whole(stream, script[0][1], script[0][2])
+            return
+        if script and script[0][0] == "response":
+            await stream.send_all(script[0][1])
+            if script[1:] == [("hang",)]:
+                await trio.sleep_forever()
             return
         if rec.body.get("stream"):
             await self._stream(stream, rec, model, script)

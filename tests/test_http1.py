@@ -546,6 +546,43 @@ async def test_a_malformed_response_is_a_protocol_error(serve):
                 await body_of(client)
 
 
+async def test_status_codes_are_three_digits_and_interim_heads_are_skipped(serve):
+    """A status past 599, signed, or of a hundred digits is a protocol error (a status past
+    2^64 once reached the node's frame encoder and dropped its whole link); 100 Continue and
+    103 Early Hints before the answer are skipped, not taken for it."""
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    bad = [b"99999999999999999999999", b"-1", b"+200", b"600", b"20", b"2000"]
+    _, client = await serve(
+        *(b"HTTP/1.1 %s X\r\ncontent-length: 0\r\n\r\n" % code for code in bad),
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + ok,
+    )
+    with trio.fail_after(BOUND):
+        for _ in bad:
+            with pytest.raises(http1.RemoteProtocolError, match="invalid status code"):
+                await body_of(client)
+        assert await body_of(client) == (200, b"ok")
+
+
+async def test_an_answered_request_is_not_sent_again(serve):
+    """On a kept-alive connection, an answer that cannot be read (a bad status line, a head
+    too large) is an error: the request is not sent again on a new connection (the model
+    server had taken it, and would do the work twice). A connection closed with no answer
+    at all still is (test_a_kept_alive_connection_the_server_closed_is_not_used)."""
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    server, client = await serve(
+        ok, b"HTTP/1.1 abc\r\n\r\n", ok, b"HTTP/1.1 200 OK\r\nx: " + b"y" * 200_000, ok
+    )
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        with pytest.raises(http1.RemoteProtocolError, match="invalid status code"):
+            await body_of(client)
+        assert await body_of(client) == (200, b"ok")
+        with pytest.raises(http1.RemoteProtocolError, match="head too large"):
+            await body_of(client)
+        assert await body_of(client) == (200, b"ok")
+    assert len(server.requests) == 5  # one each: none sent twice
+
+
 async def test_https_with_a_trusted_ca(nursery, tmp_path):
     """An https model server whose certificate a ``ca_file`` vouches for; without it, the
     handshake fails as a ConnectError."""

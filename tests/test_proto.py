@@ -112,6 +112,11 @@ def test_defaults_are_omitted_and_unknown_keys_ignored():
         msgspec.msgpack.encode({"t": "events", "events": "x"}),
         msgspec.msgpack.encode({"t": "cancel"}),
         msgspec.msgpack.encode([1, 2, 3]),
+        # a status is 0..999: a model server's "99999999999999999999999" once reached a frame
+        msgspec.msgpack.encode(
+            {"t": "tunnel_frame", "run_id": "r", "seq": 1, "kind": "response_start", "status": 1000}
+        ),
+        msgspec.msgpack.encode({"t": "events", "events": [{"run_id": "r", "seq": 1, "type": "error", "status": -1}]}),
     ],
 )
 def test_malformed_frames_raise_decode_errors(data):

@@ -275,7 +275,12 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                 seen.add(item.body)
             elif kind == "response_start":
                 if not ex.started:
-                    await ex.start(item.status or 200, _response_headers(item.headers))
+                    if not 200 <= item.status <= 599:  # 0, a 1xx or past 599: not an answer to relay
+                        await ex.respond_error(
+                            APIError(502, f"the provider answered status {item.status}", "provider_tunnel_error")
+                        )
+                        return
+                    await ex.start(item.status, _response_headers(item.headers))
             elif kind == "end":
                 if not ex.started:
                     await ex.respond_error(

@@ -10,16 +10,18 @@ headers or bodies: the client's ``run_error`` is not the only trace of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import structlog
 import trio
 
 from node import http1
 from node.adapters import Counters, Sink
-from node.adapters.sse import SSEParser
+from node.adapters.sse import EventTooLarge, SSEParser
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
-from proto.frames import is_token_count
+from proto.frames import MAX_TOKEN_COUNT, is_token_count
 
 
 class _FunctionDelta(msgspec.Struct):
@@ -49,34 +51,36 @@ class _Choice(msgspec.Struct):
     matched_stop: str | int | None = None  # SGLang's name for the same
 
 
-class _CompletionTokensDetails(msgspec.Struct):
-    reasoning_tokens: int | None = None
-
-
-class _PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
 class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    total_tokens: int | None = None
-    completion_tokens_details: _CompletionTokensDetails | None = None
-    prompt_tokens_details: _PromptTokensDetails | None = None
+    """Counts as a model server sends them: any JSON (``8.0``, ``"5"``, ``null``
+    happen), each taken only when it is a count (:func:`_count`), so an odd
+    usage never fails an answer that was already sent."""
+
+    prompt_tokens: Any = None
+    completion_tokens: Any = None
+    total_tokens: Any = None
+    completion_tokens_details: Any = None
+    prompt_tokens_details: Any = None
 
 
 class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
+    choices: list[_Choice] | None = None  # null in some servers' usage chunks
     usage: _Usage | None = None
-    error: dict | str | None = None
+    error: Any = None
 
 
 log = structlog.get_logger("iop.node")
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
-_MAX_ERROR_BODY = 4096
+_MAX_ERROR_BODY = 4096  # also the longest error message relayed from an error chunk
+_ERROR_BODY_S = 5.0  # how long an error status's body may take to read (then what came is the message)
 _DRAIN_S = 2.0  # after [DONE], how long the rest of the body may take
+_MAX_FINISH = 64  # a longer finish_reason is cut to this
+# A run's tool calls as the model server streams them: past these the run fails (the node
+# would hold them all until the end, and no frame could carry them).
+_MAX_TOOL_BYTES = 8 * 1024 * 1024
+_MAX_TOOL_CALLS = 1024
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -122,6 +126,11 @@ class OpenAIAdapter:
                 if response.status != 200:
                     self._log_status(response.status)
                     await sink.error(await _error_text(response), status=response.status)
+                    return
+                encoding = _header(response, b"content-encoding")
+                if encoding and encoding != b"identity":  # never asked for: no accept-encoding is sent
+                    self._log_failure("encoded body")
+                    await sink.error(f"upstream sent a {encoding.decode('latin-1')[:40]}-encoded body, not read here")
                     return
                 await self._relay(response, sink)
         except http1.HTTPError as e:
@@ -174,7 +183,12 @@ class OpenAIAdapter:
                 await sink.complete(relay.finish_reason, _ordered(relay.calls), relay.usage, stop=relay.stop)
             else:
                 self._log_failure("stream closed before it finished")
-                await sink.error("upstream closed the stream before it finished")
+                kind = _header(response, b"content-type") or b"no content-type"
+                if b"text/event-stream" in kind:
+                    await sink.error("upstream closed the stream before it finished")
+                else:  # a server that ignored stream: true
+                    what = kind.decode("latin-1")[:80]
+                    await sink.error(f"upstream answered {what}, not an event stream, and sent no finished answer")
 
 
 _DONE, _FAILED = 1, 2
@@ -186,7 +200,19 @@ class _Relay:
     body and reports its text: text of one kind that arrived in one read is
     one event, so a busy server's tokens travel together (never waited for)."""
 
-    __slots__ = ("sink", "parser", "finish_reason", "stop", "usage", "calls", "end", "failure", "message", "room")
+    __slots__ = (
+        "sink",
+        "parser",
+        "finish_reason",
+        "stop",
+        "usage",
+        "calls",
+        "tool_bytes",
+        "end",
+        "failure",
+        "message",
+        "room",
+    )
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
@@ -194,7 +220,8 @@ class _Relay:
         self.finish_reason = ""
         self.usage: Usage | None = None
         self.stop = ""  # the stop sequence the model server said ended it
-        self.calls: dict[int, ToolCall] = {}
+        self.calls: dict[int, _Call] = {}
+        self.tool_bytes = 0  # what the calls hold so far
         self.end = 0  # _DONE ([DONE] came) or _FAILED (then failure and message)
         self.failure = ""
         self.message = ""
@@ -213,7 +240,11 @@ class _Relay:
         self.room = True
         kind = 0
         texts: list[str] = []
-        for payload in self.parser.feed(data):
+        try:
+            payloads = self.parser.feed(data)
+        except EventTooLarge as e:
+            return self._fail("event too large", f"upstream sent {e}")
+        for payload in payloads:
             if payload == b"[DONE]":
                 if texts:
                     self._emit(kind, texts)
@@ -233,11 +264,12 @@ class _Relay:
                 else:
                     error = chunk.error
                     self.failure = "error chunk"
-                    self.message = f"upstream error: {error.get('message') if isinstance(error, dict) else error}"
+                    said = str(error.get("message") if isinstance(error, dict) else error)
+                    self.message = f"upstream error: {said[:_MAX_ERROR_BODY]}"
                 return False
             if chunk.usage is not None:
                 self.usage = _usage(chunk.usage)
-            for choice in chunk.choices:
+            for choice in chunk.choices or ():
                 if choice.index != 0:
                     continue
                 delta = choice.delta
@@ -256,9 +288,16 @@ class _Relay:
                         kind = _CONTENT
                         texts.append(delta.content)
                     if delta.tool_calls:
-                        _merge_tool_calls(self.calls, delta.tool_calls)
+                        self.tool_bytes += _merge_tool_calls(self.calls, delta.tool_calls)
+                        if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > _MAX_TOOL_CALLS:
+                            if texts:
+                                self._emit(kind, texts)
+                            return self._fail(
+                                "tool calls too large",
+                                f"upstream's tool calls passed {_MAX_TOOL_CALLS} calls or {_MAX_TOOL_BYTES} bytes",
+                            )
                 if choice.finish_reason:
-                    self.finish_reason = choice.finish_reason
+                    self.finish_reason = choice.finish_reason[:_MAX_FINISH]
                     matched = choice.stop_reason if choice.stop_reason is not None else choice.matched_stop
                     if isinstance(matched, str) and len(matched) <= _MAX_STOP:
                         self.stop = matched
@@ -266,28 +305,51 @@ class _Relay:
             self._emit(kind, texts)
         return self.room
 
+    def _fail(self, failure: str, message: str) -> bool:
+        self.end = _FAILED
+        self.failure = failure
+        self.message = message
+        return False
 
-def _count(value: int | None) -> int | None:
-    """A model server's token count, or None (unknown) when it is none a frame may carry."""
+
+def _count(value: Any) -> int | None:
+    """A model server's token count, or None (unknown) when it is none a frame may
+    carry: an int in range, or a float with no fraction (``8.0``)."""
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= MAX_TOKEN_COUNT:
+        return int(value)
     return value if is_token_count(value) else None
 
 
 def _usage(u: _Usage) -> Usage:
-    details = u.completion_tokens_details
+    completion = u.completion_tokens_details if isinstance(u.completion_tokens_details, dict) else {}
+    prompt = u.prompt_tokens_details if isinstance(u.prompt_tokens_details, dict) else {}
     return Usage(
         prompt_tokens=_count(u.prompt_tokens),
         completion_tokens=_count(u.completion_tokens),
         total_tokens=_count(u.total_tokens),
-        reasoning_tokens=_count(details.reasoning_tokens) if details else None,
-        cached_tokens=_count(u.prompt_tokens_details.cached_tokens) if u.prompt_tokens_details else None,
+        reasoning_tokens=_count(completion.get("reasoning_tokens")),
+        cached_tokens=_count(prompt.get("cached_tokens")),
     )
 
 
-def _merge_tool_calls(calls: dict[int, ToolCall], deltas: list[_ToolCallDelta]) -> None:
+class _Call:
+    """One tool call as it streams: its pieces kept in lists, joined once at
+    the end (``+=`` on a growing string copies it at each piece)."""
+
+    __slots__ = ("id", "names", "arguments")
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.names: list[str] = []
+        self.arguments: list[str] = []
+
+
+def _merge_tool_calls(calls: dict[int, _Call], deltas: list[_ToolCallDelta]) -> int:
     """Join streamed tool-call fragments by their ``index``. A fragment with
     no index (servers that send each call whole, several in one delta) starts
     a new call when it names a new id or is not the first of its delta's
-    list, and continues the last call otherwise."""
+    list, and continues the last call otherwise. Returns the characters added."""
+    added = 0
     for position, d in enumerate(deltas):
         index = d.index
         if index is None:
@@ -298,24 +360,41 @@ def _merge_tool_calls(calls: dict[int, ToolCall], deltas: list[_ToolCallDelta]) 
                 index = last
         call = calls.get(index)
         if call is None:
-            call = calls[index] = ToolCall(id="", function=ToolCallFunction())
+            call = calls[index] = _Call()
         if d.id:
             call.id = d.id
+            added += len(d.id)
         if d.function is not None:
             if d.function.name:
-                call.function.name += d.function.name
+                call.names.append(d.function.name)
+                added += len(d.function.name)
             if d.function.arguments:
-                call.function.arguments += d.function.arguments
+                call.arguments.append(d.function.arguments)
+                added += len(d.function.arguments)
+    return added
 
 
-def _ordered(calls: dict[int, ToolCall]) -> list[ToolCall] | None:
-    return [calls[i] for i in sorted(calls)] if calls else None
+def _ordered(calls: dict[int, _Call]) -> list[ToolCall] | None:
+    if not calls:
+        return None
+    return [
+        ToolCall(id=c.id, function=ToolCallFunction(name="".join(c.names), arguments="".join(c.arguments)))
+        for _, c in sorted(calls.items())
+    ]
+
+
+def _header(response: http1.Response, name: bytes) -> bytes:
+    for key, value in response.headers:
+        if key == name:
+            return value.lower()
+    return b""
 
 
 async def _error_text(response: http1.Response) -> str:
     body = b""
-    while len(body) < _MAX_ERROR_BODY and (data := await response.read()):
-        body += data
+    with trio.move_on_after(_ERROR_BODY_S):  # a body that never ends: what came is the message
+        while len(body) < _MAX_ERROR_BODY and (data := await response.read()):
+            body += data
     message = body[:_MAX_ERROR_BODY].decode("utf-8", "replace")
     try:
         parsed = msgspec.json.decode(body)

@@ -1,0 +1,186 @@
+"""A model server that misbehaves loses its own run, never the node's link, the node or other
+runs: status lines, interim heads, SSE line endings, odd usage, tool-call floods, huge events
+and error bodies that never end (what an outside audit found against node/http1.py and the
+openai adapter)."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from node.adapters import openai as openai_adapter
+from tests.conftest import BOUND, http, model, settled, start_edge, start_node
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chunk(delta: dict | None, finish: str | None = None, **extra) -> bytes:
+    body = {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}], **extra}
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+@pytest.fixture
+async def stack(nursery, upstream):
+    edge = await start_edge(nursery)
+    node = await start_node(
+        nursery,
+        edge,
+        [
+            model("bad", upstream, target="b", passthrough=True),
+            model("calm", ttft_ms=0, tokens_per_s=50, sim_tokens=40),  # the sim: a bystander stream
+        ],
+    )
+    yield edge, upstream, node
+    await settled(edge, node.agent)
+
+
+async def chat(client: httpx.AsyncClient, name: str = "bad", **body) -> httpx.Response:
+    return await client.post("/v1/chat/completions", json={"model": name, "messages": USER, **body})
+
+
+async def test_a_bad_status_line_fails_its_run_not_the_link(stack):
+    """A status line of `99999999999999999999999` reached the node's frame encoder as an
+    integer past 2^64: the link's sender died and every run on the node with it, a stream of
+    another model included. Now that run is a 502 naming the status; the bystander streams
+    on, the node keeps its link, and a passthrough request gets a 502 too."""
+    edge, upstream, node = stack
+    link = edge.edge.runs.links["n1"]
+    bad = b"HTTP/1.1 99999999999999999999999 OK\r\ncontent-length: 0\r\n\r\n"
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as nursery:
+            seen: list[bytes] = []
+
+            async def bystander() -> None:
+                async with client.stream(
+                    "POST", "/v1/chat/completions", json={"model": "calm", "messages": USER, "stream": True}
+                ) as r:
+                    seen.append(b"".join([part async for part in r.aiter_bytes()]))
+
+            nursery.start_soon(bystander)
+            await trio.sleep(0.2)  # streaming
+            upstream.script_for("b", [("response", bad)])
+            r = await chat(client)
+            tunnel = await client.post("/v1/completions", json={"model": "bad", "prompt": "hi"})
+            upstream.script_for("b", [("response", b"HTTP/1.1 600 Odd\r\ncontent-length: 0\r\n\r\n")])
+            odd = await chat(client)
+    assert r.status_code == 502 and "invalid status code" in r.json()["error"]["message"]
+    assert tunnel.status_code == 502 and "invalid status code" in tunnel.json()["error"]["message"]
+    assert odd.status_code == 502
+    assert seen[0].rstrip().endswith(b"data: [DONE]") and b'"error"' not in seen[0]
+    assert list(edge.edge.runs.links.values()) == [link]  # the same link all along
+
+
+async def test_interim_heads_then_the_answer(stack):
+    """`100 Continue` and `103 Early Hints` before the answer were taken for it: the run waited
+    for the wait timeout, or the client got the raw answer inside an error."""
+    edge, upstream, _ = stack
+    body = chunk({"content": "hello"}) + chunk(None, "stop") + b"data: [DONE]\n\n"
+    answer = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    upstream.script_for("b", [("response", answer)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await chat(client)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello"
+
+
+async def test_odd_but_readable_streams_are_read(stack):
+    """Lines ending in a bare CR (the SSE spec allows it) and a usage chunk with `choices: null`
+    and counts like `7.0` or `"3"` were a failed run; they are an answer (a count that is not
+    one is unknown)."""
+    edge, upstream, _ = stack
+    usage = {"prompt_tokens": 7.0, "completion_tokens": 2, "total_tokens": "9", "prompt_tokens_details": "x"}
+    script = [
+        ("raw", chunk({"content": "bare "}).replace(b"\n", b"\r")),
+        ("raw", chunk({"content": "cr"}, "stop").replace(b"\n", b"\r\n")),
+        ("raw", b'data: {"choices": null, "usage": ' + msgspec.json.encode(usage) + b"}\r\r"),
+        ("done",),
+    ]
+    upstream.script_for("b", script)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await chat(client)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "bare cr"
+    assert r.json()["usage"]["prompt_tokens"] == 7 and r.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_a_tool_call_flood_ends_the_run_early(stack):
+    """Tool-call fragments were kept whole until the end: 1,000 new calls an event grew the node
+    by 756 MB before the edge's wait timer ended it. Past 1,024 calls (or 8 MiB) the run
+    fails at once, naming why; the node serves the next run."""
+    edge, upstream, _ = stack
+    flood = [
+        (
+            "chunk",
+            {
+                "tool_calls": [
+                    {"index": i * 200 + j, "id": f"c{i}_{j}", "function": {"name": "f", "arguments": "{}"}}
+                    for j in range(200)
+                ]
+            },
+        )
+        for i in range(50)
+    ]
+    upstream.script_for("b", [*flood, ("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await chat(client)
+            upstream.script_for("b", [("chunk", {"content": "ok"}, "stop"), ("done",)])
+            after = await chat(client)
+    assert r.status_code == 502 and "passed 1024 calls" in r.json()["error"]["message"]
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "ok"
+    assert upstream.records[0].aborted_at is not None  # the node closed the model server's stream
+
+
+async def test_oversized_events_and_errors_are_bounded_messages(stack):
+    """One event past the parser's 8 MiB was a node traceback ("adapter failed") and a
+    message about a node bug; a 3 MB error in an error chunk reached the client whole.
+    Now each is a run error of a few KB naming what happened."""
+    edge, upstream, _ = stack
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", [("raw", b"data: " + b"x" * (9 << 20)), ("hang",)])
+            huge = await chat(client)
+            upstream.script_for("b", [("raw", b'data: {"error": "' + b"e" * (3 << 20) + b'"}\n\n'), ("hang",)])
+            loud = await chat(client)
+    assert huge.status_code == 502
+    assert huge.json()["error"]["message"] == "upstream sent a server-sent event larger than 8388608 bytes"
+    assert loud.status_code == 502 and len(loud.json()["error"]["message"]) < 5000
+
+
+async def test_answers_that_are_not_streams_say_so(stack):
+    """A server that ignores `stream: true` (a JSON body) or sends an encoding it was never
+    asked for: the message says what came, not "closed the stream before it finished"."""
+    edge, upstream, _ = stack
+    body = b'{"choices": [{"message": {"content": "hi"}}]}'
+    json_answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    gzip_answer = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 3\r\n\r\nabc"
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", [("response", json_answer)])
+            plain = await chat(client)
+            upstream.script_for("b", [("response", gzip_answer)])
+            zipped = await chat(client)
+    assert "upstream answered application/json, not an event stream" in plain.json()["error"]["message"]
+    assert "gzip-encoded body" in zipped.json()["error"]["message"]
+
+
+async def test_an_error_body_that_never_ends(stack, monkeypatch):
+    """A 400 whose body never ends was read until the wait timeout (504 "run timed out"): the
+    body now has its own deadline, and what came of it is the message, with its status."""
+    monkeypatch.setattr(openai_adapter, "_ERROR_BODY_S", 0.3)
+    edge, upstream, _ = stack
+    head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 9999\r\n\r\n"
+    upstream.script_for("b", [("response", head + b'{"error": '), ("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await chat(client)
+    assert r.status_code == 400 and r.json()["error"]["message"] == 'upstream returned 400: {"error": '
