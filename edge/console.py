@@ -54,6 +54,7 @@ USAGE_MIN_S = 1.0
 MAX_RUNS = 200  # runs listed in a snapshot, oldest first (the counts cover all)
 RECENT = 50  # 429s and run errors remembered
 MAX_SUBSCRIBERS = 16
+STALE_S = 10.0  # a console that has not taken its events for this long loses its place (its socket is stuck)
 MINUTES = 60
 MAX_USAGE_ROWS = 50  # per table, the most tokens first; the rest summed in one row
 
@@ -198,7 +199,7 @@ def phase(run: Run) -> str:
 
 
 class _Subscriber:
-    __slots__ = ("snapshot", "usage", "lot", "fresh", "closed")
+    __slots__ = ("snapshot", "usage", "lot", "fresh", "closed", "taken")
 
     def __init__(self) -> None:
         self.fresh = True  # has had no usage event yet
@@ -206,6 +207,7 @@ class _Subscriber:
         self.snapshot: bytes | None = None
         self.usage: bytes | None = None
         self.lot = trio.lowlevel.ParkingLot()
+        self.taken = trio.current_time()  # when it last took its events (or subscribed)
 
     async def next(self) -> bytes | None:
         """The latest events not yet sent; None: the stream is over."""
@@ -215,6 +217,7 @@ class _Subscriber:
             await self.lot.park()
         out = (self.usage or b"") + (self.snapshot or b"")
         self.snapshot = self.usage = None
+        self.taken = trio.current_time()
         return out
 
 
@@ -486,6 +489,16 @@ class Console:
             while not self._subscribers:
                 await self._subscribed.park()
             now = trio.current_time()
+            for sub in list(self._subscribers):
+                if sub.snapshot is not None and now - sub.taken > STALE_S:
+                    # Its last events are still there: its client stopped reading (a dead tab
+                    # behind a proxy, a stuck socket). Its place goes to the next console.
+                    log.warning("console dropped: not reading", stalled_s=round(now - sub.taken, 1))
+                    self._subscribers.discard(sub)
+                    sub.closed = True
+                    sub.lot.unpark_all()
+            if not self._subscribers:
+                continue
             subscribers = list(self._subscribers)
             due = now >= usage_due
             fresh = any(sub.fresh for sub in subscribers)

@@ -42,6 +42,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
+from proto.frames import MAX_MODEL_NAME, MAX_MODELS, MAX_NODE_ID, name_problem
 
 log = structlog.get_logger("iop.edge.link")
 
@@ -62,6 +63,22 @@ class LinkProtocolError(Exception):
 
 
 _SHARED = ""  # authenticated with the shared node_token: any node id without a token of its own
+
+
+def _hello_problem(hello: Hello) -> str:
+    """Why a hello's names cannot be linked ("" if they can): every id and name
+    is shown in the console, logs and metrics, and the models of every node
+    are in each console snapshot."""
+    problem = name_problem(hello.node_id, MAX_NODE_ID)
+    if problem:
+        return f"node_id {problem}"
+    if len(hello.models) > MAX_MODELS:
+        return f"more than {MAX_MODELS} models"
+    for info in hello.models:
+        problem = name_problem(info.name, MAX_MODEL_NAME)
+        if problem:
+            return f"a model name {problem}"
+    return ""
 
 
 def _authenticate(config: EdgeConfig, node_id: str, header: str) -> str | None:
@@ -93,8 +110,13 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         return None
     if hello.protocol != PROTOCOL_VERSION:
         reason = f"protocol version mismatch: edge speaks {PROTOCOL_VERSION}, node speaks {hello.protocol}"
-        log.warning("node link refused", node_id=hello.node_id, reason=reason)
+        log.warning("node link refused", node_id=hello.node_id[:MAX_NODE_ID], reason=reason)
         await websocket.close(CLOSE_VERSION, reason)
+        return None
+    problem = _hello_problem(hello)
+    if problem:
+        log.warning("node link refused", node_id=hello.node_id[:MAX_NODE_ID], reason=problem)
+        await websocket.close(CLOSE_PROTOCOL, problem[:120])  # a close reason fits 123 bytes
         return None
     if node_id and hello.node_id != node_id:
         await websocket.close(CLOSE_PROTOCOL, "hello node_id differs from the upgrade's node id")

@@ -9,6 +9,7 @@ import msgspec
 
 from iop.configfile import ConfigError, load
 from node.http1 import InvalidURL, Origin
+from proto.frames import MAX_MODEL_NAME, MAX_MODELS, MAX_NODE_ID, name_problem
 
 MIN_FRAME_BYTES = 64 * 1024
 # A credential sent as `Authorization: Bearer <value>`: printable ASCII with no
@@ -67,8 +68,9 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     drain_grace_s: float = 30.0
 
     def check(self) -> None:
-        if not self.node_id:
-            raise ConfigError("node_id: must not be empty")
+        problem = name_problem(self.node_id, MAX_NODE_ID)
+        if problem:
+            raise ConfigError(f"node_id: {problem}")
         if not self.edges:
             raise ConfigError("edges: give at least one edge URL (ws://HOST:PORT/v1/node/link)")
         for i, url in enumerate(self.edges):
@@ -76,8 +78,13 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"edges[{i}]: expected a ws:// or wss:// URL, got {url!r}")
         if not self.models:
             raise ConfigError("models: the node serves no model; add a [[models]] entry")
+        if len(self.models) > MAX_MODELS:
+            raise ConfigError(f"models: at most {MAX_MODELS} on one node")
         seen: set[str] = set()
         for i, m in enumerate(self.models):
+            problem = name_problem(m.name, MAX_MODEL_NAME)
+            if problem:
+                raise ConfigError(f"models[{i}].name: {problem}")
             if m.name in seen:
                 raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
             seen.add(m.name)

@@ -63,6 +63,25 @@ TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_COUNT)]
 HTTPStatus = Annotated[int, msgspec.Meta(ge=0, le=999)]
 
 
+MAX_NODE_ID = 128  # characters
+MAX_MODEL_NAME = 256  # characters
+MAX_MODELS = 1024  # model groups one node serves
+
+
+def name_problem(value: str, limit: int) -> str:
+    """Why ``value`` cannot be a node id or model name ("" if it can): 1 to
+    ``limit`` characters, none a control or format character (newlines,
+    right-to-left overrides, zero-width joiners: an id that shows as another
+    in a console or a log)."""
+    if not value:
+        return "must not be empty"
+    if len(value) > limit:
+        return f"longer than {limit} characters"
+    if not value.isprintable():  # false for controls, format (bidi, zero-width) and separators but " "
+        return "holds a control or invisible character"
+    return ""
+
+
 def is_token_count(value: object) -> bool:
     """``value`` is a token count a frame may carry: an int (not a bool, float or NaN) in 0..2^40."""
     return type(value) is int and 0 <= value <= MAX_TOKEN_COUNT

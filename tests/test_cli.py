@@ -34,6 +34,16 @@ IOP = [sys.executable, "-m", "iop.cli"]
             {"node_id": "n1", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "gpu"}]},
             "models[0].adapter",
         ),
+        (
+            "node",
+            {"node_id": "gpu 1\u202e", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "sim"}]},
+            "node_id: holds a control or invisible character",
+        ),
+        (
+            "node",
+            {"node_id": "n1", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m" * 300, "adapter": "sim"}]},
+            "models[0].name: longer than 256 characters",
+        ),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):

@@ -387,3 +387,38 @@ async def test_at_most_16_consoles_then_a_clear_429(nursery):
     await eventually(lambda: not edge.edge.console._subscribers, "every console's stream unsubscribed")
     async with http(edge) as admin, admin.stream("GET", "/v1/admin/events", headers=AUTH) as r:
         assert r.status_code == 200  # the slots came back
+
+
+async def test_consoles_that_stop_reading_lose_their_place(nursery, monkeypatch):
+    """Sixteen feeds that never read (a dead tab behind a proxy, a stuck socket) held every
+    console slot for as long as their sockets stayed open: each console got 429 meanwhile. A
+    feed whose last events are still untaken after STALE_S is dropped; a real console gets in."""
+    from edge import console as console_module
+
+    monkeypatch.setattr(console_module, "STALE_S", 0.5)
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    # Models with long names make each snapshot about 100 KB: the stuck sockets fill at once.
+    names = [f"model-{i:03d}-" + "n" * 240 for i in range(400)]
+    await start_node(nursery, edge, [model(name, ttft_ms=0, tokens_per_s=0) for name in names])
+    stuck = []
+    request = f"GET /v1/admin/events HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {ADMIN}\r\n\r\n".encode()
+    for _ in range(16):
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)  # reads nothing after the head
+        await sock.connect(("127.0.0.1", edge.port))
+        await sock.send(request)
+        stuck.append(sock)
+    await eventually(lambda: len(edge.edge.console._subscribers) == 16, "16 stuck consoles subscribed")
+    try:
+        with trio.fail_after(BOUND):
+            async with http(edge) as admin:
+                while True:
+                    async with admin.stream("GET", "/v1/admin/events", headers=AUTH) as r:
+                        if r.status_code == 200:
+                            break
+                        await r.aread()
+                        assert r.json()["error"]["code"] == "too_many_consoles"
+                    await trio.sleep(0.2)
+    finally:
+        for sock in stuck:
+            sock.close()

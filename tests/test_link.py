@@ -459,3 +459,32 @@ async def test_a_node_that_pings_but_never_reads_cannot_grow_the_edge_queue(nurs
             assert link.queued_frames <= MAX_LIVENESS_QUEUED
             async with http(edge) as client:
                 assert (await client.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("node_id", "models", "reason"),
+    [
+        ("gpu-1\u200b", ["m"], "node_id holds a control or invisible character"),
+        ("\u202eevil", ["m"], "node_id holds a control or invisible character"),
+        ("a\nb", ["m"], "node_id holds a control or invisible character"),
+        ("n" * 129, ["m"], "node_id longer than 128 characters"),
+        ("fine", ["m" * 257], "a model name longer than 256 characters"),
+        ("fine", [f"m{i}" for i in range(1025)], "more than 1024 models"),
+    ],
+)
+async def test_names_a_console_would_misshow_are_refused(nursery, node_id, models, reason):
+    """Every node id and model name is shown in the console, logs and metrics, and every node's
+    models are in each console snapshot: a right-to-left override showed `\\u202eevil...` reversed,
+    a zero-width space made two ids look alike, and a node of 20,000 long model names made each
+    snapshot 6 MB. Such a hello is refused (close 4003, the reason named); the edge goes on."""
+    edge = await start_edge(nursery)
+    infos = [ModelInfo(name=name, adapter="sim", target="t") for name in models]
+
+    async def script(ws):
+        await ws.send_message(encode_frame(Hello(node_id=node_id, protocol=PROTOCOL_VERSION, models=infos)))
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, script, node_id=node_id if node_id.isprintable() and len(node_id) < 200 else "x")
+    assert (closed.reason.code, closed.reason.reason) == (4003, reason)
+    assert not edge.edge.runs.links
