@@ -569,9 +569,7 @@ async def test_an_answered_request_is_not_sent_again(serve):
     server had taken it, and would do the work twice). A connection closed with no answer
     at all still is (test_a_kept_alive_connection_the_server_closed_is_not_used)."""
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-    server, client = await serve(
-        ok, b"HTTP/1.1 abc\r\n\r\n", ok, b"HTTP/1.1 200 OK\r\nx: " + b"y" * 200_000, ok
-    )
+    server, client = await serve(ok, b"HTTP/1.1 abc\r\n\r\n", ok, b"HTTP/1.1 200 OK\r\nx: " + b"y" * 200_000, ok)
     with trio.fail_after(BOUND):
         assert await body_of(client) == (200, b"ok")
         with pytest.raises(http1.RemoteProtocolError, match="invalid status code"):
