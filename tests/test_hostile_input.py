@@ -734,3 +734,41 @@ async def test_a_413_while_the_client_still_sends_closes_the_connection(sim_edge
             nursery.cancel_scope.cancel()
     await stream.aclose()
     assert got.startswith(b"HTTP/1.1 413 ") and b"request_too_large" in got and got.endswith(b"0\r\n\r\n")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 10_001}]}),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": [{"type": "text", "text": ""}] * 10_001,
+                            }
+                        ],
+                    },
+                ],
+            },
+        ),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": ""}] * 10_001}]}),
+    ],
+)
+async def test_too_many_content_parts_is_a_400_before_any_walk(sim_edge, path, body):
+    """200,000 empty parts (6 MB) held the event loop about a second on each front door while
+    the codecs walked them: past 10,000 parts in a request it is a 400, and the edge goes on."""
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r = await client.post(path, json={"model": "m", **body})
+            ok = await client.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert "Too many content parts" in r.text and "at most 10000" in r.text
+    assert ok.status_code == 200

@@ -36,6 +36,7 @@ import msgspec
 
 from edge import errors
 from edge.errors import APIError
+from edge.openai.request import check_content_parts
 from edge.openai.schema import UsageOut
 from proto import ToolCall
 
@@ -274,6 +275,7 @@ def _tool_choice(choice: dict[str, Any], body: dict[str, Any]) -> None:
 def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The chat completion body for a Messages request, and the names of the
     server tools left out of it. Raises :class:`APIError` (400)."""
+    check_content_parts(raw.get("messages"))
     try:
         req = msgspec.convert(raw, MessagesRequest)
     except msgspec.ValidationError as e:

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from edge import errors
+from edge.openai.request import check_content_parts
 from edge.openai.schema import UsageOut
 from proto import ToolCall
 
@@ -84,6 +85,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
     instructions = raw.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": _text(instructions, "instructions")})
+    check_content_parts(raw.get("input"), "input")
     messages.extend(_input_messages(raw.get("input"), decoded))
     if not any(m["role"] != "system" for m in messages):
         raise _bad("Missing required parameter: `input` (a string or a list of input items).", "input")
