@@ -330,6 +330,10 @@ async def test_count_tokens(setup):
             count = await client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x" * 400}])
     assert count.input_tokens == 100 + 4
     assert upstream.records == []
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            with pytest.raises(anthropic.NotFoundError):  # as a message to that model would be
+                await client.messages.count_tokens(model="nope", messages=USER)
 
 
 async def test_x_api_key_auth(nursery, upstream):

@@ -550,3 +550,19 @@ async def test_one_call_when_parallel_calls_are_off(edge_up):
             one = await client.responses.create(model="m", input="hi", tools=[WEATHER], parallel_tool_calls=False)
     assert [item.call_id for item in both.output] == ["c1", "c2"]
     assert [item.call_id for item in one.output] == ["c1"]
+
+
+async def test_an_empty_answer_is_one_empty_message_streamed_or_whole(edge_up):
+    """A model that says nothing: the whole response had one empty message, the live stream
+    none; both have the one empty message now."""
+    edge, upstream = edge_up
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            upstream.script_for("t", steps())
+            whole = await client.responses.create(model="m", input="hi")
+            upstream.script_for("t", steps())
+            events = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
+    check_sequence(events)
+    streamed = events[-1].response
+    for response in (whole, streamed):
+        assert [(item.type, item.content[0].text) for item in response.output] == [("message", "")]

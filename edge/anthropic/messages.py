@@ -25,7 +25,7 @@ import msgspec
 import structlog
 
 from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stopped, stream_error
-from edge.errors import RunFailed, bad_request
+from edge.errors import RunFailed, bad_request, model_not_found
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import decode_body, estimate_input_tokens, parse_chat_request
@@ -61,6 +61,8 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     _, chat = _decode(edge, ex, body)
     req, _ = parse_chat_request(chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+    if edge.runs.links and not edge.runs.is_known(req.model):  # as a message would be (no node at all: unknowable)
+        raise model_not_found(req.model)
     ex.access.outcome = "counted"
     await ex.respond(200, _encode({"input_tokens": estimate_input_tokens(req)}))
 

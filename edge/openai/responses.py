@@ -548,6 +548,11 @@ class ResponseEncoder:
         response = self.response(status, usage=usage, incomplete=incomplete)
         return head + self._event(f"response.{status}", response=response)
 
+    @property
+    def empty(self) -> bool:
+        """No item is out or open yet."""
+        return not self.output and self._open is None
+
     def in_progress(self) -> bytes:
         """A keep-alive that clients count as an event (Codex's idle timer
         does not count SSE comments): ``response.in_progress`` again."""

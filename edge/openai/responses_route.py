@@ -141,6 +141,8 @@ class ResponsesLive(output.LiveEncoder):
         calls = event.tool_calls  # none asked for (no tools): shown as the model made them
         fallback = shaper.fallback(finish_reason, bool(calls))
         tail = [self.enc.text(fallback)] if fallback else []
+        if not tail and not calls and self.enc.empty:
+            tail.append(self.enc.text(""))  # an empty answer is one empty message, as a whole response has
         if calls:
             status = "incomplete" if finish_reason == "length" else "completed"
             tail.append(self.enc.function_calls(with_ids(calls), status))
