@@ -46,8 +46,13 @@ _MAX_KEYS = 10_000
 USAGE_FORMATS = ("json", "csv")
 
 
+# Admin answers hold what no cache or sniffing browser should keep (a new key's secret, usage).
+_ADMIN_HEADERS = {"cache-control": "no-store", "x-content-type-options": "nosniff"}
+
+
 def json_response(status: int, body: Any) -> Response:
-    return Response(body if isinstance(body, bytes) else _encode(body), status, content_type="application/json")
+    data = body if isinstance(body, bytes) else _encode(body)
+    return Response(data, status, content_type="application/json", headers=_ADMIN_HEADERS)
 
 
 def error_response(

@@ -240,6 +240,7 @@ async def test_run_time_keys_create_list_change_revoke(nursery, tmp_path):
             assert (await admin.post("/v1/admin/keys", json={"id": "x", "rpm": -1})).status_code == 400
             r = await admin.post("/v1/admin/keys", json={"id": "carol", "models": ["qwen*", "slow"], "rpm": 100})
             assert r.status_code == 201
+            assert r.headers["cache-control"] == "no-store"  # it holds a secret: no cache keeps it
             secret = r.json()["key"]
             assert (await admin.post("/v1/admin/keys", json={"id": "carol"})).status_code == 409
             async with client(edge, "not-a-key") as c:
