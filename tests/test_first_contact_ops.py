@@ -287,3 +287,30 @@ def test_a_ledger_that_cannot_be_opened_is_one_line(tmp_path):
     )
     line = _one_line_failure(["edge", "--config", cfg])
     assert line.startswith("iop: ledger: cannot open ") and 'ledger = "off"' in line
+
+
+async def test_an_answer_before_the_body_closes_the_connection(nursery, edge, node):
+    """A 404 (or 405, 401) that Quart answers before a POST's body has come in (httpx and the
+    SDKs send head and body in two writes) left the connection open, and the next request on it
+    was never answered: `client.moderations.create` (404), then `chat.completions.create` on the
+    same client was an APIConnectionError. Such an answer now says `connection: close`."""
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        async with stream:
+            await stream.send_all(b"POST /v1/nope HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive_some(65536)
+            await stream.send_all(b"{}GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            rest = b""
+            while data := await stream.receive_some(65536):  # the edge closes: no wait for an answer
+                rest += data
+        assert head.startswith(b"HTTP/1.1 404") and b"connection: close" in head.lower()
+        async with sdk(edge) as client:
+            for _ in range(20):
+                with pytest.raises(openai.NotFoundError):
+                    await client.moderations.create(input="hi")
+                r = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
+                assert r.choices[0].message.content

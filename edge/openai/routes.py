@@ -178,17 +178,32 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send) -> None:
     request_id = new_request_id()
     header = (b"x-request-id", request_id.encode())
     status = 0
+    # Whether the request's body has all come in: an answer sent before it did (a 404 or
+    # 405 to a POST, a 401) closes the connection, as the routes above do. Kept open, the
+    # rest of that body and the next request met a connection that never answered again.
+    body_in = not any(
+        name in (b"content-length", b"transfer-encoding") and value not in (b"0", b"")
+        for name, value in scope.get("headers", ())
+    )
+
+    async def receive_body():
+        nonlocal body_in
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            body_in = True
+        return message
 
     async def send_with_id(message) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
-            message = {**message, "headers": [*message.get("headers", ()), header]}
+            extra = [header] if body_in else [header, (b"connection", b"close")]
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
         await send(message)
 
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
-        await quart_asgi(scope, receive, send_with_id)
+        await quart_asgi(scope, receive_body, send_with_id)
     finally:
         path = scope["path"]
         api = _quart_api(path)
