@@ -488,3 +488,41 @@ async def test_names_a_console_would_misshow_are_refused(nursery, node_id, model
         closed = await fake_node(edge, script, node_id=node_id if node_id.isprintable() and len(node_id) < 200 else "x")
     assert (closed.reason.code, closed.reason.reason) == (4003, reason)
     assert not edge.edge.runs.links
+
+
+async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, monkeypatch):
+    """The buffers of a run counted events, not bytes: a node sending 2 MB deltas to a client
+    that collects the answer (stream false) grew the edge by 2.3 GB before anything reached the
+    client. Past MAX_OUTPUT_CHARS of text a run fails (502 naming why), the node is told to stop
+    it, and the link stays."""
+    from edge.runs import run as run_module
+
+    monkeypatch.setattr(run_module, "MAX_OUTPUT_CHARS", 1 << 20)
+    edge = await start_edge(nursery)
+    body = {"model": "hostile", "messages": [{"role": "user", "content": "hi"}]}
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        grant = encode_frame(Grant(model="hostile", slots=1, seq=1))
+        await stream.send_all(frame_header(BINARY, len(grant)) + grant)
+        async with stream, http(edge) as client, trio.open_nursery() as clients:
+            answer: list = []
+
+            async def ask() -> None:
+                answer.append(await client.post("/v1/chat/completions", json=body))
+
+            clients.start_soon(ask)
+            while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
+                pass
+            run_id = frame.run_id
+            for seq in range(1, 9):  # 8 x 256 KiB: past the 1 MiB budget at the 5th
+                event = RunEvent(run_id=run_id, seq=seq, type="delta", text="x" * (256 << 10))
+                data = encode_frame(Events(events=[event]))
+                await stream.send_all(frame_header(BINARY, len(data)) + data)
+            cancel = None
+            while cancel is None:
+                frame = decode_frame((await frames.next())[1])
+                cancel = frame if isinstance(frame, CancelRun) else None
+            assert "hostile" in edge.edge.runs.links  # the link stays
+    r = answer[0]
+    assert r.status_code == 502 and "more than 1048576 characters of output" in r.json()["error"]["message"]
+    assert (cancel.run_id, cancel.reason) == (run_id, "output_too_large")

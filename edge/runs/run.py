@@ -28,6 +28,13 @@ SLOW_CLIENT = "slow_client"
 SHUTDOWN = "shutdown"
 UNSENDABLE = "unsendable"  # the run's request could not be encoded or framed for the node
 CANCELLED = "cancelled"  # by an operator (the console, POST /v1/admin/runs/{id}/cancel)
+TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_CHARS of text for the run
+
+# What one run may bring: text (content, reasoning) of a run's events in all, as characters,
+# and bytes waiting for its reader. Far past any model's answer (8 M tokens of 4 characters);
+# each run's buffers on the edge stay bounded whatever a node sends.
+MAX_OUTPUT_CHARS = 32 * 1024 * 1024
+MAX_PENDING_BYTES = 32 * 1024 * 1024
 
 T = TypeVar("T")
 
@@ -76,6 +83,8 @@ class Run:
         "sink",
         "_sunk_at",
         "_nudged",
+        "output_chars",
+        "_pending_bytes",
     )
 
     def __init__(
@@ -124,6 +133,8 @@ class Run:
         self.sink: Callable[[RunEvent], bool] | None = None
         self._sunk_at = -math.inf  # when the frame whose event the sink last took arrived
         self._nudged = False  # the sink left the reader something to do (next_batch_or_idle returns [])
+        self.output_chars = 0  # text of its events so far
+        self._pending_bytes = 0  # text or body bytes of the events waiting for the reader
 
     @property
     def link(self):
@@ -145,6 +156,15 @@ class Run:
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
             return
+        if type(item) is RunEvent:
+            size = len(item.text)
+            self.output_chars += size
+            if self.output_chars > MAX_OUTPUT_CHARS:
+                self._pending.clear()
+                self.fail(f"the node sent more than {MAX_OUTPUT_CHARS} characters of output for this run", TOO_LARGE)
+                return
+        else:
+            size = len(item.body)
         self.last_event_at = now
         if self.first_event_at is None:
             self.first_event_at = now
@@ -157,12 +177,13 @@ class Run:
             self._sunk_at = now
             return
         self._pending.append(item)
+        self._pending_bytes += size
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else RUN_ERROR
             if not complete:
                 self.error = getattr(item, "text", None) or getattr(item, "error", None) or "error"
-        elif len(self._pending) > self._max_buffered:
+        elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
             self._pending.clear()
             self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
             return
@@ -225,6 +246,7 @@ class Run:
             await self._wait()
         batch = self._pending
         self._pending = []
+        self._pending_bytes = 0
         return batch
 
     async def next_batch_or_idle(self) -> list[RunEvent] | None:
@@ -243,6 +265,7 @@ class Run:
         self._nudged = False
         batch = self._pending
         self._pending = []
+        self._pending_bytes = 0
         return batch
 
     def nudge(self) -> None:
