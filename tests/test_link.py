@@ -526,3 +526,31 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
     r = answer[0]
     assert r.status_code == 502 and "more than 1048576 characters of output" in r.json()["error"]["message"]
     assert (cancel.run_id, cancel.reason) == (run_id, "output_too_large")
+
+
+async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, upstream):
+    """57,000 pings a second from one link took 79% of the edge's CPU (a pong flood 94%) and
+    other clients' p50 from 80 ms to seconds: every frame was handled as it came. A link is now
+    read at most FRAMES_PER_WINDOW a window; the rest waits in TCP, at the node. 25,000 frames
+    then a ping: its pong comes after the edge read them all, no sooner than the budget allows,
+    and a client served by another node meanwhile is answered."""
+    from edge import ws as edge_ws
+
+    edge = await start_edge(nursery)
+    honest = await start_node(nursery, edge, [model("m", upstream)])
+    pong = encode_frame(Pong(ts=0.0))
+    flood = (frame_header(BINARY, len(pong)) + pong) * 25_000
+    ping = encode_frame(Ping(ts=123.0))
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream, http(edge) as client, trio.open_nursery() as flooding:
+            start = trio.current_time()
+            flooding.start_soon(stream.send_all, flood + frame_header(BINARY, len(ping)) + ping)
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 2})
+            assert r.status_code == 200
+            while not isinstance(frame := decode_frame((await frames.next())[1]), Pong) or frame.ts != 123.0:
+                pass
+            took = trio.current_time() - start
+    budget = 25_000 / edge_ws.FRAMES_PER_WINDOW * edge_ws.FRAMES_WINDOW_S  # 2.5 s at 10,000 a second
+    assert took >= budget - 2 * edge_ws.FRAMES_WINDOW_S, took
+    await settled(edge, honest.agent)
