@@ -95,7 +95,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     node_id = websocket.header(NODE_ID_HEADER)
     identity = _authenticate(config, node_id, websocket.header("Authorization"))
     if identity is None:
-        log.warning("node link refused: bad token", node_id=node_id or None)
+        log.warning("node link refused: bad token", node_id=node_id[:MAX_NODE_ID] or None)  # no credential: bounded
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
     await websocket.accept()
@@ -156,8 +156,12 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
             )
         )
     )
+    if hello.node_id in service.links:  # another link of this id got in while the welcome went out
+        log.warning("node link refused: already linked", node_id=hello.node_id)
+        await websocket.close(CLOSE_DUPLICATE, "node id already linked")
+        return None
     link.write_now = _writer_now(websocket, config.max_frame_bytes)
-    service.add_link(link)
+    service.add_link(link)  # at once after the check: no other link of this id can come between
     try:
         async with trio.open_nursery() as nursery:
             link.bind_scope(nursery.cancel_scope)

@@ -554,3 +554,34 @@ async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, up
     budget = 25_000 / edge_ws.FRAMES_PER_WINDOW * edge_ws.FRAMES_WINDOW_S  # 2.5 s at 10,000 a second
     assert took >= budget - 2 * edge_ws.FRAMES_WINDOW_S, took
     await settled(edge, honest.agent)
+
+
+async def test_links_racing_for_one_node_id_leave_one_linked(nursery):
+    """Twenty links upgraded with one node id, their hellos sent at once: all twenty got a
+    welcome and stayed linked, the last one taking the id's traffic and the other nineteen
+    orphaned (a node that raced an honest node's reconnect could leave it linked with no runs).
+    One is linked now; the others are closed with 4009."""
+    edge = await start_edge(nursery)
+    upgraded, go = [], trio.Event()
+    outcomes: list[str] = []
+
+    async def racer(ws):
+        upgraded.append(ws)
+        await go.wait()
+        await ws.send_message(hello(node_id="racer"))
+        try:
+            with trio.move_on_after(1.5):  # a linked one hears its grants and pings, and is never closed
+                while True:
+                    await ws.get_message()
+            outcomes.append("linked")
+        except ConnectionClosed as e:
+            outcomes.append(f"closed {e.reason.code}")
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as racers:
+            for _ in range(20):
+                racers.start_soon(partial(fake_node, edge, racer, node_id="racer"))
+            while len(upgraded) < 20:
+                await trio.sleep(0.01)
+            go.set()
+    assert sorted(outcomes) == ["closed 4009"] * 19 + ["linked"], outcomes
