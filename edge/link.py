@@ -218,6 +218,8 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                 if draining != link.draining:
                     service.set_draining(link, draining)
             case Placed(model=model, prefix=prefix):
+                if not link.relays_prefixes:  # its hello did not say it relays: it may not place
+                    raise LinkProtocolError("placed frame from a node whose hello did not set relays_prefixes")
                 if model not in link.models:
                     raise LinkProtocolError(f"placed frame for model {model!r} the node does not serve")
                 if link.admit_placed(len(prefix), now):

@@ -121,3 +121,23 @@ async def test_a_new_request_takes_a_free_slot_the_queue_head_cannot_use(autojum
         slot = await runs.acquire(Want("m", min_context=10))
         assert slot.link is small and trio.current_time() == start
         nursery.cancel_scope.cancel()
+
+
+async def test_names_nodes_once_advertised_are_remembered_within_a_bound():
+    """A model a node advertised is known after it leaves (503 no node, not 404, and a metrics
+    label), but only the last KNOWN_MODELS of them: a node linking again and again with 3,500
+    new names a time grew the edge 15 MB a link, for good."""
+    from edge.runs import service as service_module
+
+    runs = service(models=[ModelPolicy(name="configured")])
+    for round_ in range(20):
+        infos = [ModelInfo(name=f"r{round_}-m{i}", adapter="sim", target="t") for i in range(1000)]
+        node = NodeLink(f"n{round_}", infos)
+        runs.add_link(node)
+        runs.remove_link(node)
+    assert len(runs._known) == service_module.KNOWN_MODELS
+    assert runs.is_known("r19-m999") and not runs.is_known("r0-m0")  # the most recent kept
+    assert runs.is_known("configured")  # configured ones always
+    with pytest.raises(APIError) as caught:
+        await runs.acquire(Want("r19-m5"))
+    assert caught.value.status == 503  # known, no node: not a 404

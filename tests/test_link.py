@@ -121,11 +121,11 @@ async def fake_node(edge, script, node_id="fake", token=TOKEN):
         await stream.aclose()
 
 
-async def sent_after_hello(edge, node_id: str, data: bytes) -> ConnectionClosed:
+async def sent_after_hello(edge, node_id: str, data: bytes, relays_prefixes: bool = True) -> ConnectionClosed:
     """A node that says hello, then sends ``data``: how the edge closed its link."""
 
     async def script(ws):
-        await ws.send_message(hello(node_id=node_id))
+        await ws.send_message(hello(node_id=node_id, relays_prefixes=relays_prefixes))
         await ws.get_message()
         await ws.send_message(data)
         return await closed_by_edge(ws)
@@ -145,12 +145,13 @@ async def closed_by_edge(ws) -> ConnectionClosed:
     return closed.value
 
 
-def hello(node_id="fake", protocol=PROTOCOL_VERSION):
+def hello(node_id="fake", protocol=PROTOCOL_VERSION, relays_prefixes=True):
     return encode_frame(
         Hello(
             node_id=node_id,
             protocol=protocol,
             models=[ModelInfo(name="m", adapter="sim", target="t", max_concurrency=2)],
+            relays_prefixes=relays_prefixes,
         )
     )
 
@@ -235,16 +236,22 @@ async def test_events_for_a_foreign_run_close_only_that_link(edge, node, upstrea
 
 
 @pytest.mark.parametrize(
-    "frame",
-    [Placed(model="not-served", prefix=[1, 2]), Placed(model="m", prefix=list(range(MAX_PREFIX_BLOCKS + 1)))],
-    ids=["unknown-model", "chain-too-long"],
+    ("frame", "relays"),
+    [
+        (Placed(model="not-served", prefix=[1, 2]), True),
+        (Placed(model="m", prefix=list(range(MAX_PREFIX_BLOCKS + 1))), True),
+        (Placed(model="m", prefix=[1, 2]), False),
+    ],
+    ids=["unknown-model", "chain-too-long", "not-a-relay"],
 )
-async def test_a_bad_placed_hint_closes_only_that_link(edge, node, frame):
-    """A ``placed`` hint for a model the node does not serve, or with a chain longer than
-    any prompt's, closes that link with 4003; the edge's index is untouched and it serves on."""
+async def test_a_bad_placed_hint_closes_only_that_link(edge, node, frame, relays):
+    """A ``placed`` hint for a model the node does not serve, with a chain longer than any
+    prompt's, or from a node whose hello did not say it relays prefixes (it steered other
+    clients' conversations to itself) closes that link with 4003; the edge's index is
+    untouched and it serves on."""
 
     with trio.fail_after(BOUND):
-        closed = await sent_after_hello(edge, "liar", encode_frame(frame))
+        closed = await sent_after_hello(edge, "liar", encode_frame(frame), relays_prefixes=relays)
         assert closed.reason.code == 4003
         await eventually(lambda: "liar" not in edge.edge.runs.links)
         r = await one_request(edge)

@@ -576,3 +576,56 @@ async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nurs
     assert not {"x-euro", "x-split", "x-injected", "bad name"} & set(r.headers)
     assert "odd" in edge.edge.runs.links
     await stream.aclose()
+
+
+async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses(nursery):
+    """A node's tunnel head with a content-length that is not the body's (the client got a cut
+    body, or the head and then EOF), set-cookie and access-control-* (the edge's origin also
+    serves /console), a second date or server: none reach the client; the body comes whole. A
+    status of 99 or 101 (an h11 error and hypercorn's bare 500, or a connection closed with no
+    answer) is a 502."""
+    from proto import TunnelFrame, TunnelRequest
+
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "odd", nursery=nursery)
+    info = ModelInfo(name="m", adapter="openai", target="m", max_concurrency=4, passthrough=True)
+    await ws.send_message(encode_frame(Hello(node_id="odd", protocol=PROTOCOL_VERSION, models=[info])))
+    assert isinstance(decode_frame(await ws.get_message()), Welcome)
+    await ws.send_message(encode_frame(Grant(model="m", slots=4, seq=1)))
+    headers = [
+        ("content-length", "3"),
+        ("set-cookie", "session=evil"),
+        ("access-control-allow-origin", "*"),
+        ("server", "evil"),
+        ("date", "Thu, 01 Jan 1970 00:00:00 GMT"),
+        ("x-request-id", "theirs"),
+        ("x-good", "yes"),
+    ]
+    statuses = [200, 99, 101]
+
+    async def answer() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                frame = decode_frame(await ws.get_message())
+                if isinstance(frame, TunnelRequest):
+                    rid, status = frame.run_id, statuses.pop(0)
+                    for seq, kind, extra in (
+                        (1, "response_start", {"status": status, "headers": headers}),
+                        (2, "body", {"body": b'{"choices": []}'}),
+                        (3, "end", {}),
+                    ):
+                        await ws.send_message(encode_frame(TunnelFrame(run_id=rid, seq=seq, kind=kind, **extra)))
+
+    nursery.start_soon(answer)
+    with trio.fail_after(BOUND):
+        await eventually(lambda: "odd" in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            odd = [await client.post("/v1/completions", json={"model": "m", "prompt": "x"}) for _ in range(2)]
+    assert r.status_code == 200 and r.content == b'{"choices": []}' and r.headers["x-good"] == "yes"
+    assert not {"set-cookie", "access-control-allow-origin"} & set(r.headers)
+    assert r.headers.get_list("server") != ["evil"] and "1970" not in r.headers.get("date", "")
+    assert r.headers["x-request-id"].startswith("req_")
+    for bad in odd:
+        assert bad.status_code == 502 and bad.json()["error"]["type"] == "provider_tunnel_error", bad.text
+    await stream.aclose()

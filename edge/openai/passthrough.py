@@ -60,6 +60,11 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# Not relayed either: framing the edge does itself (a node's content-length that did not match
+# the body cut the response or hung the connection), headers the edge sets (a second date,
+# server or x-request-id), and what a provider may not decide for the edge's origin, which also
+# serves /console (cookies, CORS).
+_EDGE_OWN = frozenset({"content-length", "date", "server", "x-request-id", "set-cookie", "set-cookie2"})
 _encode = msgspec.json.Encoder().encode
 _TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
@@ -316,7 +321,7 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
     dropped = []
     for name, value in headers or ():
         lower = name.lower()
-        if lower in HOP_BY_HOP:
+        if lower in HOP_BY_HOP or lower in _EDGE_OWN or lower.startswith("access-control-"):
             continue
         if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
             dropped.append(name[:100])

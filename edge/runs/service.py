@@ -94,6 +94,7 @@ class _Waiter:
 
 
 _MAX_SESSIONS = 100_000
+KNOWN_MODELS = 8192  # model names nodes advertised, the most recent kept (a few MB at most)
 # A request waits for the busy node holding its prefix only if that node holds
 # this many more of its leading blocks (1 KB of text, ~256 tokens) than any free one.
 PREFIX_WAIT_BLOCKS = 4
@@ -156,9 +157,11 @@ class RunService:
         # Bounded by the capacity of the nodes they came from.
         self._moved: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
         self.on_stall: list[Callable[[NodeLink], None]] = []
-        # Models some node has advertised since start, plus configured ones:
-        # a request for one of these with no node linked is a 503, not a 404.
-        self._known: set[str] = {m.name for m in config.models}
+        # Models configured, and the last KNOWN_MODELS some node has advertised (a node may
+        # name 1,024, and link again and again with new ones): a request for one of these
+        # with no node linked is a 503, not a 404, and its name may be a metrics label.
+        self._configured = frozenset(m.name for m in config.models)
+        self._known: dict[str, None] = {}  # oldest first
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
         self.prefixes = PrefixIndex(config.prefix_index_entries)
@@ -200,7 +203,7 @@ class RunService:
     def is_known(self, model: str) -> bool:
         """``model`` is configured (``[[models]]``) or some node has advertised
         it since the edge started: never a name only a client made up."""
-        return model in self._known
+        return model in self._configured or model in self._known
 
     def models(self) -> dict[str, list[NodeLink]]:
         """Model name -> links serving it now."""
@@ -219,7 +222,12 @@ class RunService:
 
     def add_link(self, link: NodeLink) -> None:
         self.links[link.node_id] = link
-        self._known.update(link.models)
+        known = self._known
+        for model in link.models:
+            known.pop(model, None)
+            known[model] = None
+        while len(known) > KNOWN_MODELS:
+            del known[next(iter(known))]
         for model in link.models:
             self._wake(model)
         log.info("node linked", node_id=link.node_id, models=sorted(link.models))
@@ -531,7 +539,7 @@ class RunService:
         serving = self._serving(model)
         if not serving:
             # With no node linked at all the edge cannot tell what exists: 503.
-            if model in self._known or not self.links:
+            if self.is_known(model) or not self.links:
                 raise errors.no_node(model)
             raise errors.model_not_found(model)
         if not any(want.fits(link) for link in serving):
