@@ -45,6 +45,12 @@ from iop import logs
 from iop.configfile import ConfigError
 
 log = structlog.get_logger("iop.edge")
+
+
+def draining() -> APIError:
+    return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
+
+
 _encode = msgspec.json.Encoder().encode
 
 
@@ -82,6 +88,9 @@ class Edge:
         close the node links with 1001."""
         self.draining = True
         log.info("draining", in_flight=self.runs.in_flight, grace_s=self.config.drain_grace_s)
+        # Queued requests end now, as new ones do: given a slot during the grace, they would
+        # start work on a node only to be cut when it ends.
+        self.runs.refuse_waiting(draining, "the edge is shutting down")
         with trio.move_on_after(self.config.drain_grace_s):
             await self.runs.wait_idle()
         for run in list(self.runs.runs.values()):
@@ -95,7 +104,7 @@ class Edge:
     def refuse_request(self, ex: Exchange) -> APIError | None:
         """Authentication and drain checks for the API routes."""
         if self.draining:
-            return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
+            return draining()
         if self.keys.open:
             return None
         key = self.keys.authenticate(ex.header(b"authorization"), ex.header(b"x-api-key"))

@@ -11,6 +11,8 @@ import msgspec
 from edge.keys import sha256_hex
 from iop.configfile import ConfigError, convert, load
 
+MIN_FRAME_BYTES = 64 * 1024
+
 
 class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Per-model policy, an ``[[models]]`` entry; a model with none gets defaults."""
@@ -114,20 +116,25 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
-        for key in ("max_queue", "max_messages", "max_tools", "ping_misses"):
+        for key in ("max_queue", "max_messages", "max_tools", "ping_misses", "drain_grace_s", "queue_timeout_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative")
         for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
+        if self.max_frame_bytes < MIN_FRAME_BYTES:  # a node keeps its frames under 64 KiB at least
+            raise ConfigError(f"max_frame_bytes: at least {MIN_FRAME_BYTES} (no node could link under it)")
+        for key in ("api_keys", "admin_keys"):
+            if any(not k for k in getattr(self, key)):
+                raise ConfigError(f"{key}: an empty key (no client could send it)")
         if self.prefix_index_entries < 0:
             raise ConfigError("prefix_index_entries: must not be negative")
         if not 0 <= self.prefix_max_load_gap <= 1:
             raise ConfigError("prefix_max_load_gap: must be between 0 and 1")
         if not 0 <= self.prefix_wait_ms <= 60_000:
             raise ConfigError("prefix_wait_ms: must be between 0 and 60000")
-        if self.backlog <= 0:
-            raise ConfigError("backlog: must be greater than 0")
+        if not 0 < self.backlog <= 65535:
+            raise ConfigError("backlog: between 1 and 65535")
         if self.body_timeout_s <= 0:
             raise ConfigError("body_timeout_s: must be greater than 0")
         if self.max_output_tokens < 1:
@@ -156,13 +163,20 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f'keys[{i}].models: at least one pattern ("*": all)')
         if self.state and not self.state.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError('state: a redis:// URL, or "" (limits per edge)')
-        if self.ledger.startswith("redis://"):
+        scheme = self.ledger.partition("://")[0] if "://" in self.ledger else ""
+        if scheme not in ("", "sqlite", "postgres", "postgresql"):
             raise ConfigError('ledger: a SQLite path, a postgresql:// URL, "" or "off"')
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if m.name in seen:
                 raise ConfigError(f"models[{i}].name: duplicate model {m.name!r}")
             seen.add(m.name)
+            for name in ("max_queue", "queue_timeout_ms"):
+                value = getattr(m, name)
+                if value is not None and value < 0:
+                    raise ConfigError(f"models[{i}].{name}: must not be negative")
+            if m.max_tool_attempts is not None and m.max_tool_attempts < 1:
+                raise ConfigError(f"models[{i}].max_tool_attempts: must be at least 1")
 
     @property
     def ledger_target(self) -> str | None:

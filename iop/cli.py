@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             bind = _checked_bind(args.bind) if args.bind else config.bind
             certfile = _readable("--certfile", args.certfile) or _readable("certfile", config.certfile)
             keyfile = _readable("--keyfile", args.keyfile) or _readable("keyfile", config.keyfile)
+            if bool(certfile) != bool(keyfile):  # one alone served plain HTTP, saying nothing
+                raise ConfigError("--certfile: TLS needs both a certificate and a key (--certfile, --keyfile)")
             trio.run(_edge, config, bind, certfile, keyfile)
         else:
             from node.config import load_node_config

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import urllib.parse
 from typing import Literal
 
 import msgspec
@@ -76,6 +78,13 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for i, url in enumerate(self.edges):
             if not url.startswith(("ws://", "wss://")):
                 raise ConfigError(f"edges[{i}]: expected a ws:// or wss:// URL, got {url!r}")
+            try:
+                parts = urllib.parse.urlsplit(url)
+                parts.port  # noqa: B018 (raises on a port past 65535)
+            except ValueError as e:
+                raise ConfigError(f"edges[{i}]: {e}") from None
+            if not parts.hostname:
+                raise ConfigError(f"edges[{i}]: no host in {url!r}")
         if not self.models:
             raise ConfigError("models: the node serves no model; add a [[models]] entry")
         if len(self.models) > MAX_MODELS:
@@ -102,6 +111,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                     raise ConfigError(f"models[{i}].metrics_url: not an http(s) URL") from None
                 if m.metrics_interval_s < 0.05:
                     raise ConfigError(f"models[{i}].metrics_interval_s: must be at least 0.05")
+            if m.context_window < 0 or m.sim_tokens < 0:
+                raise ConfigError(f"models[{i}]: context_window and sim_tokens must not be negative")
             if m.tokens_per_s < 0 or m.ttft_ms < 0:
                 raise ConfigError(f"models[{i}]: ttft_ms and tokens_per_s must not be negative")
             if m.prefix_cache_tokens < 0 or m.prefill_tokens_per_s < 0:
@@ -118,6 +129,13 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("upstream_read_timeout_s: must be greater than 0 (inf: never)")
         if self.ping_misses < 1:
             raise ConfigError("ping_misses: must be at least 1")
+        for key in ("connect_timeout_s", "hello_timeout_s", "upstream_connect_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key}: must be greater than 0")
+        if not self.drain_grace_s >= 0:
+            raise ConfigError("drain_grace_s: must not be negative")
+        if self.ca_file and not os.path.isfile(self.ca_file):
+            raise ConfigError(f"ca_file: no file at {self.ca_file}")
         if self.max_pending_events < 1:
             raise ConfigError("max_pending_events: must be at least 1")
         if self.max_frame_bytes < MIN_FRAME_BYTES:

@@ -34,6 +34,48 @@ IOP = [sys.executable, "-m", "iop.cli"]
             {"node_id": "n1", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "gpu"}]},
             "models[0].adapter",
         ),
+        ("edge", {"drain_grace_s": -1}, "drain_grace_s: must not be negative"),
+        ("edge", {"max_frame_bytes": 1}, "max_frame_bytes: at least 65536"),
+        ("edge", {"backlog": 9223372036854775807}, "backlog: between 1 and 65535"),
+        ("edge", {"ledger": "mysql://x"}, "ledger: a SQLite path"),
+        ("edge", {"api_keys": [""]}, "api_keys: an empty key"),
+        ("edge", {"models": [{"name": "m", "queue_timeout_ms": -5}]}, "models[0].queue_timeout_ms: must not be"),
+        ("edge", {"models": [{"name": "m", "max_tool_attempts": 0}]}, "models[0].max_tool_attempts: must be at"),
+        (
+            "node",
+            {
+                "node_id": "n",
+                "edges": ["ws://h/v1/node/link"],
+                "drain_grace_s": -1,
+                "models": [{"name": "m", "adapter": "sim"}],
+            },
+            "drain_grace_s: must not be negative",
+        ),
+        (
+            "node",
+            {
+                "node_id": "n",
+                "edges": ["ws://h/v1/node/link"],
+                "connect_timeout_s": 0,
+                "models": [{"name": "m", "adapter": "sim"}],
+            },
+            "connect_timeout_s: must be greater than 0",
+        ),
+        (
+            "node",
+            {"node_id": "n", "edges": ["ws://127.0.0.1:99999/x"], "models": [{"name": "m", "adapter": "sim"}]},
+            "edges[0]: Port out of range",
+        ),
+        (
+            "node",
+            {
+                "node_id": "n",
+                "edges": ["ws://h/v1/node/link"],
+                "ca_file": "/nonexistent.pem",
+                "models": [{"name": "m", "adapter": "sim"}],
+            },
+            "ca_file: no file at /nonexistent.pem",
+        ),
         (
             "node",
             {"node_id": "gpu 1\u202e", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "sim"}]},
@@ -101,3 +143,15 @@ def test_busy_address_is_one_line():
     expected = f"iop edge: cannot listen on 127.0.0.1:{port}: Address already in use"
     assert result.stderr.strip().splitlines()[-1] == expected
     assert "Traceback" not in result.stderr
+
+
+def test_a_certificate_without_its_key_is_a_config_error(tmp_path):
+    """`--certfile` without `--keyfile` served plain HTTP and said nothing (the same in edge.toml
+    was refused): it is a one-line config error now."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not read")
+    result = subprocess.run(
+        [*IOP, "edge", "--bind", "127.0.0.1:0", "--certfile", str(cert)], capture_output=True, text=True, timeout=BOUND
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "iop: --certfile: TLS needs both a certificate and a key (--certfile, --keyfile)"

@@ -384,3 +384,36 @@ def test_plain_keys_given_twice_are_one_key(tmp_path):
     keys.write_text("sk-a\n")
     cfg = write_toml(tmp_path / "edge.toml", {"api_keys": ["sk-a"], "api_keys_file": str(keys)})
     assert load_edge_config(cfg).api_keys == ["sk-a", "sk-a"]
+
+
+async def test_a_drain_ends_queued_requests_at_once(nursery, upstream):
+    """Queued requests, when the edge starts to drain, got slots as running streams ended and
+    went to the model server, only to be cut when the grace ran out ("node disconnected",
+    shutdown later than the grace). They end with the 503 `draining` a new request gets, at
+    once; the running stream finishes; the model server saw only it."""
+    upstream.script_for("m-target", lambda body: text_script(words(15), interval=0.05))
+    edge = await start_edge(nursery, edge_config(drain_grace_s=10))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    queued: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def wait_in_queue() -> None:
+                queued.append(await client.post("/v1/chat/completions", json=BODY))
+
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}
+            ) as r:
+                await upstream.wait_requests(1)
+                for _ in range(2):
+                    clients.start_soon(wait_in_queue)
+                await eventually(lambda: len(edge.edge.runs.queued()) == 2, "two requests queued")
+                clients.start_soon(edge.edge.drain)
+                await eventually(lambda: len(queued) == 2, "the queued requests answered")
+                assert not r.is_closed  # before the stream ended
+                body = await r.aread()
+    assert [q.status_code for q in queued] == [503, 503]
+    assert all(q.json()["error"]["code"] == "draining" for q in queued)
+    assert body.endswith(b"data: [DONE]\n\n") and b"tok14" in body
+    assert len(upstream.records) == 1
+    await settled(edge, node.agent)

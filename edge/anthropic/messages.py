@@ -53,7 +53,7 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     ex.access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     chat, server_tools = chat_body(raw)
     if server_tools:
-        log.info("server tools left out", tools=server_tools[:20])
+        log.info("server tools left out", tools=[t[:64] for t in server_tools[:20]])
     return raw, chat
 
 

@@ -56,8 +56,8 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     if decoded.ignored_tools or decoded.ignored_items:
         log.info(
             "responses request: left out",
-            tool_types=sorted(set(decoded.ignored_tools)),
-            item_types=sorted(set(decoded.ignored_items)),
+            tool_types=sorted({t[:64] for t in decoded.ignored_tools})[:20],  # a client's strings: bounded
+            item_types=sorted({t[:64] for t in decoded.ignored_items})[:20],
         )
     turn = await open_turn(edge, ex, decoded.chat)
     enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo)

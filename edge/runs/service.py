@@ -18,7 +18,7 @@ from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
-from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, UNSENDABLE, Run, RunTimers
+from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, SHUTDOWN, UNSENDABLE, Run, RunTimers
 from proto import CancelRun, ModelInfo, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
@@ -76,7 +76,19 @@ class _Waiter:
     """A request waiting for a slot, or (``run`` set) a run moved off a node
     that died or stalled before it started, waiting to be sent again."""
 
-    __slots__ = ("event", "slot", "gone", "cancelled", "want", "run", "client", "since", "wait_until", "prefer")
+    __slots__ = (
+        "event",
+        "slot",
+        "gone",
+        "cancelled",
+        "refused",
+        "want",
+        "run",
+        "client",
+        "since",
+        "wait_until",
+        "prefer",
+    )
 
     def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0, client: Any = None) -> None:
         self.since = trio.current_time()
@@ -84,6 +96,7 @@ class _Waiter:
         self.slot: Slot | None = None
         self.gone = False  # no linked node can serve it any more
         self.cancelled = False  # by an operator (the console)
+        self.refused: errors.APIError | None = None  # the edge ended its wait (it is shutting down)
         self.client = client  # the request's exchange (the console shows and cancels it)
         self.want = want
         self.run = run
@@ -247,12 +260,7 @@ class RunService:
                 for waiter in list(queue or ()):
                     if any(waiter.want.fits(lk) for lk in serving):
                         continue
-                    queue.remove(waiter)
-                    self._prefer(waiter, None)
-                    if waiter.run is not None:
-                        waiter.run.requeued = None
-                        waiter.run.fail(NODE_DISCONNECTED, NODE_LOST)
-                    else:
+                    if self._end_wait(queue, waiter, NODE_DISCONNECTED, NODE_LOST):
                         waiter.gone = True
                         waiter.event.set()
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
@@ -593,6 +601,8 @@ class RunService:
         self._leave(queue, waiter)
         if waiter.cancelled:
             raise errors.operator_cancelled()
+        if waiter.refused is not None:
+            raise waiter.refused
         if waiter.gone:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
@@ -601,6 +611,28 @@ class RunService:
         """Every request waiting for a slot (not moved runs): ``want.model``,
         ``since`` and ``client`` say what it is."""
         return [w for queue in self._queues.values() for w in queue]
+
+    def refuse_waiting(self, error: Callable[[], errors.APIError], message: str) -> None:
+        """The edge is shutting down: every queued request ends with ``error()``
+        and every run waiting to move fails with ``message``, now, not once a
+        slot frees (they would start work on a node only to be cut)."""
+        for queues in (self._queues, self._moved):
+            for queue in queues.values():
+                for waiter in list(queue):
+                    if self._end_wait(queue, waiter, message, SHUTDOWN):
+                        waiter.refused = error()
+                        waiter.event.set()
+
+    def _end_wait(self, queue: collections.deque[_Waiter], waiter: _Waiter, message: str, cause: str) -> bool:
+        """Take ``waiter`` out of ``queue``: a run waiting to move fails with
+        ``message``; True for a queued request (the caller says why, and wakes it)."""
+        queue.remove(waiter)
+        self._prefer(waiter, None)
+        if waiter.run is None:
+            return True
+        waiter.run.requeued = None
+        waiter.run.fail(message, cause)
+        return False
 
     def cancel_queued(self, waiter: _Waiter) -> None:
         """An operator ends a queued request: it leaves the queue with a 499."""
