@@ -299,6 +299,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             return _json(503, b'{"status":"draining"}')
         if not edge.runs.links:
             return _json(503, b'{"status":"no node linked"}')
+        if all(link.draining for link in edge.runs.links.values()):  # none takes a new run
+            return _json(503, b'{"status":"every node draining"}')
         return _json(200, b'{"status":"ready"}')
 
     @app.errorhandler(404)

@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"iop: {e}", file=sys.stderr)
             return 2
+    problem = logs.setting_problem(args.log_level)
+    if problem:  # a typo fell back to info (or to console lines) saying nothing
+        print(f"iop: {problem}", file=sys.stderr)
+        return 2
     logs.configure(args.log_level)
     bind: str | None = None  # the address being listened on, for the error that names it
     try:

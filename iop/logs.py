@@ -86,6 +86,23 @@ def as_events(name: str) -> None:
     logger.propagate = False
 
 
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("json", "console")
+
+
+def setting_problem(level: str | None) -> str:
+    """Why the log level (``--log-level`` or ``IOP_LOG_LEVEL``) or ``IOP_LOG_FORMAT``
+    cannot be used ("" if they can)."""
+    name = level or os.environ.get("IOP_LOG_LEVEL")
+    if name and name.lower() not in LEVELS:
+        where = "--log-level" if level else "IOP_LOG_LEVEL"
+        return f"{where}: {name[:40]!r} is not one of {', '.join(LEVELS)}"
+    fmt = os.environ.get("IOP_LOG_FORMAT")
+    if fmt and fmt not in FORMATS:
+        return f"IOP_LOG_FORMAT: {fmt[:40]!r} is not one of {', '.join(FORMATS)}"
+    return ""
+
+
 def configure(level: str | None = None, *, json: bool | None = None, cache: bool = True) -> None:
     level_name = (level or os.environ.get("IOP_LOG_LEVEL") or "info").upper()
     numeric = logging.getLevelName(level_name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -155,3 +156,17 @@ def test_a_certificate_without_its_key_is_a_config_error(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "iop: --certfile: TLS needs both a certificate and a key (--certfile, --keyfile)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--log-level", "bogus", "demo"], {}, "iop: --log-level: 'bogus' is not one of debug, info, warning, error"),
+        (["demo"], {"IOP_LOG_LEVEL": "verbose"}, "iop: IOP_LOG_LEVEL: 'verbose' is not one of"),
+        (["demo"], {"IOP_LOG_FORMAT": "yaml"}, "iop: IOP_LOG_FORMAT: 'yaml' is not one of json, console"),
+    ],
+)
+def test_a_log_setting_that_is_not_one_is_an_error(argv, env, expected):
+    """A log level or format with a typo fell back to info (or console lines) and said nothing."""
+    result = subprocess.run([*IOP, *argv], capture_output=True, text=True, timeout=BOUND, env={**os.environ, **env})
+    assert result.returncode == 2 and result.stderr.startswith(expected), result.stderr

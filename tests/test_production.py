@@ -125,8 +125,12 @@ async def test_health_and_readiness(nursery, upstream):
         async with http(edge) as client:
             assert (await client.get("/healthz")).json() == {"status": "ok"}
             assert (await client.get("/readyz")).status_code == 503
-            await start_node(nursery, edge, [model("m", upstream)])
+            node = await start_node(nursery, edge, [model("m", upstream)])
             assert (await client.get("/readyz")).status_code == 200
+            nursery.start_soon(node.agent.drain)  # the only node drains: no new run can start
+            await eventually(lambda: edge.edge.runs.links["n1"].draining, "the edge sees the node draining")
+            r = await client.get("/readyz")
+            assert r.status_code == 503 and r.json() == {"status": "every node draining"}
             edge.edge.draining = True
             assert (await client.get("/readyz")).status_code == 503
             r = await client.post("/v1/chat/completions", json=BODY)
