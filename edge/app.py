@@ -308,8 +308,12 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         return _json(404, error_json("Unknown route.", "invalid_request_error", code="not_found"))
 
     @app.errorhandler(405)
-    async def not_allowed(_: Exception) -> Response:
-        return _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
+    async def not_allowed(e: Exception) -> Response:
+        response = _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
+        methods = getattr(e, "valid_methods", None)
+        if methods:
+            response.headers["allow"] = ", ".join(sorted(methods))
+        return response
 
     @app.errorhandler(500)
     async def internal_error(_: Exception) -> Response:

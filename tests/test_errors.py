@@ -110,7 +110,12 @@ async def test_unknown_route_and_wrong_method(edge):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             assert_openai_error(await client.get("/v1/nothing"), 404)
-            assert_openai_error(await client.get("/v1/chat/completions"), 405)
+            wrong = await client.get("/v1/chat/completions")
+            assert_openai_error(wrong, 405)
+            assert wrong.headers["allow"] == "POST"  # what a 405 must say (RFC 9110)
+            quart = await client.post("/v1/models")
+            assert_openai_error(quart, 405)
+            assert "GET" in quart.headers["allow"]
 
 
 async def test_bad_requests_leave_the_edge_serving(edge, node):

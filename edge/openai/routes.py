@@ -111,7 +111,12 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
             async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
                 try:
                     if ex.scope["method"] != "POST":
-                        raise APIError(405, "Method not allowed; use POST.", code="method_not_allowed")
+                        raise APIError(
+                            405,
+                            "Method not allowed; use POST.",
+                            code="method_not_allowed",
+                            headers=[(b"allow", b"POST")],
+                        )
                     problem = edge.refuse_request(ex)
                     if problem is not None:
                         raise problem
