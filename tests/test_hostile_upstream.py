@@ -184,3 +184,17 @@ async def test_an_error_body_that_never_ends(stack, monkeypatch):
         async with http(edge) as client:
             r = await chat(client)
     assert r.status_code == 400 and r.json()["error"]["message"] == 'upstream returned 400: {"error": '
+
+
+async def test_an_answer_that_never_says_done_completes(stack):
+    """A server that sends its finish and usage but neither `[DONE]` nor the end of the body
+    held the run until the wait timeout (504 after the answer was whole). After the finish the
+    rest of the stream has 2 s; then the answer is complete, with its usage."""
+    edge, upstream, _ = stack
+    usage = {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("usage", usage), ("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await chat(client)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "whole" and r.json()["usage"]["total_tokens"] == 5

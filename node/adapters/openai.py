@@ -170,6 +170,11 @@ class OpenAIAdapter:
                 await response.pump(relay.feed)
                 if relay.end or response.done:
                     break
+                if relay.finish_reason:  # it said why it stopped: the rest (usage, [DONE]) has _DRAIN_S
+                    with trio.move_on_after(_DRAIN_S):
+                        while not (relay.end or response.done):
+                            await response.pump(relay.feed)
+                    break
                 await sink.room()  # feed() said stop and nothing ended: the outbox is full
             if relay.end == _DONE:
                 await sink.complete(relay.finish_reason or "stop", _ordered(relay.calls), relay.usage, stop=relay.stop)
@@ -303,7 +308,7 @@ class _Relay:
                         self.stop = matched
         if texts:
             self._emit(kind, texts)
-        return self.room
+        return self.room and not self.finish_reason  # after the finish: read on under a deadline
 
     def _fail(self, failure: str, message: str) -> bool:
         self.end = _FAILED
