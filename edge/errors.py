@@ -44,6 +44,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or []
+        self.context: tuple[int, int, int] | None = None  # context_length_exceeded: prompt, max_tokens, limit
 
     def body(self) -> bytes:
         return error_json(self.message, self.type, param=self.param, code=self.code)
@@ -107,12 +108,19 @@ def queue_rejected(model: str, reason: str, retry_after_s: int) -> APIError:
     )
 
 
-def context_too_long(needed: int, largest: int) -> APIError:
-    return APIError(
+def context_too_long(prompt: int, max_tokens: int, largest: int) -> APIError:
+    """The request does not fit any node's context: in OpenAI's words (which
+    clients parse: "maximum context length"); ``context`` keeps the numbers for
+    the Messages API's own words (:func:`edge.anthropic.codec.error_body`).
+    ``prompt`` is the edge's estimate of the input."""
+    error = APIError(
         400,
-        f"This request needs about {needed} tokens of context (estimated input plus max_tokens), "
-        f"more than any node serving the model has ({largest}).",
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion; "
+        "the messages as this edge estimates them). Please reduce the length of the messages or completion.",
         "invalid_request_error",
         param="messages",
         code="context_length_exceeded",
     )
+    error.context = (prompt, max_tokens, largest)
+    return error

@@ -501,13 +501,14 @@ def claude_script(body: dict, work: str) -> list:
     return steps({"content": "Hello from "}, {"content": "the edge."}, usage=USAGE)
 
 
-async def run_claude(nursery, upstream, tmp_path, prompt: str, *extra: str):
+async def run_claude(nursery, upstream, tmp_path, prompt: str, *extra: str, context_window: int = 0):
     """`claude -p PROMPT --model m` (the binary of tests/js, or IOP_CLAUDE) pointed at an edge with
     ANTHROPIC_BASE_URL and ANTHROPIC_AUTH_TOKEN, in a throwaway HOME with telemetry and updates off,
     inside `unshare -rn` (tests/agents.py): nothing here may leave loopback."""
     claude = require_agent("claude", "IOP_CLAUDE")
     edge = await start_edge(nursery, edge_config(api_keys=["sk-edge"]))
-    node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=4)])
+    served = model("m", upstream, target="t", max_concurrency=4, context_window=context_window)
+    node = await start_node(nursery, edge, [served])
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
@@ -548,6 +549,17 @@ async def test_claude_code_cli_writes_a_file_through_the_edge(nursery, upstream,
     last = next(r.body["messages"] for r in reversed(upstream.records) if r.body.get("tools"))
     assert last[-2]["tool_calls"][0]["id"] == "toolu_iop1" and last[-2]["tool_calls"][0]["function"]["name"] == "Write"
     assert last[-1]["role"] == "tool" and last[-1]["tool_call_id"] == "toolu_iop1"
+
+
+async def test_claude_code_fits_itself_to_a_smaller_context(nursery, upstream, tmp_path):
+    """A model served with a 40k context: Claude Code's first request (its prompt, about 19k tokens
+    by the edge's estimate, plus max_tokens 32,000) does not fit. The 400 says so in Anthropic's
+    words, which Claude Code reads: it asks again with a max_tokens that fits, and answers (it
+    exited on the edge's own wording, and needed CLAUDE_CODE_MAX_OUTPUT_TOKENS)."""
+    done, _ = await run_claude(nursery, upstream, tmp_path, "Say hello.", context_window=40_000)
+    assert "Hello from the edge." in done.stdout
+    asked = [r.body.get("max_tokens") for r in upstream.records]
+    assert asked and all(m is not None and m < 32_000 for m in asked)
 
 
 async def test_claude_code_cli_answers_from_the_demo_model(nursery, tmp_path):
@@ -759,3 +771,58 @@ async def test_missing_max_tokens_and_orphan_results_are_400s(setup):
     assert counted.status_code == 200
     assert o.status_code == 400 and "unexpected `tool_use_id`" in o.json()["error"]["message"]
     assert not upstream.records
+
+
+async def test_the_sdk_tool_runner_loops_through_the_edge(setup):
+    """The anthropic SDK's `beta.messages.tool_runner` threads its turns: after the first it sends
+    only the new tool_result with `thread: {"type": "continue"}`, which an edge that stores
+    nothing refused as an orphan tool_result (400). Such a request is `thread_not_found` (404, in
+    `error.details`): the SDK sends the whole conversation again and the loop ends."""
+    edge, upstream = setup
+
+    def script(body: dict) -> list:
+        if any(m["role"] == "tool" for m in body["messages"]):
+            return steps({"content": "It is sunny."})
+        return steps(*native_call("call_w", "get_weather", '{"city": "Paris"}'), finish="tool_calls")
+
+    upstream.script_for("t", script)
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Current weather for a city."""
+        return "18C"
+
+    def loop() -> list:
+        client = anthropic.Anthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND)
+        runner = client.beta.messages.tool_runner(model="m", max_tokens=256, tools=[get_weather], messages=USER)
+        return list(runner)
+
+    with trio.fail_after(BOUND):
+        messages = await trio.to_thread.run_sync(loop)
+    assert [m.stop_reason for m in messages] == ["tool_use", "end_turn"]
+    assert messages[-1].content[0].text == "It is sunny."
+    last = upstream.records[-1].body["messages"]
+    assert last[-1] == {"role": "tool", "tool_call_id": "toolu_call_w", "content": "18C"}
+
+
+async def test_many_tool_results_count_as_the_client_sent_them(nursery, upstream):
+    """`max_messages` counted chat messages after conversion, where each tool_result is one: a
+    Claude Code session with 8 parallel tool calls a round hit "Too many messages: 2054 (at most
+    2048)" at 572 messages of its own, and could not even /compact. The Messages API (and
+    Responses) count the client's own messages; past the limit it is still a 400."""
+    edge = await start_edge(nursery, edge_config(max_messages=30))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", steps({"content": "ok"}))
+    rounds = []
+    for r in range(7):  # 1 + 7 x 2 = 15 messages of the client's; 1 + 7 x 9 = 64 in chat
+        uses = [{"type": "tool_use", "id": f"toolu_{r}_{i}", "name": "Bash", "input": {}} for i in range(8)]
+        results = [{"type": "tool_result", "tool_use_id": u["id"], "content": "ok"} for u in uses]
+        rounds += [{"role": "assistant", "content": uses}, {"role": "user", "content": results}]
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            message = await client.messages.create(model="m", max_tokens=16, messages=[*USER, *rounds])
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                await client.messages.create(model="m", max_tokens=16, messages=[*USER, *rounds, *rounds, *rounds])
+    assert message.content[0].text == "ok"
+    assert "Too many messages: 43 (at most 30)" in str(caught.value)
+    await settled(edge, node.agent)

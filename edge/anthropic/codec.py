@@ -515,15 +515,55 @@ _TYPES = {
 }
 
 
-def _error(type: str, message: str) -> bytes:
-    return _encode({"type": "error", "error": {"type": type, "message": message}})
+def _error(type: str, message: str, details: dict[str, Any] | None = None) -> bytes:
+    error: dict[str, Any] = {"type": type, "message": message}
+    if details:
+        error["details"] = details
+    return _encode({"type": "error", "error": error})
 
 
 def error_body(error: APIError) -> bytes:
     """An HTTP error in Anthropic's shape; the type follows the status."""
     status = error.status
     default = "invalid_request_error" if 400 <= status < 500 else "api_error"
-    return _error(_STATUS_TYPES.get(status, default), error.message)
+    details = {"error_code": error.code} if error.code in _DETAILED_CODES else None
+    return _error(_STATUS_TYPES.get(status, default), _message(error), details)
+
+
+# Codes the Messages API puts in ``error.details`` (the SDK's thread helpers act on them).
+_DETAILED_CODES = frozenset({"thread_not_found"})
+
+
+def thread_problem(raw: dict[str, Any]) -> APIError | None:
+    """A request that continues a stored thread (``thread: {"type": "continue"}``,
+    which the SDK's tool runner sends after its first turn): this edge stores
+    none, so it is ``thread_not_found``, on which the SDK sends the whole
+    conversation again (and after a second, stops threading)."""
+    thread = raw.get("thread")
+    if isinstance(thread, dict) and thread.get("type") == "continue":
+        return APIError(
+            404,
+            "This edge keeps no threads (it is stateless): send the whole conversation.",
+            "not_found_error",
+            param="thread",
+            code="thread_not_found",
+        )
+    return None
+
+
+def _message(error: APIError) -> str:
+    """The error's message; a request too long for the context in Anthropic's
+    words, which Claude Code reads (it retries with a smaller ``max_tokens``,
+    or compacts the conversation)."""
+    if error.context is None:
+        return error.message
+    prompt, max_tokens, limit = error.context
+    if prompt >= limit:
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > {limit}, "
+        "decrease input length or `max_tokens` and try again"
+    )
 
 
 def stream_error(message: str, type: str, code: str | None = None) -> bytes:

@@ -24,11 +24,26 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from edge.anthropic.codec import PING, MessageStream, chat_body, error_body, message_body, stopped, stream_error
+from edge.anthropic.codec import (
+    PING,
+    MessageStream,
+    chat_body,
+    error_body,
+    message_body,
+    stopped,
+    stream_error,
+    thread_problem,
+)
 from edge.errors import RunFailed, bad_request, model_not_found
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
-from edge.openai.request import decode_body, estimate_input_tokens, parse_chat_request
+from edge.openai.request import (
+    MAX_CONTENT_PARTS,
+    check_message_count,
+    decode_body,
+    estimate_input_tokens,
+    parse_chat_request,
+)
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, open_turn
 from edge.runs import Run, Slot
@@ -51,6 +66,9 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
         ex.access.model = model
     stream = raw.get("stream")
     ex.access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
+    problem = thread_problem(raw)  # before the history is read: a continued thread sends only its new turn
+    if problem is not None:
+        raise problem
     chat, server_tools = chat_body(raw)
     if server_tools:
         log.info("server tools left out", tools=[t[:64] for t in server_tools[:20]])
@@ -59,8 +77,9 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
 
 async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    _, chat = _decode(edge, ex, body)
-    req, _ = parse_chat_request(chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+    raw, chat = _decode(edge, ex, body)
+    check_message_count(raw.get("messages"), cfg.max_messages, "messages")
+    req, _ = parse_chat_request(chat, max_messages=cfg.max_messages + MAX_CONTENT_PARTS, max_tools=cfg.max_tools)
     if edge.runs.links and not edge.runs.is_known(req.model):  # as a message would be (no node at all: unknowable)
         raise model_not_found(req.model)
     ex.access.outcome = "counted"
@@ -71,9 +90,10 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
     raw, chat = _decode(edge, ex, body)
     if raw.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
         raise bad_request("max_tokens: Field required", "max_tokens")
+    check_message_count(raw.get("messages"), edge.config.max_messages, "messages")
     del raw
     del body  # (see routes._serve)
-    turn = await open_turn(edge, ex, chat)
+    turn = await open_turn(edge, ex, chat, converted=True)
     del chat  # the turn keeps what it forwards
     access = ex.access
     try:

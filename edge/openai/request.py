@@ -75,6 +75,16 @@ def check_content_parts(messages: Any, param: str = "messages") -> None:
         )
 
 
+def check_message_count(items: Any, max_messages: int, param: str) -> None:
+    """A 400 when a front door's own list (Messages' ``messages``, Responses'
+    ``input``) is longer than ``max_messages``: counted as the client sent it,
+    not as chat messages (each tool result becomes one there)."""
+    if isinstance(items, list) and len(items) > max_messages:
+        raise errors.bad_request(
+            f"Too many messages: {len(items)} (at most {max_messages}).", param, "too_many_messages"
+        )
+
+
 def parse_chat_request(
     raw: dict[str, Any], *, max_messages: int, max_tools: int, max_output_tokens: int | None = None
 ) -> tuple[ChatRequest, dict[str, Any]]:

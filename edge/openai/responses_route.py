@@ -28,7 +28,7 @@ import structlog
 from edge.errors import RunFailed
 from edge.openai import output
 from edge.openai.exchange import Exchange
-from edge.openai.request import decode_body
+from edge.openai.request import check_message_count, decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, open_turn
@@ -59,7 +59,8 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             tool_types=sorted({t[:64] for t in decoded.ignored_tools})[:20],  # a client's strings: bounded
             item_types=sorted({t[:64] for t in decoded.ignored_items})[:20],
         )
-    turn = await open_turn(edge, ex, decoded.chat)
+    check_message_count(raw.get("input"), cfg.max_messages, "input")
+    turn = await open_turn(edge, ex, decoded.chat, converted=True)
     enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo)
     del raw, decoded  # the turn keeps what it forwards, the encoder what it echoes
     try:

@@ -18,7 +18,13 @@ import trio
 
 from edge.errors import APIError, RunFailed, bad_request
 from edge.openai.exchange import Exchange
-from edge.openai.request import context_class, estimate_input_tokens, parse_chat_request, prompt_prefix
+from edge.openai.request import (
+    MAX_CONTENT_PARTS,
+    context_class,
+    estimate_input_tokens,
+    parse_chat_request,
+    prompt_prefix,
+)
 from edge.openai.schema import ChatRequest, UsageOut
 from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
 from edge.openai.tools import (
@@ -73,6 +79,7 @@ class Turn:
             req.model,
             session=session_key(self.session),
             min_context=self.estimate + limit if limit else 0,
+            max_tokens=limit,
             prefix=prompt_prefix(req) if edge.config.routing == "prefix" else (),
         )
         self.last_run: Run | None = None
@@ -167,12 +174,16 @@ class Turn:
         return consume_run(run, consume, keepalive)
 
 
-async def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any]) -> Turn:
+async def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any], *, converted: bool = False) -> Turn:
     """The turn for a chat request body (what every front door decodes into):
-    validated, with its tools' schemas checked. Raises :class:`APIError` (400)."""
+    validated, with its tools' schemas checked. Raises :class:`APIError` (400).
+    ``converted``: the body came from another API's request, whose own items
+    the front door held to ``max_messages`` (each tool result becomes a message
+    here, so the chat count may be larger; content parts bound it)."""
     cfg = edge.config
+    max_messages = cfg.max_messages + MAX_CONTENT_PARTS if converted else cfg.max_messages
     req, forward = parse_chat_request(
-        chat, max_messages=cfg.max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
+        chat, max_messages=max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
     )
     turn = Turn(edge, ex, req, forward)
     if turn.contract is not None:

@@ -60,6 +60,7 @@ class Want(msgspec.Struct, frozen=True):
     model: str
     session: str | None = None
     min_context: int = 0  # estimated input tokens + max_tokens; 0: anything fits
+    max_tokens: int = 0  # of min_context, the part the request's max_tokens asks for
     tunnel: bool = False  # the node must allow raw passthrough for the model
     prefix: tuple[int, ...] = ()  # the prompt's prefix chain (edge.runs.placement.prefix_chain)
 
@@ -553,7 +554,8 @@ class RunService:
         if not any(want.fits(link) for link in serving):
             if want.tunnel:
                 raise errors.no_node(model, f"No linked node serving `{model}` allows passthrough.")
-            raise errors.context_too_long(want.min_context, max(lk.models[model].context_window for lk in serving))
+            largest = max(lk.models[model].context_window for lk in serving)
+            raise errors.context_too_long(want.min_context - want.max_tokens, want.max_tokens, largest)
         queue = self._queues[model]
         now = trio.current_time()
         wait_until = now + self.config.prefix_wait_ms / 1000 if self.config.routing == "prefix" else 0.0
