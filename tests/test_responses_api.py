@@ -4,6 +4,9 @@ hosted tool types left out, errors, and cancellation."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import httpx
 import msgspec
 import openai
@@ -371,11 +374,15 @@ async def test_bad_input_is_a_400_naming_the_field(edge_up):
 
 def codex_script(body: dict) -> list:
     """A scripted model for Codex: asked to write out.txt, it reasons, then calls Codex's own shell
-    tool; once the tool result is back it answers; anything else gets a greeting."""
-    if any(m["role"] == "tool" for m in body["messages"]):
-        return steps({"content": "All done: file written."})
+    tool; asked to add, it calls the MCP server's `add`; once a tool result is back it answers
+    (with the result); anything else gets a greeting."""
+    results = [m for m in body["messages"] if m["role"] == "tool"]
+    if results:
+        return steps({"content": f"All done: file written. Result {results[-1]['content']}."})
     user = [m for m in body["messages"] if m["role"] == "user"]
     tools = [t["function"]["name"] for t in body.get("tools") or ()]
+    if user and "Add 2 and 3" in msgspec.json.encode(user[-1]).decode() and "mcp__demo__add" in tools:
+        return steps(*native_call("call_mcp", "mcp__demo__add", '{"a": 2, "b": 3}'), finish="tool_calls")
     shell = next((name for name in tools if name in ("exec_command", "shell")), None)
     if not (user and "out.txt" in msgspec.json.encode(user[-1]).decode() and shell):
         return steps({"content": "Hello from "}, {"content": "the edge."})
@@ -394,7 +401,7 @@ def codex_script(body: dict) -> list:
     return script
 
 
-async def run_codex(edge_up, tmp_path, prompt: str, provider: str = ""):
+async def run_codex(edge_up, tmp_path, prompt: str, provider: str = "", config: str = ""):
     """`codex exec` (the binary of tests/js, or IOP_CODEX) with the `[model_providers.iop]` entry of
     the README (wire_api = "responses") in a throwaway CODEX_HOME, analytics and update checks off,
     approvals and sandbox bypassed, inside `unshare -rn` (tests/agents.py): loopback only."""
@@ -418,7 +425,7 @@ name = "iop"
 base_url = "{edge.url}/v1"
 wire_api = "responses"
 env_key = "IOP_API_KEY"
-{provider}"""
+{provider}{config}"""
     )
     env = quiet_env(home, CODEX_HOME=str(home / ".codex"), IOP_API_KEY="unused", RUST_LOG="error")
     argv = [codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
@@ -566,3 +573,19 @@ async def test_an_empty_answer_is_one_empty_message_streamed_or_whole(edge_up):
     streamed = events[-1].response
     for response in (whole, streamed):
         assert [(item.type, item.content[0].text) for item in response.output] == [("message", "")]
+
+
+async def test_codex_calls_an_mcp_servers_tool_through_the_edge(edge_up, tmp_path):
+    """Codex sends an MCP server's tools as a `namespace` tool (`mcp__demo` with `add` inside),
+    which the edge left out: the model never saw them. They reach it as `mcp__demo__add`; its
+    call goes back as `namespace: mcp__demo, name: add`, Codex runs it on the server, and the
+    result comes back as a tool message."""
+    server = Path(__file__).with_name("mcp_add.py")
+    extra = f'\n[mcp_servers.demo]\ncommand = "{sys.executable}"\nargs = ["{server}"]\n'
+    done, _, upstream = await run_codex(edge_up, tmp_path, "Add 2 and 3 with the demo tool.", config=extra)
+    first = upstream.records[0].body
+    assert "mcp__demo__add" in [t["function"]["name"] for t in first["tools"]]
+    second = upstream.records[-1].body["messages"]
+    assert second[-2]["tool_calls"][0]["function"]["name"] == "mcp__demo__add"  # as it went out
+    assert second[-1]["role"] == "tool" and second[-1]["content"].strip().endswith("5"), second[-1]
+    assert "Result" in done.stdout

@@ -11,9 +11,10 @@ driven by :mod:`edge.openai.responses_route`.
 
 Stateless: nothing is stored (every response says ``store: false``), so
 ``previous_response_id``, ``conversation`` and item references are a 400.
-Tools other than ``function`` (``web_search``, ``file_search``, ``namespace``,
-``custom``, ...) are not model tools here: they are left out of the request
-(:attr:`Decoded.ignored_tools`), never an error.
+``function`` tools, and the functions of ``namespace`` tools (flattened to
+``NAMESPACE__NAME``, :attr:`Decoded.namespaced`), are the model's tools; the
+rest (``web_search``, ``file_search``, ``custom``, ...) are left out of the
+request (:attr:`Decoded.ignored_tools`), never an error.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class Decoded:
     chat: dict[str, Any]
     show_reasoning: bool = False
     ignored_tools: list[str] = field(default_factory=list)  # types of tools left out
+    # A namespace's functions (Codex: MCP servers' tools, sub-agents) reach the model as one
+    # function each, named NAMESPACE__NAME; a call of one goes back as (namespace, name).
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     ignored_items: list[str] = field(default_factory=list)  # types of input items left out
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
 
@@ -128,7 +132,9 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
         "temperature": raw.get("temperature"),
         "text": raw.get("text") if isinstance(raw.get("text"), dict) else {"format": {"type": "text"}},
         "tool_choice": raw.get("tool_choice", "auto"),
-        "tools": [t for t in raw.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"],
+        "tools": [
+            t for t in raw.get("tools") or () if isinstance(t, dict) and t.get("type") in ("function", "namespace")
+        ],
         "top_p": raw.get("top_p"),
         "user": raw.get("user"),
     }
@@ -157,11 +163,14 @@ def _input_messages(value: Any, decoded: Decoded) -> list[dict[str, Any]]:
                 raise _bad(f"Invalid value for `{param}.role`: expected user, assistant, system or developer.", param)
             out.append({"role": role, "content": _content(item.get("content"), f"{param}.content", role)})
         elif kind == "function_call":
+            name = _text(item.get("name"), f"{param}.name")
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = namespace_name(item["namespace"], name)
             call = {
                 "id": _text(item.get("call_id"), f"{param}.call_id"),
                 "type": "function",
                 "function": {
-                    "name": _text(item.get("name"), f"{param}.name"),
+                    "name": name,
                     "arguments": _text(item.get("arguments", ""), f"{param}.arguments"),
                 },
             }
@@ -313,17 +322,13 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise _bad(f"Invalid value for `tools[{i}]`: expected an object.", f"tools[{i}]")
+        if tool.get("type") == "namespace":
+            _namespace_functions(tool, f"tools[{i}]", functions, decoded)
+            continue
         if tool.get("type") != "function":
             decoded.ignored_tools.append(str(tool.get("type")))
             continue
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise _bad(f"Missing required parameter: `tools[{i}].name`.", f"tools[{i}].name")
-        fn: dict[str, Any] = {"name": name}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                fn[key] = tool[key]
-        functions.append({"type": "function", "function": fn})
+        functions.append(_function(tool, f"tools[{i}]"))
     if not functions:
         return  # tool_choice and parallel_tool_calls mean nothing without a tool the model can call
     chat = decoded.chat
@@ -336,6 +341,41 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
     elif isinstance(choice, dict) and choice.get("type") == "function":
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     # any other choice (a hosted tool, allowed_tools): the model chooses (auto)
+
+
+def _function(tool: dict[str, Any], param: str, name: str | None = None) -> dict[str, Any]:
+    own = tool.get("name")
+    if not isinstance(own, str) or not own:
+        raise _bad(f"Missing required parameter: `{param}.name`.", f"{param}.name")
+    fn: dict[str, Any] = {"name": name or own}
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            fn[key] = tool[key]
+    return {"type": "function", "function": fn}
+
+
+def _namespace_functions(tool: dict[str, Any], param: str, out: list[dict[str, Any]], decoded: Decoded) -> None:
+    """A ``namespace`` tool's functions as plain ones named ``NAMESPACE__NAME``
+    (its other tools, ``custom`` ones, are left out as elsewhere)."""
+    namespace, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(namespace, str) or not namespace:
+        raise _bad(f"Missing required parameter: `{param}.name`.", f"{param}.name")
+    if not isinstance(inner, list):
+        raise _bad(f"Invalid value for `{param}.tools`: expected a list.", f"{param}.tools")
+    for j, fn in enumerate(inner):
+        if not isinstance(fn, dict) or fn.get("type") != "function":
+            decoded.ignored_tools.append(str(fn.get("type") if isinstance(fn, dict) else None))
+            continue
+        function = _function(fn, f"{param}.tools[{j}]")
+        name = function["function"]["name"]
+        flat = namespace_name(namespace, name)
+        function["function"]["name"] = flat
+        decoded.namespaced[flat] = (namespace, name)
+        out.append(function)
+
+
+def namespace_name(namespace: str, name: str) -> str:
+    return f"{namespace}__{name}"
 
 
 def _decode_text_format(text: Any, chat: dict[str, Any]) -> None:
@@ -382,11 +422,19 @@ class ResponseEncoder:
     open item and opens a new one. Reasoning is shown as ``reasoning_text``
     and as summary text (what Codex displays)."""
 
-    def __init__(self, response_id: str, model: str, created_at: int, echo: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        created_at: int,
+        echo: dict[str, Any],
+        namespaced: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
         self.id = response_id
         self.model = model
         self.created_at = created_at
         self.echo = echo
+        self.namespaced = namespaced or {}  # a namespace function's flat name -> (namespace, name)
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
         self._open: dict[str, Any] | None = None  # the item receiving deltas
@@ -531,6 +579,9 @@ class ResponseEncoder:
                 "name": call.function.name,
                 "arguments": call.function.arguments,
             }
+            namespaced = self.namespaced.get(call.function.name)
+            if namespaced is not None:
+                item["namespace"], item["name"] = namespaced
             index = len(self.output)
             where = {"item_id": item["id"], "output_index": index}
             added = {**item, "status": "in_progress", "arguments": ""}

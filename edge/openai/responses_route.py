@@ -61,7 +61,9 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
         )
     check_message_count(raw.get("input"), cfg.max_messages, "input")
     turn = await open_turn(edge, ex, decoded.chat, converted=True)
-    enc = ResponseEncoder("resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo)
+    enc = ResponseEncoder(
+        "resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo, decoded.namespaced
+    )
     del raw, decoded  # the turn keeps what it forwards, the encoder what it echoes
     try:
         slot = await turn.acquire()
