@@ -333,7 +333,11 @@ def test_decode_maps_items_and_options():
                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                 {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "r"}]},
-                {"type": "function_call_output", "call_id": "c2", "output": "s"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c2",
+                    "output": [{"type": "input_image", "image_url": "x"}],
+                },
                 {"type": "web_search_call", "id": "ws_1"},
             ],
             "tools": [{"type": "function", "name": "f"}, {"type": "web_search"}],
@@ -351,6 +355,7 @@ def test_decode_maps_items_and_options():
     assert chat["messages"][1]["content"] == "b"
     assert [c["id"] for c in chat["messages"][1]["tool_calls"]] == ["c1", "c2"]
     assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    assert chat["messages"][3]["content"] == "[image omitted: this edge passes no images in tool results]"
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert chat["response_format"]["json_schema"]["name"] == "s"
     assert chat["include_reasoning"] is True and "unknown_field" not in chat

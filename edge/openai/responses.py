@@ -272,10 +272,21 @@ def _check_types(raw: dict[str, Any]) -> None:
         raise _bad("Invalid type for `reasoning.effort`: expected a string.", "reasoning.effort")
 
 
+_NO_IMAGE = "[image omitted: this edge passes no images in tool results]"
+
+
 def _joined(parts: Any, param: str) -> str:
+    """A tool output's parts as text; an image is a note that it was left out
+    (a chat tool message carries text only), so the model can say so."""
     if not isinstance(parts, list):
         raise _bad(f"Invalid value for `{param}`: expected a string or a list of content parts.", param)
-    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    texts = []
+    for p in parts:
+        if isinstance(p, dict) and isinstance(p.get("text"), str):
+            texts.append(p["text"])
+        elif isinstance(p, dict) and p.get("type") in ("input_image", "image"):
+            texts.append(_NO_IMAGE)
+    return "".join(texts)
 
 
 def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
