@@ -30,6 +30,7 @@ import structlog
 import trio
 from wsproto.connection import ConnectionState
 
+from edge.frame_limit import ReadBudget
 from edge.openai.direct import plain_tcp, send_locked
 
 log = structlog.get_logger("iop.edge.link")
@@ -100,35 +101,6 @@ class DirectFrames:
         await send_locked(self._lock, self._stream, rest)
 
 
-# How many messages a link is read a second: past FRAMES_PER_WINDOW in a window, its reads
-# wait for the next (TCP holds the rest at the node), so a node flooding tiny frames slows
-# itself, not the edge (57,000 pings a second took 79% of the edge's CPU and other requests'
-# p50 from 80 to 780 ms). A busy honest node sends events in batches, a few thousand frames a
-# second at most, and a waiting reader makes it batch more.
-FRAMES_WINDOW_S = 0.1
-FRAMES_PER_WINDOW = 1000
-
-
-class _FrameBudget:
-    __slots__ = ("left", "window_end")
-
-    def __init__(self) -> None:
-        self.left = FRAMES_PER_WINDOW
-        self.window_end = 0.0
-
-    def spend(self) -> float:
-        """One message read: 0.0, or when the next may be (this window is spent)."""
-        self.left -= 1
-        if self.left >= 0:
-            return 0.0
-        now = trio.current_time()
-        if now >= self.window_end:  # a new window, from now
-            self.window_end = now + FRAMES_WINDOW_S
-            self.left = FRAMES_PER_WINDOW - 1
-            return 0.0
-        return self.window_end
-
-
 class RawWebsocket:
     __slots__ = ("headers", "_receive", "_send", "_extensions", "_direct", "accepted", "closed")
 
@@ -182,11 +154,12 @@ class RawWebsocket:
         stream = getattr(self._send, "__self__", None)
         put = getattr(stream, "app_put", None)
         queued = getattr(self._receive, "__self__", None)  # hypercorn's channel to the app
-        budget = _FrameBudget()
         if type(stream).__name__ != "WSStream" or put is None or not hasattr(queued, "receive_nowait"):
+            budget = ReadBudget(trio.current_time())  # under hypercorn, edge.frame_limit reads by budget
             while True:
                 on_message(await self.receive())
-                if until := budget.spend():
+                now = trio.current_time()
+                if until := budget.spend(1, now):
                     await trio.sleep_until(until)
         ended = trio.Event()
         outcome: list[BaseException] = []
@@ -203,8 +176,6 @@ class RawWebsocket:
         async def app_put(message: dict) -> None:
             if not ended.is_set():  # once the link ends, what still comes is dropped
                 take(message)
-                if until := budget.spend():  # hypercorn's reader of this link waits: the node's TCP fills
-                    await trio.sleep_until(until)
 
         while not ended.is_set():  # what was queued before: first, and without a schedule point in between
             try:

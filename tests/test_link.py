@@ -28,11 +28,13 @@ from proto import (
     Pong,
     RunEvent,
     RunRequest,
+    ToolCall,
     Welcome,
     decode_frame,
     encode_frame,
 )
-from scripts.hostile_link import BINARY, frame_header, open_link
+from proto.frames import ToolCallFunction
+from scripts.hostile_link import BINARY, CONTINUATION, frame_header, open_link
 from scripts.upstream import words
 from tests.conftest import (
     BOUND,
@@ -497,7 +499,8 @@ async def test_names_a_console_would_misshow_are_refused(nursery, node_id, model
     assert not edge.edge.runs.links
 
 
-async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, monkeypatch):
+@pytest.mark.parametrize("field", ["text", "stop", "tool_calls"])
+async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, monkeypatch, field):
     """The buffers of a run counted events, not bytes: a node sending 2 MB deltas to a client
     that collects the answer (stream false) grew the edge by 2.3 GB before anything reached the
     client. Past MAX_OUTPUT_CHARS of text a run fails (502 naming why), the node is told to stop
@@ -521,8 +524,13 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
             while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
                 pass
             run_id = frame.run_id
-            for seq in range(1, 9):  # 8 x 256 KiB: past the 1 MiB budget at the 5th
-                event = RunEvent(run_id=run_id, seq=seq, type="delta", text="x" * (256 << 10))
+            if field == "tool_calls":  # one complete with 2,000 tiny calls (a node caps them at 1,024)
+                calls = [ToolCall(id=f"c{i}", function=ToolCallFunction(name="f")) for i in range(2000)]
+                events = [RunEvent(run_id=run_id, seq=1, type="complete", tool_calls=calls)]
+            else:  # 8 x 256 KiB: past the 1 MiB budget at the 5th; any field counts
+                big = {field: "x" * (256 << 10)}
+                events = [RunEvent(run_id=run_id, seq=seq, type="delta", **big) for seq in range(1, 9)]
+            for event in events:
                 data = encode_frame(Events(events=[event]))
                 await stream.send_all(frame_header(BINARY, len(data)) + data)
             cancel = None
@@ -531,17 +539,18 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
                 cancel = frame if isinstance(frame, CancelRun) else None
             assert "hostile" in edge.edge.runs.links  # the link stays
     r = answer[0]
-    assert r.status_code == 502 and "more than 1048576 characters of output" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "more than 1048576 characters or 1024 tool calls" in r.json()["error"]["message"]
     assert (cancel.run_id, cancel.reason) == (run_id, "output_too_large")
 
 
 async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, upstream):
     """57,000 pings a second from one link took 79% of the edge's CPU (a pong flood 94%) and
     other clients' p50 from 80 ms to seconds: every frame was handled as it came. A link is now
-    read at most FRAMES_PER_WINDOW a window; the rest waits in TCP, at the node. 25,000 frames
-    then a ping: its pong comes after the edge read them all, no sooner than the budget allows,
-    and a client served by another node meanwhile is answered."""
-    from edge import ws as edge_ws
+    read at most FRAMES_PER_S frames a second (after a burst); the rest waits in TCP, at the
+    node. 25,000 frames then a ping: its pong comes after the edge read them all, no sooner than
+    the budget allows, and a client served by another node meanwhile is answered. Every frame
+    counts: empty continuation fragments and websocket pings too (test below)."""
+    from edge import frame_limit
 
     edge = await start_edge(nursery)
     honest = await start_node(nursery, edge, [model("m", upstream)])
@@ -558,8 +567,8 @@ async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, up
             while not isinstance(frame := decode_frame((await frames.next())[1]), Pong) or frame.ts != 123.0:
                 pass
             took = trio.current_time() - start
-    budget = 25_000 / edge_ws.FRAMES_PER_WINDOW * edge_ws.FRAMES_WINDOW_S  # 2.5 s at 10,000 a second
-    assert took >= budget - 2 * edge_ws.FRAMES_WINDOW_S, took
+    budget = (25_000 - frame_limit.FRAMES_BURST) / frame_limit.FRAMES_PER_S  # 2.4 s at 10,000 a second
+    assert took >= budget * 0.95, took
     await settled(edge, honest.agent)
 
 
@@ -592,3 +601,34 @@ async def test_links_racing_for_one_node_id_leave_one_linked(nursery):
                 await trio.sleep(0.01)
             go.set()
     assert sorted(outcomes) == ["closed 4009"] * 19 + ["linked"], outcomes
+
+
+@pytest.mark.parametrize("kind", ["fragments", "pings"])
+async def test_every_websocket_frame_counts_against_the_read_budget(nursery, kind):
+    """The budget counted whole messages: one message split into endless empty continuation
+    fragments (117,000 frames a second) took an honest client's p50 from 81 ms to 2.4 s, and
+    websocket pings took the edge's CPU to 75%. Every frame counts now: 20,000 of either, then a
+    ping message, whose pong comes no sooner than the budget allows."""
+    from edge import frame_limit
+
+    edge = await start_edge(nursery, edge_config(ping_interval_s=3))  # no app frame for seconds: not dead yet
+    pong = encode_frame(Pong(ts=0.0))
+    if kind == "fragments":  # one pong message in 20,000 pieces, all but the last empty
+        flood = frame_header(BINARY, 0, fin=False) + frame_header(CONTINUATION, 0, fin=False) * 19_998
+        flood += frame_header(CONTINUATION, len(pong)) + pong
+    else:
+        flood = frame_header(0x9, 0) * 20_000  # websocket pings (the edge answers each)
+    ping = encode_frame(Ping(ts=7.0))
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream:
+            start = trio.current_time()
+            async with trio.open_nursery() as sending:
+                sending.start_soon(stream.send_all, flood + frame_header(BINARY, len(ping)) + ping)
+                while True:
+                    opcode, payload = await frames.next()
+                    if opcode == BINARY and isinstance(frame := decode_frame(payload), Pong) and frame.ts == 7.0:
+                        break
+            took = trio.current_time() - start
+    assert took >= (20_000 - frame_limit.FRAMES_BURST) / frame_limit.FRAMES_PER_S * 0.95, took
+    assert "hostile" in edge.edge.runs.links

@@ -551,7 +551,12 @@ async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nurs
     await ws.send_message(encode_frame(Hello(node_id="odd", protocol=PROTOCOL_VERSION, models=[info])))
     assert isinstance(decode_frame(await ws.get_message()), Welcome)
     await ws.send_message(encode_frame(Grant(model="m", slots=4, seq=1)))
-    headers = [("x-good", "yes"), ("x-euro", "5 €"), ("x-split", "a\r\nx-injected: 1"), ("bad name:", "v")]
+    headers = [
+        ("openai-good", "yes"),
+        ("openai-euro", "5 €"),
+        ("openai-split", "a\r\nx-injected: 1"),
+        ("openai-bad name:", "v"),
+    ]
 
     async def answer() -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -572,16 +577,18 @@ async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nurs
         async with http(edge) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 200 and r.content == b'{"choices": []}'
-    assert r.headers["x-good"] == "yes"
-    assert not {"x-euro", "x-split", "x-injected", "bad name"} & set(r.headers)
+    assert r.headers["openai-good"] == "yes"
+    assert not {"openai-euro", "openai-split", "x-injected", "openai-bad name"} & set(r.headers)
     assert "odd" in edge.edge.runs.links
     await stream.aclose()
 
 
 async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses(nursery):
     """A node's tunnel head with a content-length that is not the body's (the client got a cut
-    body, or the head and then EOF), set-cookie and access-control-* (the edge's origin also
-    serves /console), a second date or server: none reach the client; the body comes whole. A
+    body, or the head and then EOF), set-cookie, access-control-*, CSP, HSTS, alt-svc (the edge's
+    origin also serves /console), a second date or server, a text/html body: only the provider's
+    own families (openai-*, x-ratelimit-*, anthropic-*) and a few more reach the client; the body
+    comes whole, never as a page. A
     status of 99 or 101 (an h11 error and hypercorn's bare 500, or a connection closed with no
     answer) is a 502."""
     from proto import TunnelFrame, TunnelRequest
@@ -599,7 +606,11 @@ async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses
         ("server", "evil"),
         ("date", "Thu, 01 Jan 1970 00:00:00 GMT"),
         ("x-request-id", "theirs"),
-        ("x-good", "yes"),
+        ("content-security-policy", "default-src *"),
+        ("strict-transport-security", "max-age=9"),
+        ("alt-svc", 'h3=":443"'),
+        ("content-type", "text/html"),
+        ("x-ratelimit-remaining-requests", "9"),
     ]
     statuses = [200, 99, 101]
 
@@ -622,8 +633,12 @@ async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses
         async with http(edge) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
             odd = [await client.post("/v1/completions", json={"model": "m", "prompt": "x"}) for _ in range(2)]
-    assert r.status_code == 200 and r.content == b'{"choices": []}' and r.headers["x-good"] == "yes"
-    assert not {"set-cookie", "access-control-allow-origin"} & set(r.headers)
+    assert r.status_code == 200 and r.content == b'{"choices": []}'
+    assert r.headers["x-ratelimit-remaining-requests"] == "9"  # the provider's own families are relayed
+    assert not {"set-cookie", "access-control-allow-origin", "strict-transport-security", "alt-svc"} & set(r.headers)
+    assert r.headers.get("content-security-policy") != "default-src *"
+    # a page type is bytes to save, never a page for a browser to render on the edge's origin
+    assert r.headers["content-type"] == "application/octet-stream" and r.headers["x-content-type-options"] == "nosniff"
     assert r.headers.get_list("server") != ["evil"] and "1970" not in r.headers.get("date", "")
     assert r.headers["x-request-id"].startswith("req_")
     for bad in odd:

@@ -48,23 +48,18 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("iop.edge.passthrough")
 
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-# Not relayed either: framing the edge does itself (a node's content-length that did not match
-# the body cut the response or hung the connection), headers the edge sets (a second date,
-# server or x-request-id), and what a provider may not decide for the edge's origin, which also
-# serves /console (cookies, CORS).
-_EDGE_OWN = frozenset({"content-length", "date", "server", "x-request-id", "set-cookie", "set-cookie2"})
+# A provider's headers the client gets: these, and those of its own families. Nothing else: not
+# framing the edge does itself (a content-length that was not the body's cut the response or
+# hung the connection), not headers the edge sets (date, server, x-request-id), not what is the
+# edge's origin's to decide, which also serves /console (cookies, CORS, CSP, HSTS, alt-svc,
+# refresh, clear-site-data, link).
+_RELAYED = frozenset({"content-type", "cache-control", "retry-after", "vary"})
+_RELAYED_FAMILIES = ("openai-", "x-ratelimit-", "anthropic-")
+_MAX_RELAYED = 64
+# A body's type, if it is one an API answers with; any other is relayed as bytes to save, never
+# as a page for a browser to render on the edge's origin.
+_BODY_TYPES = ("application/json", "text/event-stream", "text/plain", "application/x-ndjson")
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
 _encode = msgspec.json.Encoder().encode
 _TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
@@ -317,16 +312,19 @@ async def _flush(ex: Exchange, body: list[bytes]) -> None:
 def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes, bytes]]:
     """The provider's headers the client gets: hop-by-hop ones left out, and any
     that is not valid HTTP (dropped, logged: it would break the response)."""
-    out = []
+    out = [_NOSNIFF]
     dropped = []
     for name, value in headers or ():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in _EDGE_OWN or lower.startswith("access-control-"):
+        if not (lower in _RELAYED or lower.startswith(_RELAYED_FAMILIES)) or len(out) > _MAX_RELAYED:
             continue
         if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
             dropped.append(name[:100])
             continue
-        out.append((lower.encode("latin-1"), value.strip(" \t").encode("latin-1")))
+        value = value.strip(" \t")
+        if lower == "content-type" and not value.lower().startswith(_BODY_TYPES):
+            value = "application/octet-stream"
+        out.append((lower.encode("latin-1"), value.encode("latin-1")))
     if dropped:
         log.warning("provider headers not valid HTTP, dropped", headers=dropped[:20])
     return out

@@ -30,11 +30,29 @@ UNSENDABLE = "unsendable"  # the run's request could not be encoded or framed fo
 CANCELLED = "cancelled"  # by an operator (the console, POST /v1/admin/runs/{id}/cancel)
 TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_CHARS of text for the run
 
-# What one run may bring: text (content, reasoning) of a run's events in all, as characters,
-# and bytes waiting for its reader. Far past any model's answer (8 M tokens of 4 characters);
-# each run's buffers on the edge stay bounded whatever a node sends.
-MAX_OUTPUT_CHARS = 32 * 1024 * 1024
-MAX_PENDING_BYTES = 32 * 1024 * 1024
+# What one run may bring: the characters of its events in all (text, reasoning, tool calls,
+# every string field), and what waits for its reader; at most MAX_TOOL_CALLS calls. Far past
+# any model's answer (2 M tokens of 4 characters; a node caps a run's calls at 1,024 and
+# 8 MiB); each run's buffers on the edge stay bounded whatever a node sends.
+MAX_OUTPUT_CHARS = 8 * 1024 * 1024
+MAX_PENDING_BYTES = 8 * 1024 * 1024
+MAX_TOOL_CALLS = 1024
+
+
+def _size(item: RunEvent | TunnelFrame) -> int:
+    """The characters (bytes, for a body) an event or tunnel frame holds."""
+    if type(item) is RunEvent:
+        size = len(item.text)
+        if item.finish_reason or item.stop or item.tool_calls:  # rare: a complete, or a node's oddity
+            size += len(item.finish_reason) + len(item.stop)
+            for call in item.tool_calls or ():
+                size += len(call.id) + len(call.type) + len(call.function.name) + len(call.function.arguments)
+        return size
+    size = len(item.body) + len(item.error)
+    for name, value in item.headers or ():
+        size += len(name) + len(value)
+    return size
+
 
 T = TypeVar("T")
 
@@ -156,15 +174,17 @@ class Run:
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
             return
+        size = _size(item)
         if type(item) is RunEvent:
-            size = len(item.text)
             self.output_chars += size
-            if self.output_chars > MAX_OUTPUT_CHARS:
+            if self.output_chars > MAX_OUTPUT_CHARS or len(item.tool_calls or ()) > MAX_TOOL_CALLS:
                 self._pending.clear()
-                self.fail(f"the node sent more than {MAX_OUTPUT_CHARS} characters of output for this run", TOO_LARGE)
+                self.fail(
+                    f"the node sent more than {MAX_OUTPUT_CHARS} characters or {MAX_TOOL_CALLS} tool calls "
+                    "for this run",
+                    TOO_LARGE,
+                )
                 return
-        else:
-            size = len(item.body)
         self.last_event_at = now
         if self.first_event_at is None:
             self.first_event_at = now
