@@ -27,6 +27,7 @@ from edge.connection import install as install_connection_guard
 from edge.console import Console, console_routes
 from edge.errors import APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
+from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
 from edge.keys import Key, Keys, Policy
 from edge.ledger import Ledger
@@ -198,6 +199,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     install_app_queue()  # hypercorn's memory channel to the app: 1.7 KB an open stream holds
     install_send_lock()  # hypercorn's trio.Lock per connection: 0.3 KB an open stream holds
     install_connection_guard()  # an exception in one connection ends that connection, not the edge
+    install_h2_streams()  # hypercorn's HTTP/2 ended the connection on body data for a stream it closed
     edge = Edge(config)
     app = EdgeApp("iop-edge")
     logs.as_events(app.name)  # app.logger: Quart's errors as structlog events, not plain-text lines

@@ -310,3 +310,46 @@ async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tm
         await until_text(stream, 3, b"[DONE]")
         await stream.aclose()
         await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
+
+
+async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nursery, tmp_path, upstream):
+    """Over HTTPS with HTTP/2: a request the edge answers before its 200 KB body is in (a 404, a
+    401 for a bad key) made hypercorn end the whole connection at the rest of that body (a
+    KeyError for the closed stream), cutting another stream on it with no error and no [DONE]
+    (a proxy that multiplexes clients on one connection: one client's bad key, every client's
+    streams). The answer arrives, the other stream finishes, the connection serves on."""
+    import httpx
+
+    from scripts.upstream import text_script
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    certfile, keyfile, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    ca.cert_pem.write_to_path(str(cafile))
+    app = create_app(edge_config())
+    url = await nursery.start(partial(serve_edge, app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile)))
+    link = url.replace("https", "wss", 1) + "/v1/node/link"
+    nursery.start_soon(NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile))).serve)
+    await eventually(lambda: "n1" in edge_of(app).runs.links)
+    upstream.script_for("m-target", lambda body: text_script(words(20), interval=0.05))
+    context = ssl.create_default_context(cafile=str(cafile))
+    big = b'{"x": "' + b"a" * 200_000 + b'"}'
+    streamed: list[bytes] = []
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=url, http2=True, verify=context, timeout=BOUND) as client:
+
+            async def stream() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+                    assert r.http_version == "HTTP/2"
+                    streamed.append(await r.aread())
+
+            async with trio.open_nursery() as streams:
+                streams.start_soon(stream)
+                await upstream.wait_requests(1)
+                early = await client.post("/v1/nope", content=big, headers={"content-type": "application/json"})
+            after = await client.get("/healthz")
+    assert early.status_code == 404 and early.http_version == "HTTP/2"
+    assert streamed[0].endswith(b"data: [DONE]\n\n") and b"tok19" in streamed[0]
+    assert after.status_code == 200

@@ -1,0 +1,61 @@
+"""hypercorn's HTTP/2 streams, hardened: body data for a stream already closed is dropped.
+
+hypercorn 0.18's ``H2Protocol`` looks a stream up by id for every ``DataReceived``
+with no guard (its ``StreamEnded`` branch has one). A stream the app answered
+before its request body had all come in (a 401 for a bad key, a 404, a 413) is
+closed and gone from ``streams``, so the rest of that body raised ``KeyError``
+and ended the whole connection: over TLS, behind a proxy that multiplexes clients
+on one connection, one client's bad key cut other clients' streams (found from
+outside: a stream cut after 11 chunks, with no error event and no ``[DONE]``).
+
+``install()`` gives each ``H2Protocol`` a ``streams`` dict whose missing ids are
+a closed stream that takes any event and does nothing; ``in``, ``pop`` and
+``len`` see only the real ones. The data's flow-control credit is still given
+back (the line after the lookup), so the connection's window does not shrink.
+
+Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from hypercorn.protocol.h2 import H2Protocol
+
+
+class _Closed:
+    """A stream that is gone: events for it are dropped."""
+
+    __slots__ = ()
+
+    async def handle(self, event: object) -> None:
+        return None
+
+
+_CLOSED = _Closed()
+
+
+class _Streams(dict):
+    __slots__ = ()
+
+    def __missing__(self, stream_id: int) -> _Closed:
+        return _CLOSED
+
+
+def install() -> None:
+    """Idempotent. Raises on a hypercorn it was not written for."""
+    version = importlib.metadata.version("hypercorn")
+    if not version.startswith("0.18."):
+        raise RuntimeError(f"edge.h2_streams patches hypercorn 0.18.x internals; hypercorn {version} is installed")
+    if getattr(H2Protocol.__init__, "iop_streams", False):
+        return
+    original = H2Protocol.__init__
+
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        if not isinstance(self.streams, dict):
+            raise RuntimeError("hypercorn's H2Protocol.streams is not the dict edge.h2_streams was written for")
+        self.streams = _Streams(self.streams)
+
+    __init__.iop_streams = True  # type: ignore[attr-defined]
+    H2Protocol.__init__ = __init__  # type: ignore[method-assign]
