@@ -44,6 +44,7 @@ from edge.shared_state import SharedState
 from edge.ws import link_route
 from iop import logs
 from iop.configfile import ConfigError
+from iop.drain import within_grace
 
 log = structlog.get_logger("iop.edge")
 
@@ -82,6 +83,7 @@ class Edge:
         self.metrics = EdgeMetrics(self.runs, self)
         self.console = Console(self)
         self.draining = False
+        self.hurry = trio.Event()  # a second signal: end the drain's grace now
 
     async def drain(self) -> None:
         """Stop taking requests, let running ones finish within the grace
@@ -92,8 +94,7 @@ class Edge:
         # Queued requests end now, as new ones do: given a slot during the grace, they would
         # start work on a node only to be cut when it ends.
         self.runs.refuse_waiting(draining, "the edge is shutting down")
-        with trio.move_on_after(self.config.drain_grace_s):
-            await self.runs.wait_idle()
+        await within_grace(self.config.drain_grace_s, self.runs.wait_idle, self.hurry)
         for run in list(self.runs.runs.values()):
             run.fail("the edge is shutting down", SHUTDOWN)
         with trio.move_on_after(2):

@@ -10,6 +10,7 @@ import msgspec
 
 from edge.keys import sha256_hex
 from iop.configfile import ConfigError, convert, load
+from proto.frames import name_problem
 
 MIN_FRAME_BYTES = 64 * 1024
 
@@ -116,9 +117,12 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
-        for key in ("max_queue", "max_messages", "max_tools", "ping_misses", "drain_grace_s", "queue_timeout_ms"):
+        for key in ("max_queue", "max_tools", "drain_grace_s", "queue_timeout_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative")
+        for key in ("max_messages", "ping_misses"):  # 0: no request / every link dead at once
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be at least 1")
         for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
@@ -149,8 +153,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError(f"bind: {e}") from None
         ids: set[str] = set()
         for i, k in enumerate(self.keys):
-            if not k.id or len(k.id) > 64 or k.id in ids:
-                raise ConfigError(f"keys[{i}].id: 1 to 64 characters, unique")
+            if name_problem(k.id, 64) or k.id in ids:  # shown in the console, logs and metrics
+                raise ConfigError(f"keys[{i}].id: 1 to 64 characters of printable ASCII, no space, unique")
             ids.add(k.id)
             if bool(k.key) == bool(k.key_sha256):
                 raise ConfigError(f"keys[{i}]: give key or key_sha256 (one of them)")

@@ -9,6 +9,7 @@ import signal
 import socket
 import ssl
 import sys
+from collections.abc import Callable
 
 import structlog
 import trio
@@ -184,25 +185,32 @@ def _cannot_start(error: OSError, bind: str | None) -> str:
     return f"cannot start: {reason}"
 
 
-async def _wait_for_signal(event: trio.Event) -> None:
+async def _wait_for_signal(event: trio.Event, hurry: Callable[[], trio.Event] | None = None) -> None:
+    """The first SIGTERM or SIGINT sets ``event`` (the drain starts); a second sets
+    ``hurry()``'s event: the drain ends its grace at once (running streams get
+    their error and ``[DONE]``), instead of being ignored or killing the process."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            event.set()
-            return
+        async for signum in signals:
+            if not event.is_set():
+                event.set()
+            elif hurry is not None:
+                log.warning("second signal: ending the drain now", signal=signal.Signals(signum).name)
+                hurry().set()
 
 
 async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | None) -> None:
-    from edge.app import create_app
+    from edge.app import create_app, edge_of
     from edge.serve import serve_edge
 
     app = create_app(config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_wait_for_signal, stop)
+        nursery.start_soon(_wait_for_signal, stop, lambda: edge_of(app).hurry)
         gc_policy.tune()
         nursery.start_soon(gc_policy.collect, stop)
-        url = await nursery.start(
-            lambda task_status: serve_edge(
+
+        async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            await serve_edge(
                 app,
                 bind or config.bind,
                 certfile=certfile or config.certfile or None,
@@ -210,7 +218,9 @@ async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | N
                 shutdown_trigger=lambda: _drain_on(stop, app),
                 task_status=task_status,
             )
-        )
+            nursery.cancel_scope.cancel()  # drained and closed: the signal watcher ends too
+
+        url = await nursery.start(serve)
         log.info("edge listening", url=url, node_link=url.replace("http", "ws", 1) + "/v1/node/link")
 
 
@@ -227,7 +237,7 @@ async def _node(config) -> None:
     agent = NodeAgent(config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_wait_for_signal, stop)
+        nursery.start_soon(_wait_for_signal, stop, lambda: agent.hurry)
         gc_policy.tune()
         nursery.start_soon(gc_policy.collect, stop)
         nursery.start_soon(agent.serve)

@@ -33,6 +33,7 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, wrap_client_stream
 
 from iop import __version__
+from iop.drain import within_grace
 from iop.exceptions import first_leaf
 from node.adapters import Adapter, Counters, make_adapter
 from node.adapters.sim import SimAdapter
@@ -449,6 +450,7 @@ class NodeAgent:
         self.passthrough = {m.name: m.passthrough for m in config.models}
         self.links: dict[str, EdgeLink] = {}
         self.draining = False
+        self.hurry = trio.Event()  # a second signal: end the drain's grace now
         self.engine: dict[str, EngineLoad] = {}  # model -> its server's load (models with a metrics_url)
         self.samplers = [EngineSampler(m, self._engine_changed, config.ca_file) for m in config.models if m.metrics_url]
         self.models = [
@@ -525,9 +527,12 @@ class NodeAgent:
             with trio.move_on_after(1):  # queued for that link's sender, ahead of its events
                 await link.outbox.control(Load(in_flight={}, draining=True))
         log.info("draining", runs=self.counters.active_runs, grace_s=self.config.drain_grace_s)
-        with trio.move_on_after(self.config.drain_grace_s):
+
+        async def runs_ended() -> None:
             while self.counters.active_runs:
                 await self.counters.run_ended.park()
+
+        await within_grace(self.config.drain_grace_s, runs_ended, self.hurry)
         with trio.move_on_after(2):  # the last events of those runs are still on their way out
             for link in list(self.links.values()):
                 await link.flushed()

@@ -70,15 +70,16 @@ MAX_MODELS = 1024  # model groups one node serves
 
 def name_problem(value: str, limit: int) -> str:
     """Why ``value`` cannot be a node id or model name ("" if it can): 1 to
-    ``limit`` characters, none a control or format character (newlines,
-    right-to-left overrides, zero-width joiners: an id that shows as another
-    in a console or a log)."""
+    ``limit`` characters of printable ASCII, no space. No newline, right-to-left
+    override, zero-width or other invisible character (an id that shows as
+    another in a console or a log: Unicode has many, U+034F, U+3164, ...), and a
+    node id travels in an HTTP header, which is Latin-1."""
     if not value:
         return "must not be empty"
     if len(value) > limit:
         return f"longer than {limit} characters"
-    if not value.isprintable():  # false for controls, format (bidi, zero-width) and separators but " "
-        return "holds a control or invisible character"
+    if not (value.isascii() and value.isprintable()) or " " in value:
+        return "holds a character that is not printable ASCII (or a space)"
     return ""
 
 

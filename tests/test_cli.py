@@ -36,6 +36,8 @@ IOP = [sys.executable, "-m", "iop.cli"]
             "models[0].adapter",
         ),
         ("edge", {"drain_grace_s": -1}, "drain_grace_s: must not be negative"),
+        ("edge", {"ping_misses": 0}, "ping_misses: must be at least 1"),
+        ("edge", {"keys": [{"id": "a\u202eb", "key": "sk-x"}]}, "keys[0].id: 1 to 64 characters of printable ASCII"),
         ("edge", {"max_frame_bytes": 1}, "max_frame_bytes: at least 65536"),
         ("edge", {"backlog": 9223372036854775807}, "backlog: between 1 and 65535"),
         ("edge", {"ledger": "mysql://x"}, "ledger: a SQLite path"),
@@ -80,7 +82,7 @@ IOP = [sys.executable, "-m", "iop.cli"]
         (
             "node",
             {"node_id": "gpu 1\u202e", "edges": ["ws://h/v1/node/link"], "models": [{"name": "m", "adapter": "sim"}]},
-            "node_id: holds a control or invisible character",
+            "node_id: holds a character that is not printable ASCII (or a space)",
         ),
         (
             "node",

@@ -473,9 +473,11 @@ async def test_a_node_that_pings_but_never_reads_cannot_grow_the_edge_queue(nurs
 @pytest.mark.parametrize(
     ("node_id", "models", "reason"),
     [
-        ("gpu-1\u200b", ["m"], "node_id holds a control or invisible character"),
-        ("\u202eevil", ["m"], "node_id holds a control or invisible character"),
-        ("a\nb", ["m"], "node_id holds a control or invisible character"),
+        ("gpu-1\u200b", ["m"], "node_id holds a character that is not printable ASCII (or a space)"),
+        ("\u202eevil", ["m"], "node_id holds a character that is not printable ASCII (or a space)"),
+        ("a\nb", ["m"], "node_id holds a character that is not printable ASCII (or a space)"),
+        ("café", ["m"], "node_id holds a character that is not printable ASCII (or a space)"),
+        ("fine", ["iop-sim\u034f"], "a model name holds a character that is not printable ASCII (or a space)"),
         ("n" * 129, ["m"], "node_id longer than 128 characters"),
         ("fine", ["m" * 257], "a model name longer than 256 characters"),
         ("fine", [f"m{i}" for i in range(1025)], "more than 1024 models"),

@@ -17,6 +17,8 @@ import trio
 import trustme
 
 from edge.config import load_edge_config
+from edge.errors import APIError
+from edge.runs import Want
 from iop.configfile import ConfigError
 from proto import PROTOCOL_VERSION, Hello, ModelInfo, encode_frame
 from scripts.upstream import text_script, words
@@ -415,9 +417,50 @@ async def test_a_drain_ends_queued_requests_at_once(nursery, upstream):
                 clients.start_soon(edge.edge.drain)
                 await eventually(lambda: len(queued) == 2, "the queued requests answered")
                 assert not r.is_closed  # before the stream ended
+                with pytest.raises(APIError) as late:  # a request whose body came in after the signal
+                    await edge.edge.runs.acquire(Want("m"))
+                assert late.value.code == "draining"
                 body = await r.aread()
     assert [q.status_code for q in queued] == [503, 503]
     assert all(q.json()["error"]["code"] == "draining" for q in queued)
     assert body.endswith(b"data: [DONE]\n\n") and b"tok14" in body
     assert len(upstream.records) == 1
     await settled(edge, node.agent)
+
+
+async def test_a_second_signal_ends_the_drain_at_once(nursery, tmp_path, upstream):
+    """A second SIGINT during a drain was ignored (the drain ran its whole grace; with a stuck
+    stream Ctrl-C never stopped the edge) and a second SIGTERM killed it with no SSE error and no
+    [DONE]. Now a second signal ends the grace at once: the stream gets the edge's error and
+    [DONE], and the process exits 0, long before the 60 s grace."""
+    from node.agent import NodeAgent
+    from scripts.stack import free_port
+    from tests.conftest import node_config
+
+    upstream.script_for("m-target", lambda body: text_script(words(400), interval=0.1))  # 40 s
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "drain_grace_s": 60})
+    proc = _spawn([sys.executable, "-m", "iop.cli", "edge", "--config", cfg], {"IOP_LOG_FORMAT": "json"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        nursery.start_soon(
+            NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m", upstream)])).serve
+        )
+        await _ready(url)
+        with trio.fail_after(BOUND):
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
+                client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
+            ):
+                await upstream.wait_requests(1)
+                proc.send_signal(signal.SIGTERM)
+                async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:
+                    while (await other.get("/readyz")).status_code != 503:  # draining
+                        await trio.sleep(0.02)
+                proc.send_signal(signal.SIGINT)
+                body = await r.aread()
+            assert body.endswith(b"data: [DONE]\n\n") and b"shutting down" in body
+            await trio.to_thread.run_sync(proc.wait, BOUND)
+        assert proc.returncode == 0
+    finally:
+        _stop(proc)

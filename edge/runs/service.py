@@ -174,6 +174,7 @@ class RunService:
         # Models configured, and the last KNOWN_MODELS some node has advertised (a node may
         # name 1,024, and link again and again with new ones): a request for one of these
         # with no node linked is a 503, not a 404, and its name may be a metrics label.
+        self._refusing: Callable[[], errors.APIError] | None = None  # set by refuse_waiting
         self._configured = frozenset(m.name for m in config.models)
         self._known: dict[str, None] = {}  # oldest first
         self.on_run_closed: list[Callable[[Run], None]] = []
@@ -544,6 +545,8 @@ class RunService:
         full or timed out, 499 cancelled by an operator while queued). A
         caller cancelled while queued leaves the queue at once. ``client``:
         the request's exchange, for the console."""
+        if self._refusing is not None:  # the edge is shutting down: no new wait, no new work
+            raise self._refusing()
         model = want.model
         serving = self._serving(model)
         if not serving:
@@ -617,7 +620,10 @@ class RunService:
     def refuse_waiting(self, error: Callable[[], errors.APIError], message: str) -> None:
         """The edge is shutting down: every queued request ends with ``error()``
         and every run waiting to move fails with ``message``, now, not once a
-        slot frees (they would start work on a node only to be cut)."""
+        slot frees (they would start work on a node only to be cut); so does
+        every :meth:`acquire` from now on (a request whose body came in late, a
+        tool-call retry)."""
+        self._refusing = error
         for queues in (self._queues, self._moved):
             for queue in queues.values():
                 for waiter in list(queue):
