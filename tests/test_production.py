@@ -292,22 +292,33 @@ async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
     assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
 
 
-async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
-    """SIGTERM to `iop edge`: new requests get 503, the in-flight stream finishes, then the process exits 0."""
+async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_s: float):
+    """A real `iop edge` process (its own signals) and an in-process node serving `m` from
+    ``upstream``, the edge ready: the process and the edge's URL (the caller stops it)."""
+    from node.agent import NodeAgent
     from scripts.stack import free_port
+    from tests.conftest import node_config
 
-    upstream.script_for("m-target", lambda body: text_script(words(15), interval=0.05))
     port = free_port()
-    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "drain_grace_s": 10})
+    config = {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "drain_grace_s": drain_grace_s}
+    cfg = write_toml(tmp_path / "edge.toml", config)
     proc = _spawn([sys.executable, "-m", "iop.cli", "edge", "--config", cfg], {"IOP_LOG_FORMAT": "json"})
     try:
-        url = f"http://127.0.0.1:{port}"
-        from node.agent import NodeAgent
-        from tests.conftest import node_config
-
         agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m", upstream)]))
         nursery.start_soon(agent.serve)
-        await _ready(url)
+        await _ready(f"http://127.0.0.1:{port}")
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
+    """SIGTERM to `iop edge`: new requests get 503, the in-flight stream finishes, then the process exits 0."""
+
+    upstream.script_for("m-target", lambda body: text_script(words(15), interval=0.05))
+    proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=10)
+    try:
         with trio.fail_after(BOUND):
             async with (
                 httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
@@ -433,20 +444,9 @@ async def test_a_second_signal_ends_the_drain_at_once(nursery, tmp_path, upstrea
     stream Ctrl-C never stopped the edge) and a second SIGTERM killed it with no SSE error and no
     [DONE]. Now a second signal ends the grace at once: the stream gets the edge's error and
     [DONE], and the process exits 0, long before the 60 s grace."""
-    from node.agent import NodeAgent
-    from scripts.stack import free_port
-    from tests.conftest import node_config
-
     upstream.script_for("m-target", lambda body: text_script(words(400), interval=0.1))  # 40 s
-    port = free_port()
-    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "drain_grace_s": 60})
-    proc = _spawn([sys.executable, "-m", "iop.cli", "edge", "--config", cfg], {"IOP_LOG_FORMAT": "json"})
+    proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=60)
     try:
-        url = f"http://127.0.0.1:{port}"
-        nursery.start_soon(
-            NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m", upstream)])).serve
-        )
-        await _ready(url)
         with trio.fail_after(BOUND):
             async with (
                 httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
