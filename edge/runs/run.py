@@ -31,11 +31,12 @@ CANCELLED = "cancelled"  # by an operator (the console, POST /v1/admin/runs/{id}
 TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_CHARS of text for the run
 
 # What one run may bring: the characters of its events in all (text, reasoning, tool calls,
-# every string field), and what waits for its reader; at most MAX_TOOL_CALLS calls. Far past
-# any model's answer (2 M tokens of 4 characters; a node caps a run's calls at 1,024 and
-# 8 MiB); each run's buffers on the edge stay bounded whatever a node sends.
-MAX_OUTPUT_CHARS = 8 * 1024 * 1024
-MAX_PENDING_BYTES = 8 * 1024 * 1024
+# every string field), and what waits for its reader (a tunnel's body too: an embeddings
+# answer a slow client reads can be tens of MB); at most MAX_TOOL_CALLS calls. Far past any
+# model's answer (4 M tokens of 4 characters; a node caps a run's calls at 1,024 and 8 MiB);
+# each run's buffers on the edge stay bounded whatever a node sends.
+MAX_OUTPUT_CHARS = 16 * 1024 * 1024
+MAX_PENDING_BYTES = 32 * 1024 * 1024
 MAX_TOOL_CALLS = 1024
 
 
