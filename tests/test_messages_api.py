@@ -793,9 +793,9 @@ async def test_the_sdk_tool_runner_loops_through_the_edge(setup):
         return "18C"
 
     def loop() -> list:
-        client = anthropic.Anthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND)
-        runner = client.beta.messages.tool_runner(model="m", max_tokens=256, tools=[get_weather], messages=USER)
-        return list(runner)
+        with anthropic.Anthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND) as client:
+            runner = client.beta.messages.tool_runner(model="m", max_tokens=256, tools=[get_weather], messages=USER)
+            return list(runner)
 
     with trio.fail_after(BOUND):
         messages = await trio.to_thread.run_sync(loop)
