@@ -244,10 +244,9 @@ async def test_disconnect_is_watched_under_any_asgi_server(edge, node, upstream)
     await settled(edge, node.agent)
 
 
-async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tmp_path, upstream):
-    """Over HTTPS with HTTP/2 (ALPN), a client that resets its stream (RST_STREAM, CANCEL) while
-    the connection stays open: the upstream sees its request aborted, and the connection still
-    serves the next stream."""
+async def _tls_edge_with_a_node(nursery, tmp_path, upstream):
+    """An edge serving HTTPS (HTTP/2 by ALPN) with a certificate of a throwaway CA, and a node
+    serving `m` from ``upstream`` linked over wss: the edge's URL, the CA's file and the app."""
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     certfile, keyfile, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
@@ -259,6 +258,14 @@ async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tm
     link = url.replace("https", "wss", 1) + "/v1/node/link"
     nursery.start_soon(NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile))).serve)
     await eventually(lambda: "n1" in edge_of(app).runs.links)
+    return url, cafile, app
+
+
+async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tmp_path, upstream):
+    """Over HTTPS with HTTP/2 (ALPN), a client that resets its stream (RST_STREAM, CANCEL) while
+    the connection stays open: the upstream sees its request aborted, and the connection still
+    serves the next stream."""
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
     upstream.script_for("m-target", tokens_then_hang(3))
     host, port = url.removeprefix("https://").split(":")
     context = ssl.create_default_context(cafile=str(cafile))
@@ -322,17 +329,7 @@ async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nur
 
     from scripts.upstream import text_script
 
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    certfile, keyfile, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
-    cert.private_key_pem.write_to_path(str(keyfile))
-    ca.cert_pem.write_to_path(str(cafile))
-    app = create_app(edge_config())
-    url = await nursery.start(partial(serve_edge, app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile)))
-    link = url.replace("https", "wss", 1) + "/v1/node/link"
-    nursery.start_soon(NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile))).serve)
-    await eventually(lambda: "n1" in edge_of(app).runs.links)
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
     upstream.script_for("m-target", lambda body: text_script(words(20), interval=0.05))
     context = ssl.create_default_context(cafile=str(cafile))
     big = b'{"x": "' + b"a" * 200_000 + b'"}'

@@ -539,80 +539,17 @@ async def test_a_usage_count_no_model_could_have_closes_that_nodes_link(nursery,
     await settled(edge, node.agent)
 
 
-async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nursery):
-    """A node relays a provider's response head with headers no HTTP response may carry
-    (a value beyond Latin-1, a CR LF in a value, a name with a space or colon): the edge
-    drops those and relays the rest (it answered its own 500 before)."""
+async def _tunnel_node(nursery, edge, headers: list[tuple[str, str]], statuses: list[int]):
+    """A hand-driven node "odd" serving `m` with passthrough: each tunnel request it gets is
+    answered with the next of ``statuses``, ``headers`` and the body `{"choices": []}`. Its
+    stream (the caller closes it)."""
     from proto import TunnelFrame, TunnelRequest
 
-    edge = await start_edge(nursery)
     stream, ws = await open_link(edge, "odd", nursery=nursery)
     info = ModelInfo(name="m", adapter="openai", target="m", max_concurrency=4, passthrough=True)
     await ws.send_message(encode_frame(Hello(node_id="odd", protocol=PROTOCOL_VERSION, models=[info])))
     assert isinstance(decode_frame(await ws.get_message()), Welcome)
     await ws.send_message(encode_frame(Grant(model="m", slots=4, seq=1)))
-    headers = [
-        ("openai-good", "yes"),
-        ("openai-euro", "5 €"),
-        ("openai-split", "a\r\nx-injected: 1"),
-        ("openai-bad name:", "v"),
-    ]
-
-    async def answer() -> None:
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                frame = decode_frame(await ws.get_message())
-                if isinstance(frame, TunnelRequest):
-                    rid = frame.run_id
-                    for seq, kind, extra in (
-                        (1, "response_start", {"status": 200, "headers": headers}),
-                        (2, "body", {"body": b'{"choices": []}'}),
-                        (3, "end", {}),
-                    ):
-                        await ws.send_message(encode_frame(TunnelFrame(run_id=rid, seq=seq, kind=kind, **extra)))
-
-    nursery.start_soon(answer)
-    with trio.fail_after(BOUND):
-        await eventually(lambda: "odd" in edge.edge.runs.links)
-        async with http(edge) as client:
-            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
-    assert r.status_code == 200 and r.content == b'{"choices": []}'
-    assert r.headers["openai-good"] == "yes"
-    assert not {"openai-euro", "openai-split", "x-injected", "openai-bad name"} & set(r.headers)
-    assert "odd" in edge.edge.runs.links
-    await stream.aclose()
-
-
-async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses(nursery):
-    """A node's tunnel head with a content-length that is not the body's (the client got a cut
-    body, or the head and then EOF), set-cookie, access-control-*, CSP, HSTS, alt-svc (the edge's
-    origin also serves /console), a second date or server, a text/html body: only the provider's
-    own families (openai-*, x-ratelimit-*, anthropic-*) and a few more reach the client; the body
-    comes whole, never as a page. A
-    status of 99 or 101 (an h11 error and hypercorn's bare 500, or a connection closed with no
-    answer) is a 502."""
-    from proto import TunnelFrame, TunnelRequest
-
-    edge = await start_edge(nursery)
-    stream, ws = await open_link(edge, "odd", nursery=nursery)
-    info = ModelInfo(name="m", adapter="openai", target="m", max_concurrency=4, passthrough=True)
-    await ws.send_message(encode_frame(Hello(node_id="odd", protocol=PROTOCOL_VERSION, models=[info])))
-    assert isinstance(decode_frame(await ws.get_message()), Welcome)
-    await ws.send_message(encode_frame(Grant(model="m", slots=4, seq=1)))
-    headers = [
-        ("content-length", "3"),
-        ("set-cookie", "session=evil"),
-        ("access-control-allow-origin", "*"),
-        ("server", "evil"),
-        ("date", "Thu, 01 Jan 1970 00:00:00 GMT"),
-        ("x-request-id", "theirs"),
-        ("content-security-policy", "default-src *"),
-        ("strict-transport-security", "max-age=9"),
-        ("alt-svc", 'h3=":443"'),
-        ("content-type", "text/html"),
-        ("x-ratelimit-remaining-requests", "9"),
-    ]
-    statuses = [200, 99, 101]
 
     async def answer() -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -628,8 +565,55 @@ async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses
                         await ws.send_message(encode_frame(TunnelFrame(run_id=rid, seq=seq, kind=kind, **extra)))
 
     nursery.start_soon(answer)
+    await eventually(lambda: "odd" in edge.edge.runs.links)
+    return stream
+
+
+async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nursery):
+    """A node relays a provider's response head with headers no HTTP response may carry
+    (a value beyond Latin-1, a CR LF in a value, a name with a space or colon): the edge
+    drops those and relays the rest (it answered its own 500 before)."""
+    edge = await start_edge(nursery)
+    headers = [
+        ("openai-good", "yes"),
+        ("openai-euro", "5 €"),
+        ("openai-split", "a\r\nx-injected: 1"),
+        ("openai-bad name:", "v"),
+    ]
     with trio.fail_after(BOUND):
-        await eventually(lambda: "odd" in edge.edge.runs.links)
+        stream = await _tunnel_node(nursery, edge, headers, [200])
+        async with http(edge) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 200 and r.content == b'{"choices": []}'
+    assert r.headers["openai-good"] == "yes"
+    assert not {"openai-euro", "openai-split", "x-injected", "openai-bad name"} & set(r.headers)
+    assert "odd" in edge.edge.runs.links
+    await stream.aclose()
+
+
+async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses(nursery):
+    """A node's tunnel head with a content-length that is not the body's (the client got a cut
+    body, or the head and then EOF), set-cookie, access-control-*, CSP, HSTS, alt-svc (the edge's
+    origin also serves /console), a second date or server, a text/html body: only the provider's
+    own families (openai-*, x-ratelimit-*, anthropic-*) and a few more reach the client; the body
+    comes whole, never as a page. A status of 99 or 101 (an h11 error and hypercorn's bare 500,
+    or a connection closed with no answer) is a 502."""
+    edge = await start_edge(nursery)
+    headers = [
+        ("content-length", "3"),
+        ("set-cookie", "session=evil"),
+        ("access-control-allow-origin", "*"),
+        ("server", "evil"),
+        ("date", "Thu, 01 Jan 1970 00:00:00 GMT"),
+        ("x-request-id", "theirs"),
+        ("content-security-policy", "default-src *"),
+        ("strict-transport-security", "max-age=9"),
+        ("alt-svc", 'h3=":443"'),
+        ("content-type", "text/html"),
+        ("x-ratelimit-remaining-requests", "9"),
+    ]
+    with trio.fail_after(BOUND):
+        stream = await _tunnel_node(nursery, edge, headers, [200, 99, 101])
         async with http(edge) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
             odd = [await client.post("/v1/completions", json={"model": "m", "prompt": "x"}) for _ in range(2)]
