@@ -45,7 +45,7 @@ from edge.openai.request import (
     parse_chat_request,
 )
 from edge.openai.tools import with_ids
-from edge.openai.turn import Collected, Turn, collect_validated, open_turn
+from edge.openai.turn import Collected, Turn, collect_validated, end_reason, open_turn
 from edge.runs import Run, Slot
 from proto import RunEvent
 
@@ -203,9 +203,6 @@ class MessagesLive(output.LiveEncoder):
             parts.append(enc.text(fallback))
         for call in calls or ():
             parts.append(enc.tool_use(call))
-        if calls and finish_reason != "length":
-            finish_reason = "tool_calls"
-        elif not calls and finish_reason == "tool_calls":  # a tool_use stop with no tool_use block breaks loops
-            finish_reason = "stop"
+        finish_reason = end_reason(finish_reason, bool(calls))
         parts.append(enc.finish(finish_reason, usage, _stop_sequence(self.turn, finish_reason, event.stop)))
         return b"".join(parts)

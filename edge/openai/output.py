@@ -28,7 +28,7 @@ from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
 from edge.openai.tools import ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
-from edge.openai.turn import Collected, Turn, collect_validated, failure
+from edge.openai.turn import Collected, Turn, collect_validated, end_reason, failure
 from edge.runs import Run, Slot
 from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
 from proto import RunEvent, ToolCall
@@ -382,12 +382,9 @@ class LiveStream(LiveEncoder):
         tail: list[bytes] = []
         if calls:
             tail.append(enc.tool_calls(tool_calls_out(calls)))
-            if not cut_off:
-                finish_reason = "tool_calls"
             if self.trace is not None:
                 self.trace.chunk("tool_calls", 0, tool_call_count=len(calls))
-        elif finish_reason == "tool_calls":  # and no call came (as turn._finish)
-            finish_reason = "stop"
+        finish_reason = end_reason(finish_reason, bool(calls))
         fallback = shaper.fallback(finish_reason, bool(calls))
         if fallback:
             self._emit_content(fallback, fallback=True)

@@ -251,6 +251,17 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
         return _finish(turn, shaper, end, turn.usage_of(run, end))
 
 
+def end_reason(finish_reason: str, has_calls: bool) -> str:
+    """The finish a client sees: ``tool_calls`` when calls came (unless cut off
+    by ``length``, the seeds' rule), and never ``tool_calls`` without a call
+    (clients look for the calls such an end promises)."""
+    if has_calls and finish_reason != "length":
+        return "tool_calls"
+    if not has_calls and finish_reason == "tool_calls":
+        return "stop"
+    return finish_reason
+
+
 def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Collected:
     policy = turn.policy
     finish_reason = event.finish_reason or "stop"
@@ -266,10 +277,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
-    if tool_calls and not cut_off:
-        finish_reason = "tool_calls"
-    elif finish_reason == "tool_calls":  # and no call came: clients look for the calls a tool_calls end promises
-        finish_reason = "stop"
+    finish_reason = end_reason(finish_reason, bool(tool_calls))
     normalized = False
     if policy.strict_output and policy.xml_completion_tool and not tool_calls:
         if not holds_xml_tool_use(content, policy.xml_completion_tool):
