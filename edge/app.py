@@ -152,6 +152,8 @@ class Edge:
                 ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
         except APIError as e:
             limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
+            if limit == "slot":  # (no slot could be borrowed: edge.shared_state)
+                limit = "concurrency"
             if limit is not None:
                 key.limited[limit] = key.limited.get(limit, 0) + 1
             raise

@@ -22,9 +22,12 @@ borrows the rest from Redis, a bounded wait, before it is refused):
   produced nothing gives its reservation back);
 - ``max_concurrent``: requests in flight;
 - ``daily_tokens``: tokens used since 00:00 UTC (restored from the ledger at
-  start). A request is admitted while the day's use is below the budget; the
-  one that crosses it finishes. Every key counts its day's tokens, budget or
-  not (``today_tokens`` in ``/v1/admin/keys``).
+  start). A request is admitted while the day's use, plus what the requests
+  in flight may still use (each its prompt estimate plus its ``max_tokens``,
+  or :data:`DEFAULT_OUTPUT_RESERVE`), is below the budget; the one that
+  crosses it finishes (a burst of 50 at once on a 200-token budget ran 42,
+  420 times the budget, before in-flight requests counted). Every key counts
+  its day's tokens, budget or not (``today_tokens`` in ``/v1/admin/keys``).
 
 Over ``rpm``, ``tpm`` or ``max_concurrent``: 429 ``rate_limit_exceeded`` with
 ``Retry-After``; over budget: 429 ``insufficient_quota``. Every response to a
@@ -130,6 +133,10 @@ class Key:
         "restored",
         "req_seen",
         "tok_seen",
+        "day_pending",
+        "others_pending",
+        "flight_held",
+        "flight_promised",
     )
 
     def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
@@ -146,18 +153,32 @@ class Key:
         self.limited: dict[str, int] = {}  # refusals by limit: rpm, tpm, concurrency, budget
         self.day_others = 0  # shared state: other edges' tokens today
         self.others_in_flight = 0  # shared state: other edges' requests in flight
+        self.day_pending = 0  # daily_tokens: what this edge's requests in flight reserved of the budget
+        self.others_pending = 0  # shared state: the other edges' day_pending
+        # shared state, max_concurrent: the slots this edge holds in Redis (at least its in-flight
+        # requests), and of the free ones those borrowed for requests about to take them
+        self.flight_held = 0
+        self.flight_promised = 0
         self.restored = 0  # of day_used: loaded from the ledger at start
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
+        """A new key's policy, or a change: a limit the key had keeps what is
+        left of its minute (at most the new limit), so a change, or a PATCH
+        that changes nothing, is never a fresh minute; a new limit starts full."""
         now = time.monotonic()
+        old = self.policy if hasattr(self, "policy") else None
         self.policy = policy
         self._patterns = (
             None if "*" in policy.models else re.compile("|".join(fnmatch.translate(p) for p in policy.models))
         )
         self._allowed: dict[str, bool] = {}
-        self.req_level, self.req_at = float(policy.rpm), now
-        self.tok_level, self.tok_at = float(policy.tpm), now
+        if old is None:
+            self.req_level, self.req_at = float(policy.rpm), now
+            self.tok_level, self.tok_at = float(policy.tpm), now
+        else:
+            self.req_level, self.req_at = _carried(old.rpm, self.req_level, self.req_at, policy.rpm, now), now
+            self.tok_level, self.tok_at = _carried(old.tpm, self.tok_level, self.tok_at, policy.tpm, now), now
         # shared state: the Redis bucket's level and when it was seen (monotonic), or None
         self.req_seen: tuple[float, float] | None = None
         self.tok_seen: tuple[float, float] | None = None
@@ -187,11 +208,12 @@ class Key:
 class Lease:
     """A request admitted for a key: settled (once) when it ends."""
 
-    __slots__ = ("key", "reserved", "settled")
+    __slots__ = ("key", "reserved", "budget", "settled")
 
-    def __init__(self, key: Key, reserved: int) -> None:
+    def __init__(self, key: Key, reserved: int, budget: int) -> None:
         self.key = key
-        self.reserved = reserved
+        self.reserved = reserved  # of tpm
+        self.budget = budget  # of daily_tokens, while in flight
         self.settled = False
 
 
@@ -266,9 +288,10 @@ class Keys:
         policy = key.policy
         now = time.monotonic()
         reserved = self.reservation(key, prompt_estimate, max_tokens)
+        budget = 0
         if policy.daily_tokens:
             key._today()
-            if key.day_used + key.day_others >= policy.daily_tokens:
+            if key.day_used + key.day_others + key.day_pending + key.others_pending >= policy.daily_tokens:
                 midnight = (key.day + 1) * 86400 - time.time()
                 raise APIError(
                     429,
@@ -278,9 +301,14 @@ class Keys:
                     code="insufficient_quota",
                     headers=[(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode())],
                 )
-        if policy.max_concurrent and key.in_flight + key.others_in_flight >= policy.max_concurrent:
-            raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "concurrency")
+            budget = prompt_estimate + (max_tokens or DEFAULT_OUTPUT_RESERVE)
         shared = self.shared
+        if policy.max_concurrent:
+            if shared:  # on a slot this edge holds in Redis (none free: it borrows one, edge.shared_state)
+                if key.in_flight + key.flight_promised >= key.flight_held:
+                    raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "slot")
+            elif key.in_flight + key.others_in_flight >= policy.max_concurrent:
+                raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "concurrency")
         if policy.rpm:
             if shared:
                 level, ok = key.req_level, key.req_level >= 1
@@ -305,18 +333,21 @@ class Keys:
                 wait = (reserved - level) * 60 / policy.tpm
                 raise self._limited(key, f"{policy.tpm} tokens per minute", wait, "tpm")
         key.in_flight += 1
-        return Lease(key, reserved if policy.tpm else 0)
+        key.day_pending += budget
+        return Lease(key, reserved if policy.tpm else 0, budget)
 
     def reservation(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> int:
         """The tokens a request is admitted on (see the module docstring)."""
         reserved = prompt_estimate + min(max_tokens or DEFAULT_OUTPUT_RESERVE, MAX_OUTPUT_RESERVE)
         return min(reserved, key.policy.tpm) if key.policy.tpm else reserved
 
-    def needs(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> tuple[int, int]:
-        """The requests and tokens admitting this request takes from ``key``'s rpm and tpm."""
+    def needs(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> tuple[int, int, int]:
+        """The requests, tokens and concurrency slots (shared state) admitting
+        this request takes from ``key``'s rpm, tpm and max_concurrent."""
         policy = key.policy
         tokens = self.reservation(key, prompt_estimate, max_tokens) if policy.tpm else 0
-        return (1 if policy.rpm else 0), tokens
+        slots = 1 if policy.max_concurrent and key.in_flight + key.flight_promised >= key.flight_held else 0
+        return (1 if policy.rpm else 0), tokens, slots
 
     def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:
         error = APIError(
@@ -336,6 +367,7 @@ class Keys:
         lease.settled = True
         key = lease.key
         key.in_flight -= 1
+        key.day_pending -= lease.budget
         policy = key.policy
         if policy.tpm:
             if self.shared:
@@ -369,6 +401,13 @@ class Keys:
                 (b"x-ratelimit-reset-" + unit, _duration((limit - level) * 60 / limit).encode()),
             ]
         return out
+
+
+def _carried(old_limit: int, level: float, at: float, new_limit: int, now: float) -> float:
+    """A local bucket's level under a changed limit (:meth:`Key.set_policy`)."""
+    if not old_limit or not new_limit:
+        return float(new_limit)
+    return min(float(new_limit), level + (now - at) * old_limit / 60.0, float(old_limit))
 
 
 def _local_level(limit: int, balance: float, seen: tuple[float, float] | None, now: float) -> float:

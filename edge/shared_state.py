@@ -25,8 +25,21 @@ from them, so a request the local balance covers never waits on Redis:
   an edge's first report of a key's day in an epoch adds all it knows of
   the day, or, if the counter exists already, all but what it restored from
   its ledger at start (another edge, or its own earlier life, added that).
-- ``max_concurrent``: each edge publishes its requests in flight per key
-  (expiring with the edge); admission counts the other edges' too.
+- ``daily_tokens`` also counts what requests in flight may still use: each
+  edge publishes its own reservations with its flights (below), and admits
+  while the day's total plus every edge's reservations is below the budget.
+- ``max_concurrent``: a request runs on a *slot* its edge holds in Redis.
+  Each edge's entry in the key's flights hash (``iop:flight:<key>``: slots
+  held, budget reserved, when) is written by a script that grows it only as
+  far as the other edges' entries leave of the limit, so the edges together
+  never hold more than ``max_concurrent``. A request that finds no free
+  slot borrows one (the borrow round trip below); every :data:`SYNC_S` an
+  edge gives back the slots no request uses. An entry silent for
+  :data:`EDGE_TTL_S` (its edge died) is dropped by the next script that
+  reads it. (Before: each edge published its count every 50 ms and
+  admitted on the others' last seen: two edges ran a max_concurrent 2 key
+  at 4 half the time under load, and a dead edge's count stayed as long as
+  any other edge wrote the hash.)
 
 If Redis cannot be reached, the edge goes on with its own local limits (the
 full per-minute allowances, this edge alone: bounded, and logged once, with
@@ -80,6 +93,37 @@ redis.call('EXPIRE', KEYS[1], 180)
 return {got, tostring(level)}
 """
 
+# KEYS[1]: a key's flights (edge id -> "slots held, budget reserved, when"); ARGV: this edge's id, the
+# slots it wants to hold (more than it holds: only as many as the others leave of the limit), the limit
+# (0: none), its budget reserved in flight, the seconds after which a silent edge's entry is dropped.
+# Returns the slots it holds now, the others' slots and the others' reservations.
+_FLIGHT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[5])
+local entries = redis.call('HGETALL', KEYS[1])
+local mine, others, reserved = 0, 0, 0
+for i = 1, #entries, 2 do
+  local held, pending, at = string.match(entries[i + 1], '^(%d+) (%d+) ([%d.]+)$')
+  if entries[i] == ARGV[1] then
+    mine = tonumber(held) or 0
+  elseif held == nil or now - tonumber(at) > ttl then
+    redis.call('HDEL', KEYS[1], entries[i])
+  else
+    others = others + tonumber(held)
+    reserved = reserved + tonumber(pending)
+  end
+end
+local want = tonumber(ARGV[2])
+local limit = tonumber(ARGV[3])
+if limit > 0 and want > mine then
+  want = math.max(mine, math.min(want, limit - others))
+end
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %s %.6f', want, ARGV[4], now))
+redis.call('EXPIRE', KEYS[1], ttl)
+return {want, others, reserved}
+"""
+
 # KEYS[1]: the epoch, KEYS[2]: a key's day counter; ARGV: an epoch to set if Redis has none, the
 # epoch this edge last reported the day in, what to add if it is still that one, else what to add
 # if the counter exists, else what to add. Returns the epoch and the day's total.
@@ -106,13 +150,15 @@ BucketOp = tuple["Key", str, int, int]
 class _Want:
     """What one request lacks, and what it got."""
 
-    __slots__ = ("key", "requests", "tokens", "got", "gone")
+    __slots__ = ("key", "requests", "tokens", "slot", "got", "got_slot", "gone")
 
-    def __init__(self, key: Key, requests: int, tokens: int) -> None:
+    def __init__(self, key: Key, requests: int, tokens: int, slot: bool) -> None:
         self.key = key
         self.requests = requests
         self.tokens = tokens
+        self.slot = slot  # it needs one of the key's max_concurrent slots
         self.got = (0, 0)
+        self.got_slot = False  # promised to it (Key.flight_promised) until it stops waiting
         self.gone = False  # it stopped waiting: what comes goes to the key's balances
 
 
@@ -134,6 +180,7 @@ class SharedState:
         self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.bucket = self.client.register_script(_BUCKET)
         self.day = self.client.register_script(_DAY)
+        self.flight = self.client.register_script(_FLIGHT)
         self.keys = keys
         keys.shared = True  # leases from the first round on
         keys.zero_levels()
@@ -203,43 +250,55 @@ class SharedState:
                 key.tok_seen = (float(level), now)
 
     def _exchange(
-        self, plan: list[BucketOp], counters: list[tuple[str, int, list, bool, bool]]
-    ) -> tuple[list, dict[str, tuple[bytes, int, int]]]:
+        self, plan: list[BucketOp], counters: list[tuple[str, int, list, bool, tuple[int, int, int]]]
+    ) -> tuple[list, dict[str, tuple[bytes, int, list]]]:
         """In a worker thread: the Redis round trip (one pipeline)."""
         pipe = self.client.pipeline(transaction=False)
         self._buckets(pipe, plan)
-        for key_id, day, adds, has_budget, has_concurrency in counters:
+        for key_id, day, adds, has_budget, flight in counters:
             if has_budget:
                 self.day(
                     keys=[EPOCH_KEY, f"iop:day:{key_id}:{day}"],
                     args=[secrets.token_hex(8), *adds, DAY_TTL_S],
                     client=pipe,
                 )
-            if has_concurrency:
-                pipe.hgetall(f"iop:flight:{key_id}")
+            self._flight(pipe, key_id, *flight)
         results = pipe.execute()
         rest = results[len(plan) :]
-        out: dict[str, tuple[bytes, int, int]] = {}
+        out: dict[str, tuple[bytes, int, list]] = {}
         i = 0
-        for key_id, _, _, has_budget, has_concurrency in counters:
-            epoch, day_total, others = b"", 0, 0
+        for key_id, _, _, has_budget, _ in counters:
+            epoch, day_total = b"", 0
             if has_budget:
                 epoch, day_total = rest[i][0], int(rest[i][1])
                 i += 1
-            if has_concurrency:
-                flights = rest[i]
-                i += 1
-                others = sum(int(v) for k, v in flights.items() if k.decode() != self.edge_id)
-            out[key_id] = (epoch, day_total, others)
+            out[key_id] = (epoch, day_total, rest[i])
+            i += 1
         return results[: len(plan)], out
 
-    def _publish(self, flights: dict[str, int]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for key_id, n in flights.items():
-            flight_key = f"iop:flight:{key_id}"
-            pipe.hset(flight_key, self.edge_id, n)
-            pipe.expire(flight_key, EDGE_TTL_S)
-        pipe.execute()
+    def _flight(self, pipe, key_id: str, slots: int, limit: int, reserved: int) -> None:
+        """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
+        self.flight(keys=[f"iop:flight:{key_id}"], args=[self.edge_id, slots, limit, reserved, EDGE_TTL_S], client=pipe)
+
+    @staticmethod
+    def _flown(key: Key, result: list) -> None:
+        """In the trio thread: the flights script's answer for ``key``."""
+        held, others, reserved = (int(v) for v in result)
+        policy = key.policy
+        key.flight_held = held if policy.max_concurrent else 0
+        key.others_in_flight = others
+        key.others_pending = reserved if policy.daily_tokens else 0
+
+    @staticmethod
+    def _flight_args(key: Key) -> tuple[int, int, int]:
+        """The slots ``key`` holds on (those its requests use or were promised:
+        the rest are given back, at once here), its limit, its reservations."""
+        policy = key.policy
+        slots = 0
+        if policy.max_concurrent:
+            slots = key.in_flight + key.flight_promised
+            key.flight_held = min(key.flight_held, slots)
+        return slots, policy.max_concurrent, key.day_pending if policy.daily_tokens else 0
 
     def _day_adds(self, key: Key) -> tuple[list, int]:
         """The day script's epoch and amounts for ``key`` (see _DAY), and the day_used they report."""
@@ -252,30 +311,27 @@ class SharedState:
         plan = self._plan()
         counters = []
         used: dict[str, int] = {}
-        flights = {}
         for key in list(self.keys.by_id.values()):
             policy = key.policy
             if not policy.daily_tokens:
-                key.day_others = 0  # (a budget removed: other edges' use is no longer followed)
+                key.day_others = key.others_pending = 0  # (a budget removed: other edges' use is no longer followed)
+            if not policy.max_concurrent:
+                key.others_in_flight = 0
             if policy.daily_tokens or policy.max_concurrent:
                 key._today()
                 adds: list = []
                 if policy.daily_tokens:
                     adds, used[key.id] = self._day_adds(key)
-                counters.append((key.id, key.day, adds, bool(policy.daily_tokens), bool(policy.max_concurrent)))
-            if policy.max_concurrent:
-                flights[key.id] = key.in_flight
+                counters.append((key.id, key.day, adds, bool(policy.daily_tokens), self._flight_args(key)))
         if not plan and not counters:
             return
-        if flights:
-            await trio.to_thread.run_sync(self._publish, flights)
         granted, totals = await trio.to_thread.run_sync(self._exchange, plan, counters)
         self._credit(plan, granted)
         for key_id, day, _, has_budget, _ in counters:
             key = self.keys.by_id.get(key_id)
             if key is None:
                 continue
-            epoch, day_total, others = totals[key_id]
+            epoch, day_total, flown = totals[key_id]
             if has_budget:
                 reported = used[key_id]
                 self._reported[(key_id, day)] = (epoch, reported)
@@ -284,7 +340,7 @@ class SharedState:
                 if key.day == day:
                     # Others' use too, so the budget holds across edges (Redis holds all of this edge's).
                     key.day_others = max(day_total - reported, 0)
-            key.others_in_flight = others
+            self._flown(key, flown)
 
     # -- borrowing: a request its edge's balance cannot cover ------------------------------
 
@@ -293,38 +349,44 @@ class SharedState:
         balances have of the request's need and borrow the rest from Redis, waiting
         :data:`BORROW_S` at most. True if the borrow was answered (admit the request
         once more: it finds both in the balances), False to refuse it as it is."""
-        if getattr(refusal, "limit", None) not in ("rpm", "tpm") or not self.up or not self.keys.shared:
+        if getattr(refusal, "limit", None) not in ("rpm", "tpm", "slot") or not self.up or not self.keys.shared:
             return False
-        need_requests, need_tokens = self.keys.needs(key, prompt_estimate, max_tokens)
+        need_requests, need_tokens, need_slot = self.keys.needs(key, prompt_estimate, max_tokens)
         held_requests = min(max(key.req_level, 0.0), need_requests)
         held_tokens = min(max(key.tok_level, 0.0), need_tokens)
         key.req_level -= held_requests  # (so the requests admitted meanwhile do not take it)
         key.tok_level -= held_tokens
         try:
             with trio.move_on_after(BORROW_S):
-                await self.borrow(key, math.ceil(need_requests - held_requests), math.ceil(need_tokens - held_tokens))
+                await self.borrow(
+                    key, math.ceil(need_requests - held_requests), math.ceil(need_tokens - held_tokens), need_slot > 0
+                )
                 return True
             return False
         finally:
             self._give(key, held_requests, held_tokens)
 
-    async def borrow(self, key: Key, requests: int, tokens: int) -> None:
+    async def borrow(self, key: Key, requests: int, tokens: int, slot: bool = False) -> None:
         """Take ``requests`` and ``tokens`` (or what there is of them) from ``key``'s
-        buckets into this edge's balances, in one round trip with the other borrows
+        buckets into this edge's balances, and a concurrency ``slot`` if asked (and
+        the other edges leave one), in one round trip with the other borrows
         waiting now. Callers bound the wait; what comes after one left goes to the
-        balances. Nothing awaits between this return and the caller's admission, so
-        what it borrowed is there for it."""
+        balances (a slot: to the next request, or back at the next round). Nothing
+        awaits between this return and the caller's admission, so what it borrowed
+        is there for it."""
         borrowing = self._borrowing
         if borrowing is None:
             borrowing = self._borrowing = _Borrowing()
             self._wake.set()
-        want = _Want(key, requests, tokens)
+        want = _Want(key, requests, tokens, slot)
         borrowing.wants.append(want)
         try:
             await borrowing.done.wait()
         finally:
             want.gone = True
             self._give(key, *want.got)
+            if want.got_slot:  # free now, for this request's admission (next, with no await between)
+                key.flight_promised -= 1
 
     def _give(self, key: Key, requests: float, tokens: float) -> None:
         if self.keys.shared:  # (else Redis went down meanwhile: local limits; what it took refills there)
@@ -341,12 +403,21 @@ class SharedState:
         plan: list[BucketOp] = [
             (key, limit, amount, per_minute) for (_, limit), (key, amount, per_minute) in asked.items()
         ]
-        if not plan:
+        slots: dict[str, list] = {}  # key id -> [key, slots held before, flights args]
+        for want in borrowing.wants:
+            if want.slot and want.key.policy.max_concurrent:
+                if want.key.id not in slots:
+                    held, limit, reserved = self._flight_args(want.key)
+                    slots[want.key.id] = [want.key, want.key.flight_held, [held, limit, reserved]]
+                slots[want.key.id][2][0] += 1
+        if not plan and not slots:
             return
 
         def take() -> list:
             pipe = self.client.pipeline(transaction=False)
             self._buckets(pipe, plan)
+            for key_id, (_, _, args) in slots.items():
+                self._flight(pipe, key_id, *args)
             return pipe.execute()
 
         try:
@@ -354,6 +425,16 @@ class SharedState:
         except (self._redis_error, OSError) as e:  # the lease round finds Redis down, and says so
             log.debug("borrow failed", error=f"{type(e).__name__}: {str(e)[:200]}")
             return
+        free: dict[str, int] = {}
+        for (key, before, _), flown in zip(slots.values(), results[len(plan) :], strict=True):
+            self._flown(key, flown)
+            free[key.id] = key.flight_held - before
+        for want in borrowing.wants:  # slots in arrival order, while there are some
+            if want.slot and free.get(want.key.id, 0) > 0 and not want.gone:
+                free[want.key.id] -= 1
+                want.got_slot = True
+                want.key.flight_promised += 1
+        results = results[: len(plan)]
         self._seen(plan, results)
         got = {(key.id, limit): int(n) for (key, limit, _, _), (n, _) in zip(plan, results, strict=True)}
         for want in borrowing.wants:  # in arrival order, each what it asked while there is some

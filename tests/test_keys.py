@@ -16,7 +16,7 @@ import trio
 
 from edge.config import KeyConfig
 from scripts.stack import write_toml
-from scripts.upstream import Upstream
+from scripts.upstream import Upstream, native_call, steps, text_script
 from tests.conftest import BOUND, edge_config, eventually, model, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -65,6 +65,11 @@ async def test_model_globs_hide_models_a_key_may_not_use(nursery, tmp_path):
         async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=secret, max_retries=0) as sdk:
             with pytest.raises(openai.NotFoundError):
                 await sdk.chat.completions.create(model="llama-b", messages=MESSAGES)
+        # Counting tokens does not tell it the model exists either.
+        async with anthropic.AsyncAnthropic(base_url=edge.url, api_key=secret, max_retries=0) as claude:
+            with pytest.raises(anthropic.NotFoundError):
+                await claude.messages.count_tokens(model="llama-b", messages=MESSAGES)
+            assert (await claude.messages.count_tokens(model="qwen-a", messages=MESSAGES)).input_tokens > 0
 
 
 async def test_rpm_refuses_with_retry_after_and_ratelimit_headers(nursery, tmp_path):
@@ -407,3 +412,124 @@ async def test_today_tokens_counts_every_key_not_only_a_budgets(nursery, tmp_pat
         async with admin(edge) as adm:
             listed = {k["id"]: k["today_tokens"] for k in (await adm.get("/v1/admin/keys")).json()["data"]}
     assert told["free"] > 0 and listed == told
+
+
+async def test_a_burst_cannot_overrun_a_daily_budget(nursery, tmp_path):
+    """20 requests at once on a 200-token budget, each asking up to 2,000 tokens: what
+    the requests in flight may use counts, so one runs (and crosses it) and 19 are
+    refused (all 20 ran before: 420 times the budget in an audit)."""
+    keys = [KeyConfig(id="bud", key="sk-bud", daily_tokens=200)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(
+        nursery, edge, [model("slow-b", ttft_ms=0, tokens_per_s=40, sim_tokens=8, sim_stops=True)]
+    )  # 0.2 s in flight
+    statuses: list[int] = []
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-bud") as c:
+
+            async def one() -> None:
+                r = await chat(c, "slow-b", max_tokens=2000)
+                statuses.append(r.status_code)
+
+            async with trio.open_nursery() as burst:
+                for _ in range(20):
+                    burst.start_soon(one)
+            key = edge.edge.keys.by_id["bud"]
+            assert sorted(statuses) == [200] + [429] * 19
+            assert 0 < key.day_used < 20 and key.day_pending == 0  # (one request's tokens)
+            # Requests that fit what is left still run, one after another.
+            assert (await chat(c, "slow-b", max_tokens=8)).status_code == 200
+
+
+async def test_a_tool_retry_is_charged_both_runs_and_holds_its_concurrency(nursery, tmp_path):
+    """A tool call that fails validation and is retried: the key is charged both runs
+    (the client's usage is the answering run's), and the request holds its
+    max_concurrent slot through the retry."""
+    up = Upstream()
+    await nursery.start(up.serve)
+    usage = {"prompt_tokens": 1000, "completion_tokens": 500, "total_tokens": 1500}
+    attempts = []
+
+    def script(body):
+        attempts.append(body)
+        arguments = "{}" if len(attempts) == 1 else '{"city": "Paris"}'  # the first misses its required city
+        return [
+            ("sleep", 0.5),
+            *steps(*native_call(f"c{len(attempts)}", "get_weather", arguments), finish="tool_calls", usage=usage),
+        ]
+
+    up.script_for("t-target", script)
+    keys = [KeyConfig(id="tk", key="sk-tk", max_concurrent=1)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("t", up)])
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+        },
+    }
+    key = edge.edge.keys.by_id["tk"]
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-tk") as c:
+            async with trio.open_nursery() as both:
+                answer = []
+
+                async def tool_request() -> None:
+                    answer.append(await chat(c, "t", tools=[weather]))
+
+                both.start_soon(tool_request)
+                await eventually(lambda: len(attempts) == 2, "the retry started")
+                assert key.in_flight == 1
+                refused = await chat(c, "t")
+                assert refused.status_code == 429 and "1 concurrent" in refused.json()["error"]["message"]
+        r = answer[0]
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["id"] == "c2"
+        assert r.json()["usage"]["total_tokens"] == 1500
+        assert key.in_flight == 0 and key.day_used == 3000
+        await edge.edge.ledger.flush()
+    rows = sqlite3.connect(tmp_path / "l.sqlite3").execute(
+        "select prompt_tokens, completion_tokens from usage where status = 200"
+    )
+    assert list(rows) == [(2000, 1000)]
+
+
+async def test_a_tunnelled_request_left_before_its_answer_is_charged_its_prompt(nursery, tmp_path):
+    """A passthrough request whose client leaves before the provider answers: the
+    model read the prompt, so the key is charged its estimate, as in chat."""
+    up = Upstream()
+    await nursery.start(up.serve)
+    up.script_for("p-target", lambda body: [("sleep", 5.0), *text_script(["late"])])
+    keys = [KeyConfig(id="pk", key="sk-pk", tpm=100_000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("p", up, passthrough=True)])
+    key = edge.edge.keys.by_id["pk"]
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-pk") as c:
+            with trio.move_on_after(0.5):
+                await c.post("/v1/completions", json={"model": "p", "prompt": "x" * 12_000, "max_tokens": 10})
+        await eventually(lambda: up.records and up.records[0].aborted, "the provider saw the abort")
+        await eventually(lambda: key.in_flight == 0)
+        assert key.day_used == 3000  # characters / 4
+        await edge.edge.ledger.flush()
+    rows = sqlite3.connect(tmp_path / "l.sqlite3").execute(
+        "select prompt_tokens, completion_tokens, estimated from usage"
+    )
+    assert list(rows) == [(3000, 0, 1)]
+
+
+async def test_a_patch_keeps_what_is_left_of_a_keys_minute(nursery, tmp_path):
+    """PATCHing a run-time key (even to what it was) is no fresh minute; a lower limit
+    takes effect at once, a new one starts full."""
+    edge = await keyed_edge(nursery, tmp_path, [])
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            made = await admin.post("/v1/admin/keys", json={"id": "pat", "rpm": 2})
+            assert made.status_code == 201
+            async with client(edge, made.json()["key"]) as c:
+                assert [(await chat(c)).status_code for _ in range(3)] == [200, 200, 429]
+                for change in ({"rpm": 2}, {"models": ["*"]}, {"rpm": 3}):
+                    assert (await admin.patch("/v1/admin/keys/pat", json=change)).status_code == 200
+                    assert (await chat(c)).status_code == 429, change
+                assert (await admin.patch("/v1/admin/keys/pat", json={"tpm": 50_000})).status_code == 200
+                assert (await chat(c)).status_code == 429  # (its rpm is still spent)

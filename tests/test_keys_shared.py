@@ -15,7 +15,7 @@ import trio
 
 from edge.config import KeyConfig
 from scripts.stack import free_port, write_toml
-from tests.conftest import BOUND, TOKEN, edge_config, eventually, start_edge, start_node
+from tests.conftest import BOUND, TOKEN, edge_config, eventually, model, start_edge, start_node
 from tests.servers import postgres, postgres_url, redis_server  # noqa: F401  (fixtures)
 from tests.test_keys import ADMIN, ADMIN_H, chat, client, sim
 
@@ -429,3 +429,57 @@ async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, r
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
     assert sum(r.status_code == 200 for r in stalled) <= 3, [r.status_code for r in stalled]
+
+
+async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_server, tmp_path):  # noqa: F811
+    """max_concurrent 2, two edges, five clients on each retrying at once on 429 for 3 s:
+    every request runs on a slot its edge holds in Redis, so at no moment do more than 2
+    run (before: each edge admitted on the other's count as last published, and ran the
+    key at 4 about half the time). A dead edge's slots are dropped after EDGE_TTL_S."""
+    import redis as redis_client
+
+    from edge.shared_state import EDGE_TTL_S
+
+    keys = [KeyConfig(id="cc", key="sk-cc", max_concurrent=2)]
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        await start_node(nursery, edge, [model("slow", ttft_ms=0, tokens_per_s=100, sim_tokens=5)], node_id=f"n-{name}")
+        await eventually(lambda edge=edge: edge.edge.shared.up)
+        edges.append(edge)
+    key_of = [edge.edge.keys.by_id["cc"] for edge in edges]
+    # An edge that died holding one slot, 1 s past the silence after which its entry goes.
+    r = redis_client.Redis.from_url(redis_server.url)
+    seconds, micros = r.time()
+    r.hset("iop:flight:cc", "dead-edge", f"1 0 {seconds + micros / 1e6 - EDGE_TTL_S - 1:.6f}")
+    peak, served = 0, 0
+    with trio.fail_after(BOUND):
+        stop = trio.current_time() + 3
+
+        async def hammer(edge) -> None:
+            nonlocal served
+            async with client(edge, "sk-cc") as c:
+                while trio.current_time() < stop:
+                    status = (await chat(c, "slow")).status_code
+                    assert status in (200, 429)
+                    served += status == 200
+                    if status == 429:
+                        await trio.sleep(0.01)
+
+        async def watch() -> None:
+            nonlocal peak
+            while trio.current_time() < stop:
+                peak = max(peak, sum(key.in_flight for key in key_of))
+                await trio.sleep(0.002)
+
+        async with trio.open_nursery() as load:
+            load.start_soon(watch)
+            for edge in edges:
+                for _ in range(5):
+                    load.start_soon(hammer, edge)
+    assert peak == 2
+    assert served >= 3 * 2 / 0.05 / 2  # (each request runs about 50 ms: at least half the slots' time used)
+    assert b"dead-edge" not in r.hgetall("iop:flight:cc")
+    r.close()

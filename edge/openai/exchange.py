@@ -57,6 +57,7 @@ class Access:
         "usage",
         "usage_estimated",
         "partial",
+        "earlier",
         "ttft_ms",
         "error",
         "refusal",
@@ -70,6 +71,7 @@ class Access:
         self.usage: UsageOut | None = None
         self.usage_estimated = False
         self.partial: tuple[int, int] | None = None  # no usage: (prompt estimate, deltas seen) of the last run
+        self.earlier = (0, 0)  # (prompt, completion) tokens of the runs before the last (tool retries)
         self.ttft_ms: float | None = None
         self.error: str | None = None  # a refused request's error code (the console lists 429s)
         self.refusal = ""  # a 429's message: which limit, or the queue (the edge's own words)

@@ -119,6 +119,8 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
         if ex.started:
             ex.access.usage, ex.access.usage_estimated = seen.usage(prompt)
+        else:  # ended before the provider's answer began (the client left, the run failed): its prompt, as in chat
+            ex.access.partial = (prompt, 0)
 
 
 class _Seen:

@@ -252,6 +252,8 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     else:
         prompt = completion = 0
         estimated = False
+    if access.earlier != (0, 0):  # the runs a tool retry replaced: their tokens were spent too
+        prompt, completion = prompt + access.earlier[0], completion + access.earlier[1]
     if not (is_token_count(prompt) and is_token_count(completion)):  # (never, from a run: a last guard for the ledger)
         log.warning("usage out of range, not recorded", prompt=str(prompt)[:40], completion=str(completion)[:40])
         prompt = completion = 0
@@ -296,8 +298,8 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         cause=outcome,
         key=key.id if key is not None else None,
         node_id=access.node_id,
-        prompt_tokens=usage.prompt_tokens if usage else None,
-        completion_tokens=usage.completion_tokens if usage else None,
+        prompt_tokens=prompt if usage else None,
+        completion_tokens=completion if usage else None,
         usage_estimated=access.usage_estimated if usage else None,
         duration_ms=round(seconds * 1000, 1),
     )

@@ -87,6 +87,9 @@ class Turn:
         self.outcome: str | None = None  # set when the client got an error the run's cause does not tell
         self.usage: UsageOut | None = None  # of the run that answered (for the access line)
         self.usage_estimated = False
+        # Tokens of the runs before the one that answered (tool retries): charged with it, not shown to the client.
+        self.earlier = (0, 0)
+        self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
 
     def report(self, access) -> None:
         """Fill in what the access line (edge.openai.routes) reports of this
@@ -99,6 +102,7 @@ class Turn:
         # The node that ran it: a run moved to another node before its first event (failover) says where.
         access.node_id = (run.slot.link.node_id if run is not None else self.node_id) or None
         access.usage, access.usage_estimated = self.usage, self.usage_estimated
+        access.earlier = self.earlier
         if run is not None:
             if run.first_event_at is not None:
                 access.ttft_ms = round((run.first_event_at - run.started_at) * 1000, 1)
@@ -130,10 +134,15 @@ class Turn:
         self.usage, self.usage_estimated = usage_out(
             event.usage, prompt_estimate=self.estimate, deltas=run.deltas_seen, tool_calls=event.tool_calls
         )
-        lease = self.ex.lease
-        if lease is not None:  # settled now, before the client can send its next request
-            self.edge.keys.settle(lease, self.usage.prompt_tokens + self.usage.completion_tokens)
+        if not self.settle_at_end:
+            self.settle()
         return self.usage
+
+    def settle(self) -> None:
+        """Settle the key's lease with every run's tokens, before the client can send its next request."""
+        lease, usage = self.ex.lease, self.usage
+        if lease is not None and usage is not None:
+            self.edge.keys.settle(lease, sum(self.earlier) + usage.prompt_tokens + usage.completion_tokens)
 
     def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> msgspec.Raw:
         """The encoded body for a run on ``slot`` (raises :class:`APIError` if a
@@ -309,6 +318,7 @@ async def collect_validated(
     attempt = 1
     metadata = turn.metadata
     extra: list[dict[str, Any]] = []
+    turn.settle_at_end = True  # a run's usage settles the key's lease only once no retry follows it
     while True:
         try:
             result = await turn.run_on(
@@ -330,11 +340,13 @@ async def collect_validated(
                 ) from None
             raise
         if turn.contract is None or result.finish_reason == "length":
+            turn.settle()
             return result
         reason = result.tool_error or turn.contract.validate(result.tool_calls)
         if not reason:
             if turn.req.parallel_tool_calls is False and result.tool_calls and len(result.tool_calls) > 1:
                 result.tool_calls = result.tool_calls[:1]  # the client asked for one call a turn
+            turn.settle()
             return result
         failed_run = turn.last_run.id if turn.last_run else ""
         # The reason quotes the model's arguments: completion text, logged only when tracing.
@@ -342,6 +354,12 @@ async def collect_validated(
         if attempt >= max_attempts:
             log.warning("tool validation failed", attempt=attempt, **why)
             raise RunFailed(reason, type=TOOL_VALIDATION_ERROR, cause="tool_validation")
+        # This run's tokens are spent: the retry's usage answers the client, the key is charged both.
+        turn.earlier = (
+            turn.earlier[0] + result.usage.prompt_tokens,
+            turn.earlier[1] + result.usage.completion_tokens,
+        )
+        turn.usage = None
         attempt += 1
         edge.metrics.tool_retries.labels(edge.metrics.model_label(turn.req.model)).inc()
         log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, **why)
