@@ -8,6 +8,7 @@ hypothesis). Each holds back at most the longest partial token/tag.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable
 
 # Special tokens of the common chat templates that leak into text when a model
@@ -126,6 +127,9 @@ class SentinelFilter:
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# ASCII case folding only: a match's offsets are the text's own (str.lower can change a length).
+_OPEN_TAG = re.compile(THINK_OPEN, re.IGNORECASE | re.ASCII)
+_CLOSE_TAG = re.compile(THINK_CLOSE, re.IGNORECASE | re.ASCII)
 
 
 class ThinkSplitter:
@@ -164,18 +168,20 @@ class ThinkSplitter:
             return
         buf = self._pending + text
         self._pending = ""
-        while buf:
-            tag = THINK_CLOSE if self._in_think else THINK_OPEN
-            idx = buf.lower().find(tag)
-            if idx >= 0:
-                self._emit(buf[:idx])
-                buf = buf[idx + len(tag) :]
+        at = 0  # (one pass over buf: a search from the start for each tag was quadratic in tags)
+        while True:
+            tag = _CLOSE_TAG if self._in_think else _OPEN_TAG
+            found = tag.search(buf, at)
+            if found is not None:
+                self._emit(buf[at : found.start()])
+                at = found.end()
                 self._in_think = not self._in_think
                 continue
             # Hold back a suffix that may be the start of the tag.
-            hold = _partial_suffix(buf, tag)
-            self._emit(buf[: len(buf) - hold])
-            self._pending = buf[len(buf) - hold :]
+            rest = buf[at:]
+            hold = _partial_suffix(rest, tag.pattern)
+            self._emit(rest[: len(rest) - hold])
+            self._pending = rest[len(rest) - hold :]
             return
 
     def _past_head(self, text: str) -> str | None:
