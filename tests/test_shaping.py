@@ -346,3 +346,35 @@ async def test_outputs_that_rescan_themselves_are_shaped_in_one_pass(shaped):
         assert held.append("ab") == ""
     assert time.perf_counter() - t0 < 5  # (0.01 s measured, 8 s before)
     assert held.flush() == "<tool_call>{" + "ab" * 50_000
+
+
+async def test_a_strict_live_stream_never_shows_reasoning_a_template_opened(shaped):
+    """Strict output, streamed live, a template that consumed <think>: the content
+    starts inside reasoning and only shows </think>. The head is held until the
+    </think> (or a leading <think>, or the end), so the reasoning never leaves the
+    edge (it was streamed as content before); a whole response says the same."""
+    edge, upstream = shaped
+    upstream.script_for(
+        "t",
+        script(
+            {"content": "I must not reveal the "},
+            {"content": "key</th"},
+            {"content": "ink>\n\nHel"},
+            {"content": "lo!"},
+        ),
+    )
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="strict")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "strict", "messages": MESSAGES})).json()
+    assert joined(chunks, "content") == whole["choices"][0]["message"]["content"] == "\n\nHello!"
+    assert b"reveal" not in raw
+    # Opened by the model itself, or never: the same text as before.
+    for deltas, content in (
+        (({"content": "<think>sec"}, {"content": "ret</think>Hi"}, {"content": " there"}), "Hi there"),
+        (({"content": "Just "}, {"content": "text."}), "Just text."),
+    ):
+        upstream.script_for("t", script(*deltas))
+        with trio.fail_after(BOUND):
+            chunks, raw = await stream_raw(edge, model="strict")
+        assert joined(chunks, "content") == content and b"secret" not in raw

@@ -128,8 +128,8 @@ class SentinelFilter:
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 # ASCII case folding only: a match's offsets are the text's own (str.lower can change a length).
-_OPEN_TAG = re.compile(THINK_OPEN, re.IGNORECASE | re.ASCII)
-_CLOSE_TAG = re.compile(THINK_CLOSE, re.IGNORECASE | re.ASCII)
+THINK_OPEN_RE = re.compile(THINK_OPEN, re.IGNORECASE | re.ASCII)
+THINK_CLOSE_RE = re.compile(THINK_CLOSE, re.IGNORECASE | re.ASCII)
 
 
 class ThinkSplitter:
@@ -170,7 +170,7 @@ class ThinkSplitter:
         self._pending = ""
         at = 0  # (one pass over buf: a search from the start for each tag was quadratic in tags)
         while True:
-            tag = _CLOSE_TAG if self._in_think else _OPEN_TAG
+            tag = THINK_CLOSE_RE if self._in_think else THINK_OPEN_RE
             found = tag.search(buf, at)
             if found is not None:
                 self._emit(buf[at : found.start()])

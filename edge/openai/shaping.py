@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 
 from edge.config import ModelPolicy
-from edge.openai.filters import DEFAULT_SENTINELS, THINK_CLOSE, THINK_OPEN, SentinelFilter, ThinkSplitter
+from edge.openai.filters import DEFAULT_SENTINELS, THINK_CLOSE, THINK_CLOSE_RE, THINK_OPEN, SentinelFilter, ThinkSplitter
 from proto import RunEvent
 from proto.frames import DELTA, REASONING_DELTA
 
@@ -39,6 +39,9 @@ class Shaper:
         "content_len",
         "reasoning_len",
         "has_content",
+        "_held",
+        "_held_scan",
+        "_head_open",
     )
 
     def __init__(
@@ -65,6 +68,13 @@ class Shaper:
         self._think: ThinkSplitter | None = None
         if live and policy.think_tags == "open":
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True)
+        # A strict live stream with think_tags "auto" holds its content until it shows its
+        # reasoning ended (</think>), starts with <think>, or ends: a template that consumed
+        # <think> makes the head reasoning, and strict reasoning never leaves the edge. Not if
+        # reasoning came first in its own field: the model server parts them.
+        self._held: list[str] | None = [] if live and policy.strict_output and policy.think_tags == "auto" else None
+        self._held_scan = ""  # the held text's last characters, for a tag split across deltas
+        self._head_open: bool | None = None  # the held text starts with <think> (None: not known yet)
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.content_len = 0
@@ -77,6 +87,12 @@ class Shaper:
         text = self._content_filter.append(text)
         if not text:
             return
+        if self._held is not None:
+            self._hold(text)
+            return
+        self._shape_content(text)
+
+    def _shape_content(self, text: str) -> None:
         if self._think is None and "<" in text:
             self._split_think()
         if self._think is not None:
@@ -86,12 +102,45 @@ class Shaper:
         else:
             self.content_parts.append(text)
 
+    def _hold(self, text: str) -> None:
+        """A strict live stream's head (see ``_held``), one more piece of it."""
+        held = self._held
+        assert held is not None
+        held.append(text)
+        if self._head_open is None:
+            head = "".join(held).lstrip()[: len(THINK_OPEN)].lower()
+            if len(head) == len(THINK_OPEN) or not THINK_OPEN.startswith(head):
+                self._head_open = head == THINK_OPEN
+        if self._head_open:  # tags as written: the live splitter moves them
+            self._release()
+            return
+        scan = self._held_scan + text
+        found = THINK_CLOSE_RE.search(scan)
+        if found is None:
+            self._held_scan = scan[-(len(THINK_CLOSE) - 1) :]
+            return
+        whole = "".join(held)
+        at = len(whole) - len(scan) + found.start()
+        self._held = None
+        self._reasoning_out(whole[:at])
+        rest = whole[at + len(THINK_CLOSE) :]
+        if rest:
+            self._shape_content(rest)
+
+    def _release(self) -> None:
+        """The held head is content after all (or starts with its own <think>)."""
+        held, self._held = self._held, None
+        if held:
+            self._shape_content("".join(held))
+
     def _split_think(self) -> None:
         """Text with a "<" in a live stream whose think tags are on: split from here."""
         if self._live and self.policy.think_tags != "off":
             self._think = ThinkSplitter(self._content_out, self._reasoning_out)
 
     def reasoning(self, text: str) -> None:
+        if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
+            self._held = None
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
@@ -126,6 +175,12 @@ class Shaper:
     def finish(self) -> None:
         """Flush every filter; in collect mode, split think tags now."""
         rest = self._content_filter.flush()
+        if self._held is not None:
+            if rest:
+                self._held.append(rest)
+            self._head_open = True  # (the end: nothing more can show a </think>)
+            self._release()
+            rest = self._content_filter.flush()
         if self._think is None and "<" in rest:
             self._split_think()
         if self._think is not None:
