@@ -12,7 +12,14 @@ import re
 from collections.abc import Callable
 
 from edge.config import ModelPolicy
-from edge.openai.filters import DEFAULT_SENTINELS, THINK_CLOSE, THINK_CLOSE_RE, THINK_OPEN, SentinelFilter, ThinkSplitter
+from edge.openai.filters import (
+    DEFAULT_SENTINELS,
+    THINK_CLOSE,
+    THINK_CLOSE_RE,
+    THINK_OPEN,
+    SentinelFilter,
+    ThinkSplitter,
+)
 from proto import RunEvent
 from proto.frames import DELTA, REASONING_DELTA
 
