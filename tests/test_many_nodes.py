@@ -172,6 +172,36 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
     await settled(edge)
 
 
+async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_path):
+    """A passthrough request (here /v1/completions) whose node dies before answering
+    moves to another node, as a chat run does (it was a 502 node_disconnected)."""
+    slow, fine = await new_upstream(nursery), await new_upstream(nursery)
+    slow.script_for("t", [("hang",)])
+    fine.script_for("t", [("status", 200, b'{"ok": "survivor"}')])
+    edge = await start_edge(nursery)
+    proc = await start_node_process(
+        nursery,
+        tmp_path,
+        edge,
+        [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url, "passthrough": True}],
+        node_id="doomed",
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            result: list[httpx.Response] = []
+
+            async def ask():
+                result.append(await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+
+            clients.start_soon(ask)
+            await slow.wait_requests(1)
+            await start_node(nursery, edge, [model("m", fine, target="t", passthrough=True)], node_id="survivor")
+            proc.send_signal(signal.SIGKILL)
+    assert result[0].status_code == 200 and result[0].json() == {"ok": "survivor"}
+    assert len(fine.records) == 1
+    await settled(edge)
+
+
 async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):
     """SIGTERM to a node: it takes no new runs, finishes its in-flight stream, then unlinks."""
     upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))
@@ -259,6 +289,28 @@ async def test_passthrough_is_byte_identical(tunnel):
             straight = await direct.post(upstream.base_url + "/embeddings", json={**emb, "model": "emb-target"})
     assert via_edge.status_code == 200 and via_edge.content == straight.content
     assert len(msgspec.json.decode(via_edge.content)["data"]) == 2
+
+
+async def test_passthrough_returns_the_providers_request_id(tunnel):
+    """The provider's x-request-id comes back as x-upstream-request-id, beside the edge's own."""
+    edge, upstream = tunnel
+    body = b'{"object": "list", "data": []}'
+    upstream.script_for(
+        "emb-target",
+        [
+            (
+                "response",
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-request-id: provider-42\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body),
+            )
+        ],
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/completions", json={"model": "emb", "prompt": "hi"})
+    assert r.status_code == 200 and r.content == body
+    assert r.headers["x-upstream-request-id"] == "provider-42"
+    assert r.headers["x-request-id"].startswith("req_")
 
 
 async def test_passthrough_cancels_on_disconnect(tunnel):

@@ -50,10 +50,11 @@ log = structlog.get_logger("iop.edge.passthrough")
 
 # A provider's headers the client gets: these, and those of its own families. Nothing else: not
 # framing the edge does itself (a content-length that was not the body's cut the response or
-# hung the connection), not headers the edge sets (date, server, x-request-id), not what is the
-# edge's origin's to decide, which also serves /console (cookies, CORS, CSP, HSTS, alt-svc,
-# refresh, clear-site-data, link).
-_RELAYED = frozenset({"content-type", "cache-control", "retry-after", "vary"})
+# hung the connection), not headers the edge sets (date, server), not what is the edge's
+# origin's to decide, which also serves /console (cookies, CORS, CSP, HSTS, alt-svc, refresh,
+# clear-site-data, link). The provider's x-request-id goes out as x-upstream-request-id
+# (Exchange._head), beside the edge's own.
+_RELAYED = frozenset({"content-type", "cache-control", "retry-after", "vary", "x-request-id"})
 _RELAYED_FAMILIES = ("openai-", "x-ratelimit-", "anthropic-")
 _MAX_RELAYED = 64
 # A body's type, if it is one an API answers with; any other is relayed as bytes to save, never

@@ -136,7 +136,7 @@ class Run:
         self.cause: str | None = None
         self._on_close = on_close
         self.want = None  # what the request needs of a node (for failover)
-        self.request = None  # the RunRequest frame, kept until the run closes (for failover)
+        self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
         self.requeued = None  # while a failed-over run waits for a slot: its place in the queue
         self.timers: RunTimers | None = None  # the service's, which enforce wait_timeout and the deadline

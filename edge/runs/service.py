@@ -716,19 +716,18 @@ class RunService:
     ) -> Run:
         """A passthrough run: the node relays one raw HTTP request."""
         run = self._new_run(slot, want, {"response_mode": "passthrough"}, None, api, client)
-        slot.link.send_nowait(
-            TunnelRequest(
-                run_id=run.id,
-                model=slot.model,
-                target=slot.info.target,
-                method=method,
-                path=path,
-                body=body,
-                timeout_s=self.config.run_timeout_s,
-                stream=stream,
-                headers=headers,
-            )
+        run.request = TunnelRequest(  # (kept: a run its node loses before any event moves, as a chat run does)
+            run_id=run.id,
+            model=slot.model,
+            target=slot.info.target,
+            method=method,
+            path=path,
+            body=body,
+            timeout_s=self.config.run_timeout_s,
+            stream=stream,
+            headers=headers,
         )
+        slot.link.send_nowait(run.request)
         slot.link.sent(run.id, run.started_at)
         return run
 
