@@ -501,3 +501,51 @@ async def test_a_tool_calls_end_without_a_call_is_stop(tooled):
                 finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 assert whole.choices[0].finish_reason == "stop" and whole.choices[0].message.tool_calls is None, name
                 assert finishes == ["stop"], (name, finishes)
+
+
+async def test_a_call_without_arguments_is_an_empty_object(tooled):
+    """A native call of a function without parameters whose arguments came empty (or
+    never came) reaches the SDK as "{}", streamed and whole: "" is no JSON."""
+    edge, upstream = tooled
+    bare = {"tool_calls": [{"index": 0, "id": "call_t", "type": "function", "function": {"name": "get_time"}}]}
+    for first in (native_call(0, "call_t", "get_time")[0], bare):
+        upstream.script_for("t", steps(first, finish="tool_calls"))
+        with trio.fail_after(BOUND):
+            async with sdk(edge) as client:
+                whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+                stream = await client.chat.completions.create(model="live", messages=MESSAGES, tools=TOOLS, stream=True)
+                streamed = [tc for c in [c async for c in stream] for tc in c.choices[0].delta.tool_calls or ()]
+        assert json.loads(whole.choices[0].message.tool_calls[0].function.arguments) == {}
+        assert [json.loads(tc.function.arguments) for tc in streamed] == [{}]
+
+
+async def test_a_live_tool_stream_fails_on_any_unreadable_call_and_sends_one_call_if_asked(tooled):
+    """tool_stream = "live" as buffered: a readable call followed by one that cannot be
+    read is a tool_validation_error (the readable one was sent alone, as if it were all);
+    parallel_tool_calls false returns the first call only."""
+    edge, upstream = tooled
+    broken = text_call("get_weather", {"city": "Paris"}) + "<tool_call>{not json</tool_call>"
+    upstream.script_for("t", steps({"content": broken}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+            r = await client.post("/v1/chat/completions", json=body)
+            events = sse_events(r.content)
+            assert msgspec.json.decode(events[-2])["error"]["type"] == "tool_validation_error"
+            assert b"tool_calls" not in r.content
+            upstream.script_for(
+                "t",
+                steps(
+                    *native_call(0, "call_a", "get_weather", '{"city": "Paris"}'),
+                    *native_call(1, "call_b", "get_weather", '{"city": "Rome"}'),
+                    finish="tool_calls",
+                ),
+            )
+            r = await client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+    calls = [
+        tc
+        for e in sse_events(r.content)[:-1]
+        for c in msgspec.json.decode(e)["choices"]
+        for tc in c["delta"].get("tool_calls", [])
+    ]
+    assert [c["id"] for c in calls] == ["call_a"]

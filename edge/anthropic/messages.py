@@ -199,7 +199,7 @@ class MessagesLive(output.LiveEncoder):
         enc = self.enc
         parts: list[bytes] = []
         finish_reason = event.finish_reason or "stop"
-        calls = with_ids(event.tool_calls) if event.tool_calls else None
+        calls = self.turn.calls_to_send(with_ids(event.tool_calls) if event.tool_calls else None)
         fallback = shaper.fallback(finish_reason, bool(calls))
         if fallback:
             parts.append(enc.text(fallback))

@@ -370,7 +370,8 @@ class LiveStream(LiveEncoder):
             if parsed.candidate and not (cut_off and parsed.error):
                 calls = parsed.calls or None
                 self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))
-                if parsed.error and not calls:
+                if parsed.error:  # a block that could not be read fails the turn, as when buffered
+                    self.turn.outcome = "tool_validation"
                     return self.error(parsed.error, "tool_validation_error")
             else:
                 self._emit_content(self.tool_filter.flush())
@@ -379,6 +380,7 @@ class LiveStream(LiveEncoder):
             if reason:
                 self.turn.outcome = "tool_validation"
                 return self.error(reason, "tool_validation_error")
+        calls = self.turn.calls_to_send(calls)
         tail: list[bytes] = []
         if calls:
             tail.append(enc.tool_calls(tool_calls_out(calls)))

@@ -59,10 +59,14 @@ def new_call_id() -> str:
 
 
 def with_ids(calls: list[ToolCall]) -> list[ToolCall]:
-    """Native calls from an upstream that gave no id get one."""
+    """Native calls as a client gets them: an id where the upstream gave none,
+    and ``{}`` where it gave no arguments (a call of a function without
+    parameters: ``""`` is no JSON object, and an SDK's ``json.loads`` fails)."""
     for call in calls:
         if not call.id:
             call.id = new_call_id()
+        if not call.function.arguments.strip():
+            call.function.arguments = "{}"
     return calls
 
 

@@ -138,6 +138,13 @@ class Turn:
             self.settle()
         return self.usage
 
+    def calls_to_send(self, calls: list[ToolCall] | None) -> list[ToolCall] | None:
+        """``parallel_tool_calls: false`` (Anthropic's ``disable_parallel_tool_use``):
+        the client asked for one call a turn, so it gets the first."""
+        if calls and len(calls) > 1 and self.req.parallel_tool_calls is False:
+            return calls[:1]
+        return calls
+
     def settle(self) -> None:
         """Settle the key's lease with every run's tokens, before the client can send its next request."""
         lease, usage = self.ex.lease, self.usage
@@ -344,8 +351,7 @@ async def collect_validated(
             return result
         reason = result.tool_error or turn.contract.validate(result.tool_calls)
         if not reason:
-            if turn.req.parallel_tool_calls is False and result.tool_calls and len(result.tool_calls) > 1:
-                result.tool_calls = result.tool_calls[:1]  # the client asked for one call a turn
+            result.tool_calls = turn.calls_to_send(result.tool_calls)
             turn.settle()
             return result
         failed_run = turn.last_run.id if turn.last_run else ""
