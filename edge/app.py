@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import secrets
 import sqlite3
+import sys
 import time
 from functools import partial
 
@@ -83,6 +84,7 @@ class Edge:
         self.metrics = EdgeMetrics(self.runs, self)
         self.console = Console(self)
         self.draining = False
+        self.open_served = False  # an open edge's first request was looked at (is_loopback)
         self.hurry = trio.Event()  # a second signal: end the drain's grace now
 
     async def drain(self) -> None:
@@ -108,6 +110,11 @@ class Edge:
         if self.draining:
             return draining()
         if self.keys.open:
+            if not self.open_served:  # (the address it came in on: under hypercorn only a request tells)
+                self.open_served = True
+                server = ex.scope.get("server")
+                if server and not is_loopback(str(server[0])):
+                    _warn_open(f"{server[0]}:{server[1]}")
             return None
         key = self.keys.authenticate(ex.header(b"authorization"), ex.header(b"x-api-key"))
         if key is None:
@@ -160,6 +167,20 @@ class Edge:
         ex.extra_headers = self.keys.headers(key)
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _warn_open(address: str) -> None:
+    log.warning(
+        "EDGE IS OPEN: bound to a non-loopback address with no api_keys; anyone who can reach it can use it",
+        bind=address,
+    )
+
+
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
     return Response(body, status, content_type="application/json", headers=headers)
 
@@ -189,10 +210,31 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         logs.configure()
     if config is None:
         try:
-            return _create_app(load_edge_config(None))
+            config = load_edge_config(None)
         except ConfigError as e:
             raise SystemExit(f"iop: {e}") from None
+        bind = _command_line_bind(sys.argv)
+        if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
+            config = msgspec.structs.replace(config, bind=bind)
     return _create_app(config)
+
+
+def _command_line_bind(argv: list[str]) -> str | None:
+    """The first public ``-b``/``--bind`` address of a hypercorn command line
+    (not loopback, a unix socket or a file descriptor), or None: the app is
+    told no address otherwise."""
+    if not argv or not argv[0].endswith("hypercorn"):
+        return None
+    binds = []
+    for i, arg in enumerate(argv):
+        if arg in ("-b", "--bind") and i + 1 < len(argv):
+            binds.append(argv[i + 1])
+        elif arg.startswith("--bind="):
+            binds.append(arg[len("--bind=") :])
+    public = [
+        b for b in binds if not b.startswith(("unix:", "fd://")) and not is_loopback(b.rpartition(":")[0].strip("[]"))
+    ]
+    return public[0] if public else None
 
 
 def _create_app(config: EdgeConfig) -> QuartTrio:
@@ -336,18 +378,11 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.before_serving
     async def warn_open() -> None:
-        host = config.bind.rpartition(":")[0].strip("[]")
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
         if not config.node_token and not config.node_tokens:
             log.warning("no node_token or node_tokens configured: no node can link to this edge")
-        if not loopback and edge.keys.open:
-            log.warning(
-                "EDGE IS OPEN: bound to a non-loopback address with no api_keys; anyone who can reach it can use it",
-                bind=config.bind,
-            )
+        if not is_loopback(config.bind.rpartition(":")[0].strip("[]")) and edge.keys.open:
+            edge.open_served = True  # (said now)
+            _warn_open(config.bind)
 
     admin_routes(app, edge)
     console_routes(app, edge)

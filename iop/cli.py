@@ -11,6 +11,7 @@ import ssl
 import sys
 from collections.abc import Callable
 
+import msgspec
 import structlog
 import trio
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
             config = load_edge_config(args.config)
             bind = _checked_bind(args.bind) if args.bind else config.bind
+            config = msgspec.structs.replace(config, bind=bind)  # (what it warns of, when open, is this)
             certfile = _readable("--certfile", args.certfile) or _readable("certfile", config.certfile)
             keyfile = _readable("--keyfile", args.keyfile) or _readable("keyfile", config.keyfile)
             if bool(certfile) != bool(keyfile):  # one alone served plain HTTP, saying nothing

@@ -8,6 +8,7 @@ import signal
 import ssl
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -83,6 +84,38 @@ async def test_open_edge_on_a_public_address_warns(nursery):
     with structlog.testing.capture_logs() as logs:
         await start_edge(nursery, edge_config(bind="0.0.0.0:8080"))  # served on loopback all the same
     assert any("EDGE IS OPEN" in e["event"] and e["log_level"] == "warning" for e in logs)
+
+
+async def test_an_open_edge_bound_public_by_the_command_line_warns(tmp_path):
+    """`iop edge --bind 0.0.0.0:P` and hypercorn's own `--bind` with no api_keys: the
+    warning comes (at start, or at the first API request under hypercorn, which tells
+    the app no address); both said nothing before."""
+    from scripts.stack import free_port
+
+    cfg = write_toml(tmp_path / "edge.toml", {"node_token": TOKEN})
+    hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+    for name, argv in (
+        ("iop", [sys.executable, "-m", "iop.cli", "edge", "--config", cfg, "--bind"]),
+        ("hypercorn", [hypercorn, "--worker-class", "trio", "edge.app:create_app()", "--bind"]),
+    ):
+        port = free_port()
+        log = tmp_path / f"{name}.log"
+        proc = _spawn([*argv, f"0.0.0.0:{port}"], {"IOP_EDGE_CONFIG": str(cfg)}, stderr=log)
+        try:
+            with trio.fail_after(BOUND):
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND) as client:
+                    while True:
+                        try:
+                            r = await client.post("/v1/chat/completions", json=BODY)
+                            break
+                        except httpx.HTTPError:
+                            await trio.sleep(0.05)
+                    assert r.status_code == 503  # (no node)
+                    while "EDGE IS OPEN" not in log.read_text():
+                        await trio.sleep(0.05)
+        finally:
+            _stop(proc)
+        assert log.read_text().count("EDGE IS OPEN") == 1, name
 
 
 async def test_per_node_tokens_are_checked_at_the_upgrade(nursery, upstream):
@@ -173,9 +206,12 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
     assert 'iop_queue_time_seconds_count{model="m"}' in text
 
 
-def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _spawn(args: list[str], env: dict[str, str], stderr: Path | None = None) -> subprocess.Popen:
     # Its own process group: hypercorn's CLI runs its worker in a child process.
-    return subprocess.Popen(args, env={**os.environ, **env}, start_new_session=True)
+    if stderr is None:
+        return subprocess.Popen(args, env={**os.environ, **env}, start_new_session=True)
+    with open(stderr, "w") as err:
+        return subprocess.Popen(args, env={**os.environ, **env}, stderr=err, start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
