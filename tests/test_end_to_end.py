@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import structlog
 import trio
 
 from scripts.upstream import text_script, words
@@ -106,4 +107,24 @@ async def test_upstream_error_reaches_client(edge, node, upstream):
                 assert r.status_code == 400
                 err = r.json()["error"]
                 assert err["code"] == "upstream_rejected" and "bad temperature" in err["message"]
+    await settled(edge, node.agent)
+
+
+async def test_a_model_server_refusing_the_nodes_key_is_a_502_that_quotes_nothing(edge, node, upstream):
+    """An upstream 401/403 refused the node's credentials, not the client's: a 502
+    upstream_auth_failed the SDK does not retry, and the provider's words (which can
+    quote the node's key) stay in the edge's log. It was the provider's 401, verbatim."""
+    said = b'{"error": {"message": "Incorrect API key provided: sk-proj-****WXYZ."}}'
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        for status in (401, 403):
+            upstream.script_for("m-target", [("status", status, said)])
+            async with http(edge) as client:
+                for stream in (False, True):
+                    body = {"model": "m", "messages": MESSAGES, "stream": stream}
+                    r = await client.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 502 and r.headers["x-should-retry"] == "false"
+                    err = r.json()["error"]
+                    assert err["code"] == "upstream_auth_failed" and f"HTTP {status}" in err["message"]
+                    assert b"WXYZ" not in r.content
+    assert any("WXYZ" in e.get("error", "") for e in logs if e["log_level"] == "warning")
     await settled(edge, node.agent)

@@ -7,6 +7,7 @@ from functools import partial
 
 import httpx
 import msgspec
+import openai
 import pytest
 import structlog
 import trio
@@ -343,6 +344,21 @@ async def test_passthrough_error_before_response_is_502(nursery):
         async with http(edge) as client:
             r = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
             assert r.status_code == 502 and r.json()["error"]["type"] == "provider_tunnel_error"
+    await settled(edge)
+
+
+async def test_a_route_no_node_allows_for_a_model_is_a_400_the_sdk_does_not_retry(nursery):
+    """/v1/embeddings (a tunnelled route) for a model no linked node allows passthrough
+    for (the demo's iop-sim): a setting, not an outage. It was a 503 no_node_available,
+    which the SDK retried twice."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("chat-only", ttft_ms=0, tokens_per_s=0)])
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="k", max_retries=2) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.embeddings.create(model="chat-only", input="hi")
+    assert refused.value.code == "passthrough_not_allowed" and "passthrough" in refused.value.message
+    assert len([e for e in logs if e["event"] == "request"]) == 1  # asked once
     await settled(edge)
 
 

@@ -63,7 +63,8 @@ def _wants_usage(turn: Turn) -> bool:
 
 def http_error(failed: RunFailed, run: Run | None) -> APIError:
     """A failed run as an HTTP error (a whole response, or a stream not yet
-    committed): an upstream 4xx keeps its status; an upstream 5xx or a node's
+    committed): an upstream 4xx keeps its status, but a 401 or 403 (the node's
+    credentials, not the client's) is a 502; an upstream 5xx or a node's
     error is 502, a lost node 502, a wait timeout or run deadline 504, the
     edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``;
     an operator's cancel is :func:`operator_cancelled`."""
@@ -77,6 +78,10 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         # Retry-After does not travel over the link; say 1 s.
         return APIError(
             429, failed.message, "rate_limit_error", code="upstream_rate_limited", headers=[(b"retry-after", b"1")]
+        )
+    if failed.status in (401, 403):  # the node's credentials: no fault of the client's key
+        return APIError(
+            502, failed.message, "upstream_error", code="upstream_auth_failed", headers=[(b"x-should-retry", b"false")]
         )
     if 400 <= failed.status < 500:
         return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")

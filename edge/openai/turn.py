@@ -227,6 +227,14 @@ class Collected(msgspec.Struct):
 
 def failure(event: RunEvent, run: Run) -> RunFailed:
     message = event.text or ("run cancelled" if event.type == "cancelled" else "run failed")
+    if event.status in (401, 403):
+        # The node's own credentials, not the client's: the client is told so, never the
+        # provider's words (they can quote the node's key: "Incorrect API key provided: sk-...WXYZ").
+        log.warning("model server refused the node's credentials", status=event.status, error=message[:500])
+        message = (
+            f"The model server refused the node's credentials (HTTP {event.status}); "
+            "the edge's operator must fix the node's api_key for this model."
+        )
     return RunFailed(message, cause=run.cause or "run_error", status=event.status)
 
 

@@ -555,8 +555,15 @@ class RunService:
                 raise errors.no_node(model)
             raise errors.model_not_found(model)
         if not any(want.fits(link) for link in serving):
-            if want.tunnel:
-                raise errors.no_node(model, f"No linked node serving `{model}` allows passthrough.")
+            if want.tunnel:  # a setting of the nodes, not an outage: a 503 had the SDKs retry it
+                raise errors.APIError(
+                    400,
+                    f"The model `{model}` is served for chat here, not for this route: no linked node "
+                    "serving it allows passthrough (a node's `passthrough = true`).",
+                    "invalid_request_error",
+                    param="model",
+                    code="passthrough_not_allowed",
+                )
             largest = max(lk.models[model].context_window for lk in serving)
             raise errors.context_too_long(want.min_context - want.max_tokens, want.max_tokens, largest)
         queue = self._queues[model]
