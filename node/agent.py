@@ -590,20 +590,34 @@ class NodeAgent:
             if secure:
                 context = ssl.create_default_context(cafile=cfg.ca_file or None)
                 stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=context, https_compatible=True)
+                try:  # now, not inside the upgrade, whose client waited out the timeout on a TLS failure
+                    await stream.do_handshake()
+                except trio.BrokenResourceError as e:
+                    await trio.aclose_forcefully(stream)
+                    raise LinkRefused(f"TLS with the edge failed: {e.__cause__ or e}") from None
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
             else:
                 stream = await trio.open_tcp_stream(host, port)
         try:
             async with trio.open_nursery() as ws_nursery:
-                with trio.fail_after(cfg.connect_timeout_s):
-                    ws = await wrap_client_stream(
-                        ws_nursery,
-                        stream,
-                        host_header,
-                        resource,
-                        extra_headers=headers,
-                        max_message_size=cfg.max_frame_bytes,
-                        receive_buffer_size=None,  # trio's default read size, not 4 KiB per read
-                    )
+                try:
+                    with trio.fail_after(cfg.connect_timeout_s):
+                        ws = await wrap_client_stream(
+                            ws_nursery,
+                            stream,
+                            host_header,
+                            resource,
+                            extra_headers=headers,
+                            max_message_size=cfg.max_frame_bytes,
+                            receive_buffer_size=None,  # trio's default read size, not 4 KiB per read
+                        )
+                except trio.TooSlowError:
+                    raise LinkRefused(
+                        f"no answer to the websocket upgrade in {cfg.connect_timeout_s:g} s"
+                        + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
+                    ) from None
                 try:
                     await self._speak(url, ws, linked)
                 finally:

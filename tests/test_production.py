@@ -317,6 +317,21 @@ async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
     )
     assert url.startswith("https://")
     link = url.replace("https", "wss", 1) + "/v1/node/link"
+    # Not trusting the edge's CA: the node says why at once (it logged "TooSlowError: " after
+    # its connect timeout), and never links.
+    lost = NodeAgent(node_config([link], [model("m", upstream)], node_id="lost", connect_timeout_s=60))
+
+    async def untrusting(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            await lost.serve()
+
+    with structlog.testing.capture_logs() as logs:
+        serving = await nursery.start(untrusting)
+        await eventually(lambda: any(e["event"] == "link failed" for e in logs), "the node logged why")
+        serving.cancel()
+    (failed, *_) = [e for e in logs if e["event"] == "link failed"]
+    assert "TLS with the edge failed" in failed["error"] and "CERTIFICATE_VERIFY_FAILED" in failed["error"]
     agent = NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile)))
     nursery.start_soon(agent.serve)
     await eventually(lambda: "n1" in edge_of(app).runs.links)
