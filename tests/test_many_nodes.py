@@ -362,6 +362,27 @@ async def test_a_route_no_node_allows_for_a_model_is_a_400_the_sdk_does_not_retr
     await settled(edge)
 
 
+async def test_a_node_whose_model_server_is_down_is_routed_around(nursery, upstream):
+    """Two nodes, one whose model server refuses every connection: it failed each run at
+    once, so it always looked least loaded and drew about half the traffic (31 of 40
+    requests failed in an audit). After 3 such failures in a row it is routed around for
+    the model (1 s, doubling while it keeps failing); alone, it still answers at once."""
+    edge = await start_edge(nursery)
+    dead = model("m", adapter="openai", target="t", base_url="http://127.0.0.1:9/v1")
+    await start_node(nursery, edge, [dead], node_id="dead")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            alone = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+            assert alone.status_code == 502
+            await start_node(nursery, edge, [model("m", upstream, target="t")], node_id="alive")
+            statuses = []
+            for i in range(40):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}
+                statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
+    assert statuses.count(200) >= 36, statuses  # (the failures: before it is routed around, and probes)
+    await settled(edge)
+
+
 async def test_models_and_nodes_listing(nursery, upstream):
     """/v1/models lists each model once with its nodes; /v1/nodes (admin key) shows capacity and in-flight."""
     edge = await start_edge(nursery, edge_config(admin_keys=["admin-secret"]))

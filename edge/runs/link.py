@@ -32,6 +32,10 @@ def _finite(value: float | None) -> float | None:
 
 KV_CACHE_FULL = 0.9  # a model server's KV cache past this fraction makes its node look busier
 _STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: first time, at most
+# A node whose model server fails run after run before any output (connection refused, 5xx) is
+# routed around for a model after this many in a row, for this long (first time, at most).
+EJECT_AFTER = 3
+_EJECT_BACKOFF_S = (1.0, 30.0)
 
 
 class NodeLink:
@@ -87,6 +91,8 @@ class NodeLink:
         self.ttft: float | None = None  # moving average of the time to a run's first event
         self.stalled_until = -1.0  # routed around until then (its runs were not starting)
         self._stall_backoff = _STALL_BACKOFF_S[0]
+        # model -> [runs failed in a row before any output, routed around until, next backoff]
+        self._failing: dict[str, list[float]] = {}
 
     def admit_placed(self, keys: int, now: float) -> bool:
         """Whether to record a relayed chain of ``keys`` keys: within
@@ -177,6 +183,35 @@ class NodeLink:
 
     def stalled(self, now: float) -> bool:
         return self.stalled_until > now
+
+    def ejected(self, model: str, now: float) -> bool:
+        """Routed around for ``model`` now: its model server failed run after run."""
+        failing = self._failing.get(model)
+        return failing is not None and failing[1] > now
+
+    def failed_at_once(self, model: str, now: float) -> float:
+        """A run of ``model`` failed here before any output, on its model server's side
+        (unreachable, 5xx): after :data:`EJECT_AFTER` in a row the node is routed
+        around for the model, for a backoff that doubles while the next try fails
+        too. Returns for how long it is routed around now (0: not)."""
+        failing = self._failing.setdefault(model, [0, -1.0, _EJECT_BACKOFF_S[0]])
+        failing[0] += 1
+        if failing[0] < EJECT_AFTER or failing[1] > now:
+            return 0.0
+        backoff = failing[2]
+        failing[0], failing[1], failing[2] = EJECT_AFTER - 1, now + backoff, min(backoff * 2, _EJECT_BACKOFF_S[1])
+        log.warning(
+            "node routed around: its model server fails every run",
+            node_id=self.node_id,
+            model=model,
+            for_s=backoff,
+        )
+        return backoff
+
+    def served(self, model: str) -> None:
+        """A run of ``model`` produced output here: its model server works."""
+        if self._failing:
+            self._failing.pop(model, None)
 
     def mark_stalled(self, now: float) -> float:
         """Route around this node for a while (doubling each time it stalls

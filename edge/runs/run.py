@@ -189,7 +189,12 @@ class Run:
         self.last_event_at = now
         if self.first_event_at is None:
             self.first_event_at = now
-            self.slot.link.started(self.id, now)
+            link = self.slot.link
+            link.started(self.id, now)
+            if complete or not terminal:
+                link.served(self.slot.model)
+            elif not getattr(item, "status", 0) or item.status >= 500:  # its model server failed it at once
+                link.failed_at_once(self.slot.model, now)
         self.events_seen += 1
         # One event a frame at most goes to the sink: the rest of a frame's events for this run
         # wait for the reader, which takes them in one batch (a frame of 10^5 tiny events is

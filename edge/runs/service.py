@@ -390,7 +390,8 @@ class RunService:
                 for lk in self.links.values()
                 if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now)
             ]
-            return random.choice(free) if free else None
+            working = [lk for lk in free if not lk.ejected(model, now)]
+            return random.choice(working or free) if free else None
         if want.session is not None and routing != "least_loaded":
             node_id = self._affinity.get(want.session)
             link = self.links.get(node_id) if node_id is not None else None
@@ -400,6 +401,7 @@ class RunService:
                 and link.free_slots(model) > 0
                 and want.fits(link)
                 and not link.stalled(now)
+                and not link.ejected(model, now)
             ):
                 self._placed = ("session", 0)
                 return link
@@ -407,6 +409,7 @@ class RunService:
         busy: list[NodeLink] = []  # serving, no free slot here: worth waiting for if it holds the prefix
         may_wait = routing == "prefix" and bool(want.prefix) and now < wait_until
         best_load = math.inf
+        failing: list[tuple[float, NodeLink]] = []  # free, but routed around while its model server fails
         for link in self.links.values():
             if link is exclude or not want.fits(link) or link.stalled(now):
                 continue
@@ -415,9 +418,17 @@ class RunService:
                     busy.append(link)
                 continue
             load = link.load(model)
+            if link.ejected(model, now):
+                failing.append((load, link))
+                continue
             free.append((load, link))
             best_load = min(best_load, load)
         if not free:
+            if failing and not any(  # no working node at all, full or not: its own error beats a queue timeout
+                lk is not exclude and not lk.ejected(model, now) and not lk.stalled(now) for lk in self._serving(model)
+            ):
+                self._placed = ("least_loaded", 0)
+                return min(failing, key=lambda pair: pair[0])[1]
             return None
         key = rendezvous_key(want.session, want.prefix) if routing == "prefix" else None
         if key is None:
