@@ -30,6 +30,7 @@ import structlog
 import trio
 from wsproto.connection import ConnectionState
 
+from edge.errors import error_json
 from edge.frame_limit import ReadBudget
 from edge.openai.direct import plain_tcp, send_locked
 
@@ -237,10 +238,20 @@ def link_route(handler: Callable[[RawWebsocket], Awaitable[None]], inner):
     """ASGI: ``/v1/node/link`` websockets go to ``handler``; the rest to ``inner``."""
 
     async def asgi(scope, receive, send) -> None:
-        if scope["type"] != "websocket" or scope["path"] != PATH:
+        if scope["type"] != "websocket":
             await inner(scope, receive, send)
             return
         ws = RawWebsocket(scope, receive, send)
+        if scope["path"] != PATH:  # (a node with a typo in its edge URL: said on both sides, not only the node's)
+            client = scope.get("client")
+            log.warning(
+                "websocket upgrade to an unknown path refused",
+                path=scope["path"][:128],
+                client=f"{client[0]}:{client[1]}" if client else None,
+            )
+            body = error_json(f"Unknown route: nodes link at {PATH}.", "invalid_request_error", code="unknown_route")
+            await ws.refuse(404, body)
+            return
         try:
             await handler(ws)
         except BaseException as error:  # noqa: BLE001 (re-raised below unless it is ours to end)

@@ -9,6 +9,7 @@ from functools import partial
 
 import msgspec
 import pytest
+import structlog
 import trio
 import trio.testing
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
@@ -102,7 +103,7 @@ async def test_node_relinks_after_edge_restart(nursery, upstream):
     assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
 
 
-async def fake_node(edge, script, node_id="fake", token=TOKEN):
+async def fake_node(edge, script, node_id="fake", token=TOKEN, path="/v1/node/link"):
     """Run ``await script(ws)`` on a hand-driven node link and return its result.
     The test owns the TCP stream and closes it (trio-websocket leaves it open
     when the server closes or rejects)."""
@@ -110,9 +111,7 @@ async def fake_node(edge, script, node_id="fake", token=TOKEN):
     stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
     try:
         async with trio.open_nursery() as ws_nursery:
-            ws = await wrap_client_stream(
-                ws_nursery, stream, f"127.0.0.1:{edge.port}", "/v1/node/link", extra_headers=headers
-            )
+            ws = await wrap_client_stream(ws_nursery, stream, f"127.0.0.1:{edge.port}", path, extra_headers=headers)
             try:
                 return await script(ws)
             finally:
@@ -210,6 +209,21 @@ async def test_wrong_token_is_refused_at_the_upgrade(nursery, edge, node):
     with trio.move_on_after(0.5):
         await intruder.serve()
     assert "intruder" not in edge.edge.runs.links
+
+
+async def test_a_link_to_a_wrong_path_is_a_404_the_edge_logs(edge, node):
+    """A node whose edge URL has a typo in its path gets a JSON 404 naming the link's
+    path, and the edge says so too (it logged nothing: only the node knew)."""
+    with (
+        structlog.testing.capture_logs() as logs,
+        trio.fail_after(BOUND),
+        pytest.RaisesGroup(ConnectionRejected, flatten_subgroups=True) as rejected,
+    ):
+        await fake_node(edge, trio.sleep, path="/v1/node/lnk")
+    refusal = rejected.value.exceptions[0]
+    assert refusal.status_code == 404 and b"/v1/node/link" in refusal.body
+    (said,) = [e for e in logs if e["event"] == "websocket upgrade to an unknown path refused"]
+    assert said["path"] == "/v1/node/lnk" and said["log_level"] == "warning"
 
 
 async def test_duplicate_node_id_is_refused(edge, node):
