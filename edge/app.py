@@ -213,10 +213,26 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             config = load_edge_config(None)
         except ConfigError as e:
             raise SystemExit(f"iop: {e}") from None
+        if _hypercorn_not_on_trio(sys.argv):  # it started, then answered every request 500 with an empty body
+            raise SystemExit("iop: the edge runs on trio: start hypercorn with --worker-class trio")
         bind = _command_line_bind(sys.argv)
         if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
             config = msgspec.structs.replace(config, bind=bind)
     return _create_app(config)
+
+
+def _hypercorn_not_on_trio(argv: list[str]) -> bool:
+    """A hypercorn command line whose worker class is not trio (its default is
+    asyncio); one with a --config file may set it there, so it is not judged."""
+    if not argv or not argv[0].endswith("hypercorn") or any(a in ("-c", "--config") for a in argv):
+        return False
+    worker = "asyncio"
+    for i, arg in enumerate(argv):
+        if arg in ("-k", "--worker-class") and i + 1 < len(argv):
+            worker = argv[i + 1]
+        elif arg.startswith("--worker-class="):
+            worker = arg.split("=", 1)[1]
+    return worker != "trio"
 
 
 def _command_line_bind(argv: list[str]) -> str | None:

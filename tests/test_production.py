@@ -294,6 +294,18 @@ def test_a_bad_config_under_hypercorns_cli_is_one_line(tmp_path):
         said[path.name] = lines[0]
     assert said["edge.toml"] == f"iop: {cfg}: wait_timeout_s: expected `float`, got `str`"
     assert said["missing.toml"] == f"iop: {tmp_path / 'missing.toml'}: cannot read: No such file or directory"
+    # Without --worker-class trio it started, then answered every request 500 with an empty body.
+    cfg.write_text('node_token = "t"\n')
+    proc = subprocess.run(
+        [hypercorn, "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
+        env={**os.environ, "IOP_EDGE_CONFIG": str(cfg)},
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "iop: the edge runs on trio: start hypercorn with --worker-class trio"
+    ]
 
 
 async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
