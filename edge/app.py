@@ -289,7 +289,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             headers = request.headers
             if client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), config.admin_keys):
                 return None
-            return unauthorized()
+            refusal = error_json("Invalid or missing admin key.", "authentication_error", code="invalid_api_key")
+            return _json(401, refusal)
         return client_key()[1]
 
     @app.get("/v1/models")
@@ -368,7 +369,18 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.errorhandler(404)
     async def not_found(_: Exception) -> Response:
-        return _json(404, error_json("Unknown route.", "invalid_request_error", code="not_found"))
+        from quart import request
+
+        # As OpenAI's own 404 does, with the method and path; and the usual cause, a base URL without /v1
+        # (or, for the Anthropic SDK, with it: it adds /v1 itself).
+        path = request.path[:200]
+        hint = ""
+        if path.startswith(("/chat/", "/responses", "/models", "/embeddings", "/completions", "/messages")):
+            hint = " The API is under /v1: is the client's base URL missing /v1?"
+        elif path.startswith("/v1/v1/"):
+            hint = " The path has /v1 twice: the Anthropic SDK adds /v1 itself, so its base URL has none."
+        message = f"Unknown route: {request.method} {path}.{hint}"
+        return _json(404, error_json(message, "invalid_request_error", code="not_found"))
 
     @app.errorhandler(405)
     async def not_allowed(e: Exception) -> Response:

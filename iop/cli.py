@@ -38,17 +38,21 @@ def demo_model():
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="iop", description="OpenAI-compatible edge for inference nodes")
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: info)")
+    # --log-level after the command too (`iop edge --config x --log-level debug`): SUPPRESS keeps a
+    # subcommand's default from overwriting one given before it.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--log-level", default=argparse.SUPPRESS, help="as before the command")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="edge plus an in-process simulated node serving iop-sim")
+    demo = sub.add_parser("demo", help="edge plus an in-process simulated node serving iop-sim", parents=[after])
     demo.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
-    edge = sub.add_parser("edge", help="run the edge")
+    edge = sub.add_parser("edge", help="run the edge", parents=[after])
     edge.add_argument("--config", required=False, help="edge TOML file (default: $IOP_EDGE_CONFIG)")
     edge.add_argument("--bind", default=None, help="HOST:PORT, overrides the config's bind")
     edge.add_argument("--certfile", default=None, help="TLS certificate (PEM)")
     edge.add_argument("--keyfile", default=None, help="TLS private key (PEM)")
-    node = sub.add_parser("node", help="run a node")
+    node = sub.add_parser("node", help="run a node", parents=[after])
     node.add_argument("--config", required=True, help="node TOML file")
-    usage = sub.add_parser("usage", help="the edge's usage ledger, as a table")
+    usage = sub.add_parser("usage", help="the edge's usage ledger, as a table", parents=[after])
     usage.add_argument("--config", required=False, help="edge TOML file (default: $IOP_EDGE_CONFIG)")
     usage.add_argument("--from", dest="start", default=None, help="ISO date/time (UTC) or unix seconds")
     usage.add_argument("--to", dest="end", default=None, help="ISO date/time (UTC) or unix seconds, exclusive")
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             certfile = _readable("--certfile", args.certfile) or _readable("certfile", config.certfile)
             keyfile = _readable("--keyfile", args.keyfile) or _readable("keyfile", config.keyfile)
             if bool(certfile) != bool(keyfile):  # one alone served plain HTTP, saying nothing
-                raise ConfigError("--certfile: TLS needs both a certificate and a key (--certfile, --keyfile)")
+                given, missing = ("--certfile", "--keyfile") if certfile else ("--keyfile", "--certfile")
+                raise ConfigError(f"{given}: TLS needs both a certificate and a key: {missing} is missing")
             trio.run(_edge, config, bind, certfile, keyfile)
         else:
             from node.config import load_node_config
@@ -141,6 +146,7 @@ def _usage(args: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode(rows).decode() + "\n")
     else:
         columns = [*groups, "requests", "not_completed", "prompt_tokens", "completion_tokens", "total_tokens"]
+        columns.append("estimated_requests")  # (as csv and json have it)
         table = [[str(r.get(c) if r.get(c) is not None else "-") for c in columns] for r in rows]
         widths = [max([len(c), *(len(row[i]) for row in table)]) for i, c in enumerate(columns)]
         print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

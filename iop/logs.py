@@ -98,7 +98,7 @@ def setting_problem(level: str | None) -> str:
         where = "--log-level" if level else "IOP_LOG_LEVEL"
         return f"{where}: {name[:40]!r} is not one of {', '.join(LEVELS)}"
     fmt = os.environ.get("IOP_LOG_FORMAT")
-    if fmt and fmt not in FORMATS:
+    if fmt and fmt.lower() not in FORMATS:  # (any case, as IOP_LOG_LEVEL)
         return f"IOP_LOG_FORMAT: {fmt[:40]!r} is not one of {', '.join(FORMATS)}"
     return ""
 
@@ -109,7 +109,7 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
     if not isinstance(numeric, int):
         numeric = logging.INFO
     if json is None:
-        fmt = os.environ.get("IOP_LOG_FORMAT", "")
+        fmt = os.environ.get("IOP_LOG_FORMAT", "").lower()
         json = fmt == "json" or (fmt != "console" and not sys.stderr.isatty())
     processors: list = [
         structlog.contextvars.merge_contextvars,

@@ -157,13 +157,20 @@ def test_a_certificate_without_its_key_is_a_config_error(tmp_path):
         [*IOP, "edge", "--bind", "127.0.0.1:0", "--certfile", str(cert)], capture_output=True, text=True, timeout=BOUND
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == "iop: --certfile: TLS needs both a certificate and a key (--certfile, --keyfile)"
+    assert result.stderr.strip() == "iop: --certfile: TLS needs both a certificate and a key: --keyfile is missing"
+    result = subprocess.run(
+        [*IOP, "edge", "--bind", "127.0.0.1:0", "--keyfile", str(cert)], capture_output=True, text=True, timeout=BOUND
+    )
+    assert result.stderr.strip() == "iop: --keyfile: TLS needs both a certificate and a key: --certfile is missing"
 
 
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [
         (["--log-level", "bogus", "demo"], {}, "iop: --log-level: 'bogus' is not one of debug, info, warning, error"),
+        (["demo", "--log-level", "bogus"], {}, "iop: --log-level: 'bogus' is not one of debug, info, warning, error"),
+        # Any case, as IOP_LOG_LEVEL: past the log settings, to the missing config
+        (["edge", "--config", "/nonexistent.toml"], {"IOP_LOG_FORMAT": "JSON"}, "iop: /nonexistent.toml: cannot read"),
         (["demo"], {"IOP_LOG_LEVEL": "verbose"}, "iop: IOP_LOG_LEVEL: 'verbose' is not one of"),
         (["demo"], {"IOP_LOG_FORMAT": "yaml"}, "iop: IOP_LOG_FORMAT: 'yaml' is not one of json, console"),
     ],

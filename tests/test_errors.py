@@ -110,6 +110,13 @@ async def test_unknown_route_and_wrong_method(edge):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             assert_openai_error(await client.get("/v1/nothing"), 404)
+            # As OpenAI's 404: the method and path, and the base-URL mistakes that cause most of them.
+            unknown = await client.get("/v1/nothing")
+            assert unknown.json()["error"]["message"] == "Unknown route: GET /v1/nothing."
+            no_v1 = (await client.post("/chat/completions", json={})).json()["error"]["message"]
+            assert no_v1.startswith("Unknown route: POST /chat/completions.") and "missing /v1" in no_v1
+            twice = (await client.post("/v1/v1/messages", json={})).json()["error"]["message"]
+            assert "adds /v1 itself" in twice
             wrong = await client.get("/v1/chat/completions")
             assert_openai_error(wrong, 405)
             assert wrong.headers["allow"] == "POST"  # what a 405 must say (RFC 9110)

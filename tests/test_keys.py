@@ -201,7 +201,7 @@ async def test_ledger_holds_one_record_per_request_with_matching_tokens(nursery,
         )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.decode().splitlines()
-    assert lines[0].split()[:2] == ["key", "requests"]
+    assert lines[0].split()[:2] == ["key", "requests"] and lines[0].split()[-1] == "estimated_requests"
     a_line = next(line.split() for line in lines if line.startswith("a "))
     assert int(a_line[1]) == 12 and int(a_line[5]) == told[("a", "qwen-a")] + told[("a", "llama-b")]
 
