@@ -174,6 +174,7 @@ async def test_a_daily_budget_holds_across_edges(nursery, redis_server, tmp_path
         async with client(a, "sk-d") as c:
             assert [(await chat(c)).status_code for _ in range(2)] == [200, 200]
         await eventually(lambda: b.edge.keys.by_id["d"].day_others == 18, "edge b sees edge a's use")
+        await eventually(lambda: b.edge.keys.by_id["d"].others_pending == 0, "and no request of a's in flight")
         async with client(b, "sk-d") as c:
             assert (await chat(c)).status_code == 200
             r = await chat(c)
@@ -382,6 +383,8 @@ async def test_an_edge_restart_adds_only_new_use_and_today_tokens_is_across_edge
         day = int(time.time() // 86400)
         await eventually(lambda: ("d", day) in again.edge.shared._reported, "the restarted edge reports its day")
         assert await redis_day(redis_server.url, "d") == spent
+        # (what a's requests in flight had reserved, as b last read it, is gone: none runs now)
+        await eventually(lambda: b.edge.keys.by_id["d"].others_pending == 0, "edge b sees no request in flight")
         async with client(b, "sk-d") as c:
             spent += (await chat(c)).json()["usage"]["total_tokens"]
         await eventually(lambda: again.edge.keys.by_id["d"].today_tokens() == spent, "edge a2 sees edge b's use")

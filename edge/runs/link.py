@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("iop.edge.link")
 
 MAX_LIVENESS_QUEUED = 64  # pings and pongs waiting for the link's writer; more are dropped (the node is not reading)
-_RECENT_RUNS = 4096  # ended run ids remembered per link, to drop late events
 # Prefix-chain keys relayed by one node (``placed``) the edge records per second; beyond
 # that they are dropped (hints only). About 40 ms of the edge's CPU a second at most,
 # against some 40,000 an honest node relays at 1,000 runs a second of 10k-token prompts.
@@ -73,8 +72,6 @@ class NodeLink:
         self.closed = False
         self.close_reason = ""
         self.close_code = 1000
-        self._recent: collections.deque[str] = collections.deque(maxlen=_RECENT_RUNS)
-        self._recent_set: set[str] = set()
         self._control: collections.deque[Frame] = collections.deque()
         self._requests: collections.deque[Frame] = collections.deque()
         self.demands_queued = 0  # demand frames waiting in _requests
@@ -224,13 +221,6 @@ class NodeLink:
     def forget_run(self, run_id: str) -> None:
         self.runs.pop(run_id, None)
         self.unstarted.pop(run_id, None)
-        if len(self._recent) == self._recent.maxlen:
-            self._recent_set.discard(self._recent[0])
-        self._recent.append(run_id)
-        self._recent_set.add(run_id)
-
-    def recently_ended(self, run_id: str) -> bool:
-        return run_id in self._recent_set
 
     # -- frames --------------------------------------------------------------
 
