@@ -13,6 +13,12 @@ a closed stream that takes any event and does nothing; ``in``, ``pop`` and
 ``len`` see only the real ones. The data's flow-control credit is still given
 back (the line after the lookup), so the connection's window does not shrink.
 
+And when the connection closes, every stream's send buffer is closed too:
+hypercorn's ``handle(Closed)`` closed the streams but not their buffers, so a
+response waiting for its buffer to drain (the client had closed with a zero
+flow-control window) waited for ever, holding its run and its node's slot
+(found from outside: 4 runs held a model's whole capacity for 280 s).
+
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19).
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
 
 
@@ -59,3 +66,12 @@ def install() -> None:
 
     __init__.iop_streams = True  # type: ignore[attr-defined]
     H2Protocol.__init__ = __init__  # type: ignore[method-assign]
+    handle = H2Protocol.handle
+
+    async def handle_closing_buffers(self, event) -> None:
+        await handle(self, event)
+        if isinstance(event, Closed):
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()  # (a drain waiting on it returns)
+
+    H2Protocol.handle = handle_closing_buffers  # type: ignore[method-assign]

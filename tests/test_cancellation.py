@@ -319,6 +319,69 @@ async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tm
         await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
 
 
+async def test_an_http2_client_gone_with_a_zero_window_leaves_no_run(nursery, tmp_path, upstream):
+    """Over HTTP/2, a client that gives no flow-control credit (SETTINGS_INITIAL_WINDOW_SIZE
+    0) for 4 short streams, then closes its connection: each stream's last write waited for
+    ever for a drain that never came, and its run kept its node's slot for good (found from
+    outside: a model's whole capacity lost until a restart). The runs end, the slots return."""
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
+    upstream.script_for("m-target", [*(("chunk", {"content": t}) for t in words(3)), ("chunk", {}, "stop"), ("done",)])
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    body = msgspec.json.encode(STREAM)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        h2c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        for stream_id in (1, 3, 5, 7):
+            h2c.send_headers(
+                stream_id,
+                [
+                    (":method", "POST"),
+                    (":path", "/v1/chat/completions"),
+                    (":scheme", "https"),
+                    (":authority", host),
+                    ("content-type", "application/json"),
+                    ("content-length", str(len(body))),
+                ],
+            )
+            h2c.send_data(stream_id, body, end_stream=True)
+        await stream.send_all(h2c.data_to_send())
+        await upstream.wait_requests(4)
+        await eventually(lambda: all(r.ended for r in upstream.records), "the model server answered all four")
+        await trio.sleep(0.2)  # (the edge has the answers, and waits for credit to send them)
+        await trio.aclose_forcefully(stream)
+        await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
+
+
+async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(nursery):
+    """Two clients take both slots of a model, stream a long answer, and never read it,
+    keeping their connections open: once the node has ended their runs, the slots serve
+    others (they were held as long as the connections stayed open: two idle sockets kept
+    a model out of service). The answers wait at the edge, within the run's bounds."""
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=60_000))
+    await start_node(nursery, edge, [model("m", ttft_ms=0, tokens_per_s=0, max_concurrency=2)])
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    sockets = []
+    with trio.fail_after(BOUND):
+        for _ in range(2):
+            sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+            body = msgspec.json.encode({**STREAM, "max_tokens": 100_000})
+            await sock.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+            sockets.append(sock)
+        runs = edge.edge.runs
+        await eventually(lambda: len(runs.runs) == 2 and all(r.finished for r in runs.runs.values()), "both ended")
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={**WHOLE, "max_tokens": 4})
+        assert r.status_code == 200
+        assert len(runs.runs) == 2  # (still held for their clients: their connections are open)
+        for sock in sockets:
+            await sock.aclose()
+        await eventually(lambda: runs.in_flight == 0, "no run left once they closed")
+
+
 async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nursery, tmp_path, upstream):
     """Over HTTPS with HTTP/2: a request the edge answers before its 200 KB body is in (a 404, a
     401 for a bad key) made hypercorn end the whole connection at the rest of that body (a

@@ -97,6 +97,7 @@ class Exchange:
         "_scope",
         "_task",
         "_left",
+        "_closing",
     )
 
     def __init__(self, scope, receive, send) -> None:
@@ -118,6 +119,7 @@ class Exchange:
         self._scope: trio.CancelScope | None = None  # cancelled when the client leaves (cancel_on_disconnect)
         self._task = None
         self._left = False  # the client left during one of our sends: cancel once it returns
+        self._closing = False  # the last write is under way (finished, not yet written)
 
     def header(self, name: bytes) -> bytes | None:
         """A request header (None once the response has started: see :meth:`_head`)."""
@@ -164,7 +166,10 @@ class Exchange:
         return True
 
     def _client_left(self) -> None:
-        if self.finished:  # our own last write ended the exchange
+        # Our own last write ended the exchange; but a client gone while that write waits (an
+        # HTTP/2 client that closed with a zero window: hypercorn's drain of the stream waited
+        # for ever, and the run held its node's slot for good) still cancels it.
+        if self.finished and not self._closing:
             return
         if trio.lowlevel.current_task() is self._task:
             # Delivered from inside one of our sends (the server found the
@@ -280,16 +285,19 @@ class Exchange:
         await self._asgi({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, data: bytes = b"") -> None:
-        self.finished = True
-        direct = self._direct  # a stream's: found at its first write
-        if direct:  # the last chunk and the body's end in one write
-            rest = direct.end(data)
-            if rest is not None:
-                if rest:
-                    await direct.send_rest(rest)
-                await close_stream(self._send)
-                return
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+        self.finished = self._closing = True
+        try:
+            direct = self._direct  # a stream's: found at its first write
+            if direct:  # the last chunk and the body's end in one write
+                rest = direct.end(data)
+                if rest is not None:
+                    if rest:
+                        await direct.send_rest(rest)
+                    await close_stream(self._send)
+                    return
+            await self._send({"type": "http.response.body", "body": data, "more_body": False})
+        finally:
+            self._closing = False
 
     async def _asgi(self, message: dict) -> None:
         """Send ``message`` the ASGI way; if the client's disconnect was

@@ -87,6 +87,7 @@ class Run:
         "closed",
         "cause",
         "_on_close",
+        "on_node_done",
         "want",
         "request",
         "failed_over",
@@ -135,6 +136,9 @@ class Run:
         self.closed = False
         self.cause: str | None = None
         self._on_close = on_close
+        # The node ended the run (its terminal event): its slot is free now, whether or not the
+        # client has read the run's last events (the service sets it; None: at close only).
+        self.on_node_done: Callable[[Run], None] | None = None
         self.want = None  # what the request needs of a node (for failover)
         self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
@@ -209,6 +213,8 @@ class Run:
             self.cause = COMPLETE if complete else RUN_ERROR
             if not complete:
                 self.error = getattr(item, "text", None) or getattr(item, "error", None) or "error"
+            if self.on_node_done is not None:  # (a client that does not read holds no node capacity)
+                self.on_node_done(self)
         elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
             self._pending.clear()
             self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)

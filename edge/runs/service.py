@@ -685,6 +685,7 @@ class RunService:
         run.want = want
         run.api = api
         run.client = client
+        run.on_node_done = self._node_done
         run.timers = self.timers
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
@@ -761,6 +762,9 @@ class RunService:
         run = link.runs.get(frame.run_id)
         if run is not None:
             run.fail(f"the request could not be sent to the node: {problem}", UNSENDABLE)
+
+    def _node_done(self, run: Run) -> None:
+        self.release(run.slot)
 
     def _closed(self, run: Run) -> None:
         self.timers.discard(run)
