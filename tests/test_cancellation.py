@@ -244,6 +244,20 @@ async def test_disconnect_is_watched_under_any_asgi_server(edge, node, upstream)
     await settled(edge, node.agent)
 
 
+def _h2_post(h2c, stream_id: int, host: str, body: bytes) -> None:
+    """Queue a chat completion's POST on ``stream_id`` of an HTTP/2 client connection."""
+    headers = [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":scheme", "https"),
+        (":authority", host),
+        ("content-type", "application/json"),
+        ("content-length", str(len(body))),
+    ]
+    h2c.send_headers(stream_id, headers)
+    h2c.send_data(stream_id, body, end_stream=True)
+
+
 async def _tls_edge_with_a_node(nursery, tmp_path, upstream):
     """An edge serving HTTPS (HTTP/2 by ALPN) with a certificate of a throwaway CA, and a node
     serving `m` from ``upstream`` linked over wss: the edge's URL, the CA's file and the app."""
@@ -274,18 +288,7 @@ async def test_an_http2_stream_reset_mid_stream_reaches_the_upstream(nursery, tm
     h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
 
     async def request(stream, stream_id: int) -> None:
-        h2c.send_headers(
-            stream_id,
-            [
-                (":method", "POST"),
-                (":path", "/v1/chat/completions"),
-                (":scheme", "https"),
-                (":authority", host),
-                ("content-type", "application/json"),
-                ("content-length", str(len(body))),
-            ],
-        )
-        h2c.send_data(stream_id, body, end_stream=True)
+        _h2_post(h2c, stream_id, host, body)
         await stream.send_all(h2c.data_to_send())
 
     async def until_text(stream, stream_id: int, text: bytes) -> None:
@@ -336,18 +339,7 @@ async def test_an_http2_client_gone_with_a_zero_window_leaves_no_run(nursery, tm
         h2c.initiate_connection()
         h2c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
         for stream_id in (1, 3, 5, 7):
-            h2c.send_headers(
-                stream_id,
-                [
-                    (":method", "POST"),
-                    (":path", "/v1/chat/completions"),
-                    (":scheme", "https"),
-                    (":authority", host),
-                    ("content-type", "application/json"),
-                    ("content-length", str(len(body))),
-                ],
-            )
-            h2c.send_data(stream_id, body, end_stream=True)
+            _h2_post(h2c, stream_id, host, body)
         await stream.send_all(h2c.data_to_send())
         await upstream.wait_requests(4)
         await eventually(lambda: all(r.ended for r in upstream.records), "the model server answered all four")
