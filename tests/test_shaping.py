@@ -369,6 +369,20 @@ async def test_a_strict_live_stream_never_shows_reasoning_a_template_opened(shap
             whole = (await client.post("/v1/chat/completions", json={"model": "strict", "messages": MESSAGES})).json()
     assert joined(chunks, "content") == whole["choices"][0]["message"]["content"] == "\n\nHello!"
     assert b"reveal" not in raw
+    # While the head is held the client hears keep-alives (keepalive_s 0.2): events came, none showed.
+    steps = [("chunk", {"content": "thinking "}), ("sleep", 0.1)] * 12  # (each sooner than keepalive_s)
+    upstream.script_for("t", [*steps, ("chunk", {"content": "</think>Hi"}), ("chunk", {}, "stop"), ("done",)])
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="strict")
+    assert joined(chunks, "content") == "Hi" and raw.count(b": keep-alive") >= 3
+    # An answer that names <think> itself, after the template-opened reasoning: still hidden whole.
+    upstream.script_for("t", script({"content": "SECRET plan</think>Strip <think> blocks."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for name in ("strict", "strictbuf", "plain"):
+                body = {"model": name, "messages": MESSAGES}
+                whole = (await client.post("/v1/chat/completions", json=body)).json()
+                assert "SECRET" not in whole["choices"][0]["message"]["content"], name
     # Opened by the model itself, or never: the same text as before.
     for deltas, content in (
         (({"content": "<think>sec"}, {"content": "ret</think>Hi"}, {"content": " there"}), "Hi there"),

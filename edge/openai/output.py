@@ -489,8 +489,12 @@ class _LiveSink:
         out = live.out
         try:
             live.feed([event])  # text only: shaped into ``out``, never an end
+            run = self._run
             if not out:
+                if run.quiet_since is None:  # (held: keep-alives come from now)
+                    run.quiet_since = run.last_event_at
                 return True
+            run.quiet_since = None
             data = out[0] if len(out) == 1 else b"".join(out)
             rest = direct.write(data)
         except Exception as error:  # noqa: BLE001 (a bug here must fail this request, not the node's link)
@@ -572,6 +576,11 @@ async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
                 end = live.feed(batch)
                 if end is not None:
                     out.append(end)
+                if not out:
+                    if batch and run.quiet_since is None:  # (held: keep-alives come from now)
+                        run.quiet_since = run.last_event_at
+                    continue
+                run.quiet_since = None
             if not out:
                 continue
             data = b"".join(out)

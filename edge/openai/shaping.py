@@ -17,6 +17,7 @@ from edge.openai.filters import (
     THINK_CLOSE,
     THINK_CLOSE_RE,
     THINK_OPEN,
+    THINK_OPEN_RE,
     SentinelFilter,
     ThinkSplitter,
 )
@@ -49,6 +50,7 @@ class Shaper:
         "_held",
         "_held_scan",
         "_head_open",
+        "_head",
     )
 
     def __init__(
@@ -82,6 +84,7 @@ class Shaper:
         self._held: list[str] | None = [] if live and policy.strict_output and policy.think_tags == "auto" else None
         self._held_scan = ""  # the held text's last characters, for a tag split across deltas
         self._head_open: bool | None = None  # the held text starts with <think> (None: not known yet)
+        self._head = ""  # its first characters past leading whitespace, while that is not known
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.content_len = 0
@@ -114,9 +117,9 @@ class Shaper:
         held = self._held
         assert held is not None
         held.append(text)
-        if self._head_open is None:
-            head = "".join(held).lstrip()[: len(THINK_OPEN)].lower()
-            if len(head) == len(THINK_OPEN) or not THINK_OPEN.startswith(head):
+        if self._head_open is None:  # (from this piece only: joining all of it was quadratic in whitespace)
+            head = self._head = (self._head + text if self._head else text.lstrip())[: len(THINK_OPEN)].lower()
+            if len(head) == len(THINK_OPEN) or (head and not THINK_OPEN.startswith(head)):
                 self._head_open = head == THINK_OPEN
         if self._head_open:  # tags as written: the live splitter moves them
             self._release()
@@ -204,8 +207,11 @@ class Shaper:
             self.content_parts = []
             mode = self.policy.think_tags
             if mode != "off":
-                low = raw.lower()
-                starts_open = mode == "open" or (THINK_CLOSE in low and THINK_OPEN not in low)
+                # Opened by the template when the first </think> comes before any <think> (an
+                # answer that then names <think> itself no longer hid that: the reasoning leaked).
+                close = THINK_CLOSE_RE.search(raw)
+                opened = THINK_OPEN_RE.search(raw, 0, close.start()) if close is not None else None
+                starts_open = mode == "open" or (close is not None and opened is None)
                 splitter = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=starts_open)
                 splitter.append(raw)
                 splitter.flush()

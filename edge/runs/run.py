@@ -99,6 +99,7 @@ class Run:
         "error",
         "keepalive",
         "idle_since",
+        "quiet_since",
         "_idle",
         "sink",
         "_sunk_at",
@@ -150,6 +151,10 @@ class Run:
         self.error: str | None = None  # how it failed, when it did (for the console)
         self.keepalive = 0.0  # > 0: the timers wake the reader after this long with nothing (next_batch_or_idle)
         self.idle_since = now  # the last event, or the last keep-alive the timers called
+        # Set by a live stream while events arrive but give the client nothing (held: a strict
+        # stream's head, a tool call in a live tool stream): when that began. Keep-alives are
+        # due from it, not from the last event (the client heard nothing for 8 s of reasoning).
+        self.quiet_since: float | None = None
         self._idle = False  # a keep-alive is due
         # While the reader waits for events, it may take text events as they arrive, in the
         # link reader's task (no wake-up of its own): True if it took the event (Run.sink).
@@ -242,7 +247,8 @@ class Run:
         deadline), or sooner when its reader's keep-alive is due."""
         due = self._times_out_at()
         if self.keepalive > 0:
-            return min(due, max(self.last_event_at, self.idle_since) + self.keepalive)
+            last = self.last_event_at if self.quiet_since is None else self.quiet_since
+            return min(due, max(last, self.idle_since) + self.keepalive)
         return due
 
     def timed_out(self, now: float) -> bool:
