@@ -362,18 +362,25 @@ async def test_a_route_no_node_allows_for_a_model_is_a_400_the_sdk_does_not_retr
     await settled(edge)
 
 
-async def test_a_node_whose_model_server_is_down_is_routed_around(nursery, upstream):
-    """Two nodes, one whose model server refuses every connection: it failed each run at
-    once, so it always looked least loaded and drew about half the traffic (31 of 40
-    requests failed in an audit). After 3 such failures in a row it is routed around for
-    the model (1 s, doubling while it keeps failing); alone, it still answers at once."""
+@pytest.mark.parametrize("failing", ["unreachable", "401", "429"])
+async def test_a_node_whose_model_server_is_down_is_routed_around(nursery, upstream, failing):
+    """Two nodes, one whose model server refuses every connection (or the node's key, or
+    is saturated): it failed each run at once, so it always looked least loaded and drew
+    about half the traffic (31 of 40 requests failed in an audit). After 3 such failures
+    in a row it is routed around for the model (1 s, doubling while it keeps failing);
+    alone, it still answers at once."""
     edge = await start_edge(nursery)
-    dead = model("m", adapter="openai", target="t", base_url="http://127.0.0.1:9/v1")
+    if failing == "unreachable":
+        dead = model("m", adapter="openai", target="t", base_url="http://127.0.0.1:9/v1")
+    else:
+        refusing = await new_upstream(nursery)
+        refusing.default = lambda body: [("status", int(failing), b'{"error": {"message": "no"}}')]
+        dead = model("m", refusing, target="t")
     await start_node(nursery, edge, [dead], node_id="dead")
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             alone = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
-            assert alone.status_code == 502
+            assert alone.status_code in (502, 429)
             await start_node(nursery, edge, [model("m", upstream, target="t")], node_id="alive")
             statuses = []
             for i in range(40):

@@ -11,6 +11,7 @@ import openai
 import pytest
 import trio
 
+from edge.openai.tools import ToolTextFilter
 from tests.conftest import BOUND, edge_config, http, model, sdk, settled, sse_events, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris and Rome?"}]
@@ -549,3 +550,13 @@ async def test_a_live_tool_stream_fails_on_any_unreadable_call_and_sends_one_cal
         for tc in c["delta"].get("tool_calls", [])
     ]
     assert [c["id"] for c in calls] == ["call_a"]
+
+
+def test_the_live_filter_finds_a_call_after_text_that_lowercases_longer():
+    """'İ' is two characters lowered: offsets from the lowered text cut the original in the
+    wrong place, and a live tool stream sent the call's markup as content too."""
+    held = ToolTextFilter()
+    assert held.append("İstanbul, İzmir: <tool") == "İstanbul, İzmir: "
+    assert held.append('_call>{"name": "get_time"}</tool_call>') == ""
+    assert held.flush() == '<tool_call>{"name": "get_time"}</tool_call>'
+    assert ToolTextFilter().append("İİ {{TOOL") == "İİ "

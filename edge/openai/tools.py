@@ -41,6 +41,9 @@ _encode = msgspec.json.Encoder().encode
 XML_OPEN = "<tool_call>"
 MUSTACHE_OPEN = "{{tool_call}}"
 _HINTS = ("<tool_call", "{{tool_call")  # what starts a candidate, for the live filter
+# Found with ASCII case folding, at the text's own offsets: str.lower() can change a length
+# ('İ' is two characters lowered), and its offsets put a call's markup into the content.
+_HINT = re.compile("|".join(re.escape(h) for h in _HINTS), re.IGNORECASE | re.ASCII)
 _BLOCK = re.compile(
     r"<tool_call>(?P<xml>.*?)(?:</tool_call>|\Z)|\{\{tool_call\}\}(?P<mustache>.*?)(?:\{\{/tool_call\}\}|\Z)",
     re.IGNORECASE | re.DOTALL,
@@ -509,17 +512,15 @@ def before_tool_markup(text: str) -> str:
 
 
 def _first_candidate(text: str) -> int:
-    low = text.lower()
-    found = [i for i in (low.find(h) for h in _HINTS) if i >= 0]
-    return min(found) if found else -1
+    found = _HINT.search(text)
+    return found.start() if found is not None else -1
 
 
 def _safe_len(text: str) -> int:
     """Length of the prefix that cannot be the start of a candidate."""
-    low = text.lower()
     longest = max(len(h) for h in _HINTS)
     for i in range(max(0, len(text) - longest + 1), len(text)):
-        tail = low[i:]
-        if any(h.startswith(tail) for h in _HINTS):
+        tail = text[i:].lower()  # (a tail of at most 10 characters: its own length is what counts)
+        if len(tail) == len(text) - i and any(h.startswith(tail) for h in _HINTS):
             return i
     return len(text)

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 # Causes a run can end with (metrics label values).
 COMPLETE = "complete"
 RUN_ERROR = "run_error"
+# A run's first event an error with one of these upstream statuses (or a 5xx): the node's fault, not
+# the request's (0: unreachable; 401/403: its key refused; 404: its target model is not there; 429:
+# its server (or its provider account) is saturated).
+_NODE_FAULTS = frozenset((0, 401, 403, 404, 429))
 CLIENT_GONE = "client_gone"
 TIMEOUT = "timeout"
 NODE_LOST = "node_lost"
@@ -202,7 +206,7 @@ class Run:
             link.started(self.id, now)
             if complete or not terminal:
                 link.served(self.slot.model)
-            elif not getattr(item, "status", 0) or item.status >= 500:  # its model server failed it at once
+            elif getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500:  # failed at once, not for the client
                 link.failed_at_once(self.slot.model, now)
         self.events_seen += 1
         # One event a frame at most goes to the sink: the rest of a frame's events for this run
