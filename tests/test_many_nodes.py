@@ -314,6 +314,20 @@ async def test_passthrough_returns_the_providers_request_id(tunnel):
     assert r.headers["x-request-id"].startswith("req_")
 
 
+async def test_passthrough_never_relays_a_refusal_of_the_nodes_key(tunnel):
+    """A provider's 401/403 refused the node's key and can quote it: through the tunnel
+    too it is a 502 upstream_auth_failed that quotes nothing (it was relayed word for word)."""
+    edge, upstream = tunnel
+    said = b'{"error": {"message": "Incorrect API key provided: sk-proj-****WXYZ."}}'
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for status in (401, 403):
+                upstream.script_for("emb-target", [("status", status, said)])
+                r = await client.post("/v1/completions", json={"model": "emb", "prompt": "hi"})
+                assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_auth_failed"
+                assert b"WXYZ" not in r.content and r.headers["x-should-retry"] == "false"
+
+
 async def test_passthrough_cancels_on_disconnect(tunnel):
     """A passthrough client that leaves mid-stream gets the tunnel cancelled: the upstream sees the abort."""
     edge, upstream = tunnel

@@ -283,6 +283,19 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                             APIError(502, f"the provider answered status {item.status}", "provider_tunnel_error")
                         )
                         return
+                    if item.status in (401, 403):  # the node's key, not the client's: never relayed (it can quote it)
+                        log.warning("provider refused the node's credentials", status=item.status)
+                        await ex.respond_error(
+                            APIError(
+                                502,
+                                f"The provider refused the node's credentials (HTTP {item.status}); "
+                                "the edge's operator must fix the node's api_key for this model.",
+                                "upstream_error",
+                                code="upstream_auth_failed",
+                                headers=[(b"x-should-retry", b"false")],
+                            )
+                        )
+                        return
                     await ex.start(item.status, _response_headers(item.headers))
             elif kind == "end":
                 if not ex.started:
