@@ -159,12 +159,14 @@ class Edge:
                 ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
         except APIError as e:
             limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
-            if limit == "slot":  # (no slot could be borrowed: edge.shared_state)
-                limit = "concurrency"
+            limit = _LIMIT_LABELS.get(limit, limit)  # (what edge.shared_state could not borrow or read again)
             if limit is not None:
                 key.limited[limit] = key.limited.get(limit, 0) + 1
             raise
         ex.extra_headers = self.keys.headers(key)
+
+
+_LIMIT_LABELS = {"slot": "concurrency", "reserved": "budget"}
 
 
 def is_loopback(host: str) -> bool:

@@ -42,6 +42,7 @@ import math
 import re
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -227,6 +228,7 @@ class Keys:
         self.ever = False  # some key was configured or made (also: the ledger holds one, revoked or not)
         # Shared state (edge.shared_state): rpm/tpm levels are leased balances, not refilled here.
         self.shared = False
+        self.on_settle: Callable[[Key], None] | None = None  # (shared state) a request of a key ended
         for i, secret in enumerate(config.api_keys):
             sha = sha256_hex(secret)
             self.add(Key(f"api_keys[{i}]", sha, Policy(), "api_keys"))
@@ -289,20 +291,17 @@ class Keys:
         now = time.monotonic()
         reserved = self.reservation(key, prompt_estimate, max_tokens)
         budget = 0
+        shared = self.shared
         if policy.daily_tokens:
             key._today()
-            if key.day_used + key.day_others + key.day_pending + key.others_pending >= policy.daily_tokens:
-                midnight = (key.day + 1) * 86400 - time.time()
-                raise APIError(
-                    429,
-                    f"Key {key.id!r} has used its daily budget of {policy.daily_tokens} tokens; "
-                    "it resets at 00:00 UTC.",
-                    "insufficient_quota",
-                    code="insufficient_quota",
-                    headers=[(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode())],
-                )
+            spent = key.day_used + key.day_others + key.day_pending
+            if spent >= policy.daily_tokens:
+                raise self._over_budget(key, "budget")
+            if shared and spent + key.others_pending >= policy.daily_tokens:
+                # Over only with the other edges' reservations as last read: they may have ended
+                # since (it refused a client taking turns between edges): read them again first.
+                raise self._over_budget(key, "reserved")
             budget = prompt_estimate + (max_tokens or DEFAULT_OUTPUT_RESERVE)
-        shared = self.shared
         if policy.max_concurrent:
             if shared:  # on a slot this edge holds in Redis (none free: it borrows one, edge.shared_state)
                 if key.in_flight + key.flight_promised >= key.flight_held:
@@ -349,6 +348,18 @@ class Keys:
         slots = 1 if policy.max_concurrent and key.in_flight + key.flight_promised >= key.flight_held else 0
         return (1 if policy.rpm else 0), tokens, slots
 
+    def _over_budget(self, key: Key, limit: str) -> APIError:
+        midnight = (key.day + 1) * 86400 - time.time()
+        error = APIError(
+            429,
+            f"Key {key.id!r} has used its daily budget of {key.policy.daily_tokens} tokens; it resets at 00:00 UTC.",
+            "insufficient_quota",
+            code="insufficient_quota",
+            headers=[(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode())],
+        )
+        error.limit = limit  # type: ignore[attr-defined]  # for the metrics, and edge.shared_state
+        return error
+
     def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:
         error = APIError(
             429,
@@ -368,6 +379,8 @@ class Keys:
         key = lease.key
         key.in_flight -= 1
         key.day_pending -= lease.budget
+        if self.on_settle is not None and (key.policy.max_concurrent or key.policy.daily_tokens):
+            self.on_settle(key)  # (shared state: its slot and reservation go back now, not next round)
         policy = key.policy
         if policy.tpm:
             if self.shared:

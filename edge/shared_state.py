@@ -66,6 +66,8 @@ SYNC_S = 0.05
 SLICE = 0.01  # of a key's per-minute allowance, leased at a time
 EDGE_TTL_S = 10  # an edge's published in-flight counts expire after this silence
 BORROW_S = 0.5  # a request its edge's balance cannot cover waits this long at most for Redis
+SLOT_RETRY_S = 0.01  # a request finding no free slot in Redis asks again this often, within BORROW_S
+REFRESH_S = 1.0  # a key nothing changed for on this edge is written and read again this often
 DAY_TTL_S = 2 * 86400
 
 # KEYS[1]: the bucket; ARGV: capacity, refill per second, amount (> 0: take up to it; < 0: give back).
@@ -150,13 +152,14 @@ BucketOp = tuple["Key", str, int, int]
 class _Want:
     """What one request lacks, and what it got."""
 
-    __slots__ = ("key", "requests", "tokens", "slot", "got", "got_slot", "gone")
+    __slots__ = ("key", "requests", "tokens", "slot", "fresh", "got", "got_slot", "gone")
 
-    def __init__(self, key: Key, requests: int, tokens: int, slot: bool) -> None:
+    def __init__(self, key: Key, requests: int, tokens: int, slot: bool, fresh: bool = False) -> None:
         self.key = key
         self.requests = requests
         self.tokens = tokens
         self.slot = slot  # it needs one of the key's max_concurrent slots
+        self.fresh = fresh  # the key's flights read again (the other edges' reservations)
         self.got = (0, 0)
         self.got_slot = False  # promised to it (Key.flight_promised) until it stops waiting
         self.gone = False  # it stopped waiting: what comes goes to the key's balances
@@ -191,6 +194,11 @@ class SharedState:
         self._reported: dict[tuple[str, int], tuple[bytes, int]] = {}
         self._borrowing: _Borrowing | None = None  # filling, for the next round trip
         self._wake = trio.Event()
+        # key id -> the flights arguments last written, and when (time.monotonic): a key is
+        # written again when they change, else every REFRESH_S (the rounds' cost was per key)
+        self._written: dict[str, tuple[tuple[int, int, int], float]] = {}
+        self._settled: dict[str, Key] = {}  # keys whose requests ended: their slots go back now
+        keys.on_settle = self._on_settle
 
     def _slices(self, key: Key) -> tuple[int, int]:
         """The requests and tokens an edge leases at a time: 1% of the per-minute
@@ -250,39 +258,43 @@ class SharedState:
                 key.tok_seen = (float(level), now)
 
     def _exchange(
-        self, plan: list[BucketOp], counters: list[tuple[str, int, list, bool, tuple[int, int, int]]]
-    ) -> tuple[list, dict[str, tuple[bytes, int, list]]]:
-        """In a worker thread: the Redis round trip (one pipeline)."""
+        self, plan: list[BucketOp], counters: list[tuple[str, int, list | None, tuple[int, int, int] | None]]
+    ) -> tuple[list, dict[str, tuple[tuple[bytes, int] | None, list | None]]]:
+        """In a worker thread: the Redis round trip (one pipeline). ``counters``: per
+        key, its day's script arguments and its flights' (None: not this time)."""
         pipe = self.client.pipeline(transaction=False)
         self._buckets(pipe, plan)
-        for key_id, day, adds, has_budget, flight in counters:
-            if has_budget:
+        for key_id, day, adds, flight in counters:
+            if adds is not None:
                 self.day(
                     keys=[EPOCH_KEY, f"iop:day:{key_id}:{day}"],
                     args=[secrets.token_hex(8), *adds, DAY_TTL_S],
                     client=pipe,
                 )
-            self._flight(pipe, key_id, *flight)
+            if flight is not None:
+                self._flight(pipe, key_id, *flight)
         results = pipe.execute()
         rest = results[len(plan) :]
-        out: dict[str, tuple[bytes, int, list]] = {}
+        out: dict[str, tuple[tuple[bytes, int] | None, list | None]] = {}
         i = 0
-        for key_id, _, _, has_budget, _ in counters:
-            epoch, day_total = b"", 0
-            if has_budget:
-                epoch, day_total = rest[i][0], int(rest[i][1])
+        for key_id, _, adds, flight in counters:
+            day_result = flown = None
+            if adds is not None:
+                day_result = (rest[i][0], int(rest[i][1]))
                 i += 1
-            out[key_id] = (epoch, day_total, rest[i])
-            i += 1
+            if flight is not None:
+                flown = rest[i]
+                i += 1
+            out[key_id] = (day_result, flown)
         return results[: len(plan)], out
 
     def _flight(self, pipe, key_id: str, slots: int, limit: int, reserved: int) -> None:
         """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
         self.flight(keys=[f"iop:flight:{key_id}"], args=[self.edge_id, slots, limit, reserved, EDGE_TTL_S], client=pipe)
 
-    @staticmethod
-    def _flown(key: Key, result: list) -> None:
-        """In the trio thread: the flights script's answer for ``key``."""
+    def _flown(self, key: Key, args: tuple[int, int, int], result: list) -> None:
+        """In the trio thread: the flights script's answer for ``key`` (written with ``args``)."""
+        self._written[key.id] = (args, time.monotonic())
         held, others, reserved = (int(v) for v in result)
         policy = key.policy
         key.flight_held = held if policy.max_concurrent else 0
@@ -311,28 +323,41 @@ class SharedState:
         plan = self._plan()
         counters = []
         used: dict[str, int] = {}
+        now = time.monotonic()
         for key in list(self.keys.by_id.values()):
             policy = key.policy
             if not policy.daily_tokens:
                 key.day_others = key.others_pending = 0  # (a budget removed: other edges' use is no longer followed)
             if not policy.max_concurrent:
                 key.others_in_flight = 0
-            if policy.daily_tokens or policy.max_concurrent:
-                key._today()
-                adds: list = []
-                if policy.daily_tokens:
-                    adds, used[key.id] = self._day_adds(key)
-                counters.append((key.id, key.day, adds, bool(policy.daily_tokens), self._flight_args(key)))
+            if not (policy.daily_tokens or policy.max_concurrent):
+                continue
+            # What nothing changed for on this edge is written and read every REFRESH_S, not every
+            # round: 2,000 idle budget keys took 83% of a core and made a request wait 172 ms.
+            key._today()
+            flight = self._flight_args(key)
+            written = self._written.get(key.id)
+            stale = written is None or now - written[1] >= REFRESH_S
+            adds = None
+            if policy.daily_tokens:
+                day_adds, day_used = self._day_adds(key)
+                if stale or (key.id, key.day) not in self._reported or day_adds[1]:
+                    adds, used[key.id] = day_adds, day_used
+            if not stale and written is not None and written[0] == flight:
+                flight = None  # (nothing new to say, and what others said was read within REFRESH_S)
+            if adds is not None or flight is not None:
+                counters.append((key.id, key.day, adds, flight))
         if not plan and not counters:
             return
         granted, totals = await trio.to_thread.run_sync(self._exchange, plan, counters)
         self._credit(plan, granted)
-        for key_id, day, _, has_budget, _ in counters:
+        for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)
             if key is None:
                 continue
-            epoch, day_total, flown = totals[key_id]
-            if has_budget:
+            day_result, flown = totals[key_id]
+            if day_result is not None:
+                epoch, day_total = day_result
                 reported = used[key_id]
                 self._reported[(key_id, day)] = (epoch, reported)
                 for old in [k for k in self._reported if k[0] == key_id and k[1] != day]:
@@ -340,7 +365,30 @@ class SharedState:
                 if key.day == day:
                     # Others' use too, so the budget holds across edges (Redis holds all of this edge's).
                     key.day_others = max(day_total - reported, 0)
-            self._flown(key, flown)
+            if flown is not None and flight is not None:
+                self._flown(key, flight, flown)
+
+    def _on_settle(self, key: Key) -> None:
+        """A request of ``key`` ended: its slot and its reservation go back to Redis in the
+        loop's next turn, not its next round (a client taking turns between two edges found
+        the other edge's slot held for up to 50 ms after its last request, and was refused)."""
+        if self.up and self.keys.shared:
+            self._settled[key.id] = key
+            self._wake.set()
+
+    async def _give_back(self) -> None:
+        settled, self._settled = self._settled, {}
+        sent = {key_id: (key, self._flight_args(key)) for key_id, key in settled.items()}
+
+        def write() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for key_id, (_, args) in sent.items():
+                self._flight(pipe, key_id, *args)
+            return pipe.execute()
+
+        results = await trio.to_thread.run_sync(write)
+        for (key, args), flown in zip(sent.values(), results, strict=True):
+            self._flown(key, args, flown)
 
     # -- borrowing: a request its edge's balance cannot cover ------------------------------
 
@@ -349,24 +397,30 @@ class SharedState:
         balances have of the request's need and borrow the rest from Redis, waiting
         :data:`BORROW_S` at most. True if the borrow was answered (admit the request
         once more: it finds both in the balances), False to refuse it as it is."""
-        if getattr(refusal, "limit", None) not in ("rpm", "tpm", "slot") or not self.up or not self.keys.shared:
+        limit = getattr(refusal, "limit", None)
+        if limit not in ("rpm", "tpm", "slot", "reserved") or not self.up or not self.keys.shared:
             return False
         need_requests, need_tokens, need_slot = self.keys.needs(key, prompt_estimate, max_tokens)
         held_requests = min(max(key.req_level, 0.0), need_requests)
         held_tokens = min(max(key.tok_level, 0.0), need_tokens)
         key.req_level -= held_requests  # (so the requests admitted meanwhile do not take it)
         key.tok_level -= held_tokens
+        requests, tokens = math.ceil(need_requests - held_requests), math.ceil(need_tokens - held_tokens)
         try:
             with trio.move_on_after(BORROW_S):
-                await self.borrow(
-                    key, math.ceil(need_requests - held_requests), math.ceil(need_tokens - held_tokens), need_slot > 0
-                )
-                return True
+                while True:
+                    want = await self.borrow(key, requests, tokens, need_slot > 0, fresh=limit == "reserved")
+                    if not need_slot or want.got_slot:
+                        return True
+                    # None free: a request on another edge may end any moment (its slot comes back
+                    # as it does): ask again, within BORROW_S, before refusing.
+                    requests = tokens = 0  # (what was borrowed is in the balances)
+                    await trio.sleep(SLOT_RETRY_S)
             return False
         finally:
             self._give(key, held_requests, held_tokens)
 
-    async def borrow(self, key: Key, requests: int, tokens: int, slot: bool = False) -> None:
+    async def borrow(self, key: Key, requests: int, tokens: int, slot: bool = False, fresh: bool = False) -> _Want:
         """Take ``requests`` and ``tokens`` (or what there is of them) from ``key``'s
         buckets into this edge's balances, and a concurrency ``slot`` if asked (and
         the other edges leave one), in one round trip with the other borrows
@@ -378,7 +432,7 @@ class SharedState:
         if borrowing is None:
             borrowing = self._borrowing = _Borrowing()
             self._wake.set()
-        want = _Want(key, requests, tokens, slot)
+        want = _Want(key, requests, tokens, slot, fresh)
         borrowing.wants.append(want)
         try:
             await borrowing.done.wait()
@@ -387,6 +441,7 @@ class SharedState:
             self._give(key, *want.got)
             if want.got_slot:  # free now, for this request's admission (next, with no await between)
                 key.flight_promised -= 1
+        return want
 
     def _give(self, key: Key, requests: float, tokens: float) -> None:
         if self.keys.shared:  # (else Redis went down meanwhile: local limits; what it took refills there)
@@ -405,11 +460,13 @@ class SharedState:
         ]
         slots: dict[str, list] = {}  # key id -> [key, slots held before, flights args]
         for want in borrowing.wants:
-            if want.slot and want.key.policy.max_concurrent:
+            wants_slot = want.slot and want.key.policy.max_concurrent
+            if wants_slot or want.fresh:
                 if want.key.id not in slots:
                     held, limit, reserved = self._flight_args(want.key)
                     slots[want.key.id] = [want.key, want.key.flight_held, [held, limit, reserved]]
-                slots[want.key.id][2][0] += 1
+                if wants_slot:
+                    slots[want.key.id][2][0] += 1
         if not plan and not slots:
             return
 
@@ -426,8 +483,8 @@ class SharedState:
             log.debug("borrow failed", error=f"{type(e).__name__}: {str(e)[:200]}")
             return
         free: dict[str, int] = {}
-        for (key, before, _), flown in zip(slots.values(), results[len(plan) :], strict=True):
-            self._flown(key, flown)
+        for (key, before, args), flown in zip(slots.values(), results[len(plan) :], strict=True):
+            self._flown(key, tuple(args), flown)
             free[key.id] = key.flight_held - before
         for want in borrowing.wants:  # slots in arrival order, while there are some
             if want.slot and free.get(want.key.id, 0) > 0 and not want.gone:
@@ -453,19 +510,42 @@ class SharedState:
         """A lease round every :data:`SYNC_S`; between rounds, the borrows as they come
         (one round trip for those waiting at once). One task: Redis sees one call at a time."""
         next_round = trio.current_time()
-        while True:
-            if trio.current_time() >= next_round:
-                await self._round()
-                next_round = trio.current_time() + SYNC_S
-            borrowing, self._borrowing = self._borrowing, None
-            if borrowing is not None:
-                try:
-                    await self._lend(borrowing)
-                finally:
-                    borrowing.done.set()
-            with trio.move_on_at(next_round):
-                await self._wake.wait()
-            self._wake = trio.Event()
+        try:
+            while True:
+                if trio.current_time() >= next_round:
+                    await self._round()
+                    next_round = trio.current_time() + SYNC_S
+                if self._settled:
+                    try:
+                        await self._give_back()
+                    except (self._redis_error, OSError) as e:  # (the next round writes them, or says Redis is down)
+                        log.debug("giving back slots failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+                borrowing, self._borrowing = self._borrowing, None
+                if borrowing is not None:
+                    try:
+                        await self._lend(borrowing)
+                    finally:
+                        borrowing.done.set()
+                if self._settled or self._borrowing is not None:  # (came meanwhile)
+                    continue
+                with trio.move_on_at(next_round):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+        finally:
+            # Leaving (the edge stops): its slots and reservations go now, not when its entries
+            # go silent (10 s in which other edges refused a key after every rolling restart).
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await trio.to_thread.run_sync(self._leave, abandon_on_cancel=True)
+
+    def _leave(self) -> None:
+        """In a worker thread: this edge's entries out of every key's flights."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key_id in list(self._written):
+                pipe.hdel(f"iop:flight:{key_id}", self.edge_id)
+            pipe.execute()
+        except (self._redis_error, OSError):
+            pass  # (they go silent, and are dropped after EDGE_TTL_S)
 
     async def _round(self) -> None:
         try:
