@@ -486,3 +486,24 @@ async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_serve
     assert served >= 3 * 2 / 0.05 / 2  # (each request runs about 50 ms: at least half the slots' time used)
     assert b"dead-edge" not in r.hgetall("iop:flight:cc")
     r.close()
+
+
+async def test_one_client_taking_turns_between_edges_is_never_refused(nursery, redis_server, tmp_path):  # noqa: F811
+    """max_concurrent 1 and a daily budget (so reservations too), one client sending one
+    request at a time to two edges in turn (a round-robin balancer): never more than one in
+    flight, so never refused (48 of 100 were: the slot stayed with the other edge until its
+    next round). An edge that stops takes its slots out of Redis at once."""
+    import redis as redis_client
+
+    keys = [KeyConfig(id="rr", key="sk-rr", max_concurrent=1, daily_tokens=10_000_000)]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys)
+    with trio.fail_after(BOUND):
+        async with client(a, "sk-rr") as ca, client(b, "sk-rr") as cb:
+            statuses = [(await chat(c, max_tokens=8)).status_code for _ in range(30) for c in (ca, cb)]
+        assert statuses == [200] * 60
+        r = redis_client.Redis.from_url(redis_server.url)
+        assert a.edge.id.encode() in r.hgetall("iop:flight:rr")
+        a.stop()
+        await eventually(lambda: a.edge.id.encode() not in r.hgetall("iop:flight:rr"), "edge a's entry gone")
+        r.close()
