@@ -19,15 +19,29 @@ response waiting for its buffer to drain (the client had closed with a zero
 flow-control window) waited for ever, holding its run and its node's slot
 (found from outside: 4 runs held a model's whole capacity for 280 s).
 
+And a client that resets streams faster than any honest one (HTTP/2 "rapid
+reset", CVE-2023-44487) loses its connection: past a burst of
+:data:`RESET_BURST`, at most :data:`RESETS_PER_S` a second, the edge sends
+GOAWAY (ENHANCE_YOUR_CALM) and closes it. Each reset stream had started a run,
+cancelled at once: the edge freed the slot, but the node still worked through
+every request and cancel in turn, and one client's 3,500 resets a second put a
+node 17 s behind, the other clients' first tokens 10 s late.
+
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import time
 
+import h2.errors
+import h2.events
 from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
+
+RESET_BURST = 200  # streams a client may reset at once ...
+RESETS_PER_S = 100  # ... and then this many a second
 
 
 class _Closed:
@@ -75,3 +89,24 @@ def install() -> None:
                 await buffer.close()  # (a drain waiting on it returns)
 
     H2Protocol.handle = handle_closing_buffers  # type: ignore[method-assign]
+    handle_events = H2Protocol._handle_events
+
+    async def handle_events_within_budget(self, events) -> None:
+        resets = sum(1 for event in events if isinstance(event, h2.events.StreamReset) and event.remote_reset)
+        if resets and not _spend_resets(self, resets):
+            self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            await self._flush()
+            await self.send(Closed())
+            return
+        await handle_events(self, events)
+
+    H2Protocol._handle_events = handle_events_within_budget  # type: ignore[method-assign]
+
+
+def _spend_resets(protocol: H2Protocol, resets: int) -> bool:
+    """Take ``resets`` from the connection's bucket; False once it is empty."""
+    now = time.monotonic()
+    level, at = getattr(protocol, "_iop_resets", (float(RESET_BURST), now))
+    level = min(float(RESET_BURST), level + (now - at) * RESETS_PER_S) - resets
+    protocol._iop_resets = (level, now)  # type: ignore[attr-defined]
+    return level >= 0

@@ -10,6 +10,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import httpx
 import msgspec
 import trio
 import trustme
@@ -372,6 +373,42 @@ async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(n
         for sock in sockets:
             await sock.aclose()
         await eventually(lambda: runs.in_flight == 0, "no run left once they closed")
+
+
+async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nursery, tmp_path, upstream):
+    """HTTP/2 rapid reset (CVE-2023-44487): a client opening and resetting 400 streams as
+    fast as it can gets GOAWAY ENHANCE_YOUR_CALM past a burst of 200 (each reset stream had
+    started a run on the node: one client put a node 17 s behind), and the edge serves on."""
+    from edge.h2_streams import RESET_BURST
+
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
+    upstream.script_for("m-target", [("hang",)])
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    body = msgspec.json.encode(STREAM)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    goaway = None
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        for i in range(2 * RESET_BURST):
+            stream_id = 1 + 2 * i
+            _h2_post(h2c, stream_id, host, body)
+            h2c.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            if i % 50 == 49:
+                await stream.send_all(h2c.data_to_send())
+        await stream.send_all(h2c.data_to_send())
+        while goaway is None:
+            data = await stream.receive_some(65536)
+            assert data, "closed without GOAWAY"
+            goaway = next((e for e in h2c.receive_data(data) if isinstance(e, h2.events.ConnectionTerminated)), None)
+        assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        await trio.aclose_forcefully(stream)
+        await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
+        upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
+            assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
 
 
 async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nursery, tmp_path, upstream):
