@@ -83,7 +83,7 @@ async def test_killed_node_fails_its_stream_with_node_disconnected(nursery, tmp_
                         err = msgspec.json.decode(line[6:])["error"]
                         reading.cancel()
             gap = trio.current_time() - killed_at
-        assert err["message"] == "node disconnected"
+        assert err["message"] == "node disconnected" and err["code"] == "node_disconnected"  # (as its 502 says)
         assert gap < 5  # the link's close is seen at once, not after a ping timeout
         await upstream.records[0].finished.wait()
     assert upstream.records[0].aborted

@@ -96,6 +96,20 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     return APIError(502, failed.message, failed.type)
 
 
+_STREAM_CODES = {
+    NODE_LOST: "node_disconnected",
+    TIMEOUT: "run_timed_out",
+    SHUTDOWN: "draining",
+    CANCELLED: "cancelled_by_operator",
+}
+
+
+def stream_code(run: Run | None) -> str | None:
+    """An in-stream error's ``code``: the one its HTTP error would carry (:func:`http_error`), by
+    the run's cause (it was null in a stream, ``node_disconnected`` in a whole response's 502)."""
+    return _STREAM_CODES.get(run.cause) if run is not None and run.cause is not None else None
+
+
 async def fail(turn: Turn, failed: RunFailed, in_stream: Callable[[str, str], bytes] = sse_error) -> None:
     """Tell the client: an HTTP error if nothing was sent yet, else the
     stream's closing error bytes (``in_stream(message, type)``: the API's)."""
@@ -161,7 +175,7 @@ class ChatBuffered:
         return b""
 
     def error(self, message: str, type: str) -> bytes:
-        return sse_error(message, type)
+        return sse_error(message, type, stream_code(self.turn.last_run))
 
     def whole(self, run: Run, result: Collected) -> bytes:
         return buffered_chunks(self.turn, run, result)
@@ -279,7 +293,7 @@ class LiveEncoder:
 
     def error(self, message: str, type: str) -> bytes:
         """The closing bytes of a stream whose run failed after it committed."""
-        return sse_error(message, type)
+        return sse_error(message, type, stream_code(self.turn.last_run))
 
     def feed(self, batch: list[RunEvent]) -> bytes | None:
         """Shape a batch into ``out``; the closing bytes if the run ended."""
