@@ -38,7 +38,11 @@ class SendLock:
         return self._owner is not None
 
     async def __aenter__(self) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
+        # Not cancellable, unlike trio.Lock's: hypercorn's HTTP/2 flush takes every stream's
+        # queued frames out of h2 and then waits here, so a request task cancelled in that wait
+        # (its client left) dropped other streams' frames, and the connection's header
+        # compression fell out of step (an honest client resetting 20 streams a second lost
+        # the whole connection). The cancel is delivered at the caller's next checkpoint.
         task = trio.lowlevel.current_task()
         if self._owner is None and not self._lot:
             self._owner = task
@@ -49,7 +53,8 @@ class SendLock:
         lot = self._lot
         if lot is None:
             lot = self._lot = trio.lowlevel.ParkingLot()
-        await lot.park()  # woken as the owner: release() hands the lock over
+        with trio.CancelScope(shield=True):
+            await lot.park()  # woken as the owner: release() hands the lock over
 
     async def __aexit__(self, *_: object) -> None:
         self.release()
