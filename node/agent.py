@@ -592,11 +592,10 @@ class NodeAgent:
                 stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=context, https_compatible=True)
                 try:  # now, not inside the upgrade, whose client waited out the timeout on a TLS failure
                     await stream.do_handshake()
-                except trio.BrokenResourceError as e:
+                except BaseException as e:  # (re-raised: a cancel included; only the stream is closed)
                     await trio.aclose_forcefully(stream)
-                    raise LinkRefused(f"TLS with the edge failed: {e.__cause__ or e}") from None
-                except BaseException:
-                    await trio.aclose_forcefully(stream)
+                    if isinstance(e, trio.BrokenResourceError):
+                        raise LinkRefused(f"TLS with the edge failed: {e.__cause__ or e}") from None
                     raise
             else:
                 stream = await trio.open_tcp_stream(host, port)

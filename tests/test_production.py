@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -376,6 +377,19 @@ async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_
     return proc, f"http://127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def _streaming_then_sigterm(url: str, upstream, proc: subprocess.Popen):
+    """A stream open through the edge process at ``url``, its upstream request seen, then
+    SIGTERM to the process: the stream's response, for the caller to read."""
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
+        client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
+    ):
+        await upstream.wait_requests(1)
+        proc.send_signal(signal.SIGTERM)
+        yield r
+
+
 async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
     """SIGTERM to `iop edge`: new requests get 503, the in-flight stream finishes, then the process exits 0."""
 
@@ -383,12 +397,7 @@ async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
     proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=10)
     try:
         with trio.fail_after(BOUND):
-            async with (
-                httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
-                client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
-            ):
-                await upstream.wait_requests(1)
-                proc.send_signal(signal.SIGTERM)
+            async with _streaming_then_sigterm(url, upstream, proc) as r:
                 async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:
                     while True:  # the edge notices the signal within moments
                         late = await other.post("/v1/chat/completions", json=BODY)
@@ -511,12 +520,7 @@ async def test_a_second_signal_ends_the_drain_at_once(nursery, tmp_path, upstrea
     proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=60)
     try:
         with trio.fail_after(BOUND):
-            async with (
-                httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
-                client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
-            ):
-                await upstream.wait_requests(1)
-                proc.send_signal(signal.SIGTERM)
+            async with _streaming_then_sigterm(url, upstream, proc) as r:
                 async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:
                     while (await other.get("/readyz")).status_code != 503:  # draining
                         await trio.sleep(0.02)
