@@ -260,7 +260,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
     install_keepalive()  # hypercorn starts and cancels a task per request to time idle connections
     install_app_queue()  # hypercorn's memory channel to the app: 1.7 KB an open stream holds
-    install_send_lock()  # hypercorn's trio.Lock per connection: 0.3 KB an open stream holds
+    install_send_lock(config.write_timeout_s)  # hypercorn's trio.Lock per connection: 0.3 KB an open stream holds
     install_connection_guard()  # an exception in one connection ends that connection, not the edge
     install_h2_streams()  # hypercorn's HTTP/2 ended the connection on body data for a stream it closed
     edge = Edge(config)

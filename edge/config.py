@@ -78,6 +78,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # Streams.
     keepalive_s: float = 10.0
     max_buffered_events: int = 8192  # per run, before a non-reading client's run is cancelled
+    write_timeout_s: float = 60.0  # a client or node that takes no bytes of a write (64 KiB of a larger one)
+    #                                this long loses its connection (nginx's send_timeout)
     max_tool_attempts: int = 2
     # Link.
     ping_interval_s: float = 5.0
@@ -114,6 +116,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             "hello_timeout_s",
             "keepalive_s",
             "stall_after_s",
+            "write_timeout_s",
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")

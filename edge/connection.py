@@ -14,7 +14,10 @@ lock, met that detector.
 ``install()`` patches two things:
 
 - ``protocol_send``: bytes whose ``send_all`` meets ``_close`` in progress
-  are dropped, as if the socket had closed under them (it is closing);
+  are dropped, as if the socket had closed under them (it is closing); and
+  a send the peer takes nothing of within the connection's write timeout
+  closes the connection (:func:`edge.send_lock.send_within`), where
+  hypercorn waited for as long as the peer kept it open;
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
   was.
@@ -29,8 +32,10 @@ import functools
 
 import structlog
 import trio
-from hypercorn.events import RawData
+from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
+
+from edge.send_lock import send_within
 
 log = structlog.get_logger("iop.edge.http")
 
@@ -46,12 +51,16 @@ def install() -> None:
 
     @functools.wraps(hypercorn_protocol_send)
     async def protocol_send(self: TCPServer, event) -> None:
-        try:
+        if not isinstance(event, RawData):
             await hypercorn_protocol_send(self, event)
-        except trio.BusyResourceError:
-            if not isinstance(event, RawData):
-                raise
-            # _close's send_eof holds the stream: the connection is closing, these bytes go nowhere
+            return
+        async with self.send_lock:  # hypercorn's own RawData branch, its send bounded in time
+            try:
+                await send_within(self.send_lock, self.stream, event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+            except trio.BusyResourceError:
+                pass  # _close's send_eof holds the stream: the connection is closing, these bytes go nowhere
 
     @functools.wraps(hypercorn_run)
     async def run(self: TCPServer) -> None:

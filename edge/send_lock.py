@@ -14,6 +14,14 @@ Unlike ``trio.Lock`` it does not break when its owner exits while holding it
 (trio's "parking lot breaker", a debugging aid): it is only ever held inside
 ``async with``, which releases it.
 
+And every send under the lock is bounded in time (:func:`send_within`): a
+peer that takes no bytes (a client that keeps its connection open and never
+reads, or a node that stops reading its link) held the send, shielded, for as
+long as it stayed, and with it the request, its run's answer in memory and,
+on a node's link, every run of the node. A write that makes no progress (64
+KiB) within the connection's write timeout (``write_timeout_s``) now closes
+the connection, as nginx's ``send_timeout`` does.
+
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
 refuses a ``TCPServer`` that does not make a ``send_lock``.
 """
@@ -23,16 +31,23 @@ from __future__ import annotations
 import functools
 import inspect
 
+import structlog
 import trio
 from hypercorn.trio.tcp_server import TCPServer
 
+log = structlog.get_logger("iop.edge.http")
+
+WRITE_TIMEOUT_S = 60.0  # of connections whose hypercorn config names none (see install)
+PIECE = 64 * 1024  # a larger write is sent in pieces, each within the write timeout
+
 
 class SendLock:
-    __slots__ = ("_owner", "_lot")
+    __slots__ = ("_owner", "_lot", "write_timeout")
 
-    def __init__(self) -> None:
+    def __init__(self, write_timeout: float = 60.0) -> None:
         self._owner: trio.lowlevel.Task | None = None
         self._lot: trio.lowlevel.ParkingLot | None = None  # made when a task first has to wait
+        self.write_timeout = write_timeout  # seconds a send may wait for the peer to take its bytes
 
     def locked(self) -> bool:
         return self._owner is not None
@@ -69,8 +84,12 @@ class SendLock:
             self._owner = None
 
 
-def install() -> None:
-    """Idempotent."""
+def install(write_timeout: float = WRITE_TIMEOUT_S) -> None:
+    """Idempotent. ``write_timeout``: for connections whose hypercorn config
+    names none (``iop_write_timeout_s``, which edge.serve sets): under
+    hypercorn's own CLI, that of the app's config."""
+    global WRITE_TIMEOUT_S
+    WRITE_TIMEOUT_S = write_timeout
     if getattr(TCPServer.__init__, "iop_send_lock", False):
         return
     if "send_lock" not in inspect.unwrap(TCPServer.__init__).__code__.co_names:
@@ -80,7 +99,32 @@ def install() -> None:
     @functools.wraps(hypercorn_init)  # (keeps the other patches' marks: each stays idempotent)
     def __init__(self: TCPServer, *args, **kwargs) -> None:
         hypercorn_init(self, *args, **kwargs)
-        self.send_lock = SendLock()
+        self.send_lock = SendLock(getattr(self.config, "iop_write_timeout_s", WRITE_TIMEOUT_S))
 
     __init__.iop_send_lock = True  # type: ignore[attr-defined]
     TCPServer.__init__ = __init__  # type: ignore[method-assign]
+
+
+async def send_within(lock: object, stream: trio.abc.Stream, data: bytes) -> None:
+    """``stream.send_all(data)`` under ``lock`` (held by the caller), shielded: a
+    cancel never cuts a write in half. Sent :data:`PIECE` bytes at a time, each
+    within the lock's write timeout: a peer that takes none of a piece by then has
+    its connection closed (hypercorn's reader then ends it: a request's client is
+    gone, a node's link is lost), and ``trio.BrokenResourceError`` is raised."""
+    timeout = getattr(lock, "write_timeout", WRITE_TIMEOUT_S)  # (a trio.Lock: edge.send_lock not installed)
+    with trio.CancelScope(shield=True):
+        if len(data) <= PIECE:
+            with trio.move_on_after(timeout) as timer:
+                await stream.send_all(data)
+        else:
+            view = memoryview(data)
+            for start in range(0, len(view), PIECE):
+                with trio.move_on_after(timeout) as timer:
+                    await stream.send_all(view[start : start + PIECE])
+                if timer.cancelled_caught:
+                    break
+        if not timer.cancelled_caught:
+            return
+        log.warning("connection closed: the peer took no bytes", write_timeout_s=timeout)
+        await trio.aclose_forcefully(stream)
+    raise trio.BrokenResourceError("the peer took no bytes within the write timeout")

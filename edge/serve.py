@@ -20,6 +20,7 @@ def hypercorn_config(app: QuartTrio, bind: str, *, certfile: str | None = None, 
     hc.websocket_max_message_size = cfg.max_frame_bytes
     hc.keep_alive_timeout = 75
     hc.read_timeout = None
+    hc.iop_write_timeout_s = cfg.write_timeout_s  # (edge.send_lock: each connection's sends)
     if certfile:
         hc.certfile = certfile
         hc.keyfile = keyfile

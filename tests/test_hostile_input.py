@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import h11
 import httpx
@@ -25,7 +26,18 @@ from edge.openai import turn as turn_module
 from iop import logs
 from node.adapters import sim as sim_adapter
 from scripts.stack import free_port
-from tests.conftest import BOUND, TOKEN, edge_config, http, model, settled, start_edge, start_node, write_toml
+from tests.conftest import (
+    BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    settled,
+    start_edge,
+    start_node,
+    write_toml,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -772,3 +784,46 @@ async def test_too_many_content_parts_is_a_400_before_any_walk(sim_edge, path, b
     assert r.status_code == 400, r.text
     assert "Too many content parts" in r.text and "at most 10000" in r.text
     assert ok.status_code == 200
+
+
+SEND_BUFFER_MAX = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+
+
+async def test_a_client_that_never_reads_loses_its_connection_after_the_write_timeout(nursery, upstream):
+    """A client that asks for a long stream, keeps its connection open and reads nothing held
+    the edge's write (shielded) and the request, with its run's answer in memory, for as long
+    as it stayed. Past ``write_timeout_s`` with nothing taken the edge closes the connection:
+    the request ends (nothing in flight), the client finds a cut body and the end of the
+    connection, and others are served meanwhile."""
+    piece = "abcdefghij" * 1_600
+    upstream.script_for(
+        "m-target",
+        [
+            *(("chunk", {"content": piece}) for _ in range(3 * SEND_BUFFER_MAX // len(piece))),
+            ("chunk", {}, "stop"),
+            ("done",),
+        ],
+    )
+    edge = await start_edge(nursery, edge_config(write_timeout_s=1.0))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({"model": "m", "stream": True, "messages": USER})
+    with trio.fail_after(BOUND):
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        await sock.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        await eventually(lambda: edge.edge.runs.in_flight == 1, what="the stream under way")
+        await settled(edge, node.agent)  # the edge gave up on the write: no request in flight
+        async with http(edge) as client:  # and serves others
+            r = await client.get("/v1/models")
+        assert r.status_code == 200
+        received = b""
+        while data := await sock.recv(1 << 20):  # the end of the connection, not a kept-alive one
+            received += data
+        sock.close()
+    assert received.startswith(b"HTTP/1.1 200") and len(received) < 3 * SEND_BUFFER_MAX
+    assert b"data: [DONE]" not in received

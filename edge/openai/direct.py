@@ -39,6 +39,8 @@ import h11
 import trio
 from hypercorn.protocol.events import StreamClosed
 
+from edge.send_lock import send_within
+
 
 class DirectBody:
     __slots__ = ("_socket", "_raw", "_stream", "_lock", "_h11", "_protocol")
@@ -254,8 +256,7 @@ async def send_locked(lock: Any, stream: trio.SocketStream, data: bytes) -> None
     sends (for the rest of a write the kernel took only part of)."""
     async with lock:
         try:
-            with trio.CancelScope(shield=True):
-                await stream.send_all(data)
+            await send_within(lock, stream, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the connection is gone: hypercorn's reader tells the app
 
