@@ -44,6 +44,9 @@ from proto import (
 )
 from proto.frames import MAX_MODEL_NAME, MAX_MODELS, MAX_NODE_ID, name_problem
 
+MAX_ADAPTER = 64  # characters of a model's adapter in a hello ("openai", "sim")
+MAX_TARGET = 1024  # characters of its target (the model server's own name for it)
+
 log = structlog.get_logger("iop.edge.link")
 
 NODE_ID_HEADER = "X-Iop-Node-Id"
@@ -78,6 +81,10 @@ def _hello_problem(hello: Hello) -> str:
         problem = name_problem(info.name, MAX_MODEL_NAME)
         if problem:
             return f"a model name {problem}"
+        # Shown as they come in /v1/nodes and every console snapshot (a 15 MB adapter was
+        # 112 MB/s to two consoles): bounded, as names are.
+        if len(info.adapter) > MAX_ADAPTER or len(info.target) > MAX_TARGET:
+            return f"a model's adapter or target is longer than {MAX_ADAPTER} or {MAX_TARGET} characters"
     return ""
 
 
@@ -102,7 +109,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     try:
         with trio.fail_after(config.hello_timeout_s):
             hello = decode_frame(await websocket.receive())
-    except (trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError, TypeError):
+    except (trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError, TypeError, RecursionError):
         await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
         return None
     if not isinstance(hello, Hello):
@@ -197,12 +204,16 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
             frame = decode_frame(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise LinkProtocolError(f"undecodable frame: {e}") from None
+        except RecursionError:  # (msgspec's, past ~1,000 levels of nesting: not a DecodeError)
+            raise LinkProtocolError("undecodable frame: nested too deep") from None
         match frame:
             case Events(events=events):
                 runs = link.runs
                 for event in events:
                     run = runs.get(event.run_id)
                     if run is not None:
+                        if run.tunnel:
+                            raise LinkProtocolError("events frame for a passthrough run")
                         run.deliver(event, now)
                     # else: a run that ended here (cancelled: the node had not heard yet). Not a
                     # protocol error even when it ended long ago: a node behind on 4,096 and more
@@ -229,6 +240,8 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
                 if run is not None:
+                    if not run.tunnel:  # (a chat run's consumers read events only)
+                        raise LinkProtocolError("tunnel_frame for a run that is not a passthrough")
                     run.deliver_frame(frame, now)
                 # else: a tunnel that ended here (as for events, above)
             case _:

@@ -529,15 +529,16 @@ async def test_names_a_console_would_misshow_are_refused(nursery, node_id, model
     assert not edge.edge.runs.links
 
 
-@pytest.mark.parametrize("field", ["text", "stop", "tool_calls"])
+@pytest.mark.parametrize("field", ["text", "stop", "tool_calls", "emoji"])
 async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, monkeypatch, field):
     """The buffers of a run counted events, not bytes: a node sending 2 MB deltas to a client
     that collects the answer (stream false) grew the edge by 2.3 GB before anything reached the
-    client. Past MAX_OUTPUT_CHARS of text a run fails (502 naming why), the node is told to stop
-    it, and the link stays."""
+    client. Past MAX_OUTPUT_BYTES of text a run fails (502 naming why), the node is told to stop
+    it, and the link stays. Text that is not ASCII counts 4 bytes a character (what Python
+    holds it in): counted in characters, 8 runs of emoji took an edge to 2.1 GB."""
     from edge.runs import run as run_module
 
-    monkeypatch.setattr(run_module, "MAX_OUTPUT_CHARS", 1 << 20)
+    monkeypatch.setattr(run_module, "MAX_OUTPUT_BYTES", 1 << 20)
     edge = await start_edge(nursery)
     body = {"model": "hostile", "messages": [{"role": "user", "content": "hi"}]}
     with trio.fail_after(BOUND):
@@ -558,7 +559,7 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
                 calls = [ToolCall(id=f"c{i}", function=ToolCallFunction(name="f")) for i in range(2000)]
                 events = [RunEvent(run_id=run_id, seq=1, type="complete", tool_calls=calls)]
             else:  # 8 x 256 KiB: past the 1 MiB budget at the 5th; any field counts
-                big = {field: "x" * (256 << 10)}
+                big = {"text": "\N{GRINNING FACE}" * (64 << 10)} if field == "emoji" else {field: "x" * (256 << 10)}
                 events = [RunEvent(run_id=run_id, seq=seq, type="delta", **big) for seq in range(1, 9)]
             for event in events:
                 data = encode_frame(Events(events=[event]))
@@ -569,7 +570,7 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
                 cancel = frame if isinstance(frame, CancelRun) else None
             assert "hostile" in edge.edge.runs.links  # the link stays
     r = answer[0]
-    assert r.status_code == 502 and "more than 1048576 characters or 1024 tool calls" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "more than 1048576 bytes or 1024 tool calls" in r.json()["error"]["message"]
     assert (cancel.run_id, cancel.reason) == (run_id, "output_too_large")
 
 
@@ -662,3 +663,130 @@ async def test_every_websocket_frame_counts_against_the_read_budget(nursery, kin
             took = trio.current_time() - start
     assert took >= (20_000 - frame_limit.FRAMES_BURST) / frame_limit.FRAMES_PER_S * 0.95, took
     assert "hostile" in edge.edge.runs.links
+
+
+async def test_frames_nested_past_the_decoder_close_the_link_as_undecodable(edge):
+    """msgpack nested 200,000 deep raised RecursionError, not a DecodeError: the link was
+    closed 1011 "internal error in the edge" with a traceback logged (an error line for each
+    reconnect of such a node). In a hello or after it, it is the 4003 of any undecodable frame."""
+    deep = b"\x82\xa1t\xa4ping\xa1x" + b"\x91" * 200_000 + b"\xc0"  # a ping, and "x": [[[...[nil]...]]]
+
+    async def deep_hello(ws):
+        await ws.send_message(deep)
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        after = await sent_after_hello(edge, "deep", deep)
+        instead = await fake_node(edge, deep_hello, node_id="deep2")
+        r = await one_request(edge)  # (no node serves m: the edge answers, and goes on)
+    assert (after.reason.code, after.reason.reason) == (4003, "undecodable frame: nested too deep")
+    assert (instead.reason.code, instead.reason.reason) == (4003, "expected a hello frame")
+    assert r.status_code in (404, 503)
+
+
+async def test_a_tunnel_frame_for_a_chat_run_closes_the_link_and_the_client_gets_a_502(edge):
+    """A node that answered a chat run with tunnel frames raised AttributeError in the edge's
+    consumers: a 500 "Internal error in the edge" to the client for the node's fault (a
+    streaming one's link closed 1011). It is a protocol error of the node's: 4003, and the
+    client's 502 names the lost node."""
+    answers: list = []
+
+    async def liar(ws):
+        await ws.send_message(hello(node_id="liar"))
+        await ws.get_message()
+        await ws.send_message(encode_frame(Grant(model="m", slots=2, seq=1)))
+        while not isinstance(frame := decode_frame(await ws.get_message()), RunRequest):
+            pass
+        await ws.send_message(encode_frame(TunnelFrame(run_id=frame.run_id, seq=1, kind="response_start", status=200)))
+        return await closed_by_edge(ws)
+
+    async def ask():
+        await eventually(lambda: "liar" in edge.edge.runs.links)
+        answers.append(await one_request(edge))
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            closed = await fake_node(edge, liar, node_id="liar")
+    assert closed.reason.code == 4003 and "not a passthrough" in closed.reason.reason
+    assert answers[0].status_code == 502 and answers[0].json()["error"]["code"] == "node_disconnected"
+
+
+async def test_a_hello_with_an_endless_adapter_or_target_is_refused(edge):
+    """A model's adapter and target went unchecked into /v1/nodes and every console snapshot
+    (a 15 MB adapter: 112 MB/s to two consoles). Past 64 and 1,024 characters the hello is refused."""
+
+    def hello_with(**fields):
+        info = ModelInfo(**{"name": "m", "adapter": "sim", "target": "t", "max_concurrency": 1, **fields})
+        return encode_frame(Hello(node_id="long", protocol=PROTOCOL_VERSION, models=[info]))
+
+    async def say(data, ws):
+        await ws.send_message(data)
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        for fields in ({"adapter": "a" * 65}, {"target": "t" * 1025}):
+            closed = await fake_node(edge, partial(say, hello_with(**fields)), node_id="long")
+            assert closed.reason.code == 4003 and "adapter or target is longer" in closed.reason.reason
+        async with http(edge) as client:
+            assert (await client.get("/v1/nodes")).json()["data"] == []
+
+
+async def test_a_frame_of_more_events_than_a_run_buffers_is_the_nodes_not_the_clients(edge):
+    """9,000 one-character deltas in one frame (past max_buffered_events, 8,192) failed the run
+    of a client that was reading as "client is not reading the response" (a 500): the client's
+    reader had no turn between them. Within the byte bound, such a frame is read whole."""
+
+    async def chatty(ws):
+        await ws.send_message(hello(node_id="chatty"))
+        await ws.get_message()
+        await ws.send_message(encode_frame(Grant(model="m", slots=2, seq=1)))
+        while not isinstance(frame := decode_frame(await ws.get_message()), RunRequest):
+            pass
+        deltas = [RunEvent(run_id=frame.run_id, seq=i, type="delta", text="x") for i in range(1, 9001)]
+        end = RunEvent(run_id=frame.run_id, seq=9001, type="complete", finish_reason="stop")
+        await ws.send_message(encode_frame(Events(events=[*deltas, end])))
+        while True:
+            await ws.get_message()
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fake_node, edge, chatty, "chatty")
+            await eventually(lambda: "chatty" in edge.edge.runs.links)
+            r = await one_request(edge)
+            nursery.cancel_scope.cancel()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "x" * 9000
+
+
+async def test_requests_queued_for_a_node_that_reads_nothing_go_when_their_clients_do(nursery):
+    """A node that links, keeps pinging and reads nothing: the edge's writes to it stop, and
+    the runs' requests (their whole prompts) wait in the link's queue. Their clients leave;
+    the requests stayed queued for as long as the node stayed linked (150 clients of 1 MiB
+    prompts: 149 MiB held). A run that ends before its request left takes it out, and sends
+    the node no cancel for it."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=60.0))
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN, node_id="deaf", max_concurrency=64)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        grant = encode_frame(Grant(model="hostile", slots=64, seq=1))
+        await stream.send_all(frame_header(BINARY, len(grant)) + grant)
+        link = edge.edge.runs.links["deaf"]
+        async with stream, http(edge) as client, trio.open_nursery() as clients:
+
+            async def keep_pinging():
+                while True:
+                    ping = encode_frame(Ping(ts=1.0))
+                    await stream.send_all(frame_header(BINARY, len(ping)) + ping)
+                    await trio.sleep(0.2)
+
+            clients.start_soon(keep_pinging)
+            prompt = "p" * (1 << 20)
+            for _ in range(24):
+                body = {"model": "hostile", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+                clients.start_soon(partial(client.post, "/v1/chat/completions", json=body))
+            await eventually(lambda: len(link.runs) == 24 and link.queued_frames >= 4, what="requests queued")
+            clients.cancel_scope.cancel()  # every client leaves
+        await eventually(lambda: not link.runs, what="the runs closed")
+        queued = [*link._control, *link._requests]  # what still waits for the node: no prompt
+        assert sum(len(encode_frame(frame)) for frame in queued) < 64 * 1024, [type(f).__name__ for f in queued]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from proto import Demand, EngineLoad, Frame, ModelInfo, Ping, Pong, RunRequest, TunnelRequest
+from proto import CancelRun, Demand, EngineLoad, Frame, ModelInfo, Ping, Pong, RunRequest, TunnelRequest
 
 if TYPE_CHECKING:
     from edge.runs.run import Run
@@ -47,7 +47,8 @@ class NodeLink:
     blocks and never kills the link: a node that reads slowly is back-pressure,
     not death (the pinger judges death, by silence). The queues are bounded by
     construction: run and tunnel requests by the node's capacity (a request
-    holds a slot), cancels by one per run, pings and pongs by one per beat.
+    holds a slot; a run that ends before its request left takes it out, and
+    sends no cancel), cancels by one per run, pings and pongs by one per beat.
     """
 
     def __init__(self, node_id: str, models: list[ModelInfo], grants: dict[str, int] | None = None) -> None:
@@ -237,6 +238,8 @@ class NodeLink:
                 self._writer_idle = False
                 self._ready.unpark_all()
                 return
+        if type(frame) is CancelRun and self._requests and self._unqueue(frame.run_id):
+            return  # the node never got the run: nothing to cancel
         if isinstance(frame, (RunRequest, TunnelRequest, Demand)):
             self.demands_queued += isinstance(frame, Demand)
             self._requests.append(frame)
@@ -248,6 +251,16 @@ class NodeLink:
         else:
             self._control.append(frame)
         self._ready.unpark_all()
+
+    def _unqueue(self, run_id: str) -> bool:
+        """Take a run's request out of the queue if it is still there: a node
+        that reads nothing kept every ended run's request (its whole prompt)
+        queued for as long as it stayed linked (150 clients gone: 149 MiB held)."""
+        for i, queued in enumerate(self._requests):
+            if type(queued) is not Demand and queued.run_id == run_id:
+                del self._requests[i]
+                return True
+        return False
 
     @property
     def queued_frames(self) -> int:

@@ -32,26 +32,35 @@ SLOW_CLIENT = "slow_client"
 SHUTDOWN = "shutdown"
 UNSENDABLE = "unsendable"  # the run's request could not be encoded or framed for the node
 CANCELLED = "cancelled"  # by an operator (the console, POST /v1/admin/runs/{id}/cancel)
-TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_CHARS of text for the run
+TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of text for the run
 
-# What one run may bring: the characters of its events in all (text, reasoning, tool calls,
-# every string field), and what waits for its reader (a tunnel's body too: an embeddings
-# answer a slow client reads can be tens of MB); at most MAX_TOOL_CALLS calls. Far past any
-# model's answer (4 M tokens of 4 characters; a node caps a run's calls at 1,024 and 8 MiB);
-# each run's buffers on the edge stay bounded whatever a node sends.
-MAX_OUTPUT_CHARS = 16 * 1024 * 1024
+# What one run may bring: the bytes of its events in all (text, reasoning, tool calls, every
+# string field), and what waits for its reader (a tunnel's body too: an embeddings answer a
+# slow client reads can be tens of MB); at most MAX_TOOL_CALLS calls. Far past any model's
+# answer (131,072 tokens of 64 bytes; a node caps a run's calls at 1,024 and 8 MiB); each
+# run's buffers on the edge stay bounded whatever a node sends. Text is counted 4 bytes a
+# character unless it is ASCII (what Python holds it in, at most): a cap of 16 Mi characters
+# let 8 runs of emoji take an edge from 55 MiB to 2.1 GB (outside audit).
+MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 MAX_TOOL_CALLS = 1024
+EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
+
+
+def _text_bytes(text: str) -> int:
+    return len(text) if text.isascii() else 4 * len(text)  # (isascii: a flag of the string, no scan)
 
 
 def _size(item: RunEvent | TunnelFrame) -> int:
-    """The characters (bytes, for a body) an event or tunnel frame holds."""
+    """The bytes an event or tunnel frame holds (its text at most 4 a character)."""
     if type(item) is RunEvent:
-        size = len(item.text)
+        size = _text_bytes(item.text)
         if item.finish_reason or item.stop or item.tool_calls:  # rare: a complete, or a node's oddity
-            size += len(item.finish_reason) + len(item.stop)
+            size += _text_bytes(item.finish_reason) + _text_bytes(item.stop)
             for call in item.tool_calls or ():
-                size += len(call.id) + len(call.type) + len(call.function.name) + len(call.function.arguments)
+                function = call.function
+                size += _text_bytes(call.id) + _text_bytes(call.type)
+                size += _text_bytes(function.name) + _text_bytes(function.arguments)
         return size
     size = len(item.body) + len(item.error)
     for name, value in item.headers or ():
@@ -108,8 +117,10 @@ class Run:
         "sink",
         "_sunk_at",
         "_nudged",
-        "output_chars",
+        "output_bytes",
         "_pending_bytes",
+        "tunnel",
+        "_pending_from",
     )
 
     def __init__(
@@ -165,8 +176,10 @@ class Run:
         self.sink: Callable[[RunEvent], bool] | None = None
         self._sunk_at = -math.inf  # when the frame whose event the sink last took arrived
         self._nudged = False  # the sink left the reader something to do (next_batch_or_idle returns [])
-        self.output_chars = 0  # text of its events so far
+        self.output_bytes = 0  # text of its events so far (_size)
         self._pending_bytes = 0  # text or body bytes of the events waiting for the reader
+        self.tunnel = False  # a passthrough run: the node sends it tunnel frames, never events
+        self._pending_from = -math.inf  # when the frame of the oldest event waiting arrived
 
     @property
     def link(self):
@@ -190,12 +203,11 @@ class Run:
             return
         size = _size(item)
         if type(item) is RunEvent:
-            self.output_chars += size
-            if self.output_chars > MAX_OUTPUT_CHARS or len(item.tool_calls or ()) > MAX_TOOL_CALLS:
+            self.output_bytes += size
+            if self.output_bytes > MAX_OUTPUT_BYTES or len(item.tool_calls or ()) > MAX_TOOL_CALLS:
                 self._pending.clear()
                 self.fail(
-                    f"the node sent more than {MAX_OUTPUT_CHARS} characters or {MAX_TOOL_CALLS} tool calls "
-                    "for this run",
+                    f"the node sent more than {MAX_OUTPUT_BYTES} bytes or {MAX_TOOL_CALLS} tool calls for this run",
                     TOO_LARGE,
                 )
                 return
@@ -215,8 +227,10 @@ class Run:
         if not terminal and self.sink is not None and not self._pending and self._sunk_at != now and self.sink(item):
             self._sunk_at = now
             return
+        if not self._pending:
+            self._pending_from = now
         self._pending.append(item)
-        self._pending_bytes += size
+        self._pending_bytes += size + EVENT_BYTES
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else RUN_ERROR
@@ -225,9 +239,14 @@ class Run:
             if self.on_node_done is not None:  # (a client that does not read holds no node capacity)
                 self.on_node_done(self)
         elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
-            self._pending.clear()
-            self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
-            return
+            if self._pending_from != now:  # the reader had its turn since the first of them
+                self._pending.clear()
+                self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
+                return
+            if self._pending_bytes > MAX_PENDING_BYTES:  # one frame: the node's doing, not the client's
+                self._pending.clear()
+                self.fail(f"the node sent more than {MAX_PENDING_BYTES} bytes in one frame for this run", TOO_LARGE)
+                return
         self._wake()
 
     def fail(self, message: str, cause: str) -> None:
