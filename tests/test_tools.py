@@ -560,3 +560,72 @@ def test_the_live_filter_finds_a_call_after_text_that_lowercases_longer():
     assert held.append('_call>{"name": "get_time"}</tool_call>') == ""
     assert held.flush() == '<tool_call>{"name": "get_time"}</tool_call>'
     assert ToolTextFilter().append("İİ {{TOOL") == "İİ "
+
+
+MIXED = [i if i % 2 else str(i) for i in range(20_000)]  # numbers beside strings: they do not sort
+
+
+async def test_a_large_enum_of_mixed_values_is_checked_without_holding_the_edge(tooled):
+    """The draft-04 metaschema asks every `enum` to have unique items, and jsonschema compared
+    every pair when they did not sort: one request with a 20,000-value enum (159 KB) held the
+    event loop 40-72 s and dropped every node link. It is one pass now."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "fine"}))
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "properties": {"a": {"enum": MIXED}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = {"model": "native", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "fine"
+
+
+async def test_unique_items_of_a_models_arguments_are_checked_in_one_pass(tooled):
+    """A schema asking `uniqueItems` of an array the model fills with 12,000 numbers and strings
+    held the event loop 19 s while jsonschema compared every pair (the node declared the edge
+    dead). The call is checked in one pass; a repeated item (1 and 1.0 are one JSON value) is
+    still refused."""
+    edge, upstream = tooled
+    params = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    body = {"model": "native", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    distinct = json.dumps({"a": MIXED[:12_000]})
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("t", steps(*native_call(0, "c1", "f", distinct), finish="tool_calls"))
+            ok = await client.post("/v1/chat/completions", json=body)
+            upstream.script_for("t", steps(*native_call(0, "c1", "f", '{"a": [1, "x", 1.0]}'), finish="tool_calls"))
+            repeated = await client.post("/v1/chat/completions", json={**body, "max_tokens": 50})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == distinct
+    assert repeated.status_code == 502 and "non-unique" in repeated.json()["error"]["message"]
+
+
+async def test_tool_calls_nested_past_the_decoder_are_a_clear_error_not_a_500(tooled):
+    """JSON nested 100,000 deep raised RecursionError (not a DecodeError) in the edge: a 500
+    when a text-only model wrote such a tool call, and when a client sent such arguments in
+    its history to one. The model's is an unreadable call (retried, then tool_validation_error);
+    the client's arguments go to the model as the client wrote them."""
+    edge, upstream = tooled
+    deep = "[" * 100_000 + "]" * 100_000
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    upstream.script_for("t", steps({"content": '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"}))
+    asked = {"model": "textonly", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "done"},
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            model_wrote = await client.post("/v1/chat/completions", json=asked)
+            upstream.script_for("t", steps({"content": "fine"}))
+            client_sent = await client.post("/v1/chat/completions", json={**asked, "messages": history})
+    assert model_wrote.status_code == 502 and model_wrote.json()["error"]["type"] == "tool_validation_error"
+    assert "nested too deeply" in model_wrote.json()["error"]["message"]
+    assert client_sent.status_code == 200, client_sent.text
+    assert any(deep in m["content"] for m in upstream.records[-1].body["messages"] if m["role"] == "assistant")

@@ -99,6 +99,8 @@ def _read_call(body: str) -> tuple[ToolCall | None, str]:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return None, f"a tool call is not valid JSON: {body[:120]!r}"
+    except RecursionError:  # (msgspec's, past ~1,000 levels: not a DecodeError)
+        return None, "a tool call is nested too deeply"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None, "a tool call has no function name"
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -201,6 +203,43 @@ def _bound_jsonschema_patterns() -> None:
 
 
 _bound_jsonschema_patterns()
+
+
+# jsonschema checks uniqueItems (a client's schema asking it of a model's arguments, and the
+# draft-04 metaschema asking it of every `enum`) by sorting, or, when the items do not sort
+# (numbers beside strings), by comparing every pair: a 159 KB enum held the event loop 40-72 s
+# and dropped the node links (outside audit). Instead each item gets a key that is equal
+# exactly when jsonschema's `equal` says so (1 == 1.0, true != 1, objects by their members).
+def _unique_key(value: Any) -> Any:
+    if isinstance(value, bool) or value is None:
+        return (0, value)
+    if isinstance(value, (int, float)):
+        return (1, value)  # (1 and 1.0: equal, with one hash)
+    if isinstance(value, str):
+        return (2, value)
+    if isinstance(value, dict):
+        return (3, frozenset((k, _unique_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (4, tuple(_unique_key(v) for v in value))
+    raise TypeError(type(value).__name__)
+
+
+def _uniq(container: Any) -> bool:
+    """``jsonschema._utils.uniq`` in one pass."""
+    keys = {_unique_key(item) for item in container}
+    return len(keys) == len(container)
+
+
+def _linear_unique_items() -> None:
+    current = getattr(jsonschema._keywords, "uniq", None)
+    if current is _uniq:
+        return
+    if getattr(current, "__name__", "") != "uniq":
+        raise RuntimeError("jsonschema._keywords no longer checks uniqueItems with uniq: review edge.openai.tools")
+    jsonschema._keywords.uniq = _uniq  # type: ignore[attr-defined]
+
+
+_linear_unique_items()
 
 
 def _schema_nodes(schema: Any) -> int:
@@ -456,7 +495,7 @@ def _as_json(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return msgspec.json.decode(arguments)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # (as the client wrote them)
             return arguments
     return arguments
 
