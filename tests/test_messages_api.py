@@ -826,3 +826,17 @@ async def test_many_tool_results_count_as_the_client_sent_them(nursery, upstream
     assert message.content[0].text == "ok"
     assert "Too many messages: 43 (at most 30)" in str(caught.value)
     await settled(edge, node.agent)
+
+
+async def test_a_tool_call_nested_past_the_decoder_is_an_empty_input_not_a_500(setup):
+    """A model's tool call whose arguments nest 100,000 deep raised RecursionError (not a
+    DecodeError) while the edge made its `input`: a 500 on the Messages API. Unreadable
+    arguments are an empty input, as other unreadable ones are."""
+    edge, upstream = setup
+    deep = "[" * 100_000 + "]" * 100_000
+    upstream.script_for("t", steps(*native_call("call_1", "f", deep), finish="tool_calls"))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            message = await client.messages.create(model="m", max_tokens=50, messages=USER)
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "f", {})]

@@ -20,12 +20,15 @@ What the decoder does with each part of a request:
 - ``tools`` with ``input_schema`` become functions; server tools (a ``type``
   other than ``custom``) are not model tools and are left out;
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` become ``auto`` /
-  ``required`` / the named function / ``none``; ``stop_sequences`` ``stop``;
+  ``required`` / the named function / ``none`` (``any`` or ``tool`` without
+  ``tools`` is a 400, as Anthropic's); ``stop_sequences`` ``stop``;
   ``metadata.user_id`` ``user`` (session affinity); ``thinking`` enabled or
   adaptive shows reasoning as thinking blocks, otherwise it is hidden (as
   Anthropic sends no thinking unless asked);
-- other top-level fields (``output_config``, ``context_management``, ...)
-  are ignored.
+- ``output_config.format`` (structured outputs: ``messages.parse(output_format=...)``)
+  becomes a ``json_schema`` ``response_format``, as does the beta's top-level
+  ``output_format``; the rest of ``output_config`` (``effort``) is ignored;
+- other top-level fields (``context_management``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class MessagesRequest(msgspec.Struct):
     stop_sequences: list[str] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's place for it
 
 
 # History blocks that are never sent upstream: the model's own thinking, and
@@ -272,6 +277,15 @@ def _tool_choice(choice: dict[str, Any], body: dict[str, Any]) -> None:
         body["parallel_tool_calls"] = False
 
 
+def _response_format(fmt: Any) -> dict[str, Any]:
+    """Structured outputs' ``{"type": "json_schema", "schema": ...}`` as chat's
+    ``response_format``, which the node passes to the model server (the
+    Messages API names no schema: chat wants a name, so it is ``output``)."""
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad('output_config.format: expected {"type": "json_schema", "schema": {...}}.', "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The chat completion body for a Messages request, and the names of the
     server tools left out of it. Raises :class:`APIError` (400)."""
@@ -306,12 +320,18 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     server: list[str] = []
+    if not req.tools and (req.tool_choice or {}).get("type") in ("any", "tool"):
+        raise _bad("tool_choice: `any` and `tool` need `tools` (a tool the model must call).", "tool_choice")
     if req.tools:
         functions, server = _tools(req.tools)
         if functions:
             body["tools"] = functions
             if req.tool_choice is not None:
                 _tool_choice(req.tool_choice, body)
+    fmt = (req.output_config or {}).get("format")
+    fmt = req.output_format if fmt is None else fmt
+    if fmt is not None:
+        body["response_format"] = _response_format(fmt)
     thinking = (req.thinking or {}).get("type")
     body["include_reasoning"] = thinking in ("enabled", "adaptive")
     user = (req.metadata or {}).get("user_id")
@@ -349,7 +369,7 @@ def tool_use_id(call_id: str) -> str:
 def _input(arguments: str) -> Any:
     try:
         value = msgspec.json.decode(arguments or "{}")
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # (msgspec's RecursionError: nested past ~1,000 levels)
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -101,6 +101,7 @@ def parse_chat_request(
         message, param = _validation_message(e)
         raise errors.bad_request(message, param) from None
     _check_text_parts(req)
+    _check_unsupported(req)
     if max_output_tokens is not None:
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(req, name)
@@ -121,6 +122,27 @@ def parse_chat_request(
     if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
         del forward["reasoning"]
     return req, forward
+
+
+NO_LOGPROBS = "This edge does not return log probabilities (its nodes do not relay them): {fix}."
+
+
+def _check_unsupported(req: ChatRequest) -> None:
+    """A 400 for what would change the answer but cannot be honoured: log
+    probabilities (the answer would say ``logprobs: null``), and a tool call
+    required with no tools to call (OpenAI refuses it too)."""
+    if req.logprobs:
+        raise errors.bad_request(
+            NO_LOGPROBS.format(fix="leave out `logprobs`, or set it to false"), "logprobs", "unsupported_parameter"
+        )
+    if req.top_logprobs:
+        raise errors.bad_request(
+            NO_LOGPROBS.format(fix="leave out `top_logprobs`, or set it to 0"), "top_logprobs", "unsupported_parameter"
+        )
+    if not req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+        raise errors.bad_request(
+            "Invalid value for `tool_choice`: a required or named tool call needs `tools`.", "tool_choice"
+        )
 
 
 def _check_text_parts(req: ChatRequest) -> None:

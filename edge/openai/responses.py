@@ -10,7 +10,8 @@ validation and retries, shaping, keep-alives, cancellation) is the chat path's,
 driven by :mod:`edge.openai.responses_route`.
 
 Stateless: nothing is stored (every response says ``store: false``), so
-``previous_response_id``, ``conversation`` and item references are a 400.
+``previous_response_id``, ``conversation``, stored ``prompt`` templates and
+item references are a 400.
 ``function`` tools, and the functions of ``namespace`` tools (flattened to
 ``NAMESPACE__NAME``, :attr:`Decoded.namespaced`), are the model's tools; the
 rest (``web_search``, ``file_search``, ``custom``, ...) are left out of the
@@ -25,7 +26,7 @@ from typing import Any
 import msgspec
 
 from edge import errors
-from edge.openai.request import check_content_parts
+from edge.openai.request import NO_LOGPROBS, check_content_parts
 from edge.openai.schema import UsageOut
 from proto import ToolCall
 
@@ -71,6 +72,15 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
             raise errors.APIError(
                 400, STATELESS.format(param=param), "invalid_request_error", param=param, code="stateless_edge"
             )
+    if raw.get("prompt") is not None:
+        raise errors.APIError(
+            400,
+            "This edge keeps no stored prompts (it is stateless): send the prompt's text in `instructions` "
+            "and `input` instead of `prompt`.",
+            "invalid_request_error",
+            param="prompt",
+            code="stateless_edge",
+        )
     if raw.get("background") is not None and raw["background"] is not False:
         raise errors.APIError(
             400,
@@ -81,6 +91,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
             code="stateless_edge",
         )
     _check_types(raw)
+    _check_logprobs(raw)
     decoded = Decoded(chat={})
     chat = decoded.chat
     if "model" in raw:
@@ -111,6 +122,9 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
                 "integer_above_max_value",
             )
         chat["max_tokens"] = limit
+    max_calls = raw.get("max_tool_calls")
+    if max_calls is not None and (not isinstance(max_calls, int) or isinstance(max_calls, bool) or max_calls < 1):
+        raise _bad("Invalid value for `max_tool_calls`: expected an integer >= 1.", "max_tool_calls")
     user = raw.get("user") if raw.get("user") is not None else raw.get("prompt_cache_key")
     if isinstance(user, str) and user:
         chat["user"] = user  # the session a run keeps to (a node's warm cache)
@@ -123,6 +137,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
     decoded.echo = {
         "instructions": instructions,
         "max_output_tokens": limit,
+        "max_tool_calls": max_calls,  # the encoder returns no more calls than this
         "metadata": raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {},
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
         "reasoning": {
@@ -238,6 +253,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "include": (list,),
     "tool_choice": (str, dict),
     "store": (bool,),
+    "top_logprobs": (int,),
 }
 _TOOL_CHOICES = ("auto", "none", "required")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
@@ -248,7 +264,8 @@ def _check_types(raw: dict[str, Any]) -> None:
         value = raw.get(name)
         if value is not None and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
             wanted = " or ".join(
-                {bool: "a boolean", dict: "an object", list: "an array", str: "a string"}[k] for k in kinds
+                {bool: "a boolean", dict: "an object", int: "an integer", list: "an array", str: "a string"}[k]
+                for k in kinds
             )
             raise _bad(f"Invalid type for `{name}`: expected {wanted}.", name)
     choice = raw.get("tool_choice")
@@ -270,6 +287,21 @@ def _check_types(raw: dict[str, Any]) -> None:
     effort = raw["reasoning"].get("effort") if isinstance(raw.get("reasoning"), dict) else None
     if effort is not None and not isinstance(effort, str):
         raise _bad("Invalid type for `reasoning.effort`: expected a string.", "reasoning.effort")
+
+
+def _check_logprobs(raw: dict[str, Any]) -> None:
+    """Log probabilities asked for are a 400: the nodes relay none, and an
+    answer with ``logprobs: []`` would pass for one that had them."""
+    if "message.output_text.logprobs" in (raw.get("include") or ()):
+        raise errors.bad_request(
+            NO_LOGPROBS.format(fix="leave `message.output_text.logprobs` out of `include`"),
+            "include",
+            "unsupported_parameter",
+        )
+    if raw.get("top_logprobs"):
+        raise errors.bad_request(
+            NO_LOGPROBS.format(fix="leave out `top_logprobs`, or set it to 0"), "top_logprobs", "unsupported_parameter"
+        )
 
 
 _NO_IMAGE = "[image omitted: this edge passes no images in tool results]"
@@ -325,12 +357,10 @@ def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
 
 def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
     tools = raw.get("tools")
-    if tools is None:
-        return
-    if not isinstance(tools, list):
+    if tools is not None and not isinstance(tools, list):
         raise _bad("Invalid value for `tools`: expected a list.", "tools")
     functions: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             raise _bad(f"Invalid value for `tools[{i}]`: expected an object.", f"tools[{i}]")
         if tool.get("type") == "namespace":
@@ -340,18 +370,52 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
             decoded.ignored_tools.append(str(tool.get("type")))
             continue
         functions.append(_function(tool, f"tools[{i}]"))
+    choice = raw.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        functions, choice = _allowed_tools(choice, functions)
     if not functions:
         return  # tool_choice and parallel_tool_calls mean nothing without a tool the model can call
     chat = decoded.chat
     chat["tools"] = functions
     if isinstance(raw.get("parallel_tool_calls"), bool):
         chat["parallel_tool_calls"] = raw["parallel_tool_calls"]
-    choice = raw.get("tool_choice")
     if choice in ("auto", "none", "required"):
         chat["tool_choice"] = choice
     elif isinstance(choice, dict) and choice.get("type") == "function":
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    # any other choice (a hosted tool, allowed_tools): the model chooses (auto)
+    # any other choice (a hosted tool): the model chooses (auto)
+
+
+def _allowed_tools(choice: dict[str, Any], functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``tool_choice: {"type": "allowed_tools", "mode", "tools"}``: the functions
+    it lists, the only ones the model is offered, and ``mode`` as the chat
+    ``tool_choice``. A hosted tool in the list is left out, as in ``tools``."""
+    mode, allowed = choice.get("mode"), choice.get("tools")
+    if mode not in ("auto", "required"):
+        raise _bad("Invalid value for `tool_choice.mode`: expected auto or required.", "tool_choice.mode")
+    if not isinstance(allowed, list):
+        raise _bad("Invalid value for `tool_choice.tools`: expected a list.", "tool_choice.tools")
+    offered = {f["function"]["name"] for f in functions}
+    names: set[str] = set()
+    for i, entry in enumerate(allowed):
+        param = f"tool_choice.tools[{i}]"
+        if not isinstance(entry, dict):
+            raise _bad(f"Invalid value for `{param}`: expected an object.", param)
+        if entry.get("type") != "function":
+            continue
+        name = entry.get("name")
+        if isinstance(name, str) and isinstance(entry.get("namespace"), str):
+            name = namespace_name(entry["namespace"], name)
+        if not isinstance(name, str) or name not in offered:
+            raise _bad(f"Invalid value for `{param}`: {name!r} is not a function in `tools`.", param)
+        names.add(name)
+    kept = [f for f in functions if f["function"]["name"] in names]
+    if mode == "required" and not kept:
+        raise _bad(
+            "Invalid value for `tool_choice.tools`: mode `required` needs a function tool among them.",
+            "tool_choice.tools",
+        )
+    return kept, mode
 
 
 def _function(tool: dict[str, Any], param: str, name: str | None = None) -> dict[str, Any]:
@@ -446,6 +510,7 @@ class ResponseEncoder:
         self.created_at = created_at
         self.echo = echo
         self.namespaced = namespaced or {}  # a namespace function's flat name -> (namespace, name)
+        self.max_calls: int | None = echo.get("max_tool_calls")
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
         self._open: dict[str, Any] | None = None  # the item receiving deltas
@@ -579,7 +644,10 @@ class ResponseEncoder:
 
     def function_calls(self, calls: list[ToolCall], status: str = "completed") -> bytes:
         """The calls' items; ``status`` is ``incomplete`` for calls cut off
-        by ``max_output_tokens`` (their arguments may be cut too)."""
+        by ``max_output_tokens`` (their arguments may be cut too). Calls past
+        the request's ``max_tool_calls`` are left out (OpenAI ignores them)."""
+        if self.max_calls is not None:
+            calls = calls[: self.max_calls]
         parts = [self._close()]
         for call in calls:
             item = {

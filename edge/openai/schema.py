@@ -80,6 +80,8 @@ class ChatRequest(msgspec.Struct, omit_defaults=True):
     include_reasoning: bool | None = None
     reasoning: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None  # true is refused (see request.py): nodes relay no log probabilities
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
     def reasoning_included(self) -> bool:
         if self.include_reasoning is False:

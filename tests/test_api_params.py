@@ -1,0 +1,244 @@
+"""Parameters that change what an answer means are honoured or refused, never silently dropped:
+log probabilities (refused on chat and Responses), Anthropic structured outputs (relayed as a
+`response_format`), Responses `allowed_tools`, `prompt` and `max_tool_calls`, and a tool call
+required with no tools (refused on chat and Messages)."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+import trio
+from pydantic import BaseModel
+
+from scripts.upstream import steps
+from tests.conftest import BOUND, edge_config, http, model, sdk, settled, start_edge, start_node
+
+USER = [{"role": "user", "content": "hi"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+NOTHING = {"type": "object", "properties": {}}
+RESPONSES_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": CITY},
+    {"type": "function", "name": "get_time", "parameters": NOTHING},
+]
+CHAT_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": NOTHING}}
+
+
+@pytest.fixture
+async def edge_up(nursery, upstream):
+    edge = await start_edge(nursery, edge_config())
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=4)])
+    yield edge, upstream
+    await settled(edge, node.agent)
+
+
+def two_calls():
+    """An upstream answer with two native calls of get_time."""
+    return steps(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            ]
+        },
+        {
+            "tool_calls": [
+                {"index": 1, "id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            ]
+        },
+        finish="tool_calls",
+    )
+
+
+def error_of(r) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+# -- log probabilities ------------------------------------------------------------------------
+
+
+async def test_chat_logprobs_asked_for_are_a_400(edge_up):
+    """`logprobs: true` or `top_logprobs` > 0 on chat is a 400 naming the field (the nodes relay no
+    log probabilities, so `logprobs: null` would pass for an answer); false and 0 are served."""
+    edge, upstream = edge_up
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="m", messages=USER, logprobs=True, top_logprobs=1)
+            with pytest.raises(openai.BadRequestError) as top_only:
+                await client.chat.completions.create(model="m", messages=USER, top_logprobs=2, stream=True)
+            served = await client.chat.completions.create(model="m", messages=USER, logprobs=False, top_logprobs=0)
+    assert refused.value.body["param"] == "logprobs" and refused.value.body["code"] == "unsupported_parameter"
+    assert "log probabilities" in refused.value.body["message"]
+    assert top_only.value.body["param"] == "top_logprobs"
+    assert served.choices[0].message.content
+    assert len(upstream.records) == 1  # the refused ones never reached the model
+
+
+async def test_responses_logprobs_asked_for_are_a_400(edge_up):
+    """On Responses, `include: ["message.output_text.logprobs"]` is a 400 naming `include`, and
+    `top_logprobs` > 0 one naming `top_logprobs`; other includes and `top_logprobs: 0` are served."""
+    edge, upstream = edge_up
+    base = {"model": "m", "input": "hi"}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            included = await client.post("/v1/responses", json={**base, "include": ["message.output_text.logprobs"]})
+            top = await client.post("/v1/responses", json={**base, "top_logprobs": 2})
+            served = await client.post(
+                "/v1/responses", json={**base, "include": ["reasoning.encrypted_content"], "top_logprobs": 0}
+            )
+    assert error_of(included)["param"] == "include" and error_of(included)["code"] == "unsupported_parameter"
+    assert error_of(top)["param"] == "top_logprobs" and error_of(top)["code"] == "unsupported_parameter"
+    assert served.status_code == 200 and served.json()["status"] == "completed"
+    assert len(upstream.records) == 1
+
+
+# -- Anthropic structured outputs ---------------------------------------------------------------
+
+
+class Weather(BaseModel):
+    city: str
+    temp: int
+
+
+async def test_messages_parse_output_format_reaches_the_model(edge_up):
+    """`messages.parse(output_format=Model)` (`output_config.format`) reaches the model server as a
+    json_schema `response_format`, and its answer parses; `output_config.effort` alone sends none."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": '{"city": "Paris", "temp": 18}'}))
+    with trio.fail_after(BOUND):
+        async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0) as client:
+            parsed = await client.messages.parse(model="m", max_tokens=100, messages=USER, output_format=Weather)
+            await client.messages.create(
+                model="m", max_tokens=100, messages=USER, extra_body={"output_config": {"effort": "high"}}
+            )
+    assert parsed.parsed_output == Weather(city="Paris", temp=18)
+    sent = upstream.records[0].body["response_format"]
+    assert sent["type"] == "json_schema" and sent["json_schema"]["name"]
+    assert sent["json_schema"]["schema"]["properties"].keys() == {"city", "temp"}
+    assert "response_format" not in upstream.records[1].body
+
+
+async def test_messages_output_format_of_another_kind_is_a_400(edge_up):
+    """An `output_config.format` that is not a json_schema with a schema is a 400 in Anthropic's shape."""
+    edge, upstream = edge_up
+    body = {"model": "m", "max_tokens": 10, "messages": USER, "output_config": {"format": {"type": "xml"}}}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 400
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "output_config.format" in r.json()["error"]["message"]
+    assert not upstream.records
+
+
+# -- Responses: allowed_tools, prompt, max_tool_calls -------------------------------------------
+
+
+async def test_responses_allowed_tools_offers_only_those(edge_up):
+    """`tool_choice: {"type": "allowed_tools", ...}` offers the model only the listed functions,
+    mode `required` as a required call and `auto` as auto; a listed function not in `tools` is a 400."""
+    edge, upstream = edge_up
+    upstream.script_for("t", two_calls())
+    only_time = [{"type": "function", "name": "get_time"}]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            required = await client.responses.create(
+                model="m",
+                input="what time is it",
+                tools=RESPONSES_TOOLS,
+                tool_choice={"type": "allowed_tools", "mode": "required", "tools": only_time},
+            )
+            await client.responses.create(
+                model="m",
+                input="what time is it",
+                tools=RESPONSES_TOOLS,
+                tool_choice={"type": "allowed_tools", "mode": "auto", "tools": only_time},
+            )
+        async with http(edge) as client:
+            choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "x"}]}
+            unknown = await client.post(
+                "/v1/responses", json={"model": "m", "input": "hi", "tools": RESPONSES_TOOLS, "tool_choice": choice}
+            )
+    assert [o.name for o in required.output if o.type == "function_call"] == ["get_time", "get_time"]
+    first, second = (r.body for r in upstream.records[:2])
+    assert [t["function"]["name"] for t in first["tools"]] == ["get_time"] and first["tool_choice"] == "required"
+    assert [t["function"]["name"] for t in second["tools"]] == ["get_time"] and second["tool_choice"] == "auto"
+    assert error_of(unknown)["param"] == "tool_choice.tools[0]"
+    assert len(upstream.records) == 2
+
+
+async def test_responses_stored_prompt_is_a_400(edge_up):
+    """A stored `prompt` template is a 400 `stateless_edge` naming `prompt` (it was silently not applied)."""
+    edge, upstream = edge_up
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(model="m", input="hi", prompt={"id": "pmpt_123", "version": "2"})
+    assert refused.value.body["param"] == "prompt" and refused.value.body["code"] == "stateless_edge"
+    assert not upstream.records
+
+
+async def test_responses_max_tool_calls_trims_the_calls(edge_up):
+    """`max_tool_calls: 1` returns the first of the model's two calls, whole and streamed, and the
+    response says `max_tool_calls: 1`; without it both come back. A value below 1 is a 400."""
+    edge, upstream = edge_up
+    upstream.script_for("t", two_calls())
+    args = {"model": "m", "input": "what time is it", "tools": RESPONSES_TOOLS}
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            one = await client.responses.create(**args, max_tool_calls=1)
+            streamed = [e async for e in await client.responses.create(**args, max_tool_calls=1, stream=True)]
+            both = await client.responses.create(**args)
+        async with http(edge) as client:
+            zero = await client.post("/v1/responses", json={**args, "max_tool_calls": 0})
+    assert [o.call_id for o in one.output if o.type == "function_call"] == ["c1"] and one.max_tool_calls == 1
+    final = streamed[-1].response
+    assert [o.call_id for o in final.output if o.type == "function_call"] == ["c1"]
+    assert sum(e.type == "response.function_call_arguments.done" for e in streamed) == 1
+    assert [o.call_id for o in both.output if o.type == "function_call"] == ["c1", "c2"]
+    assert error_of(zero)["param"] == "max_tool_calls"
+
+
+# -- a tool call required with no tools -------------------------------------------------------
+
+
+async def test_chat_tool_choice_without_tools_is_a_400(edge_up):
+    """Chat `tool_choice: "required"` or a named function without `tools` is a 400 naming
+    `tool_choice` (as OpenAI's); `auto` without tools, and `required` with them, are served."""
+    edge, upstream = edge_up
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            refused = []
+            for choice in ("required", named):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(model="m", messages=USER, tool_choice=choice, tools=[])
+                refused.append(e.value.body)
+            auto = await client.chat.completions.create(model="m", messages=USER, tool_choice="auto")
+            upstream.script_for("t", two_calls())
+            called = await client.chat.completions.create(
+                model="m", messages=USER, tool_choice="required", tools=[CHAT_TOOL]
+            )
+    assert [b["param"] for b in refused] == ["tool_choice", "tool_choice"]
+    assert auto.choices[0].message.content and called.choices[0].message.tool_calls
+    assert len(upstream.records) == 2
+
+
+async def test_messages_tool_choice_without_tools_is_a_400(edge_up):
+    """Messages `tool_choice` `any` or `tool` without `tools` is a 400 in Anthropic's shape naming
+    `tool_choice`; `auto` without tools is served."""
+    edge, upstream = edge_up
+    with trio.fail_after(BOUND):
+        async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0) as client:
+            refused = []
+            for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+                with pytest.raises(anthropic.BadRequestError) as e:
+                    await client.messages.create(model="m", max_tokens=10, messages=USER, tool_choice=choice)
+                refused.append(e.value.body)
+            served = await client.messages.create(model="m", max_tokens=10, messages=USER, tool_choice={"type": "auto"})
+    for body in refused:
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["message"].startswith("tool_choice")
+    assert served.stop_reason in ("end_turn", "max_tokens")
+    assert len(upstream.records) == 1
