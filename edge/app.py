@@ -353,6 +353,12 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        # Its series name every model and key id: with admin_keys set, an admin's, as the rest of
+        # the fleet's view is (a key refused a model must not learn it exists; outside audit).
+        if config.admin_keys:
+            refused = admin_auth()
+            if refused is not None:
+                return refused
         return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
 
     @app.get("/healthz")

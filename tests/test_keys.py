@@ -288,7 +288,9 @@ async def test_run_time_keys_create_list_change_revoke(nursery, tmp_path):
 
 
 async def test_messages_api_and_metrics_per_key(nursery, tmp_path):
-    """The Anthropic SDK (x-api-key) gets the same policy; /metrics counts requests, tokens and 429s by key id."""
+    """The Anthropic SDK (x-api-key) gets the same policy; /metrics counts requests, tokens and 429s
+    by key id. With admin_keys set, /metrics is the admin's: its series name every model and key,
+    and a key refused a model must not learn it exists (it could read it there, unauthenticated)."""
     edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="ann", key="sk-ann", models=["qwen*"], rpm=1)])
     async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="sk-ann", max_retries=0) as sdk:
         with trio.fail_after(BOUND):
@@ -299,7 +301,10 @@ async def test_messages_api_and_metrics_per_key(nursery, tmp_path):
             with pytest.raises(anthropic.RateLimitError):
                 await sdk.messages.create(model="qwen-a", max_tokens=16, messages=MESSAGES)
             async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as c:
-                text = (await c.get("/metrics")).text
+                refused = [(await c.get("/metrics", headers=h)).status_code for h in ({}, {"x-api-key": "sk-ann"})]
+                text = (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).text
+    assert refused == [401, 401]
+    assert 'model="llama-b"' in text  # (what the admin sees)
     assert 'iop_key_requests_total{key="ann"} 3.0' in text
     assert 'iop_key_rate_limited_total{key="ann",limit="rpm"} 1.0' in text
     assert f'iop_key_tokens_total{{key="ann",kind="completion"}} {float(message.usage.output_tokens)}' in text

@@ -72,7 +72,7 @@ async def test_postgres_down_loses_no_record_and_fails_no_request(nursery, postg
             await eventually(lambda: edge.edge.ledger.pending == 20, "the 20 records queued")
             assert not await edge.edge.ledger.flush()
             assert edge.edge.ledger.pending == 20 and not edge.edge.ledger.available
-            metrics = (await c.get("/metrics")).text
+            metrics = (await c.get("/metrics", headers=ADMIN_H)).text
             assert "iop_ledger_up 0.0" in metrics and "iop_ledger_pending 20.0" in metrics
             await trio.to_thread.run_sync(postgres.start)
             await eventually(lambda: edge.edge.ledger.pending == 0, "the buffered records written")
@@ -150,7 +150,7 @@ async def test_a_redis_restart_fails_no_request_and_loses_no_record(nursery, red
             results = await hammer([a], "sk-r", 5, loops_per_edge=2)
         await eventually(lambda: a.edge.shared.up, "leasing again")
         async with httpx.AsyncClient(base_url=a.url, timeout=BOUND) as c:
-            assert "iop_shared_state_up 1.0" in (await c.get("/metrics")).text
+            assert "iop_shared_state_up 1.0" in (await c.get("/metrics", headers=ADMIN_H)).text
         await a.edge.ledger.flush()
     statuses = [status for _, status in results]
     assert statuses and set(statuses) == {200}, [(i, s) for i, s in enumerate(statuses) if s != 200][:10]
