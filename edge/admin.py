@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import datetime
 import io
+import math
 import re
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -66,9 +67,13 @@ def parse_time(value: str | None, name: str) -> float | None:
     if not value:
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # (nan, inf and 1e999 are floats, and no time: every query of them was empty)
+        if not math.isfinite(seconds):
+            raise ValueError(f"{name}: an ISO date or time, or unix seconds (a finite number)")
+        return seconds
     try:
         parsed = datetime.datetime.fromisoformat(value)
     except ValueError:

@@ -422,3 +422,25 @@ async def test_consoles_that_stop_reading_lose_their_place(nursery, monkeypatch)
     finally:
         for sock in stuck:
             sock.close()
+
+
+async def test_a_passthrough_stream_shows_its_tokens_grow(nursery, upstream):
+    """A tunnelled stream relays the provider's bytes, never a text event: its run showed
+    0 tokens for as long as it streamed. Its tokens so far are the SSE events relayed."""
+    upstream.script_for("raw-target", lambda body: text_script(words(400), interval=0.02))
+    edge = await start_edge(
+        nursery, edge_config(admin_keys=[ADMIN], models=[{"name": "raw", "response_mode": "passthrough"}])
+    )
+    await start_node(nursery, edge, [model("raw", upstream, target="raw-target", passthrough=True)])
+    events = Events()
+    got: list[str] = []
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                clients.start_soon(stream, client, {**STREAM, "model": "raw"}, got)
+                snap = await events.until(lambda s: s["runs"] and s["runs"][0]["tokens"] > 5, "tokens grow")
+                (run,) = snap["runs"]
+                assert run["model"] == "raw" and run["phase"] == "streaming"
+                clients.cancel_scope.cancel()
+        reading.cancel_scope.cancel()

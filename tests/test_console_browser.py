@@ -112,6 +112,10 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
                     assert time.monotonic() < deadline, "the token count did not grow"
                     page.wait_for_timeout(100)
                 shot(page, "03-run-streaming")
+                # A model name cut to its cell is whole on hover, as node ids and key ids are.
+                expect(row.locator("td[data-label=model]")).to_have_attribute("title", "m")
+                tag = page.locator("#nodes tbody tr[data-node-id=node-a] .tag").first
+                expect(tag).to_have_attribute("title", "m (openai)")
 
                 # Cancel: the run ends, the model server sees the abort, the error is listed.
                 row.locator("button.cancel").click()

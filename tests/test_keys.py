@@ -333,6 +333,9 @@ async def test_usage_format_is_json_or_csv(nursery, tmp_path):
             assert (await adm.get("/v1/admin/usage", params={"format": "csv"})).text.startswith("requests,")
             r = await adm.get("/v1/admin/usage", params={"group_by": "colour"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "group_by"
+            for bad in ("nan", "inf", "-inf", "1e999"):  # floats, and no time: each answered an empty 200
+                r = await adm.get("/v1/admin/usage", params={"from": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "from", (bad, r.text)
     with trio.fail_after(60):
         out = await trio.run_process(
             [sys.executable, "-m", "iop.cli", "usage", "--format", "xml"],

@@ -196,6 +196,8 @@ class Run:
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
         """A tunnel frame (passthrough runs): ``end`` and ``error`` end the run."""
+        if frame.kind == "body":  # a streamed answer's SSE events: its "tokens so far" (the console's)
+            self.deltas_seen += frame.body.count(b"data:")
         self._push(frame, frame.kind in ("end", "error"), frame.kind == "end", now)
 
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:

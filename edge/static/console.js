@@ -70,7 +70,7 @@ function renderNodes(nodes) {
   const rows = nodes.map((n) => {
     const models = td("models", { class: "models" });
     for (const m of n.models) {
-      models.append(el("span", { class: "tag", title: m.adapter }, `${m.name} ${m.in_flight} / ${m.grant} / ${m.max_concurrency}`));
+      models.append(el("span", { class: "tag", title: `${m.name} (${m.adapter})` }, `${m.name} ${m.in_flight} / ${m.grant} / ${m.max_concurrency}`));
     }
     const engine = n.models
       .filter((m) => m.engine)
@@ -132,7 +132,7 @@ function renderRuns(snap) {
       "tr",
       { "data-run-id": r.id || "", "data-phase": r.phase },
       td("run", { title: r.id || "", class: "title" }, r.id ? r.id.slice(0, 12) : "–"),
-      td("model", { class: "name" }, r.model),
+      td("model", { class: "name", title: r.model }, r.model),
       td("node", { class: "name", title: r.node || "" }, r.node || "–"),
       td("API", {}, r.api || "–"),
       td("key", { class: "name", title: r.key || "" }, r.key || "–"),
@@ -169,7 +169,7 @@ function renderSnapshot(snap) {
   renderNodes(snap.nodes);
   renderRuns(snap);
   const queues = Object.entries(snap.queues).map(([model, depth]) =>
-    el("tr", { "data-model": model }, el("td", { class: "name" }, model), el("td", { class: "num" }, fmtNum(depth))),
+    el("tr", { "data-model": model }, el("td", { class: "name", title: model }, model), el("td", { class: "num" }, fmtNum(depth))),
   );
   replaceRows($("queue-table").tBodies[0], queues);
   $("no-queues").hidden = queues.length > 0;
