@@ -411,6 +411,43 @@ async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nurse
             assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
 
 
+async def test_an_http2_client_flooding_frames_the_app_never_sees_loses_its_connection(nursery, tmp_path, upstream):
+    """PING acks nobody asked for (17 bytes each) cost the edge the frame's parse and nothing
+    else to the client: one connection's flood took the edge to 100% CPU and an honest
+    client's p50 from 60 to 530 ms. Past a burst of CONTROL_BURST such frames (then
+    CONTROL_PER_S a second) the connection gets GOAWAY ENHANCE_YOUR_CALM; the edge serves on."""
+    from edge.h2_streams import CONTROL_BURST
+
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    ping_ack = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00" + b"pingpong"  # length 8, PING, ACK, stream 0
+    ended = None  # how the connection ended: GOAWAY's code, or the socket's end
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        await stream.send_all(h2c.data_to_send())
+        try:
+            for _ in range(4 * CONTROL_BURST // 500):
+                await stream.send_all(ping_ack * 500)
+            with trio.move_on_after(5):
+                while ended is None:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        ended = "closed"
+                    for event in h2c.receive_data(data):
+                        if isinstance(event, h2.events.ConnectionTerminated):
+                            ended = event.error_code
+        except trio.BrokenResourceError:  # closed with the flood unread: a reset may overtake GOAWAY
+            ended = "reset"
+        await trio.aclose_forcefully(stream)
+        assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "closed", "reset"), ended
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
+            assert (await c.post(url + "/v1/chat/completions", json={**STREAM, "stream": False})).status_code == 200
+
+
 async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nursery, tmp_path, upstream):
     """Over HTTPS with HTTP/2: a request the edge answers before its 200 KB body is in (a 404, a
     401 for a bad key) made hypercorn end the whole connection at the rest of that body (a
