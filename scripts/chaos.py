@@ -339,7 +339,7 @@ async def oversized_batch(stack: Stack, _: Upstream) -> tuple[bool, str]:
 
 
 async def _batch_round(stack: Stack, frame_bytes: int) -> tuple[bool, str]:
-    n, deltas = 4, 225  # 7 MiB per stream (a run may bring 8 MiB: edge.runs.run), 28 MiB in all
+    n, deltas = 4, 450  # 14 MiB per stream (a run may bring 16 MiB: edge.runs.run), 56 MiB in all
     up = Upstream(big_deltas)
     async with trio.open_nursery() as nursery:
         await nursery.start(up.serve, 0)

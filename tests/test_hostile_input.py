@@ -385,6 +385,24 @@ async def test_deeply_nested_json_is_400(sim_edge, depth):
             assert_openai_error(await client.post("/v1/embeddings", content=raw), 400, code="json_too_deep")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"])
+async def test_a_body_of_millions_of_empty_objects_is_refused_before_it_is_decoded(sim_edge, path):
+    """8 MB of `{},` in a field nobody reads decoded to 170-185 MB, held for the whole run, and
+    held the event loop 0.6-1.2 s: 10 such requests took the edge from 234 MB to 2 GB. Past
+    250,000 objects and arrays (outside strings) a body is a 400 before it is decoded; braces
+    inside strings (a prompt of code) do not count."""
+    bomb = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": [' + b"{}," * 2_700_000 + b"{}]}"
+    code = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "{[" * 300_000}]}
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r = await client.post(path, content=bomb, headers={"content-type": "application/json"})
+            served = await client.post("/v1/chat/completions", json=code)
+    if path != "/v1/messages":  # (Anthropic's error shape: no code)
+        assert_openai_error(r, 400, code="json_too_large")
+    assert r.status_code == 400 and "more than 250000 JSON objects and arrays" in r.text
+    assert served.status_code == 200, served.text
+
+
 async def test_json_at_the_depth_limit_is_served(sim_edge):
     """A body exactly 64 levels deep (in metadata, in a tool's schema) is served, not refused or a 500."""
     schema: dict = {"type": "string", "enum": ["a"]}

@@ -8,7 +8,13 @@ from typing import Any
 import msgspec
 
 from edge import errors
-from edge.openai.jsonbody import MAX_JSON_DEPTH, decode_json, nested_deeper_than
+from edge.openai.jsonbody import (
+    MAX_JSON_CONTAINERS,
+    MAX_JSON_DEPTH,
+    decode_json,
+    more_containers_than,
+    nested_deeper_than,
+)
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
 from edge.runs.placement import prefix_chain
 
@@ -34,6 +40,10 @@ def _too_deep() -> errors.APIError:
 def decode_body(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object at most :data:`MAX_JSON_DEPTH` levels
     deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`)."""
+    if more_containers_than(body, MAX_JSON_CONTAINERS):
+        raise errors.bad_request(
+            f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays.", code="json_too_large"
+        )
     try:
         raw = decode_json(body)
     except RecursionError:

@@ -37,11 +37,11 @@ TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of te
 # What one run may bring: the bytes of its events in all (text, reasoning, tool calls, every
 # string field), and what waits for its reader (a tunnel's body too: an embeddings answer a
 # slow client reads can be tens of MB); at most MAX_TOOL_CALLS calls. Far past any model's
-# answer (131,072 tokens of 64 bytes; a node caps a run's calls at 1,024 and 8 MiB); each
+# answer (131,072 tokens of 128 bytes; a node caps a run's calls at 1,024 and 8 MiB); each
 # run's buffers on the edge stay bounded whatever a node sends. Text is counted 4 bytes a
 # character unless it is ASCII (what Python holds it in, at most): a cap of 16 Mi characters
 # let 8 runs of emoji take an edge from 55 MiB to 2.1 GB (outside audit).
-MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 MAX_TOOL_CALLS = 1024
 EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
