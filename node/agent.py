@@ -98,7 +98,7 @@ class RunSink:
     consecutive deltas; a ``complete`` too large for it becomes this run's
     error; an error message is cut to fit."""
 
-    __slots__ = ("_link", "_outbox", "_run_id", "_seq", "_base", "ended", "_last", "_last_at", "_last_gen")
+    __slots__ = ("_link", "_outbox", "_run_id", "_seq", "_base", "ended", "_last", "_last_at", "_last_gen", "slot")
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
         self._link = link
@@ -110,6 +110,7 @@ class RunSink:
         self._last: RunEvent | None = None  # the last delta queued, maybe still pending
         self._last_at = 0  # its index in the outbox's pending list
         self._last_gen = -1  # the outbox generation it was queued in
+        self.slot: _Slot | None = None  # the run's slot on this node, given back when the run ends
 
     @property
     def started(self) -> bool:
@@ -179,9 +180,12 @@ class RunSink:
             return
         self.ended = True
         # The edge frees its slot when this event arrives and may send the next
-        # run at once: the grant is given back now, not when the task ends
-        # (an adapter may still be closing its upstream response).
+        # run at once: the grant and the node's slot are given back now, not when
+        # the task ends (an adapter may still be reading the rest of the upstream
+        # body: for up to 2 s after [DONE], and a held slot made the next run wait).
         self._link._uncount(self._run_id)
+        if self.slot is not None:
+            self.slot.release()
         await self._emit(size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage, stop=stop)
 
     async def error(self, message: str, status: int = 0) -> None:
@@ -189,10 +193,27 @@ class RunSink:
             return
         self.ended = True
         self._link._uncount(self._run_id)  # as in complete()
+        if self.slot is not None:
+            self.slot.release()
         room = self._outbox.budget - self._base
         if text_bytes(message) > room:
             message = split_text(message, room)[0]
         await self._emit(self._base + text_bytes(message), ERROR, text=message, status=status)
+
+
+class _Slot:
+    """A run's hold on one of its model's slots on this node, given back once:
+    when its answer is whole (:meth:`RunSink.complete`) or when its task ends."""
+
+    __slots__ = ("_semaphore",)
+
+    def __init__(self, semaphore: trio.Semaphore) -> None:
+        self._semaphore: trio.Semaphore | None = semaphore
+
+    def release(self) -> None:
+        semaphore, self._semaphore = self._semaphore, None
+        if semaphore is not None:
+            semaphore.release()
 
 
 class EdgeLink:
@@ -355,6 +376,9 @@ class EdgeLink:
                     slots.acquire_nowait()
                 except trio.WouldBlock:
                     await slots.acquire()
+                slot = _Slot(slots)
+                if isinstance(sink, RunSink):
+                    sink.slot = slot
                 try:
                     with trio.move_on_after(max(request.timeout_s, 0)) as deadline:
                         try:
@@ -367,7 +391,7 @@ class EdgeLink:
                     elif not sink.ended:
                         await sink.error("adapter ended without a result")
                 finally:
-                    slots.release()
+                    slot.release()
         finally:
             agent.counters.active_runs -= 1
             agent.counters.run_ended.unpark_all()

@@ -355,6 +355,13 @@ class Response:
         return out[0] if len(out) == 1 else b"".join(out)
 
 
+def _head_end(buf: bytes) -> int:
+    """Where the head in ``buf`` ends (the ``\\n`` of its last line), or -1:
+    the first line end followed by an empty line (``\\n\\n`` or ``\\n\\r\\n``)."""
+    ends = [i for i in (buf.find(b"\n\n"), buf.find(b"\n\r\n")) if i >= 0]
+    return min(ends, default=-1)
+
+
 _One = TypeVar("_One", "_Poll", "_ReadWatch")
 
 
@@ -649,7 +656,7 @@ class Client:
     async def _one_head(self, conn: _Connection) -> tuple[int, list[bytes]]:
         buf, conn.buf = conn.buf, b""
         answered = bool(buf)
-        while (end := buf.find(b"\r\n\r\n")) < 0:
+        while (end := _head_end(buf)) < 0:
             if len(buf) > MAX_HEAD_BYTES:
                 raise RemoteProtocolError("response head too large")
             with trio.move_on_after(self._read_timeout) as scope:
@@ -665,8 +672,11 @@ class Client:
                 raise _NoAnswer("server closed the connection without a response")
             answered = True
             buf += data
-        conn.buf = buf[end + 4 :]
-        lines = buf[:end].split(b"\r\n")
+        # The blank line's \n (after a \n or a \r\n): the body starts after it.
+        conn.buf = buf[buf.index(b"\n", end + 1) + 1 :]
+        # Lines end in \r\n, or a bare \n (RFC 9112 2.2 lets a recipient take it: a
+        # server that sent only \n had the node wait out the read timeout).
+        lines = [line[:-1] if line[-1:] == b"\r" else line for line in buf[:end].split(b"\n")]
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
             raise RemoteProtocolError(f"not an HTTP/1.x response: {lines[0][:80]!r}")

@@ -563,6 +563,21 @@ async def test_status_codes_are_three_digits_and_interim_heads_are_skipped(serve
         assert await body_of(client) == (200, b"ok")
 
 
+async def test_a_head_with_bare_lf_line_ends_is_read(serve):
+    """A head whose lines end in a bare LF (RFC 9112 lets a recipient take it) was waited on
+    until the read timeout; it is read, and so is the next answer on the same connection."""
+    server, client = await serve(
+        b"HTTP/1.1 200 OK\ncontent-type: text/plain\ncontent-length: 2\n\nok",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\n\r\nmixed",
+        b"HTTP/1.1 100 Continue\n\nHTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ncrlf",
+    )
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        assert await body_of(client) == (200, b"mixed")
+        assert await body_of(client) == (200, b"crlf")
+    assert server.connections == 1
+
+
 async def test_an_answered_request_is_not_sent_again(serve):
     """On a kept-alive connection, an answer that cannot be read (a bad status line, a head
     too large) is an error: the request is not sent again on a new connection (the model

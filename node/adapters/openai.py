@@ -72,6 +72,9 @@ class _Chunk(msgspec.Struct):
 log = structlog.get_logger("iop.node")
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+# What decoding a model server's JSON may raise: msgspec raises RecursionError, not
+# DecodeError, for JSON nested past about 1,000 levels (a body of 1,000 "[" did it).
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 _encode = msgspec.json.Encoder().encode
 _MAX_ERROR_BODY = 4096  # also the longest error message relayed from an error chunk
 _ERROR_BODY_S = 5.0  # how long an error status's body may take to read (then what came is the message)
@@ -250,15 +253,18 @@ class _Relay:
         except EventTooLarge as e:
             return self._fail("event too large", f"upstream sent {e}")
         for payload in payloads:
-            if payload == b"[DONE]":
+            done = payload == b"[DONE]"
+            chunk = None
+            if not done:
+                try:
+                    chunk = _decode_chunk(payload)
+                except _UNDECODABLE:
+                    done = payload.strip() == b"[DONE]"  # "data: [DONE] " is done too
+            if done:
                 if texts:
                     self._emit(kind, texts)
                 self.end = _DONE
                 return False
-            try:
-                chunk = _decode_chunk(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                chunk = None
             if chunk is None or chunk.error is not None:
                 if texts:
                     self._emit(kind, texts)
@@ -267,10 +273,8 @@ class _Relay:
                     self.failure = "undecodable chunk"
                     self.message = f"upstream sent an undecodable chunk: {payload[:200]!r}"
                 else:
-                    error = chunk.error
                     self.failure = "error chunk"
-                    said = str(error.get("message") if isinstance(error, dict) else error)
-                    self.message = f"upstream error: {said[:_MAX_ERROR_BODY]}"
+                    self.message = f"upstream error: {_said(chunk.error)[:_MAX_ERROR_BODY]}"
                 return False
             if chunk.usage is not None:
                 self.usage = _usage(chunk.usage)
@@ -403,8 +407,19 @@ async def _error_text(response: http1.Response) -> str:
     message = body[:_MAX_ERROR_BODY].decode("utf-8", "replace")
     try:
         parsed = msgspec.json.decode(body)
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            message = str(parsed["error"].get("message") or message)
-    except msgspec.DecodeError:
-        pass
+    except _UNDECODABLE:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and parsed["error"].get("message"):
+        message = _said(parsed["error"])
     return f"upstream returned {response.status}: {message}"
+
+
+def _said(error: Any) -> str:
+    """The message of an error a model server sent (an object with a message, or anything)."""
+    said = error.get("message") if isinstance(error, dict) else error
+    if isinstance(said, str):
+        return said
+    try:
+        return str(said)
+    except RecursionError:  # nested within msgspec's limit but past str()'s, deeper in the stack
+        return "(an error too deeply nested to show)"

@@ -1,7 +1,8 @@
 """A simulated model: deterministic text at a configured pace, no GPU.
 
 Given ``tools`` it calls them too, deterministically, with arguments valid
-for their schemas (the rule is in :mod:`node.adapters.sim_tools`).
+for their schemas (the rule is in :mod:`node.adapters.sim_tools`); given a
+JSON ``response_format`` it answers JSON (of the schema, if one is given).
 
 With ``prefix_cache_tokens`` set it models a prefix cache
 (:mod:`node.adapters.sim_cache`): the first token waits ``ttft_ms`` plus the
@@ -27,7 +28,7 @@ import trio
 
 from node.adapters import Counters, Sink
 from node.adapters.sim_cache import PrefixCache, block_chain, prompt_tokens, render
-from node.adapters.sim_tools import tool_call_for, tool_results_text
+from node.adapters.sim_tools import structured_text, tool_call_for, tool_results_text
 from node.config import ModelConfig
 from proto import RunRequest, Usage
 
@@ -131,14 +132,17 @@ class SimAdapter:
             count, limited = self.model.sim_tokens, False  # its own answer ends before max_tokens
         prompt = _last_user_text(body)
         call = tool_call_for(body)
-        said = tool_results_text(body) if call is None else None
+        words: list[str] | None = None  # a whole answer: JSON asked for, or what tool results said
+        if call is None and (structured := structured_text(body)) is not None:
+            words = [structured[i : i + 4] for i in range(0, len(structured), 4)]  # a tokenizer's 4 characters
+        elif call is None and (said := tool_results_text(body)) is not None:
+            words = [w if i == 0 else " " + w for i, w in enumerate(said.split(" "))]
         tokens: Iterator[str]
         if call is not None:  # no text, one native call
             tokens = iter(())
             count = max(1, len(call.function.arguments) // 4)
             finish = "tool_calls"
-        elif said is not None:  # after tool results: what they said
-            words = [w if i == 0 else " " + w for i, w in enumerate(said.split(" "))]
+        elif words is not None:
             finish = "length" if limited and len(words) > count else "stop"
             count = min(count, len(words)) if limited else len(words)
             tokens = iter(words[:count])

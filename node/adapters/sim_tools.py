@@ -14,11 +14,17 @@ maximum, ``multipleOf``, common formats), an array has ``minItems`` items
 (none by default), an object its required properties (and up to
 ``minProperties``); ``allOf`` is merged, ``anyOf``/``oneOf`` take their first
 branch and local ``$ref``s are followed. A ``pattern`` is not followed: give
-such a property an example.
+such a property an example. The work is bounded (:class:`_Budget`): past
+10,000 values or 64 KiB of text a value is cut short.
+
+A ``response_format`` of ``json_schema`` gets a value of its schema made the
+same way, as the answer's text; ``json_object`` gets a small object
+(:func:`structured_text`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import urllib.parse
 from typing import Any
@@ -102,6 +108,22 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
     return ToolCall(function=ToolCallFunction(name=chosen["name"], arguments=arguments))
 
 
+def structured_text(body: dict[str, Any]) -> str | None:
+    """The JSON the sim answers when ``response_format`` asks for JSON, else None."""
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return '{"answer": "sim"}'
+    if kind != "json_schema":
+        return None
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    try:
+        return _encode(sample(schema if isinstance(schema, dict) else {"type": "object"})).decode()
+    except (ArithmeticError, ValueError, RecursionError):  # as for tool arguments
+        return "{}"
+
+
 def tool_results_text(body: dict[str, Any]) -> str | None:
     """After tool results (since the last user message): a sentence on each; else None."""
     messages = body.get("messages")
@@ -129,53 +151,110 @@ def tool_results_text(body: dict[str, Any]) -> str | None:
 # -- a value for a JSON Schema ------------------------------------------------------------------
 
 
+class _Budget:
+    """What one :func:`sample` may still make. Past it, values are cut short
+    (a value is None, an array or string shorter than its minimum): a
+    300-byte schema whose definition requires itself three times asked for
+    3^32 values (the node at 100% CPU, growing 25 MB/s, deaf to SIGTERM),
+    and ``minLength: 1e9`` for a 1 GB string."""
+
+    __slots__ = ("values", "chars", "merged", "refs", "combined")
+
+    def __init__(self) -> None:
+        self.values = _MAX_VALUES
+        self.chars = _MAX_CHARS
+        self.merged = _MAX_MERGED  # schema keys copied merging allOf parts and $ref siblings
+        self.refs: dict[str, Any] = {}  # each $ref resolved once: a path may be as long as the request
+        # What each schema with a $ref, allOf or anyOf stands for, worked out once (by id:
+        # the schema is kept with it, so the id is not reused): 10,000 items of a $ref
+        # with a sibling copied its definition 10,000 times.
+        self.combined: dict[int, tuple[Any, Any]] = {}
+
+    def text(self, value: str) -> str:
+        self.chars -= len(value)
+        return value
+
+
+_MAX_VALUES = 10_000
+_MAX_CHARS = 64 * 1024  # of strings made or taken from the schema
+_MAX_MERGED = 100_000
+
+
 def sample(schema: Any, *, object_root: bool = False) -> Any:
-    """A value that satisfies ``schema`` (see the module docstring for what is covered)."""
-    value = _sample(schema, schema, 0)
+    """A value that satisfies ``schema`` (see the module docstring for what is
+    covered), made in bounded time and space (:class:`_Budget`)."""
+    value = _sample(schema, schema, 0, _Budget())
     if object_root and not isinstance(value, dict):
         return {}
     return value
 
 
-def _sample(schema: Any, root: Any, depth: int) -> Any:
-    if depth > _MAX_DEPTH:
+def _sample(schema: Any, root: Any, depth: int, budget: _Budget) -> Any:
+    if depth > _MAX_DEPTH or budget.values <= 0 or budget.merged < 0:
         return None
     if not isinstance(schema, dict):  # true, or a missing schema: anything goes
+        budget.values -= 1
         return {} if depth == 0 else "sim"
     if "const" in schema:
-        return schema["const"]
+        return _given(schema["const"], budget)
     if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
+        return _given(schema["enum"][0], budget)
     if "default" in schema:
-        return schema["default"]
+        return _given(schema["default"], budget)
     if isinstance(schema.get("examples"), list) and schema["examples"]:
-        return schema["examples"][0]
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        rest = {k: v for k, v in schema.items() if k != "$ref"}
-        return _sample(_merge(rest, _resolve(ref, root)), root, depth + 1)
-    if isinstance(schema.get("allOf"), list):
-        merged = {k: v for k, v in schema.items() if k != "allOf"}
-        for part in schema["allOf"]:
-            merged = _merge(merged, _deref(part, root))
-        return _sample(merged, root, depth + 1)
-    for key in ("anyOf", "oneOf"):
-        branches = schema.get(key)
-        if isinstance(branches, list) and branches:
-            rest = {k: v for k, v in schema.items() if k != key}
-            return _sample(_merge(rest, _deref(branches[0], root)), root, depth + 1)
+        return _given(schema["examples"][0], budget)
+    combined = budget.combined.get(id(schema))
+    if combined is None:
+        combined = budget.combined[id(schema)] = (schema, _combine(schema, root, budget))
+    if combined[1] is not None:  # a step toward a value (at most _MAX_DEPTH of them), not one
+        return _sample(combined[1], root, depth + 1, budget)
+    budget.values -= 1
     kind = _type_of(schema, depth)
     if kind == "object":
-        return _object(schema, root, depth)
+        return _object(schema, root, depth, budget)
     if kind == "array":
-        return _array(schema, root, depth)
+        return _array(schema, root, depth, budget)
     if kind in ("integer", "number"):
         return _number(schema, integer=kind == "integer")
     if kind == "boolean":
         return True
     if kind == "null":
         return None
-    return _string(schema)
+    return _string(schema, budget)
+
+
+def _combine(schema: dict[str, Any], root: Any, budget: _Budget) -> dict[str, Any] | None:
+    """The one schema a ``$ref``, ``allOf`` or ``anyOf``/``oneOf`` stands for; None: none there."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        return _merge(rest, _resolve(ref, root, budget), budget)
+    if isinstance(schema.get("allOf"), list):
+        merged = {k: v for k, v in schema.items() if k != "allOf"}
+        for part in schema["allOf"]:
+            if budget.merged < 0:
+                break
+            merged = _merge(merged, _deref(part, root, budget), budget)
+        return merged
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches:
+            rest = {k: v for k, v in schema.items() if k != key}
+            return _merge(rest, _deref(branches[0], root, budget), budget)
+    return None
+
+
+def _given(value: Any, budget: _Budget) -> Any:
+    """A value the schema gives (const, enum, default, examples), counted as the text it
+    adds: one taken a thousand times (the items of an array) is a thousand copies."""
+    budget.values -= 1
+    if budget.chars < 0:
+        return None
+    if isinstance(value, str):
+        return budget.text(value)
+    if isinstance(value, (dict, list)):
+        budget.chars -= len(_encode(value))
+    return value
 
 
 def _type_of(schema: dict[str, Any], depth: int) -> str:
@@ -194,20 +273,26 @@ def _type_of(schema: dict[str, Any], depth: int) -> str:
     return "object" if depth == 0 else "string"
 
 
-def _object(schema: dict[str, Any], root: Any, depth: int) -> dict[str, Any]:
+def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget) -> dict[str, Any]:
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     extra = schema.get("additionalProperties")
-    names = [n for n in schema.get("required") or () if isinstance(n, str)]
+    required = schema.get("required")
+    names = list(dict.fromkeys(n for n in required if isinstance(n, str))) if isinstance(required, list) else []
     wanted = schema.get("minProperties")
-    if isinstance(wanted, int):
-        names += [n for n in properties if n not in names][: max(0, wanted - len(names))]
+    if isinstance(wanted, int) and wanted > len(names):
+        chosen = set(names)
+        names += itertools.islice((n for n in properties if n not in chosen), wanted - len(names))
     out: dict[str, Any] = {}
     for name in names:
-        out[name] = _sample(properties.get(name, extra if isinstance(extra, dict) else True), root, depth + 1)
+        if budget.values <= 0:
+            break
+        out[budget.text(name)] = _sample(
+            properties.get(name, extra if isinstance(extra, dict) else True), root, depth + 1, budget
+        )
     return out
 
 
-def _array(schema: dict[str, Any], root: Any, depth: int) -> list[Any]:
+def _array(schema: dict[str, Any], root: Any, depth: int, budget: _Budget) -> list[Any]:
     prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
     items = schema.get("items")
     if isinstance(items, list):  # draft 4-7 tuple form
@@ -217,7 +302,8 @@ def _array(schema: dict[str, Any], root: Any, depth: int) -> list[Any]:
     count = max(minimum, len(prefix)) if maximum is None else min(max(minimum, len(prefix)), maximum)
     if items is False:
         count = min(count, len(prefix))
-    return [_sample(prefix[i] if i < len(prefix) else items, root, depth + 1) for i in range(count)]
+    count = min(count, max(budget.values, 0))  # each item is a value at least
+    return [_sample(prefix[i] if i < len(prefix) else items, root, depth + 1, budget) for i in range(count)]
 
 
 def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
@@ -261,39 +347,49 @@ def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
     return value
 
 
-def _string(schema: dict[str, Any]) -> str:
+def _string(schema: dict[str, Any], budget: _Budget) -> str:
     value = _FORMATS.get(schema.get("format"), "sim") if isinstance(schema.get("format"), str) else "sim"
     shortest, longest = schema.get("minLength"), schema.get("maxLength")
     if isinstance(shortest, int) and len(value) < shortest:
-        value += "x" * (shortest - len(value))
+        value += "x" * max(min(shortest, budget.chars) - len(value), 0)
     if isinstance(longest, int) and len(value) > longest:
         value = value[: max(longest, 0)]
-    return value
+    return budget.text(value)
 
 
-def _merge(base: dict[str, Any], other: Any) -> dict[str, Any]:
+def _merge(base: dict[str, Any], other: Any, budget: _Budget) -> dict[str, Any]:
     """Two schemas as one (for allOf and siblings of $ref): properties and required combine."""
     if not isinstance(other, dict):
         return base
     out = dict(other)
+    cost = len(out) + len(base)
     for key, value in base.items():
         if key == "properties" and isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = {**out[key], **value}
+            cost += len(out[key])
         elif key == "required" and isinstance(value, list) and isinstance(out.get(key), list):
-            out[key] = [*out[key], *(n for n in value if n not in out[key])]
+            out[key] = list(dict.fromkeys(n for n in (*out[key], *value) if isinstance(n, str)))
+            cost += len(out[key])
         else:
             out.setdefault(key, value)
+    budget.merged -= cost
     return out
 
 
-def _deref(schema: Any, root: Any) -> Any:
+def _deref(schema: Any, root: Any, budget: _Budget) -> Any:
     if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
         rest = {k: v for k, v in schema.items() if k != "$ref"}
-        return _merge(rest, _resolve(schema["$ref"], root))
+        return _merge(rest, _resolve(schema["$ref"], root, budget), budget)
     return schema
 
 
-def _resolve(ref: str, root: Any) -> Any:
+def _resolve(ref: str, root: Any, budget: _Budget) -> Any:
+    if ref not in budget.refs:
+        budget.refs[ref] = _lookup(ref, root)
+    return budget.refs[ref]
+
+
+def _lookup(ref: str, root: Any) -> Any:
     """A reference inside the schema (``#``, ``#/$defs/x``); anything else is "any value"."""
     if not ref.startswith("#"):
         return True
