@@ -225,6 +225,23 @@ async def test_chat_tool_choice_without_tools_is_a_400(edge_up):
     assert len(upstream.records) == 2
 
 
+async def test_responses_tool_choice_without_function_tools_is_a_400(edge_up):
+    """Responses `tool_choice: "required"` or a named function with no function tool (none at
+    all, or only hosted ones the edge leaves out) is a 400 naming `tool_choice`, as on chat:
+    it was a text answer."""
+    edge, upstream = edge_up
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            refused = []
+            for choice, tools in (("required", []), ({"type": "function", "name": "f"}, [{"type": "web_search"}])):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.responses.create(model="m", input="hi", tool_choice=choice, tools=tools)
+                refused.append(e.value.body)
+            auto = await client.responses.create(model="m", input="hi", tool_choice="auto")
+    assert [b["param"] for b in refused] == ["tool_choice", "tool_choice"]
+    assert auto.output_text and len(upstream.records) == 1
+
+
 async def test_messages_tool_choice_without_tools_is_a_400(edge_up):
     """Messages `tool_choice` `any` or `tool` without `tools` is a 400 in Anthropic's shape naming
     `tool_choice`; `auto` without tools is served."""

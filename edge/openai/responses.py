@@ -374,6 +374,11 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         functions, choice = _allowed_tools(choice, functions)
     if not functions:
+        if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
+            # (as on chat and Messages: a call the model must make, and no function to call)
+            raise _bad(
+                "Invalid value for `tool_choice`: a required or named tool call needs function `tools`.", "tool_choice"
+            )
         return  # tool_choice and parallel_tool_calls mean nothing without a tool the model can call
     chat = decoded.chat
     chat["tools"] = functions
