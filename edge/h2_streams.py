@@ -23,7 +23,12 @@ And a client that resets streams faster than any honest one (HTTP/2 "rapid
 reset", CVE-2023-44487) loses its connection: past a burst of
 :data:`RESET_BURST`, at most :data:`RESETS_PER_S` a second, the edge sends
 GOAWAY (ENHANCE_YOUR_CALM) and closes it. So does one that floods frames
-the app never sees (PING acks, WINDOW_UPDATE: :data:`CONTROL_PER_S`). Each reset stream had started a run,
+the app never sees (PING acks, WINDOW_UPDATE: :data:`CONTROL_PER_S`).
+
+And a stream whose client gives it no flow-control credit for the write
+timeout (``write_timeout_s``) is reset: its socket may be read all along, so
+the connection's own write timeout (:mod:`edge.send_lock`) never fires, and
+the request held its answer for as long as the client stayed. Each reset stream had started a run,
 cancelled at once: the edge freed the slot, but the node still worked through
 every request and cancel in turn, and one client's 3,500 resets a second put a
 node 17 s behind, the other clients' first tokens 10 s late.
@@ -38,8 +43,16 @@ import time
 
 import h2.errors
 import h2.events
+import h2.exceptions
+import structlog
+import trio
 from hypercorn.events import Closed
+from hypercorn.protocol.events import Body, Data, EndBody, EndData, Trailers
 from hypercorn.protocol.h2 import H2Protocol
+
+from edge import send_lock
+
+log = structlog.get_logger("iop.edge.http")
 
 RESET_BURST = 200  # streams a client may reset at once ...
 RESETS_PER_S = 100  # ... and then this many a second
@@ -120,6 +133,35 @@ def install() -> None:
         await handle_events(self, events)
 
     H2Protocol._handle_events = handle_events_within_budget  # type: ignore[method-assign]
+    stream_send = H2Protocol.stream_send
+
+    async def stream_send_within(self, event) -> None:
+        if not isinstance(event, _BODY_EVENTS):
+            await stream_send(self, event)
+            return
+        with trio.move_on_after(getattr(self.config, "iop_write_timeout_s", send_lock.WRITE_TIMEOUT_S)) as timer:
+            await stream_send(self, event)
+        if timer.cancelled_caught:
+            await _reset_stalled(self, event.stream_id)
+
+    H2Protocol.stream_send = stream_send_within  # type: ignore[method-assign]
+
+
+_BODY_EVENTS = (Body, Data, EndBody, EndData, Trailers)
+
+
+async def _reset_stalled(protocol: H2Protocol, stream_id: int) -> None:
+    """A stream whose client gave it no flow-control credit for the write timeout (its
+    socket still read: edge.send_lock's timeout never fires) is reset, as a client's own
+    reset would end it: the request hears its client gone, the buffer is dropped."""
+    log.warning("stream reset: the client gave it no flow-control credit", stream_id=stream_id)
+    try:
+        protocol.connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+    except h2.exceptions.H2Error:
+        pass  # (closed meanwhile)
+    await protocol._flush()  # noqa: SLF001
+    await protocol._close_stream(stream_id)  # noqa: SLF001
+    await protocol._window_updated(stream_id)  # noqa: SLF001 (its buffer meets the closed stream and goes)
 
 
 def _spend(protocol: H2Protocol, bucket: str, count: int, burst: int, per_s: int) -> bool:

@@ -10,6 +10,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import httpx
 import msgspec
 import trio
@@ -18,7 +19,7 @@ import trustme
 from edge.app import create_app, edge_of
 from edge.serve import serve_edge
 from node.agent import NodeAgent
-from scripts.upstream import words
+from scripts.upstream import text_script, words
 from tests.conftest import (
     BOUND,
     edge_config,
@@ -259,7 +260,7 @@ def _h2_post(h2c, stream_id: int, host: str, body: bytes) -> None:
     h2c.send_data(stream_id, body, end_stream=True)
 
 
-async def _tls_edge_with_a_node(nursery, tmp_path, upstream):
+async def _tls_edge_with_a_node(nursery, tmp_path, upstream, **config):
     """An edge serving HTTPS (HTTP/2 by ALPN) with a certificate of a throwaway CA, and a node
     serving `m` from ``upstream`` linked over wss: the edge's URL, the CA's file and the app."""
     ca = trustme.CA()
@@ -268,7 +269,7 @@ async def _tls_edge_with_a_node(nursery, tmp_path, upstream):
     cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
     cert.private_key_pem.write_to_path(str(keyfile))
     ca.cert_pem.write_to_path(str(cafile))
-    app = create_app(edge_config())
+    app = create_app(edge_config(**config))
     url = await nursery.start(partial(serve_edge, app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile)))
     link = url.replace("https", "wss", 1) + "/v1/node/link"
     nursery.start_soon(NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile))).serve)
@@ -446,6 +447,40 @@ async def test_an_http2_client_flooding_frames_the_app_never_sees_loses_its_conn
         assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "closed", "reset"), ended
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
             assert (await c.post(url + "/v1/chat/completions", json={**STREAM, "stream": False})).status_code == 200
+
+
+async def test_an_http2_stream_given_no_flow_control_credit_is_reset_after_the_write_timeout(
+    nursery, tmp_path, upstream
+):
+    """An HTTP/2 client that opens its streams with no flow-control window and never gives one,
+    while it reads its socket: the connection's write timeout never fires (the socket takes
+    every byte sent), and the request held its answer for as long as the client stayed. Past
+    write_timeout_s the stream is reset (CANCEL) and the request ends; the connection serves on."""
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream, write_timeout_s=1.0)
+    upstream.script_for("m-target", lambda body: text_script(words(2000)))
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    reset = None
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.local_settings = h2.settings.Settings(
+            client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        )
+        h2c.initiate_connection()
+        _h2_post(h2c, 1, host, msgspec.json.encode(STREAM))
+        await stream.send_all(h2c.data_to_send())
+        await eventually(lambda: edge_of(app).runs.in_flight == 1, "the stream under way")
+        while reset is None:
+            data = await stream.receive_some(65536)
+            assert data, "the connection closed"
+            events = h2c.receive_data(data)  # (no window update: it acknowledges no data)
+            reset = next((e for e in events if isinstance(e, h2.events.StreamReset) and e.stream_id == 1), None)
+            await stream.send_all(h2c.data_to_send())
+        assert reset.error_code == h2.errors.ErrorCodes.CANCEL
+        await eventually(lambda: edge_of(app).runs.in_flight == 0, "the request ended with its stream")
+        await trio.aclose_forcefully(stream)
 
 
 async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nursery, tmp_path, upstream):
