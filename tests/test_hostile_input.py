@@ -845,3 +845,24 @@ async def test_a_client_that_never_reads_loses_its_connection_after_the_write_ti
         sock.close()
     assert received.startswith(b"HTTP/1.1 200") and len(received) < 3 * SEND_BUFFER_MAX
     assert b"data: [DONE]" not in received
+
+
+async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection_closed(sim_edge):
+    """Both framings on one API request (h11 reads it by Transfer-Encoding; a proxy in front may
+    read the other: request smuggling). The edge served it and kept the connection, where RFC
+    9112 says to close it after answering: it is a 400 `ambiguous_framing`, and the connection ends."""
+    body = msgspec.json.encode({"model": "m", "messages": USER, "max_tokens": 1})
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    host, port = sim_edge.url.removeprefix("http://").rsplit(":", 1)
+    received = b""
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n" + chunked
+        )
+        while data := await stream.receive_some(65536):  # to the end of the connection
+            received += data
+        await stream.aclose()
+    assert received.startswith(b"HTTP/1.1 400") and b"ambiguous_framing" in received
+    assert b"connection: close" in received.lower()
