@@ -22,16 +22,17 @@ flow-control window) waited for ever, holding its run and its node's slot
 And a client that resets streams faster than any honest one (HTTP/2 "rapid
 reset", CVE-2023-44487) loses its connection: past a burst of
 :data:`RESET_BURST`, at most :data:`RESETS_PER_S` a second, the edge sends
-GOAWAY (ENHANCE_YOUR_CALM) and closes it. So does one that floods frames
-the app never sees (PING acks, WINDOW_UPDATE: :data:`CONTROL_PER_S`).
+GOAWAY (ENHANCE_YOUR_CALM) and closes it. Each reset stream had started a run,
+cancelled at once: the edge freed the slot, but the node still worked through
+every request and cancel in turn, and one client's 3,500 resets a second put a
+node 17 s behind, the other clients' first tokens 10 s late. So does a client
+that floods frames the app never sees (PING acks, WINDOW_UPDATE:
+:data:`CONTROL_PER_S`).
 
 And a stream whose client gives it no flow-control credit for the write
 timeout (``write_timeout_s``) is reset: its socket may be read all along, so
 the connection's own write timeout (:mod:`edge.send_lock`) never fires, and
-the request held its answer for as long as the client stayed. Each reset stream had started a run,
-cancelled at once: the edge freed the slot, but the node still worked through
-every request and cancel in turn, and one client's 3,500 resets a second put a
-node 17 s behind, the other clients' first tokens 10 s late.
+the request held its answer for as long as the client stayed.
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19).
 """
@@ -139,7 +140,7 @@ def install() -> None:
         if not isinstance(event, _BODY_EVENTS):
             await stream_send(self, event)
             return
-        with trio.move_on_after(getattr(self.config, "iop_write_timeout_s", send_lock.WRITE_TIMEOUT_S)) as timer:
+        with trio.move_on_after(send_lock.write_timeout_of(self.config)) as timer:
             await stream_send(self, event)
         if timer.cancelled_caught:
             await _reset_stalled(self, event.stream_id)

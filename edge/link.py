@@ -212,7 +212,7 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                 for event in events:
                     run = runs.get(event.run_id)
                     if run is not None:
-                        if run.tunnel:
+                        if type(run.request) is TunnelRequest:
                             raise LinkProtocolError("events frame for a passthrough run")
                         run.deliver(event, now)
                     # else: a run that ended here (cancelled: the node had not heard yet). Not a
@@ -240,7 +240,7 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
                 if run is not None:
-                    if not run.tunnel:  # (a chat run's consumers read events only)
+                    if type(run.request) is not TunnelRequest:  # (a chat run's consumers read events only)
                         raise LinkProtocolError("tunnel_frame for a run that is not a passthrough")
                     run.deliver_frame(frame, now)
                 # else: a tunnel that ended here (as for events, above)

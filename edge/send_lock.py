@@ -44,7 +44,7 @@ PIECE = 64 * 1024  # a larger write is sent in pieces, each within the write tim
 class SendLock:
     __slots__ = ("_owner", "_lot", "write_timeout")
 
-    def __init__(self, write_timeout: float = 60.0) -> None:
+    def __init__(self, write_timeout: float = WRITE_TIMEOUT_S) -> None:
         self._owner: trio.lowlevel.Task | None = None
         self._lot: trio.lowlevel.ParkingLot | None = None  # made when a task first has to wait
         self.write_timeout = write_timeout  # seconds a send may wait for the peer to take its bytes
@@ -99,10 +99,15 @@ def install(write_timeout: float = WRITE_TIMEOUT_S) -> None:
     @functools.wraps(hypercorn_init)  # (keeps the other patches' marks: each stays idempotent)
     def __init__(self: TCPServer, *args, **kwargs) -> None:
         hypercorn_init(self, *args, **kwargs)
-        self.send_lock = SendLock(getattr(self.config, "iop_write_timeout_s", WRITE_TIMEOUT_S))
+        self.send_lock = SendLock(write_timeout_of(self.config))
 
     __init__.iop_send_lock = True  # type: ignore[attr-defined]
     TCPServer.__init__ = __init__  # type: ignore[method-assign]
+
+
+def write_timeout_of(config: object) -> float:
+    """A connection's write timeout: its hypercorn config's (edge.serve sets it), else the app's."""
+    return getattr(config, "iop_write_timeout_s", WRITE_TIMEOUT_S)
 
 
 async def send_within(lock: object, stream: trio.abc.Stream, data: bytes) -> None:
@@ -113,17 +118,13 @@ async def send_within(lock: object, stream: trio.abc.Stream, data: bytes) -> Non
     gone, a node's link is lost), and ``trio.BrokenResourceError`` is raised."""
     timeout = getattr(lock, "write_timeout", WRITE_TIMEOUT_S)  # (a trio.Lock: edge.send_lock not installed)
     with trio.CancelScope(shield=True):
-        if len(data) <= PIECE:
+        view = memoryview(data)
+        for start in range(0, len(view) or 1, PIECE):
             with trio.move_on_after(timeout) as timer:
-                await stream.send_all(data)
+                await stream.send_all(view[start : start + PIECE])
+            if timer.cancelled_caught:
+                break
         else:
-            view = memoryview(data)
-            for start in range(0, len(view), PIECE):
-                with trio.move_on_after(timeout) as timer:
-                    await stream.send_all(view[start : start + PIECE])
-                if timer.cancelled_caught:
-                    break
-        if not timer.cancelled_caught:
             return
         log.warning("connection closed: the peer took no bytes", write_timeout_s=timeout)
         await trio.aclose_forcefully(stream)

@@ -117,7 +117,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                             code="method_not_allowed",
                             headers=[(b"allow", b"POST")],
                         )
-                    if _framed_twice(ex.scope):
+                    if _framed_twice(ex):
                         raise APIError(
                             400,
                             "The request has both Content-Length and Transfer-Encoding; send one.",
@@ -168,13 +168,12 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
 
 
-def _framed_twice(scope) -> bool:
+def _framed_twice(ex: Exchange) -> bool:
     """An HTTP/1.1 request with both Content-Length and Transfer-Encoding (h11 reads it by the
     latter): a sign of request smuggling through a proxy that reads the other, which RFC 9112
     6.3 says to answer and then close the connection on. (Answered before its body is read,
     a response says ``Connection: close`` and hypercorn closes it.)"""
-    names = {name for name, _ in scope.get("headers", ())}
-    return b"content-length" in names and b"transfer-encoding" in names
+    return ex.header(b"transfer-encoding") is not None and ex.header(b"content-length") is not None
 
 
 def _quart_api(path: str) -> str:

@@ -119,7 +119,6 @@ class Run:
         "_nudged",
         "output_bytes",
         "_pending_bytes",
-        "tunnel",
         "_pending_from",
     )
 
@@ -178,7 +177,6 @@ class Run:
         self._nudged = False  # the sink left the reader something to do (next_batch_or_idle returns [])
         self.output_bytes = 0  # text of its events so far (_size)
         self._pending_bytes = 0  # text or body bytes of the events waiting for the reader
-        self.tunnel = False  # a passthrough run: the node sends it tunnel frames, never events
         self._pending_from = -math.inf  # when the frame of the oldest event waiting arrived
 
     @property

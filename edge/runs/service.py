@@ -735,7 +735,6 @@ class RunService:
     ) -> Run:
         """A passthrough run: the node relays one raw HTTP request."""
         run = self._new_run(slot, want, {"response_mode": "passthrough"}, None, api, client)
-        run.tunnel = True
         run.request = TunnelRequest(  # (kept: a run its node loses before any event moves, as a chat run does)
             run_id=run.id,
             model=slot.model,
