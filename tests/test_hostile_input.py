@@ -720,6 +720,45 @@ async def test_a_backtracking_pattern_is_bounded(nursery, upstream):
     await settled(edge, node.agent)
 
 
+async def test_a_backtracking_pattern_costs_the_event_loop_its_inline_share(nursery, upstream, monkeypatch):
+    """A validation whose patterns need more than INLINE_PATTERN_S is done again in a worker
+    thread, where `regex` lets go of the GIL: with a 3 s budget the edge answers every
+    /healthz within 1 s meanwhile (on the event loop, the budget held it 0.25 s a call:
+    four clients looping put everyone's p50 at 1.4 s). An honest call is checked inline."""
+    from edge.openai import tools
+
+    monkeypatch.setattr(tools, "PATTERN_BUDGET_S", 3.0)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a|aa)+$"}}},
+        },
+    }
+
+    def calling(arguments: str) -> list:
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [("chunk", {"tool_calls": [call]}), ("chunk", {}, "tool_calls"), ("done",)]
+
+    upstream.script_for("evil", calling(json.dumps({"a": "a" * 60 + "!"})))
+    upstream.script_for("fine", calling(json.dumps({"a": "aaaa"})))
+    edge = await start_edge(nursery)
+    node = await start_node(
+        nursery, edge, [model("evil", upstream, target="evil"), model("fine", upstream, target="fine")]
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "evil", "messages": USER, "tools": [tool]}
+            r, served = await _healthz_while(edge, client.post("/v1/chat/completions", json=body))
+            err = assert_openai_error(r, 502, code=None)
+            assert err["type"] == "tool_validation_error" and "patterns take too long" in err["message"]
+            assert served >= 20  # 3 s of matching a validation (and one retry), /healthz every 20 ms
+            ok = await client.post("/v1/chat/completions", json={**body, "model": "fine"})
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"a": "aaaa"}'
+    await settled(edge, node.agent)
+
+
 async def test_a_huge_session_id_is_kept_as_a_digest(nursery):
     """The session affinity map keeps what a client sends as `user` or X-Session-Id (up to
     100,000 of them): 4 MiB ones grew the edge by 425 MB in 100 requests. Past 128

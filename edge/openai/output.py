@@ -26,7 +26,7 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
-from edge.openai.tools import ToolTextFilter, parse_text_tool_calls, with_ids
+from edge.openai.tools import INLINE_PATTERN_S, ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import Collected, Turn, collect_validated, end_reason, failure
 from edge.runs import Run, Slot
@@ -395,7 +395,8 @@ class LiveStream(LiveEncoder):
             else:
                 self._emit_content(self.tool_filter.flush())
         if self.turn.contract is not None and not cut_off:
-            reason = self.turn.contract.validate(calls)
+            # (within the loop's share of the patterns' time: a live stream's end is not awaited)
+            reason = self.turn.contract.validate(calls, INLINE_PATTERN_S)
             if reason:
                 self.turn.outcome = "tool_validation"
                 return self.error(reason, "tool_validation_error")

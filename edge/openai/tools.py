@@ -22,7 +22,8 @@ import re
 import secrets
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jsonschema
 import jsonschema._keywords
@@ -36,6 +37,8 @@ import trio
 
 from edge.openai.schema import ChatRequest
 from proto import ToolCall, ToolCallFunction
+
+T = TypeVar("T")
 
 _encode = msgspec.json.Encoder().encode
 
@@ -136,12 +139,14 @@ def _compiles() -> trio.CapacityLimiter:
         return limiter
 
 
-# A client's large compiles take their turns in the queue above one at a time: twenty
-# huge schemas from one client make another client's wait one compile, not twenty.
+# A client's large compiles (and long validations, below) take their turns in the queue
+# above one at a time: twenty huge schemas from one client make another client's wait one
+# compile, not twenty.
 _LANES: trio.lowlevel.RunVar[dict[str, list]] = trio.lowlevel.RunVar("iop_schema_lanes")
 
 
-async def _compile_off_loop(schema: str, lane: str) -> None:
+async def _off_loop(fn: Callable[[], T], lane: str) -> T:
+    """``fn()`` in a worker thread, one at a time in the process and in ``lane``."""
     try:
         lanes = _LANES.get()
     except LookupError:
@@ -153,7 +158,7 @@ async def _compile_off_loop(schema: str, lane: str) -> None:
     entry[1] += 1
     try:
         async with entry[0]:
-            await trio.to_thread.run_sync(_validator, schema, limiter=_compiles(), abandon_on_cancel=True)
+            return await trio.to_thread.run_sync(fn, limiter=_compiles(), abandon_on_cancel=True)
     finally:
         entry[1] -= 1
         if not entry[1]:
@@ -164,8 +169,13 @@ async def _compile_off_loop(schema: str, lane: str) -> None:
 # beside patternProperties) is a client's, matched against a model's output: a
 # pattern such as ^(a+)+$ backtracks for minutes on Python's re. They run on the
 # `regex` module with a deadline instead: PATTERN_BUDGET_S for one validation in
-# all, after which the arguments count as not checkable.
+# all, after which the arguments count as not checkable. On the event loop a
+# validation's patterns get INLINE_PATTERN_S (an honest one takes microseconds);
+# one that needs more is done again in a worker thread, where `regex` lets go of
+# the GIL while it matches: four clients looping on ^(a+)+$ held the loop 0.25 s
+# a call and put everyone's p50 at 1.4 s.
 PATTERN_BUDGET_S = 0.25
+INLINE_PATTERN_S = 0.01
 # The errors of one call's arguments weighed for the one the model is told about: a node's
 # 290 KB of arguments wrong everywhere made 20,001 errors, 1.7-2 s of the event loop each call.
 MAX_ERRORS_WEIGHED = 64
@@ -173,7 +183,11 @@ _deadline = threading.local()
 
 
 class PatternTimeout(Exception):
-    """A schema's patterns took longer than :data:`PATTERN_BUDGET_S` on one validation."""
+    """A schema's patterns took longer than their budget on one validation."""
+
+
+class _NeedsTime(Exception):
+    """A validation's patterns took past :data:`INLINE_PATTERN_S` on the event loop."""
 
 
 class _BoundedRe:
@@ -191,7 +205,7 @@ class _BoundedRe:
         if left <= 0:
             raise PatternTimeout
         try:
-            return regex.search(pattern, string, flags, timeout=left)
+            return regex.search(pattern, string, flags, timeout=left, concurrent=True)
         except TimeoutError:
             raise PatternTimeout from None
 
@@ -314,10 +328,13 @@ def _validator(schema_json: str):
 
 
 class _pattern_deadline:
-    """Every pattern of one validation, together, within :data:`PATTERN_BUDGET_S`."""
+    """Every pattern of one validation, together, within ``budget`` seconds."""
+
+    def __init__(self, budget: float | None = None) -> None:
+        self.budget = PATTERN_BUDGET_S if budget is None else budget
 
     def __enter__(self) -> None:
-        _deadline.at = time.monotonic() + PATTERN_BUDGET_S
+        _deadline.at = time.monotonic() + self.budget
 
     def __exit__(self, *_: object) -> None:
         _deadline.at = None
@@ -357,12 +374,14 @@ class ToolContract:
             if isinstance(name, str):
                 self.forced = name
                 self.required = True
+        self.lane = ""  # the client's, for work off the event loop: set by check_request
 
     async def check_request(self, req: ChatRequest, lane: str = "") -> str:
         """A problem with the request itself ("" if none). Every tool's schema
         is compiled (and cached) here: within :data:`MAX_SCHEMA_NODES`, and
         off the event loop when large, in the ``lane`` of its client (key or
         address): one large compile of a client's in the queue at a time."""
+        self.lane = lane
         if self.forced is not None and self.forced not in self.schemas:
             return f"tool_choice names `{self.forced}`, which is not in tools"
         sizes = {
@@ -380,15 +399,28 @@ class ToolContract:
                 continue
             try:
                 if sizes.get(name, 0) > THREAD_SCHEMA_NODES:
-                    await _compile_off_loop(schema, lane)
+                    await _off_loop(functools.partial(_validator, schema), lane)
                 else:
                     _validator(schema)
             except SchemaProblem as e:
                 return f"the parameters of tool `{name}` cannot be used: {e}"
         return ""
 
-    def validate(self, calls: list[ToolCall] | None) -> str:
-        """Why this turn's calls are invalid ("" if they are fine)."""
+    async def check_calls(self, calls: list[ToolCall] | None) -> str:
+        """:meth:`validate`, on the event loop while the schemas' patterns take
+        :data:`INLINE_PATTERN_S` or less; past that, again in a worker thread
+        with the whole :data:`PATTERN_BUDGET_S`, in the client's lane (see
+        :meth:`check_request`)."""
+        try:
+            return self.validate(calls, INLINE_PATTERN_S, escalate=True)
+        except _NeedsTime:
+            return await _off_loop(functools.partial(self.validate, calls), self.lane)
+
+    def validate(self, calls: list[ToolCall] | None, budget: float | None = None, escalate: bool = False) -> str:
+        """Why this turn's calls are invalid ("" if they are fine). The schemas'
+        patterns get ``budget`` seconds (:data:`PATTERN_BUDGET_S` if None); past
+        it the arguments are not checkable, or with ``escalate``
+        :class:`_NeedsTime` is raised."""
         calls = calls or []
         if self.none and calls:
             return f"tool_choice is none but the model called `{calls[0].function.name}`"
@@ -413,12 +445,14 @@ class ToolContract:
             schema = self.schemas[name]
             if schema:
                 try:
-                    with _pattern_deadline():
+                    with _pattern_deadline(budget):
                         errors = itertools.islice(_validator(schema).iter_errors(args), MAX_ERRORS_WEIGHED)
                         error = jsonschema.exceptions.best_match(errors)
                 except (RecursionError, referencing.exceptions.Unresolvable):
                     return f"the arguments of `{name}` could not be checked: its schema loops on them"
                 except PatternTimeout:
+                    if escalate:
+                        raise _NeedsTime from None
                     return f"the arguments of `{name}` could not be checked: its schema's patterns take too long"
                 if error is not None:
                     where = "/".join(str(p) for p in error.absolute_path) or "(root)"

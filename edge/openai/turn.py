@@ -357,7 +357,7 @@ async def collect_validated(
         if turn.contract is None or result.finish_reason == "length":
             turn.settle()
             return result
-        reason = result.tool_error or turn.contract.validate(result.tool_calls)
+        reason = result.tool_error or await turn.contract.check_calls(result.tool_calls)
         if not reason:
             result.tool_calls = turn.calls_to_send(result.tool_calls)
             turn.settle()
