@@ -138,6 +138,9 @@ class Key:
         "others_pending",
         "flight_held",
         "flight_promised",
+        "budget_held",
+        "budget_promised",
+        "day_reported",
     )
 
     def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
@@ -160,6 +163,12 @@ class Key:
         # requests), and of the free ones those borrowed for requests about to take them
         self.flight_held = 0
         self.flight_promised = 0
+        # shared state, daily_tokens: the budget this edge holds in Redis (its requests' reservations
+        # and its use not yet added to the day's counter), and of it what borrows hold for requests
+        # about to take it; and of day_used what this edge has added to the day's counter
+        self.budget_held = 0
+        self.budget_promised = 0
+        self.day_reported = 0
         self.restored = 0  # of day_used: loaded from the ledger at start
         self.set_policy(policy)
 
@@ -197,7 +206,12 @@ class Key:
     def _today(self) -> None:
         day = int(time.time() // 86400)
         if day != self.day:
-            self.day, self.day_used, self.day_others, self.restored = day, 0, 0, 0
+            self.day, self.day_used, self.day_others, self.restored, self.day_reported = day, 0, 0, 0, 0
+
+    def unreported(self) -> int:
+        """Shared state: of today's tokens, those not yet added to Redis's day counter
+        (what was restored from the ledger at start counts as there)."""
+        return max(self.day_used - max(self.day_reported, self.restored), 0)
 
     def today_tokens(self) -> int:
         """Tokens today: this edge's, plus the other edges' where shared state follows them
@@ -297,11 +311,12 @@ class Keys:
             spent = key.day_used + key.day_others + key.day_pending
             if spent >= policy.daily_tokens:
                 raise self._over_budget(key, "budget")
-            if shared and spent + key.others_pending >= policy.daily_tokens:
-                # Over only with the other edges' reservations as last read: they may have ended
-                # since (it refused a client taking turns between edges): read them again first.
+            budget = self.day_need(prompt_estimate, max_tokens)
+            if shared and key.day_pending + key.budget_promised + key.unreported() + budget > key.budget_held:
+                # Held in Redis first (borrowed, edge.shared_state): a script grants it while the
+                # day's total and every edge's holdings are below the budget, so a burst spread
+                # over edges crosses it by one request, not by one per edge and lease round.
                 raise self._over_budget(key, "reserved")
-            budget = prompt_estimate + (max_tokens or DEFAULT_OUTPUT_RESERVE)
         if policy.max_concurrent:
             if shared:  # on a slot this edge holds in Redis (none free: it borrows one, edge.shared_state)
                 if key.in_flight + key.flight_promised >= key.flight_held:
@@ -339,6 +354,11 @@ class Keys:
         """The tokens a request is admitted on (see the module docstring)."""
         reserved = prompt_estimate + min(max_tokens or DEFAULT_OUTPUT_RESERVE, MAX_OUTPUT_RESERVE)
         return min(reserved, key.policy.tpm) if key.policy.tpm else reserved
+
+    @staticmethod
+    def day_need(prompt_estimate: int, max_tokens: int | None) -> int:
+        """What a request reserves of a daily budget while in flight."""
+        return prompt_estimate + (max_tokens or DEFAULT_OUTPUT_RESERVE)
 
     def needs(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> tuple[int, int, int]:
         """The requests, tokens and concurrency slots (shared state) admitting

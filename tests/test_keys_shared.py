@@ -17,7 +17,7 @@ from edge.config import KeyConfig
 from scripts.stack import free_port, write_toml
 from tests.conftest import BOUND, TOKEN, edge_config, eventually, model, start_edge, start_node
 from tests.servers import postgres, postgres_url, redis_server  # noqa: F401  (fixtures)
-from tests.test_keys import ADMIN, ADMIN_H, chat, client, sim
+from tests.test_keys import ADMIN, ADMIN_H, MESSAGES, chat, client, sim
 
 
 async def pg_edge(nursery, url: str):
@@ -179,6 +179,39 @@ async def test_a_daily_budget_holds_across_edges(nursery, redis_server, tmp_path
             assert (await chat(c)).status_code == 200
             r = await chat(c)
     assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota"
+
+
+async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nursery, redis_server, tmp_path):  # noqa: F811
+    """daily_tokens 5,000 and 100 requests of max_tokens 100 at once, half on each edge: each
+    request holds its reservation in Redis before it runs, so the two edges together admit
+    while the day's reservations are below the budget, one request crossing it (each edge
+    admitted as if alone before: 96 of 100 ran, twice the budget)."""
+    keys = [KeyConfig(id="burst", key="sk-burst", daily_tokens=5000)]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys)
+    responses: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as n:
+            for edge in (a, b):
+                n.start_soon(lambda edge=edge: _into(responses, burst(edge, "sk-burst", 50, max_tokens=100)))
+    admitted = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    reservation = _prompt_estimate() + 100  # what each request holds of the budget while it runs
+    assert len(admitted) == math.ceil(5000 / reservation), (len(admitted), reservation)
+    assert all(r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota" for r in refused)
+    await eventually(lambda: not (a.edge.keys.by_id["burst"].day_pending or b.edge.keys.by_id["burst"].day_pending))
+
+
+async def _into(out: list, responses) -> None:
+    out.extend(await responses)
+
+
+def _prompt_estimate() -> int:
+    """The prompt estimate of this module's chat request (as admission makes it)."""
+    from edge.openai.request import estimate_input_tokens, parse_chat_request
+
+    req, _ = parse_chat_request({"model": "qwen-a", "messages": MESSAGES}, max_messages=10, max_tools=10)
+    return estimate_input_tokens(req)
 
 
 def _edge_process(cfg: str, stderr_path) -> subprocess.Popen:
