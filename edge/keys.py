@@ -280,6 +280,9 @@ class Keys:
         now = time.monotonic()
         for key in self.by_id.values():
             policy = key.policy
+            # The other edges' requests are not followed now: a key's whole concurrency here (their
+            # last count kept refused a request with none left in flight anywhere).
+            key.others_in_flight = key.others_pending = 0
             key.req_level = _local_level(policy.rpm, key.req_level, key.req_seen, now)
             key.tok_level = _local_level(policy.tpm, key.tok_level, key.tok_seen, now)
             key.req_at = key.tok_at = now

@@ -394,6 +394,8 @@ class SharedState:
             if adds is not None or flight is not None:
                 counters.append((key.id, key.day, adds, flight))
         if not plan and not counters:
+            if not self.up:  # (nothing to write: Redis must still answer before it counts as back)
+                await trio.to_thread.run_sync(self.client.ping)
             return
         granted, totals = await trio.to_thread.run_sync(self._exchange, plan, counters)
         self._credit(plan, granted)

@@ -181,6 +181,49 @@ async def test_a_daily_budget_holds_across_edges(nursery, redis_server, tmp_path
     assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota"
 
 
+async def test_while_redis_is_down_an_edge_has_a_keys_whole_concurrency(nursery, redis_server, tmp_path):  # noqa: F811
+    """max_concurrent 3 on two edges, two streams open on edge a; Redis dies, then the streams end:
+    edge b admits 3 at once on its own (it kept a's last count and admitted 1 of 3), and says
+    Redis is down for as long as it is (a round with nothing to write counted as Redis answering:
+    it logged "up" and leased, wrongly, between its failures)."""
+    keys = [KeyConfig(id="k", key="sk-k", max_concurrent=3)]
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        slow = model("slow", ttft_ms=0, tokens_per_s=5, sim_tokens=1000)
+        await start_node(nursery, edge, [sim("qwen-a"), slow], node_id=f"n-{name}")
+        await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
+        edges.append(edge)
+    a, b = edges
+    with trio.fail_after(BOUND * 2):
+        async with client(a, "sk-k") as c, trio.open_nursery() as streams:
+
+            async def hold() -> None:
+                body = {"model": "slow", "messages": MESSAGES, "stream": True}
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_bytes():
+                        pass
+
+            for _ in range(2):
+                streams.start_soon(hold)
+            await eventually(lambda: b.edge.keys.by_id["k"].others_in_flight == 2, "edge b sees a's two")
+            await trio.to_thread.run_sync(redis_server.stop)
+            await eventually(lambda: not (a.edge.shared.up or b.edge.shared.up), "both edges notice")
+            streams.cancel_scope.cancel()
+        ups = 0
+        for _ in range(250):  # 2.5 s with Redis down
+            ups += a.edge.shared.up + b.edge.shared.up
+            await trio.sleep(0.01)
+        assert ups == 0
+        responses = await burst(b, "sk-k", 3)
+        assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+        await trio.to_thread.run_sync(redis_server.start)
+        await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "leasing again")
+
+
 async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nursery, redis_server, tmp_path):  # noqa: F811
     """daily_tokens 5,000 and 100 requests of max_tokens 100 at once, half on each edge: each
     request holds its reservation in Redis before it runs, so the two edges together admit
