@@ -83,11 +83,11 @@ def parse_time(value: str | None, name: str) -> float | None:
     return parsed.timestamp()
 
 
-def parse_group_by(value: str | None) -> list[str]:
+def parse_group_by(value: str | None, name: str = "group_by") -> list[str]:
     groups = [g.strip() for g in (value or "").split(",") if g.strip()]
     bad = [g for g in groups if g not in GROUPS]
     if bad or len(set(groups)) != len(groups):
-        raise ValueError(f"group_by: a comma-separated list of {', '.join(GROUPS)}")
+        raise ValueError(f"{name}: a comma-separated list of {', '.join(GROUPS)}")
     return groups
 
 
@@ -112,8 +112,17 @@ def usage_csv(rows: list[dict[str, Any]], groups: list[str]) -> bytes:
     ]
     writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: _csv_cell(v) for k, v in row.items()} for row in rows)
     return out.getvalue().encode()
+
+
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value: Any) -> Any:
+    """A text cell that a spreadsheet would run as a formula (a client's model name
+    such as ``=HYPERLINK(...)``), quoted with a leading ``'`` so it shows as text (OWASP)."""
+    return "'" + value if isinstance(value, str) and value.startswith(_FORMULA) else value
 
 
 def _key_view(key: Key, totals: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
@@ -140,10 +149,19 @@ def admin_refusal(edge: Edge) -> Response | None:
         return error_response(
             403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error"
         )
-    headers = request.headers
-    if not client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), admin_keys):
+    if not is_admin(request.headers, admin_keys):
         return error_response(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
     return None
+
+
+def is_admin(headers: Any, admin_keys: list[str]) -> bool:
+    """The request's ``Authorization: Bearer`` or ``x-api-key`` names an admin key; the
+    key trimmed as a client's is (``Bearer  X``, two spaces, was refused)."""
+    authorization = headers.get("Authorization")
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        authorization = f"{scheme} {token.strip()}"
+    return client_key_matches(authorization, headers.get("x-api-key"), admin_keys)
 
 
 def admin_routes(app: QuartTrio, edge: Edge) -> None:
@@ -238,8 +256,7 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         secret = new_secret()
         sha = sha256_hex(secret)
         await edge.ledger.put_key(key_id, sha, policy)
-        key = Key(key_id, sha, policy, "admin")
-        edge.keys.add(key)
+        edge.make_key(key_id, sha, policy)  # (an id revoked today goes on with its day's tokens)
         return json_response(201, {"id": key_id, "key": secret, "policy": policy})
 
     def run_time_key(key_id: str, verb: str) -> Key | Response:
@@ -275,5 +292,5 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         # Stored first: a ledger that cannot store it (503) leaves the key as it was, not
         # revoked here only to come back when this edge next reads the key table.
         await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
-        edge.keys.revoke(key)
+        edge.retire(key)
         return json_response(200, {"id": key_id, "deleted": True})

@@ -20,9 +20,8 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
-from edge.admin import admin_routes
+from edge.admin import admin_routes, is_admin
 from edge.app_queue import install as install_app_queue
-from edge.auth import client_key_matches
 from edge.config import EdgeConfig, load_edge_config
 from edge.connection import install as install_connection_guard
 from edge.console import Console, console_routes
@@ -41,7 +40,7 @@ from edge.reads import install as install_reads
 from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
 from edge.send_lock import install as install_send_lock
-from edge.shared_state import SharedState
+from edge.shared_state import BORROW_S, SharedState
 from edge.ws import link_route
 from iop import logs
 from iop.configfile import ConfigError
@@ -72,10 +71,16 @@ class Edge:
             raise ConfigError(
                 f'ledger: cannot open {target}: {e} (set state_dir, a ledger path, or ledger = "off")'
             ) from None
+        # A key id's day is one budget, whoever holds its secret: a key revoked today is kept
+        # here by id, and one made again with its id goes on from its counters (make_key).
+        self.retired: dict[str, Key] = {}
+        self.day_at_start: tuple[int, dict[str, int]] = (0, {})  # the ledger's tokens today per id, at start
         if self.ledger is not None:
             stored, today = self.ledger.startup_state()
+            self.day_at_start = (int(time.time() // 86400), today)
             self.apply_stored_keys(stored)
             self.ledger.on_keys = self.apply_stored_keys
+            self.ledger.open = lambda: self.keys.open
             for key_id, used in today.items():
                 key = self.keys.by_id.get(key_id)
                 if key is not None:  # (restored: what shared state may find in Redis already)
@@ -132,15 +137,44 @@ class Edge:
                 continue
             if revoked is not None or (known is not None and known.sha256 != sha):
                 if known is not None:
-                    self.keys.revoke(known)
+                    self.retire(known)
                 if revoked is not None:
                     continue
                 known = None
             policy = msgspec.json.decode(policy_json, type=Policy)
             if known is None:
-                self.keys.add(Key(key_id, sha, policy, "admin"))
+                self.make_key(key_id, sha, policy)
             elif known.policy != policy:
                 self.keys.change(known, policy)
+
+    def retire(self, key: Key) -> None:
+        """Revoke ``key`` (its secret works no more), keeping its counters for a key
+        made again with its id (:meth:`make_key`)."""
+        self.keys.revoke(key)
+        today = int(time.time() // 86400)
+        for old in [k for k in self.retired.values() if k.day != today and not k.in_flight]:
+            del self.retired[old.id]
+        self.retired[key.id] = key
+
+    def make_key(self, key_id: str, sha: str, policy: Policy) -> Key:
+        """A run-time key (made here, or by another edge and read from the ledger).
+        An id's day is one budget: a key revoked and made again (a rotated secret)
+        goes on from the revoked one, which its requests in flight still settle
+        on; one this edge never held starts from the ledger's tokens of the id
+        today, read at start, as a restart restores a key's day. (It started at 0:
+        a rotation served a 300-token budget 660, and with shared state added a
+        negative amount to the day's counter in Redis.)"""
+        key = self.retired.pop(key_id, None)
+        if key is not None:
+            key.sha256, key.revoked = sha, False
+            key.set_policy(policy)
+        else:
+            key = Key(key_id, sha, policy, "admin")
+            day, used = self.day_at_start[0], self.day_at_start[1].get(key_id, 0)
+            if used and day == int(time.time() // 86400):
+                key.day, key.day_used, key.restored = day, used, used
+        self.keys.add(key)
+        return key
 
     async def admit(self, ex: Exchange, model: str, prompt_estimate: int, max_tokens: int | None) -> None:
         """A keyed request's admission (edge.keys): raises 404/429, or holds
@@ -163,6 +197,25 @@ class Edge:
             if limit is not None:
                 key.limited[limit] = key.limited.get(limit, 0) + 1
             raise
+        ex.extra_headers = self.keys.headers(key)
+
+    async def count_request(self, ex: Exchange) -> None:
+        """A keyed request that generates nothing (Messages' ``count_tokens``): one of
+        its key's ``rpm`` (a request is a request), or the usual 429; not its tpm,
+        daily budget or concurrency, which it uses none of. (It ignored rpm: 20 of 20
+        answered on rpm 2, each body up to max_body_bytes for the edge to read.)"""
+        key = ex.key
+        if key is None:
+            return
+        if key.policy.rpm:
+            if self.keys.shared and key.req_level < 1 and self.shared is not None and self.shared.up:
+                with trio.move_on_after(BORROW_S):  # (a leased balance, edge.shared_state: borrow one)
+                    await self.shared.borrow(key, 1, 0)
+            try:
+                self.keys.take_request(key)
+            except APIError:
+                key.limited["rpm"] = key.limited.get("rpm", 0) + 1
+                raise
         ex.extra_headers = self.keys.headers(key)
 
 
@@ -288,8 +341,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         from quart import request
 
         if config.admin_keys:
-            headers = request.headers
-            if client_key_matches(headers.get("Authorization"), headers.get("x-api-key"), config.admin_keys):
+            if is_admin(request.headers, config.admin_keys):
                 return None
             refusal = error_json("Invalid or missing admin key.", "authentication_error", code="invalid_api_key")
             return _json(401, refusal)

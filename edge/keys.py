@@ -327,15 +327,7 @@ class Keys:
             elif key.in_flight + key.others_in_flight >= policy.max_concurrent:
                 raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "concurrency")
         if policy.rpm:
-            if shared:
-                level, ok = key.req_level, key.req_level >= 1
-                if ok:
-                    key.req_level -= 1
-            else:
-                level, ok = _bucket_take(key.req_level, key.req_at, now, policy.rpm, 1)
-                key.req_level, key.req_at = level, now
-            if not ok:
-                raise self._limited(key, f"{policy.rpm} requests per minute", (1 - level) * 60 / policy.rpm, "rpm")
+            self.take_request(key, now)
         if policy.tpm:
             if shared:
                 level, ok = key.tok_level, key.tok_level >= reserved
@@ -352,6 +344,21 @@ class Keys:
         key.in_flight += 1
         key.day_pending += budget
         return Lease(key, reserved if policy.tpm else 0, budget)
+
+    def take_request(self, key: Key, now: float | None = None) -> None:
+        """One request of ``key``'s ``rpm`` (it has one), or raise the 429. Alone, for a
+        request that generates nothing (Messages' ``count_tokens``)."""
+        rpm = key.policy.rpm
+        if self.shared:
+            level, ok = key.req_level, key.req_level >= 1
+            if ok:
+                key.req_level -= 1
+        else:
+            now = time.monotonic() if now is None else now
+            level, ok = _bucket_take(key.req_level, key.req_at, now, rpm, 1)
+            key.req_level, key.req_at = level, now
+        if not ok:
+            raise self._limited(key, f"{rpm} requests per minute", (1 - level) * 60 / rpm, "rpm")
 
     def reservation(self, key: Key, prompt_estimate: int, max_tokens: int | None) -> int:
         """The tokens a request is admitted on (see the module docstring)."""

@@ -146,6 +146,9 @@ class Ledger:
         self.failures = 0
         self.available = True
         self.on_keys: Callable[[list[tuple]], None] | None = None  # the edge's: applies the key table
+        # The edge's: whether it is open (no keys). A keyed edge's request without a key was
+        # refused before any work (401, 405...): not recorded, or anyone could grow the database.
+        self.open: Callable[[], bool] = lambda: True
         try:
             self._db = connect(target)
         except self._errors as e:
@@ -191,7 +194,11 @@ class Ledger:
     # -- records -----------------------------------------------------------------
 
     def record(self, rec: Record) -> None:
-        """Queue a record (never blocks; the oldest is dropped when full)."""
+        """Queue a record (never blocks; the oldest is dropped when full). A request
+        with no key on an edge that has keys (refused: no key or a wrong one) is not
+        one: 20 clients without a key wrote 264 rows a second (its access line says it)."""
+        if rec[2] is None and not self.open():
+            return
         if len(self._pending) == MAX_PENDING:
             self.dropped += 1
         self._pending.append(rec)
@@ -344,7 +351,8 @@ def query_usage(
             [
                 *selected,
                 "COUNT(*) AS requests",
-                "SUM(CASE WHEN status >= 400 OR outcome <> 'complete' THEN 1 ELSE 0 END)",
+                # (a token count, outcome "counted", is a request that completed too)
+                "SUM(CASE WHEN status >= 400 OR outcome NOT IN ('complete', 'counted') THEN 1 ELSE 0 END)",
                 "SUM(prompt_tokens)",
                 "SUM(completion_tokens)",
                 "SUM(estimated)",

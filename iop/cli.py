@@ -122,7 +122,7 @@ def _usage(args: argparse.Namespace) -> int:
         raise ConfigError('ledger: "off" in this config: there is no ledger')
     try:
         start, end = parse_time(args.start, "--from"), parse_time(args.end, "--to")
-        groups = parse_group_by(args.group_by)
+        groups = parse_group_by(args.group_by, "--group-by")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if is_postgres(target):
@@ -147,7 +147,7 @@ def _usage(args: argparse.Namespace) -> int:
     else:
         columns = [*groups, "requests", "not_completed", "prompt_tokens", "completion_tokens", "total_tokens"]
         columns.append("estimated_requests")  # (as csv and json have it)
-        table = [[str(r.get(c) if r.get(c) is not None else "-") for c in columns] for r in rows]
+        table = [[_printable(str(r.get(c))) if r.get(c) is not None else "-" for c in columns] for r in rows]
         widths = [max([len(c), *(len(row[i]) for row in table)]) for i, c in enumerate(columns)]
         print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
         for row in table:
@@ -155,6 +155,15 @@ def _usage(args: argparse.Namespace) -> int:
         if not table:
             print("(no requests in this range)")
     return 0
+
+
+def _printable(text: str) -> str:
+    """``text`` for a terminal: a character that is not printable (an escape sequence's
+    ESC, CR, LF, a bidi override) as Python writes it in a string (``\\x1b``). A model
+    name is the client's string: it could clear the screen or forge rows."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _checked_bind(bind: str) -> str:

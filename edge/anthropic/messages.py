@@ -15,6 +15,7 @@ failure before that is a real HTTP error, in Anthropic's shape.
 
 ``count_tokens`` answers the edge's estimate (characters / 4, plus 4 per
 message: :func:`edge.openai.request.estimate_input_tokens`), not a tokenizer's count.
+It counts against its key's ``rpm`` (not its tpm or daily budget: it generates nothing).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
         raise model_not_found(req.model)
     if ex.key is not None and not ex.key.may_use(req.model):  # (nor learn that it exists)
         raise model_not_found(req.model)
+    await edge.count_request(ex)  # one of the key's rpm
     ex.access.outcome = "counted"
     await ex.respond(200, _encode({"input_tokens": estimate_input_tokens(req)}))
 

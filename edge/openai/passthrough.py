@@ -9,8 +9,8 @@ provider's response starts is a 502 ``provider_tunnel_error``; after it, the
 response is cut (the connection closes without the final chunk).
 
 The edge's own bounds still hold: ``max_tokens`` / ``max_completion_tokens``
-at most ``max_output_tokens``, and integers within 64 bits (400s, as on
-chat). A keyed request is admitted on an estimate (characters / 4 of its
+integers (or null) at most ``max_output_tokens``, and integers within 64 bits
+(400s, as on chat). A keyed request is admitted on an estimate (characters / 4 of its
 ``prompt``, ``input`` or ``messages``, a token list counting its length, plus
 its ``max_tokens``) and charged what the provider's ``usage`` said: the last
 ``usage`` object in the response's final :data:`_TAIL` bytes (a whole body
@@ -231,10 +231,18 @@ def _prompt_estimate(raw: dict[str, Any]) -> int:
 
 
 def _check_bounds(raw: dict[str, Any], max_output_tokens: int) -> None:
-    """The edge's bounds on a body it relays: 400 as on chat."""
+    """The edge's bounds on a body it relays: 400 as on chat. A ``max_tokens`` that
+    is not an integer (``10.0``, ``"10"``) is one too: providers take such values,
+    so it would pass the bound and be reserved as the default."""
     for name in ("max_tokens", "max_completion_tokens"):
         value = raw.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > max_output_tokens:
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise errors.bad_request(
+                f"Invalid value for `{name}`: expected `int | null`, got `{_json_type(value)}`.", name
+            )
+        if value > max_output_tokens:
             raise errors.bad_request(
                 f"Invalid value for `{name}`: this edge allows at most {max_output_tokens}.",
                 name,
@@ -251,6 +259,14 @@ def _check_bounds(raw: dict[str, Any], max_output_tokens: int) -> None:
             stack.extend((name, v) for v in value.values())
         elif isinstance(value, list):
             stack.extend((name, v) for v in value)
+
+
+_JSON_TYPES = {bool: "bool", float: "float", str: "str", list: "array", dict: "object"}
+
+
+def _json_type(value: Any) -> str:
+    """A decoded JSON value's type by its JSON name, as msgspec's errors on chat name it."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
