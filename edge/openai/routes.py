@@ -146,6 +146,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                 except ClientGone:
                     outcome = "client_gone"
                 except APIError as e:
+                    # (said first: a client that closes as the answer arrives cancels the send)
+                    outcome = f"rejected_{e.status}"
                     ex.access.error = e.code or e.type
                     if e.status == 429:
                         ex.access.refusal = e.message
@@ -153,14 +155,13 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                         await ex.respond_error(e)
                     elif not ex.finished:
                         await ex.finish(ex.errors.stream(e.message, e.type, e.code))
-                    outcome = f"rejected_{e.status}"
                 except Exception:
+                    outcome = "internal_error"
                     log.exception("request failed")
                     if not ex.started:
                         await ex.respond_error(APIError(500, "Internal error in the edge.", "server_error"))
                     elif not ex.finished:
                         await ex.finish(ex.errors.stream("internal error in the edge", "server_error", None))
-                    outcome = "internal_error"
                 finally:
                     scope.cancel()  # ends the disconnect watcher, if there is one
     finally:
