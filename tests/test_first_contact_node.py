@@ -136,8 +136,9 @@ def closed_port():
 
 
 async def test_refused_upstream_is_one_log_line_without_the_key(nursery, node_log, closed_port):
-    """A model server that refuses connections: the client gets a run_error and the node logs one warning
-    naming the model, the upstream's host:port and the error class, with no api_key in any log line."""
+    """A model server that refuses connections: the client gets a run_error that names no address (it
+    quoted the model server's host:port) and the node logs one warning naming the model, the upstream's
+    host:port, the error class and the run, with no api_key in any log line."""
     edge = await start_edge(nursery)
     base_url = f"http://127.0.0.1:{closed_port}/v1"
     node = await start_node(nursery, edge, [model("m", adapter="openai", base_url=base_url, api_key=API_KEY)])
@@ -146,12 +147,15 @@ async def test_refused_upstream_is_one_log_line_without_the_key(nursery, node_lo
             with pytest.raises(openai.InternalServerError) as raised:
                 await client.chat.completions.create(model="m", messages=MESSAGES)
     assert raised.value.body["type"] == "run_error"
+    message = raised.value.body["message"]
+    assert str(closed_port) not in message and "ConnectError" in message and "the model server" in message
     await settled(edge, node.agent)
     lines = [json.loads(line) for line in node_log.getvalue().splitlines()]
     failures = [e for e in lines if e["msg"] == "upstream request failed"]
     assert [(e["level"], e["model"], e["upstream"], e["error"]) for e in failures] == [
         ("warning", "m", f"127.0.0.1:{closed_port}", "ConnectError")
     ]
+    assert len(failures[0]["run_id"]) == 24  # (the run, as the edge logs it)
     assert API_KEY not in node_log.getvalue()
 
 

@@ -112,11 +112,20 @@ class OpenAIAdapter:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    def _log_failure(self, error: str) -> None:
-        log.warning("upstream request failed", model=self.model.name, upstream=self.upstream, error=error)
+    def _log_failure(self, error: str, run_id: str) -> None:
+        log.warning(
+            "upstream request failed", model=self.model.name, upstream=self.upstream, error=error, run_id=run_id
+        )
 
-    def _log_status(self, status: int) -> None:
-        log.warning("upstream error status", model=self.model.name, upstream=self.upstream, status=status)
+    def _log_status(self, status: int, run_id: str) -> None:
+        log.warning(
+            "upstream error status", model=self.model.name, upstream=self.upstream, status=status, run_id=run_id
+        )
+
+    def _failed(self, what: str, e: http1.HTTPError) -> str:
+        """The run's error for a request that failed, as a client reads it: the model
+        server's address stays in the node's log (a refused connection quoted it)."""
+        return f"{what} failed: {type(e).__name__}: {str(e).replace(self.upstream, 'the model server')}".rstrip(": ")
 
     async def run(self, request: RunRequest, sink: Sink) -> None:
         body = dict(request.request)
@@ -127,18 +136,18 @@ class OpenAIAdapter:
         try:
             async with self.client.request("POST", "/chat/completions", _encode(body), _STREAM_HEADERS) as response:
                 if response.status != 200:
-                    self._log_status(response.status)
+                    self._log_status(response.status, request.run_id)
                     await sink.error(await _error_text(response), status=response.status)
                     return
                 encoding = _header(response, b"content-encoding")
                 if encoding and encoding != b"identity":  # never asked for: no accept-encoding is sent
-                    self._log_failure("encoded body")
+                    self._log_failure("encoded body", request.run_id)
                     await sink.error(f"upstream sent a {encoding.decode('latin-1')[:40]}-encoded body, not read here")
                     return
-                await self._relay(response, sink)
+                await self._relay(response, sink, request.run_id)
         except http1.HTTPError as e:
-            self._log_failure(type(e).__name__)
-            await sink.error(f"upstream request failed: {type(e).__name__}: {e}".rstrip(": "))
+            self._log_failure(type(e).__name__, request.run_id)
+            await sink.error(self._failed("upstream request", e))
         finally:
             self.counters.active_upstream -= 1
 
@@ -150,7 +159,7 @@ class OpenAIAdapter:
         try:
             async with self.client.request(request.method, request.path, request.body or b"", headers) as response:
                 if response.status >= 400:
-                    self._log_status(response.status)
+                    self._log_status(response.status, request.run_id)
                 await sink.start(
                     response.status, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers]
                 )
@@ -158,12 +167,12 @@ class OpenAIAdapter:
                     await sink.body(data)
                 await sink.end()
         except http1.HTTPError as e:
-            self._log_failure(type(e).__name__)
-            await sink.error(f"provider request failed: {type(e).__name__}: {e}".rstrip(": "))
+            self._log_failure(type(e).__name__, request.run_id)
+            await sink.error(self._failed("provider request", e))
         finally:
             self.counters.active_upstream -= 1
 
-    async def _relay(self, response: http1.Response, sink: Sink) -> None:
+    async def _relay(self, response: http1.Response, sink: Sink, run_id: str) -> None:
         """Relay the event stream: the process's poll of upstream sockets
         hands each read to :meth:`_Relay.feed` (no task switch per read); this
         task waits, for room in the link's outbox when it is full, and ends the run."""
@@ -185,12 +194,12 @@ class OpenAIAdapter:
                     while await response.read():
                         pass
             elif relay.end == _FAILED:
-                self._log_failure(relay.failure)
+                self._log_failure(relay.failure, run_id)
                 await sink.error(relay.message)
             elif relay.finish_reason:  # the body ended without [DONE]: still an answer if it said why it stopped
                 await sink.complete(relay.finish_reason, _ordered(relay.calls), relay.usage, stop=relay.stop)
             else:
-                self._log_failure("stream closed before it finished")
+                self._log_failure("stream closed before it finished", run_id)
                 kind = _header(response, b"content-type") or b"no content-type"
                 if b"text/event-stream" in kind:
                     await sink.error("upstream closed the stream before it finished")
