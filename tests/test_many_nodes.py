@@ -175,10 +175,11 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
 
 async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_path):
     """A passthrough request (here /v1/completions) whose node dies before answering
-    moves to another node, as a chat run does (it was a 502 node_disconnected)."""
+    moves to another node, as a chat run does (it was a 502 node_disconnected), its
+    body's model the new node's target (it kept the dead node's)."""
     slow, fine = await new_upstream(nursery), await new_upstream(nursery)
     slow.script_for("t", [("hang",)])
-    fine.script_for("t", [("status", 200, b'{"ok": "survivor"}')])
+    fine.script_for("t2", [("status", 200, b'{"ok": "survivor"}')])
     edge = await start_edge(nursery)
     proc = await start_node_process(
         nursery,
@@ -196,10 +197,10 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
 
             clients.start_soon(ask)
             await slow.wait_requests(1)
-            await start_node(nursery, edge, [model("m", fine, target="t", passthrough=True)], node_id="survivor")
+            await start_node(nursery, edge, [model("m", fine, target="t2", passthrough=True)], node_id="survivor")
             proc.send_signal(signal.SIGKILL)
     assert result[0].status_code == 200 and result[0].json() == {"ok": "survivor"}
-    assert len(fine.records) == 1
+    assert [(r.body["model"], r.body["prompt"]) for r in fine.records] == [("t2", "hi")]
     await settled(edge)
 
 

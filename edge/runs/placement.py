@@ -57,7 +57,7 @@ class PrefixIndex:
     """Block key -> the nodes (ids) the edge sent that prefix to, at most
     ``max_entries`` keys (0: remember nothing). Measured on CPython 3.11:
     about 80 bytes a key (dict slot and int key; node ids are shared
-    references), so the default million keys is about 80 MB at most."""
+    references), so the default 500,000 keys are about 40 MB at most."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries

@@ -119,6 +119,13 @@ def new_run_id() -> str:
     return secrets.token_hex(12)
 
 
+def _retargeted(body: bytes, target: str) -> bytes:
+    """A passthrough body (a JSON object the edge encoded) with ``model`` set to ``target``."""
+    raw = msgspec.json.decode(body)
+    raw["model"] = target
+    return msgspec.json.encode(raw)
+
+
 _FRAME_OVERHEAD = 1024  # a run frame's fields besides the request body (the sender checks the exact size)
 _encode_msgpack = msgspec.msgpack.Encoder().encode
 
@@ -296,7 +303,13 @@ class RunService:
         link = slot.link
         link.runs[run.id] = run
         remaining = max(run.deadline - trio.current_time(), 0.0)
-        run.request = msgspec.structs.replace(run.request, target=slot.info.target, timeout_s=remaining)
+        request = run.request
+        changes: dict[str, Any] = {"target": slot.info.target, "timeout_s": remaining}
+        if type(request) is TunnelRequest and request.target != slot.info.target:
+            # The node relays a tunnel's body as it is, its model the first node's target: the
+            # new one's server would have answered 404, or with another model.
+            changes["body"] = _retargeted(request.body, slot.info.target)
+        run.request = msgspec.structs.replace(request, **changes)
         link.send_nowait(run.request)
         link.sent(run.id, trio.current_time())
 
