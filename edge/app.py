@@ -433,12 +433,17 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
         # As OpenAI's own 404 does, with the method and path; and the usual cause, a base URL without /v1
         # (or, for the Anthropic SDK, with it: it adds /v1 itself).
-        path = request.path[:200]
+        path = request.scope.get("path", request.path)[:200]  # (as sent: request.path drops a leading //)
+        if path == "/v1/node/link":
+            message = "This is the node link: a websocket that `iop node` dials (the request has no Upgrade)."
+            return _json(426, error_json(message, "invalid_request_error", code="upgrade_required"))
         hint = ""
         if path.startswith(("/chat/", "/responses", "/models", "/embeddings", "/completions", "/messages")):
             hint = " The API is under /v1: is the client's base URL missing /v1?"
         elif path.startswith("/v1/v1/"):
             hint = " The path has /v1 twice: the Anthropic SDK adds /v1 itself, so its base URL has none."
+        elif "//" in path:
+            hint = " The path has // in it: does the client's base URL end with a /?"
         message = f"Unknown route: {request.method} {path}.{hint}"
         return _json(404, error_json(message, "invalid_request_error", code="not_found"))
 

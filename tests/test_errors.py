@@ -117,6 +117,11 @@ async def test_unknown_route_and_wrong_method(edge):
             assert no_v1.startswith("Unknown route: POST /chat/completions.") and "missing /v1" in no_v1
             twice = (await client.post("/v1/v1/messages", json={})).json()["error"]["message"]
             assert "adds /v1 itself" in twice
+            # A base URL ending in /: the path as sent (it said "POST /v1/chat/completions", a route).
+            slashes = (await client.post(f"{edge.url}//v1/chat/completions", json={})).json()["error"]["message"]
+            assert slashes.startswith("Unknown route: POST //v1/chat/completions.") and "end with a /" in slashes
+            link = await client.get("/v1/node/link")  # (a node's websocket, not a route for plain HTTP)
+            assert link.status_code == 426 and "iop node" in link.json()["error"]["message"]
             wrong = await client.get("/v1/chat/completions")
             assert_openai_error(wrong, 405)
             assert wrong.headers["allow"] == "POST"  # what a 405 must say (RFC 9110)

@@ -225,7 +225,15 @@ async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upst
             await upstream.wait_requests(1)
             proc.send_signal(signal.SIGTERM)
             await eventually(lambda: "d" not in edge.edge.runs.links or edge.edge.runs.links["d"].draining)
-            body = await r.aread()
+            async with trio.open_nursery() as n:  # one more, queued until the node leaves
+                late: list[httpx.Response] = []
+
+                async def ask_late() -> None:
+                    late.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+                n.start_soon(ask_late)
+                body = await r.aread()
+        assert late[0].status_code == 503 and "drained and left" in late[0].json()["error"]["message"], late[0].text
         assert body.endswith(b"data: [DONE]\n\n") and b"tok19" in body and b"error" not in body
         await eventually(lambda: "d" not in edge.edge.runs.links)
         await proc.wait()

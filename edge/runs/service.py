@@ -95,7 +95,7 @@ class _Waiter:
         self.since = trio.current_time()
         self.event = trio.Event()
         self.slot: Slot | None = None
-        self.gone = False  # no linked node can serve it any more
+        self.gone = ""  # no linked node can serve it any more: "lost", or "drained" (the last one left)
         self.cancelled = False  # by an operator (the console)
         self.refused: errors.APIError | None = None  # the edge ended its wait (it is shutting down)
         self.client = client  # the request's exchange (the console shows and cancels it)
@@ -270,7 +270,7 @@ class RunService:
                     if any(waiter.want.fits(lk) for lk in serving):
                         continue
                     if self._end_wait(queue, waiter, NODE_DISCONNECTED, NODE_LOST):
-                        waiter.gone = True
+                        waiter.gone = "drained" if link.draining else "lost"
                         waiter.event.set()
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
 
@@ -639,6 +639,8 @@ class RunService:
             raise errors.operator_cancelled()
         if waiter.refused is not None:
             raise waiter.refused
+        if waiter.gone == "drained":
+            raise errors.no_node(model, f"The last node serving `{model}` drained and left while this request waited.")
         if waiter.gone:
             raise errors.no_node(model)
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
