@@ -19,7 +19,7 @@ from pydantic_ai.messages import ThinkingPart
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from scripts.upstream import native_call, steps
+from scripts.upstream import native_call, steps, text_script, words
 from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, settled, sse_events, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -281,6 +281,27 @@ async def test_usage_without_upstream_numbers_is_estimated_and_marked(first):
     assert [e["usage_estimated"] for e in lines] == [True, True, False]
     assert [e["completion_tokens"] for e in lines] == [3, 3, 2]
     assert 'iop_usage_estimated_total{model="m"} 2.0' in metrics
+
+
+async def test_a_stream_its_client_left_logs_the_tokens_it_is_charged(first):
+    """A client that leaves mid-stream: its access line says the tokens the key and the ledger are
+    charged (the estimate of what streamed, usage_estimated), not nulls beside a ledger row of them."""
+    edge, upstream = first
+    upstream.script_for("t", text_script(words(200), interval=0.02))
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "m", "messages": MESSAGES, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                seen = 0
+                with trio.CancelScope() as reading:  # (its cancel closes the connection: the client is gone)
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: {") and '"content"' in line
+                        if seen >= 5:
+                            reading.cancel()
+        await eventually(lambda: any(e["event"] == "request" for e in logs))
+    (line,) = [e for e in logs if e["event"] == "request"]
+    assert line["cause"] == "client_gone" and line["usage_estimated"] is True
+    assert line["prompt_tokens"] == len("hi") // 4 + 4 and line["completion_tokens"] >= 5, line
 
 
 # -- tool calls --------------------------------------------------------------------------

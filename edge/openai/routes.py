@@ -313,8 +313,9 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         cause=outcome,
         key=key.id if key is not None else None,
         node_id=access.node_id,
-        prompt_tokens=prompt if usage else None,
-        completion_tokens=completion if usage else None,
-        usage_estimated=access.usage_estimated if usage else None,
+        # As the ledger and the key have them (a cut stream: its estimate); none when no run started.
+        prompt_tokens=prompt if usage or access.partial is not None else None,
+        completion_tokens=completion if usage or access.partial is not None else None,
+        usage_estimated=estimated if usage or access.partial is not None else None,
         duration_ms=round(seconds * 1000, 1),
     )
