@@ -202,14 +202,23 @@ def _cannot_start(error: OSError, bind: str | None) -> str:
     return f"cannot start: {reason}"
 
 
+SAME_SIGNAL_S = 0.5
+
+
 async def _wait_for_signal(event: trio.Event, hurry: Callable[[], trio.Event] | None = None) -> None:
     """The first SIGTERM or SIGINT sets ``event`` (the drain starts); a second sets
     ``hurry()``'s event: the drain ends its grace at once (running streams get
-    their error and ``[DONE]``), instead of being ignored or killing the process."""
+    their error and ``[DONE]``), instead of being ignored or killing the process.
+    The same signal again within :data:`SAME_SIGNAL_S` is the same one: ``timeout``
+    sends SIGTERM to its child and then to its process group, the child again."""
+    first: tuple[int, float] | None = None
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            if not event.is_set():
+            if first is None:
+                first = (signum, trio.current_time())
                 event.set()
+            elif first[0] == signum and trio.current_time() - first[1] < SAME_SIGNAL_S:
+                continue
             elif hurry is not None:
                 log.warning("second signal: ending the drain now", signal=signal.Signals(signum).name)
                 hurry().set()

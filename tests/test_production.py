@@ -541,6 +541,24 @@ async def test_a_drain_ends_queued_requests_at_once(nursery, upstream):
     await settled(edge, node.agent)
 
 
+async def test_the_same_signal_twice_at_once_is_one(nursery, tmp_path, upstream):
+    """`timeout` sends SIGTERM to its child and then to its process group: the edge got it twice
+    and ended its drain's grace at once. The same signal again within 0.5 s is the same one: the
+    stream in flight finishes whole."""
+    upstream.script_for("m-target", lambda body: text_script(words(20), interval=0.05))
+    proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=60)
+    try:
+        with trio.fail_after(BOUND):
+            async with _streaming_then_sigterm(url, upstream, proc) as r:
+                proc.send_signal(signal.SIGTERM)
+                body = await r.aread()
+            assert body.endswith(b"data: [DONE]\n\n") and b"tok19" in body and b"shutting down" not in body
+            await trio.to_thread.run_sync(proc.wait, BOUND)
+        assert proc.returncode == 0
+    finally:
+        _stop(proc)
+
+
 async def test_a_second_signal_ends_the_drain_at_once(nursery, tmp_path, upstream):
     """A second SIGINT during a drain was ignored (the drain ran its whole grace; with a stuck
     stream Ctrl-C never stopped the edge) and a second SIGTERM killed it with no SSE error and no
