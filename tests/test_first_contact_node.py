@@ -306,6 +306,21 @@ async def test_sim_calls_a_required_tool_with_valid_arguments_then_answers_the_r
     assert message.message.content == "The get_forecast tool returned: Rain from 3 pm."
 
 
+async def test_sim_cuts_a_tool_call_at_max_tokens(sim_edge):
+    """iop-sim with max_tokens smaller than its call: the call cut as a model server cuts one (its
+    arguments so far, finish_reason length, max_tokens completion tokens), not a whole call past it."""
+    named = {"type": "function", "function": {"name": "get_forecast"}}
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            cut = await client.chat.completions.create(
+                model="iop-sim", messages=ASK, tools=SIM_TOOLS, tool_choice=named, max_tokens=2
+            )
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and cut.usage.completion_tokens == 2
+    calls = choice.message.tool_calls or []
+    assert all(len(c.function.arguments) <= 8 for c in calls), calls
+
+
 async def test_sim_with_auto_tool_choice_calls_only_a_tool_the_prompt_names(sim_edge):
     """iop-sim, tool_choice "auto": a prompt naming a tool gets a call to it; one naming none, or
     tool_choice "none", gets text, deterministically."""

@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 
@@ -140,8 +141,13 @@ class SimAdapter:
         tokens: Iterator[str]
         if call is not None:  # no text, one native call
             tokens = iter(())
-            count = max(1, len(call.function.arguments) // 4)
-            finish = "tool_calls"
+            need = max(1, len(call.function.arguments) // 4)
+            if limited and need > count:  # cut, as a model server cuts a call: its arguments so far
+                cut = msgspec.structs.replace(call.function, arguments=call.function.arguments[: count * 4])
+                call = msgspec.structs.replace(call, function=cut)
+                finish = "length"
+            else:
+                count, finish = need, "tool_calls"
         elif words is not None:
             finish = "length" if limited and len(words) > count else "stop"
             count = min(count, len(words)) if limited else len(words)
