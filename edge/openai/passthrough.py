@@ -3,10 +3,15 @@
 Used for models in ``response_mode = "passthrough"`` (chat completions) and
 always for ``POST /v1/completions`` and ``POST /v1/embeddings``, on nodes
 that allow passthrough for the model. Only ``model`` in the request body is
-rewritten (to the node's target); the provider's status, headers (hop-by-hop
-ones removed) and body bytes reach the client unchanged. An error before the
-provider's response starts is a 502 ``provider_tunnel_error``; after it, the
-response is cut (the connection closes without the final chunk).
+rewritten (to the node's target); the provider's status and body bytes reach
+the client unchanged, and of its headers those an OpenAI client reads
+(:data:`_RELAYED`, :data:`_RELAYED_FAMILIES`; its ``x-request-id`` as
+``x-upstream-request-id``): not every header but the hop-by-hop ones, as
+the Go reference did, since a provider's others (cookies, its server's
+names, CORS, caching) are not the edge's to pass on. An error before the
+provider's response starts is a 502 ``provider_tunnel_error`` (504 when the
+run's time ran out first); after it, the response is cut (the connection
+closes without the final chunk).
 
 The edge's own bounds still hold: ``max_tokens`` / ``max_completion_tokens``
 integers (or null) at most ``max_output_tokens``, and integers within 64 bits
@@ -342,8 +347,9 @@ async def _flush(ex: Exchange, body: list[bytes]) -> None:
 
 
 def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes, bytes]]:
-    """The provider's headers the client gets: hop-by-hop ones left out, and any
-    that is not valid HTTP (dropped, logged: it would break the response)."""
+    """The provider's headers the client gets: those of :data:`_RELAYED` and its
+    families, less any that is not valid HTTP (dropped, logged: it would break the
+    response)."""
     out = [_NOSNIFF]
     dropped = []
     for name, value in headers or ():
