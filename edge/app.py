@@ -25,7 +25,7 @@ from edge.app_queue import install as install_app_queue
 from edge.config import EdgeConfig, load_edge_config
 from edge.connection import install as install_connection_guard
 from edge.console import Console, console_routes
-from edge.errors import APIError, error_json, model_not_found
+from edge.errors import FINAL_STATUSES, APIError, error_json, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
@@ -237,7 +237,10 @@ def _warn_open(address: str) -> None:
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
-    return Response(body, status, content_type="application/json", headers=headers)
+    response = Response(body, status, content_type="application/json", headers=headers)
+    if status in FINAL_STATUSES:  # (as every APIError of that status says: edge.errors)
+        response.headers["x-should-retry"] = "false"
+    return response
 
 
 def _model_card(name: str, links: list[NodeLink]) -> ModelCard:
@@ -412,6 +415,11 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             if refused is not None:
                 return refused
         return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
+
+    @app.get("/")  # (and HEAD /: Claude Code's check that the base URL answers, at every start)
+    async def root() -> Response:
+        text = "iop edge: an OpenAI- and Anthropic-compatible API under /v1 (GET /v1/models lists the models).\n"
+        return Response(text, 200, content_type="text/plain; charset=utf-8")
 
     @app.get("/healthz")
     async def healthz() -> Response:

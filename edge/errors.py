@@ -4,7 +4,8 @@
     RunFailed                 a run ended without completing (after dispatch)
 
 ``APIError`` carries the status and the OpenAI ``error`` object; it is raised
-anywhere on the request path and rendered once by the HTTP layer.
+anywhere on the request path and rendered once by the HTTP layer. One whose
+status a retry cannot change (:data:`FINAL_STATUSES`) says ``x-should-retry: false``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ class ErrorResponse(msgspec.Struct):
 
 _encoder = msgspec.json.Encoder()
 
+NO_RETRY = (b"x-should-retry", b"false")
+# Statuses a retry of the same request cannot change: they say ``x-should-retry: false``,
+# which the OpenAI and Anthropic SDKs (and Claude Code, which retries even a 401) obey.
+# Not 408, 409, 429 or a 5xx: SDKs retry those on purpose.
+FINAL_STATUSES = frozenset({400, 401, 403, 404, 405, 413, 422})
+
 
 class APIError(Exception):
     def __init__(
@@ -43,7 +50,9 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
-        self.headers = headers or []
+        self.headers = list(headers) if headers else []
+        if status in FINAL_STATUSES and not any(name == NO_RETRY[0] for name, _ in self.headers):
+            self.headers.append(NO_RETRY)
         self.context: tuple[int, int, int] | None = None  # context_length_exceeded: prompt, max_tokens, limit
 
     def body(self) -> bytes:
@@ -71,7 +80,7 @@ def operator_cancelled(message: str = "cancelled by an operator") -> APIError:
     over HTTP, and ``x-should-retry: false``, which the OpenAI and Anthropic
     SDKs obey. A 5xx would be retried, starting the run again; the cancel
     must end the request as a client leaving would."""
-    return APIError(499, message, "cancelled", code="cancelled_by_operator", headers=[(b"x-should-retry", b"false")])
+    return APIError(499, message, "cancelled", code="cancelled_by_operator", headers=[NO_RETRY])
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -272,7 +272,7 @@ async def test_invalid_tool_calls_fail_the_stream(edge_up):
             with pytest.raises(openai.APIStatusError) as caught:
                 await client.responses.create(model="m", input="hi", tools=[WEATHER])
     check_sequence(events)
-    assert events[-1].type == "response.failed" and events[-1].response.error.code == "server_error"  # OpenAI's
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "invalid_prompt"  # OpenAI's
     assert "not one of the request's tools" in events[-1].response.error.message
     assert caught.value.status_code == 502
     assert len(upstream.records) == 4  # two attempts each

@@ -509,8 +509,19 @@ class MessageStream:
             + _event("message_stop", {"type": "message_stop"})
         )
 
-    def error(self, message: str, type: str) -> bytes:
-        return stream_error(message, type)
+    def error(self, message: str, type: str, final: bool = False) -> bytes:
+        """``event: error``. ``final``: no retry can help (an operator's cancel,
+        tool calls still invalid): a block is complete before it (the open one,
+        closed; else an empty text block), since Claude Code sends a turn whose
+        stream failed before any block completed again, whole and unstreamed,
+        whatever the error says; after one it gives up with the error."""
+        if not final:
+            return stream_error(message, type)
+        if self._index < 0:
+            closing = self._begin("text", {"type": "text", "text": ""}) + self._close()
+        else:
+            closing = self._close()
+        return closing + stream_error(message, type)
 
 
 # -- errors --------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class MessagesBuffered:
         return self.enc.start(self.turn.estimate)
 
     def error(self, message: str, type: str) -> bytes:
-        return stream_error(message, type)
+        return self.enc.error(message, type, output.futile(self.turn, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
         return collected_events(self.enc, result, _stop_sequence(self.turn, result.finish_reason, result.stop))
@@ -192,7 +192,7 @@ class MessagesLive(output.LiveEncoder):
         return self.enc.start(self.turn.estimate)
 
     def error(self, message: str, type: str) -> bytes:
-        return stream_error(message, type)
+        return self.enc.error(message, type, output.futile(self.turn, type))
 
     def complete(self, event: RunEvent) -> bytes:
         usage = self.turn.usage_of(self.run, event)
@@ -201,7 +201,7 @@ class MessagesLive(output.LiveEncoder):
         enc = self.enc
         parts: list[bytes] = []
         finish_reason = event.finish_reason or "stop"
-        calls = self.turn.calls_to_send(with_ids(event.tool_calls) if event.tool_calls else None)
+        calls = self.turn.calls_to_send(with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None)
         fallback = shaper.fallback(finish_reason, bool(calls))
         if fallback:
             parts.append(enc.text(fallback))

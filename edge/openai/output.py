@@ -21,14 +21,14 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from edge.errors import APIError, RunFailed, operator_cancelled
+from edge.errors import NO_RETRY, APIError, RunFailed, operator_cancelled
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
 from edge.openai.tools import INLINE_PATTERN_S, ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
-from edge.openai.turn import Collected, Turn, collect_validated, end_reason, failure
+from edge.openai.turn import TOOL_VALIDATION_ERROR, Collected, Turn, collect_validated, end_reason, failure
 from edge.runs import Run, Slot
 from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
 from proto import RunEvent, ToolCall
@@ -67,10 +67,14 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     credentials, not the client's) is a 502; an upstream 5xx or a node's
     error is 502, a lost node 502, a wait timeout or run deadline 504, the
     edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``;
-    an operator's cancel is :func:`operator_cancelled`."""
+    an operator's cancel is :func:`operator_cancelled`; tool calls still
+    invalid after the edge's own attempts a 502 with ``x-should-retry: false``
+    (a client's retry would only repeat them)."""
     cause = run.cause if run is not None else None
     if cause == CANCELLED:
         return operator_cancelled(failed.message)
+    if failed.type == TOOL_VALIDATION_ERROR:
+        return APIError(502, failed.message, failed.type, headers=[NO_RETRY])
     if failed.type != "run_error":
         return APIError(502, failed.message, failed.type)
     if failed.status == 429:
@@ -102,6 +106,15 @@ _STREAM_CODES = {
     SHUTDOWN: "draining",
     CANCELLED: "cancelled_by_operator",
 }
+
+
+def futile(turn: Turn, type: str) -> bool:
+    """A failure after the stream started that a client must not retry: an
+    operator's cancel (the retry would start the cancelled work again), or tool
+    calls still invalid after the edge's own attempts (it would repeat them).
+    Each API's in-stream error says so in the words its agents obey."""
+    run = turn.last_run
+    return type == TOOL_VALIDATION_ERROR or (run is not None and run.cause == CANCELLED)
 
 
 def stream_code(run: Run | None) -> str | None:
@@ -380,7 +393,7 @@ class LiveStream(LiveEncoder):
         enc = self.enc
         finish_reason = event.finish_reason or "stop"
         cut_off = finish_reason == "length"  # by max_tokens: what was produced goes out as it is
-        calls = with_ids(event.tool_calls) if event.tool_calls else None
+        calls = with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None
         if calls:
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())

@@ -693,14 +693,18 @@ class ResponseEncoder:
         does not count SSE comments): ``response.in_progress`` again."""
         return self._event("response.in_progress", response=self.response("in_progress"))
 
-    def failed(self, message: str, type: str) -> bytes:
+    def failed(self, message: str, type: str, final: bool = False) -> bytes:
         """The closing event of a response that failed after it started. Its
         ``error.code`` is one of OpenAI's (``server_error``,
         ``rate_limit_exceeded``), which clients such as Codex act on, not the
-        edge's own error type."""
+        edge's own error type. ``final``: no retry can help (an operator's
+        cancel, tool calls still invalid): ``invalid_prompt``, the one code
+        OpenAI documents that Codex neither retries nor replaces with words of
+        its own (it shows the message and stops; on ``server_error`` it
+        reconnects, up to 5 times, starting the run again)."""
         self._open = None  # an unfinished item is left out of the output
         self._open_text = []
-        code = _FAILED_CODES.get(type, "server_error")
+        code = "invalid_prompt" if final else _FAILED_CODES.get(type, "server_error")
         response = self.response("failed", error={"code": code, "message": message})
         return self._event("response.failed", response=response)
 

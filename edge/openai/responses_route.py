@@ -70,7 +70,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
         if not turn.stream:
             await _respond_whole(turn, slot, enc)
         elif turn.contract is not None or turn.buffered:
-            await output.stream_buffered(turn, slot, ResponsesBuffered(enc))
+            await output.stream_buffered(turn, slot, ResponsesBuffered(turn, enc))
         else:
             await output.stream_live(turn, slot, lambda t, run: ResponsesLive(t, run, enc))
     except Exception:
@@ -97,7 +97,8 @@ class ResponsesBuffered:
     :func:`output.stream_buffered`): ``response.created`` at the commit,
     ``response.in_progress`` as the keep-alive meanwhile, then every item."""
 
-    def __init__(self, enc: ResponseEncoder) -> None:
+    def __init__(self, turn: Turn, enc: ResponseEncoder) -> None:
+        self.turn = turn
         self.enc = enc
 
     @property
@@ -108,7 +109,7 @@ class ResponsesBuffered:
         return self.enc.opening()
 
     def error(self, message: str, type: str) -> bytes:
-        return self.enc.failed(message, type)
+        return self.enc.failed(message, type, output.futile(self.turn, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
         _, events = self.enc.whole(
@@ -134,7 +135,7 @@ class ResponsesLive(output.LiveEncoder):
         return self.enc.opening()
 
     def error(self, message: str, type: str) -> bytes:
-        return self.enc.failed(message, type)
+        return self.enc.failed(message, type, output.futile(self.turn, type))
 
     def complete(self, event: RunEvent) -> bytes:
         usage = self.turn.usage_of(self.run, event)
@@ -148,5 +149,5 @@ class ResponsesLive(output.LiveEncoder):
             tail.append(self.enc.text(""))  # an empty answer is one empty message, as a whole response has
         if calls:
             status = "incomplete" if finish_reason == "length" else "completed"
-            tail.append(self.enc.function_calls(with_ids(calls), status))
+            tail.append(self.enc.function_calls(with_ids(calls, self.turn.history_ids), status))
         return b"".join([*tail, self.enc.completed(usage, finish_reason)])

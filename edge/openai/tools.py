@@ -35,7 +35,7 @@ import referencing.jsonschema
 import regex
 import trio
 
-from edge.openai.schema import ChatRequest
+from edge.openai.schema import ChatRequest, Message
 from proto import ToolCall, ToolCallFunction
 
 T = TypeVar("T")
@@ -65,13 +65,41 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def with_ids(calls: list[ToolCall]) -> list[ToolCall]:
-    """Native calls as a client gets them: an id where the upstream gave none,
-    and ``{}`` where it gave no arguments (a call of a function without
-    parameters: ``""`` is no JSON object, and an SDK's ``json.loads`` fails)."""
+def _id_key(call_id: str) -> str:
+    """A call id as ids are compared: without the ``toolu_`` the Messages API adds
+    (:func:`edge.anthropic.codec.tool_use_id`), so ``call_0`` and ``toolu_call_0`` are one."""
+    return call_id.removeprefix("toolu_")
+
+
+def history_call_ids(messages: list[Message]) -> frozenset[str]:
+    """The tool-call ids a request's history holds (its assistant calls and tool results)."""
+    ids: set[str] = set()
+    for m in messages:
+        if m.tool_call_id:
+            ids.add(_id_key(m.tool_call_id))
+        for call in m.tool_calls or ():
+            call_id = call.get("id")
+            if isinstance(call_id, str) and call_id:
+                ids.add(_id_key(call_id))
+    return frozenset(ids)
+
+
+def with_ids(calls: list[ToolCall], taken: frozenset[str] = frozenset()) -> list[ToolCall]:
+    """Native calls as a client gets them: ``{}`` where the upstream gave no
+    arguments (a call of a function without parameters: ``""`` is no JSON
+    object, and an SDK's ``json.loads`` fails), and ids unique in the response
+    and unlike every id of the request's history (``taken``, from
+    :func:`history_call_ids`). The upstream's id is kept when it is (some chat
+    templates want their own format); else a fresh one. Model servers repeat
+    ids (``call_0`` every turn; Kimi K2's ``functions.Read:0``) and give
+    parallel calls one id: a client keys results by id, and Claude Code turns
+    a repeated id's call into "[Tool use interrupted]"."""
+    seen: set[str] = set()
     for call in calls:
-        if not call.id:
-            call.id = new_call_id()
+        key = _id_key(call.id)
+        if not key or key in seen or key in taken:
+            call.id = key = new_call_id()
+        seen.add(key)
         if not call.function.arguments.strip():
             call.function.arguments = "{}"
     return calls

@@ -9,6 +9,7 @@ by ``max_tokens``: it is returned as it is, with ``finish_reason: "length"``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,6 +32,7 @@ from edge.openai.tools import (
     ToolContract,
     before_tool_markup,
     corrective_message,
+    history_call_ids,
     parse_text_tool_calls,
     text_tools_request,
     with_ids,
@@ -108,6 +110,11 @@ class Turn:
                 access.ttft_ms = round((run.first_event_at - run.started_at) * 1000, 1)
             if self.usage is None:
                 access.partial = (self.estimate, run.deltas_seen)
+
+    @functools.cached_property
+    def history_ids(self) -> frozenset[str]:
+        """The tool-call ids of the request's history: no call the edge sends reuses one."""
+        return history_call_ids(self.req.messages)
 
     @property
     def buffered(self) -> bool:
@@ -291,7 +298,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     finish_reason = event.finish_reason or "stop"
     cut_off = finish_reason == "length"  # what was produced is returned as it is: no retry can help
     content = shaper.content_text
-    tool_calls = with_ids(event.tool_calls) if event.tool_calls else None
+    tool_calls = with_ids(event.tool_calls, turn.history_ids) if event.tool_calls else None
     tool_error = ""
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
