@@ -188,9 +188,16 @@ class Edge:
             try:
                 ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
             except APIError as refusal:
-                if self.shared is None or not await self.shared.cover(key, refusal, prompt_estimate, max_tokens):
+                if self.shared is None:
                     raise
-                ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+                if not await self.shared.cover(key, refusal, prompt_estimate, max_tokens):
+                    if getattr(refusal, "limit", None) != "reserved":
+                        raise
+                    # Redis did not answer: the budget is judged here, as when it is down (a stall
+                    # refused requests "over budget" until midnight, with 10 of 10M tokens used).
+                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens, held_budget=False)
+                else:
+                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
         except APIError as e:
             limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
             limit = _LIMIT_LABELS.get(limit, limit)  # (what edge.shared_state could not borrow or read again)

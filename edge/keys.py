@@ -299,9 +299,13 @@ class Keys:
 
     # -- admission -------------------------------------------------------------
 
-    def admit(self, key: Key, model: str, prompt_estimate: int, max_tokens: int | None) -> Lease:
+    def admit(
+        self, key: Key, model: str, prompt_estimate: int, max_tokens: int | None, held_budget: bool = True
+    ) -> Lease:
         """Admit a request of ``key`` for ``model``, or raise the APIError
-        (404, 429) that refuses it. The caller settles the lease at the end."""
+        (404, 429) that refuses it. The caller settles the lease at the end.
+        ``held_budget`` False: with shared state, a budget this edge could not
+        ask Redis for (it did not answer) is judged by what this edge knows."""
         if not key.may_use(model):
             raise model_not_found(model)
         policy = key.policy
@@ -315,7 +319,8 @@ class Keys:
             if spent >= policy.daily_tokens:
                 raise self._over_budget(key, "budget")
             budget = self.day_need(prompt_estimate, max_tokens)
-            if shared and key.day_pending + key.budget_promised + key.unreported() + budget > key.budget_held:
+            holding = key.day_pending + key.budget_promised + key.unreported() + budget
+            if shared and held_budget and holding > key.budget_held:
                 # Held in Redis first (borrowed, edge.shared_state): a script grants it while the
                 # day's total and every edge's holdings are below the budget, so a burst spread
                 # over edges crosses it by one request, not by one per edge and lease round.

@@ -224,6 +224,26 @@ async def test_while_redis_is_down_an_edge_has_a_keys_whole_concurrency(nursery,
         await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "leasing again")
 
 
+async def test_a_budget_key_with_max_concurrent_is_never_refused_a_slot_it_has(nursery, redis_server, tmp_path):  # noqa: F811
+    """max_concurrent 1,000 and a daily budget, four clients one request at a time each: never
+    more than 4 in flight, so never refused. (Each request borrows its budget from Redis, and
+    that round trip gave back the free slot it was counting on: 67 of 800 were refused.)"""
+    keys = [KeyConfig(id="both", key="sk-both", max_concurrent=1000, daily_tokens=1_000_000_000)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    statuses: list[int] = []
+
+    async def one_at_a_time() -> None:
+        async with client(edge, "sk-both") as c:
+            for _ in range(60):
+                statuses.append((await chat(c, max_tokens=5)).status_code)
+
+    with trio.fail_after(BOUND * 2):
+        async with trio.open_nursery() as n:
+            for _ in range(4):
+                n.start_soon(one_at_a_time)
+    assert statuses.count(200) == 240, [s for s in statuses if s != 200][:5]
+
+
 async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nursery, redis_server, tmp_path):  # noqa: F811
     """daily_tokens 5,000 and 100 requests of max_tokens 100 at once, half on each edge: each
     request holds its reservation in Redis before it runs, so the two edges together admit
@@ -508,6 +528,26 @@ async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, r
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
     assert sum(r.status_code == 200 for r in stalled) <= 3, [r.status_code for r in stalled]
+
+
+async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path):  # noqa: F811
+    """A budget key barely used, Redis stopped (not yet seen down): a request whose budget the
+    edge cannot ask Redis for is judged by what the edge knows, as when Redis is down (each was
+    refused "has used its daily budget", Retry-After until midnight)."""
+    import os
+    import signal
+
+    keys = [KeyConfig(id="big", key="sk-big", daily_tokens=10_000_000)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    with trio.fail_after(BOUND * 2):
+        async with client(edge, "sk-big") as c:
+            assert (await chat(c)).status_code == 200
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            try:
+                stalled = [await chat(c) for _ in range(3)]
+            finally:
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert [r.status_code for r in stalled] == [200] * 3, [r.text for r in stalled]
 
 
 async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_server, tmp_path):  # noqa: F811
