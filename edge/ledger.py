@@ -199,6 +199,10 @@ class Ledger:
         one: 20 clients without a key wrote 264 rows a second (its access line says it)."""
         if rec[2] is None and not self.open():
             return
+        if any(isinstance(v, str) and "\x00" in v for v in rec):
+            # PostgreSQL's text holds no NUL: one record with a client's model name "a\x00b" failed
+            # every batch after it, for good (the ledger "unavailable", records piling up).
+            rec = tuple(v.replace("\x00", "\ufffd") if isinstance(v, str) else v for v in rec)  # type: ignore[assignment]
         if len(self._pending) == MAX_PENDING:
             self.dropped += 1
         self._pending.append(rec)

@@ -313,3 +313,22 @@ async def test_count_tokens_counts_against_an_rpm_shared_through_redis(nursery, 
             async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers={"x-api-key": "sk-ct"}) as c:
                 codes.append((await c.post("/v1/messages/count_tokens", json=body)).status_code)
     assert sorted(codes) == [200, 200, 429, 429, 429, 429], codes
+
+
+async def test_a_nul_in_a_model_name_does_not_stop_a_postgresql_ledger(nursery, postgres_url):  # noqa: F811
+    """A key holder asking for model "a\\u0000b" (a 404): PostgreSQL's text holds no NUL, and that
+    record failed every batch after it, for good (the ledger "unavailable", its admin routes 503,
+    records piling up). It is stored with the NUL replaced, and the records after it too."""
+    keys = [KeyConfig(id="nul", key="sk-nul")]
+    edge = await start_edge(nursery, edge_config(keys=keys, admin_keys=[ADMIN], ledger=postgres_url))
+    await start_node(nursery, edge, [sim("qwen-a")])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-nul") as c:
+            bad = await c.post("/v1/chat/completions", json={"model": "a\u0000b", "messages": MESSAGES})
+            assert bad.status_code == 404
+            assert (await chat(c)).status_code == 200
+        assert await edge.edge.ledger.flush()
+        async with http(edge, headers=ADMIN_H) as adm:
+            usage = await adm.get("/v1/admin/usage", params={"group_by": "model"})
+    assert usage.status_code == 200, usage.text
+    assert {row["model"]: row["requests"] for row in usage.json()["data"]} == {"a\ufffdb": 1, "qwen-a": 1}
