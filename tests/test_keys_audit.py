@@ -53,6 +53,27 @@ async def test_a_tunnelled_max_tokens_that_is_no_integer_is_the_400_chat_answers
                 assert r.status_code == 200 and r.content == WHOLE, value
 
 
+async def test_a_tunnelled_request_is_admitted_on_the_larger_of_its_limits_for_each_choice(nursery, tmp_path, upstream):
+    """/v1/completions reads `max_tokens` (vLLM knows no other there): `max_tokens` 2,000 beside
+    `max_completion_tokens` 1 was admitted on 1 (50 at once ran 20 times a budget). A request is
+    admitted on the larger, for each of `n` choices: either one in flight holds a 100-token
+    budget, and the next request is refused."""
+    keys = [KeyConfig(id="pt", key="sk-pt", daily_tokens=100)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("p", upstream, passthrough=True)])
+    upstream.script_for("p-target", lambda body: [("sleep", 1.0), ("chunk", {"content": "x"}, "stop")])
+    small = {"model": "p", "prompt": "hi", "max_tokens": 1}
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-pt") as c:
+            for seen, held in enumerate(({"max_tokens": 2000, "max_completion_tokens": 1}, {"max_tokens": 40, "n": 3})):
+                async with trio.open_nursery() as n:
+                    n.start_soon(lambda held=held: c.post("/v1/completions", json={**small, **held}))
+                    await upstream.wait_requests(seen + 1)
+                    r = await c.post("/v1/completions", json=small)
+                    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", (held, r.text)
+    assert len(upstream.records) == 2
+
+
 # -- 2. a key id's day is one budget ------------------------------------------------------------
 
 

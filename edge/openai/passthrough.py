@@ -39,6 +39,7 @@ import structlog
 
 from edge import errors
 from edge.errors import APIError
+from edge.keys import DEFAULT_OUTPUT_RESERVE
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
 from edge.openai.schema import UsageOut
@@ -95,8 +96,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     )
     want = Want(model, session=session_key(session), tunnel=True)
     prompt = _prompt_estimate(raw)
-    limit = raw.get("max_completion_tokens") or raw.get("max_tokens")
-    max_tokens = 1 if path == "/embeddings" else (limit if isinstance(limit, int) and limit > 0 else None)
+    max_tokens = 1 if path == "/embeddings" else _output_reserve(raw)
     await edge.admit(ex, model, prompt, max_tokens)
     slot = await edge.runs.acquire(want, ex)
     raw["model"] = slot.info.target
@@ -233,6 +233,20 @@ def _prompt_estimate(raw: dict[str, Any]) -> int:
             if isinstance(text, str):
                 chars += len(text)
     return chars // 4 + tokens
+
+
+def _output_reserve(raw: dict[str, Any]) -> int | None:
+    """The output a tunnelled request may make, as its key is admitted on it: the larger of
+    ``max_tokens`` and ``max_completion_tokens`` (a provider reads the one it knows: vLLM's
+    /v1/completions only ``max_tokens``, and ``max_completion_tokens: 1`` beside it had a
+    burst run 20 times a budget), for each of ``n`` or ``best_of`` choices; None (the
+    default reservation) when it sets no limit and asks one choice."""
+    limits = [raw.get(name) for name in ("max_tokens", "max_completion_tokens")]
+    per_choice = max((v for v in limits if type(v) is int and v > 0), default=None)
+    copies = max((v for v in (raw.get("n"), raw.get("best_of")) if type(v) is int and v > 1), default=1)
+    if per_choice is None:
+        return DEFAULT_OUTPUT_RESERVE * copies if copies > 1 else None
+    return per_choice * copies
 
 
 def _check_bounds(raw: dict[str, Any], max_output_tokens: int) -> None:
