@@ -403,6 +403,28 @@ async def test_a_body_of_millions_of_empty_objects_is_refused_before_it_is_decod
     assert served.status_code == 200, served.text
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/completions"])
+async def test_a_body_of_millions_of_small_values_is_refused_before_it_is_decoded(sim_edge, path):
+    """8 MB of `"a",` in a field nobody reads: 150 MB decoded a request, held for the whole run, and
+    the loop held 0.13-0.25 s each; 30 at once took the edge to 4.8 GB and stalled it 5-22 s (a
+    node's link timed out). Past 500,000 values (commas and containers outside strings) a body is a
+    400 before it is decoded; commas inside strings (a prompt of prose or CSV) do not count."""
+    bomb = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": [' + b'"a",' * 2_000_000 + b'"a"]}'
+    prose = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "a, b, " * 400_000}]}
+    numbers = b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "x": ['
+    numbers += b"1," * 400_000 + b"1]}"  # (400,001 values: served)
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r = await client.post(path, content=bomb, headers={"content-type": "application/json"})
+            served = await client.post("/v1/chat/completions", json=prose)
+            near = await client.post(
+                "/v1/chat/completions", content=numbers, headers={"content-type": "application/json"}
+            )
+    assert r.status_code == 400 and "more than 500000 JSON values" in r.text, r.text
+    assert served.status_code == 200, served.text
+    assert near.status_code == 200, near.text
+
+
 async def test_json_at_the_depth_limit_is_served(sim_edge):
     """A body exactly 64 levels deep (in metadata, in a tool's schema) is served, not refused or a 500."""
     schema: dict = {"type": "string", "enum": ["a"]}

@@ -16,6 +16,11 @@ checked here with byte operations that run in C (``bytes.translate``,
   event loop 0.6-1.2 s. A body with more than :data:`MAX_JSON_CONTAINERS`
   (counted outside strings, with the same byte operations, before decoding)
   is refused.
+- Values. A string or number is a few bytes of text and 50-80 decoded: 30
+  bodies of 8 MB, each an array of two million ``"a"``, took the edge to
+  4.8 GB and held its loop 5-22 s (a node's link timed out). A body of more
+  than :data:`MAX_JSON_VALUES` values (its commas and containers, counted
+  outside strings as above) is refused.
 - Floats with a large exponent. msgspec's exact fallback for literals like
   ``1e299`` takes ~10-15 µs each: 8 MB of them held the event loop for ~15 s.
   A body holding a positive exponent of two or more digits is decoded with
@@ -36,6 +41,8 @@ import msgspec
 MAX_JSON_DEPTH = 64
 # Far past a real request: 2,048 messages of 10,000 parts, tool schemas of 20,000 nodes in all.
 MAX_JSON_CONTAINERS = 250_000
+# Values of any kind: 25-40 MB decoded at most (a prompt of 500,000 token ids is one too many).
+MAX_JSON_VALUES = 500_000
 
 # -- nesting ---------------------------------------------------------------------
 
@@ -45,14 +52,15 @@ _STRING = re.compile(rb'"[^"]*"')
 _STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
 
 
-def _brackets(body: bytes) -> bytes:
-    """The brackets of the JSON text ``body`` (valid JSON) outside its strings, in order."""
+def _brackets(body: bytes, dropped: bytes = _NOT_STRUCTURAL) -> bytes:
+    """The brackets of the JSON text ``body`` (valid JSON) outside its strings, in order
+    (with its commas too, when ``dropped`` keeps them)."""
     s = body
     if b"\\" in s:
         # Drop escaped backslashes, then escaped quotes: what is left of a
         # string is its quotes and any brackets inside it.
         s = s.replace(b"\\\\", b"").replace(b'\\"', b"")
-    s = s.translate(None, _NOT_STRUCTURAL)
+    s = s.translate(None, dropped)
     # Quotes now alternate open/close: dropping two adjacent ones keeps every
     # bracket on its side of a string; the regex removes the strings left.
     return _STRING.sub(b"", s.replace(b'""', b""))
@@ -67,6 +75,19 @@ def nested_deeper_than(body: bytes, limit: int) -> bool:
     if len(s) <= limit:
         return False
     return max(accumulate(array("b", s.translate(_STEP))), default=0) > limit
+
+
+_VALUE_MARKS = b'"[]{},'
+_NOT_VALUE_MARKS = bytes(b for b in range(256) if b not in _VALUE_MARKS)
+
+
+def more_values_than(body: bytes, limit: int) -> bool:
+    """Whether the JSON text ``body`` holds more than about ``limit`` values: its
+    commas and containers outside strings, one more than the values at most."""
+    if body.count(b",") + body.count(b"[") + body.count(b"{") < limit:
+        return False
+    s = _brackets(body, _NOT_VALUE_MARKS)
+    return s.count(b",") + s.count(b"[") + s.count(b"{") >= limit
 
 
 def more_containers_than(body: bytes, limit: int) -> bool:

@@ -11,8 +11,10 @@ from edge import errors
 from edge.openai.jsonbody import (
     MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
     decode_json,
     more_containers_than,
+    more_values_than,
     nested_deeper_than,
 )
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
@@ -44,6 +46,9 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise errors.bad_request(
             f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays.", code="json_too_large"
         )
+    if more_values_than(body, MAX_JSON_VALUES):
+        message = f"The request body holds more than {MAX_JSON_VALUES} JSON values."
+        raise errors.bad_request(message, code="json_too_large")
     try:
         raw = decode_json(body)
     except RecursionError:
