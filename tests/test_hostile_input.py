@@ -425,6 +425,44 @@ async def test_a_body_of_millions_of_small_values_is_refused_before_it_is_decode
     assert near.status_code == 200, near.text
 
 
+async def test_a_lone_surrogate_escape_is_named(sim_edge):
+    """`"\\ud800"` with no other half: a 400 that says so (msgspec's words were "Input data was
+    truncated", of a body that was whole); a pair is text as any other."""
+    lone = b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    pair = b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud83d\\ude00b"}]}'
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            headers = {"content-type": "application/json"}
+            refused = await client.post("/v1/chat/completions", content=lone, headers=headers)
+            served = await client.post("/v1/chat/completions", content=pair, headers=headers)
+    assert "surrogate" in assert_openai_error(refused, 400)["message"]
+    assert served.status_code == 200, served.text
+
+
+async def test_a_tool_validation_error_quotes_at_most_a_little_of_the_arguments(nursery, upstream):
+    """The 502 after the retries said jsonschema's message, which quotes the value: a model's
+    100,000-character argument came back whole (8 MiB from a hostile node)."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}},
+        },
+    }
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    call["function"]["arguments"] = json.dumps({"a": "x" * 100_000})
+    upstream.script_for("t", [("chunk", {"tool_calls": [call]}), ("chunk", {}, "tool_calls"), ("done",)])
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": [tool]})
+    err = assert_openai_error(r, 502, code=None)
+    assert err["type"] == "tool_validation_error" and "is too long" in err["message"]
+    assert len(err["message"]) < 1000, len(err["message"])
+    await settled(edge, node.agent)
+
+
 async def test_json_at_the_depth_limit_is_served(sim_edge):
     """A body exactly 64 levels deep (in metadata, in a tool's schema) is served, not refused or a 500."""
     schema: dict = {"type": "string", "enum": ["a"]}

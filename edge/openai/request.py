@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,12 @@ def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
     return f"Invalid request: {text}", None
 
 
+# A \u escape of a high surrogate not followed by one of a low one, or a low one alone.
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<![0-9a-fA-F]{4})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
 def _too_deep() -> errors.APIError:
     return errors.bad_request(
         f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.", code="json_too_deep"
@@ -54,7 +61,10 @@ def decode_body(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise _too_deep() from None
     except msgspec.DecodeError as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}.") from None
+        why = str(e)
+        if _LONE_SURROGATE.search(body):  # (msgspec calls it "Input data was truncated")
+            why = "a \\u escape of half a UTF-16 surrogate pair (\\ud800-\\udfff) with no other half"
+        raise errors.bad_request(f"The request body is not valid JSON: {why}.") from None
     if not isinstance(raw, dict):
         raise errors.bad_request("The request body must be a JSON object.")
     if nested_deeper_than(body, MAX_JSON_DEPTH):

@@ -483,9 +483,16 @@ class ToolContract:
                         raise _NeedsTime from None
                     return f"the arguments of `{name}` could not be checked: its schema's patterns take too long"
                 if error is not None:
-                    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-                    return f"the arguments of `{name}` do not match its schema at {where}: {error.message}"
+                    where = _cut("/".join(str(p) for p in error.absolute_path) or "(root)", 200)
+                    # (jsonschema's message quotes the value: a model's 8 MiB of arguments went to the client)
+                    return f"the arguments of `{name}` do not match its schema at {where}: {_cut(error.message, 500)}"
         return ""
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` at most about ``limit`` characters: its start and its end (where jsonschema
+    says what is wrong after quoting the value)."""
+    return text if len(text) <= limit else f"{text[: limit // 2]}…{text[-(limit // 2) :]}"
 
 
 def corrective_message(reason: str, calls: list[ToolCall] | None, content: str) -> dict[str, Any]:

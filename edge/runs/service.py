@@ -264,6 +264,8 @@ class RunService:
             if not self._fail_over(run, link):
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
         for model in link.models:
+            if not (self._queues.get(model) or self._moved.get(model)):
+                continue  # (nobody waits for it: no scan of every link, for each of its models)
             serving = self._serving(model)
             for queue in (self._queues.get(model), self._moved.get(model)):
                 for waiter in list(queue or ()):
