@@ -140,6 +140,7 @@ class Key:
         "flight_promised",
         "budget_held",
         "budget_promised",
+        "admitted_at",
         "day_reported",
     )
 
@@ -168,6 +169,7 @@ class Key:
         # about to take it; and of day_used what this edge has added to the day's counter
         self.budget_held = 0
         self.budget_promised = 0
+        self.admitted_at = -math.inf  # (monotonic) its last request admitted here
         self.day_reported = 0
         self.restored = 0  # of day_used: loaded from the ledger at start
         self.set_policy(policy)
@@ -348,6 +350,7 @@ class Keys:
                 raise self._limited(key, f"{policy.tpm} tokens per minute", wait, "tpm")
         key.in_flight += 1
         key.day_pending += budget
+        key.admitted_at = now
         return Lease(key, reserved if policy.tpm else 0, budget)
 
     def take_request(self, key: Key, now: float | None = None) -> None:

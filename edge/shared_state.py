@@ -32,7 +32,12 @@ from them, so a request the local balance covers never waits on Redis:
   reservation in the borrow round trip below, and the flights script grants
   the asks, in order, while the day's total and every edge's holdings are
   below the budget (the request that crosses it finishes). A request's
-  reservation goes back as it ends. (Before, each edge admitted on the
+  reservation goes back as it ends. An edge that admitted a request of the
+  key in the last :data:`SLICE_FOR_S` also holds a slice (1% of the budget)
+  while two are left, and admits on it without a round trip (+0.2 ms p50
+  against a key without limits, +1.3 ms with a round trip each); near the
+  budget's end the slices other busy edges hold can refuse a request a
+  little early, never let one cross it. (Before, each edge admitted on the
   others' reservations as last read, up to a second old for a quiet key: a
   burst of 200 spread over two edges within 14-72 ms ran 588,392 tokens on a
   100,000 budget, each edge admitting as if alone.)
@@ -76,6 +81,7 @@ EDGE_TTL_S = 10  # an edge's published in-flight counts expire after this silenc
 BORROW_S = 0.5  # a request its edge's balance cannot cover waits this long at most for Redis
 SLOT_RETRY_S = 0.01  # a request finding no free slot in Redis asks again this often, within BORROW_S
 REFRESH_S = 1.0  # a key nothing changed for on this edge is written and read again this often
+SLICE_FOR_S = 2.0  # an edge holds a slice of a key's budget this long after it admitted a request of it
 DAY_TTL_S = 2 * 86400
 
 # KEYS[1]: the bucket; ARGV: capacity, refill per second, amount (> 0: take up to it; < 0: give back).
@@ -107,10 +113,11 @@ return {got, tostring(level)}
 # ARGV: this edge's id, the slots it wants to hold (more than it holds: only as many as the others leave
 # of the limit), the limit (0: none), the budget it holds on (its requests' reservations and its use not
 # yet in the day's counter), the seconds after which a silent edge's entry is dropped, the daily budget
-# (0: none), then the amounts requests waiting on this edge ask of the budget: each is granted, in order,
-# while the day's total and every edge's holdings are below the budget (the one that crosses it too).
-# Returns the slots it holds now, the others' slots, the others' budget held, the budget it holds now,
-# how many of the asks were granted, and the day's total.
+# (0: none), a slice of the budget (0: none), then the amounts requests waiting on this edge ask of the
+# budget: each is granted, in order, while the day's total and every edge's holdings are below the budget
+# (the one that crosses it too). Then the edge holds the slice more, to admit on without a round trip,
+# while two are left. Returns the slots it holds now, the others' slots, the others' budget held, the
+# budget it holds now, how many of the asks were granted, and the day's total.
 _FLIGHT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -137,13 +144,17 @@ local hold = tonumber(ARGV[4])
 local budget = tonumber(ARGV[6])
 local day = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local granted = 0
-for i = 7, #ARGV do
+for i = 8, #ARGV do
   if budget > 0 and day + reserved + hold < budget then
     hold = hold + tonumber(ARGV[i])
     granted = granted + 1
   else
     break
   end
+end
+local slice = tonumber(ARGV[7])
+if budget > 0 and slice > 0 and day + reserved + hold + 2 * slice <= budget then
+  hold = hold + slice
 end
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %d %.6f', want, hold, now))
 redis.call('EXPIRE', KEYS[1], ttl)
@@ -171,8 +182,9 @@ EPOCH_KEY = "iop:epoch"
 
 # (key, limit, amount, per-minute limit): to take (amount > 0) from a bucket, or give back to it
 BucketOp = tuple["Key", str, int, int]
-# (slots, max_concurrent, budget held, daily_tokens, day): a key's flights as this edge writes them
-FlightArgs = tuple[int, int, int, int, int]
+# (slots, max_concurrent, budget held, daily_tokens, day, a slice of the budget to hold besides): a
+# key's flights as this edge writes them
+FlightArgs = tuple[int, int, int, int, int, int]
 
 
 def _budget_room(key: Key) -> int:
@@ -323,10 +335,10 @@ class SharedState:
 
     def _flight(self, pipe, key_id: str, args: FlightArgs, asks: list[int] | tuple[()] = ()) -> None:
         """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
-        slots, limit, hold, budget, day = args
+        slots, limit, hold, budget, day, slice_ = args
         self.flight(
             keys=[f"iop:flight:{key_id}", f"iop:day:{key_id}:{day}"],
-            args=[self.edge_id, slots, limit, hold, EDGE_TTL_S, budget, *asks],
+            args=[self.edge_id, slots, limit, hold, EDGE_TTL_S, budget, slice_, *asks],
             client=pipe,
         )
 
@@ -342,14 +354,15 @@ class SharedState:
         key.budget_held = hold if policy.daily_tokens else 0
         return granted
 
-    @staticmethod
-    def _flight_args(key: Key) -> FlightArgs:
+    def _flight_args(self, key: Key) -> FlightArgs:
         """What ``key`` holds on in Redis: the slots its requests use or were
         promised, and of the budget its requests' reservations, what was promised
         and its use not yet in the day's counter (the rest is given back, at once
-        here); its limits, and its day."""
+        here); its limits, its day, and while it admitted a request in the last
+        :data:`SLICE_FOR_S` a slice of the budget (1%) for the script to add, to
+        admit the next ones on without a round trip (an idle edge holds none)."""
         policy = key.policy
-        slots = hold = 0
+        slots = hold = slice_ = 0
         if policy.max_concurrent:
             slots = key.in_flight + key.flight_promised
             key.flight_held = min(key.flight_held, slots)
@@ -357,7 +370,9 @@ class SharedState:
             key._today()
             hold = key.day_pending + key.budget_promised + key.unreported()
             key.budget_held = min(key.budget_held, hold)
-        return slots, policy.max_concurrent, hold, policy.daily_tokens, key.day
+            if key.in_flight or time.monotonic() - key.admitted_at < SLICE_FOR_S:
+                slice_ = self._slice(policy.daily_tokens)
+        return slots, policy.max_concurrent, hold, policy.daily_tokens, key.day, slice_
 
     def _day_adds(self, key: Key) -> tuple[list, int]:
         """The day script's epoch and amounts for ``key`` (see _DAY), and the day_used they report."""

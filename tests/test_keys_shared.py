@@ -260,7 +260,9 @@ async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nur
     admitted = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code != 200]
     reservation = _prompt_estimate() + 100  # what each request holds of the budget while it runs
-    assert len(admitted) == math.ceil(5000 / reservation), (len(admitted), reservation)
+    # At most the one crossing it; a slice (1%) of slack each busy edge holds can leave one or two short.
+    most = math.ceil(5000 / reservation)
+    assert most - 2 <= len(admitted) <= most, (len(admitted), reservation)
     assert all(r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota" for r in refused)
     await eventually(lambda: not (a.edge.keys.by_id["burst"].day_pending or b.edge.keys.by_id["burst"].day_pending))
 
