@@ -55,6 +55,11 @@ CLOSE_AUTH = 4001
 CLOSE_VERSION = 4002
 CLOSE_PROTOCOL = 4003
 CLOSE_DUPLICATE = 4009
+CLOSE_TRY_AGAIN = 1013  # RFC 6455: try again later
+
+# Nodes linked to one edge at most: 400 links of one shared token, of 1,024 models each, held the
+# event loop up to 1.3 s and, leaving at once, timed out an honest node's link (outside audit).
+MAX_LINKS = 512
 
 MAX_BATCH_FRAMES = 64  # frames to a node taken at once by its writer (they go out in one write when they can)
 MAX_BATCH_BYTES = 256 * 1024  # ... and written once this many bytes are encoded
@@ -135,6 +140,10 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     if hello.node_id in service.links:
         log.warning("node link refused: already linked", node_id=hello.node_id)
         await websocket.close(CLOSE_DUPLICATE, "node id already linked")
+        return None
+    if len(service.links) >= MAX_LINKS:
+        log.warning("node link refused: the edge has its most nodes", node_id=hello.node_id, linked=len(service.links))
+        await websocket.close(CLOSE_TRY_AGAIN, f"this edge links {MAX_LINKS} nodes at most")
         return None
     for info in hello.models:
         if info.max_concurrency < 1:

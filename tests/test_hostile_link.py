@@ -148,3 +148,29 @@ def test_frame_limit_refuses_a_hypercorn_it_was_not_written_for(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.0")
     with pytest.raises(RuntimeError, match="hypercorn 0.19.0"):
         install()
+
+
+async def test_an_edge_links_max_links_nodes_at_most(nursery, monkeypatch):
+    """One node token opened links without end: 400 of them, of 1,024 models each, held the edge's
+    loop up to 1.3 s and, leaving at once, timed out an honest node's link. Past MAX_LINKS a hello
+    is refused with 1013 (try again later), and the nodes linked go on serving."""
+    from edge import link as edge_link
+    from tests.test_link import closed_by_edge, fake_node, hello
+
+    monkeypatch.setattr(edge_link, "MAX_LINKS", 2)
+    edge = await start_edge(nursery)
+    for i in range(2):
+        await start_node(nursery, edge, [model("m")], node_id=f"n{i}")
+
+    async def one_too_many(ws):
+        await ws.send_message(hello(node_id="third"))
+        return await closed_by_edge(ws)
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, one_too_many, node_id="third")
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            )
+    assert closed.reason.code == 1013 and "2 nodes at most" in closed.reason.reason
+    assert r.status_code == 200 and sorted(edge.edge.runs.links) == ["n0", "n1"]
