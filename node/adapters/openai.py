@@ -72,7 +72,6 @@ class _Chunk(msgspec.Struct):
 log = structlog.get_logger("iop.node")
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
-_decode_chunks = msgspec.json.Decoder(list[_Chunk]).decode
 # What decoding a model server's JSON may raise: msgspec raises RecursionError, not
 # DecodeError, for JSON nested past about 1,000 levels (a body of 1,000 "[" did it).
 _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
@@ -262,11 +261,10 @@ class _Relay:
             payloads = self.parser.feed(data)
         except EventTooLarge as e:
             return self._fail("event too large", f"upstream sent {e}")
-        decoded = _decoded(payloads)
-        for i, payload in enumerate(payloads):
-            chunk = decoded[i] if decoded is not None and i < len(decoded) else None
-            done = chunk is None and payload == b"[DONE]"
-            if chunk is None and not done:
+        for payload in payloads:
+            done = payload == b"[DONE]"
+            chunk = None
+            if not done:
                 try:
                     chunk = _decode_chunk(payload)
                 except _UNDECODABLE:
@@ -330,19 +328,6 @@ class _Relay:
         self.failure = failure
         self.message = message
         return False
-
-
-def _decoded(payloads: list[bytes]) -> list[_Chunk] | None:
-    """The chunks of a read's events but a last ``[DONE]``, decoded in one call (a busy
-    server's read holds many), or None: one each then, as they come."""
-    n = len(payloads) - (payloads[-1] == b"[DONE]" if payloads else 0)
-    if n < 2:
-        return None
-    try:
-        chunks = _decode_chunks(b"[" + b",".join(payloads[:n]) + b"]")
-    except _UNDECODABLE:
-        return None
-    return chunks if len(chunks) == n else None
 
 
 def _count(value: Any) -> int | None:

@@ -71,25 +71,14 @@ class SSEParser:
             parts.clear()
             self._size = 0
             data = data[start:]
-        end = data.rfind(b"\n\n") + 2  # after the last whole event (1: none)
-        rest = data[end:] if end > 1 else data
+        events = data.split(b"\n\n")
+        rest = events.pop()
         if rest:
             if len(rest) > self._max:
                 raise EventTooLarge(f"a server-sent event larger than {self._max} bytes")
             parts.append(rest)
             self._size = len(rest)
-        if end < 2:
-            return out
-        whole = data[:end] if rest else data
-        if whole.startswith(b"data: "):
-            # Events as model servers write them, each one line, "data: " and its payload: then
-            # these are the payloads, and two line ends each are all the line ends there are (an
-            # event of more lines, or of none, or another field, would add some). No loop here.
-            payloads = whole[6:-2].split(b"\n\ndata: ")
-            if whole.count(b"\n") == 2 * len(payloads):
-                out += payloads
-                return out
-        for block in whole[:-2].split(b"\n\n"):
+        for block in events:
             _parse(block, out)
         return out
 
