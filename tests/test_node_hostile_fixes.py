@@ -129,6 +129,21 @@ def test_events_read_the_same_at_every_split():
             assert got == expected, (i, j)
 
 
+def test_events_as_model_servers_write_them_read_the_same_at_every_split():
+    """One-line events ("data: " and the payload), as model servers write them: the same events
+    at every split, a payload's own leading space kept, and a read that mixes in an event of two
+    lines, a comment, an event with no data or another field."""
+    plain = b'data: {"a":1}\n\ndata:  spaced\n\ndata: {"b":2}\n\ndata: [DONE]\n\n'
+    mixed = plain + b"data: x\ndata: y\n\n: c\n\nevent: e\n\nid: 1\ndata: z\n\ndata: w\n\n"
+    expected = [b'{"a":1}', b" spaced", b'{"b":2}', b"[DONE]"]
+    for stream, want in ((plain, expected), (mixed, [*expected, b"x\ny", b"z", b"w"])):
+        for i in range(len(stream) + 1):
+            for j in range(i, len(stream) + 1):
+                parser = SSEParser()
+                got = parser.feed(stream[:i]) + parser.feed(stream[i:j]) + parser.feed(stream[j:])
+                assert got == want, (stream, i, j)
+
+
 def test_an_event_past_the_limit_is_refused_whichever_way_it_arrives():
     """The 8 MiB bound (here 64 bytes) holds for an event in one read or in many."""
     for pieces in ([b"data: " + b"x" * 100], [b"data: "] + [b"x"] * 100, [b"data: x\n", b"data: " + b"y" * 70]):
