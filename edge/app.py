@@ -190,14 +190,23 @@ class Edge:
             except APIError as refusal:
                 if self.shared is None:
                     raise
-                if not await self.shared.cover(key, refusal, prompt_estimate, max_tokens):
-                    if getattr(refusal, "limit", None) != "reserved":
-                        raise
-                    # Redis did not answer: the budget is judged here, as when it is down (a stall
+                covered = await self.shared.cover(key, refusal, prompt_estimate, max_tokens)
+                if covered is None and getattr(refusal, "limit", None) == "reserved":
+                    # Redis failed the budget's round trip: judged here, as when it is down (a stall
                     # refused requests "over budget" until midnight, with 10 of 10M tokens used).
                     ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens, held_budget=False)
-                else:
+                elif covered:
                     ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+                elif getattr(refusal, "limit", None) == "reserved":  # (no answer yet: not "spent until midnight")
+                    raise APIError(
+                        503,
+                        "The key's daily budget could not be checked in time; retry.",
+                        "service_unavailable_error",
+                        code="budget_unchecked",
+                        headers=[(b"retry-after", b"1")],
+                    ) from None
+                else:
+                    raise
         except APIError as e:
             limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
             limit = _LIMIT_LABELS.get(limit, limit)  # (what edge.shared_state could not borrow or read again)

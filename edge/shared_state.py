@@ -79,6 +79,11 @@ SYNC_S = 0.05
 SLICE = 0.01  # of a key's per-minute allowance, leased at a time
 EDGE_TTL_S = 10  # an edge's published in-flight counts expire after this silence
 BORROW_S = 0.5  # a request its edge's balance cannot cover waits this long at most for Redis
+REDIS_TIMEOUT_S = 1.0  # a Redis call failing after this long: Redis is down
+# ...and a request asking for its budget waits until Redis answered or failed (a stall is judged as
+# down, by the edge alone; giving up sooner refused it "over budget" until midnight, and judging
+# alone on a slow answer let a burst over two edges cross a budget by six requests).
+BUDGET_WAIT_S = BORROW_S + 2 * REDIS_TIMEOUT_S  # (the lease round under way may fail first)
 SLOT_RETRY_S = 0.01  # a request finding no free slot in Redis asks again this often, within BORROW_S
 REFRESH_S = 1.0  # a key nothing changed for on this edge is written and read again this often
 SLICE_FOR_S = 2.0  # an edge holds a slice of a key's budget this long after it admitted a request of it
@@ -195,7 +200,19 @@ def _budget_room(key: Key) -> int:
 class _Want:
     """What one request lacks, and what it got."""
 
-    __slots__ = ("key", "requests", "tokens", "slot", "budget", "got", "got_slot", "got_budget", "gone", "answered")
+    __slots__ = (
+        "key",
+        "requests",
+        "tokens",
+        "slot",
+        "budget",
+        "got",
+        "got_slot",
+        "got_budget",
+        "gone",
+        "answered",
+        "failed",
+    )
 
     def __init__(self, key: Key, requests: int, tokens: int, slot: bool, budget: int = 0) -> None:
         self.key = key
@@ -208,6 +225,7 @@ class _Want:
         self.got_budget = False  # its budget promised to it (Key.budget_promised), likewise
         self.gone = False  # it stopped waiting: what comes goes to the key's balances
         self.answered = False  # Redis answered the round trip it was in
+        self.failed = False  # ...or failed it (the edge then judges its budget alone)
 
 
 class _Borrowing:
@@ -225,7 +243,7 @@ class SharedState:
         import redis
 
         self._redis_error = redis.RedisError
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
         self.bucket = self.client.register_script(_BUCKET)
         self.day = self.client.register_script(_DAY)
         self.flight = self.client.register_script(_FLIGHT)
@@ -457,12 +475,13 @@ class SharedState:
 
     # -- borrowing: a request its edge's balance cannot cover ------------------------------
 
-    async def cover(self, key: Key, refusal: APIError, prompt_estimate: int, max_tokens: int | None) -> bool:
+    async def cover(self, key: Key, refusal: APIError, prompt_estimate: int, max_tokens: int | None) -> bool | None:
         """``refusal`` (of ``key``'s request by this edge's balances): hold what the
         balances have of the request's need and borrow the rest from Redis, waiting
-        :data:`BORROW_S` at most. True if the borrow was answered (admit the request
-        once more: it finds both in the balances), False if not (to refuse it as it
-        is; a budget the edge could not ask Redis for, the caller judges alone)."""
+        :data:`BORROW_S` at most (:data:`BUDGET_WAIT_S` for budget). True if the borrow
+        was answered (admit the request once more: it finds both in the balances),
+        False if not (refuse it as it is), None if Redis failed the budget's round
+        trip (the caller judges the budget alone, as when Redis is down)."""
         limit = getattr(refusal, "limit", None)
         if limit not in ("rpm", "tpm", "slot", "reserved") or not self.up or not self.keys.shared:
             return False
@@ -480,7 +499,7 @@ class SharedState:
         slot_kept = 1 if key.policy.max_concurrent and not need_slot else 0
         key.flight_promised += slot_kept
         try:
-            with trio.move_on_after(BORROW_S):
+            with trio.move_on_after(BUDGET_WAIT_S if day_need and _budget_room(key) < day_need else BORROW_S):
                 while True:
                     if day_need and not promised and _budget_room(key) >= day_need:
                         promised = day_need  # (else the next write to Redis gives it back meanwhile)
@@ -489,7 +508,7 @@ class SharedState:
                     want = await self.borrow(key, requests, tokens, need_slot > 0, budget)
                     if budget:
                         if not want.got_budget:  # refused over budget, once more; or Redis did not answer
-                            return want.answered
+                            return None if want.failed else want.answered
                         promised = budget  # (borrow gave its promise back: this request keeps it)
                         key.budget_promised += promised
                     if not need_slot or want.got_slot:
@@ -574,6 +593,8 @@ class SharedState:
             results = await trio.to_thread.run_sync(take, abandon_on_cancel=True)
         except (self._redis_error, OSError) as e:  # the lease round finds Redis down, and says so
             log.debug("borrow failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+            for want in borrowing.wants:
+                want.failed = True
             return
         for want in borrowing.wants:
             want.answered = True

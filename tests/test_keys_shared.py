@@ -263,7 +263,11 @@ async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nur
     # At most the one crossing it; a slice (1%) of slack each busy edge holds can leave one or two short.
     most = math.ceil(5000 / reservation)
     assert most - 2 <= len(admitted) <= most, (len(admitted), reservation)
-    assert all(r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota" for r in refused)
+    # (refused over budget; on a machine too slow for Redis's answer within 2.5 s, a 503 to retry)
+    assert all(
+        r.json()["error"]["code"] == ("insufficient_quota" if r.status_code == 429 else "budget_unchecked")
+        for r in refused
+    ), [r.text for r in refused][:3]
     await eventually(lambda: not (a.edge.keys.by_id["burst"].day_pending or b.edge.keys.by_id["burst"].day_pending))
 
 
@@ -534,8 +538,9 @@ async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, r
 
 async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path):  # noqa: F811
     """A budget key barely used, Redis stopped (not yet seen down): a request whose budget the
-    edge cannot ask Redis for is judged by what the edge knows, as when Redis is down (each was
-    refused "has used its daily budget", Retry-After until midnight)."""
+    edge cannot get an answer for from Redis is a 503 to retry at once, and once Redis has failed
+    a call the edge judges the budget by what it knows, as when Redis is down (each was refused
+    "has used its daily budget", Retry-After until midnight)."""
     import os
     import signal
 
@@ -549,7 +554,11 @@ async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path)
                 stalled = [await chat(c) for _ in range(3)]
             finally:
                 os.kill(redis_server.proc.pid, signal.SIGCONT)
-    assert [r.status_code for r in stalled] == [200] * 3, [r.text for r in stalled]
+    assert stalled[-1].status_code == 200, stalled[-1].text
+    for r in stalled:
+        assert r.status_code == 200 or (
+            r.status_code == 503 and r.json()["error"]["code"] == "budget_unchecked" and r.headers["retry-after"] == "1"
+        ), r.text
 
 
 async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_server, tmp_path):  # noqa: F811
