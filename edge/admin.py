@@ -31,7 +31,7 @@ import structlog
 from quart import Response, request
 
 from edge.auth import client_key_matches
-from edge.errors import FINAL_STATUSES, error_json
+from edge.errors import error_json, final_headers
 from edge.keys import Key, Policy, new_secret, sha256_hex
 from edge.ledger import GROUPS, LedgerUnavailable
 
@@ -60,8 +60,7 @@ def error_response(
     status: int, message: str, code: str, type: str = "invalid_request_error", param: str | None = None
 ) -> Response:
     response = json_response(status, error_json(message, type, param=param, code=code))
-    if status in FINAL_STATUSES:  # (as every APIError of that status says: edge.errors)
-        response.headers["x-should-retry"] = "false"
+    response.headers.update(final_headers(status))
     return response
 
 

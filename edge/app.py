@@ -25,7 +25,7 @@ from edge.app_queue import install as install_app_queue
 from edge.config import EdgeConfig, load_edge_config
 from edge.connection import install as install_connection_guard
 from edge.console import Console, console_routes
-from edge.errors import FINAL_STATUSES, APIError, error_json, model_not_found
+from edge.errors import APIError, error_json, final_headers, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
@@ -191,13 +191,14 @@ class Edge:
                 if self.shared is None:
                     raise
                 covered = await self.shared.cover(key, refusal, prompt_estimate, max_tokens)
-                if covered is None and getattr(refusal, "limit", None) == "reserved":
+                budget = getattr(refusal, "limit", None) == "reserved"
+                if covered:
+                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+                elif covered is None and budget:
                     # Redis failed the budget's round trip: judged here, as when it is down (a stall
                     # refused requests "over budget" until midnight, with 10 of 10M tokens used).
                     ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens, held_budget=False)
-                elif covered:
-                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
-                elif getattr(refusal, "limit", None) == "reserved":  # (no answer yet: not "spent until midnight")
+                elif budget:  # (no answer yet: not "spent until midnight")
                     raise APIError(
                         503,
                         "The key's daily budget could not be checked in time; retry.",
@@ -208,10 +209,7 @@ class Edge:
                 else:
                     raise
         except APIError as e:
-            limit = getattr(e, "limit", None) or ("budget" if e.status == 429 else None)
-            limit = _LIMIT_LABELS.get(limit, limit)  # (what edge.shared_state could not borrow or read again)
-            if limit is not None:
-                key.limited[limit] = key.limited.get(limit, 0) + 1
+            _count_refusal(key, e)
             raise
         ex.extra_headers = self.keys.headers(key)
 
@@ -229,13 +227,21 @@ class Edge:
                     await self.shared.borrow(key, 1, 0)
             try:
                 self.keys.take_request(key)
-            except APIError:
-                key.limited["rpm"] = key.limited.get("rpm", 0) + 1
+            except APIError as e:
+                _count_refusal(key, e)
                 raise
         ex.extra_headers = self.keys.headers(key)
 
 
 _LIMIT_LABELS = {"slot": "concurrency", "reserved": "budget"}
+
+
+def _count_refusal(key: Key, refusal: APIError) -> None:
+    """``key``'s refusals by limit (iop_key_rate_limited_total)."""
+    limit = getattr(refusal, "limit", None) or ("budget" if refusal.status == 429 else None)
+    limit = _LIMIT_LABELS.get(limit, limit)  # (what edge.shared_state could not borrow or read again)
+    if limit is not None:
+        key.limited[limit] = key.limited.get(limit, 0) + 1
 
 
 def is_loopback(host: str) -> bool:
@@ -253,10 +259,7 @@ def _warn_open(address: str) -> None:
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
-    response = Response(body, status, content_type="application/json", headers=headers)
-    if status in FINAL_STATUSES:  # (as every APIError of that status says: edge.errors)
-        response.headers["x-should-retry"] = "false"
-    return response
+    return Response(body, status, content_type="application/json", headers={**final_headers(status), **(headers or {})})
 
 
 def _model_card(name: str, links: list[NodeLink]) -> ModelCard:

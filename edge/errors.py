@@ -33,6 +33,12 @@ NO_RETRY = (b"x-should-retry", b"false")
 FINAL_STATUSES = frozenset({400, 401, 403, 404, 405, 413, 422})
 
 
+def final_headers(status: int) -> dict[str, str]:
+    """``x-should-retry: false`` for an answer of ``status`` built without an
+    :class:`APIError` (the framework's own), as every APIError of it says."""
+    return {"x-should-retry": "false"} if status in FINAL_STATUSES else {}
+
+
 class APIError(Exception):
     def __init__(
         self,

@@ -81,23 +81,22 @@ _VALUE_MARKS = b'"[]{},'
 _NOT_VALUE_MARKS = bytes(b for b in range(256) if b not in _VALUE_MARKS)
 
 
-def more_values_than(body: bytes, limit: int) -> bool:
-    """Whether the JSON text ``body`` holds more than about ``limit`` values: its
-    commas and containers outside strings, one more than the values at most."""
-    if body.count(b",") + body.count(b"[") + body.count(b"{") < limit:
-        return False
+def too_large(body: bytes) -> str | None:
+    """Why the JSON text ``body`` would cost far more decoded than its size, or None:
+    more than :data:`MAX_JSON_CONTAINERS` arrays and objects (each 60-120 bytes
+    decoded, against 2 of text), or more than about :data:`MAX_JSON_VALUES` values
+    (its commas and containers, one more than the values at most), counted outside
+    its strings in one pass over the text, and only when the raw counts pass them."""
+    containers = body.count(b"[") + body.count(b"{")
+    if containers <= MAX_JSON_CONTAINERS and containers + body.count(b",") < MAX_JSON_VALUES:
+        return None
     s = _brackets(body, _NOT_VALUE_MARKS)
-    return s.count(b",") + s.count(b"[") + s.count(b"{") >= limit
-
-
-def more_containers_than(body: bytes, limit: int) -> bool:
-    """Whether the JSON text ``body`` holds more than ``limit`` arrays and
-    objects (counted outside its strings; not checked for validity): each
-    costs 60-120 bytes decoded, against 2 of text."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
-    s = _brackets(body)
-    return s.count(b"[") + s.count(b"{") > limit
+    containers = s.count(b"[") + s.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:
+        return f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays."
+    if containers + s.count(b",") >= MAX_JSON_VALUES:
+        return f"The request body holds more than {MAX_JSON_VALUES} JSON values."
+    return None
 
 
 # -- floats ----------------------------------------------------------------------

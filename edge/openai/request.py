@@ -10,13 +10,10 @@ import msgspec
 
 from edge import errors
 from edge.openai.jsonbody import (
-    MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
-    MAX_JSON_VALUES,
     decode_json,
-    more_containers_than,
-    more_values_than,
     nested_deeper_than,
+    too_large,
 )
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
 from edge.runs.placement import prefix_chain
@@ -49,13 +46,9 @@ def _too_deep() -> errors.APIError:
 def decode_body(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object at most :data:`MAX_JSON_DEPTH` levels
     deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`)."""
-    if more_containers_than(body, MAX_JSON_CONTAINERS):
-        raise errors.bad_request(
-            f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays.", code="json_too_large"
-        )
-    if more_values_than(body, MAX_JSON_VALUES):
-        message = f"The request body holds more than {MAX_JSON_VALUES} JSON values."
-        raise errors.bad_request(message, code="json_too_large")
+    problem = too_large(body)
+    if problem is not None:
+        raise errors.bad_request(problem, code="json_too_large")
     try:
         raw = decode_json(body)
     except RecursionError:

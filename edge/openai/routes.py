@@ -260,6 +260,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     usage = access.usage
     if access.usage_estimated:
         metrics.usage_estimated.labels(model).inc()
+    counted = usage is not None or access.partial is not None  # (else no run started: nothing used)
     if usage is not None:
         prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, access.usage_estimated
     elif access.partial is not None:  # ended without usage (cancelled, failed): what it had streamed
@@ -314,8 +315,8 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         key=key.id if key is not None else None,
         node_id=access.node_id,
         # As the ledger and the key have them (a cut stream: its estimate); none when no run started.
-        prompt_tokens=prompt if usage or access.partial is not None else None,
-        completion_tokens=completion if usage or access.partial is not None else None,
-        usage_estimated=estimated if usage or access.partial is not None else None,
+        prompt_tokens=prompt if counted else None,
+        completion_tokens=completion if counted else None,
+        usage_estimated=estimated if counted else None,
         duration_ms=round(seconds * 1000, 1),
     )
