@@ -8,11 +8,15 @@ import io
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import h11
 import httpx
 import msgspec
@@ -965,3 +969,92 @@ async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection
         await stream.aclose()
     assert received.startswith(b"HTTP/1.1 400") and b"ambiguous_framing" in received
     assert b"connection: close" in received.lower()
+
+
+async def _chunked_post(edge, body: bytes, piece: int) -> tuple[int, bytes, bool]:
+    """POST ``body`` chunked in pieces of ``piece`` bytes (sent in large writes, as an attacker
+    would): the edge's status, body, and whether it said it closes the connection."""
+    framed = bytearray()
+    for at in range(0, len(body), piece):
+        framed += b"%x\r\n%b\r\n" % (len(body[at : at + piece]), body[at : at + piece])
+    framed += b"0\r\n\r\n"
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    conn = h11.Connection(h11.CLIENT)
+    status, answer, closes = 0, b"", False
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        with contextlib.suppress(trio.BrokenResourceError):  # the edge may close before taking it all
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"transfer-encoding: chunked\r\n\r\n" + framed
+            )
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status, closes = event.status_code, (b"connection", b"close") in event.headers
+            elif isinstance(event, h11.Data):
+                answer += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return status, answer, closes
+
+
+async def test_a_body_in_thousands_of_tiny_chunks_is_a_400_and_larger_pieces_are_served(sim_edge):
+    """Each piece of a body costs the edge about 7.5 µs: 1 MB in 1-byte chunks held a core for
+    7.5 s, 8 MiB for a minute (and kept a bytes object per byte). Past 4,096 pieces averaging
+    under 256 bytes the request is a 400 `body_too_fragmented`; the same body in 1 KiB pieces
+    is served, and so are small bodies in 1-byte pieces."""
+    prompt = "a" * 200_000
+    body = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
+    with trio.fail_after(BOUND):
+        refused = await _chunked_post(sim_edge, body, 1)
+        served = await _chunked_post(sim_edge, body, 1024)
+        small = await _chunked_post(sim_edge, msgspec.json.encode({"model": "m", "messages": USER, "max_tokens": 1}), 1)
+        async with http(sim_edge) as client:
+            r = await client.get("/v1/models")
+    assert refused[0] == 400 and refused[2], refused  # (and the connection ends: the rest is not read)
+    error = json.loads(refused[1])["error"]
+    assert error["code"] == "body_too_fragmented" and error["type"] == "invalid_request_error"
+    assert served[0] == 200 and json.loads(served[1])["choices"], served
+    assert small[0] == 200, small
+    assert r.status_code == 200
+
+
+async def test_an_http2_body_of_empty_data_frames_is_a_400(nursery, tmp_path, upstream):
+    """Over HTTP/2, DATA frames with nothing in them cost the edge as much as small ones, and
+    no byte limit ever ends them: past 4,096 of them the stream is a 400 `body_too_fragmented`."""
+    from tests.test_cancellation import _tls_edge_with_a_node
+
+    url, cafile, _ = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    status, answer, frames = 0, b"", 0  # (the body never ends: only the bound answers it)
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "https")]
+        h2c.send_headers(1, [*headers, (":authority", host), ("content-type", "application/json")])
+        h2c.send_data(1, b'{"model": "m", ')
+        await stream.send_all(h2c.data_to_send())
+        ended = False
+        while not ended:
+            if frames < 20_000:
+                for _ in range(500):
+                    h2c.send_data(1, b"")
+                frames += 500
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all(h2c.data_to_send())
+            with trio.move_on_after(0 if frames < 20_000 else BOUND):
+                data = await stream.receive_some(65536)
+                for event in h2c.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = int(dict(event.headers)[b":status"])
+                    elif isinstance(event, h2.events.DataReceived):
+                        answer += event.data
+                    elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                        ended = True
+        await stream.aclose()
+    assert status == 400 and json.loads(answer)["error"]["code"] == "body_too_fragmented", (status, answer)
