@@ -23,6 +23,7 @@ from edge.auth import bearer_matches
 from edge.config import EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
+from edge.runs.link import StrayFlood
 from edge.ws import RawWebsocket
 from proto import (
     PROTOCOL_VERSION,
@@ -55,6 +56,7 @@ CLOSE_AUTH = 4001
 CLOSE_VERSION = 4002
 CLOSE_PROTOCOL = 4003
 CLOSE_DUPLICATE = 4009
+CLOSE_POLICY = 1008  # RFC 6455: policy violation (a flood of events for no run: edge.runs.link.StrayFlood)
 CLOSE_TRY_AGAIN = 1013  # RFC 6455: try again later
 
 # Nodes linked to one edge at most: 400 links of one shared token, of 1,024 models each, held the
@@ -191,6 +193,12 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         e = group.exceptions[0]
         link.close_reason, link.close_code = str(e), CLOSE_PROTOCOL
         log.warning("node broke the link protocol", node_id=link.node_id, error=str(e))
+    except* StrayFlood as group:
+        e = group.exceptions[0]
+        link.close_reason, link.close_code = str(e), CLOSE_POLICY
+        log.warning(
+            "node flooded its link with events that bring nothing: link closed", node_id=link.node_id, error=str(e)
+        )
     finally:
         service.remove_link(link)
         link.close_outbox()
@@ -224,10 +232,13 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                         if type(run.request) is TunnelRequest:
                             raise LinkProtocolError("events frame for a passthrough run")
                         run.deliver(event, now)
-                    # else: a run that ended here (cancelled: the node had not heard yet). Not a
-                    # protocol error even when it ended long ago: a node behind on 4,096 and more
-                    # cancels (a burst of HTTP/2 resets) was not lying, and its link (every run on
-                    # it) was dropped for it. A run of another node is never in `runs`.
+                    else:
+                        # A run that ended here (cancelled: the node had not heard yet). Not a
+                        # protocol error even when it ended long ago: a node behind on 4,096 and
+                        # more cancels (a burst of HTTP/2 resets) was not lying, and its link
+                        # (every run on it) was dropped for it. A flood of them closes the link
+                        # (NodeLink.stray). A run of another node is never in `runs`.
+                        link.stray(now)
             case Pong():
                 pass
             case Ping(ts=ts):
@@ -252,7 +263,8 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                     if type(run.request) is not TunnelRequest:  # (a chat run's consumers read events only)
                         raise LinkProtocolError("tunnel_frame for a run that is not a passthrough")
                     run.deliver_frame(frame, now)
-                # else: a tunnel that ended here (as for events, above)
+                else:  # a tunnel that ended here (as for events, above)
+                    link.stray(now)
             case _:
                 raise LinkProtocolError(f"unexpected {type(frame).__name__} frame from a node")
 

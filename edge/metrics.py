@@ -7,8 +7,10 @@ under the ``iop_`` prefix. Nothing here is touched per chunk: runs are
 observed once, when they close.
 
 A ``model`` label is a name from the config's ``[[models]]`` or one some
-linked node has advertised; any other name a client sends is counted under
-``"other"`` (:data:`OTHER_MODEL`), so invented names cannot grow the series.
+linked node has advertised, the first :data:`MAX_MODEL_LABELS` of those for
+the edge's life; any other name is counted under ``"other"``
+(:data:`OTHER_MODEL`), so neither names a client invents nor a node that
+links again and again with new ones can grow the series.
 An ``api`` label is the front door the request came through (its route's
 ``api``: chat, completions, embeddings, messages, responses), never a
 client's string; a run carries its request's (``Run.api``).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -30,13 +33,20 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 PREFIX_BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
 
+log = structlog.get_logger("iop.edge.metrics")
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OTHER_MODEL = "other"  # the model label of every name neither configured nor advertised
+# Advertised names (not in ``[[models]]``) given a label of their own, first come: some
+# hundreds of series each, and a node may name 1,024 models a link, and link again.
+MAX_MODEL_LABELS = 256
 
 
 class EdgeMetrics:
     def __init__(self, runs: RunService, edge: Any = None) -> None:
         self._runs = runs
+        self._configured = frozenset(m.name for m in runs.config.models)
+        self._labelled: set[str] = set()  # advertised names with a label of their own (MAX_MODEL_LABELS)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -148,10 +158,24 @@ class EdgeMetrics:
 
     def model_label(self, model: object) -> str:
         """The ``model`` label for a requested name: the name itself if it is
-        configured or a node has advertised it, else :data:`OTHER_MODEL`."""
-        if isinstance(model, str) and self._runs.is_known(model):
+        configured, or a node has advertised it and it is one of the first
+        :data:`MAX_MODEL_LABELS` such names; else :data:`OTHER_MODEL`."""
+        if not isinstance(model, str):
+            return OTHER_MODEL
+        labelled = self._labelled
+        if model in labelled or model in self._configured:
             return model
-        return OTHER_MODEL
+        if not self._runs.is_known(model):
+            return OTHER_MODEL
+        if len(labelled) >= MAX_MODEL_LABELS:
+            return OTHER_MODEL
+        labelled.add(model)
+        if len(labelled) == MAX_MODEL_LABELS:
+            log.warning(
+                "metrics: model names nodes advertised now have their most labels; the next are counted as other",
+                labels=MAX_MODEL_LABELS,
+            )
+        return model
 
     def observe_placement(self, how: str, blocks: int) -> None:
         self.placements.labels(how).inc()

@@ -35,6 +35,20 @@ _STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: fi
 # routed around for a model after this many in a row, for this long (first time, at most).
 EJECT_AFTER = 3
 _EJECT_BACKOFF_S = (1.0, 30.0)
+# Events that bring the edge nothing (for a run it does not have, or has ended; or with no
+# output at all) cost its CPU for each (~0.25 us): a node sent 1.8 million a second, for ever.
+# An honest node sends a few after the edge cancels a run (what was on its way), never empty
+# ones. A link may bring STRAY_EVENTS of them per STRAY_WINDOW_S, plus STRAY_PER_CANCEL for
+# each run this edge cancelled on the node (up to STRAY_MOST in hand); past that it is closed.
+STRAY_EVENTS = 10_000
+STRAY_WINDOW_S = 10.0
+STRAY_PER_CANCEL = 1024
+STRAY_MOST = 1_000_000
+
+
+class StrayFlood(Exception):
+    """Raised in the link's reader: the node sent more events that bring nothing
+    than :meth:`NodeLink.stray` allows; its link is closed."""
 
 
 class NodeLink:
@@ -91,6 +105,8 @@ class NodeLink:
         self._stall_backoff = _STALL_BACKOFF_S[0]
         # model -> [runs failed in a row before any output, routed around until, next backoff]
         self._failing: dict[str, list[float]] = {}
+        self._stray_left = STRAY_EVENTS  # events that bring nothing still allowed (stray)
+        self._stray_since = self.linked_at  # when that allowance was last refilled
 
     def admit_placed(self, keys: int, now: float) -> bool:
         """Whether to record a relayed chain of ``keys`` keys: within
@@ -100,6 +116,27 @@ class NodeLink:
             self._placed_since, self._placed_keys = now, 0
         self._placed_keys += keys
         return self._placed_keys <= PLACED_KEYS_PER_S
+
+    def stray(self, now: float) -> None:
+        """The node sent an event that brings nothing: for a run this edge does
+        not have (ended here, moved, never sent) or has ended, or with no output.
+        Raises :class:`StrayFlood` past :data:`STRAY_EVENTS` in a window of
+        :data:`STRAY_WINDOW_S` (and what cancels added: :meth:`cancel`)."""
+        self._stray_left -= 1
+        if self._stray_left >= 0:
+            return
+        if now - self._stray_since >= STRAY_WINDOW_S:
+            self._stray_since, self._stray_left = now, STRAY_EVENTS - 1
+            return
+        raise StrayFlood(
+            f"over {STRAY_EVENTS} events in {STRAY_WINDOW_S:g} s for runs this edge does not have, or with no output"
+        )
+
+    def cancel(self, run_id: str, reason: str) -> None:
+        """Cancel a run on the node: what it already sent for the run may still
+        come, and is allowed for (:meth:`stray`)."""
+        self._stray_left = min(self._stray_left + STRAY_PER_CANCEL, STRAY_MOST)
+        self.send_nowait(CancelRun(run_id=run_id, reason=reason))
 
     # -- capacity ------------------------------------------------------------
 

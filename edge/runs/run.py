@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from proto import CancelRun, RunEvent, TunnelFrame
+from proto import RunEvent, TunnelFrame
 from proto.frames import DELTA, ERROR, REASONING_DELTA, TERMINAL_TYPES
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
@@ -187,7 +187,7 @@ class Run:
 
     def deliver(self, event: RunEvent, now: float) -> None:
         """``now``: when the frame holding it arrived (read once per frame)."""
-        if event.type in TEXT_TYPES:
+        if event.type in TEXT_TYPES and event.text:
             parts = event.parts  # from the node: at most one delta per character counts
             self.deltas_seen += 1 if parts <= 1 else min(parts, len(event.text))
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
@@ -200,8 +200,14 @@ class Run:
 
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
+            self.slot.link.stray(now)  # (what a node sent before it heard the run's cancel)
             return
         size = _size(item)
+        if not size and not terminal and (type(item) is RunEvent or item.kind == "body"):
+            # No output: no progress. The run's silence timeout runs on (a node sending empty
+            # deltas kept a run that made nothing for 30 minutes), and it is not started.
+            self.slot.link.stray(now)
+            return
         if type(item) is RunEvent:
             self.output_bytes += size
             if self.output_bytes > MAX_OUTPUT_BYTES or len(item.tool_calls or ()) > MAX_TOOL_CALLS:
@@ -263,7 +269,7 @@ class Run:
 
     def _cancel_on_node(self, cause: str) -> None:
         if cause != NODE_LOST:  # a lost node has nothing left to cancel
-            self.slot.link.send_nowait(CancelRun(run_id=self.id, reason=cause))
+            self.slot.link.cancel(self.id, cause)
 
     def due(self) -> float:
         """When the run times out if nothing arrives (silence, or the whole-run

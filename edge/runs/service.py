@@ -19,7 +19,7 @@ from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
 from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, SHUTDOWN, UNSENDABLE, Run, RunTimers
-from proto import CancelRun, ModelInfo, RunRequest, TunnelRequest
+from proto import ModelInfo, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
 
@@ -284,7 +284,7 @@ class RunService:
             return False
         if not any(run.want.fits(lk) for lk in self._serving(run.want.model) if lk is not old):
             return False
-        old.send_nowait(CancelRun(run_id=run.id, reason="moved to another node"))  # no-op on a lost link
+        old.cancel(run.id, "moved to another node")  # no-op on a lost link
         old.forget_run(run.id)
         self.release(run.slot)
         run.failed_over = True
