@@ -13,7 +13,8 @@ lock, met that detector.
 
 ``install()`` patches two things:
 
-- ``protocol_send``: bytes whose ``send_all`` meets ``_close`` in progress
+- ``protocol_send``: a close while the client still sends a body lingers
+  (:func:`edge.reads.linger`); bytes whose ``send_all`` meets ``_close`` in progress
   are dropped, as if the socket had closed under them (it is closing); and
   a send the peer takes nothing of within the connection's write timeout
   closes the connection (:func:`edge.send_lock.send_within`), where
@@ -35,6 +36,7 @@ import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
+from edge.reads import linger
 from edge.send_lock import send_within
 
 log = structlog.get_logger("iop.edge.http")
@@ -52,6 +54,9 @@ def install() -> None:
     @functools.wraps(hypercorn_protocol_send)
     async def protocol_send(self: TCPServer, event) -> None:
         if not isinstance(event, RawData):
+            if type(event) is Closed and linger(self):  # the reader closes it once the client is done
+                await self.protocol.handle(Closed())
+                return
             await hypercorn_protocol_send(self, event)
             return
         async with self.send_lock:  # hypercorn's own RawData branch, its send bounded in time

@@ -9,6 +9,16 @@ connection. ``install()`` replaces the method with a loop without the scope
 when ``read_timeout`` is None, and leaves hypercorn's own otherwise. On a
 plain TCP connection that loop reads the socket itself (:func:`_read_socket`).
 
+The same loop *lingers* on a connection the edge closes while its client
+still sends a body (:func:`linger`): an answer given before the body is in
+(401, 413, 400) went out, then the socket closed on unread bytes, and the
+kernel's reset made the client lose the answer it had not read yet (24 of
+40 requests of httpx's async client past ``max_body_bytes`` got a
+``ReadError``, the OpenAI SDK an ``APIConnectionError`` it retries). As
+nginx's lingering close: the edge sends its FIN after the answer, then
+reads and drops what the client still sends, until the client closes,
+:data:`LINGER_IDLE_S` pass with nothing, or :data:`LINGER_S` in all.
+
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
 refuses a ``TCPServer`` that does not have the attributes it uses.
 """
@@ -18,15 +28,65 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable
 
+import h11
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
 
 READY_READS = 8  # reads in a row that filled the buffer, before one waits (a schedule point)
+LINGER_S = 10.0  # a lingering close reads what the client still sends this long at most (nginx: 30 s)
+LINGER_IDLE_S = 2.0  # ... and ends after this long with nothing from it (nginx: 5 s)
 
 
-async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int) -> None:
+def linger(server: TCPServer) -> bool:
+    """The protocol closes ``server``'s connection: if its client is still
+    sending a request's body (plain TCP, HTTP/1.1), send the FIN now and have
+    the reader drop the rest until the client closes (the module's doc);
+    False: close it as hypercorn does."""
+    if getattr(server, "iop_linger", False):
+        return True
+    if (
+        not getattr(TCPServer._read_data, "iop_reads", False)  # (the reader below is the one that drains)
+        or server.config.read_timeout is not None
+        or type(server.stream) is not trio.SocketStream
+    ):
+        return False
+    connection = getattr(getattr(server.protocol, "protocol", None), "connection", None)
+    if type(connection) is not h11.Connection or connection.their_state is not h11.SEND_BODY:
+        return False
+    sock = server.stream.socket
+    try:
+        sock.shutdown(trio.socket.SHUT_WR)  # (the answer is out: the protocol closes after its last send)
+    except OSError:
+        return False
+    server.iop_linger = True
+    trio.lowlevel.notify_closing(sock)  # the reader, waiting for the body's next bytes, drains from here
+    return True
+
+
+async def _drain(sock: trio.socket.SocketType, max_recv: int) -> None:
+    """Read and drop what the client still sends (a lingering close)."""
+    until = trio.current_time() + LINGER_S
+    while (now := trio.current_time()) < until:
+        with trio.move_on_at(min(until, now + LINGER_IDLE_S)) as waited:
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except (trio.ClosedResourceError, OSError):
+                return
+        fd = sock.fileno()
+        if waited.cancelled_caught or fd < 0:
+            return
+        try:
+            if not os.read(fd, max_recv):
+                return
+        except BlockingIOError:
+            continue
+        except OSError:
+            return
+
+
+async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int, server: TCPServer | None = None) -> None:
     """Read a plain TCP connection's socket itself until it ends, giving
     ``handle`` each read, then ``Closed()``. trio's ``receive_some`` passes
     the bytes through three more coroutines and a pass through the scheduler
@@ -37,14 +97,20 @@ async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int) -> N
     one waits for bytes first, rather than try a read that finds nothing; a
     read that filled the buffer is followed by another at once, but every
     :data:`READY_READS`-th one waits first, so a peer that floods the
-    connection cannot keep the other tasks from their turn."""
+    connection cannot keep the other tasks from their turn. A lingering
+    close (:func:`linger`) drains the rest."""
     wait, in_a_row = False, 0
     while sock.fileno() >= 0:  # (< 0: closed by the protocol while it handled the last bytes)
+        if server is not None and server.iop_linger:
+            await _drain(sock, max_recv)
+            break
         if wait or in_a_row >= READY_READS:
             wait, in_a_row = False, 0
             try:
                 await trio.lowlevel.wait_readable(sock)
-            except (trio.ClosedResourceError, OSError):  # closed meanwhile
+            except trio.ClosedResourceError:  # closed meanwhile, or lingering
+                continue
+            except OSError:
                 break
         fd = sock.fileno()
         if fd < 0:
@@ -93,8 +159,9 @@ def install() -> None:
             return hypercorn_read(self)
         stream = self.stream
         if isinstance(stream, trio.SocketStream):
-            return _read_socket(stream.socket, self.protocol.handle, max_recv)
+            return _read_socket(stream.socket, self.protocol.handle, max_recv, self)
         return _read_stream(stream, self.protocol.handle, max_recv)  # TLS
 
     _read_data.iop_reads = True  # type: ignore[attr-defined]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
+    TCPServer.iop_linger = False  # type: ignore[attr-defined]

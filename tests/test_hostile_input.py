@@ -20,6 +20,7 @@ import h2.events
 import h11
 import httpx
 import msgspec
+import openai
 import pytest
 import structlog
 import trio
@@ -37,6 +38,7 @@ from tests.conftest import (
     eventually,
     http,
     model,
+    sdk,
     settled,
     start_edge,
     start_node,
@@ -1058,3 +1060,29 @@ async def test_an_http2_body_of_empty_data_frames_is_a_400(nursery, tmp_path, up
                         ended = True
         await stream.aclose()
     assert status == 400 and json.loads(answer)["error"]["code"] == "body_too_fragmented", (status, answer)
+
+
+async def test_a_body_past_the_limit_gets_its_413_while_the_client_still_sends(nursery):
+    """The edge answers 413 as soon as a declared Content-Length is past `max_body_bytes`, then
+    closed the socket on the body still arriving: the kernel's reset made the client lose the
+    answer (httpx's async client got a ReadError 24 times in 40, the OpenAI SDK an
+    APIConnectionError, which it retries). The close lingers: every client reads its 413, with
+    `x-should-retry: false`, and the SDK raises the 413 without retrying."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=1 << 20, api_keys=["sk-right"]))
+    await start_node(nursery, edge, [sim("m")])
+    body = {"model": "m", "messages": [{"role": "user", "content": "a" * (3 << 20)}]}
+    statuses = []
+    with trio.fail_after(BOUND):
+        for key in ["sk-right"] * 15 + ["sk-wrong"] * 5:  # (a wrong key's 401 comes before the body too)
+            async with http(edge, headers={"authorization": f"Bearer {key}"}) as client:  # a new connection each
+                try:
+                    r = await client.post("/v1/chat/completions", json=body)
+                    statuses.append((r.status_code, r.headers.get("x-should-retry")))
+                except httpx.TransportError as e:
+                    statuses.append(type(e).__name__)
+        client = sdk(edge, api_key="sk-right")
+        for _ in range(5):
+            with pytest.raises(openai.APIStatusError) as raised:
+                await client.chat.completions.create(model="m", messages=body["messages"])
+            assert raised.value.status_code == 413
+    assert statuses == [(413, "false")] * 15 + [(401, "false")] * 5, statuses
