@@ -169,11 +169,17 @@ class RunSink:
             await self._outbox.room()
 
     async def complete(
-        self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None, stop: str = ""
+        self,
+        finish_reason: str,
+        tool_calls: list[ToolCall] | None = None,
+        usage: Usage | None = None,
+        stop: str = "",
+        refusal: str = "",
     ) -> None:
         if self.ended:
             return
         size = self._base + text_bytes(finish_reason) + tool_calls_bytes(tool_calls) + USAGE_BYTES + text_bytes(stop)
+        size += text_bytes(refusal)
         if size > self._outbox.budget:
             log.warning("run output too large to relay", run_id=self._run_id, estimated_bytes=size)
             await self.error("run output too large to relay")
@@ -186,7 +192,9 @@ class RunSink:
         self._link._uncount(self._run_id)
         if self.slot is not None:
             self.slot.release()
-        await self._emit(size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage, stop=stop)
+        await self._emit(
+            size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage, stop=stop, refusal=refusal
+        )
 
     async def error(self, message: str, status: int = 0) -> None:
         if self.ended:

@@ -110,6 +110,9 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     status: HTTPStatus = 0  # error events: the upstream's HTTP status, when it gave one
     parts: int = 0  # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
     stop: str = ""  # complete: the stop sequence that ended the run, when the model server said which
+    # complete: the model's refusal (OpenAI's ``refusal``), whole: it arrives with the end, so an
+    # older edge that does not know the field still reads the event (and shows no refusal)
+    refusal: str = ""
 
 
 # -- node -> edge -------------------------------------------------------------

@@ -24,7 +24,8 @@ What the decoder does with each part of a request:
   ``tools`` is a 400, as Anthropic's); ``stop_sequences`` ``stop``;
   ``metadata.user_id`` ``user`` (session affinity); ``thinking`` enabled or
   adaptive shows reasoning as thinking blocks, otherwise it is hidden (as
-  Anthropic sends no thinking unless asked);
+  Anthropic sends no thinking unless asked); it is checked as Anthropic does
+  (a known type, ``budget_tokens`` of at least 1024 and below ``max_tokens``);
 - ``output_config.format`` (structured outputs: ``messages.parse(output_format=...)``)
   becomes a ``json_schema`` ``response_format``, as does the beta's top-level
   ``output_format``; the rest of ``output_config`` (``effort``) is ignored;
@@ -145,9 +146,10 @@ def _tool_result_text(block: dict[str, Any], param: str) -> str:
 
 def _document_text(block: dict[str, Any], param: str) -> str:
     """A ``document`` block as text: a plain-text or content source inline,
-    after its title; a PDF (base64, url, file) as a note that it was left
-    out, so the model can say so (Claude Code sends a PDF it reads as one,
-    and again in every later request of the session)."""
+    after its title; a PDF (base64, url) or an uploaded file (``file_id``, of
+    a type the edge cannot know) as a note that it was left out, so the model
+    can say so (Claude Code sends a PDF it reads as one, and again in every
+    later request of the session)."""
     source = block.get("source")
     title = block.get("title") if isinstance(block.get("title"), str) else ""
     if isinstance(source, dict):
@@ -157,9 +159,12 @@ def _document_text(block: dict[str, Any], param: str) -> str:
             content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
         if isinstance(content, str):
             return f"[document: {title}]\n{content}" if title else content
+        name = f" {title}" if title else ""
+        media = source.get("media_type") if isinstance(source.get("media_type"), str) else None
+        if kind == "file" and media is None:  # (a Files API upload: its type is the provider's to know)
+            return f"[document{name} (an uploaded file) omitted: this edge passes no uploaded files to the model]"
         if kind in ("base64", "url", "file"):
-            media = source.get("media_type") if isinstance(source.get("media_type"), str) else "application/pdf"
-            name = f" {title}" if title else ""
+            media = media or "application/pdf"  # (a url source is a PDF's)
             return f"[document{name} ({media}) omitted: this edge passes no PDF documents to the model]"
     raise _bad(f"Invalid value for `{param}.source`: expected a text, content, base64 or url document source.", param)
 
@@ -286,6 +291,52 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+_THINKING_TYPES = ("enabled", "disabled", "adaptive")
+MIN_THINKING_BUDGET = 1024  # Anthropic's least ``budget_tokens``
+
+
+def _check_thinking(thinking: dict[str, Any]) -> None:
+    """``thinking`` as Anthropic checks it (its 400s, in its words): a known
+    ``type``; ``enabled`` with an integer ``budget_tokens`` of at least 1024
+    (below ``max_tokens`` too: :func:`thinking_budget_problem`)."""
+    kind = thinking.get("type")
+    if kind not in _THINKING_TYPES:
+        expected = ", ".join(f"'{t}'" for t in _THINKING_TYPES)
+        raise _bad(
+            f"thinking: Input tag {str(kind)[:64]!r} found using 'type' does not match any of the expected tags: "
+            f"{expected}",
+            "thinking.type",
+        )
+    if kind != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        raise _bad("thinking.enabled.budget_tokens: Field required", "thinking.budget_tokens")
+    if type(budget) is not int:
+        raise _bad("thinking.enabled.budget_tokens: Input should be a valid integer", "thinking.budget_tokens")
+    if budget < MIN_THINKING_BUDGET:
+        raise _bad(
+            f"thinking.enabled.budget_tokens: Input should be greater than or equal to {MIN_THINKING_BUDGET}",
+            "thinking.budget_tokens",
+        )
+
+
+def thinking_budget_problem(raw: dict[str, Any], beta: bytes) -> APIError | None:
+    """A message request (checked by :func:`chat_body`) whose thinking budget is
+    not below its ``max_tokens``: Anthropic's 400, unless interleaved thinking is
+    on (its ``interleaved-thinking-*`` beta, in ``anthropic-beta``, lets the
+    budget pass ``max_tokens``)."""
+    thinking, max_tokens = raw.get("thinking"), raw.get("max_tokens")
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) and thinking.get("type") == "enabled" else None
+    if budget is None or max_tokens is None or budget < max_tokens or b"interleaved-thinking" in beta:
+        return None
+    return _bad(
+        "`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our documentation at "
+        "https://docs.claude.com/en/docs/build-with-claude/extended-thinking#max-tokens-and-context-window-size",
+        "max_tokens",
+    )
+
+
 def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The chat completion body for a Messages request, and the names of the
     server tools left out of it. Raises :class:`APIError` (400)."""
@@ -294,6 +345,8 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         req = msgspec.convert(raw, MessagesRequest)
     except msgspec.ValidationError as e:
         raise errors.bad_request(f"Invalid request: {e}.") from None
+    if req.thinking is not None:
+        _check_thinking(req.thinking)
     system: list[str] = []
     if req.system:
         system.append(_system_text(req.system, "system"))
@@ -342,7 +395,19 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 # -- encoding a response -----------------------------------------------------------
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "refusal",
+    "refusal": "refusal",  # (the edge's own: see :func:`refused`)
+}
+
+
+def refused(finish_reason: str, refusal: str) -> str:
+    """The finish of a run whose model declined (an OpenAI ``refusal``): ``refusal``,
+    which is Anthropic's own ``stop_reason`` for it. One cut off stays ``length``."""
+    return "refusal" if refusal and finish_reason == "stop" else finish_reason
 
 
 def stop_reason(finish_reason: str) -> str:
@@ -396,14 +461,18 @@ def message_body(
     finish_reason: str,
     usage: UsageOut,
     stop_sequence: str | None = None,
+    refusal: str = "",
 ) -> bytes:
     """A whole response: one ``message`` object (``finish_reason`` and
-    ``stop_sequence`` as :func:`stopped` gives them)."""
+    ``stop_sequence`` as :func:`stopped` gives them). A ``refusal`` is a text
+    block of its own after the content (``finish_reason`` from :func:`refused`)."""
     blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if content:
         blocks.append({"type": "text", "text": content})
+    if refusal:
+        blocks.append({"type": "text", "text": refusal})
     for call in tool_calls or ():
         blocks.append(
             {
@@ -491,6 +560,10 @@ class MessageStream:
             return b""
         head = b"" if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
         return head + self._delta({"type": "text_delta", "text": text})
+
+    def refusal(self, text: str) -> bytes:
+        """The model's refusal: a text block of its own."""
+        return self._begin("text", {"type": "text", "text": ""}) + self._delta({"type": "text_delta", "text": text})
 
     def tool_use(self, call: ToolCall) -> bytes:
         head = self._begin(

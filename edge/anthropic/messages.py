@@ -31,11 +31,13 @@ from edge.anthropic.codec import (
     chat_body,
     error_body,
     message_body,
+    refused,
     stopped,
     stream_error,
+    thinking_budget_problem,
     thread_problem,
 )
-from edge.errors import RunFailed, bad_request, model_not_found
+from edge.errors import APIError, RunFailed, bad_request, model_not_found
 from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import (
@@ -57,6 +59,30 @@ log = structlog.get_logger("iop.edge.messages")
 _encode = msgspec.json.Encoder().encode
 
 ANTHROPIC_ERRORS = ErrorShape(error_body, stream_error)
+
+
+class MessagesExchange(Exchange):
+    """An exchange on a Messages route: every answer, errors included, also
+    carries the request id as ``request-id``, the header Anthropic's SDKs read
+    (``message._request_id``, ``APIStatusError.request_id``), not ``x-request-id``."""
+
+    __slots__ = ()
+
+    def _head(self, status: int, headers) -> dict:
+        head = super()._head(status, headers)
+        head["headers"].append((b"request-id", self.request_id.encode()))
+        return head
+
+
+async def no_such_route(edge: Edge, ex: Exchange, body: bytes) -> None:
+    """Any other path under ``/v1/messages`` (``/v1/messages/batches``, ...): a 404 in Anthropic's shape."""
+    path = ex.scope["path"][:200]  # the client's string: bounded
+    raise APIError(
+        404,
+        f"Not found: {ex.scope['method']} {path}. This edge serves POST /v1/messages and /v1/messages/count_tokens.",
+        "not_found_error",
+        code="route_not_found",
+    )
 
 
 def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
@@ -94,6 +120,9 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
     raw, chat = _decode(edge, ex, body)
     if raw.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
         raise bad_request("max_tokens: Field required", "max_tokens")
+    problem = thinking_budget_problem(raw, ex.header(b"anthropic-beta") or b"")
+    if problem is not None:
+        raise problem
     check_message_count(raw.get("messages"), edge.config.max_messages, "messages")
     del raw
     del body  # (see routes._serve)
@@ -125,15 +154,17 @@ async def _respond_whole(turn: Turn, slot: Slot) -> None:
     except RunFailed as failed:
         await output.fail(turn, failed, stream_error)
         return
+    finish_reason = refused(result.finish_reason, result.refusal)
     body = message_body(
         _message_id(turn.ex),
         turn.req.model,
         reasoning=result.reasoning,
         content=result.content,
         tool_calls=result.tool_calls,
-        finish_reason=result.finish_reason,
+        finish_reason=finish_reason,
         usage=result.usage,
-        stop_sequence=_stop_sequence(turn, result.finish_reason, result.stop),
+        stop_sequence=_stop_sequence(turn, finish_reason, result.stop),
+        refusal=result.refusal,
     )
     await turn.ex.respond(200, body)
 
@@ -159,7 +190,8 @@ class MessagesBuffered:
         return self.enc.error(message, type, output.futile(self.turn, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
-        return collected_events(self.enc, result, _stop_sequence(self.turn, result.finish_reason, result.stop))
+        finish_reason = refused(result.finish_reason, result.refusal)
+        return collected_events(self.enc, result, _stop_sequence(self.turn, finish_reason, result.stop))
 
 
 def _stop_sequence(turn: Turn, finish_reason: str, stop: str) -> str | None:
@@ -172,8 +204,10 @@ def collected_events(enc: MessageStream, result: Collected, stop_sequence: str |
     if result.reasoning:
         parts.append(enc.thinking(result.reasoning))
     parts.append(enc.text(result.content))
+    if result.refusal:
+        parts.append(enc.refusal(result.refusal))
     parts.extend(enc.tool_use(call) for call in result.tool_calls or ())
-    parts.append(enc.finish(result.finish_reason, result.usage, stop_sequence))
+    parts.append(enc.finish(refused(result.finish_reason, result.refusal), result.usage, stop_sequence))
     return b"".join(parts)
 
 
@@ -202,11 +236,13 @@ class MessagesLive(output.LiveEncoder):
         parts: list[bytes] = []
         finish_reason = event.finish_reason or "stop"
         calls = self.turn.calls_to_send(with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None)
-        fallback = shaper.fallback(finish_reason, bool(calls))
+        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls))
         if fallback:
             parts.append(enc.text(fallback))
+        if event.refusal:
+            parts.append(enc.refusal(event.refusal))
         for call in calls or ():
             parts.append(enc.tool_use(call))
-        finish_reason = end_reason(finish_reason, bool(calls))
+        finish_reason = refused(end_reason(finish_reason, bool(calls)), event.refusal)
         parts.append(enc.finish(finish_reason, usage, _stop_sequence(self.turn, finish_reason, event.stop)))
         return b"".join(parts)

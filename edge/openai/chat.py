@@ -22,14 +22,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import structlog
+
 from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.passthrough import passthrough
 from edge.openai.request import decode_body
+from edge.openai.responses import chat_tools
 from edge.openai.turn import open_turn
 
 if TYPE_CHECKING:
     from edge.app import Edge
+
+log = structlog.get_logger("iop.edge.chat")
 
 
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
@@ -46,6 +51,9 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
         await passthrough(edge, ex, raw, "/chat/completions")
         return
+    left_out = chat_tools(raw)  # custom tools and allowed_tools, as the Responses route takes them
+    if left_out:
+        log.info("chat request: left out", tool_types=sorted(set(left_out)))
     turn = await open_turn(edge, ex, raw)
     del raw  # the turn keeps what it forwards
     try:

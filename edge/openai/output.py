@@ -25,7 +25,7 @@ from edge.errors import NO_RETRY, APIError, RunFailed, operator_cancelled
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
-from edge.openai.sse import DONE, KEEPALIVE, ChunkEncoder, sse_error
+from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
 from edge.openai.tools import INLINE_PATTERN_S, ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import TOOL_VALIDATION_ERROR, Collected, Turn, collect_validated, end_reason, failure
@@ -51,6 +51,14 @@ def tool_calls_out(calls: list[ToolCall], *, indexed: bool = True) -> list[dict[
 
 def _encoder(turn: Turn, run: Run) -> ChunkEncoder:
     return ChunkEncoder(f"chatcmpl-{run.id}", int(time.time()), turn.req.model, turn.policy.reasoning_field)
+
+
+def refusal_chunk(enc: ChunkEncoder, text: str) -> bytes:
+    """The model's refusal as OpenAI streams it: ``delta.refusal``, with ``content`` null."""
+    delta = {"content": None, "refusal": text}
+    chunk = {"id": enc.id, "object": OBJECT, "created": enc.created, "model": enc.model}
+    choices = [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]
+    return b"data: " + _encode({**chunk, "choices": choices}) + b"\n\n"
 
 
 def _wants_usage(turn: Turn) -> bool:
@@ -142,8 +150,9 @@ async def respond_whole(turn: Turn, slot: Slot) -> None:
     run = turn.last_run
     message = ResponseMessage(
         role="assistant",
-        content=result.content if result.content or not result.tool_calls else None,
+        content=result.content if result.content or not (result.tool_calls or result.refusal) else None,
         tool_calls=tool_calls_out(result.tool_calls, indexed=False) if result.tool_calls else None,
+        refusal=result.refusal or None,
     )
     body = ChatCompletion(
         id=f"chatcmpl-{run.id}",
@@ -243,6 +252,8 @@ def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
         parts.append(enc.reasoning(result.reasoning))
     if result.content:
         parts.append(enc.content(result.content))
+    if result.refusal:
+        parts.append(refusal_chunk(enc, result.refusal))
     if result.tool_calls:
         parts.append(enc.tool_calls(tool_calls_out(result.tool_calls)))
     parts.append(enc.finish(result.finish_reason))
@@ -415,12 +426,14 @@ class LiveStream(LiveEncoder):
                 return self.error(reason, "tool_validation_error")
         calls = self.turn.calls_to_send(calls)
         tail: list[bytes] = []
+        if event.refusal:
+            tail.append(refusal_chunk(enc, event.refusal))
         if calls:
             tail.append(enc.tool_calls(tool_calls_out(calls)))
             if self.trace is not None:
                 self.trace.chunk("tool_calls", 0, tool_call_count=len(calls))
         finish_reason = end_reason(finish_reason, bool(calls))
-        fallback = shaper.fallback(finish_reason, bool(calls))
+        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls))
         if fallback:
             self._emit_content(fallback, fallback=True)
         if self.trace is not None:

@@ -20,6 +20,7 @@ request (:attr:`Decoded.ignored_tools`), never an error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -391,36 +392,101 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
     # any other choice (a hosted tool): the model chooses (auto)
 
 
-def _allowed_tools(choice: dict[str, Any], functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
-    """``tool_choice: {"type": "allowed_tools", "mode", "tools"}``: the functions
-    it lists, the only ones the model is offered, and ``mode`` as the chat
-    ``tool_choice``. A hosted tool in the list is left out, as in ``tools``."""
+def _entry_name(entry: dict[str, Any]) -> Any:
+    """The function an ``allowed_tools`` entry names (Responses: ``name``, with its ``namespace``)."""
+    name = entry.get("name")
+    if isinstance(name, str) and isinstance(entry.get("namespace"), str):
+        name = namespace_name(entry["namespace"], name)
+    return name
+
+
+def _chat_entry_name(entry: dict[str, Any]) -> Any:
+    """The function a chat ``allowed_tools`` entry names: ``{"type": "function", "function": {"name"}}``."""
+    function = entry.get("function")
+    return function.get("name") if isinstance(function, dict) else None
+
+
+def _allowed_tools(
+    choice: dict[str, Any],
+    functions: list[dict[str, Any]],
+    where: str = "tool_choice",
+    name_of: Callable[[dict[str, Any]], Any] = _entry_name,
+) -> tuple[list[dict[str, Any]], str]:
+    """``tool_choice: {"type": "allowed_tools", "mode", "tools"}`` (chat's: its
+    ``allowed_tools`` object, ``where`` then names it): the functions it lists,
+    the only ones the model is offered, and ``mode`` as the chat
+    ``tool_choice``. A hosted or custom tool in the list is left out, as in ``tools``."""
     mode, allowed = choice.get("mode"), choice.get("tools")
     if mode not in ("auto", "required"):
-        raise _bad("Invalid value for `tool_choice.mode`: expected auto or required.", "tool_choice.mode")
+        raise _bad(f"Invalid value for `{where}.mode`: expected auto or required.", f"{where}.mode")
     if not isinstance(allowed, list):
-        raise _bad("Invalid value for `tool_choice.tools`: expected a list.", "tool_choice.tools")
+        raise _bad(f"Invalid value for `{where}.tools`: expected a list.", f"{where}.tools")
     offered = {f["function"]["name"] for f in functions}
     names: set[str] = set()
     for i, entry in enumerate(allowed):
-        param = f"tool_choice.tools[{i}]"
+        param = f"{where}.tools[{i}]"
         if not isinstance(entry, dict):
             raise _bad(f"Invalid value for `{param}`: expected an object.", param)
         if entry.get("type") != "function":
             continue
-        name = entry.get("name")
-        if isinstance(name, str) and isinstance(entry.get("namespace"), str):
-            name = namespace_name(entry["namespace"], name)
+        name = name_of(entry)
         if not isinstance(name, str) or name not in offered:
             raise _bad(f"Invalid value for `{param}`: {name!r} is not a function in `tools`.", param)
         names.add(name)
     kept = [f for f in functions if f["function"]["name"] in names]
     if mode == "required" and not kept:
         raise _bad(
-            "Invalid value for `tool_choice.tools`: mode `required` needs a function tool among them.",
-            "tool_choice.tools",
+            f"Invalid value for `{where}.tools`: mode `required` needs a function tool among them.", f"{where}.tools"
         )
     return kept, mode
+
+
+def chat_tools(chat: dict[str, Any]) -> list[str]:
+    """A chat request's tools as the Responses route takes them, in place: a
+    ``custom`` tool is left out of ``tools`` (its type is returned, to log), a
+    ``custom`` ``tool_choice`` lets the model choose (``auto``), and
+    ``tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``
+    offers the model only the functions it lists (:func:`_allowed_tools`), its
+    ``mode`` the ``tool_choice``. With no function left, ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls`` go (a required or named call is
+    a 400). A malformed tool is kept, for the chat schema's 400 to name it."""
+    tools, choice = chat.get("tools"), chat.get("tool_choice")
+    is_dict = isinstance(choice, dict)
+    kinds = [t.get("type") if isinstance(t, dict) else None for t in tools] if isinstance(tools, list) else []
+    if "custom" not in kinds and not (is_dict and choice.get("type") in ("custom", "allowed_tools")):
+        return []
+    left_out = ["custom" for kind in kinds if kind == "custom"]
+    kept = [t for t, kind in zip(tools or (), kinds, strict=False) if kind != "custom"]
+    if is_dict and choice.get("type") == "custom":
+        choice = "auto"
+    elif is_dict and choice.get("type") == "allowed_tools":
+        inner = choice.get("allowed_tools")
+        if not isinstance(inner, dict):
+            raise _bad(
+                "Invalid value for `tool_choice.allowed_tools`: expected an object.", "tool_choice.allowed_tools"
+            )
+        functions = [t for t in kept if _chat_function(t)]
+        chosen, choice = _allowed_tools(inner, functions, "tool_choice.allowed_tools", _chat_entry_name)
+        chosen_ids = {id(t) for t in chosen}
+        kept = [t for t in kept if not _chat_function(t) or id(t) in chosen_ids]
+    if kept:
+        chat["tools"] = kept
+        if choice is not None:
+            chat["tool_choice"] = choice
+        return left_out
+    if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
+        raise _bad(
+            "Invalid value for `tool_choice`: a required or named tool call needs function `tools`.", "tool_choice"
+        )
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        chat.pop(name, None)
+    return left_out
+
+
+def _chat_function(tool: Any) -> bool:
+    """A well-formed chat function tool (others are left for the chat schema to refuse)."""
+    function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def _function(tool: dict[str, Any], param: str, name: str | None = None) -> dict[str, Any]:
@@ -477,7 +543,10 @@ def usage_json(usage: UsageOut) -> dict[str, Any]:
     details = usage.completion_tokens_details or {}
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0)},
+        "input_tokens_details": {
+            "cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0),
+            "cache_write_tokens": 0,  # no model server behind a node reports it
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage.total_tokens,
@@ -647,6 +716,27 @@ class ResponseEncoder:
         self.output.append(done)
         return events + self._event("response.output_item.done", output_index=index, item=done)
 
+    def refusal(self, text: str) -> bytes:
+        """The model's refusal: a message of its own whose one content part is
+        ``{"type": "refusal"}`` (no ``output_text``), as OpenAI's, with its
+        ``response.refusal.delta`` and ``.done`` events."""
+        head = self._close()
+        item = {"id": self._item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant"}
+        index = len(self.output)
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        part = {"type": "refusal", "refusal": text}
+        done = {**item, "status": "completed", "content": [part]}
+        self.output.append(done)
+        return (
+            head
+            + self._event("response.output_item.added", output_index=index, item={**item, "content": []})
+            + self._event("response.content_part.added", **where, part={"type": "refusal", "refusal": ""})
+            + self._event("response.refusal.delta", **where, delta=text)
+            + self._event("response.refusal.done", **where, refusal=text)
+            + self._event("response.content_part.done", **where, part=part)
+            + self._event("response.output_item.done", output_index=index, item=done)
+        )
+
     def function_calls(self, calls: list[ToolCall], status: str = "completed") -> bytes:
         """The calls' items; ``status`` is ``incomplete`` for calls cut off
         by ``max_output_tokens`` (their arguments may be cut too). Calls past
@@ -711,15 +801,23 @@ class ResponseEncoder:
     # -- whole -----------------------------------------------------------------
 
     def whole(
-        self, content: str, reasoning: str | None, calls: list[ToolCall] | None, usage: UsageOut, finish_reason: str
+        self,
+        content: str,
+        reasoning: str | None,
+        calls: list[ToolCall] | None,
+        usage: UsageOut,
+        finish_reason: str,
+        refusal: str = "",
     ) -> tuple[dict[str, Any], bytes]:
         """A finished run as its output items: the ``response`` object, and the
         stream events that carry them (for a buffered stream)."""
         events = []
         if reasoning is not None:
             events.append(self.reasoning(reasoning))
-        if content or not calls:
+        if content or not (calls or refusal):
             events.append(self.text(content))
+        if refusal:
+            events.append(self.refusal(refusal))
         if calls:
             events.append(self.function_calls(calls, "incomplete" if finish_reason == "length" else "completed"))
         events.append(self.completed(usage, finish_reason))

@@ -88,7 +88,9 @@ async def _respond_whole(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
         turn.outcome = failed.cause
         await turn.ex.respond_error(output.http_error(failed, turn.last_run))
         return
-    response, _ = enc.whole(result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason)
+    response, _ = enc.whole(
+        result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason, result.refusal
+    )
     await turn.ex.respond(200, _encode(response))
 
 
@@ -113,7 +115,7 @@ class ResponsesBuffered:
 
     def whole(self, run: Run, result: Collected) -> bytes:
         _, events = self.enc.whole(
-            result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason
+            result.content, result.reasoning, result.tool_calls, result.usage, result.finish_reason, result.refusal
         )
         return events
 
@@ -143,9 +145,11 @@ class ResponsesLive(output.LiveEncoder):
         shaper.finish()
         finish_reason = event.finish_reason or "stop"
         calls = event.tool_calls  # none asked for (no tools): shown as the model made them
-        fallback = shaper.fallback(finish_reason, bool(calls))
+        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls))
         tail = [self.enc.text(fallback)] if fallback else []
-        if not tail and not calls and self.enc.empty:
+        if event.refusal:
+            tail.append(self.enc.refusal(event.refusal))
+        elif not tail and not calls and self.enc.empty:
             tail.append(self.enc.text(""))  # an empty answer is one empty message, as a whole response has
         if calls:
             status = "incomplete" if finish_reason == "length" else "completed"

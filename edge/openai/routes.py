@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import structlog
 import trio
 
-from edge.anthropic.messages import ANTHROPIC_ERRORS, count_tokens, messages
+from edge.anthropic.messages import ANTHROPIC_ERRORS, MessagesExchange, count_tokens, messages, no_such_route
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
 from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange, new_request_id
@@ -46,6 +46,8 @@ class Route(NamedTuple):
     handler: Handler
     api: str  # the access line's ``api``: which front door
     errors: ErrorShape = OPENAI_ERRORS
+    exchange: type[Exchange] = Exchange  # (the Messages routes' adds Anthropic's ``request-id``)
+    post_only: bool = True  # any other method is a 405
 
 
 ROUTES: dict[str, Route] = {
@@ -53,9 +55,12 @@ ROUTES: dict[str, Route] = {
     "/v1/completions": Route(tunnel_route("/completions"), "completions"),
     "/v1/embeddings": Route(tunnel_route("/embeddings"), "embeddings"),
     "/v1/responses": Route(create_response, "responses"),
-    "/v1/messages": Route(messages, "messages", ANTHROPIC_ERRORS),
-    "/v1/messages/count_tokens": Route(count_tokens, "messages", ANTHROPIC_ERRORS),
+    "/v1/messages": Route(messages, "messages", ANTHROPIC_ERRORS, MessagesExchange),
+    "/v1/messages/count_tokens": Route(count_tokens, "messages", ANTHROPIC_ERRORS, MessagesExchange),
 }
+# Any other path under /v1/messages/ (the Batches API, ...): Anthropic's 404, whatever the method.
+_MESSAGES_PREFIX = "/v1/messages/"
+_MESSAGES_NOT_FOUND = Route(no_such_route, "messages", ANTHROPIC_ERRORS, MessagesExchange, post_only=False)
 
 CLIENT_CLOSED = 499  # the access line's status when the client left before any response (nginx's)
 _MAX_MODEL_LOGGED = 256  # a model name is the client's string: bounded in the log
@@ -66,9 +71,12 @@ def openai_routes(edge: Edge, quart_asgi):
         """The app, called: not a coroutine, so no frame of its own that
         every open stream holds (:class:`edge.app_queue._Direct` calls this)."""
         if scope["type"] == "http":
-            route = ROUTES.get(scope["path"])
+            path = scope["path"]
+            route = ROUTES.get(path)
+            if route is None and path.startswith(_MESSAGES_PREFIX):
+                route = _MESSAGES_NOT_FOUND
             if route is not None:
-                return _serve(edge, route, Exchange(scope, receive, send))
+                return _serve(edge, route, route.exchange(scope, receive, send))
             return _serve_quart(edge, quart_asgi, scope, receive, send)
         return quart_asgi(scope, receive, send)
 
@@ -110,7 +118,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         with trio.CancelScope() as scope:
             async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
                 try:
-                    if ex.scope["method"] != "POST":
+                    if route.post_only and ex.scope["method"] != "POST":
                         raise APIError(
                             405,
                             "Method not allowed; use POST.",

@@ -136,6 +136,7 @@ class ResponseMessage(msgspec.Struct, omit_defaults=True):
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = None  # the model declined: its words (content is null then)
 
 
 class CompletionChoice(msgspec.Struct):

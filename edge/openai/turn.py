@@ -230,6 +230,7 @@ class Collected(msgspec.Struct):
     normalized: bool = False
     tool_error: str = ""  # a tool call block that could not be read
     stop: str = ""  # the stop sequence that ended the run, when the model server said which
+    refusal: str = ""  # the model's refusal (OpenAI's ``refusal``): it declined to answer
 
 
 def failure(event: RunEvent, run: Run) -> RunFailed:
@@ -314,11 +315,13 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
         if not holds_xml_tool_use(content, policy.xml_completion_tool):
             content = wrap_in_completion_tool(content, policy.xml_completion_tool)
             normalized = True
-    fallback = shaper.fallback(finish_reason, bool(tool_calls))
+    fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(tool_calls))
     if fallback:
         content = fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
-    return Collected(content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error, event.stop)
+    return Collected(
+        content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error, event.stop, event.refusal
+    )
 
 
 async def collect_validated(

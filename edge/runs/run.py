@@ -55,8 +55,8 @@ def _size(item: RunEvent | TunnelFrame) -> int:
     """The bytes an event or tunnel frame holds (its text at most 4 a character)."""
     if type(item) is RunEvent:
         size = _text_bytes(item.text)
-        if item.finish_reason or item.stop or item.tool_calls:  # rare: a complete, or a node's oddity
-            size += _text_bytes(item.finish_reason) + _text_bytes(item.stop)
+        if item.finish_reason or item.stop or item.tool_calls or item.refusal:  # rare: a complete, or a node's oddity
+            size += _text_bytes(item.finish_reason) + _text_bytes(item.stop) + _text_bytes(item.refusal)
             for call in item.tool_calls or ():
                 function = call.function
                 size += _text_bytes(call.id) + _text_bytes(call.type)

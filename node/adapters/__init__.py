@@ -33,7 +33,12 @@ class Sink(Protocol):
     def reasoning_nowait(self, text: str, parts: int = 1) -> bool: ...
     async def room(self) -> None: ...
     async def complete(
-        self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage: Usage | None = None, stop: str = ""
+        self,
+        finish_reason: str,
+        tool_calls: list[ToolCall] | None = None,
+        usage: Usage | None = None,
+        stop: str = "",
+        refusal: str = "",  # the model's refusal text, whole (OpenAI's ``refusal``)
     ) -> None: ...
     async def error(self, message: str, status: int = 0) -> None: ...
 

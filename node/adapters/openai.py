@@ -40,6 +40,7 @@ class _Delta(msgspec.Struct):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    refusal: str | None = None  # OpenAI's: the model declined (content stays empty)
     tool_calls: list[_ToolCallDelta] | None = None
 
 
@@ -84,6 +85,9 @@ _MAX_FINISH = 64  # a longer finish_reason is cut to this
 # would hold them all until the end, and no frame could carry them).
 _MAX_TOOL_BYTES = 8 * 1024 * 1024
 _MAX_TOOL_CALLS = 1024
+# A refusal is held whole until the end (it travels on the run's complete event): past this
+# many characters the run fails. OpenAI's are a sentence.
+_MAX_REFUSAL = 64 * 1024
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -189,7 +193,13 @@ class OpenAIAdapter:
                     break
                 await sink.room()  # feed() said stop and nothing ended: the outbox is full
             if relay.end == _DONE:
-                await sink.complete(relay.finish_reason or "stop", _ordered(relay.calls), relay.usage, stop=relay.stop)
+                await sink.complete(
+                    relay.finish_reason or "stop",
+                    _ordered(relay.calls),
+                    relay.usage,
+                    stop=relay.stop,
+                    refusal="".join(relay.refusal),
+                )
                 with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
                     while await response.read():
                         pass
@@ -197,7 +207,13 @@ class OpenAIAdapter:
                 self._log_failure(relay.failure, run_id)
                 await sink.error(relay.message)
             elif relay.finish_reason:  # the body ended without [DONE]: still an answer if it said why it stopped
-                await sink.complete(relay.finish_reason, _ordered(relay.calls), relay.usage, stop=relay.stop)
+                await sink.complete(
+                    relay.finish_reason,
+                    _ordered(relay.calls),
+                    relay.usage,
+                    stop=relay.stop,
+                    refusal="".join(relay.refusal),
+                )
             else:
                 self._log_failure("stream closed before it finished", run_id)
                 kind = _header(response, b"content-type") or b"no content-type"
@@ -225,6 +241,8 @@ class _Relay:
         "usage",
         "calls",
         "tool_bytes",
+        "refusal",
+        "refusal_len",
         "end",
         "failure",
         "message",
@@ -239,6 +257,8 @@ class _Relay:
         self.stop = ""  # the stop sequence the model server said ended it
         self.calls: dict[int, _Call] = {}
         self.tool_bytes = 0  # what the calls hold so far
+        self.refusal: list[str] = []  # the refusal's pieces, joined at the end
+        self.refusal_len = 0
         self.end = 0  # _DONE ([DONE] came) or _FAILED (then failure and message)
         self.failure = ""
         self.message = ""
@@ -305,6 +325,15 @@ class _Relay:
                             texts = []
                         kind = _CONTENT
                         texts.append(delta.content)
+                    if delta.refusal:
+                        self.refusal.append(delta.refusal)
+                        self.refusal_len += len(delta.refusal)
+                        if self.refusal_len > _MAX_REFUSAL:
+                            if texts:
+                                self._emit(kind, texts)
+                            return self._fail(
+                                "refusal too large", f"upstream's refusal passed {_MAX_REFUSAL} characters"
+                            )
                     if delta.tool_calls:
                         self.tool_bytes += _merge_tool_calls(self.calls, delta.tool_calls)
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > _MAX_TOOL_CALLS:
