@@ -211,16 +211,21 @@ class RunSink:
 
 class _Slot:
     """A run's hold on one of its model's slots on this node, given back once:
-    when its answer is whole (:meth:`RunSink.complete`) or when its task ends."""
+    when its answer is whole (:meth:`RunSink.complete`) or when its task ends.
+    While held, the run's cancel scope is in ``holders`` (the model's)."""
 
-    __slots__ = ("_semaphore",)
+    __slots__ = ("_semaphore", "_holders", "_scope")
 
-    def __init__(self, semaphore: trio.Semaphore) -> None:
+    def __init__(self, semaphore: trio.Semaphore, holders: set[trio.CancelScope], scope: trio.CancelScope) -> None:
         self._semaphore: trio.Semaphore | None = semaphore
+        self._holders = holders
+        self._scope = scope
+        holders.add(scope)
 
     def release(self) -> None:
         semaphore, self._semaphore = self._semaphore, None
         if semaphore is not None:
+            self._holders.discard(self._scope)
             semaphore.release()
 
 
@@ -376,15 +381,18 @@ class EdgeLink:
                 if refusal is not None:
                     await sink.error(refusal)
                     return
-                slots = agent.slots[request.model]
-                if slots.value == 0:  # grants should make this impossible: count it
+                slots, holders = agent.slots[request.model], agent.holders[request.model]
+                # Grants should make a wait impossible (count it), but for a slot still held by a run
+                # the edge cancelled: the edge counts it free at once, the run gives it back as its
+                # task unwinds (its upstream request closed), a few ms later.
+                if slots.value == 0 and not any(held.cancel_called for held in holders):
                     agent.slot_waits += 1
                     log.warning("run waits for a slot on the node", run_id=request.run_id, model=request.model)
                 try:  # a free slot (the usual case) is taken without a pass through the scheduler
                     slots.acquire_nowait()
                 except trio.WouldBlock:
                     await slots.acquire()
-                slot = _Slot(slots)
+                slot = _Slot(slots, holders, scope)
                 if isinstance(sink, RunSink):
                     sink.slot = slot
                 try:
@@ -479,6 +487,7 @@ class NodeAgent:
         self.grants = {m.name: GrantBook(m.name, m.max_concurrency) for m in config.models}
         self.beyond_grant = 0  # runs an edge sent beyond its grant (served anyway)
         self.slot_waits = 0
+        self.holders: dict[str, set[trio.CancelScope]] = {m.name: set() for m in config.models}  # (_Slot)
         self.passthrough = {m.name: m.passthrough for m in config.models}
         self.links: dict[str, EdgeLink] = {}
         self.draining = False
