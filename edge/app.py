@@ -23,7 +23,9 @@ from quart_trio import QuartTrio
 from edge.admin import admin_routes, is_admin
 from edge.app_queue import install as install_app_queue
 from edge.config import EdgeConfig, load_edge_config
+from edge.connection import close as close_connections
 from edge.connection import install as install_connection_guard
+from edge.connection import stuck as stuck_connections
 from edge.console import Console, console_routes
 from edge.errors import APIError, error_json, final_headers, model_not_found
 from edge.frame_limit import install as install_frame_limit
@@ -109,6 +111,15 @@ class Edge:
         for link in list(self.runs.links.values()):
             link.kill("edge shutting down", code=1001)
         self.console.close()
+        # What is still open a second on is stuck (a write to a client that reads nothing, a body
+        # that never came): closed, so the edge exits. (Once, at shutdown: polled.)
+        with trio.move_on_after(1):
+            while self.runs.links or stuck_connections(self):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        left = stuck_connections(self)
+        if left:
+            close_connections(left)
+            log.info("drained: closed the connections still stuck", connections=len(left))
 
     def refuse_request(self, ex: Exchange) -> APIError | None:
         """Authentication and drain checks for the API routes."""

@@ -21,7 +21,8 @@ lock, met that detector.
   hypercorn waited for as long as the peer kept it open;
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
-  was.
+  was. While it runs, the connection is in :data:`OPEN`, for
+  :func:`stuck` and :func:`close` at the end of a drain.
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
 refuses a ``TCPServer`` that lacks what it wraps.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import functools
 
+import h11
 import structlog
 import trio
 from hypercorn.events import Closed, RawData
@@ -40,6 +42,37 @@ from edge.reads import linger
 from edge.send_lock import send_within
 
 log = structlog.get_logger("iop.edge.http")
+
+OPEN: set[TCPServer] = set()  # the connections being served (run)
+
+
+def stuck(edge: object) -> list[TCPServer]:
+    """The connections ``edge`` serves (its hypercorn config's ``iop_edge``, which
+    edge.serve sets) that are stuck at the end of a drain: a write waiting on
+    its peer, or an HTTP/1.1 request whose body is still arriving."""
+    found = []
+    for server in OPEN:
+        if getattr(server.config, "iop_edge", None) is not edge:
+            continue
+        connection = getattr(getattr(server.protocol, "protocol", None), "connection", None)
+        if server.send_lock.locked() or (
+            type(connection) is h11.Connection and connection.their_state is h11.SEND_BODY
+        ):
+            found.append(server)
+    return found
+
+
+def close(servers: list[TCPServer]) -> None:
+    """Close these connections' sockets now. A write waiting on a peer that
+    takes nothing is shielded and bounded only by ``write_timeout_s`` (60 s):
+    one client that stopped reading held the edge's exit that long past its
+    grace. Closing the socket ends that write, the connection's reader and a
+    request still waiting for its body."""
+    for server in servers:
+        stream = server.stream
+        sock = getattr(stream, "socket", None) or getattr(getattr(stream, "transport_stream", None), "socket", None)
+        if sock is not None and sock.fileno() >= 0:
+            sock.close()  # (trio's: tasks waiting on it get ClosedResourceError)
 
 
 def install() -> None:
@@ -69,10 +102,13 @@ def install() -> None:
 
     @functools.wraps(hypercorn_run)
     async def run(self: TCPServer) -> None:
+        OPEN.add(self)
         try:
             await hypercorn_run(self)
         except Exception:
             log.exception("connection failed; closed it, the edge goes on")
+        finally:
+            OPEN.discard(self)
 
     protocol_send.iop_guarded = True  # type: ignore[attr-defined]
     run.iop_guarded = True  # type: ignore[attr-defined]

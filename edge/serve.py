@@ -9,6 +9,8 @@ from quart_trio import QuartTrio
 
 from edge.app import edge_of
 
+SHUTDOWN_TAIL_S = 2.0
+
 
 def hypercorn_config(app: QuartTrio, bind: str, *, certfile: str | None = None, keyfile: str | None = None):
     cfg = edge_of(app).config
@@ -16,11 +18,15 @@ def hypercorn_config(app: QuartTrio, bind: str, *, certfile: str | None = None, 
     hc.bind = [bind]
     hc.backlog = cfg.backlog
     hc.accesslog = None
-    hc.graceful_timeout = cfg.drain_grace_s
+    # hypercorn's own grace comes after the edge's drain (shutdown_trigger), which gave runs
+    # theirs and closed what was left: this is only for the last bytes (it was drain_grace_s
+    # again: a request still sending its body held the exit twice the grace, then got a bare 500).
+    hc.graceful_timeout = SHUTDOWN_TAIL_S
     hc.websocket_max_message_size = cfg.max_frame_bytes
     hc.keep_alive_timeout = 75
     hc.read_timeout = None
     hc.iop_write_timeout_s = cfg.write_timeout_s  # (edge.send_lock: each connection's sends)
+    hc.iop_edge = edge_of(app)  # (edge.connection.close_all: the connections this edge serves)
     if certfile:
         hc.certfile = certfile
         hc.keyfile = keyfile

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import structlog
@@ -439,6 +440,38 @@ async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
             assert body.endswith(b"data: [DONE]\n\n") and b"tok14" in body and b"error" not in body
             await trio.to_thread.run_sync(proc.wait, BOUND)
         assert proc.returncode == 0
+    finally:
+        _stop(proc)
+
+
+async def test_sigterm_ends_within_the_grace_with_a_client_that_reads_nothing_and_a_body_never_sent(
+    nursery, tmp_path, upstream
+):
+    """A client that stopped reading a long stream held the edge's exit until its write timed
+    out (`write_timeout_s`, 60 s: 62.8 s after SIGTERM with a grace of 8), and a request whose
+    body never finished held it a second grace, then got hypercorn's bare 500. At the end of
+    the drain the edge closes what is still open: it exits within moments of its grace."""
+    upstream.script_for("m-target", lambda body: text_script(words(400_000), interval=0))
+    proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=1)
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        with trio.fail_after(BOUND):
+            stuck = trio.socket.socket()
+            stuck.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+            await stuck.connect((host, int(port)))
+            body = msgspec.json.encode({**BODY, "max_tokens": None, "stream": True})
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            await stuck.send(head + b"content-length: %d\r\n\r\n" % len(body) + body)  # and reads nothing
+            await upstream.wait_requests(1)
+            unsent = trio.socket.socket()
+            await unsent.connect((host, int(port)))
+            await unsent.send(head + b"content-length: 1000\r\n\r\n{")  # and the rest never comes
+            await trio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            await trio.to_thread.run_sync(proc.wait, BOUND)  # (before: 60 s and more)
+        assert proc.returncode == 0
+        stuck.close()
+        unsent.close()
     finally:
         _stop(proc)
 
