@@ -72,6 +72,51 @@ def sim_tokens(prompt: str, count: int) -> Iterator[str]:
         yield word if i == 0 else " " + word
 
 
+class _StopScan:
+    """Stop strings found in text fed a piece at a time, each with the state of its
+    Knuth-Morris-Pratt matcher: how much of its start the text so far ends with. That
+    much is held back (:attr:`longest_start`): a model server returns no part of a stop
+    string, and one may span two tokens. Each character costs a step per stop string,
+    however long they are."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.failure = [_failure(stop) for stop in stops]
+        self.state = [0] * len(stops)
+
+    def feed(self, piece: str) -> int | None:
+        """Where in ``piece`` the first stop string found ends; None: none ends in it."""
+        for at, ch in enumerate(piece):
+            for n, stop in enumerate(self.stops):
+                k, fail = self.state[n], self.failure[n]
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):
+                    return at + 1
+                self.state[n] = k
+        return None
+
+    @property
+    def longest_start(self) -> int:
+        """The length of the longest end of the text so far that a stop string starts with."""
+        return max(self.state)
+
+
+def _failure(stop: str) -> list[int]:
+    """For each prefix of ``stop``, the longest proper prefix that is also its suffix."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
 class SimAdapter:
     def __init__(self, model: ModelConfig, counters: Counters) -> None:
         self.model = model
@@ -164,25 +209,32 @@ class SimAdapter:
             start = trio.current_time() + self.model.ttft_ms / 1000 + prefill_s
             await trio.sleep_until(start)
             tps = self.model.tokens_per_s
-            stops = _stops(body) if call is None else ()
-            tail = ""  # the end of the text so far, as long as the longest stop string less one
-            keep = max((len(stop) for stop in stops), default=1) - 1
+            stop_strings = _stops(body) if call is None else ()
+            stops = _StopScan(stop_strings) if stop_strings else None
+            held = ""  # text not sent yet: it may be the start of a stop string
             for i, token in enumerate(tokens):
                 if tps > 0 and i:
                     await trio.sleep_until(start + i / tps)
                 elif i % 64 == 0:
                     await trio.lowlevel.checkpoint()
-                if stops:
-                    window = tail + token
-                    found = [(window.find(stop), stop) for stop in stops if stop in window]
-                    if found:  # as a model server stops: the text before the stop string, and which it was
-                        at, matched = min(found)
-                        if at > len(tail):
-                            await sink.delta(token[: at - len(tail)])
-                        count, finish = i + 1, "stop"
-                        break
-                    tail = window[-keep:] if keep else ""
-                await sink.delta(token)
+                if stops is None:
+                    await sink.delta(token)
+                    continue
+                text = held + token
+                end = stops.feed(token)
+                if end is not None:  # as a model server stops: the text before the stop string, and which it was
+                    text = text[: len(held) + end]
+                    at, matched = min((text.find(stop), stop) for stop in stops.stops if stop in text)
+                    if at:
+                        await sink.delta(text[:at])
+                    held, count, finish = "", i + 1, "stop"
+                    break
+                keep = stops.longest_start
+                if len(text) > keep:
+                    await sink.delta(text[: len(text) - keep])
+                held = text[len(text) - keep :]
+            if held:  # the end of the answer: no stop string after all
+                await sink.delta(held)
         finally:
             self.counters.active_upstream -= 1
             self.active -= 1

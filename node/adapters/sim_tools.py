@@ -10,12 +10,17 @@ after tool results, a sentence saying what each returned.
 The arguments satisfy the tool's JSON Schema (:func:`sample`): ``const``,
 ``enum``, ``default`` and ``examples`` are used as given; otherwise a string,
 number or integer is a plain value within its bounds (lengths, minimum and
-maximum, ``multipleOf``, common formats), an array has ``minItems`` items
-(none by default), an object its required properties (and up to
-``minProperties``); ``allOf`` is merged, ``anyOf``/``oneOf`` take their first
-branch and local ``$ref``s are followed. A ``pattern`` is not followed: give
-such a property an example. The work is bounded (:class:`_Budget`): past
-10,000 values or 64 KiB of text a value is cut short.
+maximum, ``multipleOf``, common formats), a string with a ``pattern`` one
+made from the pattern (:class:`_PatternText`), an array has ``minItems``
+items (none by default; distinct ones for ``uniqueItems``), an object its
+required properties and up to ``minProperties`` (from ``properties``,
+``patternProperties``, else names valid for ``propertyNames``); ``allOf``
+is merged and local ``$ref``s are followed. ``anyOf``, ``oneOf``, ``if``
+and ``not`` are tried (:func:`_first_valid`): a branch's value, checked
+with ``jsonschema`` against the whole schema, else the next. The work is
+bounded (:class:`_Budget`): past 10,000 values or 64 KiB of text a value is
+cut short, and past a quarter of a second of checks and patterns the first
+try is taken unchecked.
 
 A ``response_format`` of ``json_schema`` gets a value of its schema made the
 same way, as the answer's text; ``json_object`` gets a small object
@@ -24,12 +29,24 @@ same way, as the answer's text; ``json_object`` gets a small object
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import re
+import re._constants as _c
+import re._parser as _parser
+import string
+import threading
+import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import msgspec
+import referencing
+import referencing.exceptions
+import regex
 
 from proto import ToolCall, ToolCallFunction
 
@@ -156,75 +173,137 @@ class _Budget:
     (a value is None, an array or string shorter than its minimum): a
     300-byte schema whose definition requires itself three times asked for
     3^32 values (the node at 100% CPU, growing 25 MB/s, deaf to SIGTERM),
-    and ``minLength: 1e9`` for a 1 GB string."""
+    and ``minLength: 1e9`` for a 1 GB string. Checks (:meth:`valid`) and
+    patterns (:meth:`matches`, :class:`_PatternText`) have their own bound:
+    :data:`_MAX_CHECKS` checks and :data:`_CHECK_S` seconds in all, each
+    regex with a deadline, as they run on the node's event loop."""
 
-    __slots__ = ("values", "chars", "merged", "refs", "combined")
+    __slots__ = (
+        "values",
+        "chars",
+        "merged",
+        "refs",
+        "combined",
+        "root",
+        "checker",
+        "checks",
+        "deadline",
+        "steps",
+        "patterns",
+        "tops",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, root: Any) -> None:
         self.values = _MAX_VALUES
         self.chars = _MAX_CHARS
         self.merged = _MAX_MERGED  # schema keys copied merging allOf parts and $ref siblings
         self.refs: dict[str, Any] = {}  # each $ref resolved once: a path may be as long as the request
-        # What each schema with a $ref, allOf or anyOf stands for, worked out once (by id:
-        # the schema is kept with it, so the id is not reused): 10,000 items of a $ref
+        # What each schema with a $ref, allOf, anyOf, oneOf, if or not stands for, worked out once
+        # (by id: the schema is kept with it, so the id is not reused): 10,000 items of a $ref
         # with a sibling copied its definition 10,000 times.
         self.combined: dict[int, tuple[Any, Any]] = {}
+        self.root = root
+        self.checker: Any = None  # made at the first check
+        self.checks = _MAX_CHECKS
+        self.deadline = time.monotonic() + _CHECK_S
+        self.steps = _MAX_PATTERN_STEPS  # pattern characters parsed and pattern nodes walked
+        self.patterns: dict[str, Any] = {}  # each pattern parsed once (None: it cannot be)
+        self.tops: set[int] = set()  # ids of the schemas the root stands for (kept in `combined`)
 
     def text(self, value: str) -> str:
         self.chars -= len(value)
         return value
 
+    def valid(self, value: Any, schema: Any) -> bool | None:
+        """Whether ``value`` satisfies ``schema`` (a part of the root, or made of its parts),
+        as the edge checks it; None: not known (past the bound, or a keyword not checked here)."""
+        if self.checks <= 0 or not isinstance(self.root, dict) or time.monotonic() > self.deadline:
+            return None
+        self.checks -= 1
+        _limits.deadline = self.deadline
+        try:
+            if self.checker is None:
+                cls = jsonschema.validators.validator_for(self.root, default=jsonschema.Draft202012Validator)
+                self.checker = _checking(cls)(self.root, registry=_NO_RETRIEVAL)
+            return self.checker.evolve(schema=schema).is_valid(value)
+        except Exception:  # _Unsure, or a schema the validator cannot use: the edge will say
+            return None
+
+    def matches(self, pattern: str, text: str) -> bool | None:
+        """Whether ``pattern`` finds a match in ``text``, as the edge's ``regex`` does; None: not known."""
+        _limits.deadline = self.deadline
+        try:
+            return _search(pattern, text) is not None
+        except Exception:  # _Unsure, or a pattern `regex` does not take
+            return None
+
 
 _MAX_VALUES = 10_000
 _MAX_CHARS = 64 * 1024  # of strings made or taken from the schema
 _MAX_MERGED = 100_000
+_MAX_CHECKS = 1_000
+_CHECK_S = 0.25
+_MAX_PATTERN_STEPS = 200_000
+_MAX_PATTERN = 16 * 1024  # characters of one pattern the sim reads
+_TRIES = 3  # variants of each alternative tried (:func:`_first_valid`)
+_MAX_ALTERNATIVES = 8  # branches of an anyOf or oneOf tried
+_PATTERN_TRIES = 3
 
 
 def sample(schema: Any, *, object_root: bool = False) -> Any:
     """A value that satisfies ``schema`` (see the module docstring for what is
     covered), made in bounded time and space (:class:`_Budget`)."""
-    value = _sample(schema, schema, 0, _Budget())
+    value = _sample(schema, schema, 0, _Budget(schema))
     if object_root and not isinstance(value, dict):
         return {}
     return value
 
 
-def _sample(schema: Any, root: Any, depth: int, budget: _Budget) -> Any:
+def _sample(schema: Any, root: Any, depth: int, budget: _Budget, nth: int = 0) -> Any:
+    """A value of ``schema``; ``nth`` > 0 asks for another one where the schema allows
+    (the nth variant: unique items, and a try that another branch matched too)."""
     if depth > _MAX_DEPTH or budget.values <= 0 or budget.merged < 0:
         return None
     if not isinstance(schema, dict):  # true, or a missing schema: anything goes
         budget.values -= 1
-        return {} if depth == 0 else "sim"
+        return {} if depth == 0 or id(schema) in budget.tops else _plain(nth, None, None)
     if "const" in schema:
         return _given(schema["const"], budget)
     if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return _given(schema["enum"][0], budget)
-    if "default" in schema:
-        return _given(schema["default"], budget)
-    if isinstance(schema.get("examples"), list) and schema["examples"]:
-        return _given(schema["examples"][0], budget)
+        return _given(schema["enum"][nth % len(schema["enum"])], budget)
+    given = [schema["default"]] if "default" in schema else []
+    if isinstance(schema.get("examples"), list):
+        given += schema["examples"]
+    if nth < len(given):
+        return _given(given[nth], budget)
+    top = depth == 0 or id(schema) in budget.tops
     combined = budget.combined.get(id(schema))
     if combined is None:
         combined = budget.combined[id(schema)] = (schema, _combine(schema, root, budget))
+        if top and combined[1] is not None:  # what the root stands for is the root too: an object by default
+            budget.tops.update(map(id, combined[1] if isinstance(combined[1], list) else [combined[1]]))
+    if isinstance(combined[1], list):
+        return _first_valid(schema, combined[1], root, depth, budget, nth)
     if combined[1] is not None:  # a step toward a value (at most _MAX_DEPTH of them), not one
-        return _sample(combined[1], root, depth + 1, budget)
+        return _sample(combined[1], root, depth + 1, budget, nth)
     budget.values -= 1
-    kind = _type_of(schema, depth)
+    kind = _type_of(schema, top)
     if kind == "object":
-        return _object(schema, root, depth, budget)
+        return _object(schema, root, depth, budget, nth)
     if kind == "array":
-        return _array(schema, root, depth, budget)
+        return _array(schema, root, depth, budget, nth)
     if kind in ("integer", "number"):
-        return _number(schema, integer=kind == "integer")
+        return _number(schema, integer=kind == "integer", nth=nth)
     if kind == "boolean":
-        return True
+        return nth % 2 == 0
     if kind == "null":
         return None
-    return _string(schema, budget)
+    return _string(schema, budget, nth)
 
 
-def _combine(schema: dict[str, Any], root: Any, budget: _Budget) -> dict[str, Any] | None:
-    """The one schema a ``$ref``, ``allOf`` or ``anyOf``/``oneOf`` stands for; None: none there."""
+def _combine(schema: dict[str, Any], root: Any, budget: _Budget) -> dict[str, Any] | list[Any] | None:
+    """The one schema a ``$ref`` or ``allOf`` stands for; the schemas to try, in turn, for
+    ``anyOf``, ``oneOf``, ``if`` and ``not`` (:func:`_first_valid`); None: none there."""
     ref = schema.get("$ref")
     if isinstance(ref, str):
         rest = {k: v for k, v in schema.items() if k != "$ref"}
@@ -240,8 +319,35 @@ def _combine(schema: dict[str, Any], root: Any, budget: _Budget) -> dict[str, An
         branches = schema.get(key)
         if isinstance(branches, list) and branches:
             rest = {k: v for k, v in schema.items() if k != key}
-            return _merge(rest, _deref(branches[0], root, budget), budget)
+            return [_merge(rest, _deref(b, root, budget), budget) for b in branches[:_MAX_ALTERNATIVES]]
+    if "if" in schema:
+        rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+        # The value of `then` when it matches `if`; else the value of `else`.
+        return [_merge(rest, _deref(schema.get(k, True), root, budget), budget) for k in ("then", "else")]
+    if "not" in schema:  # other variants of the rest until one is not what `not` says
+        return [{k: v for k, v in schema.items() if k != "not"}]
     return None
+
+
+def _first_valid(schema: dict[str, Any], tries: list[Any], root: Any, depth: int, budget: _Budget, nth: int) -> Any:
+    """The first value of ``tries`` (each in up to :data:`_TRIES` variants) that ``schema``
+    takes as a whole (a oneOf's branch that no other branch matches, a then that its if
+    matches); the first value made when none does or the check cannot tell."""
+    first: Any = None
+    made = False
+    for variant in range(_TRIES):
+        for candidate in tries:
+            if budget.values <= 0:
+                return first
+            value = _sample(candidate, root, depth + 1, budget, nth + variant)
+            if not made:
+                first, made = value, True
+            verdict = budget.valid(value, schema)
+            if verdict is None:  # past the bound: as the first try
+                return first
+            if verdict:
+                return value
+    return first
 
 
 def _given(value: Any, budget: _Budget) -> Any:
@@ -257,7 +363,7 @@ def _given(value: Any, budget: _Budget) -> Any:
     return value
 
 
-def _type_of(schema: dict[str, Any], depth: int) -> str:
+def _type_of(schema: dict[str, Any], top: bool) -> str:
     kind = schema.get("type")
     if isinstance(kind, list):
         kinds = [k for k in kind if isinstance(k, str)]
@@ -270,29 +376,63 @@ def _type_of(schema: dict[str, Any], depth: int) -> str:
         return "array"
     if any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")):
         return "number"
-    return "object" if depth == 0 else "string"
+    return "object" if top else "string"
 
 
-def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget) -> dict[str, Any]:
+def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth: int) -> dict[str, Any]:
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
     extra = schema.get("additionalProperties")
     required = schema.get("required")
     names = list(dict.fromkeys(n for n in required if isinstance(n, str))) if isinstance(required, list) else []
     wanted = schema.get("minProperties")
-    if isinstance(wanted, int) and wanted > len(names):
+    wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0
+    if wanted > len(names):
         chosen = set(names)
         names += itertools.islice((n for n in properties if n not in chosen), wanted - len(names))
     out: dict[str, Any] = {}
     for name in names:
         if budget.values <= 0:
             break
-        out[budget.text(name)] = _sample(
-            properties.get(name, extra if isinstance(extra, dict) else True), root, depth + 1, budget
-        )
+        value_schema = _property_schema(name, properties, patterns, extra, budget)
+        out[budget.text(name)] = _sample(value_schema, root, depth + 1, budget, 0 if out else nth)
+    if wanted > len(out):
+        _more_properties(out, wanted, schema, patterns, root, depth, budget)
     return out
 
 
-def _array(schema: dict[str, Any], root: Any, depth: int, budget: _Budget) -> list[Any]:
+def _property_schema(name: str, properties: dict[str, Any], patterns: dict[str, Any], extra: Any, budget: _Budget):
+    """The schema a property's value must satisfy (the first pattern matching its name, of several)."""
+    if name in properties:
+        return properties[name]
+    for pattern, subschema in patterns.items():
+        if budget.matches(pattern, name):
+            return subschema
+    return extra if isinstance(extra, dict) else True
+
+
+def _more_properties(
+    out: dict[str, Any], wanted: int, schema: dict[str, Any], patterns: dict[str, Any], root, depth, budget
+) -> None:
+    """Properties past those ``properties`` has, up to ``minProperties``: names made for
+    ``patternProperties`` when no others are allowed, else names valid for ``propertyNames``."""
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    extra = schema.get("additionalProperties")
+    if extra is False:
+        makers = [{"type": "string", "pattern": p} for p in patterns if isinstance(p, str)]
+    else:
+        names = schema.get("propertyNames")
+        makers = [_merge({"type": "string"}, names, budget) if isinstance(names, dict) else {"type": "string"}]
+    for k in range(wanted - len(out) + 16):  # names already taken are skipped: a few more tries
+        if len(out) >= wanted or budget.values <= 0 or not makers:
+            return
+        name = _sample(makers[k % len(makers)], root, depth + 1, budget, k // len(makers))
+        if isinstance(name, str) and name not in out and name not in properties:
+            value_schema = _property_schema(name, properties, patterns, extra, budget)
+            out[budget.text(name)] = _sample(value_schema, root, depth + 1, budget)
+
+
+def _array(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth: int) -> list[Any]:
     prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
     items = schema.get("items")
     if isinstance(items, list):  # draft 4-7 tuple form
@@ -303,10 +443,40 @@ def _array(schema: dict[str, Any], root: Any, depth: int, budget: _Budget) -> li
     if items is False:
         count = min(count, len(prefix))
     count = min(count, max(budget.values, 0))  # each item is a value at least
-    return [_sample(prefix[i] if i < len(prefix) else items, root, depth + 1, budget) for i in range(count)]
+    if schema.get("uniqueItems") is not True:  # the first item varies with the array
+        return [
+            _sample(prefix[i] if i < len(prefix) else items, root, depth + 1, budget, 0 if i else nth)
+            for i in range(count)
+        ]
+    out: list[Any] = []
+    seen: set[Any] = set()
+    variant = nth
+    for i in range(count):
+        for _ in range(_TRIES):  # the next variant until a new value (a few at most)
+            value = _sample(prefix[i] if i < len(prefix) else items, root, depth + 1, budget, variant)
+            variant += 1
+            key = _unique_key(value)
+            if key not in seen or budget.values <= 0:
+                break
+        seen.add(key)
+        out.append(value)
+    return out
 
 
-def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
+def _unique_key(value: Any) -> Any:
+    """Equal exactly when JSON Schema's uniqueItems calls two values equal (1 and 1.0, not true and 1)."""
+    if isinstance(value, bool) or value is None:
+        return (0, value)
+    if isinstance(value, (int, float)):
+        return (1, value)
+    if isinstance(value, str):
+        return (2, value)
+    if isinstance(value, dict):
+        return (3, frozenset((k, _unique_key(v)) for k, v in value.items()))
+    return (4, tuple(_unique_key(v) for v in value))
+
+
+def _number(schema: dict[str, Any], *, integer: bool, nth: int = 0) -> int | float:
     def bound(key: str) -> float | None:
         value = schema.get(key)
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -324,8 +494,13 @@ def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
         highs = [math.floor(high)] if high is not None else []
         highs += [math.ceil(xhigh) - 1] if xhigh is not None else []
         value: float = max(lows) if lows else min(1, min(highs)) if highs else 1
-        if step is not None and step > 0 and step == int(step):
+        whole = step is not None and step > 0 and step == int(step)
+        if whole:
             value = math.ceil(value / step) * step
+        if nth:  # the next values up (down, below a maximum)
+            gap = nth * (int(step) if whole else 1)
+            other = value + gap if not highs or value + gap <= min(highs) else value - gap
+            value = other if not lows or other >= max(lows) else value
         return int(value)
     # The binding bound on each side, and whether it is exclusive.
     lo, lo_open = (low, False) if low is not None else (None, False)
@@ -344,17 +519,56 @@ def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
         value = 1
     if step is not None and step > 0 and value % step:
         value = math.ceil(value / step) * step
+    if nth:  # the next multiples up (without a step, halves: not integers), or closer to a maximum
+        up = value + nth * (step if step is not None and step > 0 else 0.5)
+        if hi is None or up < hi or (up == hi and not hi_open):
+            value = up
+        elif step is None and hi > value:
+            value += (hi - value) * nth / (nth + 1)
     return value
 
 
-def _string(schema: dict[str, Any], budget: _Budget) -> str:
-    value = _FORMATS.get(schema.get("format"), "sim") if isinstance(schema.get("format"), str) else "sim"
+def _string(schema: dict[str, Any], budget: _Budget, nth: int = 0) -> str:
     shortest, longest = schema.get("minLength"), schema.get("maxLength")
-    if isinstance(shortest, int) and len(value) < shortest:
-        value += "x" * max(min(shortest, budget.chars) - len(value), 0)
-    if isinstance(longest, int) and len(value) > longest:
+    shortest = shortest if isinstance(shortest, int) else None
+    longest = longest if isinstance(longest, int) else None
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        made = _pattern_text(pattern, shortest or 0, longest, budget, nth)
+        if made is not None:
+            return budget.text(made)
+    if isinstance(schema.get("format"), str) and schema["format"] in _FORMATS:
+        value = _FORMATS[schema["format"]]
+        if shortest is not None and len(value) < shortest:
+            value += "x" * max(min(shortest, budget.chars) - len(value), 0)
+        return budget.text(value[: max(longest, 0)] if longest is not None else value)
+    if shortest is not None:
+        shortest = min(shortest, max(budget.chars, 0))
+    return budget.text(_plain(nth, shortest, longest))
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwyz"  # no x: padding with x keeps variants apart
+
+
+def _plain(nth: int, shortest: int | None, longest: int | None) -> str:
+    """A plain string: "sim", then "", "a", "b", ... "z", "ba", ... (padded with "x" to
+    ``shortest``, cut to ``longest``): variants that differ, lengths that differ too."""
+    if nth == 0:
+        value = "sim"
+    elif nth == 1:
+        value = ""
+    else:
+        n, value = nth - 2, ""
+        while True:
+            n, digit = divmod(n, len(_LETTERS))
+            value = _LETTERS[digit] + value
+            if not n:
+                break
+    if shortest is not None and len(value) < shortest:
+        value += "x" * (shortest - len(value))
+    if longest is not None and len(value) > longest:
         value = value[: max(longest, 0)]
-    return budget.text(value)
+    return value
 
 
 def _merge(base: dict[str, Any], other: Any, budget: _Budget) -> dict[str, Any]:
@@ -403,3 +617,272 @@ def _lookup(ref: str, root: Any) -> Any:
         else:
             return True
     return node
+
+
+# -- a string for a pattern -------------------------------------------------------------------------
+
+_PRINTABLE = "".join(dict.fromkeys(string.ascii_letters + string.digits + "_-. " + string.punctuation))
+_CATEGORY_CHARS = {
+    _c.CATEGORY_DIGIT: string.digits,
+    _c.CATEGORY_NOT_DIGIT: "a",
+    _c.CATEGORY_SPACE: " ",
+    _c.CATEGORY_NOT_SPACE: "a",
+    _c.CATEGORY_WORD: string.ascii_letters + string.digits + "_",
+    _c.CATEGORY_NOT_WORD: " -.",
+    _c.CATEGORY_LINEBREAK: "\n",
+    _c.CATEGORY_NOT_LINEBREAK: "a",
+}
+_CATEGORY_TEST = {
+    _c.CATEGORY_DIGIT: str.isdecimal,
+    _c.CATEGORY_NOT_DIGIT: lambda ch: not ch.isdecimal(),
+    _c.CATEGORY_SPACE: str.isspace,
+    _c.CATEGORY_NOT_SPACE: lambda ch: not ch.isspace(),
+    _c.CATEGORY_WORD: lambda ch: ch.isalnum() or ch == "_",
+    _c.CATEGORY_NOT_WORD: lambda ch: not (ch.isalnum() or ch == "_"),
+    _c.CATEGORY_LINEBREAK: lambda ch: ch == "\n",
+    _c.CATEGORY_NOT_LINEBREAK: lambda ch: ch != "\n",
+}
+_MAX_CLASS_CHOICES = 26  # characters of a class a variant picks among
+_NAMED_GROUP = re.compile(r"(?<!\\)\(\?<(?![=!])")  # ECMA-262's (?<name>, Python's (?P<name>
+
+
+class _Unsure(Exception):
+    """A check or pattern past its bound, or one the sim does not follow."""
+
+
+def _pattern_text(pattern: str, shortest: int, longest: int | None, budget: _Budget, nth: int) -> str | None:
+    """A string in which ``pattern`` finds a match (checked with ``regex``, as the edge checks it)
+    with a length within the bounds; None: none made within the bound."""
+    if pattern not in budget.patterns:
+        budget.steps -= len(pattern)
+        tree = None
+        if len(pattern) <= _MAX_PATTERN and budget.steps > 0:
+            try:
+                tree = _parser.parse(_NAMED_GROUP.sub("(?P<", pattern))
+            except (re.error, RecursionError, OverflowError, ValueError, TypeError):
+                tree = None
+        budget.patterns[pattern] = tree
+    tree = budget.patterns[pattern]
+    if tree is None:
+        return None
+    for variant in range(nth, nth + _PATTERN_TRIES):
+        text = _PatternText.make(tree, variant, 0, budget)
+        if text is not None and len(text) < shortest:  # again, with repeats as long as it takes
+            text = _PatternText.make(tree, variant, shortest - len(text), budget)
+        if text is None:
+            return None
+        if len(text) < shortest or (longest is not None and len(text) > longest):
+            continue
+        if budget.matches(pattern, text) is not False:  # (not known: as made)
+            return text
+    return None
+
+
+class _PatternText:
+    """A string a regex (as ``re._parser`` reads it) matches: literals, classes, ``\\d \\w \\s``,
+    repeats at their minimum, the first alternative, groups and backreferences. Anchors and
+    lookarounds write nothing (a lookaround is not followed). ``variant`` picks, left to right,
+    other characters of a class, other alternatives and one more repeat; ``grow`` asks for that
+    many characters more, from repeats that allow them. Bounded by the budget's steps."""
+
+    def __init__(self, variant: int, grow: int, budget: _Budget) -> None:
+        self.choice = variant
+        self.grow = grow
+        self.budget = budget
+        self.limit = max(budget.chars, 0)
+        self.out: list[str] = []
+        self.size = 0
+        self.groups: dict[int, str] = {}
+
+    @classmethod
+    def make(cls, tree: Any, variant: int, grow: int, budget: _Budget) -> str | None:
+        maker = cls(variant, grow, budget)
+        try:
+            maker.walk(tree)
+        except (_Unsure, RecursionError):
+            return None
+        return "".join(maker.out)
+
+    def pick(self, n: int) -> int:
+        if n <= 1 or not self.choice:
+            return 0
+        self.choice, i = divmod(self.choice, n)
+        return i
+
+    def emit(self, text: str) -> None:
+        self.size += len(text)
+        if self.size > self.limit:
+            raise _Unsure
+        self.out.append(text)
+
+    def step(self) -> None:
+        self.budget.steps -= 1
+        if self.budget.steps < 0:
+            raise _Unsure
+
+    def walk(self, items: Any) -> None:
+        for op, av in items:
+            self.step()
+            if op is _c.LITERAL:
+                self.emit(chr(av))
+            elif op is _c.NOT_LITERAL:
+                options = [ch for ch in _PRINTABLE[: _MAX_CLASS_CHOICES + 1] if ord(ch) != av]
+                self.emit(options[self.pick(len(options))])
+            elif op is _c.ANY:
+                self.emit(_PRINTABLE[self.pick(_MAX_CLASS_CHOICES)])
+            elif op is _c.IN:
+                options = _class_options(av)
+                if not options:
+                    raise _Unsure
+                self.emit(options[self.pick(len(options))])
+            elif op in (_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT):
+                low, high, sub = av
+                count = low + (self.pick(2) if high > low else 0)
+                for _ in range(count):
+                    self.step()
+                    self.walk(sub)
+                while self.grow > 0 and count < high:
+                    self.step()
+                    before = self.size
+                    self.walk(sub)
+                    count += 1
+                    if self.size == before:
+                        break
+                    self.grow -= self.size - before
+            elif op is _c.SUBPATTERN:
+                group, _, _, sub = av
+                mark = len(self.out)
+                self.walk(sub)
+                if group is not None:
+                    self.groups[group] = "".join(self.out[mark:])
+            elif op is _c.BRANCH:
+                alternatives = av[1]
+                self.walk(alternatives[self.pick(len(alternatives))])
+            elif op is _c.ATOMIC_GROUP:
+                self.walk(av)
+            elif op is _c.GROUPREF:
+                self.emit(self.groups.get(av, ""))
+            elif op is _c.GROUPREF_EXISTS:
+                group, yes, no = av
+                self.walk(yes if group in self.groups else no or ())
+            elif op not in (_c.AT, _c.ASSERT, _c.ASSERT_NOT):
+                raise _Unsure
+
+
+def _class_options(items: Any) -> str:
+    """The characters a class (``[...]``, ``\\d``) may give, the first few of each part, in order."""
+    negate = False
+    chars: list[str] = []
+    ranges: list[tuple[int, int]] = []
+    categories: list[Any] = []
+    for op, av in items:
+        if op is _c.NEGATE:
+            negate = True
+        elif op is _c.LITERAL:
+            chars.append(chr(av))
+        elif op is _c.RANGE:
+            ranges.append(av)
+        elif op is _c.CATEGORY:
+            categories.append(av)
+        else:
+            return ""
+    if negate:
+
+        def member(ch: str) -> bool:
+            return (
+                ch in chars
+                or any(lo <= ord(ch) <= hi for lo, hi in ranges)
+                or any(_CATEGORY_TEST.get(c, lambda _: True)(ch) for c in categories)
+            )
+
+        return "".join(ch for ch in _PRINTABLE if not member(ch))[:_MAX_CLASS_CHOICES]
+    options = chars + [chr(lo + i) for lo, hi in ranges for i in range(min(hi - lo + 1, _MAX_CLASS_CHOICES))]
+    for category in categories:
+        options += _CATEGORY_CHARS.get(category, "")
+    return "".join(dict.fromkeys(options))[: _MAX_CLASS_CHOICES * 4]
+
+
+# -- checks, bounded -------------------------------------------------------------------------------
+
+_limits = threading.local()  # .deadline: the monotonic time the running check must end by
+
+
+def _search(pattern: str, text: str) -> Any:
+    left = _limits.deadline - time.monotonic()
+    if left <= 0:
+        raise _Unsure
+    try:
+        return regex.search(pattern, text, timeout=left)
+    except TimeoutError:
+        raise _Unsure from None
+
+
+def _bounded(keyword: Callable[..., Any]) -> Callable[..., Any]:
+    """A validator keyword that first looks at the clock: a check ends at its deadline."""
+
+    def check(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        if time.monotonic() > _limits.deadline:
+            raise _Unsure
+        return keyword(validator, value, instance, schema)
+
+    return check
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    if isinstance(instance, str) and _search(pattern, instance) is None:
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any, schema: Any) -> Any:
+    if isinstance(instance, dict):
+        for pattern, subschema in patterns.items():
+            for name, value in instance.items():
+                if _search(pattern, name) is not None:
+                    yield from validator.descend(value, subschema, path=name, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Any:
+    if not isinstance(instance, dict):
+        return
+    properties = schema.get("properties") or {}
+    patterns = list(schema.get("patternProperties") or ())
+    extras = [n for n in instance if n not in properties and not any(_search(p, n) is not None for p in patterns)]
+    if isinstance(extra, dict):
+        for name in extras:
+            yield from validator.descend(instance[name], extra, path=name)
+    elif extra is False and extras:
+        yield jsonschema.ValidationError(f"additional properties {extras!r}")
+
+
+def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Any:
+    if unique and isinstance(instance, list) and len({_unique_key(v) for v in instance}) < len(instance):
+        yield jsonschema.ValidationError("non-unique items")
+
+
+def _not_checked(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+    raise _Unsure  # (unevaluatedProperties: its patternProperties run on `re`, with no deadline)
+
+
+_KEYWORDS = {
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+    "uniqueItems": _unique_items,
+    "unevaluatedProperties": _not_checked,
+}
+
+
+@functools.cache
+def _checking(cls: Any) -> Any:
+    """``cls`` with every keyword bounded in time, regexes on ``regex`` with a deadline
+    and uniqueItems in one pass (:data:`_KEYWORDS`)."""
+    return jsonschema.validators.extend(
+        cls, {name: _bounded(_KEYWORDS.get(name, keyword)) for name, keyword in cls.VALIDATORS.items()}
+    )
+
+
+def _no_retrieval(uri: str) -> Any:
+    raise referencing.exceptions.NoSuchResource(ref=uri)  # only references inside the schema
+
+
+_NO_RETRIEVAL = referencing.Registry(retrieve=_no_retrieval)

@@ -1,0 +1,225 @@
+"""The built-in simulated model as the README promises it, through a real edge and node with
+the openai SDK: tool arguments the edge's own schema validation takes (patterns, unique items,
+minProperties, overlapping oneOf branches, if/then), bounded on hostile schemas, and stop
+strings that span two tokens cut whole, as a model server cuts them."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import jsonschema
+import pydantic
+import pytest
+import regex
+import trio
+
+from node.adapters import Counters
+from node.adapters.sim import SimAdapter, sim_tokens
+from node.adapters.sim_tools import sample
+from node.config import ModelConfig
+from proto import RunRequest, ToolCall
+from tests.conftest import BOUND, http, model, sdk, settled, start_edge, start_node
+
+ASK = [{"role": "user", "content": "book it"}]
+
+
+@pytest.fixture
+async def sim_edge(nursery):
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("iop-sim", ttft_ms=0, tokens_per_s=0, sim_tokens=64)])
+    yield edge
+    await settled(edge, node.agent)
+
+
+def tool(properties: dict) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "function", "function": {"name": "book", "parameters": parameters}}
+
+
+def valid(schema: dict, value) -> bool:
+    """As the edge checks arguments: jsonschema, its patterns on `regex`."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+    def pattern(validator, pattern, instance, schema):
+        if isinstance(instance, str) and not regex.search(pattern, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    return jsonschema.validators.extend(cls, {"pattern": pattern})(schema).is_valid(value)
+
+
+# Each answered 502 tool_validation_error before (outside audit, the real openai SDK).
+ORDINARY = {
+    "pattern": {"code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"}},
+    "pattern and length": {"host": {"type": "string", "pattern": r"^(foo|bar)+\.[a-z]{2,4}$", "minLength": 12}},
+    "uniqueItems": {"a": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 3}},
+    "unique enum items": {
+        "a": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "uniqueItems": True, "minItems": 3}
+    },
+    "minProperties": {"o": {"type": "object", "minProperties": 1}},
+    "patternProperties": {
+        "o": {
+            "type": "object",
+            "patternProperties": {r"^k\d$": {"type": "integer"}},
+            "additionalProperties": False,
+            "minProperties": 2,
+        }
+    },
+    "propertyNames": {"o": {"type": "object", "propertyNames": {"pattern": "^[A-Z]+$"}, "minProperties": 2}},
+    "overlapping oneOf": {"x": {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 2}]}},
+    "oneOf integer or number": {"x": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+    "if/then": {"x": {"if": {"type": "string"}, "then": {"minLength": 4}, "type": "string"}},
+    "if/else": {"x": {"type": "integer", "if": {"maximum": 0}, "then": {"const": 0}, "else": {"minimum": 5}}},
+    "not": {"n": {"type": "integer", "not": {"const": 1}}},
+}
+
+
+@pytest.mark.parametrize("properties", ORDINARY.values(), ids=ORDINARY.keys())
+async def test_sim_tool_arguments_pass_the_edges_validation(sim_edge, properties):
+    """tool_choice "required" on iop-sim: a call whose arguments the edge took (no 502
+    tool_validation_error) and that satisfy the tool's schema, every time."""
+    schema = tool(properties)
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            replies = [
+                await client.chat.completions.create(
+                    model="iop-sim", messages=ASK, tools=[schema], tool_choice="required"
+                )
+                for _ in range(3)
+            ]
+    arguments = [r.choices[0].message.tool_calls[0].function.arguments for r in replies]
+    assert len(set(arguments)) == 1  # deterministic
+    assert valid(schema["function"]["parameters"], json.loads(arguments[0])), arguments[0]
+    assert replies[0].choices[0].finish_reason == "tool_calls"
+
+
+class Booking(pydantic.BaseModel):
+    code: Annotated[str, pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")]
+    seats: set[int]
+    zip: Annotated[str, pydantic.Field(pattern=r"^\d{5}(-\d{4})?$")]
+
+
+async def test_parse_with_a_pydantic_pattern_gets_a_value_that_matches(sim_edge):
+    """`chat.completions.parse` with a pydantic `Field(pattern=...)` got {"code": "sim"}, and
+    pydantic refused it; now the answer parses."""
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            reply = await client.chat.completions.parse(model="iop-sim", messages=ASK, response_format=Booking)
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Booking)
+    assert regex.fullmatch(r"[A-Z]{3}-\d{2}", parsed.code) and regex.fullmatch(r"\d{5}", parsed.zip)
+
+
+# Hostile schemas the edge takes: a pattern asking for a million characters, a pattern of
+# empty repeats, 5,000 items each trying catastrophic patterns in a oneOf, 5,000 unique
+# booleans, 100,000 properties of which one pattern can name one.
+HOSTILE = {
+    "huge pattern": {"type": "string", "pattern": "^(a{1000}){1000}$"},
+    "empty repeats": {"type": "string", "pattern": "^(?:){4000000000}x$"},
+    "catastrophic oneOf": {
+        "type": "array",
+        "minItems": 5000,
+        "items": {"oneOf": [{"type": "string", "pattern": "^a{30}b$"}, {"type": "string", "pattern": "^(a|aa)+$"}]},
+    },
+    "unique booleans": {"type": "array", "minItems": 5000, "uniqueItems": True, "items": {"type": "boolean"}},
+    "properties": {
+        "type": "object",
+        "minProperties": 100000,
+        "additionalProperties": False,
+        "patternProperties": {"^x$": {}},
+    },
+}
+
+
+async def test_hostile_schemas_are_answered_within_a_bound(sim_edge):
+    """Each hostile schema is made in bounded time and size (a quarter second of checks, 64 KiB
+    of text: measured 0.3 s at most here) and answered through the edge (a call or the edge's
+    502), and the node then serves an ordinary patterned call."""
+    for name, schema in HOSTILE.items():
+        started = time.monotonic()
+        value = sample(schema)
+        assert time.monotonic() - started < 5, name
+        assert len(json.dumps(value)) < 200_000, name
+    statuses = {}
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            for name, schema in HOSTILE.items():
+                body = {"model": "iop-sim", "messages": ASK, "tools": [tool({"v": schema})], "tool_choice": "required"}
+                statuses[name] = (await client.post("/v1/chat/completions", json=body)).status_code
+        async with sdk(sim_edge) as client:
+            after = await client.chat.completions.create(
+                model="iop-sim", messages=ASK, tools=[tool(ORDINARY["pattern"])], tool_choice="required"
+            )
+    assert set(statuses.values()) <= {200, 502}, statuses
+    assert json.loads(after.choices[0].message.tool_calls[0].function.arguments)["code"] == "AAA-00"
+
+
+# The sim's answer to "hi" begins: "about streams caches cancellation the node produces across about ..."
+SPANNING = ["about str", "s cach", "across about"]
+
+
+@pytest.mark.parametrize("stop", SPANNING)
+async def test_a_stop_string_across_two_tokens_is_not_returned_in_part(sim_edge, stop):
+    """A stop string that starts in one token and ends in the next: the text before it, none of
+    the stop string (the first token's part was sent before the next token showed the match),
+    whole and streamed."""
+    full = "".join(sim_tokens("hi", 64))
+    assert stop in full and not any(stop in " " + word for word in full.split(" "))  # spans two tokens
+    expected = full[: full.find(stop)]
+    messages = [{"role": "user", "content": "hi"}]
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            whole = await client.chat.completions.create(model="iop-sim", messages=messages, stop=[stop])
+            stream = await client.chat.completions.create(model="iop-sim", messages=messages, stop=[stop], stream=True)
+            chunks = [c async for c in stream if c.choices]
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_text_held_for_a_stop_string_that_does_not_come_is_sent(sim_edge):
+    """The answer's last word starts a stop string that never completes: it is held, then sent
+    at the end; the whole answer comes back."""
+    full = "".join(sim_tokens("hi", 64))
+    stop = full.rsplit(" ", 1)[1] + " and more"
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            whole = await client.chat.completions.create(
+                model="iop-sim", messages=[{"role": "user", "content": "hi"}], stop=[stop]
+            )
+    assert whole.choices[0].message.content == full
+
+
+class TimedSink:
+    """Each delta with the time it came."""
+
+    def __init__(self) -> None:
+        self.deltas: list[tuple[float, str]] = []
+
+    async def delta(self, text: str) -> None:
+        self.deltas.append((trio.current_time(), text))
+
+    async def reasoning(self, text: str) -> None:
+        pass
+
+    async def complete(self, finish_reason: str, tool_calls: list[ToolCall] | None = None, usage=None, stop="") -> None:
+        pass
+
+    async def error(self, message: str, status: int = 0) -> None:
+        raise AssertionError(message)
+
+
+async def test_nothing_is_held_without_a_stop_string_that_could_start(autojump_clock):
+    """Without stop strings each token goes out at its own time (10 a second), and with stop
+    strings none of whose starts the text ends with, too: holding back costs no latency."""
+    adapter = SimAdapter(ModelConfig(name="m", adapter="sim", ttft_ms=0, tokens_per_s=10, sim_tokens=8), Counters())
+    tokens = list(sim_tokens("hi", 8))
+    for stop in (None, ["zzz", "qq"]):
+        body = {"messages": [{"role": "user", "content": "hi"}], **({"stop": stop} if stop else {})}
+        sink = TimedSink()
+        start = trio.current_time()
+        await adapter.run(RunRequest(run_id="r", model="m", target="m", request=body, timeout_s=60), sink)
+        assert [text for _, text in sink.deltas] == tokens
+        assert [round(at - start, 6) for at, _ in sink.deltas] == [i / 10 for i in range(8)]
