@@ -27,7 +27,7 @@ from edge.connection import close as close_connections
 from edge.connection import install as install_connection_guard
 from edge.connection import stuck as stuck_connections
 from edge.console import Console, console_routes
-from edge.errors import APIError, error_json, final_headers, model_not_found
+from edge.errors import RETRY_SOON, APIError, error_json, final_headers, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
@@ -52,7 +52,10 @@ log = structlog.get_logger("iop.edge")
 
 
 def draining() -> APIError:
-    return APIError(503, "The edge is shutting down.", "service_unavailable_error", code="draining")
+    # (behind a load balancer, another edge takes the retry)
+    return APIError(
+        503, "The edge is shutting down.", "service_unavailable_error", code="draining", headers=[RETRY_SOON]
+    )
 
 
 _encode = msgspec.json.Encoder().encode

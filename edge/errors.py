@@ -103,6 +103,9 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+RETRY_SOON = (b"retry-after", b"1")  # a 503 the client should try again, shortly
+
+
 def no_node(model: str, message: str | None = None) -> APIError:
     return APIError(
         503,
@@ -110,6 +113,7 @@ def no_node(model: str, message: str | None = None) -> APIError:
         "service_unavailable_error",
         param="model",
         code="no_node_available",
+        headers=[RETRY_SOON],  # (nodes relink within a second or two of an edge's start)
     )
 
 

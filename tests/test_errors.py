@@ -64,6 +64,7 @@ async def test_any_model_is_503_while_no_node_is_linked(edge):
         async with http(edge) as client:
             r = await client.post("/v1/chat/completions", json={"model": "anything", "messages": MESSAGES})
     assert_openai_error(r, 503, code="no_node_available")
+    assert r.headers["retry-after"] == "1"  # (nodes relink within a second or two of an edge's start)
 
 
 async def test_configured_model_with_no_node_is_503(nursery):

@@ -172,6 +172,7 @@ async def test_health_and_readiness(nursery, upstream):
             assert (await client.get("/readyz")).status_code == 503
             r = await client.post("/v1/chat/completions", json=BODY)
             assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+            assert r.headers["retry-after"] == "1"
 
 
 async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
