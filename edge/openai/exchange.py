@@ -36,6 +36,10 @@ class ErrorShape(NamedTuple):
 
 OPENAI_ERRORS = ErrorShape(APIError.body, sse_error)
 
+async def _released(message: dict | None = None) -> dict:
+    raise RuntimeError("the exchange's request is over")
+
+
 # A body that arrives in more pieces than this, averaging under SMALL_PIECE bytes, is refused:
 # each piece costs the edge ~7.5 µs (h11, hypercorn, the receive), so 1-byte chunks of an 8 MiB
 # body held a core for a minute. Clients write bodies whole or in pieces of kilobytes.
@@ -170,6 +174,16 @@ class Exchange:
                     code="body_too_fragmented",
                 )
             parts.append(chunk)
+
+    def release(self) -> None:
+        """The request is over (its handler returned): let go of the server's
+        stream. Its disconnect hook holds this exchange (:meth:`cancel_on_disconnect`),
+        and the exchange held the stream (its ``send``, its direct writer): a cycle,
+        which left every request's objects (its task, coroutine, queue, about 60 in
+        all) for the cyclic collector to find, where counting references frees them
+        as the request ends."""
+        self._send = self._receive = _released
+        self._direct = False
 
     def cancel_on_disconnect(self, scope: trio.CancelScope) -> bool:
         """Have the server's own delivery of ``http.disconnect`` cancel

@@ -175,6 +175,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     finally:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
+        ex.release()
 
 
 def _framed_twice(ex: Exchange) -> bool:
