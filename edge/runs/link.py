@@ -103,8 +103,10 @@ class NodeLink:
         self.ttft: float | None = None  # moving average of the time to a run's first event
         self.stalled_until = -1.0  # routed around until then (its runs were not starting)
         self._stall_backoff = _STALL_BACKOFF_S[0]
-        # model -> [runs failed in a row before any output, routed around until, next backoff]
+        # model -> [runs failed in a row before any output, routed around until, next backoff]:
+        # there from a run's failure at once until a run of the model produces output
         self._failing: dict[str, list[float]] = {}
+        self.probes: dict[str, int] = {}  # model -> runs sent while failing, not yet answered (Slot.probe)
         self._stray_left = STRAY_EVENTS  # events that bring nothing still allowed (stray)
         self._stray_since = self.linked_at  # when that allowance was last refilled
 
@@ -220,9 +222,17 @@ class NodeLink:
         return self.stalled_until > now
 
     def ejected(self, model: str, now: float) -> bool:
-        """Routed around for ``model`` now: its model server failed run after run."""
+        """Routed around for ``model`` now: its model server failed run after run
+        (a pause), or a run of it failed at once since the last that produced
+        output and a run sent since has no answer yet. A failing node gets one
+        run at a time (a probe), not every slot it frees at once: under load a
+        dead server's node looked the least loaded and took the whole queue."""
         failing = self._failing.get(model)
-        return failing is not None and failing[1] > now
+        return failing is not None and (failing[1] > now or self.probes.get(model, 0) > 0)
+
+    def failing(self, model: str) -> bool:
+        """A run of ``model`` failed here at once and none has produced output since."""
+        return model in self._failing
 
     def failed_at_once(self, model: str, now: float) -> float:
         """A run of ``model`` failed here before any output, on its model server's side

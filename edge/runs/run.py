@@ -101,6 +101,7 @@ class Run:
         "cause",
         "_on_close",
         "on_node_done",
+        "on_failed_at_once",
         "want",
         "request",
         "failed_over",
@@ -154,6 +155,9 @@ class Run:
         # The node ended the run (its terminal event): its slot is free now, whether or not the
         # client has read the run's last events (the service sets it; None: at close only).
         self.on_node_done: Callable[[Run], None] | None = None
+        # Its node failed it before any output, the model server's fault: True if the service
+        # moved it to another node (the client never sees that error).
+        self.on_failed_at_once: Callable[[Run], bool] | None = None
         self.want = None  # what the request needs of a node (for failover)
         self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
@@ -219,13 +223,17 @@ class Run:
                 return
         self.last_event_at = now
         if self.first_event_at is None:
-            self.first_event_at = now
-            link = self.slot.link
+            slot = self.slot
+            link = slot.link
+            slot.end_probe()
             link.started(self.id, now)
             if complete or not terminal:
-                link.served(self.slot.model)
+                link.served(slot.model)
             elif getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500:  # failed at once, not for the client
-                link.failed_at_once(self.slot.model, now)
+                link.failed_at_once(slot.model, now)
+                if self.on_failed_at_once is not None and self.on_failed_at_once(self):
+                    return  # moved to another node: its silence is counted from now
+            self.first_event_at = now
         self.events_seen += 1
         # One event a frame at most goes to the sink: the rest of a frame's events for this run
         # wait for the reader, which takes them in one batch (a frame of 10^5 tiny events is

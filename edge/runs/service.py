@@ -28,16 +28,25 @@ class Slot:
     """One unit of a node's capacity for one model, held from admission until
     the run is closed (or the waiter gives it back)."""
 
-    __slots__ = ("link", "model", "released")
+    __slots__ = ("link", "model", "released", "probe")
 
     def __init__(self, link: NodeLink, model: str) -> None:
         self.link = link
         self.model = model
         self.released = False
+        # Taken on a node failing the model (NodeLink.failing): until its run's first event,
+        # or its release, no other run is sent there while another node works (NodeLink.ejected).
+        self.probe = False
 
     @property
     def info(self) -> ModelInfo:
         return self.link.models[self.model]
+
+    def end_probe(self) -> None:
+        """Its run's first event came, or it is released: the node may take another try."""
+        if self.probe:
+            self.probe = False
+            self.link.probes[self.model] -= 1
 
 
 _SESSION_CHARS = 128  # a longer session id (a client's string, kept by _affinity) is kept as its digest
@@ -89,6 +98,7 @@ class _Waiter:
         "since",
         "wait_until",
         "prefer",
+        "avoid",
     )
 
     def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0, client: Any = None) -> None:
@@ -105,6 +115,7 @@ class _Waiter:
         # its prompt's prefix (``prefer``, whose demand it counts in).
         self.wait_until = wait_until
         self.prefer: str | None = None
+        self.avoid: NodeLink | None = None  # a moved run: the node that failed it at once
 
 
 _MAX_SESSIONS = 100_000
@@ -267,24 +278,34 @@ class RunService:
             if not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
             serving = self._serving(model)
+            back = False
             for queue in (self._queues.get(model), self._moved.get(model)):
                 for waiter in list(queue or ()):
+                    if waiter.avoid is not None and not any(
+                        waiter.want.fits(lk) for lk in serving if lk is not waiter.avoid
+                    ):
+                        waiter.avoid = None  # only the node that failed it is left: its error beats a wait
+                        back = True
                     if any(waiter.want.fits(lk) for lk in serving):
                         continue
                     if self._end_wait(queue, waiter, NODE_DISCONNECTED, NODE_LOST):
                         waiter.gone = "drained" if link.draining else "lost"
                         waiter.event.set()
+            if back:
+                self._wake(model)
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
 
-    def _fail_over(self, run: Run, old: NodeLink) -> bool:
-        """Move a run that has produced no event yet off ``old`` (lost, or not
-        starting runs), at most once: to a node with a free slot now, else it
-        waits for one ahead of the queue. False if no other node could run it."""
+    def _fail_over(self, run: Run, old: NodeLink, failed: bool = False) -> bool:
+        """Move a run that has produced no event yet off ``old`` (lost, not
+        starting runs, or ``failed`` it at once), at most once: to a node with
+        a free slot now, else it waits for one ahead of the queue (never for
+        ``old`` again when it ``failed`` it). False if no other node could run it."""
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
         if not any(run.want.fits(lk) for lk in self._serving(run.want.model) if lk is not old):
             return False
-        old.cancel(run.id, "moved to another node")  # no-op on a lost link
+        if not failed:  # (a node that failed the run has ended it)
+            old.cancel(run.id, "moved to another node")  # no-op on a lost link
         old.forget_run(run.id)
         self.release(run.slot)
         run.failed_over = True
@@ -294,9 +315,25 @@ class RunService:
             self._dispatch(run, self._reserve(link, run.want))
         else:
             run.requeued = _Waiter(run.want, run)
+            if failed:
+                run.requeued.avoid = old
             moved.append(run.requeued)
         log.warning("run moved", run_id=run.id, from_node=old.node_id, to_node=link.node_id if link else None)
         return True
+
+    def _failed_at_once(self, run: Run) -> bool:
+        """``run``'s node failed it before any output, its model server's fault
+        (counted: :meth:`NodeLink.failed_at_once`). Nothing has reached the
+        client: it moves (at most once, :meth:`_fail_over`) when another node
+        serving the model fits it and is neither failing nor stalled; it may
+        wait there ahead of the queue. False: the client gets the error."""
+        old = run.slot.link
+        model = run.want.model
+        now = trio.current_time()
+        for link in self._serving(model):
+            if link is not old and run.want.fits(link) and not link.failing(model) and not link.stalled(now):
+                return self._fail_over(run, old, failed=True)
+        return False
 
     def _dispatch(self, run: Run, slot: Slot) -> None:
         """Send a moved run to its new slot's node."""
@@ -406,7 +443,9 @@ class RunService:
                 if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now)
             ]
             working = [lk for lk in free if not lk.ejected(model, now)]
-            return random.choice(working or free) if free else None
+            if working:
+                return random.choice(working)
+            return random.choice(free) if free and not self._working(model, exclude, now) else None
         if want.session is not None and routing != "least_loaded":
             node_id = self._affinity.get(want.session)
             link = self.links.get(node_id) if node_id is not None else None
@@ -439,9 +478,7 @@ class RunService:
             free.append((load, link))
             best_load = min(best_load, load)
         if not free:
-            if failing and not any(  # no working node at all, full or not: its own error beats a queue timeout
-                lk is not exclude and not lk.ejected(model, now) and not lk.stalled(now) for lk in self._serving(model)
-            ):
+            if failing and not self._working(model, exclude, now):
                 self._placed = ("least_loaded", 0)
                 return min(failing, key=lambda pair: pair[0])[1]
             return None
@@ -473,6 +510,13 @@ class RunService:
             self._placed = ("rendezvous", 0)
         return near[rendezvous(key, pool)][1]
 
+    def _working(self, model: str, exclude: NodeLink | None, now: float) -> bool:
+        """Some node serving ``model`` is not routed around, full or not: else a
+        failing one is used all the same (its own error beats a queue timeout)."""
+        return any(
+            lk is not exclude and not lk.ejected(model, now) and not lk.stalled(now) for lk in self._serving(model)
+        )
+
     def placed_elsewhere(self, link: NodeLink, prefix: list[int]) -> None:
         """Another edge sent ``link``'s node a prompt with this prefix chain
         (the node relayed it): this edge's next turn of that conversation
@@ -491,6 +535,10 @@ class RunService:
 
     def _reserve(self, link: NodeLink, want: Want) -> Slot:
         link.in_flight[want.model] += 1
+        slot = Slot(link, want.model)
+        if link.failing(want.model):
+            slot.probe = True
+            link.probes[want.model] = link.probes.get(want.model, 0) + 1
         self.demand_changed.unpark_all()
         self._remember_session(want, link)
         if want.prefix and self.config.routing == "prefix":
@@ -498,12 +546,13 @@ class RunService:
         how, depth = self._placed
         for hook in self.on_placed:
             hook(how, depth)
-        return Slot(link, want.model)
+        return slot
 
     def release(self, slot: Slot) -> None:
         if slot.released:
             return
         slot.released = True
+        slot.end_probe()
         slot.link.in_flight[slot.model] -= 1
         self._wake(slot.model)
 
@@ -527,7 +576,7 @@ class RunService:
             preferred = self.links.get(waiter.prefer)
             if preferred is not None and preferred.free_slots(waiter.want.model) <= 0:
                 return False
-        link = self._pick(waiter.want, wait_until=waiter.wait_until)
+        link = self._pick(waiter.want, exclude=waiter.avoid, wait_until=waiter.wait_until)
         if link is None:
             if self._wanted is not None or waiter.wait_until <= trio.current_time():
                 self._prefer(waiter, self._wanted)
@@ -703,6 +752,7 @@ class RunService:
         run.api = api
         run.client = client
         run.on_node_done = self._node_done
+        run.on_failed_at_once = self._failed_at_once
         run.timers = self.timers
         self.runs[run.id] = run
         slot.link.runs[run.id] = run

@@ -1,0 +1,96 @@
+"""A node whose model server fails every run, under load: the queue waits for the
+working node instead of failing through the dead one."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from scripts.upstream import Upstream, text_script, words
+from tests.conftest import BOUND, edge_config, http, model, settled, start_edge, start_node
+
+SLOTS = 4
+
+
+async def new_upstream(nursery) -> Upstream:
+    up = Upstream()
+    await nursery.start(up.serve)
+    return up
+
+
+async def failing_model(nursery, failing: str):
+    """A model whose server refuses connections (a closed port) or answers 500 at once."""
+    if failing == "unreachable":
+        return model("m", adapter="openai", target="t", base_url="http://127.0.0.1:9/v1", max_concurrency=SLOTS), None
+    refusing = await new_upstream(nursery)
+    refusing.default = lambda body: [("status", 500, b'{"error": {"message": "engine dead"}}')]
+    return model("m", refusing, target="t", max_concurrency=SLOTS), refusing
+
+
+async def post_all(edge, n: int) -> list[int]:
+    statuses: list[int] = []
+    with trio.fail_after(BOUND):
+        async with http(edge, limits=httpx.Limits(max_connections=n + 4)) as client, trio.open_nursery() as clients:
+
+            async def one(i: int) -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}], "stream": i % 2 == 0}
+                r = await client.post("/v1/chat/completions", json=body)
+                statuses.append(r.status_code)
+
+            for i in range(n):
+                clients.start_soon(one, i)
+    return statuses
+
+
+@pytest.mark.parametrize("failing", ["unreachable", "500"])
+async def test_a_dead_model_server_under_load_does_not_fail_the_queue(nursery, failing):
+    """Two nodes of 4 slots, 16 requests at once, one node's model server dead. Its runs
+    fail at once, so it looked least loaded and took every slot it freed, again and again,
+    before 3 failures routed it around and again when the pause ended: an audit saw all 40
+    queued requests fail while the other node was seconds from free. Now a failing node gets
+    one run at a time (a probe) while another node works, and a run it fails before any
+    output moves to that node: the healthy one serves them all."""
+    healthy = await new_upstream(nursery)
+    healthy.script_for("t", lambda body: text_script(words(5), interval=0.04))
+    edge = await start_edge(nursery, edge_config(max_queue=100))
+    dead, refusing = await failing_model(nursery, failing)
+    await start_node(nursery, edge, [dead], node_id="dead")
+    await start_node(nursery, edge, [model("m", healthy, target="t", max_concurrency=SLOTS)], node_id="alive")
+    statuses = await post_all(edge, 4 * SLOTS)
+    assert statuses.count(200) >= 4 * SLOTS - 2, statuses
+    assert len(healthy.records) >= statuses.count(200)
+    assert healthy.max_active <= SLOTS
+    if refusing is not None:
+        # The first burst (its slots free at once) and then a probe at a time: not the whole queue.
+        assert len(refusing.records) <= SLOTS + 4, len(refusing.records)
+    await settled(edge)
+
+
+async def test_a_failing_node_probe_after_its_pause_is_one_run(nursery):
+    """After its pause a node that failed 3 runs in a row gets one run, not one per free slot
+    (the audit: 18 queued requests sent to the dead node the moment its pause ended)."""
+    healthy = await new_upstream(nursery)
+    healthy.script_for("t", lambda body: text_script(words(40), interval=0.05))  # ~2 s: past the 1 s pause
+    edge = await start_edge(nursery, edge_config(max_queue=100))
+    dead, refusing = await failing_model(nursery, "500")
+    await start_node(nursery, edge, [dead], node_id="dead")
+    await start_node(nursery, edge, [model("m", healthy, target="t", max_concurrency=SLOTS)], node_id="alive")
+    statuses = await post_all(edge, 4 * SLOTS)
+    assert statuses.count(200) >= 4 * SLOTS - 2, statuses
+    # 4 at once before any failed, then one at a time: at most a probe per pause besides.
+    assert len(refusing.records) <= SLOTS + 4, len(refusing.records)
+    await settled(edge)
+
+
+async def test_a_lone_failing_node_still_answers_at_once_under_load(nursery):
+    """With no working node for the model the failing one is still used, one run at a time
+    or not: each request gets its error at once, none waits out the queue timeout."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "m", "queue_timeout_ms": 8000}]))
+    dead, _ = await failing_model(nursery, "unreachable")
+    await start_node(nursery, edge, [dead], node_id="dead")
+    start = trio.current_time()
+    statuses = await post_all(edge, 4 * SLOTS)
+    assert trio.current_time() - start < 5
+    assert statuses.count(429) == 0 and len(statuses) == 4 * SLOTS, statuses
+    await settled(edge)
