@@ -36,6 +36,7 @@ class ErrorShape(NamedTuple):
 
 OPENAI_ERRORS = ErrorShape(APIError.body, sse_error)
 
+
 async def _released(message: dict | None = None) -> dict:
     raise RuntimeError("the exchange's request is over")
 
