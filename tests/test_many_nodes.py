@@ -539,3 +539,27 @@ async def test_a_providers_usage_that_is_no_count_is_not_charged(nursery, upstre
     assert fay.day_used == 10  # the estimate: 40 characters of prompt / 4, and "hi" / 4 (0) of completion
     assert edge.edge.ledger.written == 1
     await settled(edge, node.agent)
+
+
+async def test_a_request_timed_out_while_every_node_drains_is_a_503_that_says_so(nursery, upstream):
+    """A request queued while the only node serving its model drains (a restart) and its queue
+    timeout passes: it was a 429 "at capacity" with 3 of 20 slots busy. It is a 503
+    `no_node_available` that says every node is draining, with Retry-After."""
+    upstream.script_for("t", lambda body: text_script(words(200), interval=0.05))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=500))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=20)])
+    with trio.fail_after(BOUND):
+        async with (
+            http(edge) as client,
+            client.stream(
+                "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+            ) as r,
+        ):
+            assert r.status_code == 200
+            await upstream.wait_requests(1)
+            nursery.start_soon(node.agent.drain)
+            await eventually(lambda: edge.edge.runs.links["n1"].draining, "the edge sees the node draining")
+            late = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
+    error = late.json()["error"]
+    assert error["code"] == "no_node_available" and "draining" in error["message"], error

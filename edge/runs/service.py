@@ -694,6 +694,12 @@ class RunService:
             raise errors.no_node(model, f"The last node serving `{model}` drained and left while this request waited.")
         if waiter.gone:
             raise errors.no_node(model)
+        serving = self._serving(model)
+        if serving and all(lk.draining for lk in serving):  # not at capacity: leaving (a restart?)
+            raise errors.no_node(
+                model,
+                f"Every node serving `{model}` is draining; none took this request within {timeout_ms / 1000:g} s.",
+            )
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
 
     def queued(self) -> list[_Waiter]:
