@@ -19,6 +19,10 @@ lock, met that detector.
   a send the peer takes nothing of within the connection's write timeout
   closes the connection (:func:`edge.send_lock.send_within`), where
   hypercorn waited for as long as the peer kept it open;
+- ``H11Protocol._send_error_response``: a request h11 cannot read (a head
+  past 16 KiB still incomplete: 431; not HTTP/1.1: 400) is answered in the OpenAI error
+  shape, where hypercorn sent the status with an empty body (an SDK showed
+  "Error code: 431" and nothing else);
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
   was. While it runs, the connection is in :data:`OPEN`, for
@@ -36,8 +40,10 @@ import h11
 import structlog
 import trio
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
+from edge.errors import NO_RETRY, error_json
 from edge.reads import linger
 from edge.send_lock import send_within
 
@@ -73,6 +79,28 @@ def close(servers: list[TCPServer]) -> None:
         sock = getattr(stream, "socket", None) or getattr(getattr(stream, "transport_stream", None), "socket", None)
         if sock is not None and sock.fileno() >= 0:
             sock.close()  # (trio's: tasks waiting on it get ClosedResourceError)
+
+
+# What h11 could not read, by the status it hints: the OpenAI error's message and code.
+_UNREADABLE = {
+    431: ("The request's header fields are too large for the edge to read.", "headers_too_large"),
+}
+_UNREADABLE_DEFAULT = ("The request is not valid HTTP/1.1.", "invalid_http")
+
+
+async def _send_error_response(self: H11Protocol, status_code: int) -> None:
+    message, code = _UNREADABLE.get(status_code, _UNREADABLE_DEFAULT)
+    body = error_json(message, "invalid_request_error", code=code)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+        NO_RETRY,  # (the same request gets the same answer)
+        *self.config.response_headers("h11"),
+    ]
+    await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+    await self._send_h11_event(h11.Data(data=body))
+    await self._send_h11_event(h11.EndOfMessage())
 
 
 def install() -> None:
@@ -113,4 +141,7 @@ def install() -> None:
     protocol_send.iop_guarded = True  # type: ignore[attr-defined]
     run.iop_guarded = True  # type: ignore[attr-defined]
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+    if not callable(getattr(H11Protocol, "_send_error_response", None)):
+        raise RuntimeError("hypercorn's H11Protocol is not the one edge.connection was written for: review it")
+    H11Protocol._send_error_response = _send_error_response  # type: ignore[method-assign]
     TCPServer.run = run  # type: ignore[method-assign]

@@ -1086,3 +1086,24 @@ async def test_a_body_past_the_limit_gets_its_413_while_the_client_still_sends(n
                 await client.chat.completions.create(model="m", messages=body["messages"])
             assert raised.value.status_code == 413
     assert statuses == [(413, "false")] * 15 + [(401, "false")] * 5, statuses
+
+
+async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
+    """Headers too large to read (a runaway header) and bytes that are not
+    HTTP/1.1 got hypercorn's status with an empty body: the SDK said "Error code: 431" and
+    nothing else. Both are OpenAI errors that say what was wrong, and final."""
+    with trio.fail_after(BOUND):
+        client = sdk(sim_edge, default_headers={"x-big": "a" * 100_000})
+        with pytest.raises(openai.APIStatusError) as raised:
+            await client.chat.completions.create(model="m", messages=USER)
+        host, port = sim_edge.url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(b"\x16\x03\x01 not http at all\r\n\r\n")
+        received = b""
+        while data := await stream.receive_some(65536):
+            received += data
+        await stream.aclose()
+    assert raised.value.status_code == 431 and raised.value.code == "headers_too_large", raised.value
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    head, body = received.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", received
