@@ -102,6 +102,7 @@ class Edge:
         period, then end the rest cleanly (an SSE error and ``[DONE]``) and
         close the node links with 1001."""
         self.draining = True
+        grace_end = trio.current_time() + self.config.drain_grace_s
         log.info("draining", in_flight=self.runs.in_flight, grace_s=self.config.drain_grace_s)
         # Queued requests end now, as new ones do: given a slot during the grace, they would
         # start work on a node only to be cut when it ends.
@@ -114,12 +115,22 @@ class Edge:
         for link in list(self.runs.links.values()):
             link.kill("edge shutting down", code=1001)
         self.console.close()
-        # What is still open a second on is stuck (a write to a client that reads nothing, a body
-        # that never came): closed, so the edge exits. (Once, at shutdown: polled.)
-        with trio.move_on_after(1):
-            while self.runs.links or stuck_connections(self):  # noqa: ASYNC110
+        with trio.move_on_after(1):  # (the links' close frames go out first; once, at shutdown: polled)
+            while self.runs.links:  # noqa: ASYNC110
                 await trio.sleep(0.01)
-        left = stuck_connections(self)
+
+        unstuck = trio.Event()
+
+        async def settle() -> None:
+            while stuck_connections(self):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            unstuck.set()
+
+        # A client still taking its answer's last bytes has what is left of the grace. What is
+        # still writing then (a client that reads nothing: its write waited for write_timeout_s,
+        # 60 s) or still sending its body is stuck: closed, so the edge exits.
+        await within_grace(max(grace_end - trio.current_time(), 0), settle, self.hurry)
+        left = [] if unstuck.is_set() else stuck_connections(self)  # (not a write that began since)
         if left:
             close_connections(left)
             log.info("drained: closed the connections still stuck", connections=len(left))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import ssl
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h11
 import httpx
 import msgspec
 import openai
@@ -613,3 +615,37 @@ async def test_a_second_signal_ends_the_drain_at_once(nursery, tmp_path, upstrea
         assert proc.returncode == 0
     finally:
         _stop(proc)
+
+
+async def test_a_drain_lets_a_slow_reader_take_its_whole_answer_within_the_grace(nursery, upstream):
+    """The run of a large non-streamed answer ended at once, but its client was still reading
+    it (200 KB/s): the drain's close of what was "stuck" cut it 1 s after SIGTERM with a third
+    of its bytes. A client still taking its answer has what is left of the grace."""
+    upstream.script_for("m-target", lambda body: text_script(words(60_000), interval=0))
+    edge = await start_edge(nursery, edge_config(drain_grace_s=15))
+    await start_node(nursery, edge, [model("m", upstream)])
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({**BODY, "max_tokens": None})
+    conn = h11.Connection(h11.CLIENT)
+    answer, drained = b"", False
+    with trio.fail_after(BOUND):
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 8192)
+        await sock.connect((host, int(port)))
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        await sock.send(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        async with trio.open_nursery() as draining:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await sock.recv(16384))
+                    await trio.sleep(0.05)  # about 300 KB/s
+                elif isinstance(event, h11.Data):
+                    answer += event.data
+                    if not drained:
+                        drained = True
+                        draining.start_soon(edge.edge.drain)
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+        sock.close()
+    assert len(json.loads(answer)["choices"][0]["message"]["content"]) > 400_000
