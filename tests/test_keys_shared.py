@@ -551,7 +551,9 @@ async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path)
             assert (await chat(c)).status_code == 200
             os.kill(redis_server.proc.pid, signal.SIGSTOP)
             try:
-                stalled = [await chat(c) for _ in range(3)]
+                stalled = [await chat(c)]
+                while stalled[-1].status_code != 200 and len(stalled) < 8:  # (a loaded machine: more than 3)
+                    stalled.append(await chat(c))
             finally:
                 os.kill(redis_server.proc.pid, signal.SIGCONT)
     assert stalled[-1].status_code == 200, stalled[-1].text
