@@ -323,3 +323,29 @@ async def test_file_document_is_not_called_a_pdf(setup):
     sent = str(upstream.records[0].body["messages"])
     assert "omitted" in sent and "uploaded file" in sent
     assert "application/pdf" not in sent and "PDF" not in sent
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("tool_stream", ["buffered", "live"])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"]
+)
+async def test_a_refusal_under_a_forced_tool_choice_reaches_the_client(nursery, upstream, tool_stream, choice):
+    """A model that declines a forced tool call: its refusal was judged "text only" against
+    `tool_choice`, retried (the key paid twice) and answered 502 `tool_validation_error`. It is
+    the answer, as OpenAI's: `message.refusal` (streamed `delta.refusal`), one run upstream."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "m", "tool_stream": tool_stream}]))
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    refusing(upstream)
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice=choice)
+            async with client.chat.completions.stream(
+                model="m", messages=USER, tools=TOOLS, tool_choice=choice
+            ) as stream:
+                final = await stream.get_final_completion()
+    assert whole.choices[0].message.refusal == REFUSAL and not whole.choices[0].message.tool_calls
+    assert final.choices[0].message.refusal == REFUSAL
+    assert len(upstream.records) == 2  # one run each, no retry

@@ -418,7 +418,7 @@ class LiveStream(LiveEncoder):
                     return self.error(parsed.error, "tool_validation_error")
             else:
                 self._emit_content(self.tool_filter.flush())
-        if self.turn.contract is not None and not cut_off:
+        if self.turn.contract is not None and not cut_off and not (event.refusal and not calls):
             # (within the loop's share of the patterns' time: a live stream's end is not awaited)
             reason = self.turn.contract.validate(calls, INLINE_PATTERN_S)
             if reason:

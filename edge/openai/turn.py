@@ -364,7 +364,9 @@ async def collect_validated(
                     f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
                 ) from None
             raise
-        if turn.contract is None or result.finish_reason == "length":
+        # Cut off by max_tokens, a retry would be cut off again; a model that declined (its
+        # refusal, no call) declines a forced call too: the refusal goes to the client, as OpenAI's.
+        if turn.contract is None or result.finish_reason == "length" or (result.refusal and not result.tool_calls):
             turn.settle()
             return result
         reason = result.tool_error or await turn.contract.check_calls(result.tool_calls)
