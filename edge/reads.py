@@ -17,7 +17,11 @@ kernel's reset made the client lose the answer it had not read yet (24 of
 ``ReadError``, the OpenAI SDK an ``APIConnectionError`` it retries). As
 nginx's lingering close: the edge sends its FIN after the answer, then
 reads and drops what the client still sends, until the client closes,
-:data:`LINGER_IDLE_S` pass with nothing, or :data:`LINGER_S` in all.
+:data:`LINGER_IDLE_S` pass with nothing, or :data:`LINGER_S` in all. Over
+TLS (no FIN without ending the session) the edge only goes on reading and
+dropping, within the same bounds: the client, done sending, reads the
+answer and closes (40 of 40 httpx async uploads past the limit got a
+``ReadError`` over HTTPS before).
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19); ``install()``
 refuses a ``TCPServer`` that does not have the attributes it uses.
@@ -41,21 +45,29 @@ LINGER_IDLE_S = 2.0  # ... and ends after this long with nothing from it (nginx:
 
 def linger(server: TCPServer) -> bool:
     """The protocol closes ``server``'s connection: if its client is still
-    sending a request's body (plain TCP, HTTP/1.1), send the FIN now and have
+    sending a request's body (HTTP/1.1), send the FIN now (plain TCP) and have
     the reader drop the rest until the client closes (the module's doc);
     False: close it as hypercorn does."""
     if getattr(server, "iop_linger", False):
         return True
+    stream = server.stream
+    tls = type(stream) is trio.SSLStream and type(stream.transport_stream) is trio.SocketStream
     if (
-        not getattr(TCPServer._read_data, "iop_reads", False)  # (the reader below is the one that drains)
+        not getattr(TCPServer._read_data, "iop_reads", False)  # (the readers below are the ones that drain)
         or server.config.read_timeout is not None
-        or type(server.stream) is not trio.SocketStream
+        or not (tls or type(stream) is trio.SocketStream)
     ):
         return False
     connection = getattr(getattr(server.protocol, "protocol", None), "connection", None)
     if type(connection) is not h11.Connection or connection.their_state is not h11.SEND_BODY:
         return False
-    sock = server.stream.socket
+    if tls:
+        # The reader drains as it reads on; this ends it if the client goes quiet meanwhile.
+        server.iop_linger = True
+        server.iop_read_ended = trio.Event()
+        server._task_group.spawn(_cut_lingering, stream.transport_stream.socket, server.iop_read_ended)
+        return True
+    sock = stream.socket
     try:
         sock.shutdown(trio.socket.SHUT_WR)  # (the answer is out: the protocol closes after its last send)
     except OSError:
@@ -63,6 +75,30 @@ def linger(server: TCPServer) -> bool:
     server.iop_linger = True
     trio.lowlevel.notify_closing(sock)  # the reader, waiting for the body's next bytes, drains from here
     return True
+
+
+async def _cut_lingering(sock: trio.socket.SocketType, read_ended: trio.Event) -> None:
+    """A lingering TLS connection whose reader has not ended within :data:`LINGER_S`
+    (a client gone quiet without closing) is closed under it."""
+    with trio.move_on_after(LINGER_S):
+        await read_ended.wait()
+        return
+    if sock.fileno() >= 0:
+        sock.close()
+
+
+async def _drain_stream(stream: trio.abc.ReceiveStream, max_recv: int) -> None:
+    """Read and drop what the client still sends (a lingering close over TLS)."""
+    until = trio.current_time() + LINGER_S
+    while (now := trio.current_time()) < until:
+        with trio.move_on_at(min(until, now + LINGER_IDLE_S)):
+            try:
+                if not await stream.receive_some(max_recv):
+                    return
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            continue
+        return  # (nothing from the client for LINGER_IDLE_S)
 
 
 async def _drain(sock: trio.socket.SocketType, max_recv: int) -> None:
@@ -131,9 +167,12 @@ async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int, serv
     await handle(Closed())
 
 
-async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int) -> None:
-    """hypercorn's loop without its cancel scope (TLS)."""
+async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int, server: TCPServer | None = None) -> None:
+    """hypercorn's loop without its cancel scope (TLS); a lingering close drains the rest."""
     while True:
+        if server is not None and server.iop_linger:
+            await _drain_stream(stream, max_recv)
+            break
         try:
             data = await stream.receive_some(max_recv)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -141,6 +180,9 @@ async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int) ->
         await handle(RawData(bytes(data)))
         if data == b"":
             break
+    ended = getattr(server, "iop_read_ended", None)
+    if ended is not None:
+        ended.set()  # (a lingering close's watch: done)
     await handle(Closed())
 
 
@@ -160,7 +202,7 @@ def install() -> None:
         stream = self.stream
         if isinstance(stream, trio.SocketStream):
             return _read_socket(stream.socket, self.protocol.handle, max_recv, self)
-        return _read_stream(stream, self.protocol.handle, max_recv)  # TLS
+        return _read_stream(stream, self.protocol.handle, max_recv, self)  # TLS
 
     _read_data.iop_reads = True  # type: ignore[attr-defined]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]

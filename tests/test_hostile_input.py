@@ -1118,3 +1118,24 @@ async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
     assert raised.value.response.headers["x-should-retry"] == "false"
     head, body = received.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", received
+
+
+async def test_a_body_past_the_limit_gets_its_413_over_https_too(nursery, tmp_path, upstream):
+    """Over TLS the close on unread bytes lost the 413 the same way: 40 of 40 httpx async
+    uploads past the limit got a ReadError (and the async SDK retried each upload twice). The
+    edge reads and drops the rest of the body there too, until the client is done."""
+    from tests.test_cancellation import _tls_edge_with_a_node
+
+    url, cafile, _ = await _tls_edge_with_a_node(nursery, tmp_path, upstream, max_body_bytes=1 << 20)
+    body = {"model": "m", "messages": [{"role": "user", "content": "a" * (3 << 20)}]}
+    context = ssl.create_default_context(cafile=str(cafile))
+    statuses = []
+    with trio.fail_after(BOUND * 2):
+        for _ in range(10):
+            async with httpx.AsyncClient(base_url=url, verify=context, timeout=BOUND) as client:  # HTTP/1.1
+                try:
+                    r = await client.post("/v1/chat/completions", json=body)
+                    statuses.append(r.status_code)
+                except httpx.TransportError as e:
+                    statuses.append(type(e).__name__)
+    assert statuses == [413] * 10, statuses
