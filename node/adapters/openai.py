@@ -5,7 +5,8 @@ cancel closes the HTTP response mid-generation and the server aborts it.
 
 Every upstream failure is one warning line on the node naming the model, the
 upstream's host:port and the error class or status, never the api_key,
-headers or bodies: the client's ``run_error`` is not the only trace of it.
+headers or bodies (a chunk it could not read is logged by its size and
+what msgspec said of it): the client's ``run_error`` is not the only trace of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import trio
 
 from node import http1
 from node.adapters import Counters, Sink
-from node.adapters.sse import EventTooLarge, SSEParser
+from node.adapters.sse import ErrorEvent, EventTooLarge, SSEParser
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
 from proto.frames import MAX_TOKEN_COUNT, is_token_count
@@ -41,7 +42,7 @@ class _Delta(msgspec.Struct):
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: str | None = None  # OpenAI's: the model declined (content stays empty)
-    tool_calls: list[_ToolCallDelta] | None = None
+    tool_calls: list[_ToolCallDelta] | _ToolCallDelta | None = None  # TGI 2.x sends one call, not a list
 
 
 class _Choice(msgspec.Struct):
@@ -80,7 +81,22 @@ _encode = msgspec.json.Encoder().encode
 _MAX_ERROR_BODY = 4096  # also the longest error message relayed from an error chunk
 _ERROR_BODY_S = 5.0  # how long an error status's body may take to read (then what came is the message)
 _DRAIN_S = 2.0  # after [DONE], how long the rest of the body may take
-_MAX_FINISH = 64  # a longer finish_reason is cut to this
+_MAX_FINISH = 64  # a finish_reason is looked up by this much of it
+# finish_reason values of servers that are not OpenAI's, as OpenAI's: a client may only
+# know these five (a typed client may fail to read any other). Anything else is "stop".
+_FINISH = {
+    **{reason: reason for reason in ("stop", "length", "tool_calls", "content_filter", "function_call")},
+    "eos_token": "stop",  # TGI before 2.0
+    "eos": "stop",
+    "stop_sequence": "stop",  # Anthropic's words, from servers that relay them
+    "end_turn": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    # Cut short, not finished: "length" is the one value that tells a client the answer is incomplete.
+    "abort": "length",  # vLLM
+    "error": "length",  # vLLM
+    "insufficient_system_resource": "length",  # DeepSeek
+}
 # A run's tool calls as the model server streams them: past these the run fails (the node
 # would hold them all until the end, and no frame could carry them).
 _MAX_TOOL_BYTES = 8 * 1024 * 1024
@@ -204,8 +220,19 @@ class OpenAIAdapter:
                     while await response.read():
                         pass
             elif relay.end == _FAILED:
-                self._log_failure(relay.failure, run_id)
-                await sink.error(relay.message)
+                if relay.chunk:
+                    log.warning(
+                        "upstream request failed",
+                        model=self.model.name,
+                        upstream=self.upstream,
+                        error=relay.failure,
+                        run_id=run_id,
+                        chunk_bytes=relay.chunk,
+                        problem=relay.message,
+                    )
+                else:
+                    self._log_failure(relay.failure, run_id)
+                await sink.error(relay.message, status=relay.status)
             elif relay.finish_reason:  # the body ended without [DONE]: still an answer if it said why it stopped
                 await sink.complete(
                     relay.finish_reason,
@@ -246,7 +273,10 @@ class _Relay:
         "end",
         "failure",
         "message",
+        "status",
+        "chunk",
         "room",
+        "at",
     )
 
     def __init__(self, sink: Sink) -> None:
@@ -256,12 +286,15 @@ class _Relay:
         self.usage: Usage | None = None
         self.stop = ""  # the stop sequence the model server said ended it
         self.calls: dict[int, _Call] = {}
+        self.at: dict[int, int] = {}  # the upstream's tool-call index: the key in calls of its latest call
         self.tool_bytes = 0  # what the calls hold so far
         self.refusal: list[str] = []  # the refusal's pieces, joined at the end
         self.refusal_len = 0
         self.end = 0  # _DONE ([DONE] came) or _FAILED (then failure and message)
         self.failure = ""
         self.message = ""
+        self.status = 0  # the upstream's HTTP error status, when its error said one
+        self.chunk = 0  # the size of a chunk that could not be read, for the node's log
         self.room = True  # the sink takes more now
 
     def _emit(self, kind: int, texts: list[str]) -> None:
@@ -282,13 +315,19 @@ class _Relay:
         except EventTooLarge as e:
             return self._fail("event too large", f"upstream sent {e}")
         for payload in payloads:
+            if payload.__class__ is ErrorEvent:  # llama.cpp's `error:` line, an `event: error`
+                if texts:
+                    self._emit(kind, texts)
+                self._error("error event", _error_of(payload))
+                return False
             done = payload == b"[DONE]"
             chunk = None
             if not done:
                 try:
                     chunk = _decode_chunk(payload)
-                except _UNDECODABLE:
+                except _UNDECODABLE as e:
                     done = payload.strip() == b"[DONE]"  # "data: [DONE] " is done too
+                    problem = e
             if done:
                 if texts:
                     self._emit(kind, texts)
@@ -297,13 +336,14 @@ class _Relay:
             if chunk is None or chunk.error is not None:
                 if texts:
                     self._emit(kind, texts)
-                self.end = _FAILED
                 if chunk is None:
-                    self.failure = "undecodable chunk"
-                    self.message = f"upstream sent an undecodable chunk: {payload[:200]!r}"
+                    # What msgspec says names the field and the types, never the payload's
+                    # words (a model's completion text, or anything): nor does the log.
+                    said = "JSON nested too deeply" if isinstance(problem, RecursionError) else str(problem)[:200]
+                    self._fail("undecodable chunk", f"upstream sent an undecodable chunk: {said}")
+                    self.chunk = len(payload)
                 else:
-                    self.failure = "error chunk"
-                    self.message = f"upstream error: {_said(chunk.error)[:_MAX_ERROR_BODY]}"
+                    self._error("error chunk", chunk.error)
                 return False
             if chunk.usage is not None:
                 self.usage = _usage(chunk.usage)
@@ -335,7 +375,10 @@ class _Relay:
                                 "refusal too large", f"upstream's refusal passed {_MAX_REFUSAL} characters"
                             )
                     if delta.tool_calls:
-                        self.tool_bytes += _merge_tool_calls(self.calls, delta.tool_calls)
+                        calls = delta.tool_calls
+                        self.tool_bytes += _merge_tool_calls(
+                            self.calls, self.at, calls if calls.__class__ is list else [calls]
+                        )
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > _MAX_TOOL_CALLS:
                             if texts:
                                 self._emit(kind, texts)
@@ -344,7 +387,7 @@ class _Relay:
                                 f"upstream's tool calls passed {_MAX_TOOL_CALLS} calls or {_MAX_TOOL_BYTES} bytes",
                             )
                 if choice.finish_reason:
-                    self.finish_reason = choice.finish_reason[:_MAX_FINISH]
+                    self.finish_reason = _FINISH.get(choice.finish_reason[:_MAX_FINISH].lower(), "stop")
                     matched = choice.stop_reason if choice.stop_reason is not None else choice.matched_stop
                     if isinstance(matched, str) and len(matched) <= _MAX_STOP:
                         self.stop = matched
@@ -352,11 +395,26 @@ class _Relay:
             self._emit(kind, texts)
         return self.room and not self.finish_reason  # after the finish: read on under a deadline
 
-    def _fail(self, failure: str, message: str) -> bool:
+    def _fail(self, failure: str, message: str, status: int = 0) -> bool:
         self.end = _FAILED
         self.failure = failure
         self.message = message
+        self.status = status
         return False
+
+    def _error(self, failure: str, error: Any) -> None:
+        """The stream failed with the upstream's own error: its message, and its
+        ``code`` as the run's status when that is an HTTP error status (a 400 is
+        then the client's 400, which no SDK retries)."""
+        if isinstance(error, dict) and isinstance(error.get("error"), dict):  # {"error": {...}}
+            error = error["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if code.__class__ is int and 400 <= code <= 599 else 0
+        self._fail(
+            f"{failure}, status {status}" if status else failure,
+            f"upstream error: {_said(error)[:_MAX_ERROR_BODY]}",
+            status,
+        )
 
 
 def _count(value: Any) -> int | None:
@@ -391,23 +449,32 @@ class _Call:
         self.arguments: list[str] = []
 
 
-def _merge_tool_calls(calls: dict[int, _Call], deltas: list[_ToolCallDelta]) -> int:
-    """Join streamed tool-call fragments by their ``index``. A fragment with
-    no index (servers that send each call whole, several in one delta) starts
-    a new call when it names a new id or is not the first of its delta's
-    list, and continues the last call otherwise. Returns the characters added."""
+def _merge_tool_calls(calls: dict[int, _Call], at: dict[int, int], deltas: list[_ToolCallDelta]) -> int:
+    """Join streamed tool-call fragments by their ``index`` (``at`` maps it to the
+    key in ``calls`` of its latest call). A fragment whose id differs from the id
+    of the call at its index starts a new call: Ollama sends each call whole with
+    ``index: 0``, SGLang its second call as ``index: 0, id: "1"``. A fragment with
+    no index (servers that send each call whole, several in one delta) starts a
+    new call when it names a new id or is not the first of its delta's list, and
+    continues the last call otherwise. Returns the characters added."""
     added = 0
     for position, d in enumerate(deltas):
         index = d.index
         if index is None:
             last = max(calls) if calls else -1
             if last < 0 or position > 0 or (d.id and d.id != calls[last].id):
-                index = last + 1
+                key = last + 1
             else:
-                index = last
-        call = calls.get(index)
+                key = last
+        else:
+            key = at.get(index)
+            if key is None:  # the index's first call: the index is its key, unless a moved call took it
+                key = at[index] = index if index not in calls else max(calls) + 1
+            elif d.id and calls[key].id and d.id != calls[key].id:
+                key = at[index] = max(calls) + 1
+        call = calls.get(key)
         if call is None:
-            call = calls[index] = _Call()
+            call = calls[key] = _Call()
         if d.id:
             call.id = d.id
             added += len(d.id)
@@ -450,6 +517,14 @@ async def _error_text(response: http1.Response) -> str:
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and parsed["error"].get("message"):
         message = _said(parsed["error"])
     return f"upstream returned {response.status}: {message}"
+
+
+def _error_of(payload: bytes) -> Any:
+    """An error event's error: its JSON, or its text when it is not JSON."""
+    try:
+        return msgspec.json.decode(payload)
+    except _UNDECODABLE:
+        return payload[:_MAX_ERROR_BODY].decode("utf-8", "replace")
 
 
 def _said(error: Any) -> str:

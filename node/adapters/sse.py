@@ -9,10 +9,19 @@ class EventTooLarge(ValueError):
     """One event grew past the parser's limit without ending."""
 
 
-class SSEParser:
-    """Feed bytes, get the ``data`` payload of each complete event.
+class ErrorEvent(bytes):
+    """The payload of an event that says the stream failed: an ``error:`` field
+    (llama.cpp's server writes ``error: {"code":400,"message":...}`` after its
+    200 when a request cannot run) or the data of an ``event: error`` event."""
 
-    Comments (``: keep-alive``) and ``event:``/``id:`` fields are skipped;
+    __slots__ = ()
+
+
+class SSEParser:
+    """Feed bytes, get the ``data`` payload of each complete event, or an
+    :class:`ErrorEvent` for an event that reports an error.
+
+    Comments (``: keep-alive``) and other ``event:``/``id:`` fields are skipped;
     multi-line data is joined with ``\\n`` as the SSE spec says. Lines may end
     in ``\\r\\n``, ``\\n`` or a bare ``\\r`` (the spec allows all three), and a
     byte order mark at the start of the stream is dropped (as the spec says).
@@ -89,10 +98,24 @@ def _parse(block: bytes, out: list[bytes]) -> None:
         payload = block[5:]
         out.append(payload[1:] if payload[:1] == b" " else payload)
         return
-    lines = [
-        (line[6:] if line.startswith(b"data: ") else line[5:])
-        for line in block.split(b"\n")
-        if line.startswith(b"data:")
-    ]
-    if lines:
-        out.append(b"\n".join(lines))
+    data: list[bytes] = []
+    error: list[bytes] = []
+    failed = False
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            data.append(_value(line, 5))
+        elif line.startswith(b"error:"):
+            error.append(_value(line, 6))
+        elif line.startswith(b"event:") and _value(line, 6) == b"error":
+            failed = True
+    if error:
+        out.append(ErrorEvent(b"\n".join(error)))
+    elif failed:
+        out.append(ErrorEvent(b"\n".join(data)))
+    elif data:
+        out.append(b"\n".join(data))
+
+
+def _value(line: bytes, start: int) -> bytes:
+    """A field's value: the line from ``start`` (just past the colon), less one leading space."""
+    return line[start + 1 :] if line[start : start + 1] == b" " else line[start:]
