@@ -204,9 +204,11 @@ class NodeLink:
         """A run request went to this node; it is unstarted until its first event."""
         self.unstarted[run_id] = now
 
-    def started(self, run_id: str, now: float) -> None:
+    def started(self, run_id: str, now: float, timed: bool = True) -> None:
+        """A run's first event came (``timed``: output or its end, a time to first
+        token; not an error at once, which says nothing of how fast runs start)."""
         sent_at = self.unstarted.pop(run_id, None)
-        if sent_at is None:
+        if sent_at is None or not timed:
             return
         ttft = now - sent_at
         self.ttft = ttft if self.ttft is None else 0.8 * self.ttft + 0.2 * ttft

@@ -102,6 +102,8 @@ class Run:
         "_on_close",
         "on_node_done",
         "on_failed_at_once",
+        "held_error",
+        "move_until",
         "want",
         "request",
         "failed_over",
@@ -157,7 +159,11 @@ class Run:
         self.on_node_done: Callable[[Run], None] | None = None
         # Its node failed it before any output, the model server's fault: True if the service
         # moved it to another node (the client never sees that error).
-        self.on_failed_at_once: Callable[[Run], bool] | None = None
+        self.on_failed_at_once: Callable[[Run, RunEvent], bool] | None = None
+        # Moved off a node that failed it at once, waiting for a slot: that error, and when the
+        # wait ends with it (the queue's timeout), as if the run had not moved.
+        self.held_error: RunEvent | None = None
+        self.move_until = math.inf
         self.want = None  # what the request needs of a node (for failover)
         self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
@@ -226,12 +232,13 @@ class Run:
             slot = self.slot
             link = slot.link
             slot.end_probe()
-            link.started(self.id, now)
-            if complete or not terminal:
+            answered = complete or not terminal
+            link.started(self.id, now, timed=answered)  # (a dead server's 1 ms failures made a slow node look stalled)
+            if answered:
                 link.served(slot.model)
             elif getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500:  # failed at once, not for the client
                 link.failed_at_once(slot.model, now)
-                if self.on_failed_at_once is not None and self.on_failed_at_once(self):
+                if self.on_failed_at_once is not None and self.on_failed_at_once(self, item):
                     return  # moved to another node: its silence is counted from now
             self.first_event_at = now
         self.events_seen += 1
@@ -292,7 +299,18 @@ class Run:
         return self._times_out_at() <= now
 
     def _times_out_at(self) -> float:
-        return min(self.last_event_at + self.wait_timeout, self.deadline)
+        return min(self.last_event_at + self.wait_timeout, self.deadline, self.move_until)
+
+    def give_up_move(self) -> None:
+        """A run moved off a node that failed it at once found no slot within the
+        queue's timeout: it ends with that node's error, as if it had not moved."""
+        held, self.held_error = self.held_error, None
+        assert held is not None
+        self.finished = True
+        self.cause = RUN_ERROR
+        self.error = held.text
+        self._pending.append(held)
+        self._wake()
 
     # -- consumer side (the request) -----------------------------------------
 
@@ -436,7 +454,10 @@ class RunTimers:
                     continue
                 if run.timed_out(now):
                     run.timer = None
-                    run.fail(RUN_TIMED_OUT, TIMEOUT)
+                    if run.held_error is not None and run.requeued is not None:
+                        run.give_up_move()
+                    else:
+                        run.fail(RUN_TIMED_OUT, TIMEOUT)
                     continue
                 due = run.due()
                 if due <= now:  # only a keep-alive is due

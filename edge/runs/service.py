@@ -19,7 +19,7 @@ from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
 from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, SHUTDOWN, UNSENDABLE, Run, RunTimers
-from proto import ModelInfo, RunRequest, TunnelRequest
+from proto import ModelInfo, RunEvent, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
 
@@ -98,7 +98,6 @@ class _Waiter:
         "since",
         "wait_until",
         "prefer",
-        "avoid",
     )
 
     def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0, client: Any = None) -> None:
@@ -115,7 +114,6 @@ class _Waiter:
         # its prompt's prefix (``prefer``, whose demand it counts in).
         self.wait_until = wait_until
         self.prefer: str | None = None
-        self.avoid: NodeLink | None = None  # a moved run: the node that failed it at once
 
 
 _MAX_SESSIONS = 100_000
@@ -278,67 +276,73 @@ class RunService:
             if not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
             serving = self._serving(model)
-            back = False
             for queue in (self._queues.get(model), self._moved.get(model)):
                 for waiter in list(queue or ()):
-                    if waiter.avoid is not None and not any(
-                        waiter.want.fits(lk) for lk in serving if lk is not waiter.avoid
-                    ):
-                        waiter.avoid = None  # only the node that failed it is left: its error beats a wait
-                        back = True
                     if any(waiter.want.fits(lk) for lk in serving):
                         continue
                     if self._end_wait(queue, waiter, NODE_DISCONNECTED, NODE_LOST):
                         waiter.gone = "drained" if link.draining else "lost"
                         waiter.event.set()
-            if back:
-                self._wake(model)
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
 
-    def _fail_over(self, run: Run, old: NodeLink, failed: bool = False) -> bool:
-        """Move a run that has produced no event yet off ``old`` (lost, not
-        starting runs, or ``failed`` it at once), at most once: to a node with
-        a free slot now, else it waits for one ahead of the queue (never for
-        ``old`` again when it ``failed`` it). False if no other node could run it."""
+    def _fail_over(self, run: Run, old: NodeLink, failed: RunEvent | None = None) -> bool:
+        """Move a run that has produced no event yet off ``old`` (lost, or not
+        starting runs), at most once: to a node with a free slot now, else it
+        waits for one ahead of the queue. Never to a node failing the model
+        (a healthy node slow to start its runs was judged stalled against a
+        dead server's 1 ms failures, and its runs moved there to fail). A run
+        ``old`` ``failed`` at once (that error event) waits as a queued
+        request does, within the queue's size and timeout, then ends with that
+        error (it waited for its silence, 120 s). False if it does not move."""
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
-        if not any(run.want.fits(lk) for lk in self._serving(run.want.model) if lk is not old):
+        model = run.want.model
+        if not any(run.want.fits(lk) and not lk.failing(model) for lk in self._serving(model) if lk is not old):
             return False
-        if not failed:  # (a node that failed the run has ended it)
+        moved = self._moved[model]
+        link = None if moved else self._pick(run.want, exclude=old)
+        if link is not None and link.failing(model):
+            link = None
+        if failed is not None and link is None:
+            max_queue, timeout_ms = self._queue_bounds(model)
+            if len(moved) + len(self._queues.get(model) or ()) >= max_queue:
+                return False
+            run.held_error, run.move_until = failed, trio.current_time() + timeout_ms / 1000
+            if run.timer is not None:  # (sooner than it was due)
+                self.timers.discard(run)
+                self.timers.add(run)
+        if failed is None:  # (a node that failed the run has ended it)
             old.cancel(run.id, "moved to another node")  # no-op on a lost link
         old.forget_run(run.id)
         self.release(run.slot)
         run.failed_over = True
-        moved = self._moved[run.want.model]
-        link = None if moved else self._pick(run.want, exclude=old)
         if link is not None:
             self._dispatch(run, self._reserve(link, run.want))
         else:
             run.requeued = _Waiter(run.want, run)
-            if failed:
-                run.requeued.avoid = old
             moved.append(run.requeued)
         log.warning("run moved", run_id=run.id, from_node=old.node_id, to_node=link.node_id if link else None)
         return True
 
-    def _failed_at_once(self, run: Run) -> bool:
-        """``run``'s node failed it before any output, its model server's fault
-        (counted: :meth:`NodeLink.failed_at_once`). Nothing has reached the
-        client: it moves (at most once, :meth:`_fail_over`) when another node
-        serving the model fits it and is neither failing nor stalled; it may
-        wait there ahead of the queue. False: the client gets the error."""
-        old = run.slot.link
-        model = run.want.model
-        now = trio.current_time()
-        for link in self._serving(model):
-            if link is not old and run.want.fits(link) and not link.failing(model) and not link.stalled(now):
-                return self._fail_over(run, old, failed=True)
-        return False
+    def _queue_bounds(self, model: str) -> tuple[int, int]:
+        """The model's ``max_queue`` and ``queue_timeout_ms`` (its policy's, else the edge's)."""
+        policy = self.config.policy(model)
+        max_queue = self.config.max_queue if policy.max_queue is None else policy.max_queue
+        timeout_ms = self.config.queue_timeout_ms if policy.queue_timeout_ms is None else policy.queue_timeout_ms
+        return max_queue, timeout_ms
+
+    def _failed_at_once(self, run: Run, error: RunEvent) -> bool:
+        """``run``'s node failed it before any output (``error``), its model
+        server's fault (counted: :meth:`NodeLink.failed_at_once`). Nothing has
+        reached the client: it moves, at most once, to a node that is not failing
+        (:meth:`_fail_over`). False: the client gets the error."""
+        return self._fail_over(run, run.slot.link, failed=error)
 
     def _dispatch(self, run: Run, slot: Slot) -> None:
         """Send a moved run to its new slot's node."""
         run.slot = slot
         run.requeued = None
+        run.held_error, run.move_until = None, math.inf
         link = slot.link
         link.runs[run.id] = run
         remaining = max(run.deadline - trio.current_time(), 0.0)
@@ -576,7 +580,7 @@ class RunService:
             preferred = self.links.get(waiter.prefer)
             if preferred is not None and preferred.free_slots(waiter.want.model) <= 0:
                 return False
-        link = self._pick(waiter.want, exclude=waiter.avoid, wait_until=waiter.wait_until)
+        link = self._pick(waiter.want, wait_until=waiter.wait_until)
         if link is None:
             if self._wanted is not None or waiter.wait_until <= trio.current_time():
                 self._prefer(waiter, self._wanted)
@@ -650,9 +654,7 @@ class RunService:
             if link is not None:
                 return self._reserve(link, want)
             wanted = self._wanted
-        policy = self.config.policy(model)
-        max_queue = self.config.max_queue if policy.max_queue is None else policy.max_queue
-        timeout_ms = self.config.queue_timeout_ms if policy.queue_timeout_ms is None else policy.queue_timeout_ms
+        max_queue, timeout_ms = self._queue_bounds(model)
         retry_after = max(1, math.ceil(timeout_ms / 1000 / 4))
         if len(queue) >= max_queue:
             if wanted is not None:  # no room to wait for its prefix's node: a free one after all
