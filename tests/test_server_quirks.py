@@ -230,3 +230,56 @@ async def test_finish_reasons_that_are_not_openais(stack, said, expected):
         whole, chunks = await answers(edge)
     assert whole.choices[0].message.content == "Hello"
     assert whole.choices[0].finish_reason == expected and finish(chunks) == [expected]
+
+
+# vLLM's gpt-oss streaming and Poolside's API: a new id on every chunk of one call.
+ID_PER_CHUNK = [
+    ("chunk", {"tool_calls": [call("call_a", "get_weather", '{"city":')]}),
+    ("chunk", {"tool_calls": [call("call_b", None, '"Paris"}')]}),
+    ("chunk", {}, "tool_calls"),
+    USAGE,
+    ("done",),
+]
+# The whole name again on a later fragment of the same call.
+NAME_AGAIN = [
+    ("chunk", {"tool_calls": [call("call_a", "get_weather", '{"city":')]}),
+    ("chunk", {"tool_calls": [call("call_a", "get_weather", '"Paris"}')]}),
+    ("chunk", {}, "tool_calls"),
+    USAGE,
+    ("done",),
+]
+
+
+@pytest.mark.parametrize("script", [ID_PER_CHUNK, NAME_AGAIN], ids=["id-per-chunk", "name-again"])
+async def test_one_call_whose_fragments_change_id_or_repeat_its_name_stays_one(stack, script):
+    """A new id on a fragment that names no function is the same call (servers that mint an id
+    per chunk): splitting it made two broken calls, a retry and a 502 (an outside re-audit of
+    the index-0 fix); a fragment repeating the call's whole name made `get_weatherget_weather`."""
+    edge, upstream = stack
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        whole, chunks = await answers(edge, tools=TOOLS)
+    expected = [("call_a", "get_weather", PARIS)]
+    assert [(c.id, c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == expected
+    assert streamed_calls(chunks) == expected
+    assert len(upstream.records) == 2  # no retry
+
+
+@pytest.mark.parametrize(
+    ("line", "status", "message"),
+    [
+        (b'error: {"code":"400","message":"too long"}\n\n', 400, "upstream error: too long"),
+        (b"event: error\ndata:\n\n", 502, "the model server reported an error, with no message"),
+    ],
+    ids=["quoted-code", "empty"],
+)
+async def test_an_error_event_s_odd_shapes_are_read(stack, line, status, message):
+    """A code in quotes is still the status; an error event with nothing in it says so, where
+    the client got "upstream error: " (an outside re-audit)."""
+    edge, upstream = stack
+    upstream.script_for("t", [("raw", line)])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(model="m", messages=USER)
+    assert caught.value.status_code == status and caught.value.body["message"] == message, caught.value.body

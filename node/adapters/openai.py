@@ -78,6 +78,7 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 # DecodeError, for JSON nested past about 1,000 levels (a body of 1,000 "[" did it).
 _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 _encode = msgspec.json.Encoder().encode
+_NO_MESSAGE = "the model server reported an error, with no message"
 _MAX_ERROR_BODY = 4096  # also the longest error message relayed from an error chunk
 _ERROR_BODY_S = 5.0  # how long an error status's body may take to read (then what came is the message)
 _DRAIN_S = 2.0  # after [DONE], how long the rest of the body may take
@@ -409,10 +410,13 @@ class _Relay:
         if isinstance(error, dict) and isinstance(error.get("error"), dict):  # {"error": {...}}
             error = error["error"]
         code = error.get("code") if isinstance(error, dict) else None
+        if isinstance(code, str) and len(code) == 3 and code.isdigit():  # ("400": some servers quote it)
+            code = int(code)
         status = code if code.__class__ is int and 400 <= code <= 599 else 0
+        said = _said(error)[:_MAX_ERROR_BODY].strip() if error is not None else ""
         self._fail(
             f"{failure}, status {status}" if status else failure,
-            f"upstream error: {_said(error)[:_MAX_ERROR_BODY]}",
+            f"upstream error: {said}" if said and said != "None" else _NO_MESSAGE,
             status,
         )
 
@@ -451,18 +455,23 @@ class _Call:
 
 def _merge_tool_calls(calls: dict[int, _Call], at: dict[int, int], deltas: list[_ToolCallDelta]) -> int:
     """Join streamed tool-call fragments by their ``index`` (``at`` maps it to the
-    key in ``calls`` of its latest call). A fragment whose id differs from the id
-    of the call at its index starts a new call: Ollama sends each call whole with
-    ``index: 0``, SGLang its second call as ``index: 0, id: "1"``. A fragment with
-    no index (servers that send each call whole, several in one delta) starts a
-    new call when it names a new id or is not the first of its delta's list, and
-    continues the last call otherwise. Returns the characters added."""
+    key in ``calls`` of its latest call). A fragment that names a function
+    under an id other than that of the call at its index starts a new call:
+    Ollama sends each call whole with ``index: 0``, SGLang its second call as
+    ``index: 0, id: "1"``. One with a new id and no name goes on with the call
+    (some servers mint an id per chunk: vLLM's gpt-oss streaming, Poolside's
+    API), which keeps its first id; a name that repeats the call's whole name
+    is not added again. A fragment with no index (servers that send each call
+    whole, several in one delta) starts a new call when it names a function
+    under a new id or is not the first of its delta's list, and continues the
+    last call otherwise. Returns the characters added."""
     added = 0
     for position, d in enumerate(deltas):
         index = d.index
+        named = d.function is not None and bool(d.function.name)
         if index is None:
             last = max(calls) if calls else -1
-            if last < 0 or position > 0 or (d.id and d.id != calls[last].id):
+            if last < 0 or position > 0 or (named and d.id and d.id != calls[last].id):
                 key = last + 1
             else:
                 key = last
@@ -470,18 +479,19 @@ def _merge_tool_calls(calls: dict[int, _Call], at: dict[int, int], deltas: list[
             key = at.get(index)
             if key is None:  # the index's first call: the index is its key, unless a moved call took it
                 key = at[index] = index if index not in calls else max(calls) + 1
-            elif d.id and calls[key].id and d.id != calls[key].id:
+            elif named and d.id and calls[key].id and d.id != calls[key].id:
                 key = at[index] = max(calls) + 1
         call = calls.get(key)
         if call is None:
             call = calls[key] = _Call()
-        if d.id:
+        if d.id and not call.id:
             call.id = d.id
             added += len(d.id)
         if d.function is not None:
-            if d.function.name:
-                call.names.append(d.function.name)
-                added += len(d.function.name)
+            name = d.function.name
+            if name and not (len(call.names) == 1 and call.names[0] == name):
+                call.names.append(name)
+                added += len(name)
             if d.function.arguments:
                 call.arguments.append(d.function.arguments)
                 added += len(d.function.arguments)
