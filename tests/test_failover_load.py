@@ -127,3 +127,28 @@ async def test_a_moved_run_waits_no_longer_than_the_queue(nursery):
     statuses = await post_all(edge, 4)
     assert trio.current_time() - started < 15, "a moved run waited past the queue's timeout"
     assert statuses.count(200) >= 1 and set(statuses) <= {200, 429, 502}, statuses
+
+
+async def test_a_moved_run_never_goes_back_to_the_failing_node(nursery):
+    """A run moved off a node that failed it waited in the moved queue, and when that node was
+    next free (no probe out, its pause over) it was sent back there, failed again, and its
+    client got the error it had moved from (an outside re-audit: every scenario, 2 of 150 to 5
+    of 60 requests). It waits for a node that is not failing."""
+    slow = await new_upstream(nursery)
+    slow.script_for("t", lambda body: [("sleep", 0.4), *text_script(words(3))])
+    edge = await start_edge(nursery, edge_config(max_queue=100, queue_timeout_ms=15_000))
+    dead, _ = await failing_model(nursery, "unreachable")
+    await start_node(nursery, edge, [model("m", slow, target="t", max_concurrency=1)], node_id="slow")
+    await start_node(nursery, edge, [dead], node_id="dead")
+    statuses: list[int] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def one(i: int) -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}
+                statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
+
+            for i in range(8):
+                clients.start_soon(one, i)
+                await trio.sleep(0.3)
+    assert statuses == [200] * 8, statuses

@@ -300,9 +300,7 @@ class RunService:
         if not any(run.want.fits(lk) and not lk.failing(model) for lk in self._serving(model) if lk is not old):
             return False
         moved = self._moved[model]
-        link = None if moved else self._pick(run.want, exclude=old)
-        if link is not None and link.failing(model):
-            link = None
+        link = None if moved else self._pick(run.want, exclude=old, healthy=True)
         if failed is not None and link is None:
             max_queue, timeout_ms = self._queue_bounds(model)
             if len(moved) + len(self._queues.get(model) or ()) >= max_queue:
@@ -415,7 +413,9 @@ class RunService:
 
     # -- admission -----------------------------------------------------------
 
-    def _pick(self, want: Want, exclude: NodeLink | None = None, wait_until: float = 0.0) -> NodeLink | None:
+    def _pick(
+        self, want: Want, exclude: NodeLink | None = None, wait_until: float = 0.0, healthy: bool = False
+    ) -> NodeLink | None:
         """The node for ``want`` among those that can take it now (a free
         slot, the context fits, not stalled), by ``config.routing``:
 
@@ -434,7 +434,9 @@ class RunService:
           waited for: None, with ``_wanted`` naming it;
         - ``least_loaded``: ties broken at random; ``random``: any.
 
-        Sets ``_placed`` (how, matched blocks) for the :meth:`_reserve` that follows."""
+        ``healthy`` (a moved run): never a node failing the model, not even
+        when no other serves it. Sets ``_placed`` (how, matched blocks) for
+        the :meth:`_reserve` that follows."""
         model = want.model
         now = trio.current_time()
         routing = self.config.routing
@@ -446,10 +448,10 @@ class RunService:
                 for lk in self.links.values()
                 if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now)
             ]
-            working = [lk for lk in free if not lk.ejected(model, now)]
+            working = [lk for lk in free if not lk.ejected(model, now) and not (healthy and lk.failing(model))]
             if working:
                 return random.choice(working)
-            return random.choice(free) if free and not self._working(model, exclude, now) else None
+            return random.choice(free) if free and not healthy and not self._working(model, exclude, now) else None
         if want.session is not None and routing != "least_loaded":
             node_id = self._affinity.get(want.session)
             link = self.links.get(node_id) if node_id is not None else None
@@ -460,6 +462,7 @@ class RunService:
                 and want.fits(link)
                 and not link.stalled(now)
                 and not link.ejected(model, now)
+                and not (healthy and link.failing(model))
             ):
                 self._placed = ("session", 0)
                 return link
@@ -476,13 +479,13 @@ class RunService:
                     busy.append(link)
                 continue
             load = link.load(model)
-            if link.ejected(model, now):
+            if link.ejected(model, now) or (healthy and link.failing(model)):
                 failing.append((load, link))
                 continue
             free.append((load, link))
             best_load = min(best_load, load)
         if not free:
-            if failing and not self._working(model, exclude, now):
+            if failing and not healthy and not self._working(model, exclude, now):
                 self._placed = ("least_loaded", 0)
                 return min(failing, key=lambda pair: pair[0])[1]
             return None
@@ -580,7 +583,9 @@ class RunService:
             preferred = self.links.get(waiter.prefer)
             if preferred is not None and preferred.free_slots(waiter.want.model) <= 0:
                 return False
-        link = self._pick(waiter.want, wait_until=waiter.wait_until)
+        # A moved run waits for a node that is not failing: sent back to the one it left when
+        # that one was next free, it failed again and its client got that error.
+        link = self._pick(waiter.want, wait_until=waiter.wait_until, healthy=waiter.run is not None)
         if link is None:
             if self._wanted is not None or waiter.wait_until <= trio.current_time():
                 self._prefer(waiter, self._wanted)
