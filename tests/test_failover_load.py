@@ -96,18 +96,25 @@ async def test_a_lone_failing_node_still_answers_at_once_under_load(nursery):
     await settled(edge)
 
 
+async def slow_and_dead(nursery, first_token_s: float, slots: int, **config):
+    """An edge with two nodes serving `m`: one whose server takes ``first_token_s`` to answer
+    (``slots`` of it), one whose server refuses connections."""
+    slow = await new_upstream(nursery)
+    slow.script_for("t", lambda body: [("sleep", first_token_s), *text_script(words(3))])
+    edge = await start_edge(nursery, edge_config(max_queue=100, **config))
+    dead, _ = await failing_model(nursery, "unreachable")
+    await start_node(nursery, edge, [model("m", slow, target="t", max_concurrency=slots)], node_id="slow")
+    await start_node(nursery, edge, [dead], node_id="dead")
+    return edge
+
+
 async def test_a_dead_server_s_failures_do_not_make_a_slow_node_stalled(nursery):
     """A dead model server's 1 ms failures were counted as that node's time to first token, the
     peers' yardstick for a stall: a healthy node whose runs take a while to start (a long
     prompt) was judged stalled, its runs cancelled and moved to the dead node, where they
     failed (an outside re-audit). Failures say nothing of how fast runs start: the slow node
     keeps its runs and serves them."""
-    slow = await new_upstream(nursery)
-    slow.script_for("t", lambda body: [("sleep", 2.0), *text_script(words(3))])
-    edge = await start_edge(nursery, edge_config(max_queue=100, stall_after_s=1))
-    dead, _ = await failing_model(nursery, "unreachable")
-    await start_node(nursery, edge, [model("m", slow, target="t", max_concurrency=2)], node_id="slow")
-    await start_node(nursery, edge, [dead], node_id="dead")
+    edge = await slow_and_dead(nursery, 2.0, 2, stall_after_s=1)
     statuses = await post_all(edge, 6)
     assert statuses.count(200) >= 4, statuses  # (the first runs the dead node took fail, or move)
     assert not edge.edge.runs.links["slow"].stalled(trio.current_time())
@@ -117,12 +124,7 @@ async def test_a_moved_run_waits_no_longer_than_the_queue(nursery):
     """A run moved off a node that failed it at once waited for a slot with no bound but its
     silence (120 s), outside max_queue: the re-audit's waited 30 s for a 504. It waits as a
     queued request does and then gets the error it moved from."""
-    slow = await new_upstream(nursery)
-    slow.script_for("t", lambda body: [("sleep", 6.0), *text_script(words(3))])
-    edge = await start_edge(nursery, edge_config(max_queue=100, queue_timeout_ms=1000, wait_timeout_s=60))
-    dead, _ = await failing_model(nursery, "unreachable")
-    await start_node(nursery, edge, [model("m", slow, target="t", max_concurrency=1)], node_id="slow")
-    await start_node(nursery, edge, [dead], node_id="dead")
+    edge = await slow_and_dead(nursery, 6.0, 1, queue_timeout_ms=1000, wait_timeout_s=60)
     started = trio.current_time()
     statuses = await post_all(edge, 4)
     assert trio.current_time() - started < 15, "a moved run waited past the queue's timeout"
@@ -134,12 +136,7 @@ async def test_a_moved_run_never_goes_back_to_the_failing_node(nursery):
     next free (no probe out, its pause over) it was sent back there, failed again, and its
     client got the error it had moved from (an outside re-audit: every scenario, 2 of 150 to 5
     of 60 requests). It waits for a node that is not failing."""
-    slow = await new_upstream(nursery)
-    slow.script_for("t", lambda body: [("sleep", 0.4), *text_script(words(3))])
-    edge = await start_edge(nursery, edge_config(max_queue=100, queue_timeout_ms=15_000))
-    dead, _ = await failing_model(nursery, "unreachable")
-    await start_node(nursery, edge, [model("m", slow, target="t", max_concurrency=1)], node_id="slow")
-    await start_node(nursery, edge, [dead], node_id="dead")
+    edge = await slow_and_dead(nursery, 0.4, 1, queue_timeout_ms=15_000)
     statuses: list[int] = []
     with trio.fail_after(BOUND):
         async with http(edge) as client, trio.open_nursery() as clients:

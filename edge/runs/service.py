@@ -49,6 +49,12 @@ class Slot:
             self.link.probes[self.model] -= 1
 
 
+def _avoided(link: NodeLink, model: str, now: float, healthy: bool) -> bool:
+    """``link`` is routed around for ``model`` (:meth:`NodeLink.ejected`), or, for a
+    ``healthy`` pick (a moved run), failing it at all."""
+    return link.ejected(model, now) or (healthy and link.failing(model))
+
+
 _SESSION_CHARS = 128  # a longer session id (a client's string, kept by _affinity) is kept as its digest
 
 
@@ -448,7 +454,7 @@ class RunService:
                 for lk in self.links.values()
                 if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now)
             ]
-            working = [lk for lk in free if not lk.ejected(model, now) and not (healthy and lk.failing(model))]
+            working = [lk for lk in free if not _avoided(lk, model, now, healthy)]
             if working:
                 return random.choice(working)
             return random.choice(free) if free and not healthy and not self._working(model, exclude, now) else None
@@ -461,8 +467,7 @@ class RunService:
                 and link.free_slots(model) > 0
                 and want.fits(link)
                 and not link.stalled(now)
-                and not link.ejected(model, now)
-                and not (healthy and link.failing(model))
+                and not _avoided(link, model, now, healthy)
             ):
                 self._placed = ("session", 0)
                 return link
@@ -479,7 +484,7 @@ class RunService:
                     busy.append(link)
                 continue
             load = link.load(model)
-            if link.ejected(model, now) or (healthy and link.failing(model)):
+            if _avoided(link, model, now, healthy):
                 failing.append((load, link))
                 continue
             free.append((load, link))
