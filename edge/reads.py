@@ -87,8 +87,8 @@ async def _cut_lingering(sock: trio.socket.SocketType, read_ended: trio.Event) -
         sock.close()
 
 
-async def _drain_stream(stream: trio.abc.ReceiveStream, max_recv: int) -> None:
-    """Read and drop what the client still sends (a lingering close over TLS)."""
+async def _drain(stream: trio.abc.ReceiveStream, max_recv: int) -> None:
+    """Read and drop what the client still sends (a lingering close)."""
     until = trio.current_time() + LINGER_S
     while (now := trio.current_time()) < until:
         with trio.move_on_at(min(until, now + LINGER_IDLE_S)):
@@ -99,27 +99,6 @@ async def _drain_stream(stream: trio.abc.ReceiveStream, max_recv: int) -> None:
                 return
             continue
         return  # (nothing from the client for LINGER_IDLE_S)
-
-
-async def _drain(sock: trio.socket.SocketType, max_recv: int) -> None:
-    """Read and drop what the client still sends (a lingering close)."""
-    until = trio.current_time() + LINGER_S
-    while (now := trio.current_time()) < until:
-        with trio.move_on_at(min(until, now + LINGER_IDLE_S)) as waited:
-            try:
-                await trio.lowlevel.wait_readable(sock)
-            except (trio.ClosedResourceError, OSError):
-                return
-        fd = sock.fileno()
-        if waited.cancelled_caught or fd < 0:
-            return
-        try:
-            if not os.read(fd, max_recv):
-                return
-        except BlockingIOError:
-            continue
-        except OSError:
-            return
 
 
 async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int, server: TCPServer | None = None) -> None:
@@ -138,7 +117,7 @@ async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int, serv
     wait, in_a_row = False, 0
     while sock.fileno() >= 0:  # (< 0: closed by the protocol while it handled the last bytes)
         if server is not None and server.iop_linger:
-            await _drain(sock, max_recv)
+            await _drain(server.stream, max_recv)
             break
         if wait or in_a_row >= READY_READS:
             wait, in_a_row = False, 0
@@ -171,7 +150,7 @@ async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int, se
     """hypercorn's loop without its cancel scope (TLS); a lingering close drains the rest."""
     while True:
         if server is not None and server.iop_linger:
-            await _drain_stream(stream, max_recv)
+            await _drain(stream, max_recv)
             break
         try:
             data = await stream.receive_some(max_recv)
