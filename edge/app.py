@@ -435,7 +435,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                         "adapter": info.adapter,
                         "target": info.target,
                         "max_concurrency": info.max_concurrency,
-                        "grant": link.grants[info.name],  # this edge's share of max_concurrency
+                        # this edge's share of max_concurrency (a node's claim past the edge's cap counts as the cap)
+                        "grant": min(link.grants[info.name], info.max_concurrency),
                         "in_flight": link.in_flight[info.name],
                         "context_window": info.context_window,
                         "native_tools": info.native_tools,

@@ -133,7 +133,9 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         await websocket.close(CLOSE_PROTOCOL, problem[:120])  # a close reason fits 123 bytes
         return None
     if node_id and hello.node_id != node_id:
-        await websocket.close(CLOSE_PROTOCOL, "hello node_id differs from the upgrade's node id")
+        # an authentication failure like the one below (README: 4001): the token was for another id
+        log.warning("node link refused: the hello's id is not the one authenticated", node_id=node_id)
+        await websocket.close(CLOSE_AUTH, "hello node_id differs from the upgrade's node id")
         return None
     if identity == _SHARED and hello.node_id in config.node_tokens:
         log.warning("node link refused: the shared token used for an id with its own token", node_id=hello.node_id)
