@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import openai
 import pytest
+import structlog
 import trio
 
 from edge.openai.tools import ToolTextFilter
@@ -218,14 +219,19 @@ async def test_invalid_arguments_are_retried_with_a_corrective_message(tooled):
 
 
 async def test_invalid_twice_is_a_tool_validation_error(tooled):
-    """Still invalid after the last attempt: SSE error tool_validation_error; non-streaming 502 of that type."""
+    """Still invalid after the last attempt: SSE error tool_validation_error; non-streaming 502 of that type.
+    The failed stream logs its one summary line, as every stream does (it logged none)."""
     edge, upstream = tooled
     upstream.script_for("t", steps({"content": text_call("get_weather", {"city": 3})}))
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            r = await client.post(
-                "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True}
-            )
+            with structlog.testing.capture_logs([structlog.contextvars.merge_contextvars]) as logs:
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": True},
+                )
+            summaries = [e for e in logs if e["event"] == "stream closed"]
+            assert len(summaries) == 1 and summaries[0]["buffered"] and summaries[0]["run_id"], summaries
             events = sse_events(r.content)
             assert events[-1] == b"[DONE]"
             err = msgspec.json.decode(events[-2])["error"]

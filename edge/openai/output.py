@@ -223,26 +223,28 @@ async def stream_buffered(turn: Turn, slot: Slot, enc: BufferedEncoder | None = 
         await commit()
         await ex.write(enc.keep_alive)
 
+    result: Collected | None = None
     try:
-        result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
-    except RunFailed as failed:
-        await fail(turn, failed, enc.error)
-        return
-    await commit()
-    data = enc.whole(turn.last_run, result)
-    policy = turn.policy
-    log.info(
-        "stream closed",
-        api=ex.api,
-        buffered=True,
-        strict_output=policy.strict_output,
-        strict_stream_buffer=policy.stream_buffer,
-        xml_completion_tool=policy.xml_completion_tool,
-        normalized=result.normalized,
-        content_len=len(result.content),
-        reasoning_len=len(result.reasoning or ""),
-    )
-    await ex.finish(data)
+        try:
+            result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
+        except RunFailed as failed:
+            await fail(turn, failed, enc.error)
+            return
+        await commit()
+        await ex.finish(enc.whole(turn.last_run, result))
+    finally:  # every stream's one summary line, however it ended (a failed one too: its run's error)
+        policy = turn.policy
+        log.info(
+            "stream closed",
+            api=ex.api,
+            buffered=True,
+            strict_output=policy.strict_output,
+            strict_stream_buffer=policy.stream_buffer,
+            xml_completion_tool=policy.xml_completion_tool,
+            normalized=result.normalized if result is not None else False,
+            content_len=len(result.content) if result is not None else 0,
+            reasoning_len=len(result.reasoning or "") if result is not None else 0,
+        )
 
 
 def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
