@@ -38,6 +38,7 @@ from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
 from edge.openai.routes import openai_routes
 from edge.openai.schema import ModelCard, ModelList
+from edge.openai.shaping import TemplateThink
 from edge.reads import install as install_reads
 from edge.runs import NodeLink, RunService
 from edge.runs.run import SHUTDOWN
@@ -92,6 +93,7 @@ class Edge:
                     key.day, key.day_used, key.restored = int(time.time() // 86400), used, used
         self.shared = SharedState(config.state, self.keys, self.id) if config.state else None
         self.metrics = EdgeMetrics(self.runs, self)
+        self.template_think = TemplateThink()  # models whose chat template opens <think> (live think tags)
         self.console = Console(self)
         self.draining = False
         self.open_served = False  # an open edge's first request was looked at (is_loopback)

@@ -17,6 +17,7 @@ from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, set
 MESSAGES = [{"role": "user", "content": "hi"}]
 POLICIES = [
     {"name": "plain"},
+    {"name": "r1"},  # auto, like plain: learned from a whole answer (test_auto_learns_...)
     {"name": "rfield", "reasoning_field": "reasoning"},
     {"name": "opened", "think_tags": "open"},
     {"name": "custom", "sentinels": ["<|custom|>"]},
@@ -135,6 +136,56 @@ async def test_template_consumed_open_tag(shaped):
     with trio.fail_after(BOUND):
         chunks, _ = await stream_raw(edge, model="opened")
     assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+
+
+async def test_auto_learns_a_template_that_opens_think(shaped):
+    """think_tags "auto" (the default), a template that opens <think> (DeepSeek-R1, Qwen3
+    thinking): the first answer that shows </think> before any <think> teaches the edge, and
+    the model's next live streams start inside reasoning, on every API. A learned model that
+    answers with no </think> at all gets its text as content (even with reasoning hidden) and
+    is unlearned for good: its next streams' content is live again, whatever they show."""
+    edge, upstream = shaped
+    r1 = script({"content": "plan</thi"}, {"content": "nk>Answer"})
+    upstream.script_for("t", r1)
+    with trio.fail_after(BOUND):
+        first, _ = await stream_raw(edge, model="plain")  # its text went out before the </think>
+        assert "Answer" in joined(first, "content")
+        upstream.script_for("t", r1)
+        chunks, _ = await stream_raw(edge, model="plain")
+        assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+        # A whole answer teaches too: r1's first live stream is already right.
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "r1", "messages": MESSAGES})).json()
+            assert whole["choices"][0]["message"]["content"] == "Answer"
+            upstream.script_for("t", r1)
+            chunks, _ = await stream_raw(edge, model="r1")
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+            # The Messages API's stream: a thinking block, then the text.
+            upstream.script_for("t", r1)
+            thinking = {"type": "enabled", "budget_tokens": 1024}
+            body = {"model": "r1", "max_tokens": 2048, "messages": MESSAGES, "stream": True, "thinking": thinking}
+            raw = (await client.post("/v1/messages", json=body)).content
+            events = [msgspec.json.decode(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+            assert "".join(d.get("thinking", "") for d in deltas) == "plan"
+            assert "".join(d.get("text", "") for d in deltas) == "Answer"
+        # A model server that parts reasoning itself (another node's, with a reasoning parser): as sent.
+        upstream.script_for("t", script({"reasoning_content": "plan"}, {"content": "Answer"}))
+        chunks, _ = await stream_raw(edge, model="r1")
+        assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+        upstream.script_for("t", r1)
+        chunks, _ = await stream_raw(edge, model="r1")  # (and r1 is still learned)
+        assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+        # No </think> this time, reasoning hidden: the text is the answer, and r1 is unlearned.
+        upstream.script_for("t", script({"content": "Just "}, {"content": "text."}))
+        chunks, _ = await stream_raw(edge, model="r1", include_reasoning=False)
+        assert joined(chunks, "content") == "Just text." and not joined(chunks, "reasoning_content")
+        upstream.script_for("t", r1)
+        await stream_raw(edge, model="r1")  # (would teach it again)
+        upstream.script_for("t", [("chunk", {"content": "Live "}), ("sleep", 0.3), *script({"content": "text."})])
+        chunks, raw = await stream_raw(edge, model="r1")
+    assert joined(chunks, "content") == "Live text." and not joined(chunks, "reasoning_content")
+    assert raw.index(b"Live ") < raw.index(b": keep-alive")  # streamed before the pause, not at the end
 
 
 async def test_sentinels_split_across_deltas_are_removed(shaped):

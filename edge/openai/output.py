@@ -301,9 +301,7 @@ class LiveEncoder:
         encoders."""
         out = self.out
         turn = self.turn
-        return Shaper(
-            turn.policy,
-            include_reasoning=turn.req.reasoning_included(),
+        return turn.shaper(
             live=True,
             on_content=lambda text: out.append(content(text)),
             on_reasoning=lambda text: out.append(reasoning(text)),
@@ -362,13 +360,7 @@ class LiveStream(LiveEncoder):
             on_reasoning = lambda text: out.append(enc.reasoning(text))  # noqa: E731
         else:
             on_content, on_reasoning = self._content, self._reasoning
-        self.shaper = Shaper(
-            turn.policy,
-            include_reasoning=turn.req.reasoning_included(),
-            live=True,
-            on_content=on_content,
-            on_reasoning=on_reasoning,
-        )
+        self.shaper = turn.shaper(live=True, on_content=on_content, on_reasoning=on_reasoning)
 
     def _emit_content(self, text: str, **extra) -> None:
         if not text:

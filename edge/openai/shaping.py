@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import structlog
+
 from edge.config import ModelPolicy
 from edge.openai.filters import (
     DEFAULT_SENTINELS,
@@ -26,8 +28,53 @@ from proto.frames import DELTA, REASONING_DELTA
 
 Around = Callable[[str, str, Callable[[str], None]], None]
 
+log = structlog.get_logger()
 
-def _ignore(_: str) -> None:
+MAX_TEMPLATE_MODELS = 4096  # names a TemplateThink remembers (a node's names are bounded, not all nodes')
+
+
+class TemplateThink:
+    """The models whose chat template opens ``<think>`` itself (DeepSeek-R1's,
+    Qwen3 thinking's): their answers start inside reasoning and show only its
+    ``</think>``. With ``think_tags = "auto"`` a whole answer is split right
+    whatever it shows, but a live stream's text has gone out before its
+    ``</think>`` comes. So an edge learns such a model from its first answer
+    that shows a ``</think>`` before any ``<think>``, and the model's next
+    live streams start inside reasoning, as with ``"open"``.
+
+    A learned model's stream that ends (``stop``) with no ``</think>`` at all
+    gets its text as content, and the model is not learned again (it answers
+    both ways, or an answer that only quoted the tag taught the edge wrong):
+    a client who prompts a model into writing ``</think>`` can cost one later
+    stream its live content, never its text, and only once."""
+
+    __slots__ = ("_models", "_mixed")
+
+    def __init__(self) -> None:
+        self._models: set[str] = set()
+        self._mixed: set[str] = set()
+
+    def opens(self, model: str) -> bool:
+        return model in self._models
+
+    def learn(self, model: str) -> None:
+        models = self._models
+        if model not in models and model not in self._mixed and len(models) < MAX_TEMPLATE_MODELS:
+            models.add(model)
+            log.info("think tags: the model's template opens <think>; its streams now start in reasoning", model=model)
+
+    def unlearn(self, model: str) -> None:
+        if model in self._models:
+            self._models.discard(model)
+            if len(self._mixed) < MAX_TEMPLATE_MODELS:
+                self._mixed.add(model)
+            log.info(
+                "think tags: the model answered without </think>; its streams start as content again, for good",
+                model=model,
+            )
+
+
+def ignore_text(_: str) -> None:
     pass
 
 
@@ -51,6 +98,10 @@ class Shaper:
         "_held_scan",
         "_head_open",
         "_head",
+        "_template",
+        "_model",
+        "_watch",
+        "_opened",
     )
 
     def __init__(
@@ -59,8 +110,10 @@ class Shaper:
         *,
         include_reasoning: bool,
         live: bool,
-        on_content: Callable[[str], None] = _ignore,
-        on_reasoning: Callable[[str], None] = _ignore,
+        on_content: Callable[[str], None] = ignore_text,
+        on_reasoning: Callable[[str], None] = ignore_text,
+        template: TemplateThink | None = None,
+        model: str = "",
     ) -> None:
         self.policy = policy
         self.include_reasoning = include_reasoning and not policy.strict_output
@@ -75,13 +128,21 @@ class Shaper:
         # starts inside reasoning: until then text passes as it would through one (a stream that
         # never has a tag, most of them, holds and calls none).
         self._think: ThinkSplitter | None = None
-        if live and policy.think_tags == "open":
+        auto = policy.think_tags == "auto"
+        self._template = template if auto else None
+        self._model = model
+        # A live stream of a model whose template opens <think> (learned: TemplateThink) starts
+        # inside reasoning; one of a model not known to, watches its text for a </think> before
+        # any <think> ("": watching, nothing partial; None: not watching).
+        self._opened = live and auto and template is not None and template.opens(model) and not policy.strict_output
+        self._watch: str | None = "" if live and auto and template is not None and not self._opened else None
+        if live and (policy.think_tags == "open" or self._opened):
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True)
         # A strict live stream with think_tags "auto" holds its content until it shows its
         # reasoning ended (</think>), starts with <think>, or ends: a template that consumed
         # <think> makes the head reasoning, and strict reasoning never leaves the edge. Not if
         # reasoning came first in its own field: the model server parts them.
-        self._held: list[str] | None = [] if live and policy.strict_output and policy.think_tags == "auto" else None
+        self._held: list[str] | None = [] if live and policy.strict_output and auto else None
         self._held_scan = ""  # the held text's last characters, for a tag split across deltas
         self._head_open: bool | None = None  # the held text starts with <think> (None: not known yet)
         self._head = ""  # its first characters past leading whitespace, while that is not known
@@ -103,6 +164,8 @@ class Shaper:
         self._shape_content(text)
 
     def _shape_content(self, text: str) -> None:
+        if self._watch is not None and ("<" in text or self._watch):
+            self._watch_tags(text)
         if self._think is None and "<" in text:
             self._split_think()
         if self._think is not None:
@@ -132,10 +195,29 @@ class Shaper:
         whole = "".join(held)
         at = len(whole) - len(scan) + found.start()
         self._held = None
+        self._learned()
         self._reasoning_out(whole[:at])
         rest = whole[at + len(THINK_CLOSE) :]
         if rest:
             self._shape_content(rest)
+
+    def _watch_tags(self, text: str) -> None:
+        """A live stream's text, for its first think tag: a </think> before any <think>
+        teaches the edge that the model's template opens it (:class:`TemplateThink`)."""
+        scan = self._watch + text  # type: ignore[operator]  # (watching: a str)
+        close = THINK_CLOSE_RE.search(scan)
+        if THINK_OPEN_RE.search(scan, 0, close.start() if close is not None else len(scan)) is not None:
+            self._watch = None  # tags as written: nothing to learn
+        elif close is not None:
+            self._watch = None
+            self._learned()
+        else:
+            tail = scan[-(len(THINK_CLOSE) - 1) :]
+            self._watch = tail if "<" in tail else ""
+
+    def _learned(self) -> None:
+        if self._template is not None:
+            self._template.learn(self._model)
 
     def _release(self) -> None:
         """The held head is content after all (or starts with its own <think>)."""
@@ -151,6 +233,11 @@ class Shaper:
     def reasoning(self, text: str) -> None:
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
+        if self._opened and not (self.content_len or self.reasoning_len):
+            # Learned to start inside reasoning, but this model server parts it itself (another
+            # node's, with a reasoning parser): its content is content.
+            self._opened = False
+            self._think = None
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
@@ -212,6 +299,8 @@ class Shaper:
                 close = THINK_CLOSE_RE.search(raw)
                 opened = THINK_OPEN_RE.search(raw, 0, close.start()) if close is not None else None
                 starts_open = mode == "open" or (close is not None and opened is None)
+                if close is not None and opened is None:
+                    self._learned()
                 splitter = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=starts_open)
                 splitter.append(raw)
                 splitter.flush()
@@ -262,6 +351,12 @@ class Shaper:
         reasoning = self.reasoning_text
         if not reasoning.strip():
             return ""
+        if self._opened and finish_reason == "stop" and self._think is not None and not self._think.closed:
+            # Started inside reasoning as learned, and it never closed: the model answered
+            # without thinking this time (or an answer that quoted the tag taught the edge
+            # wrong). That text is the answer.
+            self._template.unlearn(self._model)  # type: ignore[union-attr]  # (opened: a template)
+            return reasoning
         if self.include_reasoning:
             return reasoning
         return hidden_reasoning_notice(finish_reason)

@@ -27,7 +27,7 @@ from edge.openai.request import (
     prompt_prefix,
 )
 from edge.openai.schema import ChatRequest, UsageOut
-from edge.openai.shaping import Shaper, holds_xml_tool_use, wrap_in_completion_tool
+from edge.openai.shaping import Shaper, holds_xml_tool_use, ignore_text, wrap_in_completion_tool
 from edge.openai.tools import (
     ToolContract,
     before_tool_markup,
@@ -92,6 +92,24 @@ class Turn:
         # Tokens of the runs before the one that answered (tool retries): charged with it, not shown to the client.
         self.earlier = (0, 0)
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
+
+    def shaper(
+        self,
+        *,
+        live: bool,
+        on_content: Callable[[str], None] = ignore_text,
+        on_reasoning: Callable[[str], None] = ignore_text,
+    ) -> Shaper:
+        """This request's :class:`Shaper` (its model's policy and what the edge learned of its template)."""
+        return Shaper(
+            self.policy,
+            include_reasoning=self.req.reasoning_included(),
+            live=live,
+            on_content=on_content,
+            on_reasoning=on_reasoning,
+            template=self.edge.template_think,
+            model=self.req.model,
+        )
 
     def report(self, access) -> None:
         """Fill in what the access line (edge.openai.routes) reports of this
@@ -256,7 +274,7 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
     send (the run may be producing: a buffered stream shows none of it);
     ``on_started`` once, when the run's first event arrives, unless that
     event is its failure."""
-    shaper = Shaper(turn.policy, include_reasoning=turn.req.reasoning_included(), live=False)
+    shaper = turn.shaper(live=False)
     keepalive = turn.edge.config.keepalive_s
     idle_at = trio.current_time() + keepalive
     while True:
