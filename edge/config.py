@@ -9,10 +9,14 @@ from typing import Literal
 import msgspec
 
 from edge.keys import sha256_hex
-from iop.configfile import ConfigError, convert, load
+from iop.configfile import BEARER_VALUE, ConfigError, convert, load
 from proto.frames import name_problem
 
 MIN_FRAME_BYTES = 64 * 1024
+# The least each of these may be: below, every link drops at once (ping), every connection
+# is closed unanswered (write), no node links (hello), or a stream is all keep-alives.
+TIMING_FLOORS = {"ping_interval_s": 0.1, "hello_timeout_s": 0.1, "write_timeout_s": 0.1, "keepalive_s": 0.05}
+MAX_TOOL_ATTEMPTS = 10  # runs one tool request may take (2^63 made one request run for ever)
 
 
 class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -134,6 +138,17 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for key in ("api_keys", "admin_keys"):
             if any(not k for k in getattr(self, key)):
                 raise ConfigError(f"{key}: an empty key (no client could send it)")
+        # A node sends its token as a bearer header, and `iop node` takes only such a value.
+        tokens = [("node_token", self.node_token)] if self.node_token else []
+        tokens += [(f"node_tokens.{node}", t) for node, t in self.node_tokens.items()]
+        for key, token in tokens:
+            if not BEARER_VALUE.fullmatch(token):
+                raise ConfigError(f"{key}: printable ASCII with no spaces around it, not empty (no node could send it)")
+        for key, least in TIMING_FLOORS.items():
+            if getattr(self, key) < least:
+                raise ConfigError(f"{key}: at least {least} (less makes every link or connection fail)")
+        if self.max_tool_attempts > MAX_TOOL_ATTEMPTS:
+            raise ConfigError(f"max_tool_attempts: at most {MAX_TOOL_ATTEMPTS}")
         if self.prefix_index_entries < 0:
             raise ConfigError("prefix_index_entries: must not be negative")
         if not 0 <= self.prefix_max_load_gap <= 1:
@@ -171,8 +186,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         if self.state and not self.state.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError('state: a redis:// URL, or "" (limits per edge)')
         scheme = self.ledger.partition("://")[0] if "://" in self.ledger else ""
-        if scheme not in ("", "sqlite", "postgres", "postgresql"):
-            raise ConfigError('ledger: a SQLite path, a postgresql:// URL, "" or "off"')
+        if scheme not in ("", "sqlite", "postgres", "postgresql") or (
+            scheme == "sqlite" and not self.ledger.startswith("sqlite:///")  # (sqlite://x.db made a directory)
+        ):
+            raise ConfigError('ledger: a SQLite path (or sqlite:///path), a postgresql:// URL, "" or "off"')
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if m.name in seen:
@@ -182,13 +199,13 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 value = getattr(m, name)
                 if value is not None and value < 0:
                     raise ConfigError(f"models[{i}].{name}: must not be negative")
-            if m.max_tool_attempts is not None and m.max_tool_attempts < 1:
-                raise ConfigError(f"models[{i}].max_tool_attempts: must be at least 1")
+            if m.max_tool_attempts is not None and not 1 <= m.max_tool_attempts <= MAX_TOOL_ATTEMPTS:
+                raise ConfigError(f"models[{i}].max_tool_attempts: between 1 and {MAX_TOOL_ATTEMPTS}")
 
     @property
     def ledger_target(self) -> str | None:
         """The ledger's SQLite file or PostgreSQL URL; None: off."""
-        if self.ledger == "off":
+        if self.ledger.lower() == "off":
             return None
         return self.ledger.removeprefix("sqlite:///") or os.path.join(self.state_dir, "ledger.sqlite3")
 
@@ -206,6 +223,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                     lines = [(n, line.split("#", 1)[0].strip()) for n, line in enumerate(f, 1)]
             except OSError as e:
                 raise ConfigError(f"{key}_file: cannot read {path}: {e.strerror}") from e
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{key}_file: {path} is not UTF-8 text (byte {e.start})") from e
             keys = [(n, k) for n, k in lines if k]
             if key == "api_keys":
                 plain += [(f"api_keys_file line {n}", k) for n, k in keys]

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             if bool(certfile) != bool(keyfile):  # one alone served plain HTTP, saying nothing
                 given, missing = ("--certfile", "--keyfile") if certfile else ("--keyfile", "--certfile")
                 raise ConfigError(f"{given}: TLS needs both a certificate and a key: {missing} is missing")
+            if certfile and keyfile:
+                _tls_pair(certfile, keyfile)
             trio.run(_edge, config, bind, certfile, keyfile)
         else:
             from node.config import load_node_config
@@ -186,6 +188,18 @@ def _readable(key: str, path: str | None) -> str | None:
     except OSError as e:
         raise ConfigError(f"{key}: cannot read {path}: {e.strerror}") from None
     return path
+
+
+def _tls_pair(certfile: str, keyfile: str) -> None:
+    """ConfigError naming both files unless they are a PEM certificate (chain) and its key
+    (hypercorn read them only after binding: "TLS: [SSL] PEM lib", naming neither)."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as e:
+        raise ConfigError(
+            f"certfile, keyfile: {certfile} and {keyfile} are not a PEM certificate and its private key"
+            f" ({e.reason or e})"
+        ) from None
 
 
 # What binding a listening socket fails with (gaierror aside: the host does not resolve).

@@ -12,6 +12,12 @@ import msgspec
 T = TypeVar("T")
 
 
+# A credential sent as `Authorization: Bearer <value>`: printable ASCII with no
+# space at either end. Anything else is refused at start, since the HTTP layer
+# would reject the header on every dial and put its value in the error.
+BEARER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
 class ConfigError(Exception):
     """A config file is unreadable or has a bad key; ``str()`` is one line."""
 
@@ -43,6 +49,8 @@ def load(path: str | Path, cls: type[T]) -> T:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:  # TOML is UTF-8 (a traceback before)
+        raise ConfigError(f"{path}: not UTF-8 (byte {e.start}): a TOML file is UTF-8 text") from e
     return convert(raw, cls, source=str(path))
 
 

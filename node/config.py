@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
+import ssl
 import urllib.parse
 from typing import Literal
 
 import msgspec
 
-from iop.configfile import ConfigError, load
+from iop.configfile import BEARER_VALUE, ConfigError, load
 from node.http1 import InvalidURL, Origin
 from proto.frames import MAX_MODEL_NAME, MAX_MODELS, MAX_NODE_ID, name_problem
 
 MIN_FRAME_BYTES = 64 * 1024
-# A credential sent as `Authorization: Bearer <value>`: printable ASCII with no
-# space at either end. Anything else is refused at start, since the HTTP layer
-# would reject the header on every dial and put its value in the error.
-_BEARER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -76,6 +72,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         if not self.edges:
             raise ConfigError("edges: give at least one edge URL (ws://HOST:PORT/v1/node/link)")
         for i, url in enumerate(self.edges):
+            if url in self.edges[:i]:  # a second link of one node id is refused, and redialled for ever
+                raise ConfigError(f"edges[{i}]: {url!r} is listed twice")
             if not url.startswith(("ws://", "wss://")):
                 raise ConfigError(f"edges[{i}]: expected a ws:// or wss:// URL, got {url!r}")
             try:
@@ -119,7 +117,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"models[{i}]: prefix_cache_tokens and prefill_tokens_per_s must not be negative")
             if m.prefix_block_tokens < 1:
                 raise ConfigError(f"models[{i}].prefix_block_tokens: must be at least 1")
-            if m.api_key and not _BEARER_VALUE.fullmatch(m.api_key):
+            if m.api_key and not BEARER_VALUE.fullmatch(m.api_key):
                 raise ConfigError(f"models[{i}].api_key: must be printable ASCII with no spaces around it")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
             raise ConfigError("reconnect_min_s: must be > 0 and <= reconnect_max_s")
@@ -136,6 +134,11 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("drain_grace_s: must not be negative")
         if self.ca_file and not os.path.isfile(self.ca_file):
             raise ConfigError(f"ca_file: no file at {self.ca_file}")
+        if self.ca_file:
+            try:  # (else every wss:// dial failed, for ever, naming no key)
+                ssl.create_default_context(cafile=self.ca_file)
+            except (ssl.SSLError, OSError, ValueError) as e:
+                raise ConfigError(f"ca_file: {self.ca_file} holds no PEM certificate ({e})") from None
         if self.max_pending_events < 1:
             raise ConfigError("max_pending_events: must be at least 1")
         if self.max_frame_bytes < MIN_FRAME_BYTES:
@@ -143,7 +146,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         # The value is never part of the message: config errors are printed.
         if not self.token:
             raise ConfigError("token: missing; the node needs the edge's node token")
-        if not _BEARER_VALUE.fullmatch(self.token):
+        if not BEARER_VALUE.fullmatch(self.token):
             raise ConfigError("token: must be printable ASCII with no spaces around it")
 
 

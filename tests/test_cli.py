@@ -43,7 +43,7 @@ IOP = [sys.executable, "-m", "iop.cli"]
         ("edge", {"ledger": "mysql://x"}, "ledger: a SQLite path"),
         ("edge", {"api_keys": [""]}, "api_keys: an empty key"),
         ("edge", {"models": [{"name": "m", "queue_timeout_ms": -5}]}, "models[0].queue_timeout_ms: must not be"),
-        ("edge", {"models": [{"name": "m", "max_tool_attempts": 0}]}, "models[0].max_tool_attempts: must be at"),
+        ("edge", {"models": [{"name": "m", "max_tool_attempts": 0}]}, "models[0].max_tool_attempts: between 1 and 10"),
         (
             "node",
             {
@@ -179,3 +179,70 @@ def test_a_log_setting_that_is_not_one_is_an_error(argv, env, expected):
     """A log level or format with a typo fell back to info (or console lines) and said nothing."""
     result = subprocess.run([*IOP, *argv], capture_output=True, text=True, timeout=BOUND, env={**os.environ, **env})
     assert result.returncode == 2 and result.stderr.startswith(expected), result.stderr
+
+
+NODE = {
+    "node_id": "n",
+    "edges": ["ws://127.0.0.1:9/v1/node/link"],
+    "token": "t",
+    "models": [{"name": "m", "adapter": "sim"}],
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "expected"),
+    [
+        ("edge", {"node_token": " s p "}, "node_token: printable ASCII with no spaces around it"),
+        ("edge", {"node_tokens": {"n1": ""}}, "node_tokens.n1: printable ASCII"),
+        ("edge", {"node_token": "s\u00e9cret"}, "node_token: printable ASCII"),
+        ("edge", {"ping_interval_s": 1e-9}, "ping_interval_s: at least 0.1"),
+        ("edge", {"write_timeout_s": 1e-9}, "write_timeout_s: at least 0.1"),
+        ("edge", {"hello_timeout_s": 1e-9}, "hello_timeout_s: at least 0.1"),
+        ("edge", {"keepalive_s": 1e-6}, "keepalive_s: at least 0.05"),
+        ("edge", {"max_tool_attempts": 2**63 - 1}, "max_tool_attempts: at most 10"),
+        ("edge", {"models": [{"name": "m", "max_tool_attempts": 11}]}, "models[0].max_tool_attempts: between 1 and 10"),
+        ("edge", {"ledger": "sqlite://relative.db"}, "ledger: a SQLite path (or sqlite:///path)"),
+        (
+            "node",
+            {**NODE, "edges": [NODE["edges"][0]] * 2},
+            "edges[1]: 'ws://127.0.0.1:9/v1/node/link' is listed twice",
+        ),
+        ("node", {**NODE, "ca_file": "/etc/hostname"}, "ca_file: /etc/hostname holds no PEM certificate"),
+    ],
+)
+def test_values_no_link_or_client_could_use_fail_at_start(tmp_path, kind, config, expected):
+    """Values an outside audit found accepted, each leaving an edge or node that started and then
+    could not work: node tokens no node can send, timings that dropped every link or closed every
+    connection unanswered (1e-9 s) or sent a stream nothing but keep-alives, tool attempts that
+    ran one request for ever (2^63), a `sqlite://` ledger that made a directory, an edge listed
+    twice (redialled for ever), a ca_file that is no certificate (every wss:// dial failed)."""
+    path = write_toml(tmp_path / f"{kind}.toml", config)
+    result = subprocess.run([*IOP, kind, "--config", path], capture_output=True, text=True, timeout=BOUND)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_files_that_are_not_utf8_or_no_tls_pair_are_one_line(tmp_path):
+    """A config or key file that is not UTF-8 (a traceback before), and a certfile/keyfile that
+    are not a certificate and its key (hypercorn's "PEM lib" after binding, naming neither)."""
+    latin1 = tmp_path / "edge.toml"
+    latin1.write_bytes(b'node_token = "\xe9"\n')
+    keys = tmp_path / "keys.txt"
+    keys.write_bytes(b"sk-\xe9\n")
+    with_keys = write_toml(tmp_path / "keys.toml", {"api_keys_file": str(keys)})
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    for argv, expected in (
+        (["edge", "--config", str(latin1)], "edge.toml: not UTF-8 (byte 14)"),
+        (["node", "--config", str(latin1)], "edge.toml: not UTF-8"),
+        (["edge", "--config", str(with_keys)], "api_keys_file: " + str(keys) + " is not UTF-8 text"),
+        (
+            ["edge", "--bind", "127.0.0.1:0", "--certfile", str(junk), "--keyfile", str(junk)],
+            "certfile, keyfile: " + f"{junk} and {junk} are not a PEM certificate and its private key",
+        ),
+    ):
+        result = subprocess.run([*IOP, *argv], capture_output=True, text=True, timeout=BOUND)
+        assert result.returncode == 2, argv
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], result.stderr
