@@ -476,8 +476,9 @@ async def test_codex_waits_through_a_long_collected_turn(edge_up, tmp_path):
 
 
 async def test_keep_alives_are_in_progress_events(edge_up):
-    """While a tool stream is collected, the keep-alive is `response.in_progress` (sequence
-    numbers continuous), which the SDK takes as it takes the first."""
+    """While a tool stream is collected, the keep-alive is an SSE comment (issue 11: "Keep-alives
+    are SSE comments") and a `response.in_progress` event (sequence numbers continuous, which
+    the SDK takes as it takes the first; Codex's idle timer counts only events)."""
     edge, upstream = edge_up
     call = steps(*native_call("c1", "get_weather", '{"city": "Oslo"}'), finish="tool_calls")
     upstream.script_for("t", [("sleep", 0.9), *call])
@@ -491,6 +492,12 @@ async def test_keep_alives_are_in_progress_events(edge_up):
     assert kinds.count("response.in_progress") >= 3, kinds  # the opening's, then one each 0.2 s
     assert all(e.response.status == "in_progress" for e in events if e.type == "response.in_progress")
     assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "get_weather"
+    upstream.script_for("t", [("sleep", 0.5), *call])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "m", "input": "hi", "tools": [WEATHER], "stream": True}
+            raw = (await client.post("/v1/responses", json=body)).content
+    assert raw.count(b": keep-alive\n\nevent: response.in_progress\n") >= 2, raw[:600]
 
 
 def test_decode_moves_every_developer_message_first_and_checks_calls():

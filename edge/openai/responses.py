@@ -29,6 +29,7 @@ import msgspec
 from edge import errors
 from edge.openai.request import NO_LOGPROBS, check_content_parts
 from edge.openai.schema import UsageOut
+from edge.openai.sse import KEEPALIVE
 from proto import ToolCall
 
 _encode = msgspec.json.Encoder().encode
@@ -779,9 +780,10 @@ class ResponseEncoder:
         return not self.output and self._open is None
 
     def in_progress(self) -> bytes:
-        """A keep-alive that clients count as an event (Codex's idle timer
-        does not count SSE comments): ``response.in_progress`` again."""
-        return self._event("response.in_progress", response=self.response("in_progress"))
+        """A keep-alive: an SSE comment, as on every stream, and one that
+        clients count as an event (Codex's idle timer does not count SSE
+        comments): ``response.in_progress`` again."""
+        return KEEPALIVE + self._event("response.in_progress", response=self.response("in_progress"))
 
     def failed(self, message: str, type: str, final: bool = False) -> bytes:
         """The closing event of a response that failed after it started. Its
