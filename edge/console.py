@@ -550,7 +550,9 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
             return error_response(503, "The edge is shutting down.", "draining", "service_unavailable_error")
         sub = console.subscribe()
         if sub is None:
-            return error_response(429, f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles")
+            return error_response(
+                429, f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles", "rate_limit_error"
+            )
 
         async def stream():
             try:

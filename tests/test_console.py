@@ -383,6 +383,7 @@ async def test_at_most_16_consoles_then_a_clear_429(nursery):
             await reading.start(events.read, admin)
         r = await admin.get("/v1/admin/events", headers=AUTH)
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_consoles"
+        assert r.json()["error"]["type"] == "rate_limit_error"  # as every 429 of the edge
         reading.cancel_scope.cancel()
     await eventually(lambda: not edge.edge.console._subscribers, "every console's stream unsubscribed")
     async with http(edge) as admin, admin.stream("GET", "/v1/admin/events", headers=AUTH) as r:
