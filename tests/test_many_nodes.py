@@ -118,7 +118,8 @@ async def test_session_affinity_holds_across_20_requests(nursery):
 
 async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery, upstream):
     """The edge estimates input tokens and refuses, before any node is bothered, a request no
-    node's context_window can hold; a fitting request goes to a node that can."""
+    node's context_window can hold; a fitting request goes to a node that can, with or without
+    max_tokens (without, it went to any node: a long prompt to the small one)."""
     edge = await start_edge(nursery)
     await start_node(nursery, edge, [model("m", upstream, target="small", context_window=200)], node_id="small")
     await start_node(nursery, edge, [model("m", upstream, target="big", context_window=2000)], node_id="big")
@@ -136,6 +137,18 @@ async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery
                     "/v1/chat/completions", json={"model": "m", "messages": long_prompt, "max_tokens": 10}
                 )
                 assert r.status_code == 200
+            # Without max_tokens (the SDKs send none) the prompt alone must fit: the big node
+            # serves it, and a prompt no node can hold is refused the same way.
+            for _ in range(3):
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt})
+                assert r.status_code == 200
+            huge = [{"role": "user", "content": "word " * 2000}]  # ~2500 tokens
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": huge})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert "maximum context length is 2000 tokens" in r.json()["error"]["message"]
+            r = await client.post("/v1/responses", json={"model": "m", "input": huge[0]["content"]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert len(upstream.records) == 6
     assert {rec.body["model"] for rec in upstream.records} == {"big"}
 
 
