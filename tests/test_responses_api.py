@@ -48,7 +48,7 @@ def check_sequence(events) -> None:
 async def test_create_whole_response(edge_up):
     """A non-streamed request is one `response` object: id, status, output text, usage, model; the
     upstream gets the chat body (instructions and leading developer messages as one system message,
-    max_output_tokens as max_tokens)."""
+    max_output_tokens as max_tokens, a model server's own fields as they are: they were dropped)."""
     edge, upstream = edge_up
     upstream.script_for("t", steps({"content": "Hello "}, {"content": "there."}, usage=USAGE))
     with trio.fail_after(BOUND):
@@ -64,6 +64,8 @@ async def test_create_whole_response(edge_up):
                 store=True,
                 metadata={"k": "v"},
                 user="u1",
+                # A model server's own fields go on as chat's do; chat's own shapes are not taken.
+                extra_body={"top_k": 5, "chat_template_kwargs": {"enable_thinking": False}, "messages": [], "n": 3},
             )
     assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
     assert r.output_text == "Hello there." and r.model == "m" and r.created_at > 0
@@ -76,6 +78,8 @@ async def test_create_whole_response(edge_up):
     ]
     assert body["max_tokens"] == 50 and body["user"] == "u1"
     assert "include_reasoning" not in body and body["metadata"] == {"k": "v"}
+    assert body["top_k"] == 5 and body["chat_template_kwargs"] == {"enable_thinking": False} and "n" not in body
+    assert "store" not in body and "input" not in body and "instructions" not in body
 
 
 async def test_stream_helper_and_create_stream(edge_up):

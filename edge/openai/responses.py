@@ -66,6 +66,24 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
+# Model servers' own request fields (vLLM, SGLang, llama.cpp, Ollama's OpenAI API): a Responses
+# body's are forwarded as chat forwards them (they were dropped: chat_template_kwargs' enable_thinking
+# did nothing). Only these: any other field could be one the Responses API has and a provider behind
+# a node refuses by name ("Unrecognized request argument").
+MODEL_SERVER_FIELDS = frozenset(
+    {
+        "top_k", "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n",
+        "presence_penalty", "frequency_penalty", "length_penalty", "seed", "stop", "logit_bias",
+        "min_tokens", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+        "include_stop_str_in_output", "chat_template_kwargs", "chat_template", "reasoning_effort",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "structured_outputs", "regex", "ebnf", "json_schema", "grammar", "mirostat", "mirostat_tau",
+        "mirostat_eta", "tfs_z", "dry_multiplier", "dry_base", "dry_allowed_length", "xtc_probability",
+        "xtc_threshold", "cache_prompt", "priority", "separate_reasoning", "enable_thinking",
+    }
+)  # fmt: skip
+
+
 def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None) -> Decoded:
     """The chat completion body for a Responses request body. Raises
     :class:`edge.errors.APIError` (400) naming the Responses field at fault."""
@@ -136,6 +154,8 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
     summary = reasoning.get("summary") if isinstance(reasoning, dict) else None
     decoded.show_reasoning = summary is not None and summary != "none"
     chat["include_reasoning"] = decoded.show_reasoning  # the effort is ignored
+    for name in MODEL_SERVER_FIELDS.intersection(raw):
+        chat[name] = raw[name]
     decoded.echo = {
         "instructions": instructions,
         "max_output_tokens": limit,
