@@ -94,6 +94,27 @@ async def test_sim_tool_arguments_pass_the_edges_validation(sim_edge, properties
     assert replies[0].choices[0].finish_reason == "tool_calls"
 
 
+async def test_optional_properties_are_filled_when_none_is_required(sim_edge):
+    """instructor's list tool has one optional property (`"required": []`): the sim answered {},
+    and the client's model had nothing to read (an outside audit). Now it fills what the object
+    offers, within maxProperties, and the edge takes it."""
+    item = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    parameters = {"type": "object", "properties": {"tasks": {"type": "array", "items": item}}, "required": []}
+    limited = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "maxProperties": 1}
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            for schema in (parameters, limited):
+                r = await client.chat.completions.create(
+                    model="iop-sim",
+                    messages=ASK,
+                    tools=[{"type": "function", "function": {"name": "book", "parameters": schema}}],
+                    tool_choice="required",
+                )
+                arguments = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+                assert arguments and valid(schema, arguments), arguments
+    assert list(sample(parameters)) == ["tasks"] and len(sample(limited)) == 1
+
+
 class Booking(pydantic.BaseModel):
     code: Annotated[str, pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")]
     seats: set[int]

@@ -387,6 +387,12 @@ def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth:
     names = list(dict.fromkeys(n for n in required if isinstance(n, str))) if isinstance(required, list) else []
     wanted = schema.get("minProperties")
     wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0
+    if not names and not wanted and properties:
+        # Nothing required: a model fills what the object offers (instructor's list of tasks is
+        # an optional property; "{}" gave its client nothing), within maxProperties.
+        most = schema.get("maxProperties")
+        most = most if isinstance(most, int) and not isinstance(most, bool) and most >= 0 else len(properties)
+        names = list(itertools.islice(properties, most))
     if wanted > len(names):
         chosen = set(names)
         names += itertools.islice((n for n in properties if n not in chosen), wanted - len(names))
