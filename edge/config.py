@@ -14,7 +14,7 @@ from proto.frames import name_problem
 
 MIN_FRAME_BYTES = 64 * 1024
 # The least each of these may be: below, every link drops at once (ping), every connection
-# is closed unanswered (write), no node links (hello), or a stream is all keep-alives.
+# is closed unanswered (write), no node links (hello), or a stream is all keep-alives (keepalive).
 TIMING_FLOORS = {"ping_interval_s": 0.1, "hello_timeout_s": 0.1, "write_timeout_s": 0.1, "keepalive_s": 0.05}
 MAX_TOOL_ATTEMPTS = 10  # runs one tool request may take (2^63 made one request run for ever)
 
@@ -127,9 +127,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for key in ("max_queue", "max_tools", "drain_grace_s", "queue_timeout_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative")
-        for key in ("max_messages", "ping_misses"):  # 0: no request / every link dead at once
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}: must be at least 1")
+        if self.max_messages < 1:  # 0: no request
+            raise ConfigError("max_messages: must be at least 1")
+        if self.ping_misses < 2:  # 1: a pong a moment late dropped every healthy link
+            raise ConfigError("ping_misses: must be at least 2")
         for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
@@ -146,7 +147,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"{key}: printable ASCII with no spaces around it, not empty (no node could send it)")
         for key, least in TIMING_FLOORS.items():
             if getattr(self, key) < least:
-                raise ConfigError(f"{key}: at least {least} (less makes every link or connection fail)")
+                raise ConfigError(f"{key}: at least {least}")
         if self.max_tool_attempts > MAX_TOOL_ATTEMPTS:
             raise ConfigError(f"max_tool_attempts: at most {MAX_TOOL_ATTEMPTS}")
         if self.prefix_index_entries < 0:

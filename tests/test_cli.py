@@ -36,7 +36,7 @@ IOP = [sys.executable, "-m", "iop.cli"]
             "models[0].adapter",
         ),
         ("edge", {"drain_grace_s": -1}, "drain_grace_s: must not be negative"),
-        ("edge", {"ping_misses": 0}, "ping_misses: must be at least 1"),
+        ("edge", {"ping_misses": 1}, "ping_misses: must be at least 2"),
         ("edge", {"keys": [{"id": "a\u202eb", "key": "sk-x"}]}, "keys[0].id: 1 to 64 characters of printable ASCII"),
         ("edge", {"max_frame_bytes": 1}, "max_frame_bytes: at least 65536"),
         ("edge", {"backlog": 9223372036854775807}, "backlog: between 1 and 65535"),

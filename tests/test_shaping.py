@@ -18,6 +18,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 POLICIES = [
     {"name": "plain"},
     {"name": "r1"},  # auto, like plain: learned from a whole answer (test_auto_learns_...)
+    {"name": "r1tools", "tool_stream": "live"},
     {"name": "rfield", "reasoning_field": "reasoning"},
     {"name": "opened", "think_tags": "open"},
     {"name": "custom", "sentinels": ["<|custom|>"]},
@@ -141,9 +142,8 @@ async def test_template_consumed_open_tag(shaped):
 async def test_auto_learns_a_template_that_opens_think(shaped):
     """think_tags "auto" (the default), a template that opens <think> (DeepSeek-R1, Qwen3
     thinking): the first answer that shows </think> before any <think> teaches the edge, and
-    the model's next live streams start inside reasoning, on every API. A learned model that
-    answers with no </think> at all gets its text as content (even with reasoning hidden) and
-    is unlearned for good: its next streams' content is live again, whatever they show."""
+    the model's next live streams hold their head until it shows </think> (reasoning, then
+    live content), on every API."""
     edge, upstream = shaped
     r1 = script({"content": "plan</thi"}, {"content": "nk>Answer"})
     upstream.script_for("t", r1)
@@ -172,16 +172,39 @@ async def test_auto_learns_a_template_that_opens_think(shaped):
         # A model server that parts reasoning itself (another node's, with a reasoning parser): as sent.
         upstream.script_for("t", script({"reasoning_content": "plan"}, {"content": "Answer"}))
         chunks, _ = await stream_raw(edge, model="r1")
-        assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
-        upstream.script_for("t", r1)
-        chunks, _ = await stream_raw(edge, model="r1")  # (and r1 is still learned)
-        assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
-        # No </think> this time, reasoning hidden: the text is the answer, and r1 is unlearned.
-        upstream.script_for("t", script({"content": "Just "}, {"content": "text."}))
-        chunks, _ = await stream_raw(edge, model="r1", include_reasoning=False)
-        assert joined(chunks, "content") == "Just text." and not joined(chunks, "reasoning_content")
-        upstream.script_for("t", r1)
-        await stream_raw(edge, model="r1")  # (would teach it again)
+    assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+
+
+async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
+    """One client's answer that only quotes </think> teaches the edge wrong (an outside re-audit).
+    Other clients' streams of that model then lose nothing and get nothing twice, however they end
+    (cut off by max_tokens, a live tool call, a refusal; reasoning shown or hidden): their text
+    comes as content, at the end. An answer that ends (stop) with no </think> unlearns the model,
+    and its streams are live again."""
+    edge, upstream = shaped
+    poison = script({"content": "Say x </think> y"})
+    hello = ({"content": "Hello "}, {"content": "world"})
+    with trio.fail_after(BOUND):
+        for name in ("r1", "r1tools"):
+            upstream.script_for("t", poison)
+            await stream_raw(edge, model=name)
+        for shown in (False, True):
+            upstream.script_for("t", script(*hello, finish="length"))
+            chunks, _ = await stream_raw(edge, model="r1", include_reasoning=shown)
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Hello world", "")
+            upstream.script_for("t", script({"content": "Sorry. "}, {"refusal": "I cannot help."}))
+            chunks, _ = await stream_raw(edge, model="r1", include_reasoning=shown)
+            assert joined(chunks, "content") == "Sorry. " and joined(chunks, "refusal") == "I cannot help."
+            call = {"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f"}}]}
+            args = {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
+            upstream.script_for("t", script({"content": "Checking. "}, call, args, finish="tool_calls"))
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            chunks, _ = await stream_raw(edge, model="r1tools", include_reasoning=shown, tools=tools)
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Checking. ", "")
+            assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        upstream.script_for("t", script(*hello))  # stop, no </think>: the content, once; r1 unlearned
+        chunks, _ = await stream_raw(edge, model="r1", include_reasoning=True)
+        assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Hello world", "")
         upstream.script_for("t", [("chunk", {"content": "Live "}), ("sleep", 0.3), *script({"content": "text."})])
         chunks, raw = await stream_raw(edge, model="r1")
     assert joined(chunks, "content") == "Live text." and not joined(chunks, "reasoning_content")

@@ -139,11 +139,10 @@ class ThinkSplitter:
     stream begins inside reasoning; a ``<think>`` the model writes anyway
     before any other text (whitespace aside) is dropped, not passed on as
     reasoning. Tags match case-insensitively; a partial tag at the end of a
-    piece is held back. Output goes to the two callbacks. ``closed``: a
-    ``</think>`` has been seen.
+    piece is held back. Output goes to the two callbacks.
     """
 
-    __slots__ = ("_in_think", "_head", "_pending", "_content", "_reasoning", "closed")
+    __slots__ = ("_in_think", "_head", "_pending", "_content", "_reasoning")
 
     def __init__(
         self,
@@ -157,7 +156,6 @@ class ThinkSplitter:
         self._pending = ""
         self._content = content
         self._reasoning = reasoning
-        self.closed = False
 
     def append(self, text: str) -> None:
         if self._head:
@@ -177,8 +175,6 @@ class ThinkSplitter:
             if found is not None:
                 self._emit(buf[at : found.start()])
                 at = found.end()
-                if self._in_think:
-                    self.closed = True
                 self._in_think = not self._in_think
                 continue
             # Hold back a suffix that may be the start of the tag.

@@ -38,40 +38,33 @@ class TemplateThink:
     Qwen3 thinking's): their answers start inside reasoning and show only its
     ``</think>``. With ``think_tags = "auto"`` a whole answer is split right
     whatever it shows, but a live stream's text has gone out before its
-    ``</think>`` comes. So an edge learns such a model from its first answer
-    that shows a ``</think>`` before any ``<think>``, and the model's next
-    live streams start inside reasoning, as with ``"open"``.
+    ``</think>`` comes. So an edge learns such a model from an answer that
+    shows a ``</think>`` before any ``<think>``, and the model's next live
+    streams hold their head, as a strict model's do, until it shows its
+    reasoning ended (``</think>``: reasoning, then live content), starts with
+    ``<think>``, or the run ends (then it is content). No text is lost or sent
+    twice whatever the model does; a model learned wrong (an answer that only
+    quoted the tag) costs streams their liveness, not their text, and its
+    next answer that ends (``stop``) with no ``</think>`` unlearns it."""
 
-    A learned model's stream that ends (``stop``) with no ``</think>`` at all
-    gets its text as content, and the model is not learned again (it answers
-    both ways, or an answer that only quoted the tag taught the edge wrong):
-    a client who prompts a model into writing ``</think>`` can cost one later
-    stream its live content, never its text, and only once."""
-
-    __slots__ = ("_models", "_mixed")
+    __slots__ = ("_models",)
 
     def __init__(self) -> None:
         self._models: set[str] = set()
-        self._mixed: set[str] = set()
 
     def opens(self, model: str) -> bool:
         return model in self._models
 
     def learn(self, model: str) -> None:
         models = self._models
-        if model not in models and model not in self._mixed and len(models) < MAX_TEMPLATE_MODELS:
+        if model not in models and len(models) < MAX_TEMPLATE_MODELS:
             models.add(model)
-            log.info("think tags: the model's template opens <think>; its streams now start in reasoning", model=model)
+            log.info("think tags: the model's template opens <think>; its streams hold reasoning", model=model)
 
     def unlearn(self, model: str) -> None:
         if model in self._models:
             self._models.discard(model)
-            if len(self._mixed) < MAX_TEMPLATE_MODELS:
-                self._mixed.add(model)
-            log.info(
-                "think tags: the model answered without </think>; its streams start as content again, for good",
-                model=model,
-            )
+            log.info("think tags: the model answered without </think>; its streams are live again", model=model)
 
 
 def ignore_text(_: str) -> None:
@@ -101,7 +94,8 @@ class Shaper:
         "_template",
         "_model",
         "_watch",
-        "_opened",
+        "_learned_hold",
+        "_unclosed",
     )
 
     def __init__(
@@ -131,18 +125,19 @@ class Shaper:
         auto = policy.think_tags == "auto"
         self._template = template if auto else None
         self._model = model
-        # A live stream of a model whose template opens <think> (learned: TemplateThink) starts
-        # inside reasoning; one of a model not known to, watches its text for a </think> before
-        # any <think> ("": watching, nothing partial; None: not watching).
-        self._opened = live and auto and template is not None and template.opens(model) and not policy.strict_output
-        self._watch: str | None = "" if live and auto and template is not None and not self._opened else None
-        if live and (policy.think_tags == "open" or self._opened):
+        # A live stream of a model whose template opens <think> (learned: TemplateThink) holds its
+        # head as a strict one does (below); one of a model not known to, watches its text for a
+        # </think> before any <think> ("": watching, nothing partial; None: not watching).
+        self._learned_hold = live and auto and template is not None and template.opens(model)
+        self._unclosed = False  # the run ended with its head still held: no </think> came
+        self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
+        if live and policy.think_tags == "open":
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True)
         # A strict live stream with think_tags "auto" holds its content until it shows its
         # reasoning ended (</think>), starts with <think>, or ends: a template that consumed
         # <think> makes the head reasoning, and strict reasoning never leaves the edge. Not if
         # reasoning came first in its own field: the model server parts them.
-        self._held: list[str] | None = [] if live and policy.strict_output and auto else None
+        self._held: list[str] | None = [] if auto and (live and policy.strict_output or self._learned_hold) else None
         self._held_scan = ""  # the held text's last characters, for a tag split across deltas
         self._head_open: bool | None = None  # the held text starts with <think> (None: not known yet)
         self._head = ""  # its first characters past leading whitespace, while that is not known
@@ -233,11 +228,6 @@ class Shaper:
     def reasoning(self, text: str) -> None:
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
-        if self._opened and not (self.content_len or self.reasoning_len):
-            # Learned to start inside reasoning, but this model server parts it itself (another
-            # node's, with a reasoning parser): its content is content.
-            self._opened = False
-            self._think = None
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
@@ -275,6 +265,7 @@ class Shaper:
         if self._held is not None:
             if rest:
                 self._held.append(rest)
+            self._unclosed = bool(self._held)
             self._head_open = True  # (the end: nothing more can show a </think>)
             self._release()
             rest = self._content_filter.flush()
@@ -346,17 +337,15 @@ class Shaper:
 
     def fallback(self, finish_reason: str, has_tool_calls: bool) -> str:
         """Content for a run that produced reasoning but no answer ("" if none is due)."""
+        if self._learned_hold and self._unclosed and finish_reason == "stop" and self._template is not None:
+            # Held as learned, and no </think> came: the model answered without thinking (or an
+            # answer that only quoted the tag taught the edge wrong). Its streams are live again.
+            self._template.unlearn(self._model)
         if self.policy.strict_output or self.has_content or has_tool_calls:
             return ""
         reasoning = self.reasoning_text
         if not reasoning.strip():
             return ""
-        if self._opened and finish_reason == "stop" and self._think is not None and not self._think.closed:
-            # Started inside reasoning as learned, and it never closed: the model answered
-            # without thinking this time (or an answer that quoted the tag taught the edge
-            # wrong). That text is the answer.
-            self._template.unlearn(self._model)  # type: ignore[union-attr]  # (opened: a template)
-            return reasoning
         if self.include_reasoning:
             return reasoning
         return hidden_reasoning_notice(finish_reason)
