@@ -168,6 +168,9 @@ def tool_results_text(body: dict[str, Any]) -> str | None:
 # -- a value for a JSON Schema ------------------------------------------------------------------
 
 
+_MAX_OPTIONAL = 16  # optional properties of the arguments filled when none is required
+
+
 class _Budget:
     """What one :func:`sample` may still make. Past it, values are cut short
     (a value is None, an array or string shorter than its minimum): a
@@ -387,12 +390,14 @@ def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth:
     names = list(dict.fromkeys(n for n in required if isinstance(n, str))) if isinstance(required, list) else []
     wanted = schema.get("minProperties")
     wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0
-    if not names and not wanted and properties:
-        # Nothing required: a model fills what the object offers (instructor's list of tasks is
-        # an optional property; "{}" gave its client nothing), within maxProperties.
+    if not names and not wanted and properties and depth == 0:
+        # Nothing required of the arguments: a model fills what they offer (instructor's list of
+        # tasks is an optional property; "{}" gave its client nothing), within maxProperties and
+        # _MAX_OPTIONAL. Only at the top: deeper, 5,000 items of 19,000 optional properties each
+        # would spend the whole budget (and cut values short).
         most = schema.get("maxProperties")
-        most = most if isinstance(most, int) and not isinstance(most, bool) and most >= 0 else len(properties)
-        names = list(itertools.islice(properties, most))
+        most = most if isinstance(most, int) and not isinstance(most, bool) and most >= 0 else _MAX_OPTIONAL
+        names = list(itertools.islice(properties, min(most, _MAX_OPTIONAL)))
     if wanted > len(names):
         chosen = set(names)
         names += itertools.islice((n for n in properties if n not in chosen), wanted - len(names))
