@@ -385,7 +385,6 @@ def _type_of(schema: dict[str, Any], top: bool) -> str:
 def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth: int) -> dict[str, Any]:
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
-    extra = schema.get("additionalProperties")
     required = schema.get("required")
     names = list(dict.fromkeys(n for n in required if isinstance(n, str))) if isinstance(required, list) else []
     wanted = schema.get("minProperties")
@@ -393,22 +392,33 @@ def _object(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth:
     if not names and not wanted and properties and depth == 0:
         # Nothing required of the arguments: a model fills what they offer (instructor's list of
         # tasks is an optional property; "{}" gave its client nothing), within maxProperties and
-        # _MAX_OPTIONAL. Only at the top: deeper, 5,000 items of 19,000 optional properties each
-        # would spend the whole budget (and cut values short).
+        # _MAX_OPTIONAL, if the whole schema takes that (dependentRequired, not, propertyNames,
+        # ... may not); else {} as before. Only at the top: deeper, 5,000 items of 19,000
+        # optional properties each would spend the whole budget (and cut values short).
         most = schema.get("maxProperties")
         most = most if isinstance(most, int) and not isinstance(most, bool) and most >= 0 else _MAX_OPTIONAL
-        names = list(itertools.islice(properties, min(most, _MAX_OPTIONAL)))
+        filled = _fill(list(itertools.islice(properties, min(most, _MAX_OPTIONAL))), schema, root, depth, budget, nth)
+        return filled if budget.valid(filled, schema) is True else {}
     if wanted > len(names):
         chosen = set(names)
         names += itertools.islice((n for n in properties if n not in chosen), wanted - len(names))
+    out = _fill(names, schema, root, depth, budget, nth)
+    if wanted > len(out):
+        _more_properties(out, wanted, schema, patterns, root, depth, budget)
+    return out
+
+
+def _fill(names: list[str], schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth: int) -> dict:
+    """An object of these properties, each a value of its schema."""
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    extra = schema.get("additionalProperties")
     out: dict[str, Any] = {}
     for name in names:
         if budget.values <= 0:
             break
         value_schema = _property_schema(name, properties, patterns, extra, budget)
         out[budget.text(name)] = _sample(value_schema, root, depth + 1, budget, 0 if out else nth)
-    if wanted > len(out):
-        _more_properties(out, wanted, schema, patterns, root, depth, budget)
     return out
 
 
