@@ -132,11 +132,19 @@ def context_too_long(prompt: int, max_tokens: int, largest: int) -> APIError:
     clients parse: "maximum context length"); ``context`` keeps the numbers for
     the Messages API's own words (:func:`edge.anthropic.codec.error_body`).
     ``prompt`` is the edge's estimate of the input."""
+    if max_tokens:
+        told = (
+            f"you requested {prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion;"
+            " the messages as this edge estimates them). Please reduce the length of the messages or completion."
+        )
+    else:  # no max_tokens: the prompt and one token must fit
+        told = (
+            f"your messages resulted in {prompt} tokens (as this edge estimates them), leaving no room for"
+            " the completion. Please reduce the length of the messages."
+        )
     error = APIError(
         400,
-        f"This model's maximum context length is {largest} tokens. However, you requested "
-        f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion; "
-        "the messages as this edge estimates them). Please reduce the length of the messages or completion.",
+        f"This model's maximum context length is {largest} tokens. However, {told}",
         "invalid_request_error",
         param="messages",
         code="context_length_exceeded",

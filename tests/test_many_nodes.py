@@ -145,7 +145,10 @@ async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery
             huge = [{"role": "user", "content": "word " * 2000}]  # ~2500 tokens
             r = await client.post("/v1/chat/completions", json={"model": "m", "messages": huge})
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-            assert "maximum context length is 2000 tokens" in r.json()["error"]["message"]
+            assert (
+                "maximum context length is 2000 tokens. However, your messages resulted in"
+                in r.json()["error"]["message"]
+            )
             r = await client.post("/v1/responses", json={"model": "m", "input": huge[0]["content"]})
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert len(upstream.records) == 6

@@ -79,12 +79,12 @@ class Turn:
         # The prompt and the completion asked for must fit a node's context_window; with no
         # max_tokens (the SDKs' default), the prompt and one token (it was no check at all: a
         # long prompt went to a small-context node while a large one served the model).
-        completion = req.max_completion_tokens or req.max_tokens or 1
+        limit = req.max_completion_tokens or req.max_tokens or 0
         self.want = Want(
             req.model,
             session=session_key(self.session),
-            min_context=self.estimate + completion,
-            max_tokens=completion,
+            min_context=self.estimate + (limit or 1),
+            max_tokens=limit,
             prefix=prompt_prefix(req) if edge.config.routing == "prefix" else (),
         )
         self.last_run: Run | None = None

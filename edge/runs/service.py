@@ -75,7 +75,7 @@ class Want(msgspec.Struct, frozen=True):
     model: str
     session: str | None = None
     min_context: int = 0  # estimated input tokens + max_tokens; 0: anything fits
-    max_tokens: int = 0  # of min_context, the part the request's max_tokens asks for
+    max_tokens: int = 0  # of min_context, the part the request's max_tokens asks for (0: none asked; 1 counted)
     tunnel: bool = False  # the node must allow raw passthrough for the model
     prefix: tuple[int, ...] = ()  # the prompt's prefix chain (edge.runs.placement.prefix_chain)
 
@@ -654,7 +654,7 @@ class RunService:
                     code="passthrough_not_allowed",
                 )
             largest = max(lk.models[model].context_window for lk in serving)
-            raise errors.context_too_long(want.min_context - want.max_tokens, want.max_tokens, largest)
+            raise errors.context_too_long(want.min_context - (want.max_tokens or 1), want.max_tokens, largest)
         queue = self._queues[model]
         now = trio.current_time()
         wait_until = now + self.config.prefix_wait_ms / 1000 if self.config.routing == "prefix" else 0.0
