@@ -151,6 +151,11 @@ async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery
             )
             r = await client.post("/v1/responses", json={"model": "m", "input": huge[0]["content"]})
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert r.json()["error"]["param"] == "input"  # in the Responses API's words
+            assert "However, your input resulted in" in r.json()["error"]["message"]
+            body = {"model": "m", "input": long_prompt[0]["content"], "max_output_tokens": 1000}
+            r = await client.post("/v1/responses", json=body)
+            assert r.status_code == 400 and "in the input, 1000 in max_output_tokens" in r.json()["error"]["message"]
     assert len(upstream.records) == 6
     assert {rec.body["model"] for rec in upstream.records} == {"big"}
 

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from edge.errors import RunFailed
+from edge.errors import APIError, RunFailed, error_json
 from edge.openai import output
-from edge.openai.exchange import Exchange
+from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import check_message_count, decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
+from edge.openai.sse import sse_error
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, open_turn
 from edge.runs import Run, Slot
@@ -39,6 +40,30 @@ if TYPE_CHECKING:
     from edge.app import Edge
 
 log = structlog.get_logger("iop.edge.responses")
+
+
+def _error_body(error: APIError) -> bytes:
+    """An HTTP error, the OpenAI shape; a context too small for the request in the Responses
+    API's words (its `input` and `max_output_tokens`, where chat's speak of messages)."""
+    if error.context is None:
+        return error.body()
+    prompt, asked, largest = error.context
+    if asked:
+        told = (
+            f"you requested {prompt + asked} tokens ({prompt} in the input, {asked} in max_output_tokens;"
+            " the input as this edge estimates it). Please reduce the length of the input or max_output_tokens."
+        )
+    else:
+        told = (
+            f"your input resulted in {prompt} tokens (as this edge estimates it), leaving no room for"
+            " the output. Please reduce the length of the input."
+        )
+    message = f"This model's maximum context length is {largest} tokens. However, {told}"
+    return error_json(message, error.type, param="input", code=error.code)
+
+
+RESPONSES_ERRORS = ErrorShape(_error_body, sse_error)
+
 _encode = output._encode
 
 

@@ -31,7 +31,7 @@ from edge.errors import APIError
 from edge.openai.chat import chat_completions
 from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange, new_request_id
 from edge.openai.passthrough import tunnel_route
-from edge.openai.responses_route import create_response
+from edge.openai.responses_route import RESPONSES_ERRORS, create_response
 from proto.frames import is_token_count
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ ROUTES: dict[str, Route] = {
     "/v1/chat/completions": Route(chat_completions, "chat"),
     "/v1/completions": Route(tunnel_route("/completions"), "completions"),
     "/v1/embeddings": Route(tunnel_route("/embeddings"), "embeddings"),
-    "/v1/responses": Route(create_response, "responses"),
+    "/v1/responses": Route(create_response, "responses", RESPONSES_ERRORS),
     "/v1/messages": Route(messages, "messages", ANTHROPIC_ERRORS, MessagesExchange),
     "/v1/messages/count_tokens": Route(count_tokens, "messages", ANTHROPIC_ERRORS, MessagesExchange),
 }
