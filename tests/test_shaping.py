@@ -179,8 +179,9 @@ async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
     """One client's answer that only quotes </think> teaches the edge wrong (an outside re-audit).
     Other clients' streams of that model then lose nothing and get nothing twice, however they end
     (cut off by max_tokens, a live tool call, a refusal; reasoning shown or hidden): their text
-    comes as content, at the end. An answer that ends (stop) with no </think> unlearns the model,
-    and its streams are live again."""
+    comes as content, at the end (a run that fails: its held text as reasoning, if shown, then the
+    error). An answer that ends (stop) with no </think> unlearns the model, and its streams are
+    live again."""
     edge, upstream = shaped
     poison = script({"content": "Say x </think> y"})
     hello = ({"content": "Hello "}, {"content": "world"})
@@ -202,6 +203,18 @@ async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
             chunks, _ = await stream_raw(edge, model="r1tools", include_reasoning=shown, tools=tools)
             assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Checking. ", "")
             assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # A run that fails while its head is held: the held text as reasoning (it may be), then the error.
+        for shown in (False, True):
+            upstream.script_for("t", [*(("chunk", d) for d in hello), ("raw", b"data: {not json}\n\n"), ("done",)])
+            async with http(edge) as client:
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "r1", "messages": MESSAGES, "stream": True, "include_reasoning": shown},
+                )
+            events = sse_events(r.content)
+            chunks = [msgspec.json.decode(e) for e in events[:-1]]
+            assert "error" in chunks[-1] and not joined(chunks[:-1], "content")
+            assert joined(chunks[:-1], "reasoning_content") == ("Hello world" if shown else "")
         upstream.script_for("t", script(*hello))  # stop, no </think>: the content, once; r1 unlearned
         chunks, _ = await stream_raw(edge, model="r1", include_reasoning=True)
         assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Hello world", "")

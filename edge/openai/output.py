@@ -328,6 +328,7 @@ class LiveEncoder:
         return self.complete(event) if event.type == COMPLETE else self.failed(event)
 
     def failed(self, event: RunEvent) -> bytes:
+        self.shaper.abandon()
         failed = failure(event, self.run)
         self.turn.outcome = failed.cause
         return self.error(failed.message, failed.type)

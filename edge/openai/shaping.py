@@ -196,6 +196,13 @@ class Shaper:
         if rest:
             self._shape_content(rest)
 
+    def abandon(self) -> None:
+        """The run failed: the head a learned stream holds goes out as reasoning, if the client
+        shows reasoning (it may be; never as content), before the error; it was dropped."""
+        if self._learned_hold and self._held:
+            held, self._held = self._held, None
+            self._reasoning_out("".join(held))
+
     def _watch_tags(self, text: str) -> None:
         """A live stream's text, for its first think tag: a </think> before any <think>
         teaches the edge that the model's template opens it (:class:`TemplateThink`)."""
