@@ -119,10 +119,11 @@ async def test_session_affinity_holds_across_20_requests(nursery):
 async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery, upstream):
     """The edge estimates input tokens and refuses, before any node is bothered, a request no
     node's context_window can hold; a fitting request goes to a node that can, with or without
-    max_tokens (without, it went to any node: a long prompt to the small one)."""
+    max_tokens (without, it went to any node: a long prompt to the small one). While the one node
+    that could hold it is away, such a request is a 503 to retry (it was the final 400)."""
     edge = await start_edge(nursery)
     await start_node(nursery, edge, [model("m", upstream, target="small", context_window=200)], node_id="small")
-    await start_node(nursery, edge, [model("m", upstream, target="big", context_window=2000)], node_id="big")
+    big = await start_node(nursery, edge, [model("m", upstream, target="big", context_window=2000)], node_id="big")
     long_prompt = [{"role": "user", "content": "word " * 1000}]  # ~1250 tokens by the estimate
     with trio.fail_after(BOUND):
         async with http(edge) as client:
@@ -156,6 +157,15 @@ async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery
             body = {"model": "m", "input": long_prompt[0]["content"], "max_output_tokens": 1000}
             r = await client.post("/v1/responses", json=body)
             assert r.status_code == 400 and "in the input, 1000 in max_output_tokens" in r.json()["error"]["message"]
+            # The big node gone for a moment (a restart): a prompt only it could hold is a 503 to
+            # retry, not a final 400 telling the client its conversation is too long.
+            big.scope.cancel()
+            await eventually(lambda: "big" not in edge.edge.runs.links, what="the big node unlinked")
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_node_available"
+            assert r.headers["retry-after"] == "1"
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": huge})  # fits none
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert len(upstream.records) == 6
     assert {rec.body["model"] for rec in upstream.records} == {"big"}
 

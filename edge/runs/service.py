@@ -124,6 +124,8 @@ class _Waiter:
 
 _MAX_SESSIONS = 100_000
 KNOWN_MODELS = 8192  # model names nodes advertised, the most recent kept (a few MB at most)
+LOST_CONTEXT_S = 60.0  # a node that left this recently may be back: a request only it could hold is a 503
+UNBOUNDED_CONTEXT = 1 << 62  # a node that advertised no context_window
 # A request waits for the busy node holding its prefix only if that node holds
 # this many more of its leading blocks (1 KB of text, ~256 tokens) than any free one.
 PREFIX_WAIT_BLOCKS = 4
@@ -199,6 +201,11 @@ class RunService:
         self._refusing: Callable[[], errors.APIError] | None = None  # set by refuse_waiting
         self._configured = frozenset(m.name for m in config.models)
         self._known: dict[str, None] = {}  # oldest first
+        # Per model, when a node serving it last left and the largest context_window of those
+        # that left within LOST_CONTEXT_S (0: unbounded): a request only such a node could hold
+        # is a 503 to retry while it relinks, not a final 400 (a brief outage of the one
+        # large-context node told clients their conversation was too long).
+        self._lost_context: dict[str, tuple[float, int]] = {}
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
         self.prefixes = PrefixIndex(config.prefix_index_entries)
@@ -275,6 +282,15 @@ class RunService:
         link.closed = True
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
+        now, lost = trio.current_time(), self._lost_context
+        for model, info in link.models.items():
+            window = info.context_window or UNBOUNDED_CONTEXT
+            before = lost.pop(model, None)  # (re-inserted last: the oldest go first, past KNOWN_MODELS)
+            if before is not None and now - before[0] < LOST_CONTEXT_S:
+                window = max(window, before[1])
+            lost[model] = (now, window)
+        while len(lost) > KNOWN_MODELS:
+            del lost[next(iter(lost))]
         for run in list(link.runs.values()):
             if not self._fail_over(run, link):
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
@@ -652,6 +668,13 @@ class RunService:
                     "invalid_request_error",
                     param="model",
                     code="passthrough_not_allowed",
+                )
+            lost = self._lost_context.get(model)
+            if lost is not None and trio.current_time() - lost[0] < LOST_CONTEXT_S and lost[1] >= want.min_context:
+                raise errors.no_node(
+                    model,
+                    f"No node linked now serving `{model}` has a context this request fits; one that left "
+                    "moments ago had. Retry shortly.",
                 )
             largest = max(lk.models[model].context_window for lk in serving)
             raise errors.context_too_long(want.min_context - (want.max_tokens or 1), want.max_tokens, largest)
