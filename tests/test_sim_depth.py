@@ -72,6 +72,8 @@ ORDINARY = {
     "if/then": {"x": {"if": {"type": "string"}, "then": {"minLength": 4}, "type": "string"}},
     "if/else": {"x": {"type": "integer", "if": {"maximum": 0}, "then": {"const": 0}, "else": {"minimum": 5}}},
     "not": {"n": {"type": "integer", "not": {"const": 1}}},
+    "contains": {"xs": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}},
+    "minContains": {"xs": {"type": "array", "contains": {"type": "string", "minLength": 3}, "minContains": 2}},
 }
 
 

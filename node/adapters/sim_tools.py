@@ -464,6 +464,19 @@ def _array(schema: dict[str, Any], root: Any, depth: int, budget: _Budget, nth: 
     if items is False:
         count = min(count, len(prefix))
     count = min(count, max(budget.values, 0))  # each item is a value at least
+    contains = schema.get("contains")
+    least = schema.get("minContains") if isinstance(schema.get("minContains"), int) else 1
+    if (
+        isinstance(contains, dict)
+        and least > 0
+        and items is not False
+        and (maximum is None or len(prefix) + least <= maximum)
+    ):
+        # Items that `contains` asks for (a required list that must hold one got []): after the
+        # prefix, each of both schemas; as many as the array's other bounds still allow.
+        prefix = [*prefix, *[_merge(items, contains, budget) if isinstance(items, dict) else contains] * least]
+        count = min(max(count, len(prefix)), maximum) if maximum is not None else max(count, len(prefix))
+        count = min(count, max(budget.values, 0))
     if schema.get("uniqueItems") is not True:  # the first item varies with the array
         return [
             _sample(prefix[i] if i < len(prefix) else items, root, depth + 1, budget, 0 if i else nth)
