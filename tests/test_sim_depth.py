@@ -73,6 +73,7 @@ ORDINARY = {
     "if/else": {"x": {"type": "integer", "if": {"maximum": 0}, "then": {"const": 0}, "else": {"minimum": 5}}},
     "not": {"n": {"type": "integer", "not": {"const": 1}}},
     "contains": {"xs": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}},
+    "a default of another type": {"n": {"type": "integer", "default": "five"}},
     "minContains": {"xs": {"type": "array", "contains": {"type": "string", "minLength": 3}, "minContains": 2}},
 }
 

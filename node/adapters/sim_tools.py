@@ -277,6 +277,8 @@ def _sample(schema: Any, root: Any, depth: int, budget: _Budget, nth: int = 0) -
     given = [schema["default"]] if "default" in schema else []
     if isinstance(schema.get("examples"), list):
         given += schema["examples"]
+    if given:  # a default or example the schema itself refuses (a string default of an integer) is not sent
+        given = [value for value in given if budget.valid(value, schema) is not False]
     if nth < len(given):
         return _given(given[nth], budget)
     top = depth == 0 or id(schema) in budget.tops
