@@ -42,10 +42,10 @@ class TemplateThink:
     shows a ``</think>`` before any ``<think>``, and the model's next live
     streams hold their head, as a strict model's do, until it shows its
     reasoning ended (``</think>``: reasoning, then live content), starts with
-    ``<think>``, or the run ends (then it is content). No text is lost or sent
-    twice whatever the model does; a model learned wrong (an answer that only
-    quoted the tag) costs streams their liveness, not their text, and its
-    next answer that ends (``stop``) with no ``</think>`` unlearns it."""
+    ``<think>``, or the run ends (then it is content): split as its whole
+    answer is, nothing sent twice. A model learned wrong (an answer that only
+    quoted the tag) costs streams their liveness until its next answer that
+    ends (``stop``) with no ``</think>`` unlearns it."""
 
     __slots__ = ("_models",)
 
