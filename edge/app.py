@@ -36,6 +36,7 @@ from edge.ledger import Ledger
 from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
+from edge.openai.items import ResponseItems
 from edge.openai.routes import openai_routes
 from edge.openai.schema import ModelCard, ModelList
 from edge.openai.shaping import TemplateThink
@@ -94,6 +95,7 @@ class Edge:
         self.shared = SharedState(config.state, self.keys, self.id) if config.state else None
         self.metrics = EdgeMetrics(self.runs, self)
         self.template_think = TemplateThink()  # models whose chat template opens <think> (live think tags)
+        self.response_items = ResponseItems()  # the Responses API's recent output items (item_reference)
         self.console = Console(self)
         self.draining = False
         self.open_served = False  # an open edge's first request was looked at (is_loopback)

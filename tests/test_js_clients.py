@@ -17,7 +17,7 @@ from node.adapters.sim import sim_tokens
 from tests.conftest import model, settled, start_edge, start_node
 
 JS = Path(__file__).parent / "js"
-PACKAGES = ("openai", "ai", "@ai-sdk/openai-compatible")
+PACKAGES = ("openai", "ai", "@ai-sdk/openai-compatible", "@ai-sdk/openai")
 JS_BOUND = 60  # seconds for one script, Node start-up and retries included (they take ~1 s)
 CRASH = [("status", 500, b'{"error": {"message": "model crashed"}}')]
 
@@ -151,3 +151,54 @@ async def test_ai_sdk_generate_text_gets_a_parsed_tool_call(js_edge):
     assert result["executed"] == [{"city": "Paris", "unit": "c"}]
     assert result["toolResults"] == [{"toolName": "get_weather", "output": {"forecast": "sunny"}}]
     assert result["finishReason"] == "tool-calls"
+
+
+async def test_ai_sdk_default_openai_provider_keeps_a_conversation_by_item_references(js_edge):
+    """@ai-sdk/openai's default provider (the Responses API, `store` on) sends its earlier output back
+    as `item_reference`s: a second turn, and a tool loop whose model writes text before its call,
+    work (each was a 400 `stateless_edge`), and the model sees the referenced text."""
+    edge, upstream = js_edge
+
+    def answer(body):
+        messages = body["messages"]
+        if body.get("tools"):
+            if messages[-1]["role"] == "tool":
+                return steps({"content": "It is sunny in Paris."})
+            call = {"index": 0, "id": "call_w", "type": "function"}
+            call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+            return steps({"content": "Let me check."}, {"tool_calls": [call]}, finish="tool_calls")
+        return steps({"content": "Hello there."} if len(messages) == 1 else {"content": "Hello again."})
+
+    upstream.script_for("t", answer)
+    result = await run_js("ai_responses_turns.mjs", edge)
+    assert result["first"] == "Hello there." and result["second"] == "Hello again.", result
+    second = upstream.records[1].body["messages"]
+    assert [(m["role"], m["content"]) for m in second] == [
+        ("user", "Say hello."),
+        ("assistant", "Hello there."),
+        ("user", "Once more."),
+    ]
+    assert result["loop"] == {
+        "text": "It is sunny in Paris.",
+        "steps": 2,
+        "executed": ["Paris"],
+        "finishReason": "stop",
+    }, result
+    looped = upstream.records[-1].body["messages"]
+    assert looped[1]["content"] == "Let me check." and looped[1]["tool_calls"][0]["id"] == "call_w"
+    assert looped[2] == {"role": "tool", "tool_call_id": "call_w", "content": "sunny in Paris"}
+
+
+async def test_openai_node_responses_stream_helper_accumulates_reasoning(js_edge):
+    """openai-node's `responses.stream()` accumulates a shown reasoning item (its `reasoning_text`
+    part comes with `response.content_part.added`: without, the helper threw "missing content")."""
+    edge, upstream = js_edge
+    upstream.script_for(
+        "t", steps({"reasoning_content": "let me "}, {"reasoning_content": "think"}, {"content": "Done."})
+    )
+    result = await run_js("openai_responses_reasoning.mjs", edge)
+    assert result["reasoning"] == "let me think" and result["status"] == "completed", result
+    assert result["output"] == [
+        {"type": "reasoning", "content": [["reasoning_text", "let me think"]]},
+        {"type": "message", "content": [["output_text", "Done."]]},
+    ]

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from edge.errors import APIError
+from edge.openai.items import ResponseItems
 from edge.openai.responses import decode_request
 from scripts.upstream import native_call, steps, words
 from tests.agents import quiet_env, require_agent, run_offline
@@ -242,6 +243,91 @@ async def test_stateless_edge_rejects_previous_response_id(edge_up):
     assert "full conversation" in caught.value.message and "stateless" in caught.value.message
     assert caught.value.body["type"] == "invalid_request_error"
     assert conversation.value.body["param"] == "conversation"
+
+
+async def test_item_references_resolve_for_the_key_that_made_them(nursery, upstream):
+    """The output items of a response given with `store` on (the API's default) can be sent back as
+    `item_reference`s by the same key, streamed or not, and the model sees them as they were; another
+    key's reference, an item of a `store: false` response, or an unknown id is a 400
+    `item_not_found` that says to send the item itself."""
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-a", "sk-b"]))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    call = native_call("call_9", "get_weather", '{"city": "Oslo"}')
+    upstream.script_for(
+        "t",
+        lambda body: (
+            steps({"content": "Let me look."}, *call, finish="tool_calls")
+            if body.get("tools") and len(body["messages"]) == 1
+            else steps({"content": "Noted."})
+        ),
+    )
+    with trio.fail_after(BOUND):
+        async with sdk(edge, api_key="sk-a") as a, sdk(edge, api_key="sk-b") as b:
+            first = await a.responses.create(model="m", input="Weather in Oslo?", tools=[WEATHER])
+            events = [e async for e in await a.responses.create(model="m", input="Hi", stream=True)]
+            unkept = await a.responses.create(model="m", input="Hi", store=False)
+            refs = [{"type": "item_reference", "id": item.id} for item in first.output]
+            again = await a.responses.create(
+                model="m",
+                tools=[WEATHER],
+                input=[
+                    {"role": "user", "content": "Weather in Oslo?"},
+                    *refs,
+                    {"type": "function_call_output", "call_id": "call_9", "output": "rain"},
+                    {"type": "item_reference", "id": events[-1].response.output[0].id},
+                    {"role": "user", "content": "Thanks."},
+                ],
+            )
+            refused = []
+            for client, item_id in ((b, first.output[0].id), (a, unkept.output[0].id), (a, "msg_nope")):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await client.responses.create(model="m", input=[{"type": "item_reference", "id": item_id}])
+                refused.append(caught.value)
+    assert [item.type for item in first.output] == ["message", "function_call"]
+    assert again.output_text == "Noted."
+    assert upstream.records[3].body["messages"] == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "rain"},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    for error in refused:
+        assert error.body["code"] == "item_not_found" and error.body["param"] == "input[0]"
+        assert "Send the item itself" in error.message
+    assert len(upstream.records) == 4  # the refused ones reached no model
+    await settled(edge, node.agent)
+
+
+def test_kept_items_are_bounded_in_size_and_time():
+    """The kept items stay under their byte budget (the least recently used leave first) and leave
+    after their time."""
+    now = [0.0]
+    kept = ResponseItems(max_bytes=1300, ttl_s=60.0, clock=lambda: now[0])
+    item = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "x" * 300}],
+    }
+    kept.keep("k", [item, {**item, "id": "msg_2"}])
+    assert kept.get("k", "msg_1") == item and kept.get("j", "msg_1") is None
+    kept.keep("k", [{**item, "id": "msg_3"}, {**item, "id": "msg_4"}])  # 4 of ~395 bytes: msg_2 leaves, not msg_1
+    assert kept.size <= 1300 and kept.get("k", "msg_2") is None and kept.get("k", "msg_1") == item
+    now[0] = 59.0
+    assert kept.get("k", "msg_4") is not None  # used: another 60 s
+    now[0] = 61.0
+    assert kept.get("k", "msg_1") is None and kept.get("k", "msg_4") is not None
 
 
 async def test_errors_before_and_after_the_stream_starts(nursery, upstream):

@@ -9,9 +9,11 @@ No sockets, clock or tasks here: the request's life (admission, runs, tool
 validation and retries, shaping, keep-alives, cancellation) is the chat path's,
 driven by :mod:`edge.openai.responses_route`.
 
-Stateless: nothing is stored (every response says ``store: false``), so
-``previous_response_id``, ``conversation``, stored ``prompt`` templates and
-item references are a 400.
+Stateless: no response is stored (every response says ``store: false``), so
+``previous_response_id``, ``conversation`` and stored ``prompt`` templates are
+a 400; the output items of responses given with ``store`` not false are kept a
+while (:mod:`edge.openai.items`), so that an ``item_reference`` to one becomes
+the item again (a reference to an item the edge does not hold is a 400).
 ``function`` tools, and the functions of ``namespace`` tools (flattened to
 ``NAMESPACE__NAME``, :attr:`Decoded.namespaced`), are the model's tools; the
 rest (``web_search``, ``file_search``, ``custom``, ...) are left out of the
@@ -84,9 +86,13 @@ MODEL_SERVER_FIELDS = frozenset(
 )  # fmt: skip
 
 
-def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None) -> Decoded:
+Items = Callable[[str], "dict[str, Any] | None"]  # an item_reference's id -> the item it names
+
+
+def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None, items: Items | None = None) -> Decoded:
     """The chat completion body for a Responses request body. Raises
-    :class:`edge.errors.APIError` (400) naming the Responses field at fault."""
+    :class:`edge.errors.APIError` (400) naming the Responses field at fault.
+    ``items`` finds the items that ``item_reference`` input items name."""
     for param in ("previous_response_id", "conversation"):
         if raw.get(param) is not None:
             raise errors.APIError(
@@ -121,7 +127,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
     if instructions is not None:
         messages.append({"role": "system", "content": _text(instructions, "instructions")})
     check_content_parts(raw.get("input"), "input")
-    messages.extend(_input_messages(raw.get("input"), decoded))
+    messages.extend(_input_messages(raw.get("input"), decoded, items))
     if not any(m["role"] != "system" for m in messages):
         raise _bad("Missing required parameter: `input` (a string or a list of input items).", "input")
     _check_calls(messages)
@@ -181,7 +187,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None)
 # -- input items ---------------------------------------------------------------------
 
 
-def _input_messages(value: Any, decoded: Decoded) -> list[dict[str, Any]]:
+def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -192,6 +198,9 @@ def _input_messages(value: Any, decoded: Decoded) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise _bad(f"Invalid value for `{param}`: expected an object.", param)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "item_reference":
+            item = _referenced(item, param, items)
+            kind = item.get("type")
         if kind == "message":
             role = item.get("role")
             if role == "developer":
@@ -222,15 +231,31 @@ def _input_messages(value: Any, decoded: Decoded) -> list[dict[str, Any]]:
             out.append(
                 {"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{param}.call_id"), "content": text}
             )
-        elif kind == "item_reference":
-            raise errors.APIError(
-                400, STATELESS.format(param=param), "invalid_request_error", param=param, code="stateless_edge"
-            )
         elif kind in _SKIPPED_ITEMS:
             continue
         else:
             decoded.ignored_items.append(str(kind))
     return out
+
+
+def _referenced(reference: dict[str, Any], param: str, items: Items | None) -> dict[str, Any]:
+    """The item an ``item_reference`` names, from a response of this edge's (for this key)."""
+    item_id = reference.get("id")
+    if not isinstance(item_id, str) or not item_id:
+        raise _bad(f"Missing required parameter: `{param}.id` (the referenced item's id).", f"{param}.id")
+    found = items(item_id) if items is not None else None
+    if found is None:
+        raise errors.APIError(
+            400,
+            f"Item with id '{item_id[:100]}' not found: this edge keeps the output items of its own recent "
+            "responses for an hour (in memory, for the key that made them, on this edge only). Send the "
+            f"item itself in `{param}` instead of a reference to it (with the Vercel AI SDK: "
+            "providerOptions.openai.store = false).",
+            "invalid_request_error",
+            param=param,
+            code="item_not_found",
+        )
+    return found
 
 
 def _one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -599,6 +624,7 @@ class ResponseEncoder:
         created_at: int,
         echo: dict[str, Any],
         namespaced: dict[str, tuple[str, str]] | None = None,
+        keep: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self.id = response_id
         self.model = model
@@ -611,6 +637,7 @@ class ResponseEncoder:
         self._open: dict[str, Any] | None = None  # the item receiving deltas
         self._open_text: list[str] = []
         self._n = 0
+        self._keep = keep  # given the output items of a response that finished (references to them)
 
     # -- objects ---------------------------------------------------------------
 
@@ -700,14 +727,24 @@ class ResponseEncoder:
     def _open_reasoning(self) -> bytes:
         self._open = {"id": self._item_id("rs"), "type": "reasoning"}
         index = len(self.output)
-        return self._event(
-            "response.output_item.added", output_index=index, item={**self._open, "summary": [], "content": []}
-        ) + self._event(
-            "response.reasoning_summary_part.added",
-            item_id=self._open["id"],
-            output_index=index,
-            summary_index=0,
-            part={"type": "summary_text", "text": ""},
+        return (
+            self._event(
+                "response.output_item.added", output_index=index, item={**self._open, "summary": [], "content": []}
+            )
+            + self._event(
+                "response.reasoning_summary_part.added",
+                item_id=self._open["id"],
+                output_index=index,
+                summary_index=0,
+                part={"type": "summary_text", "text": ""},
+            )
+            + self._event(  # (openai-node's stream helper adds the reasoning_text part from this event alone)
+                "response.content_part.added",
+                item_id=self._open["id"],
+                output_index=index,
+                content_index=0,
+                part={"type": "reasoning_text", "text": ""},
+            )
         )
 
     def _close(self, status: str = "completed") -> bytes:
@@ -728,11 +765,13 @@ class ResponseEncoder:
             ) + self._event("response.content_part.done", **where, content_index=0, part=part)
         else:
             summary = {"type": "summary_text", "text": text}
-            done = {**item, "summary": [summary], "content": [{"type": "reasoning_text", "text": text}]}
+            part = {"type": "reasoning_text", "text": text}
+            done = {**item, "summary": [summary], "content": [part]}
             events = (
                 self._event("response.reasoning_summary_text.done", **where, summary_index=0, text=text)
                 + self._event("response.reasoning_summary_part.done", **where, summary_index=0, part=summary)
                 + self._event("response.reasoning_text.done", **where, content_index=0, text=text)
+                + self._event("response.content_part.done", **where, content_index=0, part=part)
             )
         self.output.append(done)
         return events + self._event("response.output_item.done", output_index=index, item=done)
@@ -791,6 +830,8 @@ class ResponseEncoder:
         """The closing events: ``response.completed``, or ``response.incomplete``."""
         status, incomplete = status_of(finish_reason)
         head = self._close("completed" if status == "completed" else "incomplete")
+        if self._keep is not None:  # (before the client can see the ids)
+            self._keep(self.output)
         response = self.response(status, usage=usage, incomplete=incomplete)
         return head + self._event(f"response.{status}", response=response)
 

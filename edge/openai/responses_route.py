@@ -77,7 +77,12 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
         access.model = model
     stream = raw.get("stream")
     access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
-    decoded = decode_request(raw, max_output_tokens=cfg.max_output_tokens)
+    kept = edge.response_items
+    scope = ex.key.id if ex.key is not None else ""  # a reference resolves for the key whose response made it
+    decoded = decode_request(
+        raw, max_output_tokens=cfg.max_output_tokens, items=lambda item_id: kept.get(scope, item_id)
+    )
+    keep = None if raw.get("store") is False else (lambda items: kept.keep(scope, items))
     if decoded.ignored_tools or decoded.ignored_items:
         log.info(
             "responses request: left out",
@@ -87,7 +92,12 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     check_message_count(raw.get("input"), cfg.max_messages, "input")
     turn = await open_turn(edge, ex, decoded.chat, converted=True)
     enc = ResponseEncoder(
-        "resp_" + ex.request_id.removeprefix("req_"), turn.req.model, int(time.time()), decoded.echo, decoded.namespaced
+        "resp_" + ex.request_id.removeprefix("req_"),
+        turn.req.model,
+        int(time.time()),
+        decoded.echo,
+        decoded.namespaced,
+        keep,
     )
     del raw, decoded  # the turn keeps what it forwards, the encoder what it echoes
     try:
