@@ -7,7 +7,7 @@ import structlog
 import trio
 
 from scripts.upstream import text_script, words
-from tests.conftest import BOUND, http, sdk, settled, sse_events, sync_sdk
+from tests.conftest import BOUND, http, model, sdk, settled, sse_events, start_edge, start_node, sync_sdk
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -127,4 +127,36 @@ async def test_a_model_server_refusing_the_nodes_key_is_a_502_that_quotes_nothin
                     assert err["code"] == "upstream_auth_failed" and f"HTTP {status}" in err["message"]
                     assert b"WXYZ" not in r.content
     assert any("WXYZ" in e.get("error", "") for e in logs if e["log_level"] == "warning")
+    await settled(edge, node.agent)
+
+
+async def test_a_model_servers_error_never_carries_the_nodes_api_key(nursery, upstream):
+    """A provider that quotes the key it refused, or any error text with the node's api_key in it (a
+    status's body, an error event mid-stream), reaches the edge with the key replaced: it was in the
+    edge's log, the console's error list and the client's message."""
+    secret = "sk-node-Q7Z2SECRETKEY"
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, api_key=secret)])
+    said = msgspec.json.encode({"error": {"message": f"Incorrect API key provided: {secret}."}})
+    scripts = [
+        [("status", 401, said)],
+        [("status", 500, said)],
+        [("chunk", {"content": "partial "}), ("raw", b"data: " + said + b"\n\n")],
+    ]
+    bodies = []
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for script in scripts:
+                upstream.script_for("m-target", script)
+                for stream in (False, True):
+                    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+                    r = await client.post("/v1/chat/completions", json=body)
+                    bodies.append(r.content)
+    assert upstream.records[0].headers["authorization"] == f"Bearer {secret}"  # (the key the node sends)
+    assert all(secret.encode() not in b for b in bodies)
+    listed = [e.message for e in edge.edge.console.errors]  # the console's recent run errors
+    assert len(listed) == 6 and not any(secret in m for m in listed), listed
+    assert all(secret not in str(e) for e in logs)
+    warned = [e["error"] for e in logs if e["log_level"] == "warning" and "error" in e]
+    assert any("Incorrect API key provided: [the node's api_key]." in w for w in warned), warned
     await settled(edge, node.agent)

@@ -148,6 +148,13 @@ class OpenAIAdapter:
         server's address stays in the node's log (a refused connection quoted it)."""
         return f"{what} failed: {type(e).__name__}: {str(e).replace(self.upstream, 'the model server')}".rstrip(": ")
 
+    def _unkeyed(self, message: str) -> str:
+        """A model server's error message without the node's api_key: a provider that quotes the
+        key it refused ("Incorrect API key provided: ...") would send it to the edge's log, its
+        console and the client."""
+        key = self.model.api_key
+        return message.replace(key, "[the node's api_key]") if key and key in message else message
+
     async def run(self, request: RunRequest, sink: Sink) -> None:
         body = dict(request.request)
         body["model"] = request.target or self.model.target or self.model.name
@@ -158,7 +165,7 @@ class OpenAIAdapter:
             async with self.client.request("POST", "/chat/completions", _encode(body), _STREAM_HEADERS) as response:
                 if response.status != 200:
                     self._log_status(response.status, request.run_id)
-                    await sink.error(await _error_text(response), status=response.status)
+                    await sink.error(self._unkeyed(await _error_text(response)), status=response.status)
                     return
                 encoding = _header(response, b"content-encoding")
                 if encoding and encoding != b"identity":  # never asked for: no accept-encoding is sent
@@ -233,7 +240,7 @@ class OpenAIAdapter:
                     )
                 else:
                     self._log_failure(relay.failure, run_id)
-                await sink.error(relay.message, status=relay.status)
+                await sink.error(self._unkeyed(relay.message), status=relay.status)
             elif relay.finish_reason:  # the body ended without [DONE]: still an answer if it said why it stopped
                 await sink.complete(
                     relay.finish_reason,
