@@ -69,7 +69,7 @@ class EdgeMetrics:
         self.nodes_linked.set_function(lambda: len(runs.links))
         self.queue_time = Histogram(
             "iop_queue_time_seconds",
-            "Time spent waiting for a node slot",
+            "Time spent waiting for a node slot, however the wait ended (a slot, a timeout, the client leaving)",
             ["model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -155,6 +155,10 @@ class EdgeMetrics:
             r.register(_StateCollector(edge))
         runs.on_placed.append(self.observe_placement)
         runs.on_run_closed.append(self.observe_run)
+        runs.on_queue_wait.append(self.observe_queue_wait)
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self.queue_time.labels(self.model_label(model)).observe(seconds)
 
     def model_label(self, model: object) -> str:
         """The ``model`` label for a requested name: the name itself if it is

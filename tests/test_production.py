@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -209,6 +210,56 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
     assert 'iop_time_to_first_token_seconds_count{api="chat",model="m"}' in text
     assert 'iop_time_to_first_token_seconds_count{api="responses",model="m"}' in text
     assert 'iop_queue_time_seconds_count{model="m"}' in text
+
+
+async def test_queue_time_counts_every_wait_however_it_ended(nursery, upstream):
+    """`iop_queue_time_seconds` observes every wait for a slot: one that got it, ones the queue's
+    timeout ended (429) and one whose client left. Only the request that got its slot was observed,
+    so while requests timed out in the queue its p99 read near 0."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "m", "queue_timeout_ms": 300}]))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    upstream.script_for("m-target", [("hang",)])
+    statuses = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def ask():
+                statuses.append((await client.post("/v1/chat/completions", json=BODY)).status_code)
+
+            holder = trio.CancelScope()
+
+            async def hold():
+                with holder:
+                    await client.post("/v1/chat/completions", json=BODY)
+
+            clients.start_soon(hold)
+            await upstream.wait_requests(1)
+            async with trio.open_nursery() as waiting:
+                waiting.start_soon(ask)
+                waiting.start_soon(ask)
+            leaving = trio.CancelScope()
+
+            async def leave():
+                with leaving:
+                    await client.post("/v1/chat/completions", json=BODY)
+
+            clients.start_soon(leave)
+            while edge.edge.runs.queue_depth() < 1:
+                await trio.sleep(0.01)
+            await trio.sleep(0.1)
+            leaving.cancel()
+            while edge.edge.runs.queue_depth():
+                await trio.sleep(0.01)
+            holder.cancel()
+        await settled(edge, node.agent)
+        async with http(edge) as client:
+            text = (await client.get("/metrics")).text
+    assert statuses == [429, 429]
+    count = re.search(r'iop_queue_time_seconds_count\{model="m"\} (\S+)', text)
+    total = re.search(r'iop_queue_time_seconds_sum\{model="m"\} (\S+)', text)
+    assert count is not None and total is not None, text
+    assert float(count.group(1)) == 4.0  # the holder (0 s), two timeouts (0.3 s each), the one that left
+    assert float(total.group(1)) >= 0.6 + 0.09
 
 
 async def test_a_refusal_is_counted_as_one_when_its_client_closes_as_it_arrives(nursery):

@@ -148,11 +148,7 @@ class Turn:
         return policy.strict_output and (policy.stream_buffer or bool(policy.xml_completion_tool))
 
     async def acquire(self) -> Slot:
-        edge = self.edge
-        queued_at = trio.current_time()
-        slot = await edge.runs.acquire(self.want, self.ex)
-        waited = trio.current_time() - queued_at
-        edge.metrics.queue_time.labels(edge.metrics.model_label(self.req.model)).observe(waited)
+        slot = await self.edge.runs.acquire(self.want, self.ex)  # (its wait is in iop_queue_time_seconds)
         self.node_id = slot.link.node_id
         return slot
 
