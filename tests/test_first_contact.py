@@ -285,7 +285,8 @@ async def test_usage_without_upstream_numbers_is_estimated_and_marked(first):
 
 async def test_a_stream_its_client_left_logs_the_tokens_it_is_charged(first):
     """A client that leaves mid-stream: its access line says the tokens the key and the ledger are
-    charged (the estimate of what streamed, usage_estimated), not nulls beside a ledger row of them."""
+    charged (the estimate of what streamed, usage_estimated), not nulls beside a ledger row of them;
+    `iop_usage_estimated_total` counts it as the line does (it counted only a finished run's)."""
     edge, upstream = first
     upstream.script_for("t", text_script(words(200), interval=0.02))
     with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
@@ -299,8 +300,11 @@ async def test_a_stream_its_client_left_logs_the_tokens_it_is_charged(first):
                         if seen >= 5:
                             reading.cancel()
         await eventually(lambda: any(e["event"] == "request" for e in logs))
+        async with http(edge) as client:
+            metrics = (await client.get("/metrics")).text
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["cause"] == "client_gone" and line["usage_estimated"] is True
+    assert 'iop_usage_estimated_total{model="m"} 1.0' in metrics
     assert line["prompt_tokens"] == len("hi") // 4 + 4 and line["completion_tokens"] >= 5, line
 
 

@@ -267,8 +267,6 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     model = metrics.model_label(access.model)
     metrics.requests.labels(api, model, outcome).inc()
     usage = access.usage
-    if access.usage_estimated:
-        metrics.usage_estimated.labels(model).inc()
     counted = usage is not None or access.partial is not None  # (else no run started: nothing used)
     if usage is not None:
         prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, access.usage_estimated
@@ -277,6 +275,8 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     else:
         prompt = completion = 0
         estimated = False
+    if estimated:  # as the access line, the ledger and the key have it
+        metrics.usage_estimated.labels(model).inc()
     if access.earlier != (0, 0):  # the runs a tool retry replaced: their tokens were spent too
         prompt, completion = prompt + access.earlier[0], completion + access.earlier[1]
     if not (is_token_count(prompt) and is_token_count(completion)):  # (never, from a run: a last guard for the ledger)
