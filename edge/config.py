@@ -108,6 +108,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_tools: int = 256
     body_timeout_s: float = 60.0  # to receive a whole request body; a slower one is a 408
     max_output_tokens: int = 131072  # the largest max_tokens / max_completion_tokens a request may ask for
+    trace_requests: bool = True  # a request's metadata iop_trace_stream turns on its per-chunk trace lines
     # Shutdown.
     drain_grace_s: float = 30.0
     models: list[ModelPolicy] = msgspec.field(default_factory=list)

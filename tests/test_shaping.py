@@ -10,6 +10,7 @@ import pytest
 import structlog
 import trio
 
+from edge.openai import trace
 from edge.openai.shaping import wrap_in_completion_tool
 from edge.openai.tools import ToolTextFilter
 from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, settled, sse_events, start_edge, start_node
@@ -401,6 +402,27 @@ async def test_trace_logs_each_chunk_and_a_summary(shaped):
     assert [e["source_len"] for e in logs if e["event"] == "chat completion stream output filtered"] == [11]
     summaries = [e for e in logs if e["event"] == "stream closed"]
     assert len(summaries) == 2 and summaries[0]["content_len"] == 2
+
+
+async def test_a_clients_trace_is_bounded_and_an_operator_can_refuse_it(nursery, upstream, monkeypatch):
+    """A client's `iop_trace_stream` writes at most MAX_TRACED_CHUNKS chunk lines, then one that says
+    the trace stopped (a stream of 131,072 tokens wrote 131,072 lines, about 30 MB, for any client);
+    with `trace_requests = false` the metadata traces nothing."""
+    monkeypatch.setattr(trace, "MAX_TRACED_CHUNKS", 5)
+    deltas = [("chunk", {"content": f"w{i} "}) if i % 2 else ("sleep", 0.002) for i in range(40)]
+    upstream.script_for("t", [*deltas, *script()])
+    lines = []
+    for allowed in (True, False):
+        edge = await start_edge(nursery, edge_config(trace_requests=allowed))
+        node = await start_node(nursery, edge, [model("plain", upstream, target="t")])
+        with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+            chunks, _ = await stream_raw(edge, model="plain", metadata={"iop_trace_stream": "1"})
+            await eventually(lambda: any(e["event"] == "stream closed" for e in logs))
+        assert joined(chunks, "content") == "".join(f"w{i} " for i in range(1, 40, 2))
+        lines.append([e["event"] for e in logs if e["event"].startswith("chat completion stream")])
+        await settled(edge, node.agent)
+    assert lines[0] == ["chat completion stream output chunk"] * 5 + ["chat completion stream trace stopped"]
+    assert lines[1] == []
 
 
 async def test_outputs_that_rescan_themselves_are_shaped_in_one_pass(shaped):

@@ -3,7 +3,9 @@
 ``IOP_OPENAI_COMPAT_TRACE_STREAM=1`` (any of 1/true/yes/on), or the run
 metadata key ``iop_trace_stream`` (the request's ``metadata`` object), logs
 every emitted chunk: run id (bound in the log context), sequence number, type,
-length, and for each upstream delta whether the filters changed it.
+length, and for each upstream delta whether the filters changed it; at most
+:data:`MAX_TRACED_CHUNKS` lines a stream (a client's metadata can ask for it:
+``trace_requests = false`` in the edge's config refuses).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ log = structlog.get_logger("iop.edge.trace")
 TRACE_ENV = "IOP_OPENAI_COMPAT_TRACE_STREAM"
 TRACE_METADATA_KEY = "iop_trace_stream"
 _TRUE = {"1", "true", "yes", "on"}
+MAX_TRACED_CHUNKS = 10_000  # lines a stream's trace writes (~225 bytes each), then one that says it stopped
 
 
 def trace_enabled(metadata: dict[str, str]) -> bool:
@@ -36,14 +39,17 @@ class StreamTrace:
     def chunk(self, kind: str, length: int, **extra) -> None:
         self.seq += 1
         self.emitted += length
-        log.info("chat completion stream output chunk", seq=self.seq, type=kind, delta_len=length, **extra)
+        if self.seq <= MAX_TRACED_CHUNKS:
+            log.info("chat completion stream output chunk", seq=self.seq, type=kind, delta_len=length, **extra)
+        elif self.seq == MAX_TRACED_CHUNKS + 1:
+            log.info("chat completion stream trace stopped", seq=self.seq, max_traced_chunks=MAX_TRACED_CHUNKS)
 
     def around(self, kind: str, text: str, shape) -> None:
         """Shape one upstream delta, then say whether the filters changed it."""
         emitted_before = self.emitted
         shape(text)
         emitted = self.emitted - emitted_before
-        if emitted != len(text):
+        if emitted != len(text) and self.seq <= MAX_TRACED_CHUNKS:
             log.info(
                 "chat completion stream output filtered",
                 type=kind,

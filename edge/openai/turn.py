@@ -71,7 +71,7 @@ class Turn:
         self.contract = ToolContract(req) if req.tools else None
         self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
         user_meta = forward.get("metadata")
-        if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta:
+        if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta and edge.config.trace_requests:
             self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
         self.estimate = estimate_input_tokens(req)
         self.metadata["estimated_input_tokens"] = str(self.estimate)
