@@ -7,6 +7,7 @@ IOP_EDGE_CONFIG=edge.toml hypercorn --worker-class trio --bind 127.0.0.1:8080 --
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import secrets
 import sqlite3
@@ -293,8 +294,13 @@ def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Re
 
 def _model_card(name: str, links: list[NodeLink]) -> ModelCard:
     """A model group as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it."""
+    created = int(min(lk.linked_wall for lk in links))
     return ModelCard(
-        id=name, created=int(min(lk.linked_wall for lk in links)), nodes=sorted(lk.node_id for lk in links)
+        id=name,
+        created=created,
+        nodes=sorted(lk.node_id for lk in links),
+        display_name=name,
+        created_at=datetime.datetime.fromtimestamp(created, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
 
 
@@ -408,7 +414,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             for name, links in sorted(edge.runs.models().items())
             if key is None or key.may_use(name)
         ]
-        return _json(200, _encode(ModelList(data=cards)))
+        first, last = (cards[0].id, cards[-1].id) if cards else (None, None)
+        return _json(200, _encode(ModelList(data=cards, first_id=first, last_id=last)))
 
     @app.get("/v1/models/<path:model_id>")  # ids such as Qwen/Qwen3-8B hold slashes
     async def retrieve_model(model_id: str) -> Response:

@@ -840,3 +840,22 @@ async def test_a_tool_call_nested_past_the_decoder_is_an_empty_input_not_a_500(s
             message = await client.messages.create(model="m", max_tokens=50, messages=USER)
     assert message.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "f", {})]
+
+
+async def test_the_anthropic_sdk_lists_and_retrieves_models(setup):
+    """`models.list()` and `models.retrieve()` of the Anthropic SDK read the edge's models whole
+    (`type`, `display_name`, `created_at`, the page's `first_id`/`last_id`): they came with
+    OpenAI's fields only, and a model picker on the SDK showed no names."""
+    edge, _ = setup
+    with trio.fail_after(BOUND):
+        async with client_for(edge, api_key="unused") as client:
+            page = await client.models.list()
+            listed = [m async for m in page]
+            one = await client.models.retrieve("m")
+        async with http(edge) as raw:
+            openai_shape = (await raw.get("/v1/models")).json()
+    assert [(m.id, m.type, m.display_name) for m in listed] == [("m", "model", "m")]
+    assert page.first_id == "m" and page.last_id == "m" and page.has_more is False
+    assert one.id == "m" and one.display_name == "m" and one.type == "model"
+    assert abs(one.created_at.timestamp() - openai_shape["data"][0]["created"]) < 1
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"  # OpenAI's, still

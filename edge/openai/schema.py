@@ -156,13 +156,23 @@ class ChatCompletion(msgspec.Struct, omit_defaults=True):
 
 
 class ModelCard(msgspec.Struct):
+    """A model as OpenAI's API lists it, with the fields Anthropic's has too (``type``,
+    ``display_name``, ``created_at``), so that either SDK's ``models`` reads it whole."""
+
     id: str
     object: str = "model"
     created: int = 0
     owned_by: str = "iop"
     nodes: list[str] = []  # ids of the nodes serving it now
+    type: str = "model"
+    display_name: str = ""
+    created_at: str = ""  # RFC 3339, UTC
 
 
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
+    # Anthropic's page (its SDK pages on has_more; every model is on the one page)
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
