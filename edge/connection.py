@@ -44,6 +44,8 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 from edge.errors import NO_RETRY, error_json
+from edge.metrics import OTHER_MODEL
+from edge.openai.exchange import new_request_id
 from edge.reads import linger
 from edge.send_lock import send_within
 
@@ -91,10 +93,17 @@ _UNREADABLE_DEFAULT = ("The request is not valid HTTP/1.1.", "invalid_http")
 async def _send_error_response(self: H11Protocol, status_code: int) -> None:
     message, code = _UNREADABLE.get(status_code, _UNREADABLE_DEFAULT)
     body = error_json(message, "invalid_request_error", code=code)
+    request_id = new_request_id()
+    outcome = f"rejected_{status_code}"
+    edge = getattr(self.config, "iop_edge", None)
+    if edge is not None:  # counted and logged as every request is (it had neither)
+        edge.metrics.requests.labels("other", OTHER_MODEL, outcome).inc()
+    log.info("request", request_id=request_id, api="other", status=status_code, cause=outcome, error=code)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
         (b"connection", b"close"),
+        (b"x-request-id", request_id.encode()),
         NO_RETRY,  # (the same request gets the same answer)
         *self.config.response_headers("h11"),
     ]

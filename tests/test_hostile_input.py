@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -1102,8 +1103,9 @@ async def test_a_body_past_the_limit_gets_its_413_while_the_client_still_sends(n
 async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
     """Headers too large to read (a runaway header) and bytes that are not
     HTTP/1.1 got hypercorn's status with an empty body: the SDK said "Error code: 431" and
-    nothing else. Both are OpenAI errors that say what was wrong, and final."""
-    with trio.fail_after(BOUND):
+    nothing else. Both are OpenAI errors that say what was wrong, and final, each with its request
+    id, access line and count as every other request has (they had none)."""
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
         client = sdk(sim_edge, default_headers={"x-big": "a" * 100_000})
         with pytest.raises(openai.APIStatusError) as raised:
             await client.chat.completions.create(model="m", messages=USER)
@@ -1118,6 +1120,13 @@ async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
     assert raised.value.response.headers["x-should-retry"] == "false"
     head, body = received.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", received
+    ids = [raised.value.response.headers["x-request-id"], re.search(rb"x-request-id: (req_\w+)", head)[1].decode()]
+    lines = [(e["request_id"], e["status"], e["cause"]) for e in logs if e["event"] == "request"]
+    assert lines == [(ids[0], 431, "rejected_431"), (ids[1], 400, "rejected_400")]
+    async with http(sim_edge) as scrape:
+        text = (await scrape.get("/metrics")).text
+    assert 'iop_requests_total{api="other",model="other",outcome="rejected_431"} 1.0' in text
+    assert 'iop_requests_total{api="other",model="other",outcome="rejected_400"} 1.0' in text
 
 
 async def test_a_body_past_the_limit_gets_its_413_over_https_too(nursery, tmp_path, upstream):
