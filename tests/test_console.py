@@ -11,6 +11,7 @@ import anthropic
 import msgspec
 import openai
 import pytest
+import structlog
 import trio
 
 from edge.config import KeyConfig
@@ -259,40 +260,46 @@ async def test_an_operator_cancel_before_the_first_token_is_not_retried_by_the_s
 
 async def test_a_queued_request_is_listed_with_its_key_and_can_be_cancelled(nursery, upstream):
     """Requests waiting for a slot are rows too (request id, key, API, phase queued); cancelling
-    one takes it out of the queue with a 499 and leaves the run ahead of it alone."""
+    one takes it out of the queue with a 499 and leaves the run ahead of it alone; its access line
+    says `cancelled`, as an operator's cancel of a run does (it said `rejected_499`)."""
     upstream.script_for("m-target", [("hang",)])
     keys = [KeyConfig(id="alice", key="sk-alice")]
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], keys=keys))
     await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
     events = Events()
     alice = {"Authorization": "Bearer sk-alice"}
-    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
-        await reading.start(events.read, admin)
-        with trio.fail_after(BOUND):
-            async with trio.open_nursery() as clients:
-                clients.start_soon(partial(client.post, "/v1/chat/completions", json=STREAM, headers=alice))
-                await events.until(lambda s: s["in_flight"] == 1, "the one slot taken")
-                answer = []
+    with structlog.testing.capture_logs() as logs:
+        async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+            await reading.start(events.read, admin)
+            with trio.fail_after(BOUND):
+                async with trio.open_nursery() as clients:
+                    clients.start_soon(partial(client.post, "/v1/chat/completions", json=STREAM, headers=alice))
+                    await events.until(lambda s: s["in_flight"] == 1, "the one slot taken")
+                    answer = []
 
-                async def wait_in_queue():
-                    answer.append(await client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=alice))
+                    async def wait_in_queue():
+                        answer.append(
+                            await client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=alice)
+                        )
 
-                clients.start_soon(wait_in_queue)
-                snap = await events.until(lambda s: s["phases"]["queued"] == 1, "the request queued")
-                (row,) = [r for r in snap["runs"] if r["phase"] == "queued"]
-                assert row["id"].startswith("req_") and row["key"] == "alice" and row["api"] == "responses"
-                r = await admin.post(f"/v1/admin/runs/{row['id']}/cancel", headers=AUTH)
-                assert r.status_code == 200
-                while not answer:
-                    await trio.sleep(0.01)
-                snap = await events.until(lambda s: s["phases"]["queued"] == 0, "the queue empty")
-                assert snap["in_flight"] == 1  # the run ahead of it goes on
-                clients.cancel_scope.cancel()
-        reading.cancel_scope.cancel()
+                    clients.start_soon(wait_in_queue)
+                    snap = await events.until(lambda s: s["phases"]["queued"] == 1, "the request queued")
+                    (row,) = [r for r in snap["runs"] if r["phase"] == "queued"]
+                    assert row["id"].startswith("req_") and row["key"] == "alice" and row["api"] == "responses"
+                    r = await admin.post(f"/v1/admin/runs/{row['id']}/cancel", headers=AUTH)
+                    assert r.status_code == 200
+                    while not answer:
+                        await trio.sleep(0.01)
+                    snap = await events.until(lambda s: s["phases"]["queued"] == 0, "the queue empty")
+                    assert snap["in_flight"] == 1  # the run ahead of it goes on
+                    clients.cancel_scope.cancel()
+            reading.cancel_scope.cancel()
     (r,) = answer
     assert r.status_code == 499 and r.headers["x-should-retry"] == "false"
     assert r.headers["x-request-id"] == row["id"]
     assert len(upstream.records) == 1  # it never reached the model server
+    (line,) = [e for e in logs if e["event"] == "request" and e["request_id"] == row["id"]]
+    assert line["cause"] == "cancelled" and line["status"] == 499
 
 
 async def test_an_open_console_does_not_hold_the_edge_shutdown(nursery):

@@ -155,7 +155,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                     outcome = "client_gone"
                 except APIError as e:
                     # (said first: a client that closes as the answer arrives cancels the send)
-                    outcome = f"rejected_{e.status}"
+                    # (an operator's cancel of a queued request is "cancelled", as of a run)
+                    outcome = "cancelled" if e.code == "cancelled_by_operator" else f"rejected_{e.status}"
                     ex.access.error = e.code or e.type
                     if e.status == 429:
                         ex.access.refusal = e.message
