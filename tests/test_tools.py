@@ -337,6 +337,36 @@ async def test_model_without_native_tools_gets_tools_in_its_prompt(tooled):
     assert sent["messages"][3]["role"] == "user" and "18C sunny" in sent["messages"][3]["content"]
 
 
+async def test_a_model_without_native_tools_reads_content_parts_as_text(tooled):
+    """native_tools = false with content as arrays of parts (valid chat, and what Qwen Code sends):
+    an assistant turn's text beside its calls was a 500 (a list joined as a string), a tool
+    result's parts reached the model as escaped JSON, and a system message of parts stayed an
+    array beside the edge's tool prompt as a second system message. Each is text now."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "Done."}))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Line 1\nLine 2"}]},
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for stream in (False, True):
+                answer = await client.chat.completions.create(
+                    model="textonly", messages=history, tools=TOOLS, stream=stream
+                )
+                if stream:
+                    answer = [chunk async for chunk in answer]
+    assert len(upstream.records) == 2
+    sent = upstream.records[0].body["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[0]["content"].startswith("You are terse.\n\n") and "<tools>" in sent[0]["content"]
+    assert sent[2]["content"].startswith("Checking.\n<tool_call>")
+    assert sent[3]["content"] == "<tool_response>\nLine 1\nLine 2\n</tool_response>"
+
+
 async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
     """tool_stream = "live": content streams as it comes, the call arrives at the end; an invalid
     call after content was sent is an SSE tool_validation_error, with no retry."""

@@ -540,7 +540,7 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     for message in request.get("messages") or []:
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls"):
-            text = message.get("content") or ""
+            text = _text_of(message.get("content"))
             blocks = [
                 "<tool_call>"
                 + _encode(
@@ -552,9 +552,10 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             ]
             messages.append({"role": "assistant", "content": "\n".join(filter(None, [text, *blocks]))})
         elif role == "tool":
-            body = message.get("content")
-            body = body if isinstance(body, str) else _encode(body).decode()
+            body = _text_of(message.get("content"))
             messages.append({"role": "user", "content": f"<tool_response>\n{body}\n</tool_response>"})
+        elif role in ("system", "developer") and isinstance(message.get("content"), list):
+            messages.append({**message, "content": _text_of(message["content"])})  # text parts only
         else:
             messages.append(message)
     if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
@@ -563,6 +564,29 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         messages.insert(0, {"role": "system", "content": prompt})
     out["messages"] = messages
     return out
+
+
+_NO_IMAGE = "[image omitted: a model without tool support is sent text only]"
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as the text a model without tool support reads: a string as it is,
+    content parts' text joined (an array of parts went out as its JSON, or was a 500), an
+    image part named as left out; anything else as its JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = []
+        for part in content:
+            text = part.get("text", part.get("refusal"))
+            if isinstance(text, str):
+                texts.append(text)
+            elif part.get("type") in ("image_url", "input_image", "image"):
+                texts.append(_NO_IMAGE)
+        return "".join(texts)
+    return _encode(content).decode()
 
 
 def _as_json(arguments: Any) -> Any:
