@@ -28,6 +28,7 @@ from edge.connection import close as close_connections
 from edge.connection import install as install_connection_guard
 from edge.connection import stuck as stuck_connections
 from edge.console import Console, console_routes
+from edge.cors import Cors
 from edge.errors import RETRY_SOON, APIError, error_json, final_headers, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
@@ -97,6 +98,7 @@ class Edge:
         self.metrics = EdgeMetrics(self.runs, self)
         self.template_think = TemplateThink()  # models whose chat template opens <think> (live think tags)
         self.response_items = ResponseItems()  # the Responses API's recent output items (item_reference)
+        self.cors = Cors(config.cors_origins) if config.cors_origins else None  # browsers from other origins
         self.console = Console(self)
         self.draining = False
         self.open_served = False  # an open edge's first request was looked at (is_loopback)
@@ -241,7 +243,7 @@ class Edge:
         except APIError as e:
             _count_refusal(key, e)
             raise
-        ex.extra_headers = self.keys.headers(key)
+        ex.extra_headers += self.keys.headers(key)
 
     async def count_request(self, ex: Exchange) -> None:
         """A keyed request that generates nothing (Messages' ``count_tokens``): one of
@@ -260,7 +262,7 @@ class Edge:
             except APIError as e:
                 _count_refusal(key, e)
                 raise
-        ex.extra_headers = self.keys.headers(key)
+        ex.extra_headers += self.keys.headers(key)
 
 
 _LIMIT_LABELS = {"slot": "concurrency", "reserved": "budget"}

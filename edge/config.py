@@ -8,6 +8,7 @@ from typing import Literal
 
 import msgspec
 
+from edge.cors import origin_problem
 from edge.keys import sha256_hex
 from iop.configfile import BEARER_VALUE, ConfigError, convert, load
 from proto.frames import name_problem
@@ -109,6 +110,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     body_timeout_s: float = 60.0  # to receive a whole request body; a slower one is a 408
     max_output_tokens: int = 131072  # the largest max_tokens / max_completion_tokens a request may ask for
     trace_requests: bool = True  # a request's metadata iop_trace_stream turns on its per-chunk trace lines
+    cors_origins: list[str] = msgspec.field(default_factory=list)  # browser origins that may call /v1/ ("*": any)
     # Shutdown.
     drain_grace_s: float = 30.0
     models: list[ModelPolicy] = msgspec.field(default_factory=list)
@@ -163,6 +165,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("body_timeout_s: must be greater than 0")
         if self.max_output_tokens < 1:
             raise ConfigError("max_output_tokens: must be at least 1")
+        for i, origin in enumerate(self.cors_origins):
+            problem = origin_problem(origin)
+            if problem is not None:
+                raise ConfigError(f"cors_origins[{i}]: {problem}")
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("certfile: TLS needs both certfile and keyfile")
         if self.max_tool_attempts < 1:

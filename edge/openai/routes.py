@@ -27,6 +27,7 @@ import structlog
 import trio
 
 from edge.anthropic.messages import ANTHROPIC_ERRORS, MessagesExchange, count_tokens, messages, no_such_route
+from edge.cors import for_api
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
 from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange, new_request_id
@@ -67,17 +68,30 @@ _MAX_MODEL_LOGGED = 256  # a model name is the client's string: bounded in the l
 
 
 def openai_routes(edge: Edge, quart_asgi):
+    cors = edge.cors
+
     def dispatch(scope, receive, send) -> Awaitable[None]:
         """The app, called: not a coroutine, so no frame of its own that
         every open stream holds (:class:`edge.app_queue._Direct` calls this)."""
         if scope["type"] == "http":
             path = scope["path"]
+            extra = None
+            if cors is not None and for_api(path):  # (edge.cors: a browser's request from another origin)
+                allow = cors.allowed(_header(scope, b"origin"))
+                if allow is not None:
+                    if scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method"):
+                        requested = _header(scope, b"access-control-request-headers")
+                        return _serve_quart(edge, _answer(204, cors.preflight(allow, requested)), scope, receive, send)
+                    extra = cors.headers(allow)
             route = ROUTES.get(path)
             if route is None and path.startswith(_MESSAGES_PREFIX):
                 route = _MESSAGES_NOT_FOUND
             if route is not None:
-                return _serve(edge, route, route.exchange(scope, receive, send))
-            return _serve_quart(edge, quart_asgi, scope, receive, send)
+                ex = route.exchange(scope, receive, send)
+                if extra:
+                    ex.extra_headers += extra
+                return _serve(edge, route, ex)
+            return _serve_quart(edge, quart_asgi, scope, receive, send, extra)
         return quart_asgi(scope, receive, send)
 
     async def asgi(scope, receive, send) -> None:  # what servers see: a coroutine function is ASGI 3
@@ -202,8 +216,26 @@ def _quart_api(path: str) -> str:
     return "other"
 
 
-async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send) -> None:
-    """A request Quart serves, with its ``x-request-id``, its access line and its count."""
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _answer(status: int, headers: list[tuple[bytes, bytes]]):
+    """An ASGI app that answers every request with ``status``, ``headers`` and no body."""
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_headers=None) -> None:
+    """A request Quart serves, with its ``x-request-id``, its access line and its count
+    (and ``extra_headers`` on its answer)."""
     t0 = time.perf_counter()
     request_id = new_request_id()
     header = (b"x-request-id", request_id.encode())
@@ -228,6 +260,8 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send) -> None:
         if message["type"] == "http.response.start":
             status = message["status"]
             extra = [header] if body_in else [header, (b"connection", b"close")]
+            if extra_headers:
+                extra += extra_headers
             message = {**message, "headers": [*message.get("headers", ()), *extra]}
         await send(message)
 
