@@ -328,6 +328,9 @@ def test_kept_items_are_bounded_in_size_and_time():
     assert kept.get("k", "msg_4") is not None  # used: another 60 s
     now[0] = 61.0
     assert kept.get("k", "msg_1") is None and kept.get("k", "msg_4") is not None
+    # A reasoning item is never sent upstream again: its id is kept, not its text.
+    kept.keep("k", [{"id": "rs_1", "type": "reasoning", "content": [{"type": "reasoning_text", "text": "y" * 5000}]}])
+    assert kept.get("k", "rs_1") == {"id": "rs_1", "type": "reasoning"} and kept.size <= 1300
 
 
 async def test_errors_before_and_after_the_stream_starts(nursery, upstream):

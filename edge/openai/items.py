@@ -70,6 +70,8 @@ class ResponseItems:
             item_id = item.get("id")
             if not isinstance(item_id, str):
                 continue
+            if item.get("type") == "reasoning":  # never sent upstream again: its id is all a reference needs
+                item = {"id": item_id, "type": "reasoning"}
             data = _encode(item)
             if len(data) > self.max_bytes:
                 continue
