@@ -309,6 +309,48 @@ async def test_item_references_resolve_for_the_key_that_made_them(nursery, upstr
     await settled(edge, node.agent)
 
 
+async def test_references_expand_to_no_more_than_a_body_may_hold(nursery, upstream):
+    """Many `item_reference`s to one large kept item are a 413 `request_too_large` once the items
+    they name pass `max_body_bytes` (not a body of copies that takes the edge's memory), and more
+    input items than `max_messages` are a 400 before any reference is looked up; the model sees
+    neither, and the edge answers the next request."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=65_536, max_messages=50))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    upstream.script_for("t", steps({"content": "x" * 20_000}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            big = await client.responses.create(model="m", input="Write a lot.")
+            ref = {"type": "item_reference", "id": big.output[0].id}
+            fits = await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, ref, ref])
+            with pytest.raises(openai.APIStatusError) as too_large:
+                await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, *[ref] * 4])
+            with pytest.raises(openai.BadRequestError) as too_many:
+                await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, *[ref] * 50])
+            after = await client.responses.create(model="m", input="Hi")
+    assert fits.status == "completed" and len(upstream.records[1].body["messages"]) == 3
+    assert too_large.value.status_code == 413 and too_large.value.body["code"] == "request_too_large"
+    assert "65536 bytes" in too_large.value.message and too_large.value.body["param"] == "input"
+    assert too_many.value.body["code"] == "too_many_messages"
+    assert after.status == "completed" and len(upstream.records) == 3  # the refused reached no model
+    await settled(edge, node.agent)
+
+
+def test_one_key_cannot_push_out_every_other_keys_items():
+    """When the kept items fill their budget, a key holding more than its share loses its own
+    oldest items, not another key's."""
+    kept = ResponseItems(max_bytes=4000, ttl_s=60.0)
+
+    def item(n: int) -> dict:
+        return {"id": f"msg_{n}", "type": "message", "role": "assistant", "content": "x" * 300}
+
+    kept.keep("a", [item(n) for n in range(2)])  # under a quarter of the budget
+    for n in range(2, 40):  # another key, ten times over the whole budget
+        kept.keep("b", [item(n)])
+    assert all(kept.get("a", f"msg_{n}") == item(n) for n in range(2))
+    assert kept.get("b", "msg_39") == item(39) and kept.get("b", "msg_2") is None
+    assert kept.size <= 4000
+
+
 def test_kept_items_are_bounded_in_size_and_time():
     """The kept items stay under their byte budget (the least recently used leave first) and leave
     after their time."""

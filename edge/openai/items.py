@@ -13,10 +13,16 @@ memory, so that such a reference becomes the item it names again:
   ids themselves hold 96 random bits), on this edge only;
 - each item for :data:`TTL_S` since it was made or last referenced, the
   least recently used leaving first once the items' encoded size passes
-  :data:`MAX_BYTES` (or their number :data:`MAX_ITEMS`).
+  :data:`MAX_BYTES` (or their number :data:`MAX_ITEMS`);
+- once the store is full, a key holding more than a :data:`SHARE` of either
+  loses its own least recently used items first: a key that makes many large
+  answers pushes out its own items, not every other key's.
 
 A reference this edge does not hold (another edge answered, the item left,
-the edge restarted) is a 400 that says to send the item itself.
+the edge restarted) is a 400 that says to send the item itself. The items one
+request's references name come to at most the edge's ``max_body_bytes``
+(encoded, each reference counted, repeats too): a few bytes of references may
+not expand to more than a body could hold (a 413 before anything is decoded).
 """
 
 from __future__ import annotations
@@ -28,16 +34,19 @@ from typing import Any
 
 import msgspec
 
+from edge import errors
+
 MAX_BYTES = 64 * 1024 * 1024  # the items' encoded size, all keys together
 MAX_ITEMS = 65_536
 TTL_S = 3600.0
+SHARE = 4  # a full store takes from keys (scopes) over 1/SHARE of the bytes or of the items first
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
 
 class ResponseItems:
-    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "ttl_s", "_clock")
+    __slots__ = ("_items", "_bytes", "_scopes", "_over", "max_bytes", "max_items", "ttl_s", "_clock")
 
     def __init__(
         self,
@@ -49,6 +58,9 @@ class ResponseItems:
         # (scope, item id) -> (expiry, the item encoded); oldest use first
         self._items: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
         self._bytes = 0
+        # scope -> [its items' bytes, its item ids oldest use first]
+        self._scopes: dict[str, tuple[list[int], OrderedDict[str, None]]] = {}
+        self._over: dict[str, None] = {}  # the scopes over their share, in the order they went over
         self.max_bytes = max_bytes
         self.max_items = max_items
         self.ttl_s = ttl_s
@@ -65,7 +77,6 @@ class ResponseItems:
     def keep(self, scope: str, items: list[dict[str, Any]]) -> None:
         """Keep a finished response's output items (each by its ``id``)."""
         expires = self._clock() + self.ttl_s
-        kept = self._items
         for item in items:
             item_id = item.get("id")
             if not isinstance(item_id, str):
@@ -75,16 +86,46 @@ class ResponseItems:
             data = _encode(item)
             if len(data) > self.max_bytes:
                 continue
-            key = (scope, item_id)
-            old = kept.pop(key, None)
-            if old is not None:
-                self._bytes -= len(old[1])
-            kept[key] = (expires, data)
+            self._drop((scope, item_id))
+            self._items[(scope, item_id)] = (expires, data)
             self._bytes += len(data)
+            size, order = self._scopes.setdefault(scope, ([0], OrderedDict()))
+            size[0] += len(data)
+            order[item_id] = None
+            if self._is_over(size[0], len(order)):
+                self._over[scope] = None
         self._trim()
 
     def get(self, scope: str, item_id: str) -> dict[str, Any] | None:
         """The item ``item_id`` of a response given to ``scope`` (None: not held)."""
+        data = self._data(scope, item_id)
+        return None if data is None else _decode(data)
+
+    def finder(self, scope: str, budget: int) -> Callable[[str], dict[str, Any] | None]:
+        """:meth:`get` for one request, whose references may name items of at
+        most ``budget`` encoded bytes in all (past it, a 413)."""
+        spent = 0
+
+        def find(item_id: str) -> dict[str, Any] | None:
+            nonlocal spent
+            data = self._data(scope, item_id)
+            if data is None:
+                return None
+            spent += len(data)
+            if spent > budget:
+                raise errors.APIError(
+                    413,
+                    f"The items that `input` references come to more than {budget} bytes, more than a "
+                    "request body may hold here: send fewer references.",
+                    param="input",
+                    code="request_too_large",
+                )
+            item: dict[str, Any] = _decode(data)
+            return item
+
+        return find
+
+    def _data(self, scope: str, item_id: str) -> bytes | None:
         key = (scope, item_id)
         found = self._items.get(key)
         if found is None:
@@ -95,20 +136,37 @@ class ResponseItems:
             return None
         self._items[key] = (now + self.ttl_s, found[1])
         self._items.move_to_end(key)
-        item: dict[str, Any] = _decode(found[1])
-        return item
+        self._scopes[scope][1].move_to_end(item_id)
+        return found[1]
+
+    def _is_over(self, size: int, count: int) -> bool:
+        return size > self.max_bytes // SHARE or count > self.max_items // SHARE
 
     def _drop(self, key: tuple[str, str]) -> None:
         expires_data = self._items.pop(key, None)
-        if expires_data is not None:
-            self._bytes -= len(expires_data[1])
+        if expires_data is None:
+            return
+        self._bytes -= len(expires_data[1])
+        scope, item_id = key
+        size, order = self._scopes[scope]
+        size[0] -= len(expires_data[1])
+        del order[item_id]
+        if not order:
+            del self._scopes[scope]
+        if scope in self._over and not self._is_over(size[0], len(order)):
+            del self._over[scope]
 
     def _trim(self) -> None:
         kept = self._items
         now = self._clock()
         while kept:
-            key, (expires, data) = next(iter(kept.items()))
-            if expires > now and self._bytes <= self.max_bytes and len(kept) <= self.max_items:
+            key, (expires, _) = next(iter(kept.items()))
+            if expires <= now:
+                self._drop(key)
+            elif self._bytes <= self.max_bytes and len(kept) <= self.max_items:
                 break
-            del kept[key]
-            self._bytes -= len(data)
+            elif self._over:  # full: a key over its share gives up its own oldest
+                scope = next(iter(self._over))
+                self._drop((scope, next(iter(self._scopes[scope][1]))))
+            else:
+                self._drop(key)

@@ -79,9 +79,8 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     kept = edge.response_items
     scope = ex.key.id if ex.key is not None else ""  # a reference resolves for the key whose response made it
-    decoded = decode_request(
-        raw, max_output_tokens=cfg.max_output_tokens, items=lambda item_id: kept.get(scope, item_id)
-    )
+    check_message_count(raw.get("input"), cfg.max_messages, "input")  # before references expand
+    decoded = decode_request(raw, max_output_tokens=cfg.max_output_tokens, items=kept.finder(scope, cfg.max_body_bytes))
     keep = None if raw.get("store") is False else (lambda items: kept.keep(scope, items))
     if decoded.ignored_tools or decoded.ignored_items:
         log.info(
@@ -89,7 +88,6 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             tool_types=sorted({t[:64] for t in decoded.ignored_tools})[:20],  # a client's strings: bounded
             item_types=sorted({t[:64] for t in decoded.ignored_items})[:20],
         )
-    check_message_count(raw.get("input"), cfg.max_messages, "input")
     turn = await open_turn(edge, ex, decoded.chat, converted=True)
     enc = ResponseEncoder(
         "resp_" + ex.request_id.removeprefix("req_"),
