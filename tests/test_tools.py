@@ -66,7 +66,8 @@ def text_call(name, args) -> str:
 
 
 async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
-    """Streamed native tool_calls deltas arrive as OpenAI tool calls with distinct indexes, ids and names."""
+    """Streamed native tool_calls deltas arrive as OpenAI tool calls with distinct indexes, ids and
+    names, one call per chunk as OpenAI streams them (LlamaIndex read only a chunk's first call)."""
     edge, upstream = tooled
     upstream.script_for(
         "t",
@@ -83,6 +84,7 @@ async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
             whole = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert [d.index for d in deltas] == [0, 1]
+    assert [len(c.choices[0].delta.tool_calls) for c in chunks if c.choices[0].delta.tool_calls] == [1, 1]
     assert [(d.id, d.type, d.function.name) for d in deltas] == [
         ("call_a", "function", "get_weather"),
         ("call_b", "function", "get_weather"),

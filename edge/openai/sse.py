@@ -74,7 +74,9 @@ class ChunkEncoder:
         return self._event(self._chunk(ChunkDelta(role="assistant")))
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> bytes:
-        return self._event(self._chunk(ChunkDelta(tool_calls=calls)))
+        """One chunk per call, as OpenAI and vLLM stream parallel calls (LlamaIndex's
+        streaming reads only the first call of a chunk)."""
+        return b"".join(self._event(self._chunk(ChunkDelta(tool_calls=[call]))) for call in calls)
 
     def finish(self, finish_reason: str) -> bytes:
         return self._event(self._chunk(ChunkDelta(), finish_reason))
