@@ -5,15 +5,21 @@ strings that span two tokens cut whole, as a model server cuts them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Annotated
 
 import jsonschema
+import openai
 import pydantic
 import pytest
 import regex
 import trio
+from pydantic_ai import Agent
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+from pydantic_ai.usage import UsageLimits
 
 from node.adapters import Counters
 from node.adapters.sim import SimAdapter, sim_tokens
@@ -262,3 +268,35 @@ async def test_nothing_is_held_without_a_stop_string_that_could_start(autojump_c
         await adapter.run(RunRequest(run_id="r", model="m", target="m", request=body, timeout_s=60), sink)
         assert [text for _, text in sink.deltas] == tokens
         assert [round(at - start, 6) for at, _ in sink.deltas] == [i / 10 for i in range(8)]
+
+
+async def test_a_pydantic_ai_agent_with_structured_output_ends_against_the_sim(sim_edge):
+    """pydantic-ai with an output type sends `tool_choice: "required"` with its tools and its
+    `final_result` tool: the sim calls the tool the prompt names, then, after its result, the final
+    tool, and the run ends with the structured output (the sim called get_weather until
+    pydantic-ai's request limit). pydantic-ai needs asyncio: it runs in a worker thread."""
+
+    class Forecast(pydantic.BaseModel):
+        city: str
+        summary: str
+
+    calls: list[str] = []
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=sim_edge.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND)
+        model = OpenAIChatModel("iop-sim", provider=OpenAIProvider(openai_client=client))
+        agent = Agent(model, output_type=Forecast)
+
+        @agent.tool_plain
+        def get_weather(city: str) -> str:
+            """Current weather for a city."""
+            calls.append(city)
+            return "sunny"
+
+        async with client:
+            result = await agent.run("Use get_weather for Paris.", usage_limits=UsageLimits(request_limit=5))
+        return result.output, result.usage.requests
+
+    with trio.fail_after(BOUND):
+        output, requests = await trio.to_thread.run_sync(asyncio.run, run(), abandon_on_cancel=True)
+    assert isinstance(output, Forecast) and len(calls) == 1 and requests == 2

@@ -2,8 +2,11 @@
 
 The rule: a request with ``tools`` gets a call when ``tool_choice`` names a
 function (that one) or is ``"required"`` (the tool the last user message
-names, else the first tool); with ``"auto"`` (or none given) it gets a call
-when the last user message names a tool and no tool result came after it.
+names, else the first tool; after tool results since that message, a tool not
+called since, else the last tool, where agent frameworks put their "final
+answer" tool, so that an agent loop ends); with ``"auto"`` (or none given) it
+gets a call when the last user message names a tool and no tool result came
+after it.
 Otherwise, and always with ``tool_choice = "none"``, it answers with text:
 after tool results, a sentence saying what each returned.
 
@@ -112,6 +115,14 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         chosen = next((fn for fn in functions if fn["name"] == name), None)
+    elif choice == "required" and any(m.get("role") == "tool" for m in after):
+        called = {
+            call["function"].get("name")
+            for m in after
+            for call in (m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else ())
+            if isinstance(call, dict) and isinstance(call.get("function"), dict)
+        }
+        chosen = next((fn for fn in (*named, *functions) if fn["name"] not in called), functions[-1])
     elif choice == "required":
         chosen = (named or functions)[0]
     elif named and not any(m.get("role") == "tool" for m in after):
