@@ -405,9 +405,10 @@ async def test_trace_logs_each_chunk_and_a_summary(shaped):
 
 
 async def test_a_clients_trace_is_bounded_and_an_operator_can_refuse_it(nursery, upstream, monkeypatch):
-    """A client's `iop_trace_stream` writes at most MAX_TRACED_CHUNKS chunk lines, then one that says
-    the trace stopped (a stream of 131,072 tokens wrote 131,072 lines, about 30 MB, for any client);
-    with `trace_requests = false` the metadata traces nothing."""
+    """A client's `iop_trace_stream` writes at most MAX_TRACED_CHUNKS lines, then one that says
+    the trace stopped (a stream of 131,072 tokens wrote 131,072 lines, about 30 MB, for any client),
+    deltas the filters removed counted too (they were not); with `trace_requests = false` the
+    metadata traces nothing."""
     monkeypatch.setattr(trace, "MAX_TRACED_CHUNKS", 5)
     deltas = [("chunk", {"content": f"w{i} "}) if i % 2 else ("sleep", 0.002) for i in range(40)]
     upstream.script_for("t", [*deltas, *script()])
@@ -423,6 +424,16 @@ async def test_a_clients_trace_is_bounded_and_an_operator_can_refuse_it(nursery,
         await settled(edge, node.agent)
     assert lines[0] == ["chat completion stream output chunk"] * 5 + ["chat completion stream trace stopped"]
     assert lines[1] == []
+    upstream.script_for("t", [*(("chunk", {"content": "<|im_end|>"}) for _ in range(20)), *script({"content": "a"})])
+    edge = await start_edge(nursery, edge_config())
+    node = await start_node(nursery, edge, [model("plain", upstream, target="t")])
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="plain", metadata={"iop_trace_stream": "1"})
+        await eventually(lambda: any(e["event"] == "stream closed" for e in logs))
+    assert joined(chunks, "content") == "a"
+    traced = [e["event"] for e in logs if e["event"].startswith("chat completion stream")]
+    assert len(traced) == 6 and traced[-1] == "chat completion stream trace stopped"
+    await settled(edge, node.agent)
 
 
 async def test_outputs_that_rescan_themselves_are_shaped_in_one_pass(shaped):

@@ -4,7 +4,7 @@
 metadata key ``iop_trace_stream`` (the request's ``metadata`` object), logs
 every emitted chunk: run id (bound in the log context), sequence number, type,
 length, and for each upstream delta whether the filters changed it; at most
-:data:`MAX_TRACED_CHUNKS` lines a stream (a client's metadata can ask for it:
+:data:`MAX_TRACED_CHUNKS` lines a stream, of either kind (a client's metadata can ask for it:
 ``trace_requests = false`` in the edge's config refuses).
 """
 
@@ -30,26 +30,32 @@ def trace_enabled(metadata: dict[str, str]) -> bool:
 
 
 class StreamTrace:
-    __slots__ = ("seq", "emitted")
+    __slots__ = ("seq", "emitted", "lines")
 
     def __init__(self) -> None:
         self.seq = 0
         self.emitted = 0  # characters emitted so far
+        self.lines = 0  # written, of both kinds
+
+    def _room(self) -> bool:
+        """Whether one more line may be written (the first past the bound says the trace stopped)."""
+        self.lines += 1
+        if self.lines == MAX_TRACED_CHUNKS + 1:
+            log.info("chat completion stream trace stopped", seq=self.seq, max_traced_chunks=MAX_TRACED_CHUNKS)
+        return self.lines <= MAX_TRACED_CHUNKS
 
     def chunk(self, kind: str, length: int, **extra) -> None:
         self.seq += 1
         self.emitted += length
-        if self.seq <= MAX_TRACED_CHUNKS:
+        if self.lines < MAX_TRACED_CHUNKS + 1 and self._room():
             log.info("chat completion stream output chunk", seq=self.seq, type=kind, delta_len=length, **extra)
-        elif self.seq == MAX_TRACED_CHUNKS + 1:
-            log.info("chat completion stream trace stopped", seq=self.seq, max_traced_chunks=MAX_TRACED_CHUNKS)
 
     def around(self, kind: str, text: str, shape) -> None:
         """Shape one upstream delta, then say whether the filters changed it."""
         emitted_before = self.emitted
         shape(text)
         emitted = self.emitted - emitted_before
-        if emitted != len(text) and self.seq <= MAX_TRACED_CHUNKS:
+        if emitted != len(text) and self.lines < MAX_TRACED_CHUNKS + 1 and self._room():
             log.info(
                 "chat completion stream output filtered",
                 type=kind,
