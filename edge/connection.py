@@ -22,7 +22,9 @@ lock, met that detector.
 - ``H11Protocol._send_error_response``: a request h11 cannot read (a head
   past 16 KiB still incomplete: 431; not HTTP/1.1: 400) is answered in the OpenAI error
   shape, where hypercorn sent the status with an empty body (an SDK showed
-  "Error code: 431" and nothing else);
+  "Error code: 431" and nothing else); one whose body turns unreadable (a bad
+  chunk size) while its handler reads it is that handler's request: its
+  request id, and its access line and count say the 400;
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
   was. While it runs, the connection is in :data:`OPEN`, for
@@ -41,11 +43,12 @@ import structlog
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
 from edge.errors import NO_RETRY, error_json
 from edge.metrics import OTHER_MODEL
-from edge.openai.exchange import new_request_id
+from edge.openai.exchange import new_request_id, request_id_of
 from edge.reads import linger
 from edge.send_lock import send_within
 
@@ -93,12 +96,18 @@ _UNREADABLE_DEFAULT = ("The request is not valid HTTP/1.1.", "invalid_http")
 async def _send_error_response(self: H11Protocol, status_code: int) -> None:
     message, code = _UNREADABLE.get(status_code, _UNREADABLE_DEFAULT)
     body = error_json(message, "invalid_request_error", code=code)
-    request_id = new_request_id()
     outcome = f"rejected_{status_code}"
-    edge = getattr(self.config, "iop_edge", None)
-    if edge is not None:  # counted and logged as every request is (it had neither)
-        edge.metrics.requests.labels("other", OTHER_MODEL, outcome).inc()
-    log.info("request", request_id=request_id, api="other", status=status_code, cause=outcome, error=code)
+    stream = self.stream
+    if isinstance(stream, HTTPStream):  # its body was unreadable: its handler's access line and count say this answer
+        stream.state = ASGIHTTPState.CLOSED  # (an answer of the handler's from now on goes nowhere, not in this one)
+        request_id = request_id_of(stream.scope)
+        stream.scope["iop.answered"] = (status_code, code)
+    else:
+        request_id = new_request_id()
+        edge = getattr(self.config, "iop_edge", None)
+        if edge is not None:  # counted and logged as every request is (it had neither)
+            edge.metrics.requests.labels("other", OTHER_MODEL, outcome).inc()
+        log.info("request", request_id=request_id, api="other", status=status_code, cause=outcome, error=code)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

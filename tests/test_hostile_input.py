@@ -1129,6 +1129,53 @@ async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
     assert 'iop_requests_total{api="other",model="other",outcome="rejected_400"} 1.0' in text
 
 
+async def test_a_body_that_turns_unreadable_is_one_request_with_one_line(sim_edge):
+    """A chunked body with a bad chunk size, arriving at once or after its handler began to read
+    it, on an API route or one Quart serves (here a 404 it sends too late): the client's 400 `invalid_http` carries the request's
+    id, and that request has one access line and one count saying 400 (it had two lines, two
+    ids and two counts: the HTTP layer's and a 499 `client_gone` from the handler)."""
+    host, port = sim_edge.url.removeprefix("http://").rsplit(":", 1)
+
+    async def send(path: str, pause: float | None) -> bytes:
+        """``pause``: between the good chunk and the bad (None: all in one write)."""
+        stream = await trio.open_tcp_stream(host, int(port))
+        head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        good = head.encode() + b'transfer-encoding: chunked\r\n\r\n5\r\n{"a":\r\n'
+        if pause is None:
+            await stream.send_all(good + b"zz\r\n")
+        else:
+            await stream.send_all(good)
+            await trio.sleep(pause)
+            await stream.send_all(b"zz\r\n")
+        received = b""
+        while data := await stream.receive_some(65536):
+            received += data
+        await stream.aclose()
+        return received
+
+    cases = [("/v1/chat/completions", None), ("/v1/chat/completions", 0.2), ("/v1/nothing", None)]
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        answers = [await send(path, pause) for path, pause in cases]
+        await eventually(lambda: sum(e["event"] == "request" for e in logs) >= len(cases))
+        await trio.sleep(0.2)  # (a second line would be written by now)
+    ids = []
+    for received in answers:
+        head, body = received.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", received
+        ids.append(re.search(rb"x-request-id: (req_\w+)", head)[1].decode())
+    lines = [(e["request_id"], e["status"], e["cause"], e["api"]) for e in logs if e["event"] == "request"]
+    assert lines == [
+        (ids[0], 400, "rejected_400", "chat"),
+        (ids[1], 400, "rejected_400", "chat"),
+        (ids[2], 400, "rejected_400", "other"),
+    ]
+    async with http(sim_edge) as scrape:
+        text = (await scrape.get("/metrics")).text
+    assert 'iop_requests_total{api="chat",model="other",outcome="rejected_400"} 2.0' in text
+    assert 'iop_requests_total{api="other",model="other",outcome="rejected_400"} 1.0' in text
+    assert 'outcome="client_gone"' not in text and 'outcome="rejected_404"' not in text
+
+
 async def test_a_body_past_the_limit_gets_its_413_over_https_too(nursery, tmp_path, upstream):
     """Over TLS the close on unread bytes lost the 413 the same way: 40 of 40 httpx async
     uploads past the limit got a ReadError (and the async SDK retried each upload twice). The

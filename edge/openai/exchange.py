@@ -58,6 +58,22 @@ def new_request_id() -> str:
     return f"req_{secrets.token_hex(12)}"
 
 
+def request_id_of(scope: dict) -> str:
+    """The request's id, made once: whichever of the app and the HTTP layer (an
+    answer to a body it could not read, :mod:`edge.connection`) needs it first."""
+    request_id: str | None = scope.get("iop.request_id")
+    if request_id is None:
+        request_id = scope["iop.request_id"] = new_request_id()
+    return request_id
+
+
+def answered_unreadable(scope: dict) -> tuple[int, str] | None:
+    """(status, error code) when the HTTP layer answered the request itself
+    because its body was not valid HTTP: before its handler did (an answer the
+    handler sends after that goes nowhere)."""
+    return scope.get("iop.answered")
+
+
 class Access:
     """What a request's one access line reports, filled in by its handler as
     it goes (never prompt text or keys): the rest comes from the exchange."""
@@ -122,7 +138,7 @@ class Exchange:
         self.finished = False
         self.status = 0
         self.body_read = False
-        self.request_id = new_request_id()  # also the x-request-id of every response
+        self.request_id = request_id_of(scope)  # also the x-request-id of every response
         self.access = Access()
         self.key = None  # the client's key (edge.keys.Key), when the edge has keys
         self.lease = None  # its admission (edge.keys.Lease), settled when the request ends

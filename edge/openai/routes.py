@@ -30,7 +30,14 @@ from edge.anthropic.messages import ANTHROPIC_ERRORS, MessagesExchange, count_to
 from edge.cors import for_api
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
-from edge.openai.exchange import OPENAI_ERRORS, ClientGone, ErrorShape, Exchange, new_request_id
+from edge.openai.exchange import (
+    OPENAI_ERRORS,
+    ClientGone,
+    ErrorShape,
+    Exchange,
+    answered_unreadable,
+    request_id_of,
+)
 from edge.openai.passthrough import tunnel_route
 from edge.openai.responses_route import RESPONSES_ERRORS, create_response
 from proto.frames import is_token_count
@@ -237,7 +244,7 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_heade
     """A request Quart serves, with its ``x-request-id``, its access line and its count
     (and ``extra_headers`` on its answer)."""
     t0 = time.perf_counter()
-    request_id = new_request_id()
+    request_id = request_id_of(scope)
     header = (b"x-request-id", request_id.encode())
     status = 0
     # Whether the request's body has all come in: an answer sent before it did (a 404 or
@@ -272,7 +279,10 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_heade
         path = scope["path"]
         api = _quart_api(path)
         model = path[len("/v1/models/") :] if path.startswith("/v1/models/") else None
-        if not status:
+        unreadable = answered_unreadable(scope)
+        if unreadable is not None:  # its body was not valid HTTP: edge.connection answered it first
+            status, outcome = unreadable[0], f"rejected_{unreadable[0]}"
+        elif not status:
             status, outcome = CLIENT_CLOSED, "client_gone"
         else:
             outcome = "ok" if status < 400 else f"rejected_{status}"
@@ -294,7 +304,10 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_heade
 def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:
     """The request's one access line (no prompt text, no keys) and its counts."""
     access = ex.access
-    if access.outcome is not None:
+    unreadable = answered_unreadable(ex.scope)
+    if unreadable is not None:  # its body was not valid HTTP: edge.connection answered it first
+        outcome, access.error = f"rejected_{unreadable[0]}", unreadable[1]
+    elif access.outcome is not None:
         outcome = access.outcome
     elif outcome is None:
         outcome = "unknown" if ex.finished else "client_gone"
@@ -324,7 +337,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         key.completion_tokens += completion
         if ex.lease is not None:
             edge.keys.settle(ex.lease, prompt + completion)
-    status = ex.status if ex.started else CLIENT_CLOSED
+    status = unreadable[0] if unreadable is not None else ex.status if ex.started else CLIENT_CLOSED
     edge.console.request_done(
         model, key.id if key is not None else None, status, access.error, prompt, completion, access.refusal
     )
