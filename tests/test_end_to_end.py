@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hypothesis
+import hypothesis.strategies as st
 import msgspec
 import structlog
 import trio
 
+from node.adapters.openai import _Masked
 from scripts.upstream import text_script, words
 from tests.conftest import BOUND, http, model, sdk, settled, sse_events, start_edge, start_node, sync_sdk
 
@@ -132,16 +135,18 @@ async def test_a_model_server_refusing_the_nodes_key_is_a_502_that_quotes_nothin
 
 async def test_a_model_servers_error_never_carries_the_nodes_api_key(nursery, upstream):
     """A provider that quotes the key it refused, or any error text with the node's api_key in it (a
-    status's body, an error event mid-stream), reaches the edge with the key replaced: it was in the
-    edge's log, the console's error list and the client's message."""
+    status's body, an error event mid-stream, a body whose key the 4 KiB cut of its text would
+    split, a passthrough error relayed as it came), reaches the edge with the key replaced: it was in
+    the edge's log, the console's error list and the client's message (a cut left part of it)."""
     secret = "sk-node-Q7Z2SECRETKEY"
     edge = await start_edge(nursery)
-    node = await start_node(nursery, edge, [model("m", upstream, api_key=secret)])
+    node = await start_node(nursery, edge, [model("m", upstream, api_key=secret, passthrough=True)])
     said = msgspec.json.encode({"error": {"message": f"Incorrect API key provided: {secret}."}})
     scripts = [
         [("status", 401, said)],
         [("status", 500, said)],
         [("chunk", {"content": "partial "}), ("raw", b"data: " + said + b"\n\n")],
+        [("status", 500, b"x" * 4090 + secret.encode() + b" was refused")],  # not JSON: its text, cut at 4096
     ]
     bodies = []
     with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
@@ -152,11 +157,47 @@ async def test_a_model_servers_error_never_carries_the_nodes_api_key(nursery, up
                     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
                     r = await client.post("/v1/chat/completions", json=body)
                     bodies.append(r.content)
+            upstream.script_for("m-target", [("status", 500, said)])
+            relayed = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert upstream.records[0].headers["authorization"] == f"Bearer {secret}"  # (the key the node sends)
-    assert all(secret.encode() not in b for b in bodies)
+    assert all(secret[:6].encode() not in b for b in bodies)  # (not even the part before a cut)
     listed = [e.message for e in edge.edge.console.errors]  # the console's recent run errors
-    assert len(listed) == 6 and not any(secret in m for m in listed), listed
-    assert all(secret not in str(e) for e in logs)
+    assert len(listed) == 8 and not any(secret[:6] in m for m in listed), listed
+    assert all(secret[:6] not in str(e) for e in logs)
+    assert relayed.status_code == 500 and len(relayed.content) == len(said)
+    assert relayed.json()["error"]["message"] == "Incorrect API key provided: " + "*" * len(secret) + "."
     warned = [e["error"] for e in logs if e["log_level"] == "warning" and "error" in e]
     assert any("Incorrect API key provided: [the node's api_key]." in w for w in warned), warned
     await settled(edge, node.agent)
+
+
+async def test_a_placeholder_api_key_is_left_in_error_text(nursery, upstream):
+    """A short api_key is a placeholder a local server ignores ("ollama", "EMPTY"), not a
+    secret: an error text with the word in it reaches the client as the server wrote it."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, api_key="ollama")])
+    said = msgspec.json.encode({"error": {"message": "model 'ollama/qwen3' not found, try pulling it first"}})
+    upstream.script_for("m-target", [("status", 404, said)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            )
+    assert "model 'ollama/qwen3' not found" in r.json()["error"]["message"]
+    await settled(edge, node.agent)
+
+
+@hypothesis.given(
+    before=st.binary(max_size=40), after=st.binary(max_size=40), cuts=st.lists(st.integers(0, 120), max_size=6)
+)
+def test_a_passthrough_error_body_is_masked_however_it_is_split(before, after, cuts):
+    """The node's key in a relayed error body becomes as many `*`, wherever the reads split it, and
+    every other byte is relayed as it came."""
+    key = b"sk-node-Q7Z2SECRETKEY"
+    body = before + key + after + key
+    masked, out, at = _Masked(key.decode()), b"", 0
+    for cut in sorted({*cuts, len(body)}):
+        out += masked.feed(body[at:cut])
+        at = max(at, cut)
+    out += masked.held
+    assert out == body.replace(key, b"*" * len(key))

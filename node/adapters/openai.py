@@ -80,6 +80,8 @@ _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 _encode = msgspec.json.Encoder().encode
 _NO_MESSAGE = "the model server reported an error, with no message"
 _MAX_ERROR_BODY = 4096  # also the longest error message relayed from an error chunk
+_KEY_SAID = "[the node's api_key]"  # in a model server's error text, in place of the key it quoted
+_MIN_SECRET = 8  # a shorter api_key ("ollama", "EMPTY") is a placeholder, not a secret: left in the text
 _ERROR_BODY_S = 5.0  # how long an error status's body may take to read (then what came is the message)
 _DRAIN_S = 2.0  # after [DONE], how long the rest of the body may take
 _MAX_FINISH = 64  # a finish_reason is looked up by this much of it
@@ -149,11 +151,7 @@ class OpenAIAdapter:
         return f"{what} failed: {type(e).__name__}: {str(e).replace(self.upstream, 'the model server')}".rstrip(": ")
 
     def _unkeyed(self, message: str) -> str:
-        """A model server's error message without the node's api_key: a provider that quotes the
-        key it refused ("Incorrect API key provided: ...") would send it to the edge's log, its
-        console and the client."""
-        key = self.model.api_key
-        return message.replace(key, "[the node's api_key]") if key and key in message else message
+        return _unkey(message, self.model.api_key)
 
     async def run(self, request: RunRequest, sink: Sink) -> None:
         body = dict(request.request)
@@ -165,7 +163,7 @@ class OpenAIAdapter:
             async with self.client.request("POST", "/chat/completions", _encode(body), _STREAM_HEADERS) as response:
                 if response.status != 200:
                     self._log_status(response.status, request.run_id)
-                    await sink.error(self._unkeyed(await _error_text(response)), status=response.status)
+                    await sink.error(await _error_text(response, self.model.api_key), status=response.status)
                     return
                 encoding = _header(response, b"content-encoding")
                 if encoding and encoding != b"identity":  # never asked for: no accept-encoding is sent
@@ -191,8 +189,14 @@ class OpenAIAdapter:
                 await sink.start(
                     response.status, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers]
                 )
+                masked = _Masked(self.model.api_key) if response.status >= 400 else None
                 while data := await response.read():
-                    await sink.body(data)
+                    if masked is not None:
+                        data = masked.feed(data)
+                    if data:
+                        await sink.body(data)
+                if masked is not None and masked.held:
+                    await sink.body(masked.held)
                 await sink.end()
         except http1.HTTPError as e:
             self._log_failure(type(e).__name__, request.run_id)
@@ -205,7 +209,7 @@ class OpenAIAdapter:
         hands each read to :meth:`_Relay.feed` (no task switch per read); this
         task waits, for room in the link's outbox when it is full, and ends the run."""
         with response.reading():  # one timeout scope for every read of the stream
-            relay = _Relay(sink)
+            relay = _Relay(sink, self.model.api_key)
             while True:
                 await response.pump(relay.feed)
                 if relay.end or response.done:
@@ -285,10 +289,12 @@ class _Relay:
         "chunk",
         "room",
         "at",
+        "key",
     )
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: Sink, key: str | None) -> None:
         self.sink = sink
+        self.key = key  # the node's api_key, never in an error it relays
         self.parser = SSEParser()
         self.finish_reason = ""
         self.usage: Usage | None = None
@@ -420,7 +426,7 @@ class _Relay:
         if isinstance(code, str) and len(code) == 3 and code.isdigit():  # ("400": some servers quote it)
             code = int(code)
         status = code if code.__class__ is int and 400 <= code <= 599 else 0
-        said = _said(error)[:_MAX_ERROR_BODY].strip() if error is not None else ""
+        said = _unkey(_said(error), self.key)[:_MAX_ERROR_BODY].strip() if error is not None else ""
         self._fail(
             f"{failure}, status {status}" if status else failure,
             f"upstream error: {said}" if said and said != "None" else _NO_MESSAGE,
@@ -521,19 +527,50 @@ def _header(response: http1.Response, name: bytes) -> bytes:
     return b""
 
 
-async def _error_text(response: http1.Response) -> str:
+def _unkey(text: str, key: str | None) -> str:
+    """A model server's error text without the node's api_key: a provider that quotes the key
+    it refused ("Incorrect API key provided: ...") would send it to the edge's log, its console
+    and the client. Done before any cut, so that no part of the key is left at one."""
+    if key and len(key) >= _MIN_SECRET and key in text:
+        return text.replace(key, _KEY_SAID)
+    return text
+
+
+class _Masked:
+    """An error status's body, relayed byte for byte but for the node's api_key, which
+    becomes as many ``*`` (its length kept, so is the body's): the bytes that could be the
+    start of a key split across two reads wait for the next."""
+
+    __slots__ = ("key", "mask", "held")
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key.encode() if key and len(key) >= _MIN_SECRET else b""
+        self.mask = b"*" * len(self.key)
+        self.held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.key:
+            return data
+        data = (self.held + data).replace(self.key, self.mask)
+        keep = len(self.key) - 1
+        self.held = data[len(data) - keep :] if len(data) > keep else data
+        return data[: len(data) - keep] if len(data) > keep else b""
+
+
+async def _error_text(response: http1.Response, key: str | None) -> str:
     body = b""
+    enough = _MAX_ERROR_BODY + len(key or "")  # a key across the cut is read whole, then replaced
     with trio.move_on_after(_ERROR_BODY_S):  # a body that never ends: what came is the message
-        while len(body) < _MAX_ERROR_BODY and (data := await response.read()):
+        while len(body) < enough and (data := await response.read()):
             body += data
-    message = body[:_MAX_ERROR_BODY].decode("utf-8", "replace")
+    message = body[:enough].decode("utf-8", "replace")
     try:
         parsed = msgspec.json.decode(body)
     except _UNDECODABLE:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and parsed["error"].get("message"):
         message = _said(parsed["error"])
-    return f"upstream returned {response.status}: {message}"
+    return f"upstream returned {response.status}: {_unkey(message, key)[:_MAX_ERROR_BODY]}"
 
 
 def _error_of(payload: bytes) -> Any:
@@ -541,7 +578,7 @@ def _error_of(payload: bytes) -> Any:
     try:
         return msgspec.json.decode(payload)
     except _UNDECODABLE:
-        return payload[:_MAX_ERROR_BODY].decode("utf-8", "replace")
+        return payload[: 2 * _MAX_ERROR_BODY].decode("utf-8", "replace")  # (cut to the bound once unkeyed)
 
 
 def _said(error: Any) -> str:
