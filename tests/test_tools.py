@@ -343,7 +343,8 @@ async def test_a_model_without_native_tools_reads_content_parts_as_text(tooled):
     """native_tools = false with content as arrays of parts (valid chat, and what Qwen Code sends):
     an assistant turn's text beside its calls was a 500 (a list joined as a string), a tool
     result's parts reached the model as escaped JSON, and a system message of parts stayed an
-    array beside the edge's tool prompt as a second system message. Each is text now."""
+    array beside the edge's tool prompt as a second system message. Each is text now, a part a
+    line as vLLM joins them (they were run together), a part without text named as left out."""
     edge, upstream = tooled
     upstream.script_for("t", steps({"content": "Done."}))
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
@@ -351,7 +352,15 @@ async def test_a_model_without_native_tools_reads_content_parts_as_text(tooled):
         {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Line 1\nLine 2"}]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [
+                {"type": "text", "text": "Line 1"},
+                {"type": "text", "text": "Line 2"},
+                {"type": "file", "file": {"file_id": "file-1"}},
+            ],
+        },
     ]
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
@@ -366,7 +375,8 @@ async def test_a_model_without_native_tools_reads_content_parts_as_text(tooled):
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
     assert sent[0]["content"].startswith("You are terse.\n\n") and "<tools>" in sent[0]["content"]
     assert sent[2]["content"].startswith("Checking.\n<tool_call>")
-    assert sent[3]["content"] == "<tool_response>\nLine 1\nLine 2\n</tool_response>"
+    omitted = "[file omitted: a model without tool support is sent text only]"
+    assert sent[3]["content"] == f"<tool_response>\nLine 1\nLine 2\n{omitted}\n</tool_response>"  # a part a line
 
 
 async def test_live_tool_stream_streams_text_and_validates_calls(tooled):

@@ -566,13 +566,23 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_NO_IMAGE = "[image omitted: a model without tool support is sent text only]"
+_OMITTED = "[{} omitted: a model without tool support is sent text only]"
+_PART_KINDS = {  # a part without text, by its type, as the text says it was left out
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "file": "file",
+    "input_file": "file",
+    "input_audio": "audio",
+    "audio": "audio",
+}
 
 
 def _text_of(content: Any) -> str:
     """A message's content as the text a model without tool support reads: a string as it is,
-    content parts' text joined (an array of parts went out as its JSON, or was a 500), an
-    image part named as left out; anything else as its JSON."""
+    content parts' text one part a line, as vLLM joins them (an array of parts went out as its
+    JSON, or was a 500), a part of another kind (image, file, audio) named as left out; anything
+    else as its JSON."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -583,9 +593,9 @@ def _text_of(content: Any) -> str:
             text = part.get("text", part.get("refusal"))
             if isinstance(text, str):
                 texts.append(text)
-            elif part.get("type") in ("image_url", "input_image", "image"):
-                texts.append(_NO_IMAGE)
-        return "".join(texts)
+            else:
+                texts.append(_OMITTED.format(_PART_KINDS.get(part.get("type"), "content part")))
+        return "\n".join(texts)
     return _encode(content).decode()
 
 
