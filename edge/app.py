@@ -29,7 +29,7 @@ from edge.connection import install as install_connection_guard
 from edge.connection import stuck as stuck_connections
 from edge.console import Console, console_routes
 from edge.cors import Cors
-from edge.errors import RETRY_SOON, APIError, error_json, final_headers, model_not_found
+from edge.errors import RETRY_SOON, APIError, bad_request, error_json, final_headers, model_not_found
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
@@ -294,6 +294,28 @@ def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Re
     return Response(body, status, content_type="application/json", headers={**final_headers(status), **(headers or {})})
 
 
+def _models_page(names: list[str], args) -> tuple[list[str], bool] | APIError:
+    """The page of ``names`` (sorted) that Anthropic's ``limit``, ``after_id`` and ``before_id``
+    ask for, and whether more follow it in that direction; without ``limit``, every model, as
+    OpenAI lists them. An id is a cursor by its order, so a model that left since is one still."""
+    limit = args.get("limit")
+    after, before = args.get("after_id"), args.get("before_id")
+    if after is not None and before is not None:
+        return bad_request("Send `after_id` or `before_id`, not both.", "before_id")
+    if after is not None:
+        names = [n for n in names if n > after]
+    elif before is not None:
+        names = [n for n in names if n < before]
+    if limit is None:
+        return names, False
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 4 and 1 <= int(limit) <= 1000):
+        return bad_request("Invalid value for `limit`: expected an integer from 1 to 1000.", "limit")
+    count = int(limit)
+    if before is not None:  # the page just before it
+        return names[-count:], len(names) > count
+    return names[:count], len(names) > count
+
+
 def _model_card(name: str, links: list[NodeLink]) -> ModelCard:
     """A model group as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it."""
     created = int(min(lk.linked_wall for lk in links))
@@ -411,13 +433,17 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         key, refused = client_key()
         if refused is not None:
             return refused
-        cards = [
-            _model_card(name, links)
-            for name, links in sorted(edge.runs.models().items())
-            if key is None or key.may_use(name)
-        ]
+        from quart import request
+
+        models = edge.runs.models()
+        names = [name for name in sorted(models) if key is None or key.may_use(name)]
+        page = _models_page(names, request.args)
+        if isinstance(page, APIError):
+            return _json(page.status, page.body())
+        names, more = page
+        cards = [_model_card(name, models[name]) for name in names]
         first, last = (cards[0].id, cards[-1].id) if cards else (None, None)
-        return _json(200, _encode(ModelList(data=cards, first_id=first, last_id=last)))
+        return _json(200, _encode(ModelList(data=cards, has_more=more, first_id=first, last_id=last)))
 
     @app.get("/v1/models/<path:model_id>")  # ids such as Qwen/Qwen3-8B hold slashes
     async def retrieve_model(model_id: str) -> Response:

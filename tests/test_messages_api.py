@@ -859,3 +859,27 @@ async def test_the_anthropic_sdk_lists_and_retrieves_models(setup):
     assert one.id == "m" and one.display_name == "m" and one.type == "model"
     assert abs(one.created_at.timestamp() - openai_shape["data"][0]["created"]) < 1
     assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"  # OpenAI's, still
+
+
+async def test_the_anthropic_sdk_pages_through_models(nursery, upstream):
+    """Anthropic's `limit`, `after_id` and `before_id` page the models as its SDK asks (they were
+    ignored: every page was every model); with no `limit`, every model on one page, as OpenAI
+    lists them; a bad `limit` is a 400."""
+    edge = await start_edge(nursery)
+    names = ["a", "b", "c", "d", "e"]
+    node = await start_node(nursery, edge, [model(n, upstream, target="t") for n in names])
+    with trio.fail_after(BOUND):
+        async with client_for(edge, api_key="unused") as client:
+            first = await client.models.list(limit=2)
+            every = [m.id async for m in first]  # the SDK follows has_more / last_id
+            back = await client.models.list(limit=2, before_id="d")
+            with pytest.raises(anthropic.BadRequestError) as bad:
+                await client.models.list(limit=0)
+        async with http(edge) as raw:
+            whole = (await raw.get("/v1/models")).json()
+    assert [m.id for m in first.data] == ["a", "b"] and first.has_more and first.last_id == "b"
+    assert every == names
+    assert [m.id for m in back.data] == ["b", "c"] and back.has_more and back.first_id == "b"
+    assert bad.value.body["error"]["message"].startswith("Invalid value for `limit`")
+    assert [m["id"] for m in whole["data"]] == names and whole["has_more"] is False
+    await settled(edge, node.agent)
