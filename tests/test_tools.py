@@ -379,6 +379,33 @@ async def test_a_model_without_native_tools_reads_content_parts_as_text(tooled):
     assert sent[3]["content"] == f"<tool_response>\nLine 1\nLine 2\n{omitted}\n</tool_response>"  # a part a line
 
 
+async def test_a_model_without_native_tools_gets_results_in_a_row_as_one_user_turn(tooled):
+    """native_tools = false: two tool results, and the user's words after them, are one user turn
+    (they were three user messages in a row, which templates that want user and assistant to
+    alternate refuse: a 400 from vLLM on the agent's second turn)."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "Both done."}))
+    calls = [
+        {"id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
+        for n, c in ((1, "Oslo"), (2, "Rome"))
+    ]
+    history = [
+        {"role": "user", "content": "Weather in Oslo and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sun"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            await client.chat.completions.create(model="textonly", messages=history, tools=TOOLS)
+    sent = upstream.records[0].body["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[3]["content"] == (
+        "<tool_response>\nrain\n</tool_response>\n<tool_response>\nsun\n</tool_response>\n\nAnd tomorrow?"
+    )
+
+
 async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
     """tool_stream = "live": content streams as it comes, the call arrives at the end; an invalid
     call after content was sent is an SSE tool_validation_error, with no retry."""

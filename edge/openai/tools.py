@@ -537,8 +537,17 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         lines.append("Do not call any function in this reply.")
     prompt = "\n".join(lines)
     messages: list[dict[str, Any]] = []
+    results: dict[str, Any] | None = None  # the user turn the latest tool results went into
     for message in request.get("messages") or []:
         role = message.get("role")
+        if results is not None and messages[-1] is results and role in ("tool", "user"):
+            # Results in a row, and a user's words after them, are one user turn: templates that
+            # want user and assistant to alternate (Mistral's, Llama 2's) refuse two in a row.
+            if role == "tool":
+                results["content"] += f"\n<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>"
+            else:
+                results["content"] += "\n\n" + _text_of(message.get("content"))
+            continue
         if role == "assistant" and message.get("tool_calls"):
             text = _text_of(message.get("content"))
             blocks = [
@@ -553,7 +562,8 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             messages.append({"role": "assistant", "content": "\n".join(filter(None, [text, *blocks]))})
         elif role == "tool":
             body = _text_of(message.get("content"))
-            messages.append({"role": "user", "content": f"<tool_response>\n{body}\n</tool_response>"})
+            results = {"role": "user", "content": f"<tool_response>\n{body}\n</tool_response>"}
+            messages.append(results)
         elif role in ("system", "developer") and isinstance(message.get("content"), list):
             messages.append({**message, "content": _text_of(message["content"])})  # text parts only
         else:
