@@ -540,14 +540,16 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] | None = None  # the user turn the latest tool results went into
     for message in request.get("messages") or []:
         role = message.get("role")
-        if results is not None and messages[-1] is results and role in ("tool", "user"):
+        if results is not None and messages[-1] is results:
             # Results in a row, and a user's words after them, are one user turn: templates that
             # want user and assistant to alternate (Mistral's, Llama 2's) refuse two in a row.
+            # (A user message of parts keeps its own turn: its images are the model's to see.)
             if role == "tool":
                 results["content"] += f"\n<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>"
-            else:
-                results["content"] += "\n\n" + _text_of(message.get("content"))
-            continue
+                continue
+            if role == "user" and isinstance(message.get("content"), str):
+                results["content"] += "\n\n" + message["content"]
+                continue
         if role == "assistant" and message.get("tool_calls"):
             text = _text_of(message.get("content"))
             blocks = [
