@@ -274,7 +274,8 @@ async def test_a_pydantic_ai_agent_with_structured_output_ends_against_the_sim(s
     """pydantic-ai with an output type sends `tool_choice: "required"` with its tools and its
     `final_result` tool: the sim calls the tool the prompt names, then, after its result, the final
     tool, and the run ends with the structured output (the sim called get_weather until
-    pydantic-ai's request limit). pydantic-ai needs asyncio: it runs in a worker thread."""
+    pydantic-ai's request limit, then called every tool nobody asked for before the final one).
+    pydantic-ai needs asyncio: it runs in a worker thread."""
 
     class Forecast(pydantic.BaseModel):
         city: str
@@ -293,6 +294,12 @@ async def test_a_pydantic_ai_agent_with_structured_output_ends_against_the_sim(s
             calls.append(city)
             return "sunny"
 
+        @agent.tool_plain
+        def send_email(to: str, body: str) -> str:
+            """Send an email (never asked for here)."""
+            calls.append("send_email")
+            return "sent"
+
         async with client:
             result = await agent.run("Use get_weather for Paris.", usage_limits=UsageLimits(request_limit=5))
         return result.output, result.usage.requests
@@ -300,3 +307,34 @@ async def test_a_pydantic_ai_agent_with_structured_output_ends_against_the_sim(s
     with trio.fail_after(BOUND):
         output, requests = await trio.to_thread.run_sync(asyncio.run, run(), abandon_on_cancel=True)
     assert isinstance(output, Forecast) and len(calls) == 1 and requests == 2
+
+
+async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
+    """smolagents' ToolCallingAgent sends its earlier calls as the assistant's text and their
+    results as user messages: under `tool_choice: "required"` the sim's next call is the
+    final-answer tool (it called get_weather again until the agent's step limit); a new user
+    message that names a tool gets that tool."""
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+        for n in ("get_weather", "final_answer", "web_search")
+    ]
+    task = {"role": "user", "content": "New task: use get_weather for Paris."}
+    history = [
+        {"role": "system", "content": "You are an expert assistant who can solve any task using tool calls."},
+        task,
+        {
+            "role": "assistant",
+            "content": "Calling tools:\n[{'id': 'call_1', 'type': 'function', 'function': "
+            "{'name': 'get_weather', 'arguments': {'city': 'Paris'}}}]",
+        },
+        {"role": "user", "content": "Observation:\nsunny"},
+    ]
+    names = []
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            for messages in ([history[0], task], history, [*history, {"role": "assistant", "content": "ok"}, task]):
+                reply = await client.chat.completions.create(
+                    model="iop-sim", messages=messages, tools=tools, tool_choice="required"
+                )
+                names.append(reply.choices[0].message.tool_calls[0].function.name)
+    assert names == ["get_weather", "final_answer", "get_weather"]

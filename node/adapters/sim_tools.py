@@ -2,9 +2,10 @@
 
 The rule: a request with ``tools`` gets a call when ``tool_choice`` names a
 function (that one) or is ``"required"`` (the tool the last user message
-names, else the first tool; after tool results since that message, a tool not
-called since, else the last tool, where agent frameworks put their "final
-answer" tool, so that an agent loop ends); with ``"auto"`` (or none given) it
+names, else the first tool; once an agent's loop is under way, the named
+tool if it has not been called since, else the final-answer tool: the last
+tool whose name holds "final", else the last tool, where agent frameworks
+put theirs, so that the loop ends); with ``"auto"`` (or none given) it
 gets a call when the last user message names a tool and no tool result came
 after it.
 Otherwise, and always with ``tool_choice = "none"``, it answers with text:
@@ -102,6 +103,32 @@ def _since_last_user(messages: list[Any]) -> tuple[str, list[dict[str, Any]]]:
     return "", [m for m in messages if isinstance(m, dict)]
 
 
+def _loop_calls(messages: list[Any], after: list[dict[str, Any]], functions: list[dict[str, Any]]) -> set[str] | None:
+    """The tools an agent's loop under way called since the user's message (None: no loop under
+    way): calls with results after the last user message, or, when that message answers an
+    assistant turn that called tools, that turn's (smolagents sends its calls as the assistant's
+    text and their results as user messages: "Calling tools: ...", "Observation: ...")."""
+    results = any(m.get("role") == "tool" for m in after)
+    if results:
+        turns = after
+    else:
+        users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+        before = messages[users[-1] - 1] if users and users[-1] > 0 else None
+        if not isinstance(before, dict) or before.get("role") != "assistant":
+            return None
+        turns = [before]
+    called = set()
+    for m in turns:
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                called.add(call["function"].get("name"))
+        if m.get("role") == "assistant" and not calls:
+            text = _text(m.get("content"))
+            called.update(fn["name"] for fn in functions if fn["name"] in text)
+    return called if results or called else None
+
+
 def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
     """The call the sim makes for this request, or None to answer with text."""
     functions = _functions(body)
@@ -115,16 +142,13 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         chosen = next((fn for fn in functions if fn["name"] == name), None)
-    elif choice == "required" and any(m.get("role") == "tool" for m in after):
-        called = {
-            call["function"].get("name")
-            for m in after
-            for call in (m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else ())
-            if isinstance(call, dict) and isinstance(call.get("function"), dict)
-        }
-        chosen = next((fn for fn in (*named, *functions) if fn["name"] not in called), functions[-1])
     elif choice == "required":
-        chosen = (named or functions)[0]
+        called = _loop_calls(messages if isinstance(messages, list) else [], after, functions)
+        if called is None:
+            chosen = (named or functions)[0]
+        else:  # the tool asked for if not called yet, else the final answer: the loop ends
+            final = next((fn for fn in reversed(functions) if "final" in fn["name"].lower()), functions[-1])
+            chosen = next((fn for fn in named if fn["name"] not in called), final)
     elif named and not any(m.get("role") == "tool" for m in after):
         chosen = named[0]
     if chosen is None:
