@@ -43,7 +43,7 @@ import structlog
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
 from edge.errors import NO_RETRY, error_json
@@ -93,13 +93,18 @@ _UNREADABLE = {
 _UNREADABLE_DEFAULT = ("The request is not valid HTTP/1.1.", "invalid_http")
 
 
+async def _nowhere(_event: object) -> None:
+    """Where a stream's events go once the connection answered its request itself (the
+    connection then closes, and hypercorn's close ends the stream)."""
+
+
 async def _send_error_response(self: H11Protocol, status_code: int) -> None:
     message, code = _UNREADABLE.get(status_code, _UNREADABLE_DEFAULT)
     body = error_json(message, "invalid_request_error", code=code)
     outcome = f"rejected_{status_code}"
     stream = self.stream
     if isinstance(stream, HTTPStream):  # its body was unreadable: its handler's access line and count say this answer
-        stream.state = ASGIHTTPState.CLOSED  # (an answer of the handler's from now on goes nowhere, not in this one)
+        stream.send = _nowhere  # the handler's own answer, if it comes now, goes nowhere (not into this one)
         request_id = request_id_of(stream.scope)
         stream.scope["iop.answered"] = (status_code, code)
     else:

@@ -23,8 +23,9 @@ peer's bytes, HTTP/1.1 and HTTP/2 alike):
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19). It relies on
 ``WSStream.handle``/``_send_wsproto_event``/``send``, its ``closed``,
-``handshake.accepted``, ``config.websocket_max_message_size``, ``client`` and
-``stream_id``, and on ``Request``/``Data``/``Body``/``StreamClosed`` events;
+``handshake.accepted``, ``state``, ``_send_error_response``,
+``config.websocket_max_message_size``, ``client`` and ``stream_id``, and
+on ``Request``/``Data``/``Body``/``StreamClosed`` events;
 ``install()`` refuses another hypercorn series, and tests/test_hostile_link.py
 checks the behaviour end to end.
 """
@@ -37,7 +38,7 @@ import importlib.metadata
 import structlog
 import trio
 from hypercorn.protocol.events import Body, Data, Request, StreamClosed
-from hypercorn.protocol.ws_stream import WSStream
+from hypercorn.protocol.ws_stream import ASGIWebsocketState, WSStream
 from wsproto.events import CloseConnection
 from wsproto.frame_protocol import CloseReason
 
@@ -166,6 +167,16 @@ def install() -> None:
         if isinstance(event, Request):
             headers = [(name, value) for name, value in event.headers if name.lower() != EXTENSIONS]
             event = dataclasses.replace(event, headers=headers)
+        elif isinstance(event, (Body, Data)) and not self.closed and not self.handshake.accepted:
+            # A body with the upgrade request: hypercorn answers 400 and only then marks the stream
+            # closed, so the app's answer (a 401 for the token) meeting the connection in between
+            # broke it, with two error tracebacks in the log for any client. Closed first here, and
+            # no second answer when the app's has begun (then the bytes are dropped).
+            if self.state == ASGIWebsocketState.HANDSHAKE:
+                self.closed = True
+                await self._send_error_response(400)
+                await self.send(StreamClosed(stream_id=self.stream_id))  # (the connection closes)
+            return
         elif isinstance(event, (Body, Data)) and not self.closed and self.handshake.accepted:
             limit = self.__dict__.get(STATE) or self.__dict__.setdefault(
                 STATE, FrameLimit(self.config.websocket_max_message_size)

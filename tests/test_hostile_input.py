@@ -1131,15 +1131,17 @@ async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
 
 async def test_a_body_that_turns_unreadable_is_one_request_with_one_line(sim_edge):
     """A chunked body with a bad chunk size, arriving at once or after its handler began to read
-    it, on an API route or one Quart serves (here a 404 it sends too late): the client's 400 `invalid_http` carries the request's
-    id, and that request has one access line and one count saying 400 (it had two lines, two
-    ids and two counts: the HTTP layer's and a 499 `client_gone` from the handler)."""
+    it, on an API route or one Quart serves, or where the handler answers without reading it (a
+    405, `GET /v1/models`): the client gets the whole 400 `invalid_http` with the request's id,
+    and that request has one access line and one count saying 400, and no error is logged (there
+    were two lines, two ids and two counts: the HTTP layer's and a 499 `client_gone` from the
+    handler; a handler's own answer cut the 400 short, with a traceback)."""
     host, port = sim_edge.url.removeprefix("http://").rsplit(":", 1)
 
-    async def send(path: str, pause: float | None) -> bytes:
+    async def send(method: str, path: str, pause: float | None) -> bytes:
         """``pause``: between the good chunk and the bad (None: all in one write)."""
         stream = await trio.open_tcp_stream(host, int(port))
-        head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         good = head.encode() + b'transfer-encoding: chunked\r\n\r\n5\r\n{"a":\r\n'
         if pause is None:
             await stream.send_all(good + b"zz\r\n")
@@ -1153,9 +1155,15 @@ async def test_a_body_that_turns_unreadable_is_one_request_with_one_line(sim_edg
         await stream.aclose()
         return received
 
-    cases = [("/v1/chat/completions", None), ("/v1/chat/completions", 0.2), ("/v1/nothing", None)]
+    cases = [
+        ("POST", "/v1/chat/completions", None, "chat"),
+        ("POST", "/v1/chat/completions", 0.2, "chat"),
+        ("POST", "/v1/nothing", None, "other"),
+        ("GET", "/v1/chat/completions", None, "chat"),
+        ("GET", "/v1/models", None, "models"),
+    ]
     with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
-        answers = [await send(path, pause) for path, pause in cases]
+        answers = [await send(method, path, pause) for method, path, pause, _ in cases]
         await eventually(lambda: sum(e["event"] == "request" for e in logs) >= len(cases))
         await trio.sleep(0.2)  # (a second line would be written by now)
     ids = []
@@ -1164,14 +1172,11 @@ async def test_a_body_that_turns_unreadable_is_one_request_with_one_line(sim_edg
         assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", received
         ids.append(re.search(rb"x-request-id: (req_\w+)", head)[1].decode())
     lines = [(e["request_id"], e["status"], e["cause"], e["api"]) for e in logs if e["event"] == "request"]
-    assert lines == [
-        (ids[0], 400, "rejected_400", "chat"),
-        (ids[1], 400, "rejected_400", "chat"),
-        (ids[2], 400, "rejected_400", "other"),
-    ]
+    assert lines == [(i, 400, "rejected_400", case[3]) for i, case in zip(ids, cases, strict=True)]
+    assert [e["event"] for e in logs if e["log_level"] in ("error", "critical")] == []
     async with http(sim_edge) as scrape:
         text = (await scrape.get("/metrics")).text
-    assert 'iop_requests_total{api="chat",model="other",outcome="rejected_400"} 2.0' in text
+    assert 'iop_requests_total{api="chat",model="other",outcome="rejected_400"} 3.0' in text
     assert 'iop_requests_total{api="other",model="other",outcome="rejected_400"} 1.0' in text
     assert 'outcome="client_gone"' not in text and 'outcome="rejected_404"' not in text
 

@@ -6,6 +6,7 @@ import importlib.metadata
 
 import msgspec
 import pytest
+import structlog
 import trio
 
 from proto import Pong, decode_frame
@@ -174,3 +175,33 @@ async def test_an_edge_links_max_links_nodes_at_most(nursery, monkeypatch):
             )
     assert closed.reason.code == 1013 and "2 nodes at most" in closed.reason.reason
     assert r.status_code == 200 and sorted(edge.edge.runs.links) == ["n0", "n1"]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["body at once", "body after the 401"])
+async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nursery, late):
+    """A websocket upgrade to the node link that carries a body, from anyone (no token needed):
+    one answer (hypercorn's 400, or the link's 401 when the body came after it) and the connection
+    closes, with no error in the edge's log (it logged two tracebacks, 7 KB a request)."""
+    edge = await start_edge(nursery)
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    head = (
+        b"GET /v1/node/link HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+        b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\ncontent-length: 5\r\n\r\n"
+    )
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream(host, int(port))
+        if late:
+            await stream.send_all(head)
+            await trio.sleep(0.2)
+            await stream.send_all(b"hello")
+        else:
+            await stream.send_all(head + b"hello")
+        received = b""
+        while data := await stream.receive_some(65536):
+            received += data
+        await stream.aclose()
+        await trio.sleep(0.2)
+    assert received.startswith(b"HTTP/1.1 401" if late else b"HTTP/1.1 400") and received.count(b"HTTP/1.1") == 1
+    assert [e["event"] for e in logs if e["log_level"] in ("error", "critical")] == []
+    async with http(edge) as client:
+        assert (await client.get("/healthz")).status_code == 200
