@@ -299,7 +299,7 @@ def _models_page(names: list[str], args) -> tuple[list[str], bool] | APIError:
     ask for, and whether more follow it in that direction; without ``limit``, every model, as
     OpenAI lists them. An id is a cursor by its order, so a model that left since is one still."""
     limit = args.get("limit")
-    after, before = args.get("after_id"), args.get("before_id")
+    after, before = args.get("after_id") or None, args.get("before_id") or None  # (empty: none)
     if after is not None and before is not None:
         return bad_request("Send `after_id` or `before_id`, not both.", "before_id")
     if after is not None:

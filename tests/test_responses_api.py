@@ -310,28 +310,33 @@ async def test_item_references_resolve_for_the_key_that_made_them(nursery, upstr
 
 
 async def test_references_expand_to_no_more_than_a_body_may_hold(nursery, upstream):
-    """Many `item_reference`s to one large kept item are a 413 `request_too_large` once the items
+    """`item_reference`s to large kept items are a 413 `request_too_large` once the items
     they name pass `max_body_bytes` (not a body of copies that takes the edge's memory), and more
-    input items than `max_messages` are a 400 before any reference is looked up; the model sees
-    neither, and the edge answers the next request."""
+    input items than `max_messages` are a 400 before any reference is looked up; one item
+    referenced twice is a 400 `duplicate_item`; the model sees none of them, and the edge answers
+    the next request."""
     edge = await start_edge(nursery, edge_config(max_body_bytes=65_536, max_messages=50))
     node = await start_node(nursery, edge, [model("m", upstream, target="t")])
     upstream.script_for("t", steps({"content": "x" * 20_000}))
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
-            big = await client.responses.create(model="m", input="Write a lot.")
-            ref = {"type": "item_reference", "id": big.output[0].id}
-            fits = await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, ref, ref])
+            bigs = [await client.responses.create(model="m", input="Write a lot.") for _ in range(4)]
+            refs = [{"type": "item_reference", "id": big.output[0].id} for big in bigs]
+            ref = refs[0]
+            fits = await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, ref])
+            with pytest.raises(openai.BadRequestError) as twice:
+                await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, ref, ref])
             with pytest.raises(openai.APIStatusError) as too_large:
-                await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, *[ref] * 4])
+                await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, *refs])
             with pytest.raises(openai.BadRequestError) as too_many:
                 await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, *[ref] * 50])
             after = await client.responses.create(model="m", input="Hi")
-    assert fits.status == "completed" and len(upstream.records[1].body["messages"]) == 3
+    assert fits.status == "completed" and len(upstream.records[4].body["messages"]) == 2
+    assert twice.value.body["code"] == "duplicate_item"  # (as OpenAI answers it)
     assert too_large.value.status_code == 413 and too_large.value.body["code"] == "request_too_large"
     assert "65536 bytes" in too_large.value.message and too_large.value.body["param"] == "input"
     assert too_many.value.body["code"] == "too_many_messages"
-    assert after.status == "completed" and len(upstream.records) == 3  # the refused reached no model
+    assert after.status == "completed" and len(upstream.records) == 6  # the refused reached no model
     await settled(edge, node.agent)
 
 

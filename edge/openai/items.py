@@ -103,14 +103,22 @@ class ResponseItems:
 
     def finder(self, scope: str, budget: int) -> Callable[[str], dict[str, Any] | None]:
         """:meth:`get` for one request, whose references may name items of at
-        most ``budget`` encoded bytes in all (past it, a 413)."""
+        most ``budget`` encoded bytes in all (past it, a 413), each once (a 400)."""
         spent = 0
+        found: set[str] = set()
 
         def find(item_id: str) -> dict[str, Any] | None:
             nonlocal spent
             data = self._data(scope, item_id)
             if data is None:
                 return None
+            if item_id in found:  # (as OpenAI: twice, a call would reach the model as two with one id)
+                raise errors.bad_request(
+                    f"Duplicate item found with id {item_id[:100]}: reference each item once.",
+                    "input",
+                    "duplicate_item",
+                )
+            found.add(item_id)
             spent += len(data)
             if spent > budget:
                 raise errors.APIError(
