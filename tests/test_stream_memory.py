@@ -65,17 +65,17 @@ async def _hanging_edge(nursery, upstream) -> EdgeHandle:
 
 
 async def test_an_open_stream_keeps_one_copy_of_its_prompt_not_the_request_bytes(nursery, upstream):
-    """Four streams with a 1 MB prompt each, open after their first token: the edge holds two
-    copies of each prompt (the decoded request, and the encoded run kept to fail over), not
-    also the HTTP body it was read from."""
+    """Four streams with a 1 MB prompt each, open after their first token: the edge holds one
+    copy of each prompt (the encoded run kept to fail over), not also the decoded request (a
+    request without tools never needs it again) or the HTTP body it was read from."""
     prompt = 1_000_000
     edge = await _hanging_edge(nursery, upstream)
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "y" * prompt}]}
     per_stream = await _held_per_stream(edge, body)
-    # The decoded prompt (1x) and its msgpack encoding, whose buffer msgspec allocates at 1.5x
-    # what it writes (traced as allocated; only what is written is resident): 2.6x measured.
-    # With the request's bytes still held, 3.6x.
-    assert prompt < per_stream < 3 * prompt, per_stream
+    # Its msgpack encoding, whose buffer msgspec allocates at 1.5x what it writes (traced as
+    # allocated; only what is written is resident): 1.6x measured. With the decoded request
+    # kept too, 2.6x; with the request's bytes as well, 3.6x.
+    assert prompt < per_stream < 2 * prompt, per_stream
 
 
 async def test_an_open_stream_keeps_none_of_its_request_headers(nursery, upstream):
@@ -94,7 +94,7 @@ async def test_an_idle_stream_stays_under_20_kb_of_edge_memory(nursery, upstream
     """What one open, quiet stream costs the edge decides how many a process holds (the hot-path
     issue asks 10,000 at 20 KB or less each): the objects allocated under the edge's code for a
     stream waiting on its next token, after a warm-up (first-use caches), stay under 20 KB.
-    Measured 18-19 KB here; scripts/bench.py --idle-streams 10000 measures the RSS (19.5 KB).
+    Measured 18-19 KB here; scripts/bench.py --idle-streams 10000 measures the RSS (19.7 KB).
     The first rounds after the warm-up vary (18-23 KB, on this code and the code before this
     stop's alike: caches still filling), so it is the least of three rounds; a cost every stream
     pays shows in each of them."""
@@ -131,3 +131,14 @@ async def test_a_request_s_objects_are_freed_as_it_ends_not_by_the_cyclic_collec
     finally:
         gc.enable()
     assert len(left) <= 1, f"{len(left)} exchanges of ended requests still held"
+
+
+async def test_an_open_stream_without_tools_keeps_no_decoded_request(nursery, upstream):
+    """A request without tools sends every run the body encoded once: neither its decoded JSON
+    nor its validated messages are kept for as long as the stream lasts. Streams of 2,000 short
+    messages, as a long conversation has, held 1,047 KB each; now 207 KB (the encoded run)."""
+    edge = await _hanging_edge(nursery, upstream)
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(2_000)]
+    body = {"model": "m", "stream": True, "messages": messages}
+    per_stream = await _held_per_stream(edge, body)
+    assert per_stream < 400_000, per_stream

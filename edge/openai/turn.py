@@ -62,9 +62,10 @@ class Turn:
         self.edge = edge
         self.ex = ex
         self.req = req
-        self.forward = forward
-        # Encoded once: a body that cannot travel to a node is a 400/413 now.
+        # Encoded once: a body that cannot travel to a node is a 400/413 now. Without tools every
+        # run sends this body, so the decoded one is not kept for as long as the stream lasts.
         self.body = encode_run_body(forward, edge.config.max_frame_bytes)
+        self.forward = forward if req.tools else None
         self.policy = edge.config.policy(req.model)
         self.stream = bool(req.stream)
         self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or req.user
@@ -95,6 +96,8 @@ class Turn:
         # Tokens of the runs before the one that answered (tool retries): charged with it, not shown to the client.
         self.earlier = (0, 0)
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
+        if not req.tools:  # read above (the estimate, the prefix): a stream need not keep them
+            req.messages = []
 
     def shaper(
         self,
@@ -179,8 +182,8 @@ class Turn:
         """The encoded body for a run on ``slot`` (raises :class:`APIError` if a
         rewritten body no longer fits a frame)."""
         request = self.forward
-        if not extra_messages and not (self.req.tools and not slot.info.native_tools):
-            return self.body
+        if request is None or (not extra_messages and not (self.req.tools and not slot.info.native_tools)):
+            return self.body  # (no tools: never a corrective message or tools as text)
         if extra_messages:
             request = {**request, "messages": [*request["messages"], *extra_messages]}
         if self.req.tools and not slot.info.native_tools:
