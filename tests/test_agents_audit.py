@@ -287,10 +287,14 @@ def calls(*ids: str) -> list[dict]:
     ]
 
 
-async def ids_sent(edge, api: str, history: bool) -> list[str]:
+async def ids_sent(edge, api: str, history: bool, tools: bool = True) -> list[str]:
     """The call ids one whole response carries, on `api`, with or without a history that holds
-    the id `call_0` (a call and its result)."""
+    the id `call_0` (a call and its result), and with or without the request's tools."""
     ask = "What is the weather in Paris?"
+
+    def given(**kw):
+        return kw if tools else {}
+
     if api == "chat":
         messages = [{"role": "user", "content": ask}]
         if history:
@@ -304,7 +308,7 @@ async def ids_sent(edge, api: str, history: bool) -> list[str]:
                 {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
             ]
         async with sdk(edge, api_key="sk-edge") as client:
-            r = await client.chat.completions.create(model="m", messages=messages, tools=[WEATHER])
+            r = await client.chat.completions.create(model="m", messages=messages, **given(tools=[WEATHER]))
         return [c.id for c in r.choices[0].message.tool_calls]
     if api == "responses":
         items: list = [{"role": "user", "content": ask}]
@@ -315,7 +319,7 @@ async def ids_sent(edge, api: str, history: bool) -> list[str]:
             ]
         tool = {"type": "function", **WEATHER["function"]}
         async with sdk(edge, api_key="sk-edge") as client:
-            r = await client.responses.create(model="m", input=items, tools=[tool])
+            r = await client.responses.create(model="m", input=items, **given(tools=[tool]))
         return [item.call_id for item in r.output if item.type == "function_call"]
     messages = [{"role": "user", "content": ask}]
     if history:  # Claude Code sends back the ids the edge gave it: toolu_ + the upstream's
@@ -330,7 +334,7 @@ async def ids_sent(edge, api: str, history: bool) -> list[str]:
         ]
     tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
     async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="sk-edge", max_retries=0, timeout=BOUND) as client:
-        async with client.messages.stream(model="m", max_tokens=50, messages=messages, tools=[tool]) as stream:
+        async with client.messages.stream(model="m", max_tokens=50, messages=messages, **given(tools=[tool])) as stream:
             message = await stream.get_final_message()
     return [block.id.removeprefix("toolu_") for block in message.content if block.type == "tool_use"]
 
@@ -338,8 +342,9 @@ async def ids_sent(edge, api: str, history: bool) -> list[str]:
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 async def test_tool_call_ids_are_unique_across_turns_and_within_one(setup, api):
     """A model server that uses `call_0` every turn: the second turn's call (its history holds
-    `call_0`) gets a fresh id, while an id the history does not hold (`call_9`) is kept. Two
-    parallel calls both with id `0`: the first keeps it, the second gets a fresh one."""
+    `call_0`) gets a fresh id, while an id the history does not hold (`call_9`) is kept, the
+    request's tools given or not. Two parallel calls both with id `0`: the first keeps it, the
+    second gets a fresh one."""
     edge, upstream = setup
     with trio.fail_after(BOUND):
         upstream.script_for("t", steps(*calls("call_0"), finish="tool_calls", usage=USAGE))
@@ -350,6 +355,10 @@ async def test_tool_call_ids_are_unique_across_turns_and_within_one(setup, api):
         upstream.script_for("t", steps(*calls("0", "0"), finish="tool_calls", usage=USAGE))
         first, second = await ids_sent(edge, api, history=False)
         assert first == "0" and second not in ("0", "") and second.startswith("call_")
+        # A model that calls a tool the request did not offer: its id is not the history's either.
+        upstream.script_for("t", steps(*calls("call_0"), finish="tool_calls", usage=USAGE))
+        (untooled,) = await ids_sent(edge, api, history=True, tools=False)
+        assert untooled != "call_0" and untooled.startswith("call_")
 
 
 async def test_claude_code_runs_every_call_of_a_server_that_repeats_ids(setup, tmp_path):

@@ -97,6 +97,7 @@ class Turn:
         self.earlier = (0, 0)
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
         if not req.tools:  # read above (the estimate, the prefix): a stream need not keep them
+            self.history_ids  # noqa: B018 (first: a model may call tools it was not given, with ids of the history)
             req.messages = []
 
     def shaper(
