@@ -380,11 +380,11 @@ async def test_a_model_without_native_tools_reads_content_parts_as_text(tooled):
 
 
 async def test_a_model_without_native_tools_gets_results_in_a_row_as_one_user_turn(tooled):
-    """native_tools = false: two tool results, and the user's words after them, are one user turn
-    (they were three user messages in a row, which templates that want user and assistant to
-    alternate refuse: a 400 from vLLM on the agent's second turn)."""
+    """native_tools = false: two tool results and the user's words after them (a string, or text
+    parts as the Messages API converts Claude Code's turn), and a retry's correction after the
+    user's message, are each one user turn: roles alternate, as the templates of Mistral's and
+    Llama 2's models require (three user messages in a row were a 400 from vLLM there)."""
     edge, upstream = tooled
-    upstream.script_for("t", steps({"content": "Both done."}))
     calls = [
         {"id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
         for n, c in ((1, "Oslo"), (2, "Rome"))
@@ -394,16 +394,23 @@ async def test_a_model_without_native_tools_gets_results_in_a_row_as_one_user_tu
         {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
         {"role": "tool", "tool_call_id": "call_2", "content": "sun"},
-        {"role": "user", "content": "And tomorrow?"},
     ]
+    words = [{"role": "user", "content": "And tomorrow?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "And"}, {"type": "text", "text": "tomorrow?"}]}]
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
-            await client.chat.completions.create(model="textonly", messages=history, tools=TOOLS)
-    sent = upstream.records[0].body["messages"]
-    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
-    assert sent[3]["content"] == (
-        "<tool_response>\nrain\n</tool_response>\n<tool_response>\nsun\n</tool_response>\n\nAnd tomorrow?"
-    )
+            upstream.script_for("t", steps({"content": "Both done."}))
+            for last in (words, parts):
+                await client.chat.completions.create(model="textonly", messages=history + last, tools=TOOLS)
+            upstream.script_for("t", bad_then_good({"town": "Oslo"}, {"city": "Oslo"}))
+            await client.chat.completions.create(model="textonly", messages=MESSAGES, tools=TOOLS)
+    said, in_parts, first, retry = (rec.body["messages"] for rec in upstream.records)
+    assert [m["role"] for m in said] == ["system", "user", "assistant", "user"]
+    results = "<tool_response>\nrain\n</tool_response>\n<tool_response>\nsun\n</tool_response>"
+    assert said[3]["content"] == results + "\n\nAnd tomorrow?"
+    assert in_parts[3]["content"] == results + "\n\nAnd\ntomorrow?"
+    assert [m["role"] for m in first] == ["system", "user"] and [m["role"] for m in retry] == ["system", "user"]
+    assert retry[1]["content"].startswith(first[1]["content"] + "\n\n") and "That is invalid" in retry[1]["content"]
 
 
 async def test_live_tool_stream_streams_text_and_validates_calls(tooled):

@@ -537,19 +537,8 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         lines.append("Do not call any function in this reply.")
     prompt = "\n".join(lines)
     messages: list[dict[str, Any]] = []
-    results: dict[str, Any] | None = None  # the user turn the latest tool results went into
     for message in request.get("messages") or []:
         role = message.get("role")
-        if results is not None and messages[-1] is results:
-            # Results in a row, and a user's words after them, are one user turn: templates that
-            # want user and assistant to alternate (Mistral's, Llama 2's) refuse two in a row.
-            # (A user message of parts keeps its own turn: its images are the model's to see.)
-            if role == "tool":
-                results["content"] += f"\n<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>"
-                continue
-            if role == "user" and isinstance(message.get("content"), str):
-                results["content"] += "\n\n" + message["content"]
-                continue
         if role == "assistant" and message.get("tool_calls"):
             text = _text_of(message.get("content"))
             blocks = [
@@ -563,9 +552,9 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             ]
             messages.append({"role": "assistant", "content": "\n".join(filter(None, [text, *blocks]))})
         elif role == "tool":
-            body = _text_of(message.get("content"))
-            results = {"role": "user", "content": f"<tool_response>\n{body}\n</tool_response>"}
-            messages.append(results)
+            _user_turn(messages, f"<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>", message)
+        elif role == "user" and _text_only(message.get("content")):
+            _user_turn(messages, _text_of(message.get("content")), message)
         elif role in ("system", "developer") and isinstance(message.get("content"), list):
             messages.append({**message, "content": _text_of(message["content"])})  # text parts only
         else:
@@ -576,6 +565,28 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         messages.insert(0, {"role": "system", "content": prompt})
     out["messages"] = messages
     return out
+
+
+def _user_turn(messages: list[dict[str, Any]], text: str, message: dict[str, Any]) -> None:
+    """``text`` as a user turn: into the one before when that is a user turn of text (tool results
+    in a row, the user's words after them, a retry's correction after the user's message), as
+    templates that want user and assistant to alternate (Mistral's, Llama 2's) refuse two in a row.
+    A user message of other parts (an image) keeps its own turn: they are the model's to see."""
+    last = messages[-1] if messages else None
+    if last is not None and last.get("role") == "user" and isinstance(last.get("content"), str):
+        results = text.startswith("<tool_response>") and last["content"].endswith("</tool_response>")
+        messages[-1] = {**last, "content": last["content"] + ("\n" if results else "\n\n") + text}
+    elif message.get("role") == "user" and isinstance(message.get("content"), str):
+        messages.append(message)
+    else:
+        messages.append({"role": "user", "content": text})
+
+
+def _text_only(content: Any) -> bool:
+    """Whether a user message's content is text: a string, or parts that are all text."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
 
 
 _OMITTED = "[{} omitted: a model without tool support is sent text only]"
