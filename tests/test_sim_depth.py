@@ -312,8 +312,9 @@ async def test_a_pydantic_ai_agent_with_structured_output_ends_against_the_sim(s
 async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
     """smolagents' ToolCallingAgent sends its earlier calls as the assistant's text and their
     results as user messages: under `tool_choice: "required"` the sim's next call is the
-    final-answer tool (it called get_weather again until the agent's step limit); a new user
-    message that names a tool gets that tool."""
+    final-answer tool (it called get_weather again until the agent's step limit), as after tool
+    results and a framework's "Continue."; a new user message that names a tool gets that tool,
+    and an answer that merely mentions a tool is no loop under way."""
     tools = [
         {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
         for n in ("get_weather", "final_answer", "web_search")
@@ -329,12 +330,26 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
         },
         {"role": "user", "content": "Observation:\nsunny"},
     ]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    native = [task, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    conversations = [
+        [history[0], task],  # the task names get_weather
+        history,  # the agent's loop under way, as text: its final answer
+        [*history, {"role": "assistant", "content": "ok"}, task],  # a new task naming the tool
+        [*native, {"role": "user", "content": "Continue."}],  # results, then a framework's nudge: the final answer
+        # An answer that merely says a tool's name (or "researched" for web_search) is no loop under way.
+        [
+            task,
+            {"role": "assistant", "content": "get_weather says sunny; I researched it."},
+            {"role": "user", "content": "Rome?"},
+        ],
+    ]
     names = []
     with trio.fail_after(BOUND):
         async with sdk(sim_edge) as client:
-            for messages in ([history[0], task], history, [*history, {"role": "assistant", "content": "ok"}, task]):
+            for messages in conversations:
                 reply = await client.chat.completions.create(
                     model="iop-sim", messages=messages, tools=tools, tool_choice="required"
                 )
                 names.append(reply.choices[0].message.tool_calls[0].function.name)
-    assert names == ["get_weather", "final_answer", "get_weather"]
+    assert names == ["get_weather", "final_answer", "get_weather", "final_answer", "get_weather"]

@@ -4,8 +4,8 @@ The rule: a request with ``tools`` gets a call when ``tool_choice`` names a
 function (that one) or is ``"required"`` (the tool the last user message
 names, else the first tool; once an agent's loop is under way, the named
 tool if it has not been called since, else the final-answer tool: the last
-tool whose name holds "final", else the last tool, where agent frameworks
-put theirs, so that the loop ends); with ``"auto"`` (or none given) it
+tool whose name has the word "final", else the last tool, where agent
+frameworks put theirs, so that the loop ends); with ``"auto"`` (or none given) it
 gets a call when the last user message names a tool and no tool result came
 after it.
 Otherwise, and always with ``tool_choice = "none"``, it answers with text:
@@ -103,19 +103,47 @@ def _since_last_user(messages: list[Any]) -> tuple[str, list[dict[str, Any]]]:
     return "", [m for m in messages if isinstance(m, dict)]
 
 
-def _loop_calls(messages: list[Any], after: list[dict[str, Any]], functions: list[dict[str, Any]]) -> set[str] | None:
-    """The tools an agent's loop under way called since the user's message (None: no loop under
-    way): calls with results after the last user message, or, when that message answers an
-    assistant turn that called tools, that turn's (smolagents sends its calls as the assistant's
-    text and their results as user messages: "Calling tools: ...", "Observation: ...")."""
-    results = any(m.get("role") == "tool" for m in after)
-    if results:
+def _names(name: str, text: str) -> bool:
+    """Whether ``text`` names the tool ``name``: as a word ("researched" does not name search)."""
+    return re.search(r"(?<!\w)" + re.escape(name.lower()) + r"(?!\w)", text.lower()) is not None
+
+
+def _calls_in_text(name: str, text: str) -> bool:
+    """Whether an assistant's text records a call of ``name``: the name quoted or called
+    (smolagents: ``{'name': 'get_weather', ...}``), not merely said ("get_weather says sunny")."""
+    return re.search(r"""['"]""" + re.escape(name) + r"""['"]|(?<!\w)""" + re.escape(name) + r"\s*\(", text) is not None
+
+
+def _is_final(name: str) -> bool:
+    """A final-answer tool's name: with the word "final" (final_answer, final_result, FinalAnswer;
+    not finalize_order)."""
+    words = re.split(r"[^a-zA-Z0-9]+|(?<=[a-z0-9])(?=[A-Z])", name)
+    return any(word.lower() == "final" for word in words)
+
+
+def _loop_calls(
+    messages: list[Any], after: list[dict[str, Any]], functions: list[dict[str, Any]]
+) -> tuple[set[str], bool] | None:
+    """The tools an agent's loop under way has called, and whether they were only named in an
+    assistant's text; None when no loop is under way. A loop is under way when tool results came
+    after the last user message, or that message follows an assistant turn that called tools
+    (with their results between: a framework's "Continue"), or whose text records calls (smolagents
+    sends its calls as the assistant's text and their results as user messages: "Calling tools:
+    ...", "Observation: ...")."""
+    if any(m.get("role") == "tool" for m in after):
         turns = after
     else:
         users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
-        before = messages[users[-1] - 1] if users and users[-1] > 0 else None
+        at = users[-1] - 1 if users else -1
+        while at >= 0 and isinstance(messages[at], dict) and messages[at].get("role") == "tool":
+            at -= 1
+        before = messages[at] if at >= 0 else None
         if not isinstance(before, dict) or before.get("role") != "assistant":
             return None
+        if not before.get("tool_calls"):
+            text = _text(before.get("content"))
+            named = {fn["name"] for fn in functions if _calls_in_text(fn["name"], text)}
+            return (named, True) if named else None
         turns = [before]
     called = set()
     for m in turns:
@@ -123,10 +151,7 @@ def _loop_calls(messages: list[Any], after: list[dict[str, Any]], functions: lis
         for call in calls if isinstance(calls, list) else ():
             if isinstance(call, dict) and isinstance(call.get("function"), dict):
                 called.add(call["function"].get("name"))
-        if m.get("role") == "assistant" and not calls:
-            text = _text(m.get("content"))
-            called.update(fn["name"] for fn in functions if fn["name"] in text)
-    return called if results or called else None
+    return called, False
 
 
 def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
@@ -137,18 +162,18 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
         return None
     messages = body.get("messages")
     prompt, after = _since_last_user(messages if isinstance(messages, list) else [])
-    named = [fn for fn in functions if fn["name"].lower() in prompt.lower()]
+    named = [fn for fn in functions if _names(fn["name"], prompt)]
     chosen: dict[str, Any] | None = None
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         chosen = next((fn for fn in functions if fn["name"] == name), None)
     elif choice == "required":
-        called = _loop_calls(messages if isinstance(messages, list) else [], after, functions)
-        if called is None:
+        loop = _loop_calls(messages if isinstance(messages, list) else [], after, functions)
+        if loop is None or (loop[1] and named):  # (a message naming a tool after mere text: asked anew)
             chosen = (named or functions)[0]
         else:  # the tool asked for if not called yet, else the final answer: the loop ends
-            final = next((fn for fn in reversed(functions) if "final" in fn["name"].lower()), functions[-1])
-            chosen = next((fn for fn in named if fn["name"] not in called), final)
+            final = next((fn for fn in reversed(functions) if _is_final(fn["name"])), functions[-1])
+            chosen = next((fn for fn in named if fn["name"] not in loop[0]), final)
     elif named and not any(m.get("role") == "tool" for m in after):
         chosen = named[0]
     if chosen is None:
