@@ -23,7 +23,7 @@ peer's bytes, HTTP/1.1 and HTTP/2 alike):
 
 Written against hypercorn 0.18 (pyproject pins >=0.18,<0.19). It relies on
 ``WSStream.handle``/``_send_wsproto_event``/``send``, its ``closed``,
-``handshake.accepted``, ``state``, ``_send_error_response``,
+``handshake.accepted``, ``state``, ``app_put``, ``_send_error_response``,
 ``config.websocket_max_message_size``, ``client`` and ``stream_id``, and
 on ``Request``/``Data``/``Body``/``StreamClosed`` events;
 ``install()`` refuses another hypercorn series, and tests/test_hostile_link.py
@@ -176,6 +176,8 @@ def install() -> None:
                 self.closed = True
                 await self._send_error_response(400)
                 await self.send(StreamClosed(stream_id=self.stream_id))  # (the connection closes)
+                if self.app_put is not None:  # the link's handler, waiting for the node's hello, ends now
+                    await self.app_put({"type": "websocket.disconnect", "code": 1006})
             return
         elif isinstance(event, (Body, Data)) and not self.closed and self.handshake.accepted:
             limit = self.__dict__.get(STATE) or self.__dict__.setdefault(

@@ -9,6 +9,7 @@ import pytest
 import structlog
 import trio
 
+from edge import connection
 from proto import Pong, decode_frame
 from scripts.hostile_link import (
     BINARY,
@@ -177,17 +178,21 @@ async def test_an_edge_links_max_links_nodes_at_most(nursery, monkeypatch):
     assert r.status_code == 200 and sorted(edge.edge.runs.links) == ["n0", "n1"]
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["body at once", "body after the 401"])
-async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nursery, late):
+@pytest.mark.parametrize(
+    ("late", "token"), [(False, ""), (True, ""), (False, TOKEN)], ids=["at once", "after the 401", "with the token"]
+)
+async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nursery, late, token):
     """A websocket upgrade to the node link that carries a body, from anyone (no token needed):
     one answer (hypercorn's 400, or the link's 401 when the body came after it) and the connection
-    closes, with no error in the edge's log (it logged two tracebacks, 7 KB a request)."""
-    edge = await start_edge(nursery)
+    closes at once, with no error in the edge's log (it logged two tracebacks, 7 KB a request);
+    with the node token, the link's handler ends too (it waited for the node's hello, 60 s here)."""
+    edge = await start_edge(nursery, edge_config(hello_timeout_s=60))
     host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    auth = f"authorization: Bearer {token}\r\n".encode() if token else b""
     head = (
-        b"GET /v1/node/link HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+        b"GET /v1/node/link HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n%s"
         b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\ncontent-length: 5\r\n\r\n"
-    )
+    ) % auth
     with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
         stream = await trio.open_tcp_stream(host, int(port))
         if late:
@@ -203,5 +208,6 @@ async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nurse
         await trio.sleep(0.2)
     assert received.startswith(b"HTTP/1.1 401" if late else b"HTTP/1.1 400") and received.count(b"HTTP/1.1") == 1
     assert [e["event"] for e in logs if e["log_level"] in ("error", "critical")] == []
+    await eventually(lambda: not [s for s in connection.OPEN if s.config.iop_edge is edge.edge], "its connection ended")
     async with http(edge) as client:
         assert (await client.get("/healthz")).status_code == 200
