@@ -537,10 +537,29 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         lines.append("Do not call any function in this reply.")
     prompt = "\n".join(lines)
     messages: list[dict[str, Any]] = []
+    # A user turn of text is gathered whole (tool results in a row, the user's words after them, a
+    # retry's correction after the user's message), as templates that want user and assistant to
+    # alternate (Mistral's, Llama 2's) refuse two user turns in a row; joined once, at its end.
+    texts: list[str] = []  # its pieces, and the separators between them
+    alone: dict[str, Any] | None = None  # its one message as the client sent it, while it is the only one
     for message in request.get("messages") or []:
         role = message.get("role")
+        content = message.get("content")
+        if role == "tool" or (role == "user" and _text_only(content)):
+            piece = f"<tool_response>\n{_text_of(content)}\n</tool_response>" if role == "tool" else _text_of(content)
+            if texts:
+                results = piece.startswith("<tool_response>") and texts[-1].endswith("</tool_response>")
+                texts.append("\n" if results else "\n\n")
+                alone = None
+            else:
+                alone = message if role == "user" and isinstance(content, str) else None
+            texts.append(piece)
+            continue
+        if texts:
+            messages.append(alone or {"role": "user", "content": "".join(texts)})
+            texts = []
         if role == "assistant" and message.get("tool_calls"):
-            text = _text_of(message.get("content"))
+            text = _text_of(content)
             blocks = [
                 "<tool_call>"
                 + _encode(
@@ -551,35 +570,18 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(c, dict) and isinstance(c.get("function"), dict)
             ]
             messages.append({"role": "assistant", "content": "\n".join(filter(None, [text, *blocks]))})
-        elif role == "tool":
-            _user_turn(messages, f"<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>", message)
-        elif role == "user" and _text_only(message.get("content")):
-            _user_turn(messages, _text_of(message.get("content")), message)
-        elif role in ("system", "developer") and isinstance(message.get("content"), list):
-            messages.append({**message, "content": _text_of(message["content"])})  # text parts only
-        else:
+        elif role in ("system", "developer") and isinstance(content, list):
+            messages.append({**message, "content": _text_of(content)})  # text parts only
+        else:  # (a user message with an image keeps its own turn: the image is the model's to see)
             messages.append(message)
+    if texts:
+        messages.append(alone or {"role": "user", "content": "".join(texts)})
     if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
         messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
     else:
         messages.insert(0, {"role": "system", "content": prompt})
     out["messages"] = messages
     return out
-
-
-def _user_turn(messages: list[dict[str, Any]], text: str, message: dict[str, Any]) -> None:
-    """``text`` as a user turn: into the one before when that is a user turn of text (tool results
-    in a row, the user's words after them, a retry's correction after the user's message), as
-    templates that want user and assistant to alternate (Mistral's, Llama 2's) refuse two in a row.
-    A user message of other parts (an image) keeps its own turn: they are the model's to see."""
-    last = messages[-1] if messages else None
-    if last is not None and last.get("role") == "user" and isinstance(last.get("content"), str):
-        results = text.startswith("<tool_response>") and last["content"].endswith("</tool_response>")
-        messages[-1] = {**last, "content": last["content"] + ("\n" if results else "\n\n") + text}
-    elif message.get("role") == "user" and isinstance(message.get("content"), str):
-        messages.append(message)
-    else:
-        messages.append({"role": "user", "content": text})
 
 
 def _text_only(content: Any) -> bool:
