@@ -353,3 +353,25 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
                 )
                 names.append(reply.choices[0].message.tool_calls[0].function.name)
     assert names == ["get_weather", "final_answer", "get_weather", "final_answer", "get_weather"]
+
+
+async def test_many_tools_and_a_long_conversation_are_read_in_one_pass(sim_edge):
+    """256 tools and 8 MB of conversation under `tool_choice: "required"`: the sim reads the text
+    once for every tool's name (it read it once per tool, twice: about 35 s of a frozen node, the
+    test's bound passed; 0.3 s now) and calls the tool the user names."""
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object", "properties": {}}}}
+        for i in range(256)
+    ]
+    text = "word " * 790_000
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": text + "use tool_200"},
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            reply = await client.chat.completions.create(
+                model="iop-sim", messages=messages, tools=tools, tool_choice="required"
+            )
+    assert reply.choices[0].message.tool_calls[0].function.name == "tool_200"

@@ -103,15 +103,27 @@ def _since_last_user(messages: list[Any]) -> tuple[str, list[dict[str, Any]]]:
     return "", [m for m in messages if isinstance(m, dict)]
 
 
-def _names(name: str, text: str) -> bool:
-    """Whether ``text`` names the tool ``name``: as a word ("researched" does not name search)."""
-    return re.search(r"(?<!\w)" + re.escape(name.lower()) + r"(?!\w)", text.lower()) is not None
+def _named(functions: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The functions ``text`` names, as words ("researched" does not name search), in their
+    order: one pass over the text, whatever the number of tools."""
+    if not text:
+        return []
+    found = set(re.findall(rf"(?<!\w)({_alternatives(functions, lower=True)})(?!\w)", text.lower()))
+    return [fn for fn in functions if fn["name"].lower() in found]
 
 
-def _calls_in_text(name: str, text: str) -> bool:
-    """Whether an assistant's text records a call of ``name``: the name quoted or called
-    (smolagents: ``{'name': 'get_weather', ...}``), not merely said ("get_weather says sunny")."""
-    return re.search(r"""['"]""" + re.escape(name) + r"""['"]|(?<!\w)""" + re.escape(name) + r"\s*\(", text) is not None
+def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
+    """The functions an assistant's text records calls of: a name quoted or called (smolagents:
+    ``{'name': 'get_weather', ...}``), not merely said ("get_weather says sunny"). One pass."""
+    names = _alternatives(functions)
+    pattern = rf"""['"]({names})['"]|(?<!\w)({names})\s*\("""
+    return {quoted or called for quoted, called in re.findall(pattern, text)}
+
+
+def _alternatives(functions: list[dict[str, Any]], *, lower: bool = False) -> str:
+    """The functions' names as one regex alternation, longest first (``search_web`` before ``search``)."""
+    names = sorted({fn["name"].lower() if lower else fn["name"] for fn in functions}, key=len, reverse=True)
+    return "|".join(map(re.escape, names))
 
 
 def _is_final(name: str) -> bool:
@@ -142,7 +154,7 @@ def _loop_calls(
             return None
         if not before.get("tool_calls"):
             text = _text(before.get("content"))
-            named = {fn["name"] for fn in functions if _calls_in_text(fn["name"], text)}
+            named = _recorded(functions, text)
             return (named, True) if named else None
         turns = [before]
     called = set()
@@ -162,7 +174,7 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
         return None
     messages = body.get("messages")
     prompt, after = _since_last_user(messages if isinstance(messages, list) else [])
-    named = [fn for fn in functions if _names(fn["name"], prompt)]
+    named = _named(functions, prompt)
     chosen: dict[str, Any] | None = None
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
