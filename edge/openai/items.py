@@ -21,8 +21,9 @@ memory, so that such a reference becomes the item it names again:
 A reference this edge does not hold (another edge answered, the item left,
 the edge restarted) is a 400 that says to send the item itself. The items one
 request's references name come to at most the edge's ``max_body_bytes``
-(encoded, each reference counted, repeats too): a few bytes of references may
-not expand to more than a body could hold (a 413 before anything is decoded).
+(encoded): a few bytes of references may not expand to more than a body could
+hold (a 413 before the item past it is decoded); an item referenced twice is a
+400, as OpenAI answers it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
 
+class _Scope:
+    """One key's kept items: their encoded size, and their ids, the least recently used first."""
+
+    __slots__ = ("size", "order")
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.order: OrderedDict[str, None] = OrderedDict()
+
+
 class ResponseItems:
     __slots__ = ("_items", "_bytes", "_scopes", "_over", "max_bytes", "max_items", "ttl_s", "_clock")
 
@@ -58,8 +69,7 @@ class ResponseItems:
         # (scope, item id) -> (expiry, the item encoded); oldest use first
         self._items: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
         self._bytes = 0
-        # scope -> [its items' bytes, its item ids oldest use first]
-        self._scopes: dict[str, tuple[list[int], OrderedDict[str, None]]] = {}
+        self._scopes: dict[str, _Scope] = {}
         self._over: dict[str, None] = {}  # the scopes over their share, in the order they went over
         self.max_bytes = max_bytes
         self.max_items = max_items
@@ -89,10 +99,12 @@ class ResponseItems:
             self._drop((scope, item_id))
             self._items[(scope, item_id)] = (expires, data)
             self._bytes += len(data)
-            size, order = self._scopes.setdefault(scope, ([0], OrderedDict()))
-            size[0] += len(data)
-            order[item_id] = None
-            if self._is_over(size[0], len(order)):
+            kept = self._scopes.get(scope)
+            if kept is None:
+                kept = self._scopes[scope] = _Scope()
+            kept.size += len(data)
+            kept.order[item_id] = None
+            if self._is_over(kept):
                 self._over[scope] = None
         self._trim()
 
@@ -144,11 +156,11 @@ class ResponseItems:
             return None
         self._items[key] = (now + self.ttl_s, found[1])
         self._items.move_to_end(key)
-        self._scopes[scope][1].move_to_end(item_id)
+        self._scopes[scope].order.move_to_end(item_id)
         return found[1]
 
-    def _is_over(self, size: int, count: int) -> bool:
-        return size > self.max_bytes // SHARE or count > self.max_items // SHARE
+    def _is_over(self, kept: _Scope) -> bool:
+        return kept.size > self.max_bytes // SHARE or len(kept.order) > self.max_items // SHARE
 
     def _drop(self, key: tuple[str, str]) -> None:
         expires_data = self._items.pop(key, None)
@@ -156,12 +168,12 @@ class ResponseItems:
             return
         self._bytes -= len(expires_data[1])
         scope, item_id = key
-        size, order = self._scopes[scope]
-        size[0] -= len(expires_data[1])
-        del order[item_id]
-        if not order:
+        kept = self._scopes[scope]
+        kept.size -= len(expires_data[1])
+        del kept.order[item_id]
+        if not kept.order:
             del self._scopes[scope]
-        if scope in self._over and not self._is_over(size[0], len(order)):
+        if scope in self._over and not self._is_over(kept):
             del self._over[scope]
 
     def _trim(self) -> None:
@@ -175,6 +187,6 @@ class ResponseItems:
                 break
             elif self._over:  # full: a key over its share gives up its own oldest
                 scope = next(iter(self._over))
-                self._drop((scope, next(iter(self._scopes[scope][1]))))
+                self._drop((scope, next(iter(self._scopes[scope].order))))
             else:
                 self._drop(key)

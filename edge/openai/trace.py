@@ -39,15 +39,18 @@ class StreamTrace:
 
     def _room(self) -> bool:
         """Whether one more line may be written (the first past the bound says the trace stopped)."""
+        if self.lines > MAX_TRACED_CHUNKS:
+            return False
         self.lines += 1
-        if self.lines == MAX_TRACED_CHUNKS + 1:
+        if self.lines > MAX_TRACED_CHUNKS:
             log.info("chat completion stream trace stopped", seq=self.seq, max_traced_chunks=MAX_TRACED_CHUNKS)
-        return self.lines <= MAX_TRACED_CHUNKS
+            return False
+        return True
 
     def chunk(self, kind: str, length: int, **extra) -> None:
         self.seq += 1
         self.emitted += length
-        if self.lines < MAX_TRACED_CHUNKS + 1 and self._room():
+        if self._room():
             log.info("chat completion stream output chunk", seq=self.seq, type=kind, delta_len=length, **extra)
 
     def around(self, kind: str, text: str, shape) -> None:
@@ -55,7 +58,7 @@ class StreamTrace:
         emitted_before = self.emitted
         shape(text)
         emitted = self.emitted - emitted_before
-        if emitted != len(text) and self.lines < MAX_TRACED_CHUNKS + 1 and self._room():
+        if emitted != len(text) and self._room():
             log.info(
                 "chat completion stream output filtered",
                 type=kind,
