@@ -185,11 +185,20 @@ def main() -> None:
         f"  cores in use meanwhile (of {os.cpu_count()}): edge {edge_cores:.2f}, node {node_cores:.2f},"
         f" upstream {upstream_cores:.2f}, the client (this process) {client_cores:.2f}"
     )
+    print(verdict(fits, bare))
+
+
+def verdict(fits: list[tuple[float, float]], bare: tuple[float, float]) -> str:
+    """The closing line: edge + node CPU per token of a 200-token stream, and
+    the per-request share of it, from the (per stream, per token) fits."""
     stream_share = sum(p for p, _ in fits) / 200
     total = stream_share + sum(t for _, t in fits)
-    print(
+    # /proc counts CPU in clock ticks (10 ms): a small run can measure no CPU
+    # at all, or a fit below zero. Say so rather than divide by it.
+    share = f"{stream_share / total:.0%}" if total > 0 else "too little CPU measured to split; run more requests"
+    return (
         f"\nAt 200-token streams, edge + node: {total:.1f} µs per token, of which {stream_share:.1f} is"
-        f" per-request work spread over the stream ({stream_share / total:.0%});"
+        f" per-request work spread over the stream ({share});"
         f" the bare server's floor alone is {sum(bare) / 200:.1f} µs per token there."
     )
 
