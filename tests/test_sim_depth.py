@@ -375,3 +375,26 @@ async def test_many_tools_and_a_long_conversation_are_read_in_one_pass(sim_edge)
                 model="iop-sim", messages=messages, tools=tools, tool_choice="required"
             )
     assert reply.choices[0].message.tool_calls[0].function.name == "tool_200"
+
+
+async def test_tool_names_that_share_a_long_prefix_cost_the_node_no_more(sim_edge):
+    """255 tool names of 61 dashes and a number, and one "a" (all valid names), against 2 MB of
+    dashes: the one alternation of every name tried each name at each character (12.5 s a MB:
+    the node froze, and lost its link past 15 s). The names are one trie now, and the sim
+    reads a message's first and last 16 KiB for them; the user's "use a" at the end is found."""
+    names = ["-" * 61 + f"{i:03d}" for i in range(255)] + ["a"]
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+    dashes = "-" * (2 << 20)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": dashes},
+        {"role": "user", "content": dashes + " use a"},
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            reply = await client.chat.completions.create(
+                model="iop-sim", messages=messages, tools=tools, tool_choice="required"
+            )
+            assert reply.choices[0].message.tool_calls[0].function.name == "a"
+            other = await client.chat.completions.create(model="iop-sim", messages=[{"role": "user", "content": "hi"}])
+    assert other.choices[0].message.content
