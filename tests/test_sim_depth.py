@@ -355,46 +355,33 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
     assert names == ["get_weather", "final_answer", "get_weather", "final_answer", "get_weather"]
 
 
-async def test_many_tools_and_a_long_conversation_are_read_in_one_pass(sim_edge):
-    """256 tools and 8 MB of conversation under `tool_choice: "required"`: the sim reads the text
-    once for every tool's name (it read it once per tool, twice: about 35 s of a frozen node, the
-    test's bound passed; 0.3 s now) and calls the tool the user names."""
-    tools = [
-        {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object", "properties": {}}}}
-        for i in range(256)
-    ]
-    text = "word " * 790_000
+@pytest.mark.parametrize(
+    ("names", "text", "asked"),
+    [
+        # 256 tools, 8 MB of conversation: the text was lowered and read once per tool, twice
+        # (about 35 s of a frozen node); one pass for every name now
+        ([f"tool_{i}" for i in range(256)], "word " * 790_000, "tool_200"),
+        # 255 names of 61 dashes and a number, and "a" (all valid names), against 2 MB of dashes:
+        # one alternation of every name tried each name at each character (12.5 s a MB; the node
+        # lost its link past 15 s). One trie now, over a message's first and last 16 KiB
+        (["-" * 61 + f"{i:03d}" for i in range(255)] + ["a"], "-" * (2 << 20), "a"),
+    ],
+    ids=["256-tools-8MB", "shared-prefixes"],
+)
+async def test_many_tools_and_a_long_conversation_cost_the_node_little(sim_edge, names, text, asked):
+    """Under `tool_choice: "required"`, the sim calls the tool the user names at the end of a
+    long message, and the node serves the next request (it froze for the cases above)."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
     messages = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": text},
-        {"role": "user", "content": text + "use tool_200"},
+        {"role": "user", "content": f"{text} use {asked}"},
     ]
     with trio.fail_after(BOUND):
         async with sdk(sim_edge) as client:
             reply = await client.chat.completions.create(
                 model="iop-sim", messages=messages, tools=tools, tool_choice="required"
             )
-    assert reply.choices[0].message.tool_calls[0].function.name == "tool_200"
-
-
-async def test_tool_names_that_share_a_long_prefix_cost_the_node_no_more(sim_edge):
-    """255 tool names of 61 dashes and a number, and one "a" (all valid names), against 2 MB of
-    dashes: the one alternation of every name tried each name at each character (12.5 s a MB:
-    the node froze, and lost its link past 15 s). The names are one trie now, and the sim
-    reads a message's first and last 16 KiB for them; the user's "use a" at the end is found."""
-    names = ["-" * 61 + f"{i:03d}" for i in range(255)] + ["a"]
-    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
-    dashes = "-" * (2 << 20)
-    messages = [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": dashes},
-        {"role": "user", "content": dashes + " use a"},
-    ]
-    with trio.fail_after(BOUND):
-        async with sdk(sim_edge) as client:
-            reply = await client.chat.completions.create(
-                model="iop-sim", messages=messages, tools=tools, tool_choice="required"
-            )
-            assert reply.choices[0].message.tool_calls[0].function.name == "a"
+            assert reply.choices[0].message.tool_calls[0].function.name == asked
             other = await client.chat.completions.create(model="iop-sim", messages=[{"role": "user", "content": "hi"}])
     assert other.choices[0].message.content
