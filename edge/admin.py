@@ -284,7 +284,7 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         _, policy = parsed
         await edge.ledger.put_key(key_id, key.sha256, policy)  # type: ignore[union-attr]
         edge.keys.change(key, policy)
-        return json_response(200, _key_view(key, {}))
+        return json_response(200, _key_view(key, await edge.ledger.key_totals()))  # type: ignore[union-attr]
 
     @app.delete("/v1/admin/keys/<key_id>")
     async def revoke_key(key_id: str) -> Response:

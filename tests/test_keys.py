@@ -260,6 +260,7 @@ async def test_run_time_keys_create_list_change_revoke(nursery, tmp_path):
             assert "key" not in carol and secret not in str(listed)
             r = await admin.patch("/v1/admin/keys/carol", json={"rpm": 1})
             assert r.status_code == 200 and r.json()["policy"]["rpm"] == 1
+            assert r.json()["usage"] == carol["usage"]  # the key as listed, not a usage of 0
             async with client(edge, secret) as c:
                 assert (await chat(c)).status_code == 200
                 assert (await chat(c)).status_code == 429  # the new policy holds at once
