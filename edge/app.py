@@ -461,13 +461,20 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         refused = admin_auth()
         if refused is not None:
             return refused
+        # Without admin_keys a client key sees the nodes, but only the models it may use (and
+        # nodes that serve one): a key refused a model does not learn it exists (newcomer audit).
+        key = None if config.admin_keys else client_key()[0]
         now = trio.current_time()
+        shown = {
+            link: [info for info in link.models.values() if key is None or key.may_use(info.name)]
+            for link in sorted(edge.runs.links.values(), key=lambda lk: lk.node_id)
+        }
         nodes = [
             {
                 "id": link.node_id,
                 "linked_for_s": round(now - link.linked_at, 3),
                 "draining": link.draining,
-                "in_flight": sum(link.in_flight.values()),
+                "in_flight": sum(link.in_flight[info.name] for info in infos),
                 "models": [
                     {
                         "name": info.name,
@@ -483,10 +490,11 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                         # the model server's own load (from its metrics), when the node samples it
                         **({"engine": link.engine[info.name]} if info.name in link.engine else {}),
                     }
-                    for info in link.models.values()
+                    for info in infos
                 ],
             }
-            for link in sorted(edge.runs.links.values(), key=lambda lk: lk.node_id)
+            for link, infos in shown.items()
+            if infos or key is None
         ]
         return _json(200, _encode({"object": "list", "data": nodes}))
 

@@ -72,6 +72,28 @@ async def test_model_globs_hide_models_a_key_may_not_use(nursery, tmp_path):
             assert (await claude.messages.count_tokens(model="qwen-a", messages=MESSAGES)).input_tokens > 0
 
 
+async def test_without_admin_keys_nodes_shows_a_key_only_the_models_it_may_use(nursery, tmp_path):
+    """With no admin_keys, client keys guard /v1/nodes: a key limited to `qwen*` sees qwen-a on its
+    node, not llama-b nor the node that serves only llama-b (it listed every model and node)."""
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=[KeyConfig(id="alice", key="sk-alice", models=["qwen*"]), KeyConfig(id="all", key="sk-all")]),
+    )
+    await start_node(nursery, edge, [sim("qwen-a"), sim("llama-b")], node_id="n1")
+    await start_node(nursery, edge, [sim("llama-b")], node_id="n2")
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-alice") as c:
+            nodes = (await c.get("/v1/nodes")).json()["data"]
+            assert [(n["id"], [m["name"] for m in n["models"]]) for n in nodes] == [("n1", ["qwen-a"])]
+            assert "llama" not in (await c.get("/v1/nodes")).text
+        async with client(edge, "sk-all") as c:
+            nodes = (await c.get("/v1/nodes")).json()["data"]
+            assert [(n["id"], sorted(m["name"] for m in n["models"])) for n in nodes] == [
+                ("n1", ["llama-b", "qwen-a"]),
+                ("n2", ["llama-b"]),
+            ]
+
+
 async def test_rpm_refuses_with_retry_after_and_ratelimit_headers(nursery, tmp_path):
     edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="bob", key="sk-bob", rpm=3)])
     with trio.fail_after(BOUND):
