@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import trio
@@ -228,6 +229,25 @@ def test_readme_configs_load_and_keep_off_hypercorns_port():
     assert edge.bind == "127.0.0.1:8080" and node.edges == ["ws://127.0.0.1:8080/v1/node/link"]
     base_urls = [m.base_url for m in node.models if m.base_url]
     assert base_urls and not any(":8000/" in u for u in base_urls), base_urls
+
+
+async def test_readme_edge_and_node_files_work_together_with_its_curl_line(nursery):
+    """The README's edge.toml and node.toml (its sim model; another port, no ledger file) and the
+    curl line after them: its key may use its model (the key once allowed only qwen* and
+    llama-3*, and its secret was in a comment alone: 401, then 404)."""
+    edge_cfg = msgspec.structs.replace(convert(_readme_toml("edge.toml"), EdgeConfig), ledger="off")
+    node_cfg = convert(_readme_toml("node.toml"), NodeConfig)
+    line = re.search(r"### node\.toml\n.*?```sh\n(curl .*?)```", README, re.S).group(1)
+    secret = re.search(r"Bearer (\S+?)'", line).group(1)
+    body = json.loads(re.search(r"-d '(\{.*\})'", line).group(1))
+    edge = await start_edge(nursery, edge_cfg)
+    sims = [m for m in node_cfg.models if m.adapter == "sim"]
+    assert [m.name for m in sims] == [body["model"]]
+    await start_node(nursery, edge, sims, node_id=node_cfg.node_id, token=node_cfg.token)
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as c:
+            r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {secret}"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
 
 
 def test_readme_sample_config_error_is_what_iop_prints(tmp_path):
