@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 
 T = TypeVar("T")
 
@@ -77,7 +78,13 @@ def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
     try:
         cfg = msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {_one_line(e)}") from e
+        line = _one_line(e)
+        key, _, problem = line.rpartition(": ")
+        if problem.startswith("invalid enum value"):
+            choices = _choices(cls, key)
+            if choices:
+                line += f" (one of {', '.join(map(repr, choices))})"
+        raise ConfigError(f"{source}: {line}") from e
     check = getattr(cfg, "check", None)
     if check is not None:
         try:
@@ -85,3 +92,16 @@ def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from e
     return cfg
+
+
+def _choices(cls: type, key: str) -> tuple[Any, ...]:
+    """The values a Literal setting at ``key`` (``routing``, ``models[0].adapter``) takes; () if none."""
+    info: Any = msgspec.inspect.type_info(cls)
+    for part in re.findall(r"[^.\[\]]+", key):
+        while isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.DictType)):
+            info = info.item_type if isinstance(info, msgspec.inspect.ListType) else info.value_type
+        if part.isdigit():
+            continue
+        fields = getattr(info, "fields", ())
+        info = next((f.type for f in fields if f.encode_name == part), None)
+    return info.values if isinstance(info, msgspec.inspect.LiteralType) else ()

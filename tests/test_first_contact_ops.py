@@ -124,6 +124,20 @@ def test_bind_port_out_of_range_is_one_line(tmp_path):
     assert line == f"iop: {cfg}: bind: port must be 0-65535, got '127.0.0.1:99999'"
 
 
+def test_a_wrong_choice_is_one_line_naming_the_right_ones(tmp_path):
+    """`routing = "fastest"` in edge.toml, `adapter = "vllm"` in node.toml: the line names the
+    values the key takes (it said only "invalid enum value")."""
+    cfg = write_toml(tmp_path / "edge.toml", {"routing": "fastest", "node_token": TOKEN})
+    line = _one_line_failure(["edge", "--config", cfg])
+    assert line == (
+        f"iop: {cfg}: routing: invalid enum value 'fastest' (one of 'least_loaded', 'prefix', 'random', 'session')"
+    )
+    node = {"node_id": "n1", "edges": ["ws://127.0.0.1:9/v1/node/link"], "token": TOKEN}
+    cfg = write_toml(tmp_path / "node.toml", {**node, "models": [{"name": "q", "adapter": "vllm"}]})
+    line = _one_line_failure(["node", "--config", cfg])
+    assert line == f"iop: {cfg}: models[0].adapter: invalid enum value 'vllm' (one of 'openai', 'sim')"
+
+
 def test_bind_flag_that_is_not_an_address_is_one_line():
     """`iop edge --bind notaport` stops with one line naming the flag and the value."""
     line = _one_line_failure(["edge", "--bind", "notaport"])
