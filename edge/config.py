@@ -209,6 +209,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                     raise ConfigError(f"models[{i}].{name}: must not be negative")
             if m.max_tool_attempts is not None and not 1 <= m.max_tool_attempts <= MAX_TOOL_ATTEMPTS:
                 raise ConfigError(f"models[{i}].max_tool_attempts: between 1 and {MAX_TOOL_ATTEMPTS}")
+            # (both were accepted and did nothing without it: a forgotten strict_output went unseen)
+            for name in ("stream_buffer", "xml_completion_tool"):
+                if getattr(m, name) and not m.strict_output:
+                    raise ConfigError(f"models[{i}].{name}: takes effect only with strict_output = true")
 
     @property
     def ledger_target(self) -> str | None:

@@ -138,6 +138,17 @@ def test_a_wrong_choice_is_one_line_naming_the_right_ones(tmp_path):
     assert line == f"iop: {cfg}: models[0].adapter: invalid enum value 'vllm' (one of 'openai', 'sim')"
 
 
+@pytest.mark.parametrize("setting", [{"stream_buffer": True}, {"xml_completion_tool": "attempt_completion"}])
+def test_a_model_setting_that_needs_strict_output_says_so(tmp_path, setting):
+    """`stream_buffer` and `xml_completion_tool` shape only a strict_output model: without it they
+    are a config error naming the key (they started and did nothing)."""
+    ((name, value),) = setting.items()
+    cfg = write_toml(tmp_path / "edge.toml", {"node_token": TOKEN, "models": [{"name": "q", name: value}]})
+    line = _one_line_failure(["edge", "--config", cfg])
+    assert line == f"iop: {cfg}: models[0].{name}: takes effect only with strict_output = true"
+    assert convert({"models": [{"name": "q", "strict_output": True, name: value}]}, EdgeConfig).models[0]
+
+
 def test_bind_flag_that_is_not_an_address_is_one_line():
     """`iop edge --bind notaport` stops with one line naming the flag and the value."""
     line = _one_line_failure(["edge", "--bind", "notaport"])
