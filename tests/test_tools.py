@@ -413,6 +413,42 @@ async def test_a_model_without_native_tools_gets_results_in_a_row_as_one_user_tu
     assert retry[1]["content"].startswith(first[1]["content"] + "\n\n") and "That is invalid" in retry[1]["content"]
 
 
+async def test_a_model_without_native_tools_gets_an_image_turn_joined_with_the_text_around_it(tooled):
+    """native_tools = false: tool results, then the user's message with an image, then a retry's
+    correction are one user turn of parts, in order (the image turn kept its own, and the
+    correction was a third user turn in a row on the retry); a user message with no content
+    joins the next."""
+    edge, upstream = tooled
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA="}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        {"role": "user", "content": [{"type": "text", "text": "And this sky?"}, image]},
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("t", bad_then_good({"town": "Oslo"}, {"city": "Oslo"}))
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "textonly", "messages": messages, "tools": TOOLS}
+            )
+            assert r.status_code == 200, r.text
+            upstream.script_for("t", steps({"content": "Hi."}))
+            nothing = [{"role": "user", "content": None}, {"role": "user", "content": "hi"}]
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "textonly", "messages": nothing, "tools": TOOLS}
+            )
+            assert r.status_code == 200, r.text
+    first, retry, empty = (rec.body["messages"] for rec in upstream.records)
+    for sent in (first, retry):
+        assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    turn = [{"type": "text", "text": "<tool_response>\nrain\n</tool_response>"}, *messages[3]["content"]]
+    assert first[3]["content"] == turn
+    assert retry[3]["content"][:3] == turn and "That is invalid" in retry[3]["content"][3]["text"]
+    assert [m["role"] for m in empty] == ["system", "user"] and empty[1]["content"].endswith("hi")
+
+
 async def test_many_tool_results_for_a_model_without_native_tools_are_joined_in_one_pass(tooled):
     """2,000 tool results of 3.5 KB in a row (7 MB, under the body limit) for a native_tools = false
     model: one user turn, joined once at its end (each result joined onto the turn so far copied

@@ -576,6 +576,7 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             messages.append(message)
     if texts:
         messages.append(alone or {"role": "user", "content": "".join(texts)})
+    messages = _one_user_turn_at_a_time(messages)
     if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
         messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
     else:
@@ -584,9 +585,32 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _one_user_turn_at_a_time(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """User messages in a row that a text turn could not take (one has an image: the image is
+    the model's to see) become one message of their parts, in order: a text turn and the image
+    turn after it, two images, an image and a retry's correction."""
+    out: list[dict[str, Any]] = []
+    merged: dict[str, Any] | None = None  # the last message of ``out`` when it is ours to extend
+    for message in messages:
+        if out and message.get("role") == "user" and out[-1].get("role") == "user":
+            if merged is not out[-1]:
+                merged = {**out[-1], "content": _parts(out[-1].get("content"))}  # (the client's list is left as it is)
+                out[-1] = merged
+            merged["content"].extend(_parts(message.get("content")))
+            continue
+        out.append(message)
+    return out
+
+
+def _parts(content: Any) -> list[Any]:
+    if isinstance(content, list):
+        return list(content)
+    return [{"type": "text", "text": content if isinstance(content, str) else ""}]
+
+
 def _text_only(content: Any) -> bool:
-    """Whether a user message's content is text: a string, or parts that are all text."""
-    if isinstance(content, str):
+    """Whether a user message's content is text: a string, parts that are all text, or none."""
+    if isinstance(content, str) or content is None:
         return True
     return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
 
