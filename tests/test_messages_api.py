@@ -47,13 +47,17 @@ async def setup(nursery, upstream):
 
 
 def test_decoder_maps_claude_code_requests_to_chat():
-    """System text (string, blocks, and role=system entries), images, tool_use / tool_result
+    """System text (string, blocks, and role=system entries; Claude Code's billing line left out),
+    images, tool_use / tool_result
     history, thinking history, tools (server tools left out), tool_choice, stop_sequences,
     top_k, metadata.user_id and unknown top-level fields."""
     raw = {
         "model": "m",
         "max_tokens": 100,
-        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=sdk-cli;"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+        ],
         "messages": [
             {"role": "system", "content": "Extra system text."},
             {
@@ -535,6 +539,10 @@ async def test_claude_code_cli_answers_through_the_edge(nursery, upstream, tmp_p
     """A plain prompt: `claude -p` prints the model's answer."""
     done, _ = await run_claude(nursery, upstream, tmp_path, "Say hello.")
     assert "Hello from the edge." in done.stdout
+    # Its billing line (three hex digits from the session's first message) is not the prompt's
+    # start: sessions share their prompt's prefix, for the model server's cache and prefix routing.
+    systems = [r.body["messages"][0]["content"] for r in upstream.records]
+    assert systems and all(s.startswith("You are") and "x-anthropic-billing-header" not in s for s in systems)
 
 
 async def test_claude_code_cli_writes_a_file_through_the_edge(nursery, upstream, tmp_path):

@@ -12,7 +12,8 @@ What the decoder does with each part of a request:
 
 - ``system`` (a string or text blocks) and any ``role: "system"`` entry in
   ``messages`` become one leading system message; ``cache_control`` and other
-  block fields the edge has no use for are ignored;
+  block fields the edge has no use for are ignored, and so is Claude Code's
+  ``x-anthropic-billing-header:`` line at its start;
 - ``text`` and ``image`` blocks (base64 or url) become content parts;
   ``tool_use`` blocks an assistant message's ``tool_calls``; ``tool_result``
   blocks ``tool`` messages (``is_error`` marks the text); ``thinking`` and
@@ -92,14 +93,31 @@ def _text_of(block: dict[str, Any], param: str) -> str:
     return text
 
 
+# Claude Code opens its system prompt with a line for Anthropic's billing, whose last three hex
+# digits come from the session's first message: every session's prompt differed from the
+# first line on, so no model server's prefix cache (nor the edge's prefix routing) could serve
+# one session from another's (673 against 68 ms to the first token on a prefix-cached sim).
+# Anthropic's API reads it and leaves it out of the prompt; so does the edge.
+_BILLING_LINE = "x-anthropic-billing-header:"
+
+
+def _without_billing_line(text: str) -> str:
+    if not text.startswith(_BILLING_LINE):
+        return text
+    _, _, rest = text.partition("\n")
+    return rest.lstrip("\n")
+
+
 def _system_text(system: str | list[dict[str, Any]], param: str) -> str:
     if isinstance(system, str):
-        return system
+        return _without_billing_line(system)
     parts = []
     for i, block in enumerate(system):
         if block.get("type") != "text":
             raise _bad(f"Invalid value for `{param}[{i}]`: system blocks must be text blocks.", f"{param}[{i}]")
-        parts.append(_text_of(block, f"{param}[{i}]"))
+        text = _without_billing_line(_text_of(block, f"{param}[{i}]")) if i == 0 else _text_of(block, f"{param}[{i}]")
+        if text:
+            parts.append(text)
     return "\n\n".join(parts)
 
 
@@ -363,6 +381,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         else:
             messages.append(_assistant_message(content, param))
     _check_tool_results(messages)
+    system = [text for text in system if text]  # (a system of the billing line alone is none)
     if system:
         messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
