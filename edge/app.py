@@ -22,6 +22,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from edge.admin import admin_routes, is_admin
+from edge.anthropic.codec import error_body as anthropic_error_body
 from edge.app_queue import install as install_app_queue
 from edge.config import EdgeConfig, load_edge_config
 from edge.connection import close as close_connections
@@ -428,9 +429,25 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             return _json(401, refusal)
         return client_key()[1]
 
+    def models_error(err: APIError) -> Response:
+        """An error of the models routes, in Anthropic's shape to the anthropic SDK (it sends
+        anthropic-version), as /v1/messages answers it; else OpenAI's."""
+        from quart import request
+
+        if "anthropic-version" in request.headers:
+            return _json(err.status, anthropic_error_body(err))
+        return _json(err.status, err.body())
+
+    def models_key() -> tuple[Key | None, Response | None]:
+        key, refused = client_key()
+        if refused is not None:
+            err = APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+            return None, models_error(err)
+        return key, None
+
     @app.get("/v1/models")
     async def list_models() -> Response:
-        key, refused = client_key()
+        key, refused = models_key()
         if refused is not None:
             return refused
         from quart import request
@@ -439,7 +456,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         names = [name for name in sorted(models) if key is None or key.may_use(name)]
         page = _models_page(names, request.args)
         if isinstance(page, APIError):
-            return _json(page.status, page.body())
+            return models_error(page)
         names, more = page
         cards = [_model_card(name, models[name]) for name in names]
         first, last = (cards[0].id, cards[-1].id) if cards else (None, None)
@@ -447,13 +464,12 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.get("/v1/models/<path:model_id>")  # ids such as Qwen/Qwen3-8B hold slashes
     async def retrieve_model(model_id: str) -> Response:
-        key, refused = client_key()
+        key, refused = models_key()
         if refused is not None:
             return refused
         links = edge.runs.models().get(model_id)
         if not links or (key is not None and not key.may_use(model_id)):
-            err = model_not_found(model_id)
-            return _json(err.status, err.body())
+            return models_error(model_not_found(model_id))
         return _json(200, _encode(_model_card(model_id, links)))
 
     @app.get("/v1/nodes")

@@ -70,6 +70,13 @@ async def test_model_globs_hide_models_a_key_may_not_use(nursery, tmp_path):
             with pytest.raises(anthropic.NotFoundError):
                 await claude.messages.count_tokens(model="llama-b", messages=MESSAGES)
             assert (await claude.messages.count_tokens(model="qwen-a", messages=MESSAGES)).input_tokens > 0
+            with pytest.raises(anthropic.NotFoundError) as hidden:
+                await claude.models.retrieve("llama-b")
+            assert hidden.value.body["type"] == "error"  # Anthropic's shape to its SDK
+        async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="sk-wrong", max_retries=0) as claude:
+            with pytest.raises(anthropic.AuthenticationError) as refused:
+                await claude.models.list()
+            assert refused.value.body["error"]["type"] == "authentication_error"
 
 
 async def test_without_admin_keys_nodes_shows_a_key_only_the_models_it_may_use(nursery, tmp_path):

@@ -883,11 +883,18 @@ async def test_the_anthropic_sdk_pages_through_models(nursery, upstream):
             back = await client.models.list(limit=2, before_id="d")
             with pytest.raises(anthropic.BadRequestError) as bad:
                 await client.models.list(limit=0)
+            with pytest.raises(anthropic.NotFoundError) as missing:
+                await client.models.retrieve("z")
         async with http(edge) as raw:
             whole = (await raw.get("/v1/models")).json()
+            openai_missing = (await raw.get("/v1/models/z")).json()
     assert [m.id for m in first.data] == ["a", "b"] and first.has_more and first.last_id == "b"
     assert every == names
     assert [m.id for m in back.data] == ["b", "c"] and back.has_more and back.first_id == "b"
+    # Errors in Anthropic's shape to its SDK, as /v1/messages answers them (they were OpenAI's)
+    assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
     assert bad.value.body["error"]["message"].startswith("Invalid value for `limit`")
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    assert openai_missing["error"]["code"] == "model_not_found"  # OpenAI's to everyone else
     assert [m["id"] for m in whole["data"]] == names and whole["has_more"] is False
     await settled(edge, node.agent)
