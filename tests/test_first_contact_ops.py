@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from edge.config import EdgeConfig, check_bind
+from iop.cli import demo_model
 from iop.configfile import ConfigError, convert
 from node.agent import NodeAgent
 from node.config import NodeConfig
@@ -273,6 +274,28 @@ async def test_readme_edge_and_node_files_work_together_with_its_curl_line(nurse
         async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as c:
             r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {secret}"})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+
+
+async def test_readme_python_blocks_run_as_written_against_the_demo_model(nursery):
+    """The README's Python blocks (the OpenAI SDK's stream, the Anthropic SDK's message, the sim's
+    tool round trip), run in order in one interpreter as a newcomer pastes them, against an edge
+    serving the demo's model (its address for 127.0.0.1:8080): each runs, and what the comments
+    say it prints, it prints."""
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert len(blocks) >= 3
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [msgspec.structs.replace(demo_model(), tokens_per_s=0, ttft_ms=0)])
+    code = "\n".join(blocks).replace("http://127.0.0.1:8080", edge.url)
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            [sys.executable, "-c", code], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    promised = re.findall(r"^print\(.*\)  # (.+)$|^# (.+)$", "\n".join(blocks), re.M)
+    assert promised
+    for said in (a or b for a, b in promised):
+        assert said in out, (said, out)
 
 
 def test_readme_sample_config_error_is_what_iop_prints(tmp_path):
