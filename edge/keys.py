@@ -330,9 +330,9 @@ class Keys:
         if policy.max_concurrent:
             if shared:  # on a slot this edge holds in Redis (none free: it borrows one, edge.shared_state)
                 if key.in_flight + key.flight_promised >= key.flight_held:
-                    raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "slot")
+                    raise self._limited(key, _in_flight(policy.max_concurrent), 1.0, "slot")
             elif key.in_flight + key.others_in_flight >= policy.max_concurrent:
-                raise self._limited(key, f"{policy.max_concurrent} concurrent requests", 1.0, "concurrency")
+                raise self._limited(key, _in_flight(policy.max_concurrent), 1.0, "concurrency")
         if policy.rpm:
             self.take_request(key, now)
         if policy.tpm:
@@ -478,3 +478,7 @@ def policy_of(kc: KeyConfig) -> Policy:
         max_concurrent=kc.max_concurrent,
         daily_tokens=kc.daily_tokens,
     )
+
+
+def _in_flight(n: int) -> str:
+    return f"{n} concurrent request{'' if n == 1 else 's'}"

@@ -155,7 +155,7 @@ async def test_max_concurrent_counts_streams_in_flight(nursery, tmp_path):
                     async for line in s.aiter_lines():
                         if '"content"' in line:  # in flight: a second request is refused
                             r = await chat(c, "slow")
-                            assert r.status_code == 429 and "1 concurrent" in r.json()["error"]["message"]
+                            assert r.status_code == 429 and ": 1 concurrent request." in r.json()["error"]["message"]
                             reading.cancel()
             await eventually(lambda: edge.edge.keys.by_id["cy"].in_flight == 0)
             up.script_for("slow-target", [("chunk", {"content": "b"}), ("chunk", {}, "stop"), ("done",)])
