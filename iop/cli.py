@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="edge plus an in-process simulated node serving iop-sim", parents=[after])
     demo.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
     edge = sub.add_parser("edge", help="run the edge", parents=[after])
-    edge.add_argument("--config", required=False, help="edge TOML file (default: $IOP_EDGE_CONFIG)")
+    edge.add_argument(
+        "--config",
+        required=False,
+        help="edge TOML file (default: $IOP_EDGE_CONFIG; with neither, the defaults: no node can link)",
+    )
     edge.add_argument("--bind", default=None, help="HOST:PORT, overrides the config's bind")
     edge.add_argument("--certfile", default=None, help="TLS certificate (PEM)")
     edge.add_argument("--keyfile", default=None, help="TLS private key (PEM)")
