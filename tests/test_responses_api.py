@@ -326,6 +326,11 @@ async def test_references_expand_to_no_more_than_a_body_may_hold(nursery, upstre
             fits = await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, ref])
             with pytest.raises(openai.BadRequestError) as twice:
                 await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, ref, ref])
+            whole = bigs[0].output[0].model_dump(exclude_none=True)  # the item itself, and a reference to it
+            with pytest.raises(openai.BadRequestError) as sent_and_referenced:
+                await client.responses.create(model="m", input=[whole, ref])
+            with pytest.raises(openai.BadRequestError) as referenced_and_sent:
+                await client.responses.create(model="m", input=[ref, whole])
             with pytest.raises(openai.APIStatusError) as too_large:
                 await client.responses.create(model="m", input=[{"role": "user", "content": "a"}, *refs])
             with pytest.raises(openai.BadRequestError) as too_many:
@@ -333,6 +338,8 @@ async def test_references_expand_to_no_more_than_a_body_may_hold(nursery, upstre
             after = await client.responses.create(model="m", input="Hi")
     assert fits.status == "completed" and len(upstream.records[4].body["messages"]) == 2
     assert twice.value.body["code"] == "duplicate_item"  # (as OpenAI answers it)
+    for either in (sent_and_referenced, referenced_and_sent):  # (it reached the model twice)
+        assert either.value.body["code"] == "duplicate_item"
     assert too_large.value.status_code == 413 and too_large.value.body["code"] == "request_too_large"
     assert "65536 bytes" in too_large.value.message and too_large.value.body["param"] == "input"
     assert too_many.value.body["code"] == "too_many_messages"

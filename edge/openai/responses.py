@@ -193,14 +193,19 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
     if not isinstance(value, list):
         raise _bad("Invalid value for `input`: expected a string or a list of input items.", "input")
     out: list[dict[str, Any]] = []
+    inline: set[str] = set()  # the ids of items sent whole, and of those referenced
+    referenced: set[str] = set()
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
             raise _bad(f"Invalid value for `{param}`: expected an object.", param)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "item_reference":
+            _once(item.get("id"), referenced, inline, param)
             item = _referenced(item, param, items)
             kind = item.get("type")
+        elif items is not None:
+            _once(item.get("id"), inline, referenced, param)
         if kind == "message":
             role = item.get("role")
             if role == "developer":
@@ -236,6 +241,20 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
         else:
             decoded.ignored_items.append(str(kind))
     return out
+
+
+def _once(item_id: Any, mine: set[str], other: set[str], param: str) -> None:
+    """An item both sent whole and referenced is a 400, as one referenced twice is (it reached
+    the model twice: a call as two calls with one id)."""
+    if not isinstance(item_id, str):
+        return
+    if item_id in other:
+        raise errors.bad_request(
+            f"Duplicate item found with id {item_id[:100]}: send each item once, whole or referenced.",
+            param,
+            "duplicate_item",
+        )
+    mine.add(item_id)
 
 
 def _referenced(reference: dict[str, Any], param: str, items: Items | None) -> dict[str, Any]:
