@@ -363,10 +363,14 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
         ([f"tool_{i}" for i in range(256)], "word " * 790_000, "tool_200"),
         # 255 names of 61 dashes and a number, and "a" (all valid names), against 2 MB of dashes:
         # one alternation of every name tried each name at each character (12.5 s a MB; the node
-        # lost its link past 15 s). One trie now, over a message's first and last 16 KiB
+        # lost its link past 15 s). Words now, over a message's first and last 16 KiB
         (["-" * 61 + f"{i:03d}" for i in range(255)] + ["a"], "-" * (2 << 20), "a"),
+        # names of 1 to 256 dashes against 40 K of dashes: as a trie, 4.5 s a message (a call
+        # recorded in the assistant's text was looked for, and backtracked, at every dash). The
+        # sim reads words now, and looks each up once
+        (["-" * i for i in range(1, 257)], "-" * 40_000, "-" * 256),
     ],
-    ids=["256-tools-8MB", "shared-prefixes"],
+    ids=["256-tools-8MB", "shared-prefixes", "nested-prefixes"],
 )
 async def test_many_tools_and_a_long_conversation_cost_the_node_little(sim_edge, names, text, asked):
     """Under `tool_choice: "required"`, the sim calls the tool the user names at the end of a

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 import re
 import re._constants as _c
 import re._parser as _parser
@@ -106,10 +105,17 @@ def _since_last_user(messages: list[Any]) -> tuple[str, list[dict[str, Any]]]:
 
 # Where the sim looks for tool names: the first and the last _SCAN characters of a message
 # (a pasted document and "use tool_x" after it). A model server reads all of it, but the sim
-# only guesses which tool is meant, on the node's event loop: a scan costs at most 2 x _SCAN
-# x the longest name's length.
+# only guesses which tool is meant, on the node's event loop.
 _SCAN = 16 * 1024
-_WORD = re.compile(r"\w*")
+# A name as the sim reads one: a run of letters, digits, "_", "-" and "." (what tool names are
+# made of), bounded by anything else, and a dot or dash that ends a sentence left off it. One
+# pass over the text and a set lookup a word, whatever the names: a regex of the names tried
+# them at every character (255 names sharing 61 dashes: 12.5 s a MB; as a trie, 256 names of
+# 1 to 256 dashes still took 4.5 s on 40 K of dashes).
+_WORD = re.compile(r"[\w.-]+")
+_PART_WORD = re.compile(r"[\w.-]*")
+_CALL = re.compile(r"\s*\(")
+_QUOTES = ("'", '"')
 
 
 def _windows(text: str) -> list[str]:
@@ -118,59 +124,36 @@ def _windows(text: str) -> list[str]:
     if len(text) <= 2 * _SCAN:
         return [text]
     head, tail = text[:_SCAN], text[-_SCAN:]
-    if _WORD.match(text, _SCAN).end() > _SCAN:
-        head = head[: _SCAN - _WORD.match(head[::-1]).end()]
-    if _WORD.match(text, len(text) - _SCAN - 1).end() > len(text) - _SCAN - 1:
-        tail = tail[_WORD.match(tail).end() :]
+    if _PART_WORD.match(text, _SCAN).end() > _SCAN:
+        head = head[: _SCAN - _PART_WORD.match(head[::-1]).end()]
+    if _PART_WORD.match(text, len(text) - _SCAN - 1).end() > len(text) - _SCAN - 1:
+        tail = tail[_PART_WORD.match(tail).end() :]
     return [head, tail]
 
 
 def _named(functions: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """The functions ``text`` names, as words ("researched" does not name search), in their
-    order: one pass over the text, whatever the number of tools."""
+    """The functions ``text`` names, as words ("researched" does not name search, nor
+    "get-weather" get), in their order, letter case aside."""
     if not text:
         return []
-    pattern = re.compile(rf"(?<!\w)({_alternatives(functions, lower=True)})(?!\w)")
-    found = {name for part in _windows(text) for name in pattern.findall(part.lower())}
-    return [fn for fn in functions if fn["name"].lower() in found]
+    words = {w for part in _windows(text) for word in _WORD.findall(part.lower()) for w in (word, word.strip(".-"))}
+    return [fn for fn in functions if fn["name"].lower() in words]
 
 
 def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
     """The functions an assistant's text records calls of: a name quoted or called (smolagents:
-    ``{'name': 'get_weather', ...}``), not merely said ("get_weather says sunny"). One pass."""
-    names = _alternatives(functions)
-    pattern = re.compile(rf"""['"]({names})['"]|(?<!\w)({names})\s*\(""")
-    return {quoted or called for part in _windows(text) for quoted, called in pattern.findall(part)}
-
-
-def _alternatives(functions: list[dict[str, Any]], *, lower: bool = False) -> str:
-    """The functions' names as one regex that matches the longest name it can (``search_web``
-    before ``search``, backtracking to the shorter), built as a trie: the branches at each point
-    start with different characters, so a text position costs one step per character of the
-    name it follows, not one attempt per name (255 names sharing 61 dashes took 12.5 s a MB)."""
-    names = {fn["name"].lower() if lower else fn["name"] for fn in functions}
-    return _trie(sorted(names), 0)
-
-
-def _trie(names: list[str], at: int) -> str:
-    """A regex for ``names`` (sorted, sharing their first ``at`` characters) from ``at`` on."""
-    ends = bool(names) and len(names[0]) == at  # sorted: a name ending here comes first
-    rest = names[1:] if ends else names
-    branches = []
-    i = 0
-    while i < len(rest):
-        j = i + 1
-        while j < len(rest) and rest[j][at] == rest[i][at]:
-            j += 1
-        group = rest[i:j]
-        # the characters all of the group share, then what follows them
-        common = os.path.commonprefix(group)
-        branches.append(re.escape(common[at:]) + _trie(group, len(common)))
-        i = j
-    if not branches:
-        return ""
-    body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return f"(?:{body})?" if ends else body
+    ``{'name': 'get_weather', ...}``), not merely said ("get_weather says sunny")."""
+    names = {fn["name"] for fn in functions}
+    found = set()
+    for part in _windows(text):
+        for m in _WORD.finditer(part):
+            word, start, end = m.group(), m.start(), m.end()
+            if word not in names:
+                continue
+            quoted = start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES
+            if quoted or _CALL.match(part, end):
+                found.add(word)
+    return found
 
 
 def _is_final(name: str) -> bool:
