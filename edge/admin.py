@@ -282,9 +282,12 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         if isinstance(parsed, Response):
             return parsed
         _, policy = parsed
+        # Its usage read first: a ledger that fails the read answers 503 with the key unchanged
+        # (read after the change, a 503 came with the change made).
+        totals = await edge.ledger.key_totals(key_id)  # type: ignore[union-attr]
         await edge.ledger.put_key(key_id, key.sha256, policy)  # type: ignore[union-attr]
         edge.keys.change(key, policy)
-        return json_response(200, _key_view(key, await edge.ledger.key_totals()))  # type: ignore[union-attr]
+        return json_response(200, _key_view(key, totals))
 
     @app.delete("/v1/admin/keys/<key_id>")
     async def revoke_key(key_id: str) -> Response:

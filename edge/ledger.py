@@ -301,15 +301,19 @@ class Ledger:
         await self.store_pending()
         return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by))
 
-    async def key_totals(self) -> dict[str, tuple[int, int, int]]:
-        """Per key: (requests, prompt tokens, completion tokens) to date, every
-        record queued so far included; LedgerUnavailable rather than short totals."""
+    async def key_totals(self, key_id: str | None = None) -> dict[str, tuple[int, int, int]]:
+        """Per key (every key, or ``key_id``'s alone, read by its index): (requests, prompt
+        tokens, completion tokens) to date, every record queued so far included;
+        LedgerUnavailable rather than short totals."""
         await self.store_pending()
+        sql = "SELECT key, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage"
+        if key_id is not None:
+            sql, args = self.dialect.sql(sql + " WHERE key = ? GROUP BY key"), (key_id,)
+        else:
+            sql, args = sql + " GROUP BY key", ()
 
         def totals(db: Any) -> dict[str, tuple[int, int, int]]:
-            rows = db.execute(
-                "SELECT key, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage GROUP BY key"
-            ).fetchall()
+            rows = db.execute(sql, args).fetchall()
             return {k: (n, int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
 
         return await self._call(totals)

@@ -408,6 +408,26 @@ async def test_a_locked_sqlite_ledger_is_503_and_changes_nothing(nursery, tmp_pa
                 assert (await c.get("/v1/models")).status_code == 401
 
 
+async def test_a_key_change_the_ledger_cannot_answer_for_is_503_and_changes_nothing(nursery, tmp_path):
+    """PATCH answers the key with its usage to date: a ledger that cannot read the usage (its
+    table gone, as on a damaged file) makes it 503 `ledger_unavailable` with the key as it was
+    (the usage was read after the change: 503, and the change in force)."""
+    path = tmp_path / "l.sqlite3"
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(path)))
+    with trio.fail_after(BOUND * 2):
+        async with admin(edge) as adm:
+            assert (await adm.post("/v1/admin/keys", json={"id": "carol", "rpm": 5})).status_code == 201
+            db = sqlite3.connect(path, isolation_level=None)
+            try:
+                db.execute("ALTER TABLE usage RENAME TO gone")
+                r = await adm.patch("/v1/admin/keys/carol", json={"rpm": 7})
+                stored = db.execute("SELECT policy FROM keys WHERE id = 'carol'").fetchone()[0]
+            finally:
+                db.close()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "ledger_unavailable", r.text
+    assert edge.edge.keys.by_id["carol"].policy.rpm == 5 and '"rpm":5' in stored
+
+
 async def test_an_unexpected_error_in_a_quart_route_is_a_json_500_logged_once(nursery, tmp_path, monkeypatch, capsys):
     """A route Quart serves that raises an exception nobody expected answers an OpenAI-shaped 500
     (not Quart's HTML page), and the exception is one structlog event with its traceback, not

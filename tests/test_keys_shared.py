@@ -50,6 +50,8 @@ async def test_two_edges_share_keys_and_one_ledger(nursery, postgres_url):  # no
             assert sum(r["requests"] for r in rows if r["key"] == "shared") == 4
             assert sum(r["total_tokens"] for r in rows if r["key"] == "shared") == told
             assert len({r["node"] for r in rows if r["key"] == "shared"}) == 2  # both edges' nodes
+            changed = await admin_b.patch("/v1/admin/keys/shared", json={"rpm": 999})  # (its usage read by key)
+            assert changed.status_code == 200 and changed.json()["usage"]["requests"] == 4, changed.text
             assert (await admin_b.delete("/v1/admin/keys/shared")).status_code == 200
         await eventually(lambda: "shared" not in a.edge.keys.by_id, "edge a learns the revocation")
         async with client(a, secret) as c:
