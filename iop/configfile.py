@@ -23,7 +23,7 @@ class ConfigError(Exception):
     """A config file is unreadable or has a bad key; ``str()`` is one line."""
 
 
-_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")  # (the last: a value may hold the words)
 
 
 def _one_line(err: msgspec.ValidationError) -> str:
@@ -79,9 +79,9 @@ def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
         cfg = msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:
         line = _one_line(e)
-        key, _, problem = line.rpartition(": ")
-        if problem.startswith("invalid enum value"):
-            choices = _choices(cls, key)
+        at = _PATH.search(str(e))
+        if at and str(e).startswith("Invalid enum value"):
+            choices = _choices(cls, at.group(1))
             if choices:
                 line += f" (one of {', '.join(map(repr, choices))})"
         raise ConfigError(f"{source}: {line}") from e

@@ -137,6 +137,9 @@ def test_a_wrong_choice_is_one_line_naming_the_right_ones(tmp_path):
     cfg = write_toml(tmp_path / "node.toml", {**node, "models": [{"name": "q", "adapter": "vllm"}]})
     line = _one_line_failure(["node", "--config", cfg])
     assert line == f"iop: {cfg}: models[0].adapter: invalid enum value 'vllm' (one of 'openai', 'sim')"
+    with pytest.raises(ConfigError) as odd:  # a value holding the words of a key's place
+        convert({"routing": "x - at `$.y`"}, EdgeConfig)
+    assert str(odd.value).startswith("config: routing: invalid enum value 'x - at `$.y`' (one of 'least_loaded'")
 
 
 @pytest.mark.parametrize("setting", [{"stream_buffer": True}, {"xml_completion_tool": "attempt_completion"}])

@@ -46,6 +46,32 @@ async def setup(nursery, upstream):
 # -- the codec, without I/O -------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("system", "sent"),
+    [
+        # Claude Code's billing line, alone in its block: no system message is left to send
+        ([{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=cli;"}], None),
+        ("x-anthropic-billing-header: cc_version=2.1.197.1c0;\n\nBe brief.", "Be brief."),
+        # a line that starts so but is not the header's fields is the client's system text, kept
+        ("x-anthropic-billing-header: cc_version=1; Be brief.", "x-anthropic-billing-header: cc_version=1; Be brief."),
+        # and so is one that is not first
+        (
+            [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "x-anthropic-billing-header: a=1;"}],
+            "Be brief.\n\nx-anthropic-billing-header: a=1;",
+        ),
+    ],
+    ids=["block-alone", "string-first-line", "not-the-header", "not-first"],
+)
+def test_decoder_leaves_out_only_claude_codes_billing_line(system, sent):
+    body, _ = chat_body(
+        {"model": "m", "max_tokens": 10, "system": system, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    if sent is None:
+        assert body["messages"][0]["role"] == "user"
+    else:
+        assert body["messages"][0] == {"role": "system", "content": sent}
+
+
 def test_decoder_maps_claude_code_requests_to_chat():
     """System text (string, blocks, and role=system entries; Claude Code's billing line left out),
     images, tool_use / tool_result

@@ -35,6 +35,7 @@ What the decoder does with each part of a request:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -98,14 +99,14 @@ def _text_of(block: dict[str, Any], param: str) -> str:
 # first line on, so no model server's prefix cache (nor the edge's prefix routing) could serve
 # one session from another's (673 against 68 ms to the first token on a prefix-cached sim).
 # Anthropic's API reads it and leaves it out of the prompt; so does the edge.
-_BILLING_LINE = "x-anthropic-billing-header:"
+# The line, as Claude Code writes it: "x-anthropic-billing-header: cc_version=2.1.197.40f;
+# cc_entrypoint=sdk-cli;" (its fields name=value;), and the blank lines after it.
+_BILLING_LINE = re.compile(r"x-anthropic-billing-header:(?: *[\w.-]+=[^;\n]*;)* *(?:\n+|\Z)")
 
 
 def _without_billing_line(text: str) -> str:
-    if not text.startswith(_BILLING_LINE):
-        return text
-    _, _, rest = text.partition("\n")
-    return rest.lstrip("\n")
+    line = _BILLING_LINE.match(text)
+    return text[line.end() :] if line else text
 
 
 def _system_text(system: str | list[dict[str, Any]], param: str) -> str:

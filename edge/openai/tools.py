@@ -597,6 +597,8 @@ def _one_user_turn_at_a_time(messages: list[dict[str, Any]]) -> list[dict[str, A
                 merged = {**out[-1], "content": _parts(out[-1].get("content"))}  # (the client's list is left as it is)
                 out[-1] = merged
             merged["content"].extend(_parts(message.get("content")))
+            if message.get("name") != merged.get("name"):  # (one name for the words of several)
+                merged.pop("name", None)
             continue
         out.append(message)
     return out
