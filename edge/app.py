@@ -227,10 +227,11 @@ class Edge:
                 budget = getattr(refusal, "limit", None) == "reserved"
                 if covered:
                     ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
-                elif covered is None and budget:
-                    # Redis failed the budget's round trip: judged here, as when it is down (a stall
-                    # refused requests "over budget" until midnight, with 10 of 10M tokens used).
-                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens, held_budget=False)
+                elif covered is None:
+                    # Redis failed the budget's or the slot's round trip: judged here, as when it is
+                    # down (a stall refused requests "over budget" until midnight, with 10 of 10M
+                    # tokens used, and a key's every request for want of a slot, none in flight).
+                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens, alone=True)
                 elif budget:  # (no answer yet: not "spent until midnight")
                     raise APIError(
                         503,

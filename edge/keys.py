@@ -301,13 +301,11 @@ class Keys:
 
     # -- admission -------------------------------------------------------------
 
-    def admit(
-        self, key: Key, model: str, prompt_estimate: int, max_tokens: int | None, held_budget: bool = True
-    ) -> Lease:
+    def admit(self, key: Key, model: str, prompt_estimate: int, max_tokens: int | None, alone: bool = False) -> Lease:
         """Admit a request of ``key`` for ``model``, or raise the APIError
         (404, 429) that refuses it. The caller settles the lease at the end.
-        ``held_budget`` False: with shared state, a budget this edge could not
-        ask Redis for (it did not answer) is judged by what this edge knows."""
+        ``alone``: with shared state, a budget or a slot this edge could not ask
+        Redis for (it failed, or did not answer) is judged by what this edge knows."""
         if not key.may_use(model):
             raise model_not_found(model)
         policy = key.policy
@@ -322,16 +320,16 @@ class Keys:
                 raise self._over_budget(key, "budget")
             budget = self.day_need(prompt_estimate, max_tokens)
             holding = key.day_pending + key.budget_promised + key.unreported() + budget
-            if shared and held_budget and holding > key.budget_held:
+            if shared and not alone and holding > key.budget_held:
                 # Held in Redis first (borrowed, edge.shared_state): a script grants it while the
                 # day's total and every edge's holdings are below the budget, so a burst spread
                 # over edges crosses it by one request, not by one per edge and lease round.
                 raise self._over_budget(key, "reserved")
         if policy.max_concurrent:
-            if shared:  # on a slot this edge holds in Redis (none free: it borrows one, edge.shared_state)
+            if shared and not alone:  # on a slot this edge holds in Redis (none free: it borrows one)
                 if key.in_flight + key.flight_promised >= key.flight_held:
                     raise self._limited(key, _in_flight(policy.max_concurrent), 1.0, "slot")
-            elif key.in_flight + key.others_in_flight >= policy.max_concurrent:
+            elif key.in_flight >= policy.max_concurrent:  # (this edge alone, as with Redis down)
                 raise self._limited(key, _in_flight(policy.max_concurrent), 1.0, "concurrency")
         if policy.rpm:
             self.take_request(key, now)

@@ -481,7 +481,8 @@ class SharedState:
         :data:`BORROW_S` at most (:data:`BUDGET_WAIT_S` for budget). True if the borrow
         was answered (admit the request once more: it finds both in the balances),
         False if not (refuse it as it is), None if Redis failed the budget's round
-        trip (the caller judges the budget alone, as when Redis is down)."""
+        trip, or failed or never answered a slot's (the caller judges the request by
+        this edge alone, as when Redis is down)."""
         limit = getattr(refusal, "limit", None)
         if limit not in ("rpm", "tpm", "slot", "reserved") or not self.up or not self.keys.shared:
             return False
@@ -498,6 +499,7 @@ class SharedState:
         # 67 of 800 requests of a budget key were refused a slot with 4 of 1,000 in flight).
         slot_kept = 1 if key.policy.max_concurrent and not need_slot else 0
         key.flight_promised += slot_kept
+        answered = False  # a slot's borrow came back (none free) at least once
         try:
             with trio.move_on_after(BUDGET_WAIT_S if day_need and _budget_room(key) < day_need else BORROW_S):
                 while True:
@@ -513,11 +515,16 @@ class SharedState:
                         key.budget_promised += promised
                     if not need_slot or want.got_slot:
                         return True
+                    if want.failed:
+                        return None
+                    answered = True
                     # None free: a request on another edge may end any moment (its slot comes back
                     # as it does): ask again, within BORROW_S, before refusing.
                     requests = tokens = 0  # (what was borrowed is in the balances)
                     await trio.sleep(SLOT_RETRY_S)
-            return False
+            # No answer at all (a Redis that hangs, not yet known down): not "none free" (a key
+            # of max_concurrent 100 with none in flight was refused 8 of 8 that way).
+            return None if need_slot and not answered else False
         finally:
             key.budget_promised -= promised  # (free for its admission, next, with no await between)
             key.flight_promised -= slot_kept

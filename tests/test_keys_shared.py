@@ -565,6 +565,26 @@ async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path)
         ), r.text
 
 
+async def test_a_redis_stall_refuses_no_request_for_want_of_a_slot(nursery, redis_server, tmp_path):  # noqa: F811
+    """A max_concurrent key with none in flight, Redis stopped (not yet seen down): a request
+    whose slot borrow gets no answer is judged by this edge alone, as when Redis is down (each
+    was refused "100 concurrent requests", 8 of 8, found from outside)."""
+    import os
+    import signal
+
+    keys = [KeyConfig(id="wide", key="sk-wide", max_concurrent=100)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    with trio.fail_after(BOUND * 2):
+        assert [r.status_code for r in await burst(edge, "sk-wide", 2)] == [200, 200]
+        await eventually(lambda: edge.edge.keys.by_id["wide"].flight_held == 0, "its slots given back")
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            stalled = await burst(edge, "sk-wide", 8)  # (judged before Redis is known down, 1 s on)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert [r.status_code for r in stalled] == [200] * 8, [r.text for r in stalled]
+
+
 async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_server, tmp_path):  # noqa: F811
     """max_concurrent 2, two edges, five clients on each retrying at once on 429 for 3 s:
     every request runs on a slot its edge holds in Redis, so at no moment do more than 2
