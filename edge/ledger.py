@@ -56,6 +56,8 @@ _SCHEMA = (
     "created {real} NOT NULL, revoked {real})",
 )
 
+_SCHEMA_LOCK = 0x696F70  # "iop": the advisory lock the schema is made under (PostgreSQL)
+
 # (ts, request_id, key, model, node, api, status, outcome, prompt, completion, estimated, ttft_ms, duration_ms)
 Record = tuple
 
@@ -103,19 +105,23 @@ def connect(target: str) -> Any:
             keepalives_interval=2,
             keepalives_count=3,
         )
-        dialect = Dialect(True)
-    else:
-        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-        db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        dialect = Dialect(False)
+        # Edges starting together on an empty database: IF NOT EXISTS is no guard against a
+        # concurrent CREATE there (UniqueViolation, and the ledger down until its retry). One
+        # at a time, under a lock held until the transaction ends.
+        with db.transaction():
+            db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            for statement in _SCHEMA:
+                db.execute(statement.format(real=Dialect(True).real))
+        return db
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
     for statement in _SCHEMA:
-        db.execute(statement.format(real=dialect.real))
-    if not dialect.postgres:
-        columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
-        if "revoked" not in columns:  # a ledger made before keys could be revoked
-            db.execute("ALTER TABLE keys ADD COLUMN revoked REAL")
+        db.execute(statement.format(real=Dialect(False).real))
+    columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
+    if "revoked" not in columns:  # a ledger made before keys could be revoked
+        db.execute("ALTER TABLE keys ADD COLUMN revoked REAL")
     return db
 
 

@@ -58,6 +58,32 @@ async def test_two_edges_share_keys_and_one_ledger(nursery, postgres_url):  # no
             assert (await chat(c)).status_code == 401
 
 
+def test_edges_starting_together_on_an_empty_database_all_make_the_ledger(postgres_url):  # noqa: F811
+    """Six edges' ledgers connecting at once to an empty PostgreSQL database: each makes (or finds)
+    the schema; none fails (CREATE ... IF NOT EXISTS at once was a UniqueViolation for most of
+    them, found from outside: the ledger was down until its retry)."""
+    import threading
+
+    from edge.ledger import connect
+
+    failed: list[str] = []
+    start = threading.Barrier(6)
+
+    def one() -> None:
+        start.wait()
+        try:
+            connect(postgres_url).close()
+        except Exception as e:
+            failed.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND)
+    assert failed == []
+
+
 async def test_postgres_down_loses_no_record_and_fails_no_request(nursery, postgres, postgres_url):  # noqa: F811
     edge = await pg_edge(nursery, postgres_url)
     with trio.fail_after(BOUND * 2):
