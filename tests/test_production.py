@@ -441,9 +441,10 @@ async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
     assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
 
 
-async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_s: float):
-    """A real `iop edge` process (its own signals) and an in-process node serving `m` from
-    ``upstream``, the edge ready: the process and the edge's URL (the caller stops it)."""
+async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_s: float, hypercorn: bool = False):
+    """A real `iop edge` process (its own signals), or hypercorn's CLI serving the edge, and an
+    in-process node serving `m` from ``upstream``, the edge ready: the process and the edge's
+    URL (the caller stops it)."""
     from node.agent import NodeAgent
     from scripts.stack import free_port
     from tests.conftest import node_config
@@ -451,7 +452,12 @@ async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_
     port = free_port()
     config = {"bind": f"127.0.0.1:{port}", "node_token": TOKEN, "drain_grace_s": drain_grace_s}
     cfg = write_toml(tmp_path / "edge.toml", config)
-    proc = _spawn([sys.executable, "-m", "iop.cli", "edge", "--config", cfg], {"IOP_LOG_FORMAT": "json"})
+    if hypercorn:
+        cli = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+        argv = [cli, "--worker-class", "trio", "--bind", f"127.0.0.1:{port}", "edge.app:create_app()"]
+        proc = _spawn(argv, {"IOP_LOG_FORMAT": "json", "IOP_EDGE_CONFIG": cfg})
+    else:
+        proc = _spawn([sys.executable, "-m", "iop.cli", "edge", "--config", cfg], {"IOP_LOG_FORMAT": "json"})
     try:
         agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m", upstream)]))
         nursery.start_soon(agent.serve)
@@ -475,11 +481,15 @@ async def _streaming_then_sigterm(url: str, upstream, proc: subprocess.Popen):
         yield r
 
 
-async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
-    """SIGTERM to `iop edge`: new requests get 503, the in-flight stream finishes, then the process exits 0."""
+@pytest.mark.parametrize("cli", ["iop edge", "hypercorn"])
+async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream, cli):
+    """SIGTERM to `iop edge`, or to hypercorn's CLI serving the edge: new requests get 503, the
+    in-flight stream (4 s, past hypercorn's 3 s graceful timeout) finishes, then the process
+    exits 0. (Under hypercorn's CLI the stream was cut after 3 s, mid-body, with no error.)"""
 
-    upstream.script_for("m-target", lambda body: text_script(words(15), interval=0.05))
-    proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=10)
+    upstream.script_for("m-target", lambda body: text_script(words(80), interval=0.05))
+    hypercorn = cli == "hypercorn"
+    proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=10, hypercorn=hypercorn)
     try:
         with trio.fail_after(BOUND):
             async with _streaming_then_sigterm(url, upstream, proc) as r:
@@ -491,7 +501,7 @@ async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream):
                         await trio.sleep(0.02)
                 assert late.json()["error"]["code"] == "draining"
                 body = await r.aread()
-            assert body.endswith(b"data: [DONE]\n\n") and b"tok14" in body and b"error" not in body
+            assert body.endswith(b"data: [DONE]\n\n") and b"tok79" in body and b"error" not in body
             await trio.to_thread.run_sync(proc.wait, BOUND)
         assert proc.returncode == 0
     finally:
