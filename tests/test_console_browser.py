@@ -153,6 +153,12 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
                 expect(page.locator("#nodes tbody tr[data-node-id=node-a] td[data-label=state]")).to_contain_text(
                     "serving"
                 )
+                # A model server's load is a line per model: the card's whole width, so its label
+                # stays one word ("engi / ne" in a half-width cell, found from outside).
+                assert page.locator("#nodes tbody tr[data-node-id=node-a]").evaluate(
+                    "(tr) => tr.querySelector('td.engine').getBoundingClientRect().width"
+                    " >= 0.9 * tr.getBoundingClientRect().width"
+                )
                 shot(page, "07-phone")
                 assert not errors, errors
             finally:

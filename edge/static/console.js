@@ -94,7 +94,7 @@ function renderNodes(nodes) {
       td("state", { class: "state-" + state }, state),
       td("linked", { class: "num" }, fmtAge(n.linked_for_s)),
       td("TTFT", { class: "num" }, n.ttft_ms === null ? "–" : n.ttft_ms.toFixed(1) + " ms"),
-      td("engine", {}, engine || "–"),
+      td("engine", { class: "engine" }, engine || "–"),
     );
   });
   replaceRows($("nodes").tBodies[0], rows);
