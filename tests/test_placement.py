@@ -343,22 +343,29 @@ async def test_two_edges_send_each_growing_conversation_to_one_node(nursery):
         await settled(edge)
 
 
-async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
-    """Two edges, two nodes. A conversation's first turn goes through edge A to node X; its
-    second goes through edge B to node Y (B's session affinity tells it to). Y tells A where that turn
-    went (a ``placed`` frame), so the third turn, through A and with no session id, goes to Y,
-    which holds the whole conversation, not back to X, which holds only its first turn. An edge
-    that does not route by prefix is told nothing."""
+async def _two_nodes_on_two_edges(nursery, *more_edges):
+    """Two prefix-routing edges (and ``more_edges``), two nodes serving `m` linked to all: the
+    nodes' upstreams, their ids, and the two edges."""
     ups = []
     for _ in range(2):
         up = Upstream()
         await nursery.start(up.serve)
         ups.append(up)
     a, b = await start_edge(nursery), await start_edge(nursery)
-    plain = await start_edge(nursery, edge_config(routing="least_loaded"))
     ids = ["node-0", "node-1"]
     for node_id, up in zip(ids, ups, strict=True):
-        await start_node(nursery, [a, b, plain], [model("m", up, target="t", max_concurrency=4)], node_id=node_id)
+        await start_node(nursery, [a, b, *more_edges], [model("m", up, target="t", max_concurrency=4)], node_id=node_id)
+    return ups, ids, a, b
+
+
+async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
+    """Two edges, two nodes. A conversation's first turn goes through edge A to node X; its
+    second goes through edge B to node Y (B's session affinity tells it to). Y tells A where that turn
+    went (a ``placed`` frame), so the third turn, through A and with no session id, goes to Y,
+    which holds the whole conversation, not back to X, which holds only its first turn. An edge
+    that does not route by prefix is told nothing."""
+    plain = await start_edge(nursery, edge_config(routing="least_loaded"))
+    ups, ids, a, b = await _two_nodes_on_two_edges(nursery, plain)
 
     def body(messages):
         return {"model": "m", "messages": messages, "max_tokens": 4}
@@ -398,15 +405,7 @@ async def test_a_session_placed_by_one_edge_is_followed_by_the_other(nursery):
     where the session went (the ``placed`` frame carries it). Before, B knew only its own
     sessions and sent the turn where the session id's hash pointed (4 of 4 sessions on the
     other node, found from outside)."""
-    ups = []
-    for _ in range(2):
-        up = Upstream()
-        await nursery.start(up.serve)
-        ups.append(up)
-    a, b = await start_edge(nursery), await start_edge(nursery)
-    ids = ["node-0", "node-1"]
-    for node_id, up in zip(ids, ups, strict=True):
-        await start_node(nursery, [a, b], [model("m", up, target="t", max_concurrency=4)], node_id=node_id)
+    ups, ids, a, b = await _two_nodes_on_two_edges(nursery)
 
     async def turn(client, content: str, **kw) -> None:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
