@@ -252,13 +252,13 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                     link.set_engine(engine)
                 if draining != link.draining:
                     service.set_draining(link, draining)
-            case Placed(model=model, prefix=prefix, session=session):
+            case Placed(model=model, prefix=prefix):
                 if not link.relays_prefixes:  # its hello did not say it relays: it may not place
                     raise LinkProtocolError("placed frame from a node whose hello did not set relays_prefixes")
                 if model not in link.models:
                     raise LinkProtocolError(f"placed frame for model {model!r} the node does not serve")
-                if link.admit_placed(len(prefix) + 1, now):
-                    service.placed_elsewhere(link, prefix, session)
+                if link.admit_placed(len(prefix), now):
+                    service.placed_elsewhere(link, prefix)
             case TunnelFrame(run_id=run_id):
                 run = link.runs.get(run_id)
                 if run is not None:

@@ -359,8 +359,8 @@ class EdgeLink:
             refusal = None if allowed else f"this node does not allow passthrough for model {request.model!r}"
             work = partial(adapter.tunnel, request, sink) if allowed else None
         if refusal is None:
-            if isinstance(request, RunRequest) and (request.prefix or request.session):
-                self.agent.placed(self, request.model, request.prefix or [], request.session)
+            if isinstance(request, RunRequest) and request.prefix:
+                self.agent.placed(self, request.model, request.prefix)
             if self.agent.grants[request.model].start(self):
                 self.counted[request.run_id] = request.model
             else:
@@ -512,15 +512,15 @@ class NodeAgent:
         for link, grant in self.grants[model].rebalance():
             link.outbox.grant(grant)
 
-    def placed(self, origin: EdgeLink, model: str, prefix: list[int], session: str | None = None) -> None:
-        """``origin``'s edge sent a run with this prefix chain (and session) here:
-        tell the other edges that route by prefix, so that all of them send the
-        conversation's next turn, and the session's, to this node (each edge
-        otherwise knows only the turns it placed itself)."""
+    def placed(self, origin: EdgeLink, model: str, prefix: list[int]) -> None:
+        """``origin``'s edge sent a run with this prefix chain here: tell the
+        other edges that route by prefix, so that all of them send the
+        conversation's next turn to this node (each edge otherwise knows only
+        the turns it placed itself)."""
         frame = None
         for link in self.links.values():
             if link is not origin and link.wants_prefixes:
-                frame = frame or Placed(model=model, prefix=prefix, session=session)
+                frame = frame or Placed(model=model, prefix=prefix)
                 link.outbox.hint(frame)
 
     async def _report_sim_cache(self, model: str, adapter: SimAdapter, interval: float) -> None:

@@ -17,8 +17,6 @@ MAX_PREFIX_BLOCKS = 2048  # keys in a prompt's prefix chain (``run`` and ``place
 # A prompt's prefix chain: 60-bit block keys, each covering the prompt up to its block's end.
 PrefixKey = Annotated[int, msgspec.Meta(ge=0, lt=1 << 60)]
 PrefixChain = Annotated[list[PrefixKey], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
-# A client's session id as the edges keep it (itself, or past 128 characters its digest).
-SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 
 # Run event types.
 DELTA = "delta"
@@ -160,7 +158,6 @@ class Placed(_Frame, tag="placed"):
 
     model: str
     prefix: PrefixChain
-    session: SessionId | None = None  # the run's session id: that session's next turn goes there too
 
 
 class Grant(_Frame, tag="grant"):
@@ -203,7 +200,6 @@ class RunRequest(_Frame, tag="run"):
     timeout_s: float  # the whole run's remaining budget, relative
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     prefix: PrefixChain | None = None  # the prompt's prefix chain, for a node that relays them
-    session: SessionId | None = None  # the request's session id, likewise
 
 
 class TunnelRequest(_Frame, tag="tunnel"):

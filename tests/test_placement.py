@@ -397,31 +397,3 @@ async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
     assert len(plain.edge.runs.prefixes) == 0  # told nothing: it does not route by prefix
     for edge in (a, b, plain):
         await settled(edge)
-
-
-async def test_a_session_placed_by_one_edge_is_followed_by_the_other(nursery):
-    """Two edges, two nodes. A session's turn goes through edge A to node X, by its prompt's
-    prefix; its next turn, through edge B with an unrelated prompt, goes to X too: X tells B
-    where the session went (the ``placed`` frame carries it). Before, B knew only its own
-    sessions and sent the turn where the session id's hash pointed (4 of 4 sessions on the
-    other node, found from outside)."""
-    ups, ids, a, b = await _two_nodes_on_two_edges(nursery)
-
-    async def turn(client, content: str, **kw) -> None:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
-        r = await client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 4}, **kw)
-        assert r.status_code == 200
-
-    with trio.fail_after(BOUND):
-        async with http(a) as via_a, http(b) as via_b:
-            await turn(via_a, "first question")  # (no session: where its prompt's first block hashes)
-            x = next(i for i, up in enumerate(ups) if up.records)
-            # a session whose id alone would take B to the other node
-            sid = next(f"s{i}" for i in range(100) if rendezvous(b"ss%d" % i, ids) == ids[1 - x])
-            await turn(via_a, "first question, again", headers={"X-Session-Id": sid})  # by prefix: X
-            assert len(ups[x].records) == 2
-            await eventually(lambda: b.edge.runs._affinity.get(sid) == ids[x], what="B told of the session")
-            await turn(via_b, "something else entirely", headers={"X-Session-Id": sid})
-    assert [len(up.records) for up in (ups[x], ups[1 - x])] == [3, 0]
-    for edge in (a, b):
-        await settled(edge)

@@ -548,23 +548,19 @@ class RunService:
             lk is not exclude and not lk.ejected(model, now) and not lk.stalled(now) for lk in self._serving(model)
         )
 
-    def placed_elsewhere(self, link: NodeLink, prefix: list[int], session: str | None = None) -> None:
-        """Another edge sent ``link``'s node a prompt with this prefix chain, of
-        this session (the node relayed them): this edge's next turn of that
-        conversation, or of that session, goes there too (a session's turns
-        through two edges reached two nodes: found from outside)."""
+    def placed_elsewhere(self, link: NodeLink, prefix: list[int]) -> None:
+        """Another edge sent ``link``'s node a prompt with this prefix chain
+        (the node relayed it): this edge's next turn of that conversation
+        goes there too."""
         if self.config.routing == "prefix":
-            if prefix:
-                self.prefixes.record(prefix, link.node_id)
-            if session is not None:
-                self._remember_session(session, link)
+            self.prefixes.record(prefix, link.node_id)
 
-    def _remember_session(self, session: str | None, link: NodeLink) -> None:
-        if session is None:
+    def _remember_session(self, want: Want, link: NodeLink) -> None:
+        if want.session is None:
             return
         affinity = self._affinity
-        affinity.pop(session, None)
-        affinity[session] = link.node_id
+        affinity.pop(want.session, None)
+        affinity[want.session] = link.node_id
         if len(affinity) > _MAX_SESSIONS:
             del affinity[next(iter(affinity))]
 
@@ -575,7 +571,7 @@ class RunService:
             slot.probe = True
             link.probes[want.model] = link.probes.get(want.model, 0) + 1
         self.demand_changed.unpark_all()
-        self._remember_session(want.session, link)
+        self._remember_session(want, link)
         if want.prefix and self.config.routing == "prefix":
             self.prefixes.record(want.prefix, link.node_id)
         how, depth = self._placed
@@ -837,7 +833,6 @@ class RunService:
             timeout_s=self.config.run_timeout_s,
             metadata=metadata,
             prefix=want.prefix if want.prefix and slot.link.relays_prefixes else None,
-            session=want.session if slot.link.relays_prefixes else None,
         )
         slot.link.send_nowait(run.request)
         slot.link.sent(run.id, run.started_at)
