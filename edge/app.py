@@ -104,6 +104,16 @@ class Edge:
         self.draining = False
         self.open_served = False  # an open edge's first request was looked at (is_loopback)
         self.hurry = trio.Event()  # a second signal: end the drain's grace now
+        self.handling = 0  # API requests whose handler runs (edge.openai.routes)
+        self.handled = trio.lowlevel.ParkingLot()  # woken as the last of them ends
+
+    async def quiet(self) -> None:
+        """Return once no run is in flight and no API request is being answered: a request
+        whose run has ended may still be writing its answer (a drain that ended on its runs
+        alone shut down under a non-streamed answer about to go out: the client got a reset)."""
+        await self.runs.wait_idle()
+        while self.handling:
+            await self.handled.park()
 
     async def drain(self) -> None:
         """Stop taking requests, let running ones finish within the grace
@@ -115,7 +125,7 @@ class Edge:
         # Queued requests end now, as new ones do: given a slot during the grace, they would
         # start work on a node only to be cut when it ends.
         self.runs.refuse_waiting(draining, "the edge is shutting down")
-        await within_grace(self.config.drain_grace_s, self.runs.wait_idle, self.hurry)
+        await within_grace(self.config.drain_grace_s, self.quiet, self.hurry)
         for run in list(self.runs.runs.values()):
             run.fail("the edge is shutting down", SHUTDOWN)
         with trio.move_on_after(2):
@@ -363,19 +373,47 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
 
 
 def _drain_under_hypercorn(app: QuartTrio) -> None:
-    """Under hypercorn's CLI, its worker's shutdown trigger (the parent's SIGTERM or SIGINT,
-    passed on as an event) drains the edge first, as `iop edge` does: new requests 503
-    `draining`, running streams finish within ``drain_grace_s``, the rest end with an SSE error,
-    the node links close 1001. Hypercorn's own graceful timeout only follows. (Its streams were
-    cut 3 s after the signal, mid-body, with no error: found from outside.) Written against
-    hypercorn 0.18's ``trio_worker``, which looks the trigger up after it loads the app."""
+    """Under hypercorn's CLI, the edge drains as under `iop edge` (new requests 503
+    `draining`, running streams finish within ``drain_grace_s``, the rest end with an SSE
+    error, the node links close 1001) before hypercorn's own graceful timeout, on the first of:
+
+    - its worker's shutdown trigger (the parent's SIGTERM or SIGINT, passed on as an event);
+    - a SIGTERM or SIGINT to the worker itself: systemd's stop and ``kill -TERM -PGID`` signal
+      the whole process group, and hypercorn leaves the worker's default handler, which ended
+      it at once.
+
+    A second signal to the worker ends the drain's grace at once. (Streams were cut 3 s after the signal,
+    mid-body, with no error: found from outside.) Written against hypercorn 0.18's
+    ``trio_worker``, which looks the trigger up after it loads the app."""
+    import signal
+
     import hypercorn.trio.run as worker
 
     waits = getattr(worker.check_multiprocess_shutdown_event, "iop_waits", worker.check_multiprocess_shutdown_event)
 
     async def drained_first(shutdown_event, sleep) -> None:
-        await waits(shutdown_event, sleep)
-        await edge_of(app).drain()
+        edge = edge_of(app)
+        stop = trio.Event()
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def signalled() -> None:
+                    seen = 0  # (signals to this worker: the parent's event is the same signal's echo)
+                    async for _ in signals:
+                        seen += 1
+                        if seen > 1:
+                            edge.hurry.set()
+                        stop.set()
+
+                async def told() -> None:
+                    await waits(shutdown_event, sleep)
+                    stop.set()
+
+                nursery.start_soon(signalled)
+                nursery.start_soon(told)
+                await stop.wait()
+                await edge.drain()
+                nursery.cancel_scope.cancel()
 
     drained_first.iop_waits = waits  # type: ignore[attr-defined]  # (a second app replaces, not stacks)
     worker.check_multiprocess_shutdown_event = drained_first

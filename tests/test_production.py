@@ -469,37 +469,42 @@ async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_
 
 
 @contextlib.asynccontextmanager
-async def _streaming_then_sigterm(url: str, upstream, proc: subprocess.Popen):
+async def _streaming_then_sigterm(url: str, upstream, proc: subprocess.Popen, group: bool = False):
     """A stream open through the edge process at ``url``, its upstream request seen, then
-    SIGTERM to the process: the stream's response, for the caller to read."""
+    SIGTERM to the process (``group``: to its process group, as systemd stops a service): the
+    stream's response, for the caller to read."""
     async with (
         httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
         client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
     ):
         await upstream.wait_requests(1)
-        proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         yield r
 
 
-@pytest.mark.parametrize("cli", ["iop edge", "hypercorn"])
+@pytest.mark.parametrize("cli", ["iop edge", "iop edge, group", "hypercorn", "hypercorn, group"])
 async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream, cli):
-    """SIGTERM to `iop edge`, or to hypercorn's CLI serving the edge: new requests get 503, the
-    in-flight stream (4 s, past hypercorn's 3 s graceful timeout) finishes, then the process
-    exits 0. (Under hypercorn's CLI the stream was cut after 3 s, mid-body, with no error.)"""
+    """SIGTERM to `iop edge`, or to hypercorn's CLI serving the edge, or to either's process
+    group (systemd's stop): new requests get 503, the in-flight stream (4 s, past hypercorn's
+    3 s graceful timeout) finishes, then the process exits 0. (Under hypercorn's CLI the stream
+    was cut after 3 s, mid-body, with no error; signalled as a group, its worker died at once.)"""
 
     upstream.script_for("m-target", lambda body: text_script(words(80), interval=0.05))
-    hypercorn = cli == "hypercorn"
+    hypercorn = cli.startswith("hypercorn")
     proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=10, hypercorn=hypercorn)
     try:
         with trio.fail_after(BOUND):
-            async with _streaming_then_sigterm(url, upstream, proc) as r:
+            async with _streaming_then_sigterm(url, upstream, proc, group=cli.endswith("group")) as r:
                 async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:
-                    while True:  # the edge notices the signal within moments
-                        late = await other.post("/v1/chat/completions", json=BODY)
-                        if late.status_code == 503:
-                            break
+                    # The edge notices the signal within moments (hypercorn's worker polls its
+                    # parent's every 0.1 s): /readyz says so first, then a new request is a 503.
+                    while (await other.get("/readyz")).status_code != 503:
                         await trio.sleep(0.02)
-                assert late.json()["error"]["code"] == "draining"
+                    late = await other.post("/v1/chat/completions", json=BODY)
+                assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
                 body = await r.aread()
             assert body.endswith(b"data: [DONE]\n\n") and b"tok79" in body and b"error" not in body
             await trio.to_thread.run_sync(proc.wait, BOUND)

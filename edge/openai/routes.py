@@ -135,6 +135,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     ex.api = route.api
     structlog.contextvars.bind_contextvars(request_id=ex.request_id)
     outcome: str | None = None  # what ended it, when the handler did not say
+    edge.handling += 1  # (a drain waits for its answer)
     try:
         with trio.CancelScope() as scope:
             async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
@@ -198,6 +199,9 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
         ex.release()
+        edge.handling -= 1
+        if not edge.handling:
+            edge.handled.unpark_all()
 
 
 def _framed_twice(ex: Exchange) -> bool:
