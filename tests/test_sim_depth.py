@@ -343,6 +343,12 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
             {"role": "assistant", "content": "get_weather says sunny; I researched it."},
             {"role": "user", "content": "Rome?"},
         ],
+        # A call recorded as code on a module (as Gemini-style agents write it) is a loop under way.
+        [
+            task,
+            {"role": "assistant", "content": "default_api.get_weather(city='Paris')"},
+            {"role": "user", "content": "Observation: sunny"},
+        ],
     ]
     names = []
     with trio.fail_after(BOUND):
@@ -352,7 +358,7 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
                     model="iop-sim", messages=messages, tools=tools, tool_choice="required"
                 )
                 names.append(reply.choices[0].message.tool_calls[0].function.name)
-    assert names == ["get_weather", "final_answer", "get_weather", "final_answer", "get_weather"]
+    assert names == ["get_weather", "final_answer", "get_weather", "final_answer", "get_weather", "final_answer"]
 
 
 @pytest.mark.parametrize(

@@ -112,8 +112,9 @@ _SCAN = 16 * 1024
 # pass over the text and a set lookup a word, whatever the names: a regex of the names tried
 # them at every character (255 names sharing 61 dashes: 12.5 s a MB; as a trie, 256 names of
 # 1 to 256 dashes still took 4.5 s on 40 K of dashes).
-_WORD = re.compile(r"[\w.-]+")
-_PART_WORD = re.compile(r"[\w.-]*")
+_WORD = re.compile(r"[\w.:/-]+")  # (MCP-style names hold ":" or "/")
+_PART_WORD = re.compile(r"[\w.:/-]*")
+_ENDS = ".:/-"
 _CALL = re.compile(r"\s*\(")
 _QUOTES = ("'", '"')
 
@@ -136,8 +137,15 @@ def _named(functions: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     "get-weather" get), in their order, letter case aside."""
     if not text:
         return []
-    words = {w for part in _windows(text) for word in _WORD.findall(part.lower()) for w in (word, word.strip(".-"))}
+    words = {w for part in _windows(text) for word in _WORD.findall(part.lower()) for w in _readings(word)}
     return [fn for fn in functions if fn["name"].lower() in words]
+
+
+def _readings(word: str) -> tuple[str, str, str]:
+    """A word as it may name a tool: itself, without the punctuation that ends a sentence, and
+    its last dotted part (``default_api.get_weather``, as Gemini-style agents write calls)."""
+    bare = word.strip(_ENDS)
+    return word, bare, bare.rpartition(".")[2]
 
 
 def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
@@ -148,11 +156,12 @@ def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
     for part in _windows(text):
         for m in _WORD.finditer(part):
             word, start, end = m.group(), m.start(), m.end()
-            if word not in names:
+            named = next((w for w in _readings(word) if w in names), None)
+            if named is None:
                 continue
             quoted = start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES
             if quoted or _CALL.match(part, end):
-                found.add(word)
+                found.add(named)
     return found
 
 
