@@ -140,8 +140,12 @@ class Edge:
         unstuck = trio.Event()
 
         async def settle() -> None:
-            while stuck_connections(self):  # noqa: ASYNC110
+            # Those stuck now, until each is not: a connection that came since (a client asking
+            # without pause, refused 503) is not waited for, or the drain took its whole grace.
+            waiting = set(stuck_connections(self))
+            while waiting:
                 await trio.sleep(0.05)
+                waiting &= set(stuck_connections(self))
             unstuck.set()
 
         # A client still taking its answer's last bytes has what is left of the grace. What is

@@ -643,6 +643,38 @@ async def test_a_drain_ends_queued_requests_at_once(nursery, upstream):
     await settled(edge, node.agent)
 
 
+async def test_a_drain_under_a_stream_of_refused_requests_ends_with_its_runs(nursery, upstream):
+    """A drain waits for the answers still being written, not only for the runs, but not for
+    the requests it refuses (503 `draining`): with clients sending without pause, it ends as
+    its one stream ends, well within its grace of 60 s (the test's bound is 15 s)."""
+    upstream.script_for("m-target", lambda body: text_script(words(15), interval=0.05))
+    edge = await start_edge(nursery, edge_config(drain_grace_s=60))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    refused: list[int] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            drained = trio.Event()
+
+            async def keep_asking() -> None:
+                while not drained.is_set():
+                    refused.append((await client.post("/v1/chat/completions", json=BODY)).status_code)
+
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}
+            ) as r:
+                await upstream.wait_requests(1)
+                edge.edge.draining = True  # (as the drain's first step: the askers are refused from now)
+                for _ in range(32):
+                    clients.start_soon(keep_asking)
+                with trio.fail_after(15):
+                    await edge.edge.drain()
+                drained.set()  # (the askers stop after their answer in hand: none cut mid-request)
+                body = await r.aread()
+    assert body.endswith(b"data: [DONE]\n\n") and b"tok14" in body
+    assert refused and set(refused) == {503}
+    await settled(edge, node.agent)
+
+
 async def test_the_same_signal_twice_at_once_is_one(nursery, tmp_path, upstream):
     """`timeout` sends SIGTERM to its child and then to its process group: the edge got it twice
     and ended its drain's grace at once. The same signal again within 0.5 s is the same one: the

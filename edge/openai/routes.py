@@ -135,7 +135,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     ex.api = route.api
     structlog.contextvars.bind_contextvars(request_id=ex.request_id)
     outcome: str | None = None  # what ended it, when the handler did not say
-    edge.handling += 1  # (a drain waits for its answer)
+    counted = False  # among the requests a drain waits for (those it did not refuse)
     try:
         with trio.CancelScope() as scope:
             async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
@@ -156,6 +156,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                     problem = edge.refuse_request(ex)
                     if problem is not None:
                         raise problem
+                    edge.handling += 1  # (a drain waits for its answer)
+                    counted = True
                     # The framework's body timeout does not reach raw ASGI: bound it here.
                     try:
                         with trio.fail_after(edge.config.body_timeout_s):
@@ -196,12 +198,13 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                 finally:
                     scope.cancel()  # ends the disconnect watcher, if there is one
     finally:
+        if counted:
+            edge.handling -= 1
+            if not edge.handling:
+                edge.handled.unpark_all()
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
         ex.release()
-        edge.handling -= 1
-        if not edge.handling:
-            edge.handled.unpark_all()
 
 
 def _framed_twice(ex: Exchange) -> bool:
