@@ -306,6 +306,9 @@ def _warn_open(address: str) -> None:
     )
 
 
+_UNAUTHORIZED = APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+
+
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
     return Response(body, status, content_type="application/json", headers={**final_headers(status), **(headers or {})})
 
@@ -472,7 +475,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     app.extensions["iop"] = edge
 
     def unauthorized() -> Response:
-        return _json(401, error_json("Invalid or missing API key.", "authentication_error", code="invalid_api_key"))
+        return _json(401, _UNAUTHORIZED.body())
 
     def client_key() -> tuple[Key | None, Response | None]:
         """The request's key (None on an open edge), or the 401 refusing it."""
@@ -505,10 +508,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     def models_key() -> tuple[Key | None, Response | None]:
         key, refused = client_key()
-        if refused is not None:
-            err = APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
-            return None, models_error(err)
-        return key, None
+        return (None, models_error(_UNAUTHORIZED)) if refused is not None else (key, None)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

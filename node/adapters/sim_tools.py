@@ -107,12 +107,12 @@ def _since_last_user(messages: list[Any]) -> tuple[str, list[dict[str, Any]]]:
 # (a pasted document and "use tool_x" after it). A model server reads all of it, but the sim
 # only guesses which tool is meant, on the node's event loop.
 _SCAN = 16 * 1024
-# A name as the sim reads one: a run of letters, digits, "_", "-" and "." (what tool names are
-# made of), bounded by anything else, and a dot or dash that ends a sentence left off it. One
+# A name as the sim reads one: a run of letters, digits and "_ - . : /" (what tool names are
+# made of), bounded by anything else, with the punctuation that ends a sentence left off it. One
 # pass over the text and a set lookup a word, whatever the names: a regex of the names tried
 # them at every character (255 names sharing 61 dashes: 12.5 s a MB; as a trie, 256 names of
 # 1 to 256 dashes still took 4.5 s on 40 K of dashes).
-_WORD = re.compile(r"[\w.:/-]+")  # (MCP-style names hold ":" or "/")
+_WORD = re.compile(r"[\w.:/-]+")
 _PART_WORD = re.compile(r"[\w.:/-]*")
 _ENDS = ".:/-"
 _CALL = re.compile(r"\s*\(")
@@ -184,8 +184,15 @@ def _loop_calls(
     if any(m.get("role") == "tool" for m in after):
         turns = after
     else:
-        users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
-        at = users[-1] - 1 if users else -1
+        last_user = next(
+            (
+                i
+                for i in range(len(messages) - 1, -1, -1)
+                if isinstance(messages[i], dict) and messages[i].get("role") == "user"
+            ),
+            -1,
+        )
+        at = last_user - 1  # (none: -2, no message before)
         while at >= 0 and isinstance(messages[at], dict) and messages[at].get("role") == "tool":
             at -= 1
         before = messages[at] if at >= 0 else None
