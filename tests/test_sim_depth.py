@@ -362,6 +362,40 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
 
 
 @pytest.mark.parametrize(
+    ("tool", "record"),
+    [
+        ("get_weather", "tools/get_weather(city='Paris')"),
+        ("get_weather", "Action:get_weather(city='Paris')"),
+        ("get_weather", "server:get_weather(city='Paris')"),
+        ("weather.get", "default_api.weather.get(city='Paris')"),  # a dotted name after a prefix
+    ],
+)
+async def test_a_call_recorded_after_a_prefix_ends_the_loop(sim_edge, tool, record):
+    """A call the assistant's text records after a prefix joined by '/', ':' or '.' is a loop
+    under way: the sim's next call is the final answer (it called the tool again), and a user
+    message naming tools joined by '/' names each ("use get_weather/web_search": no call at all)."""
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+        for n in (tool, "web_search", "final_answer")
+    ]
+    loop = [
+        {"role": "user", "content": f"Use {tool} for Paris."},
+        {"role": "assistant", "content": record},
+        {"role": "user", "content": "Observation: sunny"},
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(sim_edge) as client:
+            reply = await client.chat.completions.create(
+                model="iop-sim", messages=loop, tools=tools, tool_choice="required"
+            )
+            named = await client.chat.completions.create(
+                model="iop-sim", messages=[{"role": "user", "content": f"use {tool}/web_search"}], tools=tools
+            )
+    assert reply.choices[0].message.tool_calls[0].function.name == "final_answer"
+    assert named.choices[0].message.tool_calls[0].function.name == tool
+
+
+@pytest.mark.parametrize(
     ("names", "text", "asked"),
     [
         # 256 tools, 8 MB of conversation: the text was lowered and read once per tool, twice

@@ -115,6 +115,8 @@ _SCAN = 16 * 1024
 _WORD = re.compile(r"[\w.:/-]+")
 _PART_WORD = re.compile(r"[\w.:/-]*")
 _ENDS = ".:/-"
+_SEPARATOR = re.compile(r"[.:/]")
+_AFFIXES = 4
 _CALL = re.compile(r"\s*\(")
 _QUOTES = ("'", '"')
 
@@ -125,9 +127,10 @@ def _windows(text: str) -> list[str]:
     if len(text) <= 2 * _SCAN:
         return [text]
     head, tail = text[:_SCAN], text[-_SCAN:]
-    if _PART_WORD.match(text, _SCAN).end() > _SCAN:
+    if _PART_WORD.match(text, _SCAN, _SCAN + 1).end() > _SCAN:  # (one character: is it a word's?)
         head = head[: _SCAN - _PART_WORD.match(head[::-1]).end()]
-    if _PART_WORD.match(text, len(text) - _SCAN - 1).end() > len(text) - _SCAN - 1:
+    cut = len(text) - _SCAN - 1
+    if _PART_WORD.match(text, cut, cut + 1).end() > cut:
         tail = tail[_PART_WORD.match(tail).end() :]
     return [head, tail]
 
@@ -141,11 +144,19 @@ def _named(functions: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     return [fn for fn in functions if fn["name"].lower() in words]
 
 
-def _readings(word: str) -> tuple[str, str, str]:
-    """A word as it may name a tool: itself, without the punctuation that ends a sentence, and
-    its last dotted part (``default_api.get_weather``, as Gemini-style agents write calls)."""
+def _readings(word: str) -> list[str]:
+    """A word as it may name a tool: itself; without the punctuation that ends a sentence; each
+    of its parts between ``. : /`` ("use get_weather/get_time", ``Action:get_weather``); and
+    what follows each of its last separators and precedes each of its first, for a name that
+    has them itself (``default_api.weather.get``, "use weather.get/search"). (Only a few: a
+    16 K word of dots has 8 K of them.)"""
     bare = word.strip(_ENDS)
-    return word, bare, bare.rpartition(".")[2]
+    if not _SEPARATOR.search(bare):
+        return [word, bare]
+    at = [m.start() for m in _SEPARATOR.finditer(bare)]
+    ends = (bare[i + 1 :] for i in at[-_AFFIXES:])
+    starts = (bare[:i] for i in at[:_AFFIXES])
+    return [word, bare, *_SEPARATOR.split(bare), *ends, *starts]
 
 
 def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
