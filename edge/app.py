@@ -370,6 +370,10 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             raise SystemExit(f"iop: {e}") from None
         if _hypercorn_not_on_trio(sys.argv):  # it started, then answered every request 500 with an empty body
             raise SystemExit("iop: the edge runs on trio: start hypercorn with --worker-class trio")
+        if _hypercorn_workers(sys.argv) > 1:
+            # Each worker is an edge of its own: a node links to one, a request may reach another
+            # (503, no node), and a drain's idle worker ended first, then hypercorn cut the rest.
+            raise SystemExit("iop: the edge is one hypercorn worker: start hypercorn with --workers 1")
         bind = _command_line_bind(sys.argv)
         if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
             config = msgspec.structs.replace(config, bind=bind)
@@ -426,32 +430,50 @@ def _drain_under_hypercorn(app: QuartTrio) -> None:
     worker.check_multiprocess_shutdown_event = drained_first
 
 
+def _hypercorn_flag(argv: list[str], short: str, long: str) -> list[str]:
+    """The values a hypercorn command line gives a flag (``-w 2``, ``-w2``, ``--workers 2``,
+    ``--workers=2``), in order; none for another command line."""
+    if not argv or not argv[0].endswith("hypercorn"):
+        return []
+    values = []
+    for i, arg in enumerate(argv):
+        if arg in (short, long) and i + 1 < len(argv):
+            values.append(argv[i + 1])
+        elif arg.startswith(long + "="):
+            values.append(arg[len(long) + 1 :])
+        elif arg.startswith(short) and not arg.startswith("--") and len(arg) > len(short):
+            values.append(arg[len(short) :])
+    return values
+
+
+def _with_config_file(argv: list[str]) -> bool:
+    """A hypercorn command line with a --config file, which may set what its flags do not."""
+    return any(a in ("-c", "--config") or a.startswith(("-c", "--config=")) for a in argv[1:])
+
+
 def _hypercorn_not_on_trio(argv: list[str]) -> bool:
     """A hypercorn command line whose worker class is not trio (its default is
     asyncio); one with a --config file may set it there, so it is not judged."""
-    if not argv or not argv[0].endswith("hypercorn") or any(a in ("-c", "--config") for a in argv):
+    if not argv or not argv[0].endswith("hypercorn") or _with_config_file(argv):
         return False
-    worker = "asyncio"
-    for i, arg in enumerate(argv):
-        if arg in ("-k", "--worker-class") and i + 1 < len(argv):
-            worker = argv[i + 1]
-        elif arg.startswith("--worker-class="):
-            worker = arg.split("=", 1)[1]
-    return worker != "trio"
+    return ["asyncio", *_hypercorn_flag(argv, "-k", "--worker-class")][-1] != "trio"
+
+
+def _hypercorn_workers(argv: list[str]) -> int:
+    """The workers a hypercorn command line asks for (its default: 1; a --config file may say
+    more, unseen here)."""
+    given = _hypercorn_flag(argv, "-w", "--workers")
+    try:
+        return int(given[-1]) if given else 1
+    except ValueError:  # (hypercorn's own parser refuses it first)
+        return 1
 
 
 def _command_line_bind(argv: list[str]) -> str | None:
     """The first public ``-b``/``--bind`` address of a hypercorn command line
     (not loopback, a unix socket or a file descriptor), or None: the app is
     told no address otherwise."""
-    if not argv or not argv[0].endswith("hypercorn"):
-        return None
-    binds = []
-    for i, arg in enumerate(argv):
-        if arg in ("-b", "--bind") and i + 1 < len(argv):
-            binds.append(argv[i + 1])
-        elif arg.startswith("--bind="):
-            binds.append(arg[len("--bind=") :])
+    binds = _hypercorn_flag(argv, "-b", "--bind")
     public = [
         b for b in binds if not b.startswith(("unix:", "fd://")) and not is_loopback(b.rpartition(":")[0].strip("[]"))
     ]

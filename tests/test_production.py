@@ -392,6 +392,18 @@ def test_a_bad_config_under_hypercorns_cli_is_one_line(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
         "iop: the edge runs on trio: start hypercorn with --worker-class trio"
     ]
+    # With two workers each was an edge of its own: a node linked to one, a request reached the
+    # other (503), and a drain's idle worker ended first, then hypercorn cut the other's streams.
+    for workers in (["--workers", "2"], ["-w2"], ["--workers=3"]):
+        proc = subprocess.run(
+            [hypercorn, "-k", "trio", *workers, "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
+            env={**os.environ, "IOP_EDGE_CONFIG": str(cfg)},
+            capture_output=True,
+            text=True,
+            timeout=BOUND,
+        )
+        lines = {line for line in proc.stderr.splitlines() if line.strip()}
+        assert lines == {"iop: the edge is one hypercorn worker: start hypercorn with --workers 1"}, proc.stderr
 
 
 async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
