@@ -52,6 +52,10 @@ async def setup(nursery, upstream):
         # Claude Code's billing line, alone in its block: no system message is left to send
         ([{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=cli;"}], None),
         ("x-anthropic-billing-header: cc_version=2.1.197.1c0;\n\nBe brief.", "Be brief."),
+        # the same written with CRLF, a space or tab at its end, or no ";" after its last field
+        ("x-anthropic-billing-header: cc_version=2.1.197.1c0; a=b;\r\nBe brief.", "Be brief."),
+        ("x-anthropic-billing-header: cc_version=2.1.197.1c0; \t\nBe brief.", "Be brief."),
+        ("x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=cli\nBe brief.", "Be brief."),
         # a line that starts so but is not the header's fields is the client's system text, kept
         ("x-anthropic-billing-header: cc_version=1; Be brief.", "x-anthropic-billing-header: cc_version=1; Be brief."),
         # and so is one that is not first
@@ -60,7 +64,15 @@ async def setup(nursery, upstream):
             "Be brief.\n\nx-anthropic-billing-header: a=1;",
         ),
     ],
-    ids=["block-alone", "string-first-line", "not-the-header", "not-first"],
+    ids=[
+        "block-alone",
+        "string-first-line",
+        "crlf",
+        "trailing-blank",
+        "no-last-semicolon",
+        "not-the-header",
+        "not-first",
+    ],
 )
 def test_decoder_leaves_out_only_claude_codes_billing_line(system, sent):
     body, _ = chat_body(

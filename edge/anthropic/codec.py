@@ -103,7 +103,8 @@ def _text_of(block: dict[str, Any], param: str) -> str:
 # cc_entrypoint=sdk-cli;" (its fields name=value;), and the blank lines after it. Looked for in
 # the first KiB only (8 MB of a system that starts so and runs on cost 0.4 s of the event loop).
 _BILLING = "x-anthropic-billing-header:"
-_BILLING_LINE = re.compile(r"x-anthropic-billing-header:(?: *[\w.-]+=[^;\n]*;)* *")
+# its name=value fields, each ending in ";" (the last may not), then the line's end (\r\n too)
+_BILLING_LINE = re.compile(r"x-anthropic-billing-header:(?: *[\w.-]+=[^;\r\n]*;)*(?: *[\w.-]+=[^;\r\n]*)?[ \t]*\r?")
 _BILLING_MAX = 1024
 
 
@@ -115,7 +116,7 @@ def _without_billing_line(text: str) -> str:
         end = len(text)
     if end > _BILLING_MAX or not _BILLING_LINE.fullmatch(text, 0, end):
         return text
-    return text[end:].lstrip("\n")
+    return text[end:].lstrip("\r\n")
 
 
 def _system_text(system: str | list[dict[str, Any]], param: str) -> str:
