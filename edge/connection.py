@@ -14,11 +14,13 @@ lock, met that detector.
 ``install()`` patches two things:
 
 - ``protocol_send``: a close while the client still sends a body lingers
-  (:func:`edge.reads.linger`); bytes whose ``send_all`` meets ``_close`` in progress
-  are dropped, as if the socket had closed under them (it is closing); and
-  a send the peer takes nothing of within the connection's write timeout
-  closes the connection (:func:`edge.send_lock.send_within`), where
-  hypercorn waited for as long as the peer kept it open;
+  (:func:`edge.reads.linger`); a close is shielded (bounded by :data:`CLOSE_S`):
+  quart-trio cancelled it as it began, leaving the socket open for good; bytes
+  whose ``send_all`` meets ``_close`` in progress are dropped, as if the
+  socket had closed under them (it is closing); and a send the peer takes
+  nothing of within the connection's write timeout closes the connection
+  (:func:`edge.send_lock.send_within`), where hypercorn waited for as long
+  as the peer kept it open;
 - ``H11Protocol._send_error_response``: a request h11 cannot read (a head
   past 16 KiB still incomplete: 431; not HTTP/1.1: 400) is answered in the OpenAI error
   shape, where hypercorn sent the status with an empty body (an SDK showed
@@ -55,6 +57,7 @@ from edge.send_lock import send_within
 log = structlog.get_logger("iop.edge.http")
 
 OPEN: set[TCPServer] = set()  # the connections being served (run)
+CLOSE_S = 2.0  # a connection's close (a TLS close_notify to a peer that reads nothing: then abrupt)
 
 
 def stuck(edge: object) -> list[TCPServer]:
@@ -139,6 +142,14 @@ def install() -> None:
     async def protocol_send(self: TCPServer, event) -> None:
         if not isinstance(event, RawData):
             if type(event) is Closed and linger(self):  # the reader closes it once the client is done
+                await self.protocol.handle(Closed())
+                return
+            if type(event) is Closed:
+                # Shielded (bounded): quart-trio cancels the task answering as the request ends,
+                # which was often this close, begun as it asked (Connection: close): the socket
+                # stayed open, not idle, so no timeout ever closed it.
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_S):
+                    await self._close()
                 await self.protocol.handle(Closed())
                 return
             await hypercorn_protocol_send(self, event)

@@ -113,3 +113,25 @@ async def test_shutdown_closes_idle_connections_at_once(nursery):
             assert await closed_after(sock) < 5 * TIMEOUT  # not after the keep-alive timeout
             await sock.aclose()
         await stopped.wait()
+
+
+async def test_a_connection_close_request_is_closed_after_its_answer(nursery):
+    """`Connection: close` on a route Quart serves: the edge closes the connection after its
+    answer, every time. About half stayed open for good (quart-trio cancelled hypercorn's close
+    as it began; not idle, so no keep-alive timeout reaped them): 2,000 such requests held 1,016
+    sockets at 85 s, and an edge out of descriptors answered no one."""
+    _, port, _ = await serve(nursery, keep_alive=60)
+    answers = []
+
+    async def ask(path: bytes) -> None:
+        sock = await trio.open_tcp_stream("127.0.0.1", port)
+        async with sock:
+            raw = b"GET " + path + b" HTTP/1.1\r\nhost: edge\r\nconnection: close\r\n\r\n"
+            answers.append(await request(sock, raw, b"\r\n\r\n"))
+            await closed_after(sock)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as clients:
+            for i in range(60):
+                clients.start_soon(ask, (b"/healthz", b"/v1/zzz", b"/readyz")[i % 3])
+    assert len(answers) == 60 and all(b"connection: close" in a.lower() for a in answers)
