@@ -52,6 +52,7 @@ from edge.ws import link_route
 from iop import logs
 from iop.configfile import ConfigError
 from iop.drain import within_grace
+from iop.limits import more_open_files
 
 log = structlog.get_logger("iop.edge")
 
@@ -377,6 +378,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
         bind = _command_line_bind(sys.argv)
         if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
             config = msgspec.structs.replace(config, bind=bind)
+        more_open_files()  # (under `iop edge` its start does it)
         app = _create_app(config)
         _drain_under_hypercorn(app)
         return app

@@ -18,6 +18,7 @@ import trio
 from iop import gc_policy, logs
 from iop.configfile import ConfigError
 from iop.exceptions import first_leaf
+from iop.limits import more_open_files
 
 log = structlog.get_logger("iop")
 
@@ -251,6 +252,7 @@ async def _edge(config, bind: str | None, certfile: str | None, keyfile: str | N
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop, lambda: edge_of(app).hurry)
         gc_policy.tune()
+        more_open_files()
         nursery.start_soon(gc_policy.collect, stop)
 
         async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -283,6 +285,7 @@ async def _node(config) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop, lambda: agent.hurry)
         gc_policy.tune()
+        more_open_files()
         nursery.start_soon(gc_policy.collect, stop)
         nursery.start_soon(agent.serve)
         await stop.wait()
@@ -306,6 +309,7 @@ async def _demo(bind: str) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
         gc_policy.tune()
+        more_open_files()
         nursery.start_soon(gc_policy.collect, stop)
         url = await nursery.start(
             lambda task_status: serve_edge(app, bind, shutdown_trigger=stop.wait, task_status=task_status)

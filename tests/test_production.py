@@ -292,12 +292,12 @@ async def test_a_refusal_is_counted_as_one_when_its_client_closes_as_it_arrives(
     assert 'outcome="unknown"' not in text
 
 
-def _spawn(args: list[str], env: dict[str, str], stderr: Path | None = None) -> subprocess.Popen:
+def _spawn(args: list[str], env: dict[str, str], stderr: Path | None = None, **popen) -> subprocess.Popen:
     # Its own process group: hypercorn's CLI runs its worker in a child process.
     if stderr is None:
-        return subprocess.Popen(args, env={**os.environ, **env}, start_new_session=True)
+        return subprocess.Popen(args, env={**os.environ, **env}, start_new_session=True, **popen)
     with open(stderr, "w") as err:
-        return subprocess.Popen(args, env={**os.environ, **env}, stderr=err, start_new_session=True)
+        return subprocess.Popen(args, env={**os.environ, **env}, stderr=err, start_new_session=True, **popen)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -759,3 +759,51 @@ async def test_a_drain_lets_a_slow_reader_take_its_whole_answer_within_the_grace
                     break
         sock.close()
     assert len(json.loads(answer)["choices"][0]["message"]["content"]) > 400_000
+
+
+@pytest.mark.parametrize("cli", ["iop edge", "hypercorn"])
+async def test_the_edge_takes_as_many_connections_as_its_hard_limit_allows(nursery, tmp_path, cli):
+    """Started with a soft limit of 256 open files (systemd starts services with 1,024), the edge
+    raises it to the hard limit and answers 400 clients at once: it stopped accepting at about
+    the soft limit ("Too many open files"), and those past it got no answer at all."""
+    import resource
+
+    from scripts.stack import free_port
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"a hard limit of {hard} open files leaves nothing to raise to")
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN})
+    if cli == "hypercorn":
+        hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+        argv = [hypercorn, "-k", "trio", "--bind", f"127.0.0.1:{port}", "edge.app:create_app()"]
+    else:
+        argv = [sys.executable, "-m", "iop.cli", "edge", "--config", cfg]
+    soft_256 = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # noqa: E731
+    proc = _spawn(argv, {"IOP_EDGE_CONFIG": cfg}, preexec_fn=soft_256)
+    try:
+        with trio.fail_after(BOUND):
+            async with httpx.AsyncClient(timeout=BOUND) as client:
+                while True:
+                    try:
+                        await client.get(f"http://127.0.0.1:{port}/healthz")
+                        break
+                    except httpx.HTTPError:
+                        await trio.sleep(0.05)
+            socks = []
+            try:
+                for _ in range(400):  # all open at once
+                    sock = await trio.open_tcp_stream("127.0.0.1", port)
+                    socks.append(sock)
+                    await sock.send_all(b"GET /healthz HTTP/1.1\r\nhost: edge\r\n\r\n")
+                answered = 0
+                for sock in socks:
+                    if (await sock.receive_some(4096)).startswith(b"HTTP/1.1 200"):
+                        answered += 1
+            finally:
+                for sock in socks:
+                    await sock.aclose()
+        assert answered == 400
+    finally:
+        _stop(proc)
