@@ -369,6 +369,12 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
             {"role": "assistant", "content": "default_api.get_weather(city='Paris')"},
             {"role": "user", "content": "Observation: sunny"},
         ],
+        # A quoted URL that ends in a tool's name records no call of it (it gave the final answer).
+        [
+            task,
+            {"role": "assistant", "content": "See 'https://example.com/web_search' for more."},
+            {"role": "user", "content": "Observation: sunny"},
+        ],
     ]
     names = []
     with trio.fail_after(BOUND):
@@ -378,7 +384,15 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
                     model="iop-sim", messages=messages, tools=tools, tool_choice="required"
                 )
                 names.append(reply.choices[0].message.tool_calls[0].function.name)
-    assert names == ["get_weather", "final_answer", "get_weather", "final_answer", "get_weather", "final_answer"]
+    assert names == [
+        "get_weather",
+        "final_answer",
+        "get_weather",
+        "final_answer",
+        "get_weather",
+        "final_answer",
+        "get_weather",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -167,11 +167,13 @@ def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
     for part in _windows(text):
         for m in _WORD.finditer(part):
             word, start, end = m.group(), m.start(), m.end()
-            named = next((w for w in _readings(word) if w in names), None)
-            if named is None:
+            if _CALL.match(part, end):  # called, perhaps on a prefix: tools/get_weather(...)
+                named = next((w for w in _readings(word) if w in names), None)
+            elif start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES:
+                named = word if word in names else None  # quoted whole ('https://x.com/search' is no call of search)
+            else:
                 continue
-            quoted = start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES
-            if quoted or _CALL.match(part, end):
+            if named is not None:
                 found.add(named)
     return found
 
