@@ -369,15 +369,18 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
             config = load_edge_config(None)
         except ConfigError as e:
             raise SystemExit(f"iop: {e}") from None
-        if _hypercorn_not_on_trio(sys.argv):  # it started, then answered every request 500 with an empty body
-            raise SystemExit("iop: the edge runs on trio: start hypercorn with --worker-class trio")
-        if _hypercorn_workers(sys.argv) > 1:
-            # Each worker is an edge of its own: a node links to one, a request may reach another
-            # (503, no node), and a drain's idle worker ended first, then hypercorn cut the rest.
-            raise SystemExit("iop: the edge is one hypercorn worker: start hypercorn with --workers 1")
-        bind = _command_line_bind(sys.argv)
-        if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
-            config = msgspec.structs.replace(config, bind=bind)
+        hypercorn = _hypercorn_config()
+        if hypercorn is not None:
+            if hypercorn.worker_class != "trio":  # it started, then answered every request 500 with an empty body
+                raise SystemExit("iop: the edge runs on trio: start hypercorn with --worker-class trio")
+            if hypercorn.workers != 1:
+                # Each worker was an edge of its own: a node linked to one, a request reached
+                # another (503, no node), and a drain's idle worker ended first, then hypercorn
+                # cut the rest. With none (0), no signal drained it.
+                raise SystemExit("iop: the edge is one hypercorn worker: start hypercorn with --workers 1")
+            bind = _public_bind(hypercorn.bind)
+            if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
+                config = msgspec.structs.replace(config, bind=bind)
         more_open_files()  # (under `iop edge` its start does it)
         app = _create_app(config)
         _drain_under_hypercorn(app)
@@ -432,50 +435,25 @@ def _drain_under_hypercorn(app: QuartTrio) -> None:
     worker.check_multiprocess_shutdown_event = drained_first
 
 
-def _hypercorn_flag(argv: list[str], short: str, long: str) -> list[str]:
-    """The values a hypercorn command line gives a flag (``-w 2``, ``-w2``, ``--workers 2``,
-    ``--workers=2``), in order; none for another command line."""
-    if not argv or not argv[0].endswith("hypercorn"):
-        return []
-    values = []
-    for i, arg in enumerate(argv):
-        if arg in (short, long) and i + 1 < len(argv):
-            values.append(argv[i + 1])
-        elif arg.startswith(long + "="):
-            values.append(arg[len(long) + 1 :])
-        elif arg.startswith(short) and not arg.startswith("--") and len(arg) > len(short):
-            values.append(arg[len(short) :])
-    return values
+def _hypercorn_config():
+    """The hypercorn ``Config`` of the worker loading this app under hypercorn's CLI (its
+    command line, any ``--config`` file and its defaults, as hypercorn read them), or None
+    when something else calls :func:`create_app`. Found on the stack: hypercorn's worker
+    (``trio_worker``, ``asyncio_worker``; its reloader's ``run``) holds it as ``config``."""
+    import hypercorn.config
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = frame.f_locals.get("config") if frame.f_globals.get("__name__", "").startswith("hypercorn.") else None
+        if isinstance(config, hypercorn.config.Config):
+            return config
+        frame = frame.f_back
+    return None
 
 
-def _with_config_file(argv: list[str]) -> bool:
-    """A hypercorn command line with a --config file, which may set what its flags do not."""
-    return any(a in ("-c", "--config") or a.startswith(("-c", "--config=")) for a in argv[1:])
-
-
-def _hypercorn_not_on_trio(argv: list[str]) -> bool:
-    """A hypercorn command line whose worker class is not trio (its default is
-    asyncio); one with a --config file may set it there, so it is not judged."""
-    if not argv or not argv[0].endswith("hypercorn") or _with_config_file(argv):
-        return False
-    return ["asyncio", *_hypercorn_flag(argv, "-k", "--worker-class")][-1] != "trio"
-
-
-def _hypercorn_workers(argv: list[str]) -> int:
-    """The workers a hypercorn command line asks for (its default: 1; a --config file may say
-    more, unseen here)."""
-    given = _hypercorn_flag(argv, "-w", "--workers")
-    try:
-        return int(given[-1]) if given else 1
-    except ValueError:  # (hypercorn's own parser refuses it first)
-        return 1
-
-
-def _command_line_bind(argv: list[str]) -> str | None:
-    """The first public ``-b``/``--bind`` address of a hypercorn command line
-    (not loopback, a unix socket or a file descriptor), or None: the app is
-    told no address otherwise."""
-    binds = _hypercorn_flag(argv, "-b", "--bind")
+def _public_bind(binds: list[str]) -> str | None:
+    """The first public address of hypercorn's binds (not loopback, a unix socket or a file
+    descriptor), or None: the app is told no address otherwise."""
     public = [
         b for b in binds if not b.startswith(("unix:", "fd://")) and not is_loopback(b.rpartition(":")[0].strip("[]"))
     ]

@@ -101,7 +101,8 @@ async def test_an_open_edge_bound_public_by_the_command_line_warns(tmp_path):
     hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
     for name, argv in (
         ("iop", [sys.executable, "-m", "iop.cli", "edge", "--config", cfg, "--bind"]),
-        ("hypercorn", [hypercorn, "--worker-class", "trio", "edge.app:create_app()", "--bind"]),
+        # (--worker-cl: an abbreviation hypercorn's parser takes; it was refused as not trio)
+        ("hypercorn", [hypercorn, "--worker-cl", "trio", "edge.app:create_app()", "--bind"]),
     ):
         port = free_port()
         log = tmp_path / f"{name}.log"
@@ -394,9 +395,19 @@ def test_a_bad_config_under_hypercorns_cli_is_one_line(tmp_path):
     ]
     # With two workers each was an edge of its own: a node linked to one, a request reached the
     # other (503), and a drain's idle worker ended first, then hypercorn cut the other's streams.
-    for workers in (["--workers", "2"], ["-w2"], ["--workers=3"]):
+    # As hypercorn reads its command line: -w=2, a --config file, `python -m hypercorn`; with no
+    # worker (0), hypercorn passed it no signal and SIGTERM killed it undrained.
+    (tmp_path / "hypercorn.toml").write_text('worker_class = "trio"\nworkers = 2\n')
+    python_m = [sys.executable, "-m", "hypercorn"]
+    for command in (
+        [hypercorn, "-k", "trio", "--workers", "2"],
+        [hypercorn, "-k", "trio", "-w=2"],
+        [hypercorn, "--config", str(tmp_path / "hypercorn.toml")],
+        [*python_m, "-k", "trio", "-w", "3"],
+        [hypercorn, "-k", "trio", "-w", "0"],
+    ):
         proc = subprocess.run(
-            [hypercorn, "-k", "trio", *workers, "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
+            [*command, "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
             env={**os.environ, "IOP_EDGE_CONFIG": str(cfg)},
             capture_output=True,
             text=True,
