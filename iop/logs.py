@@ -9,6 +9,7 @@ better-exceptions, when installed, would print locals).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -47,9 +48,9 @@ def _json_dumps(event_dict: dict, **_: object) -> str:
     return _json_encode(event_dict).decode()
 
 
-def _as_event(record: logging.LogRecord) -> None:
-    """A stdlib log record as a structlog event (its traceback, if any, too)."""
-    extra = {"exc_info": record.exc_info} if record.exc_info else {}
+def _as_event(record: logging.LogRecord, *, traceback: bool = True) -> None:
+    """A stdlib log record as a structlog event (its traceback, if any, too, unless not asked)."""
+    extra = {"exc_info": record.exc_info} if traceback and record.exc_info else {}
     level = min(max(record.levelno // 10 * 10, logging.DEBUG), logging.CRITICAL)  # structlog knows only these
     structlog.get_logger().log(level, record.getMessage(), logger=record.name, **extra)
 
@@ -74,6 +75,27 @@ class _AsEvents(logging.Handler):
 
 
 _AS_EVENTS = _AsEvents()
+
+
+class _TrioAsEvents(logging.Handler):
+    """trio's own lines as structlog events, at most one a second and without their
+    traceback. Out of descriptors, trio's listener logs "accept returned EMFILE (Too many
+    open files); retrying in 0.1 seconds" at each retry, ten a second, each with a
+    plain-text traceback of nine lines (no handler took them: Python's last resort wrote
+    them), for as long as the edge stays at its limit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = -math.inf
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        if now - self.last >= 1.0:
+            self.last = now
+            _as_event(record, traceback=False)
+
+
+_TRIO_AS_EVENTS = _TrioAsEvents()
 
 
 def as_events(name: str) -> None:
@@ -132,6 +154,9 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=cache,
     )
+    trio_log = logging.getLogger("trio")
+    trio_log.handlers = [_TRIO_AS_EVENTS]
+    trio_log.propagate = False
     hypercorn_log = logging.getLogger("hypercorn.error")
     if json:
         hypercorn_log.addFilter(_HYPERCORN_AS_EVENTS)  # adds it once however often configure runs

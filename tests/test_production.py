@@ -309,12 +309,12 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=BOUND)
 
 
-async def _ready(url: str, **kw) -> None:
+async def _ready(url: str, path: str = "/readyz", **kw) -> None:
     async with httpx.AsyncClient(timeout=2, **kw) as client:
         with trio.fail_after(BOUND):
             while True:
                 try:
-                    if (await client.get(url + "/readyz")).status_code == 200:
+                    if (await client.get(url + path)).status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
@@ -794,14 +794,8 @@ async def test_the_edge_takes_as_many_connections_as_its_hard_limit_allows(nurse
     soft_256 = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # noqa: E731
     proc = _spawn(argv, {"IOP_EDGE_CONFIG": cfg}, preexec_fn=soft_256)
     try:
+        await _ready(f"http://127.0.0.1:{port}", "/healthz")
         with trio.fail_after(BOUND):
-            async with httpx.AsyncClient(timeout=BOUND) as client:
-                while True:
-                    try:
-                        await client.get(f"http://127.0.0.1:{port}/healthz")
-                        break
-                    except httpx.HTTPError:
-                        await trio.sleep(0.05)
             socks = []
             try:
                 for _ in range(400):  # all open at once
@@ -818,3 +812,38 @@ async def test_the_edge_takes_as_many_connections_as_its_hard_limit_allows(nurse
         assert answered == 400
     finally:
         _stop(proc)
+
+
+async def test_out_of_descriptors_the_edge_logs_one_json_line_a_second_and_recovers(nursery, tmp_path):
+    """At its hard limit of open files, trio's listener retries accept every 0.1 s: it wrote a
+    plain-text traceback of nine lines each time (ten a second, for as long as it lasted). Now a
+    JSON line at most once a second; and once clients leave, the edge answers again."""
+    import json
+    import resource
+
+    from scripts.stack import free_port
+
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN})
+    log = tmp_path / "edge.log"
+    limit_64 = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # noqa: E731
+    argv = [sys.executable, "-m", "iop.cli", "edge", "--config", cfg]
+    proc = _spawn(argv, {"IOP_LOG_FORMAT": "json"}, stderr=log, preexec_fn=limit_64)
+    try:
+        await _ready(f"http://127.0.0.1:{port}", "/healthz")
+        socks = []
+        with trio.fail_after(BOUND):
+            try:
+                for _ in range(120):  # past the limit: the rest wait in the backlog
+                    socks.append(await trio.open_tcp_stream("127.0.0.1", port))
+                await trio.sleep(2.5)
+            finally:
+                for sock in socks:
+                    await sock.aclose()
+            await _ready(f"http://127.0.0.1:{port}", "/healthz")
+    finally:
+        _stop(proc)
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    assert all(line.startswith("{") for line in lines), lines[:20]
+    accepts = [json.loads(line) for line in lines if "accept returned" in line]
+    assert 1 <= len(accepts) <= 4 and accepts[0]["logger"] == "trio.serve_listeners", accepts
