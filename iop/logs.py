@@ -78,17 +78,20 @@ _AS_EVENTS = _AsEvents()
 
 
 class _TrioAsEvents(logging.Handler):
-    """trio's own lines as structlog events, at most one a second and without their
-    traceback. Out of descriptors, trio's listener logs "accept returned EMFILE (Too many
-    open files); retrying in 0.1 seconds" at each retry, ten a second, each with a
-    plain-text traceback of nine lines (no handler took them: Python's last resort wrote
-    them), for as long as the edge stays at its limit."""
+    """trio's own lines as structlog events (no handler took them: Python's last resort wrote
+    them as plain text). Its listener's "accept returned EMFILE (Too many open files);
+    retrying in 0.1 seconds", logged at each retry with a traceback of nine lines, ten a
+    second for as long as the edge stays out of descriptors, goes at most once a second and
+    without the traceback (the line names the error); every other line goes as it came."""
 
     def __init__(self) -> None:
         super().__init__()
         self.last = -math.inf
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("accept returned"):
+            _as_event(record)
+            return
         now = time.monotonic()
         if now - self.last >= 1.0:
             self.last = now

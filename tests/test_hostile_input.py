@@ -4,6 +4,7 @@ logs, bounded body reads, 4xx (never 5xx) for odd JSON, bounded max_tokens."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -1200,3 +1201,28 @@ async def test_a_body_past_the_limit_gets_its_413_over_https_too(nursery, tmp_pa
                 except httpx.TransportError as e:
                     statuses.append(type(e).__name__)
     assert statuses == [413] * 10, statuses
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # (trio warns of the generator left unfinished, as meant)
+async def test_trios_own_errors_are_logged_with_their_exception(captured_logs):
+    """An error trio itself logs (an async generator that fails as it is finalized) is one JSON
+    line with its exception: it was plain text from Python's last resort, and then, with
+    trio's lines passed on, its exception was left out with the out-of-descriptors lines'."""
+    buffer, render = captured_logs
+    render(True)
+
+    async def failing():
+        try:
+            yield 1
+        finally:
+            raise RuntimeError("disk full")
+
+    agen = failing()
+    await agen.__anext__()
+    del agen
+    gc.collect()  # (trio finalizes it in a task of its own)
+    with trio.fail_after(BOUND):
+        while "disk full" not in buffer.getvalue():
+            await trio.sleep(0.01)
+    line = json.loads(next(line for line in buffer.getvalue().splitlines() if "disk full" in line))
+    assert line["logger"] == "trio.async_generator_errors" and line["exception"][0]["exc_value"] == "disk full"
