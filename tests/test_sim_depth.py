@@ -369,10 +369,20 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
             {"role": "assistant", "content": "default_api.get_weather(city='Paris')"},
             {"role": "user", "content": "Observation: sunny"},
         ],
-        # A quoted URL that ends in a tool's name records no call of it (it gave the final answer).
+        # A URL that ends in a tool's name records no call of it, quoted or before "(" (it gave
+        # the final answer).
         [
             task,
-            {"role": "assistant", "content": "See 'https://example.com/web_search' for more."},
+            {
+                "role": "assistant",
+                "content": "See 'https://example.com/web_search' or https://x.org/web_search (docs).",
+            },
+            {"role": "user", "content": "Observation: sunny"},
+        ],
+        # A name quoted with its namespace is a call recorded (the sim called the tool again).
+        [
+            task,
+            {"role": "assistant", "content": "Calling tools:\n[{'name': 'functions.get_weather', 'arguments': {}}]"},
             {"role": "user", "content": "Observation: sunny"},
         ],
     ]
@@ -392,6 +402,7 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
         "get_weather",
         "final_answer",
         "get_weather",
+        "final_answer",
     ]
 
 

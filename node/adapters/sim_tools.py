@@ -154,9 +154,23 @@ def _readings(word: str) -> list[str]:
     if not _SEPARATOR.search(bare):
         return [word, bare]
     at = [m.start() for m in _SEPARATOR.finditer(bare)]
-    ends = (bare[i + 1 :] for i in at[-_AFFIXES:])
     starts = (bare[:i] for i in at[:_AFFIXES])
-    return [word, bare, *_SEPARATOR.split(bare), *ends, *starts]
+    return [word, bare, *_SEPARATOR.split(bare), *_ends(bare, at), *starts]
+
+
+def _ends(bare: str, at: list[int]) -> list[str]:
+    """What follows each of the last few separators (at ``at``) of a word."""
+    return [bare[i + 1 :] for i in at[-_AFFIXES:]]
+
+
+def _record_readings(word: str) -> list[str]:
+    """A word as it may name a tool whose call an assistant's text records: itself, or after
+    a prefix (``tools/get_weather``, ``functions.get_weather``, ``default_api.weather.get``),
+    but no URL's last part ("https://example.com/web_search" calls nothing)."""
+    bare = word.strip(_ENDS)
+    if "//" in bare:
+        return [word, bare]
+    return [word, bare, *_ends(bare, [m.start() for m in _SEPARATOR.finditer(bare)])]
 
 
 def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
@@ -167,14 +181,11 @@ def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
     for part in _windows(text):
         for m in _WORD.finditer(part):
             word, start, end = m.group(), m.start(), m.end()
-            if _CALL.match(part, end):  # called, perhaps on a prefix: tools/get_weather(...)
-                named = next((w for w in _readings(word) if w in names), None)
-            elif start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES:
-                named = word if word in names else None  # quoted whole ('https://x.com/search' is no call of search)
-            else:
-                continue
-            if named is not None:
-                found.add(named)
+            quoted = start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES
+            if quoted or _CALL.match(part, end):  # quoted (smolagents' records) or called, perhaps on a prefix
+                named = next((w for w in _record_readings(word) if w in names), None)
+                if named is not None:
+                    found.add(named)
     return found
 
 
