@@ -454,10 +454,16 @@ def _hypercorn_config():
 def _public_bind(binds: list[str]) -> str | None:
     """The first public address of hypercorn's binds (not loopback, a unix socket or a file
     descriptor), or None: the app is told no address otherwise."""
-    public = [
-        b for b in binds if not b.startswith(("unix:", "fd://")) and not is_loopback(b.rpartition(":")[0].strip("[]"))
-    ]
+    public = [b for b in binds if not b.startswith(("unix:", "fd://")) and not is_loopback(_host(b))]
     return public[0] if public else None
+
+
+def _host(bind: str) -> str:
+    """The host of a hypercorn bind: ``HOST:PORT``, ``[V6]:PORT``, or a host alone (port 8000)."""
+    if bind.startswith("[") and "]" in bind:
+        return bind[1 : bind.index("]")]
+    host, colon, port = bind.rpartition(":")
+    return host if colon and port.isdigit() else bind
 
 
 def _create_app(config: EdgeConfig) -> QuartTrio:
@@ -656,7 +662,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     async def warn_open() -> None:
         if not config.node_token and not config.node_tokens:
             log.warning("no node_token or node_tokens configured: no node can link to this edge")
-        if not is_loopback(config.bind.rpartition(":")[0].strip("[]")) and edge.keys.open:
+        if not is_loopback(_host(config.bind)) and edge.keys.open:
             edge.open_served = True  # (said now)
             _warn_open(config.bind)
 

@@ -124,6 +124,23 @@ async def test_an_open_edge_bound_public_by_the_command_line_warns(tmp_path):
         assert log.read_text().count("EDGE IS OPEN") == 1, name
 
 
+@pytest.mark.parametrize(
+    ("binds", "public"),
+    [
+        (["127.0.0.1"], None),  # a host alone: hypercorn listens on its port 8000 (it was read as public)
+        (["localhost"], None),
+        (["[::1]:8080", "unix:/run/iop.sock", "fd://3"], None),
+        (["127.0.0.1:8080", "0.0.0.0"], "0.0.0.0"),
+        (["[::]:8080"], "[::]:8080"),
+    ],
+)
+def test_the_open_edge_warning_reads_hypercorns_binds_as_hypercorn_does(binds, public):
+    """Which of hypercorn's --bind addresses is public, for the `EDGE IS OPEN` warning."""
+    from edge.app import _public_bind
+
+    assert _public_bind(binds) == public
+
+
 async def test_per_node_tokens_are_checked_at_the_upgrade(nursery, upstream):
     """node_tokens gives each node id its own token; the shared one does not open it."""
     edge = await start_edge(nursery, edge_config(node_token="", node_tokens={"n1": "n1-secret"}))
