@@ -385,6 +385,18 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
             {"role": "assistant", "content": "Calling tools:\n[{'name': 'functions.get_weather', 'arguments': {}}]"},
             {"role": "user", "content": "Observation: sunny"},
         ],
+        # So is a call of a method on the tool (as LangChain tools are called).
+        [
+            task,
+            {"role": "assistant", "content": "get_weather.invoke({'city': 'Paris'})"},
+            {"role": "user", "content": "Observation: sunny"},
+        ],
+        # A URL without its scheme records no call either.
+        [
+            task,
+            {"role": "assistant", "content": "See www.example.com/web_search (docs) or 'example.com/web_search'."},
+            {"role": "user", "content": "Observation: sunny"},
+        ],
     ]
     names = []
     with trio.fail_after(BOUND):
@@ -403,6 +415,8 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
         "final_answer",
         "get_weather",
         "final_answer",
+        "final_answer",
+        "get_weather",
     ]
 
 

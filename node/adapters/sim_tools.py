@@ -118,6 +118,7 @@ _ENDS = ".:/-"
 _SEPARATOR = re.compile(r"[.:/]")
 _AFFIXES = 4
 _CALL = re.compile(r"\s*\(")
+_NAME_KEY = re.compile(r"""\bname['"]?\s*[:=]\s*$""")  # before a quoted value: 'name': , "name": , name=
 _QUOTES = ("'", '"')
 
 
@@ -163,14 +164,23 @@ def _ends(bare: str, at: list[int]) -> list[str]:
     return [bare[i + 1 :] for i in at[-_AFFIXES:]]
 
 
-def _record_readings(word: str) -> list[str]:
-    """A word as it may name a tool whose call an assistant's text records: itself, or after
-    a prefix (``tools/get_weather``, ``functions.get_weather``, ``default_api.weather.get``),
-    but no URL's last part ("https://example.com/web_search" calls nothing)."""
+def _record_readings(part: str, start: int, end: int) -> list[str]:
+    """The word at ``part[start:end]`` as it may name a tool whose call an assistant's text
+    records: called, as itself (``get_weather (...)``) or, with its "(" right after it, in any
+    of its readings (``tools/get_weather(``, ``web_search.run(``), never in a URL; quoted, as
+    itself, or after a namespace as the value of a name (``'name': 'functions.get_weather'``;
+    not ``'module': 'app.web_search'``). Else none."""
+    word = part[start:end]
     bare = word.strip(_ENDS)
-    if "//" in bare:
-        return [word, bare]
-    return [word, bare, *_ends(bare, [m.start() for m in _SEPARATOR.finditer(bare)])]
+    if part[end : end + 1] == "(" and "//" not in word:
+        return _readings(word)
+    if _CALL.match(part, end):
+        return [word, word.rstrip(_ENDS)]  # ("get_weather: (...)"; not "x.org/#/web_search (docs)")
+    if not (start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES):
+        return []
+    if _NAME_KEY.search(part, max(0, start - 32), start - 1):
+        return [word, bare, *_ends(bare, [m.start() for m in _SEPARATOR.finditer(bare)])]
+    return [word]
 
 
 def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
@@ -180,12 +190,9 @@ def _recorded(functions: list[dict[str, Any]], text: str) -> set[str]:
     found = set()
     for part in _windows(text):
         for m in _WORD.finditer(part):
-            word, start, end = m.group(), m.start(), m.end()
-            quoted = start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES
-            if quoted or _CALL.match(part, end):  # quoted (smolagents' records) or called, perhaps on a prefix
-                named = next((w for w in _record_readings(word) if w in names), None)
-                if named is not None:
-                    found.add(named)
+            named = next((w for w in _record_readings(part, m.start(), m.end()) if w in names), None)
+            if named is not None:
+                found.add(named)
     return found
 
 
