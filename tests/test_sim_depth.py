@@ -352,72 +352,45 @@ async def test_a_smolagents_style_loop_ends_against_the_sim(sim_edge):
     ]
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     native = [task, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
-    conversations = [
-        [history[0], task],  # the task names get_weather
-        history,  # the agent's loop under way, as text: its final answer
-        [*history, {"role": "assistant", "content": "ok"}, task],  # a new task naming the tool
-        [*native, {"role": "user", "content": "Continue."}],  # results, then a framework's nudge: the final answer
+
+    def recorded(said: str) -> list[dict]:
+        """The task, an assistant's answer saying ``said``, and an observation after it."""
+        return [task, {"role": "assistant", "content": said}, {"role": "user", "content": "Observation: sunny"}]
+
+    cases = [
+        ([history[0], task], "get_weather"),  # the task names get_weather
+        (history, "final_answer"),  # the agent's loop under way, as text: its final answer
+        ([*history, {"role": "assistant", "content": "ok"}, task], "get_weather"),  # a new task naming the tool
+        ([*native, {"role": "user", "content": "Continue."}], "final_answer"),  # results, then a framework's nudge
         # An answer that merely says a tool's name (or "researched" for web_search) is no loop under way.
-        [
-            task,
-            {"role": "assistant", "content": "get_weather says sunny; I researched it."},
-            {"role": "user", "content": "Rome?"},
-        ],
+        (
+            [
+                task,
+                {"role": "assistant", "content": "get_weather says sunny; I researched it."},
+                {"role": "user", "content": "Rome?"},
+            ],
+            "get_weather",
+        ),
         # A call recorded as code on a module (as Gemini-style agents write it) is a loop under way.
-        [
-            task,
-            {"role": "assistant", "content": "default_api.get_weather(city='Paris')"},
-            {"role": "user", "content": "Observation: sunny"},
-        ],
+        (recorded("default_api.get_weather(city='Paris')"), "final_answer"),
         # A URL that ends in a tool's name records no call of it, quoted or before "(" (it gave
-        # the final answer).
-        [
-            task,
-            {
-                "role": "assistant",
-                "content": "See 'https://example.com/web_search' or https://x.org/web_search (docs).",
-            },
-            {"role": "user", "content": "Observation: sunny"},
-        ],
-        # A name quoted with its namespace is a call recorded (the sim called the tool again).
-        [
-            task,
-            {"role": "assistant", "content": "Calling tools:\n[{'name': 'functions.get_weather', 'arguments': {}}]"},
-            {"role": "user", "content": "Observation: sunny"},
-        ],
-        # So is a call of a method on the tool (as LangChain tools are called).
-        [
-            task,
-            {"role": "assistant", "content": "get_weather.invoke({'city': 'Paris'})"},
-            {"role": "user", "content": "Observation: sunny"},
-        ],
-        # A URL without its scheme records no call either.
-        [
-            task,
-            {"role": "assistant", "content": "See www.example.com/web_search (docs) or 'example.com/web_search'."},
-            {"role": "user", "content": "Observation: sunny"},
-        ],
+        # the final answer), nor one without its scheme.
+        (recorded("See 'https://example.com/web_search' or https://x.org/web_search (docs)."), "get_weather"),
+        (recorded("See www.example.com/web_search (docs) or 'example.com/web_search'."), "get_weather"),
+        # A name quoted with its namespace is a call recorded (the sim called the tool again), and
+        # so is a call of a method on the tool (as LangChain tools are called).
+        (recorded("Calling tools:\n[{'name': 'functions.get_weather', 'arguments': {}}]"), "final_answer"),
+        (recorded("get_weather.invoke({'city': 'Paris'})"), "final_answer"),
     ]
     names = []
     with trio.fail_after(BOUND):
         async with sdk(sim_edge) as client:
-            for messages in conversations:
+            for messages, _ in cases:
                 reply = await client.chat.completions.create(
                     model="iop-sim", messages=messages, tools=tools, tool_choice="required"
                 )
                 names.append(reply.choices[0].message.tool_calls[0].function.name)
-    assert names == [
-        "get_weather",
-        "final_answer",
-        "get_weather",
-        "final_answer",
-        "get_weather",
-        "final_answer",
-        "get_weather",
-        "final_answer",
-        "final_answer",
-        "get_weather",
-    ]
+    assert names == [expected for _, expected in cases]
 
 
 @pytest.mark.parametrize(
