@@ -294,10 +294,12 @@ def _count_refusal(key: Key, refusal: APIError) -> None:
 
 
 def is_loopback(host: str) -> bool:
+    """``127.0.0.1``, ``::1``, ``::ffff:127.0.0.1``, ``localhost`` (any case, a final dot)."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return host == "localhost"
+        return host.lower().rstrip(".") == "localhost"
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
 def _warn_open(address: str) -> None:

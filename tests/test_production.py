@@ -129,6 +129,7 @@ async def test_an_open_edge_bound_public_by_the_command_line_warns(tmp_path):
     [
         (["127.0.0.1"], None),  # a host alone: hypercorn listens on its port 8000 (it was read as public)
         (["localhost"], None),
+        (["LOCALHOST:8080", "localhost.:8080", "[::ffff:127.0.0.1]:8080"], None),  # (were read as public)
         (["[::1]:8080", "unix:/run/iop.sock", "fd://3"], None),
         (["127.0.0.1:8080", "0.0.0.0"], "0.0.0.0"),
         (["[::]:8080"], "[::]:8080"),
