@@ -101,19 +101,16 @@ async def _nowhere(_event: object) -> None:
     connection then closes, and hypercorn's close ends the stream)."""
 
 
-async def _send_error_response(self: H11Protocol, status_code: int) -> None:
-    message, code = _UNREADABLE.get(status_code, _UNREADABLE_DEFAULT)
+def refusal(config, status_code: int, message: str, code: str, request_id: str | None = None):
+    """The head and body of an answer the connection gives itself (no handler saw the request):
+    an OpenAI error, the connection closing. Counted and logged as every request is, unless it
+    is a handler's request (``request_id``: its handler's access line and count say it)."""
     body = error_json(message, "invalid_request_error", code=code)
-    outcome = f"rejected_{status_code}"
-    stream = self.stream
-    if isinstance(stream, HTTPStream):  # its body was unreadable: its handler's access line and count say this answer
-        stream.send = _nowhere  # the handler's own answer, if it comes now, goes nowhere (not into this one)
-        request_id = request_id_of(stream.scope)
-        stream.scope["iop.answered"] = (status_code, code)
-    else:
+    if request_id is None:
         request_id = new_request_id()
-        edge = getattr(self.config, "iop_edge", None)
-        if edge is not None:  # counted and logged as every request is (it had neither)
+        outcome = f"rejected_{status_code}"
+        edge = getattr(config, "iop_edge", None)
+        if edge is not None:
             edge.metrics.requests.labels("other", OTHER_MODEL, outcome).inc()
         log.info("request", request_id=request_id, api="other", status=status_code, cause=outcome, error=code)
     headers = [
@@ -122,8 +119,20 @@ async def _send_error_response(self: H11Protocol, status_code: int) -> None:
         (b"connection", b"close"),
         (b"x-request-id", request_id.encode()),
         NO_RETRY,  # (the same request gets the same answer)
-        *self.config.response_headers("h11"),
+        *config.response_headers("h11"),
     ]
+    return headers, body
+
+
+async def _send_error_response(self: H11Protocol, status_code: int) -> None:
+    message, code = _UNREADABLE.get(status_code, _UNREADABLE_DEFAULT)
+    stream = self.stream
+    request_id = None
+    if isinstance(stream, HTTPStream):  # its body was unreadable: its handler's access line and count say this answer
+        stream.send = _nowhere  # the handler's own answer, if it comes now, goes nowhere (not into this one)
+        request_id = request_id_of(stream.scope)
+        stream.scope["iop.answered"] = (status_code, code)
+    headers, body = refusal(self.config, status_code, message, code, request_id)
     await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
     await self._send_h11_event(h11.Data(data=body))
     await self._send_h11_event(h11.EndOfMessage())

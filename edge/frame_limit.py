@@ -37,10 +37,12 @@ import importlib.metadata
 
 import structlog
 import trio
-from hypercorn.protocol.events import Body, Data, Request, StreamClosed
+from hypercorn.protocol.events import Body, Data, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.ws_stream import ASGIWebsocketState, WSStream
 from wsproto.events import CloseConnection
 from wsproto.frame_protocol import CloseReason
+
+from edge.connection import refusal
 
 log = structlog.get_logger("iop.edge.link")
 
@@ -174,7 +176,11 @@ def install() -> None:
             # no second answer when the app's has begun (then the bytes are dropped).
             if self.state == ASGIWebsocketState.HANDSHAKE:
                 self.closed = True
-                await self._send_error_response(400)
+                message = "A websocket upgrade carries no body."
+                headers, body = refusal(self.config, 400, message, "body_with_upgrade")
+                await self.send(Response(stream_id=self.stream_id, status_code=400, headers=headers))
+                await self.send(Body(stream_id=self.stream_id, data=body))
+                await self.send(EndBody(stream_id=self.stream_id))
                 await self.send(StreamClosed(stream_id=self.stream_id))  # (the connection closes)
                 if self.app_put is not None:  # the link's handler, waiting for the node's hello, ends now
                     await self.app_put({"type": "websocket.disconnect", "code": 1006})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import msgspec
 import pytest
@@ -207,6 +208,9 @@ async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nurse
         await stream.aclose()
         await trio.sleep(0.2)
     assert received.startswith(b"HTTP/1.1 401" if late else b"HTTP/1.1 400") and received.count(b"HTTP/1.1") == 1
+    if not late:  # an OpenAI error, as every refusal (it had an empty body)
+        error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "body_with_upgrade" and error["type"] == "invalid_request_error"
     assert [e["event"] for e in logs if e["log_level"] in ("error", "critical")] == []
     await eventually(lambda: not [s for s in connection.OPEN if s.config.iop_edge is edge.edge], "its connection ended")
     async with http(edge) as client:
