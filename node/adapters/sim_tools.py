@@ -33,6 +33,7 @@ same way, as the answer's text; ``json_object`` gets a small object
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -154,14 +155,13 @@ def _readings(word: str) -> list[str]:
     bare = word.strip(_ENDS)
     if not _SEPARATOR.search(bare):
         return [word, bare]
-    at = [m.start() for m in _SEPARATOR.finditer(bare)]
-    starts = (bare[:i] for i in at[:_AFFIXES])
-    return [word, bare, *_SEPARATOR.split(bare), *_ends(bare, at), *starts]
+    starts = [bare[: m.start()] for m in itertools.islice(_SEPARATOR.finditer(bare), _AFFIXES)]
+    return [word, bare, *_SEPARATOR.split(bare), *_ends(bare), *starts]
 
 
-def _ends(bare: str, at: list[int]) -> list[str]:
-    """What follows each of the last few separators (at ``at``) of a word."""
-    return [bare[i + 1 :] for i in at[-_AFFIXES:]]
+def _ends(bare: str) -> list[str]:
+    """What follows each of the last few separators of a word."""
+    return [bare[m.end() :] for m in collections.deque(_SEPARATOR.finditer(bare), _AFFIXES)]
 
 
 def _record_readings(part: str, start: int, end: int) -> list[str]:
@@ -171,7 +171,6 @@ def _record_readings(part: str, start: int, end: int) -> list[str]:
     itself, or after a namespace as the value of a name (``'name': 'functions.get_weather'``;
     not ``'module': 'app.web_search'``). Else none."""
     word = part[start:end]
-    bare = word.strip(_ENDS)
     if part[end : end + 1] == "(" and "//" not in word:
         return _readings(word)
     if _CALL.match(part, end):
@@ -179,7 +178,8 @@ def _record_readings(part: str, start: int, end: int) -> list[str]:
     if not (start > 0 and part[start - 1] in _QUOTES and part[end : end + 1] in _QUOTES):
         return []
     if _NAME_KEY.search(part, max(0, start - 32), start - 1):
-        return [word, bare, *_ends(bare, [m.start() for m in _SEPARATOR.finditer(bare)])]
+        bare = word.strip(_ENDS)
+        return [word, bare, *_ends(bare)]
     return [word]
 
 
