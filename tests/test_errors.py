@@ -37,6 +37,17 @@ def assert_openai_error(r, status: int, *, param=None, code=None) -> dict:
         (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}', "temperature"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+        # Asked to hide reasoning with the wrong type: a 400, never the reasoning shown.
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning": {"exclude": "true"}}',
+            "reasoning.exclude",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning": {"exclude": 1}}',
+            "reasoning.exclude",
+        ),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": 5}', "metadata"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": ["x"]}', "metadata"),
     ],
 )
 async def test_malformed_requests_are_400(edge, node, body, param):

@@ -59,6 +59,16 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False
 
 
+class Reasoning(msgspec.Struct, omit_defaults=True):
+    """OpenRouter's ``reasoning`` object, its known fields typed (a wrong type is a 400, so a
+    client that asks to hide reasoning never has it shown); other fields go upstream untouched."""
+
+    exclude: bool | None = None
+    enabled: bool | None = None
+    effort: str | None = None
+    max_tokens: int | None = None
+
+
 class ChatRequest(msgspec.Struct, omit_defaults=True):
     model: Annotated[str, msgspec.Meta(min_length=1)]
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
@@ -78,7 +88,8 @@ class ChatRequest(msgspec.Struct, omit_defaults=True):
     parallel_tool_calls: bool | None = None
     user: str | None = None
     include_reasoning: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
+    metadata: dict[str, Any] | None = None  # an object, or a 400 (OpenAI's own rule)
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None  # true is refused (see request.py): nodes relay no log probabilities
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
@@ -86,7 +97,7 @@ class ChatRequest(msgspec.Struct, omit_defaults=True):
     def reasoning_included(self) -> bool:
         if self.include_reasoning is False:
             return False
-        if self.reasoning and self.reasoning.get("exclude") is True:
+        if self.reasoning is not None and self.reasoning.exclude:
             return False
         return True
 
