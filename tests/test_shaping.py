@@ -313,6 +313,22 @@ async def test_xml_completion_tool_wraps_plain_text_only(shaped):
     assert whole["choices"][0]["message"]["content"] == tool_use
 
 
+async def test_xml_completion_tool_leaves_an_empty_answer_unwrapped(shaped):
+    """A run with hidden reasoning alone (cut off at its length) has no text to wrap: an empty
+    completion would tell an XML-tool agent that its task is done, with an empty result."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "thinking..."}, finish="length"))
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="xmltool")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "xmltool", "messages": MESSAGES})).json()
+    assert b"attempt_completion" not in raw and b"thinking" not in raw
+    assert joined(chunks, "content") == ""
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert not whole["choices"][0]["message"]["content"]
+    assert whole["choices"][0]["finish_reason"] == "length"
+
+
 async def test_xml_completion_tool_wraps_a_stream_without_stream_buffer_too(shaped):
     """The wrap needs the whole text: a strict model with xml_completion_tool and no
     stream_buffer still streams it wrapped, the same as its whole responses."""

@@ -332,7 +332,9 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             tool_error = parsed.error
     finish_reason = end_reason(finish_reason, bool(tool_calls))
     normalized = False
-    if policy.strict_output and policy.xml_completion_tool and not tool_calls:
+    # Nothing to wrap (hidden reasoning alone, a refusal): an empty completion would tell an
+    # XML-tool agent its task is done.
+    if policy.strict_output and policy.xml_completion_tool and not tool_calls and content.strip():
         if not holds_xml_tool_use(content, policy.xml_completion_tool):
             content = wrap_in_completion_tool(content, policy.xml_completion_tool)
             normalized = True
