@@ -92,8 +92,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     hello_timeout_s: float = 5.0
     max_frame_bytes: int = 16 * 1024 * 1024
     max_node_concurrency: int = 4096  # per node and model: a larger advertised capacity is capped to this
-    stall_after_s: float = 10.0  # a node whose runs wait this long (and 10x its peers' TTFT) for a first event is
-    #                              routed around, and its unstarted runs move to other nodes
+    stall_after_s: float = 10.0  # a node whose runs of a model wait this long (and 10x that model's TTFT on its peers)
+    #                              for a first event is routed around, and those runs move to other nodes
     # Placement (README "Many nodes"): "prefix" (session, then the node holding the longest
     # prompt prefix, then rendezvous hashing), "session" (session, then least loaded),
     # "least_loaded", "random".

@@ -149,3 +149,34 @@ async def test_a_moved_run_never_goes_back_to_the_failing_node(nursery):
                 clients.start_soon(one, i)
                 await trio.sleep(0.3)
     assert statuses == [200] * 8, statuses
+
+
+async def test_a_model_with_no_peer_is_never_judged_stalled(nursery):
+    """A node's slow first token was judged against nodes serving other models: one long prompt
+    on the only node of a model (2.5 s against a peer's milliseconds for another model) had
+    the node routed around for all its models, and its free slots turned requests away with
+    429 (an outside check of #9). A stall is judged against the model's own peers; here it
+    has none, so the node keeps serving both its models."""
+    fast, slow = await new_upstream(nursery), await new_upstream(nursery)
+    slow.script_for("slow", lambda body: [("sleep", 2.5), *text_script(words(3))])
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, queue_timeout_ms=1000))
+    await start_node(nursery, edge, [model("a", fast, target="t")], node_id="peer")
+    await start_node(
+        nursery, edge, [model("solo", slow, target="slow", max_concurrency=4), model("other", slow)], node_id="only"
+    )
+    statuses: dict[str, int] = {}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+
+            async def ask(name: str, model_name: str) -> None:
+                body = {"model": model_name, "messages": [{"role": "user", "content": name}]}
+                statuses[name] = (await client.post("/v1/chat/completions", json=body)).status_code
+
+            await ask("warm", "a")  # the peer's time to first event is known: milliseconds
+            async with trio.open_nursery() as clients:
+                clients.start_soon(ask, "long", "solo")
+                await trio.sleep(1.5)  # three times stall_after_s, hundreds of times the peer's
+                assert not edge.edge.runs.links["only"].stalled(trio.current_time())
+                await ask("other", "other")
+                await ask("solo", "solo")  # a free slot of the same model
+    assert statuses == {"warm": 200, "long": 200, "other": 200, "solo": 200}, statuses

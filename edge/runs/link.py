@@ -101,6 +101,7 @@ class NodeLink:
         self.unstarted: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.engine: dict[str, EngineLoad] = {}  # model -> its server's own load, as the node last reported
         self.ttft: float | None = None  # moving average of the time to a run's first event
+        self.ttft_of: dict[str, float] = {}  # the same, per model (a stall is judged against a model's peers)
         self.stalled_until = -1.0  # routed around until then (its runs were not starting)
         self._stall_backoff = _STALL_BACKOFF_S[0]
         # model -> [runs failed in a row before any output, routed around until, next backoff]:
@@ -204,21 +205,18 @@ class NodeLink:
         """A run request went to this node; it is unstarted until its first event."""
         self.unstarted[run_id] = now
 
-    def started(self, run_id: str, now: float, timed: bool = True) -> None:
-        """A run's first event came (``timed``: output or its end, a time to first
-        token; not an error at once, which says nothing of how fast runs start)."""
+    def started(self, run_id: str, now: float, timed: bool = True, model: str = "") -> None:
+        """A run of ``model`` had its first event (``timed``: output or its end, a time to
+        first token; not an error at once, which says nothing of how fast runs start)."""
         sent_at = self.unstarted.pop(run_id, None)
         if sent_at is None or not timed:
             return
         ttft = now - sent_at
         self.ttft = ttft if self.ttft is None else 0.8 * self.ttft + 0.2 * ttft
+        if model in self.models:  # (keys bounded by the node's models)
+            before = self.ttft_of.get(model)
+            self.ttft_of[model] = ttft if before is None else 0.8 * before + 0.2 * ttft
         self._stall_backoff = _STALL_BACKOFF_S[0]
-
-    def oldest_unstarted(self) -> float | None:
-        """When the longest-waiting unstarted run was sent (None: none waits)."""
-        for sent_at in self.unstarted.values():
-            return sent_at
-        return None
 
     def stalled(self, now: float) -> bool:
         return self.stalled_until > now

@@ -233,7 +233,9 @@ class Run:
             link = slot.link
             slot.end_probe()
             answered = complete or not terminal
-            link.started(self.id, now, timed=answered)  # (a dead server's 1 ms failures made a slow node look stalled)
+            link.started(
+                self.id, now, answered, slot.model
+            )  # (a dead server's 1 ms failures made a slow node look stalled)
             if answered:
                 link.served(slot.model)
             elif getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500:  # failed at once, not for the client

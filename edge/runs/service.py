@@ -380,40 +380,56 @@ class RunService:
         link.sent(run.id, trio.current_time())
 
     def check_stall(self, link: NodeLink) -> None:
-        """Route around ``link`` if its runs are not starting: its oldest
-        unstarted run has waited ``stall_after_s`` and ten times the typical
-        time to first event of its peers (nodes that are starting runs). A
-        node with no such peers is never judged, so a lone node is left
-        alone. Its unstarted runs move to other nodes."""
+        """Route around ``link`` if its runs are not starting: the oldest
+        unstarted run of a model has waited ``stall_after_s`` and ten times the
+        typical time to first event of that model on its peers (the other
+        nodes starting runs of it). A model with no such peer is never judged:
+        a lone node, or a model only this node serves, is left alone (a long
+        prompt's first token can take minutes); so are nodes serving other
+        models, whose times say nothing of this one's. The judged models'
+        unstarted runs move to other nodes."""
         now = trio.current_time()
         if link.stalled_until >= 0 and not link.stalled(now):
             link.stalled_until = -1.0  # its time out is over: it gets traffic again
             for model in link.models:
                 self._wake(model)
-        oldest = link.oldest_unstarted()
-        if oldest is None or link.stalled(now):
+        if not link.unstarted or link.stalled(now):
             return
-        peers = sorted(
-            lk.ttft
-            for lk in self.links.values()
-            if lk is not link and lk.ttft is not None and not lk.stalled(now) and not lk.closed
-        )
-        if not peers:
-            return
-        typical = peers[len(peers) // 2]
-        threshold = max(self.config.stall_after_s, 10 * typical)
-        waited = now - oldest
-        if waited < threshold:
+        waited_since: dict[str, float] = {}  # model -> when its oldest unstarted run was sent
+        due = now - self.config.stall_after_s
+        for run_id, sent_at in link.unstarted.items():  # (at most the node's slots)
+            run = link.runs.get(run_id)
+            if run is not None and sent_at <= due:
+                waited_since.setdefault(run.slot.model, sent_at)
+        judged: dict[str, float] = {}  # model -> the wait past which its runs move
+        typical = waited = 0.0
+        for model, sent_at in waited_since.items():
+            peers = sorted(
+                lk.ttft_of[model]
+                for lk in self.links.values()
+                if lk is not link and model in lk.ttft_of and not lk.stalled(now) and not lk.closed
+            )
+            if not peers:
+                continue
+            peer_typical = peers[len(peers) // 2]
+            threshold = max(self.config.stall_after_s, 10 * peer_typical)
+            if now - sent_at >= threshold:
+                judged[model] = threshold
+                if now - sent_at > waited:
+                    typical, waited = peer_typical, now - sent_at
+        if not judged:
             return
         backoff = link.mark_stalled(now)
         moved = 0
         for run_id, sent_at in list(link.unstarted.items()):
             run = link.runs.get(run_id)
-            if run is not None and now - sent_at >= threshold and self._fail_over(run, link):
+            threshold = judged.get(run.slot.model) if run is not None else None
+            if threshold is not None and now - sent_at >= threshold and self._fail_over(run, link):
                 moved += 1
         log.warning(
             "node is not starting runs: routing around it",
             node_id=link.node_id,
+            models=sorted(judged),
             waited_s=round(waited, 3),
             peers_ttft_s=round(typical, 4),
             runs_moved=moved,
