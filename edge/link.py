@@ -43,7 +43,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
-from proto.frames import MAX_MODEL_NAME, MAX_MODELS, MAX_NODE_ID, name_problem
+from proto.frames import MAX_MODEL_NAME, MAX_NODE_ID, name_problem
 
 MAX_ADAPTER = 64  # characters of a model's adapter in a hello ("openai", "sim")
 MAX_TARGET = 1024  # characters of its target (the model server's own name for it)
@@ -82,8 +82,6 @@ def _hello_problem(hello: Hello) -> str:
     problem = name_problem(hello.node_id, MAX_NODE_ID)
     if problem:
         return f"node_id {problem}"
-    if len(hello.models) > MAX_MODELS:
-        return f"more than {MAX_MODELS} models"
     for info in hello.models:
         problem = name_problem(info.name, MAX_MODEL_NAME)
         if problem:
@@ -116,7 +114,10 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     try:
         with trio.fail_after(config.hello_timeout_s):
             hello = decode_frame(await websocket.receive())
-    except (trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError, TypeError, RecursionError):
+    except msgspec.ValidationError as e:  # a hello past a bound (1,024 models) names it
+        await websocket.close(CLOSE_PROTOCOL, f"invalid hello: {e}".encode()[:120].decode(errors="ignore"))
+        return None
+    except (trio.TooSlowError, msgspec.DecodeError, TypeError, RecursionError):
         await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
         return None
     if not isinstance(hello, Hello):

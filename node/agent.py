@@ -71,7 +71,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
-from proto.frames import COMPLETE, DELTA, ERROR, REASONING_DELTA
+from proto.frames import COMPLETE, DELTA, ERROR, MAX_HEADERS, REASONING_DELTA
 
 log = structlog.get_logger("iop.node")
 
@@ -435,6 +435,7 @@ class TunnelSink:
 
     async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
         self.started = True
+        headers = headers[:MAX_HEADERS]  # (a frame carries no more; an edge relays a few it knows)
         size = self._base + sum(HEADER_OVERHEAD + text_bytes(k) + text_bytes(v) for k, v in headers)
         if size > self._outbox.budget:
             await self.error("provider response headers too large to relay")

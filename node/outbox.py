@@ -33,6 +33,7 @@ from collections import deque
 import trio
 
 from proto import Events, Grant, Load, Ping, Placed, Pong, RunEvent, ToolCall, TunnelFrame
+from proto.frames import MAX_FRAME_EVENTS
 
 FRAME_MARGIN = 4096  # below the edge's limit: the frame's own keys, with room to spare
 EVENT_OVERHEAD = 128  # one run event's keys, type, seq, status and msgpack headers
@@ -81,11 +82,11 @@ def split_text(text: str, room: int) -> list[str]:
 def pack(events: list[RunEvent], sizes: list[int], budget: int) -> list[list[RunEvent]]:
     """Consecutive batches of ``events`` whose estimated sizes sum to at most
     ``budget`` each (an event is never larger than the budget: the sinks split
-    or refuse it)."""
+    or refuse it), of at most :data:`MAX_FRAME_EVENTS` events."""
     batches: list[list[RunEvent]] = []
     start = total = 0
     for i, size in enumerate(sizes):
-        if total + size > budget and i > start:
+        if (total + size > budget or i - start >= MAX_FRAME_EVENTS) and i > start:
             batches.append(events[start:i])
             start, total = i, 0
         total += size
@@ -213,7 +214,7 @@ class Outbox:
         self._busy = True
         self._progress.unpark_all()
         frames: list[Events | TunnelFrame | Placed] = []
-        if events and pending_bytes <= self.budget:  # the common case: one frame, no event looked at
+        if events and pending_bytes <= self.budget and len(events) <= MAX_FRAME_EVENTS:  # one frame, no event looked at
             frames.append(Events(events=events))
         elif events:
             frames.extend(Events(events=batch) for batch in pack(events, sizes, self.budget))

@@ -66,6 +66,14 @@ HTTPStatus = Annotated[int, msgspec.Meta(ge=0, le=999)]
 MAX_NODE_ID = 128  # characters
 MAX_MODEL_NAME = 256  # characters
 MAX_MODELS = 1024  # model groups one node serves
+MAX_TOOL_CALLS = 1024  # tool calls in one run's answer
+MAX_FRAME_EVENTS = 65536  # run events in one ``events`` frame (a node splits a larger batch)
+MAX_HEADERS = 256  # headers a tunnel frame carries (a node relays a provider's first ones)
+# A collection in a frame is bounded by its length as well as by the frame's bytes: msgspec
+# refuses a longer one at its header, before making any item. (An item can cost a byte on
+# the wire: 16 MB of empty tool calls took 1.9 GB and 8 s of an edge's CPU to decode.)
+ToolCalls = Annotated[list[ToolCall], msgspec.Meta(max_length=MAX_TOOL_CALLS)]
+Headers = Annotated[list[tuple[str, str]], msgspec.Meta(max_length=MAX_HEADERS)]
 
 
 def name_problem(value: str, limit: int) -> str:
@@ -105,7 +113,7 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     type: str
     text: str = ""
     finish_reason: str = ""
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: ToolCalls | None = None
     usage: Usage | None = None
     status: HTTPStatus = 0  # error events: the upstream's HTTP status, when it gave one
     parts: int = 0  # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
@@ -121,7 +129,7 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
 class Hello(_Frame, tag="hello"):
     node_id: str
     protocol: int
-    models: list[ModelInfo]
+    models: Annotated[list[ModelInfo], msgspec.Meta(max_length=MAX_MODELS)]
     software: str = ""
     relays_prefixes: bool = False  # tells every other edge that asked for it where a prefix went (``placed``)
 
@@ -129,7 +137,7 @@ class Hello(_Frame, tag="hello"):
 class Events(_Frame, tag="events"):
     """A batch: every run event the node produced since its last send."""
 
-    events: list[RunEvent]
+    events: Annotated[list[RunEvent], msgspec.Meta(max_length=MAX_FRAME_EVENTS)]
 
 
 class EngineLoad(msgspec.Struct, omit_defaults=True):
@@ -143,9 +151,11 @@ class EngineLoad(msgspec.Struct, omit_defaults=True):
 
 
 class Load(_Frame, tag="load"):
-    in_flight: dict[str, int]
+    in_flight: Annotated[dict[str, int], msgspec.Meta(max_length=MAX_MODELS)]
     draining: bool = False
-    engine: dict[str, EngineLoad] | None = None  # model -> its server's load; {} for a model: no longer known
+    engine: Annotated[dict[str, EngineLoad], msgspec.Meta(max_length=MAX_MODELS)] | None = (
+        None  # model -> its server's load; {} for a model: no longer known
+    )
 
 
 class Pong(_Frame, tag="pong"):
@@ -174,7 +184,7 @@ class TunnelFrame(_Frame, tag="tunnel_frame"):
     seq: int
     kind: Literal["response_start", "body", "error", "end", "usage"]
     status: HTTPStatus = 0
-    headers: list[tuple[str, str]] | None = None
+    headers: Headers | None = None
     body: bytes = b""
     error: str = ""
 
@@ -211,7 +221,7 @@ class TunnelRequest(_Frame, tag="tunnel"):
     body: bytes
     timeout_s: float
     stream: bool = False
-    headers: list[tuple[str, str]] | None = None
+    headers: Headers | None = None
 
 
 class CancelRun(_Frame, tag="cancel"):

@@ -629,3 +629,41 @@ async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses
     for bad in odd:
         assert bad.status_code == 502 and bad.json()["error"]["type"] == "provider_tunnel_error", bad.text
     await stream.aclose()
+
+
+def _past_bounds() -> dict[str, object]:
+    from proto import Load, ToolCall, TunnelFrame
+    from proto.frames import MAX_FRAME_EVENTS, MAX_HEADERS, MAX_MODELS, MAX_TOOL_CALLS
+
+    return {
+        "tool calls": Events(
+            events=[RunEvent(run_id="r", seq=1, type="complete", tool_calls=[ToolCall()] * (MAX_TOOL_CALLS + 1))]
+        ),
+        "events": Events(events=[RunEvent(run_id="r", seq=1, type="delta")] * (MAX_FRAME_EVENTS + 1)),
+        "load": Load(in_flight={f"m{i}": 0 for i in range(MAX_MODELS + 1)}),
+        "headers": TunnelFrame(run_id="r", seq=1, kind="response_start", headers=[("a", "b")] * (MAX_HEADERS + 1)),
+    }
+
+
+@pytest.mark.parametrize("shape", ["tool calls", "events", "load", "headers"])
+async def test_a_frame_with_a_collection_past_its_bound_closes_that_link(nursery, shape):
+    """A frame's lists and maps are bounded by their length, not only by the frame's bytes:
+    an item can cost a byte on the wire, and 16 MB of empty tool calls took an edge to 1.9 GB
+    and 8 s of CPU (an outside attack), while the link stayed (the event was one stray). One
+    past a bound is refused as it is read, and the link closes 4003; the edge serves on."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m")], node_id="honest")
+    stream, ws = await open_link(edge, "bulky", nursery=nursery)
+    with trio.fail_after(BOUND):
+        await hello(ws, "bulky")
+        await ws.send_message(encode_frame(_past_bounds()[shape]))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                await ws.get_message()
+        assert closed.value.reason.code == 4003
+        await eventually(lambda: "bulky" not in edge.edge.runs.links)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=ASK)
+    assert r.status_code == 200
+    await stream.aclose()
+    await settled(edge, node.agent)

@@ -19,6 +19,7 @@ from proto import (
     Events,
     Ping,
     Placed,
+    RunEvent,
     RunRequest,
     ToolCall,
     ToolCallFunction,
@@ -291,6 +292,23 @@ async def test_outbox_frames_stay_under_the_budget_with_any_text():
     assert got["r0"][-1].type == "error" and got["r0"][-1].text == "run output too large to relay"
     assert got["r1"][-1].type == "complete" and got["r1"][-1].tool_calls[0].function.arguments == "{}"
     assert isinstance(frames[0], Events)
+
+
+def test_an_outbox_batch_past_the_events_bound_goes_in_several_frames():
+    """Unit: an edge refuses a frame of more than MAX_FRAME_EVENTS events (and closes the link),
+    so a batch larger than that (a node configured with a large max_pending_events, its runs
+    each adding one past it) goes in several frames, in order, each one the edge reads."""
+    from node.outbox import Outbox
+    from proto.frames import MAX_FRAME_EVENTS
+
+    outbox = Outbox(1 << 30, max_events=1 << 20, max_bytes=1 << 40)
+    count = MAX_FRAME_EVENTS + 10
+    for i in range(count):
+        outbox.event_nowait(RunEvent(run_id="r", seq=i + 1, type="delta", text="x"), 40)
+    frames = outbox.take()
+    assert [len(f.events) for f in frames] == [MAX_FRAME_EVENTS, 10]
+    seqs = [e.seq for f in frames for e in decode_frame(encode_frame(f)).events]
+    assert seqs == list(range(1, count + 1))
 
 
 async def test_a_full_outbox_pauses_the_upstream_read_and_nothing_is_lost(upstream):

@@ -36,14 +36,13 @@ TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of te
 
 # What one run may bring: the bytes of its events in all (text, reasoning, tool calls, every
 # string field), and what waits for its reader (a tunnel's body too: an embeddings answer a
-# slow client reads can be tens of MB); at most MAX_TOOL_CALLS calls. Far past any model's
+# slow client reads can be tens of MB); its calls are bounded by the frame (MAX_TOOL_CALLS). Far past any model's
 # answer (131,072 tokens of 128 bytes; a node caps a run's calls at 1,024 and 8 MiB); each
 # run's buffers on the edge stay bounded whatever a node sends. Text is counted 4 bytes a
 # character unless it is ASCII (what Python holds it in, at most): a cap of 16 Mi characters
 # let 8 runs of emoji take an edge from 55 MiB to 2.1 GB (outside audit).
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
-MAX_TOOL_CALLS = 1024
 EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
 
 
@@ -220,12 +219,9 @@ class Run:
             return
         if type(item) is RunEvent:
             self.output_bytes += size
-            if self.output_bytes > MAX_OUTPUT_BYTES or len(item.tool_calls or ()) > MAX_TOOL_CALLS:
+            if self.output_bytes > MAX_OUTPUT_BYTES:
                 self._pending.clear()
-                self.fail(
-                    f"the node sent more than {MAX_OUTPUT_BYTES} bytes or {MAX_TOOL_CALLS} tool calls for this run",
-                    TOO_LARGE,
-                )
+                self.fail(f"the node sent more than {MAX_OUTPUT_BYTES} bytes for this run", TOO_LARGE)
                 return
         self.last_event_at = now
         if self.first_event_at is None:

@@ -22,7 +22,7 @@ from node.adapters import Counters, Sink
 from node.adapters.sse import ErrorEvent, EventTooLarge, SSEParser
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
-from proto.frames import MAX_TOKEN_COUNT, is_token_count
+from proto.frames import MAX_TOKEN_COUNT, MAX_TOOL_CALLS, is_token_count
 
 
 class _FunctionDelta(msgspec.Struct):
@@ -103,7 +103,6 @@ _FINISH = {
 # A run's tool calls as the model server streams them: past these the run fails (the node
 # would hold them all until the end, and no frame could carry them).
 _MAX_TOOL_BYTES = 8 * 1024 * 1024
-_MAX_TOOL_CALLS = 1024
 # A refusal is held whole until the end (it travels on the run's complete event): past this
 # many characters the run fails. OpenAI's are a sentence.
 _MAX_REFUSAL = 64 * 1024
@@ -393,12 +392,12 @@ class _Relay:
                         self.tool_bytes += _merge_tool_calls(
                             self.calls, self.at, calls if calls.__class__ is list else [calls]
                         )
-                        if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > _MAX_TOOL_CALLS:
+                        if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > MAX_TOOL_CALLS:
                             if texts:
                                 self._emit(kind, texts)
                             return self._fail(
                                 "tool calls too large",
-                                f"upstream's tool calls passed {_MAX_TOOL_CALLS} calls or {_MAX_TOOL_BYTES} bytes",
+                                f"upstream's tool calls passed {MAX_TOOL_CALLS} calls or {_MAX_TOOL_BYTES} bytes",
                             )
                 if choice.finish_reason:
                     self.finish_reason = _FINISH.get(choice.finish_reason[:_MAX_FINISH].lower(), "stop")
