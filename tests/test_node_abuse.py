@@ -287,3 +287,35 @@ async def test_nodes_relinking_with_new_model_names_do_not_grow_metrics(nursery)
         f'iop_requests_total{{api="chat",model="other",outcome="rejected_503"}} {rounds * per_round - MAX_MODEL_LABELS}.0'
         in text
     )
+
+
+async def test_a_node_of_many_models_costs_one_short_line_and_no_wake_per_model(nursery, monkeypatch):
+    """A node of 1,024 models of 256 characters logged a 265 KB "node linked" line at each link
+    (a relinking node: 11.8 MB of log a second), and one flipping its draining flag woke all
+    1,024 models at each flip (0.9 ms of the edge's CPU a frame, thousands a second; an
+    outside attack). The line names the first models and the count; a flip wakes only the
+    models someone waits for (none here), and repeated grants wake no demand reporter."""
+    from proto import Load
+
+    edge = await start_edge(nursery)
+    service = edge.edge.runs
+    woken: list[str] = []
+    wake = service._wake
+    monkeypatch.setattr(service, "_wake", lambda model: (woken.append(model), wake(model)))
+    names = [f"{i:04d}" + "m" * 252 for i in range(1024)]
+    infos = [ModelInfo(name=name, adapter="sim", target="t", max_concurrency=1) for name in names]
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        stream, ws = await open_link(edge, "many", nursery=nursery)
+        await ws.send_message(encode_frame(Hello(node_id="many", protocol=PROTOCOL_VERSION, models=infos)))
+        await ws.get_message()  # welcome
+        for i in range(200):
+            await ws.send_message(encode_frame(Load(in_flight={}, draining=i % 2 == 0)))
+            await ws.send_message(encode_frame(Grant(model=names[0], slots=1, seq=1)))
+        await ws.send_message(encode_frame(Ping(ts=1.0)))
+        while not isinstance(decode_frame(await ws.get_message()), Pong):
+            pass
+    linked = [e for e in logs if e["event"] == "node linked"]
+    assert len(linked) == 1 and linked[0]["model_count"] == 1024
+    assert linked[0]["models"] == names[:16]
+    assert woken == []  # nobody waits for any of its models
+    await stream.aclose()
