@@ -62,6 +62,10 @@ CLOSE_TRY_AGAIN = 1013  # RFC 6455: try again later
 # Nodes linked to one edge at most: 400 links of one shared token, of 1,024 models each, held the
 # event loop up to 1.3 s and, leaving at once, timed out an honest node's link (outside audit).
 MAX_LINKS = 512
+# Models of all linked nodes together (a node and a model counted once per pair): each is in
+# every console snapshot and /v1/nodes. 100 links of 1,024 models of long names made a console
+# snapshot 67 MB, once a second (outside audit).
+MAX_LINKED_MODELS = 16384
 
 MAX_BATCH_FRAMES = 64  # frames to a node taken at once by its writer (they go out in one write when they can)
 MAX_BATCH_BYTES = 256 * 1024  # ... and written once this many bytes are encoded
@@ -150,19 +154,32 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         log.warning("node link refused: the edge has its most nodes", node_id=hello.node_id, linked=len(service.links))
         await websocket.close(CLOSE_TRY_AGAIN, f"this edge links {MAX_LINKS} nodes at most")
         return None
+    linked_models = sum(len(lk.models) for lk in service.links.values())
+    if linked_models + len(hello.models) > MAX_LINKED_MODELS:
+        log.warning(
+            "node link refused: the edge serves its most models",
+            node_id=hello.node_id,
+            models=len(hello.models),
+            linked_models=linked_models,
+        )
+        await websocket.close(CLOSE_TRY_AGAIN, f"this edge serves {MAX_LINKED_MODELS} models of its nodes at most")
+        return None
+    capped = []
     for info in hello.models:
         if info.max_concurrency < 1:
             await websocket.close(CLOSE_PROTOCOL, f"model {info.name}: max_concurrency must be >= 1")
             return None
         if info.max_concurrency > config.max_node_concurrency:
-            log.warning(
-                "node advertises more capacity than the edge allows: capped",
-                node_id=hello.node_id,
-                model=info.name,
-                advertised=info.max_concurrency,
-                cap=config.max_node_concurrency,
-            )
+            capped.append(info.name)
             info.max_concurrency = config.max_node_concurrency
+    if capped:  # (one line a hello, not one a model)
+        log.warning(
+            "node advertises more capacity than the edge allows: capped",
+            node_id=hello.node_id,
+            models=capped[:16],
+            model_count=len(capped),
+            cap=config.max_node_concurrency,
+        )
 
     link = NodeLink(hello.node_id, hello.models, grants={})  # the node's grants follow
     link.relays_prefixes = hello.relays_prefixes

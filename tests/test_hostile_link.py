@@ -11,7 +11,7 @@ import structlog
 import trio
 
 from edge import connection
-from proto import Pong, decode_frame
+from proto import PROTOCOL_VERSION, Hello, ModelInfo, Pong, Welcome, decode_frame, encode_frame
 from scripts.hostile_link import (
     BINARY,
     CONTINUATION,
@@ -177,6 +177,33 @@ async def test_an_edge_links_max_links_nodes_at_most(nursery, monkeypatch):
             )
     assert closed.reason.code == 1013 and "2 nodes at most" in closed.reason.reason
     assert r.status_code == 200 and sorted(edge.edge.runs.links) == ["n0", "n1"]
+
+
+async def test_an_edge_serves_max_linked_models_at_most(nursery, monkeypatch):
+    """Links of 1,024 models each, of long names, made every console snapshot 67 MB at 100 links
+    (and /v1/nodes 30 MB at 20). The models of all links together are bounded: a hello that
+    would pass MAX_LINKED_MODELS is refused with 1013, and a node that fits still links."""
+    from edge import link as edge_link
+    from tests.test_link import closed_by_edge, fake_node, hello
+
+    monkeypatch.setattr(edge_link, "MAX_LINKED_MODELS", 3)
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m"), model("m2")], node_id="n0")
+
+    async def too_many(ws):
+        info = [ModelInfo(name=f"x{i}", adapter="sim", target="t", max_concurrency=1) for i in range(2)]
+        await ws.send_message(encode_frame(Hello(node_id="big", protocol=PROTOCOL_VERSION, models=info)))
+        return await closed_by_edge(ws)
+
+    async def fits(ws):
+        await ws.send_message(hello(node_id="small"))
+        return decode_frame(await ws.get_message())
+
+    with trio.fail_after(BOUND):
+        closed = await fake_node(edge, too_many, node_id="big")
+        welcome = await fake_node(edge, fits, node_id="small")
+    assert closed.reason.code == 1013 and "3 models of its nodes at most" in closed.reason.reason
+    assert isinstance(welcome, Welcome)
 
 
 @pytest.mark.parametrize(
