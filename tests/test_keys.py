@@ -591,3 +591,31 @@ async def test_a_patch_keeps_what_is_left_of_a_keys_minute(nursery, tmp_path):
                     assert (await chat(c)).status_code == 429, change
                 assert (await admin.patch("/v1/admin/keys/pat", json={"tpm": 50_000})).status_code == 200
                 assert (await chat(c)).status_code == 429  # (its rpm is still spent)
+
+
+async def test_usage_past_the_request_s_bounds_is_cut_and_spends_no_budget(nursery, tmp_path):
+    """A node (or its model server) reporting 2^40 tokens for one request spent the key's whole
+    daily budget: its next requests, to honest nodes too, got 429 insufficient_quota (an
+    outside attack). A count past what the request allows is cut to it (completion: its
+    max_tokens, else the model's context window, else 2^20; prompt: 4 tokens a character plus
+    a template's worth) and marked estimated."""
+    from edge.openai.usage import PROMPT_SLACK
+
+    up = Upstream()
+    await nursery.start(up.serve)
+    lie = {"prompt_tokens": 1 << 40, "completion_tokens": 1 << 40, "total_tokens": 1 << 41}
+    up.script_for("liar", [("chunk", {"content": "hi"}), ("chunk", {}, "stop"), ("usage", lie), ("done",)])
+    keys = [KeyConfig(id="cut", key="sk-cut", daily_tokens=2_000_000)]
+    edge = await keyed_edge(nursery, tmp_path, keys)
+    await start_node(nursery, edge, [model("liar", up, target="liar")], node_id="liar-node")
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-cut") as c:
+            lied = await chat(c, "liar", max_tokens=5)
+            streamed = await chat(c, "liar", stream=True, stream_options={"include_usage": True})
+            after = await chat(c)
+    usage = lied.json()["usage"]
+    assert usage["completion_tokens"] == 5 and usage["prompt_tokens"] <= PROMPT_SLACK + 100, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert streamed.status_code == 200 and b'"completion_tokens":1048576' in streamed.content
+    assert after.status_code == 200, after.text
+    assert edge.edge.keys.by_id["cut"].day_used < 3 * PROMPT_SLACK + (1 << 20)

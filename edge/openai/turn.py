@@ -160,7 +160,11 @@ class Turn:
         """The usage of ``run``, ended by ``event`` (complete): always numbers,
         estimated where the upstream gave none (:mod:`edge.openai.usage`)."""
         self.usage, self.usage_estimated = usage_out(
-            event.usage, prompt_estimate=self.estimate, deltas=run.deltas_seen, tool_calls=event.tool_calls
+            event.usage,
+            prompt_estimate=self.estimate,
+            deltas=run.deltas_seen,
+            tool_calls=event.tool_calls,
+            max_output=self.want.max_tokens or run.slot.info.context_window,  # (0: neither known)
         )
         if not self.settle_at_end:
             self.settle()
