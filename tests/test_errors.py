@@ -47,6 +47,10 @@ def assert_openai_error(r, status: int, *, param=None, code=None) -> dict:
             "reasoning.exclude",
         ),
         (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": 5}', "metadata"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+            "messages[0].content[0].text",
+        ),
         (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": ["x"]}', "metadata"),
     ],
 )

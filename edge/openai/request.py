@@ -164,13 +164,17 @@ def _check_unsupported(req: ChatRequest) -> None:
 
 
 def _check_text_parts(req: ChatRequest) -> None:
-    """A content part's ``text`` is a string (every adapter joins them)."""
+    """A content part's ``text`` is a string (every adapter joins them), and a
+    text part has one (as OpenAI's API answers)."""
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if "text" in part and not isinstance(part["text"], str):
                     param = f"messages[{i}].content[{j}].text"
                     raise errors.bad_request(f"Invalid value for `{param}`: expected a string.", param)
+                if "text" not in part and part.get("type") == "text":
+                    param = f"messages[{i}].content[{j}].text"
+                    raise errors.bad_request(f"Missing required parameter: `{param}`.", param)
 
 
 def estimate_input_tokens(req: ChatRequest) -> int:
