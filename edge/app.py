@@ -628,6 +628,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if path == "/v1/node/link":
             message = "This is the node link: a websocket that `iop node` dials (the request has no Upgrade)."
             return _json(426, error_json(message, "invalid_request_error", code="upgrade_required"))
+        if path.startswith("/v1/"):  # every /v1 route needs a key: a caller without one learns none exists
+            refused = client_key()[1]
+            if refused is not None:
+                return refused
         hint = ""
         if path.startswith(("/chat/", "/responses", "/models", "/embeddings", "/completions", "/messages")):
             hint = " The API is under /v1: is the client's base URL missing /v1?"

@@ -619,3 +619,19 @@ async def test_usage_past_the_request_s_bounds_is_cut_and_spends_no_budget(nurse
     assert streamed.status_code == 200 and b'"completion_tokens":1048576' in streamed.content
     assert after.status_code == 200, after.text
     assert edge.edge.keys.by_id["cut"].day_used < 3 * PROMPT_SLACK + (1 << 20)
+
+
+async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):
+    """Every /v1 route needs a key: an unknown one answered 404 to a caller with none, telling
+    it which routes exist. It is a 401 without a key, and the 404 (with its hint) with one."""
+    edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="k", key="sk-k")])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-wrong") as wrong, client(edge, "sk-k") as right:
+            refused = await wrong.get("/v1/doesnotexist")
+            unknown = await right.get("/v1/doesnotexist")
+            twice = await right.post("/v1/v1/messages", json={})
+            health = await wrong.get("/healthz")
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+    assert twice.status_code == 404 and "/v1 twice" in twice.json()["error"]["message"]
+    assert health.status_code == 200

@@ -325,6 +325,13 @@ async def test_passthrough_is_byte_identical(tunnel):
             assert via_edge.status_code == 200 and via_edge.content == straight.content
             assert upstream.records[-1].path == "/v1/completions"
 
+            # The request's values go as sent, byte for byte: numbers are not rounded to floats.
+            exact = b'{"model": "emb", "prompt": "hi", "temperature": 0.70, "x_extra": 1.0000000000000000001}'
+            await client.post("/v1/completions", content=exact, headers={"content-type": "application/json"})
+            sent = upstream.records[-1].raw_body
+            assert b'"temperature":0.70' in sent and b'"x_extra":1.0000000000000000001' in sent, sent
+            assert sent.startswith(b'{"model":"emb-target",'), sent
+
             emb = {"model": "emb", "input": ["a", "b"]}
             via_edge = await client.post("/v1/embeddings", json=emb)
             straight = await direct.post(upstream.base_url + "/embeddings", json={**emb, "model": "emb-target"})

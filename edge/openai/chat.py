@@ -40,7 +40,6 @@ log = structlog.get_logger("iop.edge.chat")
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw = decode_body(body)
-    del body  # (see routes._serve)
     model = raw.get("model")
     access = ex.access
     if isinstance(model, str):
@@ -49,8 +48,9 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     if isinstance(model, str) and cfg.policy(model).response_mode == "passthrough":
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
-        await passthrough(edge, ex, raw, "/chat/completions")
+        await passthrough(edge, ex, raw, "/chat/completions", body)
         return
+    del body  # (see routes._serve)
     left_out = chat_tools(raw)  # custom tools and allowed_tools, as the Responses route takes them
     if left_out:
         log.info("chat request: left out", tool_types=sorted(set(left_out)))

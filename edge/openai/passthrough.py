@@ -46,7 +46,7 @@ from edge.openai.schema import UsageOut
 from edge.openai.usage import within_bounds
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
-from edge.runs.service import session_key
+from edge.runs.service import session_key, with_model
 from proto import RunEvent
 from proto.frames import is_token_count
 
@@ -68,7 +68,6 @@ _MAX_RELAYED = 64
 # as a page for a browser to render on the edge's origin.
 _BODY_TYPES = ("application/json", "text/event-stream", "text/plain", "application/x-ndjson")
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
-_encode = msgspec.json.Encoder().encode
 _TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -79,13 +78,14 @@ def tunnel_route(path: str):
     """A handler relaying ``POST /v1<path>`` through the tunnel."""
 
     async def handler(edge: Edge, ex: Exchange, body: bytes) -> None:
-        await passthrough(edge, ex, decode_body(body), path)
+        await passthrough(edge, ex, decode_body(body), path, body)
 
     return handler
 
 
-async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) -> None:
-    """Relay one request whose body is ``raw`` (decoded once by the caller)."""
+async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, body: bytes) -> None:
+    """Relay one request whose body is ``body``, ``raw`` decoded (once, by the
+    caller): only its ``model`` is rewritten, every other value goes as sent."""
     if not isinstance(raw.get("model"), str) or not raw["model"]:
         raise errors.bad_request("Missing required parameter: `model`.", "model")
     model = raw["model"]
@@ -100,7 +100,6 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
     max_tokens = 1 if path == "/embeddings" else _output_reserve(raw)
     await edge.admit(ex, model, prompt, max_tokens)
     slot = await edge.runs.acquire(want, ex)
-    raw["model"] = slot.info.target
     headers = []
     for name in (b"accept", b"content-type"):
         value = ex.header(name)
@@ -111,7 +110,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str) 
         want=want,
         method="POST",
         path=path,
-        body=_encode(raw),
+        body=with_model(body, slot.info.target),
         stream=bool(raw.get("stream")),
         headers=headers,
         api=ex.api,

@@ -137,11 +137,16 @@ def new_run_id() -> str:
     return secrets.token_hex(12)
 
 
-def _retargeted(body: bytes, target: str) -> bytes:
-    """A passthrough body (a JSON object the edge encoded) with ``model`` set to ``target``."""
-    raw = msgspec.json.decode(body)
-    raw["model"] = target
-    return msgspec.json.encode(raw)
+_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """A passthrough body (a JSON object, checked when it came in) with its
+    ``model`` set to ``model``, every other member's value byte for byte as it
+    was (a number such as ``1.0000000000000000001`` not rounded to a float)."""
+    members = _decode_members.decode(body)
+    members["model"] = msgspec.Raw(msgspec.json.encode(model))
+    return msgspec.json.encode(members)
 
 
 _FRAME_OVERHEAD = 1024  # a run frame's fields besides the request body (the sender checks the exact size)
@@ -376,7 +381,7 @@ class RunService:
         if type(request) is TunnelRequest and request.target != slot.info.target:
             # The node relays a tunnel's body as it is, its model the first node's target: the
             # new one's server would have answered 404, or with another model.
-            changes["body"] = _retargeted(request.body, slot.info.target)
+            changes["body"] = with_model(request.body, slot.info.target)
         run.request = msgspec.structs.replace(request, **changes)
         link.send_nowait(run.request)
         link.sent(run.id, trio.current_time())
