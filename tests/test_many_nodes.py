@@ -207,7 +207,8 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
 async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_path):
     """A passthrough request (here /v1/completions) whose node dies before answering
     moves to another node, as a chat run does (it was a 502 node_disconnected), its
-    body's model the new node's target (it kept the dead node's)."""
+    body's model the new node's target (it kept the dead node's). Its "run moved" line names
+    the request (logged from the link's task, it had only the run id)."""
     slow, fine = await new_upstream(nursery), await new_upstream(nursery)
     slow.script_for("t", [("hang",)])
     fine.script_for("t2", [("status", 200, b'{"ok": "survivor"}')])
@@ -219,7 +220,7 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
         [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url, "passthrough": True}],
         node_id="doomed",
     )
-    with trio.fail_after(BOUND):
+    with trio.fail_after(BOUND), structlog.testing.capture_logs() as logs:
         async with http(edge) as client, trio.open_nursery() as clients:
             result: list[httpx.Response] = []
 
@@ -232,6 +233,8 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
             proc.send_signal(signal.SIGKILL)
     assert result[0].status_code == 200 and result[0].json() == {"ok": "survivor"}
     assert [(r.body["model"], r.body["prompt"]) for r in fine.records] == [("t2", "hi")]
+    moved = [e for e in logs if e["event"] == "run moved"]
+    assert [e["request_id"] for e in moved] == [result[0].headers["x-request-id"]], moved
     await settled(edge)
 
 

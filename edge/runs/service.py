@@ -351,7 +351,14 @@ class RunService:
         else:
             run.requeued = _Waiter(run.want, run)
             moved.append(run.requeued)
-        log.warning("run moved", run_id=run.id, from_node=old.node_id, to_node=link.node_id if link else None)
+        client = getattr(run.client, "scope", None)  # (the request's: logged from the link's task, not the request's)
+        log.warning(
+            "run moved",
+            run_id=run.id,
+            request_id=client.get("iop.request_id") if client is not None else None,
+            from_node=old.node_id,
+            to_node=link.node_id if link else None,
+        )
         return True
 
     def _queue_bounds(self, model: str) -> tuple[int, int]:
