@@ -69,6 +69,17 @@ def error_json(message: str, type: str, *, param: str | None = None, code: str |
     return _encoder.encode(ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code)))
 
 
+MAX_NODE_ERROR = 4096  # characters of a node's error message a client (or a log line) gets
+
+
+def node_error(text: str) -> str:
+    """A node's error message, cut to :data:`MAX_NODE_ERROR` characters (a node's 15 MB
+    error became a 15 MB answer, and a log line as long)."""
+    if len(text) <= MAX_NODE_ERROR:
+        return text
+    return f"{text[:MAX_NODE_ERROR]}... ({len(text) - MAX_NODE_ERROR} more characters)"
+
+
 class RunFailed(Exception):
     """A run ended in error: ``message`` is what the client is told, ``type``
     the OpenAI error type, ``cause`` the reason for metrics and logs."""

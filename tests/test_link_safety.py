@@ -667,3 +667,34 @@ async def test_a_frame_with_a_collection_past_its_bound_closes_that_link(nursery
     assert r.status_code == 200
     await stream.aclose()
     await settled(edge, node.agent)
+
+
+async def test_a_node_s_long_error_reaches_the_client_cut(nursery):
+    """A node's error message went to its client whole: a 15 MB error was a 15 MB answer (an
+    outside attack). The client gets its first MAX_NODE_ERROR characters and how many more."""
+    from edge.errors import MAX_NODE_ERROR
+
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "wordy", nursery=nursery)
+    await hello(ws, "wordy")
+
+    async def fail_loudly() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                frame = decode_frame(await ws.get_message())
+                if isinstance(frame, RunRequest):
+                    error = RunEvent(run_id=frame.run_id, seq=1, type="error", text="x" * 1_000_000, status=500)
+                    await ws.send_message(encode_frame(Events(events=[error])))
+
+    nursery.start_soon(fail_loudly)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            whole = await client.post("/v1/chat/completions", json=ASK)
+            streamed = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
+    message = whole.json()["error"]["message"]
+    assert (
+        whole.status_code == 502
+        and message == "x" * MAX_NODE_ERROR + f"... ({1_000_000 - MAX_NODE_ERROR} more characters)"
+    )
+    assert streamed.status_code == 502 and len(streamed.content) < 2 * MAX_NODE_ERROR
+    await stream.aclose()

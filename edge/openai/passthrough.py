@@ -38,7 +38,7 @@ import msgspec
 import structlog
 
 from edge import errors
-from edge.errors import APIError
+from edge.errors import APIError, node_error
 from edge.keys import DEFAULT_OUTPUT_RESERVE
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
@@ -357,10 +357,10 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                 await _flush(ex, body)
                 if not ex.started:
                     await ex.respond_error(
-                        APIError(502, item.error or "provider tunnel failed", "provider_tunnel_error")
+                        APIError(502, node_error(item.error) or "provider tunnel failed", "provider_tunnel_error")
                     )
                 else:
-                    log.warning("tunnel error after the response started; cutting it", error=item.error)
+                    log.warning("tunnel error after the response started; cutting it", error=node_error(item.error))
                 return
             # "usage" frames are sideband and never merged into the body.
         await _flush(ex, body)

@@ -17,7 +17,7 @@ import msgspec
 import structlog
 import trio
 
-from edge.errors import APIError, RunFailed, bad_request
+from edge.errors import APIError, RunFailed, bad_request, node_error
 from edge.openai.exchange import Exchange
 from edge.openai.request import (
     MAX_CONTENT_PARTS,
@@ -259,7 +259,7 @@ class Collected(msgspec.Struct):
 
 
 def failure(event: RunEvent, run: Run) -> RunFailed:
-    message = event.text or ("run cancelled" if event.type == "cancelled" else "run failed")
+    message = node_error(event.text) or ("run cancelled" if event.type == "cancelled" else "run failed")
     if event.status in (401, 403):
         # The node's own credentials, not the client's: the client is told so, never the
         # provider's words (they can quote the node's key: "Incorrect API key provided: sk-...WXYZ").
