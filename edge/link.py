@@ -66,6 +66,9 @@ MAX_LINKS = 512
 # every console snapshot and /v1/nodes. 100 links of 1,024 models of long names made a console
 # snapshot 67 MB, once a second (outside audit).
 MAX_LINKED_MODELS = 16384
+# Links with a valid token that have not sent their hello yet, at once: 4 dialers held 4,097 such
+# connections open (their descriptors) until the hello timeout (outside audit). Past it, a 503.
+MAX_PENDING_HELLOS = 64
 
 MAX_BATCH_FRAMES = 64  # frames to a node taken at once by its writer (they go out in one write when they can)
 MAX_BATCH_BYTES = 256 * 1024  # ... and written once this many bytes are encoded
@@ -114,8 +117,13 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         log.warning("node link refused: bad token", node_id=node_id[:MAX_NODE_ID] or None)  # no credential: bounded
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
-    await websocket.accept()
+    if service.pending_hellos >= MAX_PENDING_HELLOS:
+        log.warning("node link refused: too many links opening at once", node_id=node_id[:MAX_NODE_ID] or None)
+        await websocket.refuse(503, error_json("too many node links opening at once; retry", "server_error"))
+        return None
+    service.pending_hellos += 1
     try:
+        await websocket.accept()
         with trio.fail_after(config.hello_timeout_s):
             hello = decode_frame(await websocket.receive())
     except msgspec.ValidationError as e:  # a hello past a bound (1,024 models) names it
@@ -124,6 +132,8 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     except (trio.TooSlowError, msgspec.DecodeError, TypeError, RecursionError):
         await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
         return None
+    finally:
+        service.pending_hellos -= 1
     if not isinstance(hello, Hello):
         await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
         return None

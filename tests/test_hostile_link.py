@@ -242,3 +242,35 @@ async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nurse
     await eventually(lambda: not [s for s in connection.OPEN if s.config.iop_edge is edge.edge], "its connection ended")
     async with http(edge) as client:
         assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_links_waiting_for_their_hello_are_bounded(nursery, monkeypatch):
+    """Upgrades with a valid token that never send a hello held a descriptor each until the hello
+    timeout: 4 dialers held 4,097 at once (an outside attack). Past MAX_PENDING_HELLOS at once
+    an upgrade is refused with 503; a node linking once they are gone links."""
+    from edge import link as edge_link
+    from tests.test_link_safety import hello as send_hello
+    from tests.test_link_safety import open_link as open_ws_link
+
+    monkeypatch.setattr(edge_link, "MAX_PENDING_HELLOS", 2)
+    edge = await start_edge(nursery, edge_config(hello_timeout_s=60))
+    with trio.fail_after(BOUND):
+        silent = [await open_ws_link(edge, f"quiet{i}", nursery=nursery) for i in range(2)]
+        await eventually(lambda: edge.edge.runs.pending_hellos == 2)
+        upgrade = {
+            "Authorization": f"Bearer {TOKEN}",
+            "X-Iop-Node-Id": "third",
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            "Sec-WebSocket-Version": "13",
+        }
+        async with http(edge) as client:
+            refused = await client.get("/v1/node/link", headers=upgrade)
+        assert refused.status_code == 503 and "opening at once" in refused.text
+        for stream, _ in silent:
+            await stream.aclose()
+        await eventually(lambda: edge.edge.runs.pending_hellos == 0)
+        stream, ws = await open_ws_link(edge, "later", nursery=nursery)
+        assert isinstance(await send_hello(ws, "later"), Welcome)
+        await stream.aclose()

@@ -194,6 +194,7 @@ class RunService:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
         self.links: dict[str, NodeLink] = {}
+        self.pending_hellos = 0  # node links authenticated and waiting for their hello (edge.link)
         self.runs: dict[str, Run] = {}
         self.timers = RunTimers()  # its task runs with the app (edge.app)
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
