@@ -411,9 +411,11 @@ class RunService:
             return
         waited_since: dict[str, float] = {}  # model -> when its oldest unstarted run was sent
         due = now - self.config.stall_after_s
-        for run_id, sent_at in link.unstarted.items():  # (at most the node's slots)
+        for run_id, sent_at in link.unstarted.items():
+            if sent_at > due:
+                break  # (oldest first: only the runs waiting past stall_after_s are looked at)
             run = link.runs.get(run_id)
-            if run is not None and sent_at <= due:
+            if run is not None:
                 waited_since.setdefault(run.slot.model, sent_at)
         judged: dict[str, float] = {}  # model -> the wait past which its runs move
         typical = waited = 0.0
