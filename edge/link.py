@@ -110,6 +110,26 @@ def _authenticate(config: EdgeConfig, node_id: str, header: str) -> str | None:
     return _SHARED if bearer_matches(header, [config.node_token]) else None
 
 
+def _no_room(service: RunService, hello: Hello) -> tuple[int, str] | None:
+    """Why the edge cannot link ``hello``'s node now, as a close code and reason (logged), or None."""
+    if hello.node_id in service.links:
+        log.warning("node link refused: already linked", node_id=hello.node_id)
+        return CLOSE_DUPLICATE, "node id already linked"
+    if len(service.links) >= MAX_LINKS:
+        log.warning("node link refused: the edge has its most nodes", node_id=hello.node_id, linked=len(service.links))
+        return CLOSE_TRY_AGAIN, f"this edge links {MAX_LINKS} nodes at most"
+    linked_models = sum(len(lk.models) for lk in service.links.values())
+    if linked_models + len(hello.models) > MAX_LINKED_MODELS:
+        log.warning(
+            "node link refused: the edge serves its most models",
+            node_id=hello.node_id,
+            models=len(hello.models),
+            linked_models=linked_models,
+        )
+        return CLOSE_TRY_AGAIN, f"this edge serves {MAX_LINKED_MODELS} models of its nodes at most"
+    return None
+
+
 async def node_link(config: EdgeConfig, service: RunService, edge_id: str, websocket: RawWebsocket) -> None:
     node_id = websocket.header(NODE_ID_HEADER)
     identity = _authenticate(config, node_id, websocket.header("Authorization"))
@@ -156,23 +176,9 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         log.warning("node link refused: the shared token used for an id with its own token", node_id=hello.node_id)
         await websocket.close(CLOSE_AUTH, "this node id has its own token; link with it")
         return None
-    if hello.node_id in service.links:
-        log.warning("node link refused: already linked", node_id=hello.node_id)
-        await websocket.close(CLOSE_DUPLICATE, "node id already linked")
-        return None
-    if len(service.links) >= MAX_LINKS:
-        log.warning("node link refused: the edge has its most nodes", node_id=hello.node_id, linked=len(service.links))
-        await websocket.close(CLOSE_TRY_AGAIN, f"this edge links {MAX_LINKS} nodes at most")
-        return None
-    linked_models = sum(len(lk.models) for lk in service.links.values())
-    if linked_models + len(hello.models) > MAX_LINKED_MODELS:
-        log.warning(
-            "node link refused: the edge serves its most models",
-            node_id=hello.node_id,
-            models=len(hello.models),
-            linked_models=linked_models,
-        )
-        await websocket.close(CLOSE_TRY_AGAIN, f"this edge serves {MAX_LINKED_MODELS} models of its nodes at most")
+    refusal = _no_room(service, hello)
+    if refusal is not None:
+        await websocket.close(*refusal)
         return None
     capped = []
     for info in hello.models:
@@ -204,12 +210,14 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
             )
         )
     )
-    if hello.node_id in service.links:  # another link of this id got in while the welcome went out
-        log.warning("node link refused: already linked", node_id=hello.node_id)
-        await websocket.close(CLOSE_DUPLICATE, "node id already linked")
+    # Again: other links may have come in while the welcome went out (of this id, or hellos sent
+    # together, 94 links of 1,024 models past MAX_LINKED_MODELS: an outside re-audit).
+    refusal = _no_room(service, hello)
+    if refusal is not None:
+        await websocket.close(*refusal)
         return None
     link.write_now = _writer_now(websocket, config.max_frame_bytes)
-    service.add_link(link)  # at once after the check: no other link of this id can come between
+    service.add_link(link)  # at once after the check: no other link can come between
     try:
         async with trio.open_nursery() as nursery:
             link.bind_scope(nursery.cancel_scope)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 
@@ -9,6 +10,7 @@ import msgspec
 import pytest
 import structlog
 import trio
+from trio_websocket import ConnectionClosed
 
 from edge import connection
 from proto import PROTOCOL_VERSION, Hello, ModelInfo, Pong, Welcome, decode_frame, encode_frame
@@ -273,4 +275,39 @@ async def test_links_waiting_for_their_hello_are_bounded(nursery, monkeypatch):
         await eventually(lambda: edge.edge.runs.pending_hellos == 0)
         stream, ws = await open_ws_link(edge, "later", nursery=nursery)
         assert isinstance(await send_hello(ws, "later"), Welcome)
+        await stream.aclose()
+
+
+async def test_hellos_sent_together_stay_within_max_linked_models(nursery, monkeypatch):
+    """Hellos sent at the same moment were each checked against MAX_LINKED_MODELS before any
+    was linked (the check came before the welcome's send): 100 at once linked 94 nodes of 1,024
+    models, six times the bound (an outside re-audit). The check is made again, with nothing
+    between it and the link: one of three 2-model hellos links under a bound of 3."""
+    from edge import link as edge_link
+    from tests.test_link_safety import open_link as open_ws_link
+
+    monkeypatch.setattr(edge_link, "MAX_LINKED_MODELS", 3)
+    edge = await start_edge(nursery)
+    models = [ModelInfo(name=f"x{i}", adapter="sim", target="t", max_concurrency=1) for i in range(2)]
+    codes: list[int] = []
+    with trio.fail_after(BOUND):
+        links = [await open_ws_link(edge, f"n{i}", nursery=nursery) for i in range(3)]
+        for i, (_, ws) in enumerate(links):  # every hello out before any answer is read
+            await ws.send_message(encode_frame(Hello(node_id=f"n{i}", protocol=PROTOCOL_VERSION, models=models)))
+
+        async def outcome(ws) -> None:  # a refused one may have its welcome first, then the close
+            with trio.move_on_after(2), contextlib.suppress(ConnectionClosed):
+                try:
+                    while True:
+                        await ws.get_message()
+                except ConnectionClosed as closed:
+                    codes.append(closed.reason.code)
+                    raise
+
+        async with trio.open_nursery() as reading:
+            for _, ws in links:
+                reading.start_soon(outcome, ws)
+        await eventually(lambda: sum(len(lk.models) for lk in edge.edge.runs.links.values()) == 2)
+    assert len(edge.edge.runs.links) == 1 and codes == [1013, 1013], codes
+    for stream, _ in links:
         await stream.aclose()
