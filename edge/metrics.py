@@ -113,7 +113,9 @@ class EdgeMetrics:
             "Times a node was routed around because its runs were not starting (its unstarted runs moved)",
             registry=r,
         )
-        self.nodes_stalled = Gauge("iop_nodes_stalled", "Linked nodes being routed around right now", registry=r)
+        self.nodes_stalled = Gauge(
+            "iop_nodes_stalled", "Linked nodes being routed around for some model right now", registry=r
+        )
         self.nodes_stalled.set_function(
             lambda: sum(lk.stalled(trio.current_time()) for lk in list(runs.links.values()))
         )

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from scripts.upstream import Upstream, text_script, words
-from tests.conftest import BOUND, edge_config, http, model, settled, start_edge, start_node
+from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
 
 SLOTS = 4
 
@@ -180,3 +180,41 @@ async def test_a_model_with_no_peer_is_never_judged_stalled(nursery):
                 await ask("other", "other")
                 await ask("solo", "solo")  # a free slot of the same model
     assert statuses == {"warm": 200, "long": 200, "other": 200, "solo": 200}, statuses
+
+
+async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nursery):
+    """A node judged stalled for one model (its run of `shared` not starting while a peer starts
+    them in milliseconds) was routed around for all its models: a request for `solo`, which only
+    it serves, waited out the queue's timeout for a 429 (an outside re-audit). The stalled run
+    moves to the peer; the node keeps serving `solo` at once."""
+    fast, slow = await new_upstream(nursery), await new_upstream(nursery)
+    slow.script_for("stuck", lambda body: [("sleep", 4.0), *text_script(words(3))])
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, queue_timeout_ms=2000, routing="least_loaded"))
+    await start_node(nursery, edge, [model("shared", fast, target="t")], node_id="peer")
+    await start_node(
+        nursery,
+        edge,
+        [model("shared", slow, target="stuck", max_concurrency=4), model("solo", slow, target="t")],
+        node_id="multi",
+    )
+    statuses: dict[str, int] = {}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+
+            async def ask(name: str, model_name: str, session: str = "") -> None:
+                body = {"model": model_name, "messages": [{"role": "user", "content": name}]}
+                headers = {"x-session-id": session} if session else {}
+                r = await client.post("/v1/chat/completions", json=body, headers=headers)
+                statuses[name] = r.status_code
+
+            for i in range(4):  # the peer's time to first event is known: milliseconds
+                await ask(f"warm{i}", "shared")
+            async with trio.open_nursery() as clients:
+                for i in range(2):  # least loaded: one of them goes to `multi`, whose server hangs
+                    clients.start_soon(ask, f"slow{i}", "shared")
+                await eventually(lambda: edge.edge.runs.links["multi"].stalled(trio.current_time(), "shared"))
+                await ask("solo", "solo")  # a 429 once the queue's 2 s are out, if routed around
+    links = edge.edge.runs.links
+    assert not links["multi"].stalled(trio.current_time(), "solo")
+    assert statuses["solo"] == 200, statuses
+    assert statuses["slow0"] == statuses["slow1"] == 200, statuses

@@ -102,8 +102,8 @@ class NodeLink:
         self.engine: dict[str, EngineLoad] = {}  # model -> its server's own load, as the node last reported
         self.ttft: float | None = None  # moving average of the time to a run's first event
         self.ttft_of: dict[str, float] = {}  # the same, per model (a stall is judged against a model's peers)
-        self.stalled_until = -1.0  # routed around until then (its runs were not starting)
-        self._stall_backoff = _STALL_BACKOFF_S[0]
+        self.stalled_until: dict[str, float] = {}  # model -> routed around for it until then (runs not starting)
+        self._stall_backoff: dict[str, float] = {}  # model -> for how long, the next time it stalls
         # model -> [runs failed in a row before any output, routed around until, next backoff]:
         # there from a run's failure at once until a run of the model produces output
         self._failing: dict[str, list[float]] = {}
@@ -216,10 +216,17 @@ class NodeLink:
         if model in self.models:  # (keys bounded by the node's models)
             before = self.ttft_of.get(model)
             self.ttft_of[model] = ttft if before is None else 0.8 * before + 0.2 * ttft
-        self._stall_backoff = _STALL_BACKOFF_S[0]
+        if self._stall_backoff:
+            self._stall_backoff.pop(model, None)
 
-    def stalled(self, now: float) -> bool:
-        return self.stalled_until > now
+    def stalled(self, now: float, model: str | None = None) -> bool:
+        """Routed around for ``model`` now, its runs not starting (None: for any of its models)."""
+        until = self.stalled_until
+        if not until:
+            return False
+        if model is None:
+            return any(t > now for t in until.values())
+        return until.get(model, -1.0) > now
 
     def ejected(self, model: str, now: float) -> bool:
         """Routed around for ``model`` now: its model server failed run after run
@@ -258,12 +265,12 @@ class NodeLink:
         if self._failing:
             self._failing.pop(model, None)
 
-    def mark_stalled(self, now: float) -> float:
-        """Route around this node for a while (doubling each time it stalls
-        again without a run starting in between); returns for how long."""
-        backoff = self._stall_backoff
-        self.stalled_until = now + backoff
-        self._stall_backoff = min(backoff * 2, _STALL_BACKOFF_S[1])
+    def mark_stalled(self, model: str, now: float) -> float:
+        """Route around this node for ``model`` for a while (doubling each time
+        it stalls again without a run of it starting in between); returns for how long."""
+        backoff = self._stall_backoff.get(model, _STALL_BACKOFF_S[0])
+        self.stalled_until[model] = now + backoff
+        self._stall_backoff[model] = min(backoff * 2, _STALL_BACKOFF_S[1])
         return backoff
 
     def forget_run(self, run_id: str) -> None:

@@ -402,12 +402,16 @@ class RunService:
         a lone node, or a model only this node serves, is left alone (a long
         prompt's first token can take minutes); so are nodes serving other
         models, whose times say nothing of this one's. The judged models'
-        unstarted runs move to other nodes."""
+        unstarted runs move to other nodes, and the node is routed around for
+        those models alone (a model only it serves keeps its slots)."""
         now = trio.current_time()
-        if link.stalled_until >= 0 and not link.stalled(now):
-            link.stalled_until = -1.0  # its time out is over: it gets traffic again
-            self._wake_waiting(link.models)
-        if not link.unstarted or link.stalled(now):
+        if link.stalled_until:
+            over = [model for model, until in link.stalled_until.items() if until <= now]
+            for model in over:  # its time out is over: it gets traffic again
+                del link.stalled_until[model]
+            if over:
+                self._wake_waiting(over)
+        if not link.unstarted:
             return
         waited_since: dict[str, float] = {}  # model -> when its oldest unstarted run was sent
         due = now - self.config.stall_after_s
@@ -415,7 +419,7 @@ class RunService:
             if sent_at > due:
                 break  # (oldest first: only the runs waiting past stall_after_s are looked at)
             run = link.runs.get(run_id)
-            if run is not None:
+            if run is not None and not link.stalled(now, run.slot.model):
                 waited_since.setdefault(run.slot.model, sent_at)
         judged: dict[str, float] = {}  # model -> the wait past which its runs move
         typical = waited = 0.0
@@ -423,7 +427,7 @@ class RunService:
             peers = sorted(
                 lk.ttft_of[model]
                 for lk in self.links.values()
-                if lk is not link and model in lk.ttft_of and not lk.stalled(now) and not lk.closed
+                if lk is not link and model in lk.ttft_of and not lk.stalled(now, model) and not lk.closed
             )
             if not peers:
                 continue
@@ -435,7 +439,7 @@ class RunService:
                     typical, waited = peer_typical, now - sent_at
         if not judged:
             return
-        backoff = link.mark_stalled(now)
+        backoff = max(link.mark_stalled(model, now) for model in judged)
         moved = 0
         for run_id, sent_at in list(link.unstarted.items()):
             run = link.runs.get(run_id)
@@ -514,7 +518,7 @@ class RunService:
             free = [
                 lk
                 for lk in self.links.values()
-                if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now)
+                if lk is not exclude and lk.free_slots(model) > 0 and want.fits(lk) and not lk.stalled(now, model)
             ]
             working = [lk for lk in free if not _avoided(lk, model, now, healthy)]
             if working:
@@ -528,7 +532,7 @@ class RunService:
                 and link is not exclude
                 and link.free_slots(model) > 0
                 and want.fits(link)
-                and not link.stalled(now)
+                and not link.stalled(now, model)
                 and not _avoided(link, model, now, healthy)
             ):
                 self._placed = ("session", 0)
@@ -539,7 +543,7 @@ class RunService:
         best_load = math.inf
         failing: list[tuple[float, NodeLink]] = []  # free, but routed around while its model server fails
         for link in self.links.values():
-            if link is exclude or not want.fits(link) or link.stalled(now):
+            if link is exclude or not want.fits(link) or link.stalled(now, model):
                 continue
             if link.free_slots(model) <= 0:
                 if may_wait and not link.closed and not link.draining:
@@ -588,7 +592,8 @@ class RunService:
         """Some node serving ``model`` is not routed around, full or not: else a
         failing one is used all the same (its own error beats a queue timeout)."""
         return any(
-            lk is not exclude and not lk.ejected(model, now) and not lk.stalled(now) for lk in self._serving(model)
+            lk is not exclude and not lk.ejected(model, now) and not lk.stalled(now, model)
+            for lk in self._serving(model)
         )
 
     def placed_elsewhere(self, link: NodeLink, prefix: list[int]) -> None:
