@@ -596,16 +596,16 @@ async def test_a_patch_keeps_what_is_left_of_a_keys_minute(nursery, tmp_path):
 async def test_usage_past_the_request_s_bounds_is_cut_and_spends_no_budget(nursery, tmp_path):
     """A node (or its model server) reporting 2^40 tokens for one request spent the key's whole
     daily budget: its next requests, to honest nodes too, got 429 insufficient_quota (an
-    outside attack). A count past what the request allows is cut to it (completion: its
-    max_tokens, else the model's context window, else 2^20; prompt: 4 tokens a character plus
-    a template's worth) and marked estimated."""
-    from edge.openai.usage import PROMPT_SLACK
+    outside attack). A count past what an honest server can reach is cut to it (completion:
+    the request's max_tokens; else, as prompt tokens, the model's context window, 2^20 when
+    its node did not say) and marked estimated."""
+    from edge.openai.usage import SEQUENCE_TOKENS
 
     up = Upstream()
     await nursery.start(up.serve)
     lie = {"prompt_tokens": 1 << 40, "completion_tokens": 1 << 40, "total_tokens": 1 << 41}
     up.script_for("liar", [("chunk", {"content": "hi"}), ("chunk", {}, "stop"), ("usage", lie), ("done",)])
-    keys = [KeyConfig(id="cut", key="sk-cut", daily_tokens=2_000_000)]
+    keys = [KeyConfig(id="cut", key="sk-cut", daily_tokens=10_000_000)]
     edge = await keyed_edge(nursery, tmp_path, keys)
     await start_node(nursery, edge, [model("liar", up, target="liar")], node_id="liar-node")
     with trio.fail_after(BOUND):
@@ -614,11 +614,35 @@ async def test_usage_past_the_request_s_bounds_is_cut_and_spends_no_budget(nurse
             streamed = await chat(c, "liar", stream=True, stream_options={"include_usage": True})
             after = await chat(c)
     usage = lied.json()["usage"]
-    assert usage["completion_tokens"] == 5 and usage["prompt_tokens"] <= PROMPT_SLACK + 100, usage
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert streamed.status_code == 200 and b'"completion_tokens":1048576' in streamed.content
+    assert usage == {"prompt_tokens": SEQUENCE_TOKENS, "completion_tokens": 5, "total_tokens": SEQUENCE_TOKENS + 5}
+    assert streamed.status_code == 200 and b'"completion_tokens":%d' % SEQUENCE_TOKENS in streamed.content
     assert after.status_code == 200, after.text
-    assert edge.edge.keys.by_id["cut"].day_used < 3 * PROMPT_SLACK + (1 << 20)
+    assert edge.edge.keys.by_id["cut"].day_used < 3 * SEQUENCE_TOKENS + 100
+
+
+def test_honest_usage_is_never_cut():
+    """What honest servers report stays as reported (an outside re-audit of the cut above):
+    eight images past the text's bound, DeepSeek's reasoning beyond max_tokens (its max_tokens
+    leaves the reasoning out), Gemini's total with its thoughts, a batch of four prompts in one
+    /v1/completions; only a count no server reaches is cut."""
+    from edge.openai.usage import Bounds, usage_out
+    from proto import Usage
+
+    def out(usage: Usage, **kw):
+        got, estimated = usage_out(usage, prompt_estimate=kw.pop("estimate", 20), deltas=3, **kw)
+        return (got.prompt_tokens, got.completion_tokens, got.total_tokens), estimated
+
+    vision = Usage(prompt_tokens=131_092, completion_tokens=40, total_tokens=131_132)
+    assert out(vision) == ((131_092, 40, 131_132), False)
+    r1 = Usage(prompt_tokens=30, completion_tokens=3_010, total_tokens=3_040, reasoning_tokens=3_000)
+    assert out(r1, max_output=200, context_window=65_536) == ((30, 3_010, 3_040), False)
+    gemini = Usage(prompt_tokens=30, completion_tokens=10, total_tokens=540)
+    assert out(gemini, max_output=100) == ((30, 10, 540), False)
+    assert Bounds(10, 16 * 4, 0, 4).cut(40, 64) == (40, 64, False)  # /v1/completions, 4 prompts of max_tokens 16
+    past = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=1 << 40)
+    assert out(past) == ((5, 3, 8), False)
+    cut = Usage(prompt_tokens=1 << 40, completion_tokens=50, total_tokens=(1 << 40) + 50, reasoning_tokens=1 << 40)
+    assert out(cut, max_output=10, context_window=8_192) == ((65_856, 50, 65_906), True)
 
 
 async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):

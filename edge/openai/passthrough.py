@@ -43,7 +43,7 @@ from edge.keys import DEFAULT_OUTPUT_RESERVE
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
 from edge.openai.schema import UsageOut
-from edge.openai.usage import within_bounds
+from edge.openai.usage import Bounds
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
 from edge.runs.service import session_key, with_model
@@ -124,7 +124,9 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     finally:
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
         if ex.started:
-            ex.access.usage, ex.access.usage_estimated = seen.usage(prompt, _output_bound(raw, path))
+            sequences = _sequences(raw, path)
+            bounds = Bounds(prompt, _output_bound(raw, path) * sequences, slot.info.context_window, sequences)
+            ex.access.usage, ex.access.usage_estimated = seen.usage(prompt, bounds)
         else:  # ended before the provider's answer began (the client left, the run failed): its prompt, as in chat
             ex.access.partial = (prompt, 0)
 
@@ -153,19 +155,20 @@ class _Seen:
     def tail(self) -> bytes:
         return b"".join(self.parts)[-_TAIL:]
 
-    def usage(self, prompt_estimate: int, max_output: int) -> tuple[UsageOut, bool]:
-        """The provider's usage if it sent one (cut to the request's bounds:
-        :func:`~edge.openai.usage.within_bounds`), else the estimate (and whether
-        it is the edge's figure)."""
+    def usage(self, prompt_estimate: int, bounds: Bounds) -> tuple[UsageOut, bool]:
+        """The provider's usage if it sent one (within the request's ``bounds``:
+        :class:`~edge.openai.usage.Bounds`), else the estimate (and whether it is
+        the edge's figure)."""
         tail = self.tail
         found = _last_usage(tail)
         if found is not None:
             prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens", 0)
             if is_token_count(prompt) and is_token_count(completion):  # each an int in 0..2^40, or it is no count
-                prompt, completion, cut = within_bounds(prompt, completion, prompt_estimate, max_output)
+                details = found.get("completion_tokens_details")
+                reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+                prompt, completion, cut = bounds.cut(prompt, completion, reasoning if is_token_count(reasoning) else 0)
                 total = found.get("total_tokens")
-                if cut or not is_token_count(total):
-                    total = prompt + completion
+                total = bounds.total(total if is_token_count(total) and not cut else None, prompt, completion)
                 return UsageOut(prompt, completion, total), cut
         if self.events:
             completion = max(self.events - 1, 0)  # one a streamed event, less [DONE]
@@ -240,8 +243,17 @@ def _prompt_estimate(raw: dict[str, Any]) -> int:
     return chars // 4 + tokens
 
 
+def _sequences(raw: dict[str, Any], path: str) -> int:
+    """How many sequences a tunnelled request is: one a prompt of /v1/completions' list (of
+    strings or of token lists), one an input of /v1/embeddings'."""
+    items = raw.get("input" if path == "/embeddings" else "prompt")
+    if isinstance(items, list) and items and not isinstance(items[0], int):
+        return len(items)
+    return 1
+
+
 def _output_bound(raw: dict[str, Any], path: str) -> int:
-    """The most completion tokens a tunnelled request's usage may count (0: no limit asked)."""
+    """The most completion tokens a sequence of a tunnelled request may count (0: no limit asked)."""
     if path == "/embeddings":
         return 1
     asked = any(type(raw.get(name)) is int and raw[name] > 0 for name in ("max_tokens", "max_completion_tokens"))

@@ -164,7 +164,8 @@ class Turn:
             prompt_estimate=self.estimate,
             deltas=run.deltas_seen,
             tool_calls=event.tool_calls,
-            max_output=self.want.max_tokens or run.slot.info.context_window,  # (0: neither known)
+            max_output=self.want.max_tokens,
+            context_window=run.slot.info.context_window,
         )
         if not self.settle_at_end:
             self.settle()

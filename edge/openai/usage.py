@@ -22,26 +22,45 @@ log = structlog.get_logger()
 
 # A count past what the request allows is no model server's: a node holding a node token
 # reported 2^40 tokens and spent a key's daily budget with one request (an outside attack). Such
-# a count is cut to the bound and marked as the edge's figure: prompt tokens at most 4 a
-# character of the prompt (16 x its estimate of a token per 4 characters) plus PROMPT_SLACK (a
-# chat template, images); completion tokens at most the request's max_tokens, else the
-# model's context window on its node, else UNASKED_OUTPUT.
+# a count is cut to the bound and marked as the edge's figure. The bounds are what an honest
+# server can reach, per sequence (a prompt of /v1/completions' list is one): its context window
+# as its node advertised it (SEQUENCE_TOKENS without one, MAX_SEQUENCE_TOKENS at most).
+# - prompt tokens: that window, or 4 a character of the prompt's text (16 x its estimate of a
+#   token per 4 characters) plus PROMPT_SLACK (a chat template), if more (images, audio and
+#   files count 0 in the estimate: the window holds them);
+# - completion tokens: the request's max_tokens (a server stops there), plus the reasoning
+#   tokens it reported (DeepSeek's max_tokens leaves its reasoning out) up to the window; the
+#   window without max_tokens;
+# - total tokens: the two, plus a window (Gemini counts its thoughts in the total alone).
 PROMPT_SLACK = 65_536
-UNASKED_OUTPUT = 1 << 20
+SEQUENCE_TOKENS = 1 << 20
+MAX_SEQUENCE_TOKENS = 1 << 24
 
 
-def bounds(prompt_estimate: int, max_output: int) -> tuple[int, int]:
-    """The most prompt and completion tokens a request's usage may count."""
-    return 16 * prompt_estimate + PROMPT_SLACK, max_output or UNASKED_OUTPUT
+class Bounds:
+    """The most tokens a request's usage may count (see above)."""
 
+    __slots__ = ("prompt", "window", "max_output", "sequences")
 
-def within_bounds(prompt: int, completion: int, prompt_estimate: int, max_output: int) -> tuple[int, int, bool]:
-    """``prompt`` and ``completion`` cut to :func:`bounds`, and whether either was."""
-    prompt_cap, completion_cap = bounds(prompt_estimate, max_output)
-    if prompt <= prompt_cap and completion <= completion_cap:
-        return prompt, completion, False
-    log.warning("usage past the request's bounds: cut", prompt_tokens=prompt, completion_tokens=completion)
-    return min(prompt, prompt_cap), min(completion, completion_cap), True
+    def __init__(self, prompt_estimate: int, max_output: int, context_window: int = 0, sequences: int = 1) -> None:
+        self.window = min(context_window or SEQUENCE_TOKENS, MAX_SEQUENCE_TOKENS) * max(sequences, 1)
+        self.prompt = max(self.window, 16 * prompt_estimate + PROMPT_SLACK)
+        self.max_output = max_output
+
+    def cut(self, prompt: int, completion: int, reasoning: int = 0) -> tuple[int, int, bool]:
+        """``prompt`` and ``completion`` within the bounds, and whether either was past them."""
+        window = self.window
+        completion_cap = self.max_output + min(reasoning, window) if self.max_output else window
+        if prompt <= self.prompt and completion <= completion_cap:
+            return prompt, completion, False
+        log.warning("usage past the request's bounds: cut", prompt_tokens=prompt, completion_tokens=completion)
+        return min(prompt, self.prompt), min(completion, completion_cap), True
+
+    def total(self, reported: int | None, prompt: int, completion: int) -> int:
+        """The total to send: the reported one unless it is past the two and a window."""
+        if reported is None or reported > prompt + completion + self.window:
+            return prompt + completion
+        return reported
 
 
 def usage_out(
@@ -51,6 +70,7 @@ def usage_out(
     deltas: int,
     tool_calls: list[ToolCall] | None = None,
     max_output: int = 0,
+    context_window: int = 0,
 ) -> tuple[UsageOut, bool]:
     """The usage to send, and whether any count in it is the edge's figure (an
     estimate, or a count cut to the request's bounds)."""
@@ -66,9 +86,10 @@ def usage_out(
         else:
             calls = sum(len(c.function.name) + len(c.function.arguments) for c in tool_calls or ())
             completion, estimated = deltas + calls // 4, True
-    prompt, completion, cut = within_bounds(prompt, completion, prompt_estimate, max_output)
+    bounds = Bounds(prompt_estimate, max_output, context_window)
+    prompt, completion, cut = bounds.cut(prompt, completion, r.reasoning_tokens or 0)
     estimated = estimated or cut
-    total = r.total_tokens if r.total_tokens is not None and not estimated else prompt + completion
+    total = bounds.total(r.total_tokens if not estimated else None, prompt, completion)
     details = {"reasoning_tokens": min(r.reasoning_tokens, completion)} if r.reasoning_tokens is not None else None
     cached = {"cached_tokens": min(r.cached_tokens, prompt)} if r.cached_tokens is not None else None
     return UsageOut(prompt, completion, total, details, cached), estimated
