@@ -142,3 +142,19 @@ async def test_an_open_stream_without_tools_keeps_no_decoded_request(nursery, up
     body = {"model": "m", "stream": True, "messages": messages}
     per_stream = await _held_per_stream(edge, body)
     assert per_stream < 400_000, per_stream
+
+
+async def test_an_open_passthrough_stream_keeps_one_copy_of_its_body(nursery, upstream):
+    """A passthrough stream (its model's response_mode) held its request's bytes and its decoded
+    request besides the body it sent for as long as it lasted: 30 open streams of 4 MB took
+    534 MB against 417 (an outside re-audit). It holds the body it sent, as a chat stream holds
+    its encoded run."""
+    prompt = 1_000_000
+    upstream.script_for("m-target", [("raw", b'data: {"choices": []}\n\n'), ("hang",)])
+    edge = await start_edge(
+        nursery, edge_config(ping_interval_s=BOUND, models=[{"name": "m", "response_mode": "passthrough"}])
+    )
+    await start_node(nursery, edge, [model("m", upstream, passthrough=True)])
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "y" * prompt}]}
+    per_stream = await _held_per_stream(edge, body)
+    assert prompt < per_stream < 2 * prompt, per_stream

@@ -48,7 +48,9 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     if isinstance(model, str) and cfg.policy(model).response_mode == "passthrough":
         # The provider gets the body as sent (only `model` rewritten): no chat schema check.
-        await passthrough(edge, ex, raw, "/chat/completions", body)
+        handling = passthrough(edge, ex, raw, "/chat/completions", body)
+        del raw, body  # (the relay holds neither: routes._serve)
+        await handling
         return
     del body  # (see routes._serve)
     left_out = chat_tools(raw)  # custom tools and allowed_tools, as the Responses route takes them

@@ -78,7 +78,9 @@ def tunnel_route(path: str):
     """A handler relaying ``POST /v1<path>`` through the tunnel."""
 
     async def handler(edge: Edge, ex: Exchange, body: bytes) -> None:
-        await passthrough(edge, ex, decode_body(body), path, body)
+        handling = passthrough(edge, ex, decode_body(body), path, body)
+        del body  # (the relay holds neither the bytes nor the decoded request: routes._serve)
+        await handling
 
     return handler
 
@@ -96,8 +98,10 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
     want = Want(model, session=session_key(session), tunnel=True)
-    prompt = _prompt_estimate(raw)
+    prompt, media = _prompt_estimate(raw)
     max_tokens = 1 if path == "/embeddings" else _output_reserve(raw)
+    sequences, per_sequence, stream = _sequences(raw, path), _output_bound(raw, path), bool(raw.get("stream"))
+    del raw  # what the relay needs of it is above; the body goes as it came
     await edge.admit(ex, model, prompt, max_tokens)
     slot = await edge.runs.acquire(want, ex)
     headers = []
@@ -111,11 +115,12 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
         method="POST",
         path=path,
         body=with_model(body, slot.info.target),
-        stream=bool(raw.get("stream")),
+        stream=stream,
         headers=headers,
         api=ex.api,
         client=ex,
     )
+    del body  # the run's request holds the body sent
     structlog.contextvars.bind_contextvars(run_id=run.id)
     ex.access.node_id = slot.link.node_id
     seen = _Seen()
@@ -124,8 +129,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     finally:
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
         if ex.started:
-            sequences = _sequences(raw, path)
-            bounds = Bounds(prompt, _output_bound(raw, path) * sequences, slot.info.context_window, sequences)
+            bounds = Bounds(prompt, per_sequence * sequences, slot.info.context_window, sequences, media)
             ex.access.usage, ex.access.usage_estimated = seen.usage(prompt, bounds)
         else:  # ended before the provider's answer began (the client left, the run failed): its prompt, as in chat
             ex.access.partial = (prompt, 0)
@@ -218,10 +222,12 @@ def _whole_text(body: bytes) -> str:
     return "".join(parts)
 
 
-def _prompt_estimate(raw: dict[str, Any]) -> int:
+def _prompt_estimate(raw: dict[str, Any]) -> tuple[int, bool]:
     """Characters / 4 of the request's prompt, input or messages' text (a token
-    list counts its length), plus 4 a message."""
+    list counts its length), plus 4 a message; and whether a message has a part
+    that is not text (an image, audio, a file: not in the estimate)."""
     chars = tokens = 0
+    media = False
     stack: list[Any] = [raw.get("prompt"), raw.get("input")]
     messages = raw.get("messages")
     if isinstance(messages, list):
@@ -240,24 +246,27 @@ def _prompt_estimate(raw: dict[str, Any]) -> int:
             text = value.get("text")
             if isinstance(text, str):
                 chars += len(text)
-    return chars // 4 + tokens
+            else:
+                media = True
+    return chars // 4 + tokens, media
 
 
 def _sequences(raw: dict[str, Any], path: str) -> int:
     """How many sequences a tunnelled request is: one a prompt of /v1/completions' list (of
-    strings or of token lists), one an input of /v1/embeddings'."""
+    strings or of token lists), one an input of /v1/embeddings', for each of its ``n`` or
+    ``best_of`` choices."""
     items = raw.get("input" if path == "/embeddings" else "prompt")
-    if isinstance(items, list) and items and not isinstance(items[0], int):
-        return len(items)
-    return 1
+    inputs = len(items) if isinstance(items, list) and items and not isinstance(items[0], int) else 1
+    copies = max((v for v in (raw.get("n"), raw.get("best_of")) if type(v) is int and v > 1), default=1)
+    return inputs * copies
 
 
 def _output_bound(raw: dict[str, Any], path: str) -> int:
     """The most completion tokens a sequence of a tunnelled request may count (0: no limit asked)."""
     if path == "/embeddings":
         return 1
-    asked = any(type(raw.get(name)) is int and raw[name] > 0 for name in ("max_tokens", "max_completion_tokens"))
-    return (_output_reserve(raw) or 0) if asked else 0
+    limits = [raw.get(name) for name in ("max_tokens", "max_completion_tokens")]
+    return max((v for v in limits if type(v) is int and v > 0), default=0)
 
 
 def _output_reserve(raw: dict[str, Any]) -> int | None:

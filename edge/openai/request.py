@@ -197,6 +197,17 @@ def estimate_input_tokens(req: ChatRequest) -> int:
     return chars // 4 + 4 * len(req.messages)
 
 
+def has_media(req: ChatRequest) -> bool:
+    """The request has a content part that is not text (an image, audio, a file): its tokens
+    are not in :func:`estimate_input_tokens`."""
+    return any(
+        not isinstance(part, dict) or part.get("type", "text") != "text"
+        for message in req.messages
+        if isinstance(message.content, list)
+        for part in message.content
+    )
+
+
 def prompt_prefix(req: ChatRequest) -> tuple[int, ...]:
     """The request's prefix chain (:func:`edge.runs.placement.prefix_chain`)
     over what a chat template renders first: tool definitions, then each

@@ -23,6 +23,7 @@ from edge.openai.request import (
     MAX_CONTENT_PARTS,
     context_class,
     estimate_input_tokens,
+    has_media,
     parse_chat_request,
     prompt_prefix,
 )
@@ -166,6 +167,7 @@ class Turn:
             tool_calls=event.tool_calls,
             max_output=self.want.max_tokens,
             context_window=run.slot.info.context_window,
+            media=has_media(self.req),
         )
         if not self.settle_at_end:
             self.settle()

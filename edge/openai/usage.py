@@ -23,14 +23,15 @@ log = structlog.get_logger()
 # A count past what the request allows is no model server's: a node holding a node token
 # reported 2^40 tokens and spent a key's daily budget with one request (an outside attack). Such
 # a count is cut to the bound and marked as the edge's figure. The bounds are what an honest
-# server can reach, per sequence (a prompt of /v1/completions' list is one): its context window
-# as its node advertised it (SEQUENCE_TOKENS without one, MAX_SEQUENCE_TOKENS at most).
-# - prompt tokens: that window, or 4 a character of the prompt's text (16 x its estimate of a
-#   token per 4 characters) plus PROMPT_SLACK (a chat template), if more (images, audio and
-#   files count 0 in the estimate: the window holds them);
+# server can reach:
+# - prompt tokens: 4 a character of the prompt's text (16 x its estimate of a token per 4
+#   characters) plus PROMPT_SLACK (a chat template); with images, audio or files (which count 0
+#   in the estimate), the model's context window as its node advertised it, if more
+#   (SEQUENCE_TOKENS without one, MAX_SEQUENCE_TOKENS at most), for each sequence (a prompt of
+#   /v1/completions' list, a choice of n);
 # - completion tokens: the request's max_tokens (a server stops there), plus the reasoning
 #   tokens it reported (DeepSeek's max_tokens leaves its reasoning out) up to the window; the
-#   window without max_tokens;
+#   window for each sequence without max_tokens;
 # - total tokens: the two, plus a window (Gemini counts its thoughts in the total alone).
 PROMPT_SLACK = 65_536
 SEQUENCE_TOKENS = 1 << 20
@@ -40,11 +41,14 @@ MAX_SEQUENCE_TOKENS = 1 << 24
 class Bounds:
     """The most tokens a request's usage may count (see above)."""
 
-    __slots__ = ("prompt", "window", "max_output", "sequences")
+    __slots__ = ("prompt", "window", "max_output")
 
-    def __init__(self, prompt_estimate: int, max_output: int, context_window: int = 0, sequences: int = 1) -> None:
+    def __init__(
+        self, prompt_estimate: int, max_output: int, context_window: int = 0, sequences: int = 1, media: bool = False
+    ) -> None:
         self.window = min(context_window or SEQUENCE_TOKENS, MAX_SEQUENCE_TOKENS) * max(sequences, 1)
-        self.prompt = max(self.window, 16 * prompt_estimate + PROMPT_SLACK)
+        text = 16 * prompt_estimate + PROMPT_SLACK
+        self.prompt = max(self.window, text) if media else text
         self.max_output = max_output
 
     def cut(self, prompt: int, completion: int, reasoning: int = 0) -> tuple[int, int, bool]:
@@ -71,6 +75,7 @@ def usage_out(
     tool_calls: list[ToolCall] | None = None,
     max_output: int = 0,
     context_window: int = 0,
+    media: bool = False,
 ) -> tuple[UsageOut, bool]:
     """The usage to send, and whether any count in it is the edge's figure (an
     estimate, or a count cut to the request's bounds)."""
@@ -86,7 +91,7 @@ def usage_out(
         else:
             calls = sum(len(c.function.name) + len(c.function.arguments) for c in tool_calls or ())
             completion, estimated = deltas + calls // 4, True
-    bounds = Bounds(prompt_estimate, max_output, context_window)
+    bounds = Bounds(prompt_estimate, max_output, context_window, media=media)
     prompt, completion, cut = bounds.cut(prompt, completion, r.reasoning_tokens or 0)
     estimated = estimated or cut
     total = bounds.total(r.total_tokens if not estimated else None, prompt, completion)
