@@ -218,3 +218,40 @@ async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nurser
     assert not links["multi"].stalled(trio.current_time(), "solo")
     assert statuses["solo"] == 200, statuses
     assert statuses["slow0"] == statuses["slow1"] == 200, statuses
+
+
+async def test_a_node_stalled_for_a_model_serves_it_once_its_peers_are_gone(nursery):
+    """A node judged stalled for `m` against a peer, whose runs of `m` moved there, stayed
+    routed around for it after the peer left: requests waited out the queue for a 429 while it,
+    now the only node of `m`, answered again (an outside re-audit). Judged against peers, it is
+    unjudged once none is left."""
+    fast, flaky = await new_upstream(nursery), await new_upstream(nursery)
+    fast.script_for("t", lambda body: [("sleep", 0.05), *text_script(words(3))])
+    hung = 0
+
+    def flaky_script(body):
+        nonlocal hung
+        hung += 1
+        return [("sleep", 30.0)] if hung <= 2 else text_script(words(3))
+
+    flaky.script_for("t", flaky_script)
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, queue_timeout_ms=2000, routing="least_loaded"))
+    peer = await start_node(nursery, edge, [model("m", fast, target="t", max_concurrency=1)], node_id="peer")
+    statuses: list[int] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+
+            async def ask() -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
+
+            await ask()  # the peer's time to first event is known
+            await start_node(nursery, edge, [model("m", flaky, target="t", max_concurrency=4)], node_id="flaky")
+            async with trio.open_nursery() as clients:
+                for _ in range(3):  # the peer takes one at a time: the flaky node gets some, and hangs
+                    clients.start_soon(ask)
+            assert edge.edge.runs.links["flaky"].stalled(trio.current_time(), "m")
+            peer.stop()
+            await eventually(lambda: "peer" not in edge.edge.runs.links)
+            await ask()
+    assert statuses == [200] * 5, statuses

@@ -7,7 +7,7 @@ import hashlib
 import math
 import random
 import secrets
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import msgspec
@@ -305,6 +305,8 @@ class RunService:
         for run in list(link.runs.values()):
             if not self._fail_over(run, link):
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
+        if any(lk.stalled_until for lk in self.links.values()):
+            self._unjudge(link.models, now)
         for model in link.models:
             if not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
@@ -457,6 +459,17 @@ class RunService:
         )
         for hook in self.on_stall:
             hook(link)
+
+    def _unjudge(self, models: Iterable[str], now: float) -> None:
+        """A node judged stalled for a model is judged against its peers: once none
+        serves the model but nodes stalled for it, they serve it again (a request for it
+        waited out its stall for a 429 when the peer left: an outside re-audit)."""
+        for model in models:
+            serving = self._serving(model)
+            if serving and all(lk.stalled(now, model) for lk in serving):
+                for lk in serving:
+                    del lk.stalled_until[model]
+                self._wake(model)
 
     def set_grant(self, link: NodeLink, model: str, slots: int, seq: int) -> None:
         """The node granted this edge ``slots`` runs of ``model``: queued
