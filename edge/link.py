@@ -68,7 +68,10 @@ MAX_LINKS = 512
 MAX_LINKED_MODELS = 16384
 # Links with a valid token that have not sent their hello yet, at once: 4 dialers held 4,097 such
 # connections open (their descriptors) until the hello timeout (outside audit). Past it, a 503.
+# Counted per credential: the shared node_token's links together, and each node_tokens id's
+# apart (a node's own token held the 64 and no other node could link: an outside re-audit).
 MAX_PENDING_HELLOS = 64
+MAX_PENDING_HELLOS_PER_NODE = 4  # ... of one node id with a token of its own
 
 MAX_BATCH_FRAMES = 64  # frames to a node taken at once by its writer (they go out in one write when they can)
 MAX_BATCH_BYTES = 256 * 1024  # ... and written once this many bytes are encoded
@@ -137,11 +140,17 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         log.warning("node link refused: bad token", node_id=node_id[:MAX_NODE_ID] or None)  # no credential: bounded
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
-    if service.pending_hellos >= MAX_PENDING_HELLOS:
-        log.warning("node link refused: too many links opening at once", node_id=node_id[:MAX_NODE_ID] or None)
+    pending = service.pending_hellos
+    if pending[identity] >= (MAX_PENDING_HELLOS if identity == _SHARED else MAX_PENDING_HELLOS_PER_NODE):
+        now, refused = trio.current_time(), service.hellos_refused
+        refused[0] += 1
+        if now - refused[1] >= 1.0:  # (one line a second: a flood of them is one credential's doing)
+            node = node_id[:MAX_NODE_ID] or None
+            log.warning("node link refused: too many links opening at once", node_id=node, refused=refused[0])
+            refused[0], refused[1] = 0, now
         await websocket.refuse(503, error_json("too many node links opening at once; retry", "server_error"))
         return None
-    service.pending_hellos += 1
+    pending[identity] += 1
     try:
         await websocket.accept()
         with trio.fail_after(config.hello_timeout_s):
@@ -153,7 +162,9 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
         return None
     finally:
-        service.pending_hellos -= 1
+        pending[identity] -= 1
+        if not pending[identity]:
+            del pending[identity]
     if not isinstance(hello, Hello):
         await websocket.close(CLOSE_PROTOCOL, "expected a hello frame")
         return None

@@ -596,7 +596,10 @@ class NodeAgent:
                 e = first_leaf(exc)
                 if isinstance(e, ConnectionRejected):
                     body = (e.body or b"").decode("utf-8", "replace")[:200]
-                    log.error("edge refused the link", edge=url, status=e.status_code, body=body)
+                    # A 503 (the edge busy linking others, or draining) passes as the node redials;
+                    # any other refusal (a wrong token: 401) needs the operator.
+                    level = log.warning if e.status_code == 503 else log.error
+                    level("edge refused the link", edge=url, status=e.status_code, body=body)
                 elif isinstance(e, ConnectionClosed):
                     reason = e.reason
                     log.warning(

@@ -246,33 +246,47 @@ async def test_an_upgrade_request_with_a_body_is_answered_without_an_error(nurse
         assert (await client.get("/healthz")).status_code == 200
 
 
+def _upgrade(token: str, node_id: str) -> dict[str, str]:
+    return {
+        "Authorization": f"Bearer {token}",
+        "X-Iop-Node-Id": node_id,
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version": "13",
+    }
+
+
 async def test_links_waiting_for_their_hello_are_bounded(nursery, monkeypatch):
     """Upgrades with a valid token that never send a hello held a descriptor each until the hello
     timeout: 4 dialers held 4,097 at once (an outside attack). Past MAX_PENDING_HELLOS at once
-    an upgrade is refused with 503; a node linking once they are gone links."""
+    (the shared token's) an upgrade is refused with 503; a node linking once they are gone
+    links. A node id with its own token has MAX_PENDING_HELLOS_PER_NODE of its own: one
+    holding all of them (an outside re-audit: 12,168 refusals in 30 s, and no other node could
+    link) keeps no other node out."""
     from edge import link as edge_link
     from tests.test_link_safety import hello as send_hello
     from tests.test_link_safety import open_link as open_ws_link
 
     monkeypatch.setattr(edge_link, "MAX_PENDING_HELLOS", 2)
-    edge = await start_edge(nursery, edge_config(hello_timeout_s=60))
+    tokens = {"evil": "token-of-evil", "good": "token-of-good"}
+    edge = await start_edge(nursery, edge_config(hello_timeout_s=60, node_tokens=tokens))
+    pending = edge.edge.runs.pending_hellos
     with trio.fail_after(BOUND):
         silent = [await open_ws_link(edge, f"quiet{i}", nursery=nursery) for i in range(2)]
-        await eventually(lambda: edge.edge.runs.pending_hellos == 2)
-        upgrade = {
-            "Authorization": f"Bearer {TOKEN}",
-            "X-Iop-Node-Id": "third",
-            "Connection": "Upgrade",
-            "Upgrade": "websocket",
-            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
-            "Sec-WebSocket-Version": "13",
-        }
+        silent += [await open_ws_link(edge, "evil", tokens["evil"], nursery=nursery) for _ in range(4)]
+        await eventually(lambda: sum(pending.values()) == 6)
+        async with http(edge) as client:  # (one client each: the refused upgrade's connection closes)
+            refused = await client.get("/v1/node/link", headers=_upgrade(TOKEN, "third"))
         async with http(edge) as client:
-            refused = await client.get("/v1/node/link", headers=upgrade)
-        assert refused.status_code == 503 and "opening at once" in refused.text
-        for stream, _ in silent:
-            await stream.aclose()
-        await eventually(lambda: edge.edge.runs.pending_hellos == 0)
+            evil = await client.get("/v1/node/link", headers=_upgrade(tokens["evil"], "evil"))
+        assert refused.status_code == evil.status_code == 503 and "opening at once" in refused.text
+        stream, ws = await open_ws_link(edge, "good", tokens["good"], nursery=nursery)
+        assert isinstance(await send_hello(ws, "good"), Welcome)
+        await stream.aclose()
+        for silent_stream, _ in silent:
+            await silent_stream.aclose()
+        await eventually(lambda: not pending)
         stream, ws = await open_ws_link(edge, "later", nursery=nursery)
         assert isinstance(await send_hello(ws, "later"), Welcome)
         await stream.aclose()

@@ -194,7 +194,9 @@ class RunService:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
         self.links: dict[str, NodeLink] = {}
-        self.pending_hellos = 0  # node links authenticated and waiting for their hello (edge.link)
+        # node links authenticated and waiting for their hello, per credential (edge.link)
+        self.pending_hellos: collections.Counter[str] = collections.Counter()
+        self.hellos_refused = [0, -math.inf]  # refused for too many pending since the last log line, and its time
         self.runs: dict[str, Run] = {}
         self.timers = RunTimers()  # its task runs with the app (edge.app)
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
