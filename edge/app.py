@@ -628,10 +628,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if path == "/v1/node/link":
             message = "This is the node link: a websocket that `iop node` dials (the request has no Upgrade)."
             return _json(426, error_json(message, "invalid_request_error", code="upgrade_required"))
-        if path.startswith("/v1/"):  # every /v1 route needs a key: a caller without one learns none exists
-            refused = client_key()[1]
-            if refused is not None:
-                return refused
+        if path.startswith("/v1/") and client_key()[1] is not None:  # a caller without a key learns no route
+            return models_error(_UNAUTHORIZED)
         hint = ""
         if path.startswith(("/chat/", "/responses", "/models", "/embeddings", "/completions", "/messages")):
             hint = " The API is under /v1: is the client's base URL missing /v1?"
@@ -644,6 +642,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.errorhandler(405)
     async def not_allowed(e: Exception) -> Response:
+        from quart import request
+
+        if request.path.startswith("/v1/") and client_key()[1] is not None:  # (as for an unknown route)
+            return models_error(_UNAUTHORIZED)
         response = _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
         methods = getattr(e, "valid_methods", None)
         if methods:

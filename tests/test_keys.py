@@ -659,7 +659,15 @@ async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):
             unknown = await right.get("/v1/doesnotexist")
             twice = await right.post("/v1/v1/messages", json={})
             health = await wrong.get("/healthz")
+            # nor does a wrong method tell a route from a made-up one, in either API's shape
+            methods = [await wrong.get(path) for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses")]
+            models_post = await wrong.post("/v1/models", json={})
+            anthropic = await wrong.get("/v1/nothing", headers={"anthropic-version": "2023-06-01"})
+            allowed = await right.get("/v1/chat/completions")
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
     assert twice.status_code == 404 and "/v1 twice" in twice.json()["error"]["message"]
     assert health.status_code == 200
+    assert [r.status_code for r in methods] == [401, 401, 401] and models_post.status_code == 401
+    assert anthropic.status_code == 401 and anthropic.json()["type"] == "error", anthropic.text
+    assert allowed.status_code == 405

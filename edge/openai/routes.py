@@ -140,6 +140,15 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         with trio.CancelScope() as scope:
             async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
                 try:
+                    if _framed_twice(ex):
+                        raise APIError(
+                            400,
+                            "The request has both Content-Length and Transfer-Encoding; send one.",
+                            code="ambiguous_framing",
+                        )
+                    problem = edge.refuse_request(ex)  # (before the method: a caller without a key
+                    if problem is not None:  # learns nothing of which routes exist)
+                        raise problem
                     if route.post_only and ex.scope["method"] != "POST":
                         raise APIError(
                             405,
@@ -147,15 +156,6 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                             code="method_not_allowed",
                             headers=[(b"allow", b"POST")],
                         )
-                    if _framed_twice(ex):
-                        raise APIError(
-                            400,
-                            "The request has both Content-Length and Transfer-Encoding; send one.",
-                            code="ambiguous_framing",
-                        )
-                    problem = edge.refuse_request(ex)
-                    if problem is not None:
-                        raise problem
                     edge.handling += 1  # (a drain waits for its answer)
                     counted = True
                     # The framework's body timeout does not reach raw ASGI: bound it here.
