@@ -69,13 +69,14 @@ class ModelView(msgspec.Struct):
     in_flight: int
     queued: int
     engine: dict[str, float | None] | None = None
+    stalled: bool = False  # routed around for this model: its runs were not starting
 
 
 class NodeView(msgspec.Struct):
     id: str
     linked_for_s: float
     draining: bool
-    stalled: bool
+    stalled: bool  # for some of its models (each model says)
     in_flight: int
     capacity: int
     ttft_ms: float | None
@@ -384,6 +385,7 @@ class Console:
                     link.in_flight.get(name, 0),
                     runs.queue_depth(name),
                     msgspec.structs.asdict(link.engine[name]) if name in link.engine else None,
+                    link.stalled(now, name),
                 )
                 for name, info in sorted(link.models.items())
             ]

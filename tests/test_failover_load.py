@@ -213,6 +213,8 @@ async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nurser
                 for i in range(2):  # least loaded: one of them goes to `multi`, whose server hangs
                     clients.start_soon(ask, f"slow{i}", "shared")
                 await eventually(lambda: edge.edge.runs.links["multi"].stalled(trio.current_time(), "shared"))
+                node = next(n for n in edge.edge.console.snapshot().nodes if n.id == "multi")  # the console says which
+                assert {m.name: m.stalled for m in node.models} == {"shared": True, "solo": False}
                 await ask("solo", "solo")  # a 429 once the queue's 2 s are out, if routed around
     links = edge.edge.runs.links
     assert not links["multi"].stalled(trio.current_time(), "solo")

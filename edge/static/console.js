@@ -84,14 +84,17 @@ function renderNodes(nodes) {
         return `${m.name}: ${parts.join(", ")}`;
       })
       .join("; ");
-    const state = n.draining ? "draining" : n.stalled ? "stalled" : "serving";
+    // A node stalled for some of its models serves the others: it says which.
+    const stalled = n.models.filter((m) => m.stalled).map((m) => m.name);
+    const state = n.draining ? "draining" : stalled.length && stalled.length === n.models.length ? "stalled" : "serving";
+    const stateText = state === "serving" && stalled.length ? `serving; stalled: ${stalled.join(", ")}` : state;
     return el(
       "tr",
       { "data-node-id": n.id },
       td("node", { class: "title name", title: n.id }, n.id),
       models,
       td("in flight", { class: "num in-flight" }, n.in_flight),
-      td("state", { class: "state-" + state }, state),
+      td("state", { class: "state-" + state }, stateText),
       td("linked", { class: "num" }, fmtAge(n.linked_for_s)),
       td("TTFT", { class: "num" }, n.ttft_ms === null ? "–" : n.ttft_ms.toFixed(1) + " ms"),
       td("engine", { class: "engine" }, engine || "–"),
