@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
+import trio
 from quart import Response, request
 
 from edge.auth import client_key_matches
@@ -216,6 +217,12 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         keys = sorted(edge.keys.by_id.values(), key=lambda k: k.id)
         return json_response(200, {"object": "list", "data": [_key_view(k, totals) for k in keys]})
 
+    # A key's changes are made one at a time, each from the key as the one before left it: four
+    # POSTs of one id at once were four 201s, three of whose secrets outlived its DELETE; a PATCH
+    # reading the usage while a DELETE went through made the key live again; PATCHes of two
+    # fields at once kept one (an outside attack).
+    writing = trio.Lock()
+
     async def body_policy(base: Policy | None) -> tuple[dict[str, Any], Policy] | Response:
         try:
             data = await request.get_json(force=True, silent=False)
@@ -251,14 +258,15 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return error_response(
                 400, "id: 1 to 64 letters, digits, '.', '_', '@' or '-'.", "invalid_parameter", param="id"
             )
-        if key_id in edge.keys.by_id:
-            return error_response(409, f"A key {key_id!r} exists.", "key_exists")
-        if len(edge.keys.by_id) >= _MAX_KEYS:
-            return error_response(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
         secret = new_secret()
         sha = sha256_hex(secret)
-        await edge.ledger.put_key(key_id, sha, policy)
-        edge.make_key(key_id, sha, policy)  # (an id revoked today goes on with its day's tokens)
+        async with writing:  # (four POSTs of one id at once were four 201s: below)
+            if key_id in edge.keys.by_id:
+                return error_response(409, f"A key {key_id!r} exists.", "key_exists")
+            if len(edge.keys.by_id) >= _MAX_KEYS:
+                return error_response(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
+            await edge.ledger.put_key(key_id, sha, policy)
+            edge.make_key(key_id, sha, policy)  # (an id revoked today goes on with its day's tokens)
         return json_response(201, {"id": key_id, "key": secret, "policy": policy})
 
     def run_time_key(key_id: str, verb: str) -> Key | Response:
@@ -281,12 +289,22 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         parsed = await body_policy(key.policy)
         if isinstance(parsed, Response):
             return parsed
-        _, policy = parsed
-        # Its usage read first: a ledger that fails the read answers 503 with the key unchanged
-        # (read after the change, a 503 came with the change made).
-        totals = await edge.ledger.key_totals(key_id)  # type: ignore[union-attr]
-        await edge.ledger.put_key(key_id, key.sha256, policy)  # type: ignore[union-attr]
-        edge.keys.change(key, policy)
+        data, _ = parsed
+        async with writing:
+            if edge.keys.by_id.get(key_id) is not key:  # revoked (or made again) while the body came in
+                return error_response(404, f"No key {key_id!r}.", "key_not_found")
+            # Its usage read first: a ledger that fails the read answers 503 with the key unchanged
+            # (read after the change, a 503 came with the change made).
+            totals = await edge.ledger.key_totals(key_id)  # type: ignore[union-attr]
+            merged = {**msgspec.structs.asdict(key.policy), **{k: v for k, v in data.items() if k != "id"}}
+            policy = msgspec.convert(merged, Policy)  # (each field was checked above)
+            problem = policy.check()
+            if problem:  # (with another PATCH made since its body came in)
+                return error_response(400, f"Invalid policy: {problem}", "invalid_parameter")
+            if not await edge.ledger.change_key(key_id, key.sha256, policy):  # type: ignore[union-attr]
+                # Revoked meanwhile on another edge sharing the ledger (an upsert made it live again).
+                return error_response(404, f"No key {key_id!r}.", "key_not_found")
+            edge.keys.change(key, policy)
         return json_response(200, _key_view(key, totals))
 
     @app.delete("/v1/admin/keys/<key_id>")
@@ -296,6 +314,9 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             return key
         # Stored first: a ledger that cannot store it (503) leaves the key as it was, not
         # revoked here only to come back when this edge next reads the key table.
-        await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
-        edge.retire(key)
+        async with writing:
+            if edge.keys.by_id.get(key_id) is not key:
+                return error_response(404, f"No key {key_id!r}.", "key_not_found")
+            await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
+            edge.retire(key)
         return json_response(200, {"id": key_id, "deleted": True})

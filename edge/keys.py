@@ -261,6 +261,9 @@ class Keys:
     def add(self, key: Key) -> None:
         if self.shared:  # its balances are leased, not a full minute on every edge
             key.req_level = key.tok_level = 0.0
+        replaced = self.by_id.get(key.id)
+        if replaced is not None and replaced is not key:  # (its secret must go with it: none could revoke it)
+            self.by_hash.pop(replaced.sha256, None)
         self.by_hash[key.sha256] = key
         self.by_id[key.id] = key
         self.ever = True

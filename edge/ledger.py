@@ -334,6 +334,13 @@ class Ledger:
         )
         await self._call(lambda db: db.execute(sql, (key_id, sha256, data, time.time())))
 
+    async def change_key(self, key_id: str, sha256: str, policy: Any) -> bool:
+        """Store a key's new policy; False if the key is revoked or gone (another request, or
+        another edge, revoked it meanwhile: an upsert made it live again)."""
+        data = msgspec.json.encode(policy).decode()
+        sql = self.dialect.sql("UPDATE keys SET policy = ?, sha256 = ? WHERE id = ? AND revoked IS NULL")
+        return await self._call(lambda db: db.execute(sql, (data, sha256, key_id)).rowcount > 0)
+
     async def revoke_key(self, key_id: str) -> None:
         """Kept, marked revoked: its id stays in the ledger's history, its secret works no more."""
         sql = self.dialect.sql("UPDATE keys SET revoked = ? WHERE id = ?")

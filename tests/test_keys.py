@@ -671,3 +671,50 @@ async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):
     assert [r.status_code for r in methods] == [401, 401, 401] and models_post.status_code == 401
     assert anthropic.status_code == 401 and anthropic.json()["type"] == "error", anthropic.text
     assert allowed.status_code == 405
+
+
+async def test_admin_key_changes_at_once_leave_no_live_secret_behind(nursery, tmp_path, monkeypatch):
+    """Three races of the admin API (an outside attack): four POSTs of one id at once were each
+    a 201 with its own secret, and three outlived the key's DELETE; a PATCH that was reading the
+    key's usage while a DELETE went through made the key live again; and PATCHes of two fields
+    at once kept one of them. Now a key's changes are made one at a time: one POST creates the id
+    (409 for the rest), a DELETE racing a PATCH leaves the key revoked, every field is kept."""
+    edge = await keyed_edge(nursery, tmp_path, [])
+    ledger = edge.edge.ledger
+    key_totals = ledger.key_totals
+
+    async def slow_totals(key_id):  # a busy ledger: the PATCH waits on its read of the usage
+        await trio.sleep(0.5)
+        return await key_totals(key_id)
+
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as adm:
+            created: list[httpx.Response] = []
+            async with trio.open_nursery() as posts:
+                for _ in range(4):
+                    posts.start_soon(lambda: _append(created, adm.post("/v1/admin/keys", json={"id": "dup"})))
+            assert sorted(r.status_code for r in created) == [201, 409, 409, 409]
+            secret = next(r.json()["key"] for r in created if r.status_code == 201)
+
+            monkeypatch.setattr(ledger, "key_totals", slow_totals)
+            patched: list[httpx.Response] = []
+            async with trio.open_nursery() as race:
+                race.start_soon(lambda: _append(patched, adm.patch("/v1/admin/keys/dup", json={"rpm": 5})))
+                await trio.sleep(0.1)
+                assert (await adm.delete("/v1/admin/keys/dup")).status_code == 200
+            assert patched[0].status_code in (200, 404), patched[0].text  # before the DELETE, or after it
+
+            assert (await adm.post("/v1/admin/keys", json={"id": "both"})).status_code == 201
+            async with trio.open_nursery() as race:
+                race.start_soon(lambda: adm.patch("/v1/admin/keys/both", json={"tpm": 9000}))
+                race.start_soon(lambda: adm.patch("/v1/admin/keys/both", json={"rpm": 7}))
+        await trio.sleep(2.5)  # the edge reads the key table again every 2 s
+        async with client(edge, secret) as c:
+            assert (await chat(c)).status_code == 401  # every secret of "dup" is dead, and stays dead
+    assert "dup" not in edge.edge.keys.by_id
+    policy = edge.edge.keys.by_id["both"].policy
+    assert (policy.rpm, policy.tpm) == (7, 9000), policy
+
+
+async def _append(out: list, awaitable) -> None:
+    out.append(await awaitable)

@@ -239,8 +239,8 @@ async def test_an_admin_key_with_two_spaces_after_bearer_is_trimmed_as_a_client_
 
 
 async def test_requests_without_a_valid_key_write_no_ledger_row(nursery, tmp_path):
-    """A keyed edge's 401s (no key, a wrong one) and what is refused before the key is looked at
-    (a GET: 405) are in the access log and the metrics, not the ledger (anyone could grow the
+    """A keyed edge's 401s (no key, a wrong one, a keyless GET: before its method is judged) are
+    in the access log and the metrics, not the ledger (anyone could grow the
     shared database: 1,322 rows in 5 s from one client). An open edge records every request."""
     ledger = str(tmp_path / "l.sqlite3")
     edge = await start_edge(nursery, edge_config(keys=[KeyConfig(id="k", key="sk-k")], ledger=ledger))
@@ -252,7 +252,7 @@ async def test_requests_without_a_valid_key_write_no_ledger_row(nursery, tmp_pat
                     r = await c.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, headers=headers)
                     assert r.status_code == 401
                     assert (await c.post("/v1/completions", content=b"{}", headers=headers)).status_code == 401
-            assert (await c.get("/v1/chat/completions")).status_code == 405
+            assert (await c.get("/v1/chat/completions")).status_code == 401  # (no key: before the method)
             metrics = (await c.get("/metrics")).text
         async with client(edge, "sk-k") as c:
             assert (await chat(c)).status_code == 200
