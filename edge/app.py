@@ -638,7 +638,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         elif "//" in path:
             hint = " The path has // in it: does the client's base URL end with a /?"
         message = f"Unknown route: {request.method} {path}.{hint}"
-        return _json(404, error_json(message, "invalid_request_error", code="not_found"))
+        return models_error(APIError(404, message, "invalid_request_error", code="not_found"))  # (either API's shape)
 
     @app.errorhandler(405)
     async def not_allowed(e: Exception) -> Response:
@@ -646,7 +646,9 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
         if request.path.startswith("/v1/") and client_key()[1] is not None:  # (as for an unknown route)
             return models_error(_UNAUTHORIZED)
-        response = _json(405, error_json("Method not allowed.", "invalid_request_error", code="method_not_allowed"))
+        response = models_error(
+            APIError(405, "Method not allowed.", "invalid_request_error", code="method_not_allowed")
+        )
         methods = getattr(e, "valid_methods", None)
         if methods:
             response.headers["allow"] = ", ".join(sorted(methods))

@@ -13,6 +13,7 @@ disconnected"."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import msgspec
@@ -113,6 +114,18 @@ def _authenticate(config: EdgeConfig, node_id: str, header: str) -> str | None:
     return _SHARED if bearer_matches(header, [config.node_token]) else None
 
 
+def _refused(service: RunService, what: str, node_id: str) -> None:
+    """Log an upgrade refused before its hello at most once a second per ``what``, with how
+    many since the last line: 300 dials with a wrong token in 0.5 s wrote 300 lines, and no
+    credential is needed for that (an outside re-audit)."""
+    counted = service.link_refusals.setdefault(what, [0, -math.inf])
+    counted[0] += 1
+    now = trio.current_time()
+    if now - counted[1] >= 1.0:
+        log.warning(what, node_id=node_id[:MAX_NODE_ID] or None, refused=counted[0])  # (the id: bounded)
+        counted[0], counted[1] = 0, now
+
+
 def _no_room(service: RunService, hello: Hello) -> tuple[int, str] | None:
     """Why the edge cannot link ``hello``'s node now, as a close code and reason (logged), or None."""
     if hello.node_id in service.links:
@@ -137,17 +150,12 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     node_id = websocket.header(NODE_ID_HEADER)
     identity = _authenticate(config, node_id, websocket.header("Authorization"))
     if identity is None:
-        log.warning("node link refused: bad token", node_id=node_id[:MAX_NODE_ID] or None)  # no credential: bounded
+        _refused(service, "node link refused: bad token", node_id)
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
     pending = service.pending_hellos
     if pending[identity] >= (MAX_PENDING_HELLOS if identity == _SHARED else MAX_PENDING_HELLOS_PER_NODE):
-        now, refused = trio.current_time(), service.hellos_refused
-        refused[0] += 1
-        if now - refused[1] >= 1.0:  # (one line a second: a flood of them is one credential's doing)
-            node = node_id[:MAX_NODE_ID] or None
-            log.warning("node link refused: too many links opening at once", node_id=node, refused=refused[0])
-            refused[0], refused[1] = 0, now
+        _refused(service, "node link refused: too many links opening at once", node_id)
         await websocket.refuse(503, error_json("too many node links opening at once; retry", "server_error"))
         return None
     pending[identity] += 1

@@ -222,11 +222,12 @@ async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nurser
     assert statuses["slow0"] == statuses["slow1"] == 200, statuses
 
 
-async def test_a_node_stalled_for_a_model_serves_it_once_its_peers_are_gone(nursery):
+@pytest.mark.parametrize("gone", ["left", "draining"])
+async def test_a_node_stalled_for_a_model_serves_it_once_its_peers_are_gone(nursery, gone):
     """A node judged stalled for `m` against a peer, whose runs of `m` moved there, stayed
-    routed around for it after the peer left: requests waited out the queue for a 429 while it,
-    now the only node of `m`, answered again (an outside re-audit). Judged against peers, it is
-    unjudged once none is left."""
+    routed around for it after the peer left (or drained: a rolling restart): requests waited
+    out the queue for a 429 while it, now the only node of `m`, answered again (outside
+    re-audits). Judged against peers, it is unjudged once none is left to serve."""
     fast, flaky = await new_upstream(nursery), await new_upstream(nursery)
     fast.script_for("t", lambda body: [("sleep", 0.05), *text_script(words(3))])
     hung = 0
@@ -253,7 +254,11 @@ async def test_a_node_stalled_for_a_model_serves_it_once_its_peers_are_gone(nurs
                 for _ in range(3):  # the peer takes one at a time: the flaky node gets some, and hangs
                     clients.start_soon(ask)
             assert edge.edge.runs.links["flaky"].stalled(trio.current_time(), "m")
-            peer.stop()
-            await eventually(lambda: "peer" not in edge.edge.runs.links)
+            if gone == "left":
+                peer.stop()
+                await eventually(lambda: "peer" not in edge.edge.runs.links)
+            else:
+                await peer.agent.drain()
+                await eventually(lambda: edge.edge.runs.links["peer"].draining)
             await ask()
     assert statuses == [200] * 5, statuses

@@ -641,6 +641,9 @@ def test_honest_usage_is_never_cut():
     gemini = Usage(prompt_tokens=30, completion_tokens=10, total_tokens=540)
     assert out(gemini, max_output=100) == ((30, 10, 540), False)
     assert Bounds(10, 16 * 4, 0, 4).cut(40, 64) == (40, 64, False)  # /v1/completions, 4 prompts of max_tokens 16
+    # a prompt counts once whatever its n: with an image and n=128, one window, not 128
+    assert Bounds(10, 0, 8_192, media=True, copies=128).prompt == 16 * 10 + 65_536
+    assert Bounds(10, 0, 131_072, media=True, copies=128).prompt == 131_072
     # 2,048 prompts of "hi" reported as 2^31 prompt tokens (an outside re-audit): text, cut to its bound
     assert Bounds(2048, 2048, 0, 2048).cut(1 << 31, 2048) == (16 * 2048 + 65_536, 2048, True)
     past = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=1 << 40)
@@ -663,6 +666,7 @@ async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):
             methods = [await wrong.get(path) for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses")]
             models_post = await wrong.post("/v1/models", json={})
             anthropic = await wrong.get("/v1/nothing", headers={"anthropic-version": "2023-06-01"})
+            anthropic_404 = await right.get("/v1/nothing", headers={"anthropic-version": "2023-06-01"})
             allowed = await right.get("/v1/chat/completions")
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
@@ -670,6 +674,7 @@ async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):
     assert health.status_code == 200
     assert [r.status_code for r in methods] == [401, 401, 401] and models_post.status_code == 401
     assert anthropic.status_code == 401 and anthropic.json()["type"] == "error", anthropic.text
+    assert anthropic_404.status_code == 404 and anthropic_404.json()["error"]["type"] == "not_found_error"
     assert allowed.status_code == 405
 
 
@@ -718,3 +723,45 @@ async def test_admin_key_changes_at_once_leave_no_live_secret_behind(nursery, tm
 
 async def _append(out: list, awaitable) -> None:
     out.append(await awaitable)
+
+
+async def test_honest_usage_of_images_is_kept_through_the_edge(nursery, tmp_path):
+    """Six images without tools: the request's messages (not kept by a tool-less stream) were read
+    for its images after they were gone, so the text bound cut 100,000 honest prompt tokens to
+    65,648 (an outside re-audit). Charged and shown what the model server said, whole or streamed."""
+    up = Upstream()
+    await nursery.start(up.serve)
+    honest = {"prompt_tokens": 100_000, "completion_tokens": 2, "total_tokens": 100_002}
+    up.default = lambda body: [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("usage", honest), ("done",)]
+    edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="v", key="sk-v")], models=("qwen-a",))
+    await start_node(nursery, edge, [model("vis", up, context_window=131_072)], node_id="v")
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    content = [{"type": "text", "text": "what?"}, *[image] * 6]
+    body = {"model": "vis", "messages": [{"role": "user", "content": content}]}
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-v") as c:
+            whole = await c.post("/v1/chat/completions", json=body)
+            streamed = await c.post(
+                "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+            )
+    assert whole.json()["usage"]["prompt_tokens"] == 100_000, whole.text
+    assert b'"prompt_tokens":100000' in streamed.content
+    assert edge.edge.keys.by_id["v"].day_used == 2 * 100_002
+
+
+def test_a_tunnel_s_estimate_counts_its_tools_and_calls():
+    """A passthrough chat of 100 tools (320 KB of schemas) and "hi": its model server's honest
+    80,000 prompt tokens were cut to 65,600, the tunnel's estimate leaving tools and earlier
+    tool calls out (an outside re-audit). They count, as in a chat run's estimate."""
+    from edge.openai.passthrough import _prompt_estimate
+    from edge.openai.usage import Bounds
+
+    schema = {"type": "object", "description": "x" * 3200}
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": schema}} for i in range(100)]
+    raw = {"model": "raw", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    estimate, media = _prompt_estimate(raw)
+    assert estimate > 80_000 and not media
+    assert Bounds(estimate, 0).cut(80_000, 2) == (80_000, 2, False)
+    call = {"id": "c", "type": "function", "function": {"name": "t", "arguments": "y" * 320_000}}
+    history = {"model": "raw", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    assert _prompt_estimate(history)[0] > 80_000

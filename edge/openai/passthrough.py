@@ -69,6 +69,7 @@ _MAX_RELAYED = 64
 _BODY_TYPES = ("application/json", "text/event-stream", "text/plain", "application/x-ndjson")
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
 _TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
+_encode_json = msgspec.json.Encoder().encode
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _INT64 = (-(1 << 63), (1 << 64) - 1)
@@ -100,7 +101,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     want = Want(model, session=session_key(session), tunnel=True)
     prompt, media = _prompt_estimate(raw)
     max_tokens = 1 if path == "/embeddings" else _output_reserve(raw)
-    sequences, per_sequence, stream = _sequences(raw, path), _output_bound(raw, path), bool(raw.get("stream"))
+    (inputs, copies), per_choice, stream = _sequences(raw, path), _output_bound(raw, path), bool(raw.get("stream"))
     del raw  # what the relay needs of it is above; the body goes as it came
     await edge.admit(ex, model, prompt, max_tokens)
     slot = await edge.runs.acquire(want, ex)
@@ -129,7 +130,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     finally:
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
         if ex.started:
-            bounds = Bounds(prompt, per_sequence * sequences, slot.info.context_window, sequences, media)
+            bounds = Bounds(prompt, per_choice * inputs * copies, slot.info.context_window, inputs, media, copies)
             ex.access.usage, ex.access.usage_estimated = seen.usage(prompt, bounds)
         else:  # ended before the provider's answer began (the client left, the run failed): its prompt, as in chat
             ex.access.partial = (prompt, 0)
@@ -223,7 +224,7 @@ def _whole_text(body: bytes) -> str:
 
 
 def _prompt_estimate(raw: dict[str, Any]) -> tuple[int, bool]:
-    """Characters / 4 of the request's prompt, input or messages' text (a token
+    """Characters / 4 of the request's prompt, input or messages' text, tools and tool calls (a token
     list counts its length), plus 4 a message; and whether a message has a part
     that is not text (an image, audio, a file: not in the estimate)."""
     chars = tokens = 0
@@ -233,6 +234,11 @@ def _prompt_estimate(raw: dict[str, Any]) -> tuple[int, bool]:
     if isinstance(messages, list):
         tokens += 4 * len(messages)
         stack.extend(m.get("content") for m in messages if isinstance(m, dict))
+        # Tool definitions and earlier calls are prompt too (as estimate_input_tokens counts them).
+        calls = [m["tool_calls"] for m in messages if isinstance(m, dict) and m.get("tool_calls")]
+        chars += len(_encode_json(calls)) if calls else 0
+    if raw.get("tools"):
+        chars += len(_encode_json(raw["tools"]))
     while stack:
         value = stack.pop()
         if isinstance(value, str):
@@ -251,14 +257,13 @@ def _prompt_estimate(raw: dict[str, Any]) -> tuple[int, bool]:
     return chars // 4 + tokens, media
 
 
-def _sequences(raw: dict[str, Any], path: str) -> int:
-    """How many sequences a tunnelled request is: one a prompt of /v1/completions' list (of
-    strings or of token lists), one an input of /v1/embeddings', for each of its ``n`` or
-    ``best_of`` choices."""
+def _sequences(raw: dict[str, Any], path: str) -> tuple[int, int]:
+    """A tunnelled request's inputs (a prompt of /v1/completions' list, of strings or of token
+    lists; an input of /v1/embeddings') and its choices of each (``n`` or ``best_of``)."""
     items = raw.get("input" if path == "/embeddings" else "prompt")
     inputs = len(items) if isinstance(items, list) and items and not isinstance(items[0], int) else 1
     copies = max((v for v in (raw.get("n"), raw.get("best_of")) if type(v) is int and v > 1), default=1)
-    return inputs * copies
+    return inputs, copies
 
 
 def _output_bound(raw: dict[str, Any], path: str) -> int:

@@ -97,7 +97,8 @@ class Turn:
         # Tokens of the runs before the one that answered (tool retries): charged with it, not shown to the client.
         self.earlier = (0, 0)
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
-        if not req.tools:  # read above (the estimate, the prefix): a stream need not keep them
+        self.media = has_media(req)  # (for its usage's bounds)
+        if not req.tools:  # read above (the estimate, the prefix, the media): a stream need not keep them
             self.history_ids  # noqa: B018 (first: a model may call tools it was not given, with ids of the history)
             req.messages = []
 
@@ -167,7 +168,7 @@ class Turn:
             tool_calls=event.tool_calls,
             max_output=self.want.max_tokens,
             context_window=run.slot.info.context_window,
-            media=has_media(self.req),
+            media=self.media,
         )
         if not self.settle_at_end:
             self.settle()

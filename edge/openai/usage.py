@@ -27,11 +27,11 @@ log = structlog.get_logger()
 # - prompt tokens: 4 a character of the prompt's text (16 x its estimate of a token per 4
 #   characters) plus PROMPT_SLACK (a chat template); with images, audio or files (which count 0
 #   in the estimate), the model's context window as its node advertised it, if more
-#   (SEQUENCE_TOKENS without one, MAX_SEQUENCE_TOKENS at most), for each sequence (a prompt of
-#   /v1/completions' list, a choice of n);
+#   (SEQUENCE_TOKENS without one, MAX_SEQUENCE_TOKENS at most), for each input (a prompt of
+#   /v1/completions' list, an input of an embeddings list);
 # - completion tokens: the request's max_tokens (a server stops there), plus the reasoning
 #   tokens it reported (DeepSeek's max_tokens leaves its reasoning out) up to the window; the
-#   window for each sequence without max_tokens;
+#   window for each input and each choice of n without max_tokens;
 # - total tokens: the two, plus a window (Gemini counts its thoughts in the total alone).
 PROMPT_SLACK = 65_536
 SEQUENCE_TOKENS = 1 << 20
@@ -44,11 +44,18 @@ class Bounds:
     __slots__ = ("prompt", "window", "max_output")
 
     def __init__(
-        self, prompt_estimate: int, max_output: int, context_window: int = 0, sequences: int = 1, media: bool = False
+        self,
+        prompt_estimate: int,
+        max_output: int,
+        context_window: int = 0,
+        inputs: int = 1,
+        media: bool = False,
+        copies: int = 1,
     ) -> None:
-        self.window = min(context_window or SEQUENCE_TOKENS, MAX_SEQUENCE_TOKENS) * max(sequences, 1)
+        window = min(context_window or SEQUENCE_TOKENS, MAX_SEQUENCE_TOKENS) * max(inputs, 1)
         text = 16 * prompt_estimate + PROMPT_SLACK
-        self.prompt = max(self.window, text) if media else text
+        self.prompt = max(window, text) if media else text  # (a prompt counts once, whatever its n)
+        self.window = window * max(copies, 1)  # completions: one a choice
         self.max_output = max_output
 
     def cut(self, prompt: int, completion: int, reasoning: int = 0) -> tuple[int, int, bool]:

@@ -196,7 +196,7 @@ class RunService:
         self.links: dict[str, NodeLink] = {}
         # node links authenticated and waiting for their hello, per credential (edge.link)
         self.pending_hellos: collections.Counter[str] = collections.Counter()
-        self.hellos_refused = [0, -math.inf]  # refused for too many pending since the last log line, and its time
+        self.link_refusals: dict[str, list[float]] = {}  # (edge.link) why -> [refused since its last line, then]
         self.runs: dict[str, Run] = {}
         self.timers = RunTimers()  # its task runs with the app (edge.app)
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
@@ -464,10 +464,10 @@ class RunService:
 
     def _unjudge(self, models: Iterable[str], now: float) -> None:
         """A node judged stalled for a model is judged against its peers: once none
-        serves the model but nodes stalled for it, they serve it again (a request for it
-        waited out its stall for a 429 when the peer left: an outside re-audit)."""
+        serves the model (left or draining) but nodes stalled for it, they serve it again (a
+        request for it waited out its stall for a 429 when the peer left: an outside re-audit)."""
         for model in models:
-            serving = self._serving(model)
+            serving = [lk for lk in self._serving(model) if not lk.draining]  # (a draining peer takes none)
             if serving and all(lk.stalled(now, model) for lk in serving):
                 for lk in serving:
                     del lk.stalled_until[model]
@@ -487,6 +487,8 @@ class RunService:
         link.draining = draining
         if not draining:
             self._wake_waiting(link.models)
+        elif any(lk.stalled_until for lk in self.links.values()):  # (its peers stalled for a model serve it)
+            self._unjudge(link.models, trio.current_time())
 
     def _wake_waiting(self, models: Container[str]) -> None:
         """:meth:`_wake` those of ``models`` that have waiters: a node serves up to 1,024
