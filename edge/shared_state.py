@@ -255,6 +255,7 @@ class SharedState:
         self.failures = 0
         # (key id, day) -> (the epoch, its day_used added to Redis so far in that epoch)
         self._reported: dict[tuple[str, int], tuple[bytes, int]] = {}
+        self._reported_day: dict[str, int] = {}  # key id -> the day of its one entry in _reported
         self._borrowing: _Borrowing | None = None  # filling, for the next round trip
         self._wake = trio.Event()
         # key id -> the flights arguments last written, and when (time.monotonic): a key is
@@ -442,8 +443,10 @@ class SharedState:
                 epoch, day_total = day_result
                 reported = used[key_id]
                 self._reported[(key_id, day)] = (epoch, reported)
-                for old in [k for k in self._reported if k[0] == key_id and k[1] != day]:
-                    del self._reported[old]
+                before = self._reported_day.get(key_id)
+                if before is not None and before != day:  # (one day a key: a scan of all was O(keys) a key)
+                    self._reported.pop((key_id, before), None)
+                self._reported_day[key_id] = day
                 if key.day == day:
                     key.day_reported = reported
                     # Others' use too, so the budget holds across edges (Redis holds all of this edge's).
