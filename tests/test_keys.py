@@ -765,3 +765,24 @@ def test_a_tunnel_s_estimate_counts_its_tools_and_calls():
     call = {"id": "c", "type": "function", "function": {"name": "t", "arguments": "y" * 320_000}}
     history = {"model": "raw", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
     assert _prompt_estimate(history)[0] > 80_000
+
+
+async def test_a_stored_key_this_edge_cannot_read_stops_nothing(nursery, tmp_path):
+    """A key row whose policy this edge cannot read (a newer edge's field, on a shared ledger)
+    ended the ledger's task: a revocation stored after it never applied, and a restart failed
+    (an outside attack). That row is left aside; every other row applies, and an edge starts."""
+    edge = await keyed_edge(nursery, tmp_path, [])
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as adm:
+            secret = (await adm.post("/v1/admin/keys", json={"id": "fine"})).json()["key"]
+        db = sqlite3.connect(str(tmp_path / "ledger.sqlite3"))
+        db.execute("INSERT INTO keys VALUES ('newer', ?, '{\"priority\": 3}', 0, NULL)", ("0" * 64,))
+        db.commit()
+        await trio.sleep(2.5)  # read again (every 2 s): the row it cannot read is left aside
+        db.execute("UPDATE keys SET revoked = 1 WHERE id = 'fine'")
+        db.commit()
+        db.close()
+        await eventually(lambda: "fine" not in edge.edge.keys.by_id, what="the revocation applied")
+        again = await keyed_edge(nursery, tmp_path, [])
+        async with client(again, secret) as c:
+            assert (await chat(c)).status_code == 401
