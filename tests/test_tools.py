@@ -483,7 +483,8 @@ async def test_many_tool_results_for_a_model_without_native_tools_are_joined_in_
 
 async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
     """tool_stream = "live": content streams as it comes, the call arrives at the end; an invalid
-    call after content was sent is an SSE tool_validation_error, with no retry."""
+    call after content was sent is an SSE tool_validation_error, with no retry (the upstream saw
+    one request for each)."""
     edge, upstream = tooled
     upstream.script_for(
         "t",
@@ -509,6 +510,80 @@ async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
     assert msgspec.json.decode(events[1])["choices"][0]["delta"]["content"] == "Sure "
     assert msgspec.json.decode(events[-2])["error"]["type"] == "tool_validation_error"
     assert len(upstream.records) == 2
+
+
+def _invalid_then(valid_steps):
+    """A script: an invalid call (no content before it) first; ``valid_steps`` for the retry."""
+
+    def script(body):
+        if "That is invalid" in str(body["messages"][-1]):
+            return valid_steps
+        return steps({"content": text_call("get_weather", {"town": "Paris"})})
+
+    return script
+
+
+async def test_a_live_tool_stream_retries_invalid_calls_before_any_content(tooled):
+    """tool_stream = "live": a run whose call is invalid before any content went out (the role
+    chunk alone) is retried on the same stream, as a buffered one is: the upstream saw the
+    corrective message, the SDK gets the valid call in a stream of one id, and no error."""
+    edge, upstream = tooled
+    upstream.script_for("t", _invalid_then(steps({"content": text_call("get_weather", {"city": "Rome"})})))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(
+                model="live", messages=MESSAGES, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [c async for c in stream]
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].usage is not None
+    assert len(upstream.records) == 2
+    corrective = upstream.records[1].body["messages"][-1]
+    assert corrective["role"] == "user" and "town" in corrective["content"]
+
+
+async def test_a_live_tool_stream_out_of_attempts_or_failing_its_retry_is_an_sse_error(tooled):
+    """Still invalid at the last attempt: tool_validation_error in the stream; the retry's run
+    failing: tool_validation_retry_error. Neither sends a call."""
+    edge, upstream = tooled
+    body = {"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+    still_invalid = steps({"content": text_call("get_weather", {"town": "Rome"})})
+    failing = [("status", 500, b'{"error": {"message": "boom", "type": "server_error"}}')]
+    for retry, want in ((still_invalid, "tool_validation_error"), (failing, "tool_validation_retry_error")):
+        upstream.records.clear()
+        upstream.script_for("t", _invalid_then(retry))
+        with trio.fail_after(BOUND):
+            async with http(edge) as client:
+                r = await client.post("/v1/chat/completions", json=body)
+        events = sse_events(r.content)
+        assert msgspec.json.decode(events[-2])["error"]["type"] == want
+        assert b"tool_calls" not in r.content
+        assert len(upstream.records) == 2
+
+
+async def test_leaving_during_a_live_tool_retry_aborts_it_upstream(tooled):
+    """The client leaves while a live stream's retry runs: the retry's request is aborted at the
+    model server, as the first run's would be."""
+    edge, upstream = tooled
+    upstream.script_for("t", _invalid_then([("chunk", {"content": "<tool_"}), ("hang",)]))
+    body = {"model": "live", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as clients:
+
+            async def client():
+                async with http(edge) as c:
+                    await c.post("/v1/chat/completions", json=body)
+
+            clients.start_soon(client)
+            retry = (await upstream.wait_requests(2))[1]
+            clients.cancel_scope.cancel()
+        await retry.finished.wait()
+    assert retry.aborted
 
 
 async def test_bad_tool_schema_is_a_400(tooled):

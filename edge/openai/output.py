@@ -28,7 +28,16 @@ from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
 from edge.openai.tools import INLINE_PATTERN_S, ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
-from edge.openai.turn import TOOL_VALIDATION_ERROR, Collected, Turn, collect_validated, end_reason, failure
+from edge.openai.turn import (
+    TOOL_VALIDATION_ERROR,
+    TOOL_VALIDATION_RETRY_ERROR,
+    Collected,
+    Turn,
+    acquire_keeping_alive,
+    collect_validated,
+    end_reason,
+    failure,
+)
 from edge.runs import Run, Slot
 from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
 from proto import RunEvent, ToolCall
@@ -288,6 +297,7 @@ class LiveEncoder:
     """
 
     keep_alive = KEEPALIVE  # written each keepalive_s the run shows nothing
+    again = False  # set at the end of a run another run follows on this stream (a tool retry)
 
     def __init__(self, turn: Turn, run: Run) -> None:
         self.turn = turn
@@ -339,7 +349,9 @@ class LiveStream(LiveEncoder):
 
     Each batch of events becomes one write. With tools (``tool_stream =
     "live"``), content passes a filter that holds back possible tool-call
-    text, and the calls are validated at the end (no retry once content left).
+    text, and the calls are validated at the end: invalid calls before any
+    content went out are retried on the same stream (:func:`stream_live`),
+    after content they are an in-stream ``tool_validation_error``.
     """
 
     # With tools, lists (made per stream): all content, for parsing calls at
@@ -347,9 +359,12 @@ class LiveStream(LiveEncoder):
     raw_content: Sequence[str] = ()
     emitted: Sequence[str] = ()
 
-    def __init__(self, turn: Turn, run: Run) -> None:
+    def __init__(self, turn: Turn, run: Run, enc: ChunkEncoder | None = None, attempt: int = 1) -> None:
         super().__init__(turn, run)
-        self.enc = enc = _encoder(turn, run)
+        self.enc = enc = enc or _encoder(turn, run)  # (a retry's: the stream's, so one id throughout)
+        self.attempt = attempt
+        # A retry of the turn: (reason, calls, content) of these invalid calls (:func:`_live_tools`).
+        self.retry: tuple[str, list[ToolCall] | None, str] | None = None
         self.trace = StreamTrace() if trace_enabled(run.metadata) else None
         self.tool_filter = ToolTextFilter() if turn.contract is not None else None
         if self.tool_filter is not None:
@@ -392,7 +407,19 @@ class LiveStream(LiveEncoder):
         end = self.shaper.take(batch, self.trace.around)
         return None if end is None else self._end(end)
 
+    def failed(self, event: RunEvent) -> bytes:
+        if self.attempt == 1:
+            return super().failed(event)
+        self.shaper.abandon()
+        failed = failure(event, self.run)
+        self.turn.outcome = failed.cause
+        return self.error(f"the retry failed: {failed.message}", TOOL_VALIDATION_RETRY_ERROR)
+
     def complete(self, event: RunEvent) -> bytes:
+        # Content went out (or goes with this batch): no retry from here on. (Whitespace
+        # before a call is no answer: a model's retry may follow it.)
+        sent = any(not text.isspace() for text in self.emitted)
+        mark = len(self.out)  # what this end adds to ``out`` (a retry drops it)
         usage = self.turn.usage_of(self.run, event)
         shaper = self.shaper
         shaper.finish()
@@ -409,16 +436,14 @@ class LiveStream(LiveEncoder):
                 calls = parsed.calls or None
                 self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))
                 if parsed.error:  # a block that could not be read fails the turn, as when buffered
-                    self.turn.outcome = "tool_validation"
-                    return self.error(parsed.error, "tool_validation_error")
+                    return self._invalid(parsed.error, calls, parsed.content, sent, mark)
             else:
                 self._emit_content(self.tool_filter.flush())
         if self.turn.contract is not None and not cut_off and not (event.refusal and not calls):
             # (within the loop's share of the patterns' time: a live stream's end is not awaited)
             reason = self.turn.contract.validate(calls, INLINE_PATTERN_S)
             if reason:
-                self.turn.outcome = "tool_validation"
-                return self.error(reason, "tool_validation_error")
+                return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
         calls = self.turn.calls_to_send(calls)
         tail: list[bytes] = []
         if event.refusal:
@@ -439,6 +464,20 @@ class LiveStream(LiveEncoder):
         tail.append(DONE)
         return b"".join(tail)
 
+    def _invalid(self, reason: str, calls: list[ToolCall] | None, content: str, sent: bool, mark: int) -> bytes:
+        """Invalid calls end the run: retried if no content went out and attempts
+        are left (this end's bytes dropped, ``again`` set), else the stream's
+        ``tool_validation_error``."""
+        turn = self.turn
+        if sent or self.attempt >= turn.max_tool_attempts:
+            turn.invalid_at_last(reason, self.attempt)
+            turn.outcome = "tool_validation"
+            return self.error(reason, TOOL_VALIDATION_ERROR)
+        del self.out[mark:]
+        self.retry = (reason, calls, content)
+        self.again = True
+        return b""
+
 
 def _unstreamed(cleaned: str, emitted: str) -> str:
     """The part of the final cleaned content the client has not seen yet."""
@@ -457,7 +496,60 @@ def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEncoder]
     is quiet, and its closing bytes. A run that fails before the stream
     commits is an HTTP error (:func:`http_error`). Await what this returns;
     not a coroutine: a stream holds no frame of this one's."""
+    if turn.contract is not None and make is LiveStream:
+        return _live_tools(turn, slot)
     return turn.run_on(slot, _LiveWrite(turn, make), keepalive=turn.edge.config.keepalive_s)
+
+
+async def _live_tools(turn: Turn, slot: Slot) -> None:
+    """A live chat stream with tools (``tool_stream = "live"``): a run whose
+    calls are invalid before any content went out is retried, as a buffered
+    stream's is (:func:`collect_validated`: attempts, metadata, the corrective
+    message), on the stream already open: its chunks keep the stream's id, and
+    keep-alives flow while the retry waits for a slot."""
+    keepalive = turn.edge.config.keepalive_s
+    turn.settle_at_end = True  # a run's usage settles the key's lease only once no retry follows it
+    made: list[LiveStream] = []
+    metadata: dict[str, str] | None = None
+    extra: list[dict[str, Any]] | None = None
+    attempt = 1
+
+    def make(turn: Turn, run: Run) -> LiveStream:
+        live = LiveStream(turn, run, made[0].enc if made else None, attempt)
+        made[:] = [live]
+        return live
+
+    async def keep_alive() -> None:
+        await turn.ex.write(KEEPALIVE)
+
+    while True:
+        try:
+            await turn.run_on(
+                slot, _LiveWrite(turn, make), metadata=metadata, extra_messages=extra, keepalive=keepalive
+            )
+        except APIError as e:  # a retry's body does not fit a frame (the first's was checked on arrival)
+            if attempt == 1:
+                raise
+            await _retry_failed(turn, e)
+            return
+        live = made[-1] if made else None
+        if live is None or live.retry is None:
+            turn.settle()
+            return
+        attempt += 1
+        metadata, extra = turn.retry_after(*live.retry, attempt)
+        try:
+            slot = await acquire_keeping_alive(turn, keep_alive)
+        except APIError as e:
+            await _retry_failed(turn, e)
+            return
+
+
+async def _retry_failed(turn: Turn, error: APIError) -> None:
+    failed = RunFailed(
+        f"the retry could not start: {error.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
+    )
+    await fail(turn, failed)
 
 
 class _LiveWrite:
@@ -624,11 +716,13 @@ async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
             if commit:  # the head and the first bytes together: one packet to the client
                 await ex.start(200, SSE_HEADERS, data)
                 data = b""
-            if end is not None:
+            if end is not None and not live.again:
                 await ex.finish(data)
                 return
             if data:
                 await ex.write(data)
+            if end is not None:  # another run follows on this stream
+                return
     finally:
         policy = turn.policy
         log.info(

@@ -187,6 +187,34 @@ class Turn:
         if lease is not None and usage is not None:
             self.edge.keys.settle(lease, sum(self.earlier) + usage.prompt_tokens + usage.completion_tokens)
 
+    @property
+    def max_tool_attempts(self) -> int:
+        return self.policy.max_tool_attempts or self.edge.config.max_tool_attempts
+
+    def invalid_at_last(self, reason: str, attempt: int) -> None:
+        """The last attempt's calls are invalid too: logged (the reason quotes the
+        model's arguments, completion text: only when tracing)."""
+        why = {"reason": reason} if trace_enabled(self.metadata) else {}
+        log.warning("tool validation failed", attempt=attempt, **why)
+
+    def retry_after(
+        self, reason: str, calls: list[ToolCall] | None, content: str, attempt: int
+    ) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """A tool retry, numbered ``attempt``, follows the last run, whose calls
+        were invalid: its tokens are spent (the key is charged them, the retry's
+        usage answers the client). The retry's metadata and corrective message."""
+        usage = self.usage
+        if usage is not None:
+            self.earlier = (self.earlier[0] + usage.prompt_tokens, self.earlier[1] + usage.completion_tokens)
+        self.usage = None
+        failed_run = self.last_run.id if self.last_run else ""
+        metrics = self.edge.metrics
+        metrics.tool_retries.labels(metrics.model_label(self.req.model)).inc()
+        why = {"reason": reason} if trace_enabled(self.metadata) else {}  # (as in invalid_at_last)
+        log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, **why)
+        metadata = {**self.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
+        return metadata, [corrective_message(reason, calls, content)]
+
     def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> msgspec.Raw:
         """The encoded body for a run on ``slot`` (raises :class:`APIError` if a
         rewritten body no longer fits a frame)."""
@@ -368,9 +396,7 @@ async def collect_validated(
     Raises :class:`RunFailed`: the run's own failure, ``tool_validation_error``
     when attempts run out, ``tool_validation_retry_error`` when a retry fails.
     """
-    edge = turn.edge
-    policy = turn.policy
-    max_attempts = policy.max_tool_attempts or edge.config.max_tool_attempts
+    max_attempts = turn.max_tool_attempts
     attempt = 1
     metadata = turn.metadata
     extra: list[dict[str, Any]] = []
@@ -405,32 +431,20 @@ async def collect_validated(
             result.tool_calls = turn.calls_to_send(result.tool_calls)
             turn.settle()
             return result
-        failed_run = turn.last_run.id if turn.last_run else ""
-        # The reason quotes the model's arguments: completion text, logged only when tracing.
-        why = {"reason": reason} if trace_enabled(turn.metadata) else {}
         if attempt >= max_attempts:
-            log.warning("tool validation failed", attempt=attempt, **why)
+            turn.invalid_at_last(reason, attempt)
             raise RunFailed(reason, type=TOOL_VALIDATION_ERROR, cause="tool_validation")
-        # This run's tokens are spent: the retry's usage answers the client, the key is charged both.
-        turn.earlier = (
-            turn.earlier[0] + result.usage.prompt_tokens,
-            turn.earlier[1] + result.usage.completion_tokens,
-        )
-        turn.usage = None
         attempt += 1
-        edge.metrics.tool_retries.labels(edge.metrics.model_label(turn.req.model)).inc()
-        log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, **why)
-        metadata = {**turn.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
-        extra = [corrective_message(reason, result.tool_calls, result.content)]
+        metadata, extra = turn.retry_after(reason, result.tool_calls, result.content, attempt)
         try:
-            slot = await _acquire_keeping_alive(turn, on_idle)
+            slot = await acquire_keeping_alive(turn, on_idle)
         except APIError as e:
             raise RunFailed(
                 f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
             ) from None
 
 
-async def _acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
+async def acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
     """A slot for a retry. The stream has started by then, so while the
     retry waits in the queue the client gets keep-alive comments."""
     if on_idle is None:
