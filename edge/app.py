@@ -88,9 +88,9 @@ class Edge:
         self._unreadable_keys: set[tuple[str, str]] = set()  # (id, policy) rows logged as unreadable
         self.day_at_start: tuple[int, dict[str, int]] = (0, {})  # the ledger's tokens today per id, at start
         if self.ledger is not None:
-            stored, today = self.ledger.startup_state()
+            rows, stored, today = self.ledger.startup_state()
             self.day_at_start = (int(time.time() // 86400), today)
-            self.apply_stored_keys(stored)
+            self.apply_stored_keys(rows, stored)
             self.ledger.on_keys = self.apply_stored_keys
             self.ledger.open = lambda: self.keys.open
             for key_id, used in today.items():
@@ -176,19 +176,22 @@ class Edge:
         ex.key = key
         return None
 
-    def apply_stored_keys(self, rows: list[tuple]) -> None:
-        """Make the run-time keys match the ledger's key table (another edge
-        may have made, changed or revoked some). The config's keys win."""
-        for key_id, sha, policy_json, revoked in rows:
-            self.keys.ever = True  # a revoked key still closes the edge
+    def apply_stored_keys(self, rows: list[tuple], stored: bool) -> None:
+        """Make the run-time keys match the ledger's keys not revoked,
+        ``rows`` (another edge may have made, changed or revoked some): a
+        run-time key not among them was revoked. ``stored``: the ledger holds
+        a key, revoked or not (a revoked key still closes the edge). The
+        config's keys win."""
+        if stored:
+            self.keys.ever = True
+        live = set()
+        for key_id, sha, policy_json in rows:
+            live.add(key_id)
             known = self.keys.by_id.get(key_id)
             if known is not None and known.source != "admin":
                 continue
-            if revoked is not None or (known is not None and known.sha256 != sha):
-                if known is not None:
-                    self.retire(known)
-                if revoked is not None:
-                    continue
+            if known is not None and known.sha256 != sha:  # made again, with a new secret
+                self.retire(known)
                 known = None
             try:
                 policy = msgspec.json.decode(policy_json, type=Policy)
@@ -204,6 +207,8 @@ class Edge:
                 self.make_key(key_id, sha, policy)
             elif known.policy != policy:
                 self.keys.change(known, policy)
+        for key in [k for k in self.keys.by_id.values() if k.source == "admin" and k.id not in live]:
+            self.retire(key)
 
     def retire(self, key: Key) -> None:
         """Revoke ``key`` (its secret works no more), keeping its counters for a key
