@@ -18,7 +18,12 @@ reads the table every :data:`KEYS_REFRESH_S`).
 
 A call the database fails (either driver's error, in the worker thread)
 raises :class:`LedgerUnavailable`, the driver's error as its ``__cause__``;
-the admin API answers it with 503 ``ledger_unavailable``.
+the admin API answers it with 503 ``ledger_unavailable``. So does a call it
+leaves unanswered for :data:`CALL_TIMEOUT_S` (a server stopped, a network
+path that drops packets): the call's thread is left to finish with its
+connection, and the next call opens another. Records, keys and queries
+each have their own connection: a revocation never waits behind a long
+usage query or a batch of records.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import collections
 import functools
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +47,7 @@ MAX_PENDING = 100_000
 BATCH = 2_000
 FLUSH_EVERY_S = 0.5
 KEYS_REFRESH_S = 2.0
+CALL_TIMEOUT_S = 15.0  # (PostgreSQL's statement_timeout is 10 s: this is for a server that answers nothing)
 GROUPS = ("key", "model", "node", "api", "day")
 
 _COLUMNS = (
@@ -72,6 +79,11 @@ class LedgerUnavailable(Exception):
     ``__cause__`` is the driver's error. Records stay queued and are retried."""
 
 
+class LedgerGaveUp(LedgerUnavailable):
+    """The database left a call unanswered for :data:`CALL_TIMEOUT_S`: the call
+    goes on in its thread, and may yet be done."""
+
+
 def is_postgres(target: str) -> bool:
     return target.startswith(("postgresql://", "postgres://"))
 
@@ -93,8 +105,9 @@ class Dialect:
         return text.replace("?", self.p)
 
 
-def connect(target: str) -> Any:
-    """A connection to the ledger ``target`` (a SQLite path or a PostgreSQL URL), schema made."""
+def connect(target: str, schema: bool = True) -> Any:
+    """A connection to the ledger ``target`` (a SQLite path or a PostgreSQL URL), its schema
+    made unless ``schema`` is false (made already: a table gone since is not made again empty)."""
     if is_postgres(target):
         import psycopg
 
@@ -113,6 +126,8 @@ def connect(target: str) -> Any:
         # Edges starting together on an empty database: IF NOT EXISTS is no guard against a
         # concurrent CREATE there (UniqueViolation, and the ledger down until its retry). One
         # at a time, under a lock held until the transaction ends.
+        if not schema:
+            return db
         with db.transaction():
             db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             for statement in _SCHEMA:
@@ -123,6 +138,8 @@ def connect(target: str) -> Any:
     db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
+    if not schema:
+        return db
     for statement in _SCHEMA:
         db.execute(statement.format(real=Dialect(False).real))
     columns = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
@@ -143,14 +160,50 @@ def _errors() -> tuple[type[BaseException], ...]:
         return (sqlite3.Error, OSError, LedgerUnavailable)
 
 
+class _Line:
+    """One connection to the database, one call at a time. A call takes the
+    connection into its thread and gives it back when it ends; a call given up
+    keeps it, and its thread closes it (:class:`_Call`)."""
+
+    __slots__ = ("name", "db", "lock")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.db: Any = None  # None: the next call connects
+        self.lock = trio.Lock()
+
+
+class _Call:
+    """One call in its worker thread: what it runs on, and whether the edge
+    gave up waiting. Of a call given up, ``orphan(done)`` is told once, by
+    whichever of the thread and the edge last knows how it ended (under
+    ``guard``): the edge if the thread never started it or had just ended
+    it, else the thread when it ends."""
+
+    __slots__ = ("fn", "db", "orphan", "guard", "given_up", "started", "ended", "done")
+
+    def __init__(self, fn: Callable[[Any], Any], db: Any, orphan: Callable[[bool], None] | None) -> None:
+        self.fn = fn
+        self.db = db
+        self.orphan = orphan
+        self.guard = threading.Lock()
+        self.given_up = False
+        self.started = False
+        self.ended = False
+        self.done = False
+
+
 class Ledger:
     def __init__(self, target: str) -> None:
         self.target = target
         self.dialect = Dialect(is_postgres(target))
         self.where = "postgresql" if self.dialect.postgres else target
         self._errors = _errors()
-        self._db: Any = None
-        self._lock = trio.Lock()  # one thread at a time on the connection
+        self._records, self._keys, self._reads = _Line("records"), _Line("keys"), _Line("reads")
+        # Threads of calls given up may hang on with a server that answers nothing: the ledger's
+        # own, so they never take the ones trio lends everyone else.
+        self._threads = trio.CapacityLimiter(8)
+        self._schema_made = False  # by a first connection (the next ones only connect)
         self._flushing = trio.Lock()  # one flush at a time: records stay in order, and a flush sees all
         self._pending: collections.deque[Record] = collections.deque(maxlen=MAX_PENDING)
         self._wake = trio.Event()
@@ -164,7 +217,8 @@ class Ledger:
         # refused before any work (401, 405...): not recorded, or anyone could grow the database.
         self.open: Callable[[], bool] = lambda: True
         try:
-            self._db = connect(target)
+            self._keys.db = connect(target)
+            self._schema_made = True
         except self._errors as e:
             if not self.dialect.postgres:
                 raise  # a local file that cannot be opened is a configuration error
@@ -179,31 +233,75 @@ class Ledger:
                 ledger=self.where,
                 error=f"{type(error).__name__}: {str(error)[:200]}",
             )
-        if self._db is not None and self.dialect.postgres:
-            try:
-                self._db.close()
-            except self._errors:
-                pass
-            self._db = None
 
-    def _run(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(connection)`` in this (worker) thread; reconnects if needed."""
-        if self._db is None:
-            self._db = connect(self.target)
-        result = fn(self._db)
+    def _run(self, call: _Call) -> Any:
+        """``call.fn(connection)`` in this (worker) thread; connects if needed."""
+        with call.guard:
+            if call.given_up:  # (the edge gave up before it started, and said so)
+                raise LedgerGaveUp("given up before it started")
+            call.started = True
+        try:
+            if call.db is None:
+                call.db = connect(self.target, schema=not self._schema_made)
+                self._schema_made = True
+            result = call.fn(call.db)
+            call.done = True
+        finally:
+            with call.guard:
+                call.ended = True
+                orphan = call.given_up
+            if orphan:  # the edge gave up waiting: the connection was this thread's alone
+                _close(call.db, self._errors)
+                if call.orphan is not None:
+                    call.orphan(call.done)
         if not self.available:
             self.available = True
             log.info("ledger available again", ledger=self.where, pending=len(self._pending))
         return result
 
-    async def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn`` on the connection in a worker thread; LedgerUnavailable if the database fails it."""
-        async with self._lock:
+    async def _call(
+        self, fn: Callable[[Any], Any], line: _Line | None = None, orphan: Callable[[bool], None] | None = None
+    ) -> Any:
+        """Run ``fn`` on ``line``'s connection (the keys' by default) in a worker
+        thread; LedgerUnavailable if the database fails it, LedgerGaveUp if it
+        leaves it unanswered for :data:`CALL_TIMEOUT_S` (then, or if cancelled,
+        ``orphan(done)`` is called in the thread when the call ends)."""
+        line = line or self._keys
+        async with line.lock:
+            call = _Call(fn, line.db, orphan)
+            line.db = None  # the call's until it ends
             try:
-                return await trio.to_thread.run_sync(self._run, fn)
+                with trio.move_on_after(CALL_TIMEOUT_S):
+                    result = await trio.to_thread.run_sync(
+                        self._run, call, abandon_on_cancel=True, limiter=self._threads
+                    )
+                    line.db = call.db
+                    return result
             except self._errors as e:
+                if not self.dialect.postgres:  # (a locked SQLite file: the connection is sound)
+                    line.db = call.db
+                else:
+                    _close(call.db, self._errors)
                 self._unavailable(e)
                 raise LedgerUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from e
+            except BaseException:  # cancelled: the call goes on in its thread, with its connection
+                self._give_up(call)
+                raise
+            self._give_up(call)
+            error = TimeoutError(f"the database did not answer in {CALL_TIMEOUT_S:g} s ({line.name})")
+            self._unavailable(error)
+            raise LedgerGaveUp(str(error))
+
+    def _give_up(self, call: _Call) -> None:
+        with call.guard:  # (held by the thread only for a few assignments)
+            call.given_up = True
+            ran = call.started
+            ended = call.ended
+        if ran and not ended:  # its thread tells how it ended, and closes the connection
+            return
+        if call.orphan is not None:  # never started (waiting for a thread), or just ended
+            call.orphan(call.done)
+        _close(call.db, self._errors)  # the connection is nobody's now
 
     # -- records -----------------------------------------------------------------
 
@@ -255,8 +353,18 @@ class Ledger:
                         db.execute("BEGIN")
                         db.executemany(insert, batch)
 
+            def ended(done: bool, batch: list[Record] = batch) -> None:
+                """A write given up (a database that answers nothing), in its thread when it
+                ends: stored, or queued again (never twice, nor lost while the edge runs)."""
+                if done:
+                    self.written += len(batch)
+                else:
+                    self._pending.extendleft(reversed(batch))
+
             try:
-                await self._call(write)
+                await self._call(write, self._records, ended)
+            except LedgerGaveUp:
+                raise
             except LedgerUnavailable:
                 self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
                 raise
@@ -288,12 +396,9 @@ class Ledger:
             self.close()
 
     def close(self) -> None:
-        db, self._db = self._db, None
-        if db is not None:
-            try:
-                db.close()
-            except self._errors:
-                pass
+        for line in (self._records, self._keys, self._reads):
+            db, line.db = line.db, None
+            _close(db, self._errors)
 
     # -- queries -----------------------------------------------------------------
 
@@ -301,11 +406,12 @@ class Ledger:
         """The stored keys not revoked, whether any key is stored (revoked
         ones too), and today's tokens per key, read once at start (nothing
         if the database is unreachable)."""
-        if self._db is None:
+        db = self._keys.db
+        if db is None:
             return [], False, {}
         midnight = (time.time() // 86400) * 86400
-        keys, stored = _live_keys(self._db, True)
-        rows = self._db.execute(
+        keys, stored = _live_keys(db, True)
+        rows = db.execute(
             self.dialect.sql(
                 "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
             ),
@@ -317,7 +423,7 @@ class Ledger:
         """Usage rows (:func:`query_usage`), every record queued so far included: a
         database that cannot store them raises LedgerUnavailable rather than answer short."""
         await self.store_pending()
-        return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by))
+        return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by), self._reads)
 
     async def key_totals(self, key_id: str | None = None) -> dict[str, tuple[int, int, int]]:
         """Per key (every key, or ``key_id``'s alone, read by its index): (requests, prompt
@@ -334,7 +440,7 @@ class Ledger:
             rows = db.execute(sql, args).fetchall()
             return {k: (n, int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
 
-        return await self._call(totals)
+        return await self._call(totals, self._reads)
 
     # -- run-time keys -------------------------------------------------------------
 
@@ -357,6 +463,14 @@ class Ledger:
         """Kept, marked revoked: its id stays in the ledger's history, its secret works no more."""
         sql = self.dialect.sql("UPDATE keys SET revoked = ? WHERE id = ?")
         await self._call(lambda db: db.execute(sql, (time.time(), key_id)))
+
+
+def _close(db: Any, errors: tuple[type[BaseException], ...]) -> None:
+    if db is not None:
+        try:
+            db.close()
+        except errors:
+            pass
 
 
 def _live_keys(db: Any, ask_any: bool) -> tuple[list[tuple], bool]:

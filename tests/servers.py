@@ -11,6 +11,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -55,6 +56,20 @@ class Postgres:
 
     def stop(self) -> None:
         self._run("pg_ctl", "-D", f"{self.dir}/data", "-m", "fast", "-w", "stop")
+
+    def pids(self) -> list[int]:
+        """The server's processes: the postmaster and every backend."""
+        with open(f"{self.dir}/data/postmaster.pid") as f:
+            main = int(f.readline())
+        children = subprocess.run(["pgrep", "-P", str(main)], capture_output=True, text=True).stdout.split()
+        return [main, *map(int, children)]
+
+    def pause(self) -> list[int]:
+        """Stop every process of the server (SIGSTOP): it answers nothing, its sockets stay open."""
+        pids = self.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
 
     def close(self) -> None:
         try:

@@ -684,3 +684,41 @@ async def test_one_client_taking_turns_between_edges_is_never_refused(nursery, r
         a.stop()
         await eventually(lambda: a.edge.id.encode() not in r.hgetall("iop:flight:rr"), "edge a's entry gone")
         r.close()
+
+
+async def test_a_postgresql_that_answers_nothing_is_503_in_bounded_time(nursery, postgres, postgres_url, monkeypatch):  # noqa: F811
+    """PostgreSQL stopped dead (SIGSTOP: its sockets open, no answer, no error): a revocation and a
+    usage query waited for it for as long as it hung. Each is 503 `ledger_unavailable` once the
+    ledger gives up the call (CALL_TIMEOUT_S, 1 s here), changing nothing; client requests go on; once
+    the server answers again the same revocation works and the records kept are written."""
+    from edge import ledger
+
+    monkeypatch.setattr(ledger, "CALL_TIMEOUT_S", 1.0)
+    edge = await pg_edge(nursery, postgres_url)
+    paused: list[int] = []
+    try:
+        with trio.fail_after(BOUND * 2):
+            async with admin(edge) as adm:
+                secret = (await adm.post("/v1/admin/keys", json={"id": "k"})).json()["key"]
+                async with client(edge, secret) as c:
+                    assert (await chat(c)).status_code == 200
+                    assert await edge.edge.ledger.flush()
+                    paused = postgres.pause()
+                    for refused in (await adm.delete("/v1/admin/keys/k"), await adm.get("/v1/admin/usage")):
+                        assert refused.status_code == 503, refused.text
+                        assert refused.json()["error"]["code"] == "ledger_unavailable"
+                    assert (await chat(c)).status_code == 200  # not revoked, and serving
+                    for pid in paused:
+                        os.kill(pid, signal.SIGCONT)
+                    paused = []
+                    while (r := await adm.delete("/v1/admin/keys/k")).status_code == 503:
+                        await trio.sleep(0.2)
+                    assert r.status_code == 200, r.text
+                    assert (await chat(c)).status_code == 401
+                    ledger_ = edge.edge.ledger
+                    await eventually(lambda: ledger_.written == 2 and not ledger_.pending, "the records stored")
+                    rows = (await adm.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
+        assert [(row["key"], row["requests"]) for row in rows] == [("k", 2)]  # the record kept: once
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
