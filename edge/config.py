@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import os
 import re
 from typing import Literal
@@ -61,6 +63,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # Node authentication: one shared token, or one per node id.
     node_token: str = ""
     node_tokens: dict[str, str] = msgspec.field(default_factory=dict)
+    # The models each node id may serve (glob patterns); "*": every node id without an entry of
+    # its own. No entry: any model. A node's other models are left out of its link.
+    node_models: dict[str, list[str]] = msgspec.field(default_factory=dict)
     # Client authentication (empty: open).
     api_keys: list[str] = msgspec.field(default_factory=list)
     api_keys_file: str = ""  # one key per line; '#' starts a comment
@@ -148,6 +153,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         for key, token in tokens:
             if not BEARER_VALUE.fullmatch(token):
                 raise ConfigError(f"{key}: printable ASCII with no spaces around it, not empty (no node could send it)")
+        for node, patterns in self.node_models.items():
+            if not patterns or len(patterns) > 256 or any(not p or len(p) > 256 for p in patterns):
+                raise ConfigError(f"node_models.{node}: 1 to 256 patterns of 1 to 256 characters")
         for key, least in TIMING_FLOORS.items():
             if getattr(self, key) < least:
                 raise ConfigError(f"{key}: at least {least}")
@@ -246,6 +254,13 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         check_secrets(plain, self.keys)
         return msgspec.structs.replace(self, **extra) if extra else self
 
+    def node_may_serve(self, node_id: str) -> re.Pattern[str] | None:
+        """What models ``node_id`` may serve (``node_models``): a pattern, or None for any."""
+        patterns = self.node_models.get(node_id, self.node_models.get("*"))
+        if patterns is None or "*" in patterns:
+            return None
+        return _models_pattern(tuple(patterns))
+
     def policy(self, model: str) -> ModelPolicy:
         """The model's ``[[models]]`` entry, or the defaults: one shared
         instance (named ``*``), not one per request that every stream holds."""
@@ -257,6 +272,11 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     @property
     def ping_timeout_s(self) -> float:
         return self.ping_interval_s * max(self.ping_misses, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _models_pattern(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns))
 
 
 def check_secrets(plain: list[tuple[str, str]], keys: list[KeyConfig]) -> None:

@@ -195,6 +195,20 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         log.warning("node link refused: the shared token used for an id with its own token", node_id=hello.node_id)
         await websocket.close(CLOSE_AUTH, "this node id has its own token; link with it")
         return None
+    may_serve = config.node_may_serve(hello.node_id)
+    if may_serve is not None:
+        refused = [info.name for info in hello.models if not may_serve.fullmatch(info.name)]
+        if refused:
+            log.warning(
+                "node advertises models it may not serve (node_models): left out",
+                node_id=hello.node_id,
+                models=refused[:16],
+                model_count=len(refused),
+            )
+            hello.models = [info for info in hello.models if may_serve.fullmatch(info.name)]
+            if not hello.models:
+                await websocket.close(CLOSE_AUTH, "node_models: this node may serve none of its models")
+                return None
     refusal = _no_room(service, hello)
     if refusal is not None:
         await websocket.close(*refusal)

@@ -698,3 +698,35 @@ async def test_a_node_s_long_error_reaches_the_client_cut(nursery):
     )
     assert streamed.status_code == 502 and len(streamed.content) < 2 * MAX_NODE_ERROR
     await stream.aclose()
+
+
+async def test_node_models_bound_what_each_node_may_serve(nursery):
+    """node_models: a node token no longer serves any model it names. A node's models outside its
+    patterns are left out of its link (clients get 404 for them, never its answer); "*" holds for
+    every id without an entry; a node with none of its models allowed is closed 4001, named."""
+    config = edge_config(
+        node_token="shared", node_tokens={"A": "token-of-a"}, node_models={"A": ["qwen-*"], "*": ["sim-*"]}
+    )
+    edge = await start_edge(nursery, config)
+    with trio.fail_after(BOUND):
+        await start_node(nursery, edge, [model("qwen-a"), model("gpt-4o")], node_id="A", token="token-of-a")
+        await start_node(nursery, edge, [model("sim-b")], node_id="B", token="shared")
+        await eventually(lambda: {"A", "B"} <= set(edge.edge.runs.links), "both linked")
+        assert set(edge.edge.runs.links["A"].models) == {"qwen-a"}
+        async with http(edge) as client:
+            listed = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+            assert listed == {"qwen-a", "sim-b"}
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert (await client.post("/v1/chat/completions", json={**body, "model": "qwen-a"})).status_code == 200
+            r = await client.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
+            assert r.status_code == 404, r.text
+        stream, ws = await open_link(edge, "C", "shared", nursery=nursery)
+        try:
+            info = ModelInfo(name="gpt-4o", adapter="sim", target="m")
+            await ws.send_message(encode_frame(Hello(node_id="C", protocol=PROTOCOL_VERSION, models=[info])))
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+            assert closed.value.reason.code == 4001 and "node_models" in closed.value.reason.reason
+        finally:
+            await stream.aclose()
+        assert "C" not in edge.edge.runs.links
