@@ -167,3 +167,20 @@ def test_a_live_stream_keeps_its_reasoning_only_until_it_has_content():
     only_reasoning.reasoning("thinking, no answer")
     only_reasoning.finish()
     assert only_reasoning.fallback("stop", False) == "thinking, no answer"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.text("ab<", min_size=1, max_size=5), min_size=1, max_size=6),
+    st.text("ab<c", max_size=60),
+    st.lists(st.integers(0, 60), max_size=8),
+)
+def test_any_sentinel_list_is_removed_longest_first_and_split_invariant(sentinels, text, cuts):
+    """Lists of a model's own, where one sentinel begins another (the pattern's trie must take the
+    longest that matches at the leftmost place, as the scan by hand did), in any split."""
+    reference = re.compile("|".join(re.escape(s) for s in sorted(set(sentinels), key=len, reverse=True)))
+    cuts = sorted(min(c, len(text)) for c in cuts)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    f = SentinelFilter(sentinels)
+    out = "".join(f.append(piece) for piece in pieces) + f.flush()
+    assert out == reference.sub("", text)
