@@ -33,6 +33,7 @@ from edge.openai import turn as turn_module
 from iop import logs
 from node.adapters import sim as sim_adapter
 from scripts.stack import free_port
+from scripts.upstream import steps
 from tests.conftest import (
     BOUND,
     TOKEN,
@@ -783,7 +784,7 @@ async def test_a_backtracking_pattern_is_bounded(nursery, upstream):
         async with http(edge) as client:
             r, served = await _healthz_while(edge, client.post("/v1/chat/completions", json=body))
     err = assert_openai_error(r, 502, code=None)
-    assert err["type"] == "tool_validation_error" and "patterns take too long" in err["message"]
+    assert err["type"] == "tool_validation_error" and "take too long" in err["message"]
     assert len(upstream.records) == 2  # the retry, then the error: each validation within its budget
     await settled(edge, node.agent)
 
@@ -819,7 +820,7 @@ async def test_a_backtracking_pattern_costs_the_event_loop_its_inline_share(nurs
             body = {"model": "evil", "messages": USER, "tools": [tool]}
             r, served = await _healthz_while(edge, client.post("/v1/chat/completions", json=body))
             err = assert_openai_error(r, 502, code=None)
-            assert err["type"] == "tool_validation_error" and "patterns take too long" in err["message"]
+            assert err["type"] == "tool_validation_error" and "take too long" in err["message"]
             assert served >= 20  # 3 s of matching a validation (and one retry), /healthz every 20 ms
             ok = await client.post("/v1/chat/completions", json={**body, "model": "fine"})
             assert ok.status_code == 200, ok.text
@@ -1226,3 +1227,92 @@ async def test_trios_own_errors_are_logged_with_their_exception(captured_logs):
             await trio.sleep(0.01)
     line = json.loads(next(line for line in buffer.getvalue().splitlines() if "disk full" in line))
     assert line["logger"] == "trio.async_generator_errors" and line["exception"][0]["exc_value"] == "disk full"
+
+
+# -- a client's schemas against the event loop: every check timed, patterns bounded ------------
+
+
+def _tool(parameters: dict, name: str = "f") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _ref_dag(depth: int) -> dict:
+    """anyOf of two $refs to the next level, ``depth`` deep: 2**depth paths through ~4 x depth nodes."""
+    defs = {f"l{i}": {"anyOf": [{"$ref": f"#/$defs/l{i + 1}"}, {"$ref": f"#/$defs/l{i + 1}"}]} for i in range(depth)}
+    defs[f"l{depth}"] = {"type": "object", "required": ["never"]}
+    return {"type": "object", "$defs": defs, "$ref": "#/$defs/l0"}
+
+
+async def test_a_schema_whose_check_explodes_is_a_400_and_the_edge_goes_on(sim_edge):
+    """A 77-node schema of $refs nesting 18 deep took 18 s of the loop and 1.5 GB to check
+    (node links lost); a pattern whose counted repeats expand, 0.9 s and 800 MB to compile.
+    Each is a 400 naming the tool, /healthz answered all along; so is a name two different
+    tools give (a call was checked against the last one's schema alone)."""
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            for parameters, said in (
+                (_ref_dag(18), "takes longer than 0.25 s to check"),
+                ({"type": "object", "properties": {"a": {"pattern": "(?:a{3000}){1000}"}}}, "counted repeats"),
+                ({"type": "object", "patternProperties": {"(": {}}}, "regex"),
+            ):
+                body = {"model": "m", "messages": USER, "tools": [_tool(parameters)], "max_tokens": 2}
+                r, _ = await _healthz_while(sim_edge, client.post("/v1/chat/completions", json=body))
+                err = assert_openai_error(r, 400, param="tools")
+                assert "`f` cannot be used" in err["message"] and said in err["message"], err
+            same = {"model": "m", "messages": USER, "tools": [_tool({"type": "object"})] * 2, "max_tokens": 2}
+            assert (await client.post("/v1/chat/completions", json=same)).status_code == 200  # one tool, twice
+            twice = {**same, "tools": [_tool({"type": "object", "required": ["zzz"]}), _tool({"type": "object"})]}
+            err = assert_openai_error(await client.post("/v1/chat/completions", json=twice), 400, param="tools")
+            assert "`f` names two tools" in err["message"]
+
+
+async def test_arguments_that_take_long_to_check_are_unchecked_and_the_edge_goes_on(nursery, upstream):
+    """The model's arguments against a client's schema: 1,000 items each against an enum of
+    200,000 strings held the loop 18 s (node links lost); an integer of 400 digits against
+    `multipleOf: 0.5` was a 500. Each is now "could not be checked" (a retry, then
+    tool_validation_error), /healthz answered all along."""
+    enum = {
+        "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"enum": [f"v{i}" for i in range(200_000)]}}},
+    }
+    huge = {"type": "object", "properties": {"a": {"multipleOf": 0.5}}}
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    for parameters, arguments, said in (
+        (enum, json.dumps({"xs": ["v199999"] * 1000}), "take too long"),
+        (huge, '{"a": 1' + "0" * 400 + "}", "OverflowError"),
+    ):
+        upstream.records.clear()
+        call = {
+            "tool_calls": [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            ]
+        }
+        upstream.script_for("t", [("chunk", call), ("chunk", {}, "tool_calls"), ("done",)])
+        body = {"model": "m", "messages": USER, "tools": [_tool(parameters)]}
+        with trio.fail_after(BOUND):
+            async with http(edge) as client:
+                r, _ = await _healthz_while(edge, client.post("/v1/chat/completions", json=body))
+        err = assert_openai_error(r, 502, code=None)
+        assert err["type"] == "tool_validation_error" and "could not be checked" in err["message"], err
+        assert said in err["message"]
+        assert len(upstream.records) == 2  # the retry, then the error
+    await settled(edge, node.agent)
+
+
+async def test_more_tool_calls_written_as_text_than_a_node_may_send_fail_the_turn(nursery, upstream):
+    """400,000 calls written as text were 39 MB of answer (128 MB streamed); a node's native
+    calls stop at 1,024. Past 1,024 the turn's calls are unreadable: retried, then
+    tool_validation_error, no call sent."""
+    text = '{{tool_call}}{"name": "f", "arguments": {}}{{/tool_call}}' * 1025
+    upstream.script_for("t", steps({"content": text}))
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", native_tools=False)])
+    body = {"model": "m", "messages": USER, "tools": [_tool({"type": "object"})]}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+    err = assert_openai_error(r, 502, code=None)
+    assert err["type"] == "tool_validation_error" and "more than 1024 tool calls" in err["message"], err
+    assert len(upstream.records) == 2
+    await settled(edge, node.agent)

@@ -26,7 +26,7 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
-from edge.openai.tools import INLINE_PATTERN_S, ToolTextFilter, parse_text_tool_calls, with_ids
+from edge.openai.tools import LIVE_CHECK_S, ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
     TOOL_VALIDATION_ERROR,
@@ -441,7 +441,7 @@ class LiveStream(LiveEncoder):
                 self._emit_content(self.tool_filter.flush())
         if self.turn.contract is not None and not cut_off and not (event.refusal and not calls):
             # (within the loop's share of the patterns' time: a live stream's end is not awaited)
-            reason = self.turn.contract.validate(calls, INLINE_PATTERN_S)
+            reason = self.turn.contract.validate(calls, LIVE_CHECK_S)
             if reason:
                 return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
         calls = self.turn.calls_to_send(calls)

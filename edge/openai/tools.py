@@ -37,6 +37,7 @@ import trio
 
 from edge.openai.schema import ChatRequest, Message
 from proto import ToolCall, ToolCallFunction
+from proto.frames import MAX_TOOL_CALLS
 
 T = TypeVar("T")
 
@@ -113,6 +114,9 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     found = False
     for m in _BLOCK.finditer(text):
         found = True
+        if len(calls) + len(errors) == MAX_TOOL_CALLS:  # (as a node bounds native calls: 400,000 made 39 MB)
+            errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
+            break
         pieces.append(text[pos : m.start()])
         pos = m.end()
         body = (m.group("xml") if m.group("xml") is not None else m.group("mustache")).strip()
@@ -154,6 +158,7 @@ class SchemaProblem(Exception):
 # links, streams) goes on meanwhile. Cached compiles (the same schema text) cost nothing.
 MAX_SCHEMA_NODES = 20_000  # in all of a request's tool schemas
 THREAD_SCHEMA_NODES = 400
+THREAD_SCHEMA_BYTES = 64 * 1024  # (a list of 200,000 strings is one node: 0.1 s to compile)
 _COMPILES: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("iop_schema_compiles")
 
 
@@ -202,8 +207,19 @@ async def _off_loop(fn: Callable[[], T], lane: str) -> T:
 # one that needs more is done again in a worker thread, where `regex` lets go of
 # the GIL while it matches: four clients looping on ^(a+)+$ held the loop 0.25 s
 # a call and put everyone's p50 at 1.4 s.
+#
+# The same deadline holds for the whole check, not only its patterns: every keyword's
+# check looks at the clock (:func:`_timed`). A schema of 77 nodes whose anyOf of two
+# $refs nests 18 deep took 18 s of the loop and 1.5 GB; a 200,000-string enum checked
+# against 1,000 items, 18 s (an outside audit).
 PATTERN_BUDGET_S = 0.25
 INLINE_PATTERN_S = 0.01
+LIVE_CHECK_S = 0.05  # a live stream's calls, checked at its end on the event loop (no thread to go to)
+# A pattern's counted repeats are expanded when `regex` compiles it: (?:a{3000}){1000} took
+# 0.9 s and 800 MB to compile (no timeout covers it). The sum, over a pattern's repeated
+# atoms, of the product of the counts around them is bounded; compiled patterns are the
+# edge's own cache's, not the module's (500 of them, each up to this bound's size).
+MAX_PATTERN_REPEATS = 10_000
 # The errors of one call's arguments weighed for the one the model is told about: a node's
 # 290 KB of arguments wrong everywhere made 20,001 errors, 1.7-2 s of the event loop each call.
 MAX_ERRORS_WEIGHED = 64
@@ -211,7 +227,7 @@ _deadline = threading.local()
 
 
 class PatternTimeout(Exception):
-    """A schema's patterns took longer than their budget on one validation."""
+    """A validation (its patterns, or any of its checks) took longer than its budget."""
 
 
 class _NeedsTime(Exception):
@@ -233,9 +249,95 @@ class _BoundedRe:
         if left <= 0:
             raise PatternTimeout
         try:
-            return regex.search(pattern, string, flags, timeout=left, concurrent=True)
+            return _compiled(pattern, flags).search(string, timeout=left, concurrent=True)
         except TimeoutError:
             raise PatternTimeout from None
+
+
+class PatternProblem(Exception):
+    """A schema's pattern that the edge does not compile (invalid, or its repeats too large)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(pattern: str, flags: int = 0):
+    weight = _repeat_weight(pattern)
+    if weight > MAX_PATTERN_REPEATS:
+        raise PatternProblem(f"its counted repeats expand to {weight} (at most {MAX_PATTERN_REPEATS})")
+    try:
+        return regex.compile(pattern, flags, cache_pattern=False)
+    except (regex.error, ValueError, OverflowError) as e:
+        raise PatternProblem(f"it is not a regular expression: {e}") from None
+
+
+_QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
+
+
+def _repeat_weight(pattern: str) -> int:
+    """The sum, over a pattern's atoms, of the product of the counted repeats
+    (``{m,n}``: n; ``{m,}``: m) that apply to them: what compiling expands.
+    Conservative: alternatives add up; an escape or a class is one atom."""
+    sums = [0]  # per open group: the weight of what it holds so far
+    last = 0  # the weight of the atom just before (a quantifier multiplies it)
+    i, n = 0, len(pattern)
+    while i < n:
+        ch = pattern[i]
+        found = _QUANTIFIER.match(pattern, i) if ch == "{" else None
+        if found is not None and (found.group(1) or found.group(2)):
+            low, high = found.group(1), found.group(2)
+            count = min(int(high or low), 10**9)
+            sums[-1] += last * (count - 1)
+            last *= count
+            i = found.end()
+            continue
+        if ch == "(":
+            sums.append(0)
+            i += 1
+            continue
+        if ch == ")":
+            last = sums.pop() if len(sums) > 1 else 0
+            sums[-1] += last
+            i += 1
+            continue
+        if ch in "|*+?^$":
+            i += 1
+            continue
+        if ch == "\\":
+            i += 2
+            if pattern[i - 1 : i] in ("p", "P", "x", "N") and pattern[i : i + 1] == "{":  # \p{..}, \x{..}
+                close = pattern.find("}", i)
+                i = n if close < 0 else close + 1
+        elif ch == "[":
+            i += 1
+            if pattern[i : i + 1] == "^":
+                i += 1
+            if pattern[i : i + 1] == "]":
+                i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        else:
+            i += 1
+        sums[-1] += 1
+        last = 1
+    return sum(sums)
+
+
+def _timed(check: Callable) -> Callable:
+    """A jsonschema keyword's check that first looks at the validation's deadline."""
+
+    def timed(validator, value, instance, schema):
+        end = getattr(_deadline, "at", None)
+        if end is not None and time.monotonic() > end:
+            raise PatternTimeout
+        return check(validator, value, instance, schema)
+
+    return timed
+
+
+@functools.cache
+def _timed_class(cls: type) -> type:
+    """``cls`` (a draft's validator) with every keyword's check timed (:func:`_timed`)."""
+    return jsonschema.validators.extend(cls, {name: _timed(fn) for name, fn in cls.VALIDATORS.items()})
 
 
 def _bound_jsonschema_patterns() -> None:
@@ -323,7 +425,7 @@ def _validator(schema_json: str):
         raise SchemaProblem("it must be a JSON object")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
-        cls.check_schema(schema)
+        cls.check_schema(schema)  # (linear in the schema's size, which MAX_SCHEMA_NODES bounds: not timed)
     except jsonschema.SchemaError as e:
         raise SchemaProblem(f"it is not a valid JSON Schema: {e.message}") from None
     except RecursionError:
@@ -341,31 +443,80 @@ def _validator(schema_json: str):
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             ) from None
-    validator = cls(schema, registry=registry)
-    try:
-        with _pattern_deadline():
+    for where, pattern in _patterns(schema):
+        try:
+            _compiled(pattern)
+        except PatternProblem as e:
+            raise SchemaProblem(f"its {where} `{_cut(pattern, 100)}` cannot be used: {e}") from None
+    validator = _timed_class(cls)(schema, registry=registry)
+    try:  # (PatternTimeout past the caller's compile budget goes to the caller)
+        with _pattern_deadline(getattr(_deadline, "compile_budget", None)):
             for _ in validator.iter_errors({}):
                 pass
-    except PatternTimeout:
-        raise SchemaProblem("its patterns take too long to match") from None
     except RecursionError:
         raise SchemaProblem("its references loop without end") from None
     except referencing.exceptions.Unresolvable as e:
         raise SchemaProblem(f"a reference does not resolve: {e}") from None
+    except PatternProblem as e:
+        raise SchemaProblem(f"a pattern cannot be used: {e}") from None
+    except (ArithmeticError, ValueError, TypeError) as e:
+        raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     return validator
 
 
+def _patterns(schema: Any) -> list[tuple[str, str]]:
+    """Every regex of a schema: ``pattern`` values and ``patternProperties`` keys."""
+    found: list[tuple[str, str]] = []
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                found.append(("pattern", pattern))
+            props = node.get("patternProperties")
+            if isinstance(props, dict):
+                found.extend(("patternProperties key", key) for key in props)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return found
+
+
+def _compile_within_budget(schema: str) -> None:
+    try:
+        _validator(schema)
+    except PatternTimeout:
+        raise SchemaProblem(f"it takes longer than {PATTERN_BUDGET_S:g} s to check") from None
+
+
 class _pattern_deadline:
-    """Every pattern of one validation, together, within ``budget`` seconds."""
+    """Every check of one validation, its patterns included, together within ``budget``
+    seconds (:data:`PATTERN_BUDGET_S` if None); the deadline around it comes back after."""
 
     def __init__(self, budget: float | None = None) -> None:
         self.budget = PATTERN_BUDGET_S if budget is None else budget
+        self.outer: float | None = None
 
     def __enter__(self) -> None:
+        self.outer = getattr(_deadline, "at", None)
         _deadline.at = time.monotonic() + self.budget
 
     def __exit__(self, *_: object) -> None:
-        _deadline.at = None
+        _deadline.at = self.outer
+
+
+class _compile_budget:
+    """A compile's first check (:func:`_validator`) within ``budget`` seconds, not the whole budget."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+
+    def __enter__(self) -> None:
+        _deadline.compile_budget = self.budget
+
+    def __exit__(self, *_: object) -> None:
+        _deadline.compile_budget = None
 
 
 def _refs(schema: Any) -> list[str]:
@@ -390,9 +541,12 @@ class ToolContract:
 
     def __init__(self, req: ChatRequest) -> None:
         self.schemas: dict[str, str] = {}
+        self.twice = ""  # a name two tools give with different parameters (one tool given twice is one)
         for tool in req.tools or ():
             params = tool.function.parameters
-            self.schemas[tool.function.name] = _encode(params).decode() if params else ""
+            schema = _encode(params).decode() if params else ""
+            if self.schemas.setdefault(tool.function.name, schema) != schema:
+                self.twice = self.twice or tool.function.name
         choice = req.tool_choice
         self.none = choice == "none"
         self.required = choice == "required"
@@ -410,6 +564,8 @@ class ToolContract:
         off the event loop when large, in the ``lane`` of its client (key or
         address): one large compile of a client's in the queue at a time."""
         self.lane = lane
+        if self.twice:  # (a call's arguments were checked against the last one's schema)
+            return f"tool names must be unique: `{_cut(self.twice, 100)}` names two tools"
         if self.forced is not None and self.forced not in self.schemas:
             return f"tool_choice names `{self.forced}`, which is not in tools"
         sizes = {
@@ -426,10 +582,14 @@ class ToolContract:
             if not schema:
                 continue
             try:
-                if sizes.get(name, 0) > THREAD_SCHEMA_NODES:
-                    await _off_loop(functools.partial(_validator, schema), lane)
-                else:
-                    _validator(schema)
+                if sizes.get(name, 0) <= THREAD_SCHEMA_NODES and len(schema) <= THREAD_SCHEMA_BYTES:
+                    try:
+                        with _compile_budget(INLINE_PATTERN_S):
+                            _validator(schema)
+                        continue
+                    except PatternTimeout:  # more than a moment: in a thread, with the whole budget
+                        pass
+                await _off_loop(functools.partial(_compile_within_budget, schema), lane)
             except SchemaProblem as e:
                 return f"the parameters of tool `{name}` cannot be used: {e}"
         return ""
@@ -481,7 +641,11 @@ class ToolContract:
                 except PatternTimeout:
                     if escalate:
                         raise _NeedsTime from None
-                    return f"the arguments of `{name}` could not be checked: its schema's patterns take too long"
+                    return f"the arguments of `{name}` could not be checked: its schema's checks take too long"
+                except (SchemaProblem, PatternProblem) as e:  # (a schema compiled again here)
+                    return f"the arguments of `{name}` could not be checked: {e}"
+                except (ArithmeticError, ValueError, TypeError) as e:  # 1e400 as an integer, multipleOf 0.5
+                    return f"the arguments of `{name}` could not be checked: {type(e).__name__}: {_cut(str(e), 200)}"
                 if error is not None:
                     where = _cut("/".join(str(p) for p in error.absolute_path) or "(root)", 200)
                     # (jsonschema's message quotes the value: a model's 8 MiB of arguments went to the client)
