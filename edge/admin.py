@@ -290,12 +290,13 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         if isinstance(parsed, Response):
             return parsed
         data, _ = parsed
+        # Its usage read first: a ledger that fails the read answers 503 with the key unchanged
+        # (read after the change, a 503 came with the change made); and before the key's turn,
+        # so that a long read of a key's usage holds no DELETE of any key.
+        totals = await edge.ledger.key_totals(key_id)  # type: ignore[union-attr]
         async with writing:
-            if edge.keys.by_id.get(key_id) is not key:  # revoked (or made again) while the body came in
+            if edge.keys.by_id.get(key_id) is not key:  # revoked (or made again) meanwhile
                 return error_response(404, f"No key {key_id!r}.", "key_not_found")
-            # Its usage read first: a ledger that fails the read answers 503 with the key unchanged
-            # (read after the change, a 503 came with the change made).
-            totals = await edge.ledger.key_totals(key_id)  # type: ignore[union-attr]
             merged = {**msgspec.structs.asdict(key.policy), **{k: v for k, v in data.items() if k != "id"}}
             policy = msgspec.convert(merged, Policy)  # (each field was checked above)
             problem = policy.check()

@@ -452,3 +452,45 @@ async def test_a_passthrough_stream_shows_its_tokens_grow(nursery, upstream):
                 assert run["model"] == "raw" and run["phase"] == "streaming"
                 clients.cancel_scope.cancel()
         reading.cancel_scope.cancel()
+
+
+async def test_an_operators_cancel_before_a_responses_stream_starts_is_a_failed_stream(nursery, upstream):
+    """Codex sends a request again on any HTTP error status, a 499 with x-should-retry: false too:
+    an operator's cancel before its stream had started ran the turn again in full (an outside
+    check with the real CLI). A streamed /v1/responses request cancelled while queued, or while
+    its run waits for a first token, gets a 200 stream ending in `response.failed` with
+    `invalid_prompt`, the code Codex stops on; the model server saw one request, aborted."""
+    upstream.script_for("m-target", [("hang",)])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], keepalive_s=30))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    body = {"model": "m", "input": "hi", "stream": True, "tools": tools}
+    answers: list = []
+    async with http(edge) as client, http(edge) as admin:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+
+                async def ask() -> None:
+                    answers.append(await client.post("/v1/responses", json=body))
+
+                clients.start_soon(ask)
+                (running,) = await upstream.wait_requests(1)
+                clients.start_soon(ask)
+
+                async def rows() -> list[dict]:
+                    return (await admin.get("/v1/admin/runs", headers=AUTH)).json()["data"]
+
+                while [row["phase"] for row in await rows()].count("queued") != 1:
+                    await trio.sleep(0.01)
+                ids = [row["id"] for row in await rows()]
+                for run_id in sorted(ids, key=lambda i: not i.startswith("req_")):  # the queued one first
+                    assert (await admin.post(f"/v1/admin/runs/{run_id}/cancel", headers=AUTH)).status_code == 200
+            await running.finished.wait()
+    assert len(answers) == 2 and len(upstream.records) == 1 and running.aborted
+    for r in answers:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.split(b": ", 1)[1] for line in r.content.split(b"\n") if line.startswith(b"event: ")]
+        assert events[0] == b"response.created" and events[-1] == b"response.failed", events
+        last = msgspec.json.decode(r.content.strip().split(b"\n")[-1].removeprefix(b"data: "))
+        assert last["response"]["error"]["code"] == "invalid_prompt"
+        assert "cancelled by an operator" in last["response"]["error"]["message"]

@@ -134,16 +134,34 @@ def futile(turn: Turn, type: str) -> bool:
     return type == TOOL_VALIDATION_ERROR or (run is not None and run.cause == CANCELLED)
 
 
+def stops_codex(turn: Turn, type: str) -> bool:
+    """A streamed Responses request that fails before its stream started, where no
+    retry can help (:func:`futile`): Codex sends a request again on any HTTP error
+    status, a 499 with ``x-should-retry: false`` too (an operator's cancel ran the
+    turn again in full, up to 5 times); in a stream, ``response.failed`` with
+    ``invalid_prompt`` stops it."""
+    return turn.ex.api == "responses" and turn.stream and futile(turn, type)
+
+
 def stream_code(run: Run | None) -> str | None:
     """An in-stream error's ``code``: the one its HTTP error would carry (:func:`http_error`), by
     the run's cause (it was null in a stream, ``node_disconnected`` in a whole response's 502)."""
     return _STREAM_CODES.get(run.cause) if run is not None and run.cause is not None else None
 
 
-async def fail(turn: Turn, failed: RunFailed, in_stream: Callable[[str, str], bytes] = sse_error) -> None:
+async def fail(
+    turn: Turn,
+    failed: RunFailed,
+    in_stream: Callable[[str, str], bytes] = sse_error,
+    opening: Callable[[], bytes] | None = None,
+) -> None:
     """Tell the client: an HTTP error if nothing was sent yet, else the
-    stream's closing error bytes (``in_stream(message, type)``: the API's)."""
+    stream's closing error bytes (``in_stream(message, type)``: the API's).
+    A Responses stream (its ``opening`` given) that no retry can help is
+    committed to say so in the stream (:func:`stops_codex`)."""
     turn.outcome = failed.cause
+    if opening is not None and not turn.ex.started and stops_codex(turn, failed.type):
+        await turn.ex.start(200, SSE_HEADERS, opening())
     if turn.ex.started:
         await turn.ex.finish(in_stream(failed.message, failed.type))
     else:
@@ -237,7 +255,7 @@ async def stream_buffered(turn: Turn, slot: Slot, enc: BufferedEncoder | None = 
         try:
             result = await collect_validated(turn, slot, on_idle=keep_alive, on_started=commit)
         except RunFailed as failed:
-            await fail(turn, failed, enc.error)
+            await fail(turn, failed, enc.error, enc.opening)
             return
         await commit()
         await ex.finish(enc.whole(turn.last_run, result))
@@ -693,7 +711,7 @@ async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
             commit = not ex.started
             if commit:
                 if batch and batch[0].type not in (DELTA, REASONING_DELTA, COMPLETE):
-                    await fail(turn, failure(batch[0], run), live.error)
+                    await fail(turn, failure(batch[0], run), live.error, live.opening)
                     return
                 if not sink.opened:  # else the sink put it in ``out`` with the first text
                     out.append(live.opening())

@@ -27,7 +27,7 @@ import structlog
 
 from edge.errors import APIError, RunFailed, error_json
 from edge.openai import output
-from edge.openai.exchange import ErrorShape, Exchange
+from edge.openai.exchange import SSE_HEADERS, ErrorShape, Exchange
 from edge.openai.request import check_message_count, decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.sse import sse_error
@@ -99,7 +99,15 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     )
     del raw, decoded  # the turn keeps what it forwards, the encoder what it echoes
     try:
-        slot = await turn.acquire()
+        try:
+            slot = await turn.acquire()
+        except APIError as e:  # an operator's cancel in the queue: as after it (output.stops_codex)
+            if not (turn.stream and e.code == "cancelled_by_operator"):
+                raise
+            turn.outcome = "cancelled"
+            await ex.start(200, SSE_HEADERS, enc.opening())
+            await ex.finish(enc.failed(e.message, e.type, True))
+            return
         if not turn.stream:
             await _respond_whole(turn, slot, enc)
         elif turn.contract is not None or turn.buffered:
