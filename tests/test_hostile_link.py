@@ -331,10 +331,12 @@ async def test_refused_dials_are_logged_once_a_second(nursery):
     """Dials with a wrong token were logged one line each: 300 in 0.5 s, and no credential is
     needed for that (an outside re-audit). One line a second, with how many were refused."""
     edge = await start_edge(nursery)
+    started = trio.current_time()
     with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
         for i in range(50):
             async with http(edge) as client:
                 r = await client.get("/v1/node/link", headers=_upgrade("wrong-token", f"n{i}"))
             assert r.status_code == 401
+    seconds = trio.current_time() - started  # (a loaded machine takes more than one)
     lines = [e for e in logs if e["event"] == "node link refused: bad token"]
-    assert 1 <= len(lines) <= 3 and lines[0]["refused"] == 1, lines
+    assert 1 <= len(lines) <= seconds + 2 and len(lines) < 25 and lines[0]["refused"] == 1, (seconds, lines)
