@@ -1254,6 +1254,8 @@ async def test_a_schema_whose_check_explodes_is_a_400_and_the_edge_goes_on(sim_e
                 (_ref_dag(18), "takes longer than 0.25 s to check"),
                 ({"type": "object", "properties": {"a": {"pattern": "(?:a{3000}){1000}"}}}, "counted repeats"),
                 ({"type": "object", "patternProperties": {"(": {}}}, "regex"),
+                # (a parenthesis in a verbose-mode comment hid the outer repeat from the weighing)
+                ({"type": "object", "properties": {"a": {"pattern": "(?x)(a{1000} # )\n){1000}"}}}, "verbose"),
             ):
                 body = {"model": "m", "messages": USER, "tools": [_tool(parameters)], "max_tokens": 2}
                 r, _ = await _healthz_while(sim_edge, client.post("/v1/chat/completions", json=body))

@@ -260,6 +260,8 @@ class PatternProblem(Exception):
 
 @functools.lru_cache(maxsize=64)
 def _compiled(pattern: str, flags: int = 0):
+    if _UNWEIGHABLE.search(pattern):
+        raise PatternProblem("inline verbose mode and `regex`'s version 1 are not taken (JSON Schema's are ECMA-262's)")
     weight = _repeat_weight(pattern)
     if weight > MAX_PATTERN_REPEATS:
         raise PatternProblem(f"its counted repeats expand to {weight} (at most {MAX_PATTERN_REPEATS})")
@@ -270,12 +272,17 @@ def _compiled(pattern: str, flags: int = 0):
 
 
 _QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
+# Inline flags under which the weighing below cannot read a pattern: verbose mode (a comment may
+# hold a parenthesis) and `regex`'s version 1 (sets inside sets). JSON Schema's patterns are
+# ECMA-262's, which has neither.
+_UNWEIGHABLE = re.compile(r"\(\?[a-zA-Z0-9^-]*(?:x|V1)")
 
 
 def _repeat_weight(pattern: str) -> int:
     """The sum, over a pattern's atoms, of the product of the counted repeats
     (``{m,n}``: n; ``{m,}``: m) that apply to them: what compiling expands.
-    Conservative: alternatives add up; an escape or a class is one atom."""
+    Conservative: alternatives add up; an escape or a class is one atom
+    (not so under :data:`_UNWEIGHABLE`'s flags)."""
     sums = [0]  # per open group: the weight of what it holds so far
     last = 0  # the weight of the atom just before (a quantifier multiplies it)
     i, n = 0, len(pattern)
