@@ -215,6 +215,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 value = getattr(m, name)
                 if value is not None and value < 0:
                     raise ConfigError(f"models[{i}].{name}: must not be negative")
+            # (a special token is a few characters: one of 500 made every request to its model a 500)
+            if len(m.sentinels) > 256 or any(not 0 < len(t) <= 64 for t in m.sentinels):
+                raise ConfigError(f"models[{i}].sentinels: at most 256, each 1 to 64 characters")
             if m.max_tool_attempts is not None and not 1 <= m.max_tool_attempts <= MAX_TOOL_ATTEMPTS:
                 raise ConfigError(f"models[{i}].max_tool_attempts: between 1 and {MAX_TOOL_ATTEMPTS}")
             # (both were accepted and did nothing without it: a forgotten strict_output went unseen)

@@ -398,3 +398,12 @@ def test_cost_model_says_when_a_run_measured_no_cpu():
     assert "0.0 µs per token" in line and "too little CPU measured" in line
     line = verdict([(2000.0, 3.0), (2000.0, 4.0)], (3000.0, 1000.0))
     assert "27.0 µs per token, of which 20.0 is per-request work spread over the stream (74%)" in line
+
+
+def test_a_sentinel_longer_than_a_special_token_is_a_config_error(tmp_path):
+    """A `sentinels` entry of 500 characters started and made every request to its model a 500
+    (the filter's pattern is a trie, a level a character): 1 to 64 characters, one line at start."""
+    cfg = write_toml(tmp_path / "edge.toml", {"node_token": TOKEN, "models": [{"name": "q", "sentinels": ["x" * 500]}]})
+    line = _one_line_failure(["edge", "--config", cfg])
+    assert line == f"iop: {cfg}: models[0].sentinels: at most 256, each 1 to 64 characters"
+    assert convert({"models": [{"name": "q", "sentinels": ["<|eot|>"]}]}, EdgeConfig).models[0]

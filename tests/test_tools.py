@@ -871,3 +871,33 @@ async def test_arguments_wrong_everywhere_are_refused_without_weighing_every_err
             r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 502 and r.json()["error"]["type"] == "tool_validation_error"
     assert "do not match its schema at a/" in r.json()["error"]["message"]
+
+
+async def test_large_honest_arguments_are_checked_in_a_thread_and_reach_the_client(tooled):
+    """A call of 3,000 rows (about 170 KB of arguments) is checked off the event loop, with time
+    for it, live and buffered: the SDK gets the call (on the loop, within a moment's budget, it
+    counted as not checkable and was retried away)."""
+    edge, upstream = tooled
+    row = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}}, "required": ["id"]}
+    rows = {
+        "type": "function",
+        "function": {
+            "name": "insert_rows",
+            "parameters": {"type": "object", "properties": {"rows": {"type": "array", "items": row}}},
+        },
+    }
+    arguments = json.dumps({"rows": [{"id": i, "name": f"row number {i}"} for i in range(3000)]})
+    call = {
+        "tool_calls": [
+            {"index": 0, "id": "c1", "type": "function", "function": {"name": "insert_rows", "arguments": arguments}}
+        ]
+    }
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for name in ("live", "native"):
+                upstream.records.clear()
+                upstream.script_for("t", steps(call, finish="tool_calls"))
+                stream = await client.chat.completions.create(model=name, messages=MESSAGES, tools=[rows], stream=True)
+                got = [tc for c in [c async for c in stream] if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+                assert [json.loads(tc.function.arguments)["rows"][2999]["id"] for tc in got] == [2999], name
+                assert len(upstream.records) == 1, name  # no retry

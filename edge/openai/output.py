@@ -26,7 +26,7 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
-from edge.openai.tools import LIVE_CHECK_S, ToolTextFilter, parse_text_tool_calls, with_ids
+from edge.openai.tools import INLINE_PATTERN_S, NeedsTime, ToolTextFilter, parse_text_tool_calls, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
     TOOL_VALIDATION_ERROR,
@@ -316,6 +316,10 @@ class LiveEncoder:
 
     keep_alive = KEEPALIVE  # written each keepalive_s the run shows nothing
     again = False  # set at the end of a run another run follows on this stream (a tool retry)
+    check_later: tuple | None = None  # set at an end whose closing bytes await :meth:`checked_end`
+
+    async def checked_end(self) -> bytes:
+        raise NotImplementedError
 
     def __init__(self, turn: Turn, run: Run) -> None:
         self.turn = turn
@@ -439,9 +443,7 @@ class LiveStream(LiveEncoder):
         sent = any(not text.isspace() for text in self.emitted)
         mark = len(self.out)  # what this end adds to ``out`` (a retry drops it)
         usage = self.turn.usage_of(self.run, event)
-        shaper = self.shaper
-        shaper.finish()
-        enc = self.enc
+        self.shaper.finish()
         finish_reason = event.finish_reason or "stop"
         cut_off = finish_reason == "length"  # by max_tokens: what was produced goes out as it is
         calls = with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None
@@ -457,11 +459,36 @@ class LiveStream(LiveEncoder):
                     return self._invalid(parsed.error, calls, parsed.content, sent, mark)
             else:
                 self._emit_content(self.tool_filter.flush())
-        if self.turn.contract is not None and not cut_off and not (event.refusal and not calls):
-            # (within the loop's share of the patterns' time: a live stream's end is not awaited)
-            reason = self.turn.contract.validate(calls, LIVE_CHECK_S)
+        contract = self.turn.contract
+        if contract is not None and not cut_off and not (event.refusal and not calls):
+            try:  # on the loop for a moment; past it (or for large arguments) in a worker thread
+                if contract.needs_thread(calls):
+                    raise NeedsTime
+                reason = contract.validate(calls, INLINE_PATTERN_S, escalate=True)
+            except NeedsTime:
+                self.check_later = (event, calls, usage, sent, mark)  # (:meth:`checked_end`)
+                return b""
             if reason:
                 return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
+        return self._tail(event, calls, usage)
+
+    async def checked_end(self) -> bytes:
+        """The end :meth:`complete` left for its calls' check in a worker thread."""
+        contract = self.turn.contract
+        assert self.check_later is not None
+        assert contract is not None
+        event, calls, usage, sent, mark = self.check_later
+        self.check_later = None
+        reason = await contract.check_in_thread(calls)
+        if reason:
+            return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
+        return self._tail(event, calls, usage)
+
+    def _tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
+        """The closing bytes of a run that ended well: a refusal, the calls, the finish, the usage."""
+        enc = self.enc
+        shaper = self.shaper
+        finish_reason = event.finish_reason or "stop"
         calls = self.turn.calls_to_send(calls)
         tail: list[bytes] = []
         if event.refusal:
@@ -720,6 +747,8 @@ async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
                 out.append(live.keep_alive)
             else:
                 end = live.feed(batch)
+                if end is not None and live.check_later is not None:
+                    end = await live.checked_end()
                 if end is not None:
                     out.append(end)
                 if not out:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+import re._constants as sre
+import re._parser as sre_parse
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import jsonschema
@@ -214,11 +216,20 @@ async def _off_loop(fn: Callable[[], T], lane: str) -> T:
 # against 1,000 items, 18 s (an outside audit).
 PATTERN_BUDGET_S = 0.25
 INLINE_PATTERN_S = 0.01
-LIVE_CHECK_S = 0.05  # a live stream's calls, checked at its end on the event loop (no thread to go to)
-# A pattern's counted repeats are expanded when `regex` compiles it: (?:a{3000}){1000} took
-# 0.9 s and 800 MB to compile (no timeout covers it). The sum, over a pattern's repeated
-# atoms, of the product of the counts around them is bounded; compiled patterns are the
-# edge's own cache's, not the module's (500 of them, each up to this bound's size).
+# In a worker thread the keywords' checks get longer than the patterns: large honest arguments
+# (3,000 rows of a table) take 0.2-0.3 s, and the loop goes on meanwhile. Arguments past
+# INLINE_ARGS_BYTES go there at once (one keyword's check, timed only as it starts, can be long).
+CHECK_BUDGET_S = 2.0
+INLINE_ARGS_BYTES = 64 * 1024
+# A schema checked against its draft's metaschema, in a worker thread: linear in its size,
+# which MAX_SCHEMA_NODES bounds (8,000 properties: 1.6 s here).
+METASCHEMA_BUDGET_S = 10.0
+# A pattern's counted repeats are expanded when `regex` compiles it (their lower bounds):
+# (?:a{3000}){1000} took 0.9 s and 800 MB to compile (no timeout covers it). The sum, over
+# a pattern's atoms, of the product of the lower bounds around them is bounded, read from
+# Python's own parse of the pattern (comments and verbose mode as Python reads them: a
+# parenthesis or a bracket in a comment misled a reading by hand); compiled patterns are
+# the edge's own cache's, not the module's (500 of them, each up to this bound's size).
 MAX_PATTERN_REPEATS = 10_000
 # The errors of one call's arguments weighed for the one the model is told about: a node's
 # 290 KB of arguments wrong everywhere made 20,001 errors, 1.7-2 s of the event loop each call.
@@ -230,7 +241,7 @@ class PatternTimeout(Exception):
     """A validation (its patterns, or any of its checks) took longer than its budget."""
 
 
-class _NeedsTime(Exception):
+class NeedsTime(Exception):
     """A validation's patterns took past :data:`INLINE_PATTERN_S` on the event loop."""
 
 
@@ -258,82 +269,53 @@ class PatternProblem(Exception):
     """A schema's pattern that the edge does not compile (invalid, or its repeats too large)."""
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def _compiled(pattern: str, flags: int = 0):
-    if _UNWEIGHABLE.search(pattern):
-        raise PatternProblem("inline verbose mode and `regex`'s version 1 are not taken (JSON Schema's are ECMA-262's)")
-    weight = _repeat_weight(pattern)
-    if weight > MAX_PATTERN_REPEATS:
-        raise PatternProblem(f"its counted repeats expand to {weight} (at most {MAX_PATTERN_REPEATS})")
+    check_pattern(pattern)
     try:
         return regex.compile(pattern, flags, cache_pattern=False)
-    except (regex.error, ValueError, OverflowError) as e:
-        raise PatternProblem(f"it is not a regular expression: {e}") from None
+    except (regex.error, ValueError, OverflowError, RecursionError) as e:
+        raise PatternProblem(f"it is not a regular expression: {_cut(str(e), 200)}") from None
 
 
-_QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
-# Inline flags under which the weighing below cannot read a pattern: verbose mode (a comment may
-# hold a parenthesis) and `regex`'s version 1 (sets inside sets). JSON Schema's patterns are
-# ECMA-262's, which has neither.
-_UNWEIGHABLE = re.compile(r"\(\?[a-zA-Z0-9^-]*(?:x|V1)")
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 
 
-def _repeat_weight(pattern: str) -> int:
-    """The sum, over a pattern's atoms, of the product of the counted repeats
-    (``{m,n}``: n; ``{m,}``: m) that apply to them: what compiling expands.
-    Conservative: alternatives add up; an escape or a class is one atom
-    (not so under :data:`_UNWEIGHABLE`'s flags)."""
-    sums = [0]  # per open group: the weight of what it holds so far
-    last = 0  # the weight of the atom just before (a quantifier multiplies it)
-    i, n = 0, len(pattern)
-    while i < n:
-        ch = pattern[i]
-        found = _QUANTIFIER.match(pattern, i) if ch == "{" else None
-        if found is not None and (found.group(1) or found.group(2)):
-            low, high = found.group(1), found.group(2)
-            count = min(int(high or low), 10**9)
-            sums[-1] += last * (count - 1)
-            last *= count
-            i = found.end()
-            continue
-        if ch == "(":
-            sums.append(0)
-            i += 1
-            continue
-        if ch == ")":
-            last = sums.pop() if len(sums) > 1 else 0
-            sums[-1] += last
-            i += 1
-            continue
-        if ch in "|*+?^$":
-            i += 1
-            continue
-        if ch == "\\":
-            i += 2
-            if pattern[i - 1 : i] in ("p", "P", "x", "N") and pattern[i : i + 1] == "{":  # \p{..}, \x{..}
-                close = pattern.find("}", i)
-                i = n if close < 0 else close + 1
-        elif ch == "[":
-            i += 1
-            if pattern[i : i + 1] == "^":
-                i += 1
-            if pattern[i : i + 1] == "]":
-                i += 1
-            while i < n and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-            i += 1
-        else:
-            i += 1
-        sums[-1] += 1
-        last = 1
-    return sum(sums)
+def check_pattern(pattern: str) -> None:
+    """Raises :class:`PatternProblem` if Python cannot read ``pattern`` or its
+    counted repeats expand past :data:`MAX_PATTERN_REPEATS`."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError) as e:
+        raise PatternProblem(f"it is not a regular expression: {_cut(str(e), 200)}") from None
+    weight = 0
+    stack = [(parsed, 1)]
+    while stack:  # (iteratively: each node once, with the product of the repeats around it)
+        items, times = stack.pop()
+        for op, arg in items:
+            if op in _REPEATS:
+                stack.append((arg[2], min(times * max(arg[0], 1), 10**12)))
+            elif op is sre.SUBPATTERN:
+                stack.append((arg[3], times))
+            elif op is sre.BRANCH:
+                stack.extend((branch, times) for branch in arg[1])
+            elif op in (sre.ASSERT, sre.ASSERT_NOT):
+                stack.append((arg[1], times))
+            elif op is sre.ATOMIC_GROUP:
+                stack.append((arg, times))
+            elif op is sre.GROUPREF_EXISTS:
+                stack.extend((branch, times) for branch in arg[1:] if branch is not None)
+            else:
+                weight += times
+        if weight > MAX_PATTERN_REPEATS:
+            raise PatternProblem(f"its counted repeats expand past {MAX_PATTERN_REPEATS}")
 
 
 def _timed(check: Callable) -> Callable:
     """A jsonschema keyword's check that first looks at the validation's deadline."""
 
     def timed(validator, value, instance, schema):
-        end = getattr(_deadline, "at", None)
+        end = getattr(_deadline, "checks_at", None)
         if end is not None and time.monotonic() > end:
             raise PatternTimeout
         return check(validator, value, instance, schema)
@@ -422,21 +404,40 @@ _NO_RETRIEVAL = referencing.Registry(retrieve=_no_retrieval)
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
 
 
-@functools.lru_cache(maxsize=512)
 def _validator(schema_json: str):
-    """A compiled validator whose references resolve inside the schema only.
-    Raises :class:`SchemaProblem` (not a schema; a reference that leaves the
-    schema or does not resolve; references that loop without end)."""
+    """A compiled validator whose references resolve inside the schema only
+    (:func:`_build_validator`), cached when its text is at most
+    :data:`THREAD_SCHEMA_BYTES` (a 7 MB schema's validator held 31-45 MB:
+    512 of them, gigabytes)."""
+    if len(schema_json) <= THREAD_SCHEMA_BYTES:
+        return _cached_validator(schema_json)
+    return _build_validator(schema_json)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_validator(schema_json: str):
+    return _build_validator(schema_json)
+
+
+def _build_validator(schema_json: str):
+    """Raises :class:`SchemaProblem` (not a schema; a reference that leaves the
+    schema or does not resolve; references that loop without end; a pattern
+    Python cannot read or that expands too far), or :class:`PatternTimeout`
+    past the phase's deadline (:class:`_phase`): the metaschema's check,
+    then the patterns and a first check of an empty object."""
     schema = msgspec.json.decode(schema_json)
     if not isinstance(schema, dict):
         raise SchemaProblem("it must be a JSON object")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
-        cls.check_schema(schema)  # (linear in the schema's size, which MAX_SCHEMA_NODES bounds: not timed)
-    except jsonschema.SchemaError as e:
-        raise SchemaProblem(f"it is not a valid JSON Schema: {e.message}") from None
+        with _phase(METASCHEMA_BUDGET_S):
+            # (no format checks: the draft's `regex` format compiled every pattern with Python's re,
+            # untimed: 2,500 full-range classes under (?i) took 17 s; patterns are read below)
+            error = jsonschema.exceptions.best_match(_timed_class(cls)(cls.META_SCHEMA).iter_errors(schema))
     except RecursionError:
         raise SchemaProblem("it is nested too deeply") from None
+    if error is not None:
+        raise SchemaProblem(f"it is not a valid JSON Schema: {_cut(error.message, 500)}")
     spec = referencing.jsonschema.specification_with(
         cls.META_SCHEMA.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
     )
@@ -450,24 +451,25 @@ def _validator(schema_json: str):
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             ) from None
-    for where, pattern in _patterns(schema):
-        try:
-            _compiled(pattern)
-        except PatternProblem as e:
-            raise SchemaProblem(f"its {where} `{_cut(pattern, 100)}` cannot be used: {e}") from None
     validator = _timed_class(cls)(schema, registry=registry)
-    try:  # (PatternTimeout past the caller's compile budget goes to the caller)
-        with _pattern_deadline(getattr(_deadline, "compile_budget", None)):
+    with _phase(PATTERN_BUDGET_S):
+        for where, pattern in _patterns(schema):
+            _past_deadline()
+            try:
+                check_pattern(pattern)
+            except PatternProblem as e:
+                raise SchemaProblem(f"its {where} `{_cut(pattern, 100)}` cannot be used: {e}") from None
+        try:
             for _ in validator.iter_errors({}):
                 pass
-    except RecursionError:
-        raise SchemaProblem("its references loop without end") from None
-    except referencing.exceptions.Unresolvable as e:
-        raise SchemaProblem(f"a reference does not resolve: {e}") from None
-    except PatternProblem as e:
-        raise SchemaProblem(f"a pattern cannot be used: {e}") from None
-    except (ArithmeticError, ValueError, TypeError) as e:
-        raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
+        except RecursionError:
+            raise SchemaProblem("its references loop without end") from None
+        except referencing.exceptions.Unresolvable as e:
+            raise SchemaProblem(f"a reference does not resolve: {e}") from None
+        except PatternProblem as e:
+            raise SchemaProblem(f"a pattern cannot be used: {e}") from None
+        except (ArithmeticError, ValueError, TypeError) as e:
+            raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     return validator
 
 
@@ -490,40 +492,61 @@ def _patterns(schema: Any) -> list[tuple[str, str]]:
     return found
 
 
-def _compile_within_budget(schema: str) -> None:
+def _compile_within_budget(schema: str) -> Any:
+    """A validator, in a worker thread (each phase with its own budget)."""
     try:
-        _validator(schema)
+        return _validator(schema)
     except PatternTimeout:
-        raise SchemaProblem(f"it takes longer than {PATTERN_BUDGET_S:g} s to check") from None
+        raise SchemaProblem("it takes too long to check") from None
+
+
+def _past_deadline() -> None:
+    end = getattr(_deadline, "checks_at", None)
+    if end is not None and time.monotonic() > end:
+        raise PatternTimeout
 
 
 class _pattern_deadline:
-    """Every check of one validation, its patterns included, together within ``budget``
-    seconds (:data:`PATTERN_BUDGET_S` if None); the deadline around it comes back after."""
+    """One validation's patterns, together, within ``budget`` seconds
+    (:data:`PATTERN_BUDGET_S` if None), and its keywords' checks within
+    ``checks`` (``budget`` if None); the deadlines around it come back after."""
 
-    def __init__(self, budget: float | None = None) -> None:
+    def __init__(self, budget: float | None = None, checks: float | None = None) -> None:
         self.budget = PATTERN_BUDGET_S if budget is None else budget
-        self.outer: float | None = None
+        self.checks = self.budget if checks is None else checks
+        self.outer: tuple[float | None, float | None] = (None, None)
 
     def __enter__(self) -> None:
-        self.outer = getattr(_deadline, "at", None)
-        _deadline.at = time.monotonic() + self.budget
+        self.outer = (getattr(_deadline, "at", None), getattr(_deadline, "checks_at", None))
+        now = time.monotonic()
+        _deadline.at, _deadline.checks_at = now + self.budget, now + self.checks
 
     def __exit__(self, *_: object) -> None:
-        _deadline.at = self.outer
+        _deadline.at, _deadline.checks_at = self.outer
 
 
-class _compile_budget:
-    """A compile's first check (:func:`_validator`) within ``budget`` seconds, not the whole budget."""
+class _phase(_pattern_deadline):
+    """A phase of a compile within ``budget`` seconds; on the event loop
+    (:class:`_inline`), within what is left of the request's moment there."""
 
     def __init__(self, budget: float) -> None:
-        self.budget = budget
+        until = getattr(_deadline, "inline_until", None)
+        if until is not None:
+            budget = until - time.monotonic()
+        super().__init__(budget)
+
+
+class _inline:
+    """Compiles on the event loop, all of a request's within ``until`` (a monotonic time)."""
+
+    def __init__(self, until: float) -> None:
+        self.until = until
 
     def __enter__(self) -> None:
-        _deadline.compile_budget = self.budget
+        _deadline.inline_until = self.until
 
     def __exit__(self, *_: object) -> None:
-        _deadline.compile_budget = None
+        _deadline.inline_until = None
 
 
 def _refs(schema: Any) -> list[str]:
@@ -564,6 +587,7 @@ class ToolContract:
                 self.forced = name
                 self.required = True
         self.lane = ""  # the client's, for work off the event loop: set by check_request
+        self.validators: dict[str, Any] = {}  # by tool name: made by check_request
 
     async def check_request(self, req: ChatRequest, lane: str = "") -> str:
         """A problem with the request itself ("" if none). Every tool's schema
@@ -585,37 +609,53 @@ class ToolContract:
                 f"the tools' parameter schemas hold {sum(sizes.values())} objects and arrays in all; "
                 f"this edge takes at most {MAX_SCHEMA_NODES}"
             )
+        # On the event loop, all of the request's compiles within one moment (50 tools of 399
+        # nodes each, compiled one after the other, held it 5.8 s); the rest in a worker thread.
+        inline_until = time.monotonic() + INLINE_PATTERN_S
         for name, schema in self.schemas.items():
             if not schema:
                 continue
             try:
-                if sizes.get(name, 0) <= THREAD_SCHEMA_NODES and len(schema) <= THREAD_SCHEMA_BYTES:
+                small = sizes.get(name, 0) <= THREAD_SCHEMA_NODES and len(schema) <= THREAD_SCHEMA_BYTES
+                if small and time.monotonic() < inline_until:
                     try:
-                        with _compile_budget(INLINE_PATTERN_S):
-                            _validator(schema)
+                        with _inline(inline_until):
+                            self.validators[name] = _validator(schema)
                         continue
-                    except PatternTimeout:  # more than a moment: in a thread, with the whole budget
+                    except PatternTimeout:  # more than a moment: in a thread, with each phase's budget
                         pass
-                await _off_loop(functools.partial(_compile_within_budget, schema), lane)
+                self.validators[name] = await _off_loop(functools.partial(_compile_within_budget, schema), lane)
             except SchemaProblem as e:
                 return f"the parameters of tool `{name}` cannot be used: {e}"
         return ""
 
     async def check_calls(self, calls: list[ToolCall] | None) -> str:
-        """:meth:`validate`, on the event loop while the schemas' patterns take
-        :data:`INLINE_PATTERN_S` or less; past that, again in a worker thread
-        with the whole :data:`PATTERN_BUDGET_S`, in the client's lane (see
-        :meth:`check_request`)."""
-        try:
-            return self.validate(calls, INLINE_PATTERN_S, escalate=True)
-        except _NeedsTime:
-            return await _off_loop(functools.partial(self.validate, calls), self.lane)
+        """:meth:`validate`, on the event loop while it takes
+        :data:`INLINE_PATTERN_S` or less and the arguments are at most
+        :data:`INLINE_ARGS_BYTES`; else in a worker thread, the patterns
+        within :data:`PATTERN_BUDGET_S` and the checks :data:`CHECK_BUDGET_S`,
+        in the client's lane (see :meth:`check_request`)."""
+        if not self.needs_thread(calls):
+            try:
+                return self.validate(calls, INLINE_PATTERN_S, escalate=True)
+            except NeedsTime:
+                pass
+        return await self.check_in_thread(calls)
+
+    def check_in_thread(self, calls: list[ToolCall] | None) -> Awaitable[str]:
+        """:meth:`validate` in a worker thread, with the whole budgets."""
+        return _off_loop(functools.partial(self.validate, calls, None), self.lane)
+
+    def needs_thread(self, calls: list[ToolCall] | None) -> bool:
+        """Arguments too large to check on the event loop (one keyword's check on
+        them can be long: unevaluatedProperties over 600,000 keys, 3.6 s)."""
+        return any(len(call.function.arguments) > INLINE_ARGS_BYTES for call in calls or ())
 
     def validate(self, calls: list[ToolCall] | None, budget: float | None = None, escalate: bool = False) -> str:
-        """Why this turn's calls are invalid ("" if they are fine). The schemas'
-        patterns get ``budget`` seconds (:data:`PATTERN_BUDGET_S` if None); past
-        it the arguments are not checkable, or with ``escalate``
-        :class:`_NeedsTime` is raised."""
+        """Why this turn's calls are invalid ("" if they are fine). The check gets
+        ``budget`` seconds (if None, its patterns :data:`PATTERN_BUDGET_S` and
+        its keywords :data:`CHECK_BUDGET_S`); past it the arguments are not
+        checkable, or with ``escalate`` :class:`NeedsTime` is raised."""
         calls = calls or []
         if self.none and calls:
             return f"tool_choice is none but the model called `{calls[0].function.name}`"
@@ -639,15 +679,18 @@ class ToolContract:
                 return f"the arguments of `{name}` must be a JSON object"
             schema = self.schemas[name]
             if schema:
+                validator = self.validators.get(name)
+                if validator is None:  # (check_request made them all)
+                    return f"the arguments of `{name}` could not be checked: its schema was not compiled"
                 try:
-                    with _pattern_deadline(budget):
-                        errors = itertools.islice(_validator(schema).iter_errors(args), MAX_ERRORS_WEIGHED)
+                    with _pattern_deadline(budget, CHECK_BUDGET_S if budget is None else budget):
+                        errors = itertools.islice(validator.iter_errors(args), MAX_ERRORS_WEIGHED)
                         error = jsonschema.exceptions.best_match(errors)
                 except (RecursionError, referencing.exceptions.Unresolvable):
                     return f"the arguments of `{name}` could not be checked: its schema loops on them"
                 except PatternTimeout:
                     if escalate:
-                        raise _NeedsTime from None
+                        raise NeedsTime from None
                     return f"the arguments of `{name}` could not be checked: its schema's checks take too long"
                 except (SchemaProblem, PatternProblem) as e:  # (a schema compiled again here)
                     return f"the arguments of `{name}` could not be checked: {e}"
