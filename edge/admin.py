@@ -265,7 +265,8 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
                 return error_response(409, f"A key {key_id!r} exists.", "key_exists")
             if len(edge.keys.by_id) >= _MAX_KEYS:
                 return error_response(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
-            await edge.ledger.put_key(key_id, sha, policy)
+            if not await edge.ledger.put_key(key_id, sha, policy):
+                return error_response(409, f"A key {key_id!r} exists (made on another edge).", "key_exists")
             edge.make_key(key_id, sha, policy)  # (an id revoked today goes on with its day's tokens)
         return json_response(201, {"id": key_id, "key": secret, "policy": policy})
 

@@ -88,11 +88,20 @@ class Edge:
         self._unreadable_keys: set[tuple[str, str]] = set()  # (id, policy) rows logged as unreadable
         self.day_at_start: tuple[int, dict[str, int]] = (0, {})  # the ledger's tokens today per id, at start
         if self.ledger is not None:
-            rows, stored, today = self.ledger.startup_state()
+            state = self.ledger.startup_state()
+            if state is None:
+                # Its keys unknown, the edge asks every client for a key until it has read them (it
+                # served requests with none while PostgreSQL was down: an outside re-audit).
+                self.keys.unread = True
+                log.warning("the ledger cannot be read: clients need a key until its keys are read")
+                state = ([], False, {})
+            rows, stored, today = state
             self.day_at_start = (int(time.time() // 86400), today)
-            self.apply_stored_keys(rows, stored)
+            if not self.keys.unread:
+                self.apply_stored_keys(rows, stored)
             self.ledger.on_keys = self.apply_stored_keys
             self.ledger.open = lambda: self.keys.open
+            self.ledger.unkeyed = lambda: not self.keys.ever
             for key_id, used in today.items():
                 key = self.keys.by_id.get(key_id)
                 if key is not None:  # (restored: what shared state may find in Redis already)
@@ -182,6 +191,7 @@ class Edge:
         run-time key not among them was revoked. ``stored``: the ledger holds
         a key, revoked or not (a revoked key still closes the edge). The
         config's keys win."""
+        self.keys.unread = False
         if stored:
             self.keys.ever = True
         live = set()

@@ -242,6 +242,7 @@ class Keys:
         self.by_hash: dict[str, Key] = {}
         self.by_id: dict[str, Key] = {}
         self.ever = False  # some key was configured or made (also: the ledger holds one, revoked or not)
+        self.unread = False  # the ledger's keys could not be read yet: a key is asked for meanwhile
         # Shared state (edge.shared_state): rpm/tpm levels are leased balances, not refilled here.
         self.shared = False
         self.on_settle: Callable[[Key], None] | None = None  # (shared state) a request of a key ended
@@ -294,7 +295,7 @@ class Keys:
 
     @property
     def open(self) -> bool:
-        return not self.ever
+        return not (self.ever or self.unread)
 
     def authenticate(self, authorization: bytes | None, x_api_key: bytes | None) -> Key | None:
         token = client_token(authorization, x_api_key)

@@ -216,6 +216,10 @@ class Ledger:
         # The edge's: whether it is open (no keys). A keyed edge's request without a key was
         # refused before any work (401, 405...): not recorded, or anyone could grow the database.
         self.open: Callable[[], bool] = lambda: True
+        # The edge's: whether it holds no key yet (a refresh then asks if the table holds any).
+        self.unkeyed: Callable[[], bool] = lambda: True
+        self._in_flight = 0  # records in a batch being written (or given up and not yet ended)
+        self.hung = False  # a call was given up and none has been done since
         try:
             self._keys.db = connect(target)
             self._schema_made = True
@@ -254,24 +258,45 @@ class Ledger:
                 _close(call.db, self._errors)
                 if call.orphan is not None:
                     call.orphan(call.done)
+        self.hung = False
         if not self.available:
             self.available = True
             log.info("ledger available again", ledger=self.where, pending=len(self._pending))
         return result
 
     async def _call(
-        self, fn: Callable[[Any], Any], line: _Line | None = None, orphan: Callable[[bool], None] | None = None
+        self,
+        fn: Callable[[Any], Any],
+        line: _Line | None = None,
+        orphan: Callable[[bool], None] | None = None,
+        *,
+        probe: bool = False,
     ) -> Any:
         """Run ``fn`` on ``line``'s connection (the keys' by default) in a worker
         thread; LedgerUnavailable if the database fails it, LedgerGaveUp if it
-        leaves it unanswered for :data:`CALL_TIMEOUT_S` (then, or if cancelled,
-        ``orphan(done)`` is called in the thread when the call ends)."""
+        leaves it unanswered for :data:`CALL_TIMEOUT_S`, its wait for the
+        connection included (then, or if cancelled, ``orphan(done)`` is called
+        in the thread when the call ends). While the database hangs (a call
+        given up, none done since), only a ``probe`` (the writer's and the key
+        refresh's calls) tries it: others fail at once (ten DELETEs against a
+        stopped server queued 15 s each)."""
+        if not probe and self.hung:
+            raise LedgerUnavailable("the database left the last call unanswered (it is tried again every 2 s)")
         line = line or self._keys
-        async with line.lock:
+        deadline = trio.current_time() + CALL_TIMEOUT_S
+        got = False
+        with trio.move_on_at(deadline):
+            await line.lock.acquire()
+            got = True
+        if not got:
+            self.hung = True
+            self._unavailable(TimeoutError(f"no turn on the connection in {CALL_TIMEOUT_S:g} s ({line.name})"))
+            raise LedgerGaveUp(f"the database did not answer in {CALL_TIMEOUT_S:g} s ({line.name})")
+        try:
             call = _Call(fn, line.db, orphan)
             line.db = None  # the call's until it ends
             try:
-                with trio.move_on_after(CALL_TIMEOUT_S):
+                with trio.move_on_at(deadline):
                     result = await trio.to_thread.run_sync(
                         self._run, call, abandon_on_cancel=True, limiter=self._threads
                     )
@@ -288,9 +313,12 @@ class Ledger:
                 self._give_up(call)
                 raise
             self._give_up(call)
+            self.hung = True
             error = TimeoutError(f"the database did not answer in {CALL_TIMEOUT_S:g} s ({line.name})")
             self._unavailable(error)
             raise LedgerGaveUp(str(error))
+        finally:
+            line.lock.release()
 
     def _give_up(self, call: _Call) -> None:
         with call.guard:  # (held by the thread only for a few assignments)
@@ -302,6 +330,10 @@ class Ledger:
         if call.orphan is not None:  # never started (waiting for a thread), or just ended
             call.orphan(call.done)
         _close(call.db, self._errors)  # the connection is nobody's now
+
+    def _fail_if_hung(self) -> None:
+        if self.hung:  # (before waiting for a batch of records the writer may be stuck on)
+            raise LedgerUnavailable("the database left the last call unanswered (it is tried again every 2 s)")
 
     # -- records -----------------------------------------------------------------
 
@@ -323,7 +355,8 @@ class Ledger:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Records not stored yet: queued, or in a batch being written."""
+        return len(self._pending) + self._in_flight
 
     async def flush(self) -> bool:
         """Store everything queued so far; False if the database failed (records kept)."""
@@ -360,40 +393,51 @@ class Ledger:
                     self.written += len(batch)
                 else:
                     self._pending.extendleft(reversed(batch))
+                self._in_flight -= len(batch)
 
+            self._in_flight += len(batch)
             try:
-                await self._call(write, self._records, ended)
+                await self._call(write, self._records, ended, probe=True)
             except LedgerGaveUp:
-                raise
-            except LedgerUnavailable:
+                raise  # (the batch is its thread's: ``ended`` says what became of it)
+            except BaseException:
+                self._in_flight -= len(batch)
                 self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
                 raise
+            self._in_flight -= len(batch)
             self.written += len(batch)
 
     async def run(self) -> None:
         """The writer: every :data:`FLUSH_EVERY_S`, or sooner when a batch is
         full; the key table every :data:`KEYS_REFRESH_S`. On the way out
         (shutdown) what is queued is stored, within 5 s."""
-        next_keys = trio.current_time() + KEYS_REFRESH_S
         try:
-            while True:
-                with trio.move_on_after(FLUSH_EVERY_S):
-                    await self._wake.wait()
-                self._wake = trio.Event()
-                await self.flush()
-                if self.on_keys is not None and trio.current_time() >= next_keys:
-                    next_keys = trio.current_time() + KEYS_REFRESH_S
-                    ask_any = self.open()  # (an edge with no key yet: is there one, revoked or not?)
-                    try:
-                        rows, stored = await self._call(functools.partial(_live_keys, ask_any=ask_any))
-                    except LedgerUnavailable:
-                        pass
-                    else:
-                        self.on_keys(rows, stored)
+            async with trio.open_nursery() as nursery:
+                # Its own task: a batch of records stuck on a locked table held another edge's
+                # revocation back 7.5 s here.
+                nursery.start_soon(self._refresh_keys)
+                while True:
+                    with trio.move_on_after(FLUSH_EVERY_S):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+                    await self.flush()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await self.flush()
             self.close()
+
+    async def _refresh_keys(self) -> None:
+        """The key table, every :data:`KEYS_REFRESH_S`, for the edge (``on_keys``)."""
+        while True:
+            await trio.sleep(KEYS_REFRESH_S)
+            if self.on_keys is None:
+                continue
+            ask_any = self.unkeyed()  # (an edge with no key yet: is there one, revoked or not?)
+            try:
+                rows, stored = await self._call(functools.partial(_live_keys, ask_any=ask_any), probe=True)
+            except LedgerUnavailable:
+                continue
+            self.on_keys(rows, stored)
 
     def close(self) -> None:
         for line in (self._records, self._keys, self._reads):
@@ -402,26 +446,31 @@ class Ledger:
 
     # -- queries -----------------------------------------------------------------
 
-    def startup_state(self) -> tuple[list[tuple], bool, dict[str, int]]:
+    def startup_state(self) -> tuple[list[tuple], bool, dict[str, int]] | None:
         """The stored keys not revoked, whether any key is stored (revoked
-        ones too), and today's tokens per key, read once at start (nothing
-        if the database is unreachable)."""
+        ones too), and today's tokens per key, read once at start; None if
+        the database cannot be read."""
         db = self._keys.db
         if db is None:
-            return [], False, {}
+            return None
         midnight = (time.time() // 86400) * 86400
-        keys, stored = _live_keys(db, True)
-        rows = db.execute(
-            self.dialect.sql(
-                "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
-            ),
-            (midnight,),
-        ).fetchall()
+        try:
+            keys, stored = _live_keys(db, True)
+            rows = db.execute(
+                self.dialect.sql(
+                    "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
+                ),
+                (midnight,),
+            ).fetchall()
+        except self._errors as e:
+            self._unavailable(e)
+            return None
         return keys, stored, {key: int(total or 0) for key, total in rows if key}
 
     async def usage(self, start: float | None, end: float | None, group_by: list[str]) -> list[dict[str, Any]]:
         """Usage rows (:func:`query_usage`), every record queued so far included: a
         database that cannot store them raises LedgerUnavailable rather than answer short."""
+        self._fail_if_hung()
         await self.store_pending()
         return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by), self._reads)
 
@@ -429,6 +478,7 @@ class Ledger:
         """Per key (every key, or ``key_id``'s alone, read by its index): (requests, prompt
         tokens, completion tokens) to date, every record queued so far included;
         LedgerUnavailable rather than short totals."""
+        self._fail_if_hung()
         await self.store_pending()
         sql = "SELECT key, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage"
         if key_id is not None:
@@ -444,13 +494,14 @@ class Ledger:
 
     # -- run-time keys -------------------------------------------------------------
 
-    async def put_key(self, key_id: str, sha256: str, policy: Any) -> None:
+    async def put_key(self, key_id: str, sha256: str, policy: Any) -> bool:
         data = msgspec.json.encode(policy).decode()
         sql = self.dialect.sql(
             "INSERT INTO keys VALUES (?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET policy = excluded.policy,"
-            " sha256 = excluded.sha256, revoked = NULL"
+            " sha256 = excluded.sha256, revoked = NULL WHERE keys.revoked IS NOT NULL"
         )
-        await self._call(lambda db: db.execute(sql, (key_id, sha256, data, time.time())))
+        # (False: another edge made a live key of this id since this one last read the table)
+        return await self._call(lambda db: db.execute(sql, (key_id, sha256, data, time.time())).rowcount > 0)
 
     async def change_key(self, key_id: str, sha256: str, policy: Any) -> bool:
         """Store a key's new policy; False if the key is revoked or gone (another request, or

@@ -704,10 +704,17 @@ async def test_a_postgresql_that_answers_nothing_is_503_in_bounded_time(nursery,
                     assert (await chat(c)).status_code == 200
                     assert await edge.edge.ledger.flush()
                     paused = postgres.pause()
-                    for refused in (await adm.delete("/v1/admin/keys/k"), await adm.get("/v1/admin/usage")):
-                        assert refused.status_code == 503, refused.text
-                        assert refused.json()["error"]["code"] == "ledger_unavailable"
-                    assert (await chat(c)).status_code == 200  # not revoked, and serving
+                    refused: list[httpx.Response] = []
+                    with trio.fail_after(BOUND / 2):  # (queued, ten took 15 s each, plus their connects)
+                        async with trio.open_nursery() as admins:
+                            for _ in range(10):
+                                admins.start_soon(lambda: _append(refused, adm.delete("/v1/admin/keys/k")))
+                            admins.start_soon(lambda: _append(refused, adm.get("/v1/admin/usage")))
+                    for r in refused:
+                        assert r.status_code == 503, r.text
+                        assert r.json()["error"]["code"] == "ledger_unavailable"
+                    async with client(edge, secret) as c2:
+                        assert (await chat(c2)).status_code == 200  # not revoked, and serving
                     for pid in paused:
                         os.kill(pid, signal.SIGCONT)
                     paused = []
@@ -722,3 +729,56 @@ async def test_a_postgresql_that_answers_nothing_is_503_in_bounded_time(nursery,
     finally:
         for pid in paused:
             os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_key_id_live_on_another_edge_is_not_made_again(nursery, postgres_url):  # noqa: F811
+    """A POST of an id another edge made a moment ago (before this edge read it) replaced that
+    key's secret and policy, the first secret refused everywhere: it is a 409, the key as it was."""
+    a = await pg_edge(nursery, postgres_url)
+    b = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND):
+        async with admin(a) as admin_a, admin(b) as admin_b:
+            secret = (await admin_a.post("/v1/admin/keys", json={"id": "carol"})).json()["key"]
+            again = await admin_b.post("/v1/admin/keys", json={"id": "carol", "rpm": 1000})
+            if "carol" not in b.edge.keys.by_id:  # (not read yet by b: the ledger's answer)
+                assert again.status_code == 409 and "another edge" in again.json()["error"]["message"], again.text
+            await eventually(lambda: "carol" in b.edge.keys.by_id, "edge b reads the key")
+        for edge in (a, b):
+            async with client(edge, secret) as c:
+                assert (await chat(c)).status_code == 200
+
+
+async def _append(into: list, request) -> None:
+    into.append(await request)
+
+
+async def test_an_edge_started_while_its_ledger_cannot_be_read_asks_for_a_key(nursery, postgres, postgres_url):  # noqa: F811
+    """An edge started while its PostgreSQL answered nothing served requests with no key for the
+    whole outage (its keys unknown, it counted as open). It asks for a key until it has read the
+    key table: then it is keyed as the table says (a ledger with no key: open)."""
+    import psycopg
+
+    first = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND * 2):
+        async with admin(first) as adm:
+            secret = (await adm.post("/v1/admin/keys", json={"id": "k"})).json()["key"]
+        empty = postgres_url.rsplit("/", 1)[0] + f"/t{time.monotonic_ns()}"
+        with psycopg.connect(postgres.url, autocommit=True) as db:
+            db.execute(f"CREATE DATABASE {empty.rsplit('/', 1)[1]}")
+        paused = postgres.pause()
+        try:
+            edges = [await pg_edge(nursery, url) for url in (postgres_url, empty)]  # (each waits out its connect)
+            for edge in edges:
+                async with client(edge, "sk-none") as c:
+                    assert (await chat(c)).status_code == 401
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+        keyed, opened = edges
+        await eventually(lambda: not keyed.edge.keys.unread and not opened.edge.keys.unread, "the keys read")
+        async with client(keyed, "sk-none") as c:
+            assert (await chat(c)).status_code == 401
+        async with client(keyed, secret) as c:
+            assert (await chat(c)).status_code == 200
+        async with client(opened, "sk-none") as c:
+            assert (await chat(c)).status_code == 200
