@@ -690,6 +690,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         app.add_background_task(edge.console.run)
         if edge.ledger is not None:
             app.add_background_task(edge.ledger.run)
+            app.add_background_task(edge.ledger.refresh_keys)
         if edge.shared is not None:
             app.add_background_task(edge.shared.run)
 

@@ -409,24 +409,22 @@ class Ledger:
 
     async def run(self) -> None:
         """The writer: every :data:`FLUSH_EVERY_S`, or sooner when a batch is
-        full; the key table every :data:`KEYS_REFRESH_S`. On the way out
-        (shutdown) what is queued is stored, within 5 s."""
+        full. On the way out (shutdown) what is queued is stored, within 5 s.
+        (The key table is read by :meth:`refresh_keys`, a task of its own: a
+        batch of records stuck on a locked table held another edge's
+        revocation back 7.5 s when one task did both.)"""
         try:
-            async with trio.open_nursery() as nursery:
-                # Its own task: a batch of records stuck on a locked table held another edge's
-                # revocation back 7.5 s here.
-                nursery.start_soon(self._refresh_keys)
-                while True:
-                    with trio.move_on_after(FLUSH_EVERY_S):
-                        await self._wake.wait()
-                    self._wake = trio.Event()
-                    await self.flush()
+            while True:
+                with trio.move_on_after(FLUSH_EVERY_S):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                await self.flush()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await self.flush()
             self.close()
 
-    async def _refresh_keys(self) -> None:
+    async def refresh_keys(self) -> None:
         """The key table, every :data:`KEYS_REFRESH_S`, for the edge (``on_keys``)."""
         while True:
             await trio.sleep(KEYS_REFRESH_S)
