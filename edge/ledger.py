@@ -275,8 +275,9 @@ class Ledger:
         """Run ``fn`` on ``line``'s connection (the keys' by default) in a worker
         thread; LedgerUnavailable if the database fails it, LedgerGaveUp if it
         leaves it unanswered for :data:`CALL_TIMEOUT_S`, its wait for the
-        connection included (then, or if cancelled, ``orphan(done)`` is called
-        in the thread when the call ends). While the database hangs (a call
+        connection included (then, or if cancelled, ``orphan(done)`` says
+        how it ended: once, in its thread when it ends, or at once if it
+        never ran). While the database hangs (a call
         given up, none done since), only a ``probe`` (the writer's and the key
         refresh's calls) tries it: others fail at once (ten DELETEs against a
         stopped server queued 15 s each)."""
@@ -285,10 +286,17 @@ class Ledger:
         line = line or self._keys
         deadline = trio.current_time() + CALL_TIMEOUT_S
         got = False
-        with trio.move_on_at(deadline):
-            await line.lock.acquire()
-            got = True
+        try:
+            with trio.move_on_at(deadline):
+                await line.lock.acquire()
+                got = True
+        except BaseException:  # cancelled waiting: nothing ran
+            if orphan is not None:
+                orphan(False)
+            raise
         if not got:
+            if orphan is not None:
+                orphan(False)
             self.hung = True
             self._unavailable(TimeoutError(f"no turn on the connection in {CALL_TIMEOUT_S:g} s ({line.name})"))
             raise LedgerGaveUp(f"the database did not answer in {CALL_TIMEOUT_S:g} s ({line.name})")
@@ -400,10 +408,11 @@ class Ledger:
                 await self._call(write, self._records, ended, probe=True)
             except LedgerGaveUp:
                 raise  # (the batch is its thread's: ``ended`` says what became of it)
-            except BaseException:
+            except LedgerUnavailable:
                 self._in_flight -= len(batch)
                 self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
                 raise
+            # (cancelled, ``ended`` says it too: a batch queued again here as well was stored twice)
             self._in_flight -= len(batch)
             self.written += len(batch)
 
