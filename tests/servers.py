@@ -66,10 +66,14 @@ class Postgres:
 
     def pause(self) -> list[int]:
         """Stop every process of the server (SIGSTOP): it answers nothing, its sockets stay open."""
-        pids = self.pids()
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        return pids
+        stopped = []
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:  # a backend that ended meanwhile (a connection just closed)
+                continue
+            stopped.append(pid)
+        return stopped
 
     def close(self) -> None:
         try:
