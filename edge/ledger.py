@@ -281,8 +281,8 @@ class Ledger:
         given up, none done since), only a ``probe`` (the writer's and the key
         refresh's calls) tries it: others fail at once (ten DELETEs against a
         stopped server queued 15 s each)."""
-        if not probe and self.hung:
-            raise LedgerUnavailable("the database left the last call unanswered (it is tried again every 2 s)")
+        if not probe:
+            self._fail_if_hung()
         line = line or self._keys
         deadline = trio.current_time() + CALL_TIMEOUT_S
         got = False

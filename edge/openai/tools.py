@@ -315,9 +315,7 @@ def _timed(check: Callable) -> Callable:
     """A jsonschema keyword's check that first looks at the validation's deadline."""
 
     def timed(validator, value, instance, schema):
-        end = getattr(_deadline, "checks_at", None)
-        if end is not None and time.monotonic() > end:
-            raise PatternTimeout
+        _past_deadline()
         return check(validator, value, instance, schema)
 
     return timed
@@ -501,6 +499,7 @@ def _compile_within_budget(schema: str) -> Any:
 
 
 def _past_deadline() -> None:
+    """PatternTimeout once the current check's deadline (its keywords') has passed."""
     end = getattr(_deadline, "checks_at", None)
     if end is not None and time.monotonic() > end:
         raise PatternTimeout
