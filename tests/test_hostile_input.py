@@ -731,6 +731,33 @@ async def test_a_large_tool_schema_compiles_off_the_event_loop(sim_edge):
     assert f"at most {MAX_SCHEMA_NODES}" in err["message"]
 
 
+async def test_the_names_a_schema_lists_count_toward_its_size(sim_edge):
+    """A `required` list is checked name by name against the metaschema (9 µs each): 490,000
+    names in one schema (5 MB, under the body limit) held the one compile slot 4-6 s, every
+    other client's large schema waiting behind it. Listed names now count toward
+    MAX_SCHEMA_NODES, as objects and arrays do, also where a property named `enum` tries to pass
+    for data; an honest schema requiring its 5,000 properties is served."""
+    from edge.openai.tools import MAX_SCHEMA_NODES
+
+    names = [f"p{i}" for i in range(490_000)]
+
+    def tool(parameters: dict) -> list[dict]:
+        return [{"type": "function", "function": {"name": "t", "parameters": parameters}}]
+
+    huge = {"type": "object", "properties": {"p0": {"type": "string"}}, "required": names}
+    hidden = {"type": "object", "properties": {"enum": {"type": "object", "required": names}}}
+    honest = _wide_tool(5000, "p")["function"]["parameters"] | {"required": names[:5000]}
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            for parameters in (huge, hidden):
+                body = {"model": "m", "messages": USER, "tools": tool(parameters), "max_tokens": 2}
+                err = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400, param="tools")
+                assert f"at most {MAX_SCHEMA_NODES}" in err["message"] and "`required`" in err["message"], err
+            body = {"model": "m", "messages": USER, "tools": tool(honest), "max_tokens": 2}
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
 async def test_one_clients_large_schemas_wait_their_turn_in_its_own_lane(nursery, tmp_path):
     """Large compiles run one at a time; a client's wait in that queue is its own. Key `a`
     sends four schemas of 3,000 properties at once, then key `b` one of 500: `b` waits for
