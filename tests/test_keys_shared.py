@@ -791,3 +791,40 @@ async def test_an_edge_started_while_its_ledger_cannot_be_read_asks_for_a_key(nu
             assert (await chat(c)).status_code == 200
         async with client(opened, "sk-none") as c:
             assert (await chat(c)).status_code == 200
+
+
+async def test_a_revocation_applies_while_this_edges_records_wait_on_a_locked_table(nursery, postgres_url):  # noqa: F811
+    """Edge a's batch of records waits on a `usage` table locked by another session (a long
+    report, a migration): a key revoked on edge b still stops working on a within a few
+    seconds (one task did both: the revocation waited behind the batch, 7.5-15 s), and every
+    request served is stored once the lock goes."""
+    import psycopg
+
+    a = await pg_edge(nursery, postgres_url)
+    b = await pg_edge(nursery, postgres_url)
+    locker = await trio.to_thread.run_sync(psycopg.connect, postgres_url)
+    served = 0
+    try:
+        with trio.fail_after(BOUND * 2):
+            async with admin(a) as admin_a, admin(b) as admin_b, client(a, "") as c:
+                secret = (await admin_a.post("/v1/admin/keys", json={"id": "k"})).json()["key"]
+                c.headers["authorization"] = f"Bearer {secret}"
+                assert (await chat(c)).status_code == 200
+                assert await a.edge.ledger.flush()
+                await eventually(lambda: "k" in b.edge.keys.by_id, "edge b reads the key")
+                await trio.to_thread.run_sync(locker.execute, "LOCK TABLE usage IN ACCESS EXCLUSIVE MODE")
+                assert (await chat(c)).status_code == 200
+                await eventually(lambda: a.edge.ledger._in_flight, "a's batch waits on the lock")
+                assert (await admin_b.delete("/v1/admin/keys/k")).status_code == 200
+                with trio.fail_after(8):  # (the refresh runs every 2 s; the batch waits 15 s before it is given up)
+                    while (r := await chat(c)).status_code == 200:
+                        served += 1
+                        await trio.sleep(0.2)
+                assert r.status_code == 401, r.text
+                await trio.to_thread.run_sync(locker.rollback)
+                ledger = a.edge.ledger
+                await eventually(lambda: not ledger.pending, "the records stored")
+                rows = (await admin_a.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
+    finally:
+        await trio.to_thread.run_sync(locker.close)
+    assert [(row["key"], row["requests"]) for row in rows] == [("k", 2 + served)]
