@@ -253,6 +253,7 @@ class SharedState:
         self.edge_id = edge_id
         self.up = False
         self.failures = 0
+        self._heard = 0.0  # time.monotonic() of Redis's last answer to a round
         # (key id, day) -> (the epoch, its day_used added to Redis so far in that epoch)
         self._reported: dict[tuple[str, int], tuple[bytes, int]] = {}
         self._reported_day: dict[str, int] = {}  # key id -> the day of its one entry in _reported
@@ -429,10 +430,15 @@ class SharedState:
             if adds is not None or flight is not None:
                 counters.append((key.id, key.day, adds, flight))
         if not plan and not counters:
-            if not self.up:  # (nothing to write: Redis must still answer before it counts as back)
+            # Nothing to write: Redis must still answer before it counts as back, and is asked
+            # every REFRESH_S while up (with only rpm/tpm keys at rest, iop_shared_state_up read 1
+            # for as long as Redis was gone, until a request found it so).
+            if not self.up or now - self._heard >= REFRESH_S:
                 await trio.to_thread.run_sync(self.client.ping)
+                self._heard = time.monotonic()
             return
         granted, totals = await trio.to_thread.run_sync(self._exchange, plan, counters)
+        self._heard = time.monotonic()
         self._credit(plan, granted)
         for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)
@@ -516,10 +522,10 @@ class SharedState:
                             return None if want.failed else want.answered
                         promised = budget  # (borrow gave its promise back: this request keeps it)
                         key.budget_promised += promised
+                    if want.failed:  # (Redis failed it: judged by this edge's own view, now Redis is down)
+                        return None
                     if not need_slot or want.got_slot:
                         return True
-                    if want.failed:
-                        return None
                     answered = True
                     # None free: a request on another edge may end any moment (its slot comes back
                     # as it does): ask again, within BORROW_S, before refusing.
@@ -601,8 +607,11 @@ class SharedState:
 
         try:
             results = await trio.to_thread.run_sync(take, abandon_on_cancel=True)
-        except (self._redis_error, OSError) as e:  # the lease round finds Redis down, and says so
-            log.debug("borrow failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+        except (self._redis_error, OSError) as e:
+            # Down from now on (the next round's answer brings it back): the requests waiting are
+            # judged by this edge's own view, as with Redis down, not by the slice it holds (a key
+            # with 54 of rpm 60 left was refused when Redis died, until the next round said so).
+            self._down(e)
             for want in borrowing.wants:
                 want.failed = True
             return

@@ -828,3 +828,42 @@ async def test_a_revocation_applies_while_this_edges_records_wait_on_a_locked_ta
     finally:
         await trio.to_thread.run_sync(locker.close)
     assert [(row["key"], row["requests"]) for row in rows] == [("k", 2 + served)]
+
+
+async def test_a_request_that_finds_redis_gone_is_judged_by_the_edges_own_view(nursery, redis_server, tmp_path):  # noqa: F811
+    """Redis dies between two requests of a key well under its rpm: the next request's borrow
+    fails, and it is judged as with Redis down (this edge's view of the key's minute), not by
+    the slice this edge held (it was a 429 with 54 of 60 left, until a lease round noticed)."""
+    keys = [KeyConfig(id="k", key="sk-k", rpm=60)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    with trio.fail_after(BOUND * 2):
+        await eventually(lambda: edge.edge.keys.by_id["k"].req_level >= 1, "the first lease")
+        async with client(edge, "sk-k") as c:
+            for _ in range(5):
+                assert (await chat(c)).status_code == 200
+            await trio.to_thread.run_sync(redis_server.stop)
+            r = await chat(c)
+    assert r.status_code == 200, r.text
+    assert not edge.edge.shared.up
+
+
+async def test_redis_gone_while_no_request_comes_is_seen(nursery, redis_server, tmp_path):  # noqa: F811
+    """With only rpm/tpm keys and no traffic, a round had nothing to write and never asked
+    Redis: iop_shared_state_up read 1 for as long as Redis was gone. It is asked every
+    REFRESH_S now, and the metric reads 0 within seconds."""
+    keys = [KeyConfig(id="k", key="sk-k", rpm=60, tpm=100_000)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+
+    async def up(c: httpx.AsyncClient) -> str:
+        metrics = (await c.get("/metrics")).text
+        return next(line.split()[-1] for line in metrics.splitlines() if line.startswith("iop_shared_state_up"))
+
+    with trio.fail_after(BOUND * 2):
+        key = edge.edge.keys.by_id["k"]
+        await eventually(lambda: key.req_level >= 1 and key.tok_level >= 1, "the first lease")
+        async with admin(edge) as adm:
+            assert await up(adm) == "1.0"
+            await trio.to_thread.run_sync(redis_server.stop)
+            with trio.fail_after(8):  # (REFRESH_S is 1 s, a Redis call's timeout 1 s)
+                while await up(adm) != "0.0":
+                    await trio.sleep(0.1)
