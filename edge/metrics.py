@@ -58,7 +58,7 @@ class EdgeMetrics:
         self.usage_estimated = Counter(
             "iop_usage_estimated",
             "Responses whose usage holds counts the edge estimated (the upstream reported none)",
-            ["model"],
+            ["api", "model"],
             registry=r,
         )
         self.runs_in_flight = Gauge("iop_runs_in_flight", "Runs dispatched to nodes and not yet closed", registry=r)
@@ -70,7 +70,7 @@ class EdgeMetrics:
         self.queue_time = Histogram(
             "iop_queue_time_seconds",
             "Time spent waiting for a node slot, however the wait ended (a slot, a timeout, the client leaving)",
-            ["model"],
+            ["api", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -84,14 +84,14 @@ class EdgeMetrics:
         self.tpot = Histogram(
             "iop_inter_token_latency_seconds",
             "Inter-token latency: each run's mean gap between events, observed once per run",
-            ["model"],
+            ["api", "model"],
             buckets=ITL_BUCKETS,
             registry=r,
         )
         self.run_duration = Histogram(
             "iop_e2e_request_latency_seconds",
             "Run duration, dispatch to close",
-            ["model"],
+            ["api", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -99,13 +99,13 @@ class EdgeMetrics:
         self.cancels = Counter(
             "iop_run_cancels",
             "Runs cancelled on the node, by cause (client_gone, timeout, node_lost, ...)",
-            ["cause"],
+            ["api", "cause"],
             registry=r,
         )
         self.tool_retries = Counter(
             "iop_tool_validation_retries",
             "Runs retried because their tool calls failed validation",
-            ["model"],
+            ["api", "model"],
             registry=r,
         )
         self.node_stalls = Counter(
@@ -159,8 +159,8 @@ class EdgeMetrics:
         runs.on_run_closed.append(self.observe_run)
         runs.on_queue_wait.append(self.observe_queue_wait)
 
-    def observe_queue_wait(self, model: str, seconds: float) -> None:
-        self.queue_time.labels(self.model_label(model)).observe(seconds)
+    def observe_queue_wait(self, model: str, api: str, seconds: float) -> None:
+        self.queue_time.labels(api, self.model_label(model)).observe(seconds)
 
     def model_label(self, model: object) -> str:
         """The ``model`` label for a requested name: the name itself if it is
@@ -194,13 +194,13 @@ class EdgeMetrics:
         cause = run.cause or "unknown"
         api = run.api or "unknown"
         self.run_ends.labels(api, model, cause).inc()
-        self.run_duration.labels(model).observe(now - run.started_at)
+        self.run_duration.labels(api, model).observe(now - run.started_at)
         if run.first_event_at is not None:
             self.ttft.labels(api, model).observe(run.first_event_at - run.started_at)
             if run.deltas_seen > 1:
-                self.tpot.labels(model).observe((run.last_event_at - run.first_event_at) / (run.deltas_seen - 1))
+                self.tpot.labels(api, model).observe((run.last_event_at - run.first_event_at) / (run.deltas_seen - 1))
         if cause not in ("complete", "run_error"):
-            self.cancels.labels(cause).inc()
+            self.cancels.labels(api, cause).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -280,7 +280,7 @@ async def test_usage_without_upstream_numbers_is_estimated_and_marked(first):
     lines = [e for e in logs if e["event"] == "request"]
     assert [e["usage_estimated"] for e in lines] == [True, True, False]
     assert [e["completion_tokens"] for e in lines] == [3, 3, 2]
-    assert 'iop_usage_estimated_total{model="m"} 2.0' in metrics
+    assert 'iop_usage_estimated_total{api="chat",model="m"} 2.0' in metrics
 
 
 async def test_a_stream_its_client_left_logs_the_tokens_it_is_charged(first):
@@ -304,7 +304,7 @@ async def test_a_stream_its_client_left_logs_the_tokens_it_is_charged(first):
             metrics = (await client.get("/metrics")).text
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["cause"] == "client_gone" and line["usage_estimated"] is True
-    assert 'iop_usage_estimated_total{model="m"} 1.0' in metrics
+    assert 'iop_usage_estimated_total{api="chat",model="m"} 1.0' in metrics
     assert line["prompt_tokens"] == len("hi") // 4 + 4 and line["completion_tokens"] >= 5, line
 
 

@@ -224,11 +224,15 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
     assert 'iop_requests_total{api="messages",model="m",outcome="complete"} 1.0' in text  # the front door, labelled
     assert 'iop_requests_total{api="responses",model="m",outcome="complete"} 1.0' in text
     assert 'iop_runs_ended_total{api="messages",cause="complete",model="m"} 1.0' in text
-    assert 'iop_run_cancels_total{cause="client_gone"} 1.0' in text
+    assert 'iop_run_cancels_total{api="chat",cause="client_gone"} 1.0' in text
     assert "iop_runs_in_flight 0.0" in text and "iop_nodes_linked 1.0" in text
     assert 'iop_time_to_first_token_seconds_count{api="chat",model="m"}' in text
     assert 'iop_time_to_first_token_seconds_count{api="responses",model="m"}' in text
-    assert 'iop_queue_time_seconds_count{model="m"}' in text
+    # Every run's histograms and counters say which API it came through (Messages and Responses too).
+    for api in ("chat", "messages", "responses"):
+        assert f'iop_queue_time_seconds_count{{api="{api}",model="m"}}' in text
+        assert f'iop_e2e_request_latency_seconds_count{{api="{api}",model="m"}}' in text
+    assert 'iop_inter_token_latency_seconds_count{api="messages",model="m"}' in text
 
 
 async def test_queue_time_counts_every_wait_however_it_ended(nursery, upstream):
@@ -274,8 +278,8 @@ async def test_queue_time_counts_every_wait_however_it_ended(nursery, upstream):
         async with http(edge) as client:
             text = (await client.get("/metrics")).text
     assert statuses == [429, 429]
-    count = re.search(r'iop_queue_time_seconds_count\{model="m"\} (\S+)', text)
-    total = re.search(r'iop_queue_time_seconds_sum\{model="m"\} (\S+)', text)
+    count = re.search(r'iop_queue_time_seconds_count\{api="chat",model="m"\} (\S+)', text)
+    total = re.search(r'iop_queue_time_seconds_sum\{api="chat",model="m"\} (\S+)', text)
     assert count is not None and total is not None, text
     assert float(count.group(1)) == 4.0  # the holder (0 s), two timeouts (0.3 s each), the one that left
     assert float(total.group(1)) >= 0.6 + 0.09

@@ -331,7 +331,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         prompt = completion = 0
         estimated = False
     if estimated:  # as the access line, the ledger and the key have it
-        metrics.usage_estimated.labels(model).inc()
+        metrics.usage_estimated.labels(api, model).inc()
     if access.earlier != (0, 0):  # the runs a tool retry replaced: their tokens were spent too
         prompt, completion = prompt + access.earlier[0], completion + access.earlier[1]
     if not (is_token_count(prompt) and is_token_count(completion)):  # (never, from a run: a last guard for the ledger)

@@ -209,7 +209,7 @@ class Turn:
         self.usage = None
         failed_run = self.last_run.id if self.last_run else ""
         metrics = self.edge.metrics
-        metrics.tool_retries.labels(metrics.model_label(self.req.model)).inc()
+        metrics.tool_retries.labels(self.ex.api, metrics.model_label(self.req.model)).inc()
         why = {"reason": reason} if trace_enabled(self.metadata) else {}  # (as in invalid_at_last)
         log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, **why)
         metadata = {**self.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}

@@ -221,9 +221,9 @@ class RunService:
         # Called with (how, matched prefix blocks) each time a node is chosen
         # for a request; ``how`` is one of PLACEMENTS.
         self.on_placed: list[Callable[[str, int], None]] = []
-        # (model, seconds) for every request given a slot or that waited in a queue, however its wait
+        # (model, api, seconds) for every request given a slot or that waited in a queue, however its wait
         # ended (a slot, the queue's timeout, an operator's cancel, the client leaving)
-        self.on_queue_wait: list[Callable[[str, float], None]] = []
+        self.on_queue_wait: list[Callable[[str, str, float], None]] = []
         self._placed: tuple[str, int] = ("least_loaded", 0)  # set by _pick, read by the _reserve after it
         self._wanted: str | None = None  # set by _pick: the busy node it would rather wait for
         # Called with True (placed on the node it waited for) or False (elsewhere, the wait
@@ -753,7 +753,7 @@ class RunService:
         if not queue and not self._moved.get(model):
             link = self._pick(want, wait_until=wait_until)
             if link is not None:
-                self._waited(model, 0.0)
+                self._waited(model, client, 0.0)
                 return self._reserve(link, want)
             wanted = self._wanted
         max_queue, timeout_ms = self._queue_bounds(model)
@@ -762,7 +762,7 @@ class RunService:
             if wanted is not None:  # no room to wait for its prefix's node: a free one after all
                 link = self._pick(want)
                 if link is not None:
-                    self._waited(model, 0.0)
+                    self._waited(model, client, 0.0)
                     return self._reserve(link, want)
             raise errors.queue_rejected(model, "queue is full", retry_after)
         waiter = _Waiter(want, wait_until=wait_until, client=client)
@@ -781,7 +781,7 @@ class RunService:
                 await waiter.event.wait()
             waited = True
         finally:
-            self._waited(model, trio.current_time() - now)
+            self._waited(model, client, trio.current_time() - now)
             if not waited:
                 # Cancelled (the client left): give back a slot handed over
                 # in the same instant, or leave the queue.
@@ -808,9 +808,10 @@ class RunService:
             )
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
 
-    def _waited(self, model: str, seconds: float) -> None:
+    def _waited(self, model: str, client: Any, seconds: float) -> None:
+        api = getattr(client, "api", None) or "unknown"  # (the request's front door, for the metrics)
         for hook in self.on_queue_wait:
-            hook(model, seconds)
+            hook(model, api, seconds)
 
     def queued(self) -> list[_Waiter]:
         """Every request waiting for a slot (not moved runs): ``want.model``,
