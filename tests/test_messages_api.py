@@ -459,6 +459,26 @@ async def test_claude_code_shaped_request_over_http(setup):
     assert line["api"] == "messages" and line["status"] == 200 and line["route"] == "/v1/messages"
 
 
+async def test_a_tool_choice_naming_a_server_tool_is_auto(setup):
+    """`tool_choice` naming a server tool that `tools` lists beside model tools: the server tool is
+    left out, so the choice is `auto` (it was a 400 saying the tool was not in `tools`); naming a
+    model tool still forces it."""
+    edge, upstream = setup
+    call = steps(*native_call("call_1", "get_weather", '{"city": "Paris"}'), finish="tool_calls")
+    upstream.script_for(
+        "t", lambda body: call if isinstance(body.get("tool_choice"), dict) else steps({"content": "ok"})
+    )
+    tools = [WEATHER, {"type": "web_search_20250305", "name": "web_search"}]
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            for name in ("web_search", "get_weather"):
+                await client.messages.create(
+                    model="m", max_tokens=8, messages=USER, tools=tools, tool_choice={"type": "tool", "name": name}
+                )
+    choices = [record.body["tool_choice"] for record in upstream.records]
+    assert choices == ["auto", {"type": "function", "function": {"name": "get_weather"}}]
+
+
 async def test_error_after_the_stream_started_is_an_error_event(nursery, upstream):
     """A run that fails after its first event ends the stream with `event: error`; the SDK raises it."""
     edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))

@@ -303,16 +303,20 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
     return functions, server
 
 
-def _tool_choice(choice: dict[str, Any], body: dict[str, Any]) -> None:
+def _tool_choice(choice: dict[str, Any], body: dict[str, Any], server: list[str]) -> None:
     kind = choice.get("type")
+    name = choice.get("name")
     if kind == "auto":
         body["tool_choice"] = "auto"
     elif kind == "any":
         body["tool_choice"] = "required"
     elif kind == "none":
         body["tool_choice"] = "none"
-    elif kind == "tool" and isinstance(choice.get("name"), str):
-        body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind == "tool" and isinstance(name, str):
+        if name in server and all(f["function"]["name"] != name for f in body["tools"]):
+            body["tool_choice"] = "auto"  # (a server tool, left out with its kind: the model answers as it will)
+        else:
+            body["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:
         raise _bad("Invalid value for `tool_choice`: expected auto, any, none or tool with a name.", "tool_choice")
     if choice.get("disable_parallel_tool_use") is True:
@@ -418,7 +422,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if functions:
             body["tools"] = functions
             if req.tool_choice is not None:
-                _tool_choice(req.tool_choice, body)
+                _tool_choice(req.tool_choice, body, server)
     fmt = (req.output_config or {}).get("format")
     fmt = req.output_format if fmt is None else fmt
     if fmt is not None:
