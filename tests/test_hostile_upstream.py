@@ -137,6 +137,23 @@ async def test_a_tool_call_flood_ends_the_run_early(stack):
     assert upstream.records[0].aborted_at is not None  # the node closed the model server's stream
 
 
+async def test_one_chunk_of_many_call_fragments_is_refused_at_once(stack):
+    """One chunk listing 60,000 call fragments (180 KB): each fragment looked for the largest
+    call so far, 28 s of the node's event loop, and the edge closed the node's link (no frame
+    for 15 s), failing every run on it. The run fails at once past 1,024 calls; the node's
+    link stays and another model's stream on it completes."""
+    edge, upstream, node = stack
+    link = edge.edge.runs.links["n1"]
+    for fragments in ([{}] * 60_000, [{"index": 0, "id": f"i{i}", "function": {"name": "f"}} for i in range(60_000)]):
+        upstream.script_for("b", [("chunk", {"tool_calls": fragments}), ("hang",)])
+        with trio.fail_after(BOUND):
+            async with http(edge) as client:
+                r, calm = await chat(client), await chat(client, "calm", max_tokens=4)
+        assert r.status_code == 502 and "passed 1024 calls" in r.json()["error"]["message"], r.text
+        assert calm.status_code == 200, calm.text
+    assert edge.edge.runs.links["n1"] is link  # never closed
+
+
 async def test_oversized_events_and_errors_are_bounded_messages(stack):
     """One event past the parser's 8 MiB was a node traceback ("adapter failed") and a
     message about a node bug; a 3 MB error in an error chunk reached the client whole.
