@@ -147,6 +147,10 @@ async def test_a_model_servers_error_never_carries_the_nodes_api_key(nursery, up
         [("status", 500, said)],
         [("chunk", {"content": "partial "}), ("raw", b"data: " + said + b"\n\n")],
         [("status", 500, b"x" * 4090 + secret.encode() + b" was refused")],  # not JSON: its text, cut at 4096
+        # Not JSON, 3 bytes a character, the key across the first bytes read (4,096 and the key's
+        # length) or across an error event's 8,192 bytes: cut in bytes, then found by nothing.
+        [("status", 400, b"12" + "€".encode() * 1365 + secret.encode() + b" refused")],
+        [("chunk", {"content": "partial "}), ("raw", b"error: " + "€".encode() * 2725 + secret.encode() + b"\n\n")],
     ]
     bodies = []
     with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
@@ -162,7 +166,7 @@ async def test_a_model_servers_error_never_carries_the_nodes_api_key(nursery, up
     assert upstream.records[0].headers["authorization"] == f"Bearer {secret}"  # (the key the node sends)
     assert all(secret[:6].encode() not in b for b in bodies)  # (not even the part before a cut)
     listed = [e.message for e in edge.edge.console.errors]  # the console's recent run errors
-    assert len(listed) == 8 and not any(secret[:6] in m for m in listed), listed
+    assert len(listed) == 12 and not any(secret[:6] in m for m in listed), listed
     assert all(secret[:6] not in str(e) for e in logs)
     assert relayed.status_code == 500 and len(relayed.content) == len(said)
     assert relayed.json()["error"]["message"] == "Incorrect API key provided: " + "*" * len(secret) + "."

@@ -425,7 +425,7 @@ class _Relay:
         if isinstance(code, str) and len(code) == 3 and code.isdigit():  # ("400": some servers quote it)
             code = int(code)
         status = code if code.__class__ is int and 400 <= code <= 599 else 0
-        said = _unkey(_said(error), self.key)[:_MAX_ERROR_BODY].strip() if error is not None else ""
+        said = _unkey_cut(_said(error), self.key).strip() if error is not None else ""
         self._fail(
             f"{failure}, status {status}" if status else failure,
             f"upstream error: {said}" if said and said != "None" else _NO_MESSAGE,
@@ -542,6 +542,18 @@ def _unkey(text: str, key: str | None) -> str:
     return text
 
 
+def _unkey_cut(text: str, key: str | None, limit: int = _MAX_ERROR_BODY) -> str:
+    """:func:`_unkey`, then at most ``limit`` characters, less an end that begins the key:
+    a text already cut in bytes (a body's first bytes, an event's) can end inside the key,
+    where no replacement finds it (34 of a key's 35 characters reached a client)."""
+    text = _unkey(text, key)[:limit]
+    if key and len(key) >= _MIN_SECRET:
+        for n in range(min(len(key) - 1, len(text)), 3, -1):
+            if text.endswith(key[:n]):
+                return text[:-n]
+    return text
+
+
 class _Masked:
     """An error status's body, relayed byte for byte but for the node's api_key, which
     becomes as many ``*`` (its length kept, so is the body's): the bytes that could be the
@@ -576,7 +588,7 @@ async def _error_text(response: http1.Response, key: str | None) -> str:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and parsed["error"].get("message"):
         message = _said(parsed["error"])
-    return f"upstream returned {response.status}: {_unkey(message, key)[:_MAX_ERROR_BODY]}"
+    return f"upstream returned {response.status}: {_unkey_cut(message, key)}"
 
 
 def _error_of(payload: bytes) -> Any:
