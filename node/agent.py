@@ -325,6 +325,7 @@ class EdgeLink:
                     if scope is not None:
                         scope.cancel()
                         self._uncount(run_id)
+                        self.outbox.drop_run(run_id)  # (the edge no longer has it)
                     else:  # overtook its run on the wire (cancels go ahead of requests)
                         self._early[run_id] = None
                         if len(self._early) > _EARLY_CANCELS:

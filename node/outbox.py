@@ -107,7 +107,7 @@ class Outbox:
         self._hints: deque[Placed] = deque(maxlen=MAX_HINTS)
         self._bytes = 0  # estimated, of the pending events and tunnel frames
         self._busy = False  # the sender holds frames it has not sent yet
-        self.generation = 0  # counts take()s: an event queued in this generation is still pending
+        self.generation = 0  # counts take()s and drop_run()s: an event queued in this generation is still pending
         self._wakeup = trio.lowlevel.ParkingLot()  # the sender waits here
         self._progress = trio.lowlevel.ParkingLot()  # producers and flushed() wait here
 
@@ -168,6 +168,22 @@ class Outbox:
         self._sizes[index] += extra
         self._bytes += extra
         return True
+
+    def drop_run(self, run_id: str) -> None:
+        """Forget the pending events of a run the edge cancelled: they would reach the edge as
+        events of a run it no longer has (a flood of one-character deltas left 4,096 of them
+        queued, and the edge closed the link for them, failing every other run on it). Joins
+        start afresh (the pending list's positions moved)."""
+        events = self._events
+        if not any(e.run_id == run_id for e in events):
+            return
+        kept = [i for i, e in enumerate(events) if e.run_id != run_id]
+        sizes = self._sizes
+        self._bytes -= sum(sizes) - sum(sizes[i] for i in kept)
+        self._events = [events[i] for i in kept]
+        self._sizes = [sizes[i] for i in kept]
+        self.generation += 1
+        self._progress.unpark_all()
 
     def has_room(self) -> bool:
         return len(self._events) + len(self._tunnel) < self._max_items and self._bytes < self._max_bytes

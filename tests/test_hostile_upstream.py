@@ -154,6 +154,43 @@ async def test_one_chunk_of_many_call_fragments_is_refused_at_once(stack):
     assert edge.edge.runs.links["n1"] is link  # never closed
 
 
+async def test_clients_leaving_a_flood_of_tiny_deltas_leave_the_link_up(stack):
+    """A model server sends one-character deltas, content and reasoning in turn (nothing joins),
+    as fast as it can; eight clients leave. What the node still had queued for their runs reached
+    the edge after its cancels, past the allowance for them: the edge closed the link as a flood,
+    failing a stream of another model on the node. The node drops a cancelled run's queued events,
+    and the edge allows for what an honest node has on the way; the link stays, the bystander
+    completes."""
+    edge, upstream, node = stack
+    link = edge.edge.runs.links["n1"]
+    burst = b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"%s":"x"}}]}\n\n' % (b"content" if i % 2 else b"reasoning_content")
+        for i in range(2000)
+    )
+    upstream.script_for("b", [("raw", burst)] * 2000)
+    with trio.fail_after(BOUND * 2):
+        async with http(edge) as client, trio.open_nursery() as nursery:
+            calm: list[bytes] = []
+
+            async def bystander() -> None:
+                body = {"model": "calm", "messages": USER, "stream": True}
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    calm.append(b"".join([part async for part in r.aiter_bytes()]))
+
+            async def leaver() -> None:
+                body = {"model": "bad", "messages": USER, "stream": True}
+                with trio.move_on_after(1.0):
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+
+            nursery.start_soon(bystander)
+            for _ in range(8):
+                nursery.start_soon(leaver)
+    assert b"data: [DONE]" in calm[0] and b'"error"' not in calm[0], calm[0][-300:]
+    assert edge.edge.runs.links.get("n1") is link  # never closed
+
+
 async def test_oversized_events_and_errors_are_bounded_messages(stack):
     """One event past the parser's 8 MiB was a node traceback ("adapter failed") and a
     message about a node bug; a 3 MB error in an error chunk reached the client whole.

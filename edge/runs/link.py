@@ -42,7 +42,7 @@ _EJECT_BACKOFF_S = (1.0, 30.0)
 # each run this edge cancelled on the node (up to STRAY_MOST in hand); past that it is closed.
 STRAY_EVENTS = 10_000
 STRAY_WINDOW_S = 10.0
-STRAY_PER_CANCEL = 1024
+STRAY_PER_CANCEL = 8192  # a node's outbox holds 4,096 events by default, and more are on the wire
 STRAY_MOST = 1_000_000
 
 
