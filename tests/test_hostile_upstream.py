@@ -252,3 +252,22 @@ async def test_an_answer_that_never_says_done_completes(stack):
             r = await chat(client)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "whole" and r.json()["usage"]["total_tokens"] == 5
+
+
+async def test_after_its_finish_an_answer_takes_only_its_usage(stack):
+    """After the chunk that finished the answer: content the server goes on sending is not
+    relayed (4.8 MB of it reached a client in the 2 s the rest of a stream has), and a chunk
+    that cannot be read (a usage of 1e400) ends the stream; it failed an answer the client
+    already had with a 502."""
+    edge, upstream, _ = stack
+    more = [("chunk", {"content": "MORE"})] * 100
+    unreadable = b'data: {"choices":[],"usage":{"prompt_tokens":1e400}}\n\n'
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), *more, ("done",)])
+            after = await chat(client)
+            upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("raw", unreadable), ("hang",)])
+            unread = await chat(client, stream=True)
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "whole", after.text
+    assert unread.status_code == 200 and b'"content":"whole"' in unread.content, unread.text
+    assert b'"error"' not in unread.content and unread.content.endswith(b"data: [DONE]\n\n"), unread.text[-300:]

@@ -339,7 +339,9 @@ class _Relay:
                 try:
                     chunk = _decode_chunk(payload)
                 except _UNDECODABLE as e:
-                    done = payload.strip() == b"[DONE]"  # "data: [DONE] " is done too
+                    # "data: [DONE] " is done too; so is what cannot be read after the answer finished
+                    # (a usage of 1e400 failed an answer the client already had)
+                    done = payload.strip() == b"[DONE]" or bool(self.finish_reason)
                     problem = e
             if done:
                 if texts:
@@ -360,6 +362,8 @@ class _Relay:
                 return False
             if chunk.usage is not None:
                 self.usage = _usage(chunk.usage)
+            if self.finish_reason:  # finished: only its usage, [DONE] or an error may follow
+                continue
             for choice in chunk.choices or ():
                 if choice.index != 0:
                     continue
