@@ -174,11 +174,10 @@ class Outbox:
         events of a run it no longer has (a flood of one-character deltas left 4,096 of them
         queued, and the edge closed the link for them, failing every other run on it). Joins
         start afresh (the pending list's positions moved)."""
-        events = self._events
-        if not any(e.run_id == run_id for e in events):
-            return
+        events, sizes = self._events, self._sizes
         kept = [i for i, e in enumerate(events) if e.run_id != run_id]
-        sizes = self._sizes
+        if len(kept) == len(events):
+            return
         self._bytes -= sum(sizes) - sum(sizes[i] for i in kept)
         self._events = [events[i] for i in kept]
         self._sizes = [sizes[i] for i in kept]
