@@ -549,7 +549,7 @@ tricky_json = st.recursive(
 def test_depth_check_counts_only_brackets_outside_strings(value, indent, ascii_only):
     """The byte-level depth check agrees with the decoded value's depth, whatever brackets, quotes and
     backslashes its strings hold and however it is encoded."""
-    from edge.openai.jsonbody import nested_deeper_than
+    from proto.jsoncost import nested_deeper_than
 
     body = json.dumps(value, indent=indent, ensure_ascii=ascii_only).encode()
     depth = json_depth(value)

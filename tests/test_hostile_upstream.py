@@ -144,12 +144,17 @@ async def test_one_chunk_of_many_call_fragments_is_refused_at_once(stack):
     link stays and another model's stream on it completes."""
     edge, upstream, node = stack
     link = edge.edge.runs.links["n1"]
-    for fragments in ([{}] * 60_000, [{"index": 0, "id": f"i{i}", "function": {"name": "f"}} for i in range(60_000)]):
+    named = [{"index": 0, "id": f"i{i}", "function": {"name": "f"}} for i in range(60_000)]
+    for fragments, why in (
+        ([{}] * 60_000, "passed 1024 calls"),
+        (named, "more than 65536 JSON objects and arrays"),  # 120,000 of them: not decoded at all
+        (named[:30_000], "passed 1024 calls"),
+    ):
         upstream.script_for("b", [("chunk", {"tool_calls": fragments}), ("hang",)])
         with trio.fail_after(BOUND):
             async with http(edge) as client:
                 r, calm = await chat(client), await chat(client, "calm", max_tokens=4)
-        assert r.status_code == 502 and "passed 1024 calls" in r.json()["error"]["message"], r.text
+        assert r.status_code == 502 and why in r.json()["error"]["message"], r.text
         assert calm.status_code == 200, calm.text
     assert edge.edge.runs.links["n1"] is link  # never closed
 
@@ -271,3 +276,36 @@ async def test_after_its_finish_an_answer_takes_only_its_usage(stack):
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "whole", after.text
     assert unread.status_code == 200 and b'"content":"whole"' in unread.content, unread.text
     assert b'"error"' not in unread.content and unread.content.endswith(b"data: [DONE]\n\n"), unread.text[-300:]
+
+
+async def test_a_chunk_of_millions_of_values_is_not_decoded(stack):
+    """One event of ``{"choices":[{},{},…]}`` (7 MiB, 2.4 million empty choices) took the node
+    about 265 MB and held its loop 0.3-0.65 s while it was decoded, then read as an empty answer.
+    A chunk, usage or error event holding more values than any chunk is not decoded: the run
+    fails naming why, and another model's stream on the node completes. An honest chunk of
+    7 MiB of text full of brackets and commas is served whole."""
+    edge, upstream, _ = stack
+    link = edge.edge.runs.links["n1"]
+    many = b",".join([b"{}"] * ((7 << 20) // 3))
+    floods = {
+        b'data: {"choices":[' + many + b"]}\n\n": "more than 65536 JSON objects and arrays",
+        b'data: {"usage":{"prompt_tokens_details":[' + b",".join([b"1"] * (3 << 20)) + b"]}}\n\n": (
+            "more than 262144 JSON values"
+        ),
+    }
+    text = "a, {b}, [c]; " * 500_000  # 6.5 MB: 1.5 million of each, inside one string
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for flood, why in floods.items():
+                upstream.script_for("b", [("raw", flood), ("hang",)])
+                r, calm = await chat(client), await chat(client, "calm", max_tokens=4)
+                assert r.status_code == 502 and why in r.json()["error"]["message"], r.text[:300]
+                assert calm.status_code == 200, calm.text
+            upstream.script_for("b", [("raw", b'event: error\ndata: {"message":[' + many + b"]}\n\n"), ("hang",)])
+            loud = await chat(client)
+            upstream.script_for("b", [("chunk", {"content": text}, "stop"), ("done",)])
+            honest = await chat(client)
+    # the error event's text, as it came (not decoded into millions of objects and printed back)
+    assert loud.status_code == 502 and loud.json()["error"]["message"].startswith('upstream error: {"message":[{},')
+    assert honest.status_code == 200 and honest.json()["choices"][0]["message"]["content"] == text
+    assert edge.edge.runs.links["n1"] is link  # never closed

@@ -1,8 +1,10 @@
 """A client's JSON body decoded at a cost bounded by its size.
 
-Two things in valid JSON cost far more than their bytes, and both are
-checked here with byte operations that run in C (``bytes.translate``,
-``replace``, ``count``, one regex), never a Python loop per value:
+Some things in valid JSON cost far more than their bytes. Each is checked
+before decoding with byte operations that run in C (``bytes.translate``,
+``replace``, ``count``, one regex), never a Python loop per value; the
+counting is :mod:`proto.jsoncost`, which the node uses on a model server's
+chunks too:
 
 - Nesting. msgspec decodes ~1,000 levels before a ``RecursionError``, and
   what comes after it on the request path (msgpack for the run frame, JSON
@@ -31,12 +33,11 @@ checked here with byte operations that run in C (``bytes.translate``,
 from __future__ import annotations
 
 import math
-import re
-from array import array
-from itertools import accumulate
 from typing import Any
 
 import msgspec
+
+from proto import jsoncost
 
 MAX_JSON_DEPTH = 64
 # Far past a real request: 2,048 messages of 10,000 parts, tool schemas of 20,000 nodes in all.
@@ -44,59 +45,14 @@ MAX_JSON_CONTAINERS = 250_000
 # Values of any kind: 25-40 MB decoded at most (a prompt of 500,000 token ids is one too many).
 MAX_JSON_VALUES = 500_000
 
-# -- nesting ---------------------------------------------------------------------
-
-_STRUCTURAL = b'"[]{}'
-_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in _STRUCTURAL)
-_STRING = re.compile(rb'"[^"]*"')
-_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
-
-
-def _brackets(body: bytes, dropped: bytes = _NOT_STRUCTURAL) -> bytes:
-    """The brackets of the JSON text ``body`` (valid JSON) outside its strings, in order
-    (with its commas too, when ``dropped`` keeps them)."""
-    s = body
-    if b"\\" in s:
-        # Drop escaped backslashes, then escaped quotes: what is left of a
-        # string is its quotes and any brackets inside it.
-        s = s.replace(b"\\\\", b"").replace(b'\\"', b"")
-    s = s.translate(None, dropped)
-    # Quotes now alternate open/close: dropping two adjacent ones keeps every
-    # bracket on its side of a string; the regex removes the strings left.
-    return _STRING.sub(b"", s.replace(b'""', b""))
-
-
-def nested_deeper_than(body: bytes, limit: int) -> bool:
-    """Whether the JSON text ``body`` (valid JSON) nests arrays and objects
-    more than ``limit`` levels deep."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
-    s = _brackets(body)
-    if len(s) <= limit:
-        return False
-    return max(accumulate(array("b", s.translate(_STEP))), default=0) > limit
-
-
-_VALUE_MARKS = b'"[]{},'
-_NOT_VALUE_MARKS = bytes(b for b in range(256) if b not in _VALUE_MARKS)
-
 
 def too_large(body: bytes) -> str | None:
     """Why the JSON text ``body`` would cost far more decoded than its size, or None:
     more than :data:`MAX_JSON_CONTAINERS` arrays and objects (each 60-120 bytes
     decoded, against 2 of text), or more than about :data:`MAX_JSON_VALUES` values
-    (its commas and containers, one more than the values at most), counted outside
-    its strings in one pass over the text, and only when the raw counts pass them."""
-    containers = body.count(b"[") + body.count(b"{")
-    if containers <= MAX_JSON_CONTAINERS and containers + body.count(b",") < MAX_JSON_VALUES:
-        return None
-    s = _brackets(body, _NOT_VALUE_MARKS)
-    containers = s.count(b"[") + s.count(b"{")
-    if containers > MAX_JSON_CONTAINERS:
-        return f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays."
-    if containers + s.count(b",") >= MAX_JSON_VALUES:
-        return f"The request body holds more than {MAX_JSON_VALUES} JSON values."
-    return None
+    (see :func:`proto.jsoncost.past`)."""
+    why = jsoncost.past(body, MAX_JSON_CONTAINERS, MAX_JSON_VALUES)
+    return f"The request body holds {why}." if why else None
 
 
 # -- floats ----------------------------------------------------------------------

@@ -9,14 +9,10 @@ from typing import Any
 import msgspec
 
 from edge import errors
-from edge.openai.jsonbody import (
-    MAX_JSON_DEPTH,
-    decode_json,
-    nested_deeper_than,
-    too_large,
-)
+from edge.openai.jsonbody import MAX_JSON_DEPTH, decode_json, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
 from edge.runs.placement import prefix_chain
+from proto.jsoncost import nested_deeper_than
 
 
 def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:

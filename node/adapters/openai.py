@@ -21,7 +21,7 @@ from node import http1
 from node.adapters import Counters, Sink
 from node.adapters.sse import ErrorEvent, EventTooLarge, SSEParser
 from node.config import ModelConfig
-from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage
+from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage, jsoncost
 from proto.frames import MAX_TOKEN_COUNT, MAX_TOOL_CALLS, is_token_count
 
 
@@ -106,6 +106,13 @@ _MAX_TOOL_BYTES = 8 * 1024 * 1024
 # A refusal is held whole until the end (it travels on the run's complete event): past this
 # many characters the run fails. OpenAI's are a sentence.
 _MAX_REFUSAL = 64 * 1024
+# A chunk's JSON values (see proto.jsoncost): 8 MiB of `{},` (an event's most) decoded to
+# 265 MB on the node and held its loop 0.3-0.65 s. Past these the chunk is not decoded and
+# the run fails. An honest chunk has tens; one that carries logprobs of a hundred tokens
+# (which the node skips unread, but counts) a few thousand objects and tens of thousands of values.
+_MAX_CHUNK_CONTAINERS = 65_536  # about 6 MB decoded
+_MAX_CHUNK_VALUES = 262_144
+_COUNTED = 2 * _MAX_CHUNK_CONTAINERS  # a shorter chunk cannot pass either bound (each is 2 bytes at least)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -336,13 +343,16 @@ class _Relay:
             done = payload == b"[DONE]"
             chunk = None
             if not done:
-                try:
-                    chunk = _decode_chunk(payload)
-                except _UNDECODABLE as e:
+                problem = _past_bounds(payload) if len(payload) >= _COUNTED else None
+                if problem is None:
+                    try:
+                        chunk = _decode_chunk(payload)
+                    except _UNDECODABLE as e:
+                        problem = e
+                if chunk is None:
                     # "data: [DONE] " is done too; so is what cannot be read after the answer finished
                     # (a usage of 1e400 failed an answer the client already had)
                     done = payload.strip() == b"[DONE]" or bool(self.finish_reason)
-                    problem = e
             if done:
                 if texts:
                     self._emit(kind, texts)
@@ -595,12 +605,20 @@ async def _error_text(response: http1.Response, key: str | None) -> str:
     return f"upstream returned {response.status}: {_unkey_cut(message, key)}"
 
 
+def _past_bounds(payload: bytes) -> str | None:
+    """Why a model server's JSON is not decoded: more values than any chunk has, or None."""
+    return jsoncost.past(payload, _MAX_CHUNK_CONTAINERS, _MAX_CHUNK_VALUES)
+
+
 def _error_of(payload: bytes) -> Any:
-    """An error event's error: its JSON, or its text when it is not JSON."""
+    """An error event's error: its JSON, or its text when it is not JSON (or would cost
+    more to decode than any error)."""
     try:
-        return msgspec.json.decode(payload)
+        if len(payload) < _COUNTED or not _past_bounds(payload):
+            return msgspec.json.decode(payload)
     except _UNDECODABLE:
-        return payload[: 2 * _MAX_ERROR_BODY].decode("utf-8", "replace")  # (cut to the bound once unkeyed)
+        pass
+    return payload[: 2 * _MAX_ERROR_BODY].decode("utf-8", "replace")  # (cut to the bound once unkeyed)
 
 
 def _said(error: Any) -> str:

@@ -1,0 +1,74 @@
+"""What a JSON text would cost decoded, counted with byte operations that run in C.
+
+Shared by the edge (a client's request body, :mod:`edge.openai.jsonbody`) and
+the node (a model server's stream chunks, :mod:`node.adapters.openai`): both
+decode JSON that someone else wrote, and in valid JSON two things cost far more
+than their bytes:
+
+- nesting, which msgspec and what comes after it recurse on;
+- values: an object or array is 2 bytes of text and 60-120 decoded, a string
+  or number a few bytes and 30-80 decoded (8 MB of ``{},`` decoded to 170-185 MB).
+
+Both are counted outside strings with ``bytes.translate``, ``replace``,
+``count`` and one regex, never a Python loop per value, and only when the raw
+counts (brackets and commas anywhere, strings included) pass the bound.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from itertools import accumulate
+
+_STRUCTURAL = b'"[]{}'
+_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in _STRUCTURAL)
+_STRING = re.compile(rb'"[^"]*"')
+_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
+_VALUE_MARKS = b'"[]{},'
+_NOT_VALUE_MARKS = bytes(b for b in range(256) if b not in _VALUE_MARKS)
+
+
+def _brackets(body: bytes, dropped: bytes = _NOT_STRUCTURAL) -> bytes:
+    """The brackets of the JSON text ``body`` (valid JSON) outside its strings, in order
+    (with its commas too, when ``dropped`` keeps them).
+
+    For text that is not valid JSON the count may be wrong, but only past the
+    first error, and a decoder stops there."""
+    s = body
+    if b"\\" in s:
+        # Drop escaped backslashes, then escaped quotes: what is left of a
+        # string is its quotes and any brackets inside it.
+        s = s.replace(b"\\\\", b"").replace(b'\\"', b"")
+    s = s.translate(None, dropped)
+    # Quotes now alternate open/close: dropping two adjacent ones keeps every
+    # bracket on its side of a string; the regex removes the strings left.
+    return _STRING.sub(b"", s.replace(b'""', b""))
+
+
+def nested_deeper_than(body: bytes, limit: int) -> bool:
+    """Whether the JSON text ``body`` (valid JSON) nests arrays and objects
+    more than ``limit`` levels deep."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    s = _brackets(body)
+    if len(s) <= limit:
+        return False
+    return max(accumulate(array("b", s.translate(_STEP))), default=0) > limit
+
+
+def past(body: bytes, max_containers: int, max_values: int) -> str | None:
+    """Which bound the JSON text ``body`` passes, said as "more than N JSON objects
+    and arrays" or "more than N JSON values" (its commas and containers, one more
+    than the values at most), or None. Counted outside strings in one pass over the
+    text, and only when the raw counts pass a bound: a text shorter than twice the
+    smaller bound never costs more than the four counts."""
+    containers = body.count(b"[") + body.count(b"{")
+    if containers <= max_containers and containers + body.count(b",") < max_values:
+        return None
+    s = _brackets(body, _NOT_VALUE_MARKS)
+    containers = s.count(b"[") + s.count(b"{")
+    if containers > max_containers:
+        return f"more than {max_containers} JSON objects and arrays"
+    if containers + s.count(b",") >= max_values:
+        return f"more than {max_values} JSON values"
+    return None
