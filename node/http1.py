@@ -163,7 +163,7 @@ class Response:
         self._drained = False  # the last read took every byte the socket had (see _recv)
         self._line = b""  # _CHUNKED: the start of a size or trailer line, the rest of it not yet received
         self.done = False
-        self._trailer = False
+        self._trailer = 0  # in the trailers: 1 + their bytes so far
         self._left = 0  # _LENGTH: body bytes to come; _CHUNKED: of this chunk, with its CRLF
         self.keep_alive = True
         length = None
@@ -334,6 +334,9 @@ class Response:
             line = buf[pos:end]
             pos = end + 2
             if self._trailer:
+                self._trailer += len(line) + 2
+                if self._trailer > MAX_HEAD_BYTES:
+                    raise RemoteProtocolError("trailers too long")
                 if not line:  # the empty line that ends the trailers
                     self.done = True
                     self._left = 0
@@ -347,7 +350,7 @@ class Response:
             if size < 0:
                 raise RemoteProtocolError("invalid chunk size")
             if size == 0:
-                self._trailer = True
+                self._trailer = 1
             else:
                 left = size + 2
         self._left = left

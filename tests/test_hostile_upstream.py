@@ -309,3 +309,32 @@ async def test_a_chunk_of_millions_of_values_is_not_decoded(stack):
     assert loud.status_code == 502 and loud.json()["error"]["message"].startswith('upstream error: {"message":[{},')
     assert honest.status_code == 200 and honest.json()["choices"][0]["message"]["content"] == text
     assert edge.edge.runs.links["n1"] is link  # never closed
+
+
+async def test_bytes_with_no_output_end_the_run(stack):
+    """A model server that sends bytes but no output (empty deltas without end, or trailers
+    without end after the last chunk) kept a node core reading until the edge's wait timeout
+    (120 s). Past 32 MiB of stream with no text or tool call, or 64 KiB of trailers, the run
+    fails naming why; trailers that never end after an answer that finished leave it whole."""
+    edge, upstream, _ = stack
+    empty = chunk({}) * ((1 << 20) // len(chunk({})))  # ~1 MB of empty deltas
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    def chunked(*events: bytes) -> bytes:
+        return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n" + b"x-t: y\r\n" * 150_000
+
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", [("chunk", {"content": "hi"}), *[("raw", empty)] * 40, ("hang",)])
+            quiet = await chat(client)
+            upstream.script_for("b", [("response", head + chunked(chunk({"content": "hi"}))), ("hang",)])
+            trailing = await chat(client)
+            upstream.script_for("b", [("response", head + chunked(chunk({"content": "whole"}, "stop"))), ("hang",)])
+            finished = await chat(client)
+            upstream.script_for("b", [("chunk", {"content": "ok"}, "stop"), ("done",)])
+            after = await chat(client)
+    assert quiet.status_code == 502 and quiet.json()["error"]["message"] == "upstream sent 32 MiB with no output"
+    assert trailing.status_code == 502 and "trailers too long" in trailing.json()["error"]["message"], trailing.text
+    assert finished.status_code == 200 and finished.json()["choices"][0]["message"]["content"] == "whole"
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "ok"
+    assert upstream.records[0].aborted_at is not None  # the node closed the model server's stream

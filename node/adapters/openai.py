@@ -112,6 +112,10 @@ _MAX_REFUSAL = 64 * 1024
 # (which the node skips unread, but counts) a few thousand objects and tens of thousands of values.
 _MAX_CHUNK_CONTAINERS = 65_536  # about 6 MB decoded
 _MAX_CHUNK_VALUES = 262_144
+# Bytes read with no text or tool call in them (empty deltas, comments, role chunks): past
+# this the run fails. An honest server sends a keep-alive every few seconds while it thinks;
+# a flood of empty deltas kept a node core busy until the edge's wait timeout (120 s).
+_MAX_QUIET = 32 << 20  # four of the largest events
 _COUNTED = 2 * _MAX_CHUNK_CONTAINERS  # a shorter chunk cannot pass either bound (each is 2 bytes at least)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
@@ -222,8 +226,11 @@ class OpenAIAdapter:
                     break
                 if relay.finish_reason:  # it said why it stopped: the rest (usage, [DONE]) has _DRAIN_S
                     with trio.move_on_after(_DRAIN_S):
-                        while not (relay.end or response.done):
-                            await response.pump(relay.feed)
+                        try:
+                            while not (relay.end or response.done):
+                                await response.pump(relay.feed)
+                        except http1.HTTPError:  # the answer is whole: what broke after it does not fail it
+                            pass
                     break
                 await sink.room()  # feed() said stop and nothing ended: the outbox is full
             if relay.end == _DONE:
@@ -296,6 +303,7 @@ class _Relay:
         "room",
         "at",
         "key",
+        "quiet",
     )
 
     def __init__(self, sink: Sink, key: str | None) -> None:
@@ -316,6 +324,7 @@ class _Relay:
         self.status = 0  # the upstream's HTTP error status, when its error said one
         self.chunk = 0  # the size of a chunk that could not be read, for the node's log
         self.room = True  # the sink takes more now
+        self.quiet = 0  # bytes read since the last text or tool call
 
     def _emit(self, kind: int, texts: list[str]) -> None:
         sink = self.sink
@@ -323,11 +332,13 @@ class _Relay:
             text, parts = texts[0], 1
         else:
             text, parts = "".join(texts), len(texts)
+        self.quiet = 0
         self.room = sink.delta_nowait(text, parts) if kind == _CONTENT else sink.reasoning_nowait(text, parts)
 
     def feed(self, data: bytes) -> bool:
         """Take body bytes; False: stop reading (the stream ended, or the sink is full)."""
         self.room = True
+        self.quiet += len(data)
         kind = 0
         texts: list[str] = []
         try:
@@ -403,6 +414,7 @@ class _Relay:
                             )
                     if delta.tool_calls:
                         calls = delta.tool_calls
+                        self.quiet = 0
                         self.tool_bytes += _merge_tool_calls(
                             self.calls, self.at, calls if calls.__class__ is list else [calls]
                         )
@@ -420,6 +432,8 @@ class _Relay:
                         self.stop = matched
         if texts:
             self._emit(kind, texts)
+        if self.quiet > _MAX_QUIET and not self.finish_reason:
+            return self._fail("no output", f"upstream sent {_MAX_QUIET >> 20} MiB with no output")
         return self.room and not self.finish_reason  # after the finish: read on under a deadline
 
     def _fail(self, failure: str, message: str, status: int = 0) -> bool:
