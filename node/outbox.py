@@ -33,7 +33,7 @@ from collections import deque
 import trio
 
 from proto import Events, Grant, Load, Ping, Placed, Pong, RunEvent, ToolCall, TunnelFrame
-from proto.frames import MAX_FRAME_EVENTS
+from proto.frames import MAX_FRAME_EVENTS, MAX_FRAME_TOOL_CALLS
 
 FRAME_MARGIN = 4096  # below the edge's limit: the frame's own keys, with room to spare
 EVENT_OVERHEAD = 128  # one run event's keys, type, seq, status and msgpack headers
@@ -79,17 +79,31 @@ def split_text(text: str, room: int) -> list[str]:
     return [text[i : i + step] for i in range(0, len(text), step)]
 
 
+# Pending bytes that cannot hold more than MAX_FRAME_TOOL_CALLS calls (each is counted
+# TOOL_CALL_OVERHEAD bytes at least): up to this, take() need not count them.
+CALLS_FIT = MAX_FRAME_TOOL_CALLS * TOOL_CALL_OVERHEAD
+
+
+def _calls(event: RunEvent) -> int:
+    return len(event.tool_calls) if event.tool_calls else 0
+
+
 def pack(events: list[RunEvent], sizes: list[int], budget: int) -> list[list[RunEvent]]:
     """Consecutive batches of ``events`` whose estimated sizes sum to at most
     ``budget`` each (an event is never larger than the budget: the sinks split
-    or refuse it), of at most :data:`MAX_FRAME_EVENTS` events."""
+    or refuse it), of at most :data:`MAX_FRAME_EVENTS` events and
+    :data:`MAX_FRAME_TOOL_CALLS` tool calls (an event has MAX_TOOL_CALLS at most)."""
     batches: list[list[RunEvent]] = []
-    start = total = 0
+    start = total = calls = 0
     for i, size in enumerate(sizes):
-        if (total + size > budget or i - start >= MAX_FRAME_EVENTS) and i > start:
+        more = _calls(events[i])
+        if (
+            total + size > budget or i - start >= MAX_FRAME_EVENTS or calls + more > MAX_FRAME_TOOL_CALLS
+        ) and i > start:
             batches.append(events[start:i])
-            start, total = i, 0
+            start, total, calls = i, 0, 0
         total += size
+        calls += more
     batches.append(events[start:])
     return batches
 
@@ -229,7 +243,12 @@ class Outbox:
         self._busy = True
         self._progress.unpark_all()
         frames: list[Events | TunnelFrame | Placed] = []
-        if events and pending_bytes <= self.budget and len(events) <= MAX_FRAME_EVENTS:  # one frame, no event looked at
+        if (
+            events
+            and pending_bytes <= self.budget
+            and len(events) <= MAX_FRAME_EVENTS
+            and (pending_bytes <= CALLS_FIT or sum(map(_calls, events)) <= MAX_FRAME_TOOL_CALLS)
+        ):  # one frame (and, unless over 256 KiB, no event looked at)
             frames.append(Events(events=events))
         elif events:
             frames.extend(Events(events=batch) for batch in pack(events, sizes, self.budget))

@@ -642,21 +642,51 @@ def _past_bounds() -> dict[str, object]:
         "events": Events(events=[RunEvent(run_id="r", seq=1, type="delta")] * (MAX_FRAME_EVENTS + 1)),
         "load": Load(in_flight={f"m{i}": 0 for i in range(MAX_MODELS + 1)}),
         "headers": TunnelFrame(run_id="r", seq=1, kind="response_start", headers=[("a", "b")] * (MAX_HEADERS + 1)),
+        "tool calls in a frame": Events(
+            events=[
+                RunEvent(run_id=f"r{i}", seq=1, type="complete", tool_calls=[ToolCall()] * MAX_TOOL_CALLS)
+                for i in range(5)
+            ]
+        ),
+        "16 MB of empty tool calls": _empty_calls_frame(16_000_000),
     }
 
 
-@pytest.mark.parametrize("shape", ["tool calls", "events", "load", "headers"])
+def _empty_calls_frame(size: int) -> bytes:
+    """An events frame of ``size`` bytes: events of 1,024 empty tool calls each, a byte a call
+    (15 million calls in 16 MB: each list within its bound, the frame far past it)."""
+    enc = msgspec.msgpack.encode
+    event = b"\x84%s%s%s%s%s%s%s\xdc\x04\x00%s" % (
+        enc("run_id"),
+        enc("r"),
+        enc("seq"),
+        enc(1),
+        enc("type"),
+        enc("complete"),
+        enc("tool_calls"),
+        b"\x80" * 1024,
+    )
+    count = size // len(event)
+    return b"\x82%s%s%s\xdd%s%s" % (enc("t"), enc("events"), enc("events"), count.to_bytes(4, "big"), event * count)
+
+
+@pytest.mark.parametrize(
+    "shape", ["tool calls", "events", "load", "headers", "tool calls in a frame", "16 MB of empty tool calls"]
+)
 async def test_a_frame_with_a_collection_past_its_bound_closes_that_link(nursery, shape):
     """A frame's lists and maps are bounded by their length, not only by the frame's bytes:
     an item can cost a byte on the wire, and 16 MB of empty tool calls took an edge to 1.9 GB
-    and 8 s of CPU (an outside attack), while the link stayed (the event was one stray). One
+    and 8 s of CPU (an outside attack), while the link stayed (the event was one stray). So
+    are the tool calls of a frame's events together: 16 MB of events of 1,024 empty calls
+    each, every list within its bound, took an edge to 1.85 GB and held its loop 10 s. One
     past a bound is refused as it is read, and the link closes 4003; the edge serves on."""
     edge = await start_edge(nursery)
     node = await start_node(nursery, edge, [model("m")], node_id="honest")
     stream, ws = await open_link(edge, "bulky", nursery=nursery)
     with trio.fail_after(BOUND):
         await hello(ws, "bulky")
-        await ws.send_message(encode_frame(_past_bounds()[shape]))
+        frame = _past_bounds()[shape]
+        await ws.send_message(frame if isinstance(frame, bytes) else encode_frame(frame))
         with pytest.raises(ConnectionClosed) as closed:
             while True:
                 await ws.get_message()

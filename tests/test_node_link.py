@@ -311,6 +311,26 @@ def test_an_outbox_batch_past_the_events_bound_goes_in_several_frames():
     assert seqs == list(range(1, count + 1))
 
 
+def test_an_outbox_batch_past_the_tool_calls_bound_goes_in_several_frames():
+    """Unit: an edge refuses a frame of more than MAX_FRAME_TOOL_CALLS tool calls (a frame of
+    empty calls took an edge to 1.85 GB), so runs that end together with many calls each go in
+    several frames, in order, each one the edge reads, whatever their bytes."""
+    from node.agent import tool_calls_bytes
+    from node.outbox import Outbox
+    from proto.frames import MAX_FRAME_TOOL_CALLS, MAX_TOOL_CALLS
+
+    outbox = Outbox(1 << 30, max_events=1 << 20, max_bytes=1 << 40)
+    calls = [ToolCall(id=f"c{i}", function=ToolCallFunction(name="f", arguments="{}")) for i in range(MAX_TOOL_CALLS)]
+    for run in range(9):
+        outbox.event_nowait(RunEvent(run_id=f"r{run}", seq=1, type="delta", text="x"), 40)
+        event = RunEvent(run_id=f"r{run}", seq=2, type="complete", finish_reason="tool_calls", tool_calls=calls)
+        outbox.event_nowait(event, 128 + tool_calls_bytes(calls))
+    frames = [decode_frame(encode_frame(f)) for f in outbox.take()]
+    per_frame = [sum(len(e.tool_calls or ()) for e in f.events) for f in frames]
+    assert max(per_frame) <= MAX_FRAME_TOOL_CALLS and sum(per_frame) == 9 * MAX_TOOL_CALLS, per_frame
+    assert [(e.run_id, e.seq) for f in frames for e in f.events] == [(f"r{r}", s) for r in range(9) for s in (1, 2)]
+
+
 async def test_a_full_outbox_pauses_the_upstream_read_and_nothing_is_lost(upstream):
     """The openai adapter streaming 3,000 tokens (reasoning, then content) into a tiny outbox
     that a slow sender empties every 5 ms: the relay stops reading the model server whenever the
