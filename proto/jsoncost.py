@@ -9,6 +9,9 @@ than their bytes:
 - values: an object or array is 2 bytes of text and 60-120 decoded, a string
   or number a few bytes and 30-80 decoded (8 MB of ``{},`` decoded to 170-185 MB).
 
+:func:`decode` is ``msgspec.json.decode`` for JSON that a model wrote (a tool
+call's arguments, as text or in a client's history), bounded like one chunk.
+
 Both are counted outside strings with ``bytes.translate``, ``replace``,
 ``count`` and one regex, never a Python loop per value, and only when the raw
 counts (brackets and commas anywhere, strings included) pass the bound.
@@ -19,6 +22,9 @@ from __future__ import annotations
 import re
 from array import array
 from itertools import accumulate
+from typing import Any
+
+import msgspec
 
 _STRUCTURAL = b'"[]{}'
 _NOT_STRUCTURAL = bytes(b for b in range(256) if b not in _STRUCTURAL)
@@ -72,3 +78,26 @@ def past(body: bytes, max_containers: int, max_values: int) -> str | None:
     if containers + s.count(b",") >= max_values:
         return f"more than {max_values} JSON values"
     return None
+
+
+# What one piece of JSON a model wrote (a tool call's arguments) may hold: about 6 MB decoded.
+# An honest call has tens of values; one with a table of numbers tens of thousands.
+MAX_CONTAINERS = 65_536
+MAX_VALUES = 262_144
+COUNTED = 2 * MAX_CONTAINERS  # shorter text cannot pass either bound (each is 2 characters at least)
+
+
+class TooCostly(msgspec.DecodeError):
+    """JSON not decoded: its message says which bound it passes ("more than …")."""
+
+
+def decode(text: str | bytes) -> Any:
+    """``msgspec.json.decode(text)``, raising :class:`TooCostly` (a
+    :class:`msgspec.DecodeError`) for text that holds more than :data:`MAX_CONTAINERS`
+    arrays and objects or :data:`MAX_VALUES` values (8 MB of a tool call's
+    ``[{},{},…]`` arguments decoded to 265 MB)."""
+    if len(text) >= COUNTED:
+        why = past(text.encode() if isinstance(text, str) else text, MAX_CONTAINERS, MAX_VALUES)
+        if why:
+            raise TooCostly(why)
+    return msgspec.json.decode(text)

@@ -827,13 +827,18 @@ async def test_unique_items_of_a_models_arguments_are_checked_in_one_pass(tooled
     assert repeated.status_code == 502 and "non-unique" in repeated.json()["error"]["message"]
 
 
-async def test_tool_calls_nested_past_the_decoder_are_a_clear_error_not_a_500(tooled):
+@pytest.mark.parametrize(
+    ("depth", "said"),
+    [(5_000, "nested too deeply"), (100_000, "more than 65536 JSON objects and arrays")],
+)
+async def test_tool_calls_nested_past_the_decoder_are_a_clear_error_not_a_500(tooled, depth, said):
     """JSON nested 100,000 deep raised RecursionError (not a DecodeError) in the edge: a 500
     when a text-only model wrote such a tool call, and when a client sent such arguments in
     its history to one. The model's is an unreadable call (retried, then tool_validation_error);
-    the client's arguments go to the model as the client wrote them."""
+    the client's arguments go to the model as the client wrote them. (Nested 5,000 deep, past
+    the decoder's 1,000 levels, within the 65,536 arrays a call may hold before it is decoded.)"""
     edge, upstream = tooled
-    deep = "[" * 100_000 + "]" * 100_000
+    deep = "[" * depth + "]" * depth
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     upstream.script_for("t", steps({"content": '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"}))
     asked = {"model": "textonly", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
@@ -851,19 +856,20 @@ async def test_tool_calls_nested_past_the_decoder_are_a_clear_error_not_a_500(to
             upstream.script_for("t", steps({"content": "fine"}))
             client_sent = await client.post("/v1/chat/completions", json={**asked, "messages": history})
     assert model_wrote.status_code == 502 and model_wrote.json()["error"]["type"] == "tool_validation_error"
-    assert "nested too deeply" in model_wrote.json()["error"]["message"]
+    assert said in model_wrote.json()["error"]["message"]
     assert client_sent.status_code == 200, client_sent.text
     assert any(deep in m["content"] for m in upstream.records[-1].body["messages"] if m["role"] == "assistant")
 
 
 async def test_arguments_wrong_everywhere_are_refused_without_weighing_every_error(tooled):
-    """A call whose 1,000,000 array items are each of the wrong type made jsonschema list every
+    """A call whose 250,000 array items are each of the wrong type made jsonschema list every
     error for best_match to weigh, on the event loop (a node's 290 KB of such arguments: 20,001
-    errors, 1.7-2 s a call). The first 64 are weighed: the call is refused at once, naming where."""
+    errors, 1.7-2 s a call). The first 64 are weighed: the call is refused at once, naming where.
+    (A million items are more values than a call may hold: not decoded at all.)"""
     edge, upstream = tooled
     params = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
-    wrong = json.dumps({"a": ["x"] * 1_000_000})
+    wrong = json.dumps({"a": ["x"] * 250_000})
     upstream.script_for("t", steps(*native_call(0, "c1", "f", wrong), finish="tool_calls"))
     body = {"model": "native", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
     with trio.fail_after(BOUND):
@@ -901,3 +907,45 @@ async def test_large_honest_arguments_are_checked_in_a_thread_and_reach_the_clie
                 got = [tc for c in [c async for c in stream] if c.choices for tc in c.choices[0].delta.tool_calls or ()]
                 assert [json.loads(tc.function.arguments)["rows"][2999]["id"] for tc in got] == [2999], name
                 assert len(upstream.records) == 1, name  # no retry
+
+
+async def test_tool_call_arguments_of_millions_of_values_are_not_decoded(tooled):
+    """JSON of ``{"rows":[{},{},…]}`` (5 MB: 1.7 million objects) as a tool call's arguments,
+    in a client's history or in what the model wrote: the edge decoded it (about 60 bytes an
+    object on the event loop, 8 MB of it took 265 MB) to render the history for a
+    native_tools = false model, and to read and check the model's call. Past 65,536 objects and
+    arrays (or 262,144 values) such JSON is not decoded: the history keeps the arguments as the
+    client wrote them, and the model's call is invalid, naming why, and asked again."""
+    edge, upstream = tooled
+    rows = '{"rows":[' + ",".join(["{}"] * 1_700_000) + "]}"
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": rows}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+    ]
+    huge = '<tool_call>{"name": "get_weather", "arguments": ' + rows + "}</tool_call>"
+
+    def script(body):
+        corrected = any("That is invalid" in str(m.get("content")) for m in body["messages"])
+        return steps({"content": text_call("get_weather", {"city": "Oslo"}) if corrected else huge})
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "textonly", "messages": history, "tools": TOOLS}
+            )
+    assert r.status_code == 200, r.text[:300]
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    first, retry = (rec.body["messages"] for rec in upstream.records)
+    earlier = first[2]["content"]
+    assert json.loads(earlier[len("<tool_call>") : -len("</tool_call>")])["arguments"] == rows  # as written
+    said = str(retry[-1]["content"])
+    assert "That is invalid" in said and "more than 65536 JSON objects and arrays" in said, said[:500]

@@ -44,7 +44,7 @@ from edge import errors
 from edge.errors import APIError
 from edge.openai.request import check_content_parts
 from edge.openai.schema import UsageOut
-from proto import ToolCall
+from proto import ToolCall, jsoncost
 
 _encode = msgspec.json.Encoder().encode
 
@@ -475,7 +475,7 @@ def tool_use_id(call_id: str) -> str:
 
 def _input(arguments: str) -> Any:
     try:
-        value = msgspec.json.decode(arguments or "{}")
+        value = jsoncost.decode(arguments or "{}")
     except (msgspec.DecodeError, RecursionError):  # (msgspec's RecursionError: nested past ~1,000 levels)
         return {}
     return value if isinstance(value, dict) else {}

@@ -47,7 +47,7 @@ from edge.openai.usage import Bounds
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
 from edge.runs.service import session_key, with_model
-from proto import RunEvent
+from proto import RunEvent, jsoncost
 from proto.frames import is_token_count
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ def _last_usage(tail: bytes) -> dict[str, Any] | None:
 def _whole_text(body: bytes) -> str:
     """The generated text of a whole (not streamed) completion body, for an estimate."""
     try:
-        decoded = msgspec.json.decode(body)
+        decoded = jsoncost.decode(body)
     except (msgspec.DecodeError, RecursionError):
         return ""
     parts = []

@@ -38,7 +38,7 @@ import regex
 import trio
 
 from edge.openai.schema import ChatRequest, Message
-from proto import ToolCall, ToolCallFunction
+from proto import ToolCall, ToolCallFunction, jsoncost
 from proto.frames import MAX_TOOL_CALLS
 
 T = TypeVar("T")
@@ -134,7 +134,9 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
 
 def _read_call(body: str) -> tuple[ToolCall | None, str]:
     try:
-        obj = msgspec.json.decode(body)
+        obj = jsoncost.decode(body)
+    except jsoncost.TooCostly as e:
+        return None, f"a tool call holds {e}"
     except msgspec.DecodeError:
         return None, f"a tool call is not valid JSON: {body[:120]!r}"
     except RecursionError:  # (msgspec's, past ~1,000 levels: not a DecodeError)
@@ -695,7 +697,9 @@ class ToolContract:
             if self.forced is not None and name != self.forced:
                 return f"tool_choice requires `{self.forced}` but the model called `{name}`"
             try:
-                args = msgspec.json.decode(call.function.arguments or "{}")
+                args = jsoncost.decode(call.function.arguments or "{}")
+            except jsoncost.TooCostly as e:
+                return f"the arguments of `{name}` hold {e}"
             except msgspec.DecodeError as e:
                 return f"the arguments of `{name}` are not valid JSON: {e}"
             except RecursionError:
@@ -892,8 +896,8 @@ def _text_of(content: Any) -> str:
 def _as_json(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
-            return msgspec.json.decode(arguments)
-        except (msgspec.DecodeError, RecursionError):  # (as the client wrote them)
+            return jsoncost.decode(arguments)
+        except (msgspec.DecodeError, RecursionError):  # (as the client wrote them; or more than a call holds)
             return arguments
     return arguments
 

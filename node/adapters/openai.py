@@ -106,17 +106,15 @@ _MAX_TOOL_BYTES = 8 * 1024 * 1024
 # A refusal is held whole until the end (it travels on the run's complete event): past this
 # many characters the run fails. OpenAI's are a sentence.
 _MAX_REFUSAL = 64 * 1024
-# A chunk's JSON values (see proto.jsoncost): 8 MiB of `{},` (an event's most) decoded to
-# 265 MB on the node and held its loop 0.3-0.65 s. Past these the chunk is not decoded and
-# the run fails. An honest chunk has tens; one that carries logprobs of a hundred tokens
-# (which the node skips unread, but counts) a few thousand objects and tens of thousands of values.
-_MAX_CHUNK_CONTAINERS = 65_536  # about 6 MB decoded
-_MAX_CHUNK_VALUES = 262_144
+# A chunk's JSON values are bounded as any JSON a model wrote (proto.jsoncost.MAX_CONTAINERS,
+# MAX_VALUES): 8 MiB of `{},` (an event's most) decoded to 265 MB on the node and held its
+# loop 0.3-0.65 s. Past them the chunk is not decoded and the run fails. An honest chunk has
+# tens; one that carries logprobs of a hundred tokens (which the node skips unread, but
+# counts) a few thousand objects and tens of thousands of values.
 # Bytes read with no text or tool call in them (empty deltas, comments, role chunks): past
 # this the run fails. An honest server sends a keep-alive every few seconds while it thinks;
 # a flood of empty deltas kept a node core busy until the edge's wait timeout (120 s).
 _MAX_QUIET = 32 << 20  # four of the largest events
-_COUNTED = 2 * _MAX_CHUNK_CONTAINERS  # a shorter chunk cannot pass either bound (each is 2 bytes at least)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -354,7 +352,7 @@ class _Relay:
             done = payload == b"[DONE]"
             chunk = None
             if not done:
-                problem = _past_bounds(payload) if len(payload) >= _COUNTED else None
+                problem = _past_bounds(payload) if len(payload) >= jsoncost.COUNTED else None
                 if problem is None:
                     try:
                         chunk = _decode_chunk(payload)
@@ -621,14 +619,14 @@ async def _error_text(response: http1.Response, key: str | None) -> str:
 
 def _past_bounds(payload: bytes) -> str | None:
     """Why a model server's JSON is not decoded: more values than any chunk has, or None."""
-    return jsoncost.past(payload, _MAX_CHUNK_CONTAINERS, _MAX_CHUNK_VALUES)
+    return jsoncost.past(payload, jsoncost.MAX_CONTAINERS, jsoncost.MAX_VALUES)
 
 
 def _error_of(payload: bytes) -> Any:
     """An error event's error: its JSON, or its text when it is not JSON (or would cost
     more to decode than any error)."""
     try:
-        if len(payload) < _COUNTED or not _past_bounds(payload):
+        if len(payload) < jsoncost.COUNTED or not _past_bounds(payload):
             return msgspec.json.decode(payload)
     except _UNDECODABLE:
         pass
