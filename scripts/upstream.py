@@ -51,6 +51,10 @@ class Record:
     ended: float | None = None
     aborted: bool = False
     aborted_at: float | None = None  # time.perf_counter() when the close was seen
+    # The answer's last bytes went to the socket: a close seen after it is the client's
+    # (a pool closing a connection it read whole), not an abort. (The close can be seen
+    # before the task that sent them resumes: 723 of 12,000 whole answers were counted.)
+    whole: bool = False
     finished: trio.Event = field(default_factory=trio.Event)
 
 
@@ -196,7 +200,8 @@ class Upstream:
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         data = b""
                     if not data:
-                        mark_aborted()
+                        if not rec.whole:
+                            mark_aborted()
                         nursery.cancel_scope.cancel()
                     else:
                         leftover.append(data)
@@ -219,28 +224,34 @@ class Upstream:
     async def _respond(self, stream, rec: Record) -> None:
         if rec.method == "GET" and rec.path.rstrip("/").endswith("/models"):
             await _send_whole(
-                stream, 200, _encode({"object": "list", "data": [{"id": m, "object": "model"} for m in self.scripts]})
+                stream,
+                200,
+                _encode({"object": "list", "data": [{"id": m, "object": "model"} for m in self.scripts]}),
+                rec,
             )
             return
         if rec.body is None:
             await _send_whole(
-                stream, 400, _encode({"error": {"message": "invalid JSON", "type": "invalid_request_error"}})
+                stream, 400, _encode({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}), rec
             )
             return
         if rec.path.endswith("/embeddings"):
             inputs = rec.body.get("input")
             n = len(inputs) if isinstance(inputs, list) else 1
             data = [{"object": "embedding", "index": i, "embedding": [0.1 * (i + 1), 0.2, 0.3]} for i in range(n)]
-            await _send_whole(stream, 200, _encode({"object": "list", "data": data, "model": rec.body.get("model")}))
+            await _send_whole(
+                stream, 200, _encode({"object": "list", "data": data, "model": rec.body.get("model")}), rec
+            )
             return
         model = str(rec.body.get("model", ""))
         script = self.scripts.get(model, self.default)(rec.body)
         if script and script[0][0] == "status":
-            await _send_whole(stream, script[0][1], script[0][2])
+            await _send_whole(stream, script[0][1], script[0][2], rec)
             return
         if script and script[0][0] == "response":
+            rec.whole = script[1:] != [("hang",)]
             await stream.send_all(script[0][1])
-            if script[1:] == [("hang",)]:
+            if not rec.whole:
                 await trio.sleep_forever()
             return
         if rec.body.get("stream"):
@@ -283,6 +294,7 @@ class Upstream:
             else:
                 raise ValueError(f"unknown step {kind!r}")
             await stream.send_all(b"%x\r\n%s\r\n" % (len(data), data))
+        rec.whole = True
         await stream.send_all(b"0\r\n\r\n")
 
     async def _whole(self, stream, rec: Record, model: str, script: Script) -> None:
@@ -321,7 +333,7 @@ class Upstream:
         }
         if usage is not None:
             body["usage"] = usage
-        await _send_whole(stream, 200, _encode(body))
+        await _send_whole(stream, 200, _encode(body), rec)
 
 
 async def _read_request(stream, buf: bytes):
@@ -357,7 +369,9 @@ _REASONS = {
 }
 
 
-async def _send_whole(stream, status: int, body: bytes) -> None:
+async def _send_whole(stream, status: int, body: bytes, rec: Record | None = None) -> None:
+    if rec is not None:
+        rec.whole = True
     await stream.send_all(
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
         % (status, _REASONS.get(status, b"Status"), len(body), body)

@@ -514,3 +514,30 @@ async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nur
     assert early.status_code == 404 and early.http_version == "HTTP/2"
     assert streamed[0].endswith(b"data: [DONE]\n\n") and b"tok19" in streamed[0]
     assert after.status_code == 200
+
+
+async def test_the_test_upstream_counts_no_abort_for_an_answer_read_whole(upstream):
+    """The cancellation proofs count the aborts the model server saw. A client that read an
+    answer whole and closed its connection at once (the node's HTTP client does, past 256 idle
+    connections) was counted as an abort when the close was seen before the server's task
+    resumed from its last write: 317 of 1,000 in 100 at a time. A close after the last bytes
+    is not an abort; one before them still is (the other tests here)."""
+    body = msgspec.json.encode({"model": "m", "stream": True, "messages": []})
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+    async def read_whole_and_close() -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", upstream.port)
+        await stream.send_all(request)
+        answer = b""
+        while not answer.endswith(b"0\r\n\r\n"):
+            answer += await stream.receive_some(65536)
+        await stream.aclose()
+
+    with trio.fail_after(BOUND):
+        for _ in range(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(100):
+                    nursery.start_soon(read_whole_and_close)
+        for record in upstream.records:
+            await record.finished.wait()
+    assert len(upstream.records) == 1000 and not [r.id for r in upstream.records if r.aborted]
