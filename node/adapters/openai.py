@@ -115,6 +115,7 @@ _MAX_REFUSAL = 64 * 1024
 # this the run fails. An honest server sends a keep-alive every few seconds while it thinks;
 # a flood of empty deltas kept a node core busy until the edge's wait timeout (120 s).
 _MAX_QUIET = 32 << 20  # four of the largest events
+_COUNTED = jsoncost.COUNTED  # (a chunk shorter than this is not counted: one name lookup a chunk)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -352,7 +353,7 @@ class _Relay:
             done = payload == b"[DONE]"
             chunk = None
             if not done:
-                problem = _past_bounds(payload) if len(payload) >= jsoncost.COUNTED else None
+                problem = _past_bounds(payload) if len(payload) >= _COUNTED else None
                 if problem is None:
                     try:
                         chunk = _decode_chunk(payload)
