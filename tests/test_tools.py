@@ -12,6 +12,7 @@ import pytest
 import structlog
 import trio
 
+from edge.openai import tools as tools_module
 from edge.openai.tools import ToolTextFilter
 from tests.conftest import BOUND, edge_config, http, model, sdk, settled, sse_events, start_edge, start_node
 
@@ -949,3 +950,40 @@ async def test_tool_call_arguments_of_millions_of_values_are_not_decoded(tooled)
     assert json.loads(earlier[len("<tool_call>") : -len("</tool_call>")])["arguments"] == rows  # as written
     said = str(retry[-1]["content"])
     assert "That is invalid" in said and "more than 65536 JSON objects and arrays" in said, said[:500]
+
+
+async def test_a_turn_s_calls_share_one_json_bound_and_one_check_budget(tooled, monkeypatch):
+    """Each call of a turn had its own bounds: 80 text calls of 64,001 arrays each (every one
+    under the 65,536 a call may hold) were 5.1 million arrays decoded on the event loop; 1,024
+    calls, each checked within its own 2 s, held the one check slot 254 s (each within its own
+    10 ms on the loop: 2.5 s). The turn's calls now share them: past the JSON bound the turn's
+    calls are invalid, naming it; past the check budget they are not checkable (retried, then
+    tool_validation_error)."""
+    edge, upstream = tooled
+    arrays = "<tool_call>" + json.dumps({"name": "get_weather", "arguments": {"xs": [[]] * 30_000}}) + "</tool_call>"
+
+    def split(body):
+        corrected = any("That is invalid" in str(m.get("content")) for m in body["messages"])
+        return steps({"content": text_call("get_weather", {"city": "Oslo"}) if corrected else arrays * 3})
+
+    upstream.script_for("t", split)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            asked = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+            r = await client.post("/v1/chat/completions", json={**asked, "model": "textonly"})
+            assert r.status_code == 200, r.text[:300]
+            said = str(upstream.records[-1].body["messages"][-1]["content"])
+            assert "the tool calls hold more than 65536 JSON objects and arrays" in said, said[-600:]
+
+            # 200 calls, each checked in about 1 ms: within a (shortened) budget of 50 ms alone, not together
+            monkeypatch.setattr(tools_module, "CHECK_BUDGET_S", 0.05)
+            unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+            tools = [{"type": "function", "function": {"name": "f", "parameters": unique}}]
+            args = json.dumps({"xs": [[i] for i in range(250)]})
+            calls = [d for i in range(200) for d in native_call(i, f"c{i}", "f", args)]
+            upstream.script_for("t", steps(*calls, finish="tool_calls"))
+            slow = await client.post(
+                "/v1/chat/completions", json={**asked, "model": "native", "tools": tools, "tool_choice": "required"}
+            )
+    assert slow.status_code == 502 and slow.json()["error"]["type"] == "tool_validation_error", slow.text[:300]
+    assert "checks take too long" in slow.json()["error"]["message"]

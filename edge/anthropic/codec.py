@@ -473,9 +473,9 @@ def tool_use_id(call_id: str) -> str:
     return call_id if call_id.startswith("toolu_") else f"toolu_{call_id}"
 
 
-def _input(arguments: str) -> Any:
+def _input(arguments: str, budget: jsoncost.Budget) -> Any:
     try:
-        value = jsoncost.decode(arguments or "{}")
+        value = budget.decode(arguments or "{}")
     except (msgspec.DecodeError, RecursionError):  # (msgspec's RecursionError: nested past ~1,000 levels)
         return {}
     return value if isinstance(value, dict) else {}
@@ -515,13 +515,14 @@ def message_body(
         blocks.append({"type": "text", "text": content})
     if refusal:
         blocks.append({"type": "text", "text": refusal})
+    budget = jsoncost.Budget()  # the calls' arguments together
     for call in tool_calls or ():
         blocks.append(
             {
                 "type": "tool_use",
                 "id": tool_use_id(call.id),
                 "name": call.function.name,
-                "input": _input(call.function.arguments),
+                "input": _input(call.function.arguments, budget),
             }
         )
     return _encode(

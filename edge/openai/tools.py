@@ -114,6 +114,7 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     pieces: list[str] = []
     pos = 0
     found = False
+    budget = jsoncost.Budget()  # for the turn's calls together
     for m in _BLOCK.finditer(text):
         found = True
         if len(calls) + len(errors) == MAX_TOOL_CALLS:  # (as a node bounds native calls: 400,000 made 39 MB)
@@ -122,7 +123,7 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
         pieces.append(text[pos : m.start()])
         pos = m.end()
         body = (m.group("xml") if m.group("xml") is not None else m.group("mustache")).strip()
-        call, error = _read_call(body)
+        call, error = _read_call(body, budget)
         if call is not None:
             calls.append(call)
         else:
@@ -132,11 +133,11 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     return TextToolCalls(content, calls, found, "; ".join(errors))
 
 
-def _read_call(body: str) -> tuple[ToolCall | None, str]:
+def _read_call(body: str, budget: jsoncost.Budget) -> tuple[ToolCall | None, str]:
     try:
-        obj = jsoncost.decode(body)
+        obj = budget.decode(body)
     except jsoncost.TooCostly as e:
-        return None, f"a tool call holds {e}"
+        return None, f"the tool calls hold {e}"
     except msgspec.DecodeError:
         return None, f"a tool call is not valid JSON: {body[:120]!r}"
     except RecursionError:  # (msgspec's, past ~1,000 levels: not a DecodeError)
@@ -684,6 +685,12 @@ class ToolContract:
         its keywords :data:`CHECK_BUDGET_S`); past it the arguments are not
         checkable, or with ``escalate`` :class:`NeedsTime` is raised."""
         calls = calls or []
+        json_budget = jsoncost.Budget()  # the turn's arguments together
+        # and their checks together: 1,024 calls, each with its own 2 s, held the one compile
+        # slot 254 s (on the event loop, each its own 10 ms: 2.5 s)
+        now = time.monotonic()
+        patterns_until = now + (PATTERN_BUDGET_S if budget is None else budget)
+        checks_until = now + (CHECK_BUDGET_S if budget is None else budget)
         if self.none and calls:
             return f"tool_choice is none but the model called `{calls[0].function.name}`"
         if self.required and not calls:
@@ -697,9 +704,9 @@ class ToolContract:
             if self.forced is not None and name != self.forced:
                 return f"tool_choice requires `{self.forced}` but the model called `{name}`"
             try:
-                args = jsoncost.decode(call.function.arguments or "{}")
+                args = json_budget.decode(call.function.arguments or "{}")
             except jsoncost.TooCostly as e:
-                return f"the arguments of `{name}` hold {e}"
+                return f"the tool calls' arguments hold {e}"
             except msgspec.DecodeError as e:
                 return f"the arguments of `{name}` are not valid JSON: {e}"
             except RecursionError:
@@ -712,7 +719,10 @@ class ToolContract:
                 if validator is None:  # (check_request made them all)
                     return f"the arguments of `{name}` could not be checked: its schema was not compiled"
                 try:
-                    with _pattern_deadline(budget, CHECK_BUDGET_S if budget is None else budget):
+                    now = time.monotonic()
+                    if now >= checks_until:
+                        raise PatternTimeout
+                    with _pattern_deadline(max(patterns_until - now, 0.0), checks_until - now):
                         errors = itertools.islice(validator.iter_errors(args), MAX_ERRORS_WEIGHED)
                         error = jsonschema.exceptions.best_match(errors)
                 except (RecursionError, referencing.exceptions.Unresolvable):
@@ -785,6 +795,7 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     # alternate (Mistral's, Llama 2's) refuse two user turns in a row; joined once, at its end.
     texts: list[str] = []  # its pieces, and the separators between them
     alone: dict[str, Any] | None = None  # its one message as the client sent it, while it is the only one
+    budget = jsoncost.Budget()  # the history's calls' arguments together, decoded to be shown as JSON
     for message in request.get("messages") or []:
         role = message.get("role")
         content = message.get("content")
@@ -806,7 +817,7 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             blocks = [
                 "<tool_call>"
                 + _encode(
-                    {"name": c["function"]["name"], "arguments": _as_json(c["function"].get("arguments"))}
+                    {"name": c["function"]["name"], "arguments": _as_json(c["function"].get("arguments"), budget)}
                 ).decode()
                 + "</tool_call>"
                 for c in message["tool_calls"]
@@ -893,10 +904,10 @@ def _text_of(content: Any) -> str:
     return _encode(content).decode()
 
 
-def _as_json(arguments: Any) -> Any:
+def _as_json(arguments: Any, budget: jsoncost.Budget) -> Any:
     if isinstance(arguments, str):
         try:
-            return jsoncost.decode(arguments)
+            return budget.decode(arguments)
         except (msgspec.DecodeError, RecursionError):  # (as the client wrote them; or more than a call holds)
             return arguments
     return arguments
