@@ -121,6 +121,26 @@ async def test_think_tags_split_across_deltas_become_reasoning(shaped):
     assert whole["choices"][0]["message"]["reasoning_content"] == "plan more"
 
 
+async def test_think_tags_past_1024_leave_the_rest_as_content(shaped):
+    """One delta of `<think>x</think>y` 100,000 times was a chunk for every x and y: 200,000
+    chunks (7 MiB of it: 192 MB to the client, 847 MB of edge memory, other streams stalled
+    1.9 s). Past 1,024 tags the rest of the answer is content as the model wrote it."""
+    edge, upstream = shaped
+    text = "<think>x</think>y" * 100_000
+    upstream.script_for("t", script({"content": "Hi " + text}))
+    with trio.fail_after(BOUND):
+        chunks, raw = await stream_raw(edge, model="plain")
+        async with http(edge) as client:
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
+    rest = text[17 * 512 :]  # after 512 pairs of tags
+    for content, reasoning in (
+        (joined(chunks, "content"), joined(chunks, "reasoning_content")),
+        (whole["choices"][0]["message"]["content"], whole["choices"][0]["message"]["reasoning_content"]),
+    ):
+        assert reasoning == "x" * 512 and content == "Hi " + "y" * 512 + rest
+    assert len(chunks) < 1100 and len(raw) < 3 * len(text), (len(chunks), len(raw))
+
+
 async def test_template_consumed_open_tag(shaped):
     """Content that starts inside reasoning and only shows </think>: think_tags="open" streams it
     as reasoning; a non-streaming answer repairs it even in "auto"."""
@@ -472,8 +492,9 @@ async def test_outputs_that_rescan_themselves_are_shaped_in_one_pass(shaped):
             t0 = trio.current_time()
             whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
             split_in = trio.current_time() - t0
-        message = whole["choices"][0]["message"]
-        assert message["content"] == "y" * 40_000 and message["reasoning_content"] == "x" * 40_000
+        message = whole["choices"][0]["message"]  # (past 1,024 tags the rest is content as written)
+        rest = "<think>x</think>y" * (40_000 - 512)
+        assert message["content"] == "y" * 512 + rest and message["reasoning_content"] == "x" * 512
     assert wrapped_in < 5 and split_in < 5  # (seconds: 0.14 and 0.4 measured, 17 and 12 before)
     held = ToolTextFilter()
     assert held.append("text <tool_call>{") == "text "
