@@ -987,3 +987,19 @@ async def test_a_turn_s_calls_share_one_json_bound_and_one_check_budget(tooled, 
             )
     assert slow.status_code == 502 and slow.json()["error"]["type"] == "tool_validation_error", slow.text[:300]
     assert "checks take too long" in slow.json()["error"]["message"]
+
+
+async def test_many_unreadable_text_calls_are_named_a_few_and_counted(tooled):
+    """1,024 unreadable call blocks were a 158 KB tool_validation_error, the same sent back to
+    the model in the retry's correction. The first four are named, the rest counted."""
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": "<tool_call>{bad</tool_call>" * 1000}))
+    body = {"model": "textonly", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "tool_validation_error", r.text[:300]
+    message = r.json()["error"]["message"]
+    assert message.count("is not valid JSON") == 4 and "and 996 more" in message and len(message) < 1000, message
+    correction = str(upstream.records[-1].body["messages"][-1]["content"])
+    assert "and 996 more" in correction and len(correction) < 2000

@@ -108,6 +108,9 @@ def with_ids(calls: list[ToolCall], taken: frozenset[str] = frozenset()) -> list
     return calls
 
 
+MAX_ERRORS_SAID = 4  # of a turn's unreadable text calls: the rest are counted
+
+
 def parse_text_tool_calls(text: str) -> TextToolCalls:
     calls: list[ToolCall] = []
     errors: list[str] = []
@@ -130,6 +133,8 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
             errors.append(error)
     pieces.append(text[pos:])
     content = "".join(pieces).strip() if found else text
+    if len(errors) > MAX_ERRORS_SAID:  # (1,024 unreadable calls were a 158 KB error, and retry message)
+        errors[MAX_ERRORS_SAID:] = [f"and {len(errors) - MAX_ERRORS_SAID} more"]
     return TextToolCalls(content, calls, found, "; ".join(errors))
 
 
