@@ -975,12 +975,12 @@ async def test_a_turn_s_calls_share_one_json_bound_and_one_check_budget(tooled, 
             said = str(upstream.records[-1].body["messages"][-1]["content"])
             assert "the tool calls hold more than 65536 JSON objects and arrays" in said, said[-600:]
 
-            # 200 calls, each checked in about 1 ms: within a (shortened) budget of 50 ms alone, not together
-            monkeypatch.setattr(tools_module, "CHECK_BUDGET_S", 0.05)
+            # 60 calls, each checked in about 1.5 ms: within a (shortened) budget of 20 ms alone, not together
+            monkeypatch.setattr(tools_module, "CHECK_BUDGET_S", 0.02)
             unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
             tools = [{"type": "function", "function": {"name": "f", "parameters": unique}}]
-            args = json.dumps({"xs": [[i] for i in range(250)]})
-            calls = [d for i in range(200) for d in native_call(i, f"c{i}", "f", args)]
+            args = json.dumps({"xs": [[i] for i in range(1000)]})
+            calls = [d for i in range(60) for d in native_call(i, f"c{i}", "f", args)]
             upstream.script_for("t", steps(*calls, finish="tool_calls"))
             slow = await client.post(
                 "/v1/chat/completions", json={**asked, "model": "native", "tools": tools, "tool_choice": "required"}
