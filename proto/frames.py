@@ -7,6 +7,7 @@ New fields always get defaults so that older peers keep decoding newer frames
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -256,38 +257,29 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
 
 
-class _CallsOf(msgspec.Struct):
-    """An event's tool calls, not decoded: their array's header says how many."""
-
-    tool_calls: msgspec.Raw = msgspec.Raw()
-
-
-class _EventsOf(msgspec.Struct):
-    events: list[_CallsOf] = []
-
-
-_events_of = msgspec.msgpack.Decoder(_EventsOf).decode
+# A ``tool_calls`` key (as msgpack writes a 10-character string, any of its four ways) and the
+# header of the array after it. Every one in the frame counts, repeated keys too: msgspec keeps a
+# repeated key's last value but decodes the others first ("events": [15 million calls], "events":
+# [] held the loop 12.6 s when only the kept value was counted).
+_CALLS_HEADER = re.compile(
+    rb"(?:\xaa|\xd9\x0a|\xda\x00\x0a|\xdb\x00\x00\x00\x0a)tool_calls([\x90-\x9f]|\xdc..|\xdd....)", re.DOTALL
+)
 
 
-def _array_length(raw: msgspec.Raw) -> int:
-    """The length in a msgpack array's header (0 for anything else: decoding refuses it)."""
-    head = memoryview(raw)[:5]
-    if not head:
-        return 0
-    kind = head[0]
-    if 0x90 <= kind <= 0x9F:
+def _array_length(header: bytes) -> int:
+    """The length in a msgpack array's header."""
+    kind = header[0]
+    if kind <= 0x9F:
         return kind & 0x0F
-    if kind == 0xDC:
-        return int.from_bytes(head[1:3], "big")
-    if kind == 0xDD:
-        return int.from_bytes(head[1:5], "big")
-    return 0
+    return int.from_bytes(header[1:], "big")
 
 
 def tool_calls_in(data: bytes) -> int:
-    """How many tool calls the events of the frame ``data`` hold, read from their lists'
-    headers, none of them decoded (16 MB of empty calls: 0.1 s, nothing kept)."""
-    return sum(_array_length(event.tool_calls) for event in _events_of(data).events)
+    """How many tool calls the frame ``data`` holds, read from the headers of the arrays
+    after its ``tool_calls`` keys, none decoded (16 MB of empty calls: 0.1 s, nothing kept).
+    Text that spells the key with an array header after it cannot be valid UTF-8 but for a
+    few letters: it would count more, never less."""
+    return sum(_array_length(m.group(1)) for m in _CALLS_HEADER.finditer(data))
 
 
 def encode_frame(frame: Frame) -> bytes:

@@ -273,8 +273,11 @@ async def test_after_its_finish_an_answer_takes_only_its_usage(stack):
             after = await chat(client)
             upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("raw", unreadable), ("hang",)])
             unread = await chat(client, stream=True)
+            upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("raw", b"data: " + b"x" * (9 << 20))])
+            oversized = await chat(client)
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "whole", after.text
     assert unread.status_code == 200 and b'"content":"whole"' in unread.content, unread.text
+    assert oversized.status_code == 200 and oversized.json()["choices"][0]["message"]["content"] == "whole"
     assert b'"error"' not in unread.content and unread.content.endswith(b"data: [DONE]\n\n"), unread.text[-300:]
 
 
@@ -327,13 +330,18 @@ async def test_bytes_with_no_output_end_the_run(stack):
         async with http(edge) as client:
             upstream.script_for("b", [("chunk", {"content": "hi"}), *[("raw", empty)] * 40, ("hang",)])
             quiet = await chat(client)
+            # tool-call fragments that add nothing are no output either
+            nothing = chunk({"tool_calls": [{"index": 0}]}) * ((1 << 20) // len(chunk({"tool_calls": [{"index": 0}]})))
+            upstream.script_for("b", [("chunk", {"content": "hi"}), *[("raw", nothing)] * 40, ("hang",)])
+            fragments = await chat(client)
             upstream.script_for("b", [("response", head + chunked(chunk({"content": "hi"}))), ("hang",)])
             trailing = await chat(client)
             upstream.script_for("b", [("response", head + chunked(chunk({"content": "whole"}, "stop"))), ("hang",)])
             finished = await chat(client)
             upstream.script_for("b", [("chunk", {"content": "ok"}, "stop"), ("done",)])
             after = await chat(client)
-    assert quiet.status_code == 502 and quiet.json()["error"]["message"] == "upstream sent 32 MiB with no output"
+    for silent in (quiet, fragments):
+        assert silent.status_code == 502 and silent.json()["error"]["message"] == "upstream sent 32 MiB with no output"
     assert trailing.status_code == 502 and "trailers too long" in trailing.json()["error"]["message"], trailing.text
     assert finished.status_code == 200 and finished.json()["choices"][0]["message"]["content"] == "whole"
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "ok"

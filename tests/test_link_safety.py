@@ -649,12 +649,15 @@ def _past_bounds() -> dict[str, object]:
             ]
         ),
         "16 MB of empty tool calls": _empty_calls_frame(16_000_000),
+        # msgspec keeps a repeated key's last value, after decoding the others: counted all the same
+        "16 MB of them under a repeated key": _empty_calls_frame(16_000_000, repeated=True),
     }
 
 
-def _empty_calls_frame(size: int) -> bytes:
+def _empty_calls_frame(size: int, repeated: bool = False) -> bytes:
     """An events frame of ``size`` bytes: events of 1,024 empty tool calls each, a byte a call
-    (15 million calls in 16 MB: each list within its bound, the frame far past it)."""
+    (15 million calls in 16 MB: each list within its bound, the frame far past it); ``repeated``:
+    then ``"events": []`` again."""
     enc = msgspec.msgpack.encode
     event = b"\x84%s%s%s%s%s%s%s\xdc\x04\x00%s" % (
         enc("run_id"),
@@ -667,11 +670,28 @@ def _empty_calls_frame(size: int) -> bytes:
         b"\x80" * 1024,
     )
     count = size // len(event)
-    return b"\x82%s%s%s\xdd%s%s" % (enc("t"), enc("events"), enc("events"), count.to_bytes(4, "big"), event * count)
+    frame = b"%s%s%s%s\xdd%s%s" % (
+        b"\x83" if repeated else b"\x82",
+        enc("t"),
+        enc("events"),
+        enc("events"),
+        count.to_bytes(4, "big"),
+        event * count,
+    )
+    return frame + enc("events") + b"\x90" if repeated else frame
 
 
 @pytest.mark.parametrize(
-    "shape", ["tool calls", "events", "load", "headers", "tool calls in a frame", "16 MB of empty tool calls"]
+    "shape",
+    [
+        "tool calls",
+        "events",
+        "load",
+        "headers",
+        "tool calls in a frame",
+        "16 MB of empty tool calls",
+        "16 MB of them under a repeated key",
+    ],
 )
 async def test_a_frame_with_a_collection_past_its_bound_closes_that_link(nursery, shape):
     """A frame's lists and maps are bounded by their length, not only by the frame's bytes:

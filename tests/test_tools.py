@@ -1003,3 +1003,43 @@ async def test_many_unreadable_text_calls_are_named_a_few_and_counted(tooled):
     assert message.count("is not valid JSON") == 4 and "and 996 more" in message and len(message) < 1000, message
     correction = str(upstream.records[-1].body["messages"][-1]["content"])
     assert "and 996 more" in correction and len(correction) < 2000
+
+
+async def test_a_pattern_after_a_long_honest_call_gets_its_own_pattern_budget(tooled):
+    """The turn's shared budget is its checks' (2 s), not its patterns': a call of 1,500 UI
+    actions, each a oneOf of 12 kinds (0.5 s of checks), then a call whose schema has a
+    `pattern`, had the pattern refused as taking too long (0.25 s was gone). Each call's
+    patterns get their 0.25 s, within what is left of the turn's checks."""
+    edge, upstream = tooled
+    kinds = ["click", "type", "scroll", "hover", "drag", "wait", "select", "press", "upload", "focus", "blur", "clear"]
+    kind = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["kind", "target"],
+        "properties": {"target": {"type": "string", "minLength": 1}, "x": {"type": "integer", "minimum": 0}},
+    }
+    variants = [{**kind, "properties": {**kind["properties"], "kind": {"const": k}}} for k in kinds]
+    actions = {"type": "object", "properties": {"actions": {"type": "array", "items": {"oneOf": variants}}}}
+    label = {"type": "object", "properties": {"label": {"type": "string", "pattern": "^[a-z]+$"}}}
+    tools = [
+        {"type": "function", "function": {"name": "run_actions", "parameters": actions}},
+        {"type": "function", "function": {"name": "set_label", "parameters": label}},
+    ]
+    acts = json.dumps({"actions": [{"kind": kinds[i % 12], "target": f"#b{i}", "x": i} for i in range(1500)]})
+    upstream.script_for(
+        "t",
+        steps(
+            *native_call(0, "c1", "run_actions", acts),
+            *native_call(1, "c2", "set_label", '{"label": "done"}'),
+            finish="tool_calls",
+        ),
+    )
+    body = {"model": "native", "messages": [{"role": "user", "content": "go"}], "tools": tools}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    assert [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]] == [
+        "run_actions",
+        "set_label",
+    ]

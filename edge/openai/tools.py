@@ -693,9 +693,8 @@ class ToolContract:
         json_budget = jsoncost.Budget()  # the turn's arguments together
         # and their checks together: 1,024 calls, each with its own 2 s, held the one compile
         # slot 254 s (on the event loop, each its own 10 ms: 2.5 s)
-        now = time.monotonic()
-        patterns_until = now + (PATTERN_BUDGET_S if budget is None else budget)
-        checks_until = now + (CHECK_BUDGET_S if budget is None else budget)
+        patterns = PATTERN_BUDGET_S if budget is None else budget  # each call's, within the turn's checks
+        checks_until = time.monotonic() + (CHECK_BUDGET_S if budget is None else budget)
         if self.none and calls:
             return f"tool_choice is none but the model called `{calls[0].function.name}`"
         if self.required and not calls:
@@ -727,7 +726,7 @@ class ToolContract:
                     now = time.monotonic()
                     if now >= checks_until:
                         raise PatternTimeout
-                    with _pattern_deadline(max(patterns_until - now, 0.0), checks_until - now):
+                    with _pattern_deadline(min(patterns, checks_until - now), checks_until - now):
                         errors = itertools.islice(validator.iter_errors(args), MAX_ERRORS_WEIGHED)
                         error = jsonschema.exceptions.best_match(errors)
                 except (RecursionError, referencing.exceptions.Unresolvable):

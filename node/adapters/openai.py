@@ -343,6 +343,9 @@ class _Relay:
         try:
             payloads = self.parser.feed(data)
         except EventTooLarge as e:
+            if self.finish_reason:  # the answer is whole: what broke after it does not fail it
+                self.end = _DONE
+                return False
             return self._fail("event too large", f"upstream sent {e}")
         for payload in payloads:
             if payload.__class__ is ErrorEvent:  # llama.cpp's `error:` line, an `event: error`
@@ -413,10 +416,10 @@ class _Relay:
                             )
                     if delta.tool_calls:
                         calls = delta.tool_calls
-                        self.quiet = 0
-                        self.tool_bytes += _merge_tool_calls(
-                            self.calls, self.at, calls if calls.__class__ is list else [calls]
-                        )
+                        added = _merge_tool_calls(self.calls, self.at, calls if calls.__class__ is list else [calls])
+                        if added:  # (fragments that add nothing are no output: `{"index": 0}` per MiB)
+                            self.quiet = 0
+                            self.tool_bytes += added
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > MAX_TOOL_CALLS:
                             if texts:
                                 self._emit(kind, texts)
