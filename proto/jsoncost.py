@@ -13,8 +13,8 @@ than their bytes:
 call's arguments, as text or in a client's history), bounded like one chunk.
 
 Both are counted outside strings with ``bytes.translate``, ``replace``,
-``count`` and one regex, never a Python loop per value, and only when the raw
-counts (brackets and commas anywhere, strings included) pass the bound.
+``count`` and one regex, never a Python loop per value (:func:`past` only when
+the raw counts, brackets and commas anywhere, strings included, pass a bound).
 """
 
 from __future__ import annotations
@@ -71,11 +71,15 @@ def past(body: bytes, max_containers: int, max_values: int) -> str | None:
     containers = body.count(b"[") + body.count(b"{")
     if containers <= max_containers and containers + body.count(b",") < max_values:
         return None
-    s = _brackets(body, _NOT_VALUE_MARKS)
-    containers = s.count(b"[") + s.count(b"{")
-    if containers > max_containers:
+    containers, values = _counts(body)
+    return _said(containers > max_containers, values >= max_values, max_containers, max_values)
+
+
+def _said(containers: bool, values: bool, max_containers: int, max_values: int) -> str | None:
+    """Which bound was passed, as a reason reads it."""
+    if containers:
         return f"more than {max_containers} JSON objects and arrays"
-    if containers + s.count(b",") >= max_values:
+    if values:
         return f"more than {max_values} JSON values"
     return None
 
@@ -120,10 +124,9 @@ class Budget:
         (8 MB of a tool call's ``[{},{},…]`` arguments decoded to 265 MB)."""
         data = text.encode() if isinstance(text, str) else text
         containers, values = _counts(data)
-        if containers > self.containers:
-            raise TooCostly(f"more than {MAX_CONTAINERS} JSON objects and arrays")
-        if values >= self.values:
-            raise TooCostly(f"more than {MAX_VALUES} JSON values")
+        why = _said(containers > self.containers, values >= self.values, MAX_CONTAINERS, MAX_VALUES)
+        if why:
+            raise TooCostly(why)
         self.containers -= containers
         self.values -= values
         return msgspec.json.decode(data)
