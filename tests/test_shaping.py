@@ -59,6 +59,11 @@ async def stream_raw(edge, **body) -> tuple[list[dict], bytes]:
     return [msgspec.json.decode(e) for e in events[:-1]], r.content
 
 
+def data_lines(raw: bytes) -> list[dict]:
+    """A Responses or Messages stream's events (``event:`` then ``data:`` lines)."""
+    return [msgspec.json.decode(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
 def joined(chunks: list[dict], field: str) -> str:
     return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
 
@@ -141,6 +146,45 @@ async def test_think_tags_past_1024_leave_the_rest_as_content(shaped):
     assert len(chunks) < 1100 and len(raw) < 3 * len(text), (len(chunks), len(raw))
 
 
+async def test_reasoning_and_content_switching_past_1024_times_shows_the_rest_as_content_only(shaped):
+    """A model server alternating `reasoning_content` and `content`, a chunk each, made an output
+    item per switch on the Responses API (40,000 items: 83 MB to the client, 70 MB of edge
+    memory from 2.1 MB) and a content block on the Messages API. Past 1,024 switches the rest
+    of the answer's reasoning is not shown; its content all is, on every API."""
+    edge, upstream = shaped
+    pairs = 3000
+    alternating = script(*[{"reasoning_content": "r", "content": None}, {"content": "c"}] * pairs)
+    with trio.fail_after(BOUND):
+        upstream.script_for("t", alternating)
+        chunks, _ = await stream_raw(edge, model="plain")
+        assert joined(chunks, "content") == "c" * pairs
+        assert joined(chunks, "reasoning_content") == "r" * 512
+        async with http(edge) as client:
+            upstream.script_for("t", alternating)
+            body = {"model": "plain", "input": "hi", "stream": True, "reasoning": {"summary": "auto"}}
+            raw = (await client.post("/v1/responses", json=body)).content
+            events = data_lines(raw)
+            done = events[-1]["response"]
+            assert done["status"] == "completed"
+            items = done["output"]
+            assert len(items) == 1024
+            assert "".join(i["content"][0]["text"] for i in items if i["type"] == "message") == "c" * pairs
+            assert "".join(i["summary"][0]["text"] for i in items if i["type"] == "reasoning") == "r" * 512
+            upstream.script_for("t", alternating)
+            thinking = {"type": "enabled", "budget_tokens": 1024}
+            body = {"model": "plain", "max_tokens": 2048, "messages": MESSAGES, "stream": True, "thinking": thinking}
+            events = data_lines((await client.post("/v1/messages", json=body)).content)
+            assert sum(e["type"] == "content_block_start" for e in events) == 1024
+            deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+            assert "".join(d.get("text", "") for d in deltas) == "c" * pairs
+            assert "".join(d.get("thinking", "") for d in deltas) == "r" * 512
+            # A whole answer has one of each, all its text.
+            upstream.script_for("t", alternating)
+            whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
+    message = whole["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ("c" * pairs, "r" * pairs)
+
+
 async def test_template_consumed_open_tag(shaped):
     """Content that starts inside reasoning and only shows </think>: think_tags="open" streams it
     as reasoning; a non-streaming answer repairs it even in "auto"."""
@@ -185,8 +229,7 @@ async def test_auto_learns_a_template_that_opens_think(shaped):
             upstream.script_for("t", r1)
             thinking = {"type": "enabled", "budget_tokens": 1024}
             body = {"model": "r1", "max_tokens": 2048, "messages": MESSAGES, "stream": True, "thinking": thinking}
-            raw = (await client.post("/v1/messages", json=body)).content
-            events = [msgspec.json.decode(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            events = data_lines((await client.post("/v1/messages", json=body)).content)
             deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
             assert "".join(d.get("thinking", "") for d in deltas) == "plan"
             assert "".join(d.get("text", "") for d in deltas) == "Answer"
