@@ -952,6 +952,37 @@ async def test_tool_call_arguments_of_millions_of_values_are_not_decoded(tooled)
     assert "That is invalid" in said and "more than 65536 JSON objects and arrays" in said, said[:500]
 
 
+async def test_a_long_history_past_the_json_bound_shows_its_newest_calls_as_objects(tooled):
+    """A native_tools = false model reads the client's history of calls as JSON objects, all the
+    calls within one bound together. Past it, the calls left are shown as the client wrote them
+    (strings): those had been the newest, the ones the model's next step follows. Now the newest
+    are decoded first and the oldest are left as written."""
+    edge, upstream = tooled
+    history: list[dict] = [{"role": "user", "content": "Weather?"}]
+    for i in range(60):
+        arguments = json.dumps({"city": f"c{i}", "rows": [{}] * 2000})  # 60 x 2,001 objects: past 65,536
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "rain"},
+        ]
+    upstream.script_for("t", steps({"content": "Rain all week."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "textonly", "messages": history, "tools": TOOLS}
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    shown = [
+        json.loads(m["content"][len("<tool_call>") : -len("</tool_call>")])["arguments"]
+        for m in upstream.records[0].body["messages"]
+        if m["role"] == "assistant"
+    ]
+    assert len(shown) == 60
+    decoded = [isinstance(a, dict) for a in shown]
+    assert decoded == [False] * 28 + [True] * 32, decoded  # the newest 32 fit in 65,536
+    assert shown[-1]["city"] == "c59" and json.loads(shown[0])["city"] == "c0"
+
+
 async def test_a_turn_s_calls_share_one_json_bound_and_one_check_budget(tooled, monkeypatch):
     """Each call of a turn had its own bounds: 80 text calls of 64,001 arrays each (every one
     under the 65,536 a call may hold) were 5.1 million arrays decoded on the event loop; 1,024

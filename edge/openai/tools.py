@@ -799,8 +799,9 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     # alternate (Mistral's, Llama 2's) refuse two user turns in a row; joined once, at its end.
     texts: list[str] = []  # its pieces, and the separators between them
     alone: dict[str, Any] | None = None  # its one message as the client sent it, while it is the only one
-    budget = jsoncost.Budget()  # the history's calls' arguments together, decoded to be shown as JSON
-    for message in request.get("messages") or []:
+    history = request.get("messages") or []
+    shown = _arguments_newest_first(history)
+    for message in history:
         role = message.get("role")
         content = message.get("content")
         if role == "tool" or (role == "user" and _text_only(content)):
@@ -820,9 +821,7 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             text = _text_of(content)
             blocks = [
                 "<tool_call>"
-                + _encode(
-                    {"name": c["function"]["name"], "arguments": _as_json(c["function"].get("arguments"), budget)}
-                ).decode()
+                + _encode({"name": c["function"]["name"], "arguments": shown[id(c["function"])]}).decode()
                 + "</tool_call>"
                 for c in message["tool_calls"]
                 if isinstance(c, dict) and isinstance(c.get("function"), dict)
@@ -906,6 +905,20 @@ def _text_of(content: Any) -> str:
                 texts.append(_OMITTED.format(_PART_KINDS.get(part.get("type"), "content part")))
         return "\n".join(texts)
     return _encode(content).decode()
+
+
+def _arguments_newest_first(messages: list[Any]) -> dict[int, Any]:
+    """The history's calls' arguments (by their ``function``'s ``id``), decoded to be shown as
+    JSON within one budget for them all, from the newest call back: past it the oldest are shown
+    as the client wrote them, the model's recent calls as objects."""
+    budget = jsoncost.Budget()
+    shown: dict[int, Any] = {}
+    for message in reversed(messages):
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            for c in reversed(message["tool_calls"]):
+                if isinstance(c, dict) and isinstance(c.get("function"), dict):
+                    shown[id(c["function"])] = _as_json(c["function"].get("arguments"), budget)
+    return shown
 
 
 def _as_json(arguments: Any, budget: jsoncost.Budget) -> Any:
