@@ -315,10 +315,11 @@ async def test_a_chunk_of_millions_of_values_is_not_decoded(stack):
 
 
 async def test_bytes_with_no_output_end_the_run(stack):
-    """A model server that sends bytes but no output (empty deltas without end, or trailers
-    without end after the last chunk) kept a node core reading until the edge's wait timeout
-    (120 s). Past 32 MiB of stream with no text or tool call, or 64 KiB of trailers, the run
-    fails naming why; trailers that never end after an answer that finished leave it whole."""
+    """A model server that sends bytes but no output (empty deltas without end, one character
+    a MiB of them, or trailers without end after the last chunk) kept a node core reading
+    until the edge's wait timeout (120 s). Past 32 MiB of stream that no output paid for (16
+    KiB a character), or 64 KiB of trailers, the run fails naming why; trailers that never end
+    after an answer that finished leave it whole."""
     edge, upstream, _ = stack
     empty = chunk({}) * ((1 << 20) // len(chunk({})))  # ~1 MB of empty deltas
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -334,14 +335,17 @@ async def test_bytes_with_no_output_end_the_run(stack):
             nothing = chunk({"tool_calls": [{"index": 0}]}) * ((1 << 20) // len(chunk({"tool_calls": [{"index": 0}]})))
             upstream.script_for("b", [("chunk", {"content": "hi"}), *[("raw", nothing)] * 40, ("hang",)])
             fragments = await chat(client)
+            upstream.script_for("b", [*[("raw", empty), ("chunk", {"content": "x"})] * 40, ("hang",)])
+            padded = await chat(client)
             upstream.script_for("b", [("response", head + chunked(chunk({"content": "hi"}))), ("hang",)])
             trailing = await chat(client)
             upstream.script_for("b", [("response", head + chunked(chunk({"content": "whole"}, "stop"))), ("hang",)])
             finished = await chat(client)
             upstream.script_for("b", [("chunk", {"content": "ok"}, "stop"), ("done",)])
             after = await chat(client)
-    for silent in (quiet, fragments):
-        assert silent.status_code == 502 and silent.json()["error"]["message"] == "upstream sent 32 MiB with no output"
+    for silent in (quiet, fragments, padded):
+        said = silent.json()["error"]["message"]
+        assert silent.status_code == 502 and said == "upstream sent 32 MiB with little or no output", said
     assert trailing.status_code == 502 and "trailers too long" in trailing.json()["error"]["message"], trailing.text
     assert finished.status_code == 200 and finished.json()["choices"][0]["message"]["content"] == "whole"
     assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "ok"

@@ -111,10 +111,13 @@ _MAX_REFUSAL = 64 * 1024
 # loop 0.3-0.65 s. Past them the chunk is not decoded and the run fails. An honest chunk has
 # tens; one that carries logprobs of a hundred tokens (which the node skips unread, but
 # counts) a few thousand objects and tens of thousands of values.
-# Bytes read with no text or tool call in them (empty deltas, comments, role chunks): past
-# this the run fails. An honest server sends a keep-alive every few seconds while it thinks;
-# a flood of empty deltas kept a node core busy until the edge's wait timeout (120 s).
+# Bytes read that no output paid for (empty deltas, comments, role chunks): past this the run
+# fails. Each character of text or tool call pays for _PAID bytes, as many as an honest chunk
+# with logprobs takes for one; an honest server sends a keep-alive every few seconds while it
+# thinks. A flood of empty deltas kept a node core busy until the edge's wait timeout (120 s);
+# one character a MiB of them had reset the count.
 _MAX_QUIET = 32 << 20  # four of the largest events
+_PAID = 14  # (a shift: 16 KiB a character)
 _COUNTED = jsoncost.COUNTED  # (a chunk shorter than this is not counted: one name lookup a chunk)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
@@ -323,7 +326,7 @@ class _Relay:
         self.status = 0  # the upstream's HTTP error status, when its error said one
         self.chunk = 0  # the size of a chunk that could not be read, for the node's log
         self.room = True  # the sink takes more now
-        self.quiet = 0  # bytes read since the last text or tool call
+        self.quiet = 0  # bytes read that no output paid for (_PAID)
 
     def _emit(self, kind: int, texts: list[str]) -> None:
         sink = self.sink
@@ -331,7 +334,8 @@ class _Relay:
             text, parts = texts[0], 1
         else:
             text, parts = "".join(texts), len(texts)
-        self.quiet = 0
+        quiet = self.quiet - (len(text) << _PAID)
+        self.quiet = quiet if quiet > 0 else 0
         self.room = sink.delta_nowait(text, parts) if kind == _CONTENT else sink.reasoning_nowait(text, parts)
 
     def feed(self, data: bytes) -> bool:
@@ -418,7 +422,8 @@ class _Relay:
                         calls = delta.tool_calls
                         added = _merge_tool_calls(self.calls, self.at, calls if calls.__class__ is list else [calls])
                         if added:  # (fragments that add nothing are no output: `{"index": 0}` per MiB)
-                            self.quiet = 0
+                            quiet = self.quiet - (added << _PAID)
+                            self.quiet = quiet if quiet > 0 else 0
                             self.tool_bytes += added
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > MAX_TOOL_CALLS:
                             if texts:
@@ -435,7 +440,7 @@ class _Relay:
         if texts:
             self._emit(kind, texts)
         if self.quiet > _MAX_QUIET and not self.finish_reason:
-            return self._fail("no output", f"upstream sent {_MAX_QUIET >> 20} MiB with no output")
+            return self._fail("no output", f"upstream sent {_MAX_QUIET >> 20} MiB with little or no output")
         return self.room and not self.finish_reason  # after the finish: read on under a deadline
 
     def _fail(self, failure: str, message: str, status: int = 0) -> bool:
