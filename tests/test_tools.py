@@ -13,6 +13,7 @@ import structlog
 import trio
 
 from edge.openai import tools as tools_module
+from edge.openai import turn as turn_module
 from edge.openai.tools import ToolTextFilter
 from tests.conftest import BOUND, edge_config, http, model, sdk, settled, sse_events, start_edge, start_node
 
@@ -950,6 +951,45 @@ async def test_tool_call_arguments_of_millions_of_values_are_not_decoded(tooled)
     assert json.loads(earlier[len("<tool_call>") : -len("</tool_call>")])["arguments"] == rows  # as written
     said = str(retry[-1]["content"])
     assert "That is invalid" in said and "more than 65536 JSON objects and arrays" in said, said[:500]
+
+
+async def test_a_history_call_without_a_name_is_a_400_and_a_failed_body_frees_its_slot(nursery, upstream, monkeypatch):
+    """A history's tool call with no function name, to a native_tools = false model, was a 500
+    (its prompt shows each call by name) that kept the node's slot for good: a model of
+    max_concurrency 2 answered nothing but 429s after two such requests. It is a 400 naming the
+    field, as OpenAI's API answers; and any failure while a run's body is built gives the slot back."""
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=2000))
+    node = await start_node(
+        nursery, edge, [model("textonly", upstream, target="t", native_tools=False, max_concurrency=1)]
+    )
+    upstream.script_for("t", steps({"content": "Rain."}))
+    nameless = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "q", "type": "function", "function": {"arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "q", "content": "rain"},
+    ]
+    good = {"model": "textonly", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for _ in range(3):
+                r = await client.post("/v1/chat/completions", json={**good, "messages": nameless})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.name"
+
+            def broken(request):
+                raise RuntimeError("a bug while building the run's body")
+
+            monkeypatch.setattr(turn_module, "text_tools_request", broken)
+            for _ in range(2):
+                assert (await client.post("/v1/chat/completions", json=good)).status_code == 500
+            monkeypatch.undo()
+            r = await client.post("/v1/chat/completions", json=good)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Rain.", r.text
+    await settled(edge, node.agent)
 
 
 async def test_a_long_history_past_the_json_bound_shows_its_newest_calls_as_objects(tooled):

@@ -161,7 +161,7 @@ def _check_unsupported(req: ChatRequest) -> None:
 
 def _check_text_parts(req: ChatRequest) -> None:
     """A content part's ``text`` is a string (every adapter joins them), and a
-    text part has one (as OpenAI's API answers)."""
+    text part has one (as OpenAI's API answers); so is a tool call's function name."""
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
@@ -171,6 +171,13 @@ def _check_text_parts(req: ChatRequest) -> None:
                 if "text" not in part and part.get("type") == "text":
                     param = f"messages[{i}].content[{j}].text"
                     raise errors.bad_request(f"Missing required parameter: `{param}`.", param)
+        for j, call in enumerate(message.tool_calls or ()):
+            # A history's tool call names its function, a string (as OpenAI's API answers): one
+            # without was a 500 for a native_tools = false model, whose prompt shows each by name.
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                param = f"messages[{i}].tool_calls[{j}].function.name"
+                raise errors.bad_request(f"Missing required parameter: `{param}` (a string).", param)
 
 
 def estimate_input_tokens(req: ChatRequest) -> int:

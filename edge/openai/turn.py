@@ -243,7 +243,7 @@ class Turn:
         of this one's."""
         try:
             body = self.request_for(slot, extra_messages or [])
-        except APIError:
+        except BaseException:  # (any: a KeyError here held the node's slot for good)
             self.edge.runs.release(slot)
             raise
         run = self.edge.runs.start(
