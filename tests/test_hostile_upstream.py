@@ -314,6 +314,25 @@ async def test_a_chunk_of_millions_of_values_is_not_decoded(stack):
     assert edge.edge.runs.links["n1"] is link  # never closed
 
 
+async def test_output_the_client_never_sees_pays_for_a_bounded_stream(stack, monkeypatch):
+    """Each character of output pays for 16 KiB of stream, and characters the client never sees
+    paid too: 10 characters of `<|im_end|>` (removed by the edge) and 160 KB of padding a chunk
+    read 6 GB in 30 s (a node core) for 833 bytes to the client. A stream has a bound in all
+    (1 GiB; 8 MiB here): past it the run fails naming it, and another stream on the node is
+    whole."""
+    monkeypatch.setattr(openai_adapter, "_MAX_STREAM", 8 << 20)
+    edge, upstream, _ = stack
+    padded = chunk({"content": "<|im_end|>"}, padding=" " * 150_000)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", [("raw", padded)] * 100 + [("hang",)])
+            r, calm = await chat(client), await chat(client, "calm", max_tokens=4)
+    said = r.json()["error"]["message"]
+    assert r.status_code == 502 and said == "upstream sent more than 8 MiB for one answer", said
+    assert calm.status_code == 200 and calm.json()["choices"][0]["message"]["content"]
+    assert upstream.records[0].aborted_at is not None  # the node closed the model server's stream
+
+
 async def test_bytes_with_no_output_end_the_run(stack):
     """A model server that sends bytes but no output (empty deltas without end, one character
     a MiB of them, or trailers without end after the last chunk) kept a node core reading

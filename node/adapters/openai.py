@@ -118,6 +118,11 @@ _MAX_REFUSAL = 64 * 1024
 # one character a MiB of them had reset the count.
 _MAX_QUIET = 32 << 20  # four of the largest events
 _PAID = 14  # (a shift: 16 KiB a character)
+# A stream's bytes in all: past this the run fails. Output the client never sees (a sentinel
+# the edge removes, hidden reasoning) pays for padding too: 10 characters of `<|im_end|>` and
+# 160 KB of padding a chunk read 6 GB in 30 s (a node core) for 833 bytes to the client. An
+# honest answer as long as the edge takes (16 MiB) at 60 bytes of stream a character is 1 GB.
+_MAX_STREAM = 1 << 30
 _COUNTED = jsoncost.COUNTED  # (a chunk shorter than this is not counted: one name lookup a chunk)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
@@ -306,6 +311,7 @@ class _Relay:
         "at",
         "key",
         "quiet",
+        "read",
     )
 
     def __init__(self, sink: Sink, key: str | None) -> None:
@@ -327,6 +333,7 @@ class _Relay:
         self.chunk = 0  # the size of a chunk that could not be read, for the node's log
         self.room = True  # the sink takes more now
         self.quiet = 0  # bytes read that no output paid for (_PAID)
+        self.read = 0  # bytes read in all
 
     def _emit(self, kind: int, texts: list[str]) -> None:
         sink = self.sink
@@ -342,6 +349,7 @@ class _Relay:
         """Take body bytes; False: stop reading (the stream ended, or the sink is full)."""
         self.room = True
         self.quiet += len(data)
+        self.read += len(data)
         kind = 0
         texts: list[str] = []
         try:
@@ -439,8 +447,10 @@ class _Relay:
                         self.stop = matched
         if texts:
             self._emit(kind, texts)
-        if self.quiet > _MAX_QUIET and not self.finish_reason:
-            return self._fail("no output", f"upstream sent {_MAX_QUIET >> 20} MiB with little or no output")
+        if (self.quiet > _MAX_QUIET or self.read > _MAX_STREAM) and not self.finish_reason:
+            if self.quiet > _MAX_QUIET:
+                return self._fail("no output", f"upstream sent {_MAX_QUIET >> 20} MiB with little or no output")
+            return self._fail("stream too long", f"upstream sent more than {_MAX_STREAM >> 20} MiB for one answer")
         return self.room and not self.finish_reason  # after the finish: read on under a deadline
 
     def _fail(self, failure: str, message: str, status: int = 0) -> bool:
