@@ -178,6 +178,10 @@ async def test_reasoning_and_content_switching_past_1024_times_shows_the_rest_as
             deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
             assert "".join(d.get("text", "") for d in deltas) == "c" * pairs
             assert "".join(d.get("thinking", "") for d in deltas) == "r" * 512
+            # Content of whitespace alone: the reasoning not shown does not come back as the answer.
+            upstream.script_for("t", script(*[{"reasoning_content": "r", "content": None}, {"content": " "}] * pairs))
+            chunks, _ = await stream_raw(edge, model="plain")
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == (" " * pairs, "r" * 512)
             # A whole answer has one of each, all its text.
             upstream.script_for("t", alternating)
             whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()

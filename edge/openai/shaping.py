@@ -336,9 +336,10 @@ class Shaper:
 
     def _reasoning_out(self, text: str) -> None:
         self.reasoning_len += len(text)
-        if not (self._live and self.has_content):
+        if not (self._live and (self.has_content or self._switches > MAX_REASONING_SWITCHES)):
             # Kept for :meth:`fallback` until a live stream has content (a reasoning model's
-            # thousands of deltas would otherwise stay in memory to its end), and always when
+            # thousands of deltas would otherwise stay in memory to its end) or passed the
+            # switches (what was not shown is not shown as the answer either), and always when
             # collecting.
             self.reasoning_parts.append(text)
         if self.emit_reasoning and self._live:
@@ -346,6 +347,7 @@ class Shaper:
                 self._switches += 1
                 if self._switches > MAX_REASONING_SWITCHES:
                     self.emit_reasoning = False
+                    self.reasoning_parts = []  # (no fallback of it: whitespace content is the answer)
                     log.warning(
                         "reasoning: the answer switched to it too often; the rest is not shown",
                         model=self._model,
