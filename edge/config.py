@@ -98,7 +98,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_frame_bytes: int = 16 * 1024 * 1024
     max_node_concurrency: int = 4096  # per node and model: a larger advertised capacity is capped to this
     stall_after_s: float = 10.0  # a node whose runs of a model wait this long (and 10x that model's TTFT on its peers)
-    #                              for a first event is routed around, and those runs move to other nodes
+    #                              for a first event, or go silent this long after it, is routed around, and its
+    #                              unstarted runs of the model move to other nodes
     # Placement (README "Many nodes"): "prefix" (session, then the node holding the longest
     # prompt prefix, then rendezvous hashing), "session" (session, then least loaded),
     # "least_loaded", "random".

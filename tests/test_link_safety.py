@@ -309,6 +309,110 @@ async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
     assert stalls and float(stalls[0].split()[1]) >= 1, stalls
 
 
+async def test_a_node_whose_runs_start_then_go_silent_is_routed_around(nursery):
+    """A node (here one that claims 64 slots) that sends each run one delta and then nothing
+    was never routed around: only runs that had not started were judged, its load stayed near
+    0, and session affinity kept every later turn of a conversation there (8 of 12 sessions
+    failed every turn, each after the silence timeout). A started run silent past the stall
+    judgement routes the node around for the model, as runs that do not start do: every
+    conversation's later turns are served by the honest node, and runs queued on the silent
+    node (unstarted) move, all of them, not only the ones that waited longest."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.3, wait_timeout_s=2.0, max_node_concurrency=64))
+    await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200  # the peers' TTFT
+    stream, ws = await open_link(edge, "silent", nursery=nursery)
+    runs: list[str] = []
+
+    async def one_delta_then_silence():
+        while True:
+            frame = decode_frame(await ws.get_message())
+            if isinstance(frame, Ping):
+                await ws.send_message(encode_frame(Pong(ts=frame.ts)))
+            elif isinstance(frame, RunRequest):
+                runs.append(frame.run_id)
+                delta = RunEvent(run_id=frame.run_id, seq=1, type="delta", text="Hel")
+                await ws.send_message(encode_frame(Events(events=[delta])))
+
+    await hello(ws, "silent", capacity=64)
+    turns: dict[str, list[int]] = {}
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(one_delta_then_silence)
+                async with http(edge) as client:
+
+                    async def conversation(session: str) -> None:
+                        for _ in range(3):
+                            body = {**ASK, "stream": True, "user": session}
+                            r = await client.post("/v1/chat/completions", json=body)
+                            turns.setdefault(session, []).append(
+                                200 if r.status_code == 200 and b'"error"' not in r.content else 0
+                            )
+
+                    async with trio.open_nursery() as clients:
+                        for i in range(8):
+                            clients.start_soon(conversation, f"s{i}")
+                    metrics = (await client.get("/metrics")).text
+                inner.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert runs, "the silent node took runs at first"
+    assert all(t[1:] == [200, 200] for t in turns.values()), turns  # after a first turn there, none
+    stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
+    assert stalls and float(stalls[0].split()[1]) >= 1, stalls
+
+
+async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):
+    """Only the runs that had waited past the stall judgement moved off a node that starts
+    none; those sent to it just before (the routing had not yet judged it) waited out its
+    pause (10 s, doubling to 5 min), then moved or timed out (472 of 2,400 requests timed out
+    at 60 a second in an outside audit). All of the model's unstarted runs on it move now."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, max_node_concurrency=64, routing="least_loaded"))
+    await start_node(nursery, edge, [model("m", ttft_ms=20, tokens_per_s=0, max_concurrency=4)], "good")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200  # the peers' TTFT
+    stream, ws = await open_link(edge, "stuck", nursery=nursery)
+    sent: list[str] = []
+    await hello(ws, "stuck", capacity=64)
+    results: list[int] = []
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as inner:
+
+                async def never_start():
+                    while True:
+                        frame = decode_frame(await ws.get_message())
+                        if isinstance(frame, Ping):
+                            await ws.send_message(encode_frame(Pong(ts=frame.ts)))
+                        elif isinstance(frame, RunRequest):
+                            sent.append(frame.run_id)
+
+                inner.start_soon(never_start)
+                async with http(edge) as client:
+
+                    async def one():
+                        results.append((await client.post("/v1/chat/completions", json=ASK)).status_code)
+
+                    began = trio.current_time()
+                    async with trio.open_nursery() as clients:
+                        for wave in range(2):
+                            for _ in range(8):
+                                clients.start_soon(one)
+                            if not wave:
+                                await eventually(lambda: len(sent) >= 4, "the stuck node took runs")
+                                await trio.sleep(0.3)  # the second wave: younger than the judgement
+                    took = trio.current_time() - began
+                inner.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert results == [200] * 16
+    assert len(sent) >= 8, sent  # both waves had runs on it
+    assert took < 6, took  # (the second wave waited out a 10 s pause)
+
+
 # -- fields added later: engine load and joined deltas ------------------------------
 
 

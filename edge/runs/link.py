@@ -216,6 +216,11 @@ class NodeLink:
         if model in self.models:  # (keys bounded by the node's models)
             before = self.ttft_of.get(model)
             self.ttft_of[model] = ttft if before is None else 0.8 * before + 0.2 * ttft
+
+    def completed(self, model: str) -> None:
+        """A run of ``model`` ended whole here: a stall's next backoff starts over (not at
+        a run's first event: a node whose runs start and then go silent took traffic
+        half the time, 10 s routed around, 10 s sent runs that went silent)."""
         if self._stall_backoff:
             self._stall_backoff.pop(model, None)
 
@@ -267,7 +272,7 @@ class NodeLink:
 
     def mark_stalled(self, model: str, now: float) -> float:
         """Route around this node for ``model`` for a while (doubling each time
-        it stalls again without a run of it starting in between); returns for how long."""
+        it stalls again without a run of it completing in between); returns for how long."""
         backoff = self._stall_backoff.get(model, _STALL_BACKOFF_S[0])
         self.stalled_until[model] = now + backoff
         self._stall_backoff[model] = min(backoff * 2, _STALL_BACKOFF_S[1])

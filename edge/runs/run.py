@@ -253,7 +253,9 @@ class Run:
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else RUN_ERROR
-            if not complete:
+            if complete:
+                self.slot.link.completed(self.slot.model)
+            else:
                 self.error = getattr(item, "text", None) or getattr(item, "error", None) or "error"
             if self.on_node_done is not None:  # (a client that does not read holds no node capacity)
                 self.on_node_done(self)

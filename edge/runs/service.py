@@ -399,15 +399,18 @@ class RunService:
         link.sent(run.id, trio.current_time())
 
     def check_stall(self, link: NodeLink) -> None:
-        """Route around ``link`` if its runs are not starting: the oldest
-        unstarted run of a model has waited ``stall_after_s`` and ten times the
-        typical time to first event of that model on its peers (the other
-        nodes starting runs of it). A model with no such peer is never judged:
-        a lone node, or a model only this node serves, is left alone (a long
-        prompt's first token can take minutes); so are nodes serving other
-        models, whose times say nothing of this one's. The judged models'
-        unstarted runs move to other nodes, and the node is routed around for
-        those models alone (a model only it serves keeps its slots)."""
+        """Route around ``link`` for a model whose runs are not progressing there:
+        its oldest unstarted run has waited, or a started run of it has been silent
+        since its last event, ``stall_after_s`` and ten times the typical time to
+        first event of that model on its peers (the other nodes starting runs of
+        it). A model with no such peer is never judged: a lone node, or a model
+        only this node serves, is left alone (a long prompt's first token can take
+        minutes); so are nodes serving other models, whose times say nothing of
+        this one's. All the judged models' unstarted runs move to other nodes (not
+        only those past the wait: the younger ones waited out the routing's pause
+        to be judged, then timed out), and the node is routed around for those
+        models alone (a model only it serves keeps its slots). Started runs stay:
+        their output has gone to their clients."""
         now = trio.current_time()
         if link.stalled_until:
             over = [model for model, until in link.stalled_until.items() if until <= now]
@@ -415,19 +418,27 @@ class RunService:
                 del link.stalled_until[model]
             if over:
                 self._wake_waiting(over)
-        if not link.unstarted:
+        if not link.runs:
             return
-        waited_since: dict[str, float] = {}  # model -> when its oldest unstarted run was sent
+        since: dict[str, float] = {}  # model -> when its oldest wait began (sent unstarted, or last event)
+        silent: set[str] = set()  # models judged by a started run's silence
         due = now - self.config.stall_after_s
         for run_id, sent_at in link.unstarted.items():
             if sent_at > due:
                 break  # (oldest first: only the runs waiting past stall_after_s are looked at)
             run = link.runs.get(run_id)
             if run is not None and not link.stalled(now, run.slot.model):
-                waited_since.setdefault(run.slot.model, sent_at)
-        judged: dict[str, float] = {}  # model -> the wait past which its runs move
+                since.setdefault(run.slot.model, sent_at)
+        for run in link.runs.values():
+            last = run.last_event_at
+            if last <= due and run.first_event_at is not None and not run.finished:
+                model = run.slot.model
+                if last < since.get(model, math.inf) and not link.stalled(now, model):
+                    since[model] = last
+                    silent.add(model)
+        judged: dict[str, float] = {}  # model -> the wait past which it is judged
         typical = waited = 0.0
-        for model, sent_at in waited_since.items():
+        for model, began in since.items():
             peers = sorted(
                 lk.ttft_of[model]
                 for lk in self.links.values()
@@ -437,23 +448,26 @@ class RunService:
                 continue
             peer_typical = peers[len(peers) // 2]
             threshold = max(self.config.stall_after_s, 10 * peer_typical)
-            if now - sent_at >= threshold:
+            if now - began >= threshold:
                 judged[model] = threshold
-                if now - sent_at > waited:
-                    typical, waited = peer_typical, now - sent_at
+                if now - began > waited:
+                    typical, waited = peer_typical, now - began
         if not judged:
             return
         backoff = max(link.mark_stalled(model, now) for model in judged)
         moved = 0
-        for run_id, sent_at in list(link.unstarted.items()):
+        for run_id in list(link.unstarted):
             run = link.runs.get(run_id)
-            threshold = judged.get(run.slot.model) if run is not None else None
-            if threshold is not None and now - sent_at >= threshold and self._fail_over(run, link):
+            if run is not None and run.slot.model in judged and self._fail_over(run, link):
                 moved += 1
+        silent_models = sorted(silent.intersection(judged))
         log.warning(
-            "node is not starting runs: routing around it",
+            "node's runs are not progressing: routing around it"
+            if silent_models
+            else "node is not starting runs: routing around it",
             node_id=link.node_id,
             models=sorted(judged),
+            silent=silent_models,
             waited_s=round(waited, 3),
             peers_ttft_s=round(typical, 4),
             runs_moved=moved,
