@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import msgspec
 import pytest
@@ -55,6 +56,31 @@ async def hello(ws, node_id: str, capacity: int = 4) -> Welcome:
     assert isinstance(welcome, Welcome)
     await ws.send_message(encode_frame(Grant(model="m", slots=capacity, seq=1)))  # a lone edge gets it all
     return welcome
+
+
+async def serve_link(ws, on_run=None, *, cancelled: list[str] | None = None) -> None:
+    """Answer the edge's pings, hand each run request to ``on_run`` and note the cancels."""
+    while True:
+        frame = decode_frame(await ws.get_message())
+        if isinstance(frame, Ping):
+            await ws.send_message(encode_frame(Pong(ts=frame.ts)))
+        elif isinstance(frame, RunRequest) and on_run is not None:
+            await on_run(frame)
+        elif isinstance(frame, CancelRun) and cancelled is not None:
+            cancelled.append(frame.run_id)
+
+
+async def beside_a_good_node(nursery, node_id: str, **config):
+    """An edge with an honest node of ``m`` (one run served: the peers' time to a first token)
+    and a hand-driven link of ``node_id`` claiming 64 slots: the edge, its stream and websocket."""
+    edge = await start_edge(nursery, edge_config(max_node_concurrency=64, **config))
+    await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+    stream, ws = await open_link(edge, node_id, nursery=nursery)
+    await hello(ws, node_id, capacity=64)
+    return edge, stream, ws
 
 
 async def answer_runs(ws, *, started: list[str] | None = None) -> None:
@@ -271,15 +297,7 @@ async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
     await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
     stream, ws = await open_link(edge, "liar", nursery=nursery)
     cancelled: list[str] = []
-
-    async def liar():
-        while True:
-            frame = decode_frame(await ws.get_message())
-            if isinstance(frame, Ping):
-                await ws.send_message(encode_frame(Pong(ts=frame.ts)))
-            elif isinstance(frame, CancelRun):
-                cancelled.append(frame.run_id)
-
+    liar = partial(serve_link, ws, cancelled=cancelled)
     await hello(ws, "liar", capacity=10**9)
     results: list[int] = []
     try:
@@ -317,30 +335,20 @@ async def test_a_node_whose_runs_start_then_go_silent_is_routed_around(nursery):
     judgement routes the node around for the model, as runs that do not start do: every
     conversation's later turns are served by the honest node, and runs queued on the silent
     node (unstarted) move, all of them, not only the ones that waited longest."""
-    edge = await start_edge(nursery, edge_config(stall_after_s=0.3, wait_timeout_s=2.0, max_node_concurrency=64))
-    await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
-    with trio.fail_after(BOUND):
-        async with http(edge) as client:
-            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200  # the peers' TTFT
-    stream, ws = await open_link(edge, "silent", nursery=nursery)
+    edge, stream, ws = await beside_a_good_node(nursery, "silent", stall_after_s=0.3, wait_timeout_s=2.0)
     runs: list[str] = []
 
-    async def one_delta_then_silence():
-        while True:
-            frame = decode_frame(await ws.get_message())
-            if isinstance(frame, Ping):
-                await ws.send_message(encode_frame(Pong(ts=frame.ts)))
-            elif isinstance(frame, RunRequest):
-                runs.append(frame.run_id)
-                delta = RunEvent(run_id=frame.run_id, seq=1, type="delta", text="Hel")
-                await ws.send_message(encode_frame(Events(events=[delta])))
+    async def one_delta_then_silence(run: RunRequest) -> None:
+        runs.append(run.run_id)
+        await ws.send_message(
+            encode_frame(Events(events=[RunEvent(run_id=run.run_id, seq=1, type="delta", text="Hel")]))
+        )
 
-    await hello(ws, "silent", capacity=64)
     turns: dict[str, list[int]] = {}
     try:
         with trio.fail_after(BOUND):
             async with trio.open_nursery() as inner:
-                inner.start_soon(one_delta_then_silence)
+                inner.start_soon(serve_link, ws, one_delta_then_silence)
                 async with http(edge) as client:
 
                     async def conversation(session: str) -> None:
@@ -369,28 +377,17 @@ async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nurs
     none; those sent to it just before (the routing had not yet judged it) waited out its
     pause (10 s, doubling to 5 min), then moved or timed out (472 of 2,400 requests timed out
     at 60 a second in an outside audit). All of the model's unstarted runs on it move now."""
-    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, max_node_concurrency=64, routing="least_loaded"))
-    await start_node(nursery, edge, [model("m", ttft_ms=20, tokens_per_s=0, max_concurrency=4)], "good")
-    with trio.fail_after(BOUND):
-        async with http(edge) as client:
-            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200  # the peers' TTFT
-    stream, ws = await open_link(edge, "stuck", nursery=nursery)
+    edge, stream, ws = await beside_a_good_node(nursery, "stuck", stall_after_s=0.5, routing="least_loaded")
     sent: list[str] = []
-    await hello(ws, "stuck", capacity=64)
+
+    async def never_start(run: RunRequest) -> None:
+        sent.append(run.run_id)
+
     results: list[int] = []
     try:
         with trio.fail_after(BOUND):
             async with trio.open_nursery() as inner:
-
-                async def never_start():
-                    while True:
-                        frame = decode_frame(await ws.get_message())
-                        if isinstance(frame, Ping):
-                            await ws.send_message(encode_frame(Pong(ts=frame.ts)))
-                        elif isinstance(frame, RunRequest):
-                            sent.append(frame.run_id)
-
-                inner.start_soon(never_start)
+                inner.start_soon(serve_link, ws, never_start)
                 async with http(edge) as client:
 
                     async def one():
