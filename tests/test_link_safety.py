@@ -327,28 +327,30 @@ async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
     assert stalls and float(stalls[0].split()[1]) >= 1, stalls
 
 
-async def test_a_node_whose_runs_start_then_go_silent_is_routed_around(nursery):
-    """A node (here one that claims 64 slots) that sends each run one delta and then nothing
-    was never routed around: only runs that had not started were judged, its load stayed near
-    0, and session affinity kept every later turn of a conversation there (8 of 12 sessions
-    failed every turn, each after the silence timeout). A started run silent past the stall
-    judgement routes the node around for the model, as runs that do not start do: every
-    conversation's later turns are served by the honest node, and runs queued on the silent
-    node (unstarted) move, all of them, not only the ones that waited longest."""
-    edge, stream, ws = await beside_a_good_node(nursery, "silent", stall_after_s=0.3, wait_timeout_s=2.0)
+@pytest.mark.parametrize("then", ["silence", "error"])
+async def test_a_node_whose_runs_start_then_stop_is_routed_around(nursery, then):
+    """A node (here one that claims 64 slots) that sends each run one delta and then nothing,
+    or then an error, was never routed around: only runs that had not started, or failed at
+    once, were judged; its load stayed near 0, and session affinity kept every later turn of a
+    conversation there (8 of 12 sessions failed every turn). A started run silent past the
+    stall judgement, or three in a row failing after their output began, route the node around
+    for the model as runs that do not start do: every conversation's later turns are served by
+    the honest node."""
+    edge, stream, ws = await beside_a_good_node(nursery, "bad", stall_after_s=0.3, wait_timeout_s=2.0)
     runs: list[str] = []
 
-    async def one_delta_then_silence(run: RunRequest) -> None:
+    async def one_delta_then_stop(run: RunRequest) -> None:
         runs.append(run.run_id)
-        await ws.send_message(
-            encode_frame(Events(events=[RunEvent(run_id=run.run_id, seq=1, type="delta", text="Hel")]))
-        )
+        events = [RunEvent(run_id=run.run_id, seq=1, type="delta", text="Hel")]
+        if then == "error":
+            events.append(RunEvent(run_id=run.run_id, seq=2, type="error", text="upstream closed mid-answer"))
+        await ws.send_message(encode_frame(Events(events=events)))
 
     turns: dict[str, list[int]] = {}
     try:
         with trio.fail_after(BOUND):
             async with trio.open_nursery() as inner:
-                inner.start_soon(serve_link, ws, one_delta_then_silence)
+                inner.start_soon(serve_link, ws, one_delta_then_stop)
                 async with http(edge) as client:
 
                     async def conversation(session: str) -> None:
@@ -358,6 +360,7 @@ async def test_a_node_whose_runs_start_then_go_silent_is_routed_around(nursery):
                             turns.setdefault(session, []).append(
                                 200 if r.status_code == 200 and b'"error"' not in r.content else 0
                             )
+                            await trio.sleep(0.3)  # (the user reads the answer)
 
                     async with trio.open_nursery() as clients:
                         for i in range(8):
@@ -366,7 +369,7 @@ async def test_a_node_whose_runs_start_then_go_silent_is_routed_around(nursery):
                 inner.cancel_scope.cancel()
     finally:
         await stream.aclose()
-    assert runs, "the silent node took runs at first"
+    assert runs, "the bad node took runs at first"
     assert all(t[1:] == [200, 200] for t in turns.values()), turns  # after a first turn there, none
     stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
     assert stalls and float(stalls[0].split()[1]) >= 1, stalls

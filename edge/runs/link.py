@@ -104,6 +104,7 @@ class NodeLink:
         self.ttft_of: dict[str, float] = {}  # the same, per model (a stall is judged against a model's peers)
         self.stalled_until: dict[str, float] = {}  # model -> routed around for it until then (runs not starting)
         self._stall_backoff: dict[str, float] = {}  # model -> for how long, the next time it stalls
+        self.errors_in_row: dict[str, int] = {}  # model -> runs failed after output since one completed
         # model -> [runs failed in a row before any output, routed around until, next backoff]:
         # there from a run's failure at once until a run of the model produces output
         self._failing: dict[str, list[float]] = {}
@@ -220,9 +221,19 @@ class NodeLink:
     def completed(self, model: str) -> None:
         """A run of ``model`` ended whole here: a stall's next backoff starts over (not at
         a run's first event: a node whose runs start and then go silent took traffic
-        half the time, 10 s routed around, 10 s sent runs that went silent)."""
+        half the time, 10 s routed around, 10 s sent runs that went silent), and the
+        failures after output are counted from none."""
         if self._stall_backoff:
             self._stall_backoff.pop(model, None)
+        if self.errors_in_row:
+            self.errors_in_row.pop(model, None)
+
+    def errored(self, model: str) -> int:
+        """A run of ``model`` failed here after its output began: how many in a row."""
+        if model not in self.models:  # (keys bounded by the node's models)
+            return 0
+        errors = self.errors_in_row[model] = self.errors_in_row.get(model, 0) + 1
+        return errors
 
     def stalled(self, now: float, model: str | None = None) -> bool:
         """Routed around for ``model`` now, its runs not starting (None: for any of its models)."""

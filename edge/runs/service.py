@@ -18,10 +18,16 @@ from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
-from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, SHUTDOWN, UNSENDABLE, Run, RunTimers
+from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, RUN_ERROR, SHUTDOWN, UNSENDABLE, Run, RunTimers
 from proto import ModelInfo, RunEvent, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
+
+# Runs of a model that failed on a node after their output began, in a row (no run of it completing
+# there in between), past which the node is routed around for the model as a stalled one is, while
+# another node serves it: a node that sent each run a token and then an error kept its share of
+# traffic (223 of 600 requests failed), its first output clearing what counts failures at once.
+ERRORS_AFTER_OUTPUT = 3
 
 
 class Slot:
@@ -436,40 +442,50 @@ class RunService:
                 if last < since.get(model, math.inf) and not link.stalled(now, model):
                     since[model] = last
                     silent.add(model)
-        judged: dict[str, float] = {}  # model -> the wait past which it is judged
+        judged: list[str] = []
         typical = waited = 0.0
         for model, began in since.items():
-            peers = sorted(
-                lk.ttft_of[model]
-                for lk in self.links.values()
-                if lk is not link and model in lk.ttft_of and not lk.stalled(now, model) and not lk.closed
-            )
-            if not peers:
-                continue
-            peer_typical = peers[len(peers) // 2]
-            threshold = max(self.config.stall_after_s, 10 * peer_typical)
-            if now - began >= threshold:
-                judged[model] = threshold
+            peer_typical = self._peers_ttft(link, model, now)
+            if peer_typical is not None and now - began >= max(self.config.stall_after_s, 10 * peer_typical):
+                judged.append(model)
                 if now - began > waited:
                     typical, waited = peer_typical, now - began
-        if not judged:
-            return
-        backoff = max(link.mark_stalled(model, now) for model in judged)
+        if judged:
+            silent_models = sorted(silent.intersection(judged))
+            self._route_around(
+                link,
+                judged,
+                now,
+                "node's runs are not progressing" if silent_models else "node is not starting runs",
+                silent=silent_models,
+                waited_s=round(waited, 3),
+                peers_ttft_s=round(typical, 4),
+            )
+
+    def _peers_ttft(self, link: NodeLink, model: str, now: float) -> float | None:
+        """The typical time to a first event of ``model`` on the nodes serving it
+        besides ``link`` and not routed around (None: no such peer)."""
+        peers = sorted(
+            lk.ttft_of[model]
+            for lk in self.links.values()
+            if lk is not link and model in lk.ttft_of and not lk.stalled(now, model) and not lk.closed
+        )
+        return peers[len(peers) // 2] if peers else None
+
+    def _route_around(self, link: NodeLink, models: list[str], now: float, why: str, **said: Any) -> None:
+        """Route around ``link`` for ``models`` (a backoff each) and move all their
+        unstarted runs on it to other nodes."""
+        backoff = max(link.mark_stalled(model, now) for model in models)
         moved = 0
         for run_id in list(link.unstarted):
             run = link.runs.get(run_id)
-            if run is not None and run.slot.model in judged and self._fail_over(run, link):
+            if run is not None and run.slot.model in models and self._fail_over(run, link):
                 moved += 1
-        silent_models = sorted(silent.intersection(judged))
         log.warning(
-            "node's runs are not progressing: routing around it"
-            if silent_models
-            else "node is not starting runs: routing around it",
+            f"{why}: routing around it",
             node_id=link.node_id,
-            models=sorted(judged),
-            silent=silent_models,
-            waited_s=round(waited, 3),
-            peers_ttft_s=round(typical, 4),
+            models=sorted(models),
+            **said,
             runs_moved=moved,
             for_s=backoff,
         )
@@ -963,6 +979,16 @@ class RunService:
 
     def _node_done(self, run: Run) -> None:
         self.release(run.slot)
+        if run.cause == RUN_ERROR and run.events_seen > 1:  # failed after output: the model server, mid-answer
+            link, model = run.slot.link, run.slot.model
+            now = trio.current_time()
+            if (
+                link.errored(model) >= ERRORS_AFTER_OUTPUT
+                and not link.stalled(now, model)
+                and self._peers_ttft(link, model, now) is not None
+            ):
+                link.errors_in_row.pop(model, None)
+                self._route_around(link, [model], now, "node's runs fail after output", errors=ERRORS_AFTER_OUTPUT)
 
     def _closed(self, run: Run) -> None:
         self.timers.discard(run)
