@@ -25,6 +25,7 @@ from edge.config import EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
 from edge.runs.link import StrayFlood
+from edge.runs.service import stall_after_s
 from edge.ws import RawWebsocket
 from proto import (
     PROTOCOL_VERSION,
@@ -435,7 +436,7 @@ async def _report_demand(link: NodeLink, service: RunService) -> None:
 
 async def _watch_stall(link: NodeLink, service: RunService, config: EdgeConfig) -> None:
     """Every so often: is this node starting the runs it was sent?"""
-    every = min(1.0, config.stall_after_s / 4)
+    every = min(1.0, stall_after_s(config) / 4)
     while True:
         await trio.sleep(every)
         service.check_stall(link)

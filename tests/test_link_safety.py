@@ -327,16 +327,18 @@ async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
     assert stalls and float(stalls[0].split()[1]) >= 1, stalls
 
 
-@pytest.mark.parametrize("then", ["silence", "error"])
-async def test_a_node_whose_runs_start_then_stop_is_routed_around(nursery, then):
+@pytest.mark.parametrize(("then", "stall_after_s"), [("silence", 0.3), ("error", 0.3), ("silence", 10.0)])
+async def test_a_node_whose_runs_start_then_stop_is_routed_around(nursery, then, stall_after_s):
     """A node (here one that claims 64 slots) that sends each run one delta and then nothing,
     or then an error, was never routed around: only runs that had not started, or failed at
     once, were judged; its load stayed near 0, and session affinity kept every later turn of a
     conversation there (8 of 12 sessions failed every turn). A started run silent past the
     stall judgement, or three in a row failing after their output began, route the node around
     for the model as runs that do not start do: every conversation's later turns are served by
-    the honest node."""
-    edge, stream, ws = await beside_a_good_node(nursery, "bad", stall_after_s=0.3, wait_timeout_s=2.0)
+    the honest node. A stall is judged at half the silence that times a run out if that is
+    sooner than ``stall_after_s`` (else the runs timed out unjudged: with the default 10 s and a
+    5 s ``wait_timeout_s``, 3 of 12 sessions failed every turn)."""
+    edge, stream, ws = await beside_a_good_node(nursery, "bad", stall_after_s=stall_after_s, wait_timeout_s=2.0)
     runs: list[str] = []
 
     async def one_delta_then_stop(run: RunRequest) -> None:

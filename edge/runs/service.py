@@ -30,6 +30,13 @@ log = structlog.get_logger("iop.edge.runs")
 ERRORS_AFTER_OUTPUT = 3
 
 
+def stall_after_s(config: EdgeConfig) -> float:
+    """The least wait that judges a node stalled: ``stall_after_s``, or half the silence that
+    times a run out if that is shorter (with ``wait_timeout_s`` 5, runs timed out before any
+    was judged, and the node kept its traffic)."""
+    return min(config.stall_after_s, config.wait_timeout_s / 2)
+
+
 class Slot:
     """One unit of a node's capacity for one model, held from admission until
     the run is closed (or the waiter gives it back)."""
@@ -428,7 +435,8 @@ class RunService:
             return
         since: dict[str, float] = {}  # model -> when its oldest wait began (sent unstarted, or last event)
         silent: set[str] = set()  # models judged by a started run's silence
-        due = now - self.config.stall_after_s
+        stall_after = stall_after_s(self.config)
+        due = now - stall_after
         for run_id, sent_at in link.unstarted.items():
             if sent_at > due:
                 break  # (oldest first: only the runs waiting past stall_after_s are looked at)
@@ -446,7 +454,7 @@ class RunService:
         typical = waited = 0.0
         for model, began in since.items():
             peer_typical = self._peers_ttft(link, model, now)
-            if peer_typical is not None and now - began >= max(self.config.stall_after_s, 10 * peer_typical):
+            if peer_typical is not None and now - began >= max(stall_after, 10 * peer_typical):
                 judged.append(model)
                 if now - began > waited:
                     typical, waited = peer_typical, now - began
