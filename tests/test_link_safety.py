@@ -377,6 +377,63 @@ async def test_a_node_whose_runs_start_then_stop_is_routed_around(nursery, then,
     assert stalls and float(stalls[0].split()[1]) >= 1, stalls
 
 
+@pytest.mark.parametrize("case", ["long tool call", "client errors"])
+async def test_a_node_making_progress_or_failing_for_its_clients_is_not_routed_around(nursery, case):
+    """False positives of the rules above, found by an outside audit: a run whose long tool call
+    the node sends whole at its end looks silent meanwhile (a coding agent writing a file routed
+    healthy nodes around six times a minute: the others' throughput fell 24%); and a client
+    whose requests fail after their output with the model server's 400 counted against the
+    node (53%). A node that completes runs, or streams others, is not judged by one silent
+    run; a 400 is the client's."""
+    edge, stream, ws = await beside_a_good_node(
+        nursery, "busy", stall_after_s=0.3, wait_timeout_s=5.0, routing="least_loaded"
+    )
+    first: list[str] = []
+
+    async def answer(run: RunRequest) -> None:
+        events = [RunEvent(run_id=run.run_id, seq=1, type="delta", text="I will write the file.")]
+        if case == "client errors":
+            events.append(RunEvent(run_id=run.run_id, seq=2, type="error", text="bad request", status=400))
+        elif not first:  # its first run: the call's arguments stream for 1.5 s, sent whole at its end
+            first.append(run.run_id)
+            await ws.send_message(encode_frame(Events(events=events)))
+
+            async def later() -> None:
+                await trio.sleep(1.5)
+                done = RunEvent(run_id=run.run_id, seq=2, type="complete", finish_reason="stop")
+                await ws.send_message(encode_frame(Events(events=[done])))
+
+            inner.start_soon(later)
+            return
+        else:
+            events.append(RunEvent(run_id=run.run_id, seq=2, type="complete", finish_reason="stop"))
+        await ws.send_message(encode_frame(Events(events=events)))
+
+    statuses: list[int] = []
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(serve_link, ws, answer)
+                async with http(edge) as client:
+
+                    async def loop() -> None:
+                        for _ in range(20):  # 2 s in all, 4 at once: the busy node takes its share
+                            statuses.append((await client.post("/v1/chat/completions", json=ASK)).status_code)
+                            await trio.sleep(0.1)
+
+                    async with trio.open_nursery() as clients:
+                        for _ in range(4):
+                            clients.start_soon(loop)
+                    metrics = (await client.get("/metrics")).text
+                inner.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert edge.edge.runs.links["busy"].completed_at or case == "client errors"
+    assert 200 in statuses and (case == "long tool call") == (400 not in statuses), statuses
+    stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
+    assert stalls and float(stalls[0].split()[1]) == 0, stalls
+
+
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):
     """Only the runs that had waited past the stall judgement moved off a node that starts
     none; those sent to it just before (the routing had not yet judged it) waited out its

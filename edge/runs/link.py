@@ -105,6 +105,7 @@ class NodeLink:
         self.stalled_until: dict[str, float] = {}  # model -> routed around for it until then (runs not starting)
         self._stall_backoff: dict[str, float] = {}  # model -> for how long, the next time it stalls
         self.errors_in_row: dict[str, int] = {}  # model -> runs failed after output since one completed
+        self.completed_at: dict[str, float] = {}  # model -> when a run of it last completed here
         # model -> [runs failed in a row before any output, routed around until, next backoff]:
         # there from a run's failure at once until a run of the model produces output
         self._failing: dict[str, list[float]] = {}
@@ -218,7 +219,7 @@ class NodeLink:
             before = self.ttft_of.get(model)
             self.ttft_of[model] = ttft if before is None else 0.8 * before + 0.2 * ttft
 
-    def completed(self, model: str) -> None:
+    def completed(self, model: str, now: float) -> None:
         """A run of ``model`` ended whole here: a stall's next backoff starts over (not at
         a run's first event: a node whose runs start and then go silent took traffic
         half the time, 10 s routed around, 10 s sent runs that went silent), and the
@@ -227,6 +228,8 @@ class NodeLink:
             self._stall_backoff.pop(model, None)
         if self.errors_in_row:
             self.errors_in_row.pop(model, None)
+        if model in self.models:  # (keys bounded by the node's models)
+            self.completed_at[model] = now
 
     def errored(self, model: str) -> int:
         """A run of ``model`` failed here after its output began: how many in a row."""

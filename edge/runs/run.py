@@ -24,7 +24,7 @@ RUN_ERROR = "run_error"
 # A run's first event an error with one of these upstream statuses (or a 5xx): the node's fault, not
 # the request's (0: unreachable; 401/403: its key refused; 404: its target model is not there; 429:
 # its server (or its provider account) is saturated).
-_NODE_FAULTS = frozenset((0, 401, 403, 404, 429))
+_NODE_FAULTS = frozenset((0, 401, 403, 404, 429))  # an error with such a status, or a 5xx: not the client's
 CLIENT_GONE = "client_gone"
 TIMEOUT = "timeout"
 NODE_LOST = "node_lost"
@@ -112,6 +112,7 @@ class Run:
         "timer",
         "client",
         "error",
+        "error_status",
         "keepalive",
         "idle_since",
         "quiet_since",
@@ -172,6 +173,7 @@ class Run:
         self.api = ""  # the front door its request came through (a metrics label; never sent to the node)
         self.client = None  # the request's Exchange (its key and stream flag, for the console)
         self.error: str | None = None  # how it failed, when it did (for the console)
+        self.error_status = 0  # the node's error event's status, when it failed there
         self.keepalive = 0.0  # > 0: the timers wake the reader after this long with nothing (next_batch_or_idle)
         self.idle_since = now  # the last event, or the last keep-alive the timers called
         # Set by a live stream while events arrive but give the client nothing (held: a strict
@@ -254,9 +256,10 @@ class Run:
             self.finished = True
             self.cause = COMPLETE if complete else RUN_ERROR
             if complete:
-                self.slot.link.completed(self.slot.model)
+                self.slot.link.completed(self.slot.model, now)
             else:
                 self.error = getattr(item, "text", None) or getattr(item, "error", None) or "error"
+                self.error_status = getattr(item, "status", 0)
             if self.on_node_done is not None:  # (a client that does not read holds no node capacity)
                 self.on_node_done(self)
         elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
@@ -269,6 +272,12 @@ class Run:
                 self.fail(f"the node sent more than {MAX_PENDING_BYTES} bytes in one frame for this run", TOO_LARGE)
                 return
         self._wake()
+
+    def node_fault(self) -> bool:
+        """The node's error event said the fault is the node's or its model server's
+        (no status, or one of theirs), not the client's request (a 400)."""
+        status = self.error_status
+        return status in _NODE_FAULTS or status >= 500
 
     def fail(self, message: str, cause: str) -> None:
         """End the run from the edge's side: the client sees ``message`` as a

@@ -443,16 +443,27 @@ class RunService:
             run = link.runs.get(run_id)
             if run is not None and not link.stalled(now, run.slot.model):
                 since.setdefault(run.slot.model, sent_at)
+        # A model the node makes progress on (a run of it completed, or had an event after its
+        # first, within the wait) is not judged: a long prompt, or a long tool call (the node sends
+        # a call whole, at its end), on a busy healthy node is not a stall.
+        progressing = {model for model, at in link.completed_at.items() if at > due}
         for run in link.runs.values():
+            first = run.first_event_at
+            if first is None or run.finished:
+                continue
             last = run.last_event_at
-            if last <= due and run.first_event_at is not None and not run.finished:
-                model = run.slot.model
-                if last < since.get(model, math.inf) and not link.stalled(now, model):
-                    since[model] = last
-                    silent.add(model)
+            model = run.slot.model
+            if last > due:
+                if last > first:
+                    progressing.add(model)
+            elif last < since.get(model, math.inf) and not link.stalled(now, model):
+                since[model] = last
+                silent.add(model)
         judged: list[str] = []
         typical = waited = 0.0
         for model, began in since.items():
+            if model in progressing:
+                continue
             peer_typical = self._peers_ttft(link, model, now)
             if peer_typical is not None and now - began >= max(stall_after, 10 * peer_typical):
                 judged.append(model)
@@ -987,12 +998,13 @@ class RunService:
 
     def _node_done(self, run: Run) -> None:
         self.release(run.slot)
-        if run.cause == RUN_ERROR and run.events_seen > 1:  # failed after output: the model server, mid-answer
+        if run.cause == RUN_ERROR and run.events_seen > 1 and run.node_fault():  # failed mid-answer, not for the client
             link, model = run.slot.link, run.slot.model
             now = trio.current_time()
             if (
                 link.errored(model) >= ERRORS_AFTER_OUTPUT
                 and not link.stalled(now, model)
+                and link.completed_at.get(model, -math.inf) <= now - stall_after_s(self.config)
                 and self._peers_ttft(link, model, now) is not None
             ):
                 link.errors_in_row.pop(model, None)
