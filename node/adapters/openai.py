@@ -341,9 +341,13 @@ class _Relay:
             text, parts = texts[0], 1
         else:
             text, parts = "".join(texts), len(texts)
-        quiet = self.quiet - (len(text) << _PAID)
-        self.quiet = quiet if quiet > 0 else 0
+        self._paid(len(text))
         self.room = sink.delta_nowait(text, parts) if kind == _CONTENT else sink.reasoning_nowait(text, parts)
+
+    def _paid(self, characters: int) -> None:
+        """``characters`` of output pay for the stream read before them (:data:`_PAID`)."""
+        quiet = self.quiet - (characters << _PAID)
+        self.quiet = quiet if quiet > 0 else 0
 
     def feed(self, data: bytes) -> bool:
         """Take body bytes; False: stop reading (the stream ended, or the sink is full)."""
@@ -430,8 +434,7 @@ class _Relay:
                         calls = delta.tool_calls
                         added = _merge_tool_calls(self.calls, self.at, calls if calls.__class__ is list else [calls])
                         if added:  # (fragments that add nothing are no output: `{"index": 0}` per MiB)
-                            quiet = self.quiet - (added << _PAID)
-                            self.quiet = quiet if quiet > 0 else 0
+                            self._paid(added)
                             self.tool_bytes += added
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > MAX_TOOL_CALLS:
                             if texts:
