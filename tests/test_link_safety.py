@@ -83,6 +83,15 @@ async def beside_a_good_node(nursery, node_id: str, **config):
     return edge, stream, ws
 
 
+async def at_once_then_stalls(client, tasks) -> float:
+    """Run ``tasks`` at once; then the edge's ``iop_node_stalls_total``."""
+    async with trio.open_nursery() as clients:
+        for task in tasks:
+            clients.start_soon(task)
+    metrics = (await client.get("/metrics")).text
+    return next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("iop_node_stalls_total "))
+
+
 async def answer_runs(ws, *, started: list[str] | None = None) -> None:
     """Serve the link like a node that completes every run at once."""
     while True:
@@ -314,17 +323,13 @@ async def test_node_claiming_huge_capacity_is_capped_and_routed_around(nursery):
                         r = await client.post("/v1/chat/completions", json=ASK)
                         results.append(r.status_code)
 
-                    async with trio.open_nursery() as clients:
-                        for _ in range(20):
-                            clients.start_soon(one)
-                    metrics = (await client.get("/metrics")).text
+                    stalls = await at_once_then_stalls(client, [one] * 20)
                 inner.cancel_scope.cancel()
     finally:
         await stream.aclose()
     assert results == [200] * 20
     assert cancelled, "the liar was told to drop the runs moved off it"
-    stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
-    assert stalls and float(stalls[0].split()[1]) >= 1, stalls
+    assert stalls >= 1, stalls
 
 
 @pytest.mark.parametrize(("then", "stall_after_s"), [("silence", 0.3), ("error", 0.3), ("silence", 10.0)])
@@ -364,17 +369,13 @@ async def test_a_node_whose_runs_start_then_stop_is_routed_around(nursery, then,
                             )
                             await trio.sleep(0.3)  # (the user reads the answer)
 
-                    async with trio.open_nursery() as clients:
-                        for i in range(8):
-                            clients.start_soon(conversation, f"s{i}")
-                    metrics = (await client.get("/metrics")).text
+                    stalls = await at_once_then_stalls(client, [partial(conversation, f"s{i}") for i in range(8)])
                 inner.cancel_scope.cancel()
     finally:
         await stream.aclose()
     assert runs, "the bad node took runs at first"
     assert all(t[1:] == [200, 200] for t in turns.values()), turns  # after a first turn there, none
-    stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
-    assert stalls and float(stalls[0].split()[1]) >= 1, stalls
+    assert stalls >= 1, stalls
 
 
 @pytest.mark.parametrize("case", ["long tool call", "client errors"])
@@ -421,17 +422,13 @@ async def test_a_node_making_progress_or_failing_for_its_clients_is_not_routed_a
                             statuses.append((await client.post("/v1/chat/completions", json=ASK)).status_code)
                             await trio.sleep(0.1)
 
-                    async with trio.open_nursery() as clients:
-                        for _ in range(4):
-                            clients.start_soon(loop)
-                    metrics = (await client.get("/metrics")).text
+                    stalls = await at_once_then_stalls(client, [loop] * 4)
                 inner.cancel_scope.cancel()
     finally:
         await stream.aclose()
     assert edge.edge.runs.links["busy"].completed_at or case == "client errors"
     assert 200 in statuses and (case == "long tool call") == (400 not in statuses), statuses
-    stalls = [line for line in metrics.splitlines() if line.startswith("iop_node_stalls_total ")]
-    assert stalls and float(stalls[0].split()[1]) == 0, stalls
+    assert stalls == 0, stalls
 
 
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):
