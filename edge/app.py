@@ -599,6 +599,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                         "max_concurrency": info.max_concurrency,
                         # this edge's share of max_concurrency (a node's claim past the edge's cap counts as the cap)
                         "grant": min(link.grants[info.name], info.max_concurrency),
+                        # what of max_concurrency the node has earned (README "Many nodes": ramp_slots)
+                        "trusted": link.trusted[info.name],
                         "in_flight": link.in_flight[info.name],
                         "context_window": info.context_window,
                         "native_tools": info.native_tools,

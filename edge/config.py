@@ -97,6 +97,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     hello_timeout_s: float = 5.0
     max_frame_bytes: int = 16 * 1024 * 1024
     max_node_concurrency: int = 4096  # per node and model: a larger advertised capacity is capped to this
+    # A node that links beside a peer serving its model, or that is routed around, gets this many runs of
+    # the model at first, and one more for each that completes there, up to its capacity; 0: all at once
+    ramp_slots: int = 16
     stall_after_s: float = 10.0  # a node whose runs of a model wait this long (and 10x that model's TTFT on its peers)
     #                              for a first event, or go silent this long after it, is routed around, and its
     #                              unstarted runs of the model move to other nodes
@@ -133,7 +136,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
-        for key in ("max_queue", "max_tools", "drain_grace_s", "queue_timeout_ms"):
+        for key in ("max_queue", "max_tools", "drain_grace_s", "queue_timeout_ms", "ramp_slots"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative")
         if self.max_messages < 1:  # 0: no request

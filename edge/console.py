@@ -381,7 +381,7 @@ class Console:
                     name,
                     info.adapter,
                     info.max_concurrency,
-                    min(link.grants.get(name, 0), info.max_concurrency),  # as placement counts it
+                    link.slots(name),  # as placement counts it
                     link.in_flight.get(name, 0),
                     runs.queue_depth(name),
                     msgspec.structs.asdict(link.engine[name]) if name in link.engine else None,
@@ -396,7 +396,7 @@ class Console:
                     link.draining,
                     link.stalled(now),
                     sum(link.in_flight.values()),
-                    sum(min(link.grants.get(n, 0), i.max_concurrency) for n, i in link.models.items()),
+                    sum(link.slots(n) for n in link.models),
                     round(link.ttft * 1000, 1) if link.ttft is not None else None,
                     models,
                 )

@@ -222,7 +222,7 @@ async def test_a_burst_past_the_old_outbox_size_does_not_kill_a_slow_reader(nurs
 
 async def test_runs_of_a_crashed_node_wait_for_slots_on_the_survivor(nursery):
     """A node dies holding 30 unstarted runs; the other node has 2 slots: all 30 complete there, none is lost."""
-    edge = await start_edge(nursery)
+    edge = await start_edge(nursery, edge_config(ramp_slots=0))  # (node a's 100 slots trusted at once)
     # The survivor's runs take long enough that it cannot finish its two and take more of the 32
     # while they are being placed (it did, on a slow machine, once a run's frame reached it sooner:
     # node a then held fewer than 30 and the wait below timed out).
@@ -429,6 +429,72 @@ async def test_a_node_making_progress_or_failing_for_its_clients_is_not_routed_a
     assert edge.edge.runs.links["busy"].completed_at or case == "client errors"
     assert 200 in statuses and (case == "long tool call") == (400 not in statuses), statuses
     assert stalls == 0, stalls
+
+
+async def _nodes_model(client, node_id: str) -> dict:
+    nodes = (await client.get("/v1/nodes")).json()["data"]
+    return next(n for n in nodes if n["id"] == node_id)["models"][0]
+
+
+async def test_a_node_linking_beside_peers_earns_its_claimed_capacity(nursery):
+    """A node that claimed 4,096 slots and whose runs start and then go silent took its share
+    of every new run until it was judged, and again when its pause ended: 594 of 1,800 requests
+    timed out at 60 a second beside three honest 4-slot nodes (an outside audit). A node that
+    links beside peers of its model gets ``ramp_slots`` runs of it at first and one more for
+    each that completes there; the first node of a model, or one left alone with it, is
+    trusted whole."""
+    edge = await start_edge(
+        nursery, edge_config(stall_after_s=0.3, wait_timeout_s=2.0, ramp_slots=4, routing="least_loaded")
+    )
+    good = await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
+    sent: list[str] = []
+
+    async def one_delta_then_silence(run: RunRequest) -> None:
+        sent.append(run.run_id)
+        await ws.send_message(
+            encode_frame(Events(events=[RunEvent(run_id=run.run_id, seq=1, type="delta", text="Hel")]))
+        )
+
+    statuses: list[int] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+            assert (await _nodes_model(client, "good"))["trusted"] == 4
+            stream, ws = await open_link(edge, "liar", nursery=nursery)
+            try:
+                await hello(ws, "liar", capacity=4096)
+                assert (await _nodes_model(client, "liar"))["trusted"] == 4
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(serve_link, ws, one_delta_then_silence)
+
+                    async def one() -> None:
+                        r = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
+                        statuses.append(200 if r.status_code == 200 and b'"error"' not in r.content else 0)
+
+                    async with trio.open_nursery() as clients:
+                        for _ in range(24):
+                            clients.start_soon(one)
+                    inner.cancel_scope.cancel()
+            finally:
+                await stream.aclose()
+            assert 1 <= len(sent) <= 4, sent  # (without the trial: 20 of the 24)
+            assert statuses.count(200) >= 20, statuses
+            # Left alone with the model, a node on trial is trusted whole.
+            stream, ws = await open_link(edge, "honest", nursery=nursery)
+            try:
+                await hello(ws, "honest", capacity=64)
+                assert (await _nodes_model(client, "honest"))["trusted"] == 4
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(answer_runs, ws)
+                    for _ in range(20):  # (ties between idle nodes go either way) each run it completes earns a slot
+                        assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+                    assert (await _nodes_model(client, "honest"))["trusted"] > 4
+                    good.scope.cancel()
+                    await eventually(lambda: "good" not in edge.edge.runs.links, "the good node left")
+                    assert (await _nodes_model(client, "honest"))["trusted"] == 64
+                    inner.cancel_scope.cancel()
+            finally:
+                await stream.aclose()
 
 
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):

@@ -76,6 +76,10 @@ class NodeLink:
             m.name: m.max_concurrency if grants is None else grants.get(m.name, 0) for m in models
         }
         self.grant_seq: dict[str, int] = {m.name: 0 for m in models}
+        # Per model, the runs placement may have on the node: its capacity, or, while it earns
+        # that (:meth:`on_trial`), fewer, one more for each run of the model it completes.
+        self.trusted: dict[str, int] = {m.name: m.max_concurrency for m in models}
+        self.trial: set[str] = set()  # the models it is earning (trusted below their capacity)
         self.runs: dict[str, Run] = {}
         self.linked_at = trio.current_time()
         self.linked_wall = time.time()
@@ -146,12 +150,32 @@ class NodeLink:
     # -- capacity ------------------------------------------------------------
 
     def free_slots(self, model: str) -> int:
-        if self.closed or self.draining:
+        if self.closed or self.draining or model not in self.models:
             return 0
+        return self.slots(model) - self.in_flight[model]
+
+    def slots(self, model: str) -> int:
+        """The runs of ``model`` placement may have on the node now: its capacity, this
+        edge's grant of it, and what the node has earned of it (:meth:`on_trial`)."""
+        info = self.models[model]
+        return min(info.max_concurrency, self.grants[model], self.trusted[model])
+
+    def on_trial(self, model: str, slots: int) -> None:
+        """The node's advertised capacity of ``model`` is taken on trust only up to ``slots``
+        runs from now, and one more for each run of it that completes here (doubling by the
+        length of a run while all are busy, as TCP's slow start). A node that claimed 4,096
+        slots and whose runs started and then went silent took 594 of 1,800 runs before it was
+        judged (an outside audit); on trial it takes ``slots`` at most."""
         info = self.models.get(model)
-        if info is None:
-            return 0
-        return min(info.max_concurrency, self.grants[model]) - self.in_flight[model]
+        if info is not None and 0 < slots < info.max_concurrency:
+            self.trusted[model] = slots
+            self.trial.add(model)
+
+    def trust(self, model: str) -> None:
+        """The node's advertised capacity of ``model`` is trusted whole (no peer to compare it with)."""
+        if model in self.trial:
+            self.trial.discard(model)
+            self.trusted[model] = self.models[model].max_concurrency
 
     def set_grant(self, model: str, slots: int, seq: int) -> bool:
         """Apply the node's grant for ``model``; True if it makes room."""
@@ -163,11 +187,12 @@ class NodeLink:
 
     def load(self, model: str) -> float:
         """How busy the node is for ``model``, 0 = idle, 1 = every slot used:
-        this edge's in-flight runs over the capacity; with the model server's
+        this edge's in-flight runs over the capacity (what of it the node has earned:
+        :meth:`on_trial`); with the model server's
         own load (``engine``), its running requests when they are more (other
         edges, other clients), plus its queue, plus a steep term as its KV
         cache fills past :data:`KV_CACHE_FULL` (preemption is near)."""
-        capacity = max(self.models[model].max_concurrency, 1)
+        capacity = max(min(self.models[model].max_concurrency, self.trusted[model]), 1)
         engine = self.engine.get(model)
         if engine is None:
             return self.in_flight[model] / capacity
@@ -222,14 +247,18 @@ class NodeLink:
     def completed(self, model: str, now: float) -> None:
         """A run of ``model`` ended whole here: a stall's next backoff starts over (not at
         a run's first event: a node whose runs start and then go silent took traffic
-        half the time, 10 s routed around, 10 s sent runs that went silent), and the
-        failures after output are counted from none."""
+        half the time, 10 s routed around, 10 s sent runs that went silent), the
+        failures after output are counted from none, and a node on trial earns a slot."""
         if self._stall_backoff:
             self._stall_backoff.pop(model, None)
         if self.errors_in_row:
             self.errors_in_row.pop(model, None)
         if model in self.models:  # (keys bounded by the node's models)
             self.completed_at[model] = now
+        if self.trial and model in self.trial:
+            self.trusted[model] += 1
+            if self.trusted[model] >= self.models[model].max_concurrency:
+                self.trial.discard(model)
 
     def errored(self, model: str) -> int:
         """A run of ``model`` failed here after its output began: how many in a row."""

@@ -290,6 +290,15 @@ class RunService:
     # -- links -------------------------------------------------------------------
 
     def add_link(self, link: NodeLink) -> None:
+        if self.config.ramp_slots:
+            # A node that links beside peers of its model earns its advertised capacity (NodeLink.on_trial).
+            served: set[str] = set()
+            for lk in self.links.values():
+                if lk.node_id != link.node_id and not lk.closed:  # (not itself, linking again)
+                    served.update(lk.models)
+            for model in link.models:
+                if model in served:
+                    link.on_trial(model, self.config.ramp_slots)
         self.links[link.node_id] = link
         known = self._known
         for model in link.models:
@@ -322,6 +331,12 @@ class RunService:
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
         if any(lk.stalled_until for lk in self.links.values()):
             self._unjudge(link.models, now)
+        if any(lk.trial for lk in self.links.values()):
+            for model in link.models:  # a node left alone with a model has no peer to be judged against
+                serving = self._serving(model)
+                if len(serving) == 1 and model in serving[0].trial:
+                    serving[0].trust(model)
+                    self._wake(model)
         for model in link.models:
             if not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
@@ -495,6 +510,8 @@ class RunService:
         """Route around ``link`` for ``models`` (a backoff each) and move all their
         unstarted runs on it to other nodes."""
         backoff = max(link.mark_stalled(model, now) for model in models)
+        for model in models:  # (its silent runs hold their slots until they time out)
+            link.on_trial(model, self.config.ramp_slots)
         moved = 0
         for run_id in list(link.unstarted):
             run = link.runs.get(run_id)
