@@ -262,8 +262,8 @@ def link_route(handler: Callable[[RawWebsocket], Awaitable[None]], inner):
                 rest = error.split(LinkGone)[1]
             if rest is None:  # the node went away: nothing left to send
                 return
-            if not isinstance(rest, Exception):  # cancelled (the edge is stopping)
-                raise
+            if not isinstance(rest, Exception):  # cancelled (the edge is stopping, or the server's connection)
+                raise rest from None  # (without the LinkGone: a group that held it was "Error in ASGI Framework")
             log.exception("node link failed")
             if ws.accepted:
                 await ws.close(1011, "internal error in the edge")

@@ -755,6 +755,66 @@ async def test_a_frame_of_more_events_than_a_run_buffers_is_the_nodes_not_the_cl
     assert r.json()["choices"][0]["message"]["content"] == "x" * 9000
 
 
+async def test_a_flood_of_events_faster_than_the_client_is_sent_them_is_the_nodes_fault(edge):
+    """12 frames of 1,000 events alternating reasoning and text, sent in one write while the
+    client pauses half a second: past max_buffered_events (8,192) waiting for the run's reader,
+    the run failed as "client is not reading the response", a 500 that blamed the client
+    (an outside audit's flood, shaped slower than it came, had the same end). An honest node
+    joins the deltas it reads together; that many in under a second is the node's flood."""
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN, node_id="flood", max_concurrency=2)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        grant = encode_frame(Grant(model="hostile", slots=2, seq=1))
+        await stream.send_all(frame_header(BINARY, len(grant)) + grant)
+        client = trio.socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (the edge's writes block soon)
+        async with stream, trio.open_nursery() as nursery:
+
+            async def flood() -> None:
+                while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
+                    pass
+                kinds, seq, data = ("reasoning_delta", "delta"), 0, []
+                for _ in range(12):
+                    events = []
+                    for i in range(1000):
+                        seq += 1
+                        events.append(RunEvent(run_id=frame.run_id, seq=seq, type=kinds[i % 2], text="x" * 40))
+                    payload = encode_frame(Events(events=events))
+                    data.append(frame_header(BINARY, len(payload)) + payload)
+                end = encode_frame(Events(events=[RunEvent(run_id=frame.run_id, seq=seq + 1, type="complete")]))
+                await stream.send_all(b"".join([*data, frame_header(BINARY, len(end)), end]))
+
+            nursery.start_soon(flood)
+            body = b'{"model":"hostile","messages":[{"role":"user","content":"hi"}],"stream":true}'
+            await client.connect(("127.0.0.1", edge.port))
+            await client.send(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            received = [await client.recv(1024)]
+            await trio.sleep(0.5)  # the client pauses (a GC pause, a slow network)
+            while chunk := await client.recv(65536):
+                received.append(chunk)
+            client.close()
+    text = b"".join(received).decode()
+    assert "client is not reading" not in text, text[-300:]
+    assert "faster than the edge could send them on" in text, text[-300:]
+
+
+async def test_a_node_leaving_as_the_edge_stops_is_no_error(nursery, caplog):
+    """A node's connection closing while the edge stops: its link ended with the node's
+    LinkGone beside the cancels, and hypercorn logged that as "Error in ASGI Framework"."""
+    for _ in range(3):
+        edge = await start_edge(nursery)
+        with trio.fail_after(BOUND):
+            stream, _ = await open_link(edge.port, TOKEN, node_id="leaving")
+            await eventually(lambda edge=edge: "leaving" in edge.edge.runs.links)
+            await stream.aclose()
+            edge.scope.cancel()
+            await trio.sleep(0.2)
+    assert not [r.getMessage() for r in caplog.records if "Error in ASGI" in r.getMessage()]
+
+
 async def test_requests_queued_for_a_node_that_reads_nothing_go_when_their_clients_do(nursery):
     """A node that links, keeps pinging and reads nothing: the edge's writes to it stop, and
     the runs' requests (their whole prompts) wait in the link's queue. Their clients leave;

@@ -44,6 +44,10 @@ TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of te
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
+# A run's events past max_buffered_events that came within this long of the oldest its reader has
+# not taken are the node's flood, not a client that stopped reading (an outside audit: 8,192
+# alternating reasoning and text events, shaped slower than they came, blamed the client).
+FLOOD_S = 1.0
 
 
 def _text_bytes(text: str) -> int:
@@ -265,7 +269,16 @@ class Run:
         elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
             if self._pending_from != now:  # the reader had its turn since the first of them
                 self._pending.clear()
-                self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
+                if now - self._pending_from < FLOOD_S:
+                    # Its reader took a batch less than FLOOD_S ago: the client reads, and the node
+                    # floods (an honest node joins the deltas it reads together into one event).
+                    self.fail(
+                        f"the node sent more than {self._max_buffered} events for this run faster than the"
+                        " edge could send them on; run cancelled",
+                        TOO_LARGE,
+                    )
+                else:
+                    self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
                 return
             if self._pending_bytes > MAX_PENDING_BYTES:  # one frame: the node's doing, not the client's
                 self._pending.clear()
