@@ -497,6 +497,43 @@ async def test_a_node_linking_beside_peers_earns_its_claimed_capacity(nursery):
                 await stream.aclose()
 
 
+async def test_a_node_that_links_again_and_again_is_routed_around(nursery):
+    """A node whose link dropped every 2 s kept its traffic, and each drop failed the runs it
+    had started (10 of 600 requests, an outside audit). Linking again after its third drop in a
+    row, each within a minute of the one before, it is routed around while a peer serves its
+    model; a node that relinks once (a restart) is not."""
+    edge = await start_edge(nursery, edge_config(routing="least_loaded"))
+    await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
+    sent: list[str] = []
+
+    async def note(run: RunRequest) -> None:
+        sent.append(run.run_id)
+
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for links in range(4):
+                stream, ws = await open_link(edge, "flappy", nursery=nursery)
+                await hello(ws, "flappy")
+                link = edge.edge.runs.links["flappy"]
+                assert link.stalled(trio.current_time(), "m") == (links == 3), links  # (links 1 and 2: no)
+                if links < 3:
+                    await stream.aclose()
+                    await eventually(lambda link=link: link.closed, "the flappy link closed")
+            try:
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(serve_link, ws, note)
+
+                    async def one() -> None:
+                        assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+
+                    stalls = await at_once_then_stalls(client, [one] * 8)
+                    inner.cancel_scope.cancel()
+            finally:
+                await stream.aclose()
+    assert sent == [], sent  # every run went to the good node
+    assert stalls == 1, stalls
+
+
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):
     """Only the runs that had waited past the stall judgement moved off a node that starts
     none; those sent to it just before (the routing had not yet judged it) waited out its

@@ -28,6 +28,13 @@ log = structlog.get_logger("iop.edge.runs")
 # another node serves it: a node that sent each run a token and then an error kept its share of
 # traffic (223 of 600 requests failed), its first output clearing what counts failures at once.
 ERRORS_AFTER_OUTPUT = 3
+# A node that links again after leaving FLAPS times in a row, each within FLAP_WINDOW_S of the leaving
+# before, is routed around for the models peers serve as a stalled node is (each drop of a link that
+# fell every 2 s failed the runs it had started: 10 of 600 requests, an outside audit). The node ids
+# that left are remembered, the latest MAX_LEFT.
+FLAPS = 3
+FLAP_WINDOW_S = 60.0
+MAX_LEFT = 10_000
 
 
 def stall_after_s(config: EdgeConfig) -> float:
@@ -248,6 +255,9 @@ class RunService:
         # Unparked when a model's in-flight or queue depth may have changed:
         # each link's demand reporter (edge.link) wakes to tell its node.
         self.demand_changed = trio.lowlevel.ParkingLot()
+        # node id -> when it last left, and how many times in a row it left within FLAP_WINDOW_S
+        # of the time before (oldest first, at most MAX_LEFT)
+        self._left: dict[str, tuple[float, int]] = {}
 
     # -- what is served --------------------------------------------------------
 
@@ -290,16 +300,18 @@ class RunService:
     # -- links -------------------------------------------------------------------
 
     def add_link(self, link: NodeLink) -> None:
-        if self.config.ramp_slots:
-            # A node that links beside peers of its model earns its advertised capacity (NodeLink.on_trial).
-            served: set[str] = set()
-            for lk in self.links.values():
-                if lk.node_id != link.node_id and not lk.closed:  # (not itself, linking again)
-                    served.update(lk.models)
-            for model in link.models:
-                if model in served:
-                    link.on_trial(model, self.config.ramp_slots)
+        served: set[str] = set()  # the models peers serve
+        for lk in self.links.values():
+            if lk.node_id != link.node_id and not lk.closed:  # (not itself, linking again)
+                served.update(lk.models)
+        peered = [model for model in link.models if model in served]
+        for model in peered:  # a node that links beside peers of its model earns its capacity of it
+            link.on_trial(model, self.config.ramp_slots)
         self.links[link.node_id] = link
+        now = trio.current_time()
+        left = self._left.get(link.node_id)
+        if peered and left is not None and left[1] >= FLAPS and now - left[0] < FLAP_WINDOW_S:
+            self._route_around(link, peered, now, "node links again and again", relinks=left[1])
         known = self._known
         for model in link.models:
             known.pop(model, None)
@@ -318,6 +330,11 @@ class RunService:
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
         now, lost = trio.current_time(), self._lost_context
+        before_left = self._left.pop(link.node_id, None)
+        in_row = before_left[1] + 1 if before_left is not None and now - before_left[0] < FLAP_WINDOW_S else 1
+        self._left[link.node_id] = (now, in_row)
+        if len(self._left) > MAX_LEFT:
+            del self._left[next(iter(self._left))]
         for model, info in link.models.items():
             window = info.context_window or UNBOUNDED_CONTEXT
             before = lost.pop(model, None)  # (re-inserted last: the oldest go first, past KNOWN_MODELS)
