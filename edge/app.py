@@ -690,6 +690,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     async def start_background() -> None:
         app.add_background_task(edge.runs.timers.run)
         app.add_background_task(edge.console.run)
+        app.add_background_task(edge.keys.watch_budgets)
         if edge.ledger is not None:
             app.add_background_task(edge.ledger.run)
             app.add_background_task(edge.ledger.refresh_keys)

@@ -24,9 +24,10 @@ borrows the rest from Redis, a bounded wait, before it is refused):
 - ``daily_tokens``: tokens used since 00:00 UTC (restored from the ledger at
   start). A request is admitted while the day's use, plus what the requests
   in flight may still use (each its prompt estimate plus its ``max_tokens``,
-  or :data:`DEFAULT_OUTPUT_RESERVE`), is below the budget; the one that
-  crosses it finishes (a burst of 50 at once on a 200-token budget ran 42,
-  420 times the budget, before in-flight requests counted). Every key counts
+  or :data:`DEFAULT_OUTPUT_RESERVE`), is below the budget (a burst of 50 at
+  once on a 200-token budget ran 42, 420 times the budget, before in-flight
+  requests counted); the runs in flight end once what they streamed takes
+  the day past it (:meth:`Keys.cut_over_budget`). Every key counts
   its day's tokens, budget or not (``today_tokens`` in ``/v1/admin/keys``).
 
 Over ``rpm``, ``tpm`` or ``max_concurrent``: 429 ``rate_limit_exceeded`` with
@@ -46,14 +47,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
+import trio
 
 from edge.auth import client_token
 from edge.errors import APIError, model_not_found
 
 if TYPE_CHECKING:
     from edge.config import EdgeConfig, KeyConfig
+    from edge.runs.run import Run
 
 DEFAULT_OUTPUT_RESERVE = 1024  # tokens reserved for a request that sets no max_tokens
+# How often the runs in flight of keys with a daily budget are held against it (Keys.cut_over_budget).
+BUDGET_CHECK_S = 0.5
+OVER_BUDGET = "insufficient_quota"  # the cause of a run ended by it (Run.fail)
 MAX_OUTPUT_RESERVE = 4096  # output tokens reserved at most
 SECRET_PREFIX = "sk-iop-"
 
@@ -142,6 +148,7 @@ class Key:
         "budget_promised",
         "admitted_at",
         "day_reported",
+        "live",
     )
 
     def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
@@ -172,6 +179,7 @@ class Key:
         self.admitted_at = -math.inf  # (monotonic) its last request admitted here
         self.day_reported = 0
         self.restored = 0  # of day_used: loaded from the ledger at start
+        self.live: set[Lease] = set()  # daily_tokens: this edge's requests in flight (Keys.cut_over_budget)
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -225,13 +233,25 @@ class Key:
 class Lease:
     """A request admitted for a key: settled (once) when it ends."""
 
-    __slots__ = ("key", "reserved", "budget", "settled")
+    __slots__ = ("key", "reserved", "budget", "settled", "run", "before")
 
     def __init__(self, key: Key, reserved: int, budget: int) -> None:
         self.key = key
         self.reserved = reserved  # of tpm
         self.budget = budget  # of daily_tokens, while in flight
         self.settled = False
+        self.run: Run | None = None  # the request's run now (follow)
+        self.before = 0  # its prompt estimate, and what its earlier runs used (a tool call's retry)
+
+    def follow(self, run: Run, before: int) -> None:
+        """The request's run is ``run`` now; ``before``: its prompt estimate and what its
+        earlier runs used. A key's daily budget counts the tokens it streams as they come."""
+        self.run, self.before = run, before
+
+    def streamed(self) -> int:
+        """Its tokens so far: ``before`` and the deltas its run streamed."""
+        run = self.run
+        return self.before + (run.deltas_seen if run is not None else 0)
 
 
 class Keys:
@@ -245,6 +265,7 @@ class Keys:
         self.unread = False  # the ledger's keys could not be read yet: a key is asked for meanwhile
         # Shared state (edge.shared_state): rpm/tpm levels are leased balances, not refilled here.
         self.shared = False
+        self.budgeted: set[Key] = set()  # keys with a daily budget and requests in flight here
         self.on_settle: Callable[[Key], None] | None = None  # (shared state) a request of a key ended
         for i, secret in enumerate(config.api_keys):
             sha = sha256_hex(secret)
@@ -353,7 +374,42 @@ class Keys:
         key.in_flight += 1
         key.day_pending += budget
         key.admitted_at = now
-        return Lease(key, reserved if policy.tpm else 0, budget)
+        lease = Lease(key, reserved if policy.tpm else 0, budget)
+        if policy.daily_tokens:
+            key.live.add(lease)
+            self.budgeted.add(key)
+        return lease
+
+    def cut_over_budget(self) -> int:
+        """End the runs in flight of every key whose day's tokens, with what its requests
+        in flight have streamed so far, passed its daily budget: 429 ``insufficient_quota``
+        (in a stream, its error). Admission holds a budget only to the requests' reservations
+        (their ``max_tokens``, 1,024 when they set none): 20 requests with no ``max_tokens``
+        on a budget of 5,000 spent 15,025 tokens, one of ``max_tokens`` 20,000 spent 20,005
+        (an outside audit). Returns how many runs were ended."""
+        ended = 0
+        for key in list(self.budgeted):
+            budget = key.policy.daily_tokens
+            if not budget or not key.live:  # (a PATCH took the budget away)
+                self.budgeted.discard(key)
+                continue
+            key._today()
+            if key.day_used + key.day_others + sum(lease.streamed() for lease in key.live) <= budget:
+                continue
+            message = self._over_budget(key, "budget").message
+            for lease in key.live:
+                run = lease.run
+                if run is not None and not run.finished:
+                    run.fail(message, OVER_BUDGET)
+                    ended += 1
+        return ended
+
+    async def watch_budgets(self) -> None:
+        """:meth:`cut_over_budget`, every :data:`BUDGET_CHECK_S` (runs with the app)."""
+        while True:
+            await trio.sleep(BUDGET_CHECK_S)
+            if self.budgeted:
+                self.cut_over_budget()
 
     def take_request(self, key: Key, now: float | None = None) -> None:
         """One request of ``key``'s ``rpm`` (it has one), or raise the 429. Alone, for a
@@ -418,6 +474,10 @@ class Keys:
         lease.settled = True
         key = lease.key
         key.in_flight -= 1
+        if key.live:
+            key.live.discard(lease)
+            if not key.live:
+                self.budgeted.discard(key)
         key.day_pending -= lease.budget
         if self.on_settle is not None and (key.policy.max_concurrent or key.policy.daily_tokens):
             self.on_settle(key)  # (shared state: its slot and reservation go back now, not next round)

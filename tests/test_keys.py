@@ -499,6 +499,45 @@ async def test_a_burst_cannot_overrun_a_daily_budget(nursery, tmp_path):
             assert (await chat(c, "slow-b", max_tokens=8)).status_code == 200
 
 
+async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_path):
+    """Admission holds a budget to the requests' reservations (their max_tokens, 1,024 when
+    they set none), and nothing held their output to it: 20 requests with no max_tokens on a
+    budget of 5,000 spent 15,025 tokens, one with max_tokens 20,000 spent 20,005 (an outside
+    audit). The runs in flight of a key whose day, with what they streamed so far, passes its
+    budget are ended: 429 insufficient_quota (in a stream, its error), charged what they streamed."""
+    keys = [KeyConfig(id="bud", key="sk-bud", daily_tokens=5000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("long", ttft_ms=0, tokens_per_s=1000, sim_tokens=3000)])  # 3 s each
+    bodies: list[str] = []
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-bud") as c:
+
+            async def one() -> None:
+                r = await chat(c, "long", stream=True)
+                assert r.status_code == 200
+                bodies.append(r.text)
+
+            async with trio.open_nursery() as burst:
+                for _ in range(5):  # (each reserves 1,028: five are admitted)
+                    burst.start_soon(one)
+            key = edge.edge.keys.by_id["bud"]
+            await eventually(lambda: key.in_flight == 0, "every request settled")
+            assert 5000 < key.day_used < 8000, key.day_used  # (15,000 and more before)
+            assert all('"code":"insufficient_quota"' in body for body in bodies), bodies[0][-300:]
+            r = await chat(c, "long", max_tokens=20000)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota"
+    # One request alone is ended at the budget too, not at its max_tokens.
+    keys = [KeyConfig(id="one", key="sk-one", daily_tokens=500)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "m.sqlite3")))
+    await start_node(nursery, edge, [model("long", ttft_ms=0, tokens_per_s=1000, sim_tokens=3000)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-one") as c:
+            r = await chat(c, "long", max_tokens=20000)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", r.text
+            key = edge.edge.keys.by_id["one"]
+            assert 500 < key.day_used < 1600, key.day_used  # (3,000 before)
+
+
 async def test_a_tool_retry_is_charged_both_runs_and_holds_its_concurrency(nursery, tmp_path):
     """A tool call that fails validation and is retried: the key is charged both runs
     (the client's usage is the answering run's), and the request holds its

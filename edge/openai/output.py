@@ -22,6 +22,7 @@ import msgspec
 import structlog
 
 from edge.errors import NO_RETRY, APIError, RunFailed, operator_cancelled
+from edge.keys import OVER_BUDGET
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
@@ -114,6 +115,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return APIError(503, failed.message, "service_unavailable_error", code="draining")
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
+    if cause == OVER_BUDGET:
+        return APIError(429, failed.message, "insufficient_quota", code="insufficient_quota")
     return APIError(502, failed.message, failed.type)
 
 
@@ -122,6 +125,7 @@ _STREAM_CODES = {
     TIMEOUT: "run_timed_out",
     SHUTDOWN: "draining",
     CANCELLED: "cancelled_by_operator",
+    OVER_BUDGET: "insufficient_quota",
 }
 
 

@@ -122,6 +122,8 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
         client=ex,
     )
     del body  # the run's request holds the body sent
+    if ex.lease is not None:
+        ex.lease.follow(run, prompt)
     structlog.contextvars.bind_contextvars(run_id=run.id)
     ex.access.node_id = slot.link.node_id
     seen = _Seen()

@@ -250,6 +250,8 @@ class Turn:
             slot, body, want=self.want, metadata=metadata or self.metadata, api=self.ex.api, client=self.ex
         )
         self.last_run = run
+        if self.ex.lease is not None:
+            self.ex.lease.follow(run, self.estimate + sum(self.earlier))
         structlog.contextvars.bind_contextvars(run_id=run.id)
         return consume_run(run, consume, keepalive)
 
