@@ -310,8 +310,8 @@ class Keys:
             # The other edges' requests are not followed now: a key's whole concurrency here (their
             # last count kept refused a request with none left in flight anywhere).
             key.others_in_flight = key.others_pending = 0
-            key.req_level = _local_level(policy.rpm, key.req_level, key.req_seen, now)
-            key.tok_level = _local_level(policy.tpm, key.tok_level, key.tok_seen, now)
+            key.req_level = local_level(policy.rpm, key.req_level, key.req_seen, now)
+            key.tok_level = local_level(policy.tpm, key.tok_level, key.tok_seen, now)
             key.req_at = key.tok_at = now
 
     @property
@@ -523,7 +523,7 @@ def _carried(old_limit: int, level: float, at: float, new_limit: int, now: float
     return min(float(new_limit), level + (now - at) * old_limit / 60.0, float(old_limit))
 
 
-def _local_level(limit: int, balance: float, seen: tuple[float, float] | None, now: float) -> float:
+def local_level(limit: int, balance: float, seen: tuple[float, float] | None, now: float) -> float:
     """A limit's local bucket when shared state goes away: the shared bucket as last
     seen, refilled since, plus this edge's balance; full if it was never seen."""
     if seen is None:
