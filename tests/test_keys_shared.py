@@ -550,6 +550,16 @@ async def test_a_small_tpm_is_shared_by_two_edges(nursery, redis_server, tmp_pat
     assert statuses == [200] * 20, statuses
 
 
+async def a_spent_minute(nursery, redis_server, tmp_path):  # noqa: F811
+    """An edge on the Redis of ``redis_server`` whose key ``sk-spent`` (rpm 20) has just spent its minute."""
+    keys = [KeyConfig(id="spent", key="sk-spent", rpm=20)]
+    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    await eventually(lambda: edge.edge.keys.by_id["spent"].req_level >= 1, "the first lease")
+    first = await burst(edge, "sk-spent", 25)
+    assert sum(r.status_code == 200 for r in first) >= 20
+    return edge
+
+
 async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, redis_server, tmp_path):  # noqa: F811
     """When Redis stops answering, each edge limits keys on its own: it starts from the
     shared bucket as it last saw it (refilled since), not from a full minute. (Found from
@@ -558,12 +568,8 @@ async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, r
     import os
     import signal
 
-    keys = [KeyConfig(id="spent", key="sk-spent", rpm=20)]
-    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
     with trio.fail_after(BOUND * 2):
-        await eventually(lambda: edge.edge.keys.by_id["spent"].req_level >= 1, "the first lease")
-        first = await burst(edge, "sk-spent", 25)
-        assert sum(r.status_code == 200 for r in first) >= 20
+        edge = await a_spent_minute(nursery, redis_server, tmp_path)
         os.kill(redis_server.proc.pid, signal.SIGSTOP)
         try:
             await eventually(lambda: not edge.edge.shared.up, "redis seen down")
@@ -580,12 +586,8 @@ async def test_a_redis_that_lost_its_data_gives_no_spent_key_a_fresh_minute(nurs
     It starts where the edge last saw it, refilled since."""
     import redis
 
-    keys = [KeyConfig(id="spent", key="sk-spent", rpm=20)]
-    edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
     with trio.fail_after(BOUND * 2):
-        await eventually(lambda: edge.edge.keys.by_id["spent"].req_level >= 1, "the first lease")
-        first = await burst(edge, "sk-spent", 25)
-        assert sum(r.status_code == 200 for r in first) >= 20
+        edge = await a_spent_minute(nursery, redis_server, tmp_path)
         await trio.to_thread.run_sync(lambda: redis.Redis.from_url(redis_server.url).flushall())
         await trio.sleep(0.3)  # (lease rounds meet the empty Redis)
         again = await burst(edge, "sk-spent", 20)
