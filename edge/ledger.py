@@ -180,12 +180,15 @@ class _Call:
     ``guard``): the edge if the thread never started it or had just ended
     it, else the thread when it ends."""
 
-    __slots__ = ("fn", "db", "orphan", "guard", "given_up", "started", "ended", "done")
+    __slots__ = ("fn", "db", "orphan", "guard", "given_up", "started", "ended", "done", "read")
 
-    def __init__(self, fn: Callable[[Any], Any], db: Any, orphan: Callable[[bool], None] | None) -> None:
+    def __init__(
+        self, fn: Callable[[Any], Any], db: Any, orphan: Callable[[bool], None] | None, read: bool = False
+    ) -> None:
         self.fn = fn
         self.db = db
         self.orphan = orphan
+        self.read = read  # it only reads: a connection the server dropped since its last call is made again
         self.guard = threading.Lock()
         self.given_up = False
         self.started = False
@@ -245,10 +248,21 @@ class Ledger:
                 raise LedgerGaveUp("given up before it started")
             call.started = True
         try:
-            if call.db is None:
+            fresh = call.db is None
+            if fresh:
                 call.db = connect(self.target, schema=not self._schema_made)
                 self._schema_made = True
-            result = call.fn(call.db)
+            try:
+                result = call.fn(call.db)
+            except self._errors:
+                if fresh or not call.read or not self.dialect.postgres:
+                    raise
+                # A PostgreSQL restarted since the connection's last call: the first read after it
+                # failed ("terminating connection", a 503 for /v1/admin/usage; an outside audit).
+                _close(call.db, self._errors)
+                call.db = None
+                call.db = connect(self.target, schema=False)
+                result = call.fn(call.db)
             call.done = True
         finally:
             with call.guard:
@@ -271,6 +285,7 @@ class Ledger:
         orphan: Callable[[bool], None] | None = None,
         *,
         probe: bool = False,
+        read: bool = False,
     ) -> Any:
         """Run ``fn`` on ``line``'s connection (the keys' by default) in a worker
         thread; LedgerUnavailable if the database fails it, LedgerGaveUp if it
@@ -280,7 +295,8 @@ class Ledger:
         never ran). While the database hangs (a call
         given up, none done since), only a ``probe`` (the writer's and the key
         refresh's calls) tries it: others fail at once (ten DELETEs against a
-        stopped server queued 15 s each)."""
+        stopped server queued 15 s each). A ``read`` (it changes nothing) that fails on a
+        PostgreSQL connection made before is tried once more on a new one."""
         if not probe:
             self._fail_if_hung()
         line = line or self._keys
@@ -301,7 +317,7 @@ class Ledger:
             self._unavailable(TimeoutError(f"no turn on the connection in {CALL_TIMEOUT_S:g} s ({line.name})"))
             raise LedgerGaveUp(f"the database did not answer in {CALL_TIMEOUT_S:g} s ({line.name})")
         try:
-            call = _Call(fn, line.db, orphan)
+            call = _Call(fn, line.db, orphan, read)
             line.db = None  # the call's until it ends
             try:
                 with trio.move_on_at(deadline):
@@ -479,7 +495,7 @@ class Ledger:
         database that cannot store them raises LedgerUnavailable rather than answer short."""
         self._fail_if_hung()
         await self.store_pending()
-        return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by), self._reads)
+        return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by), self._reads, read=True)
 
     async def key_totals(self, key_id: str | None = None) -> dict[str, tuple[int, int, int]]:
         """Per key (every key, or ``key_id``'s alone, read by its index): (requests, prompt
@@ -497,7 +513,7 @@ class Ledger:
             rows = db.execute(sql, args).fetchall()
             return {k: (n, int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
 
-        return await self._call(totals, self._reads)
+        return await self._call(totals, self._reads, read=True)
 
     # -- run-time keys -------------------------------------------------------------
 

@@ -871,6 +871,21 @@ async def test_a_request_that_finds_redis_gone_is_judged_by_the_edges_own_view(n
     assert not edge.edge.shared.up
 
 
+async def test_the_first_usage_query_after_a_postgresql_restart_is_answered(nursery, postgres, postgres_url):  # noqa: F811
+    """The reads' connection outlived a PostgreSQL restart: the first /v1/admin/usage after
+    it was a 503 ledger_unavailable ("terminating connection"), the second a 200 (an outside
+    audit). A read that fails on an old connection is tried again on a new one."""
+    edge = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND * 2):
+        async with admin(edge) as adm:
+            assert (await adm.get("/v1/admin/usage")).status_code == 200  # (the reads' connection is made)
+            await trio.to_thread.run_sync(postgres.stop)
+            await trio.to_thread.run_sync(postgres.start)
+            for path in ("/v1/admin/usage", "/v1/admin/keys"):
+                r = await adm.get(path)
+                assert r.status_code == 200, (path, r.text)
+
+
 async def test_redis_gone_while_no_request_comes_is_seen(nursery, redis_server, tmp_path):  # noqa: F811
     """With only rpm/tpm keys and no traffic, a round had nothing to write and never asked
     Redis: iop_shared_state_up read 1 for as long as Redis was gone. It is asked every
