@@ -10,6 +10,7 @@ import subprocess
 import sys
 from functools import partial
 
+import httpx
 import msgspec
 import pytest
 import trio
@@ -70,6 +71,21 @@ async def serve_link(ws, on_run=None, *, cancelled: list[str] | None = None) -> 
             cancelled.append(frame.run_id)
 
 
+async def while_served(edge, stream, ws, on_run, body):
+    """``await body(client)`` (an HTTP client of ``edge``) while the hand-driven link is served
+    with ``on_run`` (:func:`serve_link`), within BOUND; then the link's TCP stream is closed."""
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(serve_link, ws, on_run)
+                async with http(edge) as client:
+                    result = await body(client)
+                inner.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    return result
+
+
 async def beside_a_good_node(nursery, node_id: str, **config):
     """An edge with an honest node of ``m`` (one run served: the peers' time to a first token)
     and a hand-driven link of ``node_id`` claiming 64 slots: the edge, its stream and websocket."""
@@ -90,6 +106,10 @@ async def at_once_then_stalls(client, tasks) -> float:
             clients.start_soon(task)
     metrics = (await client.get("/metrics")).text
     return next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("iop_node_stalls_total "))
+
+
+async def _append(out: list, awaitable) -> None:
+    out.append(await awaitable)
 
 
 async def answer_runs(ws, *, started: list[str] | None = None) -> None:
@@ -532,6 +552,83 @@ async def test_a_node_that_links_again_and_again_is_routed_around(nursery):
                 await stream.aclose()
     assert sent == [], sent  # every run went to the good node
     assert stalls == 1, stalls
+
+
+@pytest.mark.parametrize("then", ["nothing", "one delta"])
+async def test_a_silent_node_beside_peers_that_served_nothing_yet_is_routed_around(nursery, then):
+    """The stall judgement compared a node with its peers' time to a first token, and peers
+    that had just linked (or restarted, or had no traffic yet) had none: a node whose runs
+    never started, or went silent after one delta, was never judged, and every turn of a
+    session went to it and timed out (an outside audit with Claude Code: 4 tries of one turn,
+    120 s each). Peers with no time yet leave ``stall_after_s`` to judge alone: the runs that
+    had not started move to the peer."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.3, wait_timeout_s=3.0))
+    stream, ws = await open_link(edge, "silent", nursery=nursery)
+    await hello(ws, "silent")
+    sent: list[str] = []
+
+    async def silent(run: RunRequest) -> None:
+        sent.append(run.run_id)
+        if then == "one delta":
+            await ws.send_message(
+                encode_frame(Events(events=[RunEvent(run_id=run.run_id, seq=1, type="delta", text="Hel")]))
+            )
+
+    statuses: list[int] = []
+
+    async def three_then_a_peer(client) -> str:
+        async def one() -> None:
+            statuses.append((await client.post("/v1/chat/completions", json=ASK)).status_code)
+
+        async with trio.open_nursery() as clients:
+            for _ in range(3):
+                clients.start_soon(one)
+            await eventually(lambda: len(sent) == 3, "the silent node holds the three runs")
+            await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0)], "cold")
+        return (await client.get("/metrics")).text
+
+    metrics = await while_served(edge, stream, ws, silent, three_then_a_peer)
+    assert "iop_node_stalls_total 1.0" in metrics, [line for line in metrics.splitlines() if "stall" in line]
+    if then == "nothing":
+        assert statuses == [200] * 3, statuses  # moved to the peer (they timed out: 504)
+
+
+@pytest.mark.parametrize("routing", ["prefix", "session"])
+async def test_a_retry_after_a_node_failed_mid_answer_goes_to_another_node(nursery, routing):
+    """A node whose model server broke every answer after its first token kept the session:
+    its affinity (and the prompt's prefix) led each retry back to it, 12 tries of one turn
+    with two healthy peers idle (an outside audit with Claude Code; Codex gave up after 5).
+    After such a failure, the session's next request goes to another node."""
+    edge = await start_edge(nursery, edge_config(routing=routing))
+    stream, ws = await open_link(edge, "broken", nursery=nursery)
+    await hello(ws, "broken")
+    sent: list[str] = []
+    peer_linked = trio.Event()
+
+    async def token_then_error(run: RunRequest) -> None:
+        sent.append(run.run_id)
+        await peer_linked.wait()  # (the first request's run fails with a healthy peer beside it)
+        events = [
+            RunEvent(run_id=run.run_id, seq=1, type="delta", text="Hel"),
+            RunEvent(run_id=run.run_id, seq=2, type="error", text="upstream closed the stream before it finished"),
+        ]
+        await ws.send_message(encode_frame(Events(events=events)))
+
+    body = {**ASK, "user": "a-coding-session"}
+
+    async def a_turn_then_retries(client) -> list[httpx.Response]:
+        first: list[httpx.Response] = []
+        async with trio.open_nursery() as turn:
+            turn.start_soon(lambda: _append(first, client.post("/v1/chat/completions", json=body)))
+            await eventually(lambda: sent, "the first turn on the broken node")
+            await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0)], "healthy")
+            peer_linked.set()
+        assert first[0].status_code == 502
+        return [await client.post("/v1/chat/completions", json=body) for _ in range(2)]
+
+    retry, again = await while_served(edge, stream, ws, token_then_error, a_turn_then_retries)
+    assert len(sent) == 1, sent  # the retries went to the healthy node
+    assert retry.status_code == 200 and again.status_code == 200, retry.text
 
 
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):

@@ -88,6 +88,19 @@ class PrefixIndex:
                 self._old, self._young = young, {}
                 young = self._young
 
+    def forget(self, chain: Iterable[int], node_id: str) -> None:
+        """``node_id`` no longer holds any block of this chain (its run of the prompt failed)."""
+        for gen in (self._young, self._old):
+            for key in chain:
+                held = gen.get(key)
+                if held is None:
+                    continue
+                if held == node_id:
+                    del gen[key]
+                elif not isinstance(held, str) and node_id in held:
+                    rest = tuple(n for n in held if n != node_id)
+                    gen[key] = rest[0] if len(rest) == 1 else rest
+
     def holders(self, key: int) -> Holders | None:
         held = self._young.get(key)
         return self._old.get(key) if held is None else held

@@ -18,7 +18,7 @@ from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
-from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, RUN_ERROR, SHUTDOWN, UNSENDABLE, Run, RunTimers
+from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, RUN_ERROR, SHUTDOWN, TIMEOUT, UNSENDABLE, Run, RunTimers
 from proto import ModelInfo, RunEvent, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
@@ -515,13 +515,24 @@ class RunService:
 
     def _peers_ttft(self, link: NodeLink, model: str, now: float) -> float | None:
         """The typical time to a first event of ``model`` on the nodes serving it
-        besides ``link`` and not routed around (None: no such peer)."""
-        peers = sorted(
-            lk.ttft_of[model]
+        besides ``link``, not routed around for it, failing it or draining (None: no such
+        peer; 0: none has started a run of it yet, and ``stall_after_s`` alone judges:
+        a silent node beside peers that had just linked was never judged, and every
+        turn of a session went to it and timed out, an outside audit)."""
+        peers = [
+            lk
             for lk in self.links.values()
-            if lk is not link and model in lk.ttft_of and not lk.stalled(now, model) and not lk.closed
-        )
-        return peers[len(peers) // 2] if peers else None
+            if lk is not link
+            and model in lk.models
+            and not lk.closed
+            and not lk.draining
+            and not lk.stalled(now, model)
+            and not lk.failing(model)  # (its model server fails its runs: no yardstick, and no place to go)
+        ]
+        if not peers:
+            return None
+        times = sorted(lk.ttft_of[model] for lk in peers if model in lk.ttft_of)
+        return times[len(times) // 2] if times else 0.0
 
     def _route_around(self, link: NodeLink, models: list[str], now: float, why: str, **said: Any) -> None:
         """Route around ``link`` for ``models`` (a backoff each) and move all their
@@ -1030,9 +1041,38 @@ class RunService:
         if run is not None:
             run.fail(f"the request could not be sent to the node: {problem}", UNSENDABLE)
 
+    def _steer_away(self, run: Run) -> None:
+        """``run`` failed on its node after its output began, the node's fault (or timed out):
+        its session, and its prompt's prefix, no longer lead there; the next request of it
+        (the client's retry) goes to the least loaded other node serving the model, if one
+        can take it. A node that failed every retry right after its first token kept a
+        Claude Code session through 12 tries, two healthy peers idle (an outside audit)."""
+        want, link = run.want, run.slot.link
+        if want is None or not (want.session or want.prefix):
+            return
+        now, model = trio.current_time(), want.model
+        others = [
+            lk
+            for lk in self._serving(model)
+            if lk is not link
+            and not lk.draining
+            and want.fits(lk)
+            and not lk.stalled(now, model)
+            and not lk.ejected(model, now)
+        ]
+        if not others:
+            return
+        other = min(others, key=lambda lk: (lk.load(model), lk.node_id))
+        if want.session is not None and self._affinity.get(want.session) == link.node_id:
+            self._remember_session(want, other)
+        if want.prefix and self.config.routing == "prefix":
+            self.prefixes.forget(want.prefix, link.node_id)
+            self.prefixes.record(want.prefix, other.node_id)
+
     def _node_done(self, run: Run) -> None:
         self.release(run.slot)
         if run.cause == RUN_ERROR and run.events_seen > 1 and run.node_fault():  # failed mid-answer, not for the client
+            self._steer_away(run)
             link, model = run.slot.link, run.slot.model
             now = trio.current_time()
             if (
@@ -1045,6 +1085,8 @@ class RunService:
                 self._route_around(link, [model], now, "node's runs fail after output", errors=ERRORS_AFTER_OUTPUT)
 
     def _closed(self, run: Run) -> None:
+        if run.cause == TIMEOUT:  # (a client's retry of a silent run goes elsewhere, too)
+            self._steer_away(run)
         self.timers.discard(run)
         if run.requeued is not None:
             _discard(self._moved[run.want.model], run.requeued)
