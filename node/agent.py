@@ -71,7 +71,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
-from proto.frames import COMPLETE, DELTA, ERROR, MAX_HEADERS, REASONING_DELTA
+from proto.frames import COMPLETE, DELTA, ERROR, MAX_HEADERS, PROGRESS, PROGRESS_S, REASONING_DELTA
 
 log = structlog.get_logger("iop.node")
 
@@ -98,7 +98,19 @@ class RunSink:
     consecutive deltas; a ``complete`` too large for it becomes this run's
     error; an error message is cut to fit."""
 
-    __slots__ = ("_link", "_outbox", "_run_id", "_seq", "_base", "ended", "_last", "_last_at", "_last_gen", "slot")
+    __slots__ = (
+        "_link",
+        "_outbox",
+        "_run_id",
+        "_seq",
+        "_base",
+        "ended",
+        "_last",
+        "_last_at",
+        "_last_gen",
+        "slot",
+        "_progress_at",
+    )
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
         self._link = link
@@ -111,6 +123,7 @@ class RunSink:
         self._last_at = 0  # its index in the outbox's pending list
         self._last_gen = -1  # the outbox generation it was queued in
         self.slot: _Slot | None = None  # the run's slot on this node, given back when the run ends
+        self._progress_at = -math.inf  # (trio clock) the last progress event
 
     @property
     def started(self) -> bool:
@@ -156,6 +169,17 @@ class RunSink:
 
     def reasoning_nowait(self, text: str, parts: int = 1) -> bool:
         return self._text(REASONING_DELTA, text, parts)
+
+    def progress_nowait(self) -> bool:
+        """The model server is streaming a tool call, which goes out whole at its end: the edge
+        hears that the run is alive (one ``progress`` event a :data:`PROGRESS_S` at most). A 30 s
+        tool call looked silent, and the edge moved the run of a healthy node (an outside audit)."""
+        now = trio.current_time()
+        if now - self._progress_at < PROGRESS_S:
+            return True
+        self._progress_at = now
+        self._seq += 1
+        return self._outbox.event_nowait(RunEvent(self._run_id, self._seq, PROGRESS), self._base)
 
     async def room(self) -> None:
         await self._outbox.room()

@@ -22,6 +22,10 @@ PrefixChain = Annotated[list[PrefixKey], msgspec.Meta(max_length=MAX_PREFIX_BLOC
 # Run event types.
 DELTA = "delta"
 REASONING_DELTA = "reasoning_delta"
+# No output: the run's model server is streaming a tool call, which the node sends whole at its end
+# (at most one a run each PROGRESS_S; PROTOCOL.md)
+PROGRESS = "progress"
+PROGRESS_S = 1.0
 COMPLETE = "complete"
 ERROR = "error"
 CANCELLED = "cancelled"

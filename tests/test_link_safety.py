@@ -631,6 +631,28 @@ async def test_a_retry_after_a_node_failed_mid_answer_goes_to_another_node(nurse
     assert retry.status_code == 200 and again.status_code == 200, retry.text
 
 
+async def test_a_node_flooding_progress_events_loses_its_link(nursery):
+    """``progress`` says a run's tool call is streaming (a node sends one a second): more than
+    one each half second for a run counts as events that bring nothing, and past that bound
+    in a window the node's link is closed, as for any flood of them."""
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "flood", nursery=nursery)
+    await hello(ws, "flood")
+
+    async def flood(run: RunRequest) -> None:
+        events = [RunEvent(run_id=run.run_id, seq=i, type="progress") for i in range(1, 12_001)]
+        await ws.send_message(encode_frame(Events(events=events)))
+
+    async def ask(client) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json=ASK)
+
+    with pytest.RaisesGroup(ConnectionClosed) as closed:
+        await while_served(edge, stream, ws, flood, ask)  # (the node's side ends as the edge closes it)
+    reason = closed.value.exceptions[0].reason
+    assert reason.code == 1008 and "with no output" in reason.reason, reason
+    assert "flood" not in edge.edge.runs.links
+
+
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):
     """Only the runs that had waited past the stall judgement moved off a node that starts
     none; those sent to it just before (the routing had not yet judged it) waited out its

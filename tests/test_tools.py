@@ -15,7 +15,18 @@ import trio
 from edge.openai import tools as tools_module
 from edge.openai import turn as turn_module
 from edge.openai.tools import ToolTextFilter
-from tests.conftest import BOUND, edge_config, http, model, sdk, settled, sse_events, start_edge, start_node
+from tests.conftest import (
+    BOUND,
+    edge_config,
+    eventually,
+    http,
+    model,
+    sdk,
+    settled,
+    sse_events,
+    start_edge,
+    start_node,
+)
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris and Rome?"}]
 WEATHER = {
@@ -1114,3 +1125,37 @@ async def test_a_pattern_after_a_long_honest_call_gets_its_own_pattern_budget(to
         "run_actions",
         "set_label",
     ]
+
+
+async def test_a_long_native_tool_call_keeps_its_run_on_a_healthy_node(nursery, upstream):
+    """A node sends a native tool call whole, at its end: a coding agent's long file write
+    (30 s of arguments, no text first) looked like a run that had not started, and the edge
+    moved it off a healthy node to start over elsewhere (an outside audit: 40 s instead of 30,
+    three routings-around). The node says the run is alive while the call streams (a
+    ``progress`` event a second): the run stays, and the call arrives whole."""
+    parts = ['{"city": "' + "x" * 50] + ["y" * 50] * 12 + ['"}']
+    script = [("chunk", native_call(0, "call_w", "get_weather")[0])]
+    for part in parts:
+        script += [("sleep", 0.25), ("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": part}}]})]
+    upstream.script_for("t", [*script, ("chunk", {}, "tool_calls"), ("done",)])
+    edge = await start_edge(nursery, edge_config(stall_after_s=1.0))
+    await start_node(nursery, edge, [model("m", upstream, target="t")], "writer")
+    body = {"model": "m", "messages": [{"role": "user", "content": "write it"}], "tools": TOOLS}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            answer: list = []
+            async with trio.open_nursery() as turn:
+
+                async def ask() -> None:
+                    answer.append(await client.post("/v1/chat/completions", json=body))
+
+                turn.start_soon(ask)
+                await eventually(lambda: upstream.records, "the call streaming on the writer")
+                await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0)], "peer")
+            metrics = (await client.get("/metrics")).text
+    r = answer[0]
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["arguments"] == "".join(parts)
+    assert not upstream.records[0].aborted
+    assert "iop_node_stalls_total 0.0" in metrics

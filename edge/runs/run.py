@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 import trio
 
 from proto import RunEvent, TunnelFrame
-from proto.frames import DELTA, ERROR, REASONING_DELTA, TERMINAL_TYPES
+from proto.frames import DELTA, ERROR, PROGRESS, PROGRESS_S, REASONING_DELTA, TERMINAL_TYPES
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
 
@@ -95,6 +95,8 @@ class Run:
         "wait_timeout",
         "deadline",
         "last_event_at",
+        "progress_first",
+        "progress_at",
         "started_at",
         "first_event_at",
         "events_seen",
@@ -151,6 +153,9 @@ class Run:
         self.deadline = now + run_timeout
         self.started_at = now
         self.last_event_at = now
+        # ``progress`` events (the node's model server streams a tool call, sent whole at its end):
+        # the first and the last, or -inf. They keep the run from timing out or looking stalled.
+        self.progress_first = self.progress_at = -math.inf
         self.first_event_at: float | None = None
         self.events_seen = 0
         self.deltas_seen = 0  # model-server text deltas in the events seen (a node joins those read together)
@@ -205,6 +210,9 @@ class Run:
         if event.type in TEXT_TYPES and event.text:
             parts = event.parts  # from the node: at most one delta per character counts
             self.deltas_seen += 1 if parts <= 1 else min(parts, len(event.text))
+        elif event.type == PROGRESS:
+            self._progress(now)
+            return
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
@@ -212,6 +220,19 @@ class Run:
         if frame.kind == "body":  # a streamed answer's SSE events: its "tokens so far" (the console's)
             self.deltas_seen += frame.body.count(b"data:")
         self._push(frame, frame.kind in ("end", "error"), frame.kind == "end", now)
+
+    def _progress(self, now: float) -> None:
+        """The node's model server is streaming a tool call (no output yet): the run is
+        alive. The first is its time to a first event; more than one a
+        :data:`PROGRESS_S` is what a flood is (:meth:`NodeLink.stray`)."""
+        if self.finished or now - self.progress_at < PROGRESS_S / 2:
+            self.slot.link.stray(now)
+            return
+        if self.progress_first == -math.inf:
+            self.progress_first = now
+            if self.first_event_at is None:
+                self.slot.link.started(self.id, now, True, self.slot.model)
+        self.progress_at = now
 
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
@@ -321,7 +342,8 @@ class Run:
         return self._times_out_at() <= now
 
     def _times_out_at(self) -> float:
-        return min(self.last_event_at + self.wait_timeout, self.deadline, self.move_until)
+        last = self.last_event_at if self.last_event_at > self.progress_at else self.progress_at
+        return min(last + self.wait_timeout, self.deadline, self.move_until)
 
     def give_up_move(self) -> None:
         """A run moved off a node that failed it at once found no slot within the

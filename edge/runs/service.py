@@ -481,9 +481,14 @@ class RunService:
         progressing = {model for model, at in link.completed_at.items() if at > due}
         for run in link.runs.values():
             first = run.first_event_at
-            if first is None or run.finished:
+            if run.finished:
                 continue
             last = run.last_event_at
+            if run.progress_first > -math.inf:  # (a tool call streaming: the node says so each second)
+                first = run.progress_first if first is None else min(first, run.progress_first)
+                last = max(last, run.progress_at)
+            if first is None:
+                continue
             model = run.slot.model
             if last > due:
                 if last > first:

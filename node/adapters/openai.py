@@ -436,6 +436,8 @@ class _Relay:
                         if added:  # (fragments that add nothing are no output: `{"index": 0}` per MiB)
                             self._paid(added)
                             self.tool_bytes += added
+                            if not self.sink.progress_nowait():
+                                self.room = False
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > MAX_TOOL_CALLS:
                             if texts:
                                 self._emit(kind, texts)
