@@ -249,9 +249,10 @@ class Lease:
         self.run, self.before = run, before
 
     def streamed(self) -> int:
-        """Its tokens so far: ``before`` and the deltas its run streamed."""
+        """Its tokens so far: ``before``, the deltas its run streamed, and the pieces of a tool
+        call its node said it read (a 3,000-token file write in a tool call was not counted)."""
         run = self.run
-        return self.before + (run.deltas_seen if run is not None else 0)
+        return self.before + (run.deltas_seen + run.progress_parts if run is not None else 0)
 
 
 class Keys:

@@ -110,6 +110,7 @@ class RunSink:
         "_last_gen",
         "slot",
         "_progress_at",
+        "_progress_parts",
     )
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
@@ -124,6 +125,7 @@ class RunSink:
         self._last_gen = -1  # the outbox generation it was queued in
         self.slot: _Slot | None = None  # the run's slot on this node, given back when the run ends
         self._progress_at = -math.inf  # (trio clock) the last progress event
+        self._progress_parts = 0  # tool-call pieces read since it
 
     @property
     def started(self) -> bool:
@@ -170,16 +172,20 @@ class RunSink:
     def reasoning_nowait(self, text: str, parts: int = 1) -> bool:
         return self._text(REASONING_DELTA, text, parts)
 
-    def progress_nowait(self) -> bool:
-        """The model server is streaming a tool call, which goes out whole at its end: the edge
-        hears that the run is alive (one ``progress`` event a :data:`PROGRESS_S` at most). A 30 s
-        tool call looked silent, and the edge moved the run of a healthy node (an outside audit)."""
+    def progress_nowait(self, parts: int = 1) -> bool:
+        """The model server is streaming a tool call (``parts`` pieces of it read now), which
+        goes out whole at its end: the edge hears that the run is alive, and how many pieces
+        (one ``progress`` event a :data:`PROGRESS_S` at most). A 30 s tool call looked silent,
+        and the edge moved the run of a healthy node (an outside audit)."""
+        self._progress_parts += parts
         now = trio.current_time()
         if now - self._progress_at < PROGRESS_S:
             return True
         self._progress_at = now
         self._seq += 1
-        return self._outbox.event_nowait(RunEvent(self._run_id, self._seq, PROGRESS), self._base)
+        event = RunEvent(self._run_id, self._seq, PROGRESS, parts=self._progress_parts)
+        self._progress_parts = 0
+        return self._outbox.event_nowait(event, self._base)
 
     async def room(self) -> None:
         await self._outbox.room()

@@ -538,6 +538,41 @@ async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_pa
             assert 500 < key.day_used < 1600, key.day_used  # (3,000 before)
 
 
+async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nursery, tmp_path, upstream):
+    """A node sends a native tool call whole at its end, and its pieces were not counted while
+    they streamed: 4 streams of 3,000-token file writes on a 5,000-token budget spent 12,020
+    (an outside re-audit). The node's progress events say how many pieces it read."""
+    pieces = [("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": "ab"}}]})] * 3000
+    script = [("chunk", native_call("call_w", "write_file", "")[0])]
+    script.append(("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": '{"text": "'}}]}))
+    for i in range(0, len(pieces), 50):
+        script += [*pieces[i : i + 50], ("sleep", 0.05)]  # 3,000 pieces (tokens) in 3 s
+    script.append(("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}))
+    usage = {"prompt_tokens": 4, "completion_tokens": 3000, "total_tokens": 3004}
+    upstream.script_for("t", [*script, ("chunk", {}, "tool_calls"), ("usage", usage), ("done",)])
+    keys = [KeyConfig(id="bud", key="sk-bud", daily_tokens=2000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    tool = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object"}}}
+    bodies: list[str] = []
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-bud") as c:
+
+            async def one() -> None:
+                r = await chat(c, "m", stream=True, tools=[tool])
+                bodies.append(f"{r.status_code} {r.text}")
+
+            async with trio.open_nursery() as burst:
+                for _ in range(3):  # (each reserves 1,028: two are admitted)
+                    burst.start_soon(one)
+            key = edge.edge.keys.by_id["bud"]
+            await eventually(lambda: key.in_flight == 0, "every request settled")
+    # Two are admitted (their reservations fill the budget), the third refused; the two are ended
+    # before their first byte (a live stream holds a tool call until it is whole): 429s too.
+    assert all(b.startswith("429 ") and '"insufficient_quota"' in b for b in bodies), [b[:200] for b in bodies]
+    assert 2000 < key.day_used < 4500, key.day_used  # (two whole calls: 6,008; charged the pieces read)
+
+
 async def test_a_tool_retry_is_charged_both_runs_and_holds_its_concurrency(nursery, tmp_path):
     """A tool call that fails validation and is retried: the key is charged both runs
     (the client's usage is the answering run's), and the request holds its

@@ -461,8 +461,9 @@ async def test_a_node_linking_beside_peers_earns_its_claimed_capacity(nursery):
     of every new run until it was judged, and again when its pause ended: 594 of 1,800 requests
     timed out at 60 a second beside three honest 4-slot nodes (an outside audit). A node that
     links beside peers of its model gets ``ramp_slots`` runs of it at first and one more for
-    each that completes there; the first node of a model, or one left alone with it, is
-    trusted whole."""
+    each that completes there while half of them are in use (a liar completing short runs
+    one or two at a time earned 248); the first node of a model, or one left alone with it,
+    is trusted whole."""
     edge = await start_edge(
         nursery, edge_config(stall_after_s=0.3, wait_timeout_s=2.0, ramp_slots=4, routing="least_loaded")
     )
@@ -480,6 +481,7 @@ async def test_a_node_linking_beside_peers_earns_its_claimed_capacity(nursery):
         async with http(edge) as client:
             assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
             assert (await _nodes_model(client, "good"))["trusted"] == 4
+            await trio.sleep(0.35)  # (past the first stall_after_s of the fleet's linking: trusted at once)
             stream, ws = await open_link(edge, "liar", nursery=nursery)
             try:
                 await hello(ws, "liar", capacity=4096)
@@ -506,8 +508,17 @@ async def test_a_node_linking_beside_peers_earns_its_claimed_capacity(nursery):
                 assert (await _nodes_model(client, "honest"))["trusted"] == 4
                 async with trio.open_nursery() as inner:
                     inner.start_soon(answer_runs, ws)
-                    for _ in range(20):  # (ties between idle nodes go either way) each run it completes earns a slot
+                    for _ in range(10):  # one at a time: its trust is not in use, and does not grow
                         assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+                    assert (await _nodes_model(client, "honest"))["trusted"] == 4
+                    for _ in range(5):  # eight at a time: each run it completes so earns a slot
+
+                        async def one() -> None:
+                            assert (await client.post("/v1/chat/completions", json=ASK)).status_code == 200
+
+                        async with trio.open_nursery() as burst:
+                            for _ in range(8):
+                                burst.start_soon(one)
                     assert (await _nodes_model(client, "honest"))["trusted"] > 4
                     good.scope.cancel()
                     await eventually(lambda: "good" not in edge.edge.runs.links, "the good node left")
@@ -651,6 +662,51 @@ async def test_a_node_flooding_progress_events_loses_its_link(nursery):
     reason = closed.value.exceptions[0].reason
     assert reason.code == 1008 and "with no output" in reason.reason, reason
     assert "flood" not in edge.edge.runs.links
+
+
+async def test_a_fleet_relinking_to_a_new_edge_and_a_blue_green_swap_are_trusted_at_once(nursery):
+    """On trial, three honest 128-slot nodes relinking to a restarted edge refused 129 of 1,009
+    requests while they ramped, and the new node of a blue/green swap was held to 16 of its
+    128 slots while the old one drained (an outside re-audit). Nodes linking within the first
+    ``stall_after_s`` of the fleet's first link are trusted at once, and a node on trial left
+    the only one of its model not draining is trusted whole."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=5.0, ramp_slots=4))
+    await start_node(nursery, edge, [model("m", max_concurrency=4)], "first")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            stream, ws = await open_link(edge, "second", nursery=nursery)
+            try:
+                await hello(ws, "second", capacity=64)
+                assert (await _nodes_model(client, "second"))["trusted"] == 64
+            finally:
+                await stream.aclose()
+            edge.edge.runs._first_link_at -= 5.0  # (the fleet's first stall_after_s is over)
+            stream, ws = await open_link(edge, "green", nursery=nursery)
+            try:
+                await hello(ws, "green", capacity=64)
+                assert (await _nodes_model(client, "green"))["trusted"] == 4
+                edge.edge.runs.set_draining(edge.edge.runs.links["first"], True)  # (blue drains)
+                assert (await _nodes_model(client, "green"))["trusted"] == 64
+            finally:
+                await stream.aclose()
+
+
+async def test_a_long_prompt_on_a_fresh_fleet_is_not_moved_at_stall_after_s(nursery):
+    """Peers that have started no run yet judge a run that has not started at half the silence
+    that times it out, not at ``stall_after_s``: a 20 s prefill on a fresh fleet was moved at
+    10 s and started over on a peer (31.8 s; an outside re-audit)."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.3, wait_timeout_s=6.0, routing="least_loaded"))
+    await start_node(nursery, edge, [model("m", ttft_ms=1500, tokens_per_s=0)], "prefilling")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            answer: list[httpx.Response] = []
+            async with trio.open_nursery() as turn:
+                turn.start_soon(lambda: _append(answer, client.post("/v1/chat/completions", json=ASK)))
+                await eventually(lambda: edge.edge.runs.links["prefilling"].runs, "the prompt on the first node")
+                await start_node(nursery, edge, [model("m", ttft_ms=1500, tokens_per_s=0)], "cold")
+            metrics = (await client.get("/metrics")).text
+    assert answer[0].status_code == 200
+    assert "iop_node_stalls_total 0.0" in metrics
 
 
 async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nursery):

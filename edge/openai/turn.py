@@ -136,7 +136,7 @@ class Turn:
             if run.first_event_at is not None:
                 access.ttft_ms = round((run.first_event_at - run.started_at) * 1000, 1)
             if self.usage is None:
-                access.partial = (self.estimate, run.deltas_seen)
+                access.partial = (self.estimate, run.deltas_seen + run.progress_parts)  # (a tool call's pieces)
 
     @functools.cached_property
     def history_ids(self) -> frozenset[str]:

@@ -162,10 +162,10 @@ class NodeLink:
 
     def on_trial(self, model: str, slots: int) -> None:
         """The node's advertised capacity of ``model`` is taken on trust only up to ``slots``
-        runs from now, and one more for each run of it that completes here (doubling by the
-        length of a run while all are busy, as TCP's slow start). A node that claimed 4,096
-        slots and whose runs started and then went silent took 594 of 1,800 runs before it was
-        judged (an outside audit); on trial it takes ``slots`` at most."""
+        runs from now, and one more for each run of it that completes here while at least half
+        of them are in use (doubling by the length of a run while all are busy, as TCP's slow
+        start). A node that claimed 4,096 slots and whose runs started and then went silent took
+        594 of 1,800 runs before it was judged (an outside audit); on trial it takes ``slots``."""
         info = self.models.get(model)
         if info is not None and 0 < slots < info.max_concurrency:
             self.trusted[model] = slots
@@ -255,7 +255,9 @@ class NodeLink:
             self.errors_in_row.pop(model, None)
         if model in self.models:  # (keys bounded by the node's models)
             self.completed_at[model] = now
-        if self.trial and model in self.trial:
+        # (only while its trust is in use, as TCP's window grows only when full: a node that
+        # completed short runs two at a time earned 248 slots in 30 s, then went silent with 81)
+        if self.trial and model in self.trial and 2 * self.in_flight[model] >= self.trusted[model]:
             self.trusted[model] += 1
             if self.trusted[model] >= self.models[model].max_concurrency:
                 self.trial.discard(model)

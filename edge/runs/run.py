@@ -44,6 +44,7 @@ TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of te
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
+MAX_PROGRESS_PARTS = 4096  # tool-call pieces one progress event may say were read (about a second's, at most)
 # A run's events past max_buffered_events that came within this long of the oldest its reader has
 # not taken are the node's flood, not a client that stopped reading (an outside audit: 8,192
 # alternating reasoning and text events, shaped slower than they came, blamed the client).
@@ -97,6 +98,7 @@ class Run:
         "last_event_at",
         "progress_first",
         "progress_at",
+        "progress_parts",
         "started_at",
         "first_event_at",
         "events_seen",
@@ -156,6 +158,7 @@ class Run:
         # ``progress`` events (the node's model server streams a tool call, sent whole at its end):
         # the first and the last, or -inf. They keep the run from timing out or looking stalled.
         self.progress_first = self.progress_at = -math.inf
+        self.progress_parts = 0  # the tool-call pieces they said were read (a key's budget counts them)
         self.first_event_at: float | None = None
         self.events_seen = 0
         self.deltas_seen = 0  # model-server text deltas in the events seen (a node joins those read together)
@@ -211,7 +214,7 @@ class Run:
             parts = event.parts  # from the node: at most one delta per character counts
             self.deltas_seen += 1 if parts <= 1 else min(parts, len(event.text))
         elif event.type == PROGRESS:
-            self._progress(now)
+            self._progress(now, event.parts)
             return
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
@@ -221,7 +224,7 @@ class Run:
             self.deltas_seen += frame.body.count(b"data:")
         self._push(frame, frame.kind in ("end", "error"), frame.kind == "end", now)
 
-    def _progress(self, now: float) -> None:
+    def _progress(self, now: float, parts: int) -> None:
         """The node's model server is streaming a tool call (no output yet): the run is
         alive. The first is its time to a first event; more than one a
         :data:`PROGRESS_S` is what a flood is (:meth:`NodeLink.stray`)."""
@@ -233,6 +236,7 @@ class Run:
             if self.first_event_at is None:
                 self.slot.link.started(self.id, now, True, self.slot.model)
         self.progress_at = now
+        self.progress_parts += min(parts, MAX_PROGRESS_PARTS)
 
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:

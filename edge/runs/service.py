@@ -258,6 +258,7 @@ class RunService:
         # node id -> when it last left, and how many times in a row it left within FLAP_WINDOW_S
         # of the time before (oldest first, at most MAX_LEFT)
         self._left: dict[str, tuple[float, int]] = {}
+        self._first_link_at: float | None = None  # when this edge's fleet began to link (add_link)
 
     # -- what is served --------------------------------------------------------
 
@@ -300,15 +301,21 @@ class RunService:
     # -- links -------------------------------------------------------------------
 
     def add_link(self, link: NodeLink) -> None:
-        served: set[str] = set()  # the models peers serve
+        served: set[str] = set()  # the models peers serve (a draining one serves no new run)
         for lk in self.links.values():
-            if lk.node_id != link.node_id and not lk.closed:  # (not itself, linking again)
+            if lk.node_id != link.node_id and not lk.closed and not lk.draining:  # (not itself, linking again)
                 served.update(lk.models)
         peered = [model for model in link.models if model in served]
-        for model in peered:  # a node that links beside peers of its model earns its capacity of it
-            link.on_trial(model, self.config.ramp_slots)
-        self.links[link.node_id] = link
         now = trio.current_time()
+        if self._first_link_at is None:
+            self._first_link_at = now
+        if now - self._first_link_at >= self.config.stall_after_s:
+            # A node that links beside peers of its model earns its capacity of it; not the fleet
+            # linking to a new edge, in its first stall_after_s (three honest 128-slot nodes
+            # ramping after an edge restart refused 129 of 1,009 requests in 20 s: an outside audit).
+            for model in peered:
+                link.on_trial(model, self.config.ramp_slots)
+        self.links[link.node_id] = link
         left = self._left.get(link.node_id)
         if peered and left is not None and left[1] >= FLAPS and now - left[0] < FLAP_WINDOW_S:
             self._route_around(link, peered, now, "node links again and again", relinks=left[1])
@@ -348,12 +355,7 @@ class RunService:
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
         if any(lk.stalled_until for lk in self.links.values()):
             self._unjudge(link.models, now)
-        if any(lk.trial for lk in self.links.values()):
-            for model in link.models:  # a node left alone with a model has no peer to be judged against
-                serving = self._serving(model)
-                if len(serving) == 1 and model in serving[0].trial:
-                    serving[0].trust(model)
-                    self._wake(model)
+        self._trust_alone(link.models)
         for model in link.models:
             if not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
@@ -366,6 +368,18 @@ class RunService:
                         waiter.gone = "drained" if link.draining else "lost"
                         waiter.event.set()
         log.info("node unlinked", node_id=link.node_id, reason=link.close_reason or "closed")
+
+    def _trust_alone(self, models: Iterable[str]) -> None:
+        """A node on trial left the only one serving one of ``models`` (its peers gone or
+        draining) is trusted with its capacity of it: no peer to compare it with (a new
+        node of a blue/green swap was held to 16 of its 128 slots while the old one drained)."""
+        if not any(lk.trial for lk in self.links.values()):
+            return
+        for model in models:
+            serving = [lk for lk in self._serving(model) if not lk.draining]
+            if len(serving) == 1 and model in serving[0].trial:
+                serving[0].trust(model)
+                self._wake(model)
 
     def _fail_over(self, run: Run, old: NodeLink, failed: RunEvent | None = None) -> bool:
         """Move a run that has produced no event yet off ``old`` (lost, or not
@@ -502,7 +516,15 @@ class RunService:
             if model in progressing:
                 continue
             peer_typical = self._peers_ttft(link, model, now)
-            if peer_typical is not None and now - began >= max(stall_after, 10 * peer_typical):
+            if peer_typical is None:
+                continue
+            wait = max(stall_after, 10 * peer_typical)
+            if not peer_typical and model not in silent:
+                # No peer has started a run of it yet: a run that has not started is judged at half
+                # the silence that times it out (a long prompt's 20 s prefill on a fresh fleet was
+                # moved at 10 s and started over: an outside audit); a started one gone silent, as ever.
+                wait = max(wait, self.config.wait_timeout_s / 2)
+            if now - began >= wait:
                 judged.append(model)
                 if now - began > waited:
                     typical, waited = peer_typical, now - began
@@ -586,7 +608,9 @@ class RunService:
         link.draining = draining
         if not draining:
             self._wake_waiting(link.models)
-        elif any(lk.stalled_until for lk in self.links.values()):  # (its peers stalled for a model serve it)
+            return
+        self._trust_alone(link.models)
+        if any(lk.stalled_until for lk in self.links.values()):  # (its peers stalled for a model serve it)
             self._unjudge(link.models, trio.current_time())
 
     def _wake_waiting(self, models: Container[str]) -> None:

@@ -432,11 +432,12 @@ class _Relay:
                             )
                     if delta.tool_calls:
                         calls = delta.tool_calls
-                        added = _merge_tool_calls(self.calls, self.at, calls if calls.__class__ is list else [calls])
+                        calls = calls if calls.__class__ is list else [calls]
+                        added = _merge_tool_calls(self.calls, self.at, calls)
                         if added:  # (fragments that add nothing are no output: `{"index": 0}` per MiB)
                             self._paid(added)
                             self.tool_bytes += added
-                            if not self.sink.progress_nowait():
+                            if not self.sink.progress_nowait(len(calls)):
                                 self.room = False
                         if self.tool_bytes > _MAX_TOOL_BYTES or len(self.calls) > MAX_TOOL_CALLS:
                             if texts:
