@@ -374,25 +374,18 @@ async def test_a_node_whose_runs_start_then_stop_is_routed_around(nursery, then,
         await ws.send_message(encode_frame(Events(events=events)))
 
     turns: dict[str, list[int]] = {}
-    try:
-        with trio.fail_after(BOUND):
-            async with trio.open_nursery() as inner:
-                inner.start_soon(serve_link, ws, one_delta_then_stop)
-                async with http(edge) as client:
 
-                    async def conversation(session: str) -> None:
-                        for _ in range(3):
-                            body = {**ASK, "stream": True, "user": session}
-                            r = await client.post("/v1/chat/completions", json=body)
-                            turns.setdefault(session, []).append(
-                                200 if r.status_code == 200 and b'"error"' not in r.content else 0
-                            )
-                            await trio.sleep(0.3)  # (the user reads the answer)
+    async def conversations(client) -> float:
+        async def conversation(session: str) -> None:
+            for _ in range(3):
+                body = {**ASK, "stream": True, "user": session}
+                r = await client.post("/v1/chat/completions", json=body)
+                turns.setdefault(session, []).append(200 if r.status_code == 200 and b'"error"' not in r.content else 0)
+                await trio.sleep(0.3)  # (the user reads the answer)
 
-                    stalls = await at_once_then_stalls(client, [partial(conversation, f"s{i}") for i in range(8)])
-                inner.cancel_scope.cancel()
-    finally:
-        await stream.aclose()
+        return await at_once_then_stalls(client, [partial(conversation, f"s{i}") for i in range(8)])
+
+    stalls = await while_served(edge, stream, ws, one_delta_then_stop, conversations)
     assert runs, "the bad node took runs at first"
     assert all(t[1:] == [200, 200] for t in turns.values()), turns  # after a first turn there, none
     assert stalls >= 1, stalls
@@ -721,27 +714,22 @@ async def test_a_stalled_node_s_younger_unstarted_runs_move_with_the_oldest(nurs
         sent.append(run.run_id)
 
     results: list[int] = []
-    try:
-        with trio.fail_after(BOUND):
-            async with trio.open_nursery() as inner:
-                inner.start_soon(serve_link, ws, never_start)
-                async with http(edge) as client:
 
-                    async def one():
-                        results.append((await client.post("/v1/chat/completions", json=ASK)).status_code)
+    async def two_waves(client) -> float:
+        async def one():
+            results.append((await client.post("/v1/chat/completions", json=ASK)).status_code)
 
-                    began = trio.current_time()
-                    async with trio.open_nursery() as clients:
-                        for wave in range(2):
-                            for _ in range(8):
-                                clients.start_soon(one)
-                            if not wave:
-                                await eventually(lambda: len(sent) >= 4, "the stuck node took runs")
-                                await trio.sleep(0.3)  # the second wave: younger than the judgement
-                    took = trio.current_time() - began
-                inner.cancel_scope.cancel()
-    finally:
-        await stream.aclose()
+        began = trio.current_time()
+        async with trio.open_nursery() as clients:
+            for wave in range(2):
+                for _ in range(8):
+                    clients.start_soon(one)
+                if not wave:
+                    await eventually(lambda: len(sent) >= 4, "the stuck node took runs")
+                    await trio.sleep(0.3)  # the second wave: younger than the judgement
+        return trio.current_time() - began
+
+    took = await while_served(edge, stream, ws, never_start, two_waves)
     assert results == [200] * 16
     assert len(sent) >= 8, sent  # both waves had runs on it
     assert took < 6, took  # (the second wave waited out a 10 s pause)
