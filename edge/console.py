@@ -266,11 +266,7 @@ class Console:
         row[1] += 1
         row[2] += prompt
         row[3] += completion
-        day = minute // 1440
-        if day != self._day:
-            self._day = day
-            self._by_key.clear()
-            self._by_model.clear()
+        self._roll(minute // 1440)
         for table, name in ((self._by_key, key), (self._by_model, model)):
             totals = table.get(name)
             if totals is None:
@@ -418,6 +414,13 @@ class Console:
             list(self.errors),
         )
 
+    def _roll(self, day: int) -> None:
+        """This edge's totals by key and by model are of ``day`` (UTC days since the epoch)."""
+        if day != self._day:
+            self._day = day
+            self._by_key.clear()
+            self._by_model.clear()
+
     async def usage(self, ask_ledger: bool = True) -> Usage:
         """``ask_ledger``: today's totals from the ledger now, else as it last said."""
         now = time.time()
@@ -440,7 +443,10 @@ class Console:
                     _top(_rows(label(r["model"]), r) for r in by_model),
                 )
                 # Taken after the read: a request that ended during it is then in
-                # the ledger's figures or in neither, never counted twice.
+                # the ledger's figures or in neither, never counted twice. Of the day
+                # read, whether or not this edge has counted a request of it yet (the
+                # requests after a read that came first were left out until the next).
+                self._roll(minute // 1440)
                 self._counted_at_read = (
                     self._day,
                     {k: list(v) for k, v in self._by_key.items()},

@@ -382,6 +382,33 @@ async def test_ledger_totals_include_requests_since_the_ledger_was_read(nursery,
         reading.cancel_scope.cancel()
 
 
+async def test_requests_after_a_console_opened_on_a_fresh_edge_show_before_the_next_ledger_read(
+    nursery, tmp_path, monkeypatch
+):
+    """A console opened before the edge's first request of the day (a fresh edge, or just
+    after midnight UTC) read the ledger as of no day: the requests after that were left out
+    of its key and model tables until the next read, while the chart showed them (an
+    outside audit: 3 requests in the chart, none in the tables, for 5 s)."""
+    monkeypatch.setattr("edge.console.USAGE_EVERY_S", 30.0)
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "ledger.sqlite3")))
+    await start_node(nursery, edge, [model("m")])  # the simulated model
+    body = {**STREAM, "stream": False, "max_tokens": 5}
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            while not events.usage:
+                await events.changed.wait()
+        assert events.usage[-1]["source"] == "ledger" and events.usage[-1]["models"] == []
+        for _ in range(3):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        with trio.fail_after(5):  # the ledger is not read again for 30 s
+            while not [row for row in events.usage[-1]["models"] if row["name"] == "m" and row["requests"] == 3]:
+                await events.changed.wait()
+        assert events.usage[-1]["source"] == "ledger"
+        reading.cancel_scope.cancel()
+
+
 async def test_at_most_16_consoles_then_a_clear_429(nursery):
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
     async with http(edge) as admin, trio.open_nursery() as reading:
