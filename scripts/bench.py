@@ -23,6 +23,9 @@ own reading /v1/admin/events for the whole run, as a browser would).
 
 Tokens are counted in the text the client received, so an edge that puts
 several tokens in one chunk is measured on what it delivers, not on chunks.
+The chunks it sent for them are reported too (chunks/s: the client's
+content chunks over the same interval; the direct upstream sends one a token,
+so its chunks/s is its tokens/s).
 
 With --rounds N, the whole measurement runs N times, the revisions taking
 turns (the baseline first in every other round), each round on fresh
@@ -481,12 +484,14 @@ def report(results: list[Result], args) -> None:
     print(f"\nStreamed tokens, concurrency {args.concurrency}, {args.tokens}-token streams")
     print(
         f"{'revision':<14}{'direct/s':>10}{'edge/s':>10}{'ratio':>7}{'edge µs/tok':>13}{'node µs/tok':>13}{'sum':>7}{'tok/chunk':>11}"
+        f"{'chunks/s':>10}"
     )
     for r in results:
         print(
             f"{r.name:<14}{r.direct_rate:>10.0f}{r.edge_rate:>10.0f}{r.edge_rate / r.direct_rate:>7.2f}"
             f"{r.cpu_edge_us:>13.1f}{r.cpu_node_us:>13.1f}{r.cpu_edge_us + r.cpu_node_us:>7.1f}"
             f"{r.edge_tokens / max(r.edge_chunks, 1):>11.2f}"
+            f"{r.edge_rate * r.edge_chunks / max(r.edge_tokens, 1):>10.0f}"
         )
         if len(r.rounds) > 1:
             print(
