@@ -87,6 +87,26 @@ class LinkRefused(NodeError):
     pass
 
 
+class _ReaderWatch:
+    """The nursery trio-websocket's client starts its reader task in: the reader ending
+    (the connection closed, no error) ends the wait for the upgrade's answer at once.
+    trio-websocket waits for that answer for ever once its reader has read the end of the
+    stream; the node then redialled only after ``connect_timeout_s`` (10 s: an edge that
+    closed connections as it restarted was relinked 7.5-9.8 s after it was back, an
+    outside audit). After the upgrade, cancelling the finished scope does nothing."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.upgrade = trio.CancelScope()
+
+    def start_soon(self, fn, *args, name=None) -> None:
+        async def watched() -> None:
+            await fn(*args)
+            self.upgrade.cancel()
+
+        self.nursery.start_soon(watched, name=name or fn)
+
+
 class LinkDead(NodeError):
     pass
 
@@ -677,10 +697,11 @@ class NodeAgent:
                 stream = await trio.open_tcp_stream(host, port)
         try:
             async with trio.open_nursery() as ws_nursery:
+                reader = _ReaderWatch(ws_nursery)
                 try:
-                    with trio.fail_after(cfg.connect_timeout_s):
+                    with trio.fail_after(cfg.connect_timeout_s), reader.upgrade:
                         ws = await wrap_client_stream(
-                            ws_nursery,
+                            reader,  # type: ignore[arg-type]  (it starts the reader task only)
                             stream,
                             host_header,
                             resource,
@@ -693,6 +714,8 @@ class NodeAgent:
                         f"no answer to the websocket upgrade in {cfg.connect_timeout_s:g} s"
                         + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
                     ) from None
+                if reader.upgrade.cancelled_caught:
+                    raise LinkRefused("the edge closed the connection before answering the websocket upgrade")
                 try:
                     await self._speak(url, ws, linked)
                 finally:
