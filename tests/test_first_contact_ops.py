@@ -276,7 +276,13 @@ async def test_readme_edge_and_node_files_work_together_with_its_curl_line(nurse
     with trio.fail_after(BOUND):
         async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as c:
             r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {secret}"})
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+            # An agent's request (Claude Code asks max_tokens 32,000) gets an answer of its own
+            # length, as from `iop demo`'s model of that name (it streamed 32,000 tokens at 50 a
+            # second: an outside audit).
+            long = {**body, "max_tokens": 32_000}
+            r = await c.post("/v1/chat/completions", json=long, headers={"Authorization": f"Bearer {secret}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 64, r.text
 
 
 async def test_readme_python_blocks_run_as_written_against_the_demo_model(nursery):
