@@ -21,7 +21,7 @@ import structlog
 import trio
 
 from edge.auth import bearer_matches
-from edge.config import EdgeConfig
+from edge.config import MIN_FRAME_BYTES, EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
 from edge.runs.link import StrayFlood
@@ -233,6 +233,11 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
 
     link = NodeLink(hello.node_id, hello.models, grants={})  # the node's grants follow
     link.relays_prefixes = hello.relays_prefixes
+    # A node's frame limit below the edge's (0: not said, an older node): runs larger than it go to
+    # other nodes or are a 413, where the node closed its link on them (1009) and, failed over, the
+    # next node's too. Never below MIN_FRAME_BYTES: a node saying less gets that much.
+    said = hello.max_frame_bytes
+    link.frame_limit = config.max_frame_bytes if said <= 0 else min(max(said, MIN_FRAME_BYTES), config.max_frame_bytes)
     await websocket.send(
         encode_frame(
             Welcome(
@@ -250,12 +255,12 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     if refusal is not None:
         await websocket.close(*refusal)
         return None
-    link.write_now = _writer_now(websocket, config.max_frame_bytes)
+    link.write_now = _writer_now(websocket, link.frame_limit)
     service.add_link(link)  # at once after the check: no other link can come between
     try:
         async with trio.open_nursery() as nursery:
             link.bind_scope(nursery.cancel_scope)
-            nursery.start_soon(_send_frames, link, service, config.max_frame_bytes, websocket)
+            nursery.start_soon(_send_frames, link, service, link.frame_limit, websocket)
             nursery.start_soon(_ping, link, config)
             nursery.start_soon(_watch_stall, link, service, config)
             nursery.start_soon(_report_demand, link, service)

@@ -736,6 +736,7 @@ class NodeAgent:
                     models=self.models,
                     software=f"iop {__version__}",
                     relays_prefixes=True,
+                    max_frame_bytes=cfg.max_frame_bytes,
                 )
             )
         )

@@ -141,6 +141,9 @@ class Hello(_Frame, tag="hello"):
     models: Annotated[list[ModelInfo], msgspec.Meta(max_length=MAX_MODELS)]
     software: str = ""
     relays_prefixes: bool = False  # tells every other edge that asked for it where a prefix went (``placed``)
+    # The largest message the node accepts (0: unknown, the edge's own limit): the edge sends
+    # it no run whose frame is larger (a 20 MiB request under a node's 16 MiB closed the link).
+    max_frame_bytes: int = 0
 
 
 class Events(_Frame, tag="events"):

@@ -167,6 +167,45 @@ async def test_body_that_outgrows_a_frame_is_a_413_before_any_node(nursery):
     assert node.agent.counters.active_runs == 0
 
 
+async def test_a_request_over_a_node_s_own_frame_limit_goes_where_it_fits_or_is_a_413(nursery):
+    """A node whose frame limit is below the edge's closed its link (1009) on a request larger
+    than it, and the run, moved, closed the next such node's too: one request, every link and
+    the streams on them (an outside audit). A node says its limit in its hello: such a request
+    goes to a node that takes it, or is a 413 if none does; no link is touched."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=4 << 20))
+    await start_node(nursery, edge, [model("m", tokens_per_s=200)], "small-1", max_frame_bytes=1 << 20)
+    await start_node(nursery, edge, [model("m", tokens_per_s=200)], "small-2", max_frame_bytes=1 << 20)
+    links = dict(edge.edge.runs.links)
+    large = {**ASK, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            streams: list[httpx.Response] = []
+            async with trio.open_nursery() as bystanders:
+                for _ in range(4):
+                    bystanders.start_soon(_append, streams, client.post("/v1/chat/completions", json=ASK))
+                r = await client.post("/v1/chat/completions", json=large)
+                assert r.status_code == 413, r.text
+                assert r.json()["error"]["code"] == "request_too_large"
+            assert [s.status_code for s in streams] == [200] * 4
+            await start_node(nursery, edge, [model("m")], "large")  # the default limit: 16 MiB
+            r = await client.post("/v1/chat/completions", json=large)
+            assert r.status_code == 200, r.text
+    assert all(edge.edge.runs.links[name] is link and not link.closed for name, link in links.items())
+
+
+async def test_a_passthrough_body_over_the_frame_limit_is_a_413_before_any_node(nursery, upstream):
+    """Chat's 413 for a body over the frame limit was a 502 on the tunnel's routes (the SDKs
+    retried it, and it took a node's slot): it is the same 413, before any node is asked."""
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=1 << 20, max_body_bytes=4 << 20))
+    node = await start_node(nursery, edge, [model("emb", upstream, passthrough=True)], max_frame_bytes=1 << 20)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/embeddings", json={"model": "emb", "input": "x" * (2 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert not upstream.records and node.agent.counters.active_runs == 0
+    assert not edge.edge.runs.links["n1"].closed
+
+
 async def test_unsendable_frame_fails_its_run_not_the_link(nursery):
     """A run frame over the frame limit (however it got there) is that run's error; other runs go on."""
     edge = await start_edge(nursery, edge_config(max_frame_bytes=1 << 20))

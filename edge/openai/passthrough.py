@@ -46,7 +46,7 @@ from edge.openai.schema import UsageOut
 from edge.openai.usage import Bounds
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
-from edge.runs.service import session_key, with_model
+from edge.runs.service import FRAME_OVERHEAD, session_key, too_large_for_a_frame, with_model
 from proto import RunEvent, jsoncost
 from proto.frames import is_token_count
 
@@ -98,7 +98,9 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
-    want = Want(model, session=session_key(session), tunnel=True)
+    if len(body) + FRAME_OVERHEAD > edge.config.max_frame_bytes:  # (a 502 the SDKs retried, a slot taken)
+        raise too_large_for_a_frame(len(body), edge.config.max_frame_bytes)
+    want = Want(model, session=session_key(session), tunnel=True, body_bytes=len(body))
     prompt, media = _prompt_estimate(raw)
     max_tokens = 1 if path == "/embeddings" else _output_reserve(raw)
     (inputs, copies), per_choice, stream = _sequences(raw, path), _output_bound(raw, path), bool(raw.get("stream"))

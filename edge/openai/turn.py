@@ -88,6 +88,7 @@ class Turn:
             min_context=self.estimate + (limit or 1),
             max_tokens=limit,
             prefix=prompt_prefix(req) if edge.config.routing == "prefix" else (),
+            body_bytes=len(self.body),
         )
         self.last_run: Run | None = None
         self.node_id = ""
@@ -225,7 +226,7 @@ class Turn:
             request = {**request, "messages": [*request["messages"], *extra_messages]}
         if self.req.tools and not slot.info.native_tools:
             request = text_tools_request(request)
-        return encode_run_body(request, self.edge.config.max_frame_bytes)
+        return encode_run_body(request, slot.link.frame_limit)  # (the node's, within the edge's)
 
     def run_on(
         self,

@@ -86,6 +86,9 @@ class NodeLink:
         self.last_rx = self.linked_at
         self.draining = False
         self.relays_prefixes = False  # the node tells other edges where this edge's prompts went
+        # The largest frame the node takes (its hello's, within the edge's own): placement sends it
+        # no run whose request is larger (:class:`edge.runs.service.Want`).
+        self.frame_limit = 1 << 62
         self._placed_since = -math.inf  # the current second of ``placed`` keys, and the keys in it
         self._placed_keys = 0
         self.closed = False

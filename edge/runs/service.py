@@ -98,12 +98,15 @@ class Want(msgspec.Struct, frozen=True):
     max_tokens: int = 0  # of min_context, the part the request's max_tokens asks for (0: none asked; 1 counted)
     tunnel: bool = False  # the node must allow raw passthrough for the model
     prefix: tuple[int, ...] = ()  # the prompt's prefix chain (edge.runs.placement.prefix_chain)
+    body_bytes: int = 0  # the request body as it goes to the node (a frame of it must fit the node's limit)
 
     def fits(self, link: NodeLink) -> bool:
         info = link.models.get(self.model)
         if info is None:
             return False
         if self.tunnel and not info.passthrough:
+            return False
+        if self.body_bytes + FRAME_OVERHEAD > link.frame_limit:
             return False
         return not (self.min_context and info.context_window and info.context_window < self.min_context)
 
@@ -169,7 +172,7 @@ def with_model(body: bytes, model: str) -> bytes:
     return msgspec.json.encode(members)
 
 
-_FRAME_OVERHEAD = 1024  # a run frame's fields besides the request body (the sender checks the exact size)
+FRAME_OVERHEAD = 1024  # a run frame's fields besides the request body (the sender checks the exact size)
 _encode_msgpack = msgspec.msgpack.Encoder().encode
 
 
@@ -192,14 +195,20 @@ def encode_run_body(body: dict[str, Any], max_frame_bytes: int) -> msgspec.Raw:
         ) from None
     except (msgspec.EncodeError, RecursionError, TypeError, ValueError) as e:
         raise errors.bad_request(f"The request cannot be forwarded: {e}.") from None
-    if len(data) + _FRAME_OVERHEAD > max_frame_bytes:
-        raise errors.APIError(
-            413,
-            f"The request is {len(data)} bytes once encoded for the node, more than a link frame "
-            f"holds ({max_frame_bytes - _FRAME_OVERHEAD} bytes).",
-            code="request_too_large",
-        )
+    if len(data) + FRAME_OVERHEAD > max_frame_bytes:
+        raise too_large_for_a_frame(len(data), max_frame_bytes)
     return msgspec.Raw(data)
+
+
+def too_large_for_a_frame(size: int, max_frame_bytes: int) -> errors.APIError:
+    """413 for a request of ``size`` bytes as the node gets it, more than a frame of
+    ``max_frame_bytes`` holds (the edge's limit, or that of every node serving its model)."""
+    return errors.APIError(
+        413,
+        f"The request is {size} bytes once encoded for the node, more than a link frame "
+        f"holds ({max_frame_bytes - FRAME_OVERHEAD} bytes).",
+        code="request_too_large",
+    )
 
 
 def _encodable(value: Any) -> bool:
@@ -883,6 +892,9 @@ class RunService:
                     param="model",
                     code="passthrough_not_allowed",
                 )
+            limit = max(lk.frame_limit for lk in serving)
+            if want.body_bytes + FRAME_OVERHEAD > limit:  # (the nodes' own limits, below the edge's)
+                raise too_large_for_a_frame(want.body_bytes, limit)
             lost = self._lost_context.get(model)
             if lost is not None and trio.current_time() - lost[0] < LOST_CONTEXT_S and lost[1] >= want.min_context:
                 raise errors.no_node(
