@@ -4,6 +4,7 @@ claims what it does not serve is capped and routed around (issue 9)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -672,6 +673,35 @@ async def test_a_retry_after_a_node_failed_mid_answer_goes_to_another_node(nurse
     retry, again = await while_served(edge, stream, ws, token_then_error, a_turn_then_retries)
     assert len(sent) == 1, sent  # the retries went to the healthy node
     assert retry.status_code == 200 and again.status_code == 200, retry.text
+
+
+async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery):
+    """A node that ends its runs with a finish_reason no API has (50,000 characters of it)
+    had it reach clients as it was, streamed and whole; they see ``stop``."""
+    edge = await start_edge(nursery)
+    stream, ws = await open_link(edge, "odd", nursery=nursery)
+    await hello(ws, "odd")
+
+    async def strange_end(run: RunRequest) -> None:
+        events = [
+            RunEvent(run_id=run.run_id, seq=1, type="delta", text="ok"),
+            RunEvent(run_id=run.run_id, seq=2, type="complete", finish_reason="<script>" + "x" * 50_000),
+        ]
+        await ws.send_message(encode_frame(Events(events=events)))
+
+    async def both(client) -> tuple[httpx.Response, httpx.Response]:
+        whole = await client.post("/v1/chat/completions", json=ASK)
+        streamed = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
+        return whole, streamed
+
+    whole, streamed = await while_served(edge, stream, ws, strange_end, both)
+    assert whole.json()["choices"][0]["finish_reason"] == "stop", whole.text[:300]
+    ends = [
+        json.loads(line[6:])["choices"][0]["finish_reason"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:])["choices"]
+    ]
+    assert ends[-1] == "stop" and "<script>" not in streamed.text
 
 
 async def test_a_node_flooding_progress_events_loses_its_link(nursery):

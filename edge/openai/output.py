@@ -38,6 +38,7 @@ from edge.openai.turn import (
     collect_validated,
     end_reason,
     failure,
+    finish_of,
 )
 from edge.runs import Run, Slot
 from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
@@ -448,7 +449,7 @@ class LiveStream(LiveEncoder):
         mark = len(self.out)  # what this end adds to ``out`` (a retry drops it)
         usage = self.turn.usage_of(self.run, event)
         self.shaper.finish()
-        finish_reason = event.finish_reason or "stop"
+        finish_reason = finish_of(event)
         cut_off = finish_reason == "length"  # by max_tokens: what was produced goes out as it is
         calls = with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None
         if calls:
@@ -492,7 +493,7 @@ class LiveStream(LiveEncoder):
         """The closing bytes of a run that ended well: a refusal, the calls, the finish, the usage."""
         enc = self.enc
         shaper = self.shaper
-        finish_reason = event.finish_reason or "stop"
+        finish_reason = finish_of(event)
         calls = self.turn.calls_to_send(calls)
         tail: list[bytes] = []
         if event.refusal:

@@ -343,6 +343,17 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
         return _finish(turn, shaper, end, turn.usage_of(run, end))
 
 
+FINISH_REASONS = frozenset(("stop", "length", "tool_calls", "content_filter", "function_call"))
+
+
+def finish_of(event: RunEvent) -> str:
+    """A run's ``finish_reason`` as the OpenAI API has them; anything else a node or its model
+    server says (none, ``eos``, or a misbehaving node's 50,000 characters, which reached
+    clients as they were: an outside audit) is ``stop``."""
+    reason = event.finish_reason
+    return reason if reason in FINISH_REASONS else "stop"
+
+
 def end_reason(finish_reason: str, has_calls: bool) -> str:
     """The finish a client sees: ``tool_calls`` when calls came (unless cut off
     by ``length``, the seeds' rule), and never ``tool_calls`` without a call
@@ -356,7 +367,7 @@ def end_reason(finish_reason: str, has_calls: bool) -> str:
 
 def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Collected:
     policy = turn.policy
-    finish_reason = event.finish_reason or "stop"
+    finish_reason = finish_of(event)
     cut_off = finish_reason == "length"  # what was produced is returned as it is: no retry can help
     content = shaper.content_text
     tool_calls = with_ids(event.tool_calls, turn.history_ids) if event.tool_calls else None
