@@ -782,6 +782,25 @@ async def test_a_node_claiming_more_than_its_peers_in_the_first_window_earns_the
                 await stream.aclose()
 
 
+@pytest.mark.parametrize(
+    "claims",
+    [(8, 128, 128, 128), (64, 8, 8, 8), (4, 4096, 4096)],
+    ids=["small first, then alike", "unequal within the ratio", "a held node let go"],
+)
+async def test_honest_fleets_linking_in_the_first_window_are_trusted_at_once(nursery, claims):
+    """One 8-slot node linking first held three 128-slot nodes to 16 (each held to the one
+    before's hold), and a 64-slot node beside three 8-slot ones was held to 16, slowing the
+    first 20 s after an edge restart (an outside re-audit). Only a claim past HOLD_RATIO times
+    its largest peer's is held, and a node so held is let go when a peer claiming alike links."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=5.0, ramp_slots=16))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for i, claim in enumerate(claims):
+                await start_node(nursery, edge, [model("m", max_concurrency=claim)], f"n{i}")
+            for i, claim in enumerate(claims):
+                assert (await _nodes_model(client, f"n{i}"))["trusted"] == claim, (i, claim)
+
+
 async def test_a_long_prompt_on_a_fresh_fleet_is_not_moved_at_stall_after_s(nursery):
     """Peers that have started no run yet judge a run that has not started at half the silence
     that times it out, not at ``stall_after_s``: a 20 s prefill on a fresh fleet was moved at

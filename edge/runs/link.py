@@ -80,6 +80,7 @@ class NodeLink:
         # that (:meth:`on_trial`), fewer, one more for each run of the model it completes.
         self.trusted: dict[str, int] = {m.name: m.max_concurrency for m in models}
         self.trial: set[str] = set()  # the models it is earning (trusted below their capacity)
+        self.held: set[str] = set()  # of those, the ones held for a claim far past its peers' (RunService)
         self.runs: dict[str, Run] = {}
         self.linked_at = trio.current_time()
         self.linked_wall = time.time()
@@ -170,12 +171,14 @@ class NodeLink:
         start). A node that claimed 4,096 slots and whose runs started and then went silent took
         594 of 1,800 runs before it was judged (an outside audit); on trial it takes ``slots``."""
         info = self.models.get(model)
+        self.held.discard(model)
         if info is not None and 0 < slots < info.max_concurrency:
             self.trusted[model] = slots
             self.trial.add(model)
 
     def trust(self, model: str) -> None:
         """The node's advertised capacity of ``model`` is trusted whole (no peer to compare it with)."""
+        self.held.discard(model)
         if model in self.trial:
             self.trial.discard(model)
             self.trusted[model] = self.models[model].max_concurrency
@@ -264,6 +267,7 @@ class NodeLink:
             self.trusted[model] += 1
             if self.trusted[model] >= self.models[model].max_concurrency:
                 self.trial.discard(model)
+                self.held.discard(model)
 
     def errored(self, model: str) -> int:
         """A run of ``model`` failed here after its output began: how many in a row."""
