@@ -50,7 +50,7 @@ import msgspec
 import trio
 
 from edge.auth import client_token
-from edge.errors import APIError, model_not_found
+from edge.errors import NO_RETRY, APIError, model_not_found
 
 if TYPE_CHECKING:
     from edge.config import EdgeConfig, KeyConfig
@@ -62,6 +62,17 @@ BUDGET_CHECK_S = 0.5
 OVER_BUDGET = "insufficient_quota"  # the cause of a run ended by it (Run.fail)
 MAX_OUTPUT_RESERVE = 4096  # output tokens reserved at most
 SECRET_PREFIX = "sk-iop-"
+
+
+def insufficient_quota(message: str) -> APIError:
+    """A key's daily budget is spent, before its request ran or while it ran: 429
+    ``insufficient_quota`` with ``Retry-After`` until 00:00 UTC and ``x-should-retry: false``.
+    The Anthropic SDK waits out any Retry-After (it slept 13.7 h, silent, until midnight: an
+    outside audit) unless told not to retry; the one cut while it ran had no Retry-After."""
+    now = time.time()
+    midnight = (now // 86400 + 1) * 86400 - now
+    headers = [(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode()), NO_RETRY]
+    return APIError(429, message, "insufficient_quota", code="insufficient_quota", headers=headers)
 
 
 def sha256_hex(secret: str | bytes) -> str:
@@ -446,13 +457,8 @@ class Keys:
         return (1 if policy.rpm else 0), tokens, slots
 
     def _over_budget(self, key: Key, limit: str) -> APIError:
-        midnight = (key.day + 1) * 86400 - time.time()
-        error = APIError(
-            429,
-            f"Key {key.id!r} has used its daily budget of {key.policy.daily_tokens} tokens; it resets at 00:00 UTC.",
-            "insufficient_quota",
-            code="insufficient_quota",
-            headers=[(b"retry-after", str(max(int(math.ceil(midnight)), 1)).encode())],
+        error = insufficient_quota(
+            f"Key {key.id!r} has used its daily budget of {key.policy.daily_tokens} tokens; it resets at 00:00 UTC."
         )
         error.limit = limit  # type: ignore[attr-defined]  # for the metrics, and edge.shared_state
         return error

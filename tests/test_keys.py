@@ -172,6 +172,13 @@ async def test_daily_budget_is_insufficient_quota_and_survives_a_restart(nursery
     assert [r.status_code for r in responses] == [200, 200, 200, 429]
     assert responses[3].json()["error"]["type"] == "insufficient_quota"
     assert edge.edge.keys.by_id["dee"].day_used == 27
+    # Retry-After says when it resets (midnight UTC), and x-should-retry that no retry helps:
+    # the Anthropic SDK waits out any Retry-After, and slept 13.7 h, silent (an outside audit).
+    assert int(responses[3].headers["retry-after"]) > 0 and responses[3].headers["x-should-retry"] == "false"
+    async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="sk-dee") as sdk:  # (its default retries)
+        with trio.fail_after(BOUND), pytest.raises(anthropic.RateLimitError) as spent:
+            await sdk.messages.create(model="qwen-a", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert spent.value.status_code == 429
     # A new edge on the same ledger remembers today's use.
     await edge.edge.ledger.flush()
     again = await keyed_edge(nursery, tmp_path, keys)
@@ -534,6 +541,8 @@ async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_pa
         async with client(edge, "sk-one") as c:
             r = await chat(c, "long", max_tokens=20000)
             assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", r.text
+            # the same headers as a request refused at admission (it had no Retry-After)
+            assert int(r.headers["retry-after"]) > 0 and r.headers["x-should-retry"] == "false"
             key = edge.edge.keys.by_id["one"]
             assert 500 < key.day_used < 1600, key.day_used  # (3,000 before)
 

@@ -22,7 +22,7 @@ import msgspec
 import structlog
 
 from edge.errors import NO_RETRY, APIError, RunFailed, operator_cancelled
-from edge.keys import OVER_BUDGET
+from edge.keys import OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
@@ -117,7 +117,7 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
     if cause == OVER_BUDGET:
-        return APIError(429, failed.message, "insufficient_quota", code="insufficient_quota")
+        return insufficient_quota(failed.message)
     return APIError(502, failed.message, failed.type)
 
 

@@ -39,7 +39,7 @@ import structlog
 
 from edge import errors
 from edge.errors import APIError, node_error
-from edge.keys import DEFAULT_OUTPUT_RESERVE
+from edge.keys import DEFAULT_OUTPUT_RESERVE, OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import Exchange
 from edge.openai.request import decode_body
 from edge.openai.schema import UsageOut
@@ -341,6 +341,8 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                 await _flush(ex, body)
                 if run.cause == CANCELLED and not ex.started:
                     await ex.respond_error(errors.operator_cancelled(item.text))
+                elif run.cause == OVER_BUDGET and not ex.started:  # (a 502 the SDKs retried)
+                    await ex.respond_error(insufficient_quota(item.text))
                 elif not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
                     code = "node_disconnected" if run.cause == NODE_LOST else None
