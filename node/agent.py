@@ -27,9 +27,11 @@ import ssl
 import urllib.parse
 from functools import partial
 
+import h11
 import msgspec
 import structlog
 import trio
+import wsproto.utilities
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, wrap_client_stream
 
 from iop import __version__
@@ -661,6 +663,10 @@ class NodeAgent:
                     )
                 elif isinstance(e, (OSError, HandshakeError, NodeError, trio.TooSlowError, trio.BrokenResourceError)):
                     log.warning("link failed", edge=url, error=f"{type(e).__name__}: {e}")
+                elif isinstance(e, (h11.ProtocolError, wsproto.utilities.ProtocolError)):
+                    # Bytes that are not HTTP where the edge's answer should be (a wrong port, a
+                    # proxy): a crash with a traceback at error level, every dial, before.
+                    log.warning("link failed", edge=url, error=f"not an HTTP answer to the websocket upgrade: {e}")
                 else:
                     log.error("link crashed", edge=url, exc_info=exc)
             now = trio.current_time()
@@ -714,8 +720,11 @@ class NodeAgent:
                         f"no answer to the websocket upgrade in {cfg.connect_timeout_s:g} s"
                         + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
                     ) from None
-                if reader.upgrade.cancelled_caught:
-                    raise LinkRefused("the edge closed the connection before answering the websocket upgrade")
+                if reader.upgrade.cancelled_caught:  # (a TLS edge closes a plain connection so too)
+                    raise LinkRefused(
+                        "the edge closed the connection before answering the websocket upgrade"
+                        + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
+                    )
                 try:
                     await self._speak(url, ws, linked)
                 finally:

@@ -210,30 +210,43 @@ async def test_wrong_token_is_refused_at_the_upgrade(nursery, edge, node):
     assert "intruder" not in edge.edge.runs.links
 
 
-async def test_a_connection_closed_before_the_upgrade_is_answered_is_redialled_at_once(nursery):
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"", "closed the connection before answering the websocket upgrade (an edge serving TLS needs a wss://"),
+        (b"\x00\xffGARBAGE not http at all\r\n\r\n" * 4, "not an HTTP answer to the websocket upgrade"),
+    ],
+    ids=["closed at once", "not HTTP"],
+)
+async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nursery, answer, said):
     """An edge that closes connections as it goes down (or a proxy with no backend) ended the
     node's dial with no answer to its websocket upgrade: the node waited ``connect_timeout_s``
-    (10 s) before it redialled, and said TLS may be to blame (an outside audit: relinked
-    7.5-9.8 s after the edge was back). It redials on its backoff and says what happened."""
+    (10 s) before it redialled (an outside audit: relinked 7.5-9.8 s after the edge was back).
+    A front answering bytes that are not HTTP was logged as a crash, at error level, with a
+    traceback, every dial (an outside re-audit). Each is redialled on the backoff, with a
+    warning that says what happened."""
     from node.agent import NodeAgent
     from tests.conftest import node_config
 
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     accepted = 0
 
-    async def close_at_once(stream: trio.SocketStream) -> None:
+    async def front(stream: trio.SocketStream) -> None:
         nonlocal accepted
         accepted += 1
+        if answer:
+            await stream.send_all(answer)
         await stream.aclose()
 
-    nursery.start_soon(partial(trio.serve_listeners, close_at_once, [listener]))
+    nursery.start_soon(partial(trio.serve_listeners, front, [listener]))
     port = listener.socket.getsockname()[1]
     agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m")], connect_timeout_s=10.0))
     with structlog.testing.capture_logs() as logs, trio.move_on_after(2.0):
         await agent.serve()
     failed = [e for e in logs if e["event"] == "link failed"]
-    assert accepted >= 3 and len(failed) >= 3, (accepted, failed)
-    assert "closed the connection before answering the websocket upgrade" in failed[0]["error"], failed[0]
+    assert accepted >= 3 and len(failed) >= 3, (accepted, [e["event"] for e in logs])
+    assert said in failed[0]["error"] and failed[0]["log_level"] == "warning", failed[0]
+    assert not [e for e in logs if e["log_level"] == "error"]
 
 
 async def test_a_link_to_a_wrong_path_is_a_404_the_edge_logs(edge, node):
