@@ -476,10 +476,21 @@ def test_decode_maps_items_and_options():
                     "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:x"}],
                 },
                 {"type": "reasoning", "summary": []},
-                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "b"}, {"type": "output_text", "text": "c"}],
+                },
                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                 {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
-                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "r"}]},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [
+                        {"type": "input_text", "text": "Temp: 18C."},
+                        {"type": "input_text", "text": "Sky: sun."},
+                    ],
+                },
                 {
                     "type": "function_call_output",
                     "call_id": "c2",
@@ -499,9 +510,9 @@ def test_decode_maps_items_and_options():
         {"type": "text", "text": "a"},
         {"type": "image_url", "image_url": {"url": "data:x"}},
     ]
-    assert chat["messages"][1]["content"] == "b"
+    assert chat["messages"][1]["content"] == "b\nc"  # parts a line apart ("Temp: 18C.Sky: sun." before)
     assert [c["id"] for c in chat["messages"][1]["tool_calls"]] == ["c1", "c2"]
-    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "Temp: 18C.\nSky: sun."}
     assert chat["messages"][3]["content"] == "[image omitted: this edge passes no images in tool results]"
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert chat["response_format"]["json_schema"]["name"] == "s"

@@ -374,8 +374,10 @@ _NO_IMAGE = "[image omitted: this edge passes no images in tool results]"
 
 
 def _joined(parts: Any, param: str) -> str:
-    """A tool output's parts as text; an image is a note that it was left out
-    (a chat tool message carries text only), so the model can say so."""
+    """A tool output's parts as text, a line apart (as the Messages route joins a tool
+    result's, and vLLM a message's; "Temperature: 18C.Sky: sunny." reached the model
+    before: an outside audit); an image is a note that it was left out (a chat tool
+    message carries text only), so the model can say so."""
     if not isinstance(parts, list):
         raise _bad(f"Invalid value for `{param}`: expected a string or a list of content parts.", param)
     texts = []
@@ -384,13 +386,13 @@ def _joined(parts: Any, param: str) -> str:
             texts.append(p["text"])
         elif isinstance(p, dict) and p.get("type") in ("input_image", "image"):
             texts.append(_NO_IMAGE)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
     """A message's content: a string, or chat content parts (text, image_url).
-    Only a user message keeps a list; others are joined (chat templates expect
-    strings there)."""
+    Only a user message keeps a list; others are joined, a line apart (chat
+    templates expect strings there)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -414,7 +416,7 @@ def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
         else:
             raise _bad(f"`{where}`: content parts of type {kind!r} are not supported by this edge.", where)
     if role != "user" or (len(parts) <= 1 and all(p["type"] == "text" for p in parts)):
-        return "".join(p.get("text", "") for p in parts)
+        return "\n".join(p.get("text", "") for p in parts)
     return parts
 
 
