@@ -545,6 +545,17 @@ async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_pa
             assert int(r.headers["retry-after"]) > 0 and r.headers["x-should-retry"] == "false"
             key = edge.edge.keys.by_id["one"]
             assert 500 < key.day_used < 1600, key.day_used  # (3,000 before)
+    # A Messages stream cut so ends with Anthropic's rate_limit_error (it was an api_error, a
+    # server fault to the SDK: an outside re-audit).
+    keys = [KeyConfig(id="ant", key="sk-ant", daily_tokens=500)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "n.sqlite3")))
+    await start_node(nursery, edge, [model("long", ttft_ms=0, tokens_per_s=1000, sim_tokens=3000)])
+    body = {"model": "long", "max_tokens": 20000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-ant") as c:
+            r = await c.post("/v1/messages", json=body)
+    assert r.status_code == 200 and "event: error" in r.text
+    assert '"type":"rate_limit_error"' in r.text.split("event: error")[1], r.text[-300:]
 
 
 async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nursery, tmp_path, upstream):

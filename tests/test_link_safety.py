@@ -194,6 +194,27 @@ async def test_a_request_over_a_node_s_own_frame_limit_goes_where_it_fits_or_is_
     assert all(edge.edge.runs.links[name] is link and not link.closed for name, link in links.items())
 
 
+async def test_requests_just_under_a_node_s_limit_go_to_a_node_their_whole_frame_fits(nursery):
+    """The size check counted 1,024 bytes for a frame's fields besides the body; a prompt's
+    prefix chain (up to 18 KB) and a trace flag copied whole into the run's metadata made
+    frames larger: requests 2,000 bytes under a small node's limit went to it and failed
+    there, 502s the SDK retried onto the same node (an outside re-audit). They go where
+    their whole frame fits."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=4 << 20, routing="prefix"))
+    await start_node(nursery, edge, [model("m", tokens_per_s=0)], "small", max_frame_bytes=1 << 20)
+    await start_node(nursery, edge, [model("m", tokens_per_s=0)], "large")
+    near = {**ASK, "messages": [{"role": "user", "content": "y" * ((1 << 20) - 2000)}]}
+    traced = {**ASK, "metadata": {"iop_trace_stream": "1" + " " * ((1 << 20) // 2)}}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for body in [near] * 6 + [traced]:
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text[:300]
+            metrics = (await client.get("/metrics")).text
+    assert 'outcome="unsendable"' not in metrics
+    assert not edge.edge.runs.links["small"].closed
+
+
 async def test_a_passthrough_body_over_the_frame_limit_is_a_413_before_any_node(nursery, upstream):
     """Chat's 413 for a body over the frame limit was a 502 on the tunnel's routes (the SDKs
     retried it, and it took a node's slot): it is the same 413, before any node is asked."""
@@ -205,6 +226,23 @@ async def test_a_passthrough_body_over_the_frame_limit_is_a_413_before_any_node(
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     assert not upstream.records and node.agent.counters.active_runs == 0
     assert not edge.edge.runs.links["n1"].closed
+    # A client's headers travel in the frame too: an Accept of 1,000 bytes made a body that
+    # fit a 502 (an outside re-audit).
+    async with http(edge) as client:
+        body = {"model": "emb", "input": "x" * ((1 << 20) - 1100)}
+        r = await client.post("/v1/embeddings", json=body, headers={"accept": "a" * 1000})
+    assert r.status_code == 413, r.text
+
+
+async def test_a_passthrough_body_over_its_node_s_limit_is_a_413_not_passthrough_not_allowed(nursery, upstream):
+    """The only passthrough node's own frame limit, below the edge's: a larger body was a 400
+    saying no node allows passthrough for the model (an outside re-audit); it is a 413."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=4 << 20))
+    await start_node(nursery, edge, [model("emb", upstream, passthrough=True)], max_frame_bytes=1 << 20)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/embeddings", json={"model": "emb", "input": "x" * (2 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
 
 
 async def test_unsendable_frame_fails_its_run_not_the_link(nursery):
@@ -675,9 +713,11 @@ async def test_a_retry_after_a_node_failed_mid_answer_goes_to_another_node(nurse
     assert retry.status_code == 200 and again.status_code == 200, retry.text
 
 
-async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery):
-    """A node that ends its runs with a finish_reason no API has (50,000 characters of it)
-    had it reach clients as it was, streamed and whole; they see ``stop``."""
+@pytest.mark.parametrize("reason", ["<script>" + "x" * 50_000, "function_call"], ids=["50,000 characters", "legacy"])
+async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery, reason):
+    """A node that ends its runs with a finish_reason no API has (50,000 characters of it), or
+    the legacy ``function_call`` with no call, had it reach clients as it was, streamed and
+    whole; they see ``stop``."""
     edge = await start_edge(nursery)
     stream, ws = await open_link(edge, "odd", nursery=nursery)
     await hello(ws, "odd")
@@ -685,7 +725,7 @@ async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery):
     async def strange_end(run: RunRequest) -> None:
         events = [
             RunEvent(run_id=run.run_id, seq=1, type="delta", text="ok"),
-            RunEvent(run_id=run.run_id, seq=2, type="complete", finish_reason="<script>" + "x" * 50_000),
+            RunEvent(run_id=run.run_id, seq=2, type="complete", finish_reason=reason),
         ]
         await ws.send_message(encode_frame(Events(events=events)))
 
@@ -701,7 +741,7 @@ async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery):
         for line in streamed.text.splitlines()
         if line.startswith("data: {") and json.loads(line[6:])["choices"]
     ]
-    assert ends[-1] == "stop" and "<script>" not in streamed.text
+    assert ends[-1] == "stop" and "<script>" not in streamed.text and "function_call" not in streamed.text
 
 
 async def test_a_node_flooding_progress_events_loses_its_link(nursery):

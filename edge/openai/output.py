@@ -92,6 +92,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     cause = run.cause if run is not None else None
     if cause == CANCELLED:
         return operator_cancelled(failed.message)
+    if cause == OVER_BUDGET:
+        return insufficient_quota(failed.message)
     if failed.type == TOOL_VALIDATION_ERROR:
         return APIError(502, failed.message, failed.type, headers=[NO_RETRY])
     if failed.type != "run_error":
@@ -116,8 +118,6 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return APIError(503, failed.message, "service_unavailable_error", code="draining")
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
-    if cause == OVER_BUDGET:
-        return insufficient_quota(failed.message)
     return APIError(502, failed.message, failed.type)
 
 

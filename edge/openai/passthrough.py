@@ -98,20 +98,21 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     session = (ex.header(b"x-session-id") or b"").decode("latin-1") or (
         raw.get("user") if isinstance(raw.get("user"), str) else None
     )
-    if len(body) + FRAME_OVERHEAD > edge.config.max_frame_bytes:  # (a 502 the SDKs retried, a slot taken)
-        raise too_large_for_a_frame(len(body), edge.config.max_frame_bytes)
-    want = Want(model, session=session_key(session), tunnel=True, body_bytes=len(body))
+    headers = []
+    for name in (b"accept", b"content-type"):
+        value = ex.header(name)
+        if value is not None:
+            headers.append((name.decode(), value.decode("latin-1")))
+    sent = len(body) + sum(len(value) for _, value in headers)  # (an Accept of 1,000 bytes: an outside re-audit)
+    if sent + FRAME_OVERHEAD > edge.config.max_frame_bytes:  # (a 502 the SDKs retried, a slot taken)
+        raise too_large_for_a_frame(sent, edge.config.max_frame_bytes)
+    want = Want(model, session=session_key(session), tunnel=True, body_bytes=sent)
     prompt, media = _prompt_estimate(raw)
     max_tokens = 1 if path == "/embeddings" else _output_reserve(raw)
     (inputs, copies), per_choice, stream = _sequences(raw, path), _output_bound(raw, path), bool(raw.get("stream"))
     del raw  # what the relay needs of it is above; the body goes as it came
     await edge.admit(ex, model, prompt, max_tokens)
     slot = await edge.runs.acquire(want, ex)
-    headers = []
-    for name in (b"accept", b"content-type"):
-        value = ex.header(name)
-        if value is not None:
-            headers.append((name.decode(), value.decode("latin-1")))
     run = edge.runs.start_tunnel(
         slot,
         want=want,

@@ -18,6 +18,7 @@ import structlog
 import trio
 
 from edge.errors import APIError, RunFailed, bad_request, node_error
+from edge.keys import OVER_BUDGET
 from edge.openai.exchange import Exchange
 from edge.openai.request import (
     MAX_CONTENT_PARTS,
@@ -74,7 +75,8 @@ class Turn:
         self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
         user_meta = forward.get("metadata")
         if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta and edge.config.trace_requests:
-            self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])
+            # (a flag: "1", "true"; a 1 MB value went into the run's frame twice, past a node's limit)
+            self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])[:16]
         self.estimate = estimate_input_tokens(req)
         self.metadata["estimated_input_tokens"] = str(self.estimate)
         self.metadata["context_class"] = context_class(self.estimate)
@@ -303,7 +305,10 @@ def failure(event: RunEvent, run: Run) -> RunFailed:
             f"The model server refused the node's credentials (HTTP {event.status}); "
             "the edge's operator must fix the node's api_key for this model."
         )
-    return RunFailed(message, cause=run.cause or "run_error", status=event.status)
+    # A key's budget spent while it ran: the error of its 429 (on Messages, a rate_limit_error;
+    # it was an api_error there, a server fault to the SDK: an outside re-audit).
+    type = "insufficient_quota" if run.cause == OVER_BUDGET else "run_error"
+    return RunFailed(message, type=type, cause=run.cause or "run_error", status=event.status)
 
 
 Hook = Callable[[], Awaitable[None]]
@@ -343,11 +348,11 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
         return _finish(turn, shaper, end, turn.usage_of(run, end))
 
 
-FINISH_REASONS = frozenset(("stop", "length", "tool_calls", "content_filter", "function_call"))
+FINISH_REASONS = frozenset(("stop", "length", "tool_calls", "content_filter"))  # (legacy function_call: none here)
 
 
 def finish_of(event: RunEvent) -> str:
-    """A run's ``finish_reason`` as the OpenAI API has them; anything else a node or its model
+    """A run's ``finish_reason`` as the OpenAI chat API has them; anything else a node or its model
     server says (none, ``eos``, or a misbehaving node's 50,000 characters, which reached
     clients as they were: an outside audit) is ``stop``."""
     reason = event.finish_reason

@@ -99,7 +99,14 @@ class Want(msgspec.Struct, frozen=True):
     max_tokens: int = 0  # of min_context, the part the request's max_tokens asks for (0: none asked; 1 counted)
     tunnel: bool = False  # the node must allow raw passthrough for the model
     prefix: tuple[int, ...] = ()  # the prompt's prefix chain (edge.runs.placement.prefix_chain)
-    body_bytes: int = 0  # the request body as it goes to the node (a frame of it must fit the node's limit)
+    # The request body as it goes to the node, with a tunnel's headers: its frame, with the
+    # prefix chain and FRAME_OVERHEAD for the rest, must fit the node's limit.
+    body_bytes: int = 0
+
+    @property
+    def frame_bytes(self) -> int:
+        """At most the size of this request's run frame (a prefix key is at most 9 bytes)."""
+        return self.body_bytes + 9 * len(self.prefix) + FRAME_OVERHEAD
 
     def fits(self, link: NodeLink) -> bool:
         info = link.models.get(self.model)
@@ -107,7 +114,7 @@ class Want(msgspec.Struct, frozen=True):
             return False
         if self.tunnel and not info.passthrough:
             return False
-        if self.body_bytes + FRAME_OVERHEAD > link.frame_limit:
+        if self.frame_bytes > link.frame_limit:
             return False
         return not (self.min_context and info.context_window and info.context_window < self.min_context)
 
@@ -173,7 +180,10 @@ def with_model(body: bytes, model: str) -> bytes:
     return msgspec.json.encode(members)
 
 
-FRAME_OVERHEAD = 1024  # a run frame's fields besides the request body (the sender checks the exact size)
+# A run frame's fields besides the request body and the prefix chain: ids, names, metadata (a
+# retry's reason cut to 500 characters). The sender checks the exact size (a frame over it fails
+# its run); 1,024 was too few with a tunnel's headers (a 1,000-byte Accept: an outside re-audit).
+FRAME_OVERHEAD = 4096
 _encode_msgpack = msgspec.msgpack.Encoder().encode
 
 
@@ -891,7 +901,8 @@ class RunService:
                 raise errors.no_node(model)
             raise errors.model_not_found(model)
         if not any(want.fits(link) for link in serving):
-            if want.tunnel:  # a setting of the nodes, not an outage: a 503 had the SDKs retry it
+            if want.tunnel and not any(lk.models[model].passthrough for lk in serving):
+                # a setting of the nodes, not an outage: a 503 had the SDKs retry it
                 raise errors.APIError(
                     400,
                     f"The model `{model}` is served for chat here, not for this route: no linked node "
@@ -900,9 +911,9 @@ class RunService:
                     param="model",
                     code="passthrough_not_allowed",
                 )
-            limit = max(lk.frame_limit for lk in serving)
-            if want.body_bytes + FRAME_OVERHEAD > limit:  # (the nodes' own limits, below the edge's)
-                raise too_large_for_a_frame(want.body_bytes, limit)
+            limit = max(lk.frame_limit for lk in serving if not want.tunnel or lk.models[model].passthrough)
+            if want.frame_bytes > limit:  # (the nodes' own limits, below the edge's)
+                raise too_large_for_a_frame(want.frame_bytes - FRAME_OVERHEAD, limit)
             lost = self._lost_context.get(model)
             if lost is not None and trio.current_time() - lost[0] < LOST_CONTEXT_S and lost[1] >= want.min_context:
                 raise errors.no_node(
