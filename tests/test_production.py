@@ -160,14 +160,14 @@ async def test_per_node_tokens_are_checked_at_the_upgrade(nursery, upstream):
 
 async def test_oversized_frame_closes_only_that_link(nursery, upstream):
     """A frame over max_frame_bytes closes the sending node's link; the edge keeps serving."""
-    edge = await start_edge(nursery, edge_config(max_frame_bytes=4096))
+    edge = await start_edge(nursery, edge_config(max_frame_bytes=64 * 1024))  # (the least a config may set)
     await start_node(nursery, edge, [model("m", upstream)])
 
     async def big(ws):
         models = [ModelInfo(name="m", adapter="sim", target="t")]
         await ws.send_message(encode_frame(Hello(node_id="big", protocol=PROTOCOL_VERSION, models=models)))
         await ws.get_message()
-        await ws.send_message(b"\x00" * 10_000)
+        await ws.send_message(b"\x00" * 100_000)
         return await closed_by_edge(ws)
 
     with trio.fail_after(BOUND):
