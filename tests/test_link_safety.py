@@ -215,6 +215,26 @@ async def test_requests_just_under_a_node_s_limit_go_to_a_node_their_whole_frame
     assert not edge.edge.runs.links["small"].closed
 
 
+async def test_a_large_request_whose_only_node_leaves_while_it_waits_is_told_so(nursery):
+    """A request only one node could take (its size), queued behind that node's slot when
+    the node left, was told no node serving the model is linked, beside linked nodes of it
+    (an outside re-audit). It is told that the node that could take it left."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=4 << 20))
+    await start_node(nursery, edge, [model("m")], "small", max_frame_bytes=1 << 20)
+    large = await start_node(nursery, edge, [model("m", max_concurrency=1, ttft_ms=5, tokens_per_s=5)], "large")
+    body = {**ASK, "stream": True, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    answers: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            clients.start_soon(_append, answers, client.post("/v1/chat/completions", json=body))
+            await eventually(lambda: edge.edge.runs.links["large"].runs, "the first on the large node")
+            clients.start_soon(_append, answers, client.post("/v1/chat/completions", json=body))
+            await eventually(lambda: edge.edge.runs.queue_depth("m") == 1, "the second queued")
+            large.scope.cancel()
+    (waited,) = [r for r in answers if r.status_code == 503]  # (the first: node_disconnected)
+    assert "could take this request" in waited.json()["error"]["message"], waited.text
+
+
 async def test_a_passthrough_body_over_the_frame_limit_is_a_413_before_any_node(nursery, upstream):
     """Chat's 413 for a body over the frame limit was a 502 on the tunnel's routes (the SDKs
     retried it, and it took a node's slot): it is the same 413, before any node is asked."""

@@ -973,6 +973,13 @@ class RunService:
             raise errors.operator_cancelled()
         if waiter.refused is not None:
             raise waiter.refused
+        if waiter.gone and self._serving(model):  # (nodes of the model are linked, none can take it)
+            left = "drained and left" if waiter.gone == "drained" else "left"
+            raise errors.no_node(
+                model,
+                f"The node serving `{model}` that could take this request (its size or its context) {left} "
+                "while it waited; the nodes linked now cannot.",
+            )
         if waiter.gone == "drained":
             raise errors.no_node(model, f"The last node serving `{model}` drained and left while this request waited.")
         if waiter.gone:
