@@ -89,6 +89,9 @@ class LinkRefused(NodeError):
     pass
 
 
+TRANSIENT_REFUSALS = frozenset({502, 503, 504})
+
+
 class _ReaderWatch:
     """The nursery trio-websocket's client starts its reader task in: the reader ending
     (the connection closed, no error) ends the wait for the upgrade's answer at once.
@@ -100,8 +103,21 @@ class _ReaderWatch:
     def __init__(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
         self.upgrade = trio.CancelScope()
+        self.connection = None  # trio-websocket's WebSocketConnection (its reader is a method of it)
+
+    def rejection(self) -> ConnectionRejected | None:
+        """The refusal the upgrade got, if its answer was an HTTP status whose body ended with
+        the connection (HTTP/1.0 with no length: a proxy's 502): trio-websocket raises its
+        ConnectionRejected only for a body whose end it read before the stream's."""
+        status = getattr(self.connection, "_reject_status", None)
+        if not isinstance(status, int) or not status:  # (0: no status line read)
+            return None
+        body = getattr(self.connection, "_reject_body", b"")
+        return ConnectionRejected(status, getattr(self.connection, "_reject_headers", ()), body=body or None)
 
     def start_soon(self, fn, *args, name=None) -> None:
+        self.connection = getattr(fn, "__self__", None)
+
         async def watched() -> None:
             await fn(*args)
             self.upgrade.cancel()
@@ -649,9 +665,10 @@ class NodeAgent:
                 e = first_leaf(exc)
                 if isinstance(e, ConnectionRejected):
                     body = (e.body or b"").decode("utf-8", "replace")[:200]
-                    # A 503 (the edge busy linking others, or draining) passes as the node redials;
-                    # any other refusal (a wrong token: 401) needs the operator.
-                    level = log.warning if e.status_code == 503 else log.error
+                    # A 503 (the edge busy linking others, or draining) passes as the node redials,
+                    # and so does a proxy's 502 or 504 (its edge restarting); any other refusal (a
+                    # wrong token: 401) needs the operator.
+                    level = log.warning if e.status_code in TRANSIENT_REFUSALS else log.error
                     level("edge refused the link", edge=url, status=e.status_code, body=body)
                 elif isinstance(e, ConnectionClosed):
                     reason = e.reason
@@ -721,6 +738,9 @@ class NodeAgent:
                         + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
                     ) from None
                 if reader.upgrade.cancelled_caught:  # (a TLS edge closes a plain connection so too)
+                    refused = reader.rejection()
+                    if refused is not None:
+                        raise refused
                     raise LinkRefused(
                         "the edge closed the connection before answering the websocket upgrade"
                         + ("" if secure else " (an edge serving TLS needs a wss:// URL)")

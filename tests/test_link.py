@@ -249,6 +249,35 @@ async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nur
     assert not [e for e in logs if e["log_level"] == "error"]
 
 
+async def test_a_proxy_502_whose_body_ends_with_the_connection_is_told_as_a_refusal(nursery):
+    """A proxy whose edge is restarting answers the upgrade ``HTTP/1.0 502`` with no
+    length: its body ends when the connection does. The node said "the edge closed the
+    connection before answering" (an outside re-audit); it now says the front refused it
+    with 502, and with its body, as a warning (it passes as the node redials)."""
+    from node.agent import NodeAgent
+    from tests.conftest import node_config
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    accepted = 0
+
+    async def front(stream: trio.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        await stream.send_all(b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>502 Bad Gateway</h1>")
+        await stream.aclose()
+
+    nursery.start_soon(partial(trio.serve_listeners, front, [listener]))
+    port = listener.socket.getsockname()[1]
+    agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m")], connect_timeout_s=10.0))
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(2.0):
+        await agent.serve()
+    refused = [e for e in logs if e["event"] == "edge refused the link"]
+    assert accepted >= 3 and len(refused) >= 3, (accepted, [(e["event"], e.get("error")) for e in logs])
+    assert refused[0]["status"] == 502 and "502 Bad Gateway" in refused[0]["body"], refused[0]
+    assert refused[0]["log_level"] == "warning"
+    assert not [e for e in logs if e["event"] == "link failed"]
+
+
 async def test_a_link_to_a_wrong_path_is_a_404_the_edge_logs(edge, node):
     """A node whose edge URL has a typo in its path gets a JSON 404 naming the link's
     path, and the edge says so too (it logged nothing: only the node knew)."""
