@@ -210,21 +210,9 @@ async def test_wrong_token_is_refused_at_the_upgrade(nursery, edge, node):
     assert "intruder" not in edge.edge.runs.links
 
 
-@pytest.mark.parametrize(
-    ("answer", "said"),
-    [
-        (b"", "closed the connection before answering the websocket upgrade (an edge serving TLS needs a wss://"),
-        (b"\x00\xffGARBAGE not http at all\r\n\r\n" * 4, "not an HTTP answer to the websocket upgrade"),
-    ],
-    ids=["closed at once", "not HTTP"],
-)
-async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nursery, answer, said):
-    """An edge that closes connections as it goes down (or a proxy with no backend) ended the
-    node's dial with no answer to its websocket upgrade: the node waited ``connect_timeout_s``
-    (10 s) before it redialled (an outside audit: relinked 7.5-9.8 s after the edge was back).
-    A front answering bytes that are not HTTP was logged as a crash, at error level, with a
-    traceback, every dial (an outside re-audit). Each is redialled on the backoff, with a
-    warning that says what happened."""
+async def _dial_a_front(nursery, answer: bytes) -> tuple[int, list[dict]]:
+    """A node dialling, for 2 s, a front that answers every connection with ``answer`` and
+    closes it: how many dials it took, and what the node logged."""
     from node.agent import NodeAgent
     from tests.conftest import node_config
 
@@ -243,6 +231,25 @@ async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nur
     agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m")], connect_timeout_s=10.0))
     with structlog.testing.capture_logs() as logs, trio.move_on_after(2.0):
         await agent.serve()
+    return accepted, logs
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"", "closed the connection before answering the websocket upgrade (an edge serving TLS needs a wss://"),
+        (b"\x00\xffGARBAGE not http at all\r\n\r\n" * 4, "not an HTTP answer to the websocket upgrade"),
+    ],
+    ids=["closed at once", "not HTTP"],
+)
+async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nursery, answer, said):
+    """An edge that closes connections as it goes down (or a proxy with no backend) ended the
+    node's dial with no answer to its websocket upgrade: the node waited ``connect_timeout_s``
+    (10 s) before it redialled (an outside audit: relinked 7.5-9.8 s after the edge was back).
+    A front answering bytes that are not HTTP was logged as a crash, at error level, with a
+    traceback, every dial (an outside re-audit). Each is redialled on the backoff, with a
+    warning that says what happened."""
+    accepted, logs = await _dial_a_front(nursery, answer)
     failed = [e for e in logs if e["event"] == "link failed"]
     assert accepted >= 3 and len(failed) >= 3, (accepted, [e["event"] for e in logs])
     assert said in failed[0]["error"] and failed[0]["log_level"] == "warning", failed[0]
@@ -254,23 +261,8 @@ async def test_a_proxy_502_whose_body_ends_with_the_connection_is_told_as_a_refu
     length: its body ends when the connection does. The node said "the edge closed the
     connection before answering" (an outside re-audit); it now says the front refused it
     with 502, and with its body, as a warning (it passes as the node redials)."""
-    from node.agent import NodeAgent
-    from tests.conftest import node_config
-
-    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-    accepted = 0
-
-    async def front(stream: trio.SocketStream) -> None:
-        nonlocal accepted
-        accepted += 1
-        await stream.send_all(b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>502 Bad Gateway</h1>")
-        await stream.aclose()
-
-    nursery.start_soon(partial(trio.serve_listeners, front, [listener]))
-    port = listener.socket.getsockname()[1]
-    agent = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m")], connect_timeout_s=10.0))
-    with structlog.testing.capture_logs() as logs, trio.move_on_after(2.0):
-        await agent.serve()
+    answer = b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n<h1>502 Bad Gateway</h1>"
+    accepted, logs = await _dial_a_front(nursery, answer)
     refused = [e for e in logs if e["event"] == "edge refused the link"]
     assert accepted >= 3 and len(refused) >= 3, (accepted, [(e["event"], e.get("error")) for e in logs])
     assert refused[0]["status"] == 502 and "502 Bad Gateway" in refused[0]["body"], refused[0]
