@@ -31,6 +31,7 @@ from edge.connection import stuck as stuck_connections
 from edge.console import Console, console_routes
 from edge.cors import Cors
 from edge.errors import RETRY_SOON, APIError, bad_request, error_json, final_headers, model_not_found
+from edge.forwarded import TrustedProxies, parse_networks
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
@@ -111,6 +112,8 @@ class Edge:
         self.template_think = TemplateThink()  # models whose chat template opens <think> (live think tags)
         self.response_items = ResponseItems()  # the Responses API's recent output items (item_reference)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None  # browsers from other origins
+        nets = parse_networks(config.trusted_proxies)
+        self.proxies = TrustedProxies(nets) if nets else None  # X-Forwarded-For names the client behind them
         self.console = Console(self)
         self.draining = False
         self.open_served = False  # an open edge's first request was looked at (is_loopback)
@@ -704,6 +707,11 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if not is_loopback(_host(config.bind)) and edge.keys.open:
             edge.open_served = True  # (said now)
             _warn_open(config.bind)
+        elif edge.proxies is not None and edge.keys.open:  # (on loopback behind a public proxy: as open)
+            log.warning(
+                "EDGE IS OPEN: behind trusted_proxies with no api_keys; anyone who can reach the proxy can use it",
+                bind=config.bind,
+            )
 
     admin_routes(app, edge)
     console_routes(app, edge)

@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from edge.cors import origin_problem
+from edge.forwarded import parse_networks
 from edge.keys import sha256_hex
 from iop.configfile import BEARER_VALUE, ConfigError, convert, load
 from proto.frames import name_problem
@@ -120,6 +121,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_output_tokens: int = 131072  # the largest max_tokens / max_completion_tokens a request may ask for
     trace_requests: bool = True  # a request's metadata iop_trace_stream turns on its per-chunk trace lines
     cors_origins: list[str] = msgspec.field(default_factory=list)  # browser origins that may call /v1/ ("*": any)
+    # Reverse proxies (addresses or networks) whose X-Forwarded-For names the client (edge.forwarded).
+    trusted_proxies: list[str] = msgspec.field(default_factory=list)
     # Shutdown.
     drain_grace_s: float = 30.0
     models: list[ModelPolicy] = msgspec.field(default_factory=list)
@@ -181,6 +184,12 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             problem = origin_problem(origin)
             if problem is not None:
                 raise ConfigError(f"cors_origins[{i}]: {problem}")
+        if len(self.trusted_proxies) > 256:
+            raise ConfigError("trusted_proxies: at most 256 addresses or networks")
+        try:
+            parse_networks(self.trusted_proxies)
+        except ValueError as e:
+            raise ConfigError(f"trusted_proxies: {e}") from None
         if bool(self.certfile) != bool(self.keyfile):
             raise ConfigError("certfile: TLS needs both certfile and keyfile")
         if self.max_tool_attempts < 1:

@@ -299,7 +299,7 @@ SSE_BYTES = [
 
 async def test_passthrough_is_byte_identical(tunnel):
     """Passthrough relays the provider's status, headers and body bytes unchanged, streamed or not;
-    only `model` is rewritten in the request."""
+    only `model` is rewritten in the request. A stream says `x-accel-buffering: no`, as the edge's own do."""
     edge, upstream = tunnel
     whole = b'{"id": "x",  "weird_spacing": true, "choices": []}'
     with trio.fail_after(BOUND):
@@ -310,11 +310,12 @@ async def test_passthrough_is_byte_identical(tunnel):
             straight = await direct.post(upstream.base_url + "/chat/completions", json={**body, "model": "raw-target"})
             assert via_edge.content == straight.content == b"".join(SSE_BYTES)
             assert via_edge.headers["content-type"] == straight.headers["content-type"]
+            assert via_edge.headers["x-accel-buffering"] == "no"  # nginx in front passes it on as it comes
             assert upstream.records[0].body == {**body, "model": "raw-target"}
 
             upstream.script_for("raw-target", [("status", 200, whole)])
             via_edge = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
-            assert via_edge.content == whole
+            assert via_edge.content == whole and "x-accel-buffering" not in via_edge.headers
             upstream.script_for("raw-target", [("status", 429, b'{"error": {"message": "slow down"}}')])
             via_edge = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
             assert via_edge.status_code == 429 and via_edge.content == b'{"error": {"message": "slow down"}}'

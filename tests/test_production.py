@@ -91,6 +91,40 @@ async def test_open_edge_on_a_public_address_warns(nursery):
     assert any("EDGE IS OPEN" in e["event"] and e["log_level"] == "warning" for e in logs)
 
 
+async def test_behind_trusted_proxies_the_access_line_names_the_client(nursery, upstream, tmp_path):
+    """Behind nginx every client's peer is the proxy: with ``trusted_proxies`` the access
+    line's ``client`` is the rightmost X-Forwarded-For address not itself trusted (what the
+    client put on the left is not believed); without it, or from a peer not trusted, the
+    header is ignored. An open edge behind proxies warns as an open edge on a public address."""
+    with structlog.testing.capture_logs() as logs:
+        edge = await start_edge(nursery, edge_config(trusted_proxies=["127.0.0.1", "198.51.100.0/24"]))
+    assert any("EDGE IS OPEN: behind trusted_proxies" in e["event"] for e in logs)
+    plain = await start_edge(nursery, edge_config())
+    await start_node(nursery, [edge, plain], [model("m", upstream)])
+    sent = [
+        ("203.0.113.7", "203.0.113.7"),
+        ("6.6.6.6, 203.0.113.7, 198.51.100.9", "203.0.113.7"),  # the client's own claim (left) is passed over
+        ("203.0.113.7, not-an-address", "127.0.0.1"),  # a hop that is no address: the proxy is the client
+        (None, "127.0.0.1"),
+    ]
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        for target in (edge, plain):
+            async with http(target) as client:
+                for forwarded, _ in sent:
+                    headers = {"x-forwarded-for": forwarded} if forwarded else {}
+                    r = await client.post("/v1/chat/completions", json=BODY, headers=headers)
+                    assert r.status_code == 200, r.text
+                    assert (await client.get("/v1/models", headers=headers)).status_code == 200
+            lines = 2 * len(sent) * (1 + (target is plain))
+            await eventually(lambda lines=lines: sum(e["event"] == "request" for e in logs) == lines)
+    lines = [e["client"] for e in logs if e["event"] == "request"]
+    behind = [client for _, client in sent]
+    assert lines[: 2 * len(sent)] == [c for c in behind for _ in range(2)], lines
+    assert lines[2 * len(sent) :] == ["127.0.0.1"] * 2 * len(sent), lines
+    with pytest.raises(ConfigError, match="trusted_proxies: 'nginx' is not an IP address or network"):
+        load_edge_config(write_toml(tmp_path / "edge.toml", {"trusted_proxies": ["10.0.0.0/8", "nginx"]}))
+
+
 async def test_an_open_edge_bound_public_by_the_command_line_warns(tmp_path):
     """`iop edge --bind 0.0.0.0:P` and hypercorn's own `--bind` with no api_keys: the
     warning comes (at start, or at the first API request under hypercorn, which tells

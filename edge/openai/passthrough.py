@@ -68,6 +68,7 @@ _MAX_RELAYED = 64
 # as a page for a browser to render on the edge's origin.
 _BODY_TYPES = ("application/json", "text/event-stream", "text/plain", "application/x-ndjson")
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
+_NO_PROXY_BUFFERING = (b"x-accel-buffering", b"no")
 _TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
 _encode_json = msgspec.json.Encoder().encode
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
@@ -420,8 +421,11 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
             dropped.append(name[:100])
             continue
         value = value.strip(" \t")
-        if lower == "content-type" and not value.lower().startswith(_BODY_TYPES):
-            value = "application/octet-stream"
+        if lower == "content-type":
+            if not value.lower().startswith(_BODY_TYPES):
+                value = "application/octet-stream"
+            elif value.lower().startswith("text/event-stream"):
+                out.append(_NO_PROXY_BUFFERING)  # as the edge's own streams (nginx reads it)
         out.append((lower.encode("latin-1"), value.encode("latin-1")))
     if dropped:
         log.warning("provider headers not valid HTTP, dropped", headers=dropped[:20])

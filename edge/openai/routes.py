@@ -76,11 +76,14 @@ _MAX_MODEL_LOGGED = 256  # a model name is the client's string: bounded in the l
 
 def openai_routes(edge: Edge, quart_asgi):
     cors = edge.cors
+    proxies = edge.proxies
 
     def dispatch(scope, receive, send) -> Awaitable[None]:
         """The app, called: not a coroutine, so no frame of its own that
         every open stream holds (:class:`edge.app_queue._Direct` calls this)."""
         if scope["type"] == "http":
+            if proxies is not None:  # (before anything reads the client's address)
+                proxies.rewrite(scope)
             path = scope["path"]
             extra = None
             if cors is not None and for_api(path):  # (edge.cors: a browser's request from another origin)
@@ -299,6 +302,7 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_heade
             request_id=request_id,
             method=scope["method"],
             route=path[:_MAX_MODEL_LOGGED],
+            client=_client(scope),
             api=api,
             model=model[:_MAX_MODEL_LOGGED] if model is not None else None,
             status=status,
@@ -306,6 +310,12 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_heade
             duration_ms=round((time.perf_counter() - t0) * 1000, 1),
         )
         structlog.contextvars.unbind_contextvars("request_id")
+
+
+def _client(scope: dict) -> str | None:
+    """The access line's ``client``: the peer's address, or the client's behind ``trusted_proxies``."""
+    client = scope.get("client")
+    return str(client[0]) if client else None
 
 
 def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: float) -> None:
@@ -371,6 +381,7 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         request_id=ex.request_id,
         method=ex.scope["method"],
         route=ex.scope["path"],
+        client=_client(ex.scope),
         api=api,
         model=access.model[:_MAX_MODEL_LOGGED] if access.model is not None else None,
         stream=access.stream,
