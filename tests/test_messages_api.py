@@ -364,6 +364,55 @@ async def test_tool_round_trip(setup):
     assert sent[2] == {"role": "tool", "tool_call_id": use.id, "content": "snow"}
 
 
+async def test_a_tool_results_images_reach_the_model_after_the_results(setup):
+    """A tool result with an image (Claude Code's Read of a screenshot): a chat tool message
+    carries text only, so the image went nowhere ("[image omitted]", an outside audit). The
+    image now reaches the model server in a user message right after the results, named
+    by its result, before the user's own words; a file-id image is a note, not a 400."""
+    edge, upstream = setup
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    uploaded = {"type": "image", "source": {"type": "file", "file_id": "file_1"}}
+    calls = [{"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {}} for i in (1, 2)]
+    history = [
+        *USER,
+        {"role": "assistant", "content": calls},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a"}, shot]},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": [uploaded]},
+                {"type": "text", "text": "What do you see?"},
+            ],
+        },
+    ]
+    upstream.script_for("t", steps({"content": "A pixel."}))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            reply = await client.messages.create(model="m", max_tokens=64, messages=history, tools=[WEATHER])
+    assert reply.content[0].text == "A pixel."
+    sent = upstream.records[-1].body["messages"]
+    assert sent[2] == {
+        "role": "tool",
+        "tool_call_id": "toolu_1",
+        "content": "a\n[image: in the user message after the tool results]",
+    }
+    assert sent[3] == {
+        "role": "tool",
+        "tool_call_id": "toolu_2",
+        "content": "[image omitted: this edge passes no uploaded files to the model]",
+    }
+    assert sent[4] == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "[images of the tool result toolu_1]"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+            {"type": "text", "text": "What do you see?"},
+        ],
+    }
+    assert len(sent) == 5
+
+
 async def test_count_tokens(setup):
     """count_tokens answers the edge's estimate (characters / 4 + 4 per message) without a run."""
     edge, upstream = setup

@@ -513,7 +513,14 @@ def test_decode_maps_items_and_options():
     assert chat["messages"][1]["content"] == "b\nc"  # parts a line apart ("Temp: 18C.Sky: sun." before)
     assert [c["id"] for c in chat["messages"][1]["tool_calls"]] == ["c1", "c2"]
     assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "Temp: 18C.\nSky: sun."}
-    assert chat["messages"][3]["content"] == "[image omitted: this edge passes no images in tool results]"
+    assert chat["messages"][3]["content"] == "[image: in the user message after the tool results]"
+    assert chat["messages"][4] == {  # (a chat tool message carries text only: a vision model sees it here)
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "[images of the tool result c2]"},
+            {"type": "image_url", "image_url": {"url": "x"}},
+        ],
+    }
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert chat["response_format"]["json_schema"]["name"] == "s"
     assert chat["include_reasoning"] is True and "unknown_field" not in chat
@@ -759,3 +766,53 @@ async def test_codex_calls_an_mcp_servers_tool_through_the_edge(edge_up, tmp_pat
     assert second[-2]["tool_calls"][0]["function"]["name"] == "mcp__demo__add"  # as it went out
     assert second[-1]["role"] == "tool" and second[-1]["content"].strip().endswith("5"), second[-1]
     assert "Result" in done.stdout
+
+
+async def test_a_function_outputs_images_reach_the_model_after_the_outputs(edge_up):
+    """A function output with an image: a chat tool message carries text only, so the image
+    reached the model as "[image omitted]" (an outside audit). It now goes in a user message
+    after the outputs, which the next user message joins; an image in a developer message,
+    dropped without a word before, is a note in its text."""
+    edge, upstream = edge_up
+    url = "data:image/png;base64,iVBORw0KGgo="
+    upstream.script_for("t", steps({"content": "A pixel."}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            reply = await client.responses.create(
+                model="m",
+                input=[
+                    {
+                        "role": "developer",
+                        "content": [{"type": "input_text", "text": "dev"}, {"type": "input_image", "image_url": url}],
+                    },
+                    {"role": "user", "content": "Look."},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c1",
+                        "output": [
+                            {"type": "input_text", "text": "shot"},
+                            {"type": "input_image", "image_url": url, "detail": "low"},
+                        ],
+                    },
+                    {"role": "user", "content": [{"type": "input_text", "text": "What is it?"}]},
+                ],
+                tools=[WEATHER],
+            )
+    assert reply.output_text == "A pixel."
+    sent = upstream.records[-1].body["messages"]
+    assert sent[0] == {"role": "system", "content": "dev\n[image omitted: a system message carries text only]"}
+    assert sent[3] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "shot\n[image: in the user message after the tool results]",
+    }
+    assert sent[4] == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "[images of the tool result c1]"},
+            {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+            {"type": "text", "text": "What is it?"},
+        ],
+    }
+    assert len(sent) == 5

@@ -42,7 +42,7 @@ import msgspec
 
 from edge import errors
 from edge.errors import APIError
-from edge.openai.request import check_content_parts
+from edge.openai.request import TOOL_IMAGE_NOTE, UPLOADED_IMAGE_NOTE, check_content_parts, tool_images_head
 from edge.openai.schema import UsageOut
 from proto import ToolCall, jsoncost
 
@@ -140,18 +140,32 @@ def _system_text(system: str | list[dict[str, Any]], param: str) -> str:
     return "\n\n".join(parts)
 
 
-def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
+def _image_source(block: dict[str, Any]) -> str | None:
+    """The kind of an image block's source the edge passes on (base64, url), or None."""
     source = block.get("source")
-    if isinstance(source, dict):
-        if source.get("type") == "base64" and isinstance(source.get("data"), str):
-            media = source.get("media_type") or "image/png"
-            return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
-        if source.get("type") == "url" and isinstance(source.get("url"), str):
-            return {"type": "image_url", "image_url": {"url": source["url"]}}
-    raise _bad(f"Invalid value for `{param}.source`: expected a base64 or url image source.", param)
+    if not isinstance(source, dict):
+        return None
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str) or kind == "url" and isinstance(source.get("url"), str):
+        return kind
+    return None
 
 
-def _tool_result_text(block: dict[str, Any], param: str) -> str:
+def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
+    kind = _image_source(block)
+    if kind is None:
+        raise _bad(f"Invalid value for `{param}.source`: expected a base64 or url image source.", param)
+    source = block["source"]
+    if kind == "base64":
+        media = source.get("media_type") or "image/png"
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
+    return {"type": "image_url", "image_url": {"url": source["url"]}}
+
+
+def _tool_result(block: dict[str, Any], param: str, images: list[dict[str, Any]]) -> str:
+    """A ``tool_result`` as a chat tool message's text; its images are added to ``images``
+    (a chat tool message carries text only: the images go in a user message after the
+    results, where a vision model sees them: Claude Code's Read of a screenshot)."""
     content = block.get("content", "")
     if isinstance(content, str):
         text = content
@@ -161,8 +175,11 @@ def _tool_result_text(block: dict[str, Any], param: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 pieces.append(_text_of(part, f"{param}.content[{j}]"))
-            elif kind == "image":
-                pieces.append("[image omitted: this edge passes no images in tool results]")
+            elif kind == "image" and _image_source(part) is not None:
+                images.append(_image_part(part, f"{param}.content[{j}]"))
+                pieces.append(TOOL_IMAGE_NOTE)
+            elif kind == "image":  # (an uploaded file's id: nothing a model server can read)
+                pieces.append(UPLOADED_IMAGE_NOTE)
             elif kind == "document":
                 pieces.append(_document_text(part, f"{param}.content[{j}]"))
             elif kind == "search_result":
@@ -220,8 +237,10 @@ def _search_result_text(block: dict[str, Any]) -> str:
 
 def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
     """A user turn's blocks: ``tool`` messages for its tool results (first,
-    right after the assistant's calls), then one user message for the rest."""
+    right after the assistant's calls), then one user message for the rest:
+    the results' images first, each result's after a line naming it."""
     tool_messages: list[dict[str, Any]] = []
+    tool_images: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
@@ -236,11 +255,18 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise _bad(f"Missing required parameter: `{where}.tool_use_id`.", where)
-            tool_messages.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, where)})
+            images: list[dict[str, Any]] = []
+            tool_messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _tool_result(block, where, images)}
+            )
+            if images:
+                tool_images += [tool_images_head(call_id), *images]
         elif kind in _SKIPPED_BLOCKS:
             continue
         else:
             raise _bad(f"Invalid value for `{where}.type`: this edge does not take `{kind}` blocks.", where)
+    if tool_images:
+        parts = tool_images + parts
     if parts:
         return [*tool_messages, {"role": "user", "content": parts}]
     return tool_messages

@@ -65,6 +65,17 @@ def decode_body(body: bytes) -> dict[str, Any]:
 # this a 400 before any walk of them (200,000 empty parts, 6 MB, held the event loop a second).
 MAX_CONTENT_PARTS = 10_000
 
+# A chat tool message carries text only: the images of the Messages API's tool results and
+# of the Responses API's function outputs go in a user message after the results, each
+# result's after a line naming it, and the result's text says where they went.
+TOOL_IMAGE_NOTE = "[image: in the user message after the tool results]"
+UPLOADED_IMAGE_NOTE = "[image omitted: this edge passes no uploaded files to the model]"
+
+
+def tool_images_head(call_id: str) -> dict[str, Any]:
+    """The text part before a tool result's images, in the user message after the results."""
+    return {"type": "text", "text": f"[images of the tool result {call_id}]"}
+
 
 def check_content_parts(messages: Any, param: str = "messages") -> None:
     """A 400 when ``messages`` (a list of dicts, each with a ``content``) hold

@@ -29,7 +29,13 @@ from typing import Any
 import msgspec
 
 from edge import errors
-from edge.openai.request import NO_LOGPROBS, check_content_parts
+from edge.openai.request import (
+    NO_LOGPROBS,
+    TOOL_IMAGE_NOTE,
+    UPLOADED_IMAGE_NOTE,
+    check_content_parts,
+    tool_images_head,
+)
 from edge.openai.schema import UsageOut
 from edge.openai.sse import KEEPALIVE
 from proto import ToolCall
@@ -195,6 +201,8 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
     out: list[dict[str, Any]] = []
     inline: set[str] = set()  # the ids of items sent whole, and of those referenced
     referenced: set[str] = set()
+    tool_images: list[dict[str, Any]] = []  # the images of the function outputs just read
+    joinable: dict[str, Any] | None = None  # the user message of those images, until a user message joins it
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -206,13 +214,21 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
             kind = item.get("type")
         elif items is not None:
             _once(item.get("id"), inline, referenced, param)
+        if tool_images and kind != "function_call_output":  # (the results' images, after the results)
+            joinable = {"role": "user", "content": tool_images}
+            out.append(joinable)
+            tool_images = []
         if kind == "message":
             role = item.get("role")
             if role == "developer":
                 role = "system"
             if role not in ("user", "assistant", "system"):
                 raise _bad(f"Invalid value for `{param}.role`: expected user, assistant, system or developer.", param)
-            out.append({"role": role, "content": _content(item.get("content"), f"{param}.content", role)})
+            content = _content(item.get("content"), f"{param}.content", role)
+            if role == "user" and joinable is not None and out[-1] is joinable:  # one user turn, not two
+                joinable["content"] += content if isinstance(content, list) else [{"type": "text", "text": content}]
+            else:
+                out.append({"role": role, "content": content})
         elif kind == "function_call":
             name = _text(item.get("name"), f"{param}.name")
             if isinstance(item.get("namespace"), str) and item["namespace"]:
@@ -232,14 +248,18 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _joined(output, f"{param}.output")
-            out.append(
-                {"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{param}.call_id"), "content": text}
-            )
+            call_id = _text(item.get("call_id"), f"{param}.call_id")
+            images: list[dict[str, Any]] = []
+            text = output if isinstance(output, str) else _joined(output, f"{param}.output", images)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            if images:
+                tool_images += [tool_images_head(call_id), *images]
         elif kind in _SKIPPED_ITEMS:
             continue
         else:
             decoded.ignored_items.append(str(kind))
+    if tool_images:
+        out.append({"role": "user", "content": tool_images})
     return out
 
 
@@ -370,14 +390,11 @@ def _check_logprobs(raw: dict[str, Any]) -> None:
         )
 
 
-_NO_IMAGE = "[image omitted: this edge passes no images in tool results]"
-
-
-def _joined(parts: Any, param: str) -> str:
+def _joined(parts: Any, param: str, images: list[dict[str, Any]]) -> str:
     """A tool output's parts as text, a line apart (as the Messages route joins a tool
     result's, and vLLM a message's; "Temperature: 18C.Sky: sunny." reached the model
-    before: an outside audit); an image is a note that it was left out (a chat tool
-    message carries text only), so the model can say so."""
+    before: an outside audit); its images are added to ``images``, for the user message
+    after the outputs (a chat tool message carries text only), and the text says so."""
     if not isinstance(parts, list):
         raise _bad(f"Invalid value for `{param}`: expected a string or a list of content parts.", param)
     texts = []
@@ -385,8 +402,20 @@ def _joined(parts: Any, param: str) -> str:
         if isinstance(p, dict) and isinstance(p.get("text"), str):
             texts.append(p["text"])
         elif isinstance(p, dict) and p.get("type") in ("input_image", "image"):
-            texts.append(_NO_IMAGE)
+            if isinstance(p.get("image_url"), str):
+                images.append(_image(p))
+                texts.append(TOOL_IMAGE_NOTE)
+            else:
+                texts.append(UPLOADED_IMAGE_NOTE)
     return "\n".join(texts)
+
+
+def _image(part: dict[str, Any]) -> dict[str, Any]:
+    """An ``input_image`` given by ``image_url`` as a chat image part (its detail kept)."""
+    image: dict[str, Any] = {"url": part["image_url"]}
+    if isinstance(part.get("detail"), str):
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
 
 
 def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
@@ -406,13 +435,13 @@ def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
         elif kind == "refusal":
             parts.append({"type": "text", "text": _text(part.get("refusal"), f"{where}.refusal")})
         elif kind == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str):
-                raise _bad(f"`{where}`: only images given by `image_url` are supported (no file ids).", where)
-            image: dict[str, Any] = {"url": url}
-            if isinstance(part.get("detail"), str):
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
+            if not isinstance(part.get("image_url"), str):
+                given = "a file id" if "file_id" in part else "no `image_url`"
+                raise _bad(f"`{where}`: only images given by `image_url` are supported ({given} here).", where)
+            if role != "user":  # (joined as text below: it was dropped without a word)
+                parts.append({"type": "text", "text": f"[image omitted: a {role} message carries text only]"})
+            else:
+                parts.append(_image(part))
         else:
             raise _bad(f"`{where}`: content parts of type {kind!r} are not supported by this edge.", where)
     if role != "user" or (len(parts) <= 1 and all(p["type"] == "text" for p in parts)):
