@@ -413,6 +413,22 @@ async def test_a_tool_results_images_reach_the_model_after_the_results(setup):
     assert len(sent) == 5
 
 
+async def test_an_image_of_a_type_anthropic_refuses_is_a_400(setup):
+    """A base64 image whose media_type is none of Anthropic's four (or is missing) is a 400,
+    as Anthropic answers it: "text/html" and "image/bmp" went on as data URLs (an outside audit)."""
+    edge, upstream = setup
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            for media in ("text/html", "image/bmp", None):
+                source = {"type": "base64", "data": "AAA=", **({"media_type": media} if media else {})}
+                content = [{"type": "text", "text": "x"}, {"type": "image", "source": source}]
+                with pytest.raises(anthropic.BadRequestError, match="image/jpeg, image/png, image/gif, image/webp"):
+                    await client.messages.create(
+                        model="m", max_tokens=8, messages=[{"role": "user", "content": content}]
+                    )
+    assert upstream.records == []
+
+
 async def test_count_tokens(setup):
     """count_tokens answers the edge's estimate (characters / 4 + 4 per message) without a run."""
     edge, upstream = setup

@@ -140,6 +140,9 @@ def _system_text(system: str | list[dict[str, Any]], param: str) -> str:
     return "\n\n".join(parts)
 
 
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # a base64 image's, as Anthropic takes
+
+
 def _image_source(block: dict[str, Any]) -> str | None:
     """The kind of an image block's source the edge passes on (base64, url), or None."""
     source = block.get("source")
@@ -157,7 +160,11 @@ def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
         raise _bad(f"Invalid value for `{param}.source`: expected a base64 or url image source.", param)
     source = block["source"]
     if kind == "base64":
-        media = source.get("media_type") or "image/png"
+        media = source.get("media_type")
+        if media not in IMAGE_TYPES:  # (as Anthropic's API: "text/html" went on as an image's data URL)
+            raise _bad(
+                f"Invalid value for `{param}.source.media_type`: expected one of {', '.join(IMAGE_TYPES)}.", param
+            )
         return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
     return {"type": "image_url", "image_url": {"url": source["url"]}}
 
