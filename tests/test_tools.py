@@ -468,6 +468,40 @@ async def test_a_model_without_native_tools_gets_an_image_turn_joined_with_the_t
     assert [m["role"] for m in empty] == ["system", "user"] and empty[1]["content"].endswith("hi")
 
 
+async def test_a_model_without_native_tools_sees_a_tool_results_image_after_the_results(tooled):
+    """native_tools = false: an image in a tool result was "[image omitted: a model without tool
+    support is sent text only]" while the user's own images were sent (an outside audit). It now
+    follows the results in the same user turn, after a line naming its call, as on the Messages
+    and Responses APIs; the result's text says where it went."""
+    edge, upstream = tooled
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA="}}
+    messages = [
+        {"role": "user", "content": "Screenshot?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "shot"}, image]},
+        {"role": "user", "content": "What is on it?"},
+    ]
+    upstream.script_for("t", steps({"content": "A pixel."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "textonly", "messages": messages, "tools": TOOLS}
+            )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "A pixel.", r.text
+    sent = upstream.records[0].body["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[3]["content"] == [
+        {
+            "type": "text",
+            "text": "<tool_response>\nshot\n[image: in the user message after the tool results]\n</tool_response>"
+            "\n\nWhat is on it?",
+        },
+        {"type": "text", "text": "[images of the tool result call_1]"},
+        image,
+    ]
+
+
 async def test_many_tool_results_for_a_model_without_native_tools_are_joined_in_one_pass(tooled):
     """2,000 tool results of 3.5 KB in a row (7 MB, under the body limit) for a native_tools = false
     model: one user turn, joined once at its end (each result joined onto the turn so far copied

@@ -37,6 +37,7 @@ import referencing.jsonschema
 import regex
 import trio
 
+from edge.openai.request import TOOL_IMAGE_NOTE, tool_images_head
 from edge.openai.schema import ChatRequest, Message
 from proto import ToolCall, ToolCallFunction, jsoncost
 from proto.frames import MAX_TOOL_CALLS
@@ -799,11 +800,17 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     # alternate (Mistral's, Llama 2's) refuse two user turns in a row; joined once, at its end.
     texts: list[str] = []  # its pieces, and the separators between them
     alone: dict[str, Any] | None = None  # its one message as the client sent it, while it is the only one
+    # The images of the tool results in that turn: a user message after it, which the turn joins.
+    tool_images: list[dict[str, Any]] = []
     history = request.get("messages") or []
     shown = _arguments_newest_first(history)
     for message in history:
         role = message.get("role")
         content = message.get("content")
+        if role == "tool" and isinstance(content, list) and any(_is_image(p) for p in content):
+            tool_images += [tool_images_head(str(message.get("tool_call_id", ""))[:256])]
+            tool_images += [p for p in content if _is_image(p)]
+            content = [{"type": "text", "text": TOOL_IMAGE_NOTE} if _is_image(p) else p for p in content]
         if role == "tool" or (role == "user" and _text_only(content)):
             piece = f"<tool_response>\n{_text_of(content)}\n</tool_response>" if role == "tool" else _text_of(content)
             if texts:
@@ -817,6 +824,9 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         if texts:
             messages.append(alone or {"role": "user", "content": "".join(texts)})
             texts = []
+        if tool_images:
+            messages.append({"role": "user", "content": tool_images})
+            tool_images = []
         if role == "assistant" and message.get("tool_calls"):
             text = _text_of(content)
             blocks = [
@@ -833,6 +843,8 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
             messages.append(message)
     if texts:
         messages.append(alone or {"role": "user", "content": "".join(texts)})
+    if tool_images:
+        messages.append({"role": "user", "content": tool_images})
     messages = _one_user_turn_at_a_time(messages)
     if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
         messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
@@ -865,6 +877,10 @@ def _parts(content: Any) -> list[Any]:
     if isinstance(content, list):
         return list(content)
     return [{"type": "text", "text": content if isinstance(content, str) else ""}]
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
 
 
 def _text_only(content: Any) -> bool:
