@@ -73,8 +73,9 @@ UPLOADED_IMAGE_NOTE = "[image omitted: this edge passes no uploaded files to the
 
 
 def tool_images_head(call_id: str) -> dict[str, Any]:
-    """The text part before a tool result's images, in the user message after the results."""
-    return {"type": "text", "text": f"[images of the tool result {call_id}]"}
+    """The text part before a tool result's images, in the user message after the results
+    (the client's id, cut: a call id of megabytes is not sent twice)."""
+    return {"type": "text", "text": f"[images of the tool result {call_id[:256]}]"}
 
 
 def check_content_parts(messages: Any, param: str = "messages") -> None:

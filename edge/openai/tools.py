@@ -808,7 +808,7 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
         role = message.get("role")
         content = message.get("content")
         if role == "tool" and isinstance(content, list) and any(_is_image(p) for p in content):
-            tool_images += [tool_images_head(str(message.get("tool_call_id", ""))[:256])]
+            tool_images += [tool_images_head(str(message.get("tool_call_id", "")))]
             tool_images += [p for p in content if _is_image(p)]
             content = [{"type": "text", "text": TOOL_IMAGE_NOTE} if _is_image(p) else p for p in content]
         if role == "tool" or (role == "user" and _text_only(content)):
