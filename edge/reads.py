@@ -7,7 +7,9 @@ that is a cancel scope made and torn down per read, which can never fire, on
 every client connection and on every node link, and one held by each idle
 connection. ``install()`` replaces the method with a loop without the scope
 when ``read_timeout`` is None, and leaves hypercorn's own otherwise. On a
-plain TCP connection that loop reads the socket itself (:func:`_read_socket`).
+plain TCP connection that loop reads the socket itself (:func:`_read_socket`),
+and on a node link it hands the bytes to the websocket stream itself
+(:func:`read_as_link`).
 
 The same loop *lingers* on a connection the edge closes while its client
 still sends a body (:func:`linger`): an answer given before the body is in
@@ -35,6 +37,8 @@ from collections.abc import Awaitable
 import h11
 import trio
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol.events import Data
+from hypercorn.protocol.h11 import STREAM_ID, H11WSConnection
 from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -139,7 +143,11 @@ async def _read_socket(sock: trio.socket.SocketType, handle, max_recv: int, serv
             break
         in_a_row += 1
         wait, end = len(data) < max_recv, not data
-        await handle(RawData(data))
+        link = server.iop_link if server is not None else None
+        if link is not None and data:
+            await link.handle(Data(stream_id=STREAM_ID, data=data))
+        else:
+            await handle(RawData(data))
         data = None  # the protocol has it: a connection waiting for bytes holds none of its last read
         if end:
             break
@@ -165,6 +173,29 @@ async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int, se
     await handle(Closed())
 
 
+def read_as_link(stream) -> bool:
+    """From now on, the reader of ``stream``'s connection (a node link's
+    WSStream, upgraded from HTTP/1.1 on plain TCP) hands each read to the
+    stream itself: hypercorn's H11Protocol only passes a websocket's bytes on
+    (copied twice, into a buffer and out). False when the wiring differs."""
+    protocol = getattr(getattr(stream, "send", None), "__self__", None)  # WSStream.send -> H11Protocol.stream_send
+    server = getattr(getattr(protocol, "send", None), "__self__", None)  # -> TCPServer.protocol_send
+    connection = getattr(protocol, "connection", None)
+    if (
+        type(server) is not TCPServer
+        or getattr(server.protocol, "protocol", None) is not protocol
+        or getattr(protocol, "stream", None) is not stream
+        or type(connection) is not H11WSConnection
+        or connection.buffer  # (handled before the app's first receive: never, but then not here)
+        or not getattr(TCPServer._read_data, "iop_reads", False)
+        or type(server.stream) is not trio.SocketStream
+        or server.config.read_timeout is not None
+    ):
+        return False
+    server.iop_link = stream
+    return True
+
+
 def install() -> None:
     """Idempotent."""
     hypercorn_read = TCPServer._read_data
@@ -186,3 +217,4 @@ def install() -> None:
     _read_data.iop_reads = True  # type: ignore[attr-defined]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
     TCPServer.iop_linger = False  # type: ignore[attr-defined]
+    TCPServer.iop_link = None  # type: ignore[attr-defined]

@@ -22,7 +22,6 @@ connection, TLS, another server) goes the ASGI way.
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -31,8 +30,10 @@ import trio
 from wsproto.connection import ConnectionState
 
 from edge.errors import error_json
-from edge.frame_limit import ReadBudget
+from edge.frame_limit import DIRECT, ReadBudget
 from edge.openai.direct import plain_tcp, send_locked
+from edge.reads import read_as_link
+from proto.wsframes import binary_head
 
 log = structlog.get_logger("iop.edge.link")
 
@@ -41,15 +42,6 @@ PATH = "/v1/node/link"
 
 class LinkGone(Exception):
     """The node's side of the websocket is gone (ASGI ``websocket.disconnect``)."""
-
-
-def _frame_head(size: int) -> bytes:
-    """The head of an unmasked, final, binary frame (RFC 6455 5.2) of ``size`` bytes."""
-    if size < 126:
-        return bytes((0x82, size))
-    if size < 65536:
-        return struct.pack("!BBH", 0x82, 126, size)
-    return struct.pack("!BBQ", 0x82, 127, size)
 
 
 class DirectFrames:
@@ -89,7 +81,7 @@ class DirectFrames:
             return None
         parts = []
         for message in messages:
-            parts.append(_frame_head(len(message)))
+            parts.append(binary_head(len(message)))
             parts.append(message)
         data = b"".join(parts)
         try:
@@ -150,8 +142,10 @@ class RawWebsocket:
         """Hand every message to ``on_message`` (synchronous) as it arrives,
         until the node leaves (:class:`LinkGone`) or ``on_message`` raises
         (raised here). Under hypercorn it is called from hypercorn's own
-        reader task, through the stream's ``app_put``: no channel and no task
-        switch per message, and hypercorn reads no further until it returns."""
+        reader task, through the stream's ``app_put`` (or, for the usual whole
+        binary message, straight from :mod:`edge.frame_limit`'s reader): no
+        channel and no task switch per message, and hypercorn reads no further
+        until it returns."""
         stream = getattr(self._send, "__self__", None)
         put = getattr(stream, "app_put", None)
         queued = getattr(self._receive, "__self__", None)  # hypercorn's channel to the app
@@ -178,12 +172,23 @@ class RawWebsocket:
             if not ended.is_set():  # once the link ends, what still comes is dropped
                 take(message)
 
+        def take_whole(data: bytes) -> None:  # a binary message edge.frame_limit read itself
+            if ended.is_set():
+                return
+            try:
+                on_message(data)
+            except Exception as error:  # noqa: BLE001 (as in take)
+                outcome.append(error)
+                ended.set()
+
         while not ended.is_set():  # what was queued before: first, and without a schedule point in between
             try:
                 take(queued.receive_nowait())
             except trio.WouldBlock:
                 break
         stream.app_put = app_put
+        stream.__dict__[DIRECT] = take_whole
+        read_as_link(stream)
         try:
             await ended.wait()
         finally:
