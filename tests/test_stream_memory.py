@@ -94,7 +94,7 @@ async def test_an_idle_stream_stays_under_20_kb_of_edge_memory(nursery, upstream
     """What one open, quiet stream costs the edge decides how many a process holds (the hot-path
     issue asks 10,000 at 20 KB or less each): the objects allocated under the edge's code for a
     stream waiting on its next token, after a warm-up (first-use caches), stay under 20 KB.
-    Measured 18-19 KB here; scripts/bench.py --idle-streams 10000 measures the RSS (19.7 KB).
+    Measured 18-19 KB here; scripts/bench.py --idle-streams 10000 measures the RSS (19.6 KB).
     The first rounds after the warm-up vary (18-23 KB, on this code and the code before this
     stop's alike: caches still filling), so it is the least of three rounds; a cost every stream
     pays shows in each of them."""

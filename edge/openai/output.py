@@ -310,6 +310,23 @@ def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
 # -- live stream -------------------------------------------------------------------
 
 
+class _Into:
+    """Shaped text, encoded, onto a stream's ``out`` list: what a live
+    :class:`Shaper` is given. An object of two slots, not a closure over the
+    list and the encoder (208 bytes each, two held by every open stream), nor
+    the stream's bound method (a cycle through its shaper: freed only by the
+    cyclic collector)."""
+
+    __slots__ = ("out", "encode")
+
+    def __init__(self, out: list[bytes], encode: Callable[[str], bytes]) -> None:
+        self.out = out
+        self.encode = encode
+
+    def __call__(self, text: str) -> None:
+        self.out.append(self.encode(text))
+
+
 class LiveEncoder:
     """What :func:`stream_live` writes with: one API's bytes for a run's
     events as they arrive. The loop (commit, keep-alives, writes) is
@@ -337,12 +354,7 @@ class LiveEncoder:
         reasoning go to ``out`` through the API's ``content``/``reasoning``
         encoders."""
         out = self.out
-        turn = self.turn
-        return turn.shaper(
-            live=True,
-            on_content=lambda text: out.append(content(text)),
-            on_reasoning=lambda text: out.append(reasoning(text)),
-        )
+        return self.turn.shaper(live=True, on_content=_Into(out, content), on_reasoning=_Into(out, reasoning))
 
     def opening(self) -> bytes:
         """Written when the stream commits."""
@@ -397,10 +409,8 @@ class LiveStream(LiveEncoder):
         if self.tool_filter is not None:
             self.raw_content: list[str] = []
             self.emitted: list[str] = []
-        out = self.out
         if self.trace is None and self.tool_filter is None:
-            on_content = lambda text: out.append(enc.content(text))  # noqa: E731
-            on_reasoning = lambda text: out.append(enc.reasoning(text))  # noqa: E731
+            on_content, on_reasoning = _Into(self.out, enc.content), _Into(self.out, enc.reasoning)
         else:
             on_content, on_reasoning = self._content, self._reasoning
         self.shaper = turn.shaper(live=True, on_content=on_content, on_reasoning=on_reasoning)
