@@ -343,6 +343,30 @@ def test_cost_model_script_runs_as_the_readme_names_it():
     assert "scripts/cost_model.py" in README
 
 
+def test_hops_script_times_every_segment_of_the_first_token_s_way():
+    """`scripts/hops.py`, which the README's hop-by-hop table comes from, runs
+    end to end and times every segment: each of the functions it wraps in the
+    edge and the node is still called on a run's way (one renamed, and no
+    request would carry every mark: the script stops saying so)."""
+    result = subprocess.run(
+        [sys.executable, "scripts/hops.py", "--requests", "30"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert re.search(r"^30 sequential streamed requests", out, re.M), out
+    ends = ("request in", "run out", "run in", "upstream out", "upstream in", "events out", "events in")
+    for end in (*ends, "response out", "first content read"):
+        row = re.search(rf"^\S.*: {end} +(\d+) +(\d+)", out, re.M)
+        assert row and int(row.group(1)) > 0, (end, out)
+    for end in ("run out", "upstream out", "events out", "response out"):  # within one process: its CPU too
+        assert re.search(rf": {end} +\d+ +\d+ +\d+$", out, re.M), (end, out)
+    assert "scripts/hops.py" in README
+
+
 def test_make_demo_takes_bind():
     """`make demo BIND=HOST:PORT` runs the demo on that address."""
     result = subprocess.run(
