@@ -24,7 +24,7 @@ from edge.auth import bearer_matches
 from edge.config import MIN_FRAME_BYTES, EdgeConfig
 from edge.errors import error_json
 from edge.runs import NodeLink, RunService
-from edge.runs.link import StrayFlood
+from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, StrayFlood
 from edge.runs.service import stall_after_s
 from edge.ws import RawWebsocket
 from proto import (
@@ -56,9 +56,7 @@ NODE_ID_HEADER = "X-Iop-Node-Id"
 
 CLOSE_AUTH = 4001
 CLOSE_VERSION = 4002
-CLOSE_PROTOCOL = 4003
 CLOSE_DUPLICATE = 4009
-CLOSE_POLICY = 1008  # RFC 6455: policy violation (a flood of events for no run: edge.runs.link.StrayFlood)
 CLOSE_TRY_AGAIN = 1013  # RFC 6455: try again later
 
 # Nodes linked to one edge at most: 400 links of one shared token, of 1,024 models each, held the

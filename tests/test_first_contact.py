@@ -224,15 +224,18 @@ async def test_keep_alive_due_first_commits_the_stream(nursery, upstream):
     await settled(edge, node.agent)
 
 
-async def test_node_lost_before_the_first_event_is_502(nursery, upstream):
-    """A node lost before the first event, with no other node to take the run, is a real 502
-    node_disconnected for a stream."""
+async def test_node_lost_before_the_first_event_with_no_node_left_is_a_503_to_retry(nursery, upstream):
+    """A node lost before the first event, with no other node serving the model, is an HTTP
+    error, not a stream that ends in one: the README's 503 `no_node_available` with
+    `Retry-After: 1` (a retry may find the node linked again). It was a 502
+    `node_disconnected` (an outside audit), streamed or not, on every API."""
     edge = await start_edge(nursery)
     node = await start_node(nursery, edge, [model("m", upstream, target="t")])
     upstream.script_for("t", [("hang",)])
+    caught: list[openai.APIStatusError] = []
     with trio.fail_after(BOUND):
-        async with sdk(edge) as client, trio.open_nursery() as clients:
-            caught: list[BaseException] = []
+        async with sdk(edge) as client, http(edge) as raw, trio.open_nursery() as clients:
+            answers: list[httpx.Response] = []
 
             async def ask():
                 try:
@@ -240,12 +243,27 @@ async def test_node_lost_before_the_first_event_is_502(nursery, upstream):
                 except openai.APIStatusError as e:
                     caught.append(e)
 
-            clients.start_soon(ask)
-            await upstream.wait_requests(1)
+            async def ask_whole():
+                answers.append(await raw.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+            async def ask_messages():
+                body = {"model": "m", "max_tokens": 8, "messages": MESSAGES}
+                answers.append(await raw.post("/v1/messages", json=body))
+
+            for one in (ask, ask_whole, ask_messages):
+                clients.start_soon(one)
+            await upstream.wait_requests(3)
             node.stop()
     (error,) = caught
-    assert isinstance(error, openai.InternalServerError)
-    assert error.status_code == 502 and error.code == "node_disconnected"
+    assert isinstance(error, openai.APIStatusError)
+    assert error.status_code == 503 and error.code == "no_node_available", error
+    assert error.response.headers["retry-after"] == "1"
+    assert "lost before it answered" in error.message
+    chat, messages = sorted(answers, key=lambda r: str(r.url))
+    assert chat.status_code == 503 and chat.json()["error"]["code"] == "no_node_available", chat.text
+    assert chat.headers["retry-after"] == "1"
+    assert messages.status_code == 503 and messages.headers["retry-after"] == "1", messages.text
+    assert messages.json()["type"] == "error" and "lost before it answered" in messages.json()["error"]["message"]
 
 
 # -- usage ---------------------------------------------------------------------------------

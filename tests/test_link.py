@@ -158,7 +158,8 @@ def hello(node_id="fake", protocol=PROTOCOL_VERSION, relays_prefixes=True):
 
 async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
     """A node that stops answering (no frames at all) loses its link within the ping timeout,
-    and its runs fail with "node disconnected" (a 502, for a stream with no event yet)."""
+    and its runs fail: for a stream with no event yet, and no other node serving the model, a
+    503 `no_node_available` to retry (README, Failover)."""
     edge = await start_edge(nursery, edge_config(ping_interval_s=0.2, ping_misses=3))
 
     async def frozen(ws):
@@ -173,9 +174,9 @@ async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
 
     with trio.fail_after(BOUND):
         r, elapsed = await fake_node(edge, frozen)
-    assert r.status_code == 502
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
     err = r.json()["error"]
-    assert err["message"] == "node disconnected" and err["code"] == "node_disconnected"
+    assert "lost before it answered" in err["message"] and err["code"] == "no_node_available"
     assert 0.4 < elapsed < 5
     assert "fake" not in edge.edge.runs.links
     await settled(edge)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from edge.errors import NO_RETRY, APIError, RunFailed, operator_cancelled
+from edge.errors import NO_RETRY, APIError, RunFailed, no_node, operator_cancelled
 from edge.keys import OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
@@ -84,7 +84,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     """A failed run as an HTTP error (a whole response, or a stream not yet
     committed): an upstream 4xx keeps its status, but a 401 or 403 (the node's
     credentials, not the client's) is a 502; an upstream 5xx or a node's
-    error is 502, a lost node 502, a wait timeout or run deadline 504, the
+    error is 502, a lost node 502 (a 503 ``no_node_available`` to retry
+    when it had sent nothing and no node serving the model is linked now), a wait timeout or run deadline 504, the
     edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``;
     an operator's cancel is :func:`operator_cancelled`; tool calls still
     invalid after the edge's own attempts a 502 with ``x-should-retry: false``
@@ -113,6 +114,12 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     if cause == TIMEOUT:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if cause == NODE_LOST:
+        if run is not None and run.unserved:
+            return no_node(
+                run.want.model,
+                f"The node running this request was lost before it answered, and no node serving "
+                f"`{run.want.model}` is linked now.",
+            )
         return APIError(502, failed.message, "run_error", code="node_disconnected")
     if cause == SHUTDOWN:
         return APIError(503, failed.message, "service_unavailable_error", code="draining")
@@ -151,7 +158,9 @@ def stops_codex(turn: Turn, type: str) -> bool:
 def stream_code(run: Run | None) -> str | None:
     """An in-stream error's ``code``: the one its HTTP error would carry (:func:`http_error`), by
     the run's cause (it was null in a stream, ``node_disconnected`` in a whole response's 502)."""
-    return _STREAM_CODES.get(run.cause) if run is not None and run.cause is not None else None
+    if run is None or run.cause is None:
+        return None
+    return "no_node_available" if run.unserved else _STREAM_CODES.get(run.cause)
 
 
 async def fail(

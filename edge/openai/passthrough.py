@@ -345,6 +345,8 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                     await ex.respond_error(errors.operator_cancelled(item.text))
                 elif run.cause == OVER_BUDGET and not ex.started:  # (a 502 the SDKs retried)
                     await ex.respond_error(insufficient_quota(item.text))
+                elif run.unserved and not ex.started:  # (lost before its answer, no node serving it now)
+                    await ex.respond_error(errors.no_node(run.want.model))
                 elif not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
                     code = "node_disconnected" if run.cause == NODE_LOST else None

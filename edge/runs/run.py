@@ -114,6 +114,7 @@ class Run:
         "want",
         "request",
         "failed_over",
+        "unserved",
         "requeued",
         "api",
         "timers",
@@ -179,6 +180,7 @@ class Run:
         self.want = None  # what the request needs of a node (for failover)
         self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
+        self.unserved = False  # lost before its first event, and no node left serving its model: a 503 to retry
         self.requeued = None  # while a failed-over run waits for a slot: its place in the queue
         self.timers: RunTimers | None = None  # the service's, which enforce wait_timeout and the deadline
         self.timer: list | None = None  # this run's entry there

@@ -16,7 +16,7 @@ import trio
 
 from edge import errors
 from edge.config import EdgeConfig
-from edge.runs.link import NodeLink
+from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
 from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, RUN_ERROR, SHUTDOWN, TIMEOUT, UNSENDABLE, Run, RunTimers
 from proto import ModelInfo, RunEvent, RunRequest, TunnelRequest
@@ -376,6 +376,15 @@ class RunService:
             del lost[next(iter(lost))]
         for run in list(link.runs.values()):
             if not self._fail_over(run, link):
+                # Nothing sent yet and nothing linked serves the model now: a retry may find the node
+                # linked again (the README's promise; it was a 502 `node_disconnected`, outside audit).
+                # A node whose link the edge closed for breaking the protocol or flooding it failed
+                # the run itself: that stays a 502.
+                run.unserved = (
+                    not run.events_seen
+                    and link.close_code not in (CLOSE_PROTOCOL, CLOSE_POLICY)
+                    and not self._serving(run.want.model)
+                )
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
         if any(lk.stalled_until for lk in self.links.values()):
             self._unjudge(link.models, now)
