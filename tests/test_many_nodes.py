@@ -238,6 +238,29 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
     await settled(edge)
 
 
+async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(nursery, upstream):
+    """A passthrough request whose node is lost before answering, with no other node serving
+    the model, is the same 503 `no_node_available` with `Retry-After: 1` as a chat run's (it
+    was a 502 `provider_tunnel_error`)."""
+    upstream.script_for("t", [("hang",)])
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            result: list[httpx.Response] = []
+
+            async def ask():
+                result.append(await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+
+            clients.start_soon(ask)
+            await upstream.wait_requests(1)
+            node.stop()
+    (r,) = result
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "no_node_available"
+    await settled(edge)
+
+
 async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):
     """SIGTERM to a node: it takes no new runs, finishes its in-flight stream, then unlinks."""
     upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))
