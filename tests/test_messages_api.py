@@ -306,6 +306,30 @@ async def test_messages_stream_with_thinking(setup):
     assert [b.type for b in hidden.content] == ["text"] and hidden.content[0].text == "It is sunny."
 
 
+async def test_a_reasoning_only_answer_is_a_thinking_block_alone_when_thinking_is_shown(setup):
+    """A run that ends with reasoning and no answer, `thinking` on: the reasoning is its thinking
+    block, and no text block repeats it (as Anthropic answers a max_tokens reached while thinking;
+    it showed twice, an outside audit). With thinking hidden the text is the edge's notice."""
+    edge, upstream = setup
+    for finish in ("stop", "length"):
+        upstream.script_for("t", steps({"reasoning_content": "let me "}, {"reasoning_content": "think"}, finish=finish))
+        with trio.fail_after(BOUND):
+            async with client_for(edge) as client:
+                thinking = {"type": "enabled", "budget_tokens": 1024}
+                async with client.messages.stream(
+                    model="m", max_tokens=2048, messages=USER, thinking=thinking
+                ) as stream:
+                    streamed = await stream.get_final_message()
+                whole = await client.messages.create(model="m", max_tokens=2048, messages=USER, thinking=thinking)
+                hidden = await client.messages.create(model="m", max_tokens=2048, messages=USER)
+        for message in (streamed, whole):
+            assert [b.type for b in message.content] == ["thinking"], message.content
+            assert message.content[0].thinking == "let me think"
+            assert message.stop_reason == ("end_turn" if finish == "stop" else "max_tokens")
+        assert [b.type for b in hidden.content] == ["text"]
+        assert hidden.content[0].text.startswith("The model produced only hidden reasoning and no answer")
+
+
 async def test_messages_stream_with_tool_use(setup):
     """A native tool call from the upstream is a tool_use block (toolu_ id, parsed input) and
     stop_reason tool_use, streamed (buffered and validated) and whole."""

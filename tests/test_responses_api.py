@@ -215,6 +215,32 @@ async def test_reasoning_shown_when_a_summary_is_asked(edge_up):
     assert "reasoning" not in upstream.records[1].body  # the effort is ignored
 
 
+async def test_a_reasoning_only_answer_is_a_reasoning_item_alone_when_a_summary_is_asked(edge_up):
+    """A run that ends with reasoning and no answer, with `reasoning.summary`: a reasoning item and
+    no message repeating it (it showed twice, an outside audit). Without a summary, the message is
+    the edge's notice; chat's reasoning-only answer still gets the reasoning as content (the seeds'
+    rule: many chat clients never show `reasoning_content`)."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"reasoning_content": "let me "}, {"reasoning_content": "think"}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            async with client.responses.stream(model="m", input="hi", reasoning={"summary": "auto"}) as stream:
+                events = [e async for e in stream]
+                streamed = await stream.get_final_response()
+            whole = await client.responses.create(model="m", input="hi", reasoning={"summary": "auto"})
+            hidden = await client.responses.create(model="m", input="hi")
+            chat = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"include_reasoning": True}
+            )
+    check_sequence(events)
+    for r in (streamed, whole):
+        assert [item.type for item in r.output] == ["reasoning"], r.output
+        assert r.output[0].summary[0].text == "let me think" and r.output_text == ""
+    assert [item.type for item in hidden.output] == ["message"]
+    assert hidden.output_text.startswith("The model produced only hidden reasoning and no answer")
+    assert chat.choices[0].message.content == "let me think"
+
+
 async def test_length_is_incomplete(edge_up):
     """A run cut off by max_output_tokens is `incomplete` with reason max_output_tokens, streamed
     (`response.incomplete`) and whole."""

@@ -236,7 +236,7 @@ class MessagesLive(output.LiveEncoder):
         parts: list[bytes] = []
         finish_reason = event.finish_reason or "stop"
         calls = self.turn.calls_to_send(with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None)
-        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls))
+        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls), own_block=True)
         if fallback:
             parts.append(enc.text(fallback))
         if event.refusal:

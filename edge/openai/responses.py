@@ -927,7 +927,7 @@ class ResponseEncoder:
         events = []
         if reasoning is not None:
             events.append(self.reasoning(reasoning))
-        if content or not (calls or refusal):
+        if content or not (calls or refusal or reasoning):  # (an empty answer alone: one empty message)
             events.append(self.text(content))
         if refusal:
             events.append(self.refusal(refusal))

@@ -186,7 +186,7 @@ class ResponsesLive(output.LiveEncoder):
         shaper.finish()
         finish_reason = event.finish_reason or "stop"
         calls = event.tool_calls  # none asked for (no tools): shown as the model made them
-        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls))
+        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls), own_block=True)
         tail = [self.enc.text(fallback)] if fallback else []
         if event.refusal:
             tail.append(self.enc.refusal(event.refusal))

@@ -368,8 +368,12 @@ class Shaper:
         """All the reasoning (live: only until the stream has content)."""
         return "".join(self.reasoning_parts)
 
-    def fallback(self, finish_reason: str, has_tool_calls: bool) -> str:
-        """Content for a run that produced reasoning but no answer ("" if none is due)."""
+    def fallback(self, finish_reason: str, has_tool_calls: bool, *, own_block: bool = False) -> str:
+        """Content for a run that produced reasoning but no answer ("" if none is due).
+        ``own_block``: the API shows shown reasoning in a block of its own (a Messages
+        ``thinking`` block, a Responses reasoning item), so it is not copied into the
+        answer as well (it showed twice: an outside audit); chat's ``reasoning_content``
+        is a field many clients never show, so chat gets the copy (the seeds' rule)."""
         if self._learned_hold and self._unclosed and finish_reason == "stop" and self._template is not None:
             # Held as learned, and no </think> came: the model answered without thinking (or an
             # answer that only quoted the tag taught the edge wrong). Its streams are live again.
@@ -380,7 +384,7 @@ class Shaper:
         if not reasoning.strip():
             return ""
         if self.include_reasoning:
-            return reasoning
+            return "" if own_block else reasoning
         return hidden_reasoning_notice(finish_reason)
 
 

@@ -393,7 +393,8 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
         if not holds_xml_tool_use(content, policy.xml_completion_tool):
             content = wrap_in_completion_tool(content, policy.xml_completion_tool)
             normalized = True
-    fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(tool_calls))
+    own_block = turn.ex.api != "chat"  # (a Messages thinking block, a Responses reasoning item)
+    fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(tool_calls), own_block=own_block)
     if fallback:
         content = fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
