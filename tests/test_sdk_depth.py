@@ -270,6 +270,32 @@ async def test_messages_thinking_is_checked_as_anthropic_does(setup, thinking, m
     assert upstream.records == []
 
 
+async def test_messages_thinking_with_a_forced_tool_is_refused_as_anthropic_does(setup):
+    """Thinking with a `tool_choice` that forces a tool (`any`, or `tool` by name) is Anthropic's
+    400, in its words, before any model server is asked (it ran: an outside audit); with `auto`
+    it runs."""
+    edge, upstream = setup
+    tool = {"name": "get_time", "description": "The time.", "input_schema": {"type": "object", "properties": {}}}
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    with trio.fail_after(BOUND):
+        async with claude(edge) as client:
+            for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+                for kind in (thinking, {"type": "adaptive"}):
+                    with pytest.raises(anthropic.BadRequestError) as refused:
+                        await client.messages.create(
+                            model="m", max_tokens=2000, messages=USER, tools=[tool], tool_choice=choice, thinking=kind
+                        )
+                    error = refused.value.body["error"]
+                    assert error["type"] == "invalid_request_error"
+                    assert error["message"] == "Thinking may not be enabled when tool_choice forces tool use."
+            assert upstream.records == []
+            upstream.script_for("t", steps({"content": "Hi."}, usage=USAGE))
+            message = await client.messages.create(
+                model="m", max_tokens=2000, messages=USER, tools=[tool], tool_choice={"type": "auto"}, thinking=thinking
+            )
+    assert message.content[-1].text == "Hi." and len(upstream.records) == 1
+
+
 async def test_messages_thinking_that_anthropic_takes_runs(setup):
     """What Anthropic takes runs: a budget of 1024 under max_tokens, adaptive, disabled, and a
     budget past max_tokens under the interleaved-thinking beta."""

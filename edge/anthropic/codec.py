@@ -26,7 +26,8 @@ What the decoder does with each part of a request:
   ``metadata.user_id`` ``user`` (session affinity); ``thinking`` enabled or
   adaptive shows reasoning as thinking blocks, otherwise it is hidden (as
   Anthropic sends no thinking unless asked); it is checked as Anthropic does
-  (a known type, ``budget_tokens`` of at least 1024 and below ``max_tokens``);
+  (a known type, ``budget_tokens`` of at least 1024 and below ``max_tokens``,
+  and not with a ``tool_choice`` that forces a tool);
 - ``output_config.format`` (structured outputs: ``messages.parse(output_format=...)``)
   becomes a ``json_schema`` ``response_format``, as does the beta's top-level
   ``output_format``; the rest of ``output_config`` (``effort``) is ignored;
@@ -448,8 +449,11 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     server: list[str] = []
-    if not req.tools and (req.tool_choice or {}).get("type") in ("any", "tool"):
+    forced = (req.tool_choice or {}).get("type") in ("any", "tool")
+    if not req.tools and forced:
         raise _bad("tool_choice: `any` and `tool` need `tools` (a tool the model must call).", "tool_choice")
+    if forced and (req.thinking or {}).get("type") in ("enabled", "adaptive"):  # (Anthropic's 400, its words)
+        raise _bad("Thinking may not be enabled when tool_choice forces tool use.", "tool_choice")
     if req.tools:
         functions, server = _tools(req.tools)
         if functions:
