@@ -83,6 +83,25 @@ async def test_create_whole_response(edge_up):
     assert "store" not in body and "input" not in body and "instructions" not in body
 
 
+async def test_the_response_echoes_the_request_s_cache_key_safety_id_tier_and_top_logprobs(edge_up):
+    """`prompt_cache_key`, `safety_identifier`, `service_tier` and `top_logprobs` come back in the
+    Response as sent, streamed (every snapshot) and whole; unsent, they are null (they were left
+    out: an outside audit)."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": "Hi."}, usage=USAGE))
+    sent = {"prompt_cache_key": "pck-1", "safety_identifier": "sid-1", "service_tier": "default", "top_logprobs": 0}
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.responses.create(model="m", input="hi", **sent)
+            async with client.responses.stream(model="m", input="hi", **sent) as stream:
+                snapshots = [e.response async for e in stream if hasattr(e, "response")]
+            bare = await client.responses.create(model="m", input="hi")
+    assert len(snapshots) == 3  # created, in_progress, completed
+    for r in (whole, *snapshots):
+        assert {name: getattr(r, name) for name in sent} == sent
+    assert all(getattr(bare, name) is None for name in sent)
+
+
 async def test_stream_helper_and_create_stream(edge_up):
     """`responses.stream(...)` and `create(stream=True)` consume the stream: typed events with
     increasing sequence numbers, text deltas, a final response with usage."""
