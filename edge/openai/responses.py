@@ -913,12 +913,14 @@ class ResponseEncoder:
         cancel, tool calls still invalid): ``invalid_prompt``, the one code
         OpenAI documents that Codex neither retries nor replaces with words of
         its own (it shows the message and stops; on ``server_error`` it
-        reconnects, up to 5 times, starting the run again)."""
-        self._open = None  # an unfinished item is left out of the output
-        self._open_text = []
+        reconnects, up to 5 times, starting the run again). What was streamed
+        stays in its ``output``: an open message is done first, ``incomplete``
+        (it was left out, and a client that rebuilt the answer from the failed
+        response lost the text it had shown: an outside audit)."""
+        head = self._close("incomplete")
         code = "invalid_prompt" if final else _FAILED_CODES.get(type, "server_error")
         response = self.response("failed", error={"code": code, "message": message})
-        return self._event("response.failed", response=response)
+        return head + self._event("response.failed", response=response)
 
     # -- whole -----------------------------------------------------------------
 
