@@ -125,7 +125,7 @@ def test_decoder_maps_claude_code_requests_to_chat():
             },
         ],
         "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search"}],
-        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},  # (any or tool: not with thinking)
         "stop_sequences": ["END"],
         "top_k": 20,
         "temperature": 0.5,
@@ -177,13 +177,15 @@ def test_decoder_maps_claude_code_requests_to_chat():
             },
         }
     ]
-    assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
+    assert body["tool_choice"] == "auto" and body["parallel_tool_calls"] is False
     assert body["stop"] == ["END"] and body["top_k"] == 20 and body["temperature"] == 0.5
     assert body["include_reasoning"] is True and body["user"] == "session-1" and body["stream"] is True
     assert "output_config" not in body and "context_management" not in body
     named, _ = chat_body({**raw, "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": None})
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert named["include_reasoning"] is False
+    anyone, _ = chat_body({**raw, "tool_choice": {"type": "any"}, "thinking": None})
+    assert anyone["tool_choice"] == "required"
 
 
 def test_decoder_rejects_what_it_cannot_read():
