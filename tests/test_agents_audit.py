@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import anthropic
 import msgspec
@@ -359,6 +360,38 @@ async def test_tool_call_ids_are_unique_across_turns_and_within_one(setup, api):
         upstream.script_for("t", steps(*calls("call_0"), finish="tool_calls", usage=USAGE))
         (untooled,) = await ids_sent(edge, api, history=True, tools=False)
         assert untooled != "call_0" and untooled.startswith("call_")
+
+
+async def test_messages_tool_use_ids_take_anthropic_s_pattern_and_stay_unique_across_turns(setup):
+    """Kimi K2's ids (`functions.get_weather:0`, every turn): the Messages API's `tool_use` id is
+    `toolu_` and the characters Anthropic's pattern takes (`^[a-zA-Z0-9_-]+$`: a client sending
+    the history on to Anthropic got its 400), and the next turn's repeat of the same upstream id,
+    its history holding the shown form, gets a fresh id. Chat shows the upstream's id as it is."""
+    edge, upstream = setup
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with trio.fail_after(BOUND):
+        async with anthropic.AsyncAnthropic(
+            base_url=edge.url, api_key="sk-edge", max_retries=0, timeout=BOUND
+        ) as client:
+            upstream.script_for("t", steps(*calls("functions.get_weather:0"), finish="tool_calls", usage=USAGE))
+            first = await client.messages.create(model="m", max_tokens=50, messages=ask, tools=[tool])
+            (use,) = [b for b in first.content if b.type == "tool_use"]
+            history = [
+                *ask,
+                {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+            ]
+            upstream.script_for("t", steps(*calls("functions.get_weather:0"), finish="tool_calls", usage=USAGE))
+            async with client.messages.stream(model="m", max_tokens=50, messages=history, tools=[tool]) as stream:
+                second = await stream.get_final_message()
+        async with sdk(edge, api_key="sk-edge") as chat:
+            upstream.script_for("t", steps(*calls("functions.get_weather:0"), finish="tool_calls", usage=USAGE))
+            r = await chat.chat.completions.create(model="m", messages=ask, tools=[WEATHER])
+    assert use.id == "toolu_functions_get_weather_0"
+    (again,) = [b for b in second.content if b.type == "tool_use"]
+    assert re.fullmatch(r"toolu_[a-zA-Z0-9_-]+", again.id) and again.id != use.id
+    assert r.choices[0].message.tool_calls[0].id == "functions.get_weather:0"
 
 
 async def test_claude_code_runs_every_call_of_a_server_that_repeats_ids(setup, tmp_path):

@@ -45,6 +45,7 @@ from edge import errors
 from edge.errors import APIError
 from edge.openai.request import TOOL_IMAGE_NOTE, UPLOADED_IMAGE_NOTE, check_content_parts, tool_images_head
 from edge.openai.schema import UsageOut
+from edge.openai.tools import id_key
 from proto import ToolCall, jsoncost
 
 _encode = msgspec.json.Encoder().encode
@@ -505,9 +506,11 @@ def stopped(finish_reason: str, stop: str, sequences: list[str] | None) -> tuple
 
 
 def tool_use_id(call_id: str) -> str:
-    """A tool call's id as Anthropic clients expect it (``toolu_…``); sent back
-    in the next request's history, it travels upstream as it is."""
-    return call_id if call_id.startswith("toolu_") else f"toolu_{call_id}"
+    """A tool call's id as Anthropic clients expect it: ``toolu_…``, of the
+    characters Anthropic's pattern takes (a client that sends the history on to
+    Anthropic had its 400 for ``toolu_functions.Read:0``); sent back in the
+    next request's history, it travels upstream as it is."""
+    return "toolu_" + id_key(call_id)
 
 
 def _input(arguments: str, budget: jsoncost.Budget) -> Any:

@@ -69,10 +69,16 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _id_key(call_id: str) -> str:
-    """A call id as ids are compared: without the ``toolu_`` the Messages API adds
-    (:func:`edge.anthropic.codec.tool_use_id`), so ``call_0`` and ``toolu_call_0`` are one."""
-    return call_id.removeprefix("toolu_")
+_NOT_IN_AN_ID = re.compile(r"[^A-Za-z0-9_-]")  # Anthropic's tool_use id pattern: ^[a-zA-Z0-9_-]+$
+
+
+def id_key(call_id: str) -> str:
+    """A call id as ids are compared, and as the Messages API shows it after its
+    ``toolu_`` (:func:`edge.anthropic.codec.tool_use_id`): without that prefix, and
+    each character Anthropic's pattern refuses as ``_`` (Kimi K2's ``functions.Read:0``
+    is ``functions_Read_0``), so ``call_0`` and ``toolu_call_0`` are one, and a
+    repeated id is seen in a history that holds it in either form."""
+    return _NOT_IN_AN_ID.sub("_", call_id.removeprefix("toolu_"))
 
 
 _NO_IDS: frozenset[str] = frozenset()
@@ -83,11 +89,11 @@ def history_call_ids(messages: list[Message]) -> frozenset[str]:
     ids: set[str] = set()
     for m in messages:
         if m.tool_call_id:
-            ids.add(_id_key(m.tool_call_id))
+            ids.add(id_key(m.tool_call_id))
         for call in m.tool_calls or ():
             call_id = call.get("id")
             if isinstance(call_id, str) and call_id:
-                ids.add(_id_key(call_id))
+                ids.add(id_key(call_id))
     return frozenset(ids) if ids else _NO_IDS  # (an empty frozenset is an object of its own: 216 bytes a stream)
 
 
@@ -103,7 +109,7 @@ def with_ids(calls: list[ToolCall], taken: frozenset[str] = frozenset()) -> list
     a repeated id's call into "[Tool use interrupted]"."""
     seen: set[str] = set()
     for call in calls:
-        key = _id_key(call.id)
+        key = id_key(call.id)
         if not key or key in seen or key in taken:
             call.id = key = new_call_id()
         seen.add(key)
