@@ -30,7 +30,7 @@ from edge.connection import install as install_connection_guard
 from edge.connection import stuck as stuck_connections
 from edge.console import Console, console_routes
 from edge.cors import Cors
-from edge.errors import RETRY_SOON, APIError, bad_request, error_json, final_headers, model_not_found
+from edge.errors import APIError, bad_request, draining, error_json, final_headers, model_not_found
 from edge.forwarded import TrustedProxies, parse_networks
 from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
@@ -56,13 +56,6 @@ from iop.drain import within_grace
 from iop.limits import more_open_files
 
 log = structlog.get_logger("iop.edge")
-
-
-def draining() -> APIError:
-    # (behind a load balancer, another edge takes the retry)
-    return APIError(
-        503, "The edge is shutting down.", "service_unavailable_error", code="draining", headers=[RETRY_SOON]
-    )
 
 
 _encode = msgspec.json.Encoder().encode

@@ -117,6 +117,12 @@ def model_not_found(model: str) -> APIError:
 RETRY_SOON = (b"retry-after", b"1")  # a 503 the client should try again, shortly
 
 
+def draining(message: str = "The edge is shutting down.") -> APIError:
+    """The edge drains: a request refused, or a run cut at the end of the drain's grace
+    (behind a load balancer, another edge takes the retry)."""
+    return APIError(503, message, "service_unavailable_error", code="draining", headers=[RETRY_SOON])
+
+
 def no_node(model: str, message: str | None = None) -> APIError:
     return APIError(
         503,

@@ -725,10 +725,12 @@ async def test_a_drain_ends_queued_requests_at_once(nursery, upstream):
 async def test_a_whole_answer_cut_by_the_end_of_a_drain_says_when_to_retry(nursery, upstream):
     """A non-streamed request still running when the drain's grace ends is a 503 `draining`
     with `Retry-After: 1`, as a request refused during the drain is (README, Errors); it had
-    no `Retry-After` (an outside audit), on chat and on Messages alike."""
+    no `Retry-After` (an outside audit), on chat, on Messages and on the tunnel alike (a
+    passthrough request's was a 502 `provider_tunnel_error`)."""
     upstream.script_for("m-target", lambda body: text_script(words(200), interval=0.05))
+    upstream.script_for("p-target", [("hang",)])
     edge = await start_edge(nursery, edge_config(drain_grace_s=0.5))
-    node = await start_node(nursery, edge, [model("m", upstream)])
+    node = await start_node(nursery, edge, [model("m", upstream), model("p", upstream, passthrough=True)])
     answers: list[httpx.Response] = []
     with trio.fail_after(BOUND):
         async with http(edge) as client, trio.open_nursery() as clients:
@@ -738,13 +740,14 @@ async def test_a_whole_answer_cut_by_the_end_of_a_drain_says_when_to_retry(nurse
 
             clients.start_soon(ask, "/v1/chat/completions", {**BODY, "max_tokens": None})
             clients.start_soon(ask, "/v1/messages", {**BODY, "max_tokens": 1000})
-            await upstream.wait_requests(2)
+            clients.start_soon(ask, "/v1/completions", {"model": "p", "prompt": "hi"})
+            await upstream.wait_requests(3)
             await edge.edge.drain()
-    assert len(answers) == 2
+    assert len(answers) == 3
     for r in answers:
         assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.headers, r.text)
-    chat, messages = sorted(answers, key=lambda r: str(r.url))
-    assert chat.json()["error"]["code"] == "draining"
+    chat, tunnel, messages = sorted(answers, key=lambda r: str(r.url))
+    assert chat.json()["error"]["code"] == "draining" and tunnel.json()["error"]["code"] == "draining"
     assert messages.json()["type"] == "error"
     await settled(edge, node.agent)
 

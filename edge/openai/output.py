@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from edge.errors import NO_RETRY, RETRY_SOON, APIError, RunFailed, no_node, operator_cancelled
+from edge.errors import NO_RETRY, APIError, RunFailed, draining, no_node, operator_cancelled
 from edge.keys import OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
@@ -122,7 +122,7 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
             )
         return APIError(502, failed.message, "run_error", code="node_disconnected")
     if cause == SHUTDOWN:  # (cut at the end of the edge's drain: another edge may take it)
-        return APIError(503, failed.message, "service_unavailable_error", code="draining", headers=[RETRY_SOON])
+        return draining(failed.message)
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
     return APIError(502, failed.message, failed.type)

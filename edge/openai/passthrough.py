@@ -45,7 +45,7 @@ from edge.openai.request import decode_body
 from edge.openai.schema import UsageOut
 from edge.openai.usage import Bounds
 from edge.runs import Run, Want
-from edge.runs.run import CANCELLED, NODE_LOST, TIMEOUT, consume_run
+from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, TIMEOUT, consume_run
 from edge.runs.service import FRAME_OVERHEAD, session_key, too_large_for_a_frame, with_model
 from proto import RunEvent, jsoncost
 from proto.frames import is_token_count
@@ -347,6 +347,8 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                     await ex.respond_error(insufficient_quota(item.text))
                 elif run.unserved and not ex.started:  # (lost before its answer, no node serving it now)
                     await ex.respond_error(errors.no_node(run.want.model))
+                elif run.cause == SHUTDOWN and not ex.started:  # (cut at the end of the edge's drain)
+                    await ex.respond_error(errors.draining(item.text or "The edge is shutting down."))
                 elif not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
                     code = "node_disconnected" if run.cause == NODE_LOST else None
