@@ -261,6 +261,43 @@ async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(
     await settled(edge)
 
 
+async def test_a_run_whose_node_dies_first_beside_a_draining_peer_is_a_503_at_once(nursery):
+    """The node running a request is lost before its first event while the only other node of
+    its model drains (a restart, still finishing a stream): no node will take the run, so it is
+    the 503 `no_node_available` with `Retry-After: 1` at once. It waited for the draining node
+    to leave, then failed with a 502 `node_disconnected` (an outside re-audit: 5.9 s)."""
+    busy, silent = await new_upstream(nursery), await new_upstream(nursery)
+    busy.script_for("t", lambda body: text_script(words(400), interval=0.05))
+    silent.script_for("t", [("hang",)])
+    edge = await start_edge(nursery)
+    draining = await start_node(nursery, edge, [model("m", busy, target="t")], node_id="draining")
+    with trio.fail_after(BOUND):
+        async with (
+            http(edge) as client,
+            client.stream(
+                "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+            ) as held,
+        ):
+            assert held.status_code == 200
+            await busy.wait_requests(1)
+            nursery.start_soon(draining.agent.drain)
+            await eventually(lambda: edge.edge.runs.links["draining"].draining, "the edge sees it draining")
+            lost = await start_node(nursery, edge, [model("m", silent, target="t")], node_id="lost")
+            answers: list[httpx.Response] = []
+            async with trio.open_nursery() as clients:
+
+                async def ask():
+                    answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+                clients.start_soon(ask)
+                await silent.wait_requests(1)
+                lost.stop()
+            assert "draining" in edge.edge.runs.links  # (answered while it still drains)
+    (r,) = answers
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "no_node_available"
+
+
 async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):
     """SIGTERM to a node: it takes no new runs, finishes its in-flight stream, then unlinks."""
     upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))

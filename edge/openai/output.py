@@ -117,8 +117,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         if run is not None and run.unserved:
             return no_node(
                 run.want.model,
-                f"The node running this request was lost before it answered, and no node serving "
-                f"`{run.want.model}` is linked now.",
+                f"The node running this request was lost before it answered, and no linked node "
+                f"takes new runs of `{run.want.model}` now.",
             )
         return APIError(502, failed.message, "run_error", code="node_disconnected")
     if cause == SHUTDOWN:  # (cut at the end of the edge's drain: another edge may take it)

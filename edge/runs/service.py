@@ -383,7 +383,7 @@ class RunService:
                 run.unserved = (
                     not run.events_seen
                     and link.close_code not in (CLOSE_PROTOCOL, CLOSE_POLICY)
-                    and not self._serving(run.want.model)
+                    and all(lk.draining for lk in self._serving(run.want.model))  # (none, or only draining)
                 )
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
         if any(lk.stalled_until for lk in self.links.values()):
@@ -443,7 +443,8 @@ class RunService:
     def _fail_over(self, run: Run, old: NodeLink, failed: RunEvent | None = None) -> bool:
         """Move a run that has produced no event yet off ``old`` (lost, or not
         starting runs), at most once: to a node with a free slot now, else it
-        waits for one ahead of the queue. Never to a node failing the model
+        waits for one ahead of the queue. Never to a draining node (it takes no
+        new run: the run waited for it to leave, then failed), nor to a node failing the model
         (a healthy node slow to start its runs was judged stalled against a
         dead server's 1 ms failures, and its runs moved there to fail). A run
         ``old`` ``failed`` at once (that error event) waits as a queued
@@ -452,7 +453,11 @@ class RunService:
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
         model = run.want.model
-        if not any(run.want.fits(lk) and not lk.failing(model) for lk in self._serving(model) if lk is not old):
+        if not any(
+            run.want.fits(lk) and not lk.failing(model) and not lk.draining  # (a draining node takes no new run)
+            for lk in self._serving(model)
+            if lk is not old
+        ):
             return False
         moved = self._moved[model]
         link = None if moved else self._pick(run.want, exclude=old, healthy=True)
