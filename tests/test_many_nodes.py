@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from functools import partial
 
@@ -261,6 +262,20 @@ async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(
     await settled(edge)
 
 
+@contextlib.asynccontextmanager
+async def draining_with_a_stream(nursery, client, edge, upstream, node, node_id: str):
+    """``node`` drains (``drain()`` in the background) while a stream of ``client``'s holds it
+    linked: entered once the edge sees it draining; the stream is closed on exit."""
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+    ) as held:
+        assert held.status_code == 200
+        await upstream.wait_requests(1)
+        nursery.start_soon(node.agent.drain)
+        await eventually(lambda: edge.edge.runs.links[node_id].draining, "the edge sees the node draining")
+        yield held
+
+
 async def test_a_run_whose_node_dies_first_beside_a_draining_peer_is_a_503_at_once(nursery):
     """The node running a request is lost before its first event while the only other node of
     its model drains (a restart, still finishing a stream): no node will take the run, so it is
@@ -272,16 +287,7 @@ async def test_a_run_whose_node_dies_first_beside_a_draining_peer_is_a_503_at_on
     edge = await start_edge(nursery)
     draining = await start_node(nursery, edge, [model("m", busy, target="t")], node_id="draining")
     with trio.fail_after(BOUND):
-        async with (
-            http(edge) as client,
-            client.stream(
-                "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
-            ) as held,
-        ):
-            assert held.status_code == 200
-            await busy.wait_requests(1)
-            nursery.start_soon(draining.agent.drain)
-            await eventually(lambda: edge.edge.runs.links["draining"].draining, "the edge sees it draining")
+        async with http(edge) as client, draining_with_a_stream(nursery, client, edge, busy, draining, "draining"):
             lost = await start_node(nursery, edge, [model("m", silent, target="t")], node_id="lost")
             answers: list[httpx.Response] = []
             async with trio.open_nursery() as clients:
@@ -651,16 +657,7 @@ async def test_a_request_timed_out_while_every_node_drains_is_a_503_that_says_so
     edge = await start_edge(nursery, edge_config(queue_timeout_ms=500))
     node = await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=20)])
     with trio.fail_after(BOUND):
-        async with (
-            http(edge) as client,
-            client.stream(
-                "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
-            ) as r,
-        ):
-            assert r.status_code == 200
-            await upstream.wait_requests(1)
-            nursery.start_soon(node.agent.drain)
-            await eventually(lambda: edge.edge.runs.links["n1"].draining, "the edge sees the node draining")
+        async with http(edge) as client, draining_with_a_stream(nursery, client, edge, upstream, node, "n1"):
             late = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
     error = late.json()["error"]
