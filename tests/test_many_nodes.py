@@ -205,11 +205,23 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
     await settled(edge)
 
 
-async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_path):
+async def head_at_the_edge(edge, stream: bool) -> None:
+    """A streamed request's provider sends its head at once: wait until the edge has it."""
+    if stream:
+        await eventually(
+            lambda: any(run.first_event_at is not None for run in edge.edge.runs.runs.values()),
+            "the provider's head at the edge",
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_path, stream):
     """A passthrough request (here /v1/completions) whose node dies before answering
     moves to another node, as a chat run does (it was a 502 node_disconnected), its
     body's model the new node's target (it kept the dead node's). Its "run moved" line names
-    the request (logged from the link's task, it had only the run id)."""
+    the request (logged from the link's task, it had only the run id). Streamed, its dead
+    provider's head already at the edge: that head is not the client's (it went out at once,
+    and the stream was cut: an outside re-audit)."""
     slow, fine = await new_upstream(nursery), await new_upstream(nursery)
     slow.script_for("t", [("hang",)])
     fine.script_for("t2", [("status", 200, b'{"ok": "survivor"}')])
@@ -226,23 +238,28 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
             result: list[httpx.Response] = []
 
             async def ask():
-                result.append(await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+                body = {"model": "m", "prompt": "hi", "stream": stream}
+                result.append(await client.post("/v1/completions", json=body))
 
             clients.start_soon(ask)
             await slow.wait_requests(1)
+            await head_at_the_edge(edge, stream)
             await start_node(nursery, edge, [model("m", fine, target="t2", passthrough=True)], node_id="survivor")
             proc.send_signal(signal.SIGKILL)
     assert result[0].status_code == 200 and result[0].json() == {"ok": "survivor"}
     assert [(r.body["model"], r.body["prompt"]) for r in fine.records] == [("t2", "hi")]
+    assert "text/event-stream" not in result[0].headers.get("content-type", "")  # (the dead provider's head)
     moved = [e for e in logs if e["event"] == "run moved"]
     assert [e["request_id"] for e in moved] == [result[0].headers["x-request-id"]], moved
     await settled(edge)
 
 
-async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(nursery, upstream):
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(nursery, upstream, stream):
     """A passthrough request whose node is lost before answering, with no other node serving
     the model, is the same 503 `no_node_available` with `Retry-After: 1` as a chat run's (it
-    was a 502 `provider_tunnel_error`)."""
+    was a 502 `provider_tunnel_error`); streamed too, its provider's head already sent (the
+    head went to the client at once, and the stream was cut with no body: an outside re-audit)."""
     upstream.script_for("t", [("hang",)])
     edge = await start_edge(nursery)
     node = await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
@@ -251,10 +268,12 @@ async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(
             result: list[httpx.Response] = []
 
             async def ask():
-                result.append(await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+                body = {"model": "m", "prompt": "hi", "stream": stream}
+                result.append(await client.post("/v1/completions", json=body))
 
             clients.start_soon(ask)
             await upstream.wait_requests(1)
+            await head_at_the_edge(edge, stream)
             node.stop()
     (r,) = result
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text

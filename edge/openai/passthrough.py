@@ -334,7 +334,12 @@ def _json_type(value: Any) -> str:
 
 
 async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
-    """Write the tunnel's frames to the client as they come."""
+    """Write the tunnel's frames to the client as they come. The provider's
+    head waits for the body's first bytes (or its end), so that a node lost
+    before them leaves nothing sent: the run moves to another node (whose own
+    head replaces it), or the client gets an error it can retry, where a
+    stream was cut after its head (an outside re-audit)."""
+    head: tuple[int, list[tuple[bytes, bytes]]] | None = None
     while True:
         batch = await run.next_batch()
         body: list[bytes] = []
@@ -359,7 +364,7 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
             kind = item.kind
             if kind == "body":
                 if not ex.started:
-                    await ex.start(200, [])
+                    await ex.start(*(head or (200, [])))
                 body.append(item.body)
                 seen.add(item.body)
             elif kind == "response_start":
@@ -382,13 +387,15 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                             )
                         )
                         return
-                    await ex.start(item.status, _response_headers(item.headers))
+                    head = (item.status, _response_headers(item.headers))
             elif kind == "end":
                 if not ex.started:
-                    await ex.respond_error(
-                        APIError(502, "tunnel ended before the provider's response", "provider_tunnel_error")
-                    )
-                    return
+                    if head is None:
+                        await ex.respond_error(
+                            APIError(502, "tunnel ended before the provider's response", "provider_tunnel_error")
+                        )
+                        return
+                    await ex.start(*head)
                 await ex.finish(b"".join(body))
                 return
             elif kind == "error":

@@ -272,7 +272,10 @@ class Run:
                 if self.on_failed_at_once is not None and self.on_failed_at_once(self, item):
                     return  # moved to another node: its silence is counted from now
             self.first_event_at = now
-        self.events_seen += 1
+        if type(item) is RunEvent or item.kind != "response_start":
+            # (a tunnel's head alone commits nothing: the edge holds it until the body begins,
+            # so a run lost before its first byte of body can still move or be told so)
+            self.events_seen += 1
         # One event a frame at most goes to the sink: the rest of a frame's events for this run
         # wait for the reader, which takes them in one batch (a frame of 10^5 tiny events is
         # one chunk, not 10^5 writes from the link's reader).
