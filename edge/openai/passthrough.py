@@ -129,12 +129,12 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     if ex.lease is not None:
         ex.lease.follow(run, prompt)
     structlog.contextvars.bind_contextvars(run_id=run.id)
-    ex.access.node_id = slot.link.node_id
     seen = _Seen()
     try:
         await consume_run(run, partial(_relay, ex, seen))
     finally:
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
+        ex.access.node_id = run.slot.link.node_id  # (the node that ran it: a run moved says where, as chat's)
         if ex.started:
             bounds = Bounds(prompt, per_choice * inputs * copies, slot.info.context_window, inputs, media, copies)
             ex.access.usage, ex.access.usage_estimated = seen.usage(prompt, bounds)
