@@ -96,7 +96,7 @@ async def test_the_response_echoes_the_request_s_cache_key_safety_id_tier_and_to
             async with client.responses.stream(model="m", input="hi", **sent) as stream:
                 snapshots = [e.response async for e in stream if hasattr(e, "response")]
             bare = await client.responses.create(model="m", input="hi")
-    assert len(snapshots) == 3  # created, in_progress, completed
+    assert len(snapshots) >= 3  # created, in_progress (again with each keep-alive), completed
     for r in (whole, *snapshots):
         assert {name: getattr(r, name) for name in sent} == sent
     assert all(getattr(bare, name) is None for name in sent)
@@ -759,6 +759,9 @@ def test_decode_moves_every_developer_message_first_and_checks_calls():
         ("text", {"format": {"type": "bogus"}}, "text.format.type"),
         ("reasoning", "high", "reasoning"),
         ("background", True, "background"),
+        ("service_tier", "bogus", "service_tier"),
+        ("prompt_cache_key", 123, "prompt_cache_key"),
+        ("safety_identifier", ["x"], "safety_identifier"),
     ],
 )
 def test_decode_refuses_what_openai_refuses(field, value, param):

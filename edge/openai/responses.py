@@ -349,8 +349,12 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "tool_choice": (str, dict),
     "store": (bool,),
     "top_logprobs": (int,),
+    "prompt_cache_key": (str,),
+    "safety_identifier": (str,),
+    "service_tier": (str,),
 }
 _TOOL_CHOICES = ("auto", "none", "required")
+_SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -363,6 +367,9 @@ def _check_types(raw: dict[str, Any]) -> None:
                 for k in kinds
             )
             raise _bad(f"Invalid type for `{name}`: expected {wanted}.", name)
+    tier = raw.get("service_tier")
+    if isinstance(tier, str) and tier not in _SERVICE_TIERS:
+        raise _bad(f"Invalid value for `service_tier`: expected one of {', '.join(_SERVICE_TIERS)}.", "service_tier")
     choice = raw.get("tool_choice")
     if isinstance(choice, str) and choice not in _TOOL_CHOICES:
         raise _bad(
