@@ -117,10 +117,22 @@ def model_not_found(model: str) -> APIError:
 RETRY_SOON = (b"retry-after", b"1")  # a 503 the client should try again, shortly
 
 
-def draining(message: str = "The edge is shutting down.") -> APIError:
+def draining() -> APIError:
     """The edge drains: a request refused, or a run cut at the end of the drain's grace
     (behind a load balancer, another edge takes the retry)."""
-    return APIError(503, message, "service_unavailable_error", code="draining", headers=[RETRY_SOON])
+    return APIError(
+        503, "The edge is shutting down.", "service_unavailable_error", code="draining", headers=[RETRY_SOON]
+    )
+
+
+def lost_unanswered(model: str) -> APIError:
+    """A run (or tunnel) whose node was lost before it answered, with no linked node left
+    that takes new runs of its model (none, or only draining ones): a 503 to retry."""
+    return no_node(
+        model,
+        f"The node running this request was lost before it answered, and no linked node takes new runs of "
+        f"`{model}` now.",
+    )
 
 
 def no_node(model: str, message: str | None = None) -> APIError:

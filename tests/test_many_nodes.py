@@ -281,6 +281,7 @@ async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(
     (r,) = result
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     assert r.json()["error"]["code"] == "no_node_available"
+    assert "lost before it answered" in r.json()["error"]["message"]  # (as a chat run's: one wording)
     await settled(edge)
 
 
@@ -324,6 +325,7 @@ async def test_a_run_whose_node_dies_first_beside_a_draining_peer_is_a_503_at_on
     (r,) = answers
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     assert r.json()["error"]["code"] == "no_node_available"
+    assert "no linked node takes new runs of `m`" in r.json()["error"]["message"]
 
 
 async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):

@@ -746,6 +746,7 @@ async def test_a_whole_answer_cut_by_the_end_of_a_drain_says_when_to_retry(nurse
     assert len(answers) == 3
     for r in answers:
         assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.headers, r.text)
+        assert "The edge is shutting down." in r.text  # (the words of a request refused during the drain)
     chat, tunnel, messages = sorted(answers, key=lambda r: str(r.url))
     assert chat.json()["error"]["code"] == "draining" and tunnel.json()["error"]["code"] == "draining"
     assert messages.json()["type"] == "error"

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from edge.errors import NO_RETRY, APIError, RunFailed, draining, no_node, operator_cancelled
+from edge.errors import NO_RETRY, APIError, RunFailed, draining, lost_unanswered, operator_cancelled
 from edge.keys import OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
@@ -115,14 +115,10 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if cause == NODE_LOST:
         if run is not None and run.unserved:
-            return no_node(
-                run.want.model,
-                f"The node running this request was lost before it answered, and no linked node "
-                f"takes new runs of `{run.want.model}` now.",
-            )
+            return lost_unanswered(run.want.model)
         return APIError(502, failed.message, "run_error", code="node_disconnected")
     if cause == SHUTDOWN:  # (cut at the end of the edge's drain: another edge may take it)
-        return draining(failed.message)
+        return draining()  # (in the words of a request refused during the drain)
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
     return APIError(502, failed.message, failed.type)

@@ -351,9 +351,9 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                 elif run.cause == OVER_BUDGET and not ex.started:  # (a 502 the SDKs retried)
                     await ex.respond_error(insufficient_quota(item.text))
                 elif run.unserved and not ex.started:  # (lost before its answer, no node serving it now)
-                    await ex.respond_error(errors.no_node(run.want.model))
+                    await ex.respond_error(errors.lost_unanswered(run.want.model))
                 elif run.cause == SHUTDOWN and not ex.started:  # (cut at the end of the edge's drain)
-                    await ex.respond_error(errors.draining(item.text or "The edge is shutting down."))
+                    await ex.respond_error(errors.draining())
                 elif not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
                     code = "node_disconnected" if run.cause == NODE_LOST else None
