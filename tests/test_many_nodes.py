@@ -328,6 +328,24 @@ async def test_a_run_whose_node_dies_first_beside_a_draining_peer_is_a_503_at_on
     assert "no linked node takes new runs of `m`" in r.json()["error"]["message"]
 
 
+async def test_a_tunnelled_stream_s_head_waits_for_its_body_keepalive_s_at_most(nursery, upstream):
+    """The edge holds a passthrough stream's head for its body's first bytes (so that a lost node
+    can be moved off), but a provider that sends its head and then nothing for long (a long
+    prefill) has its head reach the client after `keepalive_s`: a client or proxy limiting the
+    time to a response's head is not left waiting for the first token (an outside re-audit)."""
+    upstream.script_for("t", [("hang",)])  # (its head goes out at once, then nothing)
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
+    with trio.fail_after(BOUND):
+        async with (
+            http(edge) as client,
+            client.stream("POST", "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}) as r,
+        ):
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert edge.edge.runs.in_flight == 1  # (the head came while the provider still said nothing)
+    await settled(edge, node.agent)
+
+
 async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):
     """SIGTERM to a node: it takes no new runs, finishes its in-flight stream, then unlinks."""
     upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))

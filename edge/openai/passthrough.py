@@ -131,7 +131,7 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
     structlog.contextvars.bind_contextvars(run_id=run.id)
     seen = _Seen()
     try:
-        await consume_run(run, partial(_relay, ex, seen))
+        await consume_run(run, partial(_relay, ex, seen), keepalive=edge.config.keepalive_s)
     finally:
         ex.access.outcome = run.cause or "unknown"  # the access line: edge.openai.routes
         ex.access.node_id = run.slot.link.node_id  # (the node that ran it: a run moved says where, as chat's)
@@ -338,10 +338,17 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
     head waits for the body's first bytes (or its end), so that a node lost
     before them leaves nothing sent: the run moves to another node (whose own
     head replaces it), or the client gets an error it can retry, where a
-    stream was cut after its head (an outside re-audit)."""
+    stream was cut after its head (an outside re-audit). It waits
+    ``keepalive_s`` at most: a client or proxy with a limit on the time to
+    the head (a long prefill) gets it then, and a node lost after that cuts
+    the stream, as before."""
     head: tuple[int, list[tuple[bytes, bytes]]] | None = None
     while True:
-        batch = await run.next_batch()
+        batch = await run.next_batch_or_idle()
+        if not batch:  # (None: keepalive_s with nothing; []: nudged)
+            if batch is None and head is not None and not ex.started:
+                await ex.start(*head)
+            continue
         body: list[bytes] = []
         for item in batch:
             if isinstance(item, RunEvent):  # the edge ended it: timeout, node lost, slow client
