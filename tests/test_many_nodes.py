@@ -205,13 +205,26 @@ async def test_node_killed_before_its_first_event_loses_no_request(nursery, tmp_
     await settled(edge)
 
 
-async def head_at_the_edge(edge, stream: bool) -> None:
-    """A streamed request's provider sends its head at once: wait until the edge has it."""
-    if stream:
-        await eventually(
-            lambda: any(run.first_event_at is not None for run in edge.edge.runs.runs.values()),
-            "the provider's head at the edge",
-        )
+async def tunnelled(edge, provider: Upstream, stream: bool, meanwhile) -> httpx.Response:
+    """A passthrough `/v1/completions` request, and ``meanwhile()`` once its provider has it
+    (and, streamed, once the edge has the head the provider sends at once): its answer."""
+    result: list[httpx.Response] = []
+    async with http(edge) as client, trio.open_nursery() as clients:
+
+        async def ask():
+            body = {"model": "m", "prompt": "hi", "stream": stream}
+            result.append(await client.post("/v1/completions", json=body))
+
+        clients.start_soon(ask)
+        await provider.wait_requests(1)
+        if stream:
+            await eventually(
+                lambda: any(run.first_event_at is not None for run in edge.edge.runs.runs.values()),
+                "the provider's head at the edge",
+            )
+        await meanwhile()
+    (answer,) = result
+    return answer
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -234,24 +247,18 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
         [{"name": "m", "adapter": "openai", "target": "t", "base_url": slow.base_url, "passthrough": True}],
         node_id="doomed",
     )
+
+    async def lose_the_node():
+        await start_node(nursery, edge, [model("m", fine, target="t2", passthrough=True)], node_id="survivor")
+        proc.send_signal(signal.SIGKILL)
+
     with trio.fail_after(BOUND), structlog.testing.capture_logs() as logs:
-        async with http(edge) as client, trio.open_nursery() as clients:
-            result: list[httpx.Response] = []
-
-            async def ask():
-                body = {"model": "m", "prompt": "hi", "stream": stream}
-                result.append(await client.post("/v1/completions", json=body))
-
-            clients.start_soon(ask)
-            await slow.wait_requests(1)
-            await head_at_the_edge(edge, stream)
-            await start_node(nursery, edge, [model("m", fine, target="t2", passthrough=True)], node_id="survivor")
-            proc.send_signal(signal.SIGKILL)
-    assert result[0].status_code == 200 and result[0].json() == {"ok": "survivor"}
-    assert [(r.body["model"], r.body["prompt"]) for r in fine.records] == [("t2", "hi")]
-    assert "text/event-stream" not in result[0].headers.get("content-type", "")  # (the dead provider's head)
+        r = await tunnelled(edge, slow, stream, lose_the_node)
+    assert r.status_code == 200 and r.json() == {"ok": "survivor"}
+    assert [(rec.body["model"], rec.body["prompt"]) for rec in fine.records] == [("t2", "hi")]
+    assert "text/event-stream" not in r.headers.get("content-type", "")  # (the dead provider's head)
     moved = [e for e in logs if e["event"] == "run moved"]
-    assert [e["request_id"] for e in moved] == [result[0].headers["x-request-id"]], moved
+    assert [e["request_id"] for e in moved] == [r.headers["x-request-id"]], moved
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["node_id"] == "survivor"  # the node that answered (it named the dead one: an outside re-audit)
     await settled(edge)
@@ -266,19 +273,12 @@ async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(
     upstream.script_for("t", [("hang",)])
     edge = await start_edge(nursery)
     node = await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
+
+    async def lose_the_node():
+        node.stop()
+
     with trio.fail_after(BOUND):
-        async with http(edge) as client, trio.open_nursery() as clients:
-            result: list[httpx.Response] = []
-
-            async def ask():
-                body = {"model": "m", "prompt": "hi", "stream": stream}
-                result.append(await client.post("/v1/completions", json=body))
-
-            clients.start_soon(ask)
-            await upstream.wait_requests(1)
-            await head_at_the_edge(edge, stream)
-            node.stop()
-    (r,) = result
+        r = await tunnelled(edge, upstream, stream, lose_the_node)
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     assert r.json()["error"]["code"] == "no_node_available"
     assert "lost before it answered" in r.json()["error"]["message"]  # (as a chat run's: one wording)
