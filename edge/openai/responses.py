@@ -186,17 +186,11 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
         ],
         "top_p": raw.get("top_p"),
         "user": raw.get("user"),
-        # As sent (OpenAI's Response has them; they were left out: an outside audit).
-        **{name: _as_sent(raw, name, str) for name in ("prompt_cache_key", "safety_identifier", "service_tier")},
-        "top_logprobs": _as_sent(raw, "top_logprobs", int),
+        # As sent (OpenAI's Response has them; they were left out: an outside audit). Their types
+        # and values are checked above (_check_types).
+        **{name: raw.get(name) for name in ("prompt_cache_key", "safety_identifier", "service_tier", "top_logprobs")},
     }
     return decoded
-
-
-def _as_sent(raw: dict[str, Any], name: str, kind: type) -> Any:
-    """The request's ``name``, echoed in the Response when it is of ``kind`` (else None)."""
-    value = raw.get(name)
-    return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
 # -- input items ---------------------------------------------------------------------
