@@ -85,8 +85,9 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     committed): an upstream 4xx keeps its status, but a 401 or 403 (the node's
     credentials, not the client's) is a 502; an upstream 5xx or a node's
     error is 502, a lost node 502 (a 503 ``no_node_available`` to retry
-    when it had sent nothing and no node serving the model is linked now), a wait timeout or run deadline 504, the
-    edge shutting down 503; an upstream 429 is a 429 with ``Retry-After``;
+    when nothing was sent and no linked node takes new runs of the model:
+    ``Run.unserved``), a wait timeout or run deadline 504, the edge
+    shutting down 503; an upstream 429 is a 429 with ``Retry-After``;
     an operator's cancel is :func:`operator_cancelled`; tool calls still
     invalid after the edge's own attempts a 502 with ``x-should-retry: false``
     (a client's retry would only repeat them)."""

@@ -35,16 +35,15 @@ _STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: fi
 # routed around for a model after this many in a row, for this long (first time, at most).
 EJECT_AFTER = 3
 _EJECT_BACKOFF_S = (1.0, 30.0)
+# The edge closes a link with these when the node is at fault: it broke the protocol, or flooded its
+# link with events for no run (RFC 6455's policy violation; StrayFlood).
+CLOSE_PROTOCOL = 4003
+CLOSE_POLICY = 1008
 # Events that bring the edge nothing (for a run it does not have, or has ended; or with no
 # output at all) cost its CPU for each (~0.25 us): a node sent 1.8 million a second, for ever.
 # An honest node sends a few after the edge cancels a run (what was on its way), never empty
 # ones. A link may bring STRAY_EVENTS of them per STRAY_WINDOW_S, plus STRAY_PER_CANCEL for
 # each run this edge cancelled on the node (up to STRAY_MOST in hand); past that it is closed.
-# The edge closes a link with these when the node is at fault: it broke the protocol, or flooded its
-# link with events for no run (RFC 6455's policy violation; StrayFlood).
-CLOSE_PROTOCOL = 4003
-CLOSE_POLICY = 1008
-
 STRAY_EVENTS = 10_000
 STRAY_WINDOW_S = 10.0
 STRAY_PER_CANCEL = 8192  # a node's outbox holds 4,096 events by default, and more are on the wire
