@@ -335,6 +335,25 @@ async def test_reasoning_only_run_gets_fallback_content(shaped):
     assert strict[-1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_whitespace_answer_with_hidden_reasoning_reads_the_same_streamed_and_whole(shaped):
+    """A model that thinks, then answers only "\\n\\n": the stream has already shown the
+    whitespace when the notice comes, so the whole answer keeps it too (the whole answer
+    was the notice alone: an outside audit)."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "thoughts"}, {"content": "\n\n"}))
+    with trio.fail_after(BOUND):
+        streamed, _ = await stream_raw(edge, model="plain", include_reasoning=False)
+        async with http(edge) as client:
+            whole = (
+                await client.post(
+                    "/v1/chat/completions", json={"model": "plain", "messages": MESSAGES, "include_reasoning": False}
+                )
+            ).json()
+    text = joined(streamed, "content")
+    assert text.startswith("\n\nThe model produced only hidden reasoning")
+    assert whole["choices"][0]["message"]["content"] == text
+
+
 async def test_strict_without_buffer_streams_content_live_and_hides_reasoning(shaped):
     """strict_output alone: reasoning never leaves the edge; content still streams delta by
     delta (the model pauses between them, so no layer joins them)."""

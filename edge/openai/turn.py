@@ -395,8 +395,8 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             normalized = True
     own_block = turn.ex.api != "chat"  # (a Messages thinking block, a Responses reasoning item)
     fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(tool_calls), own_block=own_block)
-    if fallback:
-        content = fallback
+    if fallback:  # after whitespace content alone: a stream has shown that already, so it stays
+        content += fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
     return Collected(
         content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error, event.stop, event.refusal
