@@ -93,6 +93,30 @@ async def test_responses_logprobs_asked_for_are_a_400(edge_up):
     assert len(upstream.records) == 1
 
 
+async def test_chat_service_tier_cache_key_and_safety_id_are_checked_then_forwarded(edge_up):
+    """`service_tier`, `prompt_cache_key` and `safety_identifier` on chat: a wrong value or type
+    is a 400 naming the field, as OpenAI's (they were forwarded unchecked: an outside audit);
+    good ones reach the model server as sent."""
+    edge, upstream = edge_up
+    base = {"model": "m", "messages": USER}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            tier = await client.post("/v1/chat/completions", json={**base, "service_tier": "bogus"})
+            key = await client.post("/v1/chat/completions", json={**base, "prompt_cache_key": 123})
+            safety = await client.post("/v1/chat/completions", json={**base, "safety_identifier": ["u"]})
+        async with sdk(edge) as client:
+            served = await client.chat.completions.create(
+                model="m", messages=USER, service_tier="flex", prompt_cache_key="k1", safety_identifier="u-9"
+            )
+    assert error_of(tier)["param"] == "service_tier" and "bogus" in error_of(tier)["message"]
+    assert error_of(key)["param"] == "prompt_cache_key"
+    assert error_of(safety)["param"] == "safety_identifier"
+    assert served.choices[0].message.content
+    assert len(upstream.records) == 1
+    sent = upstream.records[0].body
+    assert (sent["service_tier"], sent["prompt_cache_key"], sent["safety_identifier"]) == ("flex", "k1", "u-9")
+
+
 # -- Anthropic structured outputs ---------------------------------------------------------------
 
 

@@ -93,6 +93,10 @@ class ChatRequest(msgspec.Struct, omit_defaults=True):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None  # true is refused (see request.py): nodes relay no log probabilities
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # Checked as OpenAI checks them, then forwarded as sent (a model server may read them).
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def reasoning_included(self) -> bool:
         if self.include_reasoning is False:
