@@ -3,6 +3,7 @@ strict output, usage, keep-alive and trace, through edge -> node -> upstream."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import msgspec
@@ -431,7 +432,8 @@ async def test_xml_completion_tool_wraps_a_stream_without_stream_buffer_too(shap
 
 async def test_usage_chunk_and_usage_on_whole_responses(shaped):
     """include_usage adds a usage chunk (choices: []) after the finish chunk; whole responses carry usage;
-    without upstream usage, the counts are the edge's estimate, always integers."""
+    without upstream usage, the counts are the edge's estimate, always integers, and the usage says
+    so (`"estimated": true`, on every API: it read as the model server's count)."""
     edge, upstream = shaped
     usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     upstream.script_for("t", script({"content": "a"}, {"content": "b"}, usage=usage))
@@ -446,11 +448,29 @@ async def test_usage_chunk_and_usage_on_whole_responses(shaped):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
     assert all(c.usage is None for c in chunks[:-1])
     assert whole.usage.prompt_tokens == 7 and whole.usage.completion_tokens == 2
+    assert "estimated" not in whole.usage.model_dump() and "estimated" not in chunks[-1].usage.model_dump()
     upstream.script_for("t", script({"content": "a"}))
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             whole = (await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})).json()
-    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+            streamed = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "plain",
+                    "messages": MESSAGES,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            messages = (
+                await client.post("/v1/messages", json={"model": "plain", "max_tokens": 64, "messages": MESSAGES})
+            ).json()
+            responses = (await client.post("/v1/responses", json={"model": "plain", "input": "hi"})).json()
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5, "estimated": True}
+    last = [line for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+    assert json.loads(last[6:])["usage"]["estimated"] is True
+    assert messages["usage"]["estimated"] is True and messages["usage"]["output_tokens"] == 1
+    assert responses["usage"]["estimated"] is True and responses["usage"]["output_tokens"] == 1
 
 
 async def test_keep_alive_while_waiting_for_the_first_token(shaped):

@@ -521,16 +521,20 @@ def _input(arguments: str, budget: jsoncost.Budget) -> Any:
     return value if isinstance(value, dict) else {}
 
 
-def _usage(usage: UsageOut) -> dict[str, int]:
+def _usage(usage: UsageOut) -> dict[str, Any]:
     """Anthropic counts cached prompt tokens apart: ``input_tokens`` are the others."""
     cached = (usage.prompt_tokens_details or {}).get("cached_tokens")
     if cached is None:
-        return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
-    return {
-        "input_tokens": max(usage.prompt_tokens - cached, 0),
-        "cache_read_input_tokens": cached,
-        "output_tokens": usage.completion_tokens,
-    }
+        out: dict[str, Any] = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    else:
+        out = {
+            "input_tokens": max(usage.prompt_tokens - cached, 0),
+            "cache_read_input_tokens": cached,
+            "output_tokens": usage.completion_tokens,
+        }
+    if usage.estimated:
+        out["estimated"] = True
+    return out
 
 
 def message_body(

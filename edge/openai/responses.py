@@ -647,7 +647,7 @@ def _decode_text_format(text: Any, chat: dict[str, Any]) -> None:
 
 def usage_json(usage: UsageOut) -> dict[str, Any]:
     details = usage.completion_tokens_details or {}
-    return {
+    out: dict[str, Any] = {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {
             "cached_tokens": (usage.prompt_tokens_details or {}).get("cached_tokens", 0),
@@ -657,6 +657,9 @@ def usage_json(usage: UsageOut) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage.total_tokens,
     }
+    if usage.estimated:
+        out["estimated"] = True
+    return out
 
 
 def status_of(finish_reason: str) -> tuple[str, dict[str, str] | None]:

@@ -135,6 +135,7 @@ class UsageOut(msgspec.Struct, omit_defaults=True):
     total_tokens: int
     completion_tokens_details: dict[str, int] | None = None
     prompt_tokens_details: dict[str, int] | None = None  # cached_tokens, when the model server said
+    estimated: bool = False  # a count is the edge's figure: sent as "estimated": true, else left out
 
 
 class Chunk(msgspec.Struct, omit_defaults=True):

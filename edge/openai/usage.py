@@ -7,8 +7,9 @@ A count the upstream did not report is estimated: prompt tokens as
 delta, content or reasoning (nodes always stream from the model server, which
 sends about one token per delta; a node that joins deltas it read together
 says how many in the event's ``parts``), plus the characters / 4 of native tool calls
-(they arrive whole). A response with an estimated count is marked in the
-access line (``usage_estimated``) and counted in ``iop_usage_estimated_total``.
+(they arrive whole). A response with an estimated count says so to its client (``"estimated": true``
+in its usage), is marked in the access line (``usage_estimated``) and counted in
+``iop_usage_estimated_total``.
 """
 
 from __future__ import annotations
@@ -104,4 +105,4 @@ def usage_out(
     total = bounds.total(r.total_tokens if not estimated else None, prompt, completion)
     details = {"reasoning_tokens": min(r.reasoning_tokens, completion)} if r.reasoning_tokens is not None else None
     cached = {"cached_tokens": min(r.cached_tokens, prompt)} if r.cached_tokens is not None else None
-    return UsageOut(prompt, completion, total, details, cached), estimated
+    return UsageOut(prompt, completion, total, details, cached, estimated), estimated
