@@ -1198,8 +1198,9 @@ async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nurs
 async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses(nursery):
     """A node's tunnel head with a content-length that is not the body's (the client got a cut
     body, or the head and then EOF), set-cookie, access-control-*, CSP, HSTS, alt-svc (the edge's
-    origin also serves /console), a second date or server, a text/html body: only the provider's
-    own families (openai-*, x-ratelimit-*, anthropic-*) and a few more reach the client; the body
+    origin also serves /console), a second date or server, a text/html body, x- headers a proxy in
+    front acts on (x-accel-*) or the edge sets: only the provider's own families (openai-*,
+    x-ratelimit-*, anthropic-*, its other x- headers) and a few more reach the client; the body
     comes whole, never as a page. A status of 99 or 101 (an h11 error and hypercorn's bare 500,
     or a connection closed with no answer) is a 502."""
     edge = await start_edge(nursery)
@@ -1215,6 +1216,13 @@ async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses
         ("alt-svc", 'h3=":443"'),
         ("content-type", "text/html"),
         ("x-ratelimit-remaining-requests", "9"),
+        ("x-custom-header", "kept"),  # a provider's own x- header: relayed (it was dropped)
+        ("x-should-retry", "false"),
+        ("content-language", "en"),
+        ("x-accel-redirect", "/internal/secret"),  # nginx in front would serve its internal location
+        ("x-frame-options", "ALLOWALL"),
+        ("x-forwarded-for", "6.6.6.6"),
+        ("x-upstream-request-id", "forged"),
     ]
     with trio.fail_after(BOUND):
         stream = await _tunnel_node(nursery, edge, headers, [200, 99, 101])
@@ -1223,6 +1231,13 @@ async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses
             odd = [await client.post("/v1/completions", json={"model": "m", "prompt": "x"}) for _ in range(2)]
     assert r.status_code == 200 and r.content == b'{"choices": []}'
     assert r.headers["x-ratelimit-remaining-requests"] == "9"  # the provider's own families are relayed
+    assert (r.headers["x-custom-header"], r.headers["x-should-retry"], r.headers["content-language"]) == (
+        "kept",
+        "false",
+        "en",
+    )
+    assert not {"x-accel-redirect", "x-frame-options", "x-forwarded-for"} & set(r.headers)
+    assert r.headers.get("x-upstream-request-id") == "theirs"
     assert not {"set-cookie", "access-control-allow-origin", "strict-transport-security", "alt-svc"} & set(r.headers)
     assert r.headers.get("content-security-policy") != "default-src *"
     # a page type is bytes to save, never a page for a browser to render on the edge's origin

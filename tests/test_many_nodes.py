@@ -20,6 +20,7 @@ from tests.conftest import (
     eventually,
     http,
     model,
+    sdk,
     settled,
     start_edge,
     start_node,
@@ -507,7 +508,8 @@ async def test_passthrough_cancels_on_disconnect(tunnel):
 
 
 async def test_passthrough_error_before_response_is_502(nursery):
-    """A provider that cannot be reached: 502 provider_tunnel_error; a node that does not allow
+    """A provider that cannot be reached: 502 provider_tunnel_error, its type and its code (the
+    code was null: the openai SDK's `e.code` said nothing); a node that does not allow
     passthrough for the model is never asked."""
     edge = await start_edge(nursery, edge_config(models=[{"name": "raw", "response_mode": "passthrough"}]))
     await start_node(
@@ -516,7 +518,12 @@ async def test_passthrough_error_before_response_is_502(nursery):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             r = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
-            assert r.status_code == 502 and r.json()["error"]["type"] == "provider_tunnel_error"
+        async with sdk(edge) as client:
+            with pytest.raises(openai.InternalServerError) as failed:
+                await client.with_options(max_retries=0).completions.create(model="raw", prompt="hi")
+    assert r.status_code == 502 and r.json()["error"]["type"] == "provider_tunnel_error"
+    assert r.json()["error"]["code"] == "provider_tunnel_error"
+    assert failed.value.status_code == 502 and failed.value.code == "provider_tunnel_error"
     await settled(edge)
 
 

@@ -4,11 +4,11 @@ Used for models in ``response_mode = "passthrough"`` (chat completions) and
 always for ``POST /v1/completions`` and ``POST /v1/embeddings``, on nodes
 that allow passthrough for the model. Only ``model`` in the request body is
 rewritten (to the node's target); the provider's status and body bytes reach
-the client unchanged, and of its headers those an OpenAI client reads
-(:data:`_RELAYED`, :data:`_RELAYED_FAMILIES`; its ``x-request-id`` as
+the client unchanged, and of its headers those an OpenAI client reads and
+its own ``x-`` headers (:func:`_relayed`; its ``x-request-id`` as
 ``x-upstream-request-id``): not every header but the hop-by-hop ones, as
 the Go reference did, since a provider's others (cookies, its server's
-names, CORS, caching) are not the edge's to pass on. An error before the
+names, CORS, what a proxy in front acts on) are not the edge's to pass on. An error before the
 provider's response starts is a 502 ``provider_tunnel_error`` (504 when the
 run's time ran out first); after it, the response is cut (the connection
 closes without the final chunk).
@@ -55,14 +55,35 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("iop.edge.passthrough")
 
-# A provider's headers the client gets: these, and those of its own families. Nothing else: not
-# framing the edge does itself (a content-length that was not the body's cut the response or
-# hung the connection), not headers the edge sets (date, server), not what is the edge's
-# origin's to decide, which also serves /console (cookies, CORS, CSP, HSTS, alt-svc, refresh,
-# clear-site-data, link). The provider's x-request-id goes out as x-upstream-request-id
+# A provider's headers the client gets: these, those of its own families and its other x-
+# headers (x-should-retry, x-groq-region, ...). Nothing else: not framing the edge does itself (a
+# content-length that was not the body's cut the response or hung the connection), not headers
+# the edge sets (date, server, x-upstream-request-id), not what is the edge's origin's to decide,
+# which also serves /console (cookies, CORS, CSP, HSTS, alt-svc, refresh, clear-site-data, link,
+# x-frame-options and its kin), not what a proxy in front of the edge acts on (nginx's
+# x-accel-redirect serves an internal location; x-sendfile a file) or reads as the client's
+# (x-forwarded-*, x-real-ip). The provider's x-request-id goes out as x-upstream-request-id
 # (Exchange._head), beside the edge's own.
-_RELAYED = frozenset({"content-type", "cache-control", "retry-after", "vary", "x-request-id"})
+_RELAYED = frozenset(
+    {"content-type", "cache-control", "retry-after", "vary", "content-language", "etag", "last-modified", "expires"}
+)
 _RELAYED_FAMILIES = ("openai-", "x-ratelimit-", "anthropic-")
+_X_HELD = frozenset(
+    {
+        "x-frame-options",
+        "x-xss-protection",
+        "x-content-type-options",
+        "x-dns-prefetch-control",
+        "x-permitted-cross-domain-policies",
+        "x-download-options",
+        "x-ua-compatible",
+        "x-sendfile",
+        "x-lighttpd-send-file",
+        "x-real-ip",
+        "x-upstream-request-id",
+    }
+)
+_X_HELD_FAMILIES = ("x-accel-", "x-forwarded-", "x-iop-")
 _MAX_RELAYED = 64
 # A body's type, if it is one an API answers with; any other is relayed as bytes to save, never
 # as a page for a browser to render on the edge's origin.
@@ -363,10 +384,8 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                     await ex.respond_error(errors.draining())
                 elif not ex.started:
                     status = 504 if run.cause == TIMEOUT else 502
-                    code = "node_disconnected" if run.cause == NODE_LOST else None
-                    await ex.respond_error(
-                        APIError(status, item.text or "tunnel failed", "provider_tunnel_error", code=code)
-                    )
+                    code = "node_disconnected" if run.cause == NODE_LOST else TUNNEL_ERROR
+                    await ex.respond_error(APIError(status, item.text or "tunnel failed", TUNNEL_ERROR, code=code))
                 return  # after the start: cut
             kind = item.kind
             if kind == "body":
@@ -377,9 +396,7 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
             elif kind == "response_start":
                 if not ex.started:
                     if not 200 <= item.status <= 599:  # 0, a 1xx or past 599: not an answer to relay
-                        await ex.respond_error(
-                            APIError(502, f"the provider answered status {item.status}", "provider_tunnel_error")
-                        )
+                        await ex.respond_error(_tunnel_error(f"the provider answered status {item.status}"))
                         return
                     if item.status in (401, 403):  # the node's key, not the client's: never relayed (it can quote it)
                         log.warning("provider refused the node's credentials", status=item.status)
@@ -398,9 +415,7 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
             elif kind == "end":
                 if not ex.started:
                     if head is None:
-                        await ex.respond_error(
-                            APIError(502, "tunnel ended before the provider's response", "provider_tunnel_error")
-                        )
+                        await ex.respond_error(_tunnel_error("tunnel ended before the provider's response"))
                         return
                     await ex.start(*head)
                 await ex.finish(b"".join(body))
@@ -408,14 +423,21 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
             elif kind == "error":
                 await _flush(ex, body)
                 if not ex.started:
-                    await ex.respond_error(
-                        APIError(502, node_error(item.error) or "provider tunnel failed", "provider_tunnel_error")
-                    )
+                    await ex.respond_error(_tunnel_error(node_error(item.error) or "provider tunnel failed"))
                 else:
                     log.warning("tunnel error after the response started; cutting it", error=node_error(item.error))
                 return
             # "usage" frames are sideband and never merged into the body.
         await _flush(ex, body)
+
+
+TUNNEL_ERROR = "provider_tunnel_error"
+
+
+def _tunnel_error(message: str) -> APIError:
+    """A 502 before the provider's response: ``provider_tunnel_error`` as its type and its
+    code (the code is what the SDKs show, ``e.code``)."""
+    return APIError(502, message, TUNNEL_ERROR, code=TUNNEL_ERROR)
 
 
 async def _flush(ex: Exchange, body: list[bytes]) -> None:
@@ -426,14 +448,13 @@ async def _flush(ex: Exchange, body: list[bytes]) -> None:
 
 
 def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes, bytes]]:
-    """The provider's headers the client gets: those of :data:`_RELAYED` and its
-    families, less any that is not valid HTTP (dropped, logged: it would break the
-    response)."""
+    """The provider's headers the client gets (:func:`_relayed`), less any that is not
+    valid HTTP (dropped, logged: it would break the response)."""
     out = [_NOSNIFF]
     dropped = []
     for name, value in headers or ():
         lower = name.lower()
-        if not (lower in _RELAYED or lower.startswith(_RELAYED_FAMILIES)) or len(out) > _MAX_RELAYED:
+        if not _relayed(lower) or len(out) > _MAX_RELAYED:
             continue
         if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
             dropped.append(name[:100])
@@ -448,6 +469,12 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
     if dropped:
         log.warning("provider headers not valid HTTP, dropped", headers=dropped[:20])
     return out
+
+
+def _relayed(name: str) -> bool:
+    if name in _RELAYED or name.startswith(_RELAYED_FAMILIES):
+        return True
+    return name.startswith("x-") and name not in _X_HELD and not name.startswith(_X_HELD_FAMILIES)
 
 
 def _latin1(value: str) -> bool:
