@@ -133,7 +133,8 @@ async def answer_runs(ws, *, started: list[str] | None = None) -> None:
 
 
 async def test_integer_beyond_64_bits_is_a_400_and_the_link_stays(nursery):
-    """`"seed": 2**64` anywhere in a body is a 400 naming the field; the node's link is untouched."""
+    """`"seed": 2**64` anywhere in a body is a 400 naming the field, on the Messages API too (its
+    unknown fields were left out unchecked: served); the node's link is untouched."""
     edge = await start_edge(nursery)
     await start_node(nursery, edge, [model("m")])
     link = edge.edge.runs.links["n1"]
@@ -146,8 +147,15 @@ async def test_integer_beyond_64_bits_is_a_400_and_the_link_stays(nursery):
                 assert error["code"] == "integer_out_of_range" and error["param"] == field
             r = await client.post("/v1/chat/completions", json={**ASK, "seed": -(2**63) - 1, "stream": True})
             assert r.status_code == 400
+            messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+            for field, value in (("seed", 2**64), ("metadata", {"x": [-(2**63) - 1]})):
+                r = await client.post("/v1/messages", json={**messages, field: value})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and "64-bit" in error["message"], error
             ok = await client.post("/v1/chat/completions", json={**ASK, "seed": 2**64 - 1})
-    assert ok.status_code == 200
+            near = await client.post("/v1/messages", json={**messages, "seed": 2**64 - 1, "text": "1" * 40})
+    assert ok.status_code == 200 and near.status_code == 200, near.text
     assert edge.edge.runs.links["n1"] is link and not link.closed
 
 

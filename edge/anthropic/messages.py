@@ -42,6 +42,7 @@ from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import (
     MAX_CONTENT_PARTS,
+    check_int64,
     check_message_count,
     decode_body,
     estimate_input_tokens,
@@ -88,6 +89,7 @@ async def no_such_route(edge: Edge, ex: Exchange, body: bytes) -> None:
 def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     """The raw Messages body and the chat request it becomes (both validated)."""
     raw = decode_body(body)
+    check_int64(raw, body)  # (the chat body made of it leaves unknown fields out: never encoded)
     model = raw.get("model")
     if isinstance(model, str):
         ex.access.model = model

@@ -41,7 +41,7 @@ from edge import errors
 from edge.errors import APIError, node_error
 from edge.keys import DEFAULT_OUTPUT_RESERVE, OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import Exchange
-from edge.openai.request import decode_body
+from edge.openai.request import check_int64, decode_body
 from edge.openai.schema import UsageOut
 from edge.openai.usage import Bounds
 from edge.runs import Run, Want
@@ -94,7 +94,6 @@ _TAIL = 64 * 1024  # the response's last bytes kept to find its usage in
 _encode_json = msgspec.json.Encoder().encode
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110)
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_INT64 = (-(1 << 63), (1 << 64) - 1)
 
 
 def tunnel_route(path: str):
@@ -333,17 +332,7 @@ def _check_bounds(raw: dict[str, Any], max_output_tokens: int) -> None:
                 name,
                 "integer_above_max_value",
             )
-    stack: list[tuple[str, Any]] = list(raw.items())
-    while stack:
-        name, value = stack.pop()
-        if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
-            raise errors.bad_request(
-                f"The request holds an integer outside the 64-bit range in `{name}`.", name, "integer_out_of_range"
-            )
-        if isinstance(value, dict):
-            stack.extend((name, v) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((name, v) for v in value)
+    check_int64(raw)
 
 
 _JSON_TYPES = {bool: "bool", float: "float", str: "str", list: "array", dict: "object"}
