@@ -30,7 +30,7 @@ import heapq
 import time
 from functools import partial
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -83,6 +83,11 @@ class NodeView(msgspec.Struct):
     models: list[ModelView]
 
 
+def _request_id(client: Any) -> str | None:
+    """The request id of a run's client (an :class:`Exchange`; a tunnel's too), if it has one."""
+    return getattr(client, "request_id", None)
+
+
 class RunView(msgspec.Struct):
     id: str | None  # a queued request (no run yet): its request id (req_...); None only if it has none
     model: str
@@ -92,6 +97,7 @@ class RunView(msgspec.Struct):
     age_s: float
     tokens: int
     phase: str  # queued, waiting (for the first token), streaming, buffered
+    request_id: str | None = None  # the request's (req_...), a run's too: a cancel may name it
 
 
 class Rejection(msgspec.Struct):
@@ -304,20 +310,23 @@ class Console:
         )
 
     def cancel(self, run_id: str) -> bool:
-        """End a run in flight, or a request waiting in the queue (by its
-        request id), as its client leaving would; False: no such one."""
+        """End a run in flight, or a request waiting in the queue or running (by
+        its request id: a row the console showed queued may have started since),
+        as its client leaving would; False: no such one."""
         runs = self.edge.runs
         run = runs.runs.get(run_id)
         if run is None:
             waiter = next((w for w in runs.queued() if w.client is not None and w.client.request_id == run_id), None)
-            if waiter is None:
+            if waiter is not None:
+                log.info("queued request cancelled by an operator", request_id=run_id, model=waiter.want.model)
+                runs.cancel_queued(waiter)
+                return True
+            run = next((r for r in runs.runs.values() if _request_id(r.client) == run_id and not r.finished), None)
+            if run is None:
                 return False
-            log.info("queued request cancelled by an operator", request_id=run_id, model=waiter.want.model)
-            runs.cancel_queued(waiter)
-            return True
         if run.finished:
             return False
-        log.info("run cancelled by an operator", run_id=run_id, node_id=run.slot.link.node_id)
+        log.info("run cancelled by an operator", run_id=run.id, node_id=run.slot.link.node_id)
         run.fail("cancelled by an operator", CANCELLED)
         return True
 
@@ -346,6 +355,7 @@ class Console:
                     round(now - run.started_at, 2),
                     run.deltas_seen,
                     phase(run),
+                    _request_id(client),
                 )
             )
         for waiter in heapq.nsmallest(max(0, limit - len(views)), queued, key=lambda w: w.since):
@@ -361,6 +371,7 @@ class Console:
                     round(now - waiter.since, 2),
                     0,
                     "queued",
+                    client.request_id if client is not None else None,
                 )
             )
         views.sort(key=lambda v: -v.age_s)

@@ -302,6 +302,39 @@ async def test_a_queued_request_is_listed_with_its_key_and_can_be_cancelled(nurs
     assert line["cause"] == "cancelled" and line["status"] == 499
 
 
+async def test_a_cancel_by_a_queued_rows_id_reaches_its_run_once_it_started(nursery, upstream):
+    """A console row is up to a snapshot old: a request shown queued (its request id) may have
+    its run by the time the cancel comes. That cancel ends the run (it was a 404 `run_not_found`
+    and the request ran on); a run's row names its request id too."""
+    upstream.script_for("m-target", [("hang",)])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            answers: list = []
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={**STREAM, "stream": False}))
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(ask)
+                snap = await events.until(lambda s: s["in_flight"] == 1, "the one slot taken")
+                (first,) = snap["runs"]
+                assert first["request_id"].startswith("req_") and first["id"] != first["request_id"]
+                clients.start_soon(ask)
+                snap = await events.until(lambda s: s["phases"]["queued"] == 1, "the second request queued")
+                (queued,) = [r for r in snap["runs"] if r["phase"] == "queued"]
+                assert (await admin.post(f"/v1/admin/runs/{first['id']}/cancel", headers=AUTH)).status_code == 200
+                await eventually(lambda: len(upstream.records) == 2)  # the queued one has its run now
+                r = await admin.post(f"/v1/admin/runs/{queued['id']}/cancel", headers=AUTH)
+                assert r.status_code == 200, r.text
+        reading.cancel_scope.cancel()
+    assert sorted(a.status_code for a in answers) == [499, 499]
+    assert all(rec.aborted for rec in upstream.records)
+
+
 async def test_an_open_console_does_not_hold_the_edge_shutdown(nursery):
     """Draining with a console open: the console gets a last snapshot that says draining, its
     stream ends, and a new one is refused with 503."""
