@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 
 import httpx
@@ -34,6 +35,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
+from proto.wsframes import binary_head, xor_mask
 from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, settled, start_edge, start_node
 
 ASK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -1406,3 +1408,29 @@ async def test_node_models_bound_what_each_node_may_serve(nursery):
         finally:
             await stream.aclose()
         assert "C" not in edge.edge.runs.links
+
+
+async def test_a_nodes_deadline_error_at_the_runs_deadline_is_the_edges_504(nursery):
+    """The node times a run out too (the `timeout_s` the edge sends it, counted from a little
+    later). When its error and the edge's deadline come together, the client gets the run's
+    timeout, a 504 "run timed out", not the node's error as a 502 run_error (a race an outside
+    audit lost 4 times in 60 under load). The loop is held past the deadline, then the node's
+    error sent, so the edge meets both at once, in trio's random order, 8 times."""
+    edge = await start_edge(nursery, edge_config(run_timeout_s=0.3, wait_timeout_s=10))
+    stream, ws = await open_link(edge, "late", nursery=nursery)
+    await hello(ws, "late")
+
+    async def on_run(frame: RunRequest) -> None:
+        error = RunEvent(run_id=frame.run_id, seq=1, type="error", text="run deadline exceeded on the node")
+        payload = encode_frame(Events(events=[error]))
+        key = os.urandom(4)
+        data = binary_head(len(payload), masked=True) + key + xor_mask(payload, key)
+        await trio.sleep_until(edge.edge.runs.runs[frame.run_id].deadline - 0.005)
+        time.sleep(0.02)  # noqa: ASYNC251 (the edge's loop, this one, held past the deadline: its timer is due)
+        os.write(stream.socket.fileno(), data)  # a client's frame, written before this task yields
+
+    async def ask(client):
+        return [await client.post("/v1/chat/completions", json=ASK) for _ in range(8)]
+
+    answers = await while_served(edge, stream, ws, on_run, ask)
+    assert [(r.status_code, r.json()["error"]["message"]) for r in answers] == [(504, "run timed out")] * 8

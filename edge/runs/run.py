@@ -244,6 +244,13 @@ class Run:
         if self.finished:
             self.slot.link.stray(now)  # (what a node sent before it heard the run's cancel)
             return
+        timed_out = terminal and not complete and now >= self.deadline
+        if timed_out and type(item) is RunEvent:
+            # The node's own deadline (the timeout_s the edge sent it, counted from a little
+            # later) ended the run as the edge's fell due: the run timed out, as the edge's timer
+            # would have said (the node's error won the race now and then: a 502 run_error), and
+            # is not moved to another node as a failure at once would be.
+            item = RunEvent(run_id=self.id, seq=item.seq, type=ERROR, text=RUN_TIMED_OUT)
         size = _size(item)
         if not size and not terminal and (type(item) is RunEvent or item.kind == "body"):
             # No output: no progress. The run's silence timeout runs on (a node sending empty
@@ -267,6 +274,8 @@ class Run:
             )  # (a dead server's 1 ms failures made a slow node look stalled)
             if answered:
                 link.served(slot.model)
+            elif timed_out:
+                pass
             elif getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500:  # failed at once, not for the client
                 link.failed_at_once(slot.model, now)
                 if self.on_failed_at_once is not None and self.on_failed_at_once(self, item):
@@ -288,7 +297,7 @@ class Run:
         self._pending_bytes += size + EVENT_BYTES
         if terminal:
             self.finished = True
-            self.cause = COMPLETE if complete else RUN_ERROR
+            self.cause = COMPLETE if complete else TIMEOUT if timed_out else RUN_ERROR
             if complete:
                 self.slot.link.completed(self.slot.model, now)
             else:
