@@ -14,7 +14,10 @@ Phases:
   queued        waiting for a node slot; measured until the edge's queue is
                 empty again (polling /v1/admin/runs, or /metrics of an edge
                 given with --edge), since no upstream request exists
-  first-token   streamed, the model has produced nothing yet
+  first-token   streamed, the model has produced nothing yet (the stream
+                committed at its first keep-alive: the edge this probe
+                starts has keepalive_s = 0.2; an edge given with --edge,
+                its own, each round waiting that long)
   mid-stream    streamed, after 5 content chunks
   non-stream    a stream=false request
 """
@@ -148,7 +151,9 @@ async def probe(edge: str | None, upstream_port: int, rounds: int) -> dict[str, 
         await nursery.start(up.serve, upstream_port)
         with Stack() as stack:
             if edge is None:
-                edge = await trio.to_thread.run_sync(partial(stack.edge, admin_keys=[ADMIN]))
+                # keepalive_s: a stream before its first token commits (and the probe can leave it)
+                # at its first keep-alive; at the default 10 s, 50 rounds took 9 minutes.
+                edge = await trio.to_thread.run_sync(partial(stack.edge, admin_keys=[ADMIN], keepalive_s=0.2))
                 base = up.base_url
                 models = [
                     {
@@ -175,11 +180,12 @@ async def probe(edge: str | None, upstream_port: int, rounds: int) -> dict[str, 
                 ]
                 await trio.to_thread.run_sync(stack.node, edge, models)
             with trio.fail_after(rounds * 4 * BOUND):
-                for _ in range(rounds):
+                for done in range(1, rounds + 1):
                     results["queued"].append(await phase_queued(edge, up))
                     results["first-token"].append(await phase_stream(edge, up, "probe-hang", 0))
                     results["mid-stream"].append(await phase_stream(edge, up, "probe-drip", 5))
                     results["non-stream"].append(await phase_non_stream(edge, up))
+                    print(f"\rround {done}/{rounds}", end="", file=sys.stderr, flush=True)
         nursery.cancel_scope.cancel()
     return results
 
