@@ -321,6 +321,24 @@ def test_readme_probe_round_count_is_the_probes_default():
     assert documented and default and documented.group(1) == default.group(1)
 
 
+def test_cancel_probe_runs_and_times_every_phase():
+    """`scripts/cancel_probe.py` (`make probe`) runs end to end in seconds and times all four
+    phases: before its edge kept alive every 0.2 s, each round waited out the 10 s keep-alive
+    for the stream before its first token to commit (50 rounds, 9 minutes, nothing printed)."""
+    result = subprocess.run(
+        [sys.executable, "scripts/cancel_probe.py", "--rounds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for phase in ("queued", "first-token", "mid-stream", "non-stream"):
+        row = re.search(rf"^{phase} +([\d.]+) +([\d.]+) +([\d.]+)$", result.stdout, re.M)
+        assert row and 0 < float(row.group(1)) < 1000, result.stdout
+    assert "round 2/2" in result.stderr
+
+
 def test_cost_model_script_runs_as_the_readme_names_it():
     """`scripts/cost_model.py`, which the README's figures on where the CPU goes
     come from, runs end to end (a small run) and reports every part it names.
