@@ -321,17 +321,18 @@ def test_readme_probe_round_count_is_the_probes_default():
     assert documented and default and documented.group(1) == default.group(1)
 
 
+def _script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``scripts/<name> args`` run as a user runs it, from the repository's root."""
+    return subprocess.run(
+        [sys.executable, f"scripts/{name}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def test_cancel_probe_runs_and_times_every_phase():
     """`scripts/cancel_probe.py` (`make probe`) runs end to end in seconds and times all four
     phases: before its edge kept alive every 0.2 s, each round waited out the 10 s keep-alive
     for the stream before its first token to commit (50 rounds, 9 minutes, nothing printed)."""
-    result = subprocess.run(
-        [sys.executable, "scripts/cancel_probe.py", "--rounds", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _script("cancel_probe.py", "--rounds", "2", timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     for phase in ("queued", "first-token", "mid-stream", "non-stream"):
         row = re.search(rf"^{phase} +([\d.]+) +([\d.]+) +([\d.]+)$", result.stdout, re.M)
@@ -344,13 +345,7 @@ def test_cost_model_script_runs_as_the_readme_names_it():
     come from, runs end to end (a small run) and reports every part it names.
     300 requests: /proc counts CPU in 10 ms ticks, and a fast machine spends
     well under that on 60 requests of the bare app."""
-    result = subprocess.run(
-        [sys.executable, "scripts/cost_model.py", "--requests", "300", "--concurrency", "4"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _script("cost_model.py", "--requests", "300", "--concurrency", "4")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for name in ("hypercorn, bare ASGI app", "edge", "node"):
@@ -366,13 +361,7 @@ def test_hops_script_times_every_segment_of_the_first_token_s_way():
     end to end and times every segment: each of the functions it wraps in the
     edge and the node is still called on a run's way (one renamed, and no
     request would carry every mark: the script stops saying so)."""
-    result = subprocess.run(
-        [sys.executable, "scripts/hops.py", "--requests", "30"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _script("hops.py", "--requests", "30")
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert re.search(r"^30 sequential streamed requests", out, re.M), out
