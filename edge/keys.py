@@ -155,8 +155,10 @@ class Key:
         "others_pending",
         "flight_held",
         "flight_promised",
+        "flight_spare",
         "budget_held",
         "budget_promised",
+        "budget_sliced",
         "admitted_at",
         "day_reported",
         "live",
@@ -182,11 +184,13 @@ class Key:
         # requests), and of the free ones those borrowed for requests about to take them
         self.flight_held = 0
         self.flight_promised = 0
+        self.flight_spare = False  # of flight_held, one is a spare slot (edge.shared_state), as last written
         # shared state, daily_tokens: the budget this edge holds in Redis (its requests' reservations
         # and its use not yet added to the day's counter), and of it what borrows hold for requests
         # about to take it; and of day_used what this edge has added to the day's counter
         self.budget_held = 0
         self.budget_promised = 0
+        self.budget_sliced = False  # of budget_held, a slice is spare (edge.shared_state), as last written
         self.admitted_at = -math.inf  # (monotonic) its last request admitted here
         self.day_reported = 0
         self.restored = 0  # of day_used: loaded from the ledger at start

@@ -308,4 +308,11 @@ class _StateCollector:
                 "iop_shared_state_up", "1 while key limits are leased from the shared state (Redis), 0: local limits"
             )
             state.add_metric((), 1 if shared.up else 0)
+            borrows = CounterMetricFamily(
+                "iop_shared_state_borrows",
+                "Requests that waited on a round trip to the shared state (Redis): what this edge held of a "
+                "key's limits did not cover them",
+            )
+            borrows.add_metric((), shared.borrows)
             yield state
+            yield borrows

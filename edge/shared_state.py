@@ -47,7 +47,11 @@ from them, so a request the local balance covers never waits on Redis:
   far as the other edges' entries leave of the limit, so the edges together
   never hold more than ``max_concurrent``. A request that finds no free
   slot borrows one (the borrow round trip below); every :data:`SYNC_S` an
-  edge gives back the slots no request uses. An entry silent for
+  edge gives back the slots no request uses, but one *spare* slot while it
+  admitted a request of the key in the last :data:`SLICE_FOR_S` and a
+  quarter of the limit (and 2) stay free after it, to admit the next
+  request on without a round trip (one it holds, it keeps while it asks:
+  it may admit on it while the script runs). An entry silent for
   :data:`EDGE_TTL_S` (its edge died) is dropped by the next script that
   reads it. (Before: each edge published its count every 50 ms and
   admitted on the others' last seen: two edges ran a max_concurrent 2 key
@@ -121,11 +125,14 @@ return {got, tostring(level)}
 # ARGV: this edge's id, the slots it wants to hold (more than it holds: only as many as the others leave
 # of the limit), the limit (0: none), the budget it holds on (its requests' reservations and its use not
 # yet in the day's counter), the seconds after which a silent edge's entry is dropped, the daily budget
-# (0: none), a slice of the budget (0: none), then the amounts requests waiting on this edge ask of the
-# budget: each is granted, in order, while the day's total and every edge's holdings are below the budget
-# (the one that crosses it too). Then the edge holds the slice more, to admit on without a round trip,
-# while two are left. Returns the slots it holds now, the others' slots, the others' budget held, the
-# budget it holds now, how many of the asks were granted, and the day's total.
+# (0: none), a slice of the budget (0: none), a spare slot asked (1; 2: held, and kept) or not (0), then the
+# amounts requests waiting on this edge ask of the budget: each is granted, in order, while the day's total and every
+# edge's holdings are below the budget (the one that crosses it too). Then the edge holds the slice more,
+# to admit on without a round trip, while two are left; and one spare slot besides the slots it wants,
+# for the same: one it holds kept while it asks for it (it may admit on it meanwhile), one taken anew only
+# while a quarter of the limit (and 2) stay free after it. Returns the slots it holds now,
+# the others' slots, the others' budget held, the budget it holds now, how many of the asks were
+# granted, and the day's total.
 _FLIGHT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -148,11 +155,18 @@ local limit = tonumber(ARGV[3])
 if limit > 0 and want > mine then
   want = math.max(mine, math.min(want, limit - others))
 end
+local need = tonumber(ARGV[2])
+local spare = tonumber(ARGV[8])
+if limit > 0 and spare > 0 and want >= need then
+  if (spare == 2 and mine > need) or limit - others - need - 1 >= math.max(2, math.floor(limit / 4)) then
+    want = need + 1
+  end
+end
 local hold = tonumber(ARGV[4])
 local budget = tonumber(ARGV[6])
 local day = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local granted = 0
-for i = 8, #ARGV do
+for i = 9, #ARGV do
   if budget > 0 and day + reserved + hold < budget then
     hold = hold + tonumber(ARGV[i])
     granted = granted + 1
@@ -190,9 +204,9 @@ EPOCH_KEY = "iop:epoch"
 
 # (key, limit, amount, per-minute limit): to take (amount > 0) from a bucket, or give back to it
 BucketOp = tuple["Key", str, int, int]
-# (slots, max_concurrent, budget held, daily_tokens, day, a slice of the budget to hold besides): a
-# key's flights as this edge writes them
-FlightArgs = tuple[int, int, int, int, int, int]
+# (slots, max_concurrent, budget held, daily_tokens, day, a slice of the budget to hold besides, a spare
+# slot: 0 none, 1 asked, 2 held and kept): a key's flights as this edge writes them
+FlightArgs = tuple[int, int, int, int, int, int, int]
 
 
 def _budget_room(key: Key) -> int:
@@ -256,6 +270,7 @@ class SharedState:
         self.edge_id = edge_id
         self.up = False
         self.failures = 0
+        self.borrows = 0  # requests that waited on a round trip (iop_shared_state_borrows_total)
         self._heard = 0.0  # time.monotonic() of Redis's last answer to a round
         # (key id, day) -> (the epoch, its day_used added to Redis so far in that epoch)
         self._reported: dict[tuple[str, int], tuple[bytes, int]] = {}
@@ -365,10 +380,10 @@ class SharedState:
 
     def _flight(self, pipe, key_id: str, args: FlightArgs, asks: list[int] | tuple[()] = ()) -> None:
         """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
-        slots, limit, hold, budget, day, slice_ = args
+        slots, limit, hold, budget, day, slice_, spare = args
         self.flight(
             keys=[f"iop:flight:{key_id}", f"iop:day:{key_id}:{day}"],
-            args=[self.edge_id, slots, limit, hold, EDGE_TTL_S, budget, slice_, *asks],
+            args=[self.edge_id, slots, limit, hold, EDGE_TTL_S, budget, slice_, spare, *asks],
             client=pipe,
         )
 
@@ -379,9 +394,11 @@ class SharedState:
         held, others, reserved, hold, granted, _ = (int(v) for v in result)
         policy = key.policy
         key.flight_held = held if policy.max_concurrent else 0
+        key.flight_spare = bool(args[6]) and held > args[0]
         key.others_in_flight = others
         key.others_pending = reserved if policy.daily_tokens else 0
         key.budget_held = hold if policy.daily_tokens else 0
+        key.budget_sliced = bool(args[5]) and hold > args[2]
         return granted
 
     def _flight_args(self, key: Key) -> FlightArgs:
@@ -389,20 +406,32 @@ class SharedState:
         promised, and of the budget its requests' reservations, what was promised
         and its use not yet in the day's counter (the rest is given back, at once
         here); its limits, its day, and while it admitted a request in the last
-        :data:`SLICE_FOR_S` a slice of the budget (1%) for the script to add, to
-        admit the next ones on without a round trip (an idle edge holds none)."""
+        :data:`SLICE_FOR_S` a slice of the budget (1%) and a spare slot for the
+        script to add while there is ample room, to admit the next ones on without a
+        round trip (an idle edge holds neither: a slot's round trip was +1.7 ms to
+        a first token)."""
         policy = key.policy
-        slots = hold = slice_ = 0
+        slots = hold = slice_ = spare = 0
+        active = key.in_flight or time.monotonic() - key.admitted_at < SLICE_FOR_S
         if policy.max_concurrent:
             slots = key.in_flight + key.flight_promised
-            key.flight_held = min(key.flight_held, slots)
+            spare = (2 if key.flight_spare else 1) if active else 0
         if policy.daily_tokens:
             key._today()
             hold = key.day_pending + key.budget_promised + key.unreported()
-            key.budget_held = min(key.budget_held, hold)
-            if key.in_flight or time.monotonic() - key.admitted_at < SLICE_FOR_S:
+            if active:
                 slice_ = self._slice(policy.daily_tokens)
-        return slots, policy.max_concurrent, hold, policy.daily_tokens, key.day, slice_
+        return slots, policy.max_concurrent, hold, policy.daily_tokens, key.day, slice_, spare
+
+    @staticmethod
+    def _writing(key: Key, args: FlightArgs) -> None:
+        """``args`` are being written for ``key``: until the script answers, it admits on no
+        more than they hold on, and a spare slot it holds and asks for again (the script
+        keeps that one), not on a budget slice the script may not grant again. Only then:
+        lowered at every round, written or not, a key's budget slice was gone until its
+        next write (a round trip for each request of a budget key, as with none)."""
+        key.flight_held = min(key.flight_held, args[0] + (args[6] == 2))
+        key.budget_held = min(key.budget_held, args[2])
 
     def _day_adds(self, key: Key) -> tuple[list, int]:
         """The day script's epoch and amounts for ``key`` (see _DAY), and the day_used they report."""
@@ -437,6 +466,8 @@ class SharedState:
                     adds, used[key.id] = day_adds, day_used
             if not stale and written is not None and written[0] == flight:
                 flight = None  # (nothing new to say, and what others said was read within REFRESH_S)
+            else:
+                self._writing(key, flight)
             if adds is not None or flight is not None:
                 counters.append((key.id, key.day, adds, flight))
         if not plan and not counters:
@@ -473,7 +504,13 @@ class SharedState:
     def _on_settle(self, key: Key) -> None:
         """A request of ``key`` ended: its slot and its reservation go back to Redis in the
         loop's next turn, not its next round (a client taking turns between two edges found
-        the other edge's slot held for up to 50 ms after its last request, and was refused)."""
+        the other edge's slot held for up to 50 ms after its last request, and was refused).
+        A budget key's reservation alone, while its edge holds a slice of the budget (two
+        slices at least were left), waits for the round: each write holds the edge to what
+        it writes until Redis answers, and a client's next request, there meanwhile, waited
+        on a round trip (+1.3 ms to its first token, where the slice should admit it)."""
+        if key.budget_sliced and not key.policy.max_concurrent:
+            return
         if self.up and self.keys.shared:
             self._settled[key.id] = key
             self._wake.set()
@@ -481,6 +518,8 @@ class SharedState:
     async def _give_back(self) -> None:
         settled, self._settled = self._settled, {}
         sent = {key_id: (key, self._flight_args(key)) for key_id, key in settled.items()}
+        for key, args in sent.values():
+            self._writing(key, args)
 
         def write() -> list:
             pipe = self.client.pipeline(transaction=False)
@@ -512,6 +551,7 @@ class SharedState:
         key.req_level -= held_requests  # (so the requests admitted meanwhile do not take it)
         key.tok_level -= held_tokens
         requests, tokens = math.ceil(need_requests - held_requests), math.ceil(need_tokens - held_tokens)
+        self.borrows += 1
         promised = 0  # of the budget, what this request keeps promised to itself while it waits for a slot
         # A free slot this edge holds is kept for it while it borrows the rest (the round trip
         # writes the key's flights, which gives back every slot no request uses or was promised:
@@ -599,6 +639,7 @@ class SharedState:
                 entry = flights.get(want.key.id)
                 if entry is None:
                     args = self._flight_args(want.key)  # (first: it gives back the slots no request holds)
+                    self._writing(want.key, args)
                     entry = flights[want.key.id] = [want.key, want.key.flight_held, args, []]
                 if wants_slot:
                     slots, *rest = entry[2]
