@@ -50,8 +50,9 @@ from them, so a request the local balance covers never waits on Redis:
   edge gives back the slots no request uses, but one *spare* slot while it
   admitted a request of the key in the last :data:`SLICE_FOR_S` and a
   quarter of the limit (and 2) stay free after it, to admit the next
-  request on without a round trip (one it holds, it keeps while it asks:
-  it may admit on it while the script runs). An entry silent for
+  request on without a round trip (asked for again at every round, so it
+  goes within 50 ms once the others leave less room; a request's end then
+  waits for that round to give its slot back). An entry silent for
   :data:`EDGE_TTL_S` (its edge died) is dropped by the next script that
   reads it. (Before: each edge published its count every 50 ms and
   admitted on the others' last seen: two edges ran a max_concurrent 2 key
@@ -125,12 +126,11 @@ return {got, tostring(level)}
 # ARGV: this edge's id, the slots it wants to hold (more than it holds: only as many as the others leave
 # of the limit), the limit (0: none), the budget it holds on (its requests' reservations and its use not
 # yet in the day's counter), the seconds after which a silent edge's entry is dropped, the daily budget
-# (0: none), a slice of the budget (0: none), a spare slot asked (1; 2: held, and kept) or not (0), then the
+# (0: none), a slice of the budget (0: none), a spare slot asked (1) or not (0), then the
 # amounts requests waiting on this edge ask of the budget: each is granted, in order, while the day's total and every
 # edge's holdings are below the budget (the one that crosses it too). Then the edge holds the slice more,
 # to admit on without a round trip, while two are left; and one spare slot besides the slots it wants,
-# for the same: one it holds kept while it asks for it (it may admit on it meanwhile), one taken anew only
-# while a quarter of the limit (and 2) stay free after it. Returns the slots it holds now,
+# for the same, while a quarter of the limit (and 2) stay free after it. Returns the slots it holds now,
 # the others' slots, the others' budget held, the budget it holds now, how many of the asks were
 # granted, and the day's total.
 _FLIGHT = """
@@ -156,11 +156,9 @@ if limit > 0 and want > mine then
   want = math.max(mine, math.min(want, limit - others))
 end
 local need = tonumber(ARGV[2])
-local spare = tonumber(ARGV[8])
-if limit > 0 and spare > 0 and want >= need then
-  if (spare == 2 and mine > need) or limit - others - need - 1 >= math.max(2, math.floor(limit / 4)) then
-    want = need + 1
-  end
+local room = limit - others - need - 1
+if limit > 0 and tonumber(ARGV[8]) > 0 and want >= need and room >= math.max(2, math.floor(limit / 4)) then
+  want = need + 1
 end
 local hold = tonumber(ARGV[4])
 local budget = tonumber(ARGV[6])
@@ -205,7 +203,7 @@ EPOCH_KEY = "iop:epoch"
 # (key, limit, amount, per-minute limit): to take (amount > 0) from a bucket, or give back to it
 BucketOp = tuple["Key", str, int, int]
 # (slots, max_concurrent, budget held, daily_tokens, day, a slice of the budget to hold besides, a spare
-# slot: 0 none, 1 asked, 2 held and kept): a key's flights as this edge writes them
+# slot asked: 1 or 0): a key's flights as this edge writes them
 FlightArgs = tuple[int, int, int, int, int, int, int]
 
 
@@ -415,7 +413,7 @@ class SharedState:
         active = key.in_flight or time.monotonic() - key.admitted_at < SLICE_FOR_S
         if policy.max_concurrent:
             slots = key.in_flight + key.flight_promised
-            spare = (2 if key.flight_spare else 1) if active else 0
+            spare = 1 if active else 0
         if policy.daily_tokens:
             key._today()
             hold = key.day_pending + key.budget_promised + key.unreported()
@@ -426,11 +424,10 @@ class SharedState:
     @staticmethod
     def _writing(key: Key, args: FlightArgs) -> None:
         """``args`` are being written for ``key``: until the script answers, it admits on no
-        more than they hold on, and a spare slot it holds and asks for again (the script
-        keeps that one), not on a budget slice the script may not grant again. Only then:
-        lowered at every round, written or not, a key's budget slice was gone until its
-        next write (a round trip for each request of a budget key, as with none)."""
-        key.flight_held = min(key.flight_held, args[0] + (args[6] == 2))
+        more than they hold on (not on a spare slot or a budget slice the script may not
+        grant again). Only then: lowered at every round, written or not, a key's budget
+        slice was gone until its next write (a round trip for each request, as with none)."""
+        key.flight_held = min(key.flight_held, args[0])
         key.budget_held = min(key.budget_held, args[2])
 
     def _day_adds(self, key: Key) -> tuple[list, int]:
@@ -464,8 +461,10 @@ class SharedState:
                 day_adds, day_used = self._day_adds(key)
                 if stale or (key.id, key.day) not in self._reported or day_adds[1]:
                     adds, used[key.id] = day_adds, day_used
-            if not stale and written is not None and written[0] == flight:
-                flight = None  # (nothing new to say, and what others said was read within REFRESH_S)
+            if not stale and written is not None and written[0] == flight and not key.flight_spare:
+                # (nothing new to say, and what others said was read within REFRESH_S; a spare slot
+                # is asked for again every round, so it goes as soon as others leave too little room)
+                flight = None
             else:
                 self._writing(key, flight)
             if adds is not None or flight is not None:
@@ -505,11 +504,12 @@ class SharedState:
         """A request of ``key`` ended: its slot and its reservation go back to Redis in the
         loop's next turn, not its next round (a client taking turns between two edges found
         the other edge's slot held for up to 50 ms after its last request, and was refused).
-        A budget key's reservation alone, while its edge holds a slice of the budget (two
-        slices at least were left), waits for the round: each write holds the edge to what
-        it writes until Redis answers, and a client's next request, there meanwhile, waited
-        on a round trip (+1.3 ms to its first token, where the slice should admit it)."""
-        if key.budget_sliced and not key.policy.max_concurrent:
+        A key whose edge holds a spare slot and a slice of its budget (for what it has:
+        there was room) waits for the round: each write holds the edge to what it writes
+        until Redis answers, and a client's next request, there meanwhile, waited on a round
+        trip (+1.3 ms to its first token, where the slice or the spare should admit it)."""
+        policy = key.policy
+        if (key.flight_spare or not policy.max_concurrent) and (key.budget_sliced or not policy.daily_tokens):
             return
         if self.up and self.keys.shared:
             self._settled[key.id] = key

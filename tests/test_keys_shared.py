@@ -726,6 +726,30 @@ async def test_a_key_with_room_admits_on_a_spare_slot_without_a_round_trip(nurse
     assert f"iop_shared_state_borrows_total {float(shared.borrows)}" in scraped
 
 
+async def test_a_spare_slot_goes_as_soon_as_another_edge_needs_it(nursery, redis_server, tmp_path):  # noqa: F811
+    """Edge a serves one request of a max_concurrent 8 key and keeps a spare slot (there was room);
+    at once 8 requests of the key come to edge b: all 8 run together. (A first version of the
+    spare slot kept it while edge a asked for it, 2 s after its last request: the key ran at 7,
+    and b's 8th request was refused after its 0.5 s wait, found from outside.)"""
+    keys = [KeyConfig(id="k8", key="sk-k8", max_concurrent=8)]
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        models = [sim("qwen-a"), model("slow", ttft_ms=0, tokens_per_s=5, sim_tokens=8, max_concurrency=16)]
+        await start_node(nursery, edge, models, node_id=f"n-{name}")
+        await eventually(lambda edge=edge: edge.edge.shared.up)
+        edges.append(edge)
+    a, b = edges
+    with trio.fail_after(BOUND):
+        async with client(a, "sk-k8") as c:
+            assert (await chat(c)).status_code == 200
+        await eventually(lambda: a.edge.keys.by_id["k8"].flight_spare, "edge a holding its spare slot")
+        answers = await burst(b, "sk-k8", 8, model="slow")
+    assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers if r.status_code != 200]
+
+
 async def test_one_client_taking_turns_between_edges_is_never_refused(nursery, redis_server, tmp_path):  # noqa: F811
     """max_concurrent 1 and a daily budget (so reservations too), one client sending one
     request at a time to two edges in turn (a round-robin balancer): never more than one in
