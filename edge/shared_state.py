@@ -509,7 +509,10 @@ class SharedState:
         until Redis answers, and a client's next request, there meanwhile, waited on a round
         trip (+1.3 ms to its first token, where the slice or the spare should admit it)."""
         policy = key.policy
-        if (key.flight_spare or not policy.max_concurrent) and (key.budget_sliced or not policy.daily_tokens):
+        # (a slot a key's other edges may want now, with more than half of its limit in use when
+        # last read, goes back at once: a burst's waiting requests were refused, the limit unfilled)
+        spare = key.flight_spare and key.others_in_flight + key.in_flight < policy.max_concurrent // 2
+        if (spare or not policy.max_concurrent) and (key.budget_sliced or not policy.daily_tokens):
             return
         if self.up and self.keys.shared:
             self._settled[key.id] = key
