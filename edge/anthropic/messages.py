@@ -42,7 +42,6 @@ from edge.openai import output
 from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import (
     MAX_CONTENT_PARTS,
-    check_int64,
     check_message_count,
     decode_body,
     estimate_input_tokens,
@@ -51,6 +50,7 @@ from edge.openai.request import (
 from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, end_reason, open_turn
 from edge.runs import Run, Slot
+from edge.runs.service import check_int64
 from proto import RunEvent
 
 if TYPE_CHECKING:

@@ -41,12 +41,12 @@ from edge import errors
 from edge.errors import APIError, node_error
 from edge.keys import DEFAULT_OUTPUT_RESERVE, OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import Exchange
-from edge.openai.request import check_int64, decode_body
+from edge.openai.request import decode_body
 from edge.openai.schema import UsageOut
 from edge.openai.usage import Bounds
 from edge.runs import Run, Want
 from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, TIMEOUT, consume_run
-from edge.runs.service import FRAME_OVERHEAD, session_key, too_large_for_a_frame, with_model
+from edge.runs.service import FRAME_OVERHEAD, check_int64, session_key, too_large_for_a_frame, with_model
 from proto import RunEvent, jsoncost
 from proto.frames import is_token_count
 

@@ -33,31 +33,6 @@ _LONE_SURROGATE = re.compile(
 )
 
 
-_INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack, the link's encoding, holds
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # no integer outside _INT64 has fewer digits
-
-
-def check_int64(raw: dict[str, Any], body: bytes | None = None) -> None:
-    """400 ``integer_out_of_range`` naming the top-level field for an integer outside
-    64 bits anywhere in ``raw``, an unknown field too, as on chat (whose forwarded body
-    could not be encoded otherwise). ``body``: the bytes ``raw`` came from; without a run
-    of 19 digits in them, there is none, and nothing is walked."""
-    if body is not None and _LONG_DIGITS.search(body) is None:
-        return
-    low, high = _INT64
-    stack: list[tuple[str, Any]] = list(raw.items())
-    while stack:
-        name, value = stack.pop()
-        if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
-            raise errors.bad_request(
-                f"The request holds an integer outside the 64-bit range in `{name}`.", name, "integer_out_of_range"
-            )
-        if isinstance(value, dict):
-            stack.extend((name, v) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((name, v) for v in value)
-
-
 def _too_deep() -> errors.APIError:
     return errors.bad_request(
         f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.", code="json_too_deep"

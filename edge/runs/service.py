@@ -6,6 +6,7 @@ import collections
 import hashlib
 import math
 import random
+import re
 import secrets
 from collections.abc import Callable, Container, Iterable
 from typing import Any
@@ -198,12 +199,7 @@ def encode_run_body(body: dict[str, Any], max_frame_bytes: int) -> msgspec.Raw:
     try:
         data = _encode_msgpack(body)
     except OverflowError:
-        param = next((k for k, v in body.items() if not _encodable(v)), None)
-        raise errors.bad_request(
-            "The request holds an integer outside the 64-bit range" + (f" in `{param}`." if param else "."),
-            param,
-            "integer_out_of_range",
-        ) from None
+        raise _out_of_range(body) from None
     except (msgspec.EncodeError, RecursionError, TypeError, ValueError) as e:
         raise errors.bad_request(f"The request cannot be forwarded: {e}.") from None
     if len(data) + FRAME_OVERHEAD > max_frame_bytes:
@@ -219,6 +215,33 @@ def too_large_for_a_frame(size: int, max_frame_bytes: int) -> errors.APIError:
         f"The request is {size} bytes once encoded for the node, more than a link frame "
         f"holds ({max_frame_bytes - FRAME_OVERHEAD} bytes).",
         code="request_too_large",
+    )
+
+
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # no integer outside msgpack's 64 bits has fewer digits
+
+
+def check_int64(body: dict[str, Any], text: bytes | None = None) -> None:
+    """The 400 :func:`encode_run_body` answers for an integer outside 64 bits anywhere in
+    ``body``, an unknown field's too, for a body the node gets only in part or not as
+    decoded (Messages, the tunnel). ``text``: the bytes ``body`` came from; without a run
+    of 19 digits in them there is none, and nothing is encoded."""
+    if text is not None and _LONG_DIGITS.search(text) is None:
+        return
+    try:
+        _encode_msgpack(body)  # (in C: 500,000 values walked in Python held the loop ~0.1 s)
+    except OverflowError:
+        raise _out_of_range(body) from None
+    except (msgspec.EncodeError, RecursionError, TypeError, ValueError):
+        pass  # (not this check's: the body that travels is encoded, and judged, on its way)
+
+
+def _out_of_range(body: dict[str, Any]) -> errors.APIError:
+    param = next((k for k, v in body.items() if not _encodable(v)), None)
+    return errors.bad_request(
+        "The request holds an integer outside the 64-bit range" + (f" in `{param}`." if param else "."),
+        param,
+        "integer_out_of_range",
     )
 
 
