@@ -274,9 +274,8 @@ class Run:
             )  # (a dead server's 1 ms failures made a slow node look stalled)
             if answered:
                 link.served(slot.model)
-            elif timed_out:
-                pass
-            elif getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500:  # failed at once, not for the client
+            elif not timed_out and (getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500):
+                # failed at once, not for the client
                 link.failed_at_once(slot.model, now)
                 if self.on_failed_at_once is not None and self.on_failed_at_once(self, item):
                     return  # moved to another node: its silence is counted from now
