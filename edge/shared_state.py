@@ -126,13 +126,13 @@ return {got, tostring(level)}
 # ARGV: this edge's id, the slots it wants to hold (more than it holds: only as many as the others leave
 # of the limit), the limit (0: none), the budget it holds on (its requests' reservations and its use not
 # yet in the day's counter), the seconds after which a silent edge's entry is dropped, the daily budget
-# (0: none), a slice of the budget (0: none), a spare slot asked (1) or not (0), then the
-# amounts requests waiting on this edge ask of the budget: each is granted, in order, while the day's total and every
-# edge's holdings are below the budget (the one that crosses it too). Then the edge holds the slice more,
-# to admit on without a round trip, while two are left; and one spare slot besides the slots it wants,
-# for the same, while a quarter of the limit (and 2) stay free after it. Returns the slots it holds now,
-# the others' slots, the others' budget held, the budget it holds now, how many of the asks were
-# granted, and the day's total.
+# (0: none), a slice of the budget (0: none), a spare slot asked (1) or not (0), then the amounts
+# requests waiting on this edge ask of the budget: each is granted, in order, while the day's total and
+# every edge's holdings are below the budget (the one that crosses it too). Then the edge holds the slice
+# more, to admit on without a round trip, while two are left; and one spare slot besides the slots it
+# wants, for the same, while a quarter of the limit (and 2) stay free after it. Returns the slots it
+# holds now, the others' slots, the others' budget held, the budget it holds now, how many of the asks
+# were granted, and the day's total.
 _FLIGHT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
