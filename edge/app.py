@@ -362,12 +362,14 @@ def _models_page(names: list[str], args) -> tuple[list[str], bool] | APIError:
 def _model_card(name: str, links: list[NodeLink]) -> ModelCard:
     """A model group as ``/v1/models`` lists it and ``/v1/models/{id}`` returns it."""
     created = int(min(lk.linked_wall for lk in links))
+    window = max((lk.models[name].context_window for lk in links if name in lk.models), default=0)
     return ModelCard(
         id=name,
         created=created,
         nodes=sorted(lk.node_id for lk in links),
         display_name=name,
         created_at=datetime.datetime.fromtimestamp(created, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        max_input_tokens=window or None,
     )
 
 

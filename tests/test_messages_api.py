@@ -1016,6 +1016,23 @@ async def test_the_anthropic_sdk_lists_and_retrieves_models(setup):
     assert one.id == "m" and one.display_name == "m" and one.type == "model"
     assert abs(one.created_at.timestamp() - openai_shape["data"][0]["created"]) < 1
     assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"  # OpenAI's, still
+    # Validated as the SDK's type, not built leniently: anthropic 2.17 requires `lifecycle`, and a
+    # picker keeping the `active` models kept none while it was missing.
+    strict = anthropic.types.ModelInfo.model_validate(openai_shape["data"][0])
+    assert one.lifecycle == strict.lifecycle == "active"
+    assert one.max_input_tokens is None  # the node advertised no context window
+
+
+async def test_a_model_lists_the_largest_context_window_its_nodes_advertise(nursery, upstream):
+    """`max_input_tokens` (Anthropic's field) is the largest `context_window` of the nodes serving
+    the model: the most a request of it can hold on some node."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("w", upstream, context_window=8192)], node_id="n1")
+    await start_node(nursery, edge, [model("w", upstream, context_window=32768)], node_id="n2")
+    with trio.fail_after(BOUND):
+        async with client_for(edge, api_key="unused") as client:
+            one = await client.models.retrieve("w")
+    assert one.max_input_tokens == 32768 and one.lifecycle == "active"
 
 
 async def test_the_anthropic_sdk_pages_through_models(nursery, upstream):

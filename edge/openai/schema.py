@@ -173,7 +173,8 @@ class ChatCompletion(msgspec.Struct, omit_defaults=True):
 
 class ModelCard(msgspec.Struct):
     """A model as OpenAI's API lists it, with the fields Anthropic's has too (``type``,
-    ``display_name``, ``created_at``), so that either SDK's ``models`` reads it whole."""
+    ``display_name``, ``created_at``, ``lifecycle``, ``max_input_tokens``), so that either
+    SDK's ``models`` reads it whole (anthropic 2.17 requires ``lifecycle``)."""
 
     id: str
     object: str = "model"
@@ -183,6 +184,8 @@ class ModelCard(msgspec.Struct):
     type: str = "model"
     display_name: str = ""
     created_at: str = ""  # RFC 3339, UTC
+    lifecycle: str = "active"  # a model a node serves now is callable
+    max_input_tokens: int | None = None  # the largest context_window its nodes advertised (None: unknown)
 
 
 class ModelList(msgspec.Struct):
