@@ -985,6 +985,24 @@ async def test_many_tool_results_count_as_the_client_sent_them(nursery, upstream
     await settled(edge, node.agent)
 
 
+async def test_a_tool_call_cut_off_by_max_tokens_keeps_what_it_holds(setup):
+    """A call cut off mid-way (finish `length`) was `"input": {}` in the whole answer, while its
+    stream carried the fragment: now the input is what the fragment holds, finished values
+    only, as Anthropic's SDK reads the same call streamed."""
+    edge, upstream = setup
+    upstream.script_for(
+        "t", steps(*native_call("call_1", "f", '{"city": "Paris", "days": [1, 2], "u'), finish="length")
+    )
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            whole = await client.messages.create(model="m", max_tokens=50, messages=USER)
+            async with client.messages.stream(model="m", max_tokens=50, messages=USER) as stream:
+                streamed = await stream.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+    assert [(b.type, b.input) for b in whole.content] == [("tool_use", {"city": "Paris", "days": [1, 2]})]
+    assert [b.input for b in streamed.content] == [b.input for b in whole.content]
+
+
 async def test_a_tool_call_nested_past_the_decoder_is_an_empty_input_not_a_500(setup):
     """A model's tool call whose arguments nest 100,000 deep raised RecursionError (not a
     DecodeError) while the edge made its `input`: a 500 on the Messages API. Unreadable

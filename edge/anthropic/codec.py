@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+import jiter
 import msgspec
 
 from edge import errors
@@ -516,9 +517,23 @@ def tool_use_id(call_id: str) -> str:
 def _input(arguments: str, budget: jsoncost.Budget) -> Any:
     try:
         value = budget.decode(arguments or "{}")
-    except (msgspec.DecodeError, RecursionError):  # (msgspec's RecursionError: nested past ~1,000 levels)
+    except jsoncost.TooCostly:
         return {}
+    except (msgspec.DecodeError, RecursionError):  # (msgspec's RecursionError: nested past ~1,000 levels)
+        value = _partial(arguments)
     return value if isinstance(value, dict) else {}
+
+
+def _partial(arguments: str) -> Any:
+    """What a call cut off by ``max_tokens`` holds: ``{"city": "Paris", "u`` is
+    ``{"city": "Paris"}``, as Anthropic's SDK reads the same call streamed (jiter's
+    partial mode: an unfinished string is left out). JSON that is wrong, not only
+    unfinished, or nested past jiter's 200 levels, holds nothing. Its size was
+    charged to the budget by the decode that failed."""
+    try:
+        return jiter.from_json(arguments.encode(), partial_mode=True)
+    except ValueError:
+        return None
 
 
 def _usage(usage: UsageOut) -> dict[str, Any]:
