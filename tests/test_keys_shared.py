@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -271,6 +272,38 @@ async def test_a_budget_key_with_max_concurrent_is_never_refused_a_slot_it_has(n
             for _ in range(4):
                 n.start_soon(one_at_a_time)
     assert statuses.count(200) == 240, [s for s in statuses if s != 200][:5]
+
+
+async def test_a_budget_key_with_no_slot_free_is_refused_for_concurrency_not_an_unchecked_budget(
+    nursery,
+    redis_server,  # noqa: F811
+    tmp_path,
+):
+    """max_concurrent 2 and a daily budget whose slice covers no request, 2 requests running and 4
+    more sent: Redis grants each its budget but no slot, so each is the usual 429 for its
+    concurrency. They waited out the budget's 2.5 s for a slot, then were refused for the budget
+    that first refused them: a 503 `budget_unchecked` with Redis up (48 of 188 over three edges)."""
+    keys = [KeyConfig(id="both2", key="sk-both2", max_concurrent=2, daily_tokens=100_000)]
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=keys, state=redis_server.url, admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")),
+    )
+    slow = model("slow", ttft_ms=0, tokens_per_s=10, sim_tokens=30, sim_stops=True)  # 3 s each
+    await start_node(nursery, edge, [slow], node_id="n-slow")
+    await eventually(lambda: edge.edge.shared.up, "leasing from redis")
+    key = edge.edge.keys.by_id["both2"]
+    refused: list[httpx.Response] = []
+    with trio.fail_after(BOUND * 2):
+        async with client(edge, "sk-both2") as c, trio.open_nursery() as n:
+            for _ in range(2):  # max_tokens 2,000: more than the budget's slice (1,000)
+                n.start_soon(functools.partial(chat, c, "slow", max_tokens=2000))
+            await eventually(lambda: key.in_flight == 2, "two running")
+            async with trio.open_nursery() as more:
+                for _ in range(4):
+                    more.start_soon(_append, refused, chat(c, "slow", max_tokens=2000))
+            assert key.in_flight == 2  # (still running: every refusal was for want of a slot)
+    assert [(r.status_code, r.json()["error"]["code"]) for r in refused] == [(429, "rate_limit_exceeded")] * 4
+    assert all("concurrent" in r.json()["error"]["message"] for r in refused), refused[0].text
 
 
 async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nursery, redis_server, tmp_path):  # noqa: F811
