@@ -36,7 +36,7 @@ from edge.frame_limit import install as install_frame_limit
 from edge.h2_streams import install as install_h2_streams
 from edge.keepalive import install as install_keepalive
 from edge.keys import Key, Keys, Policy
-from edge.ledger import Ledger
+from edge.ledger import Ledger, is_postgres
 from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
@@ -100,7 +100,9 @@ class Edge:
                 key = self.keys.by_id.get(key_id)
                 if key is not None:  # (restored: what shared state may find in Redis already)
                     key.day, key.day_used, key.restored = int(time.time() // 86400), used, used
-        self.shared = SharedState(config.state, self.keys, self.id) if config.state else None
+        shared_ledger = self.ledger is not None and is_postgres(target)  # (every edge's rows: a day's floor)
+        day_totals = self.ledger.day_totals if shared_ledger else None
+        self.shared = SharedState(config.state, self.keys, self.id, day_totals) if config.state else None
         self.metrics = EdgeMetrics(self.runs, self)
         self.template_think = TemplateThink()  # models whose chat template opens <think> (live think tags)
         self.response_items = ResponseItems()  # the Responses API's recent output items (item_reference)

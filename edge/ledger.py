@@ -479,16 +479,23 @@ class Ledger:
         midnight = (time.time() // 86400) * 86400
         try:
             keys, stored = _live_keys(db, True)
-            rows = db.execute(
-                self.dialect.sql(
-                    "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
-                ),
-                (midnight,),
-            ).fetchall()
+            today = self._tokens_since(db, midnight)
         except self._errors as e:
             self._unavailable(e)
             return None
-        return keys, stored, {key: int(total or 0) for key, total in rows if key}
+        return keys, stored, today
+
+    def _tokens_since(self, db: Any, since: float) -> dict[str, int]:
+        sql = "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
+        rows = db.execute(self.dialect.sql(sql), (since,)).fetchall()
+        return {key: int(total or 0) for key, total in rows if key}
+
+    async def day_totals(self, since: float) -> dict[str, int]:
+        """Tokens per key since ``since`` (a midnight), every record queued so far included;
+        LedgerUnavailable rather than short totals."""
+        self._fail_if_hung()
+        await self.store_pending()
+        return await self._call(lambda db: self._tokens_since(db, since), self._reads, read=True)
 
     async def usage(self, start: float | None, end: float | None, group_by: list[str]) -> list[dict[str, Any]]:
         """Usage rows (:func:`query_usage`), every record queued so far included: a

@@ -75,8 +75,11 @@ import structlog
 import trio
 
 from edge.keys import local_level
+from edge.ledger import LedgerUnavailable
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from edge.errors import APIError
     from edge.keys import Key, Keys
 
@@ -95,6 +98,9 @@ SLOT_RETRY_S = 0.01  # a request finding no free slot in Redis asks again this o
 REFRESH_S = 1.0  # a key nothing changed for on this edge is written and read again this often
 SLICE_FOR_S = 2.0  # an edge holds a slice of a key's budget this long after it admitted a request of it
 DAY_TTL_S = 2 * 86400
+FLOOR_DELAY_S = 2 * REFRESH_S + 0.5  # a new day counter's floor waits for every edge's first report
+FLOOR_WAIT_S = 20.0  # a day counter's floor: the ledger's read (its calls give up after 15 s) and Redis's write
+FLOOR_RETRY_S = 1.0
 
 # KEYS[1]: the bucket; ARGV: capacity, refill per second, amount (> 0: take up to it; < 0: give back),
 # the level of a bucket Redis does not have (lost with its data: this edge's last view of it, refilled
@@ -183,19 +189,33 @@ return {want, others, reserved, hold, granted, day}
 
 # KEYS[1]: the epoch, KEYS[2]: a key's day counter; ARGV: an epoch to set if Redis has none, the
 # epoch this edge last reported the day in, what to add if it is still that one, else what to add
-# if the counter exists, else what to add. Returns the epoch and the day's total.
+# if the counter exists, else what to add. Returns the epoch, the day's total and whether the
+# counter existed before.
 _DAY = """
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 local epoch = redis.call('GET', KEYS[1])
+local existed = redis.call('EXISTS', KEYS[2])
 local add = ARGV[5]
 if epoch == ARGV[2] then
   add = ARGV[3]
-elseif redis.call('EXISTS', KEYS[2]) == 1 then
+elseif existed == 1 then
   add = ARGV[4]
 end
 local total = redis.call('INCRBY', KEYS[2], add)
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
-return {epoch, total}
+return {epoch, total, existed}
+"""
+
+# KEYS[1]: a key's day counter; ARGV: the day's total in the shared ledger, the counter's TTL.
+# Raises the counter to the ledger's total (a lower bound of the day's use: every row is use).
+_FLOOR = """
+local total = tonumber(redis.call('GET', KEYS[1]) or '0')
+local floor = tonumber(ARGV[1])
+if floor > total then
+  redis.call('SET', KEYS[1], floor, 'EX', tonumber(ARGV[2]))
+  return floor
+end
+return total
 """
 
 EPOCH_KEY = "iop:epoch"
@@ -254,7 +274,11 @@ class _Borrowing:
 
 
 class SharedState:
-    def __init__(self, url: str, keys: Keys, edge_id: str) -> None:
+    def __init__(
+        self, url: str, keys: Keys, edge_id: str, day_totals: Callable[[float], Awaitable[dict[str, int]]] | None = None
+    ) -> None:
+        """``day_totals``: with a ledger every edge shares (PostgreSQL), its tokens per key
+        since a time (``Ledger.day_totals``), to rebuild a day counter Redis lost."""
         import redis
 
         self._redis_error = redis.RedisError
@@ -262,6 +286,10 @@ class SharedState:
         self.bucket = self.client.register_script(_BUCKET)
         self.day = self.client.register_script(_DAY)
         self.flight = self.client.register_script(_FLIGHT)
+        self.floor = self.client.register_script(_FLOOR)
+        self.day_totals = day_totals
+        self._floors_wanted: set[tuple[str, int]] = set()  # (key id, day): counters to raise to the ledger's
+        self._floors_wake = trio.Event()
         self.keys = keys
         keys.shared = True  # leases from the first round on
         keys.zero_levels()
@@ -347,7 +375,7 @@ class SharedState:
 
     def _exchange(
         self, plan: list[BucketOp], counters: list[tuple[str, int, list | None, FlightArgs | None]]
-    ) -> tuple[list, dict[str, tuple[tuple[bytes, int] | None, list | None]]]:
+    ) -> tuple[list, dict[str, tuple[tuple[bytes, int, int] | None, list | None]]]:
         """In a worker thread: the Redis round trip (one pipeline). ``counters``: per
         key, its day's script arguments and its flights' (None: not this time)."""
         pipe = self.client.pipeline(transaction=False)
@@ -363,12 +391,12 @@ class SharedState:
                 self._flight(pipe, key_id, flight)
         results = pipe.execute()
         rest = results[len(plan) :]
-        out: dict[str, tuple[tuple[bytes, int] | None, list | None]] = {}
+        out: dict[str, tuple[tuple[bytes, int, int] | None, list | None]] = {}
         i = 0
         for key_id, _, adds, flight in counters:
             day_result = flown = None
             if adds is not None:
-                day_result = (rest[i][0], int(rest[i][1]))
+                day_result = (rest[i][0], int(rest[i][1]), int(rest[i][2]))
                 i += 1
             if flight is not None:
                 flown = rest[i]
@@ -434,6 +462,11 @@ class SharedState:
         """The day script's epoch and amounts for ``key`` (see _DAY), and the day_used they report."""
         used = key.day_used
         epoch, reported = self._reported.get((key.id, key.day), (b"", 0))
+        if self.day_totals is not None:
+            # A shared ledger: what this edge restored at start is every edge's use, which the
+            # others add too (a counter made anew after Redis lost its data was 33-50% over);
+            # only its own use goes in, and the ledger's total is the counter's floor (below).
+            return [epoch, used - reported, used - key.restored, used - key.restored], used
         return [epoch, used - reported, used - key.restored, used], used
 
     async def round(self) -> None:
@@ -486,7 +519,10 @@ class SharedState:
                 continue
             day_result, flown = totals[key_id]
             if day_result is not None:
-                epoch, day_total = day_result
+                epoch, day_total, existed = day_result
+                if not existed and self.day_totals is not None:
+                    self._floors_wanted.add((key_id, day))
+                    self._floors_wake.set()
                 reported = used[key_id]
                 self._reported[(key_id, day)] = (epoch, reported)
                 before = self._reported_day.get(key_id)
@@ -712,6 +748,52 @@ class SharedState:
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """The lease rounds and, with a shared ledger, the day counters' floors."""
+        async with trio.open_nursery() as nursery:
+            if self.day_totals is not None:
+                nursery.start_soon(self._floors)
+            await self._leases()
+
+    async def _floors(self) -> None:
+        """A day counter this edge found missing (made by its add: Redis lost its data, or the
+        day began) is raised to the shared ledger's total of the day, read after the edge's own
+        queued records are stored: the use of edges gone since (a restarted edge's earlier
+        life) is in no live edge's count. Every row is use, so the floor raises no counter past
+        the day's use; use in other edges' queues then (0.5 s of records) can be left out. Until
+        the floor, :data:`FLOOR_DELAY_S`, the counter holds the live edges' use alone."""
+        while True:
+            await self._floors_wake.wait()
+            # After every live edge added its own use to the new counter (each reports a key's
+            # day every REFRESH_S at least): raised before one did, that one's use, in the ledger
+            # already, was counted twice (126 tokens for 90).
+            await trio.sleep(FLOOR_DELAY_S)
+            self._floors_wake = trio.Event()
+            wanted, self._floors_wanted = self._floors_wanted, set()
+            today = int(time.time() // 86400)
+            wanted = {(key_id, day) for key_id, day in wanted if day == today}
+            if not wanted:
+                continue
+            try:
+                with trio.fail_after(FLOOR_WAIT_S):
+                    totals = await self.day_totals(today * 86400.0)
+                    floors = [(key_id, day, totals.get(key_id, 0)) for key_id, day in wanted]
+                    await trio.to_thread.run_sync(self._raise_floors, floors, abandon_on_cancel=True)
+            except (LedgerUnavailable, trio.TooSlowError, self._redis_error, OSError) as e:  # (asked again, later)
+                log.warning("a day counter's floor from the ledger failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+                self._floors_wanted |= wanted
+                await trio.sleep(FLOOR_RETRY_S)
+                self._floors_wake.set()
+                continue
+            log.info("day counters raised to the ledger's totals", keys=len(floors))
+
+    def _raise_floors(self, floors: list[tuple[str, int, int]]) -> None:
+        """In a worker thread: each key's day counter raised to at least its ledger total."""
+        pipe = self.client.pipeline(transaction=False)
+        for key_id, day, total in floors:
+            self.floor(keys=[f"iop:day:{key_id}:{day}"], args=[total, DAY_TTL_S], client=pipe)
+        pipe.execute()
+
+    async def _leases(self) -> None:
         """A lease round every :data:`SYNC_S`; between rounds, the borrows as they come
         (one round trip for those waiting at once). One task: Redis sees one call at a time."""
         next_round = trio.current_time()

@@ -534,6 +534,55 @@ async def test_a_redis_restart_reconciles_daily_budgets(nursery, redis_server, t
             assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota", r.text
 
 
+async def test_a_day_counter_redis_lost_is_rebuilt_from_the_shared_ledger(
+    nursery,
+    redis_server,  # noqa: F811
+    postgres_url,  # noqa: F811
+    tmp_path,
+):
+    """Two edges on one PostgreSQL ledger; use through both; edge b restarts; more use through
+    both; redis-server restarts empty. The day's counter comes back as the ledger's total. The
+    restarted edge had restored every edge's use from the shared ledger and added it again if it
+    reported first in the new Redis (found from outside: +33% and +50%), or left its own earlier
+    use out if not (-17%)."""
+    keys = [KeyConfig(id="day", key="sk-day", daily_tokens=10**9)]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys, postgres_url)
+    b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys, postgres_url)
+
+    async def use(edge, n: int) -> None:
+        async with client(edge, "sk-day") as c:
+            for _ in range(n):
+                assert (await chat(c)).status_code == 200
+
+    async def ledger_total() -> int:
+        await a.edge.ledger.flush()
+        _, prompt, completion = (await a.edge.ledger.key_totals("day"))["day"]
+        return prompt + completion
+
+    with trio.fail_after(BOUND * 3):
+        await use(a, 3)
+        await use(b, 4)
+        await b.edge.ledger.flush()
+        b.scope.cancel()
+        b = await shared_edge(nursery, redis_server.url, tmp_path, "b2", keys, postgres_url)
+        await use(b, 2)
+        await use(a, 1)
+        await b.edge.ledger.flush()
+        total = await ledger_total()
+        await eventually(lambda: a.edge.keys.by_id["day"].today_tokens() == total, "edge a's view of the day")
+        await trio.to_thread.run_sync(redis_server.stop)
+        await trio.to_thread.run_sync(redis_server.start)
+        await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "both edges see redis back")
+        while await redis_day(redis_server.url, "day") != total:
+            await trio.sleep(0.05)
+        await trio.sleep(1.5)  # (every edge has reported again since: REFRESH_S)
+        assert await redis_day(redis_server.url, "day") == total
+        for edge in (a, b):
+            await eventually(
+                lambda edge=edge: edge.edge.keys.by_id["day"].today_tokens() == total, "the day as rebuilt"
+            )
+
+
 async def test_an_edge_restart_adds_only_new_use_and_today_tokens_is_across_edges(nursery, redis_server, tmp_path):  # noqa: F811
     """An edge that restarts restores its day from its ledger and does not add it to Redis again
     (Redis holds it already); `today_tokens` in /v1/admin/keys is the day across edges for a key
