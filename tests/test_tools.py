@@ -1193,3 +1193,84 @@ async def test_a_long_native_tool_call_keeps_its_run_on_a_healthy_node(nursery, 
     assert call["function"]["arguments"] == "".join(parts)
     assert not upstream.records[0].aborted
     assert "iop_node_stalls_total 0.0" in metrics
+
+
+# -- tool_stream = "live" on the Messages and Responses APIs ------------------------------------
+
+ANTHROPIC_TOOLS = [
+    {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)
+]
+RESPONSES_TOOLS = [
+    {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+    for t in (WEATHER, TIME)
+]
+
+
+async def _first_text(edge, api: str) -> str:
+    """The first text a streamed request with tools shows; then the client leaves."""
+    if api == "messages":
+        path, want = "/v1/messages", "text_delta"
+        body = {"model": "live", "max_tokens": 100, "messages": MESSAGES, "tools": ANTHROPIC_TOOLS, "stream": True}
+    else:
+        path, want = "/v1/responses", "response.output_text.delta"
+        body = {"model": "live", "input": MESSAGES, "tools": RESPONSES_TOOLS, "stream": True}
+    first = None
+    async with http(edge) as client, client.stream("POST", path, json=body) as r:
+        with trio.CancelScope() as reading:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and want in line:
+                    data = json.loads(line[6:])
+                    first = data["delta"]["text"] if api == "messages" else data["delta"]
+                    reading.cancel()  # (the generator ends with the cancel: the client leaves)
+    assert first is not None, "the stream ended with no text"
+    return first
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_live_tool_stream_shows_text_as_it_comes_on_messages_and_responses(tooled, api):
+    """tool_stream = "live" holds on /v1/messages and /v1/responses as on chat: their streams with
+    tools were collected whatever the setting (found from outside: Claude Code and Codex send tools
+    with every request, and a minute-long answer showed nothing until its end). Here the model
+    writes a sentence and then goes on thinking: the client reads the sentence meanwhile, and its
+    leaving reaches the model server."""
+    edge, upstream = tooled
+    upstream.script_for("t", [("chunk", {"content": "Checking now. "}), ("hang",)])
+    with trio.fail_after(BOUND):
+        assert await _first_text(edge, api) == "Checking now. "
+        await eventually(lambda: upstream.records and upstream.records[-1].aborted, "the model server saw the cancel")
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_live_tool_stream_retries_invalid_calls_on_messages_and_responses(tooled, api):
+    """An invalid call before any text is retried on the same stream, as on chat: the model
+    server saw the corrective message, and the SDK's final message or response holds the valid
+    call alone."""
+    edge, upstream = tooled
+    upstream.script_for("t", _invalid_then(steps({"content": text_call("get_weather", {"city": "Rome"})})))
+    with trio.fail_after(BOUND):
+        if api == "messages":
+            import anthropic
+
+            client = anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND)
+            async with (
+                client,
+                client.messages.stream(
+                    model="live", max_tokens=100, messages=MESSAGES, tools=ANTHROPIC_TOOLS
+                ) as stream,
+            ):
+                final = await stream.get_final_message()
+            assert final.stop_reason == "tool_use"
+            got = [(b.type, b.name, b.input) for b in final.content]
+            assert got == [("tool_use", "get_weather", {"city": "Rome"})]
+        else:
+            async with sdk(edge) as client:
+                stream = await client.responses.create(model="live", input=MESSAGES, tools=RESPONSES_TOOLS, stream=True)
+                events = [e async for e in stream]
+            assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
+            final = events[-1].response
+            assert final.status == "completed"
+            calls = [(o.type, o.name, json.loads(o.arguments)) for o in final.output]
+            assert calls == [("function_call", "get_weather", {"city": "Rome"})]
+    assert len(upstream.records) == 2
+    corrective = upstream.records[1].body["messages"][-1]
+    assert corrective["role"] == "user" and "town" in corrective["content"]

@@ -47,11 +47,10 @@ from edge.openai.request import (
     estimate_input_tokens,
     parse_chat_request,
 )
-from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, end_reason, open_turn
 from edge.runs import Run, Slot
 from edge.runs.service import check_int64
-from proto import RunEvent
+from proto import RunEvent, ToolCall
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -135,7 +134,7 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
         slot = await turn.acquire()
         if not turn.stream:
             await _respond_whole(turn, slot)
-        elif turn.contract is not None or turn.buffered:
+        elif turn.buffered:  # (with tools, unless tool_stream = "live")
             await output.stream_buffered(turn, slot, MessagesBuffered(turn))
         else:
             await output.stream_live(turn, slot, MessagesLive)
@@ -213,16 +212,22 @@ def collected_events(enc: MessageStream, result: Collected, stop_sequence: str |
     return b"".join(parts)
 
 
-class MessagesLive(output.LiveEncoder):
+class MessagesLive(output.ToolLive):
     """A run's events as Messages events as they arrive (the encoder of
-    :func:`output.stream_live`, which owns the commit and keep-alives)."""
+    :func:`output.stream_live`, which owns the commit and keep-alives); with
+    tools and ``tool_stream = "live"``, text streams and the calls are
+    validated at the end (:class:`output.ToolLive`)."""
 
     keep_alive = PING
 
-    def __init__(self, turn: Turn, run: Run) -> None:
-        super().__init__(turn, run)
-        self.enc = enc = MessageStream(_message_id(turn.ex), turn.req.model)
-        self.shaper = self.shape_into_out(enc.text, enc.thinking)
+    def __init__(self, turn: Turn, run: Run, previous: MessagesLive | None = None, attempt: int = 1) -> None:
+        super().__init__(turn, run, attempt)
+        # (a retry's: the stream's, so one message and its block indexes throughout)
+        self.enc = enc = previous.enc if previous is not None else MessageStream(_message_id(turn.ex), turn.req.model)
+        self.shaper = self.shape_tools(enc.text, enc.thinking)
+
+    def text(self, text: str) -> bytes:
+        return self.enc.text(text)
 
     def opening(self) -> bytes:
         return self.enc.start(self.turn.estimate)
@@ -230,15 +235,12 @@ class MessagesLive(output.LiveEncoder):
     def error(self, message: str, type: str) -> bytes:
         return self.enc.error(message, type, output.futile(self.turn, type))
 
-    def complete(self, event: RunEvent) -> bytes:
-        usage = self.turn.usage_of(self.run, event)
-        shaper = self.shaper
-        shaper.finish()  # flushes held-back text through the callbacks
+    def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
         enc = self.enc
         parts: list[bytes] = []
         finish_reason = event.finish_reason or "stop"
-        calls = self.turn.calls_to_send(with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None)
-        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls), own_block=True)
+        calls = self.turn.calls_to_send(calls)
+        fallback = "" if event.refusal else self.shaper.fallback(finish_reason, bool(calls), own_block=True)
         if fallback:
             parts.append(enc.text(fallback))
         if event.refusal:

@@ -316,7 +316,7 @@ def buffered_chunks(turn: Turn, run: Run, result: Collected) -> bytes:
 # -- live stream -------------------------------------------------------------------
 
 
-class _Into:
+class Into:
     """Shaped text, encoded, onto a stream's ``out`` list: what a live
     :class:`Shaper` is given. An object of two slots, not a closure over the
     list and the encoder (208 bytes each, two held by every open stream), nor
@@ -360,7 +360,7 @@ class LiveEncoder:
         reasoning go to ``out`` through the API's ``content``/``reasoning``
         encoders."""
         out = self.out
-        return self.turn.shaper(live=True, on_content=_Into(out, content), on_reasoning=_Into(out, reasoning))
+        return self.turn.shaper(live=True, on_content=Into(out, content), on_reasoning=Into(out, reasoning))
 
     def opening(self) -> bytes:
         """Written when the stream commits."""
@@ -389,14 +389,16 @@ class LiveEncoder:
         return self.error(failed.message, failed.type)
 
 
-class LiveStream(LiveEncoder):
-    """Shapes a run's events into chat SSE chunks as they arrive.
-
-    Each batch of events becomes one write. With tools (``tool_stream =
-    "live"``), content passes a filter that holds back possible tool-call
+class ToolLive(LiveEncoder):
+    """A live stream of any API whose request may have tools (``tool_stream =
+    "live"``): content passes a filter that holds back possible tool-call
     text, and the calls are validated at the end: invalid calls before any
     content went out are retried on the same stream (:func:`stream_live`),
     after content they are an in-stream ``tool_validation_error``.
+
+    A subclass gives :meth:`text` (its API's bytes for content), its shaper
+    (content through :meth:`_content` when :attr:`tool_filter` is set) and
+    :meth:`tail` (the closing bytes of a run that ended well).
     """
 
     # With tools, lists (made per stream): all content, for parsing calls at
@@ -404,51 +406,40 @@ class LiveStream(LiveEncoder):
     raw_content: Sequence[str] = ()
     emitted: Sequence[str] = ()
 
-    def __init__(self, turn: Turn, run: Run, enc: ChunkEncoder | None = None, attempt: int = 1) -> None:
+    def __init__(self, turn: Turn, run: Run, attempt: int = 1) -> None:
         super().__init__(turn, run)
-        self.enc = enc = enc or _encoder(turn, run)  # (a retry's: the stream's, so one id throughout)
         self.attempt = attempt
         # A retry of the turn: (reason, calls, content) of these invalid calls (:func:`_live_tools`).
         self.retry: tuple[str, list[ToolCall] | None, str] | None = None
-        self.trace = StreamTrace() if trace_enabled(run.metadata) else None
         self.tool_filter = ToolTextFilter() if turn.contract is not None else None
         if self.tool_filter is not None:
             self.raw_content: list[str] = []
             self.emitted: list[str] = []
-        if self.trace is None and self.tool_filter is None:
-            on_content, on_reasoning = _Into(self.out, enc.content), _Into(self.out, enc.reasoning)
-        else:
-            on_content, on_reasoning = self._content, self._reasoning
-        self.shaper = turn.shaper(live=True, on_content=on_content, on_reasoning=on_reasoning)
+
+    def shape_tools(self, content: Callable[[str], bytes], reasoning: Callable[[str], bytes]) -> Shaper:
+        """:meth:`shape_into_out`, its content through the tool filter when the request has tools."""
+        if self.tool_filter is None:
+            return self.shape_into_out(content, reasoning)
+        return self.turn.shaper(live=True, on_content=self._content, on_reasoning=Into(self.out, reasoning))
+
+    def text(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
+        raise NotImplementedError
 
     def _emit_content(self, text: str, **extra) -> None:
         if not text:
             return
-        if self.trace is not None:
-            self.trace.chunk("content", len(text), **extra)
         if self.tool_filter is not None:
             self.emitted.append(text)
-        self.out.append(self.enc.content(text))
+        self.out.append(self.text(text))
 
     def _content(self, text: str) -> None:
         if self.tool_filter is not None:
             self.raw_content.append(text)
             text = self.tool_filter.append(text)
         self._emit_content(text)
-
-    def _reasoning(self, text: str) -> None:
-        if self.trace is not None:
-            self.trace.chunk("reasoning", len(text))
-        self.out.append(self.enc.reasoning(text))
-
-    def opening(self) -> bytes:
-        return self.enc.role()
-
-    def feed(self, batch: list[RunEvent]) -> bytes | None:
-        if self.trace is None:
-            return super().feed(batch)
-        end = self.shaper.take(batch, self.trace.around)
-        return None if end is None else self._end(end)
 
     def failed(self, event: RunEvent) -> bytes:
         if self.attempt == 1:
@@ -465,8 +456,7 @@ class LiveStream(LiveEncoder):
         mark = len(self.out)  # what this end adds to ``out`` (a retry drops it)
         usage = self.turn.usage_of(self.run, event)
         self.shaper.finish()
-        finish_reason = finish_of(event)
-        cut_off = finish_reason == "length"  # by max_tokens: what was produced goes out as it is
+        cut_off = finish_of(event) == "length"  # by max_tokens: what was produced goes out as it is
         calls = with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None
         if calls:
             if self.tool_filter is not None:
@@ -491,7 +481,7 @@ class LiveStream(LiveEncoder):
                 return b""
             if reason:
                 return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
-        return self._tail(event, calls, usage)
+        return self.tail(event, calls, usage)
 
     async def checked_end(self) -> bytes:
         """The end :meth:`complete` left for its calls' check in a worker thread."""
@@ -503,9 +493,60 @@ class LiveStream(LiveEncoder):
         reason = await contract.check_in_thread(calls)
         if reason:
             return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
-        return self._tail(event, calls, usage)
+        return self.tail(event, calls, usage)
 
-    def _tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
+    def _invalid(self, reason: str, calls: list[ToolCall] | None, content: str, sent: bool, mark: int) -> bytes:
+        """Invalid calls end the run: retried if no content went out and attempts
+        are left (this end's bytes dropped, ``again`` set), else the stream's
+        ``tool_validation_error``."""
+        turn = self.turn
+        if sent or self.attempt >= turn.max_tool_attempts:
+            turn.invalid_at_last(reason, self.attempt)
+            turn.outcome = "tool_validation"
+            return self.error(reason, TOOL_VALIDATION_ERROR)
+        del self.out[mark:]
+        self.retry = (reason, calls, content)
+        self.again = True
+        return b""
+
+
+class LiveStream(ToolLive):
+    """Shapes a run's events into chat SSE chunks as they arrive: each batch of
+    events becomes one write (with tools, :class:`ToolLive`)."""
+
+    def __init__(self, turn: Turn, run: Run, previous: LiveStream | None = None, attempt: int = 1) -> None:
+        super().__init__(turn, run, attempt)
+        self.enc = enc = previous.enc if previous is not None else _encoder(turn, run)  # (one id throughout)
+        self.trace = StreamTrace() if trace_enabled(run.metadata) else None
+        if self.trace is None and self.tool_filter is None:
+            on_content, on_reasoning = Into(self.out, enc.content), Into(self.out, enc.reasoning)
+        else:
+            on_content, on_reasoning = self._content, self._reasoning
+        self.shaper = turn.shaper(live=True, on_content=on_content, on_reasoning=on_reasoning)
+
+    def text(self, text: str) -> bytes:
+        return self.enc.content(text)
+
+    def _emit_content(self, text: str, **extra) -> None:
+        if text and self.trace is not None:
+            self.trace.chunk("content", len(text), **extra)
+        super()._emit_content(text)
+
+    def _reasoning(self, text: str) -> None:
+        if self.trace is not None:
+            self.trace.chunk("reasoning", len(text))
+        self.out.append(self.enc.reasoning(text))
+
+    def opening(self) -> bytes:
+        return self.enc.role()
+
+    def feed(self, batch: list[RunEvent]) -> bytes | None:
+        if self.trace is None:
+            return super().feed(batch)
+        end = self.shaper.take(batch, self.trace.around)
+        return None if end is None else self._end(end)
+
+    def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
         """The closing bytes of a run that ended well: a refusal, the calls, the finish, the usage."""
         enc = self.enc
         shaper = self.shaper
@@ -530,20 +571,6 @@ class LiveStream(LiveEncoder):
         tail.append(DONE)
         return b"".join(tail)
 
-    def _invalid(self, reason: str, calls: list[ToolCall] | None, content: str, sent: bool, mark: int) -> bytes:
-        """Invalid calls end the run: retried if no content went out and attempts
-        are left (this end's bytes dropped, ``again`` set), else the stream's
-        ``tool_validation_error``."""
-        turn = self.turn
-        if sent or self.attempt >= turn.max_tool_attempts:
-            turn.invalid_at_last(reason, self.attempt)
-            turn.outcome = "tool_validation"
-            return self.error(reason, TOOL_VALIDATION_ERROR)
-        del self.out[mark:]
-        self.retry = (reason, calls, content)
-        self.again = True
-        return b""
-
 
 def _unstreamed(cleaned: str, emitted: str) -> str:
     """The part of the final cleaned content the client has not seen yet."""
@@ -555,33 +582,40 @@ def _unstreamed(cleaned: str, emitted: str) -> str:
     return ""
 
 
-def stream_live(turn: Turn, slot: Slot, make: Callable[[Turn, Run], LiveEncoder] = LiveStream) -> Awaitable[None]:
-    """A live stream, its bytes made by ``make(turn, run)``: commits (``200``
-    and the encoder's opening) at the run's first event or when a keep-alive
-    is due, writes each batch's bytes, the encoder's keep-alive when the run
-    is quiet, and its closing bytes. A run that fails before the stream
-    commits is an HTTP error (:func:`http_error`). Await what this returns;
+# What a live stream's encoder is made with: (turn, run, the encoder of the stream's run before
+# (a tool retry's), the attempt).
+MakeLive = Callable[[Turn, Run, Any, int], ToolLive]
+
+
+def stream_live(turn: Turn, slot: Slot, make: MakeLive = LiveStream) -> Awaitable[None]:
+    """A live stream, its bytes made by ``make(turn, run, None, 1)``: commits
+    (``200`` and the encoder's opening) at the run's first event or when a
+    keep-alive is due, writes each batch's bytes, the encoder's keep-alive
+    when the run is quiet, and its closing bytes. A run that fails before the
+    stream commits is an HTTP error (:func:`http_error`). With tools, runs
+    retried on the stream (:func:`_live_tools`). Await what this returns;
     not a coroutine: a stream holds no frame of this one's."""
-    if turn.contract is not None and make is LiveStream:
-        return _live_tools(turn, slot)
+    if turn.contract is not None:
+        return _live_tools(turn, slot, make)
     return turn.run_on(slot, _LiveWrite(turn, make), keepalive=turn.edge.config.keepalive_s)
 
 
-async def _live_tools(turn: Turn, slot: Slot) -> None:
-    """A live chat stream with tools (``tool_stream = "live"``): a run whose
-    calls are invalid before any content went out is retried, as a buffered
-    stream's is (:func:`collect_validated`: attempts, metadata, the corrective
-    message), on the stream already open: its chunks keep the stream's id, and
+async def _live_tools(turn: Turn, slot: Slot, make_live: MakeLive) -> None:
+    """A live stream with tools (``tool_stream = "live"``), of any API: a run
+    whose calls are invalid before any content went out is retried, as a
+    buffered stream's is (:func:`collect_validated`: attempts, metadata, the
+    corrective message), on the stream already open: its events keep the
+    stream's ids (the retry's encoder is made from the first's), and
     keep-alives flow while the retry waits for a slot."""
     keepalive = turn.edge.config.keepalive_s
     turn.settle_at_end = True  # a run's usage settles the key's lease only once no retry follows it
-    made: list[LiveStream] = []
+    made: list[ToolLive] = []
     metadata: dict[str, str] | None = None
     extra: list[dict[str, Any]] | None = None
     attempt = 1
 
-    def make(turn: Turn, run: Run) -> LiveStream:
-        live = LiveStream(turn, run, made[0].enc if made else None, attempt)
+    def make(turn: Turn, run: Run, previous: Any = None, _: int = 1) -> ToolLive:
+        live = make_live(turn, run, made[0] if made else None, attempt)
         made[:] = [live]
         return live
 
@@ -624,13 +658,13 @@ class _LiveWrite:
 
     __slots__ = ("_turn", "_make")
 
-    def __init__(self, turn: Turn, make: Callable[[Turn, Run], LiveEncoder]) -> None:
+    def __init__(self, turn: Turn, make: MakeLive) -> None:
         self._turn = turn
         self._make = make
 
     def __call__(self, run: Run) -> Awaitable[None]:
         turn = self._turn
-        return _write_live(turn, run, self._make(turn, run))
+        return _write_live(turn, run, self._make(turn, run, None, 1))
 
 
 class _LiveSink:

@@ -31,10 +31,9 @@ from edge.openai.exchange import SSE_HEADERS, ErrorShape, Exchange
 from edge.openai.request import check_message_count, decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.sse import sse_error
-from edge.openai.tools import with_ids
 from edge.openai.turn import Collected, Turn, collect_validated, open_turn
 from edge.runs import Run, Slot
-from proto import RunEvent
+from proto import RunEvent, ToolCall
 
 if TYPE_CHECKING:
     from edge.app import Edge
@@ -110,10 +109,10 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             return
         if not turn.stream:
             await _respond_whole(turn, slot, enc)
-        elif turn.contract is not None or turn.buffered:
+        elif turn.buffered:  # (with tools, unless tool_stream = "live")
             await output.stream_buffered(turn, slot, ResponsesBuffered(turn, enc))
         else:
-            await output.stream_live(turn, slot, lambda t, run: ResponsesLive(t, run, enc))
+            await output.stream_live(turn, slot, lambda t, run, _, attempt: ResponsesLive(t, run, enc, attempt))
     except Exception:
         if ex.started and not ex.finished:  # never a silent end
             await ex.finish(enc.failed("internal error in the edge", "server_error"))
@@ -161,14 +160,19 @@ class ResponsesBuffered:
         return events
 
 
-class ResponsesLive(output.LiveEncoder):
+class ResponsesLive(output.ToolLive):
     """A run's events as Responses stream events, as they arrive (the encoder
-    of :func:`output.stream_live`, which owns the commit and keep-alives)."""
+    of :func:`output.stream_live`, which owns the commit and keep-alives);
+    with tools and ``tool_stream = "live"``, text streams and the calls are
+    validated at the end (:class:`output.ToolLive`)."""
 
-    def __init__(self, turn: Turn, run: Run, enc: ResponseEncoder) -> None:
-        super().__init__(turn, run)
-        self.enc = enc
-        self.shaper = self.shape_into_out(enc.text, enc.reasoning)
+    def __init__(self, turn: Turn, run: Run, enc: ResponseEncoder, attempt: int = 1) -> None:
+        super().__init__(turn, run, attempt)
+        self.enc = enc  # (the request's: a retry's events go on the same response)
+        self.shaper = self.shape_tools(enc.text, enc.reasoning)
+
+    def text(self, text: str) -> bytes:
+        return self.enc.text(text)
 
     @property
     def keep_alive(self) -> bytes:  # type: ignore[override]  # (a class attribute on LiveEncoder)
@@ -180,13 +184,10 @@ class ResponsesLive(output.LiveEncoder):
     def error(self, message: str, type: str) -> bytes:
         return self.enc.failed(message, type, output.futile(self.turn, type))
 
-    def complete(self, event: RunEvent) -> bytes:
-        usage = self.turn.usage_of(self.run, event)
-        shaper = self.shaper
-        shaper.finish()
+    def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
         finish_reason = event.finish_reason or "stop"
-        calls = event.tool_calls  # none asked for (no tools): shown as the model made them
-        fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(calls), own_block=True)
+        calls = self.turn.calls_to_send(calls)  # (none asked for, no tools: shown as the model made them)
+        fallback = "" if event.refusal else self.shaper.fallback(finish_reason, bool(calls), own_block=True)
         tail = [self.enc.text(fallback)] if fallback else []
         if event.refusal:
             tail.append(self.enc.refusal(event.refusal))
@@ -194,5 +195,5 @@ class ResponsesLive(output.LiveEncoder):
             tail.append(self.enc.text(""))  # an empty answer is one empty message, as a whole response has
         if calls:
             status = "incomplete" if finish_reason == "length" else "completed"
-            tail.append(self.enc.function_calls(with_ids(calls, self.turn.history_ids), status))
+            tail.append(self.enc.function_calls(calls, status))
         return b"".join([*tail, self.enc.completed(usage, finish_reason)])
