@@ -23,34 +23,63 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
+import resource
 
 import structlog
 import trio
+from hypercorn.events import Updated
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 log = structlog.get_logger("iop.edge")
 
 TICK = 1.0  # seconds between two looks at the idle connections' deadlines
+SHED_AT = 0.8  # of the process's descriptor limit: past it, a new connection closes the longest idle
+MAX_OPEN: int | None = None  # (tests) connections past which idle ones are shed; None: SHED_AT of the limit
+
+
+def _max_open() -> int:
+    if MAX_OPEN is not None:
+        return MAX_OPEN
+    return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0] * SHED_AT)
 
 
 class _IdleConnections:
-    """The idle connections of one hypercorn server (one ``WorkerContext``)."""
+    """The idle connections of one hypercorn server (one ``WorkerContext``), and how many it has
+    open: past :func:`_max_open`, each connection that goes idle (a new one, before its first
+    request, included) closes the two idle longest, as nginx does when it runs out of
+    connections, so that idle ones cannot hold every descriptor (found from outside: 20,000
+    connections that sent nothing made the edge refuse every new client for as long as they
+    were held; reconnecting every 75 s keeps them so)."""
 
-    __slots__ = ("context", "deadlines", "running")
+    __slots__ = ("context", "deadlines", "running", "open", "limit", "shed")
 
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         self.deadlines: dict[TCPServer, float] = {}
         self.running = False
+        self.open: set[TCPServer] = set()
+        self.limit = _max_open()
+        self.shed = 0  # idle connections closed early, for want of descriptors
 
-    def add(self, server: TCPServer) -> None:
+    async def add(self, server: TCPServer) -> None:
         deadlines = self.deadlines
         deadlines.pop(server, None)  # re-inserted at the end: the dict stays in deadline order
         deadlines[server] = trio.current_time() + server.config.keep_alive_timeout
         if not self.running:
             self.running = True
             trio.lowlevel.spawn_system_task(self._reap, name="iop.edge.keepalive", context=contextvars.Context())
+        if len(self.open) > self.limit:
+            for old in list(itertools.islice(deadlines, 2)):
+                if old is not server:
+                    del deadlines[old]
+                    self.shed += 1
+                    if self.shed == 1 or self.shed % 1000 == 0:
+                        log.warning("idle connections closed early: too many open", shed=self.shed, open=len(self.open))
+                    await _close(old)
 
     async def _reap(self) -> None:
         deadlines = self.deadlines
@@ -93,9 +122,10 @@ class _IdleTimer:
         if idle is None:
             idle = context.iop_idle = _IdleConnections(context)
         self._idle: _IdleConnections = idle
+        idle.open.add(server)
 
     async def restart(self, task_group, action) -> None:  # noqa: ARG002 (hypercorn's signature)
-        self._idle.add(self._server)
+        await self._idle.add(self._server)
 
     async def stop(self) -> None:
         self._idle.deadlines.pop(self._server, None)
@@ -108,7 +138,22 @@ def install() -> None:
     for name in ("_initiate_server_close", "_close", "protocol_send"):
         if not hasattr(TCPServer, name):
             raise RuntimeError("hypercorn's TCPServer is not the one edge.keepalive was written for: review it")
+    if not hasattr(H2Protocol, "idle") or not hasattr(ProtocolWrapper, "handle"):
+        raise RuntimeError("hypercorn's protocols are not the ones edge.keepalive was written for: review it")
     hypercorn_init, hypercorn_close = TCPServer.__init__, TCPServer._close
+    hypercorn_handle = ProtocolWrapper.handle
+
+    @functools.wraps(hypercorn_handle)
+    async def handle(self: ProtocolWrapper, event) -> None:
+        """HTTP/2 by prior knowledge (h2c): h11 reads its preface as a request, which takes the
+        connection off the idle timer, and an HTTP/2 connection goes back on it only when a
+        stream ends: one that opens none was never timed (found from outside: 20,000 such
+        connections held every descriptor of the edge). Put back on the timer as it switches."""
+        before = self.protocol
+        await hypercorn_handle(self, event)
+        protocol = self.protocol
+        if protocol is not before and type(protocol) is H2Protocol and protocol.idle:
+            await self.send(Updated(idle=True))
 
     @functools.wraps(hypercorn_init)  # (keeps the other patches' marks: each stays idempotent)
     def __init__(self: TCPServer, *args, **kwargs) -> None:
@@ -116,9 +161,12 @@ def install() -> None:
         self.idle_task = _IdleTimer(self)
 
     async def _close(self: TCPServer) -> None:
-        self.idle_task._idle.deadlines.pop(self, None)  # a closed connection is nobody's to time
+        idle = self.idle_task._idle
+        idle.deadlines.pop(self, None)  # a closed connection is nobody's to time
+        idle.open.discard(self)
         await hypercorn_close(self)
 
     __init__.iop_keepalive = True  # type: ignore[attr-defined]
     TCPServer.__init__ = __init__  # type: ignore[method-assign]
     TCPServer._close = _close  # type: ignore[method-assign]
+    ProtocolWrapper.handle = handle  # type: ignore[method-assign]

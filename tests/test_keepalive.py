@@ -7,6 +7,7 @@ from __future__ import annotations
 import hypercorn.trio
 import trio
 
+from edge import keepalive
 from edge.app import create_app, edge_of
 from edge.keepalive import TICK
 from edge.serve import hypercorn_config
@@ -135,3 +136,43 @@ async def test_a_connection_close_request_is_closed_after_its_answer(nursery):
             for i in range(60):
                 clients.start_soon(ask, (b"/healthz", b"/v1/zzz", b"/readyz")[i % 3])
     assert len(answers) == 60 and all(b"connection: close" in a.lower() for a in answers)
+
+
+H2C_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # and an empty SETTINGS
+
+
+async def test_a_connection_that_never_sends_a_request_is_closed_after_the_timeout(nursery):
+    """Connections that connect and send no request, or only HTTP/2's preface (h2c, prior
+    knowledge), or half a request head, are closed as idle ones are. An h2c connection with no
+    stream was never closed (found from outside: 20,000 of them held every descriptor of the
+    edge, and no new client could connect)."""
+    _, port, _ = await serve(nursery)
+    with trio.fail_after(BOUND):
+        for opening in (b"", H2C_PREFACE, b"GET /healthz HTTP/1.1\r\nhost: e"):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as sock:
+                if opening:
+                    await sock.send_all(opening)
+                waited = await closed_after(sock)
+            assert waited <= TIMEOUT + TICK + 1.0, (opening[:20], waited)
+
+
+async def test_past_the_descriptor_budget_a_new_connection_closes_the_longest_idle(nursery, monkeypatch):
+    """Past the edge's budget of open connections (80% of its descriptor limit; 4 here) each
+    connection closes the two idle longest, so idle connections cannot lock new clients out for
+    the keep-alive timeout (reconnecting every 75 s, for good). The newest is served."""
+    monkeypatch.setattr(keepalive, "MAX_OPEN", 4)
+    _, port, _ = await serve(nursery, keep_alive=30 * TIMEOUT)
+    with trio.fail_after(BOUND):
+        idle = []
+        for _ in range(4):
+            idle.append(await trio.open_tcp_stream("127.0.0.1", port))
+            await trio.sleep(0.05)  # (accepted in this order: the first is the longest idle)
+        async with await trio.open_tcp_stream("127.0.0.1", port) as newest:
+            assert b"HTTP/1.1 200 " in await request(newest, GET, b'"ok"}')
+            assert await closed_after(idle[0]) < 5 * TIMEOUT and await closed_after(idle[1]) < 5 * TIMEOUT
+            for sock in idle[2:]:  # (the budget holds again: these stay)
+                with trio.move_on_after(TIMEOUT):
+                    await closed_after(sock)
+                    raise AssertionError("a connection within the budget was closed")
+        for sock in idle:
+            await sock.aclose()
