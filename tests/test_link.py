@@ -44,6 +44,7 @@ from tests.conftest import (
     http,
     model,
     settled,
+    sse_events,
     start_edge,
     start_node,
     start_node_process,
@@ -907,3 +908,44 @@ async def test_requests_queued_for_a_node_that_reads_nothing_go_when_their_clien
         await eventually(lambda: not link.runs, what="the runs closed")
         queued = [*link._control, *link._requests]  # what still waits for the node: no prompt
         assert sum(len(encode_frame(frame)) for frame in queued) < 64 * 1024, [type(f).__name__ for f in queued]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_event_of_a_type_the_edge_does_not_know_brings_nothing(nursery, stream):
+    """A newer node's event type (here `logprobs`, with text) is an event that brings nothing, as
+    PROTOCOL.md says: the run goes on and its answer is the deltas alone. It was shaped as the
+    end of the run: a 502 whose message was the event's text, for every run of such a node."""
+    edge = await start_edge(nursery)
+    body = {"model": "hostile", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    with trio.fail_after(BOUND):
+        link, frames = await open_link(edge.port, TOKEN)
+        grant = encode_frame(Grant(model="hostile", slots=1, seq=1))
+        await link.send_all(frame_header(BINARY, len(grant)) + grant)
+        async with link, http(edge) as client, trio.open_nursery() as clients:
+            answer: list = []
+
+            async def ask() -> None:
+                answer.append(await client.post("/v1/chat/completions", json=body))
+
+            clients.start_soon(ask)
+            while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
+                pass
+            run_id = frame.run_id
+            events = [
+                RunEvent(run_id=run_id, seq=1, type="logprobs", text='{"token":"hel"}'),
+                RunEvent(run_id=run_id, seq=2, type="delta", text="Hello."),
+                RunEvent(run_id=run_id, seq=3, type="complete", finish_reason="stop"),
+            ]
+            data = encode_frame(Events(events=events))
+            await link.send_all(frame_header(BINARY, len(data)) + data)
+    r = answer[0]
+    assert r.status_code == 200, r.text
+    if stream:
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or ""
+            for c in (msgspec.json.decode(e) for e in sse_events(r.content)[:-1])
+            if c["choices"]
+        )
+    else:
+        text = r.json()["choices"][0]["message"]["content"]
+    assert text == "Hello."

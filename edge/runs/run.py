@@ -218,6 +218,12 @@ class Run:
         elif event.type == PROGRESS:
             self._progress(now, event.parts)
             return
+        elif event.type not in TERMINAL_TYPES:
+            # Empty text, or a type this edge does not know (a newer node's): an event that brings
+            # nothing (PROTOCOL.md). Shaped, an unknown type ended the run as its error: a 502
+            # with the event's text as the message, for every run of such a node.
+            self.slot.link.stray(now)
+            return
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
