@@ -7,6 +7,7 @@ import signal
 import socket
 from functools import partial
 
+import httpx
 import msgspec
 import pytest
 import structlog
@@ -589,6 +590,26 @@ async def test_names_a_console_would_misshow_are_refused(nursery, node_id, model
     assert not edge.edge.runs.links
 
 
+async def ask_a_hand_driven_node(edge, body: dict, drive) -> httpx.Response:
+    """A client's request of ``body`` to a hand-driven node (granted one slot of `hostile`): once
+    its run request arrives, ``await drive(stream, frames, run_id)`` plays the node; then the
+    client's answer."""
+    stream, frames = await open_link(edge.port, TOKEN)
+    grant = encode_frame(Grant(model="hostile", slots=1, seq=1))
+    await stream.send_all(frame_header(BINARY, len(grant)) + grant)
+    answer: list[httpx.Response] = []
+    async with stream, http(edge) as client, trio.open_nursery() as clients:
+
+        async def ask() -> None:
+            answer.append(await client.post("/v1/chat/completions", json=body))
+
+        clients.start_soon(ask)
+        while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
+            pass
+        await drive(stream, frames, frame.run_id)
+    return answer[0]
+
+
 @pytest.mark.parametrize("field", ["text", "stop", "emoji"])
 async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, monkeypatch, field):
     """The buffers of a run counted events, not bytes: a node sending 2 MB deltas to a client
@@ -601,35 +622,26 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
     monkeypatch.setattr(run_module, "MAX_OUTPUT_BYTES", 1 << 20)
     edge = await start_edge(nursery)
     body = {"model": "hostile", "messages": [{"role": "user", "content": "hi"}]}
+    cancels: list[CancelRun] = []
+
+    async def drive(stream, frames, run_id: str) -> None:
+        # 8 x 256 KiB: past the 1 MiB budget at the 5th; any field counts (more than
+        # MAX_TOOL_CALLS calls is a frame the edge refuses: test_link_safety)
+        big = {"text": "\N{GRINNING FACE}" * (64 << 10)} if field == "emoji" else {field: "x" * (256 << 10)}
+        events = [RunEvent(run_id=run_id, seq=seq, type="delta", **big) for seq in range(1, 9)]
+        for event in events:
+            data = encode_frame(Events(events=[event]))
+            await stream.send_all(frame_header(BINARY, len(data)) + data)
+        while not cancels:
+            frame = decode_frame((await frames.next())[1])
+            if isinstance(frame, CancelRun):
+                cancels.append(frame)
+        assert "hostile" in edge.edge.runs.links  # the link stays
+
     with trio.fail_after(BOUND):
-        stream, frames = await open_link(edge.port, TOKEN)
-        grant = encode_frame(Grant(model="hostile", slots=1, seq=1))
-        await stream.send_all(frame_header(BINARY, len(grant)) + grant)
-        async with stream, http(edge) as client, trio.open_nursery() as clients:
-            answer: list = []
-
-            async def ask() -> None:
-                answer.append(await client.post("/v1/chat/completions", json=body))
-
-            clients.start_soon(ask)
-            while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
-                pass
-            run_id = frame.run_id
-            # 8 x 256 KiB: past the 1 MiB budget at the 5th; any field counts (more than
-            # MAX_TOOL_CALLS calls is a frame the edge refuses: test_link_safety)
-            big = {"text": "\N{GRINNING FACE}" * (64 << 10)} if field == "emoji" else {field: "x" * (256 << 10)}
-            events = [RunEvent(run_id=run_id, seq=seq, type="delta", **big) for seq in range(1, 9)]
-            for event in events:
-                data = encode_frame(Events(events=[event]))
-                await stream.send_all(frame_header(BINARY, len(data)) + data)
-            cancel = None
-            while cancel is None:
-                frame = decode_frame((await frames.next())[1])
-                cancel = frame if isinstance(frame, CancelRun) else None
-            assert "hostile" in edge.edge.runs.links  # the link stays
-    r = answer[0]
+        r = await ask_a_hand_driven_node(edge, body, drive)
     assert r.status_code == 502 and "more than 1048576 bytes for this run" in r.json()["error"]["message"]
-    assert (cancel.run_id, cancel.reason) == (run_id, "output_too_large")
+    assert [(c.run_id, c.reason) for c in cancels] == [(cancels[0].run_id, "output_too_large")]
 
 
 async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, upstream):
@@ -917,28 +929,18 @@ async def test_an_event_of_a_type_the_edge_does_not_know_brings_nothing(nursery,
     end of the run: a 502 whose message was the event's text, for every run of such a node."""
     edge = await start_edge(nursery)
     body = {"model": "hostile", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+
+    async def drive(stream, frames, run_id: str) -> None:
+        events = [
+            RunEvent(run_id=run_id, seq=1, type="logprobs", text='{"token":"hel"}'),
+            RunEvent(run_id=run_id, seq=2, type="delta", text="Hello."),
+            RunEvent(run_id=run_id, seq=3, type="complete", finish_reason="stop"),
+        ]
+        data = encode_frame(Events(events=events))
+        await stream.send_all(frame_header(BINARY, len(data)) + data)
+
     with trio.fail_after(BOUND):
-        link, frames = await open_link(edge.port, TOKEN)
-        grant = encode_frame(Grant(model="hostile", slots=1, seq=1))
-        await link.send_all(frame_header(BINARY, len(grant)) + grant)
-        async with link, http(edge) as client, trio.open_nursery() as clients:
-            answer: list = []
-
-            async def ask() -> None:
-                answer.append(await client.post("/v1/chat/completions", json=body))
-
-            clients.start_soon(ask)
-            while not isinstance(frame := decode_frame((await frames.next())[1]), RunRequest):
-                pass
-            run_id = frame.run_id
-            events = [
-                RunEvent(run_id=run_id, seq=1, type="logprobs", text='{"token":"hel"}'),
-                RunEvent(run_id=run_id, seq=2, type="delta", text="Hello."),
-                RunEvent(run_id=run_id, seq=3, type="complete", finish_reason="stop"),
-            ]
-            data = encode_frame(Events(events=events))
-            await link.send_all(frame_header(BINARY, len(data)) + data)
-    r = answer[0]
+        r = await ask_a_hand_driven_node(edge, body, drive)
     assert r.status_code == 200, r.text
     if stream:
         text = "".join(

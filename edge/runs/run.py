@@ -14,6 +14,7 @@ from proto import RunEvent, TunnelFrame
 from proto.frames import DELTA, ERROR, PROGRESS, PROGRESS_S, REASONING_DELTA, TERMINAL_TYPES
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
+KNOWN_TYPES = TEXT_TYPES | TERMINAL_TYPES | {PROGRESS}
 
 if TYPE_CHECKING:
     from edge.runs.service import Slot
@@ -218,10 +219,10 @@ class Run:
         elif event.type == PROGRESS:
             self._progress(now, event.parts)
             return
-        elif event.type not in TERMINAL_TYPES:
-            # Empty text, or a type this edge does not know (a newer node's): an event that brings
-            # nothing (PROTOCOL.md). Shaped, an unknown type ended the run as its error: a 502
-            # with the event's text as the message, for every run of such a node.
+        elif event.type not in KNOWN_TYPES:
+            # A type this edge does not know (a newer node's): an event that brings nothing
+            # (PROTOCOL.md). Shaped, it ended the run as its error: a 502 with the event's text
+            # as the message, for every run of such a node.
             self.slot.link.stray(now)
             return
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
