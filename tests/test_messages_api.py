@@ -962,6 +962,41 @@ async def test_the_sdk_tool_runner_loops_through_the_edge(setup):
     assert last[-1] == {"role": "tool", "tool_call_id": "toolu_call_w", "content": "18C"}
 
 
+@pytest.mark.parametrize(
+    ("path", "tool"),
+    [
+        ("/v1/messages", {"name": "f", "input_schema": {"type": "object"}}),
+        ("/v1/messages/count_tokens", {"name": "f", "input_schema": {"type": "object"}}),
+        ("/v1/responses", {"type": "function", "name": "f", "parameters": {"type": "object"}}),
+        ("/v1/chat/completions", {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
+    ],
+)
+async def test_too_many_tools_are_refused_before_any_is_read(nursery, upstream, monkeypatch, path, tool):
+    """More than `max_tools` tools is a 400 `too_many_tools` on every route, counted as the client
+    sent them before any is translated: 100,000 tools in one 5.5 MB body held the loop 0.7-1.0 s
+    on the Messages API (translated, then converted, then counted), 0.3 s on the others."""
+    from edge.anthropic import messages as messages_module
+    from edge.openai import responses_route
+
+    def never(*_a, **_k):
+        raise AssertionError("the body was translated before its tools were counted")
+
+    monkeypatch.setattr(messages_module, "chat_body", never)
+    monkeypatch.setattr(responses_route, "decode_request", never)
+    edge = await start_edge(nursery, edge_config(max_tools=4))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    input_key = "input" if path == "/v1/responses" else "messages"
+    body = {"model": "m", "max_tokens": 10, input_key: USER, "tools": [tool] * 5}
+    with trio.fail_after(BOUND):
+        async with http(edge) as raw:
+            r = await raw.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "Too many tools: 5 (at most 4)" in error["message"]
+    assert error.get("code", "too_many_tools") == "too_many_tools"  # (Anthropic's errors carry no code)
+    await settled(edge, node.agent)
+
+
 async def test_many_tool_results_count_as_the_client_sent_them(nursery, upstream):
     """`max_messages` counted chat messages after conversion, where each tool_result is one: a
     Claude Code session with 8 parallel tool calls a round hit "Too many messages: 2054 (at most

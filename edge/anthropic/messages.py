@@ -43,6 +43,7 @@ from edge.openai.exchange import ErrorShape, Exchange
 from edge.openai.request import (
     MAX_CONTENT_PARTS,
     check_message_count,
+    check_tool_count,
     decode_body,
     estimate_input_tokens,
     parse_chat_request,
@@ -97,6 +98,8 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     problem = thread_problem(raw)  # before the history is read: a continued thread sends only its new turn
     if problem is not None:
         raise problem
+    check_message_count(raw.get("messages"), edge.config.max_messages, "messages")  # (before either is translated)
+    check_tool_count(raw.get("tools"), edge.config.max_tools)
     chat, server_tools = chat_body(raw)
     if server_tools:
         log.info("server tools left out", tools=[t[:64] for t in server_tools[:20]])
@@ -106,7 +109,6 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
 async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw, chat = _decode(edge, ex, body)
-    check_message_count(raw.get("messages"), cfg.max_messages, "messages")
     req, _ = parse_chat_request(chat, max_messages=cfg.max_messages + MAX_CONTENT_PARTS, max_tools=cfg.max_tools)
     if edge.runs.links and not edge.runs.is_known(req.model):  # as a message would be (no node at all: unknowable)
         raise model_not_found(req.model)
@@ -124,7 +126,6 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
     problem = thinking_budget_problem(raw, ex.header(b"anthropic-beta") or b"")
     if problem is not None:
         raise problem
-    check_message_count(raw.get("messages"), edge.config.max_messages, "messages")
     del raw
     del body  # (see routes._serve)
     turn = await open_turn(edge, ex, chat, converted=True)

@@ -111,6 +111,14 @@ def check_message_count(items: Any, max_messages: int, param: str) -> None:
         )
 
 
+def check_tool_count(tools: Any, max_tools: int) -> None:
+    """A 400 when a body's ``tools`` list is longer than ``max_tools``, counted before any tool
+    is read or translated (100,000 tools in a 5.5 MB body took the loop 0.7-1.0 s on the
+    Messages API, translated and converted, before the count refused them)."""
+    if isinstance(tools, list) and len(tools) > max_tools:
+        raise errors.bad_request(f"Too many tools: {len(tools)} (at most {max_tools}).", "tools", "too_many_tools")
+
+
 def parse_chat_request(
     raw: dict[str, Any], *, max_messages: int, max_tools: int, max_output_tokens: int | None = None
 ) -> tuple[ChatRequest, dict[str, Any]]:
@@ -118,6 +126,8 @@ def parse_chat_request(
 
     Raises :class:`edge.errors.APIError` (400) naming the offending field.
     """
+    check_message_count(raw.get("messages"), max_messages, "messages")  # (counted before they are read)
+    check_tool_count(raw.get("tools"), max_tools)
     check_content_parts(raw.get("messages"))
     try:
         req = msgspec.convert(raw, ChatRequest)
@@ -137,12 +147,6 @@ def parse_chat_request(
                     name,
                     "integer_above_max_value",
                 )
-    if len(req.messages) > max_messages:
-        raise errors.bad_request(
-            f"Too many messages: {len(req.messages)} (at most {max_messages}).", "messages", "too_many_messages"
-        )
-    if req.tools and len(req.tools) > max_tools:
-        raise errors.bad_request(f"Too many tools: {len(req.tools)} (at most {max_tools}).", "tools", "too_many_tools")
     forward = {k: v for k, v in raw.items() if k not in EDGE_ONLY_FIELDS}
     reasoning = forward.get("reasoning")
     if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:

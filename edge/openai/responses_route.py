@@ -28,7 +28,7 @@ import structlog
 from edge.errors import APIError, RunFailed, error_json
 from edge.openai import output
 from edge.openai.exchange import SSE_HEADERS, ErrorShape, Exchange
-from edge.openai.request import check_message_count, decode_body
+from edge.openai.request import check_message_count, check_tool_count, decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.sse import sse_error
 from edge.openai.turn import Collected, Turn, collect_validated, open_turn
@@ -79,6 +79,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     kept = edge.response_items
     scope = ex.key.id if ex.key is not None else ""  # a reference resolves for the key whose response made it
     check_message_count(raw.get("input"), cfg.max_messages, "input")  # before references expand
+    check_tool_count(raw.get("tools"), cfg.max_tools)  # (as the client sent them: before they are read)
     decoded = decode_request(raw, max_output_tokens=cfg.max_output_tokens, items=kept.finder(scope, cfg.max_body_bytes))
     keep = None if raw.get("store") is False else (lambda items: kept.keep(scope, items))
     if decoded.ignored_tools or decoded.ignored_items:
