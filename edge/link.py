@@ -125,11 +125,16 @@ def _refused(service: RunService, what: str, node_id: str) -> None:
         counted[0], counted[1] = 0, now
 
 
-def _no_room(service: RunService, hello: Hello) -> tuple[int, str] | None:
-    """Why the edge cannot link ``hello``'s node now, as a close code and reason (logged), or None."""
+def _no_room(service: RunService, hello: Hello, own_token: bool) -> tuple[int, str] | None:
+    """Why the edge cannot link ``hello``'s node now, as a close code and reason (logged), or None.
+    A node with a token of its own (``node_tokens``) is not held to the caps: they bound what
+    holders of the shared token can link, and 512 links of it kept such a node out (found from
+    outside); those nodes are as many as the operator named."""
     if hello.node_id in service.links:
         log.warning("node link refused: already linked", node_id=hello.node_id)
         return CLOSE_DUPLICATE, "node id already linked"
+    if own_token:
+        return None
     if len(service.links) >= MAX_LINKS:
         log.warning("node link refused: the edge has its most nodes", node_id=hello.node_id, linked=len(service.links))
         return CLOSE_TRY_AGAIN, f"this edge links {MAX_LINKS} nodes at most"
@@ -208,7 +213,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
             if not hello.models:
                 await websocket.close(CLOSE_AUTH, "node_models: this node may serve none of its models")
                 return None
-    refusal = _no_room(service, hello)
+    refusal = _no_room(service, hello, identity != _SHARED)
     if refusal is not None:
         await websocket.close(*refusal)
         return None
@@ -249,7 +254,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     )
     # Again: other links may have come in while the welcome went out (of this id, or hellos sent
     # together, 94 links of 1,024 models past MAX_LINKED_MODELS: an outside re-audit).
-    refusal = _no_room(service, hello)
+    refusal = _no_room(service, hello, identity != _SHARED)
     if refusal is not None:
         await websocket.close(*refusal)
         return None

@@ -158,12 +158,14 @@ def test_frame_limit_refuses_a_hypercorn_it_was_not_written_for(monkeypatch):
 async def test_an_edge_links_max_links_nodes_at_most(nursery, monkeypatch):
     """One node token opened links without end: 400 of them, of 1,024 models each, held the edge's
     loop up to 1.3 s and, leaving at once, timed out an honest node's link. Past MAX_LINKS a hello
-    is refused with 1013 (try again later), and the nodes linked go on serving."""
+    is refused with 1013 (try again later), and the nodes linked go on serving. A node with a
+    token of its own is not held to the cap: links of the shared token filled it and kept such a
+    node out for as long as they stayed (found from outside)."""
     from edge import link as edge_link
     from tests.test_link import closed_by_edge, fake_node, hello
 
     monkeypatch.setattr(edge_link, "MAX_LINKS", 2)
-    edge = await start_edge(nursery)
+    edge = await start_edge(nursery, edge_config(node_tokens={"own": "tok-own"}))
     for i in range(2):
         await start_node(nursery, edge, [model("m")], node_id=f"n{i}")
 
@@ -179,6 +181,9 @@ async def test_an_edge_links_max_links_nodes_at_most(nursery, monkeypatch):
             )
     assert closed.reason.code == 1013 and "2 nodes at most" in closed.reason.reason
     assert r.status_code == 200 and sorted(edge.edge.runs.links) == ["n0", "n1"]
+    with trio.fail_after(BOUND):
+        await start_node(nursery, edge, [model("m")], node_id="own", token="tok-own")  # (linked, or it fails)
+    assert sorted(edge.edge.runs.links) == ["n0", "n1", "own"]
 
 
 async def test_an_edge_serves_max_linked_models_at_most(nursery, monkeypatch):
