@@ -13,6 +13,7 @@ import h2.events
 import h2.settings
 import httpx
 import msgspec
+import pytest
 import trio
 import trustme
 
@@ -412,27 +413,39 @@ async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nurse
             assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
 
 
-async def test_an_http2_client_flooding_frames_the_app_never_sees_loses_its_connection(nursery, tmp_path, upstream):
+# A PING ack (length 8, PING, ACK, stream 0); a SETTINGS frame of 2,730 settings (16 KiB: ids of
+# no meaning, which a server must ignore but parses)
+PING_ACK = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00" + b"pingpong"
+BIG_SETTINGS = b"\x00\x3f\xfc\x04\x00\x00\x00\x00\x00" + b"".join(
+    (0x100 + i).to_bytes(2, "big") + (1).to_bytes(4, "big") for i in range(2730)
+)
+
+
+@pytest.mark.parametrize(("frame", "count"), [(PING_ACK, 8_000), (BIG_SETTINGS, 40)])
+async def test_an_http2_client_flooding_frames_the_app_never_sees_loses_its_connection(
+    nursery, tmp_path, upstream, frame, count
+):
     """PING acks nobody asked for (17 bytes each) cost the edge the frame's parse and nothing
     else to the client: one connection's flood took the edge to 100% CPU and an honest
     client's p50 from 60 to 530 ms. Past a burst of CONTROL_BURST such frames (then
-    CONTROL_PER_S a second) the connection gets GOAWAY ENHANCE_YOUR_CALM; the edge serves on."""
-    from edge.h2_streams import CONTROL_BURST
+    CONTROL_PER_S a second) the connection gets GOAWAY ENHANCE_YOUR_CALM; the edge serves on.
+    A SETTINGS frame costs SETTINGS_COST and one per setting: 40 frames of 2,730 settings, under
+    the count of frames, were 109,200 settings parsed, and three connections sending them took a
+    core (found from outside)."""
 
     url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
     host, port = url.removeprefix("https://").split(":")
     context = ssl.create_default_context(cafile=str(cafile))
     context.set_alpn_protocols(["h2"])
     h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    ping_ack = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00" + b"pingpong"  # length 8, PING, ACK, stream 0
     ended = None  # how the connection ended: GOAWAY's code, or the socket's end
     with trio.fail_after(BOUND):
         stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
         h2c.initiate_connection()
         await stream.send_all(h2c.data_to_send())
         try:
-            for _ in range(4 * CONTROL_BURST // 500):
-                await stream.send_all(ping_ack * 500)
+            for _ in range(count // 20):
+                await stream.send_all(frame * 20)
             with trio.move_on_after(5):
                 while ended is None:
                     data = await stream.receive_some(65536)
