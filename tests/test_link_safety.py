@@ -959,6 +959,13 @@ async def test_strange_engine_loads_and_parts_from_a_node_change_nothing_else(nu
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abc"
     assert r.json()["usage"]["completion_tokens"] == 3
     assert edge.edge.runs.links["odd"].engine == {}
+    huge = EngineLoad(waiting=2.0, kv_cache_usage=1e308, prefix_cache_hit_rate=7.0)
+    await ws.send_message(encode_frame(Load(in_flight={}, engine={"m": huge})))
+    with trio.fail_after(BOUND):  # (shares past 1 are 1: 1e308 was shown in /v1/nodes and /metrics)
+        await eventually(lambda: "m" in edge.edge.runs.links["odd"].engine)
+    assert edge.edge.runs.links["odd"].engine["m"] == EngineLoad(
+        waiting=2.0, kv_cache_usage=1.0, prefix_cache_hit_rate=1.0
+    )
     await stream.aclose()
 
 

@@ -29,6 +29,12 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and 0 <= value < math.inf else None
 
 
+def _fraction(value: float | None) -> float | None:
+    """A share (0..1, PROTOCOL.md): more is 1 (a node's 1e308 was shown in /v1/nodes and /metrics)."""
+    value = _finite(value)
+    return min(value, 1.0) if value is not None else None
+
+
 KV_CACHE_FULL = 0.9  # a model server's KV cache past this fraction makes its node look busier
 _STALL_BACKOFF_S = (10.0, 300.0)  # how long a stalled node is routed around: first time, at most
 # A node whose model server fails run after run before any output (connection refused, 5xx) is
@@ -220,16 +226,15 @@ class NodeLink:
     def set_engine(self, engine: dict[str, EngineLoad]) -> None:
         """Apply a node's engine report: a model mapped to an empty load is no
         longer known. A value that is not a finite number >= 0 (NaN would
-        break placement's comparisons) counts as not reported."""
+        break placement's comparisons) counts as not reported; a share past 1 is 1."""
         for model, load in engine.items():
             if model not in self.models:
                 continue
-            rate = _finite(load.prefix_cache_hit_rate)
             load = EngineLoad(
                 waiting=_finite(load.waiting),
                 running=_finite(load.running),
-                kv_cache_usage=_finite(load.kv_cache_usage),
-                prefix_cache_hit_rate=min(rate, 1.0) if rate is not None else None,
+                kv_cache_usage=_fraction(load.kv_cache_usage),
+                prefix_cache_hit_rate=_fraction(load.prefix_cache_hit_rate),
             )
             if load == EngineLoad():
                 self.engine.pop(model, None)
