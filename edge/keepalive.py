@@ -74,8 +74,9 @@ class _IdleConnections:
             trio.lowlevel.spawn_system_task(self._reap, name="iop.edge.keepalive", context=contextvars.Context())
         if len(self.open) > self.limit:
             for old in list(itertools.islice(deadlines, 2)):
-                if old is not server:
-                    del deadlines[old]
+                # (popped, not deleted: while one is closed, another connection's add or close
+                # may take the second out: a KeyError closed the connection shedding them)
+                if old is not server and deadlines.pop(old, None) is not None:
                     self.shed += 1
                     if self.shed == 1 or self.shed % 1000 == 0:
                         log.warning("idle connections closed early: too many open", shed=self.shed, open=len(self.open))
