@@ -7,7 +7,8 @@
 Starts one upstream (scripts/upstream.py) and, for the current checkout (and,
 with --baseline, for a git worktree of REV, side by side in the same run), an
 edge and a node as separate processes on loopback; the client is this process
-(trio + httpx, raw sockets for the idle streams). Prints, per revision:
+(trio + httpx for first content, raw sockets in an epoll loop for the throughput
+phase unless --client httpx, raw sockets for the idle streams). Prints, per revision:
 - time to first content chunk at concurrency 1, direct and through the edge
   (p50/p90/p99, requests alternating between the two), and the added p50;
 - aggregate streamed tokens/s at --concurrency with --tokens-token streams,
