@@ -462,12 +462,11 @@ class SharedState:
         """The day script's epoch and amounts for ``key`` (see _DAY), and the day_used they report."""
         used = key.day_used
         epoch, reported = self._reported.get((key.id, key.day), (b"", 0))
-        if self.day_totals is not None:
-            # A shared ledger: what this edge restored at start is every edge's use, which the
-            # others add too (a counter made anew after Redis lost its data was 33-50% over);
-            # only its own use goes in, and the ledger's total is the counter's floor (below).
-            return [epoch, used - reported, used - key.restored, used - key.restored], used
-        return [epoch, used - reported, used - key.restored, used], used
+        own = used - key.restored
+        # A shared ledger: what this edge restored at start is every edge's use, which the others
+        # add too (a counter made anew after Redis lost its data was 33-50% over): only its own use
+        # goes in, and the ledger's total is the counter's floor (_floors).
+        return [epoch, used - reported, own, own if self.day_totals is not None else used], used
 
     async def round(self) -> None:
         """One lease round (raises the driver's error if Redis failed)."""
