@@ -997,6 +997,63 @@ async def test_too_many_tools_are_refused_before_any_is_read(nursery, upstream, 
     await settled(edge, node.agent)
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/chat/completions"])
+@pytest.mark.parametrize("too_many", ["tools", "messages"])
+async def test_a_large_body_is_counted_before_it_is_decoded(nursery, upstream, monkeypatch, path, too_many):
+    """A body past 64 KiB with more tools or messages than the edge takes is refused before it
+    is decoded into Python objects: 100,000 tools in 5.5 MB held the loop 171-226 ms decoded,
+    then refused. The 400 is the one a small body gets."""
+    from edge.openai import request
+
+    def never(*_a, **_k):
+        raise AssertionError("the body was decoded before its lists were counted")
+
+    monkeypatch.setattr(request, "decode_json", never)
+    edge = await start_edge(nursery, edge_config(max_tools=4, max_messages=8))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    pad = "x" * 70_000  # (past the size counted first)
+    if path == "/v1/responses":
+        tool, items_key = {"type": "function", "name": "f", "parameters": {"type": "object"}}, "input"
+    elif path == "/v1/chat/completions":
+        tool, items_key = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}, "messages"
+    else:
+        tool, items_key = {"name": "f", "input_schema": {"type": "object"}}, "messages"
+    turns = [{"role": "user", "content": pad}] + [{"role": "user", "content": "hi"}] * (
+        9 if too_many == "messages" else 0
+    )
+    body = {"model": "m", "max_tokens": 10, items_key: turns, "tools": [tool] * (5 if too_many == "tools" else 1)}
+    with trio.fail_after(BOUND):
+        async with http(edge) as raw:
+            r = await raw.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    if too_many == "tools":
+        assert "Too many tools: 5 (at most 4)" in error["message"]
+    else:
+        assert "Too many messages: 10 (at most 8)" in error["message"]
+        assert error.get("param", items_key) == items_key
+    await settled(edge, node.agent)
+
+
+async def test_passthrough_chat_holds_the_edges_counts(nursery, upstream):
+    """A model relayed as the provider answers (`response_mode = "passthrough"`) still takes at
+    most `max_tools` tools and `max_messages` messages, whatever the body's size."""
+    edge = await start_edge(
+        nursery, edge_config(max_tools=4, max_messages=8, models=[{"name": "m", "response_mode": "passthrough"}])
+    )
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with trio.fail_after(BOUND):
+        async with http(edge) as raw:
+            ok = await raw.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": [tool]})
+            r = await raw.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": [tool] * 5})
+    assert ok.status_code == 200, ok.text
+    assert r.status_code == 400, r.text
+    assert "Too many tools: 5 (at most 4)" in r.json()["error"]["message"]
+    assert len(upstream.records) == 1  # (the refused one never reached the provider)
+    await settled(edge, node.agent)
+
+
 async def test_many_tool_results_count_as_the_client_sent_them(nursery, upstream):
     """`max_messages` counted chat messages after conversion, where each tool_result is one: a
     Claude Code session with 8 parallel tool calls a round hit "Too many messages: 2054 (at most

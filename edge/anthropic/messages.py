@@ -88,7 +88,7 @@ async def no_such_route(edge: Edge, ex: Exchange, body: bytes) -> None:
 
 def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     """The raw Messages body and the chat request it becomes (both validated)."""
-    raw = decode_body(body)
+    raw = decode_body(body, max_messages=edge.config.max_messages, max_tools=edge.config.max_tools)
     check_int64(raw, body)  # (the chat body made of it leaves unknown fields out: never encoded)
     model = raw.get("model")
     if isinstance(model, str):

@@ -27,7 +27,7 @@ import structlog
 from edge.openai import output
 from edge.openai.exchange import Exchange
 from edge.openai.passthrough import passthrough
-from edge.openai.request import decode_body
+from edge.openai.request import check_message_count, check_tool_count, decode_body
 from edge.openai.responses import chat_tools
 from edge.openai.turn import open_turn
 
@@ -39,7 +39,7 @@ log = structlog.get_logger("iop.edge.chat")
 
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    raw = decode_body(body)
+    raw = decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
     model = raw.get("model")
     access = ex.access
     if isinstance(model, str):
@@ -47,7 +47,10 @@ async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     stream = raw.get("stream")
     access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     if isinstance(model, str) and cfg.policy(model).response_mode == "passthrough":
-        # The provider gets the body as sent (only `model` rewritten): no chat schema check.
+        # The provider gets the body as sent (only `model` rewritten): no chat schema check, but
+        # the edge's counts hold (a large body was counted before it was decoded: the same).
+        check_message_count(raw.get("messages"), cfg.max_messages, "messages")
+        check_tool_count(raw.get("tools"), cfg.max_tools)
         handling = passthrough(edge, ex, raw, "/chat/completions", body)
         del raw, body  # (the relay holds neither: routes._serve)
         await handling

@@ -39,12 +39,56 @@ def _too_deep() -> errors.APIError:
     )
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+# Past this size, a body's lists of messages and tools are counted before it is decoded into
+# Python objects: 100,000 tools in a 5.5 MB body held the loop 171-226 ms, decoded, before the
+# count refused them. Counted in msgspec's C, each item left as its text: ~10 ms.
+COUNT_FIRST_BYTES = 64 * 1024
+
+
+class _Lists(msgspec.Struct):
+    """A body's top-level lists, each left as its JSON text."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+    tools: msgspec.Raw = msgspec.Raw()
+
+
+_decode_lists = msgspec.json.Decoder(_Lists).decode
+_decode_items = msgspec.json.Decoder(list[msgspec.Raw]).decode
+
+
+def top_lists(body: bytes) -> dict[str, list[msgspec.Raw]]:
+    """The body's ``messages``, ``input`` and ``tools`` that are JSON arrays, each item left as
+    its text; what cannot be read so is left out (decoding the body says why)."""
+    try:
+        lists = _decode_lists(body)
+    except (msgspec.DecodeError, RecursionError):  # (a ValidationError is a DecodeError)
+        return {}
+    found = {}
+    for name in _Lists.__struct_fields__:
+        try:
+            found[name] = _decode_items(getattr(lists, name))
+        except (msgspec.DecodeError, RecursionError):
+            pass  # absent, or not an array
+    return found
+
+
+def decode_body(
+    body: bytes, *, max_messages: int | None = None, max_tools: int | None = None, items: str = "messages"
+) -> dict[str, Any]:
     """The request body as a JSON object at most :data:`MAX_JSON_DEPTH` levels
-    deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`)."""
+    deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`).
+
+    With ``max_messages`` and ``max_tools``, a body past :data:`COUNT_FIRST_BYTES`
+    with more ``items`` (the route's list of messages) or ``tools`` than that
+    is refused before it is decoded (the route counts again, decoded, the same way)."""
     problem = too_large(body)
     if problem is not None:
         raise errors.bad_request(problem, code="json_too_large")
+    if max_messages is not None and max_tools is not None and len(body) > COUNT_FIRST_BYTES:
+        lists = top_lists(body)
+        check_message_count(lists.get(items), max_messages, items)
+        check_tool_count(lists.get("tools"), max_tools)
     try:
         raw = decode_json(body)
     except RecursionError:
