@@ -251,6 +251,7 @@ async def test_invalid_twice_is_a_tool_validation_error(tooled):
             assert events[-1] == b"[DONE]"
             err = msgspec.json.decode(events[-2])["error"]
             assert err["type"] == "tool_validation_error" and "get_weather" in err["message"]
+            assert err["code"] == "invalid_tool_call"  # (the Vercel AI SDK retried a null code)
             assert not any(b"tool_calls" in e for e in events)
             assert len(upstream.records) == 2
             r = await client.post(
@@ -555,7 +556,9 @@ async def test_live_tool_stream_streams_text_and_validates_calls(tooled):
             )
     events = sse_events(r.content)
     assert msgspec.json.decode(events[1])["choices"][0]["delta"]["content"] == "Sure "
-    assert msgspec.json.decode(events[-2])["error"]["type"] == "tool_validation_error"
+    error = msgspec.json.decode(events[-2])["error"]
+    # (the code's word "invalid" is what the Vercel AI SDK takes as final; it retried a null one)
+    assert (error["type"], error["code"]) == ("tool_validation_error", "invalid_tool_call")
     assert len(upstream.records) == 2
 
 
@@ -903,6 +906,7 @@ async def test_tool_calls_nested_past_the_decoder_are_a_clear_error_not_a_500(to
             upstream.script_for("t", steps({"content": "fine"}))
             client_sent = await client.post("/v1/chat/completions", json={**asked, "messages": history})
     assert model_wrote.status_code == 502 and model_wrote.json()["error"]["type"] == "tool_validation_error"
+    assert model_wrote.json()["error"]["code"] == "invalid_tool_call"
     assert said in model_wrote.json()["error"]["message"]
     assert client_sent.status_code == 200, client_sent.text
     assert any(deep in m["content"] for m in upstream.records[-1].body["messages"] if m["role"] == "assistant")

@@ -97,7 +97,7 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     if cause == OVER_BUDGET:
         return insufficient_quota(failed.message)
     if failed.type == TOOL_VALIDATION_ERROR:
-        return APIError(502, failed.message, failed.type, headers=[NO_RETRY])
+        return APIError(502, failed.message, failed.type, code=INVALID_TOOL_CALL, headers=[NO_RETRY])
     if failed.type != "run_error":
         return APIError(502, failed.message, failed.type)
     if failed.status == 429:
@@ -124,6 +124,11 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return APIError(500, failed.message, "run_error")
     return APIError(502, failed.message, failed.type)
 
+
+# Tool calls still invalid after the edge's attempts. The word "invalid" is what clients that
+# read no x-should-retry take as final in a stream: the Vercel AI SDK's OpenAI provider gives an
+# error event a status by the words of its type and code, and retried a null code's 500 3 times.
+INVALID_TOOL_CALL = "invalid_tool_call"
 
 _STREAM_CODES = {
     NODE_LOST: "node_disconnected",
@@ -152,9 +157,11 @@ def stops_codex(turn: Turn, type: str) -> bool:
     return turn.ex.api == "responses" and turn.stream and futile(turn, type)
 
 
-def stream_code(run: Run | None) -> str | None:
+def stream_code(run: Run | None, type: str) -> str | None:
     """An in-stream error's ``code``: the one its HTTP error would carry (:func:`http_error`), by
     the run's cause (it was null in a stream, ``node_disconnected`` in a whole response's 502)."""
+    if type == TOOL_VALIDATION_ERROR:
+        return INVALID_TOOL_CALL
     if run is None or run.cause is None:
         return None
     return "no_node_available" if run.unserved else _STREAM_CODES.get(run.cause)
@@ -235,7 +242,7 @@ class ChatBuffered:
         return b""
 
     def error(self, message: str, type: str) -> bytes:
-        return sse_error(message, type, stream_code(self.turn.last_run))
+        return sse_error(message, type, stream_code(self.turn.last_run, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
         return buffered_chunks(self.turn, run, result)
@@ -372,7 +379,7 @@ class LiveEncoder:
 
     def error(self, message: str, type: str) -> bytes:
         """The closing bytes of a stream whose run failed after it committed."""
-        return sse_error(message, type, stream_code(self.turn.last_run))
+        return sse_error(message, type, stream_code(self.turn.last_run, type))
 
     def feed(self, batch: list[RunEvent]) -> bytes | None:
         """Shape a batch into ``out``; the closing bytes if the run ended."""
