@@ -869,3 +869,43 @@ async def test_a_function_outputs_images_reach_the_model_after_the_outputs(edge_
         ],
     }
     assert len(sent) == 5
+
+
+async def test_an_inline_input_file_reaches_the_model_as_chats_file_part(edge_up):
+    """An `input_file` given inline (`file_data`: the Vercel AI SDK's PDF file part) was a 400
+    on the Responses API while chat's `file` part and a Messages `document` were taken. It
+    reaches the model server as chat's own `file` part; one by `file_id` is still a 400 (the
+    edge keeps no files)."""
+    edge, upstream = edge_up
+    pdf = "data:application/pdf;base64,JVBERi0xLjQK"
+    upstream.script_for("t", steps({"content": "A letter."}))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            reply = await client.responses.create(
+                model="m",
+                input=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "What is it?"},
+                            {"type": "input_file", "file_data": pdf, "filename": "a.pdf"},
+                        ],
+                    }
+                ],
+            )
+            with pytest.raises(openai.BadRequestError, match="input_file"):
+                await client.responses.create(
+                    model="m",
+                    input=[{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}],
+                )
+    assert reply.output_text == "A letter."
+    assert upstream.records[-1].body["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is it?"},
+                {"type": "file", "file": {"file_data": pdf, "filename": "a.pdf"}},
+            ],
+        }
+    ]
+    assert len(upstream.records) == 1

@@ -428,6 +428,14 @@ def _image(part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "image_url", "image_url": image}
 
 
+def _file(part: dict[str, Any]) -> dict[str, Any]:
+    """An ``input_file`` given inline (``file_data``) as chat's ``file`` part (its filename kept)."""
+    file: dict[str, Any] = {"file_data": part["file_data"]}
+    if isinstance(part.get("filename"), str):
+        file["filename"] = part["filename"]
+    return {"type": "file", "file": file}
+
+
 def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
     """A message's content: a string, or chat content parts (text, image_url).
     Only a user message keeps a list; others are joined, a line apart (chat
@@ -452,6 +460,8 @@ def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
                 parts.append({"type": "text", "text": f"[image omitted: a {role} message carries text only]"})
             else:
                 parts.append(_image(part))
+        elif kind == "input_file" and isinstance(part.get("file_data"), str) and role == "user":
+            parts.append(_file(part))  # (inline: as chat's own `file` part, which passes as sent)
         else:
             raise _bad(f"`{where}`: content parts of type {kind!r} are not supported by this edge.", where)
     if role != "user" or (len(parts) <= 1 and all(p["type"] == "text" for p in parts)):
