@@ -203,8 +203,9 @@ def test_decoder_rejects_what_it_cannot_read():
 
 
 def test_stream_encoder_blocks_and_errors():
-    """Thinking and text pieces share a block until the kind changes; a tool call is one whole
-    block; the end closes the open block; errors have Anthropic's shape and type by status."""
+    """Thinking and text pieces share a block until the kind changes; a thinking block ends with
+    its signature (empty: as Anthropic's always do); a tool call is one whole block; the end
+    closes the open block; errors have Anthropic's shape and type by status."""
     enc = MessageStream("msg_1", "m")
     raw = b"".join(
         [
@@ -223,6 +224,7 @@ def test_stream_encoder_blocks_and_errors():
         "content_block_start",
         "content_block_delta",
         "content_block_delta",
+        "content_block_delta",
         "content_block_stop",
         "content_block_start",
         "content_block_delta",
@@ -234,8 +236,9 @@ def test_stream_encoder_blocks_and_errors():
         "message_stop",
     ]
     data = [msgspec.json.decode(e[1].removeprefix(b"data: ")) for e in events]
-    assert data[8]["content_block"] == {"type": "tool_use", "id": "toolu_call_9", "name": "f", "input": {}}
-    assert data[11]["delta"]["stop_reason"] == "tool_use" and data[11]["usage"]["output_tokens"] == 3
+    assert data[4] == {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": ""}}
+    assert data[9]["content_block"] == {"type": "tool_use", "id": "toolu_call_9", "name": "f", "input": {}}
+    assert data[12]["delta"]["stop_reason"] == "tool_use" and data[12]["usage"]["output_tokens"] == 3
     assert msgspec.json.decode(error_body(APIError(429, "slow down"))) == {
         "type": "error",
         "error": {"type": "rate_limit_error", "message": "slow down"},
@@ -298,11 +301,12 @@ async def test_messages_stream_with_thinking(setup):
             async with client.messages.stream(
                 model="m", max_tokens=2048, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
             ) as stream:
-                thinking = [e.thinking async for e in stream if e.type == "thinking"]
+                events = [e async for e in stream]
                 final = await stream.get_final_message()
             async with client.messages.stream(model="m", max_tokens=2048, messages=USER) as stream:
                 hidden = await stream.get_final_message()
-    assert "".join(thinking) == "let me think"
+    assert "".join(e.thinking for e in events if e.type == "thinking") == "let me think"
+    assert [e.signature for e in events if e.type == "signature"] == [""]  # (before the block's stop)
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == "let me think" and final.content[1].text == "It is sunny."
     assert [b.type for b in hidden.content] == ["text"] and hidden.content[0].text == "It is sunny."

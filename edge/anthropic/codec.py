@@ -605,6 +605,12 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 PING = _event("ping", {"type": "ping"})
 
 
+_SIGNATURE_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+    b'"delta":{"type":"signature_delta","signature":""}}\n\n'
+)
+
+
 class MessageStream:
     """The Messages API stream of one response, block by block: consecutive
     thinking (or text) pieces share a block; a change of kind closes it."""
@@ -635,8 +641,11 @@ class MessageStream:
     def _close(self) -> bytes:
         if self._open is None:
             return b""
+        # A thinking block ends with its signature, as Anthropic's always do (LangChain's
+        # streamed thinking blocks had no `signature` key without it); the edge signs nothing.
+        signed = _SIGNATURE_DELTA % self._index if self._open == "thinking" else b""
         self._open = None
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        return signed + _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
 
     def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
         closed = self._close()
