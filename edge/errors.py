@@ -100,6 +100,12 @@ def operator_cancelled(message: str = "cancelled by an operator") -> APIError:
     return APIError(499, message, "cancelled", code="cancelled_by_operator", headers=[NO_RETRY])
 
 
+def client_gone() -> APIError:
+    """The client closed its connection while its request waited for a slot, before the
+    edge heard of it: the slot goes back and the answer (499, nginx's client-closed) to no one."""
+    return APIError(499, "The client closed its connection while the request waited.", "cancelled", code="client_gone")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param=param, code=code)
 

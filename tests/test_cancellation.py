@@ -141,6 +141,44 @@ async def test_disconnect_while_queued_leaves_the_queue(nursery, upstream):
     assert len(upstream.records) == 1
 
 
+async def test_a_slot_freed_the_instant_a_queued_client_left_does_not_start_its_run(nursery, upstream, monkeypatch):
+    """A queued client closes its connection and the edge has not heard yet (many clients
+    leaving at once: the model server started requests for 1-10 of 40 clients already gone)
+    when a slot frees for it: its request never reaches the model server; the slot serves on."""
+    from edge.openai.exchange import Exchange
+
+    exchanges, watch, heard = [], Exchange.cancel_on_disconnect, Exchange._client_left
+
+    def watching(self, scope):
+        exchanges.append(self)
+        return watch(self, scope)
+
+    monkeypatch.setattr(Exchange, "cancel_on_disconnect", watching)
+    # The first request's disconnect is heard; the queued one's not yet:
+    monkeypatch.setattr(Exchange, "_client_left", lambda self: heard(self) if self is exchanges[0] else None)
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    upstream.script_for("m-target", [("hang",)])
+    body = msgspec.json.encode(WHOLE)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        first = await trio.open_tcp_stream("127.0.0.1", edge.port)  # the only slot
+        await first.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        await upstream.wait_requests(1)
+        gone = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        await gone.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        await eventually(lambda: runs.queue_depth("m") == 1, "queued")
+        await gone.aclose()
+        upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
+        await first.aclose()  # (heard: its run ends, and its slot frees for the one that left)
+        await eventually(lambda: runs.queue_depth("m") == 0 and runs.in_flight == 0, "the queue and slot empty")
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json=WHOLE)).status_code == 200
+    assert len(upstream.records) == 2  # the first and the last: never the one whose client left
+    await settled(edge, node.agent)
+
+
 async def test_wait_timeout_reports_run_timed_out_and_aborts_upstream(nursery, upstream):
     """No event for wait_timeout_s: the client gets "run timed out" and the upstream is aborted."""
     edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))

@@ -231,6 +231,20 @@ async def close_stream(send: Any) -> None:
     await stream.send(StreamClosed(stream_id=stream.stream_id))
 
 
+def peer_closed(scope: dict, send: Any) -> bool:
+    """The request's client closed its connection, by what the kernel holds now (HTTP/1.1 on
+    plain TCP: a peek, no read; False otherwise, or with bytes still unread: a pipelined request)."""
+    direct = DirectBody._wired(scope, send)  # noqa: SLF001
+    if direct is None:
+        return False
+    try:
+        return direct._raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # noqa: SLF001
+    except BlockingIOError:
+        return False
+    except OSError:  # (reset)
+        return True
+
+
 def plain_tcp(stream_send: Any) -> tuple[trio.SocketStream, socket.socket, Any] | None:
     """The socket stream, its stdlib socket and hypercorn's send lock behind an
     ``H11Protocol.stream_send`` (what an HTTP or websocket stream sends through),

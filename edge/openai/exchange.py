@@ -14,7 +14,7 @@ from typing import NamedTuple
 import trio
 
 from edge.errors import APIError
-from edge.openai.direct import DirectBody, close_stream, on_disconnect
+from edge.openai.direct import DirectBody, close_stream, on_disconnect, peer_closed
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
 
@@ -203,6 +203,11 @@ class Exchange:
         as the request ends."""
         self._send = self._receive = _released
         self._direct = False
+
+    def closed_by_client(self) -> bool:
+        """The client has closed its connection, though the server may not have told the app yet
+        (:func:`~edge.openai.direct.peer_closed`)."""
+        return peer_closed(self.scope, self._send)
 
     def cancel_on_disconnect(self, scope: trio.CancelScope) -> bool:
         """Have the server's own delivery of ``http.disconnect`` cancel

@@ -1004,6 +1004,13 @@ class RunService:
                 else:
                     self._leave(queue, waiter)
         if waiter.slot is not None:
+            # Handed a slot the instant after its client left (a burst of clients leaving at
+            # once: each slot freed went to a waiter whose own disconnect was not yet heard, and
+            # the model server started requests for 1-10 of 40 clients already gone).
+            closed = getattr(client, "closed_by_client", None)
+            if closed is not None and closed():
+                self.release(waiter.slot)
+                raise errors.client_gone()
             return waiter.slot
         self._leave(queue, waiter)
         if waiter.cancelled:
