@@ -536,6 +536,59 @@ async def test_an_http2_flood_in_one_read_is_stopped_at_the_frame_past_the_budge
         assert (await client.post("/v1/chat/completions", json={**STREAM, "stream": False})).status_code == 200
 
 
+@pytest.mark.parametrize("flood", ["empty", "after_reset", "after_answer"])
+async def test_http2_data_frames_that_bring_the_app_nothing_cost_the_budget(nursery, upstream, flood):
+    """DATA frames the app never reads: empty ones on an open stream, small ones on a stream
+    the client reset or the edge already answered (a 401 before the body was in). Each cost the
+    edge as much as a control frame, outside every budget: one connection took a core for as
+    long as it sent (1.2 s of CPU a megabyte, /healthz p50 179 ms). Now GOAWAY ENHANCE_YOUR_CALM."""
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-right"] if flood == "after_answer" else []))
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    head = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
+    piece = b"" if flood == "empty" else b" "
+    data = len(piece).to_bytes(3, "big") + b"\x00\x00" + (1).to_bytes(4, "big") + piece  # DATA, stream 1
+    ended = None
+    with trio.fail_after(BOUND):
+        sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        h2c.initiate_connection()
+        h2c.send_headers(1, [*head, ("authorization", "Bearer sk-wrong"), ("content-type", "application/json")])
+        h2c.send_data(1, b'{"model": "m", ')
+        if flood == "after_reset":
+            h2c.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+        await sock.send_all(h2c.data_to_send())
+        if flood == "after_answer":  # (the 401 first: the stream is the app's no more)
+            while ended is None:
+                events = h2c.receive_data(await sock.receive_some(65536))
+                ended = next((e for e in events if isinstance(e, h2.events.StreamEnded)), None)
+            ended = None
+        try:
+            for _ in range(20):
+                await sock.send_all(data * 500)
+            with trio.move_on_after(5):
+                while ended is None:
+                    received = await sock.receive_some(65536)
+                    if not received:
+                        ended = "closed"
+                    ended = next(
+                        (
+                            e.error_code
+                            for e in h2c.receive_data(received)
+                            if isinstance(e, h2.events.ConnectionTerminated)
+                        ),
+                        ended,
+                    )
+        except trio.BrokenResourceError:  # (closed with the flood unread: a reset may overtake GOAWAY)
+            ended = "reset"
+        await trio.aclose_forcefully(sock)
+    assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "reset"), ended
+    async with http(edge) as client:
+        r = await client.post(
+            "/v1/chat/completions", json={**STREAM, "stream": False}, headers={"authorization": "Bearer sk-right"}
+        )
+        assert r.status_code == 200
+
+
 async def test_an_http2_stream_given_no_flow_control_credit_is_reset_after_the_write_timeout(
     nursery, tmp_path, upstream
 ):
