@@ -451,6 +451,28 @@ async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nurse
             assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
 
 
+async def _flood(stream: trio.abc.Stream, h2c: h2.connection.H2Connection, blob: bytes, times: int) -> object:
+    """Send ``blob`` ``times`` over, then read for 5 s at most: how the connection ended (its
+    GOAWAY's code, "closed", "reset": a reset may overtake GOAWAY with the flood unread, or None),
+    and close it."""
+    ended = None
+    try:
+        for _ in range(times):
+            await stream.send_all(blob)
+        with trio.move_on_after(5):
+            while ended is None:
+                data = await stream.receive_some(65536)
+                if not data:
+                    ended = "closed"
+                for event in h2c.receive_data(data):
+                    if isinstance(event, h2.events.ConnectionTerminated):
+                        ended = event.error_code
+    except trio.BrokenResourceError:
+        ended = "reset"
+    await trio.aclose_forcefully(stream)
+    return ended
+
+
 # A PING ack (length 8, PING, ACK, stream 0); a SETTINGS frame of 2,730 settings (16 KiB: ids of
 # no meaning, which a server must ignore but parses)
 PING_ACK = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00" + b"pingpong"
@@ -481,20 +503,7 @@ async def test_an_http2_client_flooding_frames_the_app_never_sees_loses_its_conn
         stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
         h2c.initiate_connection()
         await stream.send_all(h2c.data_to_send())
-        try:
-            for _ in range(count // 20):
-                await stream.send_all(frame * 20)
-            with trio.move_on_after(5):
-                while ended is None:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        ended = "closed"
-                    for event in h2c.receive_data(data):
-                        if isinstance(event, h2.events.ConnectionTerminated):
-                            ended = event.error_code
-        except trio.BrokenResourceError:  # closed with the flood unread: a reset may overtake GOAWAY
-            ended = "reset"
-        await trio.aclose_forcefully(stream)
+        ended = await _flood(stream, h2c, frame * 20, count // 20)
         assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "closed", "reset"), ended
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
             assert (await c.post(url + "/v1/chat/completions", json={**STREAM, "stream": False})).status_code == 200
@@ -562,26 +571,8 @@ async def test_http2_data_frames_that_bring_the_app_nothing_cost_the_budget(nurs
                 events = h2c.receive_data(await sock.receive_some(65536))
                 ended = next((e for e in events if isinstance(e, h2.events.StreamEnded)), None)
             ended = None
-        try:
-            for _ in range(20):
-                await sock.send_all(data * 500)
-            with trio.move_on_after(5):
-                while ended is None:
-                    received = await sock.receive_some(65536)
-                    if not received:
-                        ended = "closed"
-                    ended = next(
-                        (
-                            e.error_code
-                            for e in h2c.receive_data(received)
-                            if isinstance(e, h2.events.ConnectionTerminated)
-                        ),
-                        ended,
-                    )
-        except trio.BrokenResourceError:  # (closed with the flood unread: a reset may overtake GOAWAY)
-            ended = "reset"
-        await trio.aclose_forcefully(sock)
-    assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "reset"), ended
+        ended = await _flood(sock, h2c, data * 500, 20)
+    assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "closed", "reset"), ended
     async with http(edge) as client:
         r = await client.post(
             "/v1/chat/completions", json={**STREAM, "stream": False}, headers={"authorization": "Bearer sk-right"}
