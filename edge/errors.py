@@ -72,12 +72,22 @@ def error_json(message: str, type: str, *, param: str | None = None, code: str |
 MAX_NODE_ERROR = 4096  # characters of a node's error message a client (or a log line) gets
 
 
+# Control characters (but tab and newline) and bidirectional overrides in a node's error: a
+# terminal's escapes for the CLI agents that print it, a line shown reversed in the console.
+_UNSHOWABLE = dict.fromkeys(
+    [*range(0x09), 0x0B, 0x0C, *range(0x0D, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F, 0x2028, 0x2029]
+    + [*range(0x202A, 0x202F), *range(0x2066, 0x206A)],
+    "\ufffd",
+)
+
+
 def node_error(text: str) -> str:
     """A node's error message, cut to :data:`MAX_NODE_ERROR` characters (a node's 15 MB
-    error became a 15 MB answer, and a log line as long)."""
-    if len(text) <= MAX_NODE_ERROR:
-        return text
-    return f"{text[:MAX_NODE_ERROR]}... ({len(text) - MAX_NODE_ERROR} more characters)"
+    error became a 15 MB answer, and a log line as long), what a screen would act on
+    (:data:`_UNSHOWABLE`) shown as U+FFFD."""
+    if len(text) > MAX_NODE_ERROR:
+        text = f"{text[:MAX_NODE_ERROR]}... ({len(text) - MAX_NODE_ERROR} more characters)"
+    return text.translate(_UNSHOWABLE) if not text.isprintable() else text
 
 
 class RunFailed(Exception):

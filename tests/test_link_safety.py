@@ -1354,10 +1354,15 @@ async def test_a_frame_with_a_collection_past_its_bound_closes_that_link(nursery
     await settled(edge, node.agent)
 
 
-async def test_a_node_s_long_error_reaches_the_client_cut(nursery):
+@pytest.mark.parametrize("kind", ["long", "control"])
+async def test_a_node_s_error_reaches_the_client_cut_and_showable(nursery, kind):
     """A node's error message went to its client whole: a 15 MB error was a 15 MB answer (an
-    outside attack). The client gets its first MAX_NODE_ERROR characters and how many more."""
+    outside attack). The client gets its first MAX_NODE_ERROR characters and how many more.
+    Control characters and bidirectional overrides in it (a terminal's escapes for the agent
+    CLIs that print it, a line reversed in the console) reach it as U+FFFD; lines stay."""
     from edge.errors import MAX_NODE_ERROR
+
+    text = "x" * 1_000_000 if kind == "long" else "bad\x00\x1b[2J\u202eupstream\r\nline two\ttab"
 
     edge = await start_edge(nursery)
     stream, ws = await open_link(edge, "wordy", nursery=nursery)
@@ -1368,7 +1373,7 @@ async def test_a_node_s_long_error_reaches_the_client_cut(nursery):
             while True:
                 frame = decode_frame(await ws.get_message())
                 if isinstance(frame, RunRequest):
-                    error = RunEvent(run_id=frame.run_id, seq=1, type="error", text="x" * 1_000_000, status=500)
+                    error = RunEvent(run_id=frame.run_id, seq=1, type="error", text=text, status=500)
                     await ws.send_message(encode_frame(Events(events=[error])))
 
     nursery.start_soon(fail_loudly)
@@ -1377,11 +1382,13 @@ async def test_a_node_s_long_error_reaches_the_client_cut(nursery):
             whole = await client.post("/v1/chat/completions", json=ASK)
             streamed = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
     message = whole.json()["error"]["message"]
-    assert (
-        whole.status_code == 502
-        and message == "x" * MAX_NODE_ERROR + f"... ({1_000_000 - MAX_NODE_ERROR} more characters)"
-    )
+    if kind == "long":
+        assert message == "x" * MAX_NODE_ERROR + f"... ({1_000_000 - MAX_NODE_ERROR} more characters)"
+    else:
+        assert message.endswith("bad\ufffd\ufffd[2J\ufffdupstream\ufffd\nline two\ttab"), message
+    assert whole.status_code == 502
     assert streamed.status_code == 502 and len(streamed.content) < 2 * MAX_NODE_ERROR
+    assert b"\\u001b" not in streamed.content and "\u202e".encode() not in streamed.content
     await stream.aclose()
 
 
