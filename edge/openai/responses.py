@@ -820,8 +820,9 @@ class ResponseEncoder:
             )
         )
 
-    def _close(self, status: str = "completed") -> bytes:
-        """Close the open item (``b""`` if none)."""
+    def _close(self, status: str = "completed", announce: bool = True) -> bytes:
+        """Close the open item (``b""`` if none); without ``announce``, it joins the output
+        with no events of its own."""
         item = self._open
         if item is None:
             return b""
@@ -833,20 +834,24 @@ class ResponseEncoder:
         if item["type"] == "message":
             part = _output_text(text)
             done = {**item, "status": status, "content": [part]}
-            events = self._event(
-                "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
-            ) + self._event("response.content_part.done", **where, content_index=0, part=part)
         else:
             summary = {"type": "summary_text", "text": text}
             part = {"type": "reasoning_text", "text": text}
             done = {**item, "summary": [summary], "content": [part]}
+        self.output.append(done)
+        if not announce:
+            return b""
+        if item["type"] == "message":
+            events = self._event(
+                "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+            ) + self._event("response.content_part.done", **where, content_index=0, part=part)
+        else:
             events = (
                 self._event("response.reasoning_summary_text.done", **where, summary_index=0, text=text)
                 + self._event("response.reasoning_summary_part.done", **where, summary_index=0, part=summary)
                 + self._event("response.reasoning_text.done", **where, content_index=0, text=text)
                 + self._event("response.content_part.done", **where, content_index=0, part=part)
             )
-        self.output.append(done)
         return events + self._event("response.output_item.done", output_index=index, item=done)
 
     def refusal(self, text: str) -> bytes:
@@ -930,8 +935,11 @@ class ResponseEncoder:
         reconnects, up to 5 times, starting the run again). What was streamed
         stays in its ``output``: an open message is done first, ``incomplete``
         (it was left out, and a client that rebuilt the answer from the failed
-        response lost the text it had shown: an outside audit)."""
-        head = self._close("incomplete")
+        response lost the text it had shown: an outside audit), with its
+        ``.done`` events only when ``final``: Codex keeps every item done in
+        its history, and a retry (``server_error``) sent the cut-off text back
+        to the model as an answer given, then showed the answer twice."""
+        head = self._close("incomplete", announce=final)
         code = "invalid_prompt" if final else _FAILED_CODES.get(type, "server_error")
         response = self.response("failed", error={"code": code, "message": message})
         return head + self._event("response.failed", response=response)
