@@ -9,6 +9,7 @@ import sys
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 import structlog
@@ -556,6 +557,17 @@ async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_pa
             r = await c.post("/v1/messages", json=body)
     assert r.status_code == 200 and "event: error" in r.text
     assert '"type":"rate_limit_error"' in r.text.split("event: error")[1], r.text[-300:]
+    # A Responses stream so ends with `response.failed` code insufficient_quota, which Codex stops
+    # on (`server_error` had it reconnect only to be refused).
+    keys = [KeyConfig(id="cdx", key="sk-cdx", daily_tokens=500)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "o.sqlite3")))
+    await start_node(nursery, edge, [model("long", ttft_ms=0, tokens_per_s=1000, sim_tokens=3000)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-cdx") as c:
+            r = await c.post("/v1/responses", json={"model": "long", "input": "hi", "stream": True})
+    failed = msgspec.json.decode(r.text.rstrip().rsplit("data: ", 1)[1])
+    assert failed["type"] == "response.failed", r.text[-300:]
+    assert failed["response"]["error"]["code"] == "insufficient_quota"
 
 
 async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nursery, tmp_path, upstream):

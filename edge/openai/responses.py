@@ -973,7 +973,11 @@ class ResponseEncoder:
 
 # The edge's error types as the codes of a failed response OpenAI documents; any
 # other type (run_error, tool_validation_error, ...) is a ``server_error``.
-_FAILED_CODES = {"server_error": "server_error", "rate_limit_error": "rate_limit_exceeded"}
+_FAILED_CODES = {
+    "server_error": "server_error",
+    "rate_limit_error": "rate_limit_exceeded",
+    "insufficient_quota": "insufficient_quota",  # (Codex stops on it: it reconnected on server_error)
+}
 
 
 def _output_text(text: str) -> dict[str, Any]:
