@@ -90,6 +90,45 @@ async def test_killed_node_fails_its_stream_with_node_disconnected(nursery, tmp_
     await settled(edge)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_collected_run_whose_node_dies_runs_again_on_another(nursery, tmp_path, upstream, stream):
+    """A request with tools is collected and validated before the client sees it: its node
+    SIGKILLed mid-run, the client (keep-alives at most so far) got "node disconnected" though
+    another node served the model (Claude Code and Codex then ran the turn again themselves). It
+    runs again, once, on the other node; the client gets that answer, whole."""
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
+    proc = await start_node_process(
+        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "a", "base_url": upstream.base_url}]
+    )
+    upstream.script_for("a", slow_tokens(1000))
+    upstream.script_for("b", [("chunk", {"content": "From b."}), ("chunk", {}, "stop"), ("done",)])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {**STREAM, "stream": stream, "tools": [tool]}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as inner:
+            answer = {}
+
+            async def ask() -> None:
+                answer["r"] = await client.post("/v1/chat/completions", json=body)
+
+            inner.start_soon(ask)
+            await upstream.wait_requests(1)
+            await trio.sleep(0.5)  # (some of the run collected, and a keep-alive sent)
+            await start_node(nursery, edge, [model("m", upstream, target="b")], node_id="n2")
+            await eventually(lambda: "n2" in edge.edge.runs.links, "n2 linked")
+            proc.send_signal(signal.SIGKILL)
+    r = answer["r"]
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [msgspec.json.decode(e) for e in sse_events(r.content)[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    else:
+        text = r.json()["choices"][0]["message"]["content"]
+    assert text == "From b."
+    assert [rec.body["model"] for rec in upstream.records] == ["a", "b"] and upstream.records[0].aborted
+    await settled(edge)
+
+
 async def test_node_relinks_after_edge_restart(nursery, upstream):
     """The node redials with backoff: an edge restarted on the same address serves again."""
     first = await start_edge(nursery)
