@@ -163,8 +163,12 @@ def _relay_main(port: int, sock_path: str, argv: list[str]) -> int:
             while data := src.recv(65536):
                 dst.sendall(data)
             dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        except OSError:  # (one side reset: end both, or the CLI waits on its socket for ever)
+            for end in (src, dst):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def serve(conn: socket.socket) -> None:
         with conn:
