@@ -47,6 +47,7 @@ from __future__ import annotations
 import importlib.metadata
 import time
 
+import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
@@ -62,6 +63,7 @@ from hyperframe.frame import (
     DataFrame,
     ExtensionFrame,
     GoAwayFrame,
+    HeadersFrame,
     PingFrame,
     PriorityFrame,
     RstStreamFrame,
@@ -90,16 +92,19 @@ SETTINGS_COST = 50
 # A PING (or its ack) costs this: each is answered, and honest clients ping every few seconds.
 PING_COST = 5
 # Frames that cost the control budget one each (a CONTINUATION too: h2 takes 64 to a header
-# block). DATA frames are the body's, bounded by the body's own count of them (edge.openai.exchange),
-# but for those that bring the app nothing: empty ones that end nothing, and small ones for a
-# stream it no longer reads (answered before its body was in, or reset): a flood of either took
-# a core and was never closed (found from outside: 1.2 s of CPU a megabyte, /healthz p50 179 ms).
-# An honest client's body after an early answer comes in full frames, and its last.
+# block). So do the stream frames that bring the app nothing: a flood of each took a core and
+# was never closed (found from outside: 1.2 s of CPU a megabyte, /healthz p50 179 ms), h2
+# answering each with a RST_STREAM: any DATA or HEADERS frame for a stream that is closed (reset
+# by the client, or ended), a DATA frame under SMALL_DATA for one the edge answered before its
+# body was in (an honest client sends the rest of its body in full frames), and an empty DATA
+# frame that ends nothing.
 SMALL_DATA = 1024
+# Small DATA frames of open streams (a body in pieces) are counted per request too (past
+# 65,536 a 400, edge.openai.exchange); per connection, over all its streams, at most this many
+# at once and then this many a second (one connection fed 100 streams a byte a frame: a core).
+PIECES_BURST = 65_536
+PIECES_PER_S = 16_384
 _CONTROL = (WindowUpdateFrame, PriorityFrame, ExtensionFrame, AltSvcFrame, ContinuationFrame, GoAwayFrame)
-
-
-_APP_DONE = (StreamState.HALF_CLOSED_LOCAL, StreamState.CLOSED)  # (answered, or reset)
 
 
 class _Calm(h2.exceptions.ProtocolError):
@@ -141,8 +146,7 @@ def install() -> None:
         if not isinstance(self.streams, dict):
             raise RuntimeError("hypercorn's H2Protocol.streams is not the dict edge.h2_streams was written for")
         self.streams = _Streams(self.streams)
-        connection = self.connection
-        connection._receive_frame = _within_budget(connection._receive_frame, connection.streams)  # noqa: SLF001
+        self.connection._receive_frame = _within_budget(self.connection)  # noqa: SLF001
 
     __init__.iop_streams = True  # type: ignore[attr-defined]
     H2Protocol.__init__ = __init__  # type: ignore[method-assign]
@@ -186,22 +190,42 @@ async def _reset_stalled(protocol: H2Protocol, stream_id: int) -> None:
     await protocol._window_updated(stream_id)  # noqa: SLF001 (its buffer meets the closed stream and goes)
 
 
-def _within_budget(receive_frame, streams: dict):
-    """h2's ``_receive_frame`` for one connection (whose h2 streams are ``streams``),
-    spending its budgets first."""
+def _within_budget(connection: h2.connection.H2Connection):
+    """h2's ``_receive_frame`` for ``connection``, spending its budgets first."""
+    receive_frame = connection._receive_frame  # noqa: SLF001
+    streams = connection.streams
     resets = _Bucket(RESET_BURST, RESETS_PER_S)
     control = _Bucket(CONTROL_BURST, CONTROL_PER_S)
+    pieces = _Bucket(PIECES_BURST, PIECES_PER_S)
 
     def receive(frame):
         kind = type(frame)
-        if kind is DataFrame:
-            if len(frame.data) >= SMALL_DATA or "END_STREAM" in frame.flags:
-                return receive_frame(frame)
-            if frame.data:
-                stream = streams.get(frame.stream_id)
-                if stream is not None and stream.state_machine.state not in _APP_DONE:
+        if kind is DataFrame or kind is HeadersFrame:
+            stream = streams.get(frame.stream_id)
+            state = stream.state_machine.state if stream is not None else None
+            if state is None:
+                # (a HEADERS frame opening a stream: not yet one of h2's; any other: one closed and gone)
+                if kind is HeadersFrame and frame.stream_id > connection.highest_inbound_stream_id:
                     return receive_frame(frame)
-            cost = 1
+                cost = 1
+            elif state is StreamState.CLOSED:
+                cost = 1
+            elif kind is HeadersFrame:
+                return receive_frame(frame)
+            elif state is StreamState.HALF_CLOSED_LOCAL:  # (answered before its body was in)
+                if len(frame.data) >= SMALL_DATA:
+                    return receive_frame(frame)
+                cost = 1
+            elif len(frame.data) >= SMALL_DATA or (frame.data and "END_STREAM" in frame.flags):
+                return receive_frame(frame)
+            elif frame.data:
+                if not pieces.spend(1):
+                    raise _Calm("a body in too many pieces")
+                return receive_frame(frame)
+            elif "END_STREAM" in frame.flags:
+                return receive_frame(frame)
+            else:
+                cost = 1  # (empty, ending nothing)
         elif kind is RstStreamFrame:
             if not resets.spend(1):
                 raise _Calm("streams reset too fast")

@@ -545,39 +545,94 @@ async def test_an_http2_flood_in_one_read_is_stopped_at_the_frame_past_the_budge
         assert (await client.post("/v1/chat/completions", json={**STREAM, "stream": False})).status_code == 200
 
 
-@pytest.mark.parametrize("flood", ["empty", "after_reset", "after_answer"])
-async def test_http2_data_frames_that_bring_the_app_nothing_cost_the_budget(nursery, upstream, flood):
-    """DATA frames the app never reads: empty ones on an open stream, small ones on a stream
-    the client reset or the edge already answered (a 401 before the body was in). Each cost the
-    edge as much as a control frame, outside every budget: one connection took a core for as
-    long as it sent (1.2 s of CPU a megabyte, /healthz p50 179 ms). Now GOAWAY ENHANCE_YOUR_CALM."""
-    edge = await start_edge(nursery, edge_config(api_keys=["sk-right"] if flood == "after_answer" else []))
+def _h2_frame(kind: int, flags: int, payload: bytes) -> bytes:
+    """A raw HTTP/2 frame on stream 1."""
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + (1).to_bytes(4, "big") + payload
+
+
+_DATA, _HEADERS, _END_STREAM, _END_HEADERS = 0x0, 0x1, 0x1, 0x4
+# The stream's state when the flood comes, and the frame it is made of.
+_NOTHING_FLOODS = {
+    "empty on an open stream": ("open", _h2_frame(_DATA, 0, b"")),
+    "a byte on a reset stream": ("reset", _h2_frame(_DATA, 0, b" ")),
+    "empty ending a reset stream": ("reset", _h2_frame(_DATA, _END_STREAM, b"")),
+    "1 KiB on a reset stream": ("reset", _h2_frame(_DATA, 0, b" " * 1024)),
+    "HEADERS on a reset stream": ("reset", _h2_frame(_HEADERS, _END_STREAM | _END_HEADERS, b"\x82\x84\x86")),
+    "a byte on an answered stream": ("answered", _h2_frame(_DATA, 0, b" ")),
+    "a byte ending an answered stream": ("answered", _h2_frame(_DATA, _END_STREAM, b" ")),
+}
+
+
+@pytest.mark.parametrize("flood", list(_NOTHING_FLOODS))
+async def test_http2_stream_frames_that_bring_the_app_nothing_cost_the_budget(nursery, upstream, flood):
+    """DATA and HEADERS frames the app never reads: empty DATA on an open stream, any frame of a
+    stream the client reset, small DATA of one the edge already answered (a 401 before the body
+    was in). Each cost the edge as much as a control frame, h2 answering many with a RST_STREAM,
+    outside every budget: one connection took a core for as long as it sent (1.2 s of CPU a
+    megabyte, /healthz p50 179 ms). Now GOAWAY ENHANCE_YOUR_CALM."""
+    state, frame = _NOTHING_FLOODS[flood]
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-right"] if state == "answered" else []))
     await start_node(nursery, edge, [model("m", upstream, target="t")])
     h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     head = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
-    piece = b"" if flood == "empty" else b" "
-    data = len(piece).to_bytes(3, "big") + b"\x00\x00" + (1).to_bytes(4, "big") + piece  # DATA, stream 1
-    ended = None
     with trio.fail_after(BOUND):
         sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
         h2c.initiate_connection()
         h2c.send_headers(1, [*head, ("authorization", "Bearer sk-wrong"), ("content-type", "application/json")])
         h2c.send_data(1, b'{"model": "m", ')
-        if flood == "after_reset":
+        if state == "reset":
             h2c.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
         await sock.send_all(h2c.data_to_send())
-        if flood == "after_answer":  # (the 401 first: the stream is the app's no more)
-            while ended is None:
-                events = h2c.receive_data(await sock.receive_some(65536))
-                ended = next((e for e in events if isinstance(e, h2.events.StreamEnded)), None)
-            ended = None
-        ended = await _flood(sock, h2c, data * 500, 20)
-    assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "closed", "reset"), ended
+        answered = state != "answered"
+        while not answered:  # (the 401 first: the stream is the app's no more)
+            events = h2c.receive_data(await sock.receive_some(65536))
+            answered = any(isinstance(e, h2.events.StreamEnded) for e in events)
+        ended = await _flood(sock, h2c, frame * 100, 100)
+    assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "reset"), ended
     async with http(edge) as client:
         r = await client.post(
             "/v1/chat/completions", json={**STREAM, "stream": False}, headers={"authorization": "Bearer sk-right"}
         )
         assert r.status_code == 200
+
+
+async def test_an_http2_connection_feeding_many_bodies_a_byte_a_frame_loses_it(nursery, upstream):
+    """A body in pieces is bounded per request (65,536, then a 400), but one connection fed 100
+    open streams a byte a frame for as long as it liked (a core). Past PIECES_BURST small pieces
+    at once over all its streams (then PIECES_PER_S a second) it gets GOAWAY ENHANCE_YOUR_CALM."""
+    from edge.h2_streams import PIECES_BURST
+
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    head = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
+    streams = [1 + 2 * i for i in range(8)]  # (each under the request's own bound)
+    sent, ended = 0, None
+    with trio.fail_after(BOUND):
+        sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        h2c.initiate_connection()
+        for stream_id in streams:
+            h2c.send_headers(stream_id, [*head, ("content-type", "application/json")])
+        while ended is None and sent < 4 * PIECES_BURST:
+            for stream_id in streams:
+                for _ in range(min(250, h2c.local_flow_control_window(stream_id))):
+                    h2c.send_data(stream_id, b" ")
+                    sent += 1
+            try:
+                await sock.send_all(h2c.data_to_send())
+            except trio.BrokenResourceError:
+                ended = "reset"
+                break
+            with trio.move_on_after(0.01):
+                data = await sock.receive_some(65536)
+                if not data:
+                    ended = "closed"
+                for event in h2c.receive_data(data):
+                    if isinstance(event, h2.events.ConnectionTerminated):
+                        ended = event.error_code
+        await trio.aclose_forcefully(sock)
+    assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "reset"), (ended, sent)
+    assert sent > PIECES_BURST
 
 
 async def test_an_http2_stream_given_no_flow_control_credit_is_reset_after_the_write_timeout(
