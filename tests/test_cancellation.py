@@ -451,6 +451,16 @@ async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nurse
             assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
 
 
+def _ending(h2c: h2.connection.H2Connection, data: bytes, ended: object) -> object:
+    """How the connection ended, once ``data`` is read (``ended``: as known before)."""
+    if not data:
+        return "closed"
+    for event in h2c.receive_data(data):
+        if isinstance(event, h2.events.ConnectionTerminated):
+            ended = event.error_code
+    return ended
+
+
 async def _flood(stream: trio.abc.Stream, h2c: h2.connection.H2Connection, blob: bytes, times: int) -> object:
     """Send ``blob`` ``times`` over, then read for 5 s at most: how the connection ended (its
     GOAWAY's code, "closed", "reset": a reset may overtake GOAWAY with the flood unread, or None),
@@ -461,12 +471,7 @@ async def _flood(stream: trio.abc.Stream, h2c: h2.connection.H2Connection, blob:
             await stream.send_all(blob)
         with trio.move_on_after(5):
             while ended is None:
-                data = await stream.receive_some(65536)
-                if not data:
-                    ended = "closed"
-                for event in h2c.receive_data(data):
-                    if isinstance(event, h2.events.ConnectionTerminated):
-                        ended = event.error_code
+                ended = _ending(h2c, await stream.receive_some(65536), ended)
     except trio.BrokenResourceError:
         ended = "reset"
     await trio.aclose_forcefully(stream)
@@ -624,12 +629,7 @@ async def test_an_http2_connection_feeding_many_bodies_a_byte_a_frame_loses_it(n
                 ended = "reset"
                 break
             with trio.move_on_after(0.01):
-                data = await sock.receive_some(65536)
-                if not data:
-                    ended = "closed"
-                for event in h2c.receive_data(data):
-                    if isinstance(event, h2.events.ConnectionTerminated):
-                        ended = event.error_code
+                ended = _ending(h2c, await sock.receive_some(65536), ended)
         await trio.aclose_forcefully(sock)
     assert ended in (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "reset"), (ended, sent)
     assert sent > PIECES_BURST
