@@ -179,6 +179,39 @@ async def test_a_slot_freed_the_instant_a_queued_client_left_does_not_start_its_
     await settled(edge, node.agent)
 
 
+async def test_a_queued_pipelining_client_that_half_closed_is_still_answered(nursery, upstream):
+    """A client that pipelines two requests and then shuts its sending side, while the model's
+    one slot is taken: its kernel shows the end of what it sends, but it waits for its answers
+    (it got a bare 500 when the slot freed, judged gone)."""
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    upstream.script_for("m-target", [("hang",)])
+    body = msgspec.json.encode(WHOLE)
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body) + body
+    )
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        holder = await trio.open_tcp_stream("127.0.0.1", edge.port)  # the only slot
+        await holder.send_all(request)
+        await upstream.wait_requests(1)
+        client = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        await client.send_all(request * 2)
+        await client.send_eof()
+        await eventually(lambda: runs.queue_depth("m") == 1, "queued")
+        upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
+        await holder.aclose()  # (its slot frees for the half-closed client)
+        answers = b""
+        with trio.move_on_after(5):
+            while data := await client.receive_some(65536):
+                answers += data
+        await client.aclose()
+    # (its first: hypercorn ends a connection whose client half-closed once an answer is out)
+    assert answers.startswith(b"HTTP/1.1 200 "), answers[:300]
+    await settled(edge, node.agent)
+
+
 async def test_wait_timeout_reports_run_timed_out_and_aborts_upstream(nursery, upstream):
     """No event for wait_timeout_s: the client gets "run timed out" and the upstream is aborted."""
     edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))

@@ -233,9 +233,11 @@ async def close_stream(send: Any) -> None:
 
 def peer_closed(scope: dict, send: Any) -> bool:
     """The request's client closed its connection, by what the kernel holds now (HTTP/1.1 on
-    plain TCP: a peek, no read; False otherwise, or with bytes still unread: a pipelined request)."""
+    plain TCP: a peek, no read; False otherwise, or with bytes still unread, or read and not yet
+    taken: a pipelined request)."""
     direct = DirectBody._wired(scope, send)  # noqa: SLF001
-    if direct is None:
+    if direct is None or direct._h11.trailing_data[0]:  # noqa: SLF001
+        # (a pipelined request read already: its client may have half-closed after it, and waits)
         return False
     try:
         return direct._raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # noqa: SLF001

@@ -71,7 +71,7 @@ _MESSAGES_PREFIX = "/v1/messages/"
 _MESSAGES_NOT_FOUND = Route(no_such_route, "messages", ANTHROPIC_ERRORS, MessagesExchange, post_only=False)
 
 CLIENT_CLOSED = 499  # the access line's status when the client left before any response (nginx's)
-CLIENT_GONE = "client_gone"  # edge.errors.client_gone's code
+_OUTCOMES = {"cancelled_by_operator": "cancelled", "client_gone": "client_gone"}  # by an APIError's code
 _MAX_MODEL_LOGGED = 256  # a model name is the client's string: bounded in the log
 
 
@@ -182,12 +182,10 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                 except ClientGone:
                     outcome = "client_gone"
                 except APIError as e:
-                    if e.code == CLIENT_GONE:  # (found gone as its queued request got a slot: no one to answer)
-                        outcome = "client_gone"
-                        return
                     # (said first: a client that closes as the answer arrives cancels the send)
-                    # (an operator's cancel of a queued request is "cancelled", as of a run)
-                    outcome = "cancelled" if e.code == "cancelled_by_operator" else f"rejected_{e.status}"
+                    # (an operator's cancel of a queued request is "cancelled", as of a run; a
+                    # queued request found gone as it got a slot, "client_gone": its 499 goes to no one)
+                    outcome = _OUTCOMES.get(e.code) or f"rejected_{e.status}"
                     ex.access.error = e.code or e.type
                     if e.status == 429:
                         ex.access.refusal = e.message
