@@ -27,6 +27,8 @@ lock, met that detector.
   "Error code: 431" and nothing else); one whose body turns unreadable (a bad
   chunk size) while its handler reads it is that handler's request: its
   request id, and its access line and count say the 400;
+- ``H11Protocol._send_h11_event``: no ``100 Continue`` for a request whose
+  Content-Length is past ``max_body_bytes`` (its 413 comes without it);
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
   was. While it runs, the connection is in :data:`OPEN`, for
@@ -188,3 +190,25 @@ def install() -> None:
         raise RuntimeError("hypercorn's H11Protocol is not the one edge.connection was written for: review it")
     H11Protocol._send_error_response = _send_error_response  # type: ignore[method-assign]
     TCPServer.run = run  # type: ignore[method-assign]
+    hypercorn_send_h11_event = H11Protocol._send_h11_event
+
+    async def _send_h11_event(self: H11Protocol, event) -> None:
+        # No `100 Continue` for a body the edge will refuse (RFC 9110 10.1.1): its 413 answers the
+        # request's head, and the client sends none of it (it was told to go on, then refused).
+        if type(event) is h11.InformationalResponse and event.status_code == 100 and _declared_too_large(self):
+            return
+        await hypercorn_send_h11_event(self, event)
+
+    H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
+
+
+def _declared_too_large(protocol: H11Protocol) -> bool:
+    """The request's Content-Length is past the edge's ``max_body_bytes``."""
+    edge = getattr(protocol.config, "iop_edge", None)
+    scope = getattr(getattr(protocol, "stream", None), "scope", None)
+    if edge is None or not isinstance(scope, dict):
+        return False
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return value.isdigit() and int(value) > edge.config.max_body_bytes
+    return False

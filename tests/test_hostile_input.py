@@ -1133,6 +1133,25 @@ async def test_a_body_past_the_limit_gets_its_413_while_the_client_still_sends(n
     assert statuses == [(413, "false")] * 15 + [(401, "false")] * 5, statuses
 
 
+async def test_a_body_past_the_limit_asked_with_expect_100_continue_gets_no_continue(nursery):
+    """`Expect: 100-continue` (curl sends it for bodies past 1 MB) and a Content-Length past
+    `max_body_bytes`: the answer is the 413 alone (it was `100 Continue`, then the 413: the client
+    began sending what the edge would refuse). A body that fits still gets its `100 Continue`."""
+    edge = await start_edge(nursery, edge_config(max_body_bytes=1 << 20))
+    await start_node(nursery, edge, [sim("m")])
+    heads = []
+    with trio.fail_after(BOUND):
+        for length in (2 << 20, 100):
+            sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+            await sock.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % length
+            )
+            heads.append((await sock.receive_some(65536)).split(b"\r\n", 1)[0])
+            await sock.aclose()
+    assert heads == [b"HTTP/1.1 413 ", b"HTTP/1.1 100 "], heads
+
+
 async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
     """Headers too large to read (a runaway header) and bytes that are not
     HTTP/1.1 got hypercorn's status with an empty body: the SDK said "Error code: 431" and
