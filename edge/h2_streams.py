@@ -193,7 +193,6 @@ async def _reset_stalled(protocol: H2Protocol, stream_id: int) -> None:
 def _within_budget(connection: h2.connection.H2Connection):
     """h2's ``_receive_frame`` for ``connection``, spending its budgets first."""
     receive_frame = connection._receive_frame  # noqa: SLF001
-    streams = connection.streams
     resets = _Bucket(RESET_BURST, RESETS_PER_S)
     control = _Bucket(CONTROL_BURST, CONTROL_PER_S)
     pieces = _Bucket(PIECES_BURST, PIECES_PER_S)
@@ -201,32 +200,11 @@ def _within_budget(connection: h2.connection.H2Connection):
     def receive(frame):
         kind = type(frame)
         if kind is DataFrame or kind is HeadersFrame:
-            stream = streams.get(frame.stream_id)
-            state = stream.state_machine.state if stream is not None else None
-            if state is None:
-                # (a HEADERS frame opening a stream: not yet one of h2's; any other: one closed and gone)
-                if kind is HeadersFrame and frame.stream_id > connection.highest_inbound_stream_id:
-                    return receive_frame(frame)
-                cost = 1
-            elif state is StreamState.CLOSED:
-                cost = 1
-            elif kind is HeadersFrame:
-                return receive_frame(frame)
-            elif state is StreamState.HALF_CLOSED_LOCAL:  # (answered before its body was in)
-                if len(frame.data) >= SMALL_DATA:
-                    return receive_frame(frame)
-                cost = 1
-            elif len(frame.data) >= SMALL_DATA or (frame.data and "END_STREAM" in frame.flags):
-                return receive_frame(frame)
-            elif frame.data:
-                if not pieces.spend(1):
-                    raise _Calm("a body in too many pieces")
-                return receive_frame(frame)
-            elif "END_STREAM" in frame.flags:
-                return receive_frame(frame)
-            else:
-                cost = 1  # (empty, ending nothing)
-        elif kind is RstStreamFrame:
+            bucket = _stream_budget(frame, kind, connection, control, pieces)
+            if bucket is not None and not bucket.spend(1):
+                raise _Calm("too many control frames" if bucket is control else "a body in too many pieces")
+            return receive_frame(frame)
+        if kind is RstStreamFrame:
             if not resets.spend(1):
                 raise _Calm("streams reset too fast")
             return receive_frame(frame)
@@ -243,6 +221,24 @@ def _within_budget(connection: h2.connection.H2Connection):
         return receive_frame(frame)
 
     return receive
+
+
+def _stream_budget(frame, kind: type, connection: h2.connection.H2Connection, control: _Bucket, pieces: _Bucket):
+    """The budget a DATA or HEADERS frame spends one of (None: none): ``control`` for one that
+    brings the app nothing, ``pieces`` for a small piece of an open stream's body."""
+    stream = connection.streams.get(frame.stream_id)
+    if stream is None:  # (a HEADERS frame opening a stream: not yet one of h2's; any other: closed and gone)
+        return None if kind is HeadersFrame and frame.stream_id > connection.highest_inbound_stream_id else control
+    state = stream.state_machine.state
+    if state is StreamState.CLOSED:
+        return control
+    if kind is HeadersFrame or len(frame.data) >= SMALL_DATA:
+        return None
+    if state is StreamState.HALF_CLOSED_LOCAL:  # (answered before its body was in)
+        return control
+    if "END_STREAM" in frame.flags:
+        return None
+    return pieces if frame.data else control  # (an empty frame that ends nothing)
 
 
 class _Bucket:
