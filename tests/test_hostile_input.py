@@ -14,6 +14,8 @@ import ssl
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import h2.config
@@ -29,6 +31,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edge.openai import tools as tools_module
 from edge.openai import turn as turn_module
 from iop import logs
 from node.adapters import sim as sim_adapter
@@ -1318,6 +1321,30 @@ async def test_a_schema_whose_check_explodes_is_a_400_and_the_edge_goes_on(sim_e
             twice = {**same, "tools": [_tool({"type": "object", "required": ["zzz"]}), _tool({"type": "object"})]}
             err = assert_openai_error(await client.post("/v1/chat/completions", json=twice), 400, param="tools")
             assert "`f` names two tools" in err["message"]
+
+
+async def test_a_schema_compile_stalled_in_its_thread_is_budgeted_in_its_own_cpu_time(sim_edge, monkeypatch):
+    """An honest schema's patterns (about 25 ms of work, compiled in a worker thread) were a
+    400 "it takes too long to check" in CI: their 0.25 s budget was wall time, run out while
+    the thread waited for the GIL behind a busy loop. Here the thread stalls 0.4 s (sleeping,
+    as a descheduled thread does): the budget is the thread's own CPU time, and it passes."""
+    real = tools_module.check_pattern
+    stalled = []
+
+    def stalling(pattern: str) -> None:
+        if not stalled and threading.current_thread() is not threading.main_thread():
+            stalled.append(pattern)
+            time.sleep(0.4)
+        real(pattern)
+
+    monkeypatch.setattr(tools_module, "check_pattern", stalling)
+    many = {"type": "object", "title": "stall", "patternProperties": {f"[ab]{{{n}}}": True for n in range(1, 3001)}}
+    body = {"model": "m", "messages": USER, "tools": [_tool(many)], "max_tokens": 2}
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+    assert stalled, "the schema was compiled on the event loop: nothing stalled"
+    assert r.status_code == 200, r.text
 
 
 async def test_arguments_that_take_long_to_check_are_unchecked_and_the_edge_goes_on(nursery, upstream):
