@@ -86,9 +86,9 @@ async def no_such_route(edge: Edge, ex: Exchange, body: bytes) -> None:
     )
 
 
-def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
+async def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     """The raw Messages body and the chat request it becomes (both validated)."""
-    raw = decode_body(body, max_messages=edge.config.max_messages, max_tools=edge.config.max_tools)
+    raw = await decode_body(body, max_messages=edge.config.max_messages, max_tools=edge.config.max_tools)
     check_int64(raw, body)  # (the chat body made of it leaves unknown fields out: never encoded)
     model = raw.get("model")
     if isinstance(model, str):
@@ -108,7 +108,7 @@ def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
 
 async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    raw, chat = _decode(edge, ex, body)
+    raw, chat = await _decode(edge, ex, body)
     req, _ = parse_chat_request(chat, max_messages=cfg.max_messages + MAX_CONTENT_PARTS, max_tools=cfg.max_tools)
     if edge.runs.links and not edge.runs.is_known(req.model):  # as a message would be (no node at all: unknowable)
         raise model_not_found(req.model)
@@ -120,7 +120,7 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
 
 
 async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
-    raw, chat = _decode(edge, ex, body)
+    raw, chat = await _decode(edge, ex, body)
     if raw.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
         raise bad_request("max_tokens: Field required", "max_tokens")
     problem = thinking_budget_problem(raw, ex.header(b"anthropic-beta") or b"")

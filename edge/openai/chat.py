@@ -39,7 +39,7 @@ log = structlog.get_logger("iop.edge.chat")
 
 async def chat_completions(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    raw = decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+    raw = await decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
     model = raw.get("model")
     access = ex.access
     if isinstance(model, str):

@@ -33,6 +33,7 @@ chunks too:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -79,11 +80,15 @@ def _has_long_exponent(body: bytes) -> bool:
     return b"0e00" in shape or b"0e+00" in shape  # negative exponents take the fast path
 
 
+def decoder_for(body: bytes) -> Callable[[Any], Any]:
+    """The decode for ``body`` and its pieces: msgspec's, or with Python's float
+    when ``body`` holds a long exponent."""
+    return _decode_with_python_floats if _has_long_exponent(body) else _decode
+
+
 def decode_json(body: bytes) -> Any:
     """``msgspec.json.decode(body)``, minus msgspec's slow float path.
 
     Raises :class:`msgspec.DecodeError` (or ``RecursionError`` for very deep
     nesting) like it."""
-    if _has_long_exponent(body):
-        return _decode_with_python_floats(body)
-    return _decode(body)
+    return decoder_for(body)(body)

@@ -100,7 +100,7 @@ def tunnel_route(path: str):
     """A handler relaying ``POST /v1<path>`` through the tunnel."""
 
     async def handler(edge: Edge, ex: Exchange, body: bytes) -> None:
-        handling = passthrough(edge, ex, decode_body(body), path, body)
+        handling = passthrough(edge, ex, await decode_body(body), path, body)
         del body  # (the relay holds neither the bytes nor the decoded request: routes._serve)
         await handling
 

@@ -68,7 +68,7 @@ _encode = output._encode
 
 async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    raw = decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools, items="input")
+    raw = await decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools, items="input")
     del body  # (see routes._serve)
     access = ex.access
     model = raw.get("model")
