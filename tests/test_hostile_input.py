@@ -568,33 +568,37 @@ _JSON = st.recursive(
 )
 
 
-@given(st.dictionaries(st.text(max_size=4), _JSON, max_size=6), st.integers(1, 48), st.booleans())
+@given(st.dictionaries(st.text(max_size=4), _JSON, max_size=6), st.integers(1, 48), st.integers(0, 3), st.booleans())
 @settings(max_examples=300, deadline=None)
-def test_a_body_decoded_in_pieces_is_the_body_decoded_whole(value, piece_bytes, twice):
+def test_a_body_decoded_in_pieces_is_the_body_decoded_whole(value, piece_bytes, split_levels, twice):
     """A large body is split and decoded a piece at a time; whatever its shape and wherever the
-    pieces fall (here every body counts as large, pieces of 1-48 bytes), it is the same value
-    as decoded whole, a key given twice included (the last one holds)."""
+    pieces fall (here every body counts as large, pieces of 1-48 bytes, split 0-3 levels down),
+    it is the same value as decoded whole, a key given twice included (the last one holds)."""
     from edge.openai import request
 
     body = msgspec.json.encode(value)
     if twice and value:
         body = body[:-1] + b"," + body[1:]  # every key given twice
-    saved = request.COUNT_FIRST_BYTES, request.PIECE_BYTES
-    request.COUNT_FIRST_BYTES, request.PIECE_BYTES = 0, piece_bytes
+    saved = request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS, request.PIECE_CONTAINERS
+    request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS = 0, piece_bytes, split_levels
+    request.PIECE_CONTAINERS = 0
     try:
         assert trio.run(request.decode_body, body) == msgspec.json.decode(body)
     finally:
-        request.COUNT_FIRST_BYTES, request.PIECE_BYTES = saved
+        request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS, request.PIECE_CONTAINERS = saved
 
 
 @pytest.mark.parametrize("where", ["alone", "in a batch of items", "in a large item", "in a large object"])
 @pytest.mark.parametrize("depth", [64, 65])
-async def test_a_large_body_decoded_in_pieces_is_held_to_the_same_depth(where, depth):
+async def test_a_large_body_decoded_in_pieces_is_held_to_the_same_depth(where, depth, monkeypatch):
     """Past 64 KiB a body's nesting is checked piece by piece, each against the levels left
     where it is: 64 levels in all (the body's own object one of them) pass, 65 are
     `json_too_deep`, wherever the deepest piece falls."""
     from edge.errors import APIError
+    from edge.openai import request
     from edge.openai.request import decode_body
+
+    monkeypatch.setattr(request, "PIECE_CONTAINERS", 0)  # (every value with a container is split)
 
     deep: object = 0
     for _ in range(depth - 2):  # (the body's object, and the list under "x")
