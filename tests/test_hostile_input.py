@@ -568,6 +568,11 @@ _JSON = st.recursive(
 )
 
 
+def _never(_text: object) -> bool:
+    """In place of ``request.in_one_go``: every value with a container is split."""
+    return False
+
+
 @given(st.dictionaries(st.text(max_size=4), _JSON, max_size=6), st.integers(1, 48), st.integers(0, 3), st.booleans())
 @settings(max_examples=300, deadline=None)
 def test_a_body_decoded_in_pieces_is_the_body_decoded_whole(value, piece_bytes, split_levels, twice):
@@ -579,13 +584,13 @@ def test_a_body_decoded_in_pieces_is_the_body_decoded_whole(value, piece_bytes, 
     body = msgspec.json.encode(value)
     if twice and value:
         body = body[:-1] + b"," + body[1:]  # every key given twice
-    saved = request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS, request.PIECE_CONTAINERS
+    saved = request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS, request.in_one_go
     request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS = 0, piece_bytes, split_levels
-    request.PIECE_CONTAINERS = 0
+    request.in_one_go = _never
     try:
         assert trio.run(request.decode_body, body) == msgspec.json.decode(body)
     finally:
-        request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS, request.PIECE_CONTAINERS = saved
+        request.COUNT_FIRST_BYTES, request.PIECE_BYTES, request.SPLIT_LEVELS, request.in_one_go = saved
 
 
 @pytest.mark.parametrize("where", ["alone", "in a batch of items", "in a large item", "in a large object"])
@@ -598,7 +603,7 @@ async def test_a_large_body_decoded_in_pieces_is_held_to_the_same_depth(where, d
     from edge.openai import request
     from edge.openai.request import decode_body
 
-    monkeypatch.setattr(request, "PIECE_CONTAINERS", 0)  # (every value with a container is split)
+    monkeypatch.setattr(request, "in_one_go", _never)  # (every value with a container is split)
 
     deep: object = 0
     for _ in range(depth - 2):  # (the body's object, and the list under "x")
@@ -617,6 +622,23 @@ async def test_a_large_body_decoded_in_pieces_is_held_to_the_same_depth(where, d
         with pytest.raises(APIError) as refused:
             await decode_body(encoded)
         assert refused.value.code == "json_too_deep"
+
+
+async def test_a_body_nested_near_the_decoders_own_bound_is_too_deep_wherever_it_is_split():
+    """msgspec's bound on nesting counts Python's frames too: a body that passed the top-level
+    split overflowed a split a few frames deeper, 985-995 levels (a 500 on every route, by
+    scanning); each is `json_too_deep`, as are 800-1,100 levels at the top."""
+    from edge.errors import APIError
+    from edge.openai.request import decode_body
+
+    fill = b'"' + b"[" * 2100 + b"f" * 40_000 + b'"'  # (past 32 KiB and past the brackets counted)
+    for n in range(800, 1101, 3):
+        tail = b"[" * (n - 5) + b"]" * (n - 5)
+        chain = b'{"pad":%s,"x":{"f":%s,"a":{"f":%s,"a":{"f":%s,"a":%s}}}}' % (fill, fill, fill, fill, tail)
+        for body in (chain, b'{"pad":%s,"x":%s}' % (fill, tail)):
+            with pytest.raises(APIError) as refused:
+                await decode_body(body)
+            assert refused.value.code == "json_too_deep", n
 
 
 async def test_a_large_body_is_decoded_in_pieces_with_the_loop_running_between_them():

@@ -50,10 +50,11 @@ def _too_deep() -> errors.APIError:
 # 141-374 ms).
 COUNT_FIRST_BYTES = 64 * 1024
 PIECE_BYTES = 32 * 1024
-# A value with this few arrays and objects is decoded in one go, whatever its size: strings and
-# numbers are what msgspec decodes fastest (7 MB of text: 2 ms; 490,000 numbers: 9 ms, against
-# 63 ms split into items and joined again), containers the slowest.
-PIECE_CONTAINERS = 2_048
+# A value is decoded in one go, whatever its size, unless it holds more than PIECE_CONTAINERS
+# arrays and objects and they are at least a quarter of its values: strings and numbers are
+# what msgspec decodes fastest (7 MB of text: 2 ms; 490,000 numbers: 9 ms, against 63 ms split
+# into items and joined again), containers the slowest (80,000 tools: 100-150 ms).
+PIECE_CONTAINERS = 8_192
 SPLIT_LEVELS = 3  # below the top level
 
 _split_object = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
@@ -74,15 +75,15 @@ async def decode_body(
     """The request body as a JSON object at most :data:`MAX_JSON_DEPTH` levels
     deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`).
 
-    A body past :data:`COUNT_FIRST_BYTES` with more than :data:`PIECE_CONTAINERS`
-    arrays and objects is decoded in pieces, with checkpoints between them; with
+    A body past :data:`COUNT_FIRST_BYTES` of many arrays and objects
+    (:func:`in_one_go`) is decoded in pieces, with checkpoints between them; with
     ``max_messages`` and ``max_tools``, one with more ``items`` (the route's list
     of messages) or ``tools`` than that is refused before anything is decoded
     (the route counts again, decoded, the same way)."""
     problem = too_large(body)
     if problem is not None:
         raise errors.bad_request(problem, code="json_too_large")
-    if len(body) <= COUNT_FIRST_BYTES or few_containers(body):  # (then its lists are short too)
+    if len(body) <= COUNT_FIRST_BYTES or in_one_go(body):  # (then its lists are short, or cheap)
         try:
             raw = decode_json(body)
         except RecursionError:
@@ -110,15 +111,19 @@ async def decode_body(
     await trio.lowlevel.checkpoint()
     try:
         return await _Pieces().object(top, MAX_JSON_DEPTH, SPLIT_LEVELS, split)
+    except RecursionError:  # (msgspec's depth bound counts Python's frames: splits deeper in ours meet it sooner)
+        raise _too_deep() from None
     except msgspec.DecodeError as e:  # (a float out of range; where in its piece says nothing of where in the body)
         raise _not_json(body, e, where=False) from None
 
 
-def few_containers(text: Any) -> bool:
-    """At most :data:`PIECE_CONTAINERS` arrays and objects in the JSON ``text`` (brackets
-    in its strings counted too): decoded in one go, whatever its size."""
+def in_one_go(text: Any) -> bool:
+    """Whether the JSON ``text`` is decoded in one go: at most :data:`PIECE_CONTAINERS`
+    arrays and objects, or fewer than a quarter of its values (brackets and commas in its
+    strings counted too)."""
     text = bytes(text)
-    return text.count(b"[") + text.count(b"{") <= PIECE_CONTAINERS
+    containers = text.count(b"[") + text.count(b"{")
+    return containers <= PIECE_CONTAINERS or 4 * containers < text.count(b",")
 
 
 def _array_items(raw: msgspec.Raw | None) -> list[msgspec.Raw] | None:
@@ -157,7 +162,7 @@ class _Pieces:
         return value
 
     async def value(self, raw: msgspec.Raw, room: int, splits: int) -> Any:
-        if len(raw) <= PIECE_BYTES or splits <= 0 or few_containers(raw):
+        if len(raw) <= PIECE_BYTES or splits <= 0 or in_one_go(raw):
             return await self._piece(raw, room)
         first = memoryview(raw)[0]
         if first == _OPEN_ARRAY:
