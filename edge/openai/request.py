@@ -180,22 +180,17 @@ class _Pieces:
         if room < 1:
             raise _too_deep()
         out: list[Any] = []
-        batch: list[msgspec.Raw] = []
-        size = 0
+        batch = _Batch(b"[", b"]")
         for item in items:
-            if len(item) > PIECE_BYTES:
-                if batch:
-                    out += await self._piece(b"[" + b",".join(batch) + b"]", room)
-                    batch, size = [], 0
-                out.append(await self.value(item, room - 1, splits))
+            if len(item) <= PIECE_BYTES:
+                if batch.add(item):
+                    out += await self._piece(batch.take(), room)
                 continue
-            batch.append(item)
-            size += len(item) + 1
-            if size >= PIECE_BYTES:
-                out += await self._piece(b"[" + b",".join(batch) + b"]", room)
-                batch, size = [], 0
-        if batch:
-            out += await self._piece(b"[" + b",".join(batch) + b"]", room)
+            if batch.parts:
+                out += await self._piece(batch.take(), room)
+            out.append(await self.value(item, room - 1, splits))
+        if batch.parts:
+            out += await self._piece(batch.take(), room)
         return out
 
     async def object(
@@ -210,28 +205,45 @@ class _Pieces:
         if room < 1:
             raise _too_deep()
         out: dict[str, Any] = {}
-        batch: list[bytes] = []
-        size = 0
+        batch = _Batch(b"{", b"}")
         for key, value in members.items():
             items = lists.get(key) if lists else None
-            if items is not None or len(value) > PIECE_BYTES:
-                if batch:
-                    out.update(await self._piece(b"{" + b",".join(batch) + b"}", room))
-                    batch, size = [], 0
-                if items is not None:
-                    out[key] = await self.array(items, room - 1, splits)
-                else:
-                    out[key] = await self.value(value, room - 1, splits)
+            if items is None and len(value) <= PIECE_BYTES:
+                if batch.add(_encode_key(key) + b":" + bytes(value)):
+                    out.update(await self._piece(batch.take(), room))
                 continue
-            member = _encode_key(key) + b":" + bytes(value)
-            batch.append(member)
-            size += len(member) + 1
-            if size >= PIECE_BYTES:
-                out.update(await self._piece(b"{" + b",".join(batch) + b"}", room))
-                batch, size = [], 0
-        if batch:
-            out.update(await self._piece(b"{" + b",".join(batch) + b"}", room))
+            if batch.parts:
+                out.update(await self._piece(batch.take(), room))
+            if items is not None:
+                out[key] = await self.array(items, room - 1, splits)
+            else:
+                out[key] = await self.value(value, room - 1, splits)
+        if batch.parts:
+            out.update(await self._piece(batch.take(), room))
         return out
+
+
+class _Batch:
+    """Small items of one array (or members of one object), gathered into one piece."""
+
+    __slots__ = ("close", "open", "parts", "size")
+
+    def __init__(self, open_: bytes, close: bytes) -> None:
+        self.open, self.close = open_, close
+        self.parts: list[Any] = []
+        self.size = 0
+
+    def add(self, part: Any) -> bool:
+        """True once the batch holds :data:`PIECE_BYTES` or more."""
+        self.parts.append(part)
+        self.size += len(part) + 1
+        return self.size >= PIECE_BYTES
+
+    def take(self) -> bytes:
+        """The batch as one JSON text; it starts again empty."""
+        text = self.open + b",".join(self.parts) + self.close
+        self.parts, self.size = [], 0
+        return text
 
 
 _encode_key = msgspec.json.Encoder().encode

@@ -284,7 +284,7 @@ class _BoundedRe:
 
     @staticmethod
     def search(pattern: str, string: str, flags: int = 0):
-        end = getattr(_deadline, "at", None)
+        end = _deadline.at
         left = PATTERN_BUDGET_S if end is None else end - _deadline.clock()
         if left <= 0:
             raise PatternTimeout
@@ -554,7 +554,7 @@ def _compile_within_budget(schema: str) -> Any:
 
 def _past_deadline() -> None:
     """PatternTimeout once the current check's deadline (its keywords') has passed."""
-    end = getattr(_deadline, "checks_at", None)
+    end = _deadline.checks_at
     if end is not None and _deadline.clock() > end:
         raise PatternTimeout
 
@@ -574,7 +574,7 @@ class _pattern_deadline:
         self.outer: tuple[Any, Any, Any] = (None, None, time.monotonic)
 
     def __enter__(self) -> None:
-        self.outer = (getattr(_deadline, "at", None), getattr(_deadline, "checks_at", None), _deadline.clock)
+        self.outer = (_deadline.at, _deadline.checks_at, _deadline.clock)
         now = self.clock()
         _deadline.at, _deadline.checks_at, _deadline.clock = now + self.budget, now + self.checks, self.clock
 
@@ -590,7 +590,7 @@ class _phase(_pattern_deadline):
     moment there, in wall time."""
 
     def __init__(self, budget: float) -> None:
-        until = getattr(_deadline, "inline_until", None)
+        until = _deadline.inline_until
         if until is not None:
             super().__init__(until - time.monotonic())
         else:
