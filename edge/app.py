@@ -532,6 +532,17 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             return _json(401, refusal)
         return client_key()[1]
 
+    def route_refusal(path: str) -> Response | None:
+        """The 401 of a caller who may not learn that ``path`` is unknown or takes other
+        methods: under the admin API, anyone without an admin key (an operator's key that
+        guessed a method wrong was told the key was wrong; a client key learnt which admin
+        routes exist); elsewhere under /v1, anyone without a client key."""
+        if path == "/v1/admin" or path.startswith(("/v1/admin/", "/v1/nodes")):
+            return admin_auth()
+        if path.startswith("/v1/") and client_key()[1] is not None:
+            return models_error(_UNAUTHORIZED)
+        return None
+
     def models_error(err: APIError) -> Response:
         """An error of the models routes, in Anthropic's shape to the anthropic SDK (it sends
         anthropic-version), as /v1/messages answers it; else OpenAI's."""
@@ -655,8 +666,9 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if path == "/v1/node/link":
             message = "This is the node link: a websocket that `iop node` dials (the request has no Upgrade)."
             return _json(426, error_json(message, "invalid_request_error", code="upgrade_required"))
-        if path.startswith("/v1/") and client_key()[1] is not None:  # a caller without a key learns no route
-            return models_error(_UNAUTHORIZED)
+        refused = route_refusal(path)  # a caller without a key learns no route
+        if refused is not None:
+            return refused
         hint = ""
         if path.startswith(("/chat/", "/responses", "/models", "/embeddings", "/completions", "/messages")):
             hint = " The API is under /v1: is the client's base URL missing /v1?"
@@ -671,8 +683,9 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     async def not_allowed(e: Exception) -> Response:
         from quart import request
 
-        if request.path.startswith("/v1/") and client_key()[1] is not None:  # (as for an unknown route)
-            return models_error(_UNAUTHORIZED)
+        refused = route_refusal(request.path)  # (as for an unknown route)
+        if refused is not None:
+            return refused
         response = models_error(
             APIError(405, "Method not allowed.", "invalid_request_error", code="method_not_allowed")
         )

@@ -784,6 +784,34 @@ async def test_an_unknown_v1_route_needs_a_key_too(nursery, tmp_path):
     assert allowed.status_code == 405
 
 
+async def test_under_the_admin_api_an_admin_key_gets_404_and_405_and_no_other_key_learns_a_route(nursery, tmp_path):
+    """An operator whose admin key guessed a method or path wrong under /v1/admin or /v1/nodes was
+    told "Invalid or missing API key" (401), while a client key got the 404s and 405s that say
+    which admin routes exist (an outside audit): now the other way round."""
+    edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="k", key="sk-k")])
+    wrong = [
+        ("GET", "/v1/admin/runs/x/cancel", 405),
+        ("DELETE", "/v1/admin/runs/x", 404),
+        ("POST", "/v1/admin/events", 405),
+        ("POST", "/v1/nodes", 405),
+        ("GET", "/v1/admin/nothing", 404),
+        ("GET", "/v1/nodes/x", 404),
+    ]
+    got: dict[str, list[tuple[int, str | None]]] = {}
+    with trio.fail_after(BOUND):
+        async with client(edge, ADMIN) as admin, client(edge, "sk-k") as user, client(edge, "sk-no") as stranger:
+            for name, c in (("admin", admin), ("user", user), ("stranger", stranger)):
+                got[name] = []
+                for method, path, _ in wrong:
+                    r = await c.request(method, path)
+                    got[name].append((r.status_code, r.json()["error"]["code"]))
+            listed = await admin.get("/v1/nodes")
+    assert [status for status, _ in got["admin"]] == [status for _, _, status in wrong], got["admin"]
+    assert {code for _, code in got["admin"]} == {"method_not_allowed", "not_found"}
+    assert got["user"] == got["stranger"] == [(401, "invalid_api_key")] * len(wrong)
+    assert listed.status_code == 200
+
+
 async def test_admin_key_changes_at_once_leave_no_live_secret_behind(nursery, tmp_path, monkeypatch):
     """Three races of the admin API (an outside attack): four POSTs of one id at once were each
     a 201 with its own secret, and three outlived the key's DELETE; a PATCH that was reading the
