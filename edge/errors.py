@@ -10,6 +10,8 @@ status a retry cannot change (:data:`FINAL_STATUSES`) says ``x-should-retry: fal
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 
@@ -60,6 +62,7 @@ class APIError(Exception):
         if status in FINAL_STATUSES and not any(name == NO_RETRY[0] for name, _ in self.headers):
             self.headers.append(NO_RETRY)
         self.context: tuple[int, int, int] | None = None  # context_length_exceeded: prompt, max_tokens, limit
+        self.estimated = True  # context: the prompt as the edge estimates it (False: as a model server counted it)
 
     def body(self) -> bytes:
         return error_json(self.message, self.type, param=self.param, code=self.code)
@@ -67,6 +70,38 @@ class APIError(Exception):
 
 def error_json(message: str, type: str, *, param: str | None = None, code: str | None = None) -> bytes:
     return _encoder.encode(ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code)))
+
+
+# How model servers refuse a request too long for the model's context: OpenAI and vLLM ("This
+# model's maximum context length is ..."), SGLang ("... is longer than the model's context
+# length"), llama.cpp ("the request exceeds the available context size"), Ollama, Anthropic
+# ("prompt is too long"), and OpenAI's own code when a server relays it in its message.
+_CONTEXT_EXCEEDED = re.compile(
+    r"maximum context length|context_length_exceeded|prompt is too long"
+    r"|(?:exceed|longer than|too long|larger than|more than)[^.\n]{0,60}context (?:length|size|window|limit)",
+    re.IGNORECASE,
+)
+# The numbers in vLLM's (and OpenAI's) words, for the Messages API's own (which Claude Code reads).
+_CONTEXT_LIMIT = re.compile(r"maximum context length is (\d{1,9}) tokens")
+_CONTEXT_ASKED = re.compile(r"requested \d{1,9} tokens \((\d{1,9}) in the messages, (\d{1,9}) in the completion\)")
+_CONTEXT_PROMPT = re.compile(r"(?:request has|messages resulted in) (\d{1,9}) (?:input )?tokens")
+
+
+def upstream_context_error(status: int, message: str) -> APIError | None:
+    """A model server's 4xx that says the request does not fit the model's context, as the
+    edge's own refusal is (:func:`context_too_long`): ``context_length_exceeded``, which
+    clients act on (Claude Code asks again with a smaller ``max_tokens``, or compacts); the
+    server's words are kept. None: it says something else."""
+    if not 400 <= status < 500 or _CONTEXT_EXCEEDED.search(message[:MAX_NODE_ERROR]) is None:
+        return None
+    error = APIError(status, message, "invalid_request_error", param="messages", code="context_length_exceeded")
+    limit = _CONTEXT_LIMIT.search(message)
+    asked = _CONTEXT_ASKED.search(message)
+    prompt = asked or _CONTEXT_PROMPT.search(message)
+    if limit is not None and prompt is not None:
+        error.context = (int(prompt[1]), int(asked[2]) if asked is not None else 0, int(limit[1]))
+        error.estimated = False
+    return error
 
 
 MAX_NODE_ERROR = 4096  # characters of a node's error message a client (or a log line) gets

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import anthropic
 import hypothesis
 import hypothesis.strategies as st
 import msgspec
+import openai
+import pytest
 import structlog
 import trio
 
@@ -110,6 +113,54 @@ async def test_upstream_error_reaches_client(edge, node, upstream):
                 assert r.status_code == 400
                 err = r.json()["error"]
                 assert err["code"] == "upstream_rejected" and "bad temperature" in err["message"]
+    await settled(edge, node.agent)
+
+
+async def test_a_model_servers_own_context_refusal_is_context_length_exceeded_in_every_api(edge, node, upstream):
+    """A prompt the model server finds too long for its context (the edge's estimate let it
+    through) was a 400 ``upstream_rejected``, so clients that act on ``context_length_exceeded``
+    (a smaller request, a compaction) did not (an outside audit). vLLM's words carry the
+    numbers, which the Messages API's own words need (Claude Code parses them); llama.cpp's
+    do not. Any other 400 stays ``upstream_rejected``."""
+    vllm = (
+        b'{"object": "error", "type": "BadRequestError", "code": 400, "message": "This model\'s maximum context'
+        b" length is 4096 tokens. However, you requested 5000 tokens (4000 in the messages, 1000 in the"
+        b' completion). Please reduce the length of the messages or completion."}'
+    )
+    llama = b'{"error": {"code": 400, "type": "exceed_context_size_error", "message": "the request exceeds the available context size, try increasing it"}}'
+    other = b'{"error": {"message": "bad temperature"}}'
+    chat, messages, responses = {}, {}, {}
+    with trio.fail_after(BOUND):
+        async with (
+            sdk(edge) as client,
+            anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND) as claude,
+        ):
+            for name, said in (("vllm", vllm), ("llama", llama), ("other", other)):
+                upstream.script_for("m-target", [("status", 400, said)] * 3)
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(model="m", messages=MESSAGES)
+                chat[name] = e.value.body
+                with pytest.raises(anthropic.BadRequestError) as a:
+                    await claude.messages.create(model="m", max_tokens=1000, messages=MESSAGES)
+                messages[name] = a.value.body["error"]
+                with pytest.raises(openai.BadRequestError) as r:
+                    await client.responses.create(model="m", input="hi")
+                responses[name] = r.value.body
+    assert chat["vllm"]["code"] == chat["llama"]["code"] == "context_length_exceeded"
+    assert chat["vllm"]["param"] == "messages" and "maximum context length is 4096" in chat["vllm"]["message"]
+    assert "exceeds the available context size" in chat["llama"]["message"]
+    assert chat["other"]["code"] == "upstream_rejected"
+    # Anthropic's words, as the edge's own refusal says them
+    assert messages["vllm"] == {
+        "type": "invalid_request_error",
+        "message": "input length and `max_tokens` exceed context limit: 4000 + 1000 > 4096, decrease input length"
+        " or `max_tokens` and try again",
+    }
+    assert messages["llama"]["message"].startswith("prompt is too long: ")
+    assert not messages["other"]["message"].startswith("prompt is too long")
+    assert responses["vllm"]["code"] == responses["llama"]["code"] == "context_length_exceeded"
+    assert responses["vllm"]["param"] == "input" and "4096" in responses["vllm"]["message"]
+    assert responses["other"]["code"] == "upstream_rejected"
     await settled(edge, node.agent)
 
 

@@ -772,6 +772,8 @@ def _message(error: APIError) -> str:
     words, which Claude Code reads (it retries with a smaller ``max_tokens``,
     or compacts the conversation)."""
     if error.context is None:
+        if error.code == "context_length_exceeded":  # a model server's words, without its numbers
+            return f"prompt is too long: {error.message}"
         return error.message
     prompt, max_tokens, limit = error.context
     if prompt >= limit:

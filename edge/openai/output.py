@@ -21,7 +21,15 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from edge.errors import NO_RETRY, APIError, RunFailed, draining, lost_unanswered, operator_cancelled
+from edge.errors import (
+    NO_RETRY,
+    APIError,
+    RunFailed,
+    draining,
+    lost_unanswered,
+    operator_cancelled,
+    upstream_context_error,
+)
 from edge.keys import OVER_BUDGET, insufficient_quota
 from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
@@ -111,6 +119,9 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
             502, failed.message, "upstream_error", code="upstream_auth_failed", headers=[(b"x-should-retry", b"false")]
         )
     if 400 <= failed.status < 500:
+        too_long = upstream_context_error(failed.status, failed.message)
+        if too_long is not None:
+            return too_long
         return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
     if cause == TIMEOUT:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")

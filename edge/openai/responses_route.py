@@ -46,6 +46,8 @@ def _error_body(error: APIError) -> bytes:
     API's words (its `input` and `max_output_tokens`, where chat's speak of messages)."""
     if error.context is None:
         return error.body()
+    if not error.estimated:  # a model server's own words and numbers
+        return error_json(error.message, error.type, param="input", code=error.code)
     prompt, asked, largest = error.context
     if asked:
         told = (
