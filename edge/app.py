@@ -13,6 +13,7 @@ import secrets
 import sqlite3
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import msgspec
@@ -493,6 +494,23 @@ def _host(bind: str) -> str:
     return host if colon and port.isdigit() else bind
 
 
+async def _cancelled_alone(task: Callable[[], Awaitable[None]]) -> None:
+    """Run a background task; a group of nothing but cancels out of its nurseries (the edge
+    stopping) leaves as one ``trio.Cancelled``, which ends the task quietly: quart-trio logs
+    every exception group a background task raises as an error, with its traceback (each
+    graceful stop of an edge with ``state`` set logged one, on the line operators alert on)."""
+    try:
+        await task()
+    except BaseExceptionGroup as group:
+        cancels, rest = group.split(trio.Cancelled)
+        if rest is not None or cancels is None:
+            raise
+        first: BaseException = cancels
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
 def _create_app(config: EdgeConfig) -> QuartTrio:
     install_frame_limit()  # hypercorn checks a websocket message's size only after buffering it
     install_reads()  # hypercorn makes a cancel scope per read even with no read timeout
@@ -701,14 +719,14 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.before_serving
     async def start_background() -> None:
-        app.add_background_task(edge.runs.timers.run)
-        app.add_background_task(edge.console.run)
-        app.add_background_task(edge.keys.watch_budgets)
+        app.add_background_task(_cancelled_alone, edge.runs.timers.run)
+        app.add_background_task(_cancelled_alone, edge.console.run)
+        app.add_background_task(_cancelled_alone, edge.keys.watch_budgets)
         if edge.ledger is not None:
-            app.add_background_task(edge.ledger.run)
-            app.add_background_task(edge.ledger.refresh_keys)
+            app.add_background_task(_cancelled_alone, edge.ledger.run)
+            app.add_background_task(_cancelled_alone, edge.ledger.refresh_keys)
         if edge.shared is not None:
-            app.add_background_task(edge.shared.run)
+            app.add_background_task(_cancelled_alone, edge.shared.run)
 
     @app.before_serving
     async def warn_open() -> None:

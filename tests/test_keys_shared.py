@@ -402,13 +402,61 @@ async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_pa
             await trio.to_thread.run_sync(_end, proc)
     for r in refused:
         assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
-        assert r.json()["error"]["code"] == "ledger_unavailable"
+        assert r.json()["error"]["code"] == "ledger_unavailable" and r.headers["retry-after"] == "1"
     assert made.status_code == 201
     lines = [line for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in lines]  # every line is JSON
     failed = [e for e in events if e["msg"] == "admin request failed: ledger unavailable"]
     assert [e["route"] for e in failed] == ["/v1/admin/usage", "/v1/admin/keys", "/v1/admin/keys"]
     assert all(e["level"] == "warning" and e["request_id"].startswith("req_") for e in failed)
+
+
+async def test_an_edge_sharing_redis_and_postgresql_stops_on_sigterm_with_no_error_line(
+    tmp_path,
+    redis_server,
+    postgres_url,  # noqa: F811
+):
+    """Every graceful stop of an edge with ``state`` set logged an error-level "Exception" with
+    a traceback: the cancel of its shared-state task's nursery, as an exception group, which
+    quart-trio logs as a background task's failure (an outside audit; rolling restarts put one
+    on the line operators alert on). It leaves its Redis entries and exits 0, logging no error."""
+    port = free_port()
+    cfg = write_toml(
+        tmp_path / "edge.toml",
+        {
+            "bind": f"127.0.0.1:{port}",
+            "node_token": TOKEN,
+            "admin_keys": [ADMIN],
+            "ledger": postgres_url,
+            "state": redis_server.url,
+            "keys": [{"id": "k", "key": "sk-k", "rpm": 100}],
+        },
+    )
+    proc = _edge_process(cfg, tmp_path / "stderr")
+    try:
+        with trio.fail_after(BOUND * 2):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND) as c:
+                while True:
+                    try:
+                        if (await c.get("/healthz")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        await trio.sleep(0.05)
+                # a key's request (no node: a 503 or a queue wait), so the edge writes its flights
+                r = await c.post(
+                    "/v1/chat/completions",
+                    headers={"Authorization": "Bearer sk-k"},
+                    json={"model": "qwen-a", "messages": MESSAGES},
+                )
+                assert r.status_code in (404, 429, 503), r.text
+                await trio.sleep(0.3)  # a lease round or two
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(_end, proc)
+    assert proc.returncode == 0
+    events = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
+    assert any(e["msg"] == "request" for e in events)  # it logged, in JSON
+    assert [e for e in events if e["level"] in ("error", "critical")] == []
 
 
 async def shared_edge(nursery, url: str, tmp_path, name: str, keys: list[KeyConfig], ledger: str | None = None):
