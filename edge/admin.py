@@ -180,15 +180,17 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
 
     @app.errorhandler(LedgerUnavailable)
     async def ledger_unavailable(e: LedgerUnavailable) -> Response:
-        """The ledger's database failed the route's call: 503, one warning line (the
-        ledger logs its own going down and coming back)."""
+        """The ledger's database failed the route's call: 503 with ``Retry-After``, as the
+        edge's other 503s, one warning line (the ledger logs its own going down and coming back)."""
         log.warning("admin request failed: ledger unavailable", route=request.path[:100], error=str(e))
-        return error_response(
+        response = error_response(
             503,
             "The ledger's database is unavailable right now; try again later.",
             "ledger_unavailable",
             "service_unavailable_error",
         )
+        response.headers["retry-after"] = "1"
+        return response
 
     @app.get("/v1/admin/usage")
     async def usage() -> Response:
