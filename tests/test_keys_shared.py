@@ -355,6 +355,16 @@ def _edge_process(cfg: str, stderr_path) -> subprocess.Popen:
         )
 
 
+async def _serving(c: httpx.AsyncClient) -> None:
+    """Wait for the edge process to answer /healthz."""
+    while True:
+        try:
+            if (await c.get("/healthz")).status_code == 200:
+                return
+        except httpx.TransportError:
+            await trio.sleep(0.05)
+
+
 def _end(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -378,12 +388,7 @@ async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_pa
     try:
         with trio.fail_after(BOUND * 2):
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND, headers=ADMIN_H) as adm:
-                while True:
-                    try:
-                        if (await adm.get("/healthz")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        await trio.sleep(0.05)
+                await _serving(adm)
                 assert (await adm.get("/v1/admin/usage")).status_code == 200
                 await trio.to_thread.run_sync(postgres.stop)
                 stopped = True
@@ -436,12 +441,7 @@ async def test_an_edge_sharing_redis_and_postgresql_stops_on_sigterm_with_no_err
     try:
         with trio.fail_after(BOUND * 2):
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND) as c:
-                while True:
-                    try:
-                        if (await c.get("/healthz")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        await trio.sleep(0.05)
+                await _serving(c)
                 # a key's request (no node: a 503 or a queue wait), so the edge writes its flights
                 r = await c.post(
                     "/v1/chat/completions",
