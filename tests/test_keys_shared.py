@@ -416,11 +416,7 @@ async def test_postgres_down_admin_routes_are_503_json_and_logs_stay_json(tmp_pa
     assert all(e["level"] == "warning" and e["request_id"].startswith("req_") for e in failed)
 
 
-async def test_an_edge_sharing_redis_and_postgresql_stops_on_sigterm_with_no_error_line(
-    tmp_path,
-    redis_server,
-    postgres_url,  # noqa: F811
-):
+async def test_an_edge_with_shared_state_stops_on_sigterm_logging_no_error(tmp_path, redis_server, postgres_url):  # noqa: F811
     """Every graceful stop of an edge with ``state`` set logged an error-level "Exception" with
     a traceback: the cancel of its shared-state task's nursery, as an exception group, which
     quart-trio logs as a background task's failure (an outside audit; rolling restarts put one
