@@ -874,6 +874,31 @@ async def test_the_names_a_schema_lists_count_toward_its_size(sim_edge):
     assert r.status_code == 200, r.text
 
 
+async def test_boolean_property_schemas_count_toward_the_size(sim_edge):
+    """`"k": true` is a schema the metaschema checks as any other (0.15 ms each), but only
+    objects and arrays were counted: a tool of 400,000 such properties (6 MB) held the one
+    compile slot 62 s, and another client's 250-property schema waited 59 s behind it (an
+    outside audit). They count now: past MAX_SCHEMA_NODES, a 400 at once; an honest schema of
+    a few thousand boolean properties is served."""
+    from edge.openai.tools import MAX_SCHEMA_NODES
+
+    def tool(n: int, value: bool) -> list[dict]:
+        properties = {f"k{i}": value for i in range(n)}
+        return [
+            {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": properties}}}
+        ]
+
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            for value in (True, False):
+                body = {"model": "m", "messages": USER, "tools": tool(MAX_SCHEMA_NODES + 1, value), "max_tokens": 2}
+                err = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400, param="tools")
+                assert f"at most {MAX_SCHEMA_NODES}" in err["message"] and "boolean" in err["message"], err
+            body = {"model": "m", "messages": USER, "tools": tool(2_000, True), "max_tokens": 2}
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
 async def test_one_clients_large_schemas_wait_their_turn_in_its_own_lane(nursery, tmp_path):
     """Large compiles run one at a time; a client's wait in that queue is its own. Key `a`
     sends four schemas of 3,000 properties at once, then key `b` one of 500: `b` waits for
