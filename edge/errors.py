@@ -81,6 +81,9 @@ _CONTEXT_EXCEEDED = re.compile(
     r"|(?:exceed|longer than|too long|larger than|more than)[^.\n]{0,60}context (?:length|size|window|limit)",
     re.IGNORECASE,
 )
+# The statuses servers refuse it with (TGI's 422, a proxy's 413); the answer is OpenAI's 400,
+# which SDKs do not retry (a 408 or 409 they would, whatever its words).
+_CONTEXT_STATUSES = frozenset((400, 413, 422))
 # The numbers in vLLM's (and OpenAI's) words, for the Messages API's own (which Claude Code reads).
 _CONTEXT_LIMIT = re.compile(r"maximum context length is (\d{1,9}) tokens")
 _CONTEXT_ASKED = re.compile(r"requested \d{1,9} tokens \((\d{1,9}) in the messages, (\d{1,9}) in the completion\)")
@@ -88,13 +91,13 @@ _CONTEXT_PROMPT = re.compile(r"(?:request has|messages resulted in) (\d{1,9}) (?
 
 
 def upstream_context_error(status: int, message: str) -> APIError | None:
-    """A model server's 4xx that says the request does not fit the model's context, as the
-    edge's own refusal is (:func:`context_too_long`): ``context_length_exceeded``, which
+    """A model server's 400 (413, 422) that says the request does not fit the model's context,
+    as the edge's own refusal is (:func:`context_too_long`): 400 ``context_length_exceeded``, which
     clients act on (Claude Code asks again with a smaller ``max_tokens``, or compacts); the
     server's words are kept. None: it says something else."""
-    if not 400 <= status < 500 or _CONTEXT_EXCEEDED.search(message[:MAX_NODE_ERROR]) is None:
+    if status not in _CONTEXT_STATUSES or _CONTEXT_EXCEEDED.search(message[:MAX_NODE_ERROR]) is None:
         return None
-    error = APIError(status, message, "invalid_request_error", param="messages", code="context_length_exceeded")
+    error = APIError(400, message, "invalid_request_error", param="messages", code="context_length_exceeded")
     limit = _CONTEXT_LIMIT.search(message)
     asked = _CONTEXT_ASKED.search(message)
     prompt = asked or _CONTEXT_PROMPT.search(message)

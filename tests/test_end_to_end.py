@@ -146,6 +146,14 @@ async def test_a_model_servers_own_context_refusal_is_context_length_exceeded_in
                 with pytest.raises(openai.BadRequestError) as r:
                     await client.responses.create(model="m", input="hi")
                 responses[name] = r.value.body
+            # TGI's 422 is the same 400; a 409 in those words is not a refusal of the prompt's length
+            others = []
+            for status, said in ((422, llama), (409, vllm)):
+                upstream.script_for("m-target", [("status", status, said)])
+                with pytest.raises(openai.APIStatusError) as e:
+                    await client.chat.completions.create(model="m", messages=MESSAGES)
+                others.append((e.value.status_code, e.value.body["code"]))
+    assert others == [(400, "context_length_exceeded"), (409, "upstream_rejected")]
     assert chat["vllm"]["code"] == chat["llama"]["code"] == "context_length_exceeded"
     assert chat["vllm"]["param"] == "messages" and "maximum context length is 4096" in chat["vllm"]["message"]
     assert "exceeds the available context size" in chat["llama"]["message"]
