@@ -12,6 +12,7 @@ import trio
 from edge import errors
 from edge.openai.jsonbody import MAX_JSON_DEPTH, decode_json, decoder_for, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
+from edge.per_run import per_run
 from edge.runs.placement import prefix_chain
 from proto.jsoncost import nested_deeper_than
 
@@ -32,6 +33,11 @@ def _validation_message(err: msgspec.ValidationError) -> tuple[str, str | None]:
 _LONE_SURROGATE = re.compile(
     rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<![0-9a-fA-F]{4})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
 )
+
+
+def _too_many_fields() -> errors.APIError:
+    message = f"The request body has more than {MAX_TOP_MEMBERS} top-level fields."
+    return errors.bad_request(message, code="json_too_large")
 
 
 def _too_deep() -> errors.APIError:
@@ -55,11 +61,33 @@ PIECE_BYTES = 32 * 1024
 # what msgspec decodes fastest (7 MB of text: 2 ms; 490,000 numbers: 9 ms, against 63 ms split
 # into items and joined again), containers the slowest (80,000 tools: 100-150 ms).
 PIECE_CONTAINERS = 8_192
+# Members of objects cost about as much each (their keys made Python strings): one object of
+# 490,000 (6.4 MB) held the loop 131-148 ms in one go. An honest body seldom has this many
+# (65,536 in one go: about 18 ms); past it, and a quarter of its values, it is split too.
+PIECE_MEMBERS = 65_536
 SPLIT_LEVELS = 3  # below the top level
+# No route reads more than a few dozen top-level fields: past this many, a 400 before the
+# top level is split (its keys made into Python strings: 490,000 held the loop 131 ms).
+MAX_TOP_MEMBERS = 4_096
 
 _split_object = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _split_array = msgspec.json.Decoder(list[msgspec.Raw]).decode
-_OPEN_ARRAY, _OPEN_OBJECT = 0x5B, 0x7B
+_decode_key = msgspec.json.Decoder(str).decode
+_OPEN_ARRAY, _OPEN_OBJECT, _COMMA = 0x5B, 0x7B, 0x2C
+# An object's text made an array's of the same length, its keys and values the items in turn
+# (in strings the bytes change too, and stay a string's): msgspec splits it in C without
+# making each key a Python string, which is most of an object's cost (490,000 members of
+# one object: split as an object 135 ms, as an array 40 ms).
+_AS_ARRAY = bytes.maketrans(b"{}:", b"[],")
+_LENGTHS_AT_ONCE = 4_096  # items whose sizes are read at once
+_OBJECT_FIRST = re.compile(rb"[ \t\r\n]*\{")
+# Object splits under way at once, in the process: each holds its items (~130 bytes a member:
+# 80 MB for 6.4 MB of them) across its checkpoints, and bodies decoded in pieces interleave.
+_MEMBER_SPLITS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_member_splits")
+
+
+def _member_splits() -> trio.Semaphore:
+    return per_run(_MEMBER_SPLITS, lambda: trio.Semaphore(2))
 
 
 def _not_json(body: bytes, error: msgspec.DecodeError, where: bool = True) -> errors.APIError:
@@ -94,7 +122,17 @@ async def decode_body(
             raise errors.bad_request("The request body must be a JSON object.")
         if nested_deeper_than(body, MAX_JSON_DEPTH):
             raise _too_deep()
+        if len(raw) > MAX_TOP_MEMBERS:  # (as a body split in pieces is)
+            raise _too_many_fields()
         return raw
+    await trio.lowlevel.checkpoint()
+    try:
+        if _OBJECT_FIRST.match(body) and len(_split_array(body.translate(_AS_ARRAY))) > 2 * MAX_TOP_MEMBERS:
+            raise _too_many_fields()
+    except msgspec.DecodeError:
+        pass  # (not an object, or not JSON: said below)
+    except RecursionError:
+        raise _too_deep() from None
     await trio.lowlevel.checkpoint()
     try:
         top = _split_object(body)
@@ -119,11 +157,16 @@ async def decode_body(
 
 def in_one_go(text: Any) -> bool:
     """Whether the JSON ``text`` is decoded in one go: at most :data:`PIECE_CONTAINERS`
-    arrays and objects, or fewer than a quarter of its values (brackets and commas in its
-    strings counted too)."""
+    arrays and objects, or fewer than a quarter of its values, and at most
+    :data:`PIECE_MEMBERS` object members or fewer than a quarter of its values (brackets,
+    colons and commas in its strings counted too)."""
     text = bytes(text)
+    commas = text.count(b",")
+    members = text.count(b":")
+    if members > PIECE_MEMBERS and 4 * members >= commas:
+        return False
     containers = text.count(b"[") + text.count(b"{")
-    return containers <= PIECE_CONTAINERS or 4 * containers < text.count(b",")
+    return containers <= PIECE_CONTAINERS or 4 * containers < commas
 
 
 def _array_items(raw: msgspec.Raw | None) -> list[msgspec.Raw] | None:
@@ -142,10 +185,11 @@ class _Pieces:
     checked as it is decoded, against the levels left where it lies (``room``: the
     levels a value may nest, itself included)."""
 
-    __slots__ = ("since",)
+    __slots__ = ("holding", "since")
 
     def __init__(self) -> None:
         self.since = 0  # bytes walked since the last checkpoint
+        self.holding = False  # a place among the process's object splits (_member_splits)
 
     async def _spent(self, size: int) -> None:
         self.since += size
@@ -170,10 +214,59 @@ class _Pieces:
             await self._spent(len(raw))
             return await self.array(items, room, splits - 1)
         if first == _OPEN_OBJECT:
-            members = _split_object(raw)
-            await self._spent(len(raw))
-            return await self.object(members, room, splits - 1)
+            return await self.members(bytes(raw), room, splits - 1)
         return await self._piece(raw, room)  # a long string
+
+    async def members(self, text: bytes, room: int, splits: int) -> dict[str, Any]:
+        """The object ``text``, its members decoded a batch at a time, as slices of its text
+        (no key made a Python string but a large value's), ``room`` levels left for it. Each
+        batch is decoded as an object by msgspec, which checks it; the commas between batches
+        are checked here."""
+        if room < 1:
+            raise _too_deep()
+        if self.holding:  # (a split inside a split of this body's: its place is taken)
+            return await self._members(text, room, splits)
+        async with _member_splits():
+            self.holding = True
+            try:
+                return await self._members(text, room, splits)
+            finally:
+                self.holding = False
+
+    async def _members(self, text: bytes, room: int, splits: int) -> dict[str, Any]:
+        text = msgspec.json.format(text, indent=-1)  # (in C: no whitespace between its tokens)
+        await self._spent(len(text))
+        items = _split_array(text.translate(_AS_ARRAY))
+        await self._spent(len(text))
+        if len(items) % 2:  # (a member without a value: said as a whole decode says it)
+            return await self._piece(text, room)
+        out: dict[str, Any] = {}
+        start = at = 1  # the batch's first byte; the next item's
+        for first in range(0, len(items), _LENGTHS_AT_ONCE):
+            lengths = list(map(len, items[first : first + _LENGTHS_AT_ONCE]))
+            for key, value in zip(lengths[0::2], lengths[1::2], strict=True):
+                value_at = at + key + 1
+                end = value_at + value  # the member's end: a comma or the closing brace follows
+                if value > PIECE_BYTES:
+                    if at > start:
+                        out.update(await self._piece(self._batch(text, start, at - 1), room))
+                    out[_decode_key(text[at : at + key])] = await self.value(text[value_at:end], room - 1, splits)
+                    start = end + 1
+                elif end - start >= PIECE_BYTES:
+                    out.update(await self._piece(self._batch(text, start, end), room))
+                    start = end + 1
+                at = end + 1
+        if at - 1 > start:
+            out.update(await self._piece(self._batch(text, start, at - 1), room))
+        return out
+
+    @staticmethod
+    def _batch(text: bytes, start: int, end: int) -> bytes:
+        """The members ``text[start:end]`` as an object's text; the byte after them is a
+        comma or the object's end (msgspec checked the rest of the object)."""
+        if text[end] != _COMMA and end != len(text) - 1:
+            raise msgspec.DecodeError("JSON is malformed: expected ',' between an object's members")
+        return b"{" + text[start:end] + b"}"
 
     async def array(self, items: list[msgspec.Raw], room: int, splits: int) -> list[Any]:
         """The array of ``items``, ``room`` levels left for it."""

@@ -39,6 +39,7 @@ import trio
 
 from edge.openai.request import TOOL_IMAGE_NOTE, tool_images_head
 from edge.openai.schema import ChatRequest, Message
+from edge.per_run import per_run
 from proto import ToolCall, ToolCallFunction, jsoncost
 from proto.frames import MAX_TOOL_CALLS
 
@@ -184,12 +185,7 @@ _COMPILES: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("io
 
 def _compiles() -> trio.CapacityLimiter:
     """One large compile at a time (per trio run: a limiter belongs to its run)."""
-    try:
-        return _COMPILES.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(1)
-        _COMPILES.set(limiter)
-        return limiter
+    return per_run(_COMPILES, lambda: trio.CapacityLimiter(1))
 
 
 # A client's large compiles (and long validations, below) take their turns in the queue
@@ -200,11 +196,7 @@ _LANES: trio.lowlevel.RunVar[dict[str, list]] = trio.lowlevel.RunVar("iop_schema
 
 async def _off_loop(fn: Callable[[], T], lane: str) -> T:
     """``fn()`` in a worker thread, one at a time in the process and in ``lane``."""
-    try:
-        lanes = _LANES.get()
-    except LookupError:
-        lanes = {}
-        _LANES.set(lanes)
+    lanes = per_run(_LANES, dict)
     entry = lanes.get(lane)
     if entry is None:
         entry = lanes[lane] = [trio.Lock(), 0]  # the lane's lock and how many use it
