@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -79,15 +80,12 @@ _OPEN_ARRAY, _OPEN_OBJECT, _COMMA = 0x5B, 0x7B, 0x2C
 # making each key a Python string, which is most of an object's cost (490,000 members of
 # one object: split as an object 135 ms, as an array 40 ms).
 _AS_ARRAY = bytes.maketrans(b"{}:", b"[],")
-_LENGTHS_AT_ONCE = 4_096  # items whose sizes are read at once
 _OBJECT_FIRST = re.compile(rb"[ \t\r\n]*\{")
-# Object splits under way at once, in the process: each holds its items (~130 bytes a member:
-# 80 MB for 6.4 MB of them) across its checkpoints, and bodies decoded in pieces interleave.
-_MEMBER_SPLITS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_member_splits")
-
-
-def _member_splits() -> trio.Semaphore:
-    return per_run(_MEMBER_SPLITS, lambda: trio.Semaphore(2))
+# Objects of more than 2 x PIECE_MEMBERS items decoded at once in the process (a body's own
+# nested ones aside): eight clients looping on 490,000 members each put /healthz at p99 767 ms
+# when all eight went on together; two at a time, 224-238 ms. An object of a few members
+# (a message whose text has many colons) never waits here.
+_MANY_MEMBERS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_many_members")
 
 
 def _not_json(body: bytes, error: msgspec.DecodeError, where: bool = True) -> errors.APIError:
@@ -189,7 +187,7 @@ class _Pieces:
 
     def __init__(self) -> None:
         self.since = 0  # bytes walked since the last checkpoint
-        self.holding = False  # a place among the process's object splits (_member_splits)
+        self.holding = False  # a place among the objects of many members decoded at once
 
     async def _spent(self, size: int) -> None:
         self.since += size
@@ -221,41 +219,41 @@ class _Pieces:
         """The object ``text``, its members decoded a batch at a time, as slices of its text
         (no key made a Python string but a large value's), ``room`` levels left for it. Each
         batch is decoded as an object by msgspec, which checks it; the commas between batches
-        are checked here."""
+        are checked here. Only the items' sizes outlive the split's step (4 bytes an item: the
+        items themselves are ~80, and pieces of many bodies interleave)."""
         if room < 1:
             raise _too_deep()
-        if self.holding:  # (a split inside a split of this body's: its place is taken)
-            return await self._members(text, room, splits)
-        async with _member_splits():
+        text = msgspec.json.format(text, indent=-1)  # (in C: no whitespace between its tokens)
+        await self._spent(len(text))
+        sizes = array.array("I", map(len, _split_array(text.translate(_AS_ARRAY))))
+        await self._spent(len(text))
+        if len(sizes) % 2:  # (a member without a value: said as a whole decode says it)
+            return await self._piece(text, room)
+        if len(sizes) <= 2 * PIECE_MEMBERS or self.holding:  # (an object of a few members and a long text...)
+            return await self._batches(text, sizes, room, splits)
+        async with per_run(_MANY_MEMBERS, lambda: trio.Semaphore(2)):
             self.holding = True
             try:
-                return await self._members(text, room, splits)
+                return await self._batches(text, sizes, room, splits)
             finally:
                 self.holding = False
 
-    async def _members(self, text: bytes, room: int, splits: int) -> dict[str, Any]:
-        text = msgspec.json.format(text, indent=-1)  # (in C: no whitespace between its tokens)
-        await self._spent(len(text))
-        items = _split_array(text.translate(_AS_ARRAY))
-        await self._spent(len(text))
-        if len(items) % 2:  # (a member without a value: said as a whole decode says it)
-            return await self._piece(text, room)
+    async def _batches(self, text: bytes, sizes: array.array, room: int, splits: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         start = at = 1  # the batch's first byte; the next item's
-        for first in range(0, len(items), _LENGTHS_AT_ONCE):
-            lengths = list(map(len, items[first : first + _LENGTHS_AT_ONCE]))
-            for key, value in zip(lengths[0::2], lengths[1::2], strict=True):
-                value_at = at + key + 1
-                end = value_at + value  # the member's end: a comma or the closing brace follows
-                if value > PIECE_BYTES:
-                    if at > start:
-                        out.update(await self._piece(self._batch(text, start, at - 1), room))
-                    out[_decode_key(text[at : at + key])] = await self.value(text[value_at:end], room - 1, splits)
-                    start = end + 1
-                elif end - start >= PIECE_BYTES:
-                    out.update(await self._piece(self._batch(text, start, end), room))
-                    start = end + 1
-                at = end + 1
+        for i in range(0, len(sizes), 2):
+            key, value = sizes[i], sizes[i + 1]
+            value_at = at + key + 1
+            end = value_at + value  # the member's end: a comma or the closing brace follows
+            if value > PIECE_BYTES:
+                if at > start:
+                    out.update(await self._piece(self._batch(text, start, at - 1), room))
+                out[_decode_key(text[at : at + key])] = await self.value(text[value_at:end], room - 1, splits)
+                start = end + 1
+            elif end - start >= PIECE_BYTES:
+                out.update(await self._piece(self._batch(text, start, end), room))
+                start = end + 1
+            at = end + 1
         if at - 1 > start:
             out.update(await self._piece(self._batch(text, start, at - 1), room))
         return out
