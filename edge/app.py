@@ -42,7 +42,7 @@ from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange
 from edge.openai.items import ResponseItems
-from edge.openai.routes import openai_routes
+from edge.openai.routes import is_admin_path, openai_routes
 from edge.openai.schema import ModelCard, ModelList
 from edge.openai.shaping import TemplateThink
 from edge.reads import install as install_reads
@@ -555,7 +555,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         methods: under the admin API, anyone without an admin key (an operator's key that
         guessed a method wrong was told the key was wrong; a client key learnt which admin
         routes exist); elsewhere under /v1, anyone without a client key."""
-        if path == "/v1/admin" or path.startswith(("/v1/admin/", "/v1/nodes")):
+        if is_admin_path(path):
             return admin_auth()
         if path.startswith("/v1/") and client_key()[1] is not None:
             return models_error(_UNAUTHORIZED)

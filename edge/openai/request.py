@@ -74,7 +74,7 @@ MAX_TOP_MEMBERS = 4_096
 _split_object = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _split_array = msgspec.json.Decoder(list[msgspec.Raw]).decode
 _decode_key = msgspec.json.Decoder(str).decode
-_OPEN_ARRAY, _OPEN_OBJECT, _COMMA = 0x5B, 0x7B, 0x2C
+_OPEN_ARRAY, _OPEN_OBJECT = 0x5B, 0x7B
 # An object's text made an array's of the same length, its keys and values the items in turn
 # (in strings the bytes change too, and stay a string's): msgspec splits it in C without
 # making each key a Python string, which is most of an object's cost (490,000 members of
@@ -217,18 +217,18 @@ class _Pieces:
 
     async def members(self, text: bytes, room: int, splits: int) -> dict[str, Any]:
         """The object ``text``, its members decoded a batch at a time, as slices of its text
-        (no key made a Python string but a large value's), ``room`` levels left for it. Each
-        batch is decoded as an object by msgspec, which checks it; the commas between batches
-        are checked here. Only the items' sizes outlive the split's step (4 bytes an item: the
-        items themselves are ~80, and pieces of many bodies interleave)."""
+        (no key made a Python string but a large value's), ``room`` levels left for it.
+        ``msgspec.json.format`` checks the object's structure as it compacts it, so its items
+        alternate key and value and each member ends in a comma or the closing brace; each
+        batch is decoded (and its values checked) by msgspec. Only the items' sizes outlive
+        the split's step (4 bytes an item: the items themselves are ~80, and pieces of many
+        bodies interleave)."""
         if room < 1:
             raise _too_deep()
         text = msgspec.json.format(text, indent=-1)  # (in C: no whitespace between its tokens)
         await self._spent(len(text))
         sizes = array.array("I", map(len, _split_array(text.translate(_AS_ARRAY))))
         await self._spent(len(text))
-        if len(sizes) % 2:  # (a member without a value: said as a whole decode says it)
-            return await self._piece(text, room)
         if len(sizes) <= 2 * PIECE_MEMBERS or self.holding:  # (an object of a few members and a long text...)
             return await self._batches(text, sizes, room, splits)
         async with per_run(_MANY_MEMBERS, lambda: trio.Semaphore(2)):
@@ -247,24 +247,16 @@ class _Pieces:
             end = value_at + value  # the member's end: a comma or the closing brace follows
             if value > PIECE_BYTES:
                 if at > start:
-                    out.update(await self._piece(self._batch(text, start, at - 1), room))
+                    out.update(await self._piece(b"{" + text[start : at - 1] + b"}", room))
                 out[_decode_key(text[at : at + key])] = await self.value(text[value_at:end], room - 1, splits)
                 start = end + 1
             elif end - start >= PIECE_BYTES:
-                out.update(await self._piece(self._batch(text, start, end), room))
+                out.update(await self._piece(b"{" + text[start:end] + b"}", room))
                 start = end + 1
             at = end + 1
         if at - 1 > start:
-            out.update(await self._piece(self._batch(text, start, at - 1), room))
+            out.update(await self._piece(b"{" + text[start : at - 1] + b"}", room))
         return out
-
-    @staticmethod
-    def _batch(text: bytes, start: int, end: int) -> bytes:
-        """The members ``text[start:end]`` as an object's text; the byte after them is a
-        comma or the object's end (msgspec checked the rest of the object)."""
-        if text[end] != _COMMA and end != len(text) - 1:
-            raise msgspec.DecodeError("JSON is malformed: expected ',' between an object's members")
-        return b"{" + text[start:end] + b"}"
 
     async def array(self, items: list[msgspec.Raw], room: int, splits: int) -> list[Any]:
         """The array of ``items``, ``room`` levels left for it."""

@@ -220,11 +220,16 @@ def _framed_twice(ex: Exchange) -> bool:
     return ex.header(b"transfer-encoding") is not None and ex.header(b"content-length") is not None
 
 
+def is_admin_path(path: str) -> bool:
+    """Under the admin API (``/v1/admin``, ``/v1/nodes``): an admin key's, when admin_keys are set."""
+    return path in ("/v1/admin", "/v1/nodes") or path.startswith(("/v1/admin/", "/v1/nodes/"))
+
+
 def _quart_api(path: str) -> str:
     """The ``api`` label of a request Quart serves: one of a fixed few, never the client's string."""
     if path == "/v1/models" or path.startswith("/v1/models/"):
         return "models"
-    if path.startswith("/v1/admin/") or path == "/v1/nodes":
+    if is_admin_path(path):
         return "admin"
     if path == "/console" or path.startswith("/console/"):
         return "console"
