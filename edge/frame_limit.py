@@ -51,7 +51,10 @@ used to end without one).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.metadata
+from functools import partial
+from time import thread_time
 
 import structlog
 import trio
@@ -62,6 +65,7 @@ from wsproto.events import CloseConnection
 from wsproto.frame_protocol import CloseReason
 
 from edge.connection import refusal
+from edge.per_run import per_run
 from proto.wsframes import xor_mask
 
 log = structlog.get_logger("iop.edge.link")
@@ -221,6 +225,132 @@ class ReadBudget:
         return 0.0 if tokens >= 0 else now - tokens / FRAMES_PER_S
 
 
+# How much of the edge's time node links take, all together. Frames are not alike: a `load` frame
+# naming 1,024 models costs the edge 0.3-0.5 ms to decode, 30 times a frame of the same size
+# holding text, so the budget above (frames and bytes) let one holder of the node token take 55%
+# of the edge's CPU with one link, and 94% with 16 (other clients' /healthz p50 4 -> 420-568 ms).
+# So the time the edge spends on a link's bytes (frames parsed, decoded and acted on) is measured,
+# less what it spent handing events to the link's runs (shaping them and writing to their
+# clients: the edge's work for its clients, most of an honest busy link's time, which the
+# node's grants, the clients' own limits and the count of events that bring nothing bound),
+# and the links together are held to LINKS_HOLD_PER_S seconds a second, shared fairly: each link
+# that held over LINK_BUSY_S this second or the last (busy) may hold an equal part, and what a link
+# leaves goes to the others (one busy node alone may take the whole, one among 16 flooding links a
+# 17th). A link past its part, or a busy link when the links together are past the whole, waits as
+# for the budget above. The links that are not busy together hold at most the whole (edge.link's
+# MAX_LINKS, 512, times LINK_BUSY_S), so no number of quiet links gets past it.
+# Time is the thread's CPU time less the collector's (link_clock): a link pays neither for the
+# process being descheduled nor for a collection that fell in its read (a 100 ms full collection
+# charged to one link among 17 made it wait 3.4 s, past a test's ping timeout).
+LINKS_HOLD_PER_S = 0.5
+LINK_BUSY_S = 0.00095  # held in a second, and more: a busy link
+LINK_HOLD_BURST_S = 0.002  # a link's unused part kept, at most
+LINKS_HOLD_BURST_S = 0.05  # the links' unused whole kept, at most
+SHARE = "_iop_link_hold"  # a stream's LinkHold
+_LINKS: trio.lowlevel.RunVar[LinkShare] = trio.lowlevel.RunVar("iop_link_share")  # (an edge's, in a process)
+
+
+class LinkShare:
+    """Sans-I/O: the edge's links' whole (a token bucket of seconds), and the
+    count of busy links, by whole seconds of the clock passed in."""
+
+    __slots__ = ("second", "busy", "busy_before", "tokens", "at", "held", "waited")
+
+    def __init__(self, now: float) -> None:
+        self.second = int(now)
+        self.busy = 0  # links that held over LINK_BUSY_S this second
+        self.busy_before = 0  # ... and in the second before
+        self.tokens = LINKS_HOLD_BURST_S
+        self.at = now
+        self.held = 0.0  # what the links held, in all (iop_link_read_seconds_total)
+        self.waited = 0.0  # the links' waits for their parts, in all (iop_link_throttled_seconds_total)
+
+    def links(self, second: int) -> int:
+        """The busy links: those of this second or the last, at least one."""
+        if second != self.second:
+            self.busy_before = self.busy if second == self.second + 1 else 0
+            self.busy, self.second = 0, second
+        return max(self.busy, self.busy_before, 1)
+
+    def take(self, held: float, now: float) -> float:
+        """Take ``held`` from the whole; 0.0, or how long until it is back to none owed."""
+        self.held += held
+        tokens = min(LINKS_HOLD_BURST_S, self.tokens + (now - self.at) * LINKS_HOLD_PER_S) - held
+        self.tokens, self.at = tokens, now
+        return 0.0 if tokens >= 0 else -tokens / LINKS_HOLD_PER_S
+
+
+class LinkHold:
+    """Sans-I/O: one link's part (a token bucket of seconds, refilled at the
+    whole's rate divided among the busy links). It starts empty: a link
+    dialled anew brings no time with it."""
+
+    __slots__ = ("tokens", "at", "second", "held", "busy", "served")
+
+    def __init__(self, now: float) -> None:
+        self.tokens = 0.0
+        self.at = now
+        self.second = int(now)
+        self.held = 0.0  # held this second
+        self.busy = False  # over LINK_BUSY_S this second or the last
+        self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
+
+    def spend(self, share: LinkShare, held: float, now: float) -> float:
+        """Take ``held`` seconds; 0.0, or how long the link waits before it is read again."""
+        held = max(0.0, held - self.served)
+        self.served = 0.0
+        second = int(now)
+        links = share.links(second)
+        if second != self.second:
+            self.busy = self.held >= LINK_BUSY_S and second == self.second + 1
+            self.second, self.held = second, 0.0
+        before, self.held = self.held, self.held + held
+        if before < LINK_BUSY_S <= self.held:
+            self.busy = True
+            share.busy += 1
+            links = max(links, share.busy)
+        rate = LINKS_HOLD_PER_S / links
+        tokens = min(LINK_HOLD_BURST_S, self.tokens + (now - self.at) * rate) - held
+        self.tokens, self.at = tokens, now
+        wait = share.take(held, now)
+        if not self.busy:
+            wait = 0.0
+        if tokens < 0:
+            wait = max(wait, -tokens / rate)
+        share.waited += wait
+        return wait
+
+
+def links_time() -> tuple[float, float]:
+    """How long this edge's links have held it, and waited for their parts, in all
+    (zeros outside the edge's run)."""
+    try:
+        share = _LINKS.get()
+    except (LookupError, RuntimeError):
+        return 0.0, 0.0
+    return share.held, share.waited
+
+
+_COLLECTED = [0.0, 0.0]  # the collector's CPU time in all, and when the running collection began
+
+
+def _collection(phase: str, _info: dict) -> None:
+    if phase == "start":
+        _COLLECTED[1] = thread_time()
+    else:
+        _COLLECTED[0] += thread_time() - _COLLECTED[1]
+
+
+def link_clock() -> float:
+    """The clock a link's time is measured with (seconds)."""
+    return thread_time() - _COLLECTED[0]
+
+
+def link_hold(stream: WSStream) -> LinkHold:
+    """``stream``'s :class:`LinkHold`, made at its first use."""
+    return stream.__dict__.get(SHARE) or stream.__dict__.setdefault(SHARE, LinkHold(trio.current_time()))
+
+
 async def _refuse(stream: WSStream) -> None:
     log.warning(
         "node link closed: message over the frame limit",
@@ -244,6 +374,7 @@ def install() -> None:
     if not hasattr(WSStream, "_send_wsproto_event"):
         raise RuntimeError("hypercorn's WSStream is not the one edge.frame_limit was written for: review it")
     hypercorn_handle = WSStream.handle
+    gc.callbacks.append(_collection)
 
     async def handle(self: WSStream, event) -> None:
         if isinstance(event, Request):
@@ -266,6 +397,9 @@ def install() -> None:
                     await self.app_put({"type": "websocket.disconnect", "code": 1006})
             return
         elif isinstance(event, (Body, Data)) and not self.closed and self.handshake.accepted:
+            started = link_clock()
+            hold = link_hold(self)
+            hold.served = 0.0
             limit = self.__dict__.get(STATE) or self.__dict__.setdefault(
                 STATE, FrameLimit(self.config.websocket_max_message_size)
             )
@@ -290,10 +424,18 @@ def install() -> None:
             budget = self.__dict__.get(BUDGET) or self.__dict__.setdefault(BUDGET, ReadBudget(now))
             frames, limit.frames = limit.frames + taken, 0
             until = budget.spend(frames + size // BYTES_PER_TOKEN, now)
+            held = link_clock() - started
             if until:
                 await trio.sleep_until(until)
-            if event is None:
-                return
+            if event is not None:
+                started = link_clock()
+                await hypercorn_handle(self, event)
+                held += link_clock() - started
+            # ... and past its part of the links' time.
+            now = trio.current_time()
+            if wait := hold.spend(per_run(_LINKS, partial(LinkShare, now)), held, now):
+                await trio.sleep(wait)
+            return
         await hypercorn_handle(self, event)
 
     handle.frame_limit = True  # type: ignore[attr-defined]

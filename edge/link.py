@@ -23,6 +23,7 @@ import trio
 from edge.auth import bearer_matches
 from edge.config import MIN_FRAME_BYTES, EdgeConfig
 from edge.errors import error_json
+from edge.frame_limit import link_clock
 from edge.runs import NodeLink, RunService
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, StrayFlood
 from edge.runs.service import stall_after_s
@@ -305,6 +306,7 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
             raise LinkProtocolError("undecodable frame: nested too deep") from None
         match frame:
             case Events(events=events):
+                started = link_clock()
                 runs = link.runs
                 for event in events:
                     run = runs.get(event.run_id)
@@ -319,6 +321,7 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                         # (every run on it) was dropped for it. A flood of them closes the link
                         # (NodeLink.stray). A run of another node is never in `runs`.
                         link.stray(now)
+                websocket.hold.served += link_clock() - started
             case Pong():
                 pass
             case Ping(ts=ts):
@@ -342,7 +345,9 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                 if run is not None:
                     if type(run.request) is not TunnelRequest:  # (a chat run's consumers read events only)
                         raise LinkProtocolError("tunnel_frame for a run that is not a passthrough")
+                    started = link_clock()
                     run.deliver_frame(frame, now)
+                    websocket.hold.served += link_clock() - started
                 else:  # a tunnel that ended here (as for events, above)
                     link.stray(now)
             case _:

@@ -152,6 +152,7 @@ class EdgeMetrics:
         )
         self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
         r.register(_EngineCollector(runs))
+        r.register(_LinkCollector())
         if edge is not None:
             r.register(_KeyCollector(edge))
             r.register(_StateCollector(edge))
@@ -283,6 +284,25 @@ class _KeyCollector:
                 limited.add_metric((key.id, limit), n)
             in_flight.add_metric((key.id,), key.in_flight)
         yield from (requests, tokens, limited, in_flight)
+
+
+class _LinkCollector:
+    """The edge's time node links take, measured and held to a share (:mod:`edge.frame_limit`)."""
+
+    def collect(self):
+        from edge.frame_limit import links_time  # (edge.frame_limit imports edge.connection, which imports this)
+
+        held, waited = links_time()
+        read = CounterMetricFamily(
+            "iop_link_read_seconds",
+            "Time the edge spent on node links' frames, less handing their events to runs and clients",
+        )
+        read.add_metric((), held)
+        throttled = CounterMetricFamily(
+            "iop_link_throttled_seconds", "Time node links' reads waited past their share of the edge's time"
+        )
+        throttled.add_metric((), waited)
+        yield from (read, throttled)
 
 
 class _StateCollector:

@@ -30,7 +30,7 @@ import trio
 from wsproto.connection import ConnectionState
 
 from edge.errors import error_json
-from edge.frame_limit import DIRECT, ReadBudget
+from edge.frame_limit import DIRECT, LinkHold, ReadBudget, link_hold
 from edge.openai.direct import plain_tcp, send_locked
 from edge.reads import read_as_link
 from proto.wsframes import binary_head
@@ -95,7 +95,7 @@ class DirectFrames:
 
 
 class RawWebsocket:
-    __slots__ = ("headers", "_receive", "_send", "_extensions", "_direct", "accepted", "closed")
+    __slots__ = ("headers", "_receive", "_send", "_extensions", "_direct", "accepted", "closed", "hold")
 
     def __init__(self, scope: dict, receive, send) -> None:
         # Header names lowercased; a repeated header keeps its first value.
@@ -109,6 +109,9 @@ class RawWebsocket:
         self._direct: DirectFrames | None = None
         self.accepted = False
         self.closed = False
+        # The link's part of the edge's time (edge.frame_limit; under hypercorn, the stream's
+        # own from read_into on): the link's reader adds what it spends on its runs to `served`.
+        self.hold = LinkHold(0.0)
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name.lower(), default)
@@ -186,6 +189,7 @@ class RawWebsocket:
                 take(queued.receive_nowait())
             except trio.WouldBlock:
                 break
+        self.hold = link_hold(stream)
         stream.app_put = app_put
         stream.__dict__[DIRECT] = take_whole
         read_as_link(stream)
