@@ -206,9 +206,15 @@ redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
 return {epoch, total, existed}
 """
 
-# KEYS[1]: a key's day counter; ARGV: the day's total in the shared ledger, the counter's TTL.
-# Raises the counter to the ledger's total (a lower bound of the day's use: every row is use).
+# KEYS[1]: a key's day counter, KEYS[2]: the epoch; ARGV: the day's total in the shared ledger, the
+# counter's TTL, the epoch the counter was found missing in. Raises the counter to the ledger's
+# total (a lower bound of the day's use: every row is use), unless Redis lost its data since: the
+# counter is then another, whose own floor its maker raises once every edge has added to it
+# (-1: left as it is).
 _FLOOR = """
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then
+  return -1
+end
 local total = tonumber(redis.call('GET', KEYS[1]) or '0')
 local floor = tonumber(ARGV[1])
 if floor > total then
@@ -288,7 +294,8 @@ class SharedState:
         self.flight = self.client.register_script(_FLIGHT)
         self.floor = self.client.register_script(_FLOOR)
         self.day_totals = day_totals
-        self._floors_wanted: set[tuple[str, int]] = set()  # (key id, day): counters to raise to the ledger's
+        # (key id, day, epoch the counter was made in): counters to raise to the ledger's totals, and when
+        self._floors_wanted: dict[tuple[str, int, bytes], float] = {}
         self._floors_wake = trio.Event()
         self.keys = keys
         keys.shared = True  # leases from the first round on
@@ -520,7 +527,7 @@ class SharedState:
             if day_result is not None:
                 epoch, day_total, existed = day_result
                 if not existed and self.day_totals is not None:
-                    self._floors_wanted.add((key_id, day))
+                    self._floors_wanted.setdefault((key_id, day, epoch), trio.current_time() + FLOOR_DELAY_S)
                     self._floors_wake.set()
                 reported = used[key_id]
                 self._reported[(key_id, day)] = (epoch, reported)
@@ -762,34 +769,47 @@ class SharedState:
         the floor, :data:`FLOOR_DELAY_S`, the counter holds the live edges' use alone."""
         while True:
             await self._floors_wake.wait()
-            # After every live edge added its own use to the new counter (each reports a key's
-            # day every REFRESH_S at least): raised before one did, that one's use, in the ledger
-            # already, was counted twice (126 tokens for 90).
-            await trio.sleep(FLOOR_DELAY_S)
             self._floors_wake = trio.Event()
-            wanted, self._floors_wanted = self._floors_wanted, set()
-            today = int(time.time() // 86400)
-            wanted = {(key_id, day) for key_id, day in wanted if day == today}
-            if not wanted:
-                continue
-            try:
-                with trio.fail_after(FLOOR_WAIT_S):
-                    totals = await self.day_totals(today * 86400.0)
-                    floors = [(key_id, day, totals.get(key_id, 0)) for key_id, day in wanted]
-                    await trio.to_thread.run_sync(self._raise_floors, floors, abandon_on_cancel=True)
-            except (LedgerUnavailable, trio.TooSlowError, self._redis_error, OSError) as e:  # (asked again, later)
-                log.warning("a day counter's floor from the ledger failed", error=f"{type(e).__name__}: {str(e)[:200]}")
-                self._floors_wanted |= wanted
-                await trio.sleep(FLOOR_RETRY_S)
-                self._floors_wake.set()
-                continue
-            log.info("day counters raised to the ledger's totals", keys=len(floors))
+            while self._floors_wanted:
+                # Each FLOOR_DELAY_S after its counter was found missing: after every live edge
+                # added its own use to it (each reports a key's day every REFRESH_S at least).
+                # Raised before one did, that one's use, in the ledger already, was counted twice
+                # (126 tokens for 90): so was a counter made anew within FLOOR_DELAY_S of an
+                # earlier one, by that one's floor (now: the epoch differs, see _FLOOR) or with it.
+                now = trio.current_time()
+                first = min(self._floors_wanted.values())
+                if first > now:
+                    await trio.sleep_until(first)
+                    continue
+                wanted = {floor for floor, due in self._floors_wanted.items() if due <= now}
+                for floor in wanted:
+                    del self._floors_wanted[floor]
+                await self._raise_due(wanted)
 
-    def _raise_floors(self, floors: list[tuple[str, int, int]]) -> None:
-        """In a worker thread: each key's day counter raised to at least its ledger total."""
+    async def _raise_due(self, wanted: set[tuple[str, int, bytes]]) -> None:
+        today = int(time.time() // 86400)
+        wanted = {(key_id, day, epoch) for key_id, day, epoch in wanted if day == today}
+        if not wanted:
+            return
+        try:
+            with trio.fail_after(FLOOR_WAIT_S):
+                totals = await self.day_totals(today * 86400.0)
+                floors = [(key_id, day, totals.get(key_id, 0), epoch) for key_id, day, epoch in wanted]
+                await trio.to_thread.run_sync(self._raise_floors, floors, abandon_on_cancel=True)
+        except (LedgerUnavailable, trio.TooSlowError, self._redis_error, OSError) as e:  # (asked again, later)
+            log.warning("a day counter's floor from the ledger failed", error=f"{type(e).__name__}: {str(e)[:200]}")
+            retry = trio.current_time() + FLOOR_RETRY_S
+            for floor in wanted:
+                self._floors_wanted.setdefault(floor, retry)
+            return
+        log.info("day counters raised to the ledger's totals", keys=len(floors))
+
+    def _raise_floors(self, floors: list[tuple[str, int, int, bytes]]) -> None:
+        """In a worker thread: each key's day counter raised to at least its ledger total
+        (if Redis has not lost its data since the counter was made)."""
         pipe = self.client.pipeline(transaction=False)
-        for key_id, day, total in floors:
-            self.floor(keys=[f"iop:day:{key_id}:{day}"], args=[total, DAY_TTL_S], client=pipe)
+        for key_id, day, total, epoch in floors:
+            self.floor(keys=[f"iop:day:{key_id}:{day}", EPOCH_KEY], args=[total, DAY_TTL_S, epoch], client=pipe)
         pipe.execute()
 
     async def _leases(self) -> None:

@@ -614,10 +614,6 @@ async def test_a_day_counter_redis_lost_is_rebuilt_from_the_shared_ledger(
         await b.edge.ledger.flush()
         total = await ledger_total()
         await eventually(lambda: a.edge.keys.by_id["day"].today_tokens() == total, "edge a's view of the day")
-        # The day's first counter (made at the test's start) has had its floor: a loss within
-        # FLOOR_DELAY_S of it has that floor land on the new counter before every edge added its
-        # use again, one edge's counted twice (126 for 90, once in CI; left as a known race).
-        await trio.sleep(shared_state.FLOOR_DELAY_S + 0.5)
         await trio.to_thread.run_sync(redis_server.stop)
         await trio.to_thread.run_sync(redis_server.start)
         await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "both edges see redis back")
@@ -629,6 +625,55 @@ async def test_a_day_counter_redis_lost_is_rebuilt_from_the_shared_ledger(
             await eventually(
                 lambda edge=edge: edge.edge.keys.by_id["day"].today_tokens() == total, "the day as rebuilt"
             )
+
+
+async def test_a_day_counter_lost_soon_after_it_was_made_is_not_counted_twice(
+    nursery,
+    redis_server,  # noqa: F811
+    postgres_url,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Redis loses its data within FLOOR_DELAY_S of the day counter's making. The floor armed for
+    that first counter landed on the new one before every edge had added its use again, and the
+    late edge's use, in the ledger already, was counted twice (126 tokens for 90, once in CI).
+    Here edge b adds its use again only after the first counter's floor is due: the counter is
+    the day's use, not more."""
+    monkeypatch.setattr(shared_state, "FLOOR_DELAY_S", 2.0)
+    keys = [KeyConfig(id="day", key="sk-day", daily_tokens=10**9)]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys, postgres_url)
+    b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys, postgres_url)
+    gate = trio.Event()
+    gate.set()
+    b_round = b.edge.shared.round
+
+    async def gated_round() -> None:
+        await gate.wait()
+        await b_round()
+
+    b.edge.shared.round = gated_round
+    with trio.fail_after(BOUND * 3):
+        for edge, n in ((a, 2), (b, 3)):
+            async with client(edge, "sk-day") as c:
+                for _ in range(n):
+                    assert (await chat(c)).status_code == 200
+        for edge in (a, b):
+            await edge.edge.ledger.flush()
+        _, prompt, completion = (await a.edge.ledger.key_totals("day"))["day"]
+        total = prompt + completion
+        while await redis_day(redis_server.url, "day") != total:  # (both edges have added their use)
+            await trio.sleep(0.05)
+        made = trio.current_time()  # (the counter was made before this, at a's first add)
+        gate = trio.Event()  # edge b goes quiet
+        await trio.to_thread.run_sync(redis_server.stop)
+        await trio.to_thread.run_sync(redis_server.start)
+        await eventually(lambda: a.edge.shared.up, "edge a sees redis back")
+        while await redis_day(redis_server.url, "day") is None:  # (edge a made the counter anew)
+            await trio.sleep(0.05)
+        await trio.sleep(max(made + shared_state.FLOOR_DELAY_S + 0.5 - trio.current_time(), 0))
+        gate.set()  # the first counter's floor was due: edge b adds its use again
+        await trio.sleep(shared_state.FLOOR_DELAY_S + 1.5)  # (and the new counter's own floor comes)
+        assert await redis_day(redis_server.url, "day") == total
 
 
 async def test_an_edge_restart_adds_only_new_use_and_today_tokens_is_across_edges(nursery, redis_server, tmp_path):  # noqa: F811
