@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.metadata
+import math
 from functools import partial
 from time import thread_time
 
@@ -285,7 +286,7 @@ class LinkHold:
     whole's rate divided among the busy links). It starts empty: a link
     dialled anew brings no time with it."""
 
-    __slots__ = ("tokens", "at", "second", "held", "busy", "served")
+    __slots__ = ("tokens", "at", "second", "held", "busy", "served", "until")
 
     def __init__(self, now: float) -> None:
         self.tokens = 0.0
@@ -294,6 +295,7 @@ class LinkHold:
         self.held = 0.0  # held this second
         self.busy = False  # over LINK_BUSY_S this second or the last
         self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
+        self.until = -math.inf  # the link is not read before then (its node is not silent: its bytes wait here)
 
     def spend(self, share: LinkShare, held: float, now: float) -> float:
         """Take ``held`` seconds; 0.0, or how long the link waits before it is read again."""
@@ -317,7 +319,9 @@ class LinkHold:
             wait = 0.0
         if tokens < 0:
             wait = max(wait, -tokens / rate)
-        share.waited += wait
+        if wait:
+            share.waited += wait
+            self.until = now + wait
         return wait
 
 

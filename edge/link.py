@@ -23,7 +23,7 @@ import trio
 from edge.auth import bearer_matches
 from edge.config import MIN_FRAME_BYTES, EdgeConfig
 from edge.errors import error_json
-from edge.frame_limit import link_clock
+from edge.frame_limit import LinkHold, link_clock
 from edge.runs import NodeLink, RunService
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, StrayFlood
 from edge.runs.service import stall_after_s
@@ -265,7 +265,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         async with trio.open_nursery() as nursery:
             link.bind_scope(nursery.cancel_scope)
             nursery.start_soon(_send_frames, link, service, link.frame_limit, websocket)
-            nursery.start_soon(_ping, link, config)
+            nursery.start_soon(_ping, link, config, websocket.hold)
             nursery.start_soon(_watch_stall, link, service, config)
             nursery.start_soon(_report_demand, link, service)
             await _read_frames(link, service, websocket)
@@ -407,16 +407,17 @@ async def _send_frames(link: NodeLink, service: RunService, max_frame_bytes: int
             await websocket.send_many(batch)
 
 
-async def _ping(link: NodeLink, config: EdgeConfig) -> None:
+async def _ping(link: NodeLink, config: EdgeConfig, hold: LinkHold) -> None:
     """A ping every ``ping_interval_s``, and the link killed once the node has been silent for
     ``ping_timeout_s``: at that moment, not at the next ping (up to an interval later: 17.8 s
-    for the README's 15 with the defaults)."""
+    for the README's 15 with the defaults). A link waiting for its part of the edge's time
+    (``hold``: its bytes are here, unread) is not silent until the wait ends."""
     interval, timeout = config.ping_interval_s, config.ping_timeout_s
     next_ping = trio.current_time() + interval
     while True:
-        await trio.sleep_until(min(next_ping, link.last_rx + timeout))
+        await trio.sleep_until(min(next_ping, max(link.last_rx, hold.until) + timeout))
         now = trio.current_time()
-        if now - link.last_rx >= timeout:
+        if now - max(link.last_rx, hold.until) >= timeout:
             link.kill(f"no frame from the node for {timeout:g} s", code=1011)
             return
         if now >= next_ping:

@@ -123,6 +123,9 @@ class RawWebsocket:
         await self._send({"type": "websocket.accept"})
         self.accepted = True
         self._direct = DirectFrames.find(self._send)
+        stream = getattr(self._send, "__self__", None)
+        if type(stream).__name__ == "WSStream":
+            self.hold = link_hold(stream)
 
     def _payload(self, message: dict) -> bytes | str | None:
         """A received message's payload; None for any other ASGI message;

@@ -798,6 +798,31 @@ async def test_links_flooding_costly_frames_share_part_of_the_edge_and_its_clien
     assert waited > elapsed, (waited, elapsed)  # (16 links, each waiting most of the time)
 
 
+async def test_a_link_waiting_for_its_part_longer_than_the_ping_timeout_is_not_dropped(nursery, monkeypatch):
+    """A link's bytes waiting for its part of the edge's time are not silence: with a part so
+    small that a `load` frame waits longer than the ping timeout (0.3 s here), the link is
+    read on after the wait (its ping is answered) and not closed as a dead node."""
+    monkeypatch.setattr(frame_limit, "LINKS_HOLD_PER_S", 0.0005)  # (a frame of 0.3-0.5 ms waits 0.6-1 s)
+    monkeypatch.setattr(frame_limit, "LINK_HOLD_BURST_S", 0.0)
+    edge = await start_edge(nursery, edge_config(ping_interval_s=0.1))
+    engine = {f"model{i:04}": EngineLoad(waiting=1.0) for i in range(1024)}
+    load = encode_frame(Load(in_flight={f"model{i:04}": i for i in range(1024)}, engine=engine))
+    ping = encode_frame(Ping(ts=5.0))
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN, "slow")
+        async with stream:
+            start = trio.current_time()
+            await stream.send_all((frame_header(BINARY, len(load)) + load) * 2 + frame_header(BINARY, len(ping)) + ping)
+            while True:
+                opcode, payload = await frames.next()
+                assert opcode == BINARY, payload  # (a close: the edge dropped the link)
+                if isinstance(frame := decode_frame(payload), Pong) and frame.ts == 5.0:
+                    break
+            took = trio.current_time() - start
+            assert "slow" in edge.edge.runs.links
+    assert took > edge.edge.config.ping_timeout_s, took  # (it did wait past the timeout)
+
+
 def simulate_link_reads(links: dict[str, tuple[float, float]], seconds: float = 10.0):
     """One core reading node links by edge.frame_limit's share: ``links`` maps a name to the
     time one of its reads holds the edge and the link's own pause after it (0: flooding).
