@@ -54,7 +54,6 @@ import dataclasses
 import gc
 import importlib.metadata
 import math
-from functools import partial
 from time import thread_time
 
 import structlog
@@ -253,11 +252,13 @@ _LINKS: trio.lowlevel.RunVar[LinkShare] = trio.lowlevel.RunVar("iop_link_share")
 
 class LinkShare:
     """Sans-I/O: the edge's links' whole (a token bucket of seconds), and the
-    count of busy links, by whole seconds of the clock passed in."""
+    count of busy links, by whole seconds of the clock passed in (trio's, by default)."""
 
     __slots__ = ("second", "busy", "busy_before", "tokens", "at", "held", "waited")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float | None = None) -> None:
+        if now is None:
+            now = trio.current_time()
         self.second = int(now)
         self.busy = 0  # links that held over LINK_BUSY_S this second
         self.busy_before = 0  # ... and in the second before
@@ -437,7 +438,7 @@ def install() -> None:
                 held += link_clock() - started
             # ... and past its part of the links' time.
             now = trio.current_time()
-            if wait := hold.spend(per_run(_LINKS, partial(LinkShare, now)), held, now):
+            if wait := hold.spend(per_run(_LINKS, LinkShare), held, now):
                 await trio.sleep(wait)
             return
         await hypercorn_handle(self, event)
