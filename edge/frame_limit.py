@@ -226,49 +226,120 @@ class ReadBudget:
 
 
 # How much of the edge's time node links take, all together. Frames are not alike: a `load` frame
-# naming 1,024 models costs the edge 0.3-0.5 ms to decode, 30 times a frame of the same size
-# holding text, so the budget above (frames and bytes) let one holder of the node token take 55%
-# of the edge's CPU with one link, and 94% with 16 (other clients' /healthz p50 4 -> 420-568 ms).
-# So the time the edge spends on a link's bytes (frames parsed, decoded and acted on) is measured,
-# less what it spent handing events to the link's runs (shaping them and writing to their
-# clients: the edge's work for its clients, most of an honest busy link's time, which the
-# node's grants, the clients' own limits and the count of events that bring nothing bound),
-# and the links together are held to LINKS_HOLD_PER_S seconds a second, shared fairly: each link
-# that held over LINK_BUSY_S this second or the last (busy) may hold an equal part, and what a link
-# leaves goes to the others (one busy node alone may take the whole, one among 16 flooding links a
-# 17th). A link past its part, or a busy link when the links together are past the whole, waits as
-# for the budget above. The links that are not busy together hold at most the whole (edge.link's
-# MAX_LINKS, 512, times LINK_BUSY_S), so no number of quiet links gets past it.
+# naming 1,024 models costs the edge 0.3-0.5 ms to decode, 30 times a frame of the same size holding
+# text, so the budget above (frames and bytes) let one holder of the node token take 55% of the
+# edge's CPU with one link, and 94% with 16 (other clients' /healthz p50 4 -> 420-568 ms). So the
+# time the edge spends on a link's bytes (frames parsed, decoded and acted on) is measured, less
+# what it spent handing events to the link's runs (shaping them and writing to their clients: the
+# edge's work for its clients, most of an honest busy link's time), and the links together are held
+# to LINKS_HOLD_PER_S seconds a second, shared fairly between the peers they come from (an address:
+# the node's, or behind trusted proxies the one they name), not between links, of which one holder
+# of the token may open hundreds (an outside audit: 128 links from one address left an honest node a
+# 129th, 656 chunks a second of its 3,853). Each peer that held over PEER_BUSY_S this second or the
+# last (busy) has an equal part, shared by its links. A peer within its part never waits; a peer
+# past it may take what the others leave of the whole, and waits, as for the budget above, once the
+# links together have spent it. So one busy node alone may take the whole, and one beside a flooding
+# address at least half. A peer's part outlives its links for a while (PEER_IDLE_S): dialling anew
+# brings no time with it. The peers that are not busy together hold at most the whole (edge.link's
+# MAX_LINKS, 512, times PEER_BUSY_S).
 # Time is the thread's CPU time less the collector's (link_clock): a link pays neither for the
 # process being descheduled nor for a collection that fell in its read (a 100 ms full collection
 # charged to one link among 17 made it wait 3.4 s, past a test's ping timeout).
 LINKS_HOLD_PER_S = 0.5
-LINK_BUSY_S = 0.00095  # held in a second, and more: a busy link
-LINK_HOLD_BURST_S = 0.002  # a link's unused part kept, at most
+PEER_BUSY_S = 0.00095  # held in a second, and more: a busy peer
+PEER_HOLD_BURST_S = 0.002  # a peer's unused part kept, at most
 LINKS_HOLD_BURST_S = 0.05  # the links' unused whole kept, at most
+# Links a peer may dial a second (after a burst, which a fleet behind one address reconnecting at
+# once fits in): a link's upgrade, hello, setup and end cost the edge 1.5-2 ms that no read of its
+# frames is charged, and 16 dialers from one address churning links (dial, hello, one frame,
+# close: 460 a second) held the edge at 97-100% (an outside audit).
+DIALS_PER_S = 10.0
+DIALS_BURST = 64
+PEER_IDLE_S = 60.0  # a peer not read this long is forgotten (when MAX_PEERS are remembered)
+MAX_PEERS = 4096  # peers remembered; past it, the half read longest ago are forgotten
 SHARE = "_iop_link_hold"  # a stream's LinkHold
 _LINKS: trio.lowlevel.RunVar[LinkShare] = trio.lowlevel.RunVar("iop_link_share")  # (an edge's, in a process)
 
 
-class LinkShare:
-    """Sans-I/O: the edge's links' whole (a token bucket of seconds), and the
-    count of busy links, by whole seconds of the clock passed in (trio's, by default)."""
+class PeerHold:
+    """Sans-I/O: one peer's part (a token bucket of seconds, refilled at the
+    whole's rate divided among the busy peers). It starts empty."""
 
-    __slots__ = ("second", "busy", "busy_before", "tokens", "at", "held", "waited")
+    __slots__ = ("tokens", "at", "second", "held", "waited", "dials", "dialled_at")
+
+    def __init__(self, now: float) -> None:
+        self.tokens = 0.0
+        self.at = now
+        self.dials = float(DIALS_BURST)  # links it may still dial (a token bucket)
+        self.dialled_at = now
+        self.second = int(now)
+        self.held = 0.0  # held this second
+        self.waited = 0.0  # its links' waits, in all
+
+    def dial(self, now: float) -> bool:
+        """One more link from this peer: True, or False past :data:`DIALS_PER_S`."""
+        dials = min(float(DIALS_BURST), self.dials + (now - self.dialled_at) * DIALS_PER_S)
+        self.dialled_at = now
+        if dials < 1.0:
+            self.dials = dials
+            return False
+        self.dials = dials - 1.0
+        return True
+
+    def spend(self, share: LinkShare, held: float, now: float) -> float:
+        """Take ``held`` seconds; 0.0, or how long the peer's link waits before it is read again."""
+        second = int(now)
+        peers = share.peers_busy(second)
+        if second != self.second:
+            self.second, self.held = second, 0.0
+        before, self.held = self.held, self.held + held
+        if before < PEER_BUSY_S <= self.held:
+            share.busy += 1
+            peers = max(peers, share.busy)
+        rate = LINKS_HOLD_PER_S / peers
+        tokens = min(PEER_HOLD_BURST_S, self.tokens + (now - self.at) * rate) - held
+        wait = 0.0
+        if share.take(held, now) and tokens < 0:  # past its part when the whole is spent: it waits
+            wait = -tokens / rate
+            share.waited += wait
+            self.waited += wait
+        elif tokens < -PEER_HOLD_BURST_S:  # (what others leave of the whole, it may take: no debt for it)
+            tokens = -PEER_HOLD_BURST_S
+        self.tokens, self.at = tokens, now
+        return wait
+
+
+class LinkShare:
+    """Sans-I/O: the edge's links' whole (a token bucket of seconds), its
+    peers' parts, and the count of busy peers, by whole seconds of the clock
+    passed in (trio's, by default)."""
+
+    __slots__ = ("second", "busy", "busy_before", "tokens", "at", "held", "waited", "peers")
 
     def __init__(self, now: float | None = None) -> None:
         if now is None:
             now = trio.current_time()
         self.second = int(now)
-        self.busy = 0  # links that held over LINK_BUSY_S this second
+        self.busy = 0  # peers that held over PEER_BUSY_S this second
         self.busy_before = 0  # ... and in the second before
         self.tokens = LINKS_HOLD_BURST_S
         self.at = now
         self.held = 0.0  # what the links held, in all (iop_link_read_seconds_total)
         self.waited = 0.0  # the links' waits for their parts, in all (iop_link_throttled_seconds_total)
+        self.peers: dict[str, PeerHold] = {}
 
-    def links(self, second: int) -> int:
-        """The busy links: those of this second or the last, at least one."""
+    def peer(self, address: str, now: float) -> PeerHold:
+        """``address``'s part (made, and the idle ones forgotten past MAX_PEERS)."""
+        hold = self.peers.get(address)
+        if hold is None:
+            if len(self.peers) >= MAX_PEERS:
+                peers = sorted(self.peers.items(), key=lambda item: item[1].at)
+                self.peers = {key: peer for key, peer in peers[MAX_PEERS // 2 :] if now - peer.at < PEER_IDLE_S}
+            hold = self.peers[address] = PeerHold(now)
+        return hold
+
+    def peers_busy(self, second: int) -> int:
+        """The busy peers: those of this second or the last, at least one."""
         if second != self.second:
             self.busy_before = self.busy if second == self.second + 1 else 0
             self.busy, self.second = 0, second
@@ -283,18 +354,12 @@ class LinkShare:
 
 
 class LinkHold:
-    """Sans-I/O: one link's part (a token bucket of seconds, refilled at the
-    whole's rate divided among the busy links). It starts empty: a link
-    dialled anew brings no time with it."""
+    """Sans-I/O: one link's reads, charged to its peer's part."""
 
-    __slots__ = ("tokens", "at", "second", "held", "busy", "served", "until")
+    __slots__ = ("peer", "served", "until")
 
-    def __init__(self, now: float) -> None:
-        self.tokens = 0.0
-        self.at = now
-        self.second = int(now)
-        self.held = 0.0  # held this second
-        self.busy = False  # over LINK_BUSY_S this second or the last
+    def __init__(self, peer: PeerHold) -> None:
+        self.peer = peer
         self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
         self.until = -math.inf  # the link is not read before then (its node is not silent: its bytes wait here)
 
@@ -302,28 +367,22 @@ class LinkHold:
         """Take ``held`` seconds; 0.0, or how long the link waits before it is read again."""
         held = max(0.0, held - self.served)
         self.served = 0.0
-        second = int(now)
-        links = share.links(second)
-        if second != self.second:
-            self.busy = self.held >= LINK_BUSY_S and second == self.second + 1
-            self.second, self.held = second, 0.0
-        before, self.held = self.held, self.held + held
-        if before < LINK_BUSY_S <= self.held:
-            self.busy = True
-            share.busy += 1
-            links = max(links, share.busy)
-        rate = LINKS_HOLD_PER_S / links
-        tokens = min(LINK_HOLD_BURST_S, self.tokens + (now - self.at) * rate) - held
-        self.tokens, self.at = tokens, now
-        wait = share.take(held, now)
-        if not self.busy:
-            wait = 0.0
-        if tokens < 0:
-            wait = max(wait, -tokens / rate)
+        wait = self.peer.spend(share, held, now)
         if wait:
-            share.waited += wait
             self.until = now + wait
         return wait
+
+
+def may_dial(peer: str) -> bool:
+    """A link from ``peer`` (an address) may be upgraded now (:data:`DIALS_PER_S`)."""
+    now = trio.current_time()
+    return per_run(_LINKS, LinkShare).peer(peer, now).dial(now)
+
+
+def charge(hold: LinkHold, held: float) -> float:
+    """Charge ``held`` seconds of the edge's time to ``hold``'s peer: 0.0, or how
+    long the link waits before it is read again."""
+    return hold.spend(per_run(_LINKS, LinkShare), held, trio.current_time())
 
 
 def links_time() -> tuple[float, float]:
@@ -351,9 +410,16 @@ def link_clock() -> float:
     return thread_time() - _COLLECTED[0]
 
 
-def link_hold(stream: WSStream) -> LinkHold:
-    """``stream``'s :class:`LinkHold`, made at its first use."""
-    return stream.__dict__.get(SHARE) or stream.__dict__.setdefault(SHARE, LinkHold(trio.current_time()))
+def link_hold(stream: WSStream, peer: str | None = None) -> LinkHold:
+    """``stream``'s :class:`LinkHold`, made at its first use, charged to
+    ``peer``'s part (by default the address the stream's bytes come from)."""
+    hold = stream.__dict__.get(SHARE)
+    if hold is None:
+        if peer is None:
+            peer = str(stream.client[0]) if stream.client else ""
+        now = trio.current_time()
+        hold = stream.__dict__[SHARE] = LinkHold(per_run(_LINKS, LinkShare).peer(peer, now))
+    return hold
 
 
 async def _refuse(stream: WSStream) -> None:
@@ -437,8 +503,7 @@ def install() -> None:
                 await hypercorn_handle(self, event)
                 held += link_clock() - started
             # ... and past its part of the links' time.
-            now = trio.current_time()
-            if wait := hold.spend(per_run(_LINKS, LinkShare), held, now):
+            if wait := charge(hold, held):
                 await trio.sleep(wait)
             return
         await hypercorn_handle(self, event)

@@ -23,7 +23,7 @@ import trio
 from edge.auth import bearer_matches
 from edge.config import MIN_FRAME_BYTES, EdgeConfig
 from edge.errors import error_json
-from edge.frame_limit import LinkHold, link_clock
+from edge.frame_limit import LinkHold, charge, link_clock, may_dial
 from edge.runs import NodeLink, RunService
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, StrayFlood
 from edge.runs.service import stall_after_s
@@ -158,6 +158,10 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         _refused(service, "node link refused: bad token", node_id)
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
+    if not may_dial(websocket.peer):
+        _refused(service, "node link refused: too many links dialled from one address", node_id)
+        await websocket.refuse(503, error_json("too many node links dialled from this address; retry", "server_error"))
+        return None
     pending = service.pending_hellos
     if pending[identity] >= (MAX_PENDING_HELLOS if identity == _SHARED else MAX_PENDING_HELLOS_PER_NODE):
         _refused(service, "node link refused: too many links opening at once", node_id)
@@ -167,7 +171,10 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     try:
         await websocket.accept()
         with trio.fail_after(config.hello_timeout_s):
-            hello = decode_frame(await websocket.receive())
+            data = await websocket.receive()
+        started = link_clock()  # (the hello's handling is the peer's time: a link dialled anew is no way around it)
+        hello = decode_frame(data)
+        del data
     except msgspec.ValidationError as e:  # a hello past a bound (1,024 models) names it
         await websocket.close(CLOSE_PROTOCOL, f"invalid hello: {e}".encode()[:120].decode(errors="ignore"))
         return None
@@ -242,6 +249,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     # next node's too. Never below MIN_FRAME_BYTES: a node saying less gets that much.
     said = hello.max_frame_bytes
     link.frame_limit = config.max_frame_bytes if said <= 0 else min(max(said, MIN_FRAME_BYTES), config.max_frame_bytes)
+    held = link_clock() - started
     await websocket.send(
         encode_frame(
             Welcome(
@@ -253,6 +261,8 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
             )
         )
     )
+    if wait := charge(websocket.hold, held):
+        await trio.sleep(wait)
     # Again: other links may have come in while the welcome went out (of this id, or hellos sent
     # together, 94 links of 1,024 models past MAX_LINKED_MODELS: an outside re-audit).
     refusal = _no_room(service, hello, identity != _SHARED)
@@ -306,7 +316,7 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
             raise LinkProtocolError("undecodable frame: nested too deep") from None
         match frame:
             case Events(events=events):
-                started = link_clock()
+                started, strays = link_clock(), link.strays
                 runs = link.runs
                 for event in events:
                     run = runs.get(event.run_id)
@@ -321,7 +331,8 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                         # (every run on it) was dropped for it. A flood of them closes the link
                         # (NodeLink.stray). A run of another node is never in `runs`.
                         link.stray(now)
-                websocket.hold.served += link_clock() - started
+                if link.strays == strays:  # (a frame with events that bring nothing is the node's time, all of it)
+                    websocket.hold.served += link_clock() - started
             case Pong():
                 pass
             case Ping(ts=ts):

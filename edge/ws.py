@@ -30,7 +30,7 @@ import trio
 from wsproto.connection import ConnectionState
 
 from edge.errors import error_json
-from edge.frame_limit import DIRECT, LinkHold, ReadBudget, link_hold
+from edge.frame_limit import DIRECT, LinkHold, PeerHold, ReadBudget, link_hold
 from edge.openai.direct import plain_tcp, send_locked
 from edge.reads import read_as_link
 from proto.wsframes import binary_head
@@ -95,7 +95,7 @@ class DirectFrames:
 
 
 class RawWebsocket:
-    __slots__ = ("headers", "_receive", "_send", "_extensions", "_direct", "accepted", "closed", "hold")
+    __slots__ = ("headers", "_receive", "_send", "_extensions", "_direct", "accepted", "closed", "hold", "peer")
 
     def __init__(self, scope: dict, receive, send) -> None:
         # Header names lowercased; a repeated header keeps its first value.
@@ -111,7 +111,9 @@ class RawWebsocket:
         self.closed = False
         # The link's part of the edge's time (edge.frame_limit; under hypercorn, the stream's
         # own from read_into on): the link's reader adds what it spends on its runs to `served`.
-        self.hold = LinkHold(0.0)
+        self.hold = LinkHold(PeerHold(0.0))
+        client = scope.get("client")
+        self.peer = str(client[0]) if client else ""  # (behind trusted proxies: the address they name)
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name.lower(), default)
@@ -125,7 +127,7 @@ class RawWebsocket:
         self._direct = DirectFrames.find(self._send)
         stream = getattr(self._send, "__self__", None)
         if type(stream).__name__ == "WSStream":
-            self.hold = link_hold(stream)
+            self.hold = link_hold(stream, self.peer)
 
     def _payload(self, message: dict) -> bytes | str | None:
         """A received message's payload; None for any other ASGI message;

@@ -70,13 +70,20 @@ class ServerFrames:
 
 
 async def open_link(
-    port: int, token: str, node_id: str = "hostile", *, deflate: bool = False, max_concurrency: int = 1
+    port: int,
+    token: str,
+    node_id: str = "hostile",
+    *,
+    deflate: bool = False,
+    max_concurrency: int = 1,
+    source: str | None = None,
 ) -> tuple[trio.SocketStream, ServerFrames]:
-    """Dial the edge's link on loopback, upgrade with the node token (offering
+    """Dial the edge's link on loopback (from the address ``source``: another of
+    127.0.0.0/8, for a peer of its own), upgrade with the node token (offering
     permessage-deflate if ``deflate``; ``frames.upgrade`` says if it was taken), send a
     hello and read the welcome. The send buffer is kept small, so bytes counted as sent
     are close to bytes the edge has taken."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
     try:
         stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
         key = base64.b64encode(os.urandom(16)).decode()

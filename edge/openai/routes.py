@@ -103,6 +103,8 @@ def openai_routes(edge: Edge, quart_asgi):
                     ex.extra_headers += extra
                 return _serve(edge, route, ex)
             return _serve_quart(edge, quart_asgi, scope, receive, send, extra)
+        if proxies is not None and scope["type"] == "websocket":  # (a node link's peer: its part of the edge)
+            proxies.rewrite(scope)
         return quart_asgi(scope, receive, send)
 
     async def asgi(scope, receive, send) -> None:  # what servers see: a coroutine function is ASGI 3

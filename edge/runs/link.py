@@ -130,6 +130,7 @@ class NodeLink:
         self.probes: dict[str, int] = {}  # model -> runs sent while failing, not yet answered (Slot.probe)
         self._stray_left = STRAY_EVENTS  # events that bring nothing still allowed (stray)
         self._stray_since = self.linked_at  # when that allowance was last refilled
+        self.strays = 0  # such events, in all
 
     def admit_placed(self, keys: int, now: float) -> bool:
         """Whether to record a relayed chain of ``keys`` keys: within
@@ -145,6 +146,7 @@ class NodeLink:
         not have (ended here, moved, never sent) or has ended, or with no output.
         Raises :class:`StrayFlood` past :data:`STRAY_EVENTS` in a window of
         :data:`STRAY_WINDOW_S` (and what cancels added: :meth:`cancel`)."""
+        self.strays += 1
         self._stray_left -= 1
         if self._stray_left >= 0:
             return
