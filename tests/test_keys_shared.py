@@ -887,19 +887,23 @@ async def test_a_key_with_room_admits_on_a_spare_slot_without_a_round_trip(nurse
     edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
     shared = edge.edge.shared
 
-    async def borrows_for(secret: str) -> int:
+    async def borrows_for(secret: str, pause: float = 0.0) -> int:
         before = shared.borrows
         async with client(edge, secret) as c:
             for _ in range(20):
                 assert (await chat(c)).status_code == 200
+                await trio.sleep(pause)
         return shared.borrows - before
 
     with trio.fail_after(BOUND):
-        wide, tight, budget = [await borrows_for(secret) for secret in ("sk-wide", "sk-tight", "sk-budget")]
+        # (requests apart by more than a round: none finds its forerunner's slot held, not yet given
+        # back; in a row, most did, and the count of borrows was 6 to 20, by the machine's speed)
+        tight = await borrows_for("sk-tight", 3 * shared_state.SYNC_S)
+        wide, budget = [await borrows_for(secret) for secret in ("sk-wide", "sk-budget")]
         async with http(edge) as c:
             scraped = (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).text
     assert wide <= 5 and budget <= 5, (wide, budget)
-    assert tight >= 10, tight  # (a request may still find its forerunner's slot held, not yet given back)
+    assert tight >= 18, tight
     assert f"iop_shared_state_borrows_total {float(shared.borrows)}" in scraped
     r = redis_client.Redis.from_url(redis_server.url)
 
