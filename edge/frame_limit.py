@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.metadata
+import ipaddress
 import math
 from time import thread_time
 
@@ -371,6 +372,20 @@ class LinkHold:
         if wait:
             self.until = now + wait
         return wait
+
+
+def peer_of(address: str) -> str:
+    """The peer an address belongs to: an IPv4 address itself (an IPv4-mapped IPv6 one as
+    IPv4), an IPv6 address its /64, which one host usually has whole; anything else as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def may_dial(peer: str) -> bool:

@@ -114,15 +114,16 @@ def _authenticate(config: EdgeConfig, node_id: str, header: str) -> str | None:
     return _SHARED if bearer_matches(header, [config.node_token]) else None
 
 
-def _refused(service: RunService, what: str, node_id: str) -> None:
+def _refused(service: RunService, what: str, node_id: str, peer: str | None = None) -> None:
     """Log an upgrade refused before its hello at most once a second per ``what``, with how
-    many since the last line: 300 dials with a wrong token in 0.5 s wrote 300 lines, and no
-    credential is needed for that (an outside re-audit)."""
+    many since the last line (this one included) and this one's node id and peer: 300 dials
+    with a wrong token in 0.5 s wrote 300 lines, and no credential is needed for that (an
+    outside re-audit)."""
     counted = service.link_refusals.setdefault(what, [0, -math.inf])
     counted[0] += 1
     now = trio.current_time()
     if now - counted[1] >= 1.0:
-        log.warning(what, node_id=node_id[:MAX_NODE_ID] or None, refused=counted[0])  # (the id: bounded)
+        log.warning(what, node_id=node_id[:MAX_NODE_ID] or None, peer=peer, refused=counted[0])  # (the id: bounded)
         counted[0], counted[1] = 0, now
 
 
@@ -159,7 +160,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
     if not may_dial(websocket.peer):
-        _refused(service, "node link refused: too many links dialled from one address", node_id)
+        _refused(service, "node link refused: too many links dialled from one address", node_id, websocket.peer)
         await websocket.refuse(503, error_json("too many node links dialled from this address; retry", "server_error"))
         return None
     pending = service.pending_hellos

@@ -30,7 +30,7 @@ import trio
 from wsproto.connection import ConnectionState
 
 from edge.errors import error_json
-from edge.frame_limit import DIRECT, LinkHold, PeerHold, ReadBudget, link_hold
+from edge.frame_limit import DIRECT, LinkHold, PeerHold, ReadBudget, link_hold, peer_of
 from edge.openai.direct import plain_tcp, send_locked
 from edge.reads import read_as_link
 from proto.wsframes import binary_head
@@ -113,7 +113,7 @@ class RawWebsocket:
         # own from read_into on): the link's reader adds what it spends on its runs to `served`.
         self.hold = LinkHold(PeerHold(0.0))
         client = scope.get("client")
-        self.peer = str(client[0]) if client else ""  # (behind trusted proxies: the address they name)
+        self.peer = peer_of(str(client[0])) if client else ""  # (behind trusted proxies: the address they name)
 
     def header(self, name: str, default: str = "") -> str:
         return self.headers.get(name.lower(), default)

@@ -890,6 +890,17 @@ async def test_a_link_waiting_for_its_part_longer_than_the_ping_timeout_is_not_d
     assert took > edge.edge.config.ping_timeout_s, took  # (it did wait past the timeout)
 
 
+def test_a_peer_is_an_ipv4_address_or_an_ipv6_64():
+    """The links' share is per peer: one host usually has a whole IPv6 /64, and would have a
+    part (and a burst of dials) for each of its addresses (an outside re-audit); an IPv4-mapped
+    address is its IPv4 one."""
+    assert frame_limit.peer_of("127.0.0.2") == "127.0.0.2"
+    assert frame_limit.peer_of("2001:db8:1:2:3:4:5:6") == frame_limit.peer_of("2001:db8:1:2::9") == "2001:db8:1:2::/64"
+    assert frame_limit.peer_of("2001:db8:1:3::9") != frame_limit.peer_of("2001:db8:1:2::9")
+    assert frame_limit.peer_of("::ffff:10.1.2.3") == "10.1.2.3"
+    assert frame_limit.peer_of("not an address") == "not an address"
+
+
 def simulate_link_reads(links: dict[str, tuple], seconds: float = 10.0):
     """One core reading node links by edge.frame_limit's share: ``links`` maps a name to the
     time one of its reads holds the edge, the link's own pause after it (0: flooding) and,
