@@ -332,7 +332,9 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                         # (every run on it) was dropped for it. A flood of them closes the link
                         # (NodeLink.stray). A run of another node is never in `runs`.
                         link.stray(now)
-                if link.strays == strays:  # (a frame with events that bring nothing is the node's time, all of it)
+                # (a frame with events that bring nothing is the node's time, all of it; so is one past any
+                # model server's pace)
+                if link.strays == strays and websocket.hold.exempts(len(events), len(runs), now):
                     websocket.hold.served += link_clock() - started
             case Pong():
                 pass

@@ -890,6 +890,76 @@ async def test_a_link_waiting_for_its_part_longer_than_the_ping_timeout_is_not_d
     assert took > edge.edge.config.ping_timeout_s, took  # (it did wait past the timeout)
 
 
+def test_events_past_any_model_servers_pace_are_charged():
+    """Handing events to a link's runs goes uncharged up to EXEMPT_EVENTS_PER_RUN_S a second a
+    run (a second's worth kept): past it, the frame's handling is charged as any frame is."""
+    hold = frame_limit.LinkHold(frame_limit.PeerHold(0.0))
+    pace = frame_limit.EXEMPT_EVENTS_PER_RUN_S
+    assert hold.exempts(2 * pace, 2, 10.0)  # (two runs: two seconds' worth at first)
+    assert not hold.exempts(1, 2, 10.0)
+    assert hold.exempts(pace, 2, 10.5)  # (half a second: a second's worth for two runs)
+    assert not hold.exempts(pace // 10, 2, 10.5)
+    assert hold.exempts(pace // 10, 1, 10.7)
+
+
+async def test_a_node_streaming_events_faster_than_any_model_server_is_held_to_its_part(nursery, monkeypatch):
+    """A node serving a model no one else does, streaming to its own clients, sent frames of 500
+    one-character deltas for each run as fast as it could: handing events to runs went
+    uncharged, so the edge was at 100% (`/healthz` p50 54 ms) while the node was charged 0.28 s a
+    second (an outside audit). Past any model server's pace the handing is charged: the node
+    is held to its part (a fifth of the edge here: the test's own flood shares the process), and
+    waits."""
+    monkeypatch.setattr(frame_limit, "LINKS_HOLD_PER_S", 0.2)
+    edge = await start_edge(nursery)
+    runs: list[str] = []
+    streaming = trio.Event()
+
+    async def rogue(ws):
+        await ws.send_message(hello(node_id="rogue"))
+        await ws.get_message()
+        await ws.send_message(encode_frame(Grant(model="m", slots=2, seq=1)))
+        while len(runs) < 2:
+            if isinstance(frame := decode_frame(await ws.get_message()), RunRequest):
+                runs.append(frame.run_id)
+        streaming.set()
+        seq = 1
+        while True:
+            events = [RunEvent(run_id=run, seq=seq + i, type="delta", text="x") for run in runs for i in range(250)]
+            seq += 250
+            await ws.send_message(encode_frame(Events(events=events)))
+
+    async def reader(client) -> None:
+        async with client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+            async for _ in r.aiter_raw():
+                pass
+
+    async def link_time(client) -> tuple[float, float]:
+        lines = (await client.get("/metrics")).text.splitlines()
+        return tuple(  # type: ignore[return-value]
+            float(next(line.split()[1] for line in lines if line.startswith(name)))
+            for name in ("iop_link_read_seconds_total ", "iop_link_throttled_seconds_total ")
+        )
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery, http(edge) as client:
+            nursery.start_soon(fake_node, edge, rogue, "rogue")
+            await eventually(lambda: "rogue" in edge.edge.runs.links)
+            for _ in range(2):
+                nursery.start_soon(reader, client)
+            await streaming.wait()
+            held_before, _ = await link_time(client)
+            start = trio.current_time()
+            await trio.sleep(2.0)
+            held, waited = await link_time(client)
+            elapsed = trio.current_time() - start
+            nursery.cancel_scope.cancel()
+    assert 0.15 * elapsed <= held - held_before <= 0.2 * elapsed + 0.2, (
+        held - held_before,
+        elapsed,
+    )  # (before: 0.27 s in 2)
+    assert waited > 0.2, waited
+
+
 def test_a_peer_is_an_ipv4_address_or_an_ipv6_64():
     """The links' share is per peer: one host usually has a whole IPv6 /64, and would have a
     part (and a burst of dials) for each of its addresses (an outside re-audit); an IPv4-mapped
