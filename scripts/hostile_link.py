@@ -77,13 +77,25 @@ async def open_link(
     deflate: bool = False,
     max_concurrency: int = 1,
     source: str | None = None,
+    receive_buffer: int | None = None,
 ) -> tuple[trio.SocketStream, ServerFrames]:
     """Dial the edge's link on loopback (from the address ``source``: another of
     127.0.0.0/8, for a peer of its own), upgrade with the node token (offering
     permessage-deflate if ``deflate``; ``frames.upgrade`` says if it was taken), send a
     hello and read the welcome. The send buffer is kept small, so bytes counted as sent
-    are close to bytes the edge has taken."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+    are close to bytes the edge has taken. ``receive_buffer`` sizes the socket's receive
+    buffer before it connects (for a node that reads nothing: shrunk after, below the
+    segments already agreed on, the kernel drops what the edge sends, and with it the
+    edge's window updates, and the link stalls for seconds in TCP itself)."""
+    if receive_buffer is None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+    else:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        if source is not None:
+            await sock.bind((source, 0))
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
     try:
         stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
         key = base64.b64encode(os.urandom(16)).decode()

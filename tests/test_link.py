@@ -587,9 +587,8 @@ async def test_a_node_that_pings_but_never_reads_cannot_grow_the_edge_queue(nurs
 
     edge = await start_edge(nursery)
     with trio.fail_after(BOUND):
-        stream, frames = await open_link(edge.port, TOKEN)
-        async with stream:
-            stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it reads nothing more
+        stream, frames = await open_link(edge.port, TOKEN, receive_buffer=4096)
+        async with stream:  # (and it reads nothing more)
             ping = encode_frame(Ping(ts=1.0))
             flood = (frame_header(BINARY, len(ping)) + ping) * 20_000
             await stream.send_all(flood)
@@ -1256,8 +1255,7 @@ async def test_requests_queued_for_a_node_that_reads_nothing_go_when_their_clien
     the node no cancel for it."""
     edge = await start_edge(nursery, edge_config(wait_timeout_s=60.0))
     with trio.fail_after(BOUND):
-        stream, frames = await open_link(edge.port, TOKEN, node_id="deaf", max_concurrency=64)
-        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stream, frames = await open_link(edge.port, TOKEN, node_id="deaf", max_concurrency=64, receive_buffer=4096)
         grant = encode_frame(Grant(model="hostile", slots=64, seq=1))
         await stream.send_all(frame_header(BINARY, len(grant)) + grant)
         link = edge.edge.runs.links["deaf"]
