@@ -67,6 +67,7 @@ from wsproto.frame_protocol import CloseReason
 
 from edge.connection import refusal
 from edge.per_run import per_run
+from edge.reads import hold_reading
 from proto.wsframes import xor_mask
 
 log = structlog.get_logger("iop.edge.link")
@@ -529,14 +530,14 @@ def install() -> None:
             until = budget.spend(frames + size // BYTES_PER_TOKEN, now)
             held = link_clock() - started
             if until:
-                await trio.sleep_until(until)
+                await hold_reading(self, until)
             if event is not None:
                 started = link_clock()
                 await hypercorn_handle(self, event)
                 held += link_clock() - started
             # ... and past its part of the links' time.
             if wait := charge(hold, held):
-                await trio.sleep(wait)
+                await hold_reading(self, trio.current_time() + wait)
             return
         await hypercorn_handle(self, event)
 

@@ -32,6 +32,7 @@ refuses a ``TCPServer`` that does not have the attributes it uses.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Awaitable
 
 import h11
@@ -45,6 +46,7 @@ from hypercorn.trio.tcp_server import TCPServer
 READY_READS = 8  # reads in a row that filled the buffer, before one waits (a schedule point)
 LINGER_S = 10.0  # a lingering close reads what the client still sends this long at most (nginx: 30 s)
 LINGER_IDLE_S = 2.0  # ... and ends after this long with nothing from it (nginx: 5 s)
+LINK_SOCKET = "_iop_link_socket"  # a node link's WSStream: its connection's socket, when read_as_link
 
 
 def linger(server: TCPServer) -> bool:
@@ -193,7 +195,37 @@ def read_as_link(stream) -> bool:
     ):
         return False
     server.iop_link = stream
+    raw = getattr(server.stream.socket, "_sock", None)  # (trio's socket's own: for a peek)
+    if type(raw) is socket.socket:
+        stream.__dict__[LINK_SOCKET] = raw
     return True
+
+
+async def hold_reading(stream, until: float) -> None:
+    """The reader of the node link ``stream`` waits until ``until`` (trio's
+    clock) before it reads on (edge.frame_limit's budgets), unless the node
+    leaves meanwhile with nothing unread before its end: then it reads on at
+    once, and the link ends. A node that closed its link while the reader
+    waited out its throttle stayed linked for the whole wait (2.2 s in an
+    outside audit), and its redial was refused meanwhile as a node id already
+    linked. What it sent before leaving is still read only after the wait."""
+    raw = stream.__dict__.get(LINK_SOCKET)
+    if raw is None or raw.fileno() < 0:
+        await trio.sleep_until(until)
+        return
+    with trio.move_on_at(until):
+        try:
+            await trio.lowlevel.wait_readable(raw)
+        except (trio.ClosedResourceError, OSError):
+            return  # closed meanwhile (the link ended here)
+        try:
+            if not raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return  # the node's end, and nothing before it
+        except BlockingIOError:
+            pass
+        except OSError:
+            return  # reset by the node, or closed here
+        await trio.sleep_until(until)  # bytes wait: they are read after the wait
 
 
 def install() -> None:

@@ -714,11 +714,11 @@ async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, up
     await settled(edge, honest.agent)
 
 
-def costly_load() -> bytes:
+def costly_load(models: int = 1024) -> bytes:
     """A whole `load` frame, on the wire, naming 1,024 models the edge does not have (73 KB:
     0.3-0.5 ms of the edge's time to decode)."""
-    engine = {f"model{i:04}": EngineLoad(waiting=1.0, running=2.0, kv_cache_usage=0.5) for i in range(1024)}
-    load = encode_frame(Load(in_flight={f"model{i:04}": i for i in range(1024)}, engine=engine))
+    engine = {f"model{i:04}": EngineLoad(waiting=1.0, running=2.0, kv_cache_usage=0.5) for i in range(models)}
+    load = encode_frame(Load(in_flight={f"model{i:04}": i for i in range(models)}, engine=engine))
     return frame_header(BINARY, len(load)) + load
 
 
@@ -887,6 +887,36 @@ async def test_a_link_waiting_for_its_part_longer_than_the_ping_timeout_is_not_d
             took = trio.current_time() - start
             assert "slow" in edge.edge.runs.links
     assert took > edge.edge.config.ping_timeout_s, took  # (it did wait past the timeout)
+
+
+async def test_a_node_that_leaves_while_its_link_waits_for_its_part_is_unlinked_and_dials_back_at_once(
+    nursery, monkeypatch
+):
+    """A node that closed its link while the link's reader waited out its part of the edge's
+    time stayed linked for the whole wait (2.2 s in an outside audit; here several seconds),
+    and its redial was refused meanwhile (4009, node id already linked). Its end is seen during
+    the wait: the link goes, and the same node id links again before the wait would have ended.
+    (The edge's pings, which would find the node gone once written, are 30 s apart here.)"""
+    edge = await start_edge(nursery, edge_config(ping_interval_s=30.0))
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN, "leaving")
+        async with stream:
+            await eventually(lambda: "leaving" in edge.edge.runs.links)
+            share = edge.edge.runs.links["leaving"]
+            monkeypatch.setattr(frame_limit, "LINKS_HOLD_PER_S", 0.00005)  # (a frame of 0.15-0.25 ms waits 3-5 s)
+            monkeypatch.setattr(frame_limit, "PEER_HOLD_BURST_S", 0.0)
+            monkeypatch.setattr(frame_limit, "LINKS_HOLD_BURST_S", 0.0)
+            await stream.send_all(costly_load(models=512))  # (36 KB: read whole, at once)
+            peer = frame_limit.per_run(frame_limit._LINKS, frame_limit.LinkShare).peer("127.0.0.1", 0.0)
+            await eventually(lambda: peer.waited > 2.0, what="the link waits for its part")
+            until = trio.current_time() + peer.waited - 1.0  # (its wait ends later than this)
+        await eventually(lambda: "leaving" not in edge.edge.runs.links, what="the link's end seen")
+        assert trio.current_time() < until, "the link went only when its wait was over"
+        monkeypatch.undo()  # (the redial's hello is charged too)
+        again, _ = await open_link(edge.port, TOKEN, "leaving")  # (refused, 4009: raises)
+        async with again:
+            await eventually(lambda: "leaving" in edge.edge.runs.links, what="linked again")
+            assert edge.edge.runs.links["leaving"] is not share
 
 
 def test_events_past_any_model_servers_pace_are_charged():
