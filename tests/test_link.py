@@ -869,7 +869,9 @@ async def test_a_link_waiting_for_its_part_longer_than_the_ping_timeout_is_not_d
     """A link's bytes waiting for its part of the edge's time are not silence: with a part so
     small that a `load` frame waits longer than the ping timeout (0.3 s here), the link is
     read on after the wait (its ping is answered) and not closed as a dead node."""
-    monkeypatch.setattr(frame_limit, "LINKS_HOLD_PER_S", 0.0005)  # (a frame of 0.3-0.5 ms waits 0.6-1 s)
+    # (one frame of 0.15-1 ms, by the machine's speed, waits 0.75-5 s: two 73 KB frames, charged 4 ms
+    # in all in a slow hour at 0.0005, ran past the test's bound)
+    monkeypatch.setattr(frame_limit, "LINKS_HOLD_PER_S", 0.0002)
     monkeypatch.setattr(frame_limit, "PEER_HOLD_BURST_S", 0.0)
     monkeypatch.setattr(frame_limit, "LINKS_HOLD_BURST_S", 0.0)
     edge = await start_edge(nursery, edge_config(ping_interval_s=0.1))
@@ -878,7 +880,7 @@ async def test_a_link_waiting_for_its_part_longer_than_the_ping_timeout_is_not_d
         stream, frames = await open_link(edge.port, TOKEN, "slow")
         async with stream:
             start = trio.current_time()
-            await stream.send_all(costly_load() * 2 + frame_header(BINARY, len(ping)) + ping)
+            await stream.send_all(costly_load(models=512) + frame_header(BINARY, len(ping)) + ping)
             while True:
                 opcode, payload = await frames.next()
                 assert opcode == BINARY, payload  # (a close: the edge dropped the link)
