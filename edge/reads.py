@@ -46,7 +46,7 @@ from hypercorn.trio.tcp_server import TCPServer
 READY_READS = 8  # reads in a row that filled the buffer, before one waits (a schedule point)
 LINGER_S = 10.0  # a lingering close reads what the client still sends this long at most (nginx: 30 s)
 LINGER_IDLE_S = 2.0  # ... and ends after this long with nothing from it (nginx: 5 s)
-LINK_SOCKET = "_iop_link_socket"  # a node link's WSStream: its connection's socket, when read_as_link
+LINK_SOCKET = "_iop_link_socket"  # a node link's WSStream: its connection's socket (_socket_of)
 
 
 def linger(server: TCPServer) -> bool:
@@ -195,10 +195,29 @@ def read_as_link(stream) -> bool:
     ):
         return False
     server.iop_link = stream
-    raw = getattr(server.stream.socket, "_sock", None)  # (trio's socket's own: for a peek)
-    if type(raw) is socket.socket:
-        stream.__dict__[LINK_SOCKET] = raw
     return True
+
+
+def _socket_of(stream) -> socket.socket | None:
+    """The socket under the node link ``stream``'s connection, when :func:`_read_socket`
+    reads it (plain TCP, no read timeout), else None."""
+    raw = stream.__dict__.get(LINK_SOCKET)
+    if raw is not None:
+        return raw
+    protocol = getattr(getattr(stream, "send", None), "__self__", None)  # WSStream.send -> H11Protocol.stream_send
+    server = getattr(getattr(protocol, "send", None), "__self__", None)  # -> TCPServer.protocol_send
+    if (
+        type(server) is not TCPServer
+        or type(server.stream) is not trio.SocketStream
+        or not getattr(TCPServer._read_data, "iop_reads", False)
+        or server.config.read_timeout is not None
+    ):
+        return None
+    raw = getattr(server.stream.socket, "_sock", None)  # (trio's socket's own: for a peek)
+    if type(raw) is not socket.socket:
+        return None
+    stream.__dict__[LINK_SOCKET] = raw
+    return raw
 
 
 async def hold_reading(stream, until: float) -> None:
@@ -209,7 +228,7 @@ async def hold_reading(stream, until: float) -> None:
     waited out its throttle stayed linked for the whole wait (2.2 s in an
     outside audit), and its redial was refused meanwhile as a node id already
     linked. What it sent before leaving is still read only after the wait."""
-    raw = stream.__dict__.get(LINK_SOCKET)
+    raw = _socket_of(stream)
     if raw is None or raw.fileno() < 0:
         await trio.sleep_until(until)
         return
