@@ -175,35 +175,9 @@ async def _read_stream(stream: trio.abc.ReceiveStream, handle, max_recv: int, se
     await handle(Closed())
 
 
-def read_as_link(stream) -> bool:
-    """From now on, the reader of ``stream``'s connection (a node link's
-    WSStream, upgraded from HTTP/1.1 on plain TCP) hands each read to the
-    stream itself: hypercorn's H11Protocol only passes a websocket's bytes on
-    (copied twice, into a buffer and out). False when the wiring differs."""
-    protocol = getattr(getattr(stream, "send", None), "__self__", None)  # WSStream.send -> H11Protocol.stream_send
-    server = getattr(getattr(protocol, "send", None), "__self__", None)  # -> TCPServer.protocol_send
-    connection = getattr(protocol, "connection", None)
-    if (
-        type(server) is not TCPServer
-        or getattr(server.protocol, "protocol", None) is not protocol
-        or getattr(protocol, "stream", None) is not stream
-        or type(connection) is not H11WSConnection
-        or connection.buffer  # (handled before the app's first receive: never, but then not here)
-        or not getattr(TCPServer._read_data, "iop_reads", False)
-        or type(server.stream) is not trio.SocketStream
-        or server.config.read_timeout is not None
-    ):
-        return False
-    server.iop_link = stream
-    return True
-
-
-def _socket_of(stream) -> socket.socket | None:
-    """The socket under the node link ``stream``'s connection, when :func:`_read_socket`
-    reads it (plain TCP, no read timeout), else None."""
-    raw = stream.__dict__.get(LINK_SOCKET)
-    if raw is not None:
-        return raw
+def _read_here(stream) -> tuple[object, TCPServer] | None:
+    """The H11Protocol and TCPServer behind the websocket ``stream``, when the
+    connection is plain TCP read by :func:`_read_socket` (no read timeout); else None."""
     protocol = getattr(getattr(stream, "send", None), "__self__", None)  # WSStream.send -> H11Protocol.stream_send
     server = getattr(getattr(protocol, "send", None), "__self__", None)  # -> TCPServer.protocol_send
     if (
@@ -213,7 +187,38 @@ def _socket_of(stream) -> socket.socket | None:
         or server.config.read_timeout is not None
     ):
         return None
-    raw = getattr(server.stream.socket, "_sock", None)  # (trio's socket's own: for a peek)
+    return protocol, server
+
+
+def read_as_link(stream) -> bool:
+    """From now on, the reader of ``stream``'s connection (a node link's
+    WSStream, upgraded from HTTP/1.1 on plain TCP) hands each read to the
+    stream itself: hypercorn's H11Protocol only passes a websocket's bytes on
+    (copied twice, into a buffer and out). False when the wiring differs."""
+    wiring = _read_here(stream)
+    if wiring is None:
+        return False
+    protocol, server = wiring
+    connection = getattr(protocol, "connection", None)
+    if (
+        getattr(server.protocol, "protocol", None) is not protocol
+        or getattr(protocol, "stream", None) is not stream
+        or type(connection) is not H11WSConnection
+        or connection.buffer  # (handled before the app's first receive: never, but then not here)
+    ):
+        return False
+    server.iop_link = stream
+    return True
+
+
+def _socket_of(stream) -> socket.socket | None:
+    """The socket under the node link ``stream``'s connection, when :func:`_read_socket`
+    reads it, else None."""
+    raw = stream.__dict__.get(LINK_SOCKET)
+    if raw is not None:
+        return raw
+    wiring = _read_here(stream)
+    raw = getattr(wiring[1].stream.socket, "_sock", None) if wiring else None  # (trio's socket's own: for a peek)
     if type(raw) is not socket.socket:
         return None
     stream.__dict__[LINK_SOCKET] = raw
