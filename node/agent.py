@@ -98,11 +98,17 @@ class _ReaderWatch:
     trio-websocket waits for that answer for ever once its reader has read the end of the
     stream; the node then redialled only after ``connect_timeout_s`` (10 s: an edge that
     closed connections as it restarted was relinked 7.5-9.8 s after it was back, an
-    outside audit). After the upgrade, cancelling the finished scope does nothing."""
+    outside audit). After the upgrade, cancelling the finished scope does nothing.
+
+    The reader is shielded from the link's cancel until :meth:`stop` (``_link_once`` calls it on
+    every way out): a node shut down then still reads the edge's answer to its close frame, so
+    the close handshake takes a round trip, where it waited out its whole bound (0.25 s a link)
+    with nobody left to read the answer."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
         self.upgrade = trio.CancelScope()
+        self._reading = trio.CancelScope(shield=True)
         self.connection = None  # trio-websocket's WebSocketConnection (its reader is a method of it)
 
     def rejection(self) -> ConnectionRejected | None:
@@ -119,10 +125,14 @@ class _ReaderWatch:
         self.connection = getattr(fn, "__self__", None)
 
         async def watched() -> None:
-            await fn(*args)
+            with self._reading:
+                await fn(*args)
             self.upgrade.cancel()
 
         self.nursery.start_soon(watched, name=name or fn)
+
+    def stop(self) -> None:
+        self._reading.cancel()
 
 
 class LinkDead(NodeError):
@@ -700,7 +710,6 @@ class NodeAgent:
 
     async def _link_once(self, url: str, linked: trio.Event) -> None:
         cfg = self.config
-        headers = [(b"Authorization", f"Bearer {cfg.token}".encode()), (b"X-Iop-Node-Id", cfg.node_id.encode())]
         host, port, host_header, resource, secure = _parse_ws_url(url)
         # The TCP stream is ours to close: trio-websocket leaves it open when
         # the edge rejects the upgrade (a wrong token), which would leak a
@@ -722,38 +731,50 @@ class NodeAgent:
             async with trio.open_nursery() as ws_nursery:
                 reader = _ReaderWatch(ws_nursery)
                 try:
-                    with trio.fail_after(cfg.connect_timeout_s), reader.upgrade:
-                        ws = await wrap_client_stream(
-                            reader,  # type: ignore[arg-type]  (it starts the reader task only)
-                            stream,
-                            host_header,
-                            resource,
-                            extra_headers=headers,
-                            max_message_size=cfg.max_frame_bytes,
-                            receive_buffer_size=None,  # trio's default read size, not 4 KiB per read
-                        )
-                except trio.TooSlowError:
-                    raise LinkRefused(
-                        f"no answer to the websocket upgrade in {cfg.connect_timeout_s:g} s"
-                        + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
-                    ) from None
-                if reader.upgrade.cancelled_caught:  # (a TLS edge closes a plain connection so too)
-                    refused = reader.rejection()
-                    if refused is not None:
-                        raise refused
-                    raise LinkRefused(
-                        "the edge closed the connection before answering the websocket upgrade"
-                        + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
-                    )
-                try:
-                    await self._speak(url, ws, linked)
+                    await self._upgraded(url, (host_header, resource, secure), reader, stream, linked)
                 finally:
-                    # A polite close handshake, briefly: the edge may be gone too.
-                    with trio.CancelScope(shield=True), trio.move_on_after(0.25):
-                        await ws.aclose()
+                    reader.stop()
                     ws_nursery.cancel_scope.cancel()
         finally:
             await trio.aclose_forcefully(stream)
+
+    async def _upgraded(
+        self, url: str, target: tuple[str, str, bool], reader: _ReaderWatch, stream: trio.abc.Stream, linked: trio.Event
+    ) -> None:
+        """The websocket upgrade over ``stream``, then the link's life over it."""
+        cfg = self.config
+        host_header, resource, secure = target
+        headers = [(b"Authorization", f"Bearer {cfg.token}".encode()), (b"X-Iop-Node-Id", cfg.node_id.encode())]
+        try:
+            with trio.fail_after(cfg.connect_timeout_s), reader.upgrade:
+                ws = await wrap_client_stream(
+                    reader,  # type: ignore[arg-type]  (it starts the reader task only)
+                    stream,
+                    host_header,
+                    resource,
+                    extra_headers=headers,
+                    max_message_size=cfg.max_frame_bytes,
+                    receive_buffer_size=None,  # trio's default read size, not 4 KiB per read
+                )
+        except trio.TooSlowError:
+            raise LinkRefused(
+                f"no answer to the websocket upgrade in {cfg.connect_timeout_s:g} s"
+                + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
+            ) from None
+        if reader.upgrade.cancelled_caught:  # (a TLS edge closes a plain connection so too)
+            refused = reader.rejection()
+            if refused is not None:
+                raise refused
+            raise LinkRefused(
+                "the edge closed the connection before answering the websocket upgrade"
+                + ("" if secure else " (an edge serving TLS needs a wss:// URL)")
+            )
+        try:
+            await self._speak(url, ws, linked)
+        finally:
+            # A polite close handshake, briefly: the edge may be gone too.
+            with trio.CancelScope(shield=True), trio.move_on_after(0.25):
+                await ws.aclose()
 
     async def _speak(self, url: str, ws, linked: trio.Event) -> None:
         cfg = self.config
