@@ -191,12 +191,6 @@ async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nurser
     slow.script_for("stuck", lambda body: [("sleep", 4.0), *text_script(words(3))])
     edge = await start_edge(nursery, edge_config(stall_after_s=0.5, queue_timeout_ms=2000, routing="least_loaded"))
     await start_node(nursery, edge, [model("shared", fast, target="t")], node_id="peer")
-    await start_node(
-        nursery,
-        edge,
-        [model("shared", slow, target="stuck", max_concurrency=4), model("solo", slow, target="t")],
-        node_id="multi",
-    )
     statuses: dict[str, int] = {}
     with trio.fail_after(BOUND):
         async with http(edge) as client:
@@ -207,8 +201,16 @@ async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nurser
                 r = await client.post("/v1/chat/completions", json=body, headers=headers)
                 statuses[name] = r.status_code
 
-            for i in range(4):  # the peer's time to first event is known: milliseconds
+            # The peer's time to first event is known: milliseconds. (Asked before `multi`
+            # links: one sent there would hang 4 s, unjudged, and four took the test to 16 s.)
+            for i in range(4):
                 await ask(f"warm{i}", "shared")
+            await start_node(
+                nursery,
+                edge,
+                [model("shared", slow, target="stuck", max_concurrency=4), model("solo", slow, target="t")],
+                node_id="multi",
+            )
             async with trio.open_nursery() as clients:
                 for i in range(2):  # least loaded: one of them goes to `multi`, whose server hangs
                     clients.start_soon(ask, f"slow{i}", "shared")
