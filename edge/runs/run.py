@@ -403,6 +403,7 @@ class Run:
 
     async def next_batch(self) -> list[RunEvent]:
         """Every event queued since the last call (at least one)."""
+        await trio.lowlevel.checkpoint_if_cancelled()  # (see next_batch_or_idle)
         while not self._pending:
             await self._wait()
         batch = self._pending
@@ -413,7 +414,15 @@ class Run:
     async def next_batch_or_idle(self) -> list[RunEvent] | None:
         """Like :meth:`next_batch`, or None when ``keepalive`` seconds passed
         with no event (and none since the last None): the run's
-        :class:`RunTimers` say so, so waiting costs no cancel scope."""
+        :class:`RunTimers` say so, so waiting costs no cancel scope.
+
+        A cancel is delivered here even when events are waiting: a stream whose
+        next event was there each time it looked (a fast node) never waited, and
+        once its client had left its writes went through the server's shielded
+        send, so it never saw the cancel and its run went on for no one (200
+        streams of a node writing in step with the edge: 35 to 141 runs still
+        going 8 s after their clients left)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         while not self._pending:
             if self._idle:
                 self._idle = False
