@@ -5,13 +5,14 @@
 Starts the upstream of scripts/upstream.py, an edge and a node (each its own
 process, as scripts/bench.py does) and sends sequential streamed requests of 4
 tokens, alternating with the same request sent to the upstream directly. In
-the edge and the node, a ``sitecustomize`` written for the run wraps seven
+the edge and the node, a ``sitecustomize`` written for the run wraps nine
 functions on the way of a run's first bytes, each noting the monotonic clock
 (the same clock in every process) and the process's CPU time when it is
-called:
+called (or, for the frame's read, when it returns):
 
     edge   a request's bytes reach hypercorn's H11Protocol ......... request in
     edge   the run's frame goes to the node's socket ............... run out
+    node   trio-websocket's reader has read the frame's bytes ..... frame read
     node   the frame is decoded ................................... run in
     node   the request is written to the model server ............. upstream out
     node   the first bytes of its answer are looked at ............ upstream in
@@ -46,6 +47,7 @@ from scripts.stack import ROOT, Stack  # noqa: E402
 POINTS = [
     ("request in", "edge"),
     ("run out", "edge"),
+    ("frame read", "node"),
     ("run in", "node"),
     ("upstream out", "node"),
     ("upstream in", "node"),
@@ -87,11 +89,21 @@ if "iop.cli" in sys.orig_argv:
 
     from hypercorn.protocol import h11 as _h11
     from hypercorn.events import RawData as _RawData
-    import edge.ws, edge.frame_limit, edge.openai.direct, node.agent, node.http1
+    import edge.ws, edge.frame_limit, edge.openai.direct, node.agent, node.http1, trio
 
     _before(_h11.H11Protocol, "handle", "request in",
             lambda self, event: type(event) is _RawData and event.data[:5] == b"POST ")
     _before(edge.ws.DirectFrames, "write", "run out")
+    if "node" in sys.orig_argv:  # (a read that carries a run's frame: not a demand's)
+        _receive_some = trio.SocketStream.receive_some
+
+        async def _read_marked(self, *args, **kwargs):
+            data = await _receive_some(self, *args, **kwargs)
+            if b"run_id" in data:
+                _mark("frame read")
+            return data
+
+        trio.SocketStream.receive_some = _read_marked
     _before(node.agent, "decode_frame", "run in")
     _before(node.http1.Client, "_send", "upstream out")
     _before(node.http1, "_head_end", "upstream in", lambda buf: bool(buf))
