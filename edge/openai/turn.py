@@ -493,13 +493,22 @@ async def acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
             await trio.sleep(keepalive)
             await on_idle()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(keep_alive)
-        try:
-            slot = await turn.acquire()
-        except APIError as e:  # raised below, unwrapped
-            error = e
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_alive)
+            try:
+                slot = await turn.acquire()
+            except APIError as e:  # raised below, unwrapped
+                error = e
+            nursery.cancel_scope.cancel()
+    except BaseException:
+        # The slot was taken, then the nursery's exit raised: the client's disconnect came in
+        # that instant (its cancel, from the keep-alive task, outlives the nursery's own), or a
+        # keep-alive write failed. No run will hold it: give it back (it was held for good, and
+        # a node of one slot answered every request after that 429).
+        if slot is not None:
+            turn.edge.runs.release(slot)
+        raise
     if error is not None:
         raise error
     assert slot is not None
