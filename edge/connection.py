@@ -29,6 +29,11 @@ lock, met that detector.
   request id, and its access line and count say the 400;
 - ``H11Protocol._send_h11_event``: no ``100 Continue`` for a request whose
   Content-Length is past ``max_body_bytes`` (its 413 comes without it);
+- h11's reader of a client that said its request was the last (``Connection:
+  close``, HTTP/1.0): bytes after that request are dropped unread (RFC 9112
+  9.6: a server MUST NOT process them; 2.2: it SHOULD ignore a stray CRLF).
+  h11 raised on them, and hypercorn answered the request, read whole and
+  already running on a node, 400 ``invalid_http``, or cut its stream;
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
   was. While it runs, the connection is in :data:`OPEN`, for
@@ -45,6 +50,7 @@ import functools
 import h11
 import structlog
 import trio
+from h11 import _readers as h11_readers
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
@@ -200,6 +206,15 @@ def install() -> None:
         await hypercorn_send_h11_event(self, event)
 
     H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
+    if h11_readers.READERS.get((h11.CLIENT, h11.MUST_CLOSE)) is not h11_readers.expect_nothing:
+        raise RuntimeError("h11's readers are not the ones edge.connection was written for: review it")
+    h11_readers.READERS[(h11.CLIENT, h11.MUST_CLOSE)] = _ignore_the_rest
+
+
+def _ignore_the_rest(buf) -> None:
+    """h11's reader of a client in MUST_CLOSE (its last request read whole): what it sends
+    after is dropped, not an error (h11's ``expect_nothing`` raised)."""
+    buf.maybe_extract_at_most(len(buf))
 
 
 def _declared_too_large(protocol: H11Protocol) -> bool:

@@ -4,6 +4,8 @@ or while requests keep coming, and at once when the edge starts shutting down.""
 
 from __future__ import annotations
 
+import itertools
+
 import hypercorn.trio
 import trio
 
@@ -12,7 +14,7 @@ from edge.app import create_app, edge_of
 from edge.keepalive import TICK
 from edge.serve import hypercorn_config
 from scripts.upstream import text_script, words
-from tests.conftest import BOUND, EdgeHandle, edge_config, model, start_node
+from tests.conftest import BOUND, EdgeHandle, edge_config, model, start_edge, start_node
 
 TIMEOUT = 1.0  # the keep-alive timeout these edges run with (the edge's own is 75 s)
 GET = b"GET /healthz HTTP/1.1\r\nhost: edge\r\n\r\n"
@@ -136,6 +138,36 @@ async def test_a_connection_close_request_is_closed_after_its_answer(nursery):
             for i in range(60):
                 clients.start_soon(ask, (b"/healthz", b"/v1/zzz", b"/readyz")[i % 3])
     assert len(answers) == 60 and all(b"connection: close" in a.lower() for a in answers)
+
+
+async def test_bytes_after_a_connections_last_request_are_ignored_not_an_error(nursery):
+    """A request that says it is its connection's last (`Connection: close`, HTTP/1.0) and is
+    followed by more bytes: a stray CRLF (RFC 9112 2.2: ignore it) or a pipelined request (9.6:
+    never process it). The request gets its own answer, whole, and the connection closes: it got
+    400 `invalid_http` (its run already sent to the node), or a stream cut mid-way."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", sim_tokens=3)])
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": %b}'
+    after = (b"\r\n", b"GET /healthz HTTP/1.1\r\nhost: edge\r\n\r\n")
+    with trio.fail_after(BOUND):
+        for stream, version, extra, trailing in itertools.product(
+            (b"true", b"false"), (b"1.1", b"1.0"), (b"connection: close\r\n", b""), after
+        ):
+            if version == b"1.1" and not extra:
+                continue  # (kept alive: the pipelined request is answered too, elsewhere)
+            data = body % stream
+            head = b"POST /v1/chat/completions HTTP/%b\r\nhost: edge\r\ncontent-type: application/json\r\n" % version
+            raw = head + extra + b"content-length: %d\r\n\r\n" % len(data) + data + trailing
+            async with await trio.open_tcp_stream("127.0.0.1", edge.port) as sock:
+                await sock.send_all(raw)
+                received = b""
+                while more := await sock.receive_some(65536):
+                    received += more
+            case = (stream, version, extra, trailing)
+            assert received.startswith(b"HTTP/1.1 200 "), (case, received[:200])
+            assert received.count(b"HTTP/1.1 ") == 1, case  # the pipelined request: not answered
+            assert b'"finish_reason":"stop"' in received, (case, received[-300:])  # whole
+            assert (b"data: [DONE]" in received) == (stream == b"true"), case
 
 
 H2C_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # and an empty SETTINGS
