@@ -1149,6 +1149,41 @@ async def test_a_client_that_never_reads_loses_its_connection_after_the_write_ti
     assert b"data: [DONE]" not in received
 
 
+async def test_a_client_reading_slowly_but_steadily_keeps_its_connection(nursery, upstream):
+    """``write_timeout_s`` is for a client that takes no bytes. One reading a steady 20 KB a
+    second, on a write timeout of 1 s, was closed as if it took nothing: the edge's write of a
+    piece waited for the kernel, which wakes a writer only once half of what it holds has
+    gone. It reads slowly for 3 s (past the timeout), then at full speed: its stream is whole."""
+    piece = "abcdefghij" * 1_600
+    chunks = 3 * SEND_BUFFER_MAX // len(piece)
+    upstream.script_for(
+        "m-target", [*(("chunk", {"content": piece}) for _ in range(chunks)), ("chunk", {}, "stop"), ("done",)]
+    )
+    edge = await start_edge(nursery, edge_config(write_timeout_s=1.0))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({"model": "m", "stream": True, "messages": USER})
+    with trio.fail_after(BOUND):
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        await sock.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        received = bytearray()
+        slow_until = trio.current_time() + 3.0
+        while trio.current_time() < slow_until:
+            received += await sock.recv(2048)
+            await trio.sleep(0.1)
+        while data := await sock.recv(1 << 20):
+            received += data
+        sock.close()
+        await settled(edge, node.agent)
+    assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert received.count(piece.encode()) == chunks
+
+
 async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection_closed(sim_edge):
     """Both framings on one API request (h11 reads it by Transfer-Encoding; a proxy in front may
     read the other: request smuggling). The edge served it and kept the connection, where RFC
