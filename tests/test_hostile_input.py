@@ -1109,33 +1109,38 @@ async def test_too_many_content_parts_is_a_400_before_any_walk(sim_edge, path, b
 SEND_BUFFER_MAX = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
 
 
+PIECE = "abcdefghij" * 1_600
+PIECES = 3 * SEND_BUFFER_MAX // len(PIECE)  # more than the kernel's buffers hold
+
+
+async def long_stream_to_a_small_window(nursery, upstream, extra: bytes = b""):
+    """An edge (``write_timeout_s`` 1 s) and node, and a raw client of a 4 KiB receive buffer
+    that has asked for a stream of :data:`PIECES` pieces of 16,000 characters (and read nothing)."""
+    upstream.script_for(
+        "m-target", [*(("chunk", {"content": PIECE}) for _ in range(PIECES)), ("chunk", {}, "stop"), ("done",)]
+    )
+    edge = await start_edge(nursery, edge_config(write_timeout_s=1.0))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    body = msgspec.json.encode({"model": "m", "stream": True, "messages": USER})
+    sock = trio.socket.socket()
+    sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+    await sock.connect((host, int(port)))
+    await sock.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n%b"
+        b"content-length: %d\r\n\r\n%b" % (extra, len(body), body)
+    )
+    return edge, node, sock
+
+
 async def test_a_client_that_never_reads_loses_its_connection_after_the_write_timeout(nursery, upstream):
     """A client that asks for a long stream, keeps its connection open and reads nothing held
     the edge's write (shielded) and the request, with its run's answer in memory, for as long
     as it stayed. Past ``write_timeout_s`` with nothing taken the edge closes the connection:
     the request ends (nothing in flight), the client finds a cut body and the end of the
     connection, and others are served meanwhile."""
-    piece = "abcdefghij" * 1_600
-    upstream.script_for(
-        "m-target",
-        [
-            *(("chunk", {"content": piece}) for _ in range(3 * SEND_BUFFER_MAX // len(piece))),
-            ("chunk", {}, "stop"),
-            ("done",),
-        ],
-    )
-    edge = await start_edge(nursery, edge_config(write_timeout_s=1.0))
-    node = await start_node(nursery, edge, [model("m", upstream)])
-    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
-    body = msgspec.json.encode({"model": "m", "stream": True, "messages": USER})
     with trio.fail_after(BOUND):
-        sock = trio.socket.socket()
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
-        await sock.connect((host, int(port)))
-        await sock.send(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(body), body)
-        )
+        edge, node, sock = await long_stream_to_a_small_window(nursery, upstream)
         await eventually(lambda: edge.edge.runs.in_flight == 1, what="the stream under way")
         await settled(edge, node.agent)  # the edge gave up on the write: no request in flight
         async with http(edge) as client:  # and serves others
@@ -1154,23 +1159,8 @@ async def test_a_client_reading_slowly_but_steadily_keeps_its_connection(nursery
     second, on a write timeout of 1 s, was closed as if it took nothing: the edge's write of a
     piece waited for the kernel, which wakes a writer only once half of what it holds has
     gone. It reads slowly for 3 s (past the timeout), then at full speed: its stream is whole."""
-    piece = "abcdefghij" * 1_600
-    chunks = 3 * SEND_BUFFER_MAX // len(piece)
-    upstream.script_for(
-        "m-target", [*(("chunk", {"content": piece}) for _ in range(chunks)), ("chunk", {}, "stop"), ("done",)]
-    )
-    edge = await start_edge(nursery, edge_config(write_timeout_s=1.0))
-    node = await start_node(nursery, edge, [model("m", upstream)])
-    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
-    body = msgspec.json.encode({"model": "m", "stream": True, "messages": USER})
     with trio.fail_after(BOUND):
-        sock = trio.socket.socket()
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
-        await sock.connect((host, int(port)))
-        await sock.send(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
-        )
+        edge, node, sock = await long_stream_to_a_small_window(nursery, upstream, b"connection: close\r\n")
         received = bytearray()
         slow_until = trio.current_time() + 3.0
         while trio.current_time() < slow_until:
@@ -1181,7 +1171,7 @@ async def test_a_client_reading_slowly_but_steadily_keeps_its_connection(nursery
         sock.close()
         await settled(edge, node.agent)
     assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-    assert received.count(piece.encode()) == chunks
+    assert received.count(PIECE.encode()) == PIECES
 
 
 async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection_closed(sim_edge):
