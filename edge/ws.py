@@ -48,9 +48,12 @@ class DirectFrames:
     """Binary messages straight to a websocket's socket (hypercorn 0.18, HTTP/1.1
     upgrade, plain TCP, no extension); every link it follows is checked."""
 
-    __slots__ = ("_connection", "_socket", "_raw", "_stream", "_lock")
+    __slots__ = ("_ws", "_connection", "_socket", "_raw", "_stream", "_lock")
 
-    def __init__(self, connection: Any, stream: trio.SocketStream, raw: socket.socket, lock: Any) -> None:
+    def __init__(self, ws: Any, connection: Any, stream: trio.SocketStream, raw: socket.socket, lock: Any) -> None:
+        # hypercorn's stream: once it is closed, the ASGI way drops what is sent (a frame wsproto
+        # refused leaves wsproto OPEN), so a direct write after it would leave a gap before it
+        self._ws = ws
         self._connection = connection  # wsproto's: its state says whether frames may still be sent
         self._stream = stream
         self._socket = stream.socket
@@ -71,13 +74,18 @@ class DirectFrames:
             return None
         if wired is None or extensions or connection.state is not ConnectionState.OPEN:
             return None
-        return cls(connection, *wired)
+        return cls(ws, connection, *wired)
 
     def write(self, messages: list[bytes]) -> bytes | None:
         """Send ``messages`` as frames, in one write: None if nothing was sent
         (send them the ASGI way), else what the kernel did not take (b"" when
         all), which must go out with :meth:`send_rest` before anything else."""
-        if self._lock.locked() or self._connection.state is not ConnectionState.OPEN or self._socket.fileno() < 0:
+        if (
+            self._lock.locked()
+            or self._ws.closed
+            or self._connection.state is not ConnectionState.OPEN
+            or self._socket.fileno() < 0
+        ):
             return None
         parts = []
         for message in messages:

@@ -522,6 +522,32 @@ async def test_frames_to_a_node_are_whole_when_written_together(nursery, monkeyp
     assert sum(batches) >= 30 and max(batches) > 1, batches
 
 
+async def test_no_frame_is_written_straight_to_a_node_once_hypercorn_ended_its_stream(nursery, monkeypatch):
+    """A frame wsproto refuses leaves wsproto OPEN, and hypercorn ends the websocket's stream:
+    from then on the ASGI way drops what is sent, while the socket stays open a moment. Frames
+    written straight to the socket then reached the node after others were dropped (found
+    from outside: the node got pongs 2 and 13-18 of 18). Once the stream is ended, nothing
+    more is written straight: the node gets what was sent before, in order, and then the end."""
+    found: list[edge_ws.DirectFrames] = []
+    find = edge_ws.DirectFrames.find.__func__
+
+    def recorded(cls, send):
+        direct = find(cls, send)
+        found.append(direct)
+        return direct
+
+    monkeypatch.setattr(edge_ws.DirectFrames, "find", classmethod(recorded))
+    edge = await start_edge(nursery)
+    with trio.fail_after(BOUND):
+        stream, _ = await open_link(edge.port, TOKEN)
+        async with stream:
+            await eventually(lambda: bool(edge.edge.runs.links), what="the link up")
+            (direct,) = found
+            assert direct.write([b"before"]) == b""  # (straight to the socket while the stream is open)
+            direct._ws.closed = True  # hypercorn's WSStream, as after a frame wsproto refused
+            assert direct.write([b"after"]) is None  # the ASGI way, which drops it as it drops the rest
+
+
 async def test_a_lone_frame_goes_to_the_node_at_once_and_a_burst_still_leaves_together(nursery):
     """With nothing queued and the link's writer idle, a frame (a run's request, its cancel)
     is written to the node's socket by the task that sends it: no task switch before it is
