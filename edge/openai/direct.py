@@ -136,7 +136,10 @@ class DirectBody:
     def write(self, data: bytes) -> bytes | None:
         """Send ``data`` as one chunk, now: None if nothing was sent (send it
         the ASGI way), else what the kernel did not take (b"" when all),
-        which must go out with :meth:`send_rest` before anything else."""
+        which must go out with :meth:`send_rest` before anything else. Nothing
+        to send is nothing written (an empty chunk would end the body)."""
+        if not data:
+            return b""
         if self._lock.locked() or self._h11.our_state is not h11.SEND_BODY:
             return None
         if self._socket.fileno() < 0:  # closed: hypercorn's own path knows what to do
