@@ -265,7 +265,17 @@ class Edge:
                 covered = await self.shared.cover(key, refusal, prompt_estimate, max_tokens)
                 budget = getattr(refusal, "limit", None) == "reserved"
                 if covered:
-                    ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+                    try:
+                        ex.lease = self.keys.admit(key, model, prompt_estimate, max_tokens)
+                    except APIError as again:
+                        # Refused for a slot (its budget passed), then for the budget held in
+                        # Redis: what this edge holds of it went down while Redis was asked (a
+                        # write not yet answered), not spent. The slot's refusal, to retry in a
+                        # second (it was "has used its daily budget" until midnight, which the
+                        # SDKs obey, during a Redis stall; found from outside).
+                        if getattr(again, "limit", None) == "reserved" and not budget:
+                            raise refusal from None
+                        raise
                 elif covered is None:
                     # Redis failed the budget's or the slot's round trip: judged here, as when it is
                     # down (a stall refused requests "over budget" until midnight, with 10 of 10M

@@ -816,6 +816,51 @@ async def test_a_redis_stall_refuses_no_request_for_want_of_a_slot(nursery, redi
     assert [r.status_code for r in stalled] == [200] * 8, [r.text for r in stalled]
 
 
+async def test_a_redis_stall_while_a_request_waits_for_a_slot_is_no_spent_budget(
+    nursery,
+    redis_server,  # noqa: F811
+    tmp_path,
+):
+    """A budget key at its max_concurrent: a request waits for a slot (Redis answers: none free),
+    then Redis stalls while it asks again. It is refused for want of a slot, to retry in a second
+    (found from outside: "has used its daily budget", Retry-After until midnight, which the SDKs
+    obey; a write to Redis not yet answered lowers what this edge holds of the budget)."""
+    keys = [KeyConfig(id="busy", key="sk-busy", max_concurrent=1, daily_tokens=10**12)]
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=keys, state=redis_server.url, admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")),
+    )
+    slow = model("slow", ttft_ms=0, tokens_per_s=10, sim_tokens=30, sim_stops=True)  # 3 s
+    await start_node(nursery, edge, [slow], node_id="n-slow")
+    await eventually(lambda: edge.edge.shared.up, "leasing from redis")
+    shared = edge.edge.shared
+    key = edge.edge.keys.by_id["busy"]
+    borrow = shared.borrow
+    answers: list[bool] = []
+
+    async def borrow_then_stall(*args, **kw):
+        want = await borrow(*args, **kw)
+        answers.append(want.got_slot)
+        if len(answers) == 1:  # none free: Redis stalls before the request asks again
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        return want
+
+    with trio.fail_after(BOUND * 2):
+        async with client(edge, "sk-busy") as c, trio.open_nursery() as n:
+            n.start_soon(functools.partial(chat, c, "slow", max_tokens=100))
+            await eventually(lambda: key.in_flight == 1, "one running")
+            shared.borrow = borrow_then_stall
+            try:
+                refused = await chat(c, "slow", max_tokens=100)
+            finally:
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+                shared.borrow = borrow
+    assert answers[0] is False  # (asked Redis for a slot: none free)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert "concurrent" in refused.json()["error"]["message"] and refused.headers["retry-after"] == "1"
+
+
 async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_server, tmp_path):  # noqa: F811
     """max_concurrent 2, two edges, five clients on each retrying at once on 429 for 3 s:
     every request runs on a slot its edge holds in Redis, so at no moment do more than 2
