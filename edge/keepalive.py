@@ -131,6 +131,11 @@ class _IdleTimer:
     async def stop(self) -> None:
         self._idle.deadlines.pop(self._server, None)
 
+    def forget(self) -> None:
+        """The connection is closed (or closing): nobody's to time, and no longer open."""
+        self._idle.deadlines.pop(self._server, None)
+        self._idle.open.discard(self._server)
+
 
 def install() -> None:
     """Idempotent."""
@@ -141,7 +146,7 @@ def install() -> None:
             raise RuntimeError("hypercorn's TCPServer is not the one edge.keepalive was written for: review it")
     if not hasattr(H2Protocol, "idle") or not hasattr(ProtocolWrapper, "handle"):
         raise RuntimeError("hypercorn's protocols are not the ones edge.keepalive was written for: review it")
-    hypercorn_init, hypercorn_close = TCPServer.__init__, TCPServer._close
+    hypercorn_init, hypercorn_close, hypercorn_run = TCPServer.__init__, TCPServer._close, TCPServer.run
     hypercorn_handle = ProtocolWrapper.handle
 
     @functools.wraps(hypercorn_handle)
@@ -162,12 +167,21 @@ def install() -> None:
         self.idle_task = _IdleTimer(self)
 
     async def _close(self: TCPServer) -> None:
-        idle = self.idle_task._idle
-        idle.deadlines.pop(self, None)  # a closed connection is nobody's to time
-        idle.open.discard(self)
+        self.idle_task.forget()
         await hypercorn_close(self)
+
+    @functools.wraps(hypercorn_run)  # (keeps edge.connection's mark)
+    async def run(self: TCPServer) -> None:
+        try:
+            await hypercorn_run(self)
+        finally:
+            # However it ended: a TLS handshake that fails returns before hypercorn's _close (a
+            # load balancer's TCP health checks stayed counted open, and past the limit every
+            # connection going idle closed two healthy ones, until the edge restarted).
+            self.idle_task.forget()
 
     __init__.iop_keepalive = True  # type: ignore[attr-defined]
     TCPServer.__init__ = __init__  # type: ignore[method-assign]
     TCPServer._close = _close  # type: ignore[method-assign]
+    TCPServer.run = run  # type: ignore[method-assign]
     ProtocolWrapper.handle = handle  # type: ignore[method-assign]

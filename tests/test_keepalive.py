@@ -5,14 +5,17 @@ or while requests keep coming, and at once when the edge starts shutting down.""
 from __future__ import annotations
 
 import itertools
+import ssl
+from functools import partial
 
 import hypercorn.trio
 import trio
+import trustme
 
 from edge import keepalive
 from edge.app import create_app, edge_of
 from edge.keepalive import TICK
-from edge.serve import hypercorn_config
+from edge.serve import hypercorn_config, serve_edge
 from scripts.upstream import text_script, words
 from tests.conftest import BOUND, EdgeHandle, edge_config, model, start_edge, start_node
 
@@ -208,6 +211,35 @@ async def test_past_the_descriptor_budget_a_new_connection_closes_the_longest_id
                     raise AssertionError("a connection within the budget was closed")
         for sock in idle:
             await sock.aclose()
+
+
+async def test_failed_tls_handshakes_do_not_count_as_open_connections(nursery, monkeypatch, tmp_path):
+    """A TLS edge, and connections that never finish their handshake (a load balancer's TCP
+    health check, a scanner): each stayed counted open for good (hypercorn returns before its
+    close), and once they passed the budget every connection going idle closed the two idle
+    longest, healthy ones, until the edge restarted (found from outside). After 12 of them,
+    on a budget of 10, a kept-alive client is still served on its connection."""
+    monkeypatch.setattr(keepalive, "MAX_OPEN", 10)
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    app = create_app(edge_config())
+    url = await nursery.start(partial(serve_edge, app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile)))
+    port = int(url.rsplit(":", 1)[1])
+    with trio.fail_after(BOUND):
+        kept = await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=context)
+        assert b"HTTP/1.1 200 " in await request(kept, GET, b'"ok"}')
+        for _ in range(12):
+            await (await trio.open_tcp_stream("127.0.0.1", port)).aclose()
+        async with await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=context) as other:
+            assert b"HTTP/1.1 200 " in await request(other, GET, b'"ok"}')  # (it goes idle: it would shed)
+            await trio.sleep(0.3)
+            assert b"HTTP/1.1 200 " in await request(kept, GET, b'"ok"}')
+        await kept.aclose()
 
 
 async def test_shedding_goes_on_when_a_connection_it_picked_leaves_meanwhile(monkeypatch):
