@@ -397,3 +397,23 @@ async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
     assert len(plain.edge.runs.prefixes) == 0  # told nothing: it does not route by prefix
     for edge in (a, b, plain):
         await settled(edge)
+
+
+async def test_a_moved_run_that_failed_while_it_waited_is_not_sent_on():
+    """A run moved off a lost node waits for a slot; it fails meanwhile (its timeout, an
+    operator's cancel) and, before its request's task has closed it, a slot frees: it was sent
+    to that node, which ran it for no one (its cancel had gone to the node it left), and the
+    slot was counted free while it ran. It stays unsent; the slot is free."""
+    runs, (gone, busy) = fleet(2, capacity=1)
+    with trio.fail_after(BOUND):
+        first = await runs.acquire(Want("m"))
+        second = await runs.acquire(Want("m"))
+    moving = first if first.link is gone else second
+    holding = second if moving is first else first
+    run = runs.start(moving, msgspec.Raw(b"{}"), want=Want("m"), metadata={})
+    runs.remove_link(gone)
+    assert run.requeued is not None  # waiting for a slot on the busy node
+    run.fail("cancelled by an operator", "cancelled")
+    runs.release(holding)  # (the same tick: the run's task has not closed it yet)
+    assert run.id not in busy.runs and busy.in_flight["m"] == 0
+    assert run.requeued is None

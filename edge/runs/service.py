@@ -876,6 +876,14 @@ class RunService:
 
     def _place(self, queue: collections.deque[_Waiter], waiter: _Waiter) -> bool:
         """Give ``waiter`` a slot if :meth:`_pick` finds one for it now."""
+        if waiter.run is not None and waiter.run.finished:
+            # A moved run that failed while it waited (its timeout, a cancel, its key's budget),
+            # not yet closed: its close forgets it. Sent on, a node ran it for no one (its
+            # cancel had gone to the node it left), its slot counted free meanwhile.
+            queue.remove(waiter)
+            self._prefer(waiter, None)
+            waiter.run.requeued = None
+            return False
         if waiter.prefer is not None and trio.current_time() < waiter.wait_until:
             # Still waiting for its prefix's node: nothing to look at while that
             # node has no free slot (O(1) per waiter, however long the queue or prompt).
