@@ -420,6 +420,8 @@ class _Poll:
 
         def abort(_: object) -> trio.lowlevel.Abort:
             self._drop(fd)
+            if reading is not None:  # (as _end: what the caller does next is not a read's wait)
+                reading.since = math.inf
             return trio.lowlevel.Abort.SUCCEEDED
 
         # Woken by _end (which took the socket out of the set), or cancelled
@@ -597,16 +599,23 @@ class Client:
                 tcp = await trio.open_tcp_stream(origin.host, origin.port)
             except OSError as e:
                 raise ConnectError(str(e) or type(e).__name__) from None
-            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is None:
-                return _Connection(tcp, tcp.socket)
-            tls = trio.SSLStream(tcp, self._ssl, server_hostname=origin.host, https_compatible=True)
             try:
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._ssl is None:
+                    return _Connection(tcp, tcp.socket)
+                tls = trio.SSLStream(tcp, self._ssl, server_hostname=origin.host, https_compatible=True)
                 await tls.do_handshake()
-            except (trio.BrokenResourceError, ssl.SSLError) as e:
-                await trio.aclose_forcefully(tcp)
-                raise ConnectError(f"TLS handshake failed: {e}") from None
-            return _Connection(tls, tcp.socket)
+                return _Connection(tls, tcp.socket)
+            except BaseException as e:
+                # Closed now, however the handshake ended (its timeout, the run's cancel): left
+                # to the collector, under the node's GC policy it stayed open with the model
+                # server's end of it until a full collection, which a steady load never brings.
+                tcp.socket.close()
+                if isinstance(e, (trio.BrokenResourceError, ssl.SSLError)):
+                    raise ConnectError(f"TLS handshake failed: {e}") from None
+                if isinstance(e, OSError):
+                    raise ConnectError(str(e) or type(e).__name__) from None
+                raise
         assert scope.cancelled_caught
         raise ConnectTimeout(f"no connection within {self._connect_timeout:g} s")
 

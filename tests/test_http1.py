@@ -5,8 +5,10 @@ leaving a response early, timeouts; and its de-chunking at every split."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import ssl
+from functools import partial
 
 import pytest
 import trio
@@ -659,3 +661,61 @@ def test_dechunking_at_every_split(parts, cuts, extension):
             break
     assert out == b"".join(parts)
     assert response.done and after == b"NEXT"
+
+
+async def test_a_tls_handshake_ended_by_its_timeout_or_a_cancel_closes_its_socket(nursery):
+    """An https model server that accepts and never finishes the handshake: each connect that
+    ends by its timeout or by the run's cancel closes its socket at once. It was left to the
+    garbage collector (a cycle through the traceback), and under the node's GC policy a full
+    collection, which a steady load never brings, was all that closed it: the node's socket and
+    the server's end stayed open."""
+    ended = trio.Semaphore(0)
+
+    async def silent(stream: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            while await stream.receive_some(4096):
+                pass
+        ended.release()  # the node's end closed
+
+    listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+    client = http1.Client(f"https://127.0.0.1:{listeners[0].socket.getsockname()[1]}", connect_timeout=0.3)
+
+    async def one(cancel: bool) -> None:
+        with contextlib.suppress(http1.ConnectTimeout), trio.move_on_after(0.2 if cancel else BOUND):
+            async with client.request("POST", "/v1/chat/completions", b"{}"):
+                pass
+
+    collecting = gc.isenabled()
+    gc.disable()  # (as a steady load's node: no full collection comes)
+    try:
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as clients:
+                for i in range(10):
+                    clients.start_soon(one, i % 2 == 0)
+            for _ in range(10):
+                await ended.acquire()
+    finally:
+        if collecting:
+            gc.enable()
+
+
+async def test_a_read_given_up_by_its_caller_stops_the_read_timeout(nursery):
+    """Within ``reading()``, a pump its caller gives up (the relay's drain after the last
+    choice, 2 s) left the read timeout's clock running: the caller's own wait after it (for
+    room in the link's outbox) ended in a ReadTimeout, though no read was waiting."""
+
+    async def head_then_silence(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, head_then_silence, 0, host="127.0.0.1"))
+    client = http1.Client(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", read_timeout=0.5)
+    fed: list[bytes] = []
+    with trio.fail_after(BOUND):
+        async with client.request("POST", "/v1/chat/completions", b"{}") as response:
+            with response.reading():
+                with trio.move_on_after(0.2):  # (the drain, given up)
+                    await response.pump(lambda data: fed.append(data) or True)
+                await trio.sleep(1.0)  # the caller's own wait: not a read's
+    assert fed == [b"hello"]
