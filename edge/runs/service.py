@@ -880,8 +880,7 @@ class RunService:
             # A moved run that failed while it waited (its timeout, a cancel, its key's budget),
             # not yet closed: its close forgets it. Sent on, a node ran it for no one (its
             # cancel had gone to the node it left), its slot counted free meanwhile.
-            queue.remove(waiter)
-            self._prefer(waiter, None)
+            self._leave(queue, waiter)
             waiter.run.requeued = None
             return False
         if waiter.prefer is not None and trio.current_time() < waiter.wait_until:
