@@ -181,6 +181,9 @@ async def _reset_stalled(protocol: H2Protocol, stream_id: int) -> None:
     socket still read: edge.send_lock's timeout never fires) is reset, as a client's own
     reset would end it: the request hears its client gone, the buffer is dropped."""
     log.warning("stream reset: the client gave it no flow-control credit", stream_id=stream_id)
+    stream = protocol.streams.get(stream_id)
+    if stream is not None:
+        stream.iop_gave_up = True  # (its request's access line says write_timeout: edge.openai.exchange)
     try:
         protocol.connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
     except h2.exceptions.H2Error:

@@ -225,6 +225,16 @@ async def settled(edge: EdgeHandle, *agents: NodeAgent) -> None:
         assert all(v == 0 for v in link.in_flight.values()), link.in_flight
 
 
+def requests_counted(edge, api: str = "chat") -> dict[str, float]:
+    """``iop_requests_total`` of ``api``'s requests, by outcome (those counted)."""
+    return {
+        sample.labels["outcome"]: sample.value
+        for metric in edge.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "iop_requests_total" and sample.labels.get("api") == api and sample.value
+    }
+
+
 def sse_events(raw: bytes) -> list[bytes]:
     return [block[6:] for block in raw.split(b"\n\n") if block.startswith(b"data: ")]
 

@@ -28,6 +28,7 @@ from tests.conftest import (
     http,
     model,
     node_config,
+    requests_counted,
     settled,
     sse_events,
     start_edge,
@@ -700,6 +701,7 @@ async def test_an_http2_stream_given_no_flow_control_credit_is_reset_after_the_w
         assert reset.error_code == h2.errors.ErrorCodes.CANCEL
         await eventually(lambda: edge_of(app).runs.in_flight == 0, "the request ended with its stream")
         await trio.aclose_forcefully(stream)
+    assert requests_counted(edge_of(app)) == {"write_timeout": 1}  # (its access line's cause too)
 
 
 async def test_an_http2_answer_before_its_body_leaves_the_connection_serving(nursery, tmp_path, upstream):

@@ -45,6 +45,7 @@ from tests.conftest import (
     eventually,
     http,
     model,
+    requests_counted,
     sdk,
     settled,
     start_edge,
@@ -1113,13 +1114,13 @@ PIECE = "abcdefghij" * 1_600
 PIECES = 3 * SEND_BUFFER_MAX // len(PIECE)  # more than the kernel's buffers hold
 
 
-async def long_stream_to_a_small_window(nursery, upstream, extra: bytes = b""):
+async def long_stream_to_a_small_window(nursery, upstream, extra: bytes = b"", write_timeout_s: float = 1.0):
     """An edge (``write_timeout_s`` 1 s) and node, and a raw client of a 4 KiB receive buffer
     that has asked for a stream of :data:`PIECES` pieces of 16,000 characters (and read nothing)."""
     upstream.script_for(
         "m-target", [*(("chunk", {"content": PIECE}) for _ in range(PIECES)), ("chunk", {}, "stop"), ("done",)]
     )
-    edge = await start_edge(nursery, edge_config(write_timeout_s=1.0))
+    edge = await start_edge(nursery, edge_config(write_timeout_s=write_timeout_s))
     node = await start_node(nursery, edge, [model("m", upstream)])
     host, port = edge.url.removeprefix("http://").rsplit(":", 1)
     body = msgspec.json.encode({"model": "m", "stream": True, "messages": USER})
@@ -1138,7 +1139,8 @@ async def test_a_client_that_never_reads_loses_its_connection_after_the_write_ti
     the edge's write (shielded) and the request, with its run's answer in memory, for as long
     as it stayed. Past ``write_timeout_s`` with nothing taken the edge closes the connection:
     the request ends (nothing in flight), the client finds a cut body and the end of the
-    connection, and others are served meanwhile."""
+    connection, and others are served meanwhile. Its access line and count say
+    ``write_timeout`` (they said ``complete``: its run had ended)."""
     with trio.fail_after(BOUND):
         edge, node, sock = await long_stream_to_a_small_window(nursery, upstream)
         await eventually(lambda: edge.edge.runs.in_flight == 1, what="the stream under way")
@@ -1152,6 +1154,21 @@ async def test_a_client_that_never_reads_loses_its_connection_after_the_write_ti
         sock.close()
     assert received.startswith(b"HTTP/1.1 200") and len(received) < 3 * SEND_BUFFER_MAX
     assert b"data: [DONE]" not in received
+    assert requests_counted(edge.edge) == {"write_timeout": 1}
+
+
+async def test_a_client_gone_while_a_finished_runs_answer_is_written_is_counted_gone(nursery, upstream):
+    """A client leaves while the edge is still writing the answer of a run that has ended:
+    its access line, count and ledger row said ``complete``, as if it had the whole answer.
+    They say ``client_gone``."""
+    with trio.fail_after(BOUND):
+        edge, node, sock = await long_stream_to_a_small_window(nursery, upstream, write_timeout_s=60.0)
+        runs = edge.edge.runs
+        await eventually(lambda: runs.runs and all(r.finished for r in runs.runs.values()), what="its run ended")
+        assert runs.in_flight == 1  # (its answer is still being written)
+        sock.close()  # (with its receive buffer full: a reset)
+        await settled(edge, node.agent)
+    assert requests_counted(edge.edge) == {"client_gone": 1}
 
 
 async def test_a_client_reading_slowly_but_steadily_keeps_its_connection(nursery, upstream):

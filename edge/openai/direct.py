@@ -250,6 +250,14 @@ def peer_closed(scope: dict, send: Any) -> bool:
         return True
 
 
+def connection_lock(send: Any) -> Any:
+    """hypercorn's send lock of the connection behind an ASGI ``send`` (its
+    ``HTTPStream.app_send`` -> the protocol's ``stream_send`` -> ``TCPServer.protocol_send``),
+    HTTP/1.1 or HTTP/2, plain or TLS; None when it is wired otherwise."""
+    protocol = getattr(getattr(getattr(send, "__self__", None), "send", None), "__self__", None)
+    return getattr(getattr(getattr(protocol, "send", None), "__self__", None), "send_lock", None)
+
+
 def plain_tcp(stream_send: Any) -> tuple[trio.SocketStream, socket.socket, Any] | None:
     """The socket stream, its stdlib socket and hypercorn's send lock behind an
     ``H11Protocol.stream_send`` (what an HTTP or websocket stream sends through),

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import trio
 
 from edge.errors import APIError
-from edge.openai.direct import DirectBody, close_stream, on_disconnect, peer_closed
+from edge.openai.direct import DirectBody, close_stream, connection_lock, on_disconnect, peer_closed
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
 
@@ -127,6 +127,7 @@ class Exchange:
         "_task",
         "_left",
         "_closing",
+        "_cut",
     )
 
     def __init__(self, scope, receive, send) -> None:
@@ -149,6 +150,7 @@ class Exchange:
         self._task = None
         self._left = False  # the client left during one of our sends: cancel once it returns
         self._closing = False  # the last write is under way (finished, not yet written)
+        self._cut = False  # the client left while the answer was still being written
 
     def header(self, name: bytes) -> bytes | None:
         """A request header (None once the response has started: see :meth:`_head`)."""
@@ -225,6 +227,8 @@ class Exchange:
         # for ever, and the run held its node's slot for good) still cancels it.
         if self.finished and not self._closing:
             return
+        # (not during the last write: a client may close once it has read the end it wanted)
+        self._cut = self.started and not self.finished
         if trio.lowlevel.current_task() is self._task:
             # Delivered from inside one of our sends (the server found the
             # socket broken): cancelling now would interrupt the server's own
@@ -232,6 +236,18 @@ class Exchange:
             self._left = True
         else:
             self._scope.cancel()
+
+    def cut_short(self) -> str | None:
+        """Why the client did not get the whole of an answer that had begun: ``write_timeout``
+        (the edge closed the connection, its client having taken no bytes for ``write_timeout_s``),
+        ``client_gone`` (it left while the answer was being written), or None. Call it before
+        :meth:`release`."""
+        if not self.started:
+            return None
+        if getattr(getattr(self._send, "__self__", None), "iop_gave_up", False):  # (an HTTP/2 stream: edge.h2_streams)
+            return "write_timeout"
+        # (its connection's: edge.send_lock; a connection whose send failed serves no later request)
+        return getattr(connection_lock(self._send), "cut", None) or ("client_gone" if self._cut else None)
 
     def check_disconnect(self, scope: trio.CancelScope) -> None:
         """After the body: cancel ``scope`` if the client's disconnect is

@@ -335,6 +335,11 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
         outcome, access.error = f"rejected_{unreadable[0]}", unreadable[1]
     elif access.outcome is not None:
         outcome = access.outcome
+        # (what its run said; but the client did not get the whole answer: the edge gave up on a
+        # client that took no bytes, whatever the run's end, or the client left after a complete run)
+        cut = ex.cut_short()
+        if cut == "write_timeout" or (cut is not None and outcome == "complete"):
+            outcome = cut
     elif outcome is None:
         outcome = "unknown" if ex.finished else "client_gone"
     metrics = edge.metrics
