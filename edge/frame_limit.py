@@ -149,6 +149,7 @@ class FrameLimit:
         self._payload_left = 0  # payload bytes of the current frame still to come
         self._message = 0  # payload declared so far by the data message in progress
         self.frames = 0  # frame headers read so far, of every kind (data, continuation, control)
+        self._closed = False  # a close frame was read: what follows is not read (wsproto ignores it)
 
     def idle(self) -> bool:
         """At a frame boundary with no message in progress."""
@@ -165,7 +166,7 @@ class FrameLimit:
     def exceeded(self, data: bytes) -> bool:
         """Take the next bytes from the peer; true if a header in them passes the limit."""
         view = memoryview(data)
-        while view:
+        while view and not self._closed:
             if self._payload_left:
                 step = min(self._payload_left, len(view))
                 self._payload_left -= step
@@ -190,6 +191,7 @@ class FrameLimit:
             length = short
         self._payload_left = length
         if opcode & 0x8:  # control frame
+            self._closed = opcode == 0x8
             return False
         self._message += length
         over = self._message > self.limit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import struct
 
 import msgspec
 import pytest
@@ -16,6 +17,7 @@ from edge import connection
 from proto import PROTOCOL_VERSION, Hello, ModelInfo, Pong, Welcome, decode_frame, encode_frame
 from scripts.hostile_link import (
     BINARY,
+    CLOSE,
     CONTINUATION,
     endless_deflated_fragments,
     endless_fragments,
@@ -139,6 +141,23 @@ def test_frame_limit_reads_headers_across_any_split():
         tripped_at = next(i for i in range(0, len(data), step) if tight.exceeded(data[i : i + step]))
         end_of_head = len(first + ping + last_head) - 1
         assert tripped_at == end_of_head // step * step, step
+
+
+async def test_a_frame_after_a_close_is_not_read_for_its_size(nursery):
+    """A node's close frame and, in the same read, a header declaring more than the limit: the
+    edge answered the close with 1009 (message too big), counting a frame wsproto never reads
+    after a close. It answers 1000, the node's own close."""
+    edge = await hostile_edge(nursery)
+    with trio.fail_after(BOUND):
+        stream, frames = await open_link(edge.port, TOKEN)
+        async with stream:
+            code = struct.pack("!H", 1000)
+            await stream.send_all(frame_header(CLOSE, len(code)) + code + frame_header(BINARY, LIMIT + 1))
+            opcode, payload = await frames.next()
+            while opcode != CLOSE:  # (a ping may come first)
+                opcode, payload = await frames.next()
+        assert struct.unpack("!H", payload[:2])[0] == 1000
+        await eventually(lambda: "hostile" not in edge.edge.runs.links, what="the link gone")
 
 
 def test_frame_limit_refuses_a_hypercorn_it_was_not_written_for(monkeypatch):
