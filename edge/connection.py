@@ -11,7 +11,7 @@ and ``send_eof`` holds trio's send-conflict detector across a checkpoint; a
 pong or close reply that the connection's reader sent meanwhile, under the
 lock, met that detector.
 
-``install()`` patches two things:
+``install()`` patches these:
 
 - ``protocol_send``: a close while the client still sends a body lingers
   (:func:`edge.reads.linger`); a close is shielded (bounded by :data:`CLOSE_S`):
@@ -29,6 +29,9 @@ lock, met that detector.
   request id, and its access line and count say the 400;
 - ``H11Protocol._send_h11_event``: no ``100 Continue`` for a request whose
   Content-Length is past ``max_body_bytes`` (its 413 comes without it);
+- ``H11Protocol._check_protocol``: ``Upgrade: h2c`` is not honoured (RFC 9113
+  dropped it): hypercorn switched to HTTP/2 on any path, past a proxy that
+  passes one path's upgrades;
 - h11's reader of a client that said its request was the last (``Connection:
   close``, HTTP/1.0): bytes after that request are dropped unread (RFC 9112
   9.6: a server MUST NOT process them; 2.2: it SHOULD ignore a stray CRLF).
@@ -206,6 +209,18 @@ def install() -> None:
         await hypercorn_send_h11_event(self, event)
 
     H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
+    hypercorn_check_protocol = H11Protocol._check_protocol
+
+    async def _check_protocol(self: H11Protocol, event: h11.Request) -> None:
+        # `Upgrade: h2c` is not honoured (the request is served as HTTP/1.1): hypercorn switched to
+        # HTTP/2 on any path, so a proxy that passes only /v1/node/link, upgrades included (the
+        # nodes' nginx of the README), let a client through to every route, its own
+        # X-Forwarded-For believed (found from outside). HTTP/2 by prior knowledge (its preface,
+        # read as a PRI request) and over TLS are served as before.
+        if event.method == b"PRI" and not any(name == b"upgrade" for name, _ in event.headers):
+            await hypercorn_check_protocol(self, event)
+
+    H11Protocol._check_protocol = _check_protocol  # type: ignore[method-assign]
     if h11_readers.READERS.get((h11.CLIENT, h11.MUST_CLOSE)) is not h11_readers.expect_nothing:
         raise RuntimeError("h11's readers are not the ones edge.connection was written for: review it")
     h11_readers.READERS[(h11.CLIENT, h11.MUST_CLOSE)] = _ignore_the_rest

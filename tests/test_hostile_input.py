@@ -1191,10 +1191,14 @@ async def test_a_client_reading_slowly_but_steadily_keeps_its_connection(nursery
     assert received.count(PIECE.encode()) == PIECES
 
 
-async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection_closed(sim_edge):
-    """Both framings on one API request (h11 reads it by Transfer-Encoding; a proxy in front may
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/admin/keys", "/v1/models"])
+async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection_closed(sim_edge, path):
+    """Both framings on one request (h11 reads it by Transfer-Encoding; a proxy in front may
     read the other: request smuggling). The edge served it and kept the connection, where RFC
-    9112 says to close it after answering: it is a 400 `ambiguous_framing`, and the connection ends."""
+    9112 says to close it after answering: it is a 400 `ambiguous_framing`, and the connection
+    ends, a request behind it unanswered. On every route: those Quart serves (the admin API,
+    models) still served it (found from outside: an admin key made, 201, and the request
+    behind served)."""
     body = msgspec.json.encode({"model": "m", "messages": USER, "max_tokens": 1})
     chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
     host, port = sim_edge.url.removeprefix("http://").rsplit(":", 1)
@@ -1202,14 +1206,40 @@ async def test_content_length_with_transfer_encoding_is_a_400_and_the_connection
     with trio.fail_after(BOUND):
         stream = await trio.open_tcp_stream(host, int(port))
         await stream.send_all(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n" + chunked
+            b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" % path.encode()
+            + b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+            + chunked
+            + b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
         )
         while data := await stream.receive_some(65536):  # to the end of the connection
             received += data
         await stream.aclose()
     assert received.startswith(b"HTTP/1.1 400") and b"ambiguous_framing" in received
     assert b"connection: close" in received.lower()
+    assert received.count(b"HTTP/1.1 ") == 1
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/v1/node/link"])
+async def test_an_h2c_upgrade_is_served_as_http_1_1(sim_edge, path):
+    """`Upgrade: h2c` (RFC 7540's upgrade, dropped by RFC 9113) switched the connection to
+    HTTP/2 on any path: behind the README's nodes' nginx, which passes /v1/node/link and its
+    upgrades only, a client reached every route of the edge, its own X-Forwarded-For believed
+    (found from outside). The request is answered in HTTP/1.1 (no 101), and HTTP/2 by prior
+    knowledge is still served."""
+    host, port = sim_edge.url.removeprefix("http://").rsplit(":", 1)
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"GET %b HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
+            b"http2-settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n" % path.encode()
+        )
+        received = await stream.receive_some(65536)
+        await stream.aclose()
+        async with httpx.AsyncClient(http1=False, http2=True, base_url=sim_edge.url) as client:
+            r = await client.get("/healthz")
+    status = received.split(b"\r\n", 1)[0]
+    assert status.startswith(b"HTTP/1.1 ") and not status.startswith(b"HTTP/1.1 101"), status
+    assert r.status_code == 200 and r.http_version == "HTTP/2"
 
 
 async def _chunked_post(edge, body: bytes, piece: int) -> tuple[int, bytes, bool]:

@@ -102,7 +102,8 @@ def openai_routes(edge: Edge, quart_asgi):
                 if extra:
                     ex.extra_headers += extra
                 return _serve(edge, route, ex)
-            return _serve_quart(edge, quart_asgi, scope, receive, send, extra)
+            app = _refuse_ambiguous_framing if _framed_twice(scope) else quart_asgi  # (found from outside: a
+            return _serve_quart(edge, app, scope, receive, send, extra)  # 201 for an admin key made so)
         if proxies is not None and scope["type"] == "websocket":  # (a node link's peer: its part of the edge)
             proxies.rewrite(scope)
         return quart_asgi(scope, receive, send)
@@ -146,12 +147,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         with trio.CancelScope() as scope:
             async with _UNWATCHED if ex.cancel_on_disconnect(scope) else trio.open_nursery() as watcher:
                 try:
-                    if _framed_twice(ex):
-                        raise APIError(
-                            400,
-                            "The request has both Content-Length and Transfer-Encoding; send one.",
-                            code="ambiguous_framing",
-                        )
+                    if _framed_twice(ex.scope):
+                        raise _ambiguous_framing()
                     problem = edge.refuse_request(ex)  # (before the method: a caller without a key
                     if problem is not None:  # learns nothing of which routes exist)
                         raise problem
@@ -214,12 +211,32 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         ex.release()
 
 
-def _framed_twice(ex: Exchange) -> bool:
+def _framed_twice(scope: dict) -> bool:
     """An HTTP/1.1 request with both Content-Length and Transfer-Encoding (h11 reads it by the
     latter): a sign of request smuggling through a proxy that reads the other, which RFC 9112
-    6.3 says to answer and then close the connection on. (Answered before its body is read,
-    a response says ``Connection: close`` and hypercorn closes it.)"""
-    return ex.header(b"transfer-encoding") is not None and ex.header(b"content-length") is not None
+    6.3 says to answer and then close the connection on, whatever its route. (Answered before
+    its body is read, a response says ``Connection: close`` and hypercorn closes it.)"""
+    length = chunked = False
+    for name, _ in scope["headers"]:
+        if name == b"content-length":
+            length = True
+        elif name == b"transfer-encoding":
+            chunked = True
+    return length and chunked
+
+
+def _ambiguous_framing() -> APIError:
+    return APIError(
+        400, "The request has both Content-Length and Transfer-Encoding; send one.", code="ambiguous_framing"
+    )
+
+
+async def _refuse_ambiguous_framing(scope, receive, send) -> None:
+    """For a route Quart serves (:func:`_serve_quart` adds ``Connection: close``: its body is unread)."""
+    error = _ambiguous_framing()
+    headers = [(b"content-type", b"application/json"), *error.headers]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": error.body()})
 
 
 def is_admin_path(path: str) -> bool:
