@@ -6,14 +6,18 @@ import hmac
 
 
 def bearer_matches(header: bytes | str | None, keys: list[str]) -> bool:
-    """``Authorization: Bearer <token>`` names one of ``keys``. Every key is
-    compared (no early exit), so the time does not tell which one is close."""
+    """``Authorization: Bearer <token>`` names one of ``keys``."""
     if not header:
         return False
     if isinstance(header, str):
         header = header.encode("latin-1")
     scheme, _, token = header.partition(b" ")
-    if scheme.lower() != b"bearer" or not token:
+    return scheme.lower() == b"bearer" and _names_one(token, keys)
+
+
+def _names_one(token: bytes, keys: list[str]) -> bool:
+    """Every key is compared (no early exit), so the time does not tell which one is close."""
+    if not token:
         return False
     ok = False
     for key in keys:
@@ -24,12 +28,10 @@ def bearer_matches(header: bytes | str | None, keys: list[str]) -> bool:
 
 def client_key_matches(authorization: bytes | str | None, x_api_key: bytes | str | None, keys: list[str]) -> bool:
     """A client's API key, as ``Authorization: Bearer <key>`` (OpenAI clients)
-    or ``x-api-key: <key>`` (Anthropic clients), names one of ``keys``."""
-    if bearer_matches(authorization, keys):
-        return True
-    if not x_api_key:
-        return False
-    return bearer_matches(b"Bearer " + (x_api_key.encode("latin-1") if isinstance(x_api_key, str) else x_api_key), keys)
+    or ``x-api-key: <key>`` (Anthropic clients), names one of ``keys``: the one
+    :func:`client_token` takes (a Bearer's, when there is one), as a client key is judged."""
+    token = client_token(authorization, x_api_key)
+    return token is not None and _names_one(token, keys)
 
 
 def client_token(authorization: bytes | str | None, x_api_key: bytes | str | None) -> bytes | None:
