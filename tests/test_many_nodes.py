@@ -350,7 +350,7 @@ async def test_a_tunnelled_stream_s_head_waits_for_its_body_keepalive_s_at_most(
 async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upstream):
     """SIGTERM to a node: it takes no new runs, finishes its in-flight stream, then unlinks."""
     upstream.script_for("t", lambda body: text_script(words(20), interval=0.05))
-    edge = await start_edge(nursery)
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=2_000))
     proc = await start_node_process(
         nursery,
         tmp_path,
@@ -376,12 +376,43 @@ async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upst
 
                 n.start_soon(ask_late)
                 body = await r.aread()
+        # (no node came back within its queue timeout: see the restart's test below)
         assert late[0].status_code == 503 and "drained and left" in late[0].json()["error"]["message"], late[0].text
         assert body.endswith(b"data: [DONE]\n\n") and b"tok19" in body and b"error" not in body
         await eventually(lambda: "d" not in edge.edge.runs.links)
         await proc.wait()
     assert proc.returncode == 0
     assert not upstream.records[0].aborted
+
+
+async def test_a_restart_of_a_models_only_node_keeps_its_queue(nursery, tmp_path, upstream):
+    """SIGTERM to the only node of a model, then the same node started again (`systemctl
+    restart`): its id links again only once the old process has left, and at that moment
+    every request queued for the model was a 503 (5 of 5 in an outside audit), and so was one
+    sent in the gap. They wait within their queue timeout, and the restarted node serves
+    them all."""
+    upstream.script_for("t", lambda body: text_script(words(10), interval=0.05))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=20_000))
+    spec = [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url, "max_concurrency": 1}]
+    proc = await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    answers: list[httpx.Response] = []
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+            for _ in range(4):
+                clients.start_soon(ask)
+            await eventually(lambda: runs.queue_depth("m") == 3, "one running, three queued")
+            proc.send_signal(signal.SIGTERM)
+            await proc.wait()
+            assert "d" not in runs.links and runs.queue_depth("m") == 3
+            clients.start_soon(ask)  # one in the gap
+            await eventually(lambda: runs.queue_depth("m") == 4, "it waits too")
+            await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    assert [r.status_code for r in answers] == [200] * 5, [r.text for r in answers]
 
 
 @pytest.fixture

@@ -278,6 +278,11 @@ class RunService:
         # is a 503 to retry while it relinks, not a final 400 (a brief outage of the one
         # large-context node told clients their conversation was too long).
         self._lost_context: dict[str, tuple[float, int]] = {}
+        # Per model, when its last node drained and left (a restart, most often: the same node
+        # id cannot link again before it has left): its requests wait for a node within their
+        # queue timeout of that, where they were a 503 at once (its whole queue, on every
+        # `systemctl restart` of a model's only node: an outside audit).
+        self._drained: dict[str, float] = {}
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
         self.prefixes = PrefixIndex(config.prefix_index_entries)
@@ -370,6 +375,7 @@ class RunService:
         for model in link.models:
             known.pop(model, None)
             known[model] = None
+            self._drained.pop(model, None)
         while len(known) > KNOWN_MODELS:
             del known[next(iter(known))]
         self._wake_waiting(link.models)
@@ -412,8 +418,15 @@ class RunService:
         if any(lk.stalled_until for lk in self.links.values()):
             self._unjudge(link.models, now)
         self._trust_alone(link.models)
+        drained = self._drained
         for model in link.models:
-            if not (self._queues.get(model) or self._moved.get(model)):
+            restart = link.draining and not self._serving(model)
+            if restart:
+                drained.pop(model, None)
+                drained[model] = now
+                while len(drained) > KNOWN_MODELS:
+                    del drained[next(iter(drained))]
+            if restart or not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
             serving = self._serving(model)
             for queue in (self._queues.get(model), self._moved.get(model)):
@@ -511,6 +524,11 @@ class RunService:
             to_node=link.node_id if link else None,
         )
         return True
+
+    def _awaits_restart(self, model: str) -> bool:
+        """``model``'s last node drained and left within its queue timeout: a request waits."""
+        drained = self._drained.get(model)
+        return drained is not None and trio.current_time() - drained < self._queue_bounds(model)[1] / 1000
 
     def _queue_bounds(self, model: str) -> tuple[int, int]:
         """The model's ``max_queue`` and ``queue_timeout_ms`` (its policy's, else the edge's)."""
@@ -940,11 +958,12 @@ class RunService:
         model = want.model
         serving = self._serving(model)
         if not serving:
-            # With no node linked at all the edge cannot tell what exists: 503.
-            if self.is_known(model) or not self.links:
-                raise errors.no_node(model)
-            raise errors.model_not_found(model)
-        if not any(want.fits(link) for link in serving):
+            if not self._awaits_restart(model):
+                # With no node linked at all the edge cannot tell what exists: 503.
+                if self.is_known(model) or not self.links:
+                    raise errors.no_node(model)
+                raise errors.model_not_found(model)
+        elif not any(want.fits(link) for link in serving):
             if want.tunnel and not any(lk.models[model].passthrough for lk in serving):
                 # a setting of the nodes, not an outage: a 503 had the SDKs retry it
                 raise errors.APIError(
@@ -1040,6 +1059,11 @@ class RunService:
             raise errors.no_node(
                 model,
                 f"Every node serving `{model}` is draining; none took this request within {timeout_ms / 1000:g} s.",
+            )
+        if not serving:
+            raise errors.no_node(
+                model,
+                f"The last node serving `{model}` drained and left; none linked within {timeout_ms / 1000:g} s.",
             )
         raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
 
