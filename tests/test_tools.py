@@ -1286,6 +1286,54 @@ async def test_a_live_tool_stream_shows_text_as_it_comes_on_messages_and_respons
         await eventually(lambda: upstream.records and upstream.records[-1].aborted, "the model server saw the cancel")
 
 
+async def _final_message(edge):
+    """The anthropic SDK's final message of a streamed request with tools (``messages.stream``)."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND)
+    async with (
+        client,
+        client.messages.stream(model="live", max_tokens=100, messages=MESSAGES, tools=ANTHROPIC_TOOLS) as stream,
+    ):
+        return await stream.get_final_message()
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_live_retry_of_a_call_with_text_after_it_is_one_valid_stream(tooled, api):
+    """The invalid attempt wrote text after its call (``<tool_call>...</tool_call> ok``): that text
+    was encoded, then dropped with the attempt, and the API's encoder went on from it. The
+    retry's Responses stream had a delta for an item never added (the openai SDK raised), its
+    Messages stream a delta with no block start (the anthropic SDK raised), and "ok" stayed in
+    the final response (found from outside). Both SDKs read one valid stream: the retry's text
+    and call alone."""
+    edge, upstream = tooled
+    invalid = text_call("get_weather", {"town": "Paris"}) + " ok"
+    valid = "Fine. " + text_call("get_weather", {"city": "Rome"})
+
+    def script(body):
+        text = valid if "That is invalid" in str(body["messages"][-1]) else invalid
+        return steps(*({"content": text[i : i + 3]} for i in range(0, len(text), 3)))
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        if api == "messages":
+            final = await _final_message(edge)
+            got = [(b.type, b.text) if b.type == "text" else (b.type, b.name, b.input) for b in final.content]
+        else:
+            async with (
+                sdk(edge) as client,
+                client.responses.stream(model="live", input=MESSAGES, tools=RESPONSES_TOOLS) as stream,
+            ):
+                final = await stream.get_final_response()
+            got = [
+                (o.type, o.content[0].text) if o.type == "message" else (o.type, o.name, json.loads(o.arguments))
+                for o in final.output
+            ]
+    assert got[0] == ("text" if api == "messages" else "message", "Fine. ")
+    assert got[1][1:] == ("get_weather", {"city": "Rome"}) and len(got) == 2
+    assert len(upstream.records) == 2
+
+
 @pytest.mark.parametrize("api", ["messages", "responses"])
 async def test_a_live_tool_stream_retries_invalid_calls_on_messages_and_responses(tooled, api):
     """An invalid call before any text is retried on the same stream, as on chat: the model
@@ -1295,16 +1343,7 @@ async def test_a_live_tool_stream_retries_invalid_calls_on_messages_and_response
     upstream.script_for("t", _invalid_then(steps({"content": text_call("get_weather", {"city": "Rome"})})))
     with trio.fail_after(BOUND):
         if api == "messages":
-            import anthropic
-
-            client = anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND)
-            async with (
-                client,
-                client.messages.stream(
-                    model="live", max_tokens=100, messages=MESSAGES, tools=ANTHROPIC_TOOLS
-                ) as stream,
-            ):
-                final = await stream.get_final_message()
+            final = await _final_message(edge)
             assert final.stop_reason == "tool_use"
             got = [(b.type, b.name, b.input) for b in final.content]
             assert got == [("tool_use", "get_weather", {"city": "Rome"})]

@@ -433,12 +433,35 @@ class ToolLive(LiveEncoder):
         if self.tool_filter is not None:
             self.raw_content: list[str] = []
             self.emitted: list[str] = []
+        # While the end of the run is judged (:meth:`complete`): what its last text would encode,
+        # as (encoder, text), encoded only once no retry drops it. The Responses and Messages
+        # encoders keep state (items opened, block indexes, sequence numbers): encoded and then
+        # dropped, a retry's stream went on from a state its client never saw (both SDKs raised).
+        self._held: list[tuple[Callable[[str], bytes], str]] | None = None
+        self._encode_reasoning: Callable[[str], bytes] | None = None
 
     def shape_tools(self, content: Callable[[str], bytes], reasoning: Callable[[str], bytes]) -> Shaper:
         """:meth:`shape_into_out`, its content through the tool filter when the request has tools."""
         if self.tool_filter is None:
             return self.shape_into_out(content, reasoning)
-        return self.turn.shaper(live=True, on_content=self._content, on_reasoning=Into(self.out, reasoning))
+        self._encode_reasoning = reasoning
+        return self.turn.shaper(live=True, on_content=self._content, on_reasoning=self._reason)
+
+    def _reason(self, text: str) -> None:
+        self._encode(self._encode_reasoning, text)  # type: ignore[arg-type]
+
+    def _encode(self, encode: Callable[[str], bytes], text: str) -> None:
+        held = self._held
+        if held is None:
+            self.out.append(encode(text))
+        else:
+            held.append((encode, text))
+
+    def _release(self) -> None:
+        """What :meth:`complete` held back goes out (its calls stand, or end the stream)."""
+        held, self._held = self._held, None
+        for encode, text in held or ():
+            self.out.append(encode(text))
 
     def text(self, text: str) -> bytes:
         raise NotImplementedError
@@ -451,7 +474,7 @@ class ToolLive(LiveEncoder):
             return
         if self.tool_filter is not None:
             self.emitted.append(text)
-        self.out.append(self.text(text))
+        self._encode(self.text, text)
 
     def _content(self, text: str) -> None:
         if self.tool_filter is not None:
@@ -472,6 +495,8 @@ class ToolLive(LiveEncoder):
         # before a call is no answer: a model's retry may follow it.)
         sent = any(not text.isspace() for text in self.emitted)
         mark = len(self.out)  # what this end adds to ``out`` (a retry drops it)
+        if self.tool_filter is not None:
+            self._held = []
         usage = self.turn.usage_of(self.run, event)
         self.shaper.finish()
         cut_off = finish_of(event) == "length"  # by max_tokens: what was produced goes out as it is
@@ -499,6 +524,7 @@ class ToolLive(LiveEncoder):
                 return b""
             if reason:
                 return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
+        self._release()
         return self.tail(event, calls, usage)
 
     async def checked_end(self) -> bytes:
@@ -511,6 +537,7 @@ class ToolLive(LiveEncoder):
         reason = await contract.check_in_thread(calls)
         if reason:
             return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
+        self._release()
         return self.tail(event, calls, usage)
 
     def _invalid(self, reason: str, calls: list[ToolCall] | None, content: str, sent: bool, mark: int) -> bytes:
@@ -519,9 +546,11 @@ class ToolLive(LiveEncoder):
         ``tool_validation_error``."""
         turn = self.turn
         if sent or self.attempt >= turn.max_tool_attempts:
+            self._release()
             turn.invalid_at_last(reason, self.attempt)
             turn.outcome = "tool_validation"
             return self.error(reason, TOOL_VALIDATION_ERROR)
+        self._held = None
         del self.out[mark:]
         self.retry = (reason, calls, content)
         self.again = True
@@ -553,7 +582,7 @@ class LiveStream(ToolLive):
     def _reasoning(self, text: str) -> None:
         if self.trace is not None:
             self.trace.chunk("reasoning", len(text))
-        self.out.append(self.enc.reasoning(text))
+        self._encode(self.enc.reasoning, text)
 
     def opening(self) -> bytes:
         return self.enc.role()
