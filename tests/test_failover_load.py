@@ -264,3 +264,37 @@ async def test_a_node_stalled_for_a_model_serves_it_once_its_peers_are_gone(nurs
                 await eventually(lambda: edge.edge.runs.links["peer"].draining)
             await ask()
     assert statuses == [200] * 5, statuses
+
+
+@pytest.mark.parametrize("tools", [False, True])
+async def test_a_collected_run_silent_on_a_stalled_node_runs_again_on_its_peer(nursery, tools):
+    """A non-streamed run (or a tool call's, streamed or not: collected) whose node's model server
+    stops mid-answer, while a peer is idle: its client had seen nothing of it, and it waited out
+    `wait_timeout_s` for a 504 (an outside audit: 120 s by default, for every request of a coding
+    agent). Once the node is judged stalled the run ends there (its model server sees the
+    cancel) and runs again, once, on the peer: the client gets the peer's whole answer."""
+    stuck, fast = await new_upstream(nursery), await new_upstream(nursery)
+    stuck.script_for("t", [("chunk", {"content": "half an ans"}), ("hang",)])
+    fast.script_for("t", lambda body: text_script(words(3)))
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, wait_timeout_s=60))
+    first = await start_node(nursery, edge, [model("m", stuck, target="t")], node_id="stuck")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    if tools:
+        body |= {"stream": True, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            answer: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answer.append(await client.post("/v1/chat/completions", json=body))
+
+            clients.start_soon(ask)
+            await stuck.wait_requests(1)
+            peer = await start_node(nursery, edge, [model("m", fast, target="t")], node_id="peer")
+        await eventually(lambda: stuck.records[0].aborted, "the stalled node's model server saw the cancel")
+    (r,) = answer
+    assert r.status_code == 200, r.text
+    text = r.text if tools else r.json()["choices"][0]["message"]["content"]
+    assert "tok0" in text and "half" not in text
+    assert len(fast.records) == 1
+    await settled(edge, first.agent, peer.agent)

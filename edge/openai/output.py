@@ -49,7 +49,7 @@ from edge.openai.turn import (
     finish_of,
 )
 from edge.runs import Run, Slot
-from edge.runs.run import CANCELLED, NODE_LOST, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
+from edge.runs.run import CANCELLED, NODE_LOST, NODE_STALLED, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
 
@@ -129,6 +129,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         if run is not None and run.unserved:
             return lost_unanswered(run.want.model)
         return APIError(502, failed.message, "run_error", code="node_disconnected")
+    if cause == NODE_STALLED:  # (ran again once already: its second node stalled too)
+        return APIError(502, failed.message, "run_error", code="node_stalled")
     if cause == SHUTDOWN:  # (cut at the end of the edge's drain: another edge may take it)
         return draining()  # (in the words of a request refused during the drain)
     if cause == SLOW_CLIENT:
@@ -143,6 +145,7 @@ INVALID_TOOL_CALL = "invalid_tool_call"
 
 _STREAM_CODES = {
     NODE_LOST: "node_disconnected",
+    NODE_STALLED: "node_stalled",
     TIMEOUT: "run_timed_out",
     SHUTDOWN: "draining",
     CANCELLED: "cancelled_by_operator",

@@ -42,7 +42,7 @@ from edge.openai.tools import (
 from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
-from edge.runs.run import NODE_LOST, consume_run
+from edge.runs.run import NODE_LOST, NODE_STALLED, consume_run
 from edge.runs.service import encode_run_body, session_key
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
@@ -422,24 +422,27 @@ async def collect_validated(
     metadata = turn.metadata
     extra: list[dict[str, Any]] = []
     turn.settle_at_end = True  # a run's usage settles the key's lease only once no retry follows it
+
+    def read(run: Run) -> Awaitable[Collected]:
+        run.rerun_if_stalled = not moved
+        return collect(turn, run, on_idle=on_idle, on_started=on_started)
+
     while True:
         try:
-            result = await turn.run_on(
-                slot,
-                lambda run: collect(turn, run, on_idle=on_idle, on_started=on_started),
-                metadata=metadata,
-                extra_messages=extra,
-            )
+            result = await turn.run_on(slot, read, metadata=metadata, extra_messages=extra)
         except RunFailed as failed:
             lost = turn.last_run
-            if failed.cause == NODE_LOST and not moved and lost is not None and not lost.unserved:
-                # Its node lost mid-run, and the client has seen none of it (collected: keep-alives
-                # at most): run it again, once, on a node linked now, as a run lost before its
-                # first event moves (Claude Code and Codex got "node disconnected" and ran the
-                # turn again themselves). The lost run's prompt and deltas are spent.
+            if failed.cause in (NODE_LOST, NODE_STALLED) and not moved and lost is not None and not lost.unserved:
+                # Its node lost (or stalled) mid-run, and the client has seen none of it (collected:
+                # keep-alives at most): run it again, once, on a node linked now, as a run lost
+                # before its first event moves (Claude Code and Codex got "node disconnected" and
+                # ran the turn again themselves). The lost run's prompt and deltas are spent.
                 moved = True
                 turn.earlier = (turn.earlier[0] + turn.estimate, turn.earlier[1] + lost.deltas_seen)
-                log.info("collected run moved: its node was lost", failed_run_id=lost.id)
+                log.info(
+                    f"collected run moved: its node was {'lost' if failed.cause == NODE_LOST else 'stalled'}",
+                    failed_run_id=lost.id,
+                )
                 try:
                     slot = await acquire_keeping_alive(turn, on_idle)
                 except APIError:

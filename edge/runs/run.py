@@ -29,6 +29,7 @@ _NODE_FAULTS = frozenset((0, 401, 403, 404, 429))  # an error with such a status
 CLIENT_GONE = "client_gone"
 TIMEOUT = "timeout"
 NODE_LOST = "node_lost"
+NODE_STALLED = "node_stalled"  # a collected run silent on a node judged stalled: run again elsewhere
 SLOW_CLIENT = "slow_client"
 SHUTDOWN = "shutdown"
 UNSENDABLE = "unsendable"  # the run's request could not be encoded or framed for the node
@@ -116,6 +117,7 @@ class Run:
         "request",
         "failed_over",
         "unserved",
+        "rerun_if_stalled",
         "requeued",
         "api",
         "timers",
@@ -182,6 +184,9 @@ class Run:
         self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
         self.unserved = False  # lost before its first event, and no node left serving its model: a 503 to retry
+        # Collected, its client shown nothing, and its request would run it again: on a node judged
+        # stalled it ends (NODE_STALLED) rather than wait out wait_timeout_s (RunService.check_stall).
+        self.rerun_if_stalled = False
         self.requeued = None  # while a failed-over run waits for a slot: its place in the queue
         self.timers: RunTimers | None = None  # the service's, which enforce wait_timeout and the deadline
         self.timer: list | None = None  # this run's entry there

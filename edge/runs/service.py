@@ -19,7 +19,17 @@ from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, NodeLink
 from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
-from edge.runs.run import NODE_DISCONNECTED, NODE_LOST, RUN_ERROR, SHUTDOWN, TIMEOUT, UNSENDABLE, Run, RunTimers
+from edge.runs.run import (
+    NODE_DISCONNECTED,
+    NODE_LOST,
+    NODE_STALLED,
+    RUN_ERROR,
+    SHUTDOWN,
+    TIMEOUT,
+    UNSENDABLE,
+    Run,
+    RunTimers,
+)
 from proto import ModelInfo, RunEvent, RunRequest, TunnelRequest
 
 log = structlog.get_logger("iop.edge.runs")
@@ -644,6 +654,25 @@ class RunService:
                 waited_s=round(waited, 3),
                 peers_ttft_s=round(typical, 4),
             )
+            self._end_silent_collected(link, judged, due, now)
+
+    def _end_silent_collected(self, link: NodeLink, models: list[str], due: float, now: float) -> None:
+        """The collected runs of ``models`` on ``link`` silent since ``due``, whose requests would
+        run them again (:attr:`Run.rerun_if_stalled`): they end (the node is told to stop) and
+        run again, once, on another node. Their clients have seen none of their output; they
+        waited out ``wait_timeout_s`` for a 504 while a peer was idle (an outside audit: 120 s
+        by default, and every request of a coding agent, which sends tools, is collected)."""
+        for run in list(link.runs.values()):
+            if not run.rerun_if_stalled or run.finished or run.first_event_at is None or run.slot.model not in models:
+                continue
+            last = run.last_event_at if run.progress_first == -math.inf else max(run.last_event_at, run.progress_at)
+            model = run.slot.model
+            if last <= due and any(
+                run.want.fits(lk) and not lk.failing(model) and not lk.draining and not lk.stalled(now, model)
+                for lk in self._serving(model)
+                if lk is not link
+            ):
+                run.fail("its node stopped making progress", NODE_STALLED)
 
     def _peers_ttft(self, link: NodeLink, model: str, now: float) -> float | None:
         """The typical time to a first event of ``model`` on the nodes serving it
