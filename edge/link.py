@@ -29,6 +29,7 @@ from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, StrayFlood
 from edge.runs.service import stall_after_s
 from edge.ws import RawWebsocket
 from proto import (
+    CLOSE_DUPLICATE,
     PROTOCOL_VERSION,
     Demand,
     Events,
@@ -57,7 +58,6 @@ NODE_ID_HEADER = "X-Iop-Node-Id"
 
 CLOSE_AUTH = 4001
 CLOSE_VERSION = 4002
-CLOSE_DUPLICATE = 4009
 CLOSE_TRY_AGAIN = 1013  # RFC 6455: try again later
 
 # Nodes linked to one edge at most: 400 links of one shared token, of 1,024 models each, held the

@@ -53,6 +53,7 @@ from node.outbox import (
     tool_calls_bytes,
 )
 from proto import (
+    CLOSE_DUPLICATE,
     PROTOCOL_VERSION,
     CancelRun,
     Demand,
@@ -696,11 +697,16 @@ class NodeAgent:
                     log.warning("link failed", edge=url, error=f"not an HTTP answer to the websocket upgrade: {e}")
                 else:
                     log.error("link crashed", edge=url, exc_info=exc)
+                duplicate = isinstance(e, ConnectionClosed) and getattr(e.reason, "code", None) == CLOSE_DUPLICATE
+            else:
+                duplicate = False
             now = trio.current_time()
             if linked.is_set():
                 backoff, lost_at = cfg.reconnect_min_s, now
             cap = cfg.reconnect_max_s
-            if now - lost_at < cfg.relink_window_s:
+            # (refused as its id is linked already: its old link, half dead, goes at the edge's ping
+            # timeout: it redials as after a lost link, where backing off took 5-11 s more)
+            if now - lost_at < cfg.relink_window_s or duplicate:
                 cap = min(cap, cfg.relink_max_s)
             backoff = min(backoff, cap)
             delay = backoff * random.uniform(0.5, 1.0)  # jitter: relinking nodes do not stampede

@@ -7,6 +7,7 @@ See ``PROTOCOL.md`` beside this file for a language-neutral description.
 """
 
 from proto.frames import (
+    CLOSE_DUPLICATE,
     MAX_PREFIX_BLOCKS,
     PROTOCOL_VERSION,
     CancelRun,
@@ -34,6 +35,7 @@ from proto.frames import (
 )
 
 __all__ = [
+    "CLOSE_DUPLICATE",
     "MAX_PREFIX_BLOCKS",
     "PROTOCOL_VERSION",
     "CancelRun",

@@ -14,6 +14,7 @@ import msgspec
 
 PROTOCOL_VERSION = 2  # 2: capacity shared across edges (grant, demand)
 MAX_PREFIX_BLOCKS = 2048  # keys in a prompt's prefix chain (``run`` and ``placed``)
+CLOSE_DUPLICATE = 4009  # the edge's close of a link whose node id is linked already
 
 # A prompt's prefix chain: 60-bit block keys, each covering the prompt up to its block's end.
 PrefixKey = Annotated[int, msgspec.Meta(ge=0, lt=1 << 60)]

@@ -18,6 +18,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_str
 from edge import frame_limit
 from edge import ws as edge_ws
 from edge.runs.link import MAX_LIVENESS_QUEUED, PLACED_KEYS_PER_S, NodeLink
+from node.agent import NodeAgent
 from proto import (
     MAX_PREFIX_BLOCKS,
     PROTOCOL_VERSION,
@@ -47,6 +48,7 @@ from tests.conftest import (
     eventually,
     http,
     model,
+    node_config,
     settled,
     sse_events,
     start_edge,
@@ -328,6 +330,25 @@ async def test_a_link_to_a_wrong_path_is_a_404_the_edge_logs(edge, node):
     assert refusal.status_code == 404 and b"/v1/node/link" in refusal.body
     (said,) = [e for e in logs if e["event"] == "websocket upgrade to an unknown path refused"]
     assert said["path"] == "/v1/node/lnk" and said["log_level"] == "warning"
+
+
+async def test_a_node_refused_for_its_id_redials_at_the_relink_pace(nursery, edge, node):
+    """A node started again while the edge still holds its old, half-dead link is refused with
+    4009 until the edge's ping timeout ends that link. Its redials backed off as any failure's,
+    doubling to `reconnect_max_s`: it linked 5-11 s after the id was free (an outside chaos
+    audit). They come at least every `relink_max_s`, as after a lost link."""
+    config = node_config(
+        [edge.link_url], [model("m")], "n1", reconnect_min_s=0.05, reconnect_max_s=30, relink_max_s=0.2
+    )
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        again = NodeAgent(config)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(again.serve)
+            await eventually(lambda: sum(e["event"] == "redialling edge" for e in logs) >= 8, "refused 8 times")
+            inner.cancel_scope.cancel()
+    delays = [e["in_s"] for e in logs if e["event"] == "redialling edge"]
+    assert max(delays) <= 0.2, delays
+    assert edge.edge.runs.links["n1"].closed is False  # (the linked one)
 
 
 async def test_duplicate_node_id_is_refused(edge, node):
