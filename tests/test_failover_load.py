@@ -13,6 +13,9 @@ from tests.conftest import BOUND, edge_config, eventually, http, model, settled,
 SLOTS = 4
 
 
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
 async def new_upstream(nursery) -> Upstream:
     up = Upstream()
     await nursery.start(up.serve)
@@ -298,3 +301,34 @@ async def test_a_collected_run_silent_on_a_stalled_node_runs_again_on_its_peer(n
     assert "tok0" in text and "half" not in text
     assert len(fast.records) == 1
     await settled(edge, first.agent, peer.agent)
+
+
+async def test_a_run_moved_off_a_lost_node_waits_within_the_queue_timeout(nursery):
+    """A run not yet started on a node that is lost moves; with every other node busy it waits
+    for a slot. It waited out `wait_timeout_s` (120 s by default) and then told its client its
+    run had timed out, though it never started (an outside chaos audit), where a request queued
+    beside it got its answer within the queue's timeout. It waits as long as a queued request,
+    and then its client is told its node was lost (a 502 the SDKs retry)."""
+    lost, busy = await new_upstream(nursery), await new_upstream(nursery)
+    lost.script_for("t", [("hang",)])
+    busy.script_for("t", [("chunk", {"content": "working"}), ("hang",)])
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=500, wait_timeout_s=60, routing="least_loaded"))
+    doomed = await start_node(nursery, edge, [model("m", lost, target="t", max_concurrency=1)], node_id="doomed")
+    await start_node(nursery, edge, [model("m", busy, target="t", max_concurrency=1)], node_id="busy")
+    answers: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+            clients.start_soon(ask)
+            clients.start_soon(ask)
+            await lost.wait_requests(1)
+            await busy.wait_requests(1)
+            doomed.stop()
+            await eventually(lambda: len(answers) == 1, "the moved run's answer")
+            clients.cancel_scope.cancel()  # (the other is on the busy node for good)
+    (r,) = answers
+    assert r.status_code == 502 and r.json()["error"]["code"] == "node_disconnected", r.text
+    assert "no other node had room" in r.json()["error"]["message"]

@@ -78,6 +78,7 @@ T = TypeVar("T")
 
 RUN_TIMED_OUT = "run timed out"
 NODE_DISCONNECTED = "node disconnected"
+NOT_MOVED = "node disconnected; no other node had room for the request within the queue's timeout"
 
 
 class Run:
@@ -538,6 +539,10 @@ class RunTimers:
                     run.timer = None
                     if run.held_error is not None and run.requeued is not None:
                         run.give_up_move()
+                    elif run.requeued is not None and run.move_until <= now:
+                        # Moved off a lost (or stalled) node and no slot within the queue's timeout:
+                        # it waited out wait_timeout_s for a 504 "run timed out" it never started.
+                        run.fail(NOT_MOVED, NODE_LOST)
                     else:
                         run.fail(RUN_TIMED_OUT, TIMEOUT)
                     continue

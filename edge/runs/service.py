@@ -507,9 +507,9 @@ class RunService:
             return False
         moved = self._moved[model]
         link = None if moved else self._pick(run.want, exclude=old, healthy=True)
-        if failed is not None and link is None:
+        if link is None:  # it waits for a slot, within the queue's timeout (then: its node's error, or a 502)
             max_queue, timeout_ms = self._queue_bounds(model)
-            if len(moved) + len(self._queues.get(model) or ()) >= max_queue:
+            if failed is not None and len(moved) + len(self._queues.get(model) or ()) >= max_queue:
                 return False
             run.held_error, run.move_until = failed, trio.current_time() + timeout_ms / 1000
             if run.timer is not None:  # (sooner than it was due)
