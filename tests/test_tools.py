@@ -78,6 +78,24 @@ def text_call(name, args) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
 
 
+@pytest.mark.parametrize("name", ["native", "live"])
+async def test_text_ending_in_what_might_begin_a_call_is_kept_beside_native_calls(tooled, name):
+    """Content that ends in a character a text call could begin with (``a < b{``), then a native
+    call: its tail was cut as if it were call markup, in every mode (found from outside). Nothing
+    follows it, so it is text: the content is whole, streamed or not."""
+    edge, upstream = tooled
+    upstream.script_for(
+        "t", steps({"content": "Compare a < b{"}, *native_call(0, "call_a", "get_time", "{}"), finish="tool_calls")
+    )
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS, stream=True)
+            streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            whole = await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS)
+    assert streamed == whole.choices[0].message.content == "Compare a < b{"
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_time"]
+
+
 async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
     """Streamed native tool_calls deltas arrive as OpenAI tool calls with distinct indexes, ids and
     names, one call per chunk as OpenAI streams them (LlamaIndex read only a chunk's first call)."""

@@ -1003,20 +1003,20 @@ class ToolTextFilter:
         return out
 
     def flush_non_candidate(self) -> str:
-        """Held text that is not (the start of) a tool call."""
+        """At the end of the text: what is held unless it is a tool call's start (the end of a
+        text that might have begun one, ``<`` or ``{``, is text: nothing follows it)."""
         buf, held = self._pending, self._held
         self._pending, self._held = "", None
-        return "" if held is not None else buf[: _safe_len(buf)]
+        return "" if held is not None else buf
 
 
 def before_tool_markup(text: str) -> str:
-    """``text`` up to the first tool-call block or what may start one (then
-    without the whitespace before it): the content of a turn whose calls came
-    natively (the live filter's :meth:`ToolTextFilter.flush_non_candidate`,
-    on a whole text). Text with neither is returned as it is."""
-    idx = _first_candidate(text)
-    cut = idx if idx >= 0 else _safe_len(text)
-    return text if cut == len(text) else text[:cut].rstrip()
+    """``text`` up to the first tool-call block (then without the whitespace
+    before it): the content of a turn whose calls came natively (the live
+    filter's :meth:`ToolTextFilter.flush_non_candidate`, on a whole text). A
+    text ending in what might have begun one (``a < b{``) is text: it was cut there."""
+    cut = _first_candidate(text)
+    return text if cut < 0 else text[:cut].rstrip()
 
 
 def _first_candidate(text: str) -> int:
