@@ -51,6 +51,7 @@ import trio
 
 from edge.auth import client_token
 from edge.errors import NO_RETRY, APIError, model_not_found
+from proto.frames import MAX_MODEL_NAME
 
 if TYPE_CHECKING:
     from edge.config import EdgeConfig, KeyConfig
@@ -221,6 +222,8 @@ class Key:
     def may_use(self, model: str) -> bool:
         if self._patterns is None:
             return True
+        if len(model) > MAX_MODEL_NAME:  # no node serves it: not matched, and never kept (a client's
+            return False  # 1 MB names, each kept here, took an edge to 530 MB: an outside soak)
         allowed = self._allowed.get(model)
         if allowed is None:
             allowed = self._patterns.fullmatch(model) is not None

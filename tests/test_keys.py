@@ -102,6 +102,27 @@ async def test_without_admin_keys_nodes_shows_a_key_only_the_models_it_may_use(n
             ]
 
 
+async def test_a_key_limited_to_models_keeps_no_long_model_name_a_client_sends(nursery):
+    """A key limited by `models` remembered whether each model name a client sent was allowed,
+    at any length: 300 names of 1 MB each took an edge to 344 MB, never freed (an outside soak).
+    A name longer than any node's (256 characters) is a 404 and is not kept; the key's own
+    models are served."""
+    edge = await start_edge(nursery, edge_config(keys=[KeyConfig(id="alice", key="sk-alice", models=["qwen*"])]))
+    await start_node(nursery, edge, [sim("qwen-a")])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-alice") as c:
+            for i in range(20):
+                body = {"model": f"qwen-{i:03d}" + "x" * 100_000, "messages": [{"role": "user", "content": "hi"}]}
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+            ok = await c.post(
+                "/v1/chat/completions", json={"model": "qwen-a", "messages": [{"role": "user", "content": "hi"}]}
+            )
+            assert ok.status_code == 200
+    (key,) = edge.edge.keys.by_hash.values()
+    assert max(map(len, key._allowed), default=0) <= 256
+
+
 async def test_rpm_refuses_with_retry_after_and_ratelimit_headers(nursery, tmp_path):
     edge = await keyed_edge(nursery, tmp_path, [KeyConfig(id="bob", key="sk-bob", rpm=3)])
     with trio.fail_after(BOUND):
