@@ -193,5 +193,5 @@ def _unacknowledged(sock: trio.socket.SocketType) -> int | None:
         return None
     try:
         return int.from_bytes(fcntl.ioctl(sock.fileno(), _OUTQ, _INT), sys.byteorder, signed=True)
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: closed, its fileno -1; the send says so)
         return None
