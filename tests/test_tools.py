@@ -1377,3 +1377,24 @@ async def test_a_live_tool_stream_retries_invalid_calls_on_messages_and_response
     assert len(upstream.records) == 2
     corrective = upstream.records[1].body["messages"][-1]
     assert corrective["role"] == "user" and "town" in corrective["content"]
+
+
+def test_compiled_schemas_are_kept_within_a_budget_of_their_text(monkeypatch):
+    """Compiled validators were kept 512 at most, whatever their size: a validator holds about
+    12 times its schema's text, and 512 distinct 60 KB schemas (one key's minute of requests)
+    held 385 MB (an outside soak). They are kept within CACHED_SCHEMA_BYTES of text in all,
+    the least recently used going first; one in use stays compiled."""
+    monkeypatch.setattr(tools_module, "_VALIDATORS", tools_module._Validators())
+    monkeypatch.setattr(tools_module, "CACHED_SCHEMA_BYTES", 40_000)
+
+    def schema(i: int) -> str:
+        props = {f"p{i}_{j}": {"type": "string", "description": "x" * 80} for j in range(100)}
+        return json.dumps({"type": "object", "properties": props})
+
+    kept = tools_module._VALIDATORS
+    first = tools_module._validator(schema(0))
+    for i in range(1, 12):
+        tools_module._validator(schema(i))
+        assert tools_module._validator(schema(0)) is first  # (used each time: kept)
+    assert kept._bytes <= 40_000 and len(kept._kept) < 12
+    assert kept._bytes == sum(map(len, kept._kept))

@@ -451,19 +451,53 @@ _NO_RETRIEVAL = referencing.Registry(retrieve=_no_retrieval)
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
 
 
+# Compiled validators kept: 512 at most, of CACHED_SCHEMA_BYTES of schema text in all, the least
+# recently used going first. A validator holds about 12 times its schema's text: 512 schemas of
+# 60 KB held 385 MB, one key's minute of requests (an outside soak); 4 MiB of text, about 50 MB.
+CACHED_SCHEMAS = 512
+CACHED_SCHEMA_BYTES = 4 * 1024 * 1024
+
+
+class _Validators:
+    """The cache of :func:`_validator` (used from the loop and from the compiling thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[str, Any] = {}  # schema text -> validator, least recently used first
+        self._bytes = 0
+
+    def get(self, schema_json: str) -> Any:
+        with self._lock:
+            validator = self._kept.pop(schema_json, None)
+            if validator is not None:
+                self._kept[schema_json] = validator
+            return validator
+
+    def keep(self, schema_json: str, validator: Any) -> None:
+        with self._lock:
+            if self._kept.pop(schema_json, None) is None:
+                self._bytes += len(schema_json)
+            self._kept[schema_json] = validator
+            while self._bytes > CACHED_SCHEMA_BYTES or len(self._kept) > CACHED_SCHEMAS:
+                oldest = next(iter(self._kept))
+                del self._kept[oldest]
+                self._bytes -= len(oldest)
+
+
+_VALIDATORS = _Validators()
+
+
 def _validator(schema_json: str):
     """A compiled validator whose references resolve inside the schema only
-    (:func:`_build_validator`), cached when its text is at most
-    :data:`THREAD_SCHEMA_BYTES` (a 7 MB schema's validator held 31-45 MB:
-    512 of them, gigabytes)."""
-    if len(schema_json) <= THREAD_SCHEMA_BYTES:
-        return _cached_validator(schema_json)
-    return _build_validator(schema_json)
-
-
-@functools.lru_cache(maxsize=512)
-def _cached_validator(schema_json: str):
-    return _build_validator(schema_json)
+    (:func:`_build_validator`), cached (:class:`_Validators`) when its text is at
+    most :data:`THREAD_SCHEMA_BYTES` (a 7 MB schema's validator held 31-45 MB)."""
+    if len(schema_json) > THREAD_SCHEMA_BYTES:
+        return _build_validator(schema_json)
+    validator = _VALIDATORS.get(schema_json)
+    if validator is None:
+        validator = _build_validator(schema_json)
+        _VALIDATORS.keep(schema_json, validator)
+    return validator
 
 
 def _build_validator(schema_json: str):
