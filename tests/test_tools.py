@@ -96,6 +96,48 @@ async def test_text_ending_in_what_might_begin_a_call_is_kept_beside_native_call
     assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_time"]
 
 
+WRITE = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(("name", "stream"), [("native", False), ("native", True), ("live", True)])
+@pytest.mark.parametrize("content", ["<s>old</s> new [INST] x <|im_end|>", 'OPEN = "<think>"'])
+async def test_a_text_calls_arguments_keep_sentinels_and_think_tags(tooled, name, stream, content):
+    """A call written as text whose argument holds what the edge filters out of content: a file
+    with ``</s>`` and ``[INST]`` was written without them, and one with ``"<think>"`` was a 502
+    (the call unreadable, and its retry the same: found from outside). A call's arguments are
+    read from what the model wrote: the file is whole."""
+    edge, upstream = tooled
+    args = {"path": "f.txt", "content": content}
+    text = "<tool_call>" + json.dumps({"name": "write_file", "arguments": args}) + "</tool_call>"
+    upstream.script_for("t", steps(*({"content": text[i : i + 7]} for i in range(0, len(text), 7))))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            if stream:
+                got = [
+                    call
+                    async for chunk in await client.chat.completions.create(
+                        model=name, messages=MESSAGES, tools=[WRITE], stream=True
+                    )
+                    if chunk.choices
+                    for call in chunk.choices[0].delta.tool_calls or ()
+                ]
+            else:
+                whole = await client.chat.completions.create(model=name, messages=MESSAGES, tools=[WRITE])
+                got = whole.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == [("write_file", args)]
+    assert len(upstream.records) == 1  # (no retry)
+
+
 async def test_native_parallel_tool_calls_reach_the_sdk(tooled):
     """Streamed native tool_calls deltas arrive as OpenAI tool calls with distinct indexes, ids and
     names, one call per chunk as OpenAI streams them (LlamaIndex read only a chunk's first call)."""

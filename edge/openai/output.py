@@ -35,7 +35,7 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
-from edge.openai.tools import INLINE_PATTERN_S, NeedsTime, ToolTextFilter, parse_text_tool_calls, with_ids
+from edge.openai.tools import INLINE_PATTERN_S, NeedsTime, ToolTextFilter, parse_calls_of, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
     TOOL_VALIDATION_ERROR,
@@ -508,7 +508,7 @@ class ToolLive(LiveEncoder):
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())
         elif self.tool_filter is not None:
-            parsed = parse_text_tool_calls("".join(self.raw_content))
+            parsed = parse_calls_of("".join(self.raw_content), self.shaper.raw_content_text)
             if parsed.candidate and not (cut_off and parsed.error):
                 calls = parsed.calls or None
                 self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))

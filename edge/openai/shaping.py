@@ -104,6 +104,7 @@ class Shaper:
         "_unclosed",
         "_showing_reasoning",
         "_switches",
+        "_raw_parts",
     )
 
     def __init__(
@@ -116,8 +117,12 @@ class Shaper:
         on_reasoning: Callable[[str], None] = ignore_text,
         template: TemplateThink | None = None,
         model: str = "",
+        keep_raw: bool = False,
     ) -> None:
         self.policy = policy
+        # ``keep_raw`` (a request with tools): the content as the model wrote it, before any filter
+        # (its tool calls are read from it: :func:`~edge.openai.tools.parse_calls_of`).
+        self._raw_parts: list[str] | None = [] if keep_raw else None
         self.include_reasoning = include_reasoning and not policy.strict_output
         self.emit_reasoning = self.include_reasoning
         sentinels = (*DEFAULT_SENTINELS, *policy.sentinels)
@@ -160,6 +165,8 @@ class Shaper:
     # -- input -------------------------------------------------------------
 
     def content(self, text: str) -> None:
+        if self._raw_parts is not None:
+            self._raw_parts.append(text)
         text = self._content_filter.append(text)
         if not text:
             return
@@ -362,6 +369,11 @@ class Shaper:
     @property
     def content_text(self) -> str:
         return "".join(self.content_parts)
+
+    @property
+    def raw_content_text(self) -> str | None:
+        """The content as the model wrote it (None: not kept)."""
+        return None if self._raw_parts is None else "".join(self._raw_parts)
 
     @property
     def reasoning_text(self) -> str:

@@ -149,6 +149,22 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     return TextToolCalls(content, calls, found, "; ".join(errors))
 
 
+def parse_calls_of(filtered: str, raw: str | None) -> TextToolCalls:
+    """The tool calls a model wrote as text, read from what it wrote (``raw``): the edge's
+    filters take sentinels and think tags out of the content, and they were a call's arguments
+    too (a file's ``</s>`` and ``[INST]`` lost, a ``"<think>"`` made the call unreadable, and its
+    retry failed the same way: found from outside); the content around them as filtered. Read
+    from ``filtered`` when ``raw`` has no call, or only ones it cannot read where ``filtered``
+    can (a sentinel a model leaked inside a block)."""
+    parsed = parse_text_tool_calls(filtered)
+    if raw is None or raw == filtered or not parsed.candidate:
+        return parsed
+    written = parse_text_tool_calls(raw)
+    if not written.candidate or (written.error and not parsed.error):
+        return parsed
+    return TextToolCalls(parsed.content, written.calls, True, written.error)
+
+
 def _read_call(body: str, budget: jsoncost.Budget) -> tuple[ToolCall | None, str]:
     try:
         obj = budget.decode(body)

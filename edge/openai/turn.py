@@ -35,7 +35,7 @@ from edge.openai.tools import (
     before_tool_markup,
     corrective_message,
     history_call_ids,
-    parse_text_tool_calls,
+    parse_calls_of,
     text_tools_request,
     with_ids,
 )
@@ -121,6 +121,7 @@ class Turn:
             on_reasoning=on_reasoning,
             template=self.edge.template_think,
             model=self.req.model,
+            keep_raw=self.contract is not None,  # (its calls are read from what the model wrote)
         )
 
     def report(self, access) -> None:
@@ -380,7 +381,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
     elif turn.contract is not None:
-        parsed = parse_text_tool_calls(content)
+        parsed = parse_calls_of(content, shaper.raw_content_text)
         if parsed.candidate and not (cut_off and parsed.error):  # a cut-off call block stays text
             content = parsed.content
             tool_calls = parsed.calls or None
