@@ -82,6 +82,40 @@ async def test_reasoning_is_streamed_as_reasoning_content(shaped):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "answer"
 
 
+async def test_reasoning_that_ends_in_what_might_begin_a_sentinel_comes_before_the_answer(shaped):
+    """Reasoning ending in a character a sentinel could begin with (``x[``, ``a <``): the filter
+    held it to the end of the run, so it came after the answer (a second thinking block on
+    /v1/messages, a second reasoning item on /v1/responses: found from outside). No sentinel
+    spans reasoning and content: it goes out as the answer begins, as a whole answer has it."""
+    edge, upstream = shaped
+    upstream.script_for(
+        "t",
+        script(
+            {"reasoning_content": "Check if a <"},
+            {"reasoning_content": " b, then x["},
+            {"content": "Answer."},
+            {"content": " Done."},
+            pause=0,
+        ),
+    )
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            stream = await client.chat.completions.create(model="plain", messages=MESSAGES, stream=True)
+            kinds = [
+                (kind, text)
+                async for c in stream
+                if c.choices
+                for kind, text in (
+                    ("reasoning", getattr(c.choices[0].delta, "reasoning_content", None)),
+                    ("content", c.choices[0].delta.content),
+                )
+                if text
+            ]
+    first_content = next(i for i, (kind, _) in enumerate(kinds) if kind == "content")
+    assert all(kind == "content" for kind, _ in kinds[first_content:]), kinds
+    assert "".join(t for k, t in kinds if k == "reasoning") == "Check if a < b, then x["
+
+
 async def test_reasoning_field_name_is_configurable(shaped):
     """reasoning_field = "reasoning" renames the delta field, stream and whole."""
     edge, upstream = shaped

@@ -128,6 +128,11 @@ class SentinelFilter:
         buf, self._pending = self._pending, ""
         return self._scan(buf, final=True) if buf else ""
 
+    @property
+    def pending(self) -> bool:
+        """Text is held that could still begin a sentinel."""
+        return bool(self._pending)
+
     def _scan(self, buf: str, *, final: bool) -> str:
         """The sentinels found by one pattern, in C, up to where one could still
         be partial (the last ``longest - 1`` characters, when not final); those

@@ -167,9 +167,15 @@ class Shaper:
     def content(self, text: str) -> None:
         if self._raw_parts is not None:
             self._raw_parts.append(text)
+        # (no sentinel spans the two: a "<" that ended the reasoning is its end, not held to the answer's)
+        if self._reasoning_filter.pending and (rest := self._reasoning_filter.flush()):
+            self._reasoning_out(rest)
         text = self._content_filter.append(text)
-        if not text:
-            return
+        if text:
+            self._filtered(text)
+
+    def _filtered(self, text: str) -> None:
+        """Content past the sentinel filter."""
         if self._held is not None:
             self._hold(text)
             return
@@ -252,6 +258,8 @@ class Shaper:
     def reasoning(self, text: str) -> None:
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
+        if self._content_filter.pending and (rest := self._content_filter.flush()):  # (as in content())
+            self._filtered(rest)
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
