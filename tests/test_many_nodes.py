@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 from functools import partial
 
@@ -22,12 +23,14 @@ from tests.conftest import (
     model,
     sdk,
     settled,
+    sse_events,
     start_edge,
     start_node,
     start_node_process,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+STREAMED = {"model": "m", "messages": MESSAGES, "stream": True}
 
 
 async def new_upstream(nursery) -> Upstream:
@@ -329,6 +332,29 @@ async def test_a_run_whose_node_dies_first_beside_a_draining_peer_is_a_503_at_on
     assert "no linked node takes new runs of `m`" in r.json()["error"]["message"]
 
 
+async def test_a_committed_streams_run_lost_with_no_node_left_says_so_in_the_stream(nursery, upstream):
+    """A stream committed by its keep-alives whose run is lost before its first token, with no
+    node left serving the model: its in-stream error said "node disconnected", a `run_error`,
+    with the code `no_node_available` (an outside chaos audit), where the same loss before the
+    stream committed is a 503 that says the node was lost and none takes the model. The stream
+    says what the 503 says, in its type and words."""
+    upstream.script_for("t", [("hang",)])
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.1))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    with trio.fail_after(BOUND):
+        async with (
+            http(edge) as client,
+            client.stream("POST", "/v1/chat/completions", json=STREAMED) as r,
+        ):
+            assert r.status_code == 200  # (committed: its keep-alives go out)
+            await upstream.wait_requests(1)
+            node.stop()
+            body = await r.aread()
+    (error,) = [json.loads(e)["error"] for e in sse_events(body) if e.startswith(b'{"error"')]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "no_node_available", error
+    assert "lost before it answered" in error["message"]
+
+
 async def test_a_tunnelled_stream_s_head_waits_for_its_body_keepalive_s_at_most(nursery, upstream):
     """The edge holds a passthrough stream's head for its body's first bytes (so that a lost node
     can be moved off), but a provider that sends its head and then nothing for long (a long
@@ -361,9 +387,7 @@ async def test_drain_finishes_in_flight_runs_then_leaves(nursery, tmp_path, upst
     with trio.fail_after(BOUND):
         async with (
             http(edge) as client,
-            client.stream(
-                "POST", "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
-            ) as r,
+            client.stream("POST", "/v1/chat/completions", json=STREAMED) as r,
         ):
             await upstream.wait_requests(1)
             proc.send_signal(signal.SIGTERM)

@@ -100,6 +100,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     invalid after the edge's own attempts a 502 with ``x-should-retry: false``
     (a client's retry would only repeat them)."""
     cause = run.cause if run is not None else None
+    if run is not None and run.unserved:
+        return lost_unanswered(run.want.model)
     if cause == CANCELLED:
         return operator_cancelled(failed.message)
     if cause == OVER_BUDGET:
@@ -126,8 +128,6 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     if cause == TIMEOUT:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if cause == NODE_LOST:
-        if run is not None and run.unserved:
-            return lost_unanswered(run.want.model)
         return APIError(502, failed.message, "run_error", code="node_disconnected")
     if cause == NODE_STALLED:  # (ran again once already: its second node stalled too)
         return APIError(502, failed.message, "run_error", code="node_stalled")

@@ -17,7 +17,7 @@ import msgspec
 import structlog
 import trio
 
-from edge.errors import APIError, RunFailed, bad_request, node_error
+from edge.errors import APIError, RunFailed, bad_request, lost_unanswered, node_error
 from edge.keys import OVER_BUDGET
 from edge.openai.exchange import Exchange
 from edge.openai.request import (
@@ -297,6 +297,9 @@ class Collected(msgspec.Struct):
 
 
 def failure(event: RunEvent, run: Run) -> RunFailed:
+    if run.unserved:  # (in a stream as in its 503: it said "node disconnected", a run_error, with this code)
+        lost = lost_unanswered(run.want.model)
+        return RunFailed(lost.message, type=lost.type, cause=run.cause or "run_error", status=event.status)
     message = node_error(event.text) or ("run cancelled" if event.type == "cancelled" else "run failed")
     if event.status in (401, 403):
         # The node's own credentials, not the client's: the client is told so, never the
