@@ -415,6 +415,34 @@ async def test_ledger_totals_include_requests_since_the_ledger_was_read(nursery,
         reading.cancel_scope.cancel()
 
 
+async def test_a_slow_ledger_read_puts_the_next_one_further_off(nursery, tmp_path, monkeypatch):
+    """The console read the day's totals from the ledger every USAGE_EVERY_S however long the read
+    took: a day of 1.6 million rows took 45% of a core with a console open (an outside soak). A
+    read that takes longer than LEDGER_SHARE of that pace puts the next one further off."""
+    monkeypatch.setattr("edge.console.USAGE_EVERY_S", 0.1)
+    monkeypatch.setattr("edge.console.LEDGER_SHARE", 0.05)
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "ledger.sqlite3")))
+    ledger = edge.edge.ledger
+    reads: list[float] = []
+    read = ledger.usage
+
+    async def slow_read(*args):
+        reads.append(trio.current_time())
+        await trio.sleep(0.1)  # (the two reads of a usage event: 0.2 s, so the next after 4 s)
+        return await read(*args)
+
+    monkeypatch.setattr(ledger, "usage", slow_read)
+    events = Events()
+    async with http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            while not events.usage:
+                await events.changed.wait()
+        await trio.sleep(2.0)  # (twenty paces: a read every 0.3 s made it 13 reads)
+        reading.cancel_scope.cancel()
+    assert len(reads) == 2, reads
+
+
 async def test_requests_after_a_console_opened_on_a_fresh_edge_show_before_the_next_ledger_read(
     nursery, tmp_path, monkeypatch
 ):
