@@ -312,7 +312,7 @@ async def test_a_run_moved_off_a_lost_node_waits_within_the_queue_timeout(nurser
     lost, busy = await new_upstream(nursery), await new_upstream(nursery)
     lost.script_for("t", [("hang",)])
     busy.script_for("t", [("chunk", {"content": "working"}), ("hang",)])
-    edge = await start_edge(nursery, edge_config(queue_timeout_ms=500, wait_timeout_s=60, routing="least_loaded"))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=1500, wait_timeout_s=60, routing="least_loaded"))
     doomed = await start_node(nursery, edge, [model("m", lost, target="t", max_concurrency=1)], node_id="doomed")
     await start_node(nursery, edge, [model("m", busy, target="t", max_concurrency=1)], node_id="busy")
     answers: list[httpx.Response] = []
@@ -327,8 +327,11 @@ async def test_a_run_moved_off_a_lost_node_waits_within_the_queue_timeout(nurser
             await lost.wait_requests(1)
             await busy.wait_requests(1)
             doomed.stop()
+            stopped = trio.current_time()
             await eventually(lambda: len(answers) == 1, "the moved run's answer")
+            waited = trio.current_time() - stopped
             clients.cancel_scope.cancel()  # (the other is on the busy node for good)
+    assert waited < 2 * 1.5, waited  # (its turn once: not queued again as a collected run lost)
     (r,) = answers
     assert r.status_code == 502 and r.json()["error"]["code"] == "node_disconnected", r.text
     assert "no other node had room" in r.json()["error"]["message"]

@@ -436,7 +436,13 @@ async def collect_validated(
             result = await turn.run_on(slot, read, metadata=metadata, extra_messages=extra)
         except RunFailed as failed:
             lost = turn.last_run
-            if failed.cause in (NODE_LOST, NODE_STALLED) and not moved and lost is not None and not lost.unserved:
+            if (
+                failed.cause in (NODE_LOST, NODE_STALLED)
+                and not moved
+                and lost is not None
+                and not lost.unserved
+                and not (lost.failed_over and lost.first_event_at is None)  # (moved, it waited its turn out)
+            ):
                 # Its node lost (or stalled) mid-run, and the client has seen none of it (collected:
                 # keep-alives at most): run it again, once, on a node linked now, as a run lost
                 # before its first event moves (Claude Code and Codex got "node disconnected" and
