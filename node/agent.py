@@ -668,6 +668,7 @@ class NodeAgent:
         cfg = self.config
         backoff = cfg.reconnect_min_s
         lost_at = -math.inf  # when the last link that was up went down
+        refused_at = math.inf  # when refusals for its id (4009) in a row began
         while True:
             linked = trio.Event()
             try:
@@ -703,10 +704,12 @@ class NodeAgent:
             now = trio.current_time()
             if linked.is_set():
                 backoff, lost_at = cfg.reconnect_min_s, now
+            refused_at = min(refused_at, now) if duplicate else math.inf
             cap = cfg.reconnect_max_s
-            # (refused as its id is linked already: its old link, half dead, goes at the edge's ping
-            # timeout: it redials as after a lost link, where backing off took 5-11 s more)
-            if now - lost_at < cfg.relink_window_s or duplicate:
+            # Refused as its id is linked already: its old link, half dead, goes at the edge's ping
+            # timeout, so for relink_window_s it redials as after a lost link (backing off took
+            # 5-11 s more); then as any failure (another live process of that id: a mistake).
+            if now - lost_at < cfg.relink_window_s or now - refused_at < cfg.relink_window_s:
                 cap = min(cap, cfg.relink_max_s)
             backoff = min(backoff, cap)
             delay = backoff * random.uniform(0.5, 1.0)  # jitter: relinking nodes do not stampede
