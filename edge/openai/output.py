@@ -35,7 +35,7 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
-from edge.openai.tools import INLINE_PATTERN_S, NeedsTime, ToolTextFilter, parse_calls_of, with_ids
+from edge.openai.tools import INLINE_PATTERN_S, NeedsTime, TextToolCalls, ToolTextFilter, parse_calls_of, with_ids
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
     TOOL_VALIDATION_ERROR,
@@ -511,7 +511,7 @@ class ToolLive(LiveEncoder):
             parsed = parse_calls_of("".join(self.raw_content), self.shaper.raw_content_text)
             if parsed.candidate and not (cut_off and parsed.error):
                 calls = parsed.calls or None
-                self._emit_content(_unstreamed(parsed.content, "".join(self.emitted)))
+                self._emit_content(_unstreamed(parsed, "".join(self.emitted)))
                 if parsed.error:  # a block that could not be read fails the turn, as when buffered
                     return self._invalid(parsed.error, calls, parsed.content, sent, mark)
             else:
@@ -622,8 +622,13 @@ class LiveStream(ToolLive):
         return b"".join(tail)
 
 
-def _unstreamed(cleaned: str, emitted: str) -> str:
-    """The part of the final cleaned content the client has not seen yet."""
+def _unstreamed(parsed: TextToolCalls, emitted: str) -> str:
+    """The part of the final cleaned content the client has not seen yet: what follows
+    ``emitted`` in the content as the model wrote it around its calls (its whitespace
+    between them kept, as a whole answer's is; its end stripped, as a whole answer's is)."""
+    if parsed.unstripped.startswith(emitted):
+        return parsed.unstripped[len(emitted) :].rstrip()
+    cleaned = parsed.content
     if cleaned.startswith(emitted):
         return cleaned[len(emitted) :]
     cleaned, emitted = cleaned.strip(), emitted.strip()

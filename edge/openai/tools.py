@@ -60,10 +60,11 @@ _BLOCK = re.compile(
 
 
 class TextToolCalls(msgspec.Struct):
-    content: str  # the text with every call block removed
+    content: str  # the text with every call block removed (and stripped, when there was one)
     calls: list[ToolCall]
     candidate: bool  # some block looked like a tool call
     error: str = ""  # a block that could not be read as a call
+    unstripped: str = ""  # ``content`` before it was stripped (when there was a block)
 
 
 def new_call_id() -> str:
@@ -143,10 +144,10 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
         else:
             errors.append(error)
     pieces.append(text[pos:])
-    content = "".join(pieces).strip() if found else text
+    joined = "".join(pieces) if found else ""
     if len(errors) > MAX_ERRORS_SAID:  # (1,024 unreadable calls were a 158 KB error, and retry message)
         errors[MAX_ERRORS_SAID:] = [f"and {len(errors) - MAX_ERRORS_SAID} more"]
-    return TextToolCalls(content, calls, found, "; ".join(errors))
+    return TextToolCalls(joined.strip() if found else text, calls, found, "; ".join(errors), joined)
 
 
 def parse_calls_of(filtered: str, raw: str | None) -> TextToolCalls:
@@ -162,7 +163,7 @@ def parse_calls_of(filtered: str, raw: str | None) -> TextToolCalls:
     written = parse_text_tool_calls(raw)
     if not written.candidate or (written.error and not parsed.error):
         return parsed
-    return TextToolCalls(parsed.content, written.calls, True, written.error)
+    return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped)
 
 
 def _read_call(body: str, budget: jsoncost.Budget) -> tuple[ToolCall | None, str]:
