@@ -499,11 +499,7 @@ class RunService:
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
         model = run.want.model
-        if not any(
-            run.want.fits(lk) and not lk.failing(model) and not lk.draining  # (a draining node takes no new run)
-            for lk in self._serving(model)
-            if lk is not old
-        ):
+        if not self._taken_elsewhere(run, old):
             return False
         moved = self._moved[model]
         link = None if moved else self._pick(run.want, exclude=old, healthy=True)
@@ -666,13 +662,22 @@ class RunService:
             if not run.rerun_if_stalled or run.finished or run.first_event_at is None or run.slot.model not in models:
                 continue
             last = run.last_event_at if run.progress_first == -math.inf else max(run.last_event_at, run.progress_at)
-            model = run.slot.model
-            if last <= due and any(
-                run.want.fits(lk) and not lk.failing(model) and not lk.draining and not lk.stalled(now, model)
-                for lk in self._serving(model)
-                if lk is not link
-            ):
+            if last <= due and self._taken_elsewhere(run, link, now):
                 run.fail("its node stopped making progress", NODE_STALLED)
+
+    def _taken_elsewhere(self, run: Run, old: NodeLink, stalled_at: float | None = None) -> bool:
+        """A node besides ``old`` serves ``run``'s model and would take it: it fits, is not
+        failing the model, not draining (a draining node takes no new run) and, with
+        ``stalled_at``, not routed around for the model then."""
+        model = run.want.model
+        return any(
+            run.want.fits(lk)
+            and not lk.failing(model)
+            and not lk.draining
+            and (stalled_at is None or not lk.stalled(stalled_at, model))
+            for lk in self._serving(model)
+            if lk is not old
+        )
 
     def _peers_ttft(self, link: NodeLink, model: str, now: float) -> float | None:
         """The typical time to a first event of ``model`` on the nodes serving it
