@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from hypothesis import given, settings
@@ -91,6 +92,60 @@ def test_think_splitter_is_split_invariant(case, starts_open):
     """Think tags split across deltas move the same text to reasoning as the unsplit text."""
     text, pieces = case
     assert run_think(pieces, starts_open) == run_think([text], starts_open)
+
+
+call_fragments = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "{{tool_call}}",
+        "{{/tool_call}}",
+        "<tool_",
+        '"',
+        "\\",
+        "{",
+        "}",
+        "<think>",
+        "</think>",
+        "a",
+        " ",
+    ]
+)
+
+
+def run_think_with_calls(pieces: list[str], starts_open: bool = False) -> tuple[str, str]:
+    content: list[str] = []
+    reasoning: list[str] = []
+    t = ThinkSplitter(content.append, reasoning.append, starts_open=starts_open, calls=True)
+    for piece in pieces:
+        t.append(piece)
+    t.flush()
+    return "".join(content), "".join(reasoning)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(call_fragments, max_size=30).map("".join), st.lists(st.integers(0, 200), max_size=8), st.booleans())
+def test_a_call_aware_think_splitter_is_split_invariant(text, cuts, starts_open):
+    """With tools, tool-call blocks (their JSON strings, escapes and closing tags split anywhere)
+    and think tags move the same text to reasoning as the unsplit text, and lose none."""
+    cuts = sorted(min(c, len(text)) for c in cuts)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, reasoning = run_think_with_calls(pieces, starts_open)
+    assert (content, reasoning) == run_think_with_calls([text], starts_open)
+    if "tool_call" not in text:
+        assert (content, reasoning) == run_think([text], starts_open)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(call_fragments, max_size=8).map("".join), max_size=4), st.sampled_from(["<", "{"]))
+def test_a_call_block_is_content_whatever_its_strings_hold(strings, form):
+    """A call written as text whose arguments hold think tags, closing tags, quotes and
+    backslashes is content as written, and the think tags around it still split."""
+    block = json.dumps({"name": "f", "arguments": {f"k{i}": v for i, v in enumerate(strings)}})
+    block = f"<tool_call>{block}</tool_call>" if form == "<" else f"{{{{tool_call}}}}{block}{{{{/tool_call}}}}"
+    text = "<think>plan</think>Doing it." + block + "<think>more</think>Done."
+    assert run_think_with_calls([text]) == ("Doing it." + block + "Done.", "planmore")
+    assert run_think_with_calls([text[i : i + 3] for i in range(0, len(text), 3)]) == run_think_with_calls([text])
 
 
 def test_think_splitter_examples():

@@ -138,6 +138,43 @@ async def test_a_text_calls_arguments_keep_sentinels_and_think_tags(tooled, name
     assert len(upstream.records) == 1  # (no retry)
 
 
+@pytest.mark.parametrize(("name", "stream"), [("native", False), ("native", True), ("live", True)])
+@pytest.mark.parametrize("file", ['END = "</tool_call>"\nOPEN = "<think>"\n', 'CLOSE = "</think>"\n'])
+async def test_markup_inside_a_text_calls_arguments_is_the_arguments(tooled, name, stream, file):
+    """A file whose text holds ``</tool_call>`` and ``<think>``, written by a call as text, with
+    an answer after the call. ``</tool_call>`` inside the JSON ended the call there (unreadable,
+    retried, a 502), ``<think>`` moved the rest of the call and the answer after it into
+    reasoning, and a lone ``</think>`` the text before it (found from outside). Markup inside a
+    call's JSON strings is the arguments."""
+    edge, upstream = tooled
+    args = {"path": "p.py", "content": file}
+    text = "Writing it.\n<tool_call>" + json.dumps({"name": "write_file", "arguments": args}) + "</tool_call>\nSaved."
+    upstream.script_for("t", steps(*({"content": text[i : i + 5]} for i in range(0, len(text), 5))))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            if stream:
+                chunks = [
+                    c.choices[0].delta
+                    async for c in await client.chat.completions.create(
+                        model=name, messages=MESSAGES, tools=[WRITE], stream=True
+                    )
+                    if c.choices
+                ]
+                content = "".join(d.content or "" for d in chunks)
+                reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks)
+                calls = [call for d in chunks for call in d.tool_calls or ()]
+            else:
+                message = (
+                    await client.chat.completions.create(model=name, messages=MESSAGES, tools=[WRITE])
+                ).choices[0].message
+                content, calls = message.content, message.tool_calls
+                reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("write_file", args)]
+    assert content == "Writing it.\n\nSaved."
+    assert reasoning == ""
+    assert len(upstream.records) == 1  # (no retry)
+
+
 async def test_a_live_tool_stream_keeps_the_whitespace_between_text_around_a_call(tooled):
     """Text, a call written as text, then more text: a live stream dropped the whitespace between
     the text before the call and the text after it (found from outside: 114 of 400 random

@@ -196,6 +196,17 @@ THINK_CLOSE_RE = re.compile(THINK_CLOSE, re.IGNORECASE | re.ASCII)
 MAX_THINK_TAGS = 1024
 
 
+# A request with tools: a tool-call block written as text is the call's, think tags inside it
+# too (a file holding "<think>" moved the rest of the call, and the answer after it, into the
+# reasoning). Its end is the closing tag outside the JSON's strings, as the calls are read.
+_CALL_OPENS = ("<tool_call>", "{{tool_call}}")
+_OPEN_OR_CALL_RE = re.compile("|".join(map(re.escape, (THINK_OPEN, *_CALL_OPENS))), re.IGNORECASE | re.ASCII)
+_ANY_TAG_RE = re.compile("|".join(map(re.escape, (THINK_OPEN, THINK_CLOSE, *_CALL_OPENS))), re.IGNORECASE | re.ASCII)
+_CALL_CLOSES = {"<": "</tool_call>", "{": "{{/tool_call}}"}  # by a block's first character
+_QUOTE_OR_CLOSE_RE = {k: re.compile('"|' + re.escape(v), re.IGNORECASE | re.ASCII) for k, v in _CALL_CLOSES.items()}
+_QUOTED_END_RE = re.compile(r'["\\]')
+
+
 class ThinkSplitter:
     """Moves ``<think>…</think>`` text out of content into reasoning.
 
@@ -205,9 +216,22 @@ class ThinkSplitter:
     reasoning. Tags match case-insensitively; a partial tag at the end of a
     piece is held back. Output goes to the two callbacks. Past
     :data:`MAX_THINK_TAGS` tags the rest is content, tags as written.
+    ``calls`` (a request with tools): a tool-call block in the content is
+    content as written, think tags inside it too.
     """
 
-    __slots__ = ("_in_think", "_head", "_pending", "_content", "_reasoning", "_tags")
+    __slots__ = (
+        "_in_think",
+        "_head",
+        "_pending",
+        "_content",
+        "_reasoning",
+        "_tags",
+        "_calls",
+        "_call",
+        "_quoted",
+        "_escaped",
+    )
 
     def __init__(
         self,
@@ -215,6 +239,7 @@ class ThinkSplitter:
         reasoning: Callable[[str], None],
         *,
         starts_open: bool = False,
+        calls: bool = False,
     ) -> None:
         self._in_think = starts_open
         self._head = starts_open  # still before the first text of an open stream
@@ -222,13 +247,21 @@ class ThinkSplitter:
         self._content = content
         self._reasoning = reasoning
         self._tags = 0  # switched on so far
+        self._calls = calls
+        self._call = ""  # inside a call block: its first character ("<" or "{"), which says its closing tag
+        self._quoted = False  # inside one of its JSON strings
+        self._escaped = False  # right after a backslash there
 
     def append(self, text: str) -> None:
         if self._head:
             text = self._past_head(text)
             if text is None:
                 return
-        if not self._pending and ("<" not in text or self._tags > MAX_THINK_TAGS):
+        if (
+            not self._pending
+            and not self._call
+            and ("<" not in text and (not self._calls or "{" not in text) or self._tags > MAX_THINK_TAGS)
+        ):
             if text:
                 (self._reasoning if self._in_think else self._content)(text)
             return
@@ -236,8 +269,18 @@ class ThinkSplitter:
         self._pending = ""
         at = 0  # (one pass over buf: a search from the start for each tag was quadratic in tags)
         while True:
-            tag = THINK_CLOSE_RE if self._in_think else THINK_OPEN_RE
+            if self._call:
+                at = self._through_call(buf, at)
+                if at < 0:
+                    return
+                continue
+            tag = THINK_CLOSE_RE if self._in_think else _OPEN_OR_CALL_RE if self._calls else THINK_OPEN_RE
             found = tag.search(buf, at)
+            if found is not None and self._calls and not self._in_think and found.end() - found.start() > 7:
+                self._emit(buf[at : found.end()])  # (a call's opening tag: not a 7-character <think>)
+                self._call = buf[found.start()]
+                at = found.end()
+                continue
             if found is not None:
                 self._emit(buf[at : found.start()])
                 self._tags += 1
@@ -248,12 +291,53 @@ class ThinkSplitter:
                 at = found.end()
                 self._in_think = not self._in_think
                 continue
-            # Hold back a suffix that may be the start of the tag.
+            # Hold back a suffix that may be the start of a tag.
             rest = buf[at:]
-            hold = _partial_suffix(rest, tag.pattern)
+            if tag is _OPEN_OR_CALL_RE:
+                hold = max(_partial_suffix(rest, t) for t in (THINK_OPEN, *_CALL_OPENS))
+            else:
+                hold = _partial_suffix(rest, tag.pattern)
             self._emit(rest[: len(rest) - hold])
             self._pending = rest[len(rest) - hold :]
             return
+
+    def _through_call(self, buf: str, at: int) -> int:
+        """Content from ``at`` to the end of the call block it is inside: past its closing tag
+        (returned), or to the end of ``buf`` (-1; a partial closing tag held back)."""
+        start = at
+        while True:
+            if self._quoted:
+                if self._escaped:
+                    if at >= len(buf):
+                        break
+                    at += 1
+                    self._escaped = False
+                found = _QUOTED_END_RE.search(buf, at)
+                if found is None:
+                    break
+                at = found.end()
+                if found.group() == "\\":
+                    self._escaped = True
+                else:
+                    self._quoted = False
+                continue
+            found = _QUOTE_OR_CLOSE_RE[self._call].search(buf, at)
+            if found is None:
+                cut = len(buf) - _partial_suffix(buf[at:], _CALL_CLOSES[self._call])
+                self._pending = buf[cut:]
+                if cut > start:
+                    self._content(buf[start:cut])
+                return -1
+            at = found.end()
+            if found.group() == '"':
+                self._quoted = True
+                continue
+            self._call = ""
+            self._content(buf[start:at])
+            return at
+        if len(buf) > start:
+            self._content(buf[start:])
+        return -1
 
     def _past_head(self, text: str) -> str | None:
         """An open stream's first text, with a leading ``<think>`` dropped;
@@ -275,6 +359,27 @@ class ThinkSplitter:
     def _emit(self, text: str) -> None:
         if text:
             (self._reasoning if self._in_think else self._content)(text)
+
+
+def opens_with_close(text: str, calls: bool) -> bool:
+    """Whether the first think tag of ``text`` (outside tool-call blocks, with ``calls``) is a
+    ``</think>``: the chat template opened the reasoning."""
+    probe = ThinkSplitter(_drop, _drop, calls=True)
+    at = 0
+    while (found := _ANY_TAG_RE.search(text, at)) is not None:
+        word = found.group().lower()
+        if word in (THINK_OPEN, THINK_CLOSE):
+            return word == THINK_CLOSE
+        at = found.end()
+        if calls:
+            probe._call = word[0]
+            if (at := probe._through_call(text, at)) < 0:
+                return False
+    return False
+
+
+def _drop(_: str) -> None:
+    pass
 
 
 def _partial_suffix(buf: str, tag: str) -> int:

@@ -22,6 +22,7 @@ from edge.openai.filters import (
     THINK_OPEN_RE,
     SentinelFilter,
     ThinkSplitter,
+    opens_with_close,
 )
 from proto import RunEvent
 from proto.frames import DELTA, REASONING_DELTA
@@ -145,7 +146,7 @@ class Shaper:
         self._unclosed = False  # the run ended with its head still held: no </think> came
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
         if live and policy.think_tags == "open":
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True)
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True, calls=keep_raw)
         # A strict live stream with think_tags "auto" holds its content until it shows its
         # reasoning ended (</think>), starts with <think>, or ends: a template that consumed
         # <think> makes the head reasoning, and strict reasoning never leaves the edge. Not if
@@ -184,8 +185,8 @@ class Shaper:
     def _shape_content(self, text: str) -> None:
         if self._watch is not None and ("<" in text or self._watch):
             self._watch_tags(text)
-        if self._think is None and "<" in text:
-            self._split_think()
+        if self._think is None and ("<" in text or self._raw_parts is not None and "{" in text):
+            self._split_think()  # (a "{": a call block of the other form, {{tool_call}})
         if self._think is not None:
             self._think.append(text)
         elif self._live:
@@ -253,7 +254,7 @@ class Shaper:
     def _split_think(self) -> None:
         """Text with a "<" in a live stream whose think tags are on: split from here."""
         if self._live and self.policy.think_tags != "off":
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out)
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=self._raw_parts is not None)
 
     def reasoning(self, text: str) -> None:
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
@@ -301,7 +302,7 @@ class Shaper:
             self._head_open = True  # (the end: nothing more can show a </think>)
             self._release()
             rest = self._content_filter.flush()
-        if self._think is None and "<" in rest:
+        if self._think is None and ("<" in rest or self._raw_parts is not None and "{" in rest):
             self._split_think()
         if self._think is not None:
             if rest:
@@ -319,12 +320,15 @@ class Shaper:
             if mode != "off":
                 # Opened by the template when the first </think> comes before any <think> (an
                 # answer that then names <think> itself no longer hid that: the reasoning leaked).
-                close = THINK_CLOSE_RE.search(raw)
-                opened = THINK_OPEN_RE.search(raw, 0, close.start()) if close is not None else None
-                starts_open = mode == "open" or (close is not None and opened is None)
-                if close is not None and opened is None:
+                opened_by_template = opens_with_close(raw, calls=self._raw_parts is not None)
+                if opened_by_template:
                     self._learned()
-                splitter = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=starts_open)
+                splitter = ThinkSplitter(
+                    self._content_out,
+                    self._reasoning_out,
+                    starts_open=mode == "open" or opened_by_template,
+                    calls=self._raw_parts is not None,
+                )
                 splitter.append(raw)
                 splitter.flush()
             elif raw:

@@ -57,6 +57,16 @@ _BLOCK = re.compile(
     r"<tool_call>(?P<xml>.*?)(?:</tool_call>|\Z)|\{\{tool_call\}\}(?P<mustache>.*?)(?:\{\{/tool_call\}\}|\Z)",
     re.IGNORECASE | re.DOTALL,
 )
+# A block's body read as JSON reads it: a closing tag inside a JSON string is the arguments (a
+# file holding "</tool_call>"). It stops only at a closing tag outside strings, or at the end (an
+# unterminated string runs to it); possessive throughout, so linear whatever the text. Used where
+# the first closing tag cut a call short.
+_STRING = r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)'
+_JSON_BODY = {
+    "xml": re.compile(rf"(?:[^\"<]++|{_STRING}|<(?!/tool_call>))*+", re.IGNORECASE | re.DOTALL),
+    "mustache": re.compile(rf"(?:[^\"{{]++|{_STRING}|\{{(?!\{{/tool_call\}}\}}))*+", re.IGNORECASE | re.DOTALL),
+}
+_CLOSE = {"xml": len("</tool_call>"), "mustache": len("{{/tool_call}}")}
 
 
 class TextToolCalls(msgspec.Struct):
@@ -130,15 +140,25 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     pos = 0
     found = False
     budget = jsoncost.Budget()  # for the turn's calls together
-    for m in _BLOCK.finditer(text):
+    rereads = len(text)  # what bodies read as JSON may go through in all (each can run to the end)
+    while (m := _BLOCK.search(text, pos)) is not None:
         found = True
         if len(calls) + len(errors) == MAX_TOOL_CALLS:  # (as a node bounds native calls: 400,000 made 39 MB)
             errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
             break
         pieces.append(text[pos : m.start()])
+        kind = "xml" if m.group("xml") is not None else "mustache"
+        call, error = _read_call(m.group(kind).strip(), budget)
         pos = m.end()
-        body = (m.group("xml") if m.group("xml") is not None else m.group("mustache")).strip()
-        call, error = _read_call(body, budget)
+        if call is None and rereads > 0:  # a closing tag inside a JSON string may have cut it short
+            start = m.start(kind)
+            window = min(len(text), start + rereads)
+            read = _JSON_BODY[kind].match(text, start, window)
+            rereads -= read.end() - start
+            if read.end() > m.end(kind) and (read.end() < window or window == len(text)):
+                whole, _ = _read_call(read.group().strip(), budget)
+                if whole is not None:
+                    call, error, pos = whole, "", min(len(text), read.end() + _CLOSE[kind])
         if call is not None:
             calls.append(call)
         else:
