@@ -626,6 +626,8 @@ def _unstreamed(parsed: TextToolCalls, emitted: str) -> str:
     """The part of the final cleaned content the client has not seen yet: what follows
     ``emitted`` in the content as the model wrote it around its calls (its whitespace
     between them kept, as a whole answer's is; its end stripped, as a whole answer's is)."""
+    if not emitted:  # (its leading whitespace too: held until text followed it)
+        return parsed.content
     if parsed.unstripped.startswith(emitted):
         return parsed.unstripped[len(emitted) :].rstrip()
     cleaned = parsed.content

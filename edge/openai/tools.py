@@ -1047,13 +1047,15 @@ class ToolTextFilter:
     """Passes content through while holding back anything that may be the start
     of a tool call; once a call starts, everything after it is held. What it
     releases is the text exactly as written, whitespace included, however the
-    deltas split it."""
+    deltas split it. Whitespace the content starts with is held until text
+    follows it: a whole answer with a call strips it."""
 
-    __slots__ = ("_pending", "_held")
+    __slots__ = ("_pending", "_held", "_lead")
 
     def __init__(self) -> None:
         self._pending = ""  # what may start a candidate (no more than the longest hint)
         self._held: list[str] | None = None  # from a candidate on: kept as it comes, never searched again
+        self._lead: str | None = ""  # the leading whitespace so far (None: past it)
 
     def append(self, text: str) -> str:
         if self._held is not None:  # (joining and searching all of it per delta: 50k deltas took 8 s)
@@ -1063,22 +1065,33 @@ class ToolTextFilter:
         idx = _first_candidate(buf)
         if idx >= 0:
             self._pending, self._held = "", [buf[idx:]]
-            return buf[:idx]
+            return self._past_lead(buf[:idx])
         cut = _safe_len(buf)
         self._pending = buf[cut:]
-        return buf[:cut]
+        return self._past_lead(buf[:cut])
+
+    def _past_lead(self, out: str) -> str:
+        lead = self._lead
+        if lead is None:
+            return out
+        if not out or out.isspace():
+            self._lead = lead + out
+            return ""
+        self._lead = None
+        return lead + out if lead else out
 
     def flush(self) -> str:
         out = "".join(self._held) if self._held is not None else self._pending
+        out, self._lead = (self._lead or "") + out, None
         self._pending, self._held = "", None
         return out
 
     def flush_non_candidate(self) -> str:
         """At the end of the text: what is held unless it is a tool call's start (the end of a
         text that might have begun one, ``<`` or ``{``, is text: nothing follows it)."""
-        buf, held = self._pending, self._held
-        self._pending, self._held = "", None
-        return "" if held is not None else buf
+        buf, held, lead = self._pending, self._held, self._lead or ""
+        self._pending, self._held, self._lead = "", None, None
+        return "" if held is not None else lead + buf
 
 
 def before_tool_markup(text: str) -> str:
