@@ -58,12 +58,14 @@ def split_before_call(draw):
 @settings(max_examples=400, deadline=None)
 @given(split_before_call())
 def test_live_tool_filter_releases_the_text_before_a_call_exactly(case):
-    """However the deltas split it, the filter releases exactly the text before the first call, whitespace included."""
+    """However the deltas split it, the filter releases exactly the text before the first call,
+    whitespace included, unless that is whitespace alone (held: a whole answer that starts with a
+    call has none)."""
     prefix, text, pieces = case
     f = ToolTextFilter()
     released = "".join(f.append(piece) for piece in pieces)
     first = min(i for i in (text.lower().find("<tool_call"), text.lower().find("{{tool_call")) if i >= 0)
-    assert released == text[:first]
+    assert released == ("" if text[:first].isspace() else text[:first])
     assert released + f.flush() == text
 
 
