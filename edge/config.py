@@ -108,7 +108,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # prompt prefix, then rendezvous hashing), "session" (session, then least loaded),
     # "least_loaded", "random".
     routing: Literal["prefix", "session", "least_loaded", "random"] = "prefix"
-    prefix_index_entries: int = 500_000  # prefix blocks remembered (about 80 bytes each: ~40 MB); 0: none
+    prefix_index_entries: int = (
+        500_000  # prefix blocks remembered (80-150 bytes each), and half as many relayed; 0: none
+    )
     prefix_max_load_gap: float = 0.25  # a prefix or rendezvous choice may be this much busier (fraction of
     #                                    capacity) than the least loaded node; beyond it load wins
     prefix_wait_ms: float = 250.0  # a request whose prefix is on a node with no free slot (but not beyond the

@@ -12,7 +12,7 @@ from edge.config import ConfigError, EdgeConfig
 from edge.openai.request import prompt_prefix
 from edge.openai.schema import ChatRequest
 from edge.runs import NodeLink, RunService, Want
-from edge.runs.placement import BLOCK_BYTES, PrefixIndex, prefix_chain, rendezvous
+from edge.runs.placement import BLOCK_BYTES, MAX_HOLDERS, PrefixIndex, prefix_chain, prompt_chain, rendezvous
 from proto import ModelInfo
 from scripts.upstream import Upstream
 from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
@@ -70,11 +70,12 @@ def test_the_chain_is_over_rendered_text_not_json_shape():
 
     plain = prompt_prefix(req([{"role": "user", "content": "hello world"}]))
     parts = prompt_prefix(req([{"role": "user", "content": [{"type": "text", "text": "hello world"}]}]))
-    assert plain == parts and len(plain) == 1
-    assert prompt_prefix(req([{"role": "system", "content": "hello world"}])) != plain
+    assert plain == parts and len(plain[0]) == 1
+    assert prompt_prefix(req([{"role": "system", "content": "hello world"}]))[0] != plain[0]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with_tools = prompt_prefix(req([{"role": "user", "content": "hello world"}], tools=[tool]))
-    assert len(with_tools) == 2 and with_tools[1] != plain[0]
+    with_tools, opening = prompt_prefix(req([{"role": "user", "content": "hello world"}], tools=[tool]))
+    assert len(with_tools) == 2 and with_tools[1] != plain[0][0]
+    assert opening == 1  # (the conversation's opening: its first user message's last block)
 
 
 def test_the_index_is_capped_and_forgets_the_least_recent():
@@ -115,6 +116,42 @@ def test_a_block_remembers_several_nodes_most_recent_first():
         index.record(c, node)
     assert index.match(c, {"a", "b", "c", "d"}) == (8, {"a", "b", "c"})
     assert index.holders(c[0]) == ("c", "b", "a")
+
+
+def test_conversations_sharing_a_system_prompt_match_their_own_node_in_a_large_fleet():
+    """Eight nodes, one system prompt every conversation starts with (an agent's tools and
+    instructions). Its blocks list only the last MAX_HOLDERS nodes that got them, and the match
+    stopped there: conversations on the other nodes matched only the system prompt, on another
+    node (found from outside: 34% of turns stayed on their node, one node got no run). A
+    conversation matches all of its prompt, on its own node."""
+    index = PrefixIndex(100_000)
+    nodes = [f"node-{i}" for i in range(8)]
+    chains = [chain(("system", SYSTEM), ("user", f"conversation {c}: " + "x" * 3000)) for c in range(16)]
+    for c, ch in enumerate(chains):
+        index.record(ch, nodes[c % 8])
+    for c, ch in enumerate(chains):
+        assert index.match(ch, nodes) == (len(ch), {nodes[c % 8]})
+    # A new conversation matches the system prompt on the nodes listed for it.
+    depth, holders = index.match(chain(("system", SYSTEM), ("user", "new")), nodes)
+    assert depth == 8 and holders == set(nodes[4:])
+
+
+def test_relays_flooding_the_index_never_evict_the_edges_own_placements():
+    """A node may relay (``placed``) keys it was never sent, within the link's rate: a flood of
+    them emptied the whole index in 4 s, and every turn after it was placed cold (found from
+    outside). Relays are kept apart, half as many: they evict each other only."""
+    index = PrefixIndex(1000)
+    mine = [chain(("system", f"prompt {i}"), ("user", "hi " * 100)) for i in range(20)]
+    for i, ch in enumerate(mine):
+        index.record(ch, f"node-{i % 4}")
+    honest = chain(("system", "elsewhere"), ("user", "turn 1"))
+    index.record(honest, "node-1", relayed=True)
+    assert index.match(honest, {"node-1", "node-2"}) == (len(honest), {"node-1"})
+    index.record(range(2**59, 2**59 + 100_000), "node-9", relayed=True)  # the flood
+    for i, ch in enumerate(mine):
+        assert index.match(ch, {f"node-{n}" for n in range(4)}) == (len(ch), {f"node-{i % 4}"})
+    assert index.match(honest, {"node-1"}) == (0, set())  # (a relay: evicted by relays)
+    assert len(index) <= 1000 + 500
 
 
 def test_removing_a_node_moves_only_its_own_keys():
@@ -166,6 +203,36 @@ async def test_the_longest_prefix_wins_over_rendezvous(autojump_clock):
     slot = await runs.acquire(Want("m", session=other, prefix=chain(("system", SYSTEM), ("user", "b"))))
     assert slot.link is first.link
     assert placed[-1] == ("prefix", 8)
+
+
+def conversation(system: str, first: str) -> Want:
+    prefix, opening = prompt_chain("m", [("system", system), ("user", first)])
+    return Want("m", prefix=prefix, opening=opening)
+
+
+async def test_new_conversations_on_a_system_prompt_the_fleet_shares_spread_over_every_node(autojump_clock):
+    """Eight idle nodes; a system prompt the index lists for MAX_HOLDERS of them (every
+    conversation of an agent starts with it). New conversations went to those listed only, and
+    by its first block to one of them: the other nodes got none (found from outside). They go
+    to any of the least loaded, by the conversation's opening, and each one's next turn
+    follows it there."""
+    runs, links = fleet(8)
+    for i in range(MAX_HOLDERS):  # conversations placed on 4 nodes (as load spread them)
+        runs.prefixes.record(conversation(SYSTEM, f"earlier {i}").prefix, links[i].node_id)
+    placed = {}
+    for i in range(40):
+        want = conversation(SYSTEM, f"conversation {i}")
+        slot = await runs.acquire(want)
+        runs.release(slot)
+        placed[i] = slot.link.node_id
+    assert len(set(placed.values())) >= 7, placed
+    for i in range(40):  # each next turn: on its conversation's node
+        prefix, opening = prompt_chain(
+            "m", [("system", SYSTEM), ("user", f"conversation {i}"), ("assistant", "ok"), ("user", "and then?")]
+        )
+        slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
+        runs.release(slot)
+        assert slot.link.node_id == placed[i]
 
 
 async def test_a_hot_prefix_does_not_pile_onto_one_node(autojump_clock):
@@ -386,7 +453,7 @@ async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
             messages.append({"role": "user", "content": "second question"})
             await turn(via_b, messages, headers=session)
             assert len(ups[y].records) == 2
-            second = prompt_prefix(msgspec.convert(body(messages[:-1]), ChatRequest))
+            second, _ = prompt_prefix(msgspec.convert(body(messages[:-1]), ChatRequest))
             await eventually(lambda: a.edge.runs.prefixes.holders(second[-1]) == ids[y], what="A told of Y")
             messages.append({"role": "user", "content": "third question"})
             await turn(via_a, messages)

@@ -14,7 +14,7 @@ from edge import errors
 from edge.openai.jsonbody import MAX_JSON_DEPTH, decode_json, decoder_for, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
 from edge.per_run import per_run
-from edge.runs.placement import prefix_chain
+from edge.runs.placement import prompt_chain
 from proto.jsoncost import nested_deeper_than
 
 
@@ -498,12 +498,12 @@ def has_media(req: ChatRequest) -> bool:
     )
 
 
-def prompt_prefix(req: ChatRequest) -> tuple[int, ...]:
-    """The request's prefix chain (:func:`edge.runs.placement.prefix_chain`)
+def prompt_prefix(req: ChatRequest) -> tuple[tuple[int, ...], int]:
+    """The request's prefix chain and its opening (:func:`edge.runs.placement.prompt_chain`)
     over what a chat template renders first: tool definitions, then each
     message's role and text (text parts joined; a non-text part counts by
     its type only), with its tool calls."""
-    return prefix_chain(req.model, _rendered(req))
+    return prompt_chain(req.model, _rendered(req))
 
 
 def _rendered(req: ChatRequest) -> Iterator[tuple[str, str]]:

@@ -84,12 +84,14 @@ class Turn:
         # max_tokens (the SDKs' default), the prompt and one token (it was no check at all: a
         # long prompt went to a small-context node while a large one served the model).
         limit = req.max_completion_tokens or req.max_tokens or 0
+        prefix, opening = prompt_prefix(req) if edge.config.routing == "prefix" else ((), 0)
         self.want = Want(
             req.model,
             session=session_key(self.session),
             min_context=self.estimate + (limit or 1),
             max_tokens=limit,
-            prefix=prompt_prefix(req) if edge.config.routing == "prefix" else (),
+            prefix=prefix,
+            opening=opening,
             body_bytes=len(self.body),
         )
         self.last_run: Run | None = None

@@ -13,8 +13,8 @@ Python int of two digits, the smallest heap int that holds them).
 :class:`PrefixIndex` maps a key to the nodes the edge recently sent it to:
 a bounded, approximate LRU of two generations of plain dicts (a key recorded
 again moves to the young one; when the young one is full the old one is
-dropped). Matching walks the chain from its start while some candidate node
-holds the block: O(prefix blocks), whatever the number of nodes or sessions.
+dropped). Matching finds the deepest block of the chain a candidate node
+holds: O(prefix blocks), whatever the number of nodes or sessions.
 
 :func:`rendezvous` (highest random weight) picks among equally good nodes the
 same way on every edge, with no shared state: a stable hash of the key and
@@ -39,8 +39,16 @@ Holders = str | tuple[str, ...]
 def prefix_chain(model: str, messages: Iterable[tuple[str, str]]) -> tuple[int, ...]:
     """The block keys of a prompt given as (role, text) pairs, in order,
     at most :data:`MAX_BLOCKS`."""
+    return prompt_chain(model, messages)[0]
+
+
+def prompt_chain(model: str, messages: Iterable[tuple[str, str]]) -> tuple[tuple[int, ...], int]:
+    """:func:`prefix_chain`, and the index of its block that ends the first ``user`` message
+    (the last block when there is none): the conversation's opening, the same in each of its
+    turns, and different in conversations that share a system prompt and tools."""
     h = hashlib.blake2b(model.encode(), digest_size=8)
     keys: list[int] = []
+    opening = -1
     for role, text in messages:
         h.update(b"\x1e" + role.encode() + b"\x1f")
         data = memoryview(text.encode("utf-8", "surrogatepass"))
@@ -49,35 +57,36 @@ def prefix_chain(model: str, messages: Iterable[tuple[str, str]]) -> tuple[int, 
             h.update(data[start : start + BLOCK_BYTES])
             keys.append(int.from_bytes(h.copy().digest(), "little") >> (64 - _KEY_BITS))
             if len(keys) >= MAX_BLOCKS:
-                return tuple(keys)
-    return tuple(keys)
+                return tuple(keys), opening if opening >= 0 else len(keys) - 1
+        if opening < 0 and role == "user":
+            opening = len(keys) - 1
+    return tuple(keys), opening if opening >= 0 else max(len(keys) - 1, 0)
 
 
-class PrefixIndex:
-    """Block key -> the nodes (ids) the edge sent that prefix to, at most
-    ``max_entries`` keys (0: remember nothing). Measured on CPython 3.11:
-    about 80 bytes a key (dict slot and int key; node ids are shared
-    references), so the default 500,000 keys are about 40 MB at most."""
+class _Recent:
+    """Block key -> the nodes (ids) it was sent to, most recent first: at most ``max_entries``
+    keys, in two generations of plain dicts (a key recorded again moves to the young one;
+    when the young one is full the old one is dropped)."""
+
+    __slots__ = ("max_entries", "_half", "young", "old")
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self._half = max(max_entries // 2, 1)
-        self._young: dict[int, Holders] = {}
-        self._old: dict[int, Holders] = {}
+        self.young: dict[int, Holders] = {}
+        self.old: dict[int, Holders] = {}
 
     def __len__(self) -> int:
-        return len(self._young) + len(self._old)
+        return len(self.young) + len(self.old)
 
     def record(self, chain: Iterable[int], node_id: str) -> None:
-        """``node_id`` was sent a prompt with this chain: each of its keys
-        now names it first."""
         if self.max_entries <= 0:
             return
-        young = self._young
+        young = self.young
         for key in chain:
             held = young.get(key)
             if held is None:
-                held = self._old.pop(key, None)
+                held = self.old.pop(key, None)
             if held is None or held == node_id:
                 young[key] = node_id
             elif isinstance(held, str):
@@ -85,12 +94,11 @@ class PrefixIndex:
             elif held[0] != node_id:
                 young[key] = (node_id, *(n for n in held if n != node_id))[:MAX_HOLDERS]
             if len(young) >= self._half:
-                self._old, self._young = young, {}
-                young = self._young
+                self.old, self.young = young, {}
+                young = self.young
 
     def forget(self, chain: Iterable[int], node_id: str) -> None:
-        """``node_id`` no longer holds any block of this chain (its run of the prompt failed)."""
-        for gen in (self._young, self._old):
+        for gen in (self.young, self.old):
             for key in chain:
                 held = gen.get(key)
                 if held is None:
@@ -101,34 +109,74 @@ class PrefixIndex:
                     rest = tuple(n for n in held if n != node_id)
                     gen[key] = rest[0] if len(rest) == 1 else rest
 
+    def get(self, key: int) -> Holders | None:
+        held = self.young.get(key)
+        return self.old.get(key) if held is None else held
+
+
+class PrefixIndex:
+    """Block key -> the nodes (ids) the edge sent that prefix to, at most
+    ``max_entries`` keys (0: remember nothing); and, apart, at most half as many
+    that nodes relayed from other edges (:meth:`record` with ``relayed``), so a
+    node flooding the link with relays evicts relays only, never the edge's own
+    placements. Measured on CPython 3.11: about 80 bytes a key with one holder
+    (dict slot and int key; node ids are shared references), about 150 with
+    :data:`MAX_HOLDERS`."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._own = _Recent(max_entries)
+        self._relayed = _Recent(max_entries // 2)
+
+    def __len__(self) -> int:
+        return len(self._own) + len(self._relayed)
+
+    def record(self, chain: Iterable[int], node_id: str, relayed: bool = False) -> None:
+        """``node_id`` was sent a prompt with this chain (by another edge: ``relayed``):
+        each of its keys now names it first."""
+        (self._relayed if relayed else self._own).record(chain, node_id)
+
+    def forget(self, chain: Iterable[int], node_id: str) -> None:
+        """``node_id`` no longer holds any block of this chain (its run of the prompt failed)."""
+        self._own.forget(chain, node_id)
+        self._relayed.forget(chain, node_id)
+
     def holders(self, key: int) -> Holders | None:
-        held = self._young.get(key)
-        return self._old.get(key) if held is None else held
+        held = self._own.get(key)
+        return self._relayed.get(key) if held is None else held
 
     def match(self, chain: Iterable[int], candidates: Collection[str]) -> tuple[int, set[str]]:
-        """The longest run of leading blocks some candidate holds, and the
-        candidates holding all of it (empty when nothing matches)."""
-        alive = set(candidates)
-        depth = 0
-        young, old = self._young.get, self._old.get
-        for key in chain:
+        """The deepest block of the chain some candidate holds, and the candidates holding it
+        (0 and none when none does). A block's key covers every block before it, so a node
+        sent that block was sent all of them, whatever the index lists for those: a block
+        every node got (a shared system prompt) lists only the last :data:`MAX_HOLDERS`, and
+        stopping there pulled each conversation off its node onto one of those. The walk
+        stops at the first block no node got (nothing past it was sent anywhere either)."""
+        alive = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+        depth, best = 0, set()
+        own, relayed = self._own, self._relayed
+        young, old = own.young.get, own.old.get
+        relays = relayed.young or relayed.old
+        for at, key in enumerate(chain, 1):
             held = young(key)
             if held is None:
                 held = old(key)
+            if relays:
+                more = relayed.get(key)
+                if more is not None:
+                    held = more if held is None else _joined(held, more)
             if held is None:
                 break
             if isinstance(held, str):
-                if held not in alive:
-                    break
-                if len(alive) > 1:
-                    alive = {held}
-            else:
-                hit = alive.intersection(held)
-                if not hit:
-                    break
-                alive = hit
-            depth += 1
-        return depth, alive if depth else set()
+                if held in alive:
+                    depth, best = at, {held}
+            elif hit := alive.intersection(held):
+                depth, best = at, hit
+        return depth, best
+
+
+def _joined(one: Holders, two: Holders) -> tuple[str, ...]:
+    return (*((one,) if isinstance(one, str) else one), *((two,) if isinstance(two, str) else two))
 
 
 def rendezvous(key: bytes, node_ids: Iterable[str]) -> str:
@@ -141,10 +189,17 @@ def _weight(key: bytes, node_id: str) -> bytes:
     return hashlib.blake2b(key + b"\x00" + node_id.encode(), digest_size=8).digest()
 
 
-def rendezvous_key(session: str | None, chain: tuple[int, ...]) -> bytes | None:
-    """What rendezvous hashing keys on: the session id, else the first prefix block."""
+def rendezvous_key(session: str | None, chain: tuple[int, ...], opening: int = 0) -> bytes | None:
+    """What rendezvous hashing keys on: the session id, else the conversation's opening
+    (:func:`prompt_chain`: the first block shared a system prompt, and every conversation
+    that started with it went to one node among equally loaded ones)."""
     if session:
         return b"s" + session.encode()
     if chain:
-        return b"p" + chain[0].to_bytes(8, "little")
+        return b"p" + chain[min(opening, len(chain) - 1)].to_bytes(8, "little")
     return None
+
+
+def popular(held: Holders | None) -> bool:
+    """A block sent to :data:`MAX_HOLDERS` nodes or more (the index lists that many)."""
+    return held is not None and not isinstance(held, str) and len(held) >= MAX_HOLDERS

@@ -18,7 +18,7 @@ import trio
 from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, NodeLink
-from edge.runs.placement import PrefixIndex, rendezvous, rendezvous_key
+from edge.runs.placement import PrefixIndex, popular, rendezvous, rendezvous_key
 from edge.runs.run import (
     NODE_DISCONNECTED,
     NODE_LOST,
@@ -110,6 +110,7 @@ class Want(msgspec.Struct, frozen=True):
     max_tokens: int = 0  # of min_context, the part the request's max_tokens asks for (0: none asked; 1 counted)
     tunnel: bool = False  # the node must allow raw passthrough for the model
     prefix: tuple[int, ...] = ()  # the prompt's prefix chain (edge.runs.placement.prefix_chain)
+    opening: int = 0  # the index in it of the conversation's opening (edge.runs.placement.prompt_chain)
     # The request body as it goes to the node, with a tunnel's headers: its frame, with the
     # prefix chain and FRAME_OVERHEAD for the rest, must fit the node's limit.
     body_bytes: int = 0
@@ -839,7 +840,7 @@ class RunService:
                 self._placed = ("least_loaded", 0)
                 return min(failing, key=lambda pair: pair[0])[1]
             return None
-        key = rendezvous_key(want.session, want.prefix) if routing == "prefix" else None
+        key = rendezvous_key(want.session, want.prefix, want.opening) if routing == "prefix" else None
         if key is None:
             self._placed = ("least_loaded", 0)
             best = [lk for load, lk in free if load == best_load]
@@ -854,10 +855,17 @@ class RunService:
                 if deeper >= depth + PREFIX_WAIT_BLOCKS:  # only busy nodes hold that much of it
                     self._wanted = min(held, key=lambda node_id: (waitable[node_id].load(model), node_id))
                     return None
-        if depth:
+        if depth and not popular(self.prefixes.holders(want.prefix[depth - 1])):
             # Several nodes hold the same prefix: the least loaded of them.
             low = min(near[node_id][0] for node_id in holders)
             pool = [node_id for node_id in holders if near[node_id][0] == low]
+            self._placed = ("prefix", depth)
+        elif depth:
+            # All it matched is a prefix the fleet shares (a system prompt and tools, sent to more
+            # nodes than the index lists): any of the least loaded, by the conversation's opening.
+            # Among the nodes listed only, the others never got a new conversation (8 nodes, 2
+            # edges: one got no run, found from outside).
+            pool = [node_id for node_id, (load, _) in near.items() if load == best_load]
             self._placed = ("prefix", depth)
         else:
             # No node holds any of it: the least loaded, ties by rendezvous (idle nodes: every
@@ -880,7 +888,7 @@ class RunService:
         (the node relayed it): this edge's next turn of that conversation
         goes there too."""
         if self.config.routing == "prefix":
-            self.prefixes.record(prefix, link.node_id)
+            self.prefixes.record(prefix, link.node_id, relayed=True)
 
     def _remember_session(self, want: Want, link: NodeLink) -> None:
         if want.session is None:
