@@ -161,6 +161,7 @@ class Key:
         "budget_promised",
         "budget_sliced",
         "admitted_at",
+        "said_at",
         "day_reported",
         "live",
     )
@@ -193,6 +194,7 @@ class Key:
         self.budget_promised = 0
         self.budget_sliced = False  # of budget_held, a slice is spare (edge.shared_state), as last written
         self.admitted_at = -math.inf  # (monotonic) its last request admitted here
+        self.said_at = -math.inf  # shared state: when its buckets were last told what this edge holds
         self.day_reported = 0
         self.restored = 0  # of day_used: loaded from the ledger at start
         self.live: set[Lease] = set()  # daily_tokens: this edge's requests in flight (Keys.cut_over_budget)

@@ -501,7 +501,6 @@ async def test_a_burst_borrows_from_redis_what_the_edges_slice_lacks(
     ]
     edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
     with trio.fail_after(BOUND * 2):
-        await eventually(lambda: all(k.req_level >= 1 or k.tok_level >= 5120 for k in edge.edge.keys.by_id.values()))
         for secret, n, body in (("sk-burst", 30, {}), ("sk-big", 3, {"max_tokens": 4000}), ("sk-alice2", 4, {})):
             responses = await burst(edge, secret, n, **body)
             refused = [r.text for r in responses if r.status_code != 200]
@@ -523,9 +522,7 @@ async def test_ratelimit_headers_show_the_shared_bucket(nursery, redis_server, t
     edge's slice of 5 and 5,114), and the reset is computed from it."""
     keys = [KeyConfig(id="h", key="sk-h", rpm=600, tpm=100_000)]
     edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
-    key = edge.edge.keys.by_id["h"]
     with trio.fail_after(BOUND):
-        await eventually(lambda: key.req_level >= 6 and key.tok_level >= 5120, "the first lease")
         async with client(edge, "sk-h") as c:
             r = await chat(c)
     assert r.status_code == 200
@@ -716,7 +713,6 @@ async def test_a_small_tpm_is_shared_by_two_edges(nursery, redis_server, tmp_pat
     keys = [KeyConfig(id="tk", key="sk-tk", tpm=3000)]
     edges = [await shared_edge(nursery, redis_server.url, tmp_path, name, keys) for name in ("a", "b")]
     with trio.fail_after(BOUND * 2):
-        await eventually(lambda: all(e.edge.keys.by_id["tk"].tok_level > 0 for e in edges), "both leased")
         statuses = []
         for i in range(20):
             async with client(edges[i % 2], "sk-tk") as c:
@@ -725,11 +721,51 @@ async def test_a_small_tpm_is_shared_by_two_edges(nursery, redis_server, tmp_pat
     assert statuses == [200] * 20, statuses
 
 
+async def test_a_burst_after_a_quiet_spell_gets_the_minute_not_the_minute_and_every_edges_slice(
+    nursery,
+    redis_server,  # noqa: F811
+    tmp_path,
+):
+    """tpm 6,000 over two edges that admitted a request of the key each, then a quiet spell: the
+    bucket refilled to its capacity while each edge held a slice (a tenth of the minute) outside
+    it, and a 3 s burst over both got 7,446 tokens where the bucket allows about 6,300 (found from
+    outside). The bucket refills up to its capacity less what the edges hold."""
+    tpm = 6000
+    keys = [KeyConfig(id="q", key="sk-q", tpm=tpm)]
+    edges = [await shared_edge(nursery, redis_server.url, tmp_path, name, keys) for name in ("a", "b")]
+    with trio.fail_after(BOUND * 3):
+        for edge in edges:
+            async with client(edge, "sk-q") as c:
+                assert (await chat(c, max_tokens=50)).status_code == 200
+        await eventually(lambda: all(e.edge.keys.by_id["q"].tok_level > 500 for e in edges), "both hold a slice")
+        await trio.sleep(6)  # (the bucket refills what the two requests took: 100 tokens a second)
+        used = 0
+        start = trio.current_time()
+
+        async def loop(edge) -> None:
+            nonlocal used
+            async with client(edge, "sk-q") as c:
+                while trio.current_time() - start < 3:
+                    r = await chat(c, max_tokens=50)
+                    if r.status_code == 200:
+                        used += r.json()["usage"]["total_tokens"]
+                    else:
+                        await trio.sleep(0.05)
+
+        async with trio.open_nursery() as burst_nursery:
+            for edge in edges:
+                for _ in range(8):
+                    burst_nursery.start_soon(loop, edge)
+        refilled = (trio.current_time() - start) * tpm / 60
+    print(f"\nadmitted in the burst: {used} tokens (the bucket: {tpm} + {refilled:.0f} refilled)")
+    assert used <= 1.05 * tpm + refilled, used
+    assert used >= 0.8 * tpm  # (the bucket's minute is there for the burst)
+
+
 async def a_spent_minute(nursery, redis_server, tmp_path):  # noqa: F811
     """An edge on the Redis of ``redis_server`` whose key ``sk-spent`` (rpm 20) has just spent its minute."""
     keys = [KeyConfig(id="spent", key="sk-spent", rpm=20)]
     edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
-    await eventually(lambda: edge.edge.keys.by_id["spent"].req_level >= 1, "the first lease")
     first = await burst(edge, "sk-spent", 25)
     assert sum(r.status_code == 200 for r in first) >= 20
     return edge
@@ -1147,7 +1183,6 @@ async def test_a_request_that_finds_redis_gone_is_judged_by_the_edges_own_view(n
     keys = [KeyConfig(id="k", key="sk-k", rpm=60)]
     edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
     with trio.fail_after(BOUND * 2):
-        await eventually(lambda: edge.edge.keys.by_id["k"].req_level >= 1, "the first lease")
         async with client(edge, "sk-k") as c:
             for _ in range(5):
                 assert (await chat(c)).status_code == 200
@@ -1187,8 +1222,6 @@ async def test_redis_gone_while_no_request_comes_is_seen(nursery, redis_server, 
         return next(line.split()[-1] for line in metrics.splitlines() if line.startswith("iop_shared_state_up"))
 
     with trio.fail_after(BOUND * 2):
-        key = edge.edge.keys.by_id["k"]
-        await eventually(lambda: key.req_level >= 1 and key.tok_level >= 1, "the first lease")
         async with admin(edge) as adm:
             assert await up(adm) == "1.0"
             await trio.to_thread.run_sync(redis_server.stop)
