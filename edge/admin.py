@@ -290,6 +290,12 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         if isinstance(parsed, Response):
             return parsed
         data, _ = parsed
+        if data.get("id", key_id) != key_id:  # (it was ignored: a 200 that renamed nothing)
+            return error_response(
+                400,
+                "A key's id cannot be changed: make a key with the new id, then remove this one.",
+                "invalid_parameter",
+            )
         # Its usage read first: a ledger that fails the read answers 503 with the key unchanged
         # (read after the change, a 503 came with the change made); and before the key's turn,
         # so that a long read of a key's usage holds no DELETE of any key.

@@ -168,21 +168,20 @@ class Edge:
             log.info("drained: closed the connections still stuck", connections=len(left))
 
     def refuse_request(self, ex: Exchange) -> APIError | None:
-        """Authentication and drain checks for the API routes."""
-        if self.draining:
-            return draining()
+        """Authentication and drain checks for the API routes (in that order: a key's request
+        refused while the edge drains is the key's, in its ledger, as any other refusal)."""
         if self.keys.open:
             if not self.open_served:  # (the address it came in on: under hypercorn only a request tells)
                 self.open_served = True
                 server = ex.scope.get("server")
                 if server and not is_loopback(str(server[0])):
                     _warn_open(f"{server[0]}:{server[1]}")
-            return None
+            return draining() if self.draining else None
         key = self.keys.authenticate(ex.header(b"authorization"), ex.header(b"x-api-key"))
         if key is None:
             return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
         ex.key = key
-        return None
+        return draining() if self.draining else None
 
     def apply_stored_keys(self, rows: list[tuple], stored: bool) -> None:
         """Make the run-time keys match the ledger's keys not revoked,

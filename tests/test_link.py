@@ -100,13 +100,16 @@ async def test_a_collected_run_whose_node_dies_runs_again_on_another(nursery, tm
     """A request with tools is collected and validated before the client sees it: its node
     SIGKILLed mid-run, the client (keep-alives at most so far) got "node disconnected" though
     another node served the model (Claude Code and Codex then ran the turn again themselves). It
-    runs again, once, on the other node; the client gets that answer, whole."""
+    runs again, once, on the other node; the client gets that answer, whole. The lost run's
+    prompt and what it streamed are charged too, by estimate, and the usage recorded says so
+    (its ledger row said exact: an outside audit)."""
     edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
     proc = await start_node_process(
         nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "a", "base_url": upstream.base_url}]
     )
     upstream.script_for("a", slow_tokens(1000))
-    upstream.script_for("b", [("chunk", {"content": "From b."}), ("chunk", {}, "stop"), ("done",)])
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    upstream.script_for("b", [("chunk", {"content": "From b."}), ("chunk", {}, "stop"), ("usage", usage), ("done",)])
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     body = {**STREAM, "stream": stream, "tools": [tool]}
     with trio.fail_after(BOUND):
@@ -132,6 +135,13 @@ async def test_a_collected_run_whose_node_dies_runs_again_on_another(nursery, tm
     assert text == "From b."
     assert [rec.body["model"] for rec in upstream.records] == ["a", "b"] and upstream.records[0].aborted
     await settled(edge)
+    estimated = [
+        s.value
+        for metric in edge.edge.metrics.registry.collect()
+        for s in metric.samples
+        if s.name == "iop_usage_estimated_total" and s.labels.get("api") == "chat"
+    ]
+    assert estimated == [1.0]
 
 
 async def test_node_relinks_after_edge_restart(nursery, upstream):

@@ -101,6 +101,7 @@ class Turn:
         self.usage_estimated = False
         # Tokens of the runs before the one that answered (tool retries): charged with it, not shown to the client.
         self.earlier = (0, 0)
+        self.earlier_estimated = False  # ...of them, a lost run's, counted by the edge's estimate
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
         self.media = has_media(req)  # (for its usage's bounds)
         if not req.tools:  # read above (the estimate, the prefix, the media): a stream need not keep them
@@ -136,7 +137,8 @@ class Turn:
             access.outcome = run.cause or "unknown"
         # The node that ran it: a run moved to another node before its first event (failover) says where.
         access.node_id = (run.slot.link.node_id if run is not None else self.node_id) or None
-        access.usage, access.usage_estimated = self.usage, self.usage_estimated
+        # (a usage that carries a lost run's estimate is an estimate: the ledger said it was exact)
+        access.usage, access.usage_estimated = self.usage, self.usage_estimated or self.earlier_estimated
         access.earlier = self.earlier
         if run is not None:
             if run.first_event_at is not None:
@@ -451,6 +453,7 @@ async def collect_validated(
                 # ran the turn again themselves). The lost run's prompt and deltas are spent.
                 moved = True
                 turn.earlier = (turn.earlier[0] + turn.estimate, turn.earlier[1] + lost.deltas_seen)
+                turn.earlier_estimated = True
                 log.info(
                     f"collected run moved: its node was {'lost' if failed.cause == NODE_LOST else 'stalled'}",
                     failed_run_id=lost.id,
