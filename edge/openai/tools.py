@@ -37,6 +37,7 @@ import referencing.jsonschema
 import regex
 import trio
 
+from edge.openai.filters import CALL_CLOSES, call_body
 from edge.openai.request import TOOL_IMAGE_NOTE, tool_images_head
 from edge.openai.schema import ChatRequest, Message
 from edge.per_run import per_run
@@ -57,16 +58,15 @@ _BLOCK = re.compile(
     r"<tool_call>(?P<xml>.*?)(?:</tool_call>|\Z)|\{\{tool_call\}\}(?P<mustache>.*?)(?:\{\{/tool_call\}\}|\Z)",
     re.IGNORECASE | re.DOTALL,
 )
-# A block's body read as JSON reads it: a closing tag inside a JSON string is the arguments (a
-# file holding "</tool_call>"). It stops only at a closing tag outside strings, or at the end (an
-# unterminated string runs to it); possessive throughout, so linear whatever the text. Used where
-# the first closing tag cut a call short.
-_STRING = r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)'
+# A block's body read as JSON reads it (:func:`~edge.openai.filters.call_body`): a closing tag inside
+# a JSON string is the arguments (a file holding "</tool_call>"). It stops only at a closing tag
+# outside strings, or at the end (an unterminated string runs to it). Used where the first closing
+# tag cut a call short.
 _JSON_BODY = {
-    "xml": re.compile(rf"(?:[^\"<]++|{_STRING}|<(?!/tool_call>))*+", re.IGNORECASE | re.DOTALL),
-    "mustache": re.compile(rf"(?:[^\"{{]++|{_STRING}|\{{(?!\{{/tool_call\}}\}}))*+", re.IGNORECASE | re.DOTALL),
+    "xml": call_body("<", r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)'),
+    "mustache": call_body("{", r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)'),
 }
-_CLOSE = {"xml": len("</tool_call>"), "mustache": len("{{/tool_call}}")}
+_CLOSE = {"xml": len(CALL_CLOSES["<"]), "mustache": len(CALL_CLOSES["{"])}
 
 
 class TextToolCalls(msgspec.Struct):
