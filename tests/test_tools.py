@@ -180,6 +180,39 @@ async def test_markup_inside_a_text_calls_arguments_is_the_arguments(tooled, nam
     assert len(upstream.records) == 1  # (no retry)
 
 
+@pytest.mark.parametrize(("name", "stream"), [("native", False), ("native", True), ("live", True)])
+async def test_a_call_written_inside_think_is_reasoning_not_a_call(tooled, name, stream):
+    """A model that drafts a call in its reasoning, then makes another: calls were read from the
+    text as written, think block and all, and the drafted one was sent as a real call too, in
+    every mode (with strict output too, the reasoning hidden and its call not: found from
+    outside). Only the call in the answer is one."""
+    edge, upstream = tooled
+    draft = text_call("get_weather", {"city": "Paris"})
+    text = "<think>Maybe " + draft + " would help.</think>The time, then.\n" + CALL
+    upstream.script_for("t", steps(*({"content": text[i : i + 6]} for i in range(0, len(text), 6))))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            if stream:
+                chunks = [
+                    c.choices[0].delta
+                    async for c in await client.chat.completions.create(
+                        model=name, messages=MESSAGES, tools=TOOLS, stream=True
+                    )
+                    if c.choices
+                ]
+                content = "".join(d.content or "" for d in chunks)
+                calls = [call for d in chunks for call in d.tool_calls or ()]
+            else:
+                message = (
+                    (await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS))
+                    .choices[0]
+                    .message
+                )
+                content, calls = message.content, message.tool_calls or []
+    assert content == "The time, then." + ("\n" if name == "live" else "")  # (live: sent before the call was known)
+    assert [c.function.name for c in calls] == ["get_time"]
+
+
 @pytest.mark.parametrize(
     ("text", "content", "sent_ahead", "calls"),
     [

@@ -384,8 +384,21 @@ class Shaper:
 
     @property
     def raw_content_text(self) -> str | None:
-        """The content as the model wrote it (None: not kept)."""
-        return None if self._raw_parts is None else "".join(self._raw_parts)
+        """The content as the model wrote it, but its think blocks (None: not kept): what its
+        calls are read from. A call the model wrote inside ``<think>`` is its reasoning, not a
+        call (it was made one, its arguments sent even when strict output hid the reasoning)."""
+        if self._raw_parts is None:
+            return None
+        raw = "".join(self._raw_parts)
+        mode = self.policy.think_tags
+        if mode == "off" or "<" not in raw:
+            return raw
+        kept: list[str] = []
+        opened = mode == "open" or opens_with_close(raw, calls=True)
+        splitter = ThinkSplitter(kept.append, ignore_text, starts_open=opened, calls=True)
+        splitter.append(raw)
+        splitter.flush()
+        return "".join(kept)
 
     @property
     def reasoning_text(self) -> str:
