@@ -35,12 +35,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
 import trio
 
+T = TypeVar("T")
 log = structlog.get_logger("iop.edge.ledger")
 
 MAX_PENDING = 100_000
@@ -503,6 +504,19 @@ class Ledger:
         self._fail_if_hung()
         await self.store_pending()
         return await self._call(lambda db: query_usage(db, self.dialect, start, end, group_by), self._reads, read=True)
+
+    async def usage_at(self, start: float, groupings: list[list[str]], at: Callable[[], T]) -> tuple[list, T]:
+        """Usage rows since ``start`` grouped each way of ``groupings``, and ``at()``, called once
+        every record queued so far is stored: none is stored until the rows are read, so they hold
+        exactly the records queued before ``at()`` (what its caller counted since, it adds)."""
+        self._fail_if_hung()
+        async with self._flushing:
+            await self._flush()
+            mark = at()
+            rows = await self._call(
+                lambda db: [query_usage(db, self.dialect, start, None, g) for g in groupings], self._reads, read=True
+            )
+        return rows, mark
 
     async def key_totals(self, key_id: str | None = None) -> dict[str, tuple[int, int, int]]:
         """Per key (every key, or ``key_id``'s alone, read by its index): (requests, prompt
