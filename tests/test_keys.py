@@ -160,6 +160,35 @@ async def test_tpm_admits_on_an_estimate_and_settles_on_real_usage(nursery, tmp_
     assert int(r.headers["retry-after"]) >= 1
 
 
+@pytest.mark.parametrize("status", [429, 500])
+async def test_a_request_its_model_server_refused_costs_its_key_nothing(nursery, tmp_path, status):
+    """The model server answers an HTTP error before any output (rate limited, down): the key was
+    charged the prompt's estimate all the same, each time, and an agent retrying through an
+    outage spent 19k tokens a retry of its budget for nothing made (an outside audit). It is
+    charged nothing, and the ledger says so; a request cut after output is still charged."""
+    up = Upstream()
+    await nursery.start(up.serve)
+    up.script_for("down-target", [("status", status, b'{"error": {"message": "busy"}}')])
+    edge = await start_edge(
+        nursery,
+        edge_config(
+            keys=[KeyConfig(id="b", key="sk-b", daily_tokens=100_000)],
+            admin_keys=[ADMIN],
+            ledger=str(tmp_path / "l.sqlite3"),
+        ),
+    )
+    await start_node(nursery, edge, [model("down", up)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-b") as c:
+            for stream in (False, True):
+                r = await c.post("/v1/chat/completions", json={"model": "down", "messages": MESSAGES, "stream": stream})
+                assert r.status_code >= 400 or '"error"' in r.text, r.text
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            (row,) = (await admin.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
+    assert (row["requests"], row["total_tokens"]) == (2, 0), row
+    assert edge.edge.keys.by_id["b"].today_tokens() == 0
+
+
 async def test_max_concurrent_counts_streams_in_flight(nursery, tmp_path):
     up = Upstream()
     await nursery.start(up.serve)

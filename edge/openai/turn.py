@@ -143,8 +143,12 @@ class Turn:
         if run is not None:
             if run.first_event_at is not None:
                 access.ttft_ms = round((run.first_event_at - run.started_at) * 1000, 1)
-            if self.usage is None:
-                access.partial = (self.estimate, run.deltas_seen + run.progress_parts)  # (a tool call's pieces)
+            streamed = run.deltas_seen + run.progress_parts  # (a tool call's pieces)
+            # Ended without usage: its prompt's estimate and what it streamed are charged; not if its
+            # model server refused it with nothing streamed (a 429 or 5xx: an agent's retries through
+            # an upstream outage were charged 19k tokens each, for nothing made: an outside audit).
+            if self.usage is None and not (streamed == 0 and run.error_status >= 400):
+                access.partial = (self.estimate, streamed)
 
     @functools.cached_property
     def history_ids(self) -> frozenset[str]:
