@@ -278,7 +278,11 @@ class Console:
         row[2] += prompt
         row[3] += completion
         self._roll(minute // 1440)
-        for table, name in ((self._by_key, key), (self._by_model, model)):
+        # Today's tables are the ledger's and what it will hold: a keyless request on an edge
+        # that has keys (a 401) is no record there (anyone could add rows to "today from the
+        # ledger", kept all day: an outside audit). The chart above counts it.
+        counted = () if key is None and not self.edge.keys.open else ((self._by_key, key), (self._by_model, model))
+        for table, name in counted:
             totals = table.get(name)
             if totals is None:
                 totals = table[name] = [0, 0, 0]

@@ -491,6 +491,37 @@ async def test_requests_after_a_console_opened_on_a_fresh_edge_show_before_the_n
         reading.cancel_scope.cancel()
 
 
+async def test_requests_without_a_key_are_not_in_todays_tables_on_an_edge_with_keys(nursery, tmp_path, monkeypatch):
+    """On an edge with keys, a request with no key (a 401) is no ledger record, but the console
+    counted it in "today from the ledger" under "(no key)", for the rest of the day: anyone on
+    the network could add rows there (an outside audit). The chart still counts it."""
+    monkeypatch.setattr("edge.console.USAGE_EVERY_S", 30.0)
+    edge = await start_edge(
+        nursery,
+        edge_config(keys=[KeyConfig(id="k", key="sk-k")], admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")),
+    )
+    await start_node(nursery, edge, [model("m")])  # the simulated model
+    body = {**STREAM, "stream": False, "max_tokens": 5}
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            while not events.usage:
+                await events.changed.wait()
+        for _ in range(5):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-k"})
+            assert r.status_code == 200
+        with trio.fail_after(5):
+            while sum(minute[1] for minute in events.usage[-1]["minutes"]) < 7:
+                await events.changed.wait()
+        reading.cancel_scope.cancel()
+    usage = events.usage[-1]
+    assert [(row["name"], row["requests"]) for row in usage["keys"]] == [("k", 2)]
+    assert [(row["name"], row["requests"]) for row in usage["models"]] == [("m", 2)]
+
+
 async def test_at_most_16_consoles_then_a_clear_429(nursery):
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
     async with http(edge) as admin, trio.open_nursery() as reading:
