@@ -117,12 +117,38 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
                 tag = page.locator("#nodes tbody tr[data-node-id=node-a] .tag").first
                 expect(tag).to_have_attribute("title", "m (openai)")
 
-                # Cancel: the run ends, the model server sees the abort, the error is listed.
-                row.locator("button.cancel").click()
+                # The run's id can be selected and copied: the table is not rebuilt under a
+                # selection (4 times a second, it was gone within 400 ms: found from outside).
+                run_id = row.get_attribute("data-run-id")
+                row.locator("td.run-id").evaluate(
+                    "(td) => { const r = document.createRange(); r.selectNodeContents(td);"
+                    " const s = document.getSelection(); s.removeAllRanges(); s.addRange(r); }"
+                )
+                page.wait_for_timeout(1000)
+                assert page.evaluate("document.getSelection().toString()") == run_id
+                page.evaluate("document.getSelection().removeAllRanges()")
+
+                # Cancel takes two clicks on the run's button (rows move as runs come and go):
+                # the run ends, the model server sees the abort, the error is listed with its run.
+                button = row.locator("button.cancel")
+                button.click()
+                expect(button).to_have_text("confirm?")
+                assert edge.edge.runs.runs, "one click cancelled the run"
+                button.click()
                 assert trio.from_thread.run(upstream_saw_the_abort)
                 expect(row).to_have_count(0, timeout=5000)
                 expect(page.locator("#errors li")).to_contain_text("cancelled", timeout=5000)
+                expect(page.locator("#errors li")).to_contain_text(f"run {run_id}")
                 shot(page, "04-run-cancelled")
+
+                # An edge that says nothing for 3 s (it hangs, or the connection is half open) is
+                # shown stale and dialled again; it showed "live" with frozen figures for good.
+                # (Here the page's clock jumps 10 s: the stream looks silent that long.)
+                page.evaluate("Date.now = ((now) => () => now() + 10000)(Date.now)")
+                expect(page.locator("#status")).to_have_text("stale · reconnecting", timeout=3000)
+                expect(page.locator("#console")).to_have_class("stale")
+                expect(page.locator("#status")).to_have_text("live", timeout=5000)
+                expect(page.locator("#console")).not_to_have_class("stale")
 
                 # A node killed (SIGKILL) leaves the fleet within the ping timeout (1 s here).
                 killable.kill()

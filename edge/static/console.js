@@ -6,8 +6,12 @@
 
 const KEY = "iop.adminKey";
 const $ = (id) => document.getElementById(id);
+// Snapshots come every 0.25 s: with nothing from the edge for this long (it hangs, or the
+// connection is half open behind a proxy), what is shown is stale: said so, and dialled again.
+const STALE_MS = 3000;
 let controller = null;
 let retryTimer = null;
+let heardAt = 0; // Date.now() of the stream's last bytes
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -54,8 +58,15 @@ function showLogin(message) {
   $("key").focus();
 }
 
+// A table or list the operator is selecting text in is left as it is until the selection
+// ends (rebuilt 4 times a second, no run id or error line could be copied).
+function selecting(node) {
+  const selection = document.getSelection();
+  return Boolean(selection && !selection.isCollapsed && selection.rangeCount && node.contains(selection.getRangeAt(0).commonAncestorContainer));
+}
+
 function replaceRows(tbody, rows) {
-  tbody.replaceChildren(...rows);
+  if (!selecting(tbody)) tbody.replaceChildren(...rows);
 }
 
 // A cell that names its column (data-label): on a phone each row is a card
@@ -104,9 +115,24 @@ function renderNodes(nodes) {
   $("no-nodes").hidden = nodes.length > 0;
 }
 
+// Two clicks on one run's button: rows move as runs start and end, and one click aimed at a
+// run could land on the next one's.
 function cancelButton(runId) {
-  const button = el("button", { type: "button", class: "cancel", "data-cancel": runId }, "cancel");
+  const button = el("button", { type: "button", class: "cancel", "data-cancel": runId, title: "cancel run " + runId }, "cancel");
+  let armed = null;
   button.addEventListener("click", async () => {
+    if (armed === null) {
+      button.textContent = "confirm?";
+      button.classList.add("armed");
+      armed = setTimeout(() => {
+        armed = null;
+        button.textContent = "cancel";
+        button.classList.remove("armed");
+      }, 4000);
+      return;
+    }
+    clearTimeout(armed);
+    button.classList.remove("armed");
     button.disabled = true;
     button.textContent = "cancelling";
     try {
@@ -134,7 +160,7 @@ function renderRuns(snap) {
     return el(
       "tr",
       { "data-run-id": r.id || "", "data-phase": r.phase },
-      td("run", { title: r.id || "", class: "title" }, r.id ? r.id.slice(0, 12) : "–"),
+      td("run", { title: r.id || "", class: "title name run-id" }, r.id || "–"),
       td("model", { class: "name", title: r.model }, r.model),
       td("node", { class: "name", title: r.node || "" }, r.node || "–"),
       td("API", {}, r.api || "–"),
@@ -154,6 +180,9 @@ function renderRuns(snap) {
 }
 
 function renderEvents(list, emptyId, items, line) {
+  const seen = JSON.stringify(items);
+  if (list.dataset.seen === seen || selecting(list)) return; // (unchanged, or being selected)
+  list.dataset.seen = seen;
   const nodes = items
     .slice()
     .reverse()
@@ -163,6 +192,8 @@ function renderEvents(list, emptyId, items, line) {
 }
 
 function renderSnapshot(snap) {
+  $("console").classList.remove("stale");
+  setStatus("live", "live");
   $("edge-id").textContent = `edge ${snap.edge_id} · up ${fmtAge(snap.uptime_s)}${snap.draining ? " · draining" : ""}`;
   $("s-in-flight").textContent = fmtNum(snap.in_flight);
   $("s-streaming").textContent = fmtNum(snap.phases.streaming);
@@ -182,7 +213,7 @@ function renderSnapshot(snap) {
     snap.rejected,
     (r) => `${r.count > 1 ? r.count + "× " : ""}${r.model}${r.key ? " · key " + r.key : ""} · ${r.code || "429"}${r.message ? ": " + r.message : ""}`,
   );
-  renderEvents($("errors"), "no-errors", snap.errors, (e) => `${e.cause} · ${e.model} on ${e.node} · ${e.message}`);
+  renderEvents($("errors"), "no-errors", snap.errors, (e) => `${e.cause} · ${e.model} on ${e.node} · run ${e.run_id} · ${e.message}`);
 }
 
 // -- usage --------------------------------------------------------------------
@@ -275,6 +306,10 @@ async function connect() {
   const mine = controller;
   setStatus("connecting", "retry");
   let response;
+  const unanswered = setTimeout(() => {
+    mine.stale = true; // (an edge that hangs answers nothing: dial again)
+    mine.abort();
+  }, STALE_MS);
   try {
     response = await fetch("/v1/admin/events", {
       headers: { Authorization: "Bearer " + key, Accept: "text/event-stream" },
@@ -283,6 +318,8 @@ async function connect() {
     });
   } catch (e) {
     return retry(mine);
+  } finally {
+    clearTimeout(unanswered);
   }
   if (response.status === 401 || response.status === 403) {
     sessionStorage.removeItem(KEY);
@@ -308,10 +345,18 @@ async function connect() {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
+  heardAt = Date.now();
+  const watchdog = setInterval(() => {
+    if (Date.now() - heardAt <= STALE_MS) return;
+    clearInterval(watchdog);
+    mine.stale = true; // (aborted for silence, not signed out: dial again)
+    mine.abort();
+  }, 500);
   try {
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
+      heardAt = Date.now();
       buffer += decoder.decode(value, { stream: true });
       let cut;
       while ((cut = buffer.indexOf("\n\n")) >= 0) {
@@ -321,14 +366,17 @@ async function connect() {
       }
     }
   } catch (e) {
-    // aborted (signed out) or the connection dropped
+    // aborted (signed out, or silent for STALE_MS) or the connection dropped
   }
+  clearInterval(watchdog);
   retry(mine);
 }
 
 function retry(mine, delay = 1000) {
-  if (controller !== mine || mine.signal.aborted) return;
-  setStatus("reconnecting", "retry");
+  if (controller !== mine || (mine.signal.aborted && !mine.stale)) return;
+  // What is on screen is as of the last event: greyed until a snapshot comes.
+  $("console").classList.add("stale");
+  setStatus(mine.stale ? "stale · reconnecting" : "reconnecting", "retry");
   retryTimer = setTimeout(connect, delay);
 }
 
