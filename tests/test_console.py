@@ -46,6 +46,12 @@ class Events:
                     self.changed.set()
                     self.changed = trio.Event()
 
+    async def first_usage(self) -> dict:
+        with trio.fail_after(BOUND):
+            while not self.usage:
+                await self.changed.wait()
+        return self.usage[-1]
+
     async def until(self, predicate, what: str) -> dict:
         with trio.fail_after(BOUND):
             while True:
@@ -435,9 +441,7 @@ async def ledger_reads(nursery, monkeypatch, ledger_target: str, delay: float = 
     events = Events()
     async with http(edge) as admin, trio.open_nursery() as reading:
         await reading.start(events.read, admin)
-        with trio.fail_after(BOUND):
-            while not events.usage:
-                await events.changed.wait()
+        await events.first_usage()
         await trio.sleep(2.0)  # (twenty paces)
         reading.cancel_scope.cancel()
     return reads
@@ -478,9 +482,7 @@ async def test_requests_after_a_console_opened_on_a_fresh_edge_show_before_the_n
     events = Events()
     async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
         await reading.start(events.read, admin)
-        with trio.fail_after(BOUND):
-            while not events.usage:
-                await events.changed.wait()
+        await events.first_usage()
         assert events.usage[-1]["source"] == "ledger" and events.usage[-1]["models"] == []
         for _ in range(3):
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
@@ -505,9 +507,7 @@ async def test_requests_without_a_key_are_not_in_todays_tables_on_an_edge_with_k
     events = Events()
     async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
         await reading.start(events.read, admin)
-        with trio.fail_after(BOUND):
-            while not events.usage:
-                await events.changed.wait()
+        await events.first_usage()
         for _ in range(5):
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
         for _ in range(2):

@@ -81,6 +81,25 @@ def text_call(name, args) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
 
 
+async def answer_of(edge, name: str, tools: list, stream: bool) -> tuple[str, str, list]:
+    """The content, reasoning and tool calls a chat client gets, streamed or whole."""
+    async with sdk(edge) as client:
+        if not stream:
+            message = (
+                (await client.chat.completions.create(model=name, messages=MESSAGES, tools=tools)).choices[0].message
+            )
+            reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+            return message.content or "", reasoning, message.tool_calls or []
+        chunks = [
+            c.choices[0].delta
+            async for c in await client.chat.completions.create(model=name, messages=MESSAGES, tools=tools, stream=True)
+            if c.choices
+        ]
+    content = "".join(d.content or "" for d in chunks)
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks)
+    return content, reasoning, [call for d in chunks for call in d.tool_calls or ()]
+
+
 @pytest.mark.parametrize("name", ["native", "live"])
 async def test_text_ending_in_what_might_begin_a_call_is_kept_beside_native_calls(tooled, name):
     """Content that ends in a character a text call could begin with (``a < b{``), then a native
@@ -154,26 +173,7 @@ async def test_markup_inside_a_text_calls_arguments_is_the_arguments(tooled, nam
     text = "Writing it.\n<tool_call>" + json.dumps({"name": "write_file", "arguments": args}) + "</tool_call>\nSaved."
     upstream.script_for("t", steps(*({"content": text[i : i + 5]} for i in range(0, len(text), 5))))
     with trio.fail_after(BOUND):
-        async with sdk(edge) as client:
-            if stream:
-                chunks = [
-                    c.choices[0].delta
-                    async for c in await client.chat.completions.create(
-                        model=name, messages=MESSAGES, tools=[WRITE], stream=True
-                    )
-                    if c.choices
-                ]
-                content = "".join(d.content or "" for d in chunks)
-                reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks)
-                calls = [call for d in chunks for call in d.tool_calls or ()]
-            else:
-                message = (
-                    (await client.chat.completions.create(model=name, messages=MESSAGES, tools=[WRITE]))
-                    .choices[0]
-                    .message
-                )
-                content, calls = message.content, message.tool_calls
-                reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+        content, reasoning, calls = await answer_of(edge, name, [WRITE], stream)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("write_file", args)]
     assert content == "Writing it.\n\nSaved."
     assert reasoning == ""
@@ -191,24 +191,7 @@ async def test_a_call_written_inside_think_is_reasoning_not_a_call(tooled, name,
     text = "<think>Maybe " + draft + " would help.</think>The time, then.\n" + CALL
     upstream.script_for("t", steps(*({"content": text[i : i + 6]} for i in range(0, len(text), 6))))
     with trio.fail_after(BOUND):
-        async with sdk(edge) as client:
-            if stream:
-                chunks = [
-                    c.choices[0].delta
-                    async for c in await client.chat.completions.create(
-                        model=name, messages=MESSAGES, tools=TOOLS, stream=True
-                    )
-                    if c.choices
-                ]
-                content = "".join(d.content or "" for d in chunks)
-                calls = [call for d in chunks for call in d.tool_calls or ()]
-            else:
-                message = (
-                    (await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS))
-                    .choices[0]
-                    .message
-                )
-                content, calls = message.content, message.tool_calls or []
+        content, _, calls = await answer_of(edge, name, TOOLS, stream)
     assert content == "The time, then." + ("\n" if name == "live" else "")  # (live: sent before the call was known)
     assert [c.function.name for c in calls] == ["get_time"]
 
