@@ -60,6 +60,16 @@ class Events:
                 await self.changed.wait()
 
 
+async def console_events(nursery, edge, admin, reading) -> Events:
+    """A simulated model's node on ``edge``, and a console's events, read in ``reading`` with
+    the ``admin`` client, once its first usage event is in."""
+    await start_node(nursery, edge, [model("m")])  # the simulated model
+    events = Events()
+    await reading.start(events.read, admin)
+    await events.first_usage()
+    return events
+
+
 async def stream(client, body: dict, out: list[str]) -> None:
     """A client stream: every data line into ``out``."""
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -477,12 +487,9 @@ async def test_requests_after_a_console_opened_on_a_fresh_edge_show_before_the_n
     outside audit: 3 requests in the chart, none in the tables, for 5 s)."""
     monkeypatch.setattr("edge.console.USAGE_EVERY_S", 30.0)
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "ledger.sqlite3")))
-    await start_node(nursery, edge, [model("m")])  # the simulated model
     body = {**STREAM, "stream": False, "max_tokens": 5}
-    events = Events()
     async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
-        await reading.start(events.read, admin)
-        await events.first_usage()
+        events = await console_events(nursery, edge, admin, reading)
         assert events.usage[-1]["source"] == "ledger" and events.usage[-1]["models"] == []
         for _ in range(3):
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
@@ -502,12 +509,9 @@ async def test_requests_without_a_key_are_not_in_todays_tables_on_an_edge_with_k
         nursery,
         edge_config(keys=[KeyConfig(id="k", key="sk-k")], admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")),
     )
-    await start_node(nursery, edge, [model("m")])  # the simulated model
     body = {**STREAM, "stream": False, "max_tokens": 5}
-    events = Events()
     async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
-        await reading.start(events.read, admin)
-        await events.first_usage()
+        events = await console_events(nursery, edge, admin, reading)
         for _ in range(5):
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
         for _ in range(2):

@@ -378,21 +378,21 @@ class ThinkSplitter:
 def opens_with_close(text: str, calls: bool) -> bool:
     """Whether the first think tag of ``text`` (outside tool-call blocks, with ``calls``) is a
     ``</think>``: the chat template opened the reasoning."""
-    probe = ThinkSplitter(_drop, _drop, calls=True)
+    blocks = ThinkSplitter(ignore_text, ignore_text, calls=True) if calls else None  # (to step over them)
     at = 0
     while (found := _ANY_TAG_RE.search(text, at)) is not None:
         word = found.group().lower()
         if word in (THINK_OPEN, THINK_CLOSE):
             return word == THINK_CLOSE
         at = found.end()
-        if calls:
-            probe._call = word[0]
-            if (at := probe._through_call(text, at)) < 0:
+        if blocks is not None:
+            blocks._call = word[0]
+            if (at := blocks._through_call(text, at)) < 0:
                 return False
     return False
 
 
-def _drop(_: str) -> None:
+def ignore_text(_: str) -> None:
     pass
 
 

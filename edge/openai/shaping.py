@@ -22,6 +22,7 @@ from edge.openai.filters import (
     THINK_OPEN_RE,
     SentinelFilter,
     ThinkSplitter,
+    ignore_text,
     opens_with_close,
 )
 from proto import RunEvent
@@ -72,10 +73,6 @@ class TemplateThink:
         if model in self._models:
             self._models.discard(model)
             log.info("think tags: the model answered without </think>; its streams are live again", model=model)
-
-
-def ignore_text(_: str) -> None:
-    pass
 
 
 class Shaper:

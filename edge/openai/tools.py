@@ -62,11 +62,9 @@ _BLOCK = re.compile(
 # a JSON string is the arguments (a file holding "</tool_call>"). It stops only at a closing tag
 # outside strings, or at the end (an unterminated string runs to it). Used where the first closing
 # tag cut a call short.
-_JSON_BODY = {
-    "xml": call_body("<", r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)'),
-    "mustache": call_body("{", r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)'),
-}
-_CLOSE = {"xml": len(CALL_CLOSES["<"]), "mustache": len(CALL_CLOSES["{"])}
+_KINDS = {"xml": "<", "mustache": "{"}  # a block's group in _BLOCK, by its first character
+_JSON_BODY = {kind: call_body(first, r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)') for kind, first in _KINDS.items()}
+_CLOSE = {kind: len(CALL_CLOSES[first]) for kind, first in _KINDS.items()}
 
 
 class TextToolCalls(msgspec.Struct):
