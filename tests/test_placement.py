@@ -52,12 +52,15 @@ def test_a_growing_conversation_matches_its_head():
 
 
 def test_a_shared_system_prompt_with_different_tails_matches_the_system_blocks():
-    """Different tails after the same system prompt match its blocks, plus the full blocks
-    a long message shares before it differs."""
+    """Different tails after the same system prompt match its blocks, and a long message
+    that differs only at its end matches at least half of what it shares, in whole blocks
+    (the index keeps the blocks at powers of two of each prompt, and its last)."""
     index = PrefixIndex(1000)
-    index.record(chain(("system", SYSTEM), ("user", "x" * 600 + "one")), "a")
+    index.record(chain(("system", SYSTEM), ("user", "x" * 9 * BLOCK_BYTES + "one")), "a")
     assert index.match(chain(("system", SYSTEM), ("user", "short")), {"a"})[0] == 8
-    assert index.match(chain(("system", SYSTEM), ("user", "x" * 600 + "two")), {"a"})[0] == 8 + 600 // BLOCK_BYTES
+    shared = 8 + 9  # blocks: the system prompt's, then the long message's whole ones
+    depth = index.match(chain(("system", SYSTEM), ("user", "x" * 9 * BLOCK_BYTES + "two")), {"a"})[0]
+    assert depth == 16 and shared / 2 <= depth <= shared
     assert index.match(chain(("system", "Another prompt."), ("user", "short")), {"a"})[0] == 0
     assert prefix_chain("other-model", [("system", SYSTEM)])[0] != chain(("system", SYSTEM))[0]
 
@@ -101,11 +104,33 @@ def test_the_index_is_capped_and_forgets_the_least_recent():
     try:
         big = PrefixIndex(2 * n)
         before = tracemalloc.get_traced_memory()[0]
-        big.record(range(2**59, 2**59 + n), "node-1")
+        for key in range(2**59, 2**59 + n, 2):  # (a chain of two: both kept)
+            big.record((key, key + 1), "node-1")
         per_key = (tracemalloc.get_traced_memory()[0] - before) / n
     finally:
         tracemalloc.stop()
     assert len(big) == n and per_key < 120, per_key
+
+
+def test_long_conversations_in_rotation_each_find_their_last_turn_in_a_small_index():
+    """The index keeps a few keys of each prompt (its blocks at powers of two and its last),
+    not one per block: a key per 256 bytes kept about 3,000 conversations of 20 KB in the
+    default 500,000 keys, and turns of conversations past those were placed cold."""
+    index = PrefixIndex(10_000)
+    nodes = [f"node-{i}" for i in range(4)]
+    talks = [[("system", SYSTEM)] for _ in range(600)]
+    sent = [0] * len(talks)  # blocks of each conversation's last turn
+    for turn in range(3):
+        for c, talk in enumerate(talks):
+            talk.append(("user", f"conversation {c}, turn {turn}: " + "q" * 3000))
+            ch = chain(*talk)
+            if turn:
+                assert index.match(ch, nodes) == (sent[c], {nodes[c % 4]}), (c, turn)
+            index.record(ch, nodes[c % 4])
+            sent[c] = len(ch)
+            talk.append(("assistant", "a" * 3000))
+    assert min(sent) >= 64  # (a last turn of 17 KB: with a key per block, 40,800 keys)
+    assert len(index) <= 10 * len(talks)
 
 
 def test_a_block_remembers_several_nodes_most_recent_first():
@@ -147,7 +172,8 @@ def test_relays_flooding_the_index_never_evict_the_edges_own_placements():
     honest = chain(("system", "elsewhere"), ("user", "turn 1"))
     index.record(honest, "node-1", relayed=True)
     assert index.match(honest, {"node-1", "node-2"}) == (len(honest), {"node-1"})
-    index.record(range(2**59, 2**59 + 100_000), "node-9", relayed=True)  # the flood
+    for key in range(2**59, 2**59 + 100_000, 2):  # the flood (a chain of two: both kept)
+        index.record((key, key + 1), "node-9", relayed=True)
     for i, ch in enumerate(mine):
         assert index.match(ch, {f"node-{n}" for n in range(4)}) == (len(ch), {f"node-{i % 4}"})
     assert index.match(honest, {"node-1"}) == (0, set())  # (a relay: evicted by relays)

@@ -13,7 +13,10 @@ Python int of two digits, the smallest heap int that holds them).
 :class:`PrefixIndex` maps a key to the nodes the edge recently sent it to:
 a bounded, approximate LRU of two generations of plain dicts (a key recorded
 again moves to the young one; when the young one is full the old one is
-dropped). Matching finds the deepest block of the chain a candidate node
+dropped). It keeps a few keys of each prompt, not all (:func:`anchors`): its
+last block, which the conversation's next turn holds whole, and the blocks at
+powers of two, which prompts sharing only a head (a system prompt, tools) have
+in common. Matching finds the deepest block of the chain a candidate node
 holds: O(prefix blocks), whatever the number of nodes or sessions.
 
 :func:`rendezvous` (highest random weight) picks among equally good nodes the
@@ -131,13 +134,14 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._own) + len(self._relayed)
 
-    def record(self, chain: Iterable[int], node_id: str, relayed: bool = False) -> None:
+    def record(self, chain: tuple[int, ...] | list[int], node_id: str, relayed: bool = False) -> None:
         """``node_id`` was sent a prompt with this chain (by another edge: ``relayed``):
-        each of its keys now names it first."""
-        (self._relayed if relayed else self._own).record(chain, node_id)
+        its :func:`anchors` now name it first."""
+        (self._relayed if relayed else self._own).record(anchors(chain), node_id)
 
     def forget(self, chain: Iterable[int], node_id: str) -> None:
-        """``node_id`` no longer holds any block of this chain (its run of the prompt failed)."""
+        """``node_id`` no longer holds any block of this chain (its run of the prompt failed):
+        every key of it that names the node, whichever prompt recorded it."""
         self._own.forget(chain, node_id)
         self._relayed.forget(chain, node_id)
 
@@ -145,19 +149,20 @@ class PrefixIndex:
         held = self._own.get(key)
         return self._relayed.get(key) if held is None else held
 
-    def match(self, chain: Iterable[int], candidates: Collection[str]) -> tuple[int, set[str]]:
+    def match(self, chain: tuple[int, ...] | list[int], candidates: Collection[str]) -> tuple[int, set[str]]:
         """The deepest block of the chain some candidate holds, and the candidates holding it
         (0 and none when none does). A block's key covers every block before it, so a node
         sent that block was sent all of them, whatever the index lists for those: a block
         every node got (a shared system prompt) lists only the last :data:`MAX_HOLDERS`, and
         stopping there pulled each conversation off its node onto one of those. The walk
-        stops at the first block no node got (nothing past it was sent anywhere either)."""
+        goes from the deepest block up and stops at the first a candidate holds: the index
+        keeps only some keys of each prompt, so a block it lacks says nothing of those before."""
         alive = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        depth, best = 0, set()
         own, relayed = self._own, self._relayed
         young, old = own.young.get, own.old.get
         relays = relayed.young or relayed.old
-        for at, key in enumerate(chain, 1):
+        for at in range(len(chain), 0, -1):
+            key = chain[at - 1]
             held = young(key)
             if held is None:
                 held = old(key)
@@ -166,13 +171,27 @@ class PrefixIndex:
                 if more is not None:
                     held = more if held is None else _joined(held, more)
             if held is None:
-                break
+                continue
             if isinstance(held, str):
                 if held in alive:
-                    depth, best = at, {held}
+                    return at, {held}
             elif hit := alive.intersection(held):
-                depth, best = at, hit
-        return depth, best
+                return at, hit
+        return 0, set()
+
+
+def anchors(chain: tuple[int, ...] | list[int]) -> list[int]:
+    """The keys of a chain the index keeps: the blocks at powers of two (1, 2, 4, ...: a prompt
+    sharing any head with this one holds at least half of that head in them) and the last
+    (what the conversation's next turn, or a retry, holds whole). A key per block of a
+    growing conversation kept about 3,000 conversations of 20 KB in 500,000 keys; this keeps
+    a few keys per turn."""
+    n = len(chain)
+    if n <= 2:
+        return list(chain)
+    keys = [chain[(1 << i) - 1] for i in range(n.bit_length()) if (1 << i) < n]
+    keys.append(chain[-1])
+    return keys
 
 
 def _joined(one: Holders, two: Holders) -> tuple[str, ...]:
