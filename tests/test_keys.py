@@ -140,6 +140,31 @@ async def test_rpm_refuses_with_retry_after_and_ratelimit_headers(nursery, tmp_p
     assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
 
 
+async def test_every_answer_to_a_rate_limited_key_carries_its_ratelimit_headers(nursery, tmp_path):
+    """Refused or not: a bad request, a model the key may not use and an answer past its daily
+    budget say where the key's limits stand, as an admitted request's answer does (they said
+    nothing)."""
+    edge = await keyed_edge(
+        nursery, tmp_path, [KeyConfig(id="eve", key="sk-eve", rpm=30, tpm=50_000, models=["qwen*"], daily_tokens=5)]
+    )
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-eve") as c:
+            answers = {
+                "bad": await c.post("/v1/chat/completions", json={"model": "qwen-a", "messages": "hi"}),
+                "hidden": await chat(c, "llama-b"),
+                "ok": await chat(c, max_tokens=8),
+            }
+            answers["over budget"] = await chat(c, max_tokens=8)
+    statuses = {what: r.status_code for what, r in answers.items()}
+    assert statuses == {"bad": 400, "hidden": 404, "ok": 200, "over budget": 429}, statuses
+    assert answers["over budget"].json()["error"]["code"] == "insufficient_quota"
+    for what, r in answers.items():
+        assert r.headers["x-ratelimit-limit-requests"] == "30", what
+        assert r.headers["x-ratelimit-limit-tokens"] == "50000", what
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 50_000, what
+        assert len(r.headers.get_list("x-ratelimit-limit-requests")) == 1, what
+
+
 async def test_tpm_admits_on_an_estimate_and_settles_on_real_usage(nursery, tmp_path):
     """tpm 2000: a request that sets no max_tokens reserves its prompt estimate + 1024, and gives
     back what it did not use (the sim answers 8 tokens), so 10 fit in the minute where 1 would

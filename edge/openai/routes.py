@@ -189,6 +189,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                     if e.status == 429:
                         ex.access.refusal = e.message
                     if not ex.started:
+                        if ex.key is not None and not _limits_said(ex, e):  # (a 400 or 404 to a key too)
+                            ex.extra_headers += edge.keys.headers(ex.key)
                         await ex.respond_error(e)
                     elif not ex.finished:
                         await ex.finish(ex.errors.stream(e.message, e.type, e.code))
@@ -209,6 +211,11 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
         ex.release()
+
+
+def _limits_said(ex: Exchange, error: APIError) -> bool:
+    """The answer already carries its key's ``x-ratelimit-*`` (admitted, or refused for a limit)."""
+    return any(name.startswith(b"x-ratelimit-") for name, _ in (*ex.extra_headers, *(error.headers or ())))
 
 
 def _framed_twice(scope: dict) -> bool:
