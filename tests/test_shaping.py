@@ -278,6 +278,28 @@ async def test_auto_learns_a_template_that_opens_think(shaped):
     assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
 
 
+async def test_a_live_streams_first_close_tag_is_never_content(shaped):
+    """A model whose template opens <think>, streamed before the edge has learned it (its first
+    answer after a start, or after an answer without thinking unlearned it): the </think> went
+    out as content, and the text before it in the same delta too (an outside audit: "Reasoning
+    here.</think>answer" as content). The tag is dropped and what was not sent yet is reasoning;
+    what was sent stays content (a live stream cannot take it back)."""
+    edge, upstream = shaped
+    cases = [
+        (script({"content": "</thi"}, {"content": "nk>Answer"}), ("Answer", "")),
+        (script({"content": "plan</think>Answer"}), ("Answer", "plan")),
+        (script({"content": "Sent. "}, {"content": "plan</think>Answer"}), ("Sent. Answer", "plan")),
+    ]
+    with trio.fail_after(BOUND):
+        for steps, expected in cases:
+            upstream.script_for("t", steps)
+            chunks, _ = await stream_raw(edge, model="plain", include_reasoning=True)
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == expected
+            upstream.script_for("t", script({"content": "No thinking."}))  # (learned: unlearned by this)
+            chunks, _ = await stream_raw(edge, model="plain")
+            assert joined(chunks, "content") == "No thinking."
+
+
 async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
     """One client's answer that only quotes </think> teaches the edge wrong (an outside re-audit).
     Other clients' streams of that model then lose nothing and get nothing twice, however they end

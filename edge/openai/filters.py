@@ -201,6 +201,11 @@ MAX_THINK_TAGS = 1024
 # reasoning). Its end is the closing tag outside the JSON's strings, as the calls are read.
 _CALL_OPENS = ("<tool_call>", "{{tool_call}}")
 _OPEN_OR_CALL_RE = re.compile("|".join(map(re.escape, (THINK_OPEN, *_CALL_OPENS))), re.IGNORECASE | re.ASCII)
+# Before any think tag of a live stream (``stray_close``): a </think> too, which says the template opened it.
+_FIRST_TAGS = {False: (THINK_OPEN, THINK_CLOSE), True: (THINK_OPEN, THINK_CLOSE, *_CALL_OPENS)}
+_FIRST_RE = {
+    calls: re.compile("|".join(map(re.escape, tags)), re.IGNORECASE | re.ASCII) for calls, tags in _FIRST_TAGS.items()
+}
 _ANY_TAG_RE = re.compile("|".join(map(re.escape, (THINK_OPEN, THINK_CLOSE, *_CALL_OPENS))), re.IGNORECASE | re.ASCII)
 CALL_CLOSES = {"<": "</tool_call>", "{": "{{/tool_call}}"}  # by a block's first character
 # A block's body, read as JSON reads it, up to its closing tag outside strings: its text, its whole
@@ -231,7 +236,12 @@ class ThinkSplitter:
     piece is held back. Output goes to the two callbacks. Past
     :data:`MAX_THINK_TAGS` tags the rest is content, tags as written.
     ``calls`` (a request with tools): a tool-call block in the content is
-    content as written, think tags inside it too.
+    content as written, think tags inside it too. ``stray_close`` (a live
+    stream, not known to start open): a ``</think>`` before any think tag
+    says the template opened the reasoning after all, as a whole answer
+    reads it; the tag is dropped and the text before it not yet passed on is
+    reasoning (what was is content: it went out). It went out as content,
+    the tag with it.
     """
 
     __slots__ = (
@@ -245,6 +255,7 @@ class ThinkSplitter:
         "_call",
         "_quoted",
         "_escaped",
+        "_first",
     )
 
     def __init__(
@@ -254,8 +265,10 @@ class ThinkSplitter:
         *,
         starts_open: bool = False,
         calls: bool = False,
+        stray_close: bool = False,
     ) -> None:
         self._in_think = starts_open
+        self._first = stray_close and not starts_open  # no think tag yet, and a </think> would be one
         self._head = starts_open  # still before the first text of an open stream
         self._pending = ""
         self._content = content
@@ -288,14 +301,27 @@ class ThinkSplitter:
                 if at < 0:
                     return
                 continue
-            tag = THINK_CLOSE_RE if self._in_think else _OPEN_OR_CALL_RE if self._calls else THINK_OPEN_RE
+            if self._in_think:
+                tag = THINK_CLOSE_RE
+            elif self._first:
+                tag = _FIRST_RE[self._calls]
+            else:
+                tag = _OPEN_OR_CALL_RE if self._calls else THINK_OPEN_RE
             found = tag.search(buf, at)
-            if found is not None and self._calls and not self._in_think and found.end() - found.start() > 7:
-                self._emit(buf[at : found.end()])  # (a call's opening tag: not a 7-character <think>)
-                self._call = buf[found.start()]
+            if found is not None and not self._in_think and found.end() - found.start() != len(THINK_OPEN):
+                if buf[found.start() + 1] != "/":  # a call's opening tag
+                    self._emit(buf[at : found.end()])
+                    self._call = buf[found.start()]
+                    at = found.end()
+                    continue
+                if found.start() > at:  # (a </think> before any think tag: the head was reasoning)
+                    self._reasoning(buf[at : found.start()])
+                self._first = False
+                self._tags += 1
                 at = found.end()
                 continue
             if found is not None:
+                self._first = False
                 self._emit(buf[at : found.start()])
                 self._tags += 1
                 if self._tags > MAX_THINK_TAGS:  # the rest as written (append passes it on at once)
@@ -309,6 +335,8 @@ class ThinkSplitter:
             rest = buf[at:]
             if tag is _OPEN_OR_CALL_RE:
                 hold = max(_partial_suffix(rest, t) for t in (THINK_OPEN, *_CALL_OPENS))
+            elif self._first and not self._in_think:
+                hold = max(_partial_suffix(rest, t) for t in _FIRST_TAGS[self._calls])
             else:
                 hold = _partial_suffix(rest, tag.pattern)
             self._emit(rest[: len(rest) - hold])

@@ -251,7 +251,8 @@ class Shaper:
     def _split_think(self) -> None:
         """Text with a "<" in a live stream whose think tags are on: split from here."""
         if self._live and self.policy.think_tags != "off":
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=self._raw_parts is not None)
+            calls = self._raw_parts is not None
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=True)
 
     def reasoning(self, text: str) -> None:
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
