@@ -131,6 +131,13 @@ def test_demo_serves_the_simulated_model():
     assert proc.returncode == 0
 
 
+def test_python_dash_m_iop_is_the_iop_command():
+    """`python -m iop` runs what `iop` runs (it was "No module named iop.__main__")."""
+    result = subprocess.run([sys.executable, "-m", "iop", "--help"], capture_output=True, text=True, timeout=BOUND)
+    assert result.returncode == 0 and result.stdout.startswith("usage: iop "), result.stderr
+    assert "{demo,edge,node,usage}" in result.stdout
+
+
 def test_busy_address_is_one_line():
     """An address already in use stops `iop edge` with one line, not a traceback."""
     import socket
