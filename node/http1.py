@@ -44,6 +44,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_INTERIM = 8  # 1xx heads (100 Continue, 103 Early Hints) skipped before the answer
 MAX_CHUNK_LINE = 1024
 MAX_IDLE = 256  # idle keep-alive connections kept per origin
+# An idle connection is not used after this long: uvicorn, in front of vLLM and SGLang, closes
+# one after 5 s, and a request sent as it closes gets no answer (sent again, it was a duplicate
+# generation whenever the server had read it before closing; an outside audit). As httpcore's 5.
+KEEPALIVE_EXPIRY_S = 4.0
 # Not more: a buffer of 128 KiB or more makes each read grow and trim the heap (15-21 against 2.6 µs a read).
 READ_SIZE = 64 * 1024
 WATCH_TICK = 1.0  # seconds: the most a read inside Response.reading() times out late (or a quarter of its timeout)
@@ -77,9 +81,10 @@ class RemoteProtocolError(HTTPError):
     pass
 
 
-class _NoAnswer(RemoteProtocolError):
-    """The connection ended before any byte of an answer: a kept-alive one
-    the server closed as we sent. Only this is sent again."""
+class NoAnswer(RemoteProtocolError):
+    """The connection ended before any byte of an answer. Sent again (once) only when the
+    request could not be written whole on a kept-alive connection: a server may have read
+    a request it did not answer, and would do the work twice."""
 
 
 class InvalidURL(HTTPError):
@@ -112,7 +117,7 @@ class Origin:
 
 
 class _Connection:
-    __slots__ = ("stream", "sock", "buf", "plain", "fd")
+    __slots__ = ("stream", "sock", "buf", "plain", "fd", "idle_since")
 
     def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         self.stream = stream
@@ -123,6 +128,7 @@ class _Connection:
         # objects that live that long: the garbage collector's work.
         self.plain = isinstance(stream, trio.SocketStream)
         self.fd = sock.fileno()
+        self.idle_since = 0.0  # (trio's clock) when it went back to the pool
 
     def closed_by_peer(self) -> bool:
         """An idle connection that is readable: the server closed it (or sent
@@ -620,8 +626,16 @@ class Client:
         raise ConnectTimeout(f"no connection within {self._connect_timeout:g} s")
 
     def _pooled(self) -> _Connection | None:
+        """The idle connection used last, unless the server closed it or it idled past
+        :data:`KEEPALIVE_EXPIRY_S` (the older ones behind it too)."""
+        fresh = trio.current_time() - KEEPALIVE_EXPIRY_S
         while self._idle:
             conn = self._idle.pop()
+            if conn.idle_since < fresh:
+                for old in (conn, *self._idle):
+                    old.sock.close()
+                self._idle.clear()
+                return None
             if not conn.closed_by_peer():
                 return conn
             conn.sock.close()
@@ -637,7 +651,7 @@ class Client:
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                raise _NoAnswer(f"connection lost while sending: {e}") from None
+                raise NoAnswer(f"connection lost while sending: {e}") from None
             if sent == len(data):
                 return
             data = data[sent:]
@@ -646,7 +660,7 @@ class Client:
                 await conn.stream.send_all(data)
                 return
             except trio.BrokenResourceError as e:
-                raise _NoAnswer(f"connection lost while sending: {e}") from None
+                raise NoAnswer(f"connection lost while sending: {e}") from None
         assert scope.cancelled_caught
         raise WriteTimeout(f"request not sent within {self._write_timeout:g} s")
 
@@ -675,13 +689,13 @@ class Client:
                 try:
                     data = await conn.stream.receive_some(READ_SIZE)
                 except trio.BrokenResourceError as e:
-                    raise (RemoteProtocolError if answered else _NoAnswer)(f"connection lost: {e}") from None
+                    raise (RemoteProtocolError if answered else NoAnswer)(f"connection lost: {e}") from None
             if scope.cancelled_caught:
                 raise ReadTimeout("no response head in the read timeout")
             if not data:
                 if answered:
                     raise RemoteProtocolError("server closed the connection inside a response head")
-                raise _NoAnswer("server closed the connection without a response")
+                raise NoAnswer("server closed the connection without a response")
             answered = True
             buf += data
         # The blank line's \n (after a \n or a \r\n): the body starts after it.
@@ -720,16 +734,18 @@ class Client:
             if conn is None:
                 conn = await self._connect()
             try:
-                await self._send(conn, message)
+                try:
+                    await self._send(conn, message)
+                except NoAnswer:
+                    # A kept-alive connection the server had closed: the request could not
+                    # be written whole, so it was not taken: sent again, once, on a new one.
+                    await trio.aclose_forcefully(conn.stream)
+                    if not reused:
+                        raise
+                    conn, reused = None, False
+                    continue
                 status, response_headers = await self._head(conn)
                 break
-            except _NoAnswer:
-                # A kept-alive connection the server closed as we sent: nothing
-                # was answered, so sending again is safe, once.
-                await trio.aclose_forcefully(conn.stream)
-                if not reused:
-                    raise
-                conn, reused = None, False
             except BaseException:  # Cancelled too: the connection is closed, the exception goes on
                 await trio.aclose_forcefully(conn.stream)
                 raise
@@ -742,6 +758,7 @@ class Client:
             yield response
         finally:
             if response.done and response.keep_alive and len(self._idle) < MAX_IDLE:
+                conn.idle_since = trio.current_time()
                 self._idle.append(conn)
             else:
                 await trio.aclose_forcefully(conn.stream)

@@ -212,6 +212,42 @@ async def test_a_kept_alive_connection_the_server_closed_is_not_used(serve):
     assert server.connections == 2
 
 
+async def test_a_request_read_and_not_answered_is_not_sent_again(serve):
+    """A kept-alive connection whose server reads the request, then closes it without a word
+    (it crashed, or something between cut it): an error, not the request sent again on a new
+    connection, which had the model server generate twice (an outside audit: 2 requests upstream
+    for 1 from the client, and a 200)."""
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def read_then_close(stream):
+        await stream.aclose()
+
+    server, client = await serve(ok, read_then_close, ok)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        with pytest.raises(http1.NoAnswer, match="without a response"):
+            await body_of(client)
+        assert len(server.requests) == 2
+        assert await body_of(client) == (200, b"ok")  # (on a new connection)
+    assert len(server.requests) == 3 and server.connections == 2
+
+
+async def test_an_idle_connection_is_not_used_past_its_expiry(serve, monkeypatch):
+    """uvicorn (vLLM's, SGLang's front) closes a connection idle 5 s: one idle longer than
+    KEEPALIVE_EXPIRY_S is closed rather than used, so a request never races that close."""
+    monkeypatch.setattr(http1, "KEEPALIVE_EXPIRY_S", 0.2)
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    server, client = await serve(ok, ok, ok)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        assert await body_of(client) == (200, b"ok")
+        assert server.connections == 1  # (reused within the expiry)
+        await trio.sleep(0.3)
+        assert await body_of(client) == (200, b"ok")
+        await server.client_closed.wait()  # (the expired one, closed by the client)
+    assert server.connections == 2
+
+
 async def test_leaving_a_response_early_closes_its_connection(serve):
     """A cancel mid-body closes the connection (the model server's signal to
     abort), and the next request opens a new one."""
@@ -583,8 +619,7 @@ async def test_a_head_with_bare_lf_line_ends_is_read(serve):
 async def test_an_answered_request_is_not_sent_again(serve):
     """On a kept-alive connection, an answer that cannot be read (a bad status line, a head
     too large) is an error: the request is not sent again on a new connection (the model
-    server had taken it, and would do the work twice). A connection closed with no answer
-    at all still is (test_a_kept_alive_connection_the_server_closed_is_not_used)."""
+    server had taken it, and would do the work twice)."""
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
     server, client = await serve(ok, b"HTTP/1.1 abc\r\n\r\n", ok, b"HTTP/1.1 200 OK\r\nx: " + b"y" * 200_000, ok)
     with trio.fail_after(BOUND):
