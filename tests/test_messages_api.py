@@ -1012,8 +1012,7 @@ async def test_a_large_body_is_counted_before_it_is_decoded(nursery, upstream, m
     def never(*_a, **_k):
         raise AssertionError("the body was decoded before its lists were counted")
 
-    monkeypatch.setattr(request, "decode_json", never)  # (a body decoded whole)
-    monkeypatch.setattr(request, "decoder_for", never)  # (in pieces)
+    monkeypatch.setattr(request, "decoder_for", never)  # (a body decoded whole, or in pieces)
     monkeypatch.setattr(request, "in_one_go", lambda _text: False)  # (as a body of many objects is)
     edge = await start_edge(nursery, edge_config(max_tools=4, max_messages=8))
     node = await start_node(nursery, edge, [model("m", upstream, target="t")])
