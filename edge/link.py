@@ -156,7 +156,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     node_id = websocket.header(NODE_ID_HEADER)
     identity = _authenticate(config, node_id, websocket.header("Authorization"))
     if identity is None:
-        _refused(service, "node link refused: bad token", node_id)
+        _refused(service, "node link refused: bad token", node_id, websocket.peer)
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
     if not may_dial(websocket.peer):
@@ -165,7 +165,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         return None
     pending = service.pending_hellos
     if pending[identity] >= (MAX_PENDING_HELLOS if identity == _SHARED else MAX_PENDING_HELLOS_PER_NODE):
-        _refused(service, "node link refused: too many links opening at once", node_id)
+        _refused(service, "node link refused: too many links opening at once", node_id, websocket.peer)
         await websocket.refuse(503, error_json("too many node links opening at once; retry", "server_error"))
         return None
     pending[identity] += 1

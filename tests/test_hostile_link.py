@@ -364,3 +364,4 @@ async def test_refused_dials_are_logged_once_a_second(nursery):
     seconds = trio.current_time() - started  # (a loaded machine takes more than one)
     lines = [e for e in logs if e["event"] == "node link refused: bad token"]
     assert 1 <= len(lines) <= seconds + 2 and len(lines) < 25 and lines[0]["refused"] == 1, (seconds, lines)
+    assert lines[0]["peer"] == "127.0.0.1"  # (who tries tokens: it said null)
