@@ -151,6 +151,7 @@ class EdgeMetrics:
             registry=r,
         )
         self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
+        r.register(_ModelCollector(self, runs))
         r.register(_EngineCollector(runs))
         r.register(_LinkCollector())
         if edge is not None:
@@ -205,6 +206,38 @@ class EdgeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ModelCollector:
+    """``iop_model_queue_depth{model}`` and ``iop_model_runs_in_flight{model}``: the queue and
+    the runs of each model a linked node serves (vLLM's ``num_requests_waiting`` and
+    ``num_requests_running`` are per model too), read at scrape time; the unlabelled totals stay."""
+
+    def __init__(self, metrics: EdgeMetrics, runs: RunService) -> None:
+        self._metrics = metrics
+        self._runs = runs
+
+    def collect(self):
+        label = self._metrics.model_label
+        runs = self._runs
+        waiting = GaugeMetricFamily(
+            "iop_model_queue_depth", "Requests waiting for a node slot, per model", labels=("model",)
+        )
+        running = GaugeMetricFamily(
+            "iop_model_runs_in_flight", "Runs dispatched to nodes and not yet closed, per model", labels=("model",)
+        )
+        served = {label(model) for link in list(runs.links.values()) for model in link.models}
+        queued = dict.fromkeys(served, 0)
+        for model, depth in runs.queue_depths().items():
+            queued[label(model)] = queued.get(label(model), 0) + depth
+        flying = dict.fromkeys(served, 0)
+        for run in list(runs.runs.values()):
+            flying[label(run.slot.model)] = flying.get(label(run.slot.model), 0) + 1
+        for model in sorted(queued):
+            waiting.add_metric((model,), queued[model])
+        for model in sorted(flying):
+            running.add_metric((model,), flying[model])
+        yield from (waiting, running)
 
 
 class _EngineCollector:

@@ -83,6 +83,8 @@ async def test_full_queue_and_queue_timeout_are_429_with_retry_after(nursery, up
 
             clients.start_soon(queued)
             await eventually(lambda: edge.edge.runs.queue_depth("m") == 1)
+            metrics = (await client.get("/metrics")).text  # (the queue of each model, as an operator graphs it)
+            assert 'iop_model_queue_depth{model="m"} 1.0' in metrics and "iop_queue_depth 1.0" in metrics
             full = await client.post("/v1/chat/completions", json=body)
             assert full.status_code == 429
             assert full.json()["error"]["code"] == "queue_full" and int(full.headers["retry-after"]) >= 1

@@ -250,6 +250,7 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
 
                 clients.start_soon(leave)
                 await upstream.wait_requests(4)
+                running = (await client.get("/metrics")).text
                 clients.cancel_scope.cancel()
             await settled(edge, node.agent)
             text = (await client.get("/metrics")).text
@@ -260,6 +261,9 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
     assert 'iop_runs_ended_total{api="messages",cause="complete",model="m"} 1.0' in text
     assert 'iop_run_cancels_total{api="chat",cause="client_gone"} 1.0' in text
     assert "iop_runs_in_flight 0.0" in text and "iop_nodes_linked 1.0" in text
+    # Per model too (as vLLM's num_requests_running/waiting), the totals unlabelled as before.
+    assert 'iop_model_runs_in_flight{model="m"} 1.0' in running and "iop_runs_in_flight 1.0" in running
+    assert 'iop_model_runs_in_flight{model="m"} 0.0' in text and 'iop_model_queue_depth{model="m"} 0.0' in text
     assert 'iop_time_to_first_token_seconds_count{api="chat",model="m"}' in text
     assert 'iop_time_to_first_token_seconds_count{api="responses",model="m"}' in text
     # Every run's histograms and counters say which API it came through (Messages and Responses too).

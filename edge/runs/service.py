@@ -330,6 +330,14 @@ class RunService:
             return len(self._queues.get(model, ())) + len(self._moved.get(model, ()))
         return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._moved.values())
 
+    def queue_depths(self) -> dict[str, int]:
+        """:meth:`queue_depth` of each model with a request waiting."""
+        depths = {model: len(queue) for model, queue in self._queues.items() if queue}
+        for model, queue in self._moved.items():
+            if queue:
+                depths[model] = depths.get(model, 0) + len(queue)
+        return depths
+
     def waiting_for(self, model: str, node_id: str) -> int:
         """Queued requests of ``model`` that ``node_id`` may take: all but
         those waiting for another node (the one holding their prefix)."""
