@@ -530,6 +530,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     install_h2_streams()  # hypercorn's HTTP/2 ended the connection on body data for a stream it closed
     edge = Edge(config)
     app = EdgeApp("iop-edge")
+    app.url_map.merge_slashes = False  # (/v1//models is the JSON 404 that says why, not an HTML 308 past the key check)
     logs.as_events(app.name)  # app.logger: Quart's errors as structlog events, not plain-text lines
     app.config["RESPONSE_TIMEOUT"] = None  # never cut a long stream
     app.config["BODY_TIMEOUT"] = config.body_timeout_s

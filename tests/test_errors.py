@@ -146,6 +146,34 @@ async def test_unknown_route_and_wrong_method(edge):
             assert "GET" in quart.headers["allow"]
 
 
+async def test_absolute_form_request_lines_and_double_slashes(edge, node):
+    """A request line in absolute form (``POST http://host/v1/... HTTP/1.1``), which an HTTP/1.1
+    server must accept, is served by its path (it was a 404 blaming a //); a GET route with //
+    in its path is the JSON 404 that says why, not an HTML 308 redirect past the key check."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+
+    async def raw(line: bytes, body: bytes = b"") -> bytes:
+        stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        head = line + b"\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\n"
+        await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        answer = b""
+        while data := await stream.receive_some(65536):
+            answer += data
+        await stream.aclose()
+        return answer
+
+    with trio.fail_after(BOUND):
+        served = await raw(b"POST http://elsewhere.example/v1/chat/completions HTTP/1.1", body)
+        models = await raw(b"GET HTTPS://elsewhere.example/v1/models HTTP/1.1")
+        async with http(edge) as client:
+            doubled = await client.get("/v1//models")
+    assert served.startswith(b"HTTP/1.1 200 ") and b'"choices"' in served, served[:300]
+    assert models.startswith(b"HTTP/1.1 200 ") and b'"data"' in models, models[:300]
+    assert_openai_error(doubled, 404)
+    assert "end with a /" in doubled.json()["error"]["message"]
+    await settled(edge, node.agent)
+
+
 async def test_bad_requests_leave_the_edge_serving(edge, node):
     """After a burst of bad requests the edge still serves good ones."""
     with trio.fail_after(BOUND):

@@ -86,6 +86,8 @@ def openai_routes(edge: Edge, quart_asgi):
             if proxies is not None:  # (before anything reads the client's address)
                 proxies.rewrite(scope)
             path = scope["path"]
+            if path[:1] != "/":
+                path = _origin_form(scope)
             extra = None
             if cors is not None and for_api(path):  # (edge.cors: a browser's request from another origin)
                 allow = cors.allowed(_header(scope, b"origin"))
@@ -211,6 +213,19 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
         _access(edge, ex, route.api, outcome, time.perf_counter() - t0)
         structlog.contextvars.unbind_contextvars("request_id", "run_id")
         ex.release()
+
+
+def _origin_form(scope: dict) -> str:
+    """The path of a request line in absolute form (``POST http://host/v1/... HTTP/1.1``), which
+    an HTTP/1.1 server must accept (RFC 9112 3.2.2): the path is what routes it, its host
+    nothing. It was a 404 that blamed a // in the path. Any other form is left as it is."""
+    path = scope["path"]
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        path = "/" + rest.partition("/")[2]
+        scope["path"] = path
+        scope["raw_path"] = path.encode()
+    return path
 
 
 def _limits_said(ex: Exchange, error: APIError) -> bool:
