@@ -143,10 +143,12 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
 
                 # An edge that says nothing for 3 s (it hangs, or the connection is half open) is
                 # shown stale and dialled again; it showed "live" with frozen figures for good.
-                # (Here the page's clock jumps 10 s: the stream looks silent that long.)
-                page.evaluate("Date.now = ((now) => () => now() + 10000)(Date.now)")
+                # (Here the page's clock jumps 10 s at every reading, so that whatever the stream
+                # brings, it looks silent that long; then it runs true again.)
+                page.evaluate("window.trueNow = Date.now; let jumps = 0; Date.now = () => trueNow() + 10000 * ++jumps")
                 expect(page.locator("#status")).to_have_text("stale · reconnecting", timeout=3000)
                 expect(page.locator("#console")).to_have_class("stale")
+                page.evaluate("Date.now = trueNow")
                 expect(page.locator("#status")).to_have_text("live", timeout=5000)
                 expect(page.locator("#console")).not_to_have_class("stale")
 
