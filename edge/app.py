@@ -40,7 +40,7 @@ from edge.keys import Key, Keys, Policy
 from edge.ledger import Ledger, is_postgres
 from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
-from edge.openai.exchange import Exchange
+from edge.openai.exchange import Exchange, LargeRequests
 from edge.openai.items import ResponseItems
 from edge.openai.routes import is_admin_path, openai_routes
 from edge.openai.schema import ModelCard, ModelList
@@ -115,6 +115,7 @@ class Edge:
         self.open_served = False  # an open edge's first request was looked at (is_loopback)
         self.hurry = trio.Event()  # a second signal: end the drain's grace now
         self.handling = 0  # API requests whose handler runs (edge.openai.routes)
+        self.large_requests = LargeRequests(config.max_large_requests)  # (bodies of 1 MiB or more, in flight)
         self.handled = trio.lowlevel.ParkingLot()  # woken as the last of them ends
 
     async def quiet(self) -> None:

@@ -117,6 +117,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     #                                load gap) waits this long for one there before it goes elsewhere; 0: never
     # Requests.
     max_body_bytes: int = 8 * 1024 * 1024
+    max_large_requests: int = 64  # requests with a body of 1 MiB or more in flight at once; past it, a 503
     max_messages: int = 2048
     max_tools: int = 256
     body_timeout_s: float = 60.0  # to receive a whole request body; a slower one is a 408
@@ -148,7 +149,13 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("max_messages: must be at least 1")
         if self.ping_misses < 2:  # 1: a pong a moment late dropped every healthy link
             raise ConfigError("ping_misses: must be at least 2")
-        for key in ("max_body_bytes", "max_frame_bytes", "max_buffered_events", "max_node_concurrency"):
+        for key in (
+            "max_body_bytes",
+            "max_large_requests",
+            "max_frame_bytes",
+            "max_buffered_events",
+            "max_node_concurrency",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
         if self.max_frame_bytes < MIN_FRAME_BYTES:  # a node keeps its frames under 64 KiB at least

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import h2.config
@@ -1393,6 +1394,47 @@ async def test_an_http2_body_of_one_byte_data_frames_is_a_400(nursery, tmp_path,
                         ended = True
         await stream.aclose()
     assert status == 400 and json.loads(answer)["error"]["code"] == "body_too_fragmented", (status, answer)
+
+
+async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(nursery, upstream):
+    """200 bodies of 8 MB at once took the edge past 2 GB (an outside audit): requests with a body
+    of 1 MiB or more hold one of max_large_requests places from then to their end (their prompt
+    lives as long). Past it, a 503 with Retry-After before the body is read; small requests are
+    served all along; a place comes back however its request ended (answered, refused, cut)."""
+    from edge.openai.jsonbody import LARGE_BODY_BYTES
+
+    edge = await start_edge(nursery, edge_config(max_large_requests=2))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=8)])
+    upstream.script_for("m-target", [("hang",)])
+    large = {"model": "m", "messages": [{"role": "user", "content": "w " * (LARGE_BODY_BYTES // 2)}], "max_tokens": 2}
+    small = {"model": "m", "messages": USER, "max_tokens": 2}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as holders:
+            for _ in range(2):
+                holders.start_soon(partial(client.post, "/v1/chat/completions", json=large))
+            await upstream.wait_requests(2)
+            refused = await client.post("/v1/chat/completions", json=large)
+            encoded = msgspec.json.encode(large)
+
+            async def pieces():
+                yield encoded
+
+            chunked = await client.post("/v1/chat/completions", content=pieces())
+            upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
+            served = await client.post("/v1/chat/completions", json=small)
+            holders.cancel_scope.cancel()  # (the two holders leave: their places come back)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "too_many_large_requests"
+        assert chunked.status_code == 503  # (no length declared: refused as it grew past 1 MiB)
+        assert served.status_code == 200
+        await eventually(lambda: edge.edge.large_requests.held == 0, "the places back")
+        async with http(edge) as client:
+            for _ in range(3):  # (refused after reading: the place comes back too)
+                bad = await client.post("/v1/chat/completions", content=b"[" + b" " * LARGE_BODY_BYTES + b"]")
+                assert bad.status_code == 400
+            ok = await client.post("/v1/chat/completions", json=large)
+    assert ok.status_code == 200 and edge.edge.large_requests.held == 0
+    await settled(edge, node.agent)
 
 
 async def test_a_body_past_the_limit_gets_its_413_while_the_client_still_sends(nursery):

@@ -15,6 +15,7 @@ import trio
 
 from edge.errors import APIError
 from edge.openai.direct import DirectBody, close_stream, connection_lock, on_disconnect, peer_closed
+from edge.openai.jsonbody import LARGE_BODY_BYTES
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
 
@@ -106,6 +107,31 @@ class Access:
         self.refusal = ""  # a 429's message: which limit, or the queue (the edge's own words)
 
 
+class LargeRequests:
+    """Requests whose body is :data:`~edge.openai.jsonbody.LARGE_BODY_BYTES` or more, in flight
+    at once: at most ``limit``, each held from its body's first large byte (or its declared
+    length) to the request's end, its decoded prompt's life. Past it, a 503 before the body is
+    read: 200 bodies of 8 MB at once took the edge past 2 GB (an outside audit)."""
+
+    __slots__ = ("limit", "held")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self) -> LargeRequests:
+        if self.held >= self.limit:
+            raise APIError(
+                503,
+                f"The edge is serving {self.limit} requests of {LARGE_BODY_BYTES // 1024 // 1024} MiB or more; retry.",
+                "server_error",
+                code="too_many_large_requests",
+                headers=[(b"retry-after", b"1")],
+            )
+        self.held += 1
+        return self
+
+
 class Exchange:
     __slots__ = (
         "scope",
@@ -128,6 +154,7 @@ class Exchange:
         "_left",
         "_closing",
         "_cut",
+        "_large",
     )
 
     def __init__(self, scope, receive, send) -> None:
@@ -151,6 +178,7 @@ class Exchange:
         self._left = False  # the client left during one of our sends: cancel once it returns
         self._closing = False  # the last write is under way (finished, not yet written)
         self._cut = False  # the client left while the answer was still being written
+        self._large: LargeRequests | None = None  # the place its large body holds, until it ends
 
     def header(self, name: bytes) -> bytes | None:
         """A request header (None once the response has started: see :meth:`_head`)."""
@@ -159,10 +187,15 @@ class Exchange:
                 return value
         return None
 
-    async def read_body(self, limit: int) -> bytes:
+    async def read_body(self, limit: int, large: LargeRequests | None = None) -> bytes:
+        """The whole body, at most ``limit`` bytes; one of ``large``'s places once it is a large
+        one (declared so, or grown so as it arrives), held until the request ends."""
         length = self.header(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+        if length is not None and length.isdigit():
+            if int(length) > limit:
+                raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+            if large is not None and int(length) >= LARGE_BODY_BYTES:
+                self._large = large.take()
         parts: list[bytes] = []
         size = 0
         pieces = 0
@@ -182,6 +215,8 @@ class Exchange:
             size += len(chunk)
             if size > limit:
                 raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+            if size >= LARGE_BODY_BYTES and large is not None and self._large is None:
+                self._large = large.take()
             if not message.get("more_body", False):
                 self.body_read = True
                 parts.append(chunk)
@@ -205,6 +240,9 @@ class Exchange:
         as the request ends."""
         self._send = self._receive = _released
         self._direct = False
+        if self._large is not None:
+            self._large, large = None, self._large
+            large.held -= 1
 
     def closed_by_client(self) -> bool:
         """The client has closed its connection, though the server may not have told the app yet

@@ -41,6 +41,9 @@ import msgspec
 from proto import jsoncost
 
 MAX_JSON_DEPTH = 64
+# A body of this size or more is a large one: decoded one at a time in the process
+# (edge.openai.request), and one of the edge's max_large_requests in flight (edge.openai.exchange).
+LARGE_BODY_BYTES = 1024 * 1024
 # Far past a real request: 2,048 messages of 10,000 parts, tool schemas of 20,000 nodes in all.
 MAX_JSON_CONTAINERS = 250_000
 # Values of any kind: 25-40 MB decoded at most (a prompt of 500,000 token ids is one too many).

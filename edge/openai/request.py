@@ -11,7 +11,7 @@ import msgspec
 import trio
 
 from edge import errors
-from edge.openai.jsonbody import MAX_JSON_DEPTH, decoder_for, too_large
+from edge.openai.jsonbody import LARGE_BODY_BYTES, MAX_JSON_DEPTH, decoder_for, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
 from edge.per_run import per_run
 from edge.runs.placement import prompt_chain
@@ -91,7 +91,6 @@ _MANY_MEMBERS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_
 # (counted, searched for long exponents, decoded, nested): 100 such bodies at once, each
 # taking its turn between every other task's, held a small request's answer 1.4 s at p99 and
 # 8.3 s at worst (200: 3.1 and 13.9 s, a node's link near its ping timeout; an outside audit).
-LARGE_BODY_BYTES = 1024 * 1024
 _LARGE_BODIES: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_large_bodies")
 
 
