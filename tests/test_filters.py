@@ -113,10 +113,10 @@ call_fragments = st.sampled_from(
 )
 
 
-def run_think_with_calls(pieces: list[str], starts_open: bool = False) -> tuple[str, str]:
+def run_think_with_calls(pieces: list[str], starts_open: bool = False, stray: bool = False) -> tuple[str, str]:
     content: list[str] = []
     reasoning: list[str] = []
-    t = ThinkSplitter(content.append, reasoning.append, starts_open=starts_open, calls=True)
+    t = ThinkSplitter(content.append, reasoning.append, starts_open=starts_open, calls=True, stray_close=stray)
     for piece in pieces:
         t.append(piece)
     t.flush()
@@ -163,6 +163,10 @@ def test_think_splitter_examples():
     assert run_think(["plan</think>answer"], stray=True) == ("answer", "plan")
     assert run_think(["plan", "</thi", "nk>answer"], stray=True) == ("plananswer", "")
     assert run_think(["<think>a</think>b</think>c"], stray=True) == ("b</think>c", "a")  # (not the first tag)
+    assert run_think(["plan</th", "ink>answer"], stray=True) == ("answer", "plan")  # (held until the tag is known)
+    assert run_think(["a <", "b"], stray=True) == ("a <b", "")
+    call = "<tool_call>{}</tool_call>"  # (a call is the answer: a </think> after it is the answer's too)
+    assert run_think_with_calls([call + "x</think>y"], stray=True) == (call + "x</think>y", "")
 
 
 @settings(max_examples=200, deadline=None)

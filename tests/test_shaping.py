@@ -288,6 +288,7 @@ async def test_a_live_streams_first_close_tag_is_never_content(shaped):
     cases = [
         (script({"content": "</thi"}, {"content": "nk>Answer"}), ("Answer", "")),
         (script({"content": "plan</think>Answer"}), ("Answer", "plan")),
+        (script({"content": "plan</th"}, {"content": "ink>Answer"}), ("Answer", "plan")),  # (held till known)
         (script({"content": "Sent. "}, {"content": "plan</think>Answer"}), ("Sent. Answer", "plan")),
     ]
     with trio.fail_after(BOUND):
@@ -298,6 +299,17 @@ async def test_a_live_streams_first_close_tag_is_never_content(shaped):
             upstream.script_for("t", script({"content": "No thinking."}))  # (learned: unlearned by this)
             chunks, _ = await stream_raw(edge, model="plain")
             assert joined(chunks, "content") == "No thinking."
+        # An answer that writes </think> itself, after its reasoning's: the answer's, on the model's
+        # first stream, once it is learned, and on a strict model (whose held head ends at the first).
+        # (The second was taken for the first: the answer before it dropped, found by a re-check.)
+        quoting = script({"content": "plan</think>"}, {"content": "Answer: write "}, {"content": "</think> to close."})
+        for name, reasoning in (("plain", "plan"), ("plain", "plan"), ("strict", "")):
+            upstream.script_for("t", quoting)
+            chunks, _ = await stream_raw(edge, model=name, include_reasoning=True)
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == (
+                "Answer: write </think> to close.",
+                reasoning,
+            ), name
 
 
 async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):

@@ -240,8 +240,9 @@ class ThinkSplitter:
     stream, not known to start open): a ``</think>`` before any think tag
     says the template opened the reasoning after all, as a whole answer
     reads it; the tag is dropped and the text before it not yet passed on is
-    reasoning (what was is content: it went out). It went out as content,
-    the tag with it.
+    reasoning (what was is content: it went out), and text that ends in a
+    part of one is held until the tag is known. It went out as content, the
+    tag with it. A call block or a think tag ends the watch.
     """
 
     __slots__ = (
@@ -309,9 +310,10 @@ class ThinkSplitter:
                 tag = _OPEN_OR_CALL_RE if self._calls else THINK_OPEN_RE
             found = tag.search(buf, at)
             if found is not None and not self._in_think and found.end() - found.start() != len(THINK_OPEN):
-                if buf[found.start() + 1] != "/":  # a call's opening tag
+                if buf[found.start() + 1] != "/":  # a call's opening tag: the answer, past any reasoning
                     self._emit(buf[at : found.end()])
                     self._call = buf[found.start()]
+                    self._first = False
                     at = found.end()
                     continue
                 if found.start() > at:  # (a </think> before any think tag: the head was reasoning)
@@ -337,6 +339,8 @@ class ThinkSplitter:
                 hold = max(_partial_suffix(rest, t) for t in (THINK_OPEN, *_CALL_OPENS))
             elif self._first and not self._in_think:
                 hold = max(_partial_suffix(rest, t) for t in _FIRST_TAGS[self._calls])
+                if hold and _partial_suffix(rest, THINK_CLOSE) == hold:
+                    hold = len(rest)  # (all of it, until the tag is known: before a </think> it is reasoning)
             else:
                 hold = _partial_suffix(rest, tag.pattern)
             self._emit(rest[: len(rest) - hold])

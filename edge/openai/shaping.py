@@ -100,6 +100,7 @@ class Shaper:
         "_watch",
         "_learned_hold",
         "_unclosed",
+        "_closed",
         "_showing_reasoning",
         "_switches",
         "_raw_parts",
@@ -141,6 +142,7 @@ class Shaper:
         # </think> before any <think> ("": watching, nothing partial; None: not watching).
         self._learned_hold = live and auto and template is not None and template.opens(model)
         self._unclosed = False  # the run ended with its head still held: no </think> came
+        self._closed = False  # a held head ended at its </think>: another in the answer is the answer's
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
         if live and policy.think_tags == "open":
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True, calls=keep_raw)
@@ -211,6 +213,7 @@ class Shaper:
         whole = "".join(held)
         at = len(whole) - len(scan) + found.start()
         self._held = None
+        self._closed = True
         self._learned()
         self._reasoning_out(whole[:at])
         rest = whole[at + len(THINK_CLOSE) :]
@@ -252,7 +255,8 @@ class Shaper:
         """Text with a "<" in a live stream whose think tags are on: split from here."""
         if self._live and self.policy.think_tags != "off":
             calls = self._raw_parts is not None
-            self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=True)
+            stray = not self._closed  # (a </think> before any think tag: the template opened it)
+            self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
