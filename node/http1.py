@@ -83,8 +83,14 @@ class RemoteProtocolError(HTTPError):
 
 class NoAnswer(RemoteProtocolError):
     """The connection ended before any byte of an answer. Sent again (once) only when the
-    request could not be written whole on a kept-alive connection: a server may have read
-    a request it did not answer, and would do the work twice."""
+    request was not taken (:class:`_NotTaken`): a server may have read a request it did not
+    answer, and would do the work twice."""
+
+
+class _NotTaken(NoAnswer):
+    """A kept-alive connection the server had closed: the request could not be written whole,
+    or was reset unanswered (a reset is what a socket closed before it read says to bytes that
+    reach it). The request was not read: it is sent again, once, on a new connection."""
 
 
 class InvalidURL(HTTPError):
@@ -651,7 +657,7 @@ class Client:
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                raise NoAnswer(f"connection lost while sending: {e}") from None
+                raise _NotTaken(f"connection lost while sending: {e}") from None
             if sent == len(data):
                 return
             data = data[sent:]
@@ -660,7 +666,7 @@ class Client:
                 await conn.stream.send_all(data)
                 return
             except trio.BrokenResourceError as e:
-                raise NoAnswer(f"connection lost while sending: {e}") from None
+                raise _NotTaken(f"connection lost while sending: {e}") from None
         assert scope.cancelled_caught
         raise WriteTimeout(f"request not sent within {self._write_timeout:g} s")
 
@@ -689,7 +695,7 @@ class Client:
                 try:
                     data = await conn.stream.receive_some(READ_SIZE)
                 except trio.BrokenResourceError as e:
-                    raise (RemoteProtocolError if answered else NoAnswer)(f"connection lost: {e}") from None
+                    raise (RemoteProtocolError if answered else _NotTaken)(f"connection lost: {e}") from None
             if scope.cancelled_caught:
                 raise ReadTimeout("no response head in the read timeout")
             if not data:
@@ -736,15 +742,15 @@ class Client:
             try:
                 try:
                     await self._send(conn, message)
-                except NoAnswer:
-                    # A kept-alive connection the server had closed: the request could not
-                    # be written whole, so it was not taken: sent again, once, on a new one.
+                    status, response_headers = await self._head(conn)
+                except _NotTaken:
+                    # A kept-alive connection the server had closed: sent again, once, on a new one
+                    # (a server that closes one idle at 1-2 s, and a request that went out as it did).
                     await trio.aclose_forcefully(conn.stream)
                     if not reused:
                         raise
                     conn, reused = None, False
                     continue
-                status, response_headers = await self._head(conn)
                 break
             except BaseException:  # Cancelled too: the connection is closed, the exception goes on
                 await trio.aclose_forcefully(conn.stream)

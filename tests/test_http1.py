@@ -232,6 +232,27 @@ async def test_a_request_read_and_not_answered_is_not_sent_again(serve):
     assert len(server.requests) == 3 and server.connections == 2
 
 
+async def test_a_request_reset_unread_on_a_kept_alive_connection_is_sent_again(serve):
+    """A server that closes an idle connection as a request goes out on it (a keep-alive timeout
+    of 1-2 s) resets it, the request unread: sent again, once, on a new connection (it failed,
+    84 of 480 requests sent around such a server's timeout; a re-check)."""
+    import struct
+
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def answer_then_reset_what_comes(stream):
+        await stream.send_all(ok)
+        await trio.lowlevel.wait_readable(stream.socket)  # (the next request, not read)
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        stream.socket.close()  # (a reset)
+
+    server, client = await serve(answer_then_reset_what_comes, ok)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        assert await body_of(client) == (200, b"ok")
+    assert server.connections == 2 and len(server.requests) == 2  # (the second read once, on the new one)
+
+
 async def test_an_idle_connection_is_not_used_past_its_expiry(serve, monkeypatch):
     """uvicorn (vLLM's, SGLang's front) closes a connection idle 5 s: one idle longer than
     KEEPALIVE_EXPIRY_S is closed rather than used, so a request never races that close."""
