@@ -278,6 +278,11 @@ async def test_auto_learns_a_template_that_opens_think(shaped):
     assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
 
 
+def sent_then(steps: list) -> list:
+    """``steps`` after a delta "Sent. " that the client has before them (never joined to them)."""
+    return [("chunk", {"content": "Sent. "}), ("sleep", 0.3), *steps]
+
+
 async def test_a_live_streams_first_close_tag_is_never_content(shaped):
     """A model whose template opens <think>, streamed before the edge has learned it (its first
     answer after a start, or after an answer without thinking unlearned it): the </think> went
@@ -289,7 +294,7 @@ async def test_a_live_streams_first_close_tag_is_never_content(shaped):
         (script({"content": "</thi"}, {"content": "nk>Answer"}), ("Answer", "")),
         (script({"content": "plan</think>Answer"}), ("Answer", "plan")),
         (script({"content": "plan</th"}, {"content": "ink>Answer"}), ("Answer", "plan")),  # (held till known)
-        (script({"content": "Sent. "}, {"content": "plan</think>Answer"}), ("Sent. Answer", "plan")),
+        (sent_then(script({"content": "plan</think>Answer"})), ("Sent. Answer", "plan")),
     ]
     with trio.fail_after(BOUND):
         for steps, expected in cases:
