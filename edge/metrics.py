@@ -227,16 +227,16 @@ class _ModelCollector:
             "iop_model_runs_in_flight", "Runs dispatched to nodes and not yet closed, per model", labels=("model",)
         )
         served = {label(model) for link in list(runs.links.values()) for model in link.models}
-        queued = dict.fromkeys(served, 0)
+        queued, flying = dict.fromkeys(served, 0), dict.fromkeys(served, 0)
         for model, depth in runs.queue_depths().items():
-            queued[label(model)] = queued.get(label(model), 0) + depth
-        flying = dict.fromkeys(served, 0)
+            model = label(model)
+            queued[model] = queued.get(model, 0) + depth
         for run in list(runs.runs.values()):
-            flying[label(run.slot.model)] = flying.get(label(run.slot.model), 0) + 1
-        for model in sorted(queued):
-            waiting.add_metric((model,), queued[model])
-        for model in sorted(flying):
-            running.add_metric((model,), flying[model])
+            model = label(run.slot.model)
+            flying[model] = flying.get(model, 0) + 1
+        for family, counts in ((waiting, queued), (running, flying)):
+            for model in sorted(counts):
+                family.add_metric((model,), counts[model])
         yield from (waiting, running)
 
 

@@ -131,6 +131,9 @@ class LargeRequests:
         self.held += 1
         return self
 
+    def give(self) -> None:
+        self.held -= 1
+
 
 class Exchange:
     __slots__ = (
@@ -191,11 +194,11 @@ class Exchange:
         """The whole body, at most ``limit`` bytes; one of ``large``'s places once it is a large
         one (declared so, or grown so as it arrives), held until the request ends."""
         length = self.header(b"content-length")
-        if length is not None and length.isdigit():
-            if int(length) > limit:
-                raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
-            if large is not None and int(length) >= LARGE_BODY_BYTES:
-                self._large = large.take()
+        declared = int(length) if length is not None and length.isdigit() else 0
+        if declared > limit:
+            raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
+        if large is not None and declared >= LARGE_BODY_BYTES:
+            self._large = large.take()
         parts: list[bytes] = []
         size = 0
         pieces = 0
@@ -241,8 +244,8 @@ class Exchange:
         self._send = self._receive = _released
         self._direct = False
         if self._large is not None:
-            self._large, large = None, self._large
-            large.held -= 1
+            self._large.give()
+            self._large = None
 
     def closed_by_client(self) -> bool:
         """The client has closed its connection, though the server may not have told the app yet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import array
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -114,27 +114,27 @@ async def decode_body(
     (the route counts again, decoded, the same way). A body of :data:`LARGE_BODY_BYTES`
     or more waits for the others' to be decoded first."""
     if len(body) < LARGE_BODY_BYTES:
-        return await _decode_body(body, max_messages, max_tools, items, _no_turn)
+        return await _decode_body(body, max_messages, max_tools, items, large=False)
     async with per_run(_LARGE_BODIES, lambda: trio.Semaphore(1)):
-        return await _decode_body(body, max_messages, max_tools, items, trio.lowlevel.checkpoint)
-
-
-async def _no_turn() -> None:
-    pass
+        return await _decode_body(body, max_messages, max_tools, items, large=True)
 
 
 async def _decode_body(
-    body: bytes, max_messages: int | None, max_tools: int | None, items: str, turn: Callable[[], Awaitable[None]]
+    body: bytes, max_messages: int | None, max_tools: int | None, items: str, *, large: bool
 ) -> dict[str, Any]:
-    """:func:`decode_body`; ``turn`` between its steps (a large body's: each a few ms a MB)."""
+    """:func:`decode_body`; a ``large`` body's steps (each a few ms a MB) with a turn for
+    other tasks between them."""
     problem = too_large(body)
     if problem is not None:
         raise errors.bad_request(problem, code="json_too_large")
-    await turn()
+    if large:
+        await trio.lowlevel.checkpoint()
     if len(body) <= COUNT_FIRST_BYTES or in_one_go(body):  # (then its lists are short, or cheap)
-        await turn()
+        if large:
+            await trio.lowlevel.checkpoint()
         decode = decoder_for(body)
-        await turn()
+        if large:
+            await trio.lowlevel.checkpoint()
         try:
             raw = decode(body)
         except RecursionError:
@@ -143,7 +143,8 @@ async def _decode_body(
             raise _not_json(body, e) from None
         if not isinstance(raw, dict):
             raise errors.bad_request("The request body must be a JSON object.")
-        await turn()
+        if large:
+            await trio.lowlevel.checkpoint()
         if nested_deeper_than(body, MAX_JSON_DEPTH):
             raise _too_deep()
         if len(raw) > MAX_TOP_MEMBERS:  # (as a body split in pieces is)
