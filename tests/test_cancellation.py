@@ -224,14 +224,16 @@ async def test_wait_timeout_reports_run_timed_out_and_aborts_upstream(nursery, u
             events = sse_events(r.content)
             assert events[-1] == b"[DONE]"
             err = msgspec.json.decode(events[-2])["error"]
-            assert err["message"] == "run timed out" and err["type"] == "run_error"
+            # The same type and code in a stream as in the 504 below (the stream said run_error).
+            assert (err["message"], err["type"], err["code"]) == ("run timed out", "timeout_error", "run_timed_out")
             assert text_of([msgspec.json.decode(e) for e in events[1:-2]]) == "tok0 tok1 "
             await upstream.records[0].finished.wait()
             assert upstream.records[0].aborted
             # Non-streaming: the same timeout is a 504.
             r = await client.post("/v1/chat/completions", json=WHOLE)
             assert r.status_code == 504
-            assert r.json()["error"]["message"] == "run timed out"
+            err = r.json()["error"]
+            assert (err["message"], err["type"], err["code"]) == ("run timed out", "timeout_error", "run_timed_out")
             await upstream.records[1].finished.wait()
             assert upstream.records[1].aborted
     await settled(edge, node.agent)

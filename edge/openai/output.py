@@ -108,7 +108,7 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return insufficient_quota(failed.message)
     if failed.type == TOOL_VALIDATION_ERROR:
         return APIError(502, failed.message, failed.type, code=INVALID_TOOL_CALL, headers=[NO_RETRY])
-    if failed.type != "run_error":
+    if failed.type not in ("run_error", "timeout_error"):
         return APIError(502, failed.message, failed.type)
     if failed.status == 429:
         # The model server is saturated: the client may retry. Its own

@@ -42,7 +42,7 @@ from edge.openai.tools import (
 from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
-from edge.runs.run import NODE_LOST, NODE_STALLED, consume_run
+from edge.runs.run import NODE_LOST, NODE_STALLED, TIMEOUT, consume_run
 from edge.runs.service import encode_run_body, session_key
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
@@ -304,6 +304,9 @@ class Collected(msgspec.Struct):
     refusal: str = ""  # the model's refusal (OpenAI's ``refusal``): it declined to answer
 
 
+_FAILURE_TYPES = {OVER_BUDGET: "insufficient_quota", TIMEOUT: "timeout_error"}  # (by the run's cause)
+
+
 def failure(event: RunEvent, run: Run) -> RunFailed:
     if run.unserved:  # (in a stream as in its 503: it said "node disconnected", a run_error, with this code)
         lost = lost_unanswered(run.want.model)
@@ -319,7 +322,8 @@ def failure(event: RunEvent, run: Run) -> RunFailed:
         )
     # A key's budget spent while it ran: the error of its 429 (on Messages, a rate_limit_error;
     # it was an api_error there, a server fault to the SDK: an outside re-audit).
-    type = "insufficient_quota" if run.cause == OVER_BUDGET else "run_error"
+    # A run timed out is a timeout_error in a stream as in its 504 (it was a run_error there).
+    type = _FAILURE_TYPES.get(run.cause, "run_error")
     return RunFailed(message, type=type, cause=run.cause or "run_error", status=event.status)
 
 
