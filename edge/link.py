@@ -231,6 +231,9 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         if info.max_concurrency < 1:
             await websocket.close(CLOSE_PROTOCOL, f"model {info.name}: max_concurrency must be >= 1")
             return None
+        if info.context_window < 0:  # (-1 was linked, and its model then fit no request)
+            await websocket.close(CLOSE_PROTOCOL, f"model {info.name}: context_window must be >= 0")
+            return None
         if info.max_concurrency > config.max_node_concurrency:
             capped.append(info.name)
             info.max_concurrency = config.max_node_concurrency

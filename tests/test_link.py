@@ -1235,7 +1235,8 @@ async def test_a_tunnel_frame_for_a_chat_run_closes_the_link_and_the_client_gets
 
 async def test_a_hello_with_an_endless_adapter_or_target_is_refused(edge):
     """A model's adapter and target went unchecked into /v1/nodes and every console snapshot
-    (a 15 MB adapter: 112 MB/s to two consoles). Past 64 and 1,024 characters the hello is refused."""
+    (a 15 MB adapter: 112 MB/s to two consoles). Past 64 and 1,024 characters the hello is refused,
+    as is a negative context window or no capacity."""
 
     def hello_with(**fields):
         info = ModelInfo(**{"name": "m", "adapter": "sim", "target": "t", "max_concurrency": 1, **fields})
@@ -1245,10 +1246,17 @@ async def test_a_hello_with_an_endless_adapter_or_target_is_refused(edge):
         await ws.send_message(data)
         return await closed_by_edge(ws)
 
+    refused = [
+        ({"adapter": "a" * 65}, "adapter or target is longer"),
+        ({"target": "t" * 1025}, "adapter or target is longer"),
+        # (a context window of -1 was linked, and its model then fit no request)
+        ({"context_window": -1}, "model m: context_window must be >= 0"),
+        ({"max_concurrency": 0}, "model m: max_concurrency must be >= 1"),
+    ]
     with trio.fail_after(BOUND):
-        for fields in ({"adapter": "a" * 65}, {"target": "t" * 1025}):
+        for fields, reason in refused:
             closed = await fake_node(edge, partial(say, hello_with(**fields)), node_id="long")
-            assert closed.reason.code == 4003 and "adapter or target is longer" in closed.reason.reason
+            assert closed.reason.code == 4003 and reason in closed.reason.reason
         async with http(edge) as client:
             assert (await client.get("/v1/nodes")).json()["data"] == []
 
