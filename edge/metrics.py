@@ -155,6 +155,12 @@ class EdgeMetrics:
         r.register(_EngineCollector(runs))
         r.register(_LinkCollector())
         if edge is not None:
+            self.large_requests = Gauge(
+                "iop_large_requests_in_flight",
+                "Requests of 1 MiB or more in flight (max_large_requests caps it: past it, a 503)",
+                registry=r,
+            )
+            self.large_requests.set_function(lambda: edge.large_requests.held)
             r.register(_KeyCollector(edge))
             r.register(_StateCollector(edge))
         runs.on_placed.append(self.observe_placement)

@@ -1420,6 +1420,7 @@ async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(n
                 yield encoded
 
             chunked = await client.post("/v1/chat/completions", content=pieces())
+            held = (await client.get("/metrics")).text  # (what an operator sees of the places)
             upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
             served = await client.post("/v1/chat/completions", json=small)
             holders.cancel_scope.cancel()  # (the two holders leave: their places come back)
@@ -1427,8 +1428,10 @@ async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(n
         assert refused.json()["error"]["code"] == "too_many_large_requests"
         assert chunked.status_code == 503  # (no length declared: refused as it grew past 1 MiB)
         assert served.status_code == 200
+        assert "\niop_large_requests_in_flight 2.0\n" in held
         await eventually(lambda: edge.edge.large_requests.held == 0, "the places back")
         async with http(edge) as client:
+            assert "\niop_large_requests_in_flight 0.0\n" in (await client.get("/metrics")).text
             for _ in range(3):  # (refused after reading: the place comes back too)
                 bad = await client.post("/v1/chat/completions", content=b"[" + b" " * LARGE_BODY_BYTES + b"]")
                 assert bad.status_code == 400
