@@ -260,12 +260,19 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         secret = new_secret()
         sha = sha256_hex(secret)
         async with writing:  # (four POSTs of one id at once were four 201s: below)
-            if key_id in edge.keys.by_id:
+            known = edge.keys.by_id.get(key_id)
+            if known is not None and known.source != "admin":
                 return error_response(409, f"A key {key_id!r} exists.", "key_exists")
-            if len(edge.keys.by_id) >= _MAX_KEYS:
+            if known is None and len(edge.keys.by_id) >= _MAX_KEYS:
                 return error_response(409, f"At most {_MAX_KEYS} keys.", "too_many_keys")
+            # The ledger decides whether a run-time id is live: another edge may have revoked
+            # the key this one still holds until its next read of the table (its id was a 409
+            # here for up to 2 s after the revoke: an outside audit).
             if not await edge.ledger.put_key(key_id, sha, policy):
-                return error_response(409, f"A key {key_id!r} exists (made on another edge).", "key_exists")
+                said = "" if known is not None else " (made on another edge)"
+                return error_response(409, f"A key {key_id!r} exists{said}.", "key_exists")
+            if known is not None:
+                edge.retire(known)  # (revoked elsewhere: its requests in flight settle on it)
             edge.make_key(key_id, sha, policy)  # (an id revoked today goes on with its day's tokens)
         return json_response(201, {"id": key_id, "key": secret, "policy": policy})
 

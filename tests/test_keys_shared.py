@@ -1103,6 +1103,31 @@ async def test_a_key_id_live_on_another_edge_is_not_made_again(nursery, postgres
                 assert (await chat(c)).status_code == 200
 
 
+async def test_a_key_id_revoked_on_another_edge_can_be_made_again_at_once(nursery, postgres_url):  # noqa: F811
+    """A key revoked on one edge and made again on another at once (a secret rotated behind a
+    load balancer) was a 409 "exists" for up to 2 s, until the second edge read the key table.
+    The ledger says whether the id is live: a 201, the new secret works on both edges, the old
+    on neither; an id live everywhere is still a 409."""
+    a = await pg_edge(nursery, postgres_url)
+    b = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND):
+        async with admin(a) as admin_a, admin(b) as admin_b:
+            old = (await admin_a.post("/v1/admin/keys", json={"id": "dave"})).json()["key"]
+            await eventually(lambda: "dave" in b.edge.keys.by_id, "edge b reads the key")
+            assert (await admin_b.post("/v1/admin/keys", json={"id": "dave"})).status_code == 409
+            assert (await admin_a.delete("/v1/admin/keys/dave")).status_code == 200
+            assert not b.edge.keys.by_id["dave"].revoked  # (b has not read the table since)
+            made = await admin_b.post("/v1/admin/keys", json={"id": "dave", "rpm": 1000})
+            assert made.status_code == 201, made.text
+            new = made.json()["key"]
+            await eventually(lambda: "dave" in a.edge.keys.by_id, "edge a reads the new key")
+        for edge in (a, b):
+            async with client(edge, new) as c:
+                assert (await chat(c)).status_code == 200
+            async with client(edge, old) as c:
+                assert (await chat(c)).status_code == 401
+
+
 async def _append(into: list, request) -> None:
     into.append(await request)
 
