@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import secrets
 import signal
 import socket
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"iop: {e}", file=sys.stderr)
             return 2
+        except BrokenPipeError:  # (`iop usage | head`: its reader left; a traceback said so)
+            # Python's own advice: stdout to devnull, so the interpreter's final flush is quiet too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
     problem = logs.setting_problem(args.log_level)
     if problem:  # a typo fell back to info (or to console lines) saying nothing
         print(f"iop: {problem}", file=sys.stderr)

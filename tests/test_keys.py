@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import subprocess
 import sys
 
 import anthropic
@@ -316,6 +317,19 @@ async def test_ledger_holds_one_record_per_request_with_matching_tokens(nursery,
     assert lines[0].split()[:2] == ["key", "requests"] and lines[0].split()[-1] == "estimated_requests"
     a_line = next(line.split() for line in lines if line.startswith("a "))
     assert int(a_line[1]) == 12 and int(a_line[5]) == told[("a", "qwen-a")] + told[("a", "llama-b")]
+    # Into a pipe its reader closed (`iop usage | head -1`): no traceback, no other words.
+    with trio.fail_after(60):
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "iop.cli", "usage", "--config", str(cfg), "--format", "csv"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        await proc.stdout.aclose()  # (before it writes: its first write meets a closed pipe)
+        said = b""
+        while chunk := await proc.stderr.receive_some(65536):
+            said += chunk
+        await proc.wait()
+    assert (proc.returncode, said) == (1, b"")
 
 
 async def test_a_cancelled_stream_is_recorded_with_what_it_streamed(nursery, tmp_path):
