@@ -93,6 +93,32 @@ async def test_responses_logprobs_asked_for_are_a_400(edge_up):
     assert len(upstream.records) == 1
 
 
+async def test_responses_metadata_values_and_unknown_input_items_are_named(edge_up):
+    """`metadata` values are strings (as OpenAI's: `{"a": 1}` was a 200); an `input` of only item
+    types the edge does not know is a 400 that names them (it said `input` was missing). An unknown
+    item beside a message is left out, the request served."""
+    edge, upstream = edge_up
+    base = {"model": "m", "input": "hi"}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            number = await client.post("/v1/responses", json={**base, "metadata": {"user": "u", "a": 1}})
+            unknown = await client.post("/v1/responses", json={"model": "m", "input": [{"type": "weird"}] * 2})
+            beside = await client.post(
+                "/v1/responses", json={"model": "m", "input": [{"type": "weird"}, {"role": "user", "content": "hi"}]}
+            )
+            served = await client.post("/v1/responses", json={**base, "metadata": {"user": "u"}})
+    assert error_of(number) == {
+        "message": "Invalid type for `metadata.a`: expected a string.",
+        "type": "invalid_request_error",
+        "param": "metadata.a",
+        "code": None,
+    }
+    assert error_of(unknown)["param"] == "input"
+    assert "unsupported item types: `weird`" in error_of(unknown)["message"]
+    assert beside.status_code == 200 and served.status_code == 200
+    assert len(upstream.records) == 2
+
+
 async def test_chat_service_tier_cache_key_and_safety_id_are_checked_then_forwarded(edge_up):
     """`service_tier`, `prompt_cache_key` and `safety_identifier` on chat: a wrong value or type
     is a 400 naming the field, as OpenAI's (they were forwarded unchecked: an outside audit);

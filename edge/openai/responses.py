@@ -135,6 +135,11 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
     check_content_parts(raw.get("input"), "input")
     messages.extend(_input_messages(raw.get("input"), decoded, items))
     if not any(m["role"] != "system" for m in messages):
+        if decoded.ignored_items:  # (it said `input` was missing: its items were unknown, and left out)
+            kinds = ", ".join(f"`{kind[:64]}`" for kind in dict.fromkeys(decoded.ignored_items[:16]))
+            raise _bad(
+                f"Invalid value for `input`: no item this edge can send (unsupported item types: {kinds}).", "input"
+            )
         raise _bad("Missing required parameter: `input` (a string or a list of input items).", "input")
     _check_calls(messages)
     chat["messages"] = _one_leading_system(messages)
@@ -361,6 +366,9 @@ def _check_types(raw: dict[str, Any]) -> None:
                 for k in kinds
             )
             raise _bad(f"Invalid type for `{name}`: expected {wanted}.", name)
+    for key, value in (raw.get("metadata") or {}).items():  # (strings only, as OpenAI's: 1 was a 200)
+        if not isinstance(value, str):
+            raise _bad(f"Invalid type for `metadata.{key[:64]}`: expected a string.", f"metadata.{key[:64]}")
     tier = raw.get("service_tier")
     if isinstance(tier, str) and tier not in _SERVICE_TIERS:
         raise _bad(f"Invalid value for `service_tier`: expected one of {', '.join(_SERVICE_TIERS)}.", "service_tier")
