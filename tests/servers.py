@@ -75,6 +75,16 @@ class Postgres:
             stopped.append(pid)
         return stopped
 
+    @staticmethod
+    def resume(paused: list[int]) -> None:
+        """SIGCONT what :meth:`pause` stopped. A backend that had ended just before its SIGSTOP
+        (a zombie then) is gone once the postmaster, resumed, reaps it: passed over."""
+        for pid in paused:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def close(self) -> None:
         try:
             self.stop()

@@ -1070,8 +1070,7 @@ async def test_a_postgresql_that_answers_nothing_is_503_in_bounded_time(nursery,
                         assert r.json()["error"]["code"] == "ledger_unavailable"
                     async with client(edge, secret) as c2:
                         assert (await chat(c2)).status_code == 200  # not revoked, and serving
-                    for pid in paused:
-                        os.kill(pid, signal.SIGCONT)
+                    postgres.resume(paused)
                     paused = []
                     while (r := await adm.delete("/v1/admin/keys/k")).status_code == 503:
                         await trio.sleep(0.2)
@@ -1082,8 +1081,7 @@ async def test_a_postgresql_that_answers_nothing_is_503_in_bounded_time(nursery,
                     rows = (await adm.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
         assert [(row["key"], row["requests"]) for row in rows] == [("k", 2)]  # the record kept: once
     finally:
-        for pid in paused:
-            os.kill(pid, signal.SIGCONT)
+        postgres.resume(paused)
 
 
 async def test_a_key_id_live_on_another_edge_is_not_made_again(nursery, postgres_url):  # noqa: F811
@@ -1152,8 +1150,7 @@ async def test_an_edge_started_while_its_ledger_cannot_be_read_asks_for_a_key(nu
                 async with client(edge, "sk-none") as c:
                     assert (await chat(c)).status_code == 401
         finally:
-            for pid in paused:
-                os.kill(pid, signal.SIGCONT)
+            postgres.resume(paused)
         keyed, opened = edges
         await eventually(lambda: not keyed.edge.keys.unread and not opened.edge.keys.unread, "the keys read")
         async with client(keyed, "sk-none") as c:

@@ -421,60 +421,55 @@ async def test_edge_runs_under_hypercorns_own_cli(nursery, tmp_path, upstream):
 
 def test_a_bad_config_under_hypercorns_cli_is_one_line(tmp_path):
     """Under hypercorn's CLI a config the edge cannot use stops its worker with the one line
-    `iop edge` prints (naming the file and the key), not a traceback."""
+    `iop edge` prints (naming the file and the key), not a traceback. (Each case is a process of
+    its own; they run at once.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     from scripts.stack import free_port
 
-    cfg = tmp_path / "edge.toml"
-    cfg.write_text('node_token = "t"\nwait_timeout_s = "soon"\n')
-    hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
-    said = {}
-    for path in (cfg, tmp_path / "missing.toml"):
-        proc = subprocess.run(
-            [hypercorn, "--worker-class", "trio", "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
-            env={**os.environ, "IOP_EDGE_CONFIG": str(path)},
-            capture_output=True,
-            text=True,
-            timeout=BOUND,
-        )
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-        said[path.name] = lines[0]
-    assert said["edge.toml"] == f"iop: {cfg}: wait_timeout_s: expected `float`, got `str`"
-    assert said["missing.toml"] == f"iop: {tmp_path / 'missing.toml'}: cannot read: No such file or directory"
-    # Without --worker-class trio it started, then answered every request 500 with an empty body.
-    cfg.write_text('node_token = "t"\n')
-    proc = subprocess.run(
-        [hypercorn, "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
-        env={**os.environ, "IOP_EDGE_CONFIG": str(cfg)},
-        capture_output=True,
-        text=True,
-        timeout=BOUND,
-    )
-    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        "iop: the edge runs on trio: start hypercorn with --worker-class trio"
-    ]
-    # With two workers each was an edge of its own: a node linked to one, a request reached the
-    # other (503), and a drain's idle worker ended first, then hypercorn cut the other's streams.
-    # As hypercorn reads its command line: -w=2, a --config file, `python -m hypercorn`; with no
-    # worker (0), hypercorn passed it no signal and SIGTERM killed it undrained.
+    bad, good = tmp_path / "bad.toml", tmp_path / "edge.toml"
+    bad.write_text('node_token = "t"\nwait_timeout_s = "soon"\n')
+    good.write_text('node_token = "t"\n')
     (tmp_path / "hypercorn.toml").write_text('worker_class = "trio"\nworkers = 2\n')
+    hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
     python_m = [sys.executable, "-m", "hypercorn"]
-    for command in (
-        [hypercorn, "-k", "trio", "--workers", "2"],
-        [hypercorn, "-k", "trio", "-w=2"],
-        [hypercorn, "--config", str(tmp_path / "hypercorn.toml")],
-        [*python_m, "-k", "trio", "-w", "3"],
-        [hypercorn, "-k", "trio", "-w", "0"],
-    ):
+    one_worker = "iop: the edge is one hypercorn worker: start hypercorn with --workers 1"
+    cases = [  # (command, config, the one line it must print)
+        ([hypercorn, "--worker-class", "trio"], bad, f"iop: {bad}: wait_timeout_s: expected `float`, got `str`"),
+        (
+            [hypercorn, "--worker-class", "trio"],
+            tmp_path / "missing.toml",
+            f"iop: {tmp_path / 'missing.toml'}: cannot read: No such file or directory",
+        ),
+        # Without --worker-class trio it started, then answered every request 500 with an empty body.
+        ([hypercorn], good, "iop: the edge runs on trio: start hypercorn with --worker-class trio"),
+        # With two workers each was an edge of its own: a node linked to one, a request reached the
+        # other (503), and a drain's idle worker ended first, then hypercorn cut the other's streams.
+        # As hypercorn reads its command line: -w=2, a --config file, `python -m hypercorn`; with no
+        # worker (0), hypercorn passed it no signal and SIGTERM killed it undrained.
+        ([hypercorn, "-k", "trio", "--workers", "2"], good, one_worker),
+        ([hypercorn, "-k", "trio", "-w=2"], good, one_worker),
+        ([hypercorn, "--config", str(tmp_path / "hypercorn.toml")], good, one_worker),
+        ([*python_m, "-k", "trio", "-w", "3"], good, one_worker),
+        ([hypercorn, "-k", "trio", "-w", "0"], good, one_worker),
+    ]
+
+    def said(case) -> tuple[str, ...]:
+        command, config, _ = case
         proc = subprocess.run(
             [*command, "--bind", f"127.0.0.1:{free_port()}", "edge.app:create_app()"],
-            env={**os.environ, "IOP_EDGE_CONFIG": str(cfg)},
+            env={**os.environ, "IOP_EDGE_CONFIG": str(config)},
             capture_output=True,
             text=True,
             timeout=BOUND,
         )
-        lines = {line for line in proc.stderr.splitlines() if line.strip()}
-        assert lines == {"iop: the edge is one hypercorn worker: start hypercorn with --workers 1"}, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        return tuple(dict.fromkeys(line for line in proc.stderr.splitlines() if line.strip()))
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        lines = list(pool.map(said, cases))
+    # (several workers each print the line: once, as a set)
+    assert lines == [(line,) for _, _, line in cases]
 
 
 async def test_tls_edge_and_wss_node(nursery, tmp_path, upstream):
