@@ -49,6 +49,7 @@ BATCH = 2_000
 FLUSH_EVERY_S = 0.5
 KEYS_REFRESH_S = 2.0
 CALL_TIMEOUT_S = 15.0  # (PostgreSQL's statement_timeout is 10 s: this is for a server that answers nothing)
+SQLITE_BUSY_S = 5.0  # how long a write waits for another process's lock on the file (sqlite3's default)
 GROUPS = ("key", "model", "node", "api", "day")
 
 _COLUMNS = (
@@ -136,7 +137,7 @@ def connect(target: str, schema: bool = True) -> Any:
             db.execute(_LIVE_KEYS_INDEX)
         return db
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-    db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+    db = sqlite3.connect(target, timeout=SQLITE_BUSY_S, check_same_thread=False, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     if not schema:

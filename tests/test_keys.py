@@ -16,6 +16,7 @@ import pytest
 import structlog
 import trio
 
+from edge import ledger
 from edge.config import KeyConfig
 from scripts.stack import write_toml
 from scripts.upstream import Upstream, native_call, steps, text_script
@@ -497,10 +498,11 @@ async def test_a_keys_request_refused_while_the_edge_drains_is_the_keys_record(n
     assert [(row["key"], row["requests"], row["not_completed"]) for row in rows if row["key"]] == [("a", 1, 1)]
 
 
-async def test_a_locked_sqlite_ledger_is_503_and_changes_nothing(nursery, tmp_path):
+async def test_a_locked_sqlite_ledger_is_503_and_changes_nothing(nursery, tmp_path, monkeypatch):
     """Another process holding the SQLite ledger's write lock (its writes fail as on a read-only
     file or a full disk): making or revoking a key is 503 `ledger_unavailable` once SQLite's busy
-    wait (5 s) is over, and changes nothing; when the lock is gone the same requests work."""
+    wait (5 s; 1 s here) is over, and changes nothing; when the lock is gone the same requests work."""
+    monkeypatch.setattr(ledger, "SQLITE_BUSY_S", 1.0)
     path = tmp_path / "l.sqlite3"
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(path)))
     with trio.fail_after(BOUND * 2):
