@@ -35,7 +35,6 @@ from urllib.parse import urlsplit
 
 import structlog
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from node import http1
 from node.config import ModelConfig
@@ -44,6 +43,7 @@ from proto import EngineLoad
 log = structlog.get_logger("iop.node.engine")
 
 MAX_METRICS_BYTES = 4 * 1024 * 1024
+INLINE_PARSE_CHARS = 256 * 1024  # a page larger than this is parsed in a worker thread
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")
@@ -63,33 +63,65 @@ def _ratio(value: float) -> float:
     return min(max(value, 0.0), 1.0)
 
 
+_NAMES = frozenset((*WAITING, *RUNNING, *KV_CACHE, *HIT_RATE, HITS, QUERIES))
+_PREFIXES = tuple(_NAMES)
+
+
 def parse(text: str) -> EngineLoad:
-    """The engine load in a Prometheus text exposition (fields it lacks are None)."""
+    """The engine load in a Prometheus text exposition (fields it lacks are None).
+
+    Only the lines of the names above are read, each by its end (the value, then perhaps a
+    timestamp, follow the last ``}``): linear in the page, whatever its labels. (prometheus_client's
+    parser, used before, read every sample and its labels on the node's event loop: a page of one
+    sample with 100,000 labels, 1.1 MB, kept the node busy until its links timed out, and its cost
+    grew with the square of the labels: 148 s of CPU for 300,000.) A line of a known name that
+    cannot be read is passed over."""
     waiting: float | None = None
     running: float | None = None
     kv: float | None = None
     rate: float | None = None
     hits = queries = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name, value = sample.name, sample.value
-            if value != value:  # NaN
-                continue
-            if name in WAITING:
-                waiting = (waiting or 0.0) + value
-            elif name in RUNNING:
-                running = (running or 0.0) + value
-            elif name in KV_CACHE:
-                kv = max(kv or 0.0, _ratio(value))
-            elif name == HITS:
-                hits += value
-            elif name == QUERIES:
-                queries += value
-            elif name in HIT_RATE:
-                rate = _ratio(value)
+    for line in text.splitlines():
+        if not line.startswith(_PREFIXES):
+            continue
+        value = _sample(line)
+        if value is None:
+            continue
+        name, value = value
+        if name in WAITING:
+            waiting = (waiting or 0.0) + value
+        elif name in RUNNING:
+            running = (running or 0.0) + value
+        elif name in KV_CACHE:
+            kv = max(kv or 0.0, _ratio(value))
+        elif name == HITS:
+            hits += value
+        elif name == QUERIES:
+            queries += value
+        else:
+            rate = _ratio(value)
     if queries > 0:
         rate = _ratio(hits / queries)
     return EngineLoad(waiting=waiting, running=running, kv_cache_usage=kv, prefix_cache_hit_rate=rate)
+
+
+def _sample(line: str) -> tuple[str, float] | None:
+    """A sample line's name (one of :data:`_NAMES`) and value; None if it is not one, or its
+    value is not a number (NaN is not one either)."""
+    brace = line.find("{")
+    if brace >= 0:
+        name, parts = line[:brace].rstrip(), line.rpartition("}")[2].split()
+    else:
+        name, *parts = line.split()
+    if name not in _NAMES or not 1 <= len(parts) <= 2:  # (a longer name; the value, perhaps a timestamp)
+        return None
+    try:
+        value = float(parts[0])
+    except ValueError:
+        return None
+    if value != value or "_" in parts[0]:  # NaN; float() also reads 1_000, which Prometheus does not write
+        return None
+    return name, value
 
 
 class EngineSampler:
@@ -113,14 +145,17 @@ class EngineSampler:
 
     async def sample(self) -> EngineLoad:
         async with self.client.request("GET", self.path, headers={"accept": "text/plain"}) as response:
-            body = b""
+            body = bytearray()  # (bytes joined at each read copied the page again each time)
             while data := await response.read():
                 body += data
                 if len(body) > MAX_METRICS_BYTES:
                     raise ValueError(f"metrics larger than {MAX_METRICS_BYTES} bytes")
             if response.status != 200:
                 raise ValueError(f"status {response.status}")
-        load = parse(body.decode("utf-8", "replace"))
+        text = body.decode("utf-8", "replace")
+        # A large page in a worker thread (100,000 samples of a known name: 70 ms of parsing),
+        # so the node's links and runs get their turns meanwhile.
+        load = parse(text) if len(text) <= INLINE_PARSE_CHARS else await trio.to_thread.run_sync(parse, text)
         if load == EngineLoad():
             raise ValueError("no known engine metric")
         return load
