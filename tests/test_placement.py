@@ -216,19 +216,23 @@ async def test_two_edges_choose_the_same_node_for_a_cold_request(autojump_clock)
 
 
 async def test_the_longest_prefix_wins_over_rendezvous(autojump_clock):
-    """A new session whose prompt shares a system prompt goes to the node that holds it, not
-    to the node its session hashes to; the placement hook says so."""
+    """A prompt that holds a conversation's turn past its opening (its next turn, here under a
+    new session id) goes to the node that has it, not to the node its session hashes to; the
+    placement hook says so."""
     runs, links = fleet(4)
     placed: list[tuple[str, int]] = []
     runs.on_placed.append(lambda how, blocks: placed.append((how, blocks)))
-    first = await runs.acquire(Want("m", session="u0", prefix=chain(("system", SYSTEM), ("user", "a"))))
+    turn = [("system", SYSTEM), ("user", "a")]
+    prefix, opening = prompt_chain("m", turn)
+    first = await runs.acquire(Want("m", session="u0", prefix=prefix, opening=opening))
     runs.release(first)
     assert placed == [("rendezvous", 0)]
     ids = [lk.node_id for lk in links]
     other = next(f"u{i}" for i in range(1, 100) if rendezvous(b"su%d" % i, ids) != first.link.node_id)
-    slot = await runs.acquire(Want("m", session=other, prefix=chain(("system", SYSTEM), ("user", "b"))))
+    prefix, opening = prompt_chain("m", [*turn, ("assistant", "b"), ("user", "c")])
+    slot = await runs.acquire(Want("m", session=other, prefix=prefix, opening=opening))
     assert slot.link is first.link
-    assert placed[-1] == ("prefix", 8)
+    assert placed[-1] == ("prefix", 9)
 
 
 def conversation(system: str, first: str) -> Want:
@@ -259,6 +263,54 @@ async def test_new_conversations_on_a_system_prompt_the_fleet_shares_spread_over
         slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
         runs.release(slot)
         assert slot.link.node_id == placed[i]
+
+
+async def test_new_conversations_on_a_system_prompt_one_node_got_spread_over_every_node(autojump_clock):
+    """One node was sent a system prompt first: every new conversation that opened with it went
+    there (the match of its head won), none was ever sent elsewhere, and in a fleet of 4 or
+    fewer the block never counted as shared: all runs on one node, its prefix cache
+    overflowing, three idle, a lower hit ratio than least_loaded's (an outside audit). A match
+    no deeper than the conversation's opening (its first user message) is the fleet's: a new
+    conversation goes to the least loaded by its opening; its next turns follow it."""
+    runs, links = fleet(4)
+    first = await runs.acquire(conversation(SYSTEM, "the first conversation"))
+    runs.release(first)
+    placed = {}
+    for i in range(16):
+        slot = await runs.acquire(conversation(SYSTEM, f"conversation {i}"))
+        runs.release(slot)
+        placed[i] = slot.link.node_id
+    assert set(placed.values()) == {lk.node_id for lk in links}, placed
+    for i in range(16):  # each next turn: on its conversation's node
+        prefix, opening = prompt_chain(
+            "m", [("system", SYSTEM), ("user", f"conversation {i}"), ("assistant", "ok"), ("user", "and then?")]
+        )
+        slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
+        runs.release(slot)
+        assert slot.link.node_id == placed[i]
+
+
+async def test_a_session_node_past_the_load_gap_is_left_for_a_less_loaded_one(autojump_clock):
+    """A session stays on its node while that node is within prefix_max_load_gap of the least
+    loaded, its model server's own load counted: a node whose engine reported itself full kept
+    every turn of its sessions while another sat idle (an outside audit). Past the gap the turn
+    goes elsewhere, and the session follows it; with routing = "session" it stays."""
+    from proto import EngineLoad
+
+    for routing, stays in (("prefix", False), ("session", True)):
+        runs, (one, two) = fleet(2, routing=routing)
+        runs.set_draining(two, True)
+        slot = await runs.acquire(Want("m", session="claude-code-user"))
+        runs.release(slot)
+        runs.set_draining(two, False)
+        assert slot.link is one
+        one.engine["m"] = EngineLoad(waiting=20, running=8, kv_cache_usage=0.99)
+        again = await runs.acquire(Want("m", session="claude-code-user"))
+        runs.release(again)
+        assert (again.link is one) == stays, routing
+        one.engine["m"] = EngineLoad(waiting=0, running=0)
+        after = await runs.acquire(Want("m", session="claude-code-user"))
+        assert after.link is again.link  # (the session went with it)
 
 
 async def test_a_hot_prefix_does_not_pile_onto_one_node(autojump_clock):
@@ -333,6 +385,16 @@ async def test_the_wait_for_a_prefix_node_is_bounded_and_can_be_switched_off(aut
     with trio.move_on_after(0.05):
         await runs.acquire(want)
     assert runs.waiting_for("m", holder.node_id) == 0 and runs.queue_depth("m") == 0
+
+
+async def test_a_new_conversation_does_not_wait_for_the_busy_node_holding_only_its_system_prompt(autojump_clock):
+    """The busy node holds only the system prompt a new conversation opens with (the fleet's,
+    not the conversation's): the conversation takes the free node at once, where it waited
+    prefix_wait_ms for the busy one (and so piled onto it)."""
+    runs, holder, other, _, _ = await _busy_prefix_holder(prefix_wait_ms=250)
+    start = trio.current_time()
+    slot = await runs.acquire(conversation(SYSTEM, "a new conversation"))
+    assert slot.link is other and trio.current_time() == start
 
 
 async def test_requests_waiting_for_a_busy_node_cost_nothing_while_it_stays_busy(autojump_clock, monkeypatch):

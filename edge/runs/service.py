@@ -782,16 +782,17 @@ class RunService:
         - ``session``: session affinity first (the same node while it has
           room, so the model server's prefix cache is reused), then the least
           loaded (in-flight / capacity), ties broken at random;
-        - ``prefix``: session affinity first; then, among the nodes at most
+        - ``prefix``: session affinity first, while the session's node is within
+          ``prefix_max_load_gap`` of the least loaded; then, among the nodes at most
           ``prefix_max_load_gap`` busier than the least loaded, the one the
-          edge sent the longest prefix of this prompt (the least loaded of
-          several); with no match, the least loaded, ties broken by rendezvous
-          hashing of the session, else of the first prefix block, so that
+          edge sent the longest prefix of this prompt past its opening (the
+          least loaded of several); with no such match, the least loaded, ties
+          broken by rendezvous hashing of the session, else of the opening, so that
           every edge makes the same choice among equally loaded nodes; with
           neither, as ``least_loaded``. Until ``wait_until``, a node with no
           free slot here but within the load gap, holding at least
-          :data:`PREFIX_WAIT_BLOCKS` more of the prefix than any free one, is
-          waited for: None, with ``_wanted`` naming it;
+          :data:`PREFIX_WAIT_BLOCKS` more of the prefix than any free one, and
+          past its opening, is waited for: None, with ``_wanted`` naming it;
         - ``least_loaded``: ties broken at random; ``random``: any.
 
         ``healthy`` (a moved run): never a node failing the model, not even
@@ -812,6 +813,7 @@ class RunService:
             if working:
                 return random.choice(working)
             return random.choice(free) if free and not healthy and not self._working(model, exclude, now) else None
+        sticky: NodeLink | None = None  # the session's node, if it can take the run
         if want.session is not None and routing != "least_loaded":
             node_id = self._affinity.get(want.session)
             link = self.links.get(node_id) if node_id is not None else None
@@ -823,8 +825,10 @@ class RunService:
                 and not link.stalled(now, model)
                 and not _avoided(link, model, now, healthy)
             ):
-                self._placed = ("session", 0)
-                return link
+                if routing == "session":
+                    self._placed = ("session", 0)
+                    return link
+                sticky = link  # (prefix: within the load gap of the least loaded, below)
         free: list[tuple[float, NodeLink]] = []
         busy: list[NodeLink] = []  # serving, no free slot here: worth waiting for if it holds the prefix
         may_wait = routing == "prefix" and bool(want.prefix) and now < wait_until
@@ -848,31 +852,43 @@ class RunService:
                 self._placed = ("least_loaded", 0)
                 return min(failing, key=lambda pair: pair[0])[1]
             return None
+        limit = best_load + self.config.prefix_max_load_gap
+        if sticky is not None and sticky.load(model) <= limit:
+            # The session's node, unless its load (its model server's own, when it reports it) is
+            # past the gap: a node reporting a full engine kept every turn of its sessions while
+            # others sat idle (an outside audit; Claude Code's metadata.user_id is a session).
+            self._placed = ("session", 0)
+            return sticky
         key = rendezvous_key(want.session, want.prefix, want.opening) if routing == "prefix" else None
         if key is None:
             self._placed = ("least_loaded", 0)
             best = [lk for load, lk in free if load == best_load]
             return best[0] if len(best) == 1 else random.choice(best)
-        limit = best_load + self.config.prefix_max_load_gap
         near = {lk.node_id: (load, lk) for load, lk in free if load <= limit}
         depth, holders = self.prefixes.match(want.prefix, near) if want.prefix else (0, set())
         if busy:
             waitable = {lk.node_id: lk for lk in busy if lk.load(model) <= limit}
             if waitable:
                 deeper, held = self.prefixes.match(want.prefix, near.keys() | waitable.keys())
-                if deeper >= depth + PREFIX_WAIT_BLOCKS:  # only busy nodes hold that much of it
+                # Only busy nodes hold that much of it, past the shared head (a system prompt a
+                # busy node alone was sent is no reason to wait for it).
+                if deeper >= depth + PREFIX_WAIT_BLOCKS and deeper > want.opening:
                     self._wanted = min(held, key=lambda node_id: (waitable[node_id].load(model), node_id))
                     return None
-        if depth and not popular(self.prefixes.holders(want.prefix[depth - 1])):
+        if depth and depth > want.opening and not popular(self.prefixes.holders(want.prefix[depth - 1])):
             # Several nodes hold the same prefix: the least loaded of them.
             low = min(near[node_id][0] for node_id in holders)
             pool = [node_id for node_id in holders if near[node_id][0] == low]
             self._placed = ("prefix", depth)
         elif depth:
-            # All it matched is a prefix the fleet shares (a system prompt and tools, sent to more
-            # nodes than the index lists): any of the least loaded, by the conversation's opening.
+            # All it matched is a prefix the fleet shares: a system prompt and tools (no more than
+            # the conversation's opening, the block that ends its first user message), or a block
+            # sent to more nodes than the index lists. Any of the least loaded, by the opening.
             # Among the nodes listed only, the others never got a new conversation (8 nodes, 2
-            # edges: one got no run, found from outside).
+            # edges: one got no run, found from outside); and a system prompt on one node drew
+            # every new conversation there, as no other node was ever sent it (4 nodes, one
+            # system prompt: all runs on one node, its cache overflowing while three sat idle,
+            # a lower hit ratio than least_loaded's: an outside audit).
             pool = [node_id for node_id, (load, _) in near.items() if load == best_load]
             self._placed = ("prefix", depth)
         else:
