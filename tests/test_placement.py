@@ -290,6 +290,76 @@ async def test_new_conversations_on_a_system_prompt_one_node_got_spread_over_eve
         assert slot.link.node_id == placed[i]
 
 
+async def test_under_overload_a_freed_slot_goes_to_a_waiter_whose_conversation_is_there(autojump_clock):
+    """Every node full, a queue of waiters each past its prefix_wait_ms: the head took whichever
+    node freed first, so conversations scattered as at random (200 conversations on 24 slots: 2
+    stayed on their node, an outside audit). A slot freeing on a node goes to the first waiter
+    whose conversation is there; those ahead of it give way at most MAX_PASSED times, then the
+    queue is FIFO again."""
+    from edge.runs.service import MAX_PASSED
+
+    runs, links = fleet(3, capacity=1, max_queue=100)
+    turns = {}
+    for i, lk in enumerate(links):  # conversation i lives on node i
+        first = conversation(SYSTEM, f"conversation {i}")
+        runs.set_draining(links[(i + 1) % 3], True)
+        runs.set_draining(links[(i + 2) % 3], True)
+        slot = await runs.acquire(first)
+        for other in links:
+            runs.set_draining(other, False)
+        assert slot.link is lk
+        runs.release(slot)
+        prefix, opening = prompt_chain(
+            "m", [("system", SYSTEM), ("user", f"conversation {i}"), ("assistant", "ok"), ("user", "next")]
+        )
+        turns[i] = Want("m", prefix=prefix, opening=opening)
+    held = {slot.link.node_id: slot for slot in [await runs.acquire(Want("m")) for _ in links]}  # every node full
+    got: list[tuple[str, str]] = []
+
+    async def ask(name: str, want: Want) -> None:
+        slot = await runs.acquire(want)
+        got.append((name, slot.link.node_id))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, "new", conversation(SYSTEM, "a new one"))  # no home: the head
+        await trio.sleep(1)
+        for i in (2, 0):
+            nursery.start_soon(ask, f"turn {i}", turns[i])
+            await trio.sleep(1)
+        runs.release(held["node-0"])  # node-0 frees: conversation 0's turn takes it, past the head
+        await trio.sleep(0.1)
+        assert got == [("turn 0", "node-0")]
+        runs.release(held["node-1"])  # node-1: no one's home; the head
+        await trio.sleep(0.1)
+        assert got[-1] == ("new", "node-1")
+        runs.release(held["node-2"])
+        await trio.sleep(0.1)
+        assert got[-1] == ("turn 2", "node-2")
+    # The head gives way MAX_PASSED times, then takes the next slot wherever it is.
+    runs, links = fleet(2, capacity=1, max_queue=100)
+    home = await runs.acquire(turns[0])
+    runs.release(home)
+    held = [await runs.acquire(Want("m")) for _ in links]
+    order: list[str] = []
+
+    async def wait(name: str, want: Want) -> None:
+        slot = await runs.acquire(want)
+        order.append(name)
+        runs.release(slot) if name == "head" else held.append(slot)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait, "head", Want("m"))
+        await trio.sleep(0.1)
+        for n in range(MAX_PASSED + 2):
+            nursery.start_soon(wait, f"home {n}", turns[0])
+            await trio.sleep(0.1)
+        for _ in range(MAX_PASSED + 1):
+            runs.release(next(s for s in held if s.link is home.link and not s.released))
+            await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    assert order[: MAX_PASSED + 1] == [*(f"home {n}" for n in range(MAX_PASSED)), "head"], order
+
+
 async def test_a_session_node_past_the_load_gap_is_left_for_a_less_loaded_one(autojump_clock):
     """A session stays on its node while that node is within prefix_max_load_gap of the least
     loaded, its model server's own load counted: a node whose engine reported itself full kept
