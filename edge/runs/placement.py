@@ -208,6 +208,53 @@ def _weight(key: bytes, node_id: str) -> bytes:
     return hashlib.blake2b(key + b"\x00" + node_id.encode(), digest_size=8).digest()
 
 
+def ranked(key: bytes, node_ids: Iterable[str], first: Collection[str] = ()) -> list[str]:
+    """``node_ids`` in rendezvous order for ``key`` (highest weight first), those in ``first``
+    ahead of the rest."""
+    return sorted(node_ids, key=lambda node_id: (node_id in first, _weight(key, node_id), node_id), reverse=True)
+
+
+class HeadShares:
+    """New conversations of late, in all and by the shared head they opened with (a system prompt
+    and tools: the deepest block of the index they matched, no deeper than their opening),
+    counted with a half-life of ``half_life_s``. A head's share of them says over how many nodes
+    its new conversations spread: every conversation's head (one agent's system prompt), all of
+    them; one head of eight, one node, whose prefix cache then holds it once. (On one node, the
+    first sent it, all of one agent's conversations piled up while others sat idle; spread over
+    every node, eight agents' system prompts filled every cache.) At most ``max_heads`` heads,
+    the least recently seen forgotten."""
+
+    __slots__ = ("half_life_s", "max_heads", "_heads", "_all")
+
+    def __init__(self, half_life_s: float = 300.0, max_heads: int = 4096) -> None:
+        self.half_life_s = half_life_s
+        self.max_heads = max_heads
+        self._heads: dict[int, tuple[float, float]] = {}  # head block key -> (count, when)
+        self._all = (0.0, 0.0)
+
+    def _now(self, counted: tuple[float, float] | None, now: float) -> float:
+        if counted is None:
+            return 0.0
+        count, when = counted
+        return count * 0.5 ** ((now - when) / self.half_life_s) if now > when else count
+
+    def share(self, head: int, now: float, counting: bool = False) -> float:
+        """The head's share of the new conversations counted (``counting``: and one more of it)."""
+        extra = 1.0 if counting else 0.0
+        total = self._now(self._all, now) + extra
+        return 1.0 if total <= 0 else min(1.0, (self._now(self._heads.get(head), now) + extra) / total)
+
+    def started(self, head: int | None, now: float) -> None:
+        """A new conversation was placed (``head``: the shared head it matched, if any)."""
+        self._all = (self._now(self._all, now) + 1, now)
+        if head is None:
+            return
+        counted = self._heads.pop(head, None)  # (re-inserted: the most recent last)
+        self._heads[head] = (self._now(counted, now) + 1, now)
+        if len(self._heads) > self.max_heads:
+            del self._heads[next(iter(self._heads))]
+
+
 def rendezvous_key(session: str | None, chain: tuple[int, ...], opening: int = 0) -> bytes | None:
     """What rendezvous hashing keys on: the session id, else the conversation's opening
     (:func:`prompt_chain`: the first block shared a system prompt, and every conversation

@@ -19,7 +19,7 @@ import trio
 from edge import errors
 from edge.config import EdgeConfig
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, NodeLink
-from edge.runs.placement import PrefixIndex, popular, rendezvous, rendezvous_key
+from edge.runs.placement import HeadShares, PrefixIndex, popular, ranked, rendezvous, rendezvous_key
 from edge.runs.run import (
     NODE_DISCONNECTED,
     NODE_LOST,
@@ -317,6 +317,10 @@ class RunService:
         self.on_queue_wait: list[Callable[[str, str, float], None]] = []
         self._placed: tuple[str, int] = ("least_loaded", 0)  # set by _pick, read by the _reserve after it
         self._wanted: str | None = None  # set by _pick: the busy node it would rather wait for
+        # Set by _pick for the _reserve after it: a new conversation (its prompt matched no deeper
+        # than its opening), and the shared head it matched (None: none).
+        self._fresh: tuple[bool, int | None] = (False, None)
+        self.heads = HeadShares()  # new conversations by the shared head they opened with
         # Called with True (placed on the node it waited for) or False (elsewhere, the wait
         # over) when a request that waited for its prefix's node leaves the queue for a node.
         self.on_prefix_wait: list[Callable[[bool], None]] = []
@@ -815,6 +819,7 @@ class RunService:
         routing = self.config.routing
         self._placed = (routing, 0)
         self._wanted = None
+        self._fresh = (False, None)
         if routing == "random":
             free = [
                 lk
@@ -887,20 +892,34 @@ class RunService:
                 if deeper >= depth + PREFIX_WAIT_BLOCKS and deeper > want.opening:
                     self._wanted = min(held, key=lambda node_id: (waitable[node_id].load(model), node_id))
                     return None
-        if depth and depth > want.opening and not popular(self.prefixes.holders(want.prefix[depth - 1])):
+        fresh = depth <= want.opening  # a new conversation: all it matched (if anything) is its head
+        if want.prefix:
+            self._fresh = (fresh, want.prefix[depth - 1] if fresh and depth else None)
+        if depth and not fresh and not popular(self.prefixes.holders(want.prefix[depth - 1])):
             # Several nodes hold the same prefix: the least loaded of them.
             low = min(near[node_id][0] for node_id in holders)
             pool = [node_id for node_id in holders if near[node_id][0] == low]
             self._placed = ("prefix", depth)
+        elif depth and fresh:
+            # A new conversation on a head others opened with (a system prompt and tools): over
+            # as many nodes as the head's share of new conversations of late (HeadShares), those
+            # that hold it first, then by the head's rendezvous order; the least loaded of them,
+            # by the opening. (Sent where the head was, a system prompt on one node drew every
+            # conversation there, as no other node was ever sent it: 4 nodes, one agent, all
+            # runs on one node, its cache overflowing while three sat idle, a lower hit ratio
+            # than least_loaded's: an outside audit.)
+            head = want.prefix[depth - 1]
+            share = self.heads.share(head, now, counting=True)
+            spread = max(1, math.floor(len(near) * share + 0.5))
+            chosen = ranked(b"h" + head.to_bytes(8, "little"), near, holders)[:spread]
+            low = min(near[node_id][0] for node_id in chosen)
+            pool = [node_id for node_id in chosen if near[node_id][0] == low]
+            self._placed = ("prefix", depth)
         elif depth:
-            # All it matched is a prefix the fleet shares: a system prompt and tools (no more than
-            # the conversation's opening, the block that ends its first user message), or a block
-            # sent to more nodes than the index lists. Any of the least loaded, by the opening.
-            # Among the nodes listed only, the others never got a new conversation (8 nodes, 2
-            # edges: one got no run, found from outside); and a system prompt on one node drew
-            # every new conversation there, as no other node was ever sent it (4 nodes, one
-            # system prompt: all runs on one node, its cache overflowing while three sat idle,
-            # a lower hit ratio than least_loaded's: an outside audit).
+            # All it matched is a block sent to more nodes than the index lists (a prefix the
+            # fleet shares): any of the least loaded, by the conversation's opening. Among the
+            # nodes listed only, the others never got a new conversation (8 nodes, 2 edges: one
+            # got no run, found from outside).
             pool = [node_id for node_id, (load, _) in near.items() if load == best_load]
             self._placed = ("prefix", depth)
         else:
@@ -945,6 +964,10 @@ class RunService:
         self._remember_session(want, link)
         if want.prefix and self.config.routing == "prefix":
             self.prefixes.record(want.prefix, link.node_id)
+            fresh, head = self._fresh
+            if fresh:
+                self.heads.started(head, trio.current_time())
+        self._fresh = (False, None)
         how, depth = self._placed
         for hook in self.on_placed:
             hook(how, depth)
