@@ -299,11 +299,12 @@ def test_head_shares_decay_and_are_bounded():
     assert shares.share(1, 0.0) == 1.0  # (none counted yet: spread)
     for _ in range(3):
         shares.started(1, 0.0)
-    shares.started(None, 0.0)  # a conversation that matched no head
+    shares.started(None, 0.0)  # a conversation that matched no head: not counted
+    shares.started(2, 0.0)
     assert shares.share(1, 0.0) == 0.75 and shares.share(1, 0.0, counting=True) == 0.8
-    for _ in range(4):
-        shares.started(2, 10.0)  # ten seconds on: head 1's three count 1.5 of 6
-    assert shares.share(1, 10.0) == pytest.approx(1.5 / 6) and shares.share(2, 10.0) == pytest.approx(4 / 6)
+    for _ in range(3):
+        shares.started(2, 10.0)  # ten seconds on: head 1's three count 1.5 of 5
+    assert shares.share(1, 10.0) == pytest.approx(1.5 / 5) and shares.share(2, 10.0) == pytest.approx(3.5 / 5)
     for head in (3, 4):
         shares.started(head, 10.0)
     assert shares.share(1, 10.0) == 0.0 and shares.share(2, 10.0) > 0  # (head 1 forgotten first)
@@ -495,14 +496,23 @@ async def test_the_wait_for_a_prefix_node_is_bounded_and_can_be_switched_off(aut
     assert runs.waiting_for("m", holder.node_id) == 0 and runs.queue_depth("m") == 0
 
 
-async def test_a_new_conversation_does_not_wait_for_the_busy_node_holding_only_its_system_prompt(autojump_clock):
-    """The busy node holds only the system prompt a new conversation opens with (the fleet's,
-    not the conversation's): the conversation takes the free node at once, where it waited
-    prefix_wait_ms for the busy one (and so piled onto it)."""
+async def test_a_new_conversation_waits_for_its_heads_busy_node_only_when_the_head_is_not_everyones(autojump_clock):
+    """The busy node holds only the system prompt a new conversation opens with. When every new
+    conversation opens with it (one agent), the conversation takes the free node at once: it
+    waited prefix_wait_ms for the busy one, and so piled onto it. When it is one agent's of
+    eight, it waits for its head's node as a prompt waits for its prefix's (up to
+    prefix_wait_ms): spread over every node, eight agents' heads filled every cache."""
     runs, holder, other, _, _ = await _busy_prefix_holder(prefix_wait_ms=250)
     start = trio.current_time()
     slot = await runs.acquire(conversation(SYSTEM, "a new conversation"))
     assert slot.link is other and trio.current_time() == start
+    runs, holder, other, _, _ = await _busy_prefix_holder(prefix_wait_ms=250)
+    for agent in range(7):  # (each agent's second conversation matches its head)
+        for c in range(2):
+            runs.release(await runs.acquire(conversation(f"[agent {agent}] " + SYSTEM, f"c{c}")))
+    start = trio.current_time()
+    slot = await runs.acquire(conversation(SYSTEM, "a new conversation"))
+    assert slot.link is other and trio.current_time() - start == pytest.approx(0.25)
 
 
 async def test_requests_waiting_for_a_busy_node_cost_nothing_while_it_stays_busy(autojump_clock, monkeypatch):

@@ -215,7 +215,7 @@ def ranked(key: bytes, node_ids: Iterable[str], first: Collection[str] = ()) -> 
 
 
 class HeadShares:
-    """New conversations of late, in all and by the shared head they opened with (a system prompt
+    """New conversations of late that opened with a shared head, in all and by head (a system prompt
     and tools: the deepest block of the index they matched, no deeper than their opening),
     counted with a half-life of ``half_life_s``. A head's share of them says over how many nodes
     its new conversations spread: every conversation's head (one agent's system prompt), all of
@@ -245,10 +245,11 @@ class HeadShares:
         return 1.0 if total <= 0 else min(1.0, (self._now(self._heads.get(head), now) + extra) / total)
 
     def started(self, head: int | None, now: float) -> None:
-        """A new conversation was placed (``head``: the shared head it matched, if any)."""
-        self._all = (self._now(self._all, now) + 1, now)
+        """A new conversation was placed (``head``: the shared head it matched; None, it matched
+        none, and is not counted: independent requests do not make heads rarer)."""
         if head is None:
             return
+        self._all = (self._now(self._all, now) + 1, now)
         counted = self._heads.pop(head, None)  # (re-inserted: the most recent last)
         self._heads[head] = (self._now(counted, now) + 1, now)
         if len(self._heads) > self.max_heads:

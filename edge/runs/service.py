@@ -883,38 +883,51 @@ class RunService:
             return best[0] if len(best) == 1 else random.choice(best)
         near = {lk.node_id: (load, lk) for load, lk in free if load <= limit}
         depth, holders = self.prefixes.match(want.prefix, near) if want.prefix else (0, set())
+        fresh = depth <= want.opening  # a new conversation: all it matched (if anything) is its head
+        head_depth, head_holders = depth, holders
+        waitable: dict[str, NodeLink] = {}
         if busy:
             waitable = {lk.node_id: lk for lk in busy if lk.load(model) <= limit}
             if waitable:
                 deeper, held = self.prefixes.match(want.prefix, near.keys() | waitable.keys())
                 # Only busy nodes hold that much of it, past the shared head (a system prompt a
-                # busy node alone was sent is no reason to wait for it).
+                # busy node alone was sent is no reason to wait for it, unless its head's
+                # nodes are all busy: below).
                 if deeper >= depth + PREFIX_WAIT_BLOCKS and deeper > want.opening:
                     self._wanted = min(held, key=lambda node_id: (waitable[node_id].load(model), node_id))
                     return None
-        fresh = depth <= want.opening  # a new conversation: all it matched (if anything) is its head
+                if fresh and deeper > depth:
+                    head_depth, head_holders = deeper, held
         if want.prefix:
-            self._fresh = (fresh, want.prefix[depth - 1] if fresh and depth else None)
+            self._fresh = (fresh, want.prefix[head_depth - 1] if fresh and head_depth else None)
         if depth and not fresh and not popular(self.prefixes.holders(want.prefix[depth - 1])):
             # Several nodes hold the same prefix: the least loaded of them.
             low = min(near[node_id][0] for node_id in holders)
             pool = [node_id for node_id in holders if near[node_id][0] == low]
             self._placed = ("prefix", depth)
-        elif depth and fresh:
+        elif head_depth and fresh:
             # A new conversation on a head others opened with (a system prompt and tools): over
             # as many nodes as the head's share of new conversations of late (HeadShares), those
             # that hold it first, then by the head's rendezvous order; the least loaded of them,
-            # by the opening. (Sent where the head was, a system prompt on one node drew every
-            # conversation there, as no other node was ever sent it: 4 nodes, one agent, all
-            # runs on one node, its cache overflowing while three sat idle, a lower hit ratio
-            # than least_loaded's: an outside audit.)
-            head = want.prefix[depth - 1]
+            # by the opening; when they are all busy (within the gap), it waits for one as a
+            # prompt waits for its prefix's node. (Sent where the head was, a system prompt on
+            # one node drew every conversation there, as no other node was ever sent it: 4
+            # nodes, one agent, all runs on one node, its cache overflowing while three sat
+            # idle, a lower hit ratio than least_loaded's: an outside audit. Sent to any node
+            # free, eight agents' heads filled every node's cache.)
+            head = want.prefix[head_depth - 1]
             share = self.heads.share(head, now, counting=True)
-            spread = max(1, math.floor(len(near) * share + 0.5))
-            chosen = ranked(b"h" + head.to_bytes(8, "little"), near, holders)[:spread]
-            low = min(near[node_id][0] for node_id in chosen)
-            pool = [node_id for node_id in chosen if near[node_id][0] == low]
-            self._placed = ("prefix", depth)
+            spread = max(1, math.floor((len(near) + len(waitable)) * share + 0.5))
+            chosen = ranked(b"h" + head.to_bytes(8, "little"), near.keys() | waitable.keys(), head_holders)[:spread]
+            free_chosen = [node_id for node_id in chosen if node_id in near]
+            if not free_chosen:
+                if may_wait:
+                    self._wanted = min(chosen, key=lambda node_id: (waitable[node_id].load(model), node_id))
+                    return None
+                free_chosen = list(near)  # (its wait is over: any node within the gap)
+            low = min(near[node_id][0] for node_id in free_chosen)
+            pool = [node_id for node_id in free_chosen if near[node_id][0] == low]
+            self._placed = ("prefix", head_depth)
         elif depth:
             # All it matched is a block sent to more nodes than the index lists (a prefix the
             # fleet shares): any of the least loaded, by the conversation's opening. Among the
