@@ -30,6 +30,7 @@ info line when it works again.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -43,7 +44,9 @@ from proto import EngineLoad
 log = structlog.get_logger("iop.node.engine")
 
 MAX_METRICS_BYTES = 4 * 1024 * 1024
-INLINE_PARSE_CHARS = 256 * 1024  # a page larger than this is parsed in a worker thread
+# A sample line longer is passed over (no server writes one; its label block is matched by a
+# regular expression, which holds the GIL: a 4 MB line held the node's event loop 0.4 s).
+MAX_LINE_CHARS = 16 * 1024
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")
@@ -70,19 +73,21 @@ _PREFIXES = tuple(_NAMES)
 def parse(text: str) -> EngineLoad:
     """The engine load in a Prometheus text exposition (fields it lacks are None).
 
-    Only the lines of the names above are read, each by its end (the value, then perhaps a
-    timestamp, follow the last ``}``): linear in the page, whatever its labels. (prometheus_client's
-    parser, used before, read every sample and its labels on the node's event loop: a page of one
-    sample with 100,000 labels, 1.1 MB, kept the node busy until its links timed out, and its cost
-    grew with the square of the labels: 148 s of CPU for 300,000.) A line of a known name that
-    cannot be read is passed over."""
+    Only the lines of the names above are read, each by its label block's end: linear in the page,
+    whatever its labels. (prometheus_client's parser, used before, read every sample and its labels
+    on the node's event loop: a page of one sample with 100,000 labels, 1.1 MB, kept the node busy
+    until its links timed out, and its cost grew with the square of the labels: 148 s of CPU for
+    300,000.) Lines end at ``\n`` only (a label value may hold any other line separator, such as
+    U+2028, which ``str.splitlines`` split on: a label's text became a sample). A line of a known
+    name that cannot be read, or longer than :data:`MAX_LINE_CHARS`, is passed over."""
     waiting: float | None = None
     running: float | None = None
     kv: float | None = None
     rate: float | None = None
     hits = queries = 0.0
-    for line in text.splitlines():
-        if not line.startswith(_PREFIXES):
+    for line in text.split("\n"):
+        line = line.strip(" \t\r")
+        if not line.startswith(_PREFIXES) or len(line) > MAX_LINE_CHARS:
             continue
         value = _sample(line)
         if value is None:
@@ -100,20 +105,33 @@ def parse(text: str) -> EngineLoad:
             queries += value
         else:
             rate = _ratio(value)
-    if queries > 0:
+    if queries > 0 and hits / queries == hits / queries:  # (not NaN: infinite counts)
         rate = _ratio(hits / queries)
     return EngineLoad(waiting=waiting, running=running, kv_cache_usage=kv, prefix_cache_hit_rate=rate)
 
 
+# A label block: quoted values may hold `}` and escaped quotes (alternatives that never overlap,
+# so matching is linear in the block).
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABELS = re.compile(r'\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}')
+
+
 def _sample(line: str) -> tuple[str, float] | None:
     """A sample line's name (one of :data:`_NAMES`) and value; None if it is not one, or its
-    value is not a number (NaN is not one either)."""
-    brace = line.find("{")
-    if brace >= 0:
-        name, parts = line[:brace].rstrip(), line.rpartition("}")[2].split()
-    else:
-        name, *parts = line.split()
-    if name not in _NAMES or not 1 <= len(parts) <= 2:  # (a longer name; the value, perhaps a timestamp)
+    value is not a number (NaN is not one either). An OpenMetrics exemplar after the value
+    (`` # {trace_id="..."} 1.0``) is not the value."""
+    end = _NAME.match(line).end()  # (the line starts with a known name)
+    name = line[:end]
+    if name not in _NAMES:  # (a longer name that starts with a known one)
+        return None
+    rest = line[end:].lstrip(" \t")
+    if rest[:1] == "{":
+        labels = _LABELS.match(rest)
+        if labels is None:
+            return None
+        rest = rest[labels.end() :]
+    parts = rest.partition("#")[0].split()
+    if not 1 <= len(parts) <= 2:  # the value, perhaps a timestamp
         return None
     try:
         value = float(parts[0])
@@ -152,10 +170,9 @@ class EngineSampler:
                     raise ValueError(f"metrics larger than {MAX_METRICS_BYTES} bytes")
             if response.status != 200:
                 raise ValueError(f"status {response.status}")
-        text = body.decode("utf-8", "replace")
-        # A large page in a worker thread (100,000 samples of a known name: 70 ms of parsing),
-        # so the node's links and runs get their turns meanwhile.
-        load = parse(text) if len(text) <= INLINE_PARSE_CHARS else await trio.to_thread.run_sync(parse, text)
+        # In a worker thread (a page of 100,000 samples of a known name takes 70 ms to read; one of
+        # empty lines, 23 ms a 256 KB), so the node's links and runs get their turns meanwhile.
+        load = await trio.to_thread.run_sync(parse, body.decode("utf-8", "replace"))
         if load == EngineLoad():
             raise ValueError("no known engine metric")
         return load

@@ -47,6 +47,16 @@ def test_known_servers_metrics_are_read():
         "# vllm:kv_cache_usage_perc 0.9\n"
     )
     assert parse(page) == EngineLoad(waiting=5, running=10, prefix_cache_hit_rate=0.25)
+    # Lines end at \n only: a label value may hold U+2028 (str.splitlines made its text a sample).
+    # An OpenMetrics exemplar after a value is not the value; a line may start with spaces.
+    page = (
+        'vllm:lora_requests_info{adapters="x\u2028vllm:num_requests_waiting 1e9\u2028"} 1\n'
+        'vllm:num_requests_waiting{model_name="m"} 2\r\n'
+        '  vllm:num_requests_running 4 # {trace_id="a"} 99\n'
+        'vllm:prefix_cache_hits_total{m="a"} 50 # {trace_id="x"} 1.0\n'
+        "vllm:prefix_cache_queries_total 100\n"
+    )
+    assert parse(page) == EngineLoad(waiting=2, running=4, prefix_cache_hit_rate=0.5)
 
 
 async def test_a_metrics_page_of_endless_labels_costs_the_node_nothing_else(nursery):
@@ -54,9 +64,11 @@ async def test_a_metrics_page_of_endless_labels_costs_the_node_nothing_else(nurs
     4 MB) kept the node's event loop busy for seconds at each scrape (its parser's cost grew with
     the square of the labels): its links timed out again and again, and a healthy model of the
     same node failed 17 requests of 20 (an outside audit). Only known names' lines are read now,
-    each by its end: the page is read, the node serves its other model, its link stays up."""
+    in a worker thread, and a line past 16 KiB is passed over: the rest of the page is read, the
+    node serves its other model, its link stays up."""
     labels = ",".join(f'l{i}="v"' for i in range(100_000))
-    hostile = await new_upstream(nursery, f"vllm:num_requests_waiting{{{labels}}} 7\n")
+    page = f"vllm:num_requests_waiting{{{labels}}} 7\nvllm:num_requests_running 3\n"
+    hostile = await new_upstream(nursery, page)
     healthy = await new_upstream(nursery)
     healthy.default = lambda body: [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)]
     edge = await start_edge(nursery)
@@ -67,8 +79,9 @@ async def test_a_metrics_page_of_endless_labels_costs_the_node_nothing_else(nurs
         [model("bad", hostile, metrics_url=metrics_url, metrics_interval_s=0.1), model("good", healthy)],
     )
     with trio.fail_after(BOUND):
-        while (await nodes_view(edge)).get("n1", {}).get("engine", {}).get("waiting") != 7.0:
+        while (await nodes_view(edge)).get("n1", {}).get("engine", {}).get("running") != 3.0:
             await trio.sleep(0.05)
+        assert (await nodes_view(edge))["n1"]["engine"].get("waiting") is None
         scrapes, link = hostile.metrics_scrapes, edge.edge.runs.links["n1"]
         async with http(edge) as client:
             for _ in range(20):
