@@ -215,6 +215,24 @@ async def test_two_edges_choose_the_same_node_for_a_cold_request(autojump_clock)
     assert len(chosen) >= 6  # cold requests spread
 
 
+async def test_two_edges_routing_by_session_send_a_new_session_to_the_same_node(autojump_clock):
+    """routing = "session": each edge's first choice for a new session was random among the least
+    loaded, so with two edges behind a load balancer a session's turns went to two nodes (39-51
+    of 120 turns moved: an outside audit). Ties are broken by the session's id, as prefix routing
+    breaks them: both edges choose one node, and new sessions still spread."""
+    one, _ = fleet(8, routing="session")
+    two, _ = fleet(8, routing="session")
+    chosen: set[str] = set()
+    for i in range(40):
+        want = Want("m", session=f"conversation-{i}")
+        a, b = await one.acquire(want), await two.acquire(want)
+        assert a.link.node_id == b.link.node_id
+        chosen.add(a.link.node_id)
+        one.release(a)
+        two.release(b)
+    assert len(chosen) >= 6
+
+
 async def test_the_longest_prefix_wins_over_rendezvous(autojump_clock):
     """A prompt that holds a conversation's turn past its opening (its next turn, here under a
     new session id) goes to the node that has it, not to the node its session hashes to; the

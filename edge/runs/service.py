@@ -797,7 +797,9 @@ class RunService:
 
         - ``session``: session affinity first (the same node while it has
           room, so the model server's prefix cache is reused), then the least
-          loaded (in-flight / capacity), ties broken at random;
+          loaded (in-flight / capacity), ties broken by rendezvous hashing of
+          the session (every edge picks the same node for a new session), else
+          at random;
         - ``prefix``: session affinity first, while the session's node is within
           ``prefix_max_load_gap`` of the least loaded; then, among the nodes at most
           ``prefix_max_load_gap`` busier than the least loaded, the one the
@@ -876,11 +878,18 @@ class RunService:
             # others sat idle (an outside audit; Claude Code's metadata.user_id is a session).
             self._placed = ("session", 0)
             return sticky
-        key = rendezvous_key(want.session, want.prefix, want.opening) if routing == "prefix" else None
+        if routing == "prefix":
+            key = rendezvous_key(want.session, want.prefix, want.opening)
+        else:  # (a new session: by its id among the least loaded, so every edge picks the same node)
+            key = rendezvous_key(want.session, ()) if routing == "session" else None
         if key is None:
             self._placed = ("least_loaded", 0)
             best = [lk for load, lk in free if load == best_load]
             return best[0] if len(best) == 1 else random.choice(best)
+        if routing == "session":
+            self._placed = ("least_loaded", 0)
+            best = {lk.node_id: lk for load, lk in free if load == best_load}
+            return best[rendezvous(key, best)]
         near = {lk.node_id: (load, lk) for load, lk in free if load <= limit}
         depth, holders = self.prefixes.match(want.prefix, near) if want.prefix else (0, set())
         fresh = depth <= want.opening  # a new conversation: all it matched (if anything) is its head
