@@ -107,6 +107,11 @@ async def test_responses_metadata_values_and_unknown_input_items_are_named(edge_
                 "/v1/responses", json={"model": "m", "input": [{"type": "weird"}, {"role": "user", "content": "hi"}]}
             )
             served = await client.post("/v1/responses", json={**base, "metadata": {"user": "u"}})
+            bounds = [  # (OpenAI's: 16 pairs, 64-character keys, 512-character values)
+                await client.post("/v1/responses", json={**base, "metadata": metadata})
+                for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513})
+            ]
+            typeless = await client.post("/v1/responses", json={"model": "m", "input": [{"content": "hi"}]})
     assert error_of(number) == {
         "message": "Invalid type for `metadata.a`: expected a string.",
         "type": "invalid_request_error",
@@ -115,6 +120,8 @@ async def test_responses_metadata_values_and_unknown_input_items_are_named(edge_
     }
     assert error_of(unknown)["param"] == "input"
     assert "unsupported item types: `weird`" in error_of(unknown)["message"]
+    assert [error_of(r)["param"] for r in bounds] == ["metadata", "metadata", "metadata.k"]
+    assert "unsupported item types: `(no type)`" in error_of(typeless)["message"]
     assert beside.status_code == 200 and served.status_code == 200
     assert len(upstream.records) == 2
 

@@ -575,8 +575,10 @@ async def test_a_tool_choice_naming_a_server_tool_is_auto(setup):
 
 
 async def test_error_after_the_stream_started_is_an_error_event(nursery, upstream):
-    """A run that fails after its first event ends the stream with `event: error`; the SDK raises it."""
-    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5))
+    """A run that fails after its first event ends the stream with `event: error`; the SDK raises
+    it. A run timed out is Anthropic's `timeout_error`, in the stream as in its 504 (both said
+    `api_error`)."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=0.5, keepalive_s=10))
     node = await start_node(nursery, edge, [model("m", upstream, target="t")])
     upstream.script_for("t", [("chunk", {"content": "partial "}), ("hang",)])
     with trio.fail_after(BOUND):
@@ -584,7 +586,11 @@ async def test_error_after_the_stream_started_is_an_error_event(nursery, upstrea
             with pytest.raises(anthropic.APIStatusError) as caught:
                 async with client.messages.stream(model="m", max_tokens=8, messages=USER) as stream:
                     await stream.get_final_message()
-    assert caught.value.body == {"type": "error", "error": {"type": "api_error", "message": "run timed out"}}
+            upstream.script_for("t", [("hang",)])
+            with pytest.raises(anthropic.APIStatusError) as whole:
+                await client.messages.create(model="m", max_tokens=8, messages=USER)
+    assert caught.value.body == {"type": "error", "error": {"type": "timeout_error", "message": "run timed out"}}
+    assert whole.value.status_code == 504 and whole.value.body["error"]["type"] == "timeout_error"
     await settled(edge, node.agent)
 
 

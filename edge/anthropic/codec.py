@@ -719,6 +719,7 @@ _STATUS_TYPES = {
     429: "rate_limit_error",
     499: "api_error",  # cancelled by an operator (not the client's doing)
     503: "overloaded_error",
+    504: "timeout_error",  # (a run timed out: Anthropic's own type for a 504; it said api_error)
     529: "overloaded_error",
 }
 # The edge's own (OpenAI) error types, for an error inside a stream.
@@ -728,6 +729,7 @@ _TYPES = {
     "rate_limit_error": "rate_limit_error",
     "insufficient_quota": "rate_limit_error",  # a key's daily budget spent mid-stream (as its 429 before it)
     "service_unavailable_error": "overloaded_error",
+    "timeout_error": "timeout_error",
 }
 
 

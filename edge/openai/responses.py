@@ -264,8 +264,10 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
                 tool_images += [tool_images_head(call_id), *images]
         elif kind in _SKIPPED_ITEMS:
             continue
-        else:
-            decoded.ignored_items.append(str(kind))
+        else:  # (named in a 400 if nothing else is left, and in the log: its JSON, not Python's repr)
+            decoded.ignored_items.append(
+                kind if isinstance(kind, str) else "(no type)" if kind is None else "(not a string)"
+            )
     if tool_images:
         out.append({"role": "user", "content": tool_images})
     return out
@@ -366,9 +368,16 @@ def _check_types(raw: dict[str, Any]) -> None:
                 for k in kinds
             )
             raise _bad(f"Invalid type for `{name}`: expected {wanted}.", name)
-    for key, value in (raw.get("metadata") or {}).items():  # (strings only, as OpenAI's: 1 was a 200)
-        if not isinstance(value, str):
-            raise _bad(f"Invalid type for `metadata.{key[:64]}`: expected a string.", f"metadata.{key[:64]}")
+    metadata = raw.get("metadata") or {}
+    if len(metadata) > 16:  # (OpenAI's bounds: 16 pairs, keys of 64 characters, string values of 512)
+        raise _bad(f"Invalid `metadata`: at most 16 key-value pairs, got {len(metadata)}.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise _bad(f"Invalid `metadata`: a key is longer than 64 characters ({len(key)}).", "metadata")
+        if not isinstance(value, str):  # (1 was a 200)
+            raise _bad(f"Invalid type for `metadata.{key}`: expected a string.", f"metadata.{key}")
+        if len(value) > 512:
+            raise _bad(f"Invalid `metadata.{key}`: longer than 512 characters ({len(value)}).", f"metadata.{key}")
     tier = raw.get("service_tier")
     if isinstance(tier, str) and tier not in _SERVICE_TIERS:
         raise _bad(f"Invalid value for `service_tier`: expected one of {', '.join(_SERVICE_TIERS)}.", "service_tier")
