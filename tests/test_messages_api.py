@@ -243,7 +243,8 @@ def test_stream_encoder_blocks_and_errors():
         "type": "error",
         "error": {"type": "rate_limit_error", "message": "slow down"},
     }
-    assert msgspec.json.decode(error_body(APIError(504, "late")))["error"]["type"] == "api_error"
+    assert msgspec.json.decode(error_body(APIError(504, "late")))["error"]["type"] == "timeout_error"
+    assert msgspec.json.decode(error_body(APIError(502, "bad")))["error"]["type"] == "api_error"
     assert stream_error("gone", "run_error").startswith(b"event: error\ndata: ")
 
 
