@@ -916,8 +916,8 @@ class RunService:
             self._placed = ("prefix", depth)
         elif head_depth and fresh:
             # A new conversation on a head others opened with (a system prompt and tools): over
-            # as many nodes as the head's share of new conversations of late (HeadShares), those
-            # that hold it first, then by the head's rendezvous order; the least loaded of them,
+            # the nodes that hold it, and more, up to as many as the head's share of new
+            # conversations of late (HeadShares), by the head's rendezvous order; the least loaded of them,
             # by the opening; when they are all busy (within the gap), it waits for one as a
             # prompt waits for its prefix's node. (Sent where the head was, a system prompt on
             # one node drew every conversation there, as no other node was ever sent it: 4
@@ -926,7 +926,7 @@ class RunService:
             # free, eight agents' heads filled every node's cache.)
             head = want.prefix[head_depth - 1]
             share = self.heads.share(head, now, counting=True)
-            spread = max(1, math.floor((len(near) + len(waitable)) * share + 0.5))
+            spread = max(1, math.floor((len(near) + len(waitable)) * share + 0.5), len(head_holders))
             chosen = ranked(b"h" + head.to_bytes(8, "little"), near.keys() | waitable.keys(), head_holders)[:spread]
             free_chosen = [node_id for node_id in chosen if node_id in near]
             if not free_chosen:
