@@ -253,6 +253,17 @@ async def test_the_longest_prefix_wins_over_rendezvous(autojump_clock):
     assert placed[-1] == ("prefix", 9)
 
 
+async def next_turns_follow(runs: RunService, placed: dict[int, str]) -> None:
+    """Each conversation i's next turn goes to the node its first went to (``placed[i]``)."""
+    for i, node_id in placed.items():
+        prefix, opening = prompt_chain(
+            "m", [("system", SYSTEM), ("user", f"conversation {i}"), ("assistant", "ok"), ("user", "and then?")]
+        )
+        slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
+        runs.release(slot)
+        assert slot.link.node_id == node_id, i
+
+
 def conversation(system: str, first: str) -> Want:
     prefix, opening = prompt_chain("m", [("system", system), ("user", first)])
     return Want("m", prefix=prefix, opening=opening)
@@ -274,13 +285,7 @@ async def test_new_conversations_on_a_system_prompt_the_fleet_shares_spread_over
         runs.release(slot)
         placed[i] = slot.link.node_id
     assert len(set(placed.values())) >= 7, placed
-    for i in range(40):  # each next turn: on its conversation's node
-        prefix, opening = prompt_chain(
-            "m", [("system", SYSTEM), ("user", f"conversation {i}"), ("assistant", "ok"), ("user", "and then?")]
-        )
-        slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
-        runs.release(slot)
-        assert slot.link.node_id == placed[i]
+    await next_turns_follow(runs, placed)
 
 
 async def test_new_conversations_on_a_system_prompt_one_node_got_spread_over_every_node(autojump_clock):
@@ -299,13 +304,7 @@ async def test_new_conversations_on_a_system_prompt_one_node_got_spread_over_eve
         runs.release(slot)
         placed[i] = slot.link.node_id
     assert set(placed.values()) == {lk.node_id for lk in links}, placed
-    for i in range(16):  # each next turn: on its conversation's node
-        prefix, opening = prompt_chain(
-            "m", [("system", SYSTEM), ("user", f"conversation {i}"), ("assistant", "ok"), ("user", "and then?")]
-        )
-        slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
-        runs.release(slot)
-        assert slot.link.node_id == placed[i]
+    await next_turns_follow(runs, placed)
 
 
 def test_head_shares_decay_and_are_bounded():
