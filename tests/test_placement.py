@@ -346,6 +346,34 @@ async def test_new_conversations_spread_by_their_heads_share_of_them(autojump_cl
     assert all(per_node.values()), per_node
 
 
+async def test_a_conversation_moved_off_its_busy_node_is_not_counted_as_new(autojump_clock):
+    """A conversation's next turn, its node past the load gap (or full), goes elsewhere; it was
+    judged against the nodes within the gap only, so it counted as a new conversation of its head
+    (swelling the head's share of them). Judged against every node, it is not counted."""
+    runs, (one, two) = fleet(2, capacity=8)
+    for other, name in ((two, "conversation 1"), (one, "elsewhere")):  # (both nodes hold the head)
+        runs.set_draining(other, True)
+        runs.release(await runs.acquire(conversation(SYSTEM, name)))
+        runs.set_draining(other, False)
+    runs.set_draining(two, True)
+    held = [await runs.acquire(Want("m", prefix=chain(("user", f"other {i}")))) for i in range(3)]
+    runs.set_draining(two, False)
+    now = trio.current_time()
+    before = runs.heads.counted(now)
+    prefix, opening = prompt_chain(
+        "m", [("system", SYSTEM), ("user", "conversation 1"), ("assistant", "ok"), ("user", "next")]
+    )
+    for full in (False, True):  # its node 3/8 busier (past the 0.25 gap), then full
+        if full:
+            runs.set_draining(two, True)
+            held += [await runs.acquire(Want("m", prefix=chain(("user", f"more {i}")))) for i in range(5)]
+            runs.set_draining(two, False)
+            assert one.free_slots("m") == 0
+        slot = await runs.acquire(Want("m", prefix=prefix, opening=opening))
+        assert slot.link is two and runs.heads.counted(now) == before, full
+        runs.release(slot)
+
+
 async def test_under_overload_a_freed_slot_goes_to_a_waiter_whose_conversation_is_there(autojump_clock):
     """Every node full, a queue of waiters each past its prefix_wait_ms: the head took whichever
     node freed first, so conversations scattered as at random (200 conversations on 24 slots: 2

@@ -238,6 +238,10 @@ class HeadShares:
         count, when = counted
         return count * 0.5 ** ((now - when) / self.half_life_s) if now > when else count
 
+    def counted(self, now: float) -> float:
+        """The new conversations counted of late (decayed)."""
+        return self._now(self._all, now)
+
     def share(self, head: int, now: float, counting: bool = False) -> float:
         """The head's share of the new conversations counted (``counting``: and one more of it)."""
         extra = 1.0 if counting else 0.0

@@ -905,8 +905,15 @@ class RunService:
                 if deeper >= depth + PREFIX_WAIT_BLOCKS and deeper > want.opening:
                     self._wanted = min(held, key=lambda node_id: (waitable[node_id].load(model), node_id))
                     return None
-                if fresh and deeper > depth:
+                if deeper > want.opening:  # (its conversation's node is busy: not a new one)
+                    fresh = False
+                elif fresh and deeper > depth:
                     head_depth, head_holders = deeper, held
+        if fresh and depth and len(near) + len(waitable) < len(self.links):
+            # Judged against the nodes within the gap only: a conversation whose node is past it
+            # would count as new, its head's share swollen. Against every node, once.
+            if self.prefixes.match(want.prefix, self.links.keys())[0] > want.opening:
+                fresh = False
         if want.prefix:
             self._fresh = (fresh, want.prefix[head_depth - 1] if fresh and head_depth else None)
         if depth and not fresh and not popular(self.prefixes.holders(want.prefix[depth - 1])):
