@@ -351,7 +351,9 @@ def test_cost_model_script_runs_as_the_readme_names_it():
     for name in ("hypercorn, bare ASGI app", "edge", "node"):
         row = re.search(rf"^  {re.escape(name)} +(\d+)  \((\d+) \+ (\d+)\)$", out, re.M)
         assert row and int(row.group(1)) > 0, out
-    assert re.search(r"^  edge +\d+ +\d+ +-?\d+ +-?[\d.]+ +[\d.]+$", out, re.M), out
+    # (a fit of coarse samples: any column but the first two may come out negative, e.g. an edge
+    # whose 200-token streams were charged 0 ticks, seen once in CI: "-3.12 -0.0")
+    assert re.search(r"^  edge +\d+ +\d+ +-?\d+ +-?[\d.]+ +-?[\d.]+$", out, re.M), out
     assert "cores in use meanwhile" in out and "per-request work" in out, out
     assert "scripts/cost_model.py" in README
 
