@@ -933,8 +933,9 @@ class RunService:
             # free, eight agents' heads filled every node's cache.)
             head = want.prefix[head_depth - 1]
             share = self.heads.share(head, now, counting=True)
-            spread = max(1, math.floor((len(near) + len(waitable)) * share + 0.5), len(head_holders))
-            chosen = ranked(b"h" + head.to_bytes(8, "little"), near.keys() | waitable.keys(), head_holders)[:spread]
+            candidates = near.keys() | waitable.keys()  # (free within the gap, or busy within it)
+            spread = max(1, math.floor(len(candidates) * share + 0.5), len(head_holders))
+            chosen = ranked(b"h" + head.to_bytes(8, "little"), candidates, head_holders)[:spread]
             free_chosen = [node_id for node_id in chosen if node_id in near]
             if not free_chosen:
                 if may_wait:
@@ -996,7 +997,6 @@ class RunService:
             fresh, head = self._fresh
             if fresh:
                 self.heads.started(head, trio.current_time())
-        self._fresh = (False, None)
         how, depth = self._placed
         for hook in self.on_placed:
             hook(how, depth)
