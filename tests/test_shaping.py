@@ -366,6 +366,39 @@ async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
     assert raw.index(b"Live ") < raw.index(b": keep-alive")  # streamed before the pause, not at the end
 
 
+async def test_a_held_head_is_read_by_its_first_think_tag_as_a_whole_answer_is(shaped):
+    """A live stream whose head is held (strict output; a model learned to open <think>) looked
+    only for a </think> (an outside audit): text before a later <think> was reasoning, dropped on
+    a strict model and shown with the literal tag on a learned one, and a </think> inside a text
+    tool call's arguments cut the call in two (no call reached the client). The head is read by
+    its first think tag outside call blocks now, as a whole answer always was."""
+    edge, upstream = shaped
+    intro = script({"content": "Intro text. "}, {"content": "<think>r"}, {"content": "</think>Answer"})
+    write = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object"}}}
+    call = '<tool_call>{"name": "write_file", "arguments": {"content": "close with </think> here"}}</tool_call>'
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for name in ("r1", "r1tools"):  # (a whole answer teaches the edge the template opens <think>)
+                upstream.script_for("t", script({"content": "plan</think>Answer"}))
+                await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+            for name, expected in (("strict", ("Intro text. Answer", "")), ("r1", ("Intro text. Answer", "r"))):
+                upstream.script_for("t", intro)
+                chunks, _ = await stream_raw(edge, model=name, include_reasoning=True)
+                assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == expected, name
+                upstream.script_for("t", intro)
+                body = {"model": name, "messages": MESSAGES, "include_reasoning": True}
+                message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+                assert (message["content"], message.get("reasoning_content") or "") == expected, name
+            upstream.script_for("t", script(*({"content": call[i : i + 7]} for i in range(0, len(call), 7))))
+            chunks, _ = await stream_raw(edge, model="r1tools", tools=[write])
+    calls = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("", "")
+    assert calls[0]["function"]["name"] == "write_file"
+    arguments = json.loads("".join(d["function"].get("arguments") or "" for d in calls))
+    assert arguments == {"content": "close with </think> here"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 async def test_sentinels_split_across_deltas_are_removed(shaped):
     """Leaked special tokens vanish from content and reasoning, split or not, defaults and configured."""
     edge, upstream = shaped

@@ -210,7 +210,6 @@ _FIRST_TAGS = {False: (THINK_OPEN, THINK_CLOSE), True: (THINK_OPEN, THINK_CLOSE,
 _FIRST_RE = {
     calls: re.compile("|".join(map(re.escape, tags)), re.IGNORECASE | re.ASCII) for calls, tags in _FIRST_TAGS.items()
 }
-_ANY_TAG_RE = re.compile("|".join(map(re.escape, (THINK_OPEN, THINK_CLOSE, *_CALL_OPENS))), re.IGNORECASE | re.ASCII)
 CALL_CLOSES = {"<": "</tool_call>", "{": "{{/tool_call}}"}  # by a block's first character
 # A block's body, read as JSON reads it, up to its closing tag outside strings: its text, its whole
 # strings (escapes in them), and a "<" (a "{") that does not begin the closing tag. Possessive
@@ -411,21 +410,50 @@ class ThinkSplitter:
             (self._reasoning if self._in_think else self._content)(text)
 
 
+class FirstThinkTag:
+    """The first think tag of a text fed in pieces, outside tool-call blocks with ``calls``:
+    what :func:`opens_with_close` reads in a whole text, for a live stream holding its head."""
+
+    __slots__ = ("_tail", "_blocks", "_fed")
+
+    def __init__(self, calls: bool) -> None:
+        self._tail = ""  # the end of what was fed that may begin a tag (or a call's closing tag)
+        self._blocks = ThinkSplitter(ignore_text, ignore_text, calls=True) if calls else None  # (to step over them)
+        self._fed = 0
+
+    def feed(self, text: str) -> tuple[str, int] | None:
+        """The first think tag (lower case) and where it starts in all the text fed, once known."""
+        buf = self._tail + text
+        base = self._fed - len(self._tail)
+        self._fed += len(text)
+        blocks = self._blocks
+        tags = _FIRST_RE[blocks is not None]
+        at = 0
+        while True:
+            if blocks is not None and blocks._call:
+                at = blocks._through_call(buf, at)
+                if at < 0:
+                    self._tail, blocks._pending = blocks._pending, ""
+                    return None
+                continue
+            found = tags.search(buf, at)
+            if found is None:
+                rest = buf[at:]
+                keep = max(_partial_suffix(rest, t) for t in _FIRST_TAGS[blocks is not None])
+                self._tail = rest[len(rest) - keep :] if keep else ""
+                return None
+            word = found.group().lower()
+            if word in (THINK_OPEN, THINK_CLOSE):
+                return word, base + found.start()
+            blocks._call = word[0]  # type: ignore[union-attr]  # (a call's opening: calls only)
+            at = found.end()
+
+
 def opens_with_close(text: str, calls: bool) -> bool:
     """Whether the first think tag of ``text`` (outside tool-call blocks, with ``calls``) is a
     ``</think>``: the chat template opened the reasoning."""
-    blocks = ThinkSplitter(ignore_text, ignore_text, calls=True) if calls else None  # (to step over them)
-    at = 0
-    while (found := _ANY_TAG_RE.search(text, at)) is not None:
-        word = found.group().lower()
-        if word in (THINK_OPEN, THINK_CLOSE):
-            return word == THINK_CLOSE
-        at = found.end()
-        if blocks is not None:
-            blocks._call = word[0]
-            if (at := blocks._through_call(text, at)) < 0:
-                return False
-    return False
+    first = FirstThinkTag(calls).feed(text)
+    return first is not None and first[0] == THINK_CLOSE
 
 
 def ignore_text(_: str) -> None:

@@ -20,6 +20,7 @@ from edge.openai.filters import (
     THINK_CLOSE_RE,
     THINK_OPEN,
     THINK_OPEN_RE,
+    FirstThinkTag,
     SentinelFilter,
     ThinkSplitter,
     ignore_text,
@@ -92,9 +93,7 @@ class Shaper:
         "reasoning_len",
         "has_content",
         "_held",
-        "_held_scan",
-        "_head_open",
-        "_head",
+        "_first_tag",
         "_template",
         "_model",
         "_watch",
@@ -146,14 +145,13 @@ class Shaper:
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
         if live and policy.think_tags == "open":
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True, calls=keep_raw)
-        # A strict live stream with think_tags "auto" holds its content until it shows its
-        # reasoning ended (</think>), starts with <think>, or ends: a template that consumed
-        # <think> makes the head reasoning, and strict reasoning never leaves the edge. Not if
+        # A strict live stream with think_tags "auto" holds its content until its first think tag
+        # (outside tool-call blocks) shows, or it ends: a </think> first says the template consumed
+        # <think>, so the head is reasoning, and strict reasoning never leaves the edge. Not if
         # reasoning came first in its own field: the model server parts them.
         self._held: list[str] | None = [] if auto and (live and policy.strict_output or self._learned_hold) else None
-        self._held_scan = ""  # the held text's last characters, for a tag split across deltas
-        self._head_open: bool | None = None  # the held text starts with <think> (None: not known yet)
-        self._head = ""  # its first characters past leading whitespace, while that is not known
+        # (what the held text is read with: its first think tag, past any call block)
+        self._first_tag = FirstThinkTag(calls=keep_raw) if self._held is not None else None
         self.content_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.content_len = 0
@@ -194,24 +192,21 @@ class Shaper:
             self.content_parts.append(text)
 
     def _hold(self, text: str) -> None:
-        """A strict live stream's head (see ``_held``), one more piece of it."""
+        """A held live stream's head (see ``_held``), one more piece of it: held until its first
+        think tag, outside tool-call blocks, as a whole answer is read (:func:`opens_with_close`).
+        A </think> ends the reasoning the template opened; a <think> (anywhere: text before it
+        is the answer's) says the tags are as written, and the live splitter moves them."""
         held = self._held
         assert held is not None
         held.append(text)
-        if self._head_open is None:  # (from this piece only: joining all of it was quadratic in whitespace)
-            head = self._head = (self._head + text if self._head else text.lstrip())[: len(THINK_OPEN)].lower()
-            if len(head) == len(THINK_OPEN) or (head and not THINK_OPEN.startswith(head)):
-                self._head_open = head == THINK_OPEN
-        if self._head_open:  # tags as written: the live splitter moves them
+        first = self._first_tag.feed(text)  # type: ignore[union-attr]  # (made with _held)
+        if first is None:
+            return
+        if first[0] == THINK_OPEN:
             self._release()
             return
-        scan = self._held_scan + text
-        found = THINK_CLOSE_RE.search(scan)
-        if found is None:
-            self._held_scan = scan[-(len(THINK_CLOSE) - 1) :]
-            return
         whole = "".join(held)
-        at = len(whole) - len(scan) + found.start()
+        at = first[1]
         self._held = None
         self._closed = True
         self._learned()
@@ -301,7 +296,6 @@ class Shaper:
             if rest:
                 self._held.append(rest)
             self._unclosed = bool(self._held)
-            self._head_open = True  # (the end: nothing more can show a </think>)
             self._release()
             rest = self._content_filter.flush()
         if self._think is None and ("<" in rest or self._raw_parts is not None and "{" in rest):
