@@ -74,6 +74,7 @@ def test_sentinel_filter_examples():
     assert run_sentinels(["a <|im", "_start|>b<|endoftext|>"]) == "a b"
     assert run_sentinels(["x <|not_a_token|> y"]) == "x <|not_a_token|> y"
     assert run_sentinels(["ends with <|im_"]) == "ends with <|im_"
+    assert run_sentinels(["<|python", "_tag|>print(1)"]) == "print(1)"  # (Llama 3's, leaked: an outside audit)
 
 
 def run_think(pieces: list[str], starts_open: bool = False, stray: bool = False) -> tuple[str, str]:

@@ -349,20 +349,27 @@ async def test_whole_message_tool_calls_carry_no_index(first):
     assert streamed_call == {"index": 0, **call}
 
 
+CUT = '<tool_call>{"name": "get_weather", "arguments": {"ci'
+WHOLE = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+
 @pytest.mark.parametrize(
-    ("deltas", "arguments"),
+    ("deltas", "arguments", "content"),
     [
-        (native_call("c1", "get_weather", '{"city": "Pa'), '{"city": "Pa'),
-        ([{"content": 'Sure. <tool_call>{"name": "get_weather", "arguments": {"ci'}], None),
+        (native_call("c1", "get_weather", '{"city": "Pa'), ['{"city": "Pa'], ""),
+        ([{"content": "Sure. " + CUT}], None, "Sure. " + CUT),
+        # (A whole call before the cut one was text too, its markup with it: an outside audit.)
+        ([{"content": "Sure. " + WHOLE + CUT}], ['{"city":"Rome"}'], "Sure. " + CUT),
     ],
-    ids=["native", "text"],
+    ids=["native", "text", "text-after-a-whole-call"],
 )
-async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, deltas, arguments):
+async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, deltas, arguments, content):
     """A tool call cut off by max_tokens (finish_reason "length") is returned as produced, with
-    finish_reason "length", whole and streamed (buffered and live), and never retried."""
+    finish_reason "length", whole and streamed (buffered and live), and never retried: a text
+    call block cut off stays text, the whole ones before it are calls."""
     edge, upstream = first
     upstream.script_for("t", steps(*deltas, finish="length"))
-    produced = "".join(d.get("content", "") for d in deltas)
+    produced = content
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
             whole = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=9)
@@ -374,12 +381,12 @@ async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, de
     if arguments is None:
         assert choice.message.tool_calls is None
     else:
-        assert [c.function.arguments for c in choice.message.tool_calls] == [arguments]
+        assert [c.function.arguments for c in choice.message.tool_calls] == arguments
     for chunks in streams:
         assert chunks[-1].choices[0].finish_reason == "length"
         assert joined(chunks, "content") == produced
         calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
-        assert [c.function.arguments for c in calls] == ([] if arguments is None else [arguments])
+        assert [c.function.arguments for c in calls] == (arguments or [])
 
 
 # -- access lines and request ids ----------------------------------------------------------

@@ -317,6 +317,20 @@ async def test_tool_calls_written_as_text_become_real_calls(tooled):
     assert whole.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("name", ["native", "live"])
+async def test_prose_that_names_the_call_tag_is_text(tooled, name):
+    """An answer that only names the tag ("wrap calls in a <tool_call> tag") was read as a call
+    that is not JSON, retried and failed the request (an outside audit): a block is a call's only
+    when its body begins as JSON does. Whole and streamed, one run, the text as written."""
+    edge, upstream = tooled
+    text = "Wrap calls in a <tool_call> tag, or {{tool_call}} in the other form, like the docs say."
+    with trio.fail_after(BOUND):
+        for stream in (False, True):
+            upstream.script_for("t", steps({"content": text[:20]}, {"content": text[20:]}))
+            assert await answer_of(edge, name, TOOLS, stream) == (text, "", [])
+    assert len(upstream.records) == 2  # (no retry)
+
+
 async def test_tool_call_tag_split_across_deltas(tooled):
     """A tag split across deltas (<tool_ca + ll>) is still a call, and no markup reaches the client."""
     edge, upstream = tooled

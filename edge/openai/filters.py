@@ -25,6 +25,7 @@ DEFAULT_SENTINELS: tuple[str, ...] = (
     "<|begin_of_text|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
+    "<|python_tag|>",  # (before a built-in tool's call; leaked as text, found from outside)
     # Mistral
     "</s>",
     "[INST]",

@@ -508,8 +508,8 @@ class ToolLive(LiveEncoder):
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())
         elif self.tool_filter is not None:
-            parsed = parse_calls_of("".join(self.raw_content), self.shaper.raw_content_text)
-            if parsed.candidate and not (cut_off and parsed.error):
+            parsed = parse_calls_of("".join(self.raw_content), self.shaper.raw_content_text, cut_off)
+            if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # (as _finish's)
                 calls = parsed.calls or None
                 self._emit_content(_unstreamed(parsed, "".join(self.emitted)))
                 if parsed.error:  # a block that could not be read fails the turn, as when buffered

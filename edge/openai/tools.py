@@ -58,6 +58,11 @@ _BLOCK = re.compile(
     r"<tool_call>(?P<xml>.*?)(?:</tool_call>|\Z)|\{\{tool_call\}\}(?P<mustache>.*?)(?:\{\{/tool_call\}\}|\Z)",
     re.IGNORECASE | re.DOTALL,
 )
+# A block is a call's only when its body begins as JSON does: prose that names the tag ("wrap
+# calls in a <tool_call> tag") is text (it was read as a call, not valid JSON, retried and failed
+# the request: an outside audit). Each opening is looked at once, past its own whitespace.
+_OPENING = re.compile(re.escape(XML_OPEN) + "|" + re.escape(MUSTACHE_OPEN), re.IGNORECASE | re.ASCII)
+_BODY_START = re.compile(r"\s*+[\[{]")
 # A block's body read as JSON reads it (:func:`~edge.openai.filters.call_body`): a closing tag inside
 # a JSON string is the arguments (a file holding "</tool_call>"). It stops only at a closing tag
 # outside strings, or at the end (an unterminated string runs to it). Used where the first closing
@@ -131,7 +136,10 @@ def with_ids(calls: list[ToolCall], taken: frozenset[str] = frozenset()) -> list
 MAX_ERRORS_SAID = 4  # of a turn's unreadable text calls: the rest are counted
 
 
-def parse_text_tool_calls(text: str) -> TextToolCalls:
+def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
+    """``cut_off`` (the run ended by ``max_tokens``): a block that cannot be read stays in the
+    content as written, not an error (its end was cut; no retry can help), and the blocks
+    before it are calls."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     pieces: list[str] = []
@@ -139,7 +147,13 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     found = False
     budget = jsoncost.Budget()  # for the turn's calls together
     rereads = len(text)  # what bodies read as JSON may go through in all (each can run to the end)
-    while (m := _BLOCK.search(text, pos)) is not None:
+    search = 0
+    while (opening := _OPENING.search(text, search)) is not None:
+        search = opening.end()
+        if _BODY_START.match(text, search) is None:
+            continue
+        m = _BLOCK.match(text, opening.start())
+        assert m is not None  # (a body runs to its closing tag or the end)
         found = True
         if len(calls) + len(errors) == MAX_TOOL_CALLS:  # (as a node bounds native calls: 400,000 made 39 MB)
             errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
@@ -157,8 +171,11 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
                 whole, _ = _read_call(read.group().strip(), budget)
                 if whole is not None:
                     call, error, pos = whole, "", min(len(text), read.end() + _CLOSE[kind])
+        search = pos
         if call is not None:
             calls.append(call)
+        elif cut_off:
+            pieces.append(text[m.start() : pos])
         else:
             errors.append(error)
     pieces.append(text[pos:])
@@ -168,17 +185,17 @@ def parse_text_tool_calls(text: str) -> TextToolCalls:
     return TextToolCalls(joined.strip() if found else text, calls, found, "; ".join(errors), joined)
 
 
-def parse_calls_of(filtered: str, raw: str | None) -> TextToolCalls:
+def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False) -> TextToolCalls:
     """The tool calls a model wrote as text, read from what it wrote (``raw``): the edge's
     filters take sentinels and think tags out of the content, and they were a call's arguments
     too (a file's ``</s>`` and ``[INST]`` lost, a ``"<think>"`` made the call unreadable, and its
     retry failed the same way: found from outside); the content around them as filtered. Read
     from ``filtered`` when ``raw`` has no call, or only ones it cannot read where ``filtered``
-    can (a sentinel a model leaked inside a block)."""
-    parsed = parse_text_tool_calls(filtered)
+    can (a sentinel a model leaked inside a block). ``cut_off``: as :func:`parse_text_tool_calls`."""
+    parsed = parse_text_tool_calls(filtered, cut_off)
     if raw is None or raw == filtered or not parsed.candidate:
         return parsed
-    written = parse_text_tool_calls(raw)
+    written = parse_text_tool_calls(raw, cut_off)
     if not written.candidate or (written.error and not parsed.error):
         return parsed
     return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped)

@@ -396,8 +396,8 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
     elif turn.contract is not None:
-        parsed = parse_calls_of(content, shaper.raw_content_text)
-        if parsed.candidate and not (cut_off and parsed.error):  # a cut-off call block stays text
+        parsed = parse_calls_of(content, shaper.raw_content_text, cut_off)
+        if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # a cut-off block stays text
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
