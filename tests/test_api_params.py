@@ -75,6 +75,51 @@ async def test_chat_logprobs_asked_for_are_a_400(edge_up):
     assert len(upstream.records) == 1  # the refused ones never reached the model
 
 
+async def test_chat_bodies_openai_refuses_are_a_400_naming_the_field(edge_up):
+    """Bodies OpenAI's API (and vLLM's) refuse were served (an outside audit): a user message with no
+    content, a tool result with no call id, `stream_options` on a whole answer, a `response_format`
+    of an unknown type or a `json_schema` with no schema object. Each is a 400 naming the field;
+    the forms model servers take are served (`json_object` with llama.cpp's `schema`, vLLM's
+    `structural_tag`, an assistant turn of calls alone), and none of the refused reached the model."""
+    edge, upstream = edge_up
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    refused = [
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [*USER, {"role": "system", "content": None}]}, "messages[1].content"),
+        ({"messages": [*USER, {"role": "tool", "content": "12:00"}]}, "messages[1].tool_call_id"),
+        ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+            "response_format.json_schema.name",
+        ),
+    ]
+    served = [
+        {"messages": USER, "response_format": {"type": "json_object", "schema": CITY}},
+        {"messages": USER, "response_format": {"type": "structural_tag", "structures": []}},
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}},
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+            ]
+        },
+        {"messages": USER, "stream_options": {"include_usage": True}, "stream": True},
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for body, param in refused:
+                r = await client.post("/v1/chat/completions", json={"model": "m", **body})
+                assert error_of(r)["param"] == param, body
+            assert not upstream.records
+            for body in served:
+                r = await client.post("/v1/chat/completions", json={"model": "m", **body})
+                assert r.status_code == 200, (body, r.text)
+    assert len(upstream.records) == len(served)
+
+
 async def test_responses_logprobs_asked_for_are_a_400(edge_up):
     """On Responses, `include: ["message.output_text.logprobs"]` is a 400 naming `include`, and
     `top_logprobs` > 0 one naming `top_logprobs`; other includes and `top_logprobs: 0` are served."""

@@ -589,8 +589,8 @@ async def test_a_model_without_native_tools_gets_results_in_a_row_as_one_user_tu
 async def test_a_model_without_native_tools_gets_an_image_turn_joined_with_the_text_around_it(tooled):
     """native_tools = false: tool results, then the user's message with an image, then a retry's
     correction are one user turn of parts, in order (the image turn kept its own, and the
-    correction was a third user turn in a row on the retry); a user message with no content
-    joins the next; a turn of two speakers' words carries no one name."""
+    correction was a third user turn in a row on the retry); a turn of two speakers' words
+    carries no one name."""
     edge, upstream = tooled
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA="}}
@@ -608,24 +608,23 @@ async def test_a_model_without_native_tools_gets_an_image_turn_joined_with_the_t
             )
             assert r.status_code == 200, r.text
             upstream.script_for("t", steps({"content": "Hi."}))
+            # (A user message with no content is OpenAI's 400, and the edge's: it was joined to the next.)
             nothing = [{"role": "user", "content": None}, {"role": "user", "content": "hi"}]
+            r = await client.post("/v1/chat/completions", json={"model": "textonly", "messages": nothing})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "messages[0].content")
             two = [
                 {"role": "user", "name": "ann", "content": [image]},
                 {"role": "user", "name": "bob", "content": "hi"},
             ]
-            for each in (nothing, two):
-                r = await client.post(
-                    "/v1/chat/completions", json={"model": "textonly", "messages": each, "tools": TOOLS}
-                )
-                assert r.status_code == 200, r.text
-    first, retry, empty, named = (rec.body["messages"] for rec in upstream.records)
+            r = await client.post("/v1/chat/completions", json={"model": "textonly", "messages": two, "tools": TOOLS})
+            assert r.status_code == 200, r.text
+    first, retry, named = (rec.body["messages"] for rec in upstream.records)
     assert named[1]["content"] == [image, {"type": "text", "text": "hi"}] and "name" not in named[1]  # (not ann's)
     for sent in (first, retry):
         assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
     turn = [{"type": "text", "text": "<tool_response>\nrain\n</tool_response>"}, *messages[3]["content"]]
     assert first[3]["content"] == turn
     assert retry[3]["content"][:3] == turn and "That is invalid" in retry[3]["content"][3]["text"]
-    assert [m["role"] for m in empty] == ["system", "user"] and empty[1]["content"].endswith("hi")
 
 
 async def test_a_model_without_native_tools_sees_a_tool_results_image_after_the_results(tooled):

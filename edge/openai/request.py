@@ -12,7 +12,7 @@ import trio
 
 from edge import errors
 from edge.openai.jsonbody import LARGE_BODY_BYTES, MAX_JSON_DEPTH, decoder_for, too_large
-from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ToolChoiceShape
+from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ResponseFormatShape, ToolChoiceShape
 from edge.per_run import per_run
 from edge.runs.placement import prompt_chain
 from proto.jsoncost import nested_deeper_than
@@ -431,8 +431,12 @@ def parse_chat_request(
         req = msgspec.convert(raw, ChatRequest)
         if isinstance(req.tool_choice, dict):
             msgspec.convert({"tool_choice": req.tool_choice}, ToolChoiceShape)
+        if req.response_format is not None:
+            msgspec.convert({"response_format": req.response_format}, ResponseFormatShape)
     except msgspec.ValidationError as e:
         message, param = _validation_message(e)
+        if param == "response_format.type":
+            message = f"{message[:-1]} (expected text, json_object or json_schema)."
         raise errors.bad_request(message, param) from None
     _check_text_parts(req)
     _check_unsupported(req)
@@ -473,10 +477,26 @@ def _check_unsupported(req: ChatRequest) -> None:
         )
 
 
+# Roles whose message must say something (an assistant's may be its calls alone; a function's,
+# OpenAI's deprecated form, is left as model servers take it).
+_CONTENT_REQUIRED = frozenset(("system", "developer", "user", "tool"))
+
+
 def _check_text_parts(req: ChatRequest) -> None:
     """A content part's ``text`` is a string (every adapter joins them), and a
-    text part has one (as OpenAI's API answers); so is a tool call's function name."""
+    text part has one (as OpenAI's API answers); so is a tool call's function name.
+    A message has ``content`` (but an assistant's), a tool result its ``tool_call_id``,
+    and ``stream_options`` come with ``stream``, as OpenAI and vLLM answer: each was served."""
+    if req.stream_options is not None and not req.stream:
+        raise errors.bad_request(
+            "Invalid value for `stream_options`: it is only allowed when `stream` is true.", "stream_options"
+        )
     for i, message in enumerate(req.messages):
+        if message.content is None and message.role in _CONTENT_REQUIRED:
+            raise errors.bad_request(f"Missing required parameter: `messages[{i}].content`.", f"messages[{i}].content")
+        if message.role == "tool" and not message.tool_call_id:
+            param = f"messages[{i}].tool_call_id"
+            raise errors.bad_request(f"Missing required parameter: `{param}` (the id of the call it answers).", param)
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if "text" in part and not isinstance(part["text"], str):

@@ -46,6 +46,39 @@ class ToolChoiceShape(msgspec.Struct):
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct):
+    """``response_format.json_schema``: a name, as OpenAI (and vLLM) require; ``schema`` optional."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[a-zA-Z0-9_-]+$")]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(msgspec.Struct, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaResponseFormat(msgspec.Struct, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchemaFormat
+
+
+class StructuralTagFormat(msgspec.Struct, tag_field="type", tag="structural_tag"):
+    """vLLM's and SGLang's own kind, forwarded as sent."""
+
+
+class ResponseFormatShape(msgspec.Struct):
+    """What ``response_format`` may be (checked as :class:`ToolChoiceShape` is; forwarded as
+    sent, other fields a model server reads included: llama.cpp's ``schema`` on ``json_object``).
+    An unknown type, or a ``json_schema`` without its object, was served as plain text."""
+
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaResponseFormat | StructuralTagFormat
+
+
 class Message(msgspec.Struct, omit_defaults=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
