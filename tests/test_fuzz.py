@@ -290,3 +290,61 @@ def test_oversized_and_odd_requests(edge_url):
                 content=b'{"model": "iop-sim", "messages": [{"role": "user", "content": "\\ud800"}]}',
             )
         )
+
+
+block_types = (
+    st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "document", "nope"]) | json_values
+)
+blocks = st.lists(
+    st.fixed_dictionaries(
+        {"type": block_types},
+        optional={
+            "text": json_values,
+            "source": json_values,
+            "id": json_values,
+            "name": json_values,
+            "input": json_values,
+            "tool_use_id": json_values,
+            "content": json_values,
+        },
+    ),
+    max_size=3,
+)
+block_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": blocks | json_values}),
+    min_size=1,
+    max_size=3,
+)
+items = st.lists(
+    st.fixed_dictionaries(
+        {"type": block_types | st.sampled_from(["message", "function_call", "function_call_output"])},
+        optional={"role": json_values, "content": blocks | json_values, "call_id": json_values, "output": json_values},
+    ),
+    max_size=3,
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens", "/v1/responses"]),
+    turns=block_messages,
+    input_items=items,
+)
+def test_hostile_blocks_and_items_on_messages_and_responses(edge_url, path, turns, input_items):
+    """Odd content blocks (a `type` that is a list or an object was a 500 on the Messages API: an
+    outside audit) and Responses input items: an answer or a 4xx in the API's own shape."""
+    if path == "/v1/responses":
+        body = {"model": "iop-sim", "input": input_items, "max_output_tokens": 16}
+    else:
+        body = {"model": "iop-sim", "max_tokens": 3, "messages": turns}
+    with httpx.Client(base_url=edge_url, timeout=20) as client:
+        r = client.post(path, content=msgspec.json.encode(body))
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        answer = msgspec.json.decode(r.content)
+        if path == "/v1/responses":
+            assert answer["error"]["message"], answer
+        else:
+            assert answer["type"] == "error" and answer["error"]["type"] and answer["error"]["message"], answer

@@ -90,6 +90,14 @@ def _bad(message: str, param: str) -> APIError:
     return errors.bad_request(message, param)
 
 
+def _block_type(block: dict[str, Any], where: str) -> str:
+    """A content block's ``type``, a string (a list there was a 500: an outside audit)."""
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise _bad(f"Invalid value for `{where}.type`: expected a string.", f"{where}.type")
+    return kind
+
+
 def _text_of(block: dict[str, Any], param: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
@@ -254,7 +262,7 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
     parts: list[dict[str, Any]] = []
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
-        kind = block.get("type")
+        kind = _block_type(block, where)
         if kind == "text":
             parts.append({"type": "text", "text": _text_of(block, where)})
         elif kind == "image":
@@ -274,7 +282,7 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
         elif kind in _SKIPPED_BLOCKS:
             continue
         else:
-            raise _bad(f"Invalid value for `{where}.type`: this edge does not take `{kind}` blocks.", where)
+            raise _bad(f"Invalid value for `{where}.type`: this edge does not take `{kind[:64]}` blocks.", where)
     if tool_images:
         parts = tool_images + parts
     if parts:
@@ -287,7 +295,7 @@ def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, A
     calls: list[dict[str, Any]] = []
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
-        kind = block.get("type")
+        kind = _block_type(block, where)
         if kind == "text":
             texts.append(_text_of(block, where))
         elif kind == "tool_use":
@@ -299,7 +307,7 @@ def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, A
         elif kind in _SKIPPED_BLOCKS:
             continue
         else:
-            raise _bad(f"Invalid value for `{where}.type`: an assistant turn takes no `{kind}` blocks.", where)
+            raise _bad(f"Invalid value for `{where}.type`: an assistant turn takes no `{kind[:64]}` blocks.", where)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if calls:
         message["tool_calls"] = calls
