@@ -121,6 +121,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_messages: int = 2048
     max_tools: int = 256
     body_timeout_s: float = 60.0  # to receive a whole request body; a slower one is a 408
+    # Bytes a second a request body must average once it has taken BODY_RATE_GRACE_S (edge.openai.
+    # exchange); a slower one is a 408 (0: none; one byte every 20 s held a descriptor for 60 s).
+    min_body_rate: int = 240
     max_output_tokens: int = 131072  # the largest max_tokens / max_completion_tokens a request may ask for
     trace_requests: bool = True  # a request's metadata iop_trace_stream turns on its per-chunk trace lines
     cors_origins: list[str] = msgspec.field(default_factory=list)  # browser origins that may call /v1/ ("*": any)
@@ -187,6 +190,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             raise ConfigError("backlog: between 1 and 65535")
         if self.body_timeout_s <= 0:
             raise ConfigError("body_timeout_s: must be greater than 0")
+        if self.min_body_rate < 0:
+            raise ConfigError("min_body_rate: must not be negative")
         if self.max_output_tokens < 1:
             raise ConfigError("max_output_tokens: must be at least 1")
         for i, origin in enumerate(self.cors_origins):

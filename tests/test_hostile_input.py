@@ -369,6 +369,78 @@ async def test_trickled_body_is_408(nursery, path):
     assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
 
 
+async def test_a_body_slower_than_min_body_rate_is_408_over_http1_and_http2(nursery, monkeypatch):
+    """20,000 connections each sending a byte every 20 s of a 100-byte body held every descriptor
+    for body_timeout_s (60 s), past the idle shedding (an outside audit: no client or node could
+    connect); 100,000 such HTTP/2 streams took the edge past 1.1 GB. A body must now average
+    min_body_rate once it has taken BODY_RATE_GRACE_S: slower is a 408 and the connection (or
+    the stream) ends. A body as fast as that, in pieces, is read."""
+    from edge.openai import exchange
+
+    monkeypatch.setattr(exchange, "BODY_RATE_GRACE_S", 0.3)
+    edge = await start_edge(nursery, edge_config(min_body_rate=1000))
+    head = [("host", "127.0.0.1"), ("content-type", "application/json"), ("content-length", "100")]
+    with trio.fail_after(BOUND):
+        conn = h11.Connection(h11.CLIENT)
+        stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        t0 = trio.current_time()
+        await stream.send_all(conn.send(h11.Request(method="POST", target="/v1/chat/completions", headers=head)))
+        await stream.send_all(conn.send(h11.Data(data=b"{")))
+        status, answer, closed = 0, b"", False
+        while not closed:
+            data = await stream.receive_some()
+            closed = not data
+            conn.receive_data(data)
+            while (event := conn.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+                if isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    answer += event.data
+                elif isinstance(event, h11.ConnectionClosed):
+                    break
+        took = trio.current_time() - t0
+        await stream.aclose()
+    assert status == 408 and closed, (status, answer)
+    error = json.loads(answer)["error"]
+    assert error["code"] == "request_timeout" and "1000 bytes a second" in error["message"]
+    assert took < 5  # (the grace, not body_timeout_s's 60 s)
+
+    # Over HTTP/2 (by prior knowledge, as hypercorn serves it on plain TCP): the stream's 408.
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    with trio.fail_after(BOUND):
+        stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        h2c.initiate_connection()
+        headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http")]
+        h2c.send_headers(1, [*headers, (":authority", "127.0.0.1"), *head[1:]])
+        h2c.send_data(1, b"{")
+        await stream.send_all(h2c.data_to_send())
+        status, answer, ended = 0, b"", False
+        while not ended:
+            for event in h2c.receive_data(await stream.receive_some(65536)):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = int(dict(event.headers)[b":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    answer += event.data
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    ended = True
+            await stream.send_all(h2c.data_to_send())
+        await stream.aclose()
+    assert status == 408 and json.loads(answer)["error"]["code"] == "request_timeout"
+
+    # A body at 2,000 bytes a second, in ten pieces: read (no node is linked: its 503).
+    body = json.dumps({"model": "absent", "messages": [{"role": "user", "content": "x" * 1000}]}).encode()
+
+    async def paced():
+        for i in range(0, len(body), len(body) // 10 + 1):
+            yield body[i : i + len(body) // 10 + 1]
+            await trio.sleep(len(body) / 10 / 2000)
+
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", content=paced())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_node_available", r.text
+
+
 async def test_answer_before_the_body_says_connection_close(nursery):
     """A request answered before its body arrived (413 too large, 401 bad key) says `Connection: close`,
     so a client's pooled connection is not reused and its next request succeeds."""
@@ -839,6 +911,7 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
     ("kind", "config", "expected"),
     [
         ("edge", {"body_timeout_s": 0}, "body_timeout_s: must be greater than 0"),
+        ("edge", {"min_body_rate": -1}, "min_body_rate: must not be negative"),
         ("edge", {"keepalive_s": float("nan")}, "keepalive_s: must be a number, not nan"),
         ("edge", {"wait_timeout_s": float("nan")}, "wait_timeout_s: must be a number, not nan"),
         ("edge", {"max_output_tokens": 0}, "max_output_tokens: must be at least 1"),

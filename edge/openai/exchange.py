@@ -48,6 +48,7 @@ async def _released(message: dict | None = None) -> dict:
 # a body whole or in pieces of kilobytes, but a JSON encoder's generator (httpx with
 # ``json.JSONEncoder().iterencode``) sends one chunk per token: 271 KB came in 20,013 pieces.
 MAX_SMALL_PIECES = 65_536
+BODY_RATE_GRACE_S = 5.0  # what a body may take whatever its rate (Kestrel's grace period too)
 SMALL_PIECE = 256
 
 
@@ -190,9 +191,11 @@ class Exchange:
                 return value
         return None
 
-    async def read_body(self, limit: int, large: LargeRequests | None = None) -> bytes:
+    async def read_body(self, limit: int, large: LargeRequests | None = None, min_rate: int = 0) -> bytes:
         """The whole body, at most ``limit`` bytes; one of ``large``'s places once it is a large
-        one (declared so, or grown so as it arrives), held until the request ends."""
+        one (declared so, or grown so as it arrives), held until the request ends. Past
+        :data:`BODY_RATE_GRACE_S`, it must have come at ``min_rate`` bytes a second on average
+        (as Kestrel's MinRequestBodyDataRate): slower is a 408 (0: no rate)."""
         length = self.header(b"content-length")
         declared = int(length) if length is not None and length.isdigit() else 0
         if declared > limit:
@@ -202,6 +205,7 @@ class Exchange:
         parts: list[bytes] = []
         size = 0
         pieces = 0
+        started: float | None = None  # (when it first waited for a piece)
         # What the server has queued already (the whole body of a small request,
         # read with its head) is taken without a pass through the scheduler.
         queued = getattr(getattr(self._receive, "__self__", None), "receive_nowait", None)
@@ -211,7 +215,21 @@ class Exchange:
                     raise trio.WouldBlock
                 message = queued()
             except trio.WouldBlock:
-                message = await self._receive()
+                message = None
+            if message is None:
+                if not min_rate:
+                    message = await self._receive()
+                else:
+                    if started is None:
+                        started = trio.current_time()
+                    with trio.move_on_at(started + max(BODY_RATE_GRACE_S, (size + 1) / min_rate)):
+                        message = await self._receive()
+                    if message is None:
+                        raise APIError(
+                            408,
+                            f"The request body came slower than {min_rate} bytes a second; send it whole.",
+                            code="request_timeout",
+                        )
             if message["type"] == "http.disconnect":
                 raise ClientGone
             chunk = message.get("body", b"")

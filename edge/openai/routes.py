@@ -166,7 +166,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                     # The framework's body timeout does not reach raw ASGI: bound it here.
                     try:
                         with trio.fail_after(edge.config.body_timeout_s):
-                            body = await ex.read_body(edge.config.max_body_bytes, edge.large_requests)
+                            config = edge.config
+                            body = await ex.read_body(config.max_body_bytes, edge.large_requests, config.min_body_rate)
                     except trio.TooSlowError:
                         raise APIError(
                             408,
