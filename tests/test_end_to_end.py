@@ -101,8 +101,9 @@ async def test_models_lists_what_linked_nodes_serve(edge, node):
 
 
 async def test_upstream_error_reaches_client(edge, node, upstream):
-    """An upstream HTTP error before any event becomes an OpenAI error with the same status (4xx),
-    for whole requests and streams alike (a stream commits only at its first event)."""
+    """An upstream HTTP error before any event becomes an OpenAI error with the same status (a 4xx
+    the request caused), for whole requests and streams alike (a stream commits only at its first
+    event)."""
     upstream.script_for("m-target", [("status", 400, b'{"error": {"message": "bad temperature"}}')])
     with trio.fail_after(BOUND):
         async with http(edge) as client:
@@ -113,6 +114,12 @@ async def test_upstream_error_reaches_client(edge, node, upstream):
                 assert r.status_code == 400
                 err = r.json()["error"]
                 assert err["code"] == "upstream_rejected" and "bad temperature" in err["message"]
+            # A status that is the node's own trouble, not the request's (a 407 from its proxy asks
+            # the client for proxy credentials: an outside audit), is a 502.
+            for status in (407, 431, 499):
+                upstream.script_for("m-target", [("status", status, b'{"error": {"message": "not yours"}}')])
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+                assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error", (status, r.text)
     await settled(edge, node.agent)
 
 

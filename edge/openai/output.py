@@ -88,6 +88,10 @@ def _wants_usage(turn: Turn) -> bool:
 # -- non-streaming ---------------------------------------------------------------
 
 
+# A model server's 4xx that the client's request caused, said to it with its own status.
+_CLIENT_STATUSES = frozenset((400, 404, 409, 413, 422))
+
+
 def http_error(failed: RunFailed, run: Run | None) -> APIError:
     """A failed run as an HTTP error (a whole response, or a stream not yet
     committed): an upstream 4xx keeps its status, but a 401 or 403 (the node's
@@ -124,7 +128,11 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         too_long = upstream_context_error(failed.status, failed.message)
         if too_long is not None:
             return too_long
-        return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
+        if failed.status in _CLIENT_STATUSES:
+            return APIError(failed.status, failed.message, "invalid_request_error", code="upstream_rejected")
+        # The node's or its model server's own trouble (a 407 from its proxy, 402 out of credit,
+        # 431, 499): not the client's to act on as said (a 407 asks it for proxy credentials).
+        return APIError(502, failed.message, "upstream_error", code="upstream_rejected")
     if cause == TIMEOUT:
         return APIError(504, failed.message, "timeout_error", code="run_timed_out")
     if cause == NODE_LOST:
