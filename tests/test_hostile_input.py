@@ -321,6 +321,22 @@ async def test_exception_logs_show_no_locals(nursery, upstream, monkeypatch, cap
         assert secret not in text, f"{secret!r} logged:\n{text[:3000]}"
 
 
+class _H2Answer:
+    """One HTTP/2 stream's answer, as its events come: status, body, and whether it ended."""
+
+    def __init__(self) -> None:
+        self.status, self.body, self.ended = 0, b"", False
+
+    def take(self, events: list) -> None:
+        for event in events:
+            if isinstance(event, h2.events.ResponseReceived):
+                self.status = int(dict(event.headers)[b":status"])
+            elif isinstance(event, h2.events.DataReceived):
+                self.body += event.data
+            elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                self.ended = True
+
+
 # -- 11. request bodies with no time limit ----------------------------------------------
 
 
@@ -414,18 +430,12 @@ async def test_a_body_slower_than_min_body_rate_is_408_over_http1_and_http2(nurs
         h2c.send_headers(1, [*headers, (":authority", "127.0.0.1"), *head[1:]])
         h2c.send_data(1, b"{")
         await stream.send_all(h2c.data_to_send())
-        status, answer, ended = 0, b"", False
-        while not ended:
-            for event in h2c.receive_data(await stream.receive_some(65536)):
-                if isinstance(event, h2.events.ResponseReceived):
-                    status = int(dict(event.headers)[b":status"])
-                elif isinstance(event, h2.events.DataReceived):
-                    answer += event.data
-                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                    ended = True
+        answer = _H2Answer()
+        while not answer.ended:
+            answer.take(h2c.receive_data(await stream.receive_some(65536)))
             await stream.send_all(h2c.data_to_send())
         await stream.aclose()
-    assert status == 408 and json.loads(answer)["error"]["code"] == "request_timeout"
+    assert answer.status == 408 and json.loads(answer.body)["error"]["code"] == "request_timeout"
 
     # A body at 2,000 bytes a second, in ten pieces: read (no node is linked: its 503).
     body = json.dumps({"model": "absent", "messages": [{"role": "user", "content": "x" * 1000}]}).encode()
@@ -1439,7 +1449,7 @@ async def test_an_http2_body_of_one_byte_data_frames_is_a_400(nursery, tmp_path,
     context = ssl.create_default_context(cafile=str(cafile))
     context.set_alpn_protocols(["h2"])
     h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    status, answer, frames = 0, b"", 0  # (the body never ends: only the bound answers it)
+    answer, frames = _H2Answer(), 0  # (the body never ends: only the bound answers it)
     with trio.fail_after(BOUND):
         stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
         h2c.initiate_connection()
@@ -1447,8 +1457,7 @@ async def test_an_http2_body_of_one_byte_data_frames_is_a_400(nursery, tmp_path,
         h2c.send_headers(1, [*headers, (":authority", host), ("content-type", "application/json")])
         h2c.send_data(1, b'{"model": "m", ')
         await stream.send_all(h2c.data_to_send())
-        ended = False
-        while not ended:
+        while not answer.ended:
             if frames < 100_000:
                 sent = min(500, h2c.local_flow_control_window(1))  # (a byte each: within the credit given)
                 for _ in range(sent):
@@ -1457,16 +1466,9 @@ async def test_an_http2_body_of_one_byte_data_frames_is_a_400(nursery, tmp_path,
                 with contextlib.suppress(trio.BrokenResourceError):
                     await stream.send_all(h2c.data_to_send())
             with trio.move_on_after(0.01 if frames < 100_000 else BOUND):
-                data = await stream.receive_some(65536)
-                for event in h2c.receive_data(data):
-                    if isinstance(event, h2.events.ResponseReceived):
-                        status = int(dict(event.headers)[b":status"])
-                    elif isinstance(event, h2.events.DataReceived):
-                        answer += event.data
-                    elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                        ended = True
+                answer.take(h2c.receive_data(await stream.receive_some(65536)))
         await stream.aclose()
-    assert status == 400 and json.loads(answer)["error"]["code"] == "body_too_fragmented", (status, answer)
+    assert answer.status == 400 and json.loads(answer.body)["error"]["code"] == "body_too_fragmented", answer.body
 
 
 async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(nursery, upstream):
