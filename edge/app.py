@@ -25,6 +25,7 @@ from quart_trio import QuartTrio
 from edge.admin import admin_routes, is_admin
 from edge.anthropic.codec import error_body as anthropic_error_body
 from edge.app_queue import install as install_app_queue
+from edge.auth import client_token
 from edge.config import EdgeConfig, load_edge_config
 from edge.connection import close as close_connections
 from edge.connection import install as install_connection_guard
@@ -178,9 +179,10 @@ class Edge:
                 if server and not is_loopback(str(server[0])):
                     _warn_open(f"{server[0]}:{server[1]}")
             return draining() if self.draining else None
-        key = self.keys.authenticate(ex.header(b"authorization"), ex.header(b"x-api-key"))
+        authorization, x_api_key = ex.header(b"authorization"), ex.header(b"x-api-key")
+        key = self.keys.authenticate(authorization, x_api_key)
         if key is None:
-            return APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+            return unauthorized(authorization, x_api_key)
         ex.key = key
         return draining() if self.draining else None
 
@@ -343,7 +345,21 @@ def _warn_open(address: str) -> None:
     )
 
 
-_UNAUTHORIZED = APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+_NO_KEY = APIError(
+    401,
+    "Missing API key: send one as `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
+    "authentication_error",
+    code="invalid_api_key",
+)
+_WRONG_KEY = APIError(
+    401, "Invalid API key: not one this edge accepts (or revoked).", "authentication_error", code="invalid_api_key"
+)
+
+
+def unauthorized(authorization: bytes | str | None, x_api_key: bytes | str | None) -> APIError:
+    """The 401 of a request whose key was refused: none sent, or one not accepted (a newcomer
+    was told "invalid or missing" either way, and not how to send one)."""
+    return _NO_KEY if client_token(authorization, x_api_key) is None else _WRONG_KEY
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -538,8 +554,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.extensions["iop"] = edge
 
-    def unauthorized() -> Response:
-        return _json(401, _UNAUTHORIZED.body())
+    def refused_key() -> APIError:
+        from quart import request
+
+        return unauthorized(request.headers.get("Authorization"), request.headers.get("x-api-key"))
 
     def client_key() -> tuple[Key | None, Response | None]:
         """The request's key (None on an open edge), or the 401 refusing it."""
@@ -548,7 +566,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if edge.keys.open:
             return None, None
         key = edge.keys.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-        return (key, None) if key is not None else (None, unauthorized())
+        return (key, None) if key is not None else (None, _json(401, refused_key().body()))
 
     def admin_auth() -> Response | None:
         """admin_keys when configured; else any client key (open edge: open)."""
@@ -569,7 +587,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if is_admin_path(path):
             return admin_auth()
         if path.startswith("/v1/") and client_key()[1] is not None:
-            return models_error(_UNAUTHORIZED)
+            return models_error(refused_key())
         return None
 
     def models_error(err: APIError) -> Response:
@@ -583,7 +601,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     def models_key() -> tuple[Key | None, Response | None]:
         key, refused = client_key()
-        return (None, models_error(_UNAUTHORIZED)) if refused is not None else (key, None)
+        return (None, models_error(refused_key())) if refused is not None else (key, None)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

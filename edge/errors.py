@@ -161,7 +161,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def model_not_found(model: str) -> APIError:
     return APIError(
         404,
-        f"The model `{model}` does not exist or no node serves it.",
+        f"The model `{model}` does not exist or no node serves it; GET /v1/models lists those served now.",
         "invalid_request_error",
         param="model",
         code="model_not_found",

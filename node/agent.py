@@ -91,6 +91,11 @@ class LinkRefused(NodeError):
 
 
 TRANSIENT_REFUSALS = frozenset({502, 503, 504})
+# What an operator fixes when the edge refuses a link so (a newcomer read "invalid node token"
+# and did not know which key of which side to change).
+_REFUSAL_FIXES = {
+    401: "the node's `token` must equal the edge's `node_token` (or its `node_tokens` entry for this node id)",
+}
 
 
 class _ReaderWatch:
@@ -669,19 +674,35 @@ class NodeAgent:
         backoff = cfg.reconnect_min_s
         lost_at = -math.inf  # when the last link that was up went down
         refused_at = math.inf  # when refusals for its id (4009) in a row began
+        failing_since = trio.current_time()  # when the dials that did not link began
         while True:
             linked = trio.Event()
             try:
                 await self._link_once(url, linked)
             except Exception as exc:  # trio.Cancelled is a BaseException: never caught here
                 e = first_leaf(exc)
+                if linked.is_set():  # (a link that was up: its loss starts the count anew)
+                    failing_since = trio.current_time()
+                # A dial that has failed for relink_window_s needs the operator: said at error
+                # level (an edge address that answers nothing was a warning a dial, for ever).
+                failing_for = trio.current_time() - failing_since
+                long = {"failing_for_s": round(failing_for)} if failing_for >= cfg.relink_window_s else None
                 if isinstance(e, ConnectionRejected):
                     body = (e.body or b"").decode("utf-8", "replace")[:200]
                     # A 503 (the edge busy linking others, or draining) passes as the node redials,
                     # and so does a proxy's 502 or 504 (its edge restarting); any other refusal (a
                     # wrong token: 401) needs the operator.
-                    level = log.warning if e.status_code in TRANSIENT_REFUSALS else log.error
-                    level("edge refused the link", edge=url, status=e.status_code, body=body)
+                    transient = e.status_code in TRANSIENT_REFUSALS and long is None
+                    level = log.warning if transient else log.error
+                    fix = _REFUSAL_FIXES.get(e.status_code)
+                    level(
+                        "edge refused the link",
+                        edge=url,
+                        status=e.status_code,
+                        body=body,
+                        **({"fix": fix} if fix else {}),
+                        **(long or {}),
+                    )
                 elif isinstance(e, ConnectionClosed):
                     reason = e.reason
                     log.warning(
@@ -691,11 +712,17 @@ class NodeAgent:
                         reason=getattr(reason, "reason", None),
                     )
                 elif isinstance(e, (OSError, HandshakeError, NodeError, trio.TooSlowError, trio.BrokenResourceError)):
-                    log.warning("link failed", edge=url, error=f"{type(e).__name__}: {e}")
+                    error = f"{type(e).__name__}: {e}"
+                    if long is None:
+                        log.warning("link failed", edge=url, error=error)
+                    else:
+                        fix = "is the edge running, and is this its address (the node's `edges`)?"
+                        log.error("link failed", edge=url, error=error, fix=fix, **long)
                 elif isinstance(e, (h11.ProtocolError, wsproto.utilities.ProtocolError)):
                     # Bytes that are not HTTP where the edge's answer should be (a wrong port, a
                     # proxy): a crash with a traceback at error level, every dial, before.
-                    log.warning("link failed", edge=url, error=f"not an HTTP answer to the websocket upgrade: {e}")
+                    error = f"not an HTTP answer to the websocket upgrade: {e}"
+                    (log.warning if long is None else log.error)("link failed", edge=url, error=error, **(long or {}))
                 else:
                     log.error("link crashed", edge=url, exc_info=exc)
                 duplicate = isinstance(e, ConnectionClosed) and getattr(e.reason, "code", None) == CLOSE_DUPLICATE

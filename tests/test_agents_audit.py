@@ -171,7 +171,7 @@ async def test_claude_code_with_a_wrong_key_stops_after_one_401(setup, tmp_path)
         done = await claude_code(edge, tmp_path, "Say hello.", key="sk-wrong")
     refused = [e for e in logs if e["event"] == "request" and e.get("api") == "messages"]
     assert done.returncode != 0
-    assert "Invalid or missing API key" in done.stdout + done.stderr, (done.stdout, done.stderr[-2000:])
+    assert "Invalid API key" in done.stdout + done.stderr, (done.stdout, done.stderr[-2000:])
     assert len(refused) == 1 and refused[0]["status"] == 401, refused
     assert not upstream.records
 

@@ -65,12 +65,14 @@ async def test_malformed_requests_are_400(edge, node, body, param):
 
 
 async def test_unknown_model_is_404_model_not_found(edge, node):
-    """A model no node serves (or ever served) is a 404 with code model_not_found; the SDK raises NotFoundError."""
+    """A model no node serves (or ever served) is a 404 with code model_not_found, saying where the
+    served ones are listed; the SDK raises NotFoundError."""
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
             with pytest.raises(openai.NotFoundError) as caught:
                 await client.chat.completions.create(model="nope", messages=MESSAGES)
     assert caught.value.code == "model_not_found"
+    assert "GET /v1/models lists" in caught.value.message
 
 
 async def test_any_model_is_503_while_no_node_is_linked(edge):

@@ -314,6 +314,32 @@ async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nur
     assert not [e for e in logs if e["log_level"] == "error"]
 
 
+async def test_a_node_that_cannot_link_says_what_to_fix(nursery):
+    """A node whose edge address answers nothing logged a warning a dial, for ever (an outside
+    audit: operators alert on error lines), and one with a wrong token read "invalid node token"
+    without which key to change. Dials failing for relink_window_s are errors saying what to
+    check; a wrong token's refusal names the keys on both sides."""
+    from tests.conftest import node_config
+
+    with trio.socket.socket() as probe:  # a port nothing listens on
+        await probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m")], relink_window_s=0.4)
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(1.5):
+        await NodeAgent(config).serve()
+    failed = [e for e in logs if e["event"] == "link failed"]
+    assert failed[0]["log_level"] == "warning" and failed[-1]["log_level"] == "error", failed
+    assert "is the edge running" in failed[-1]["fix"] and failed[-1]["failing_for_s"] >= 0, failed[-1]
+
+    edge = await start_edge(nursery)
+    config = node_config([edge.link_url], [model("m")], token="not-the-edges")
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(0.5):
+        await NodeAgent(config).serve()
+    refused = [e for e in logs if e["event"] == "edge refused the link"]
+    assert refused[0]["status"] == 401 and refused[0]["log_level"] == "error", refused
+    assert "`node_token`" in refused[0]["fix"] and "`token`" in refused[0]["fix"]
+
+
 async def test_a_proxy_502_whose_body_ends_with_the_connection_is_told_as_a_refusal(nursery):
     """A proxy whose edge is restarting answers the upgrade ``HTTP/1.0 502`` with no
     length: its body ends when the connection does. The node said "the edge closed the

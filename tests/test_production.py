@@ -48,13 +48,18 @@ BODY = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
 
 
 async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream):
-    """With api_keys set, /v1/* needs a valid bearer key (401 in the OpenAI shape otherwise);
-    the node link, /healthz and /metrics do not."""
+    """With api_keys set, /v1/* needs a valid bearer key (401 in the OpenAI shape otherwise, saying
+    whether none came or a wrong one); the node link, /healthz and /metrics do not."""
     edge = await start_edge(nursery, edge_config(api_keys=["sk-one", "sk-two"]))
     await start_node(nursery, edge, [model("m", upstream)])  # links with its node token
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-one"}):
+            # (Each says which it was, and how to send a key: a newcomer was told "invalid or missing".)
+            for headers, said in (
+                ({}, "Missing API key: send one as `Authorization: Bearer <key>`"),
+                ({"Authorization": "Bearer sk-wrong"}, "Invalid API key"),
+                ({"Authorization": "Basic sk-one"}, "Missing API key"),
+            ):
                 for method, path in (
                     ("POST", "/v1/chat/completions"),
                     ("GET", "/v1/models"),
@@ -63,6 +68,7 @@ async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream
                     r = await client.request(method, path, json=BODY, headers=headers)
                     assert r.status_code == 401, (path, headers)
                     assert r.json()["error"]["type"] == "authentication_error"
+                    assert r.json()["error"]["message"].startswith(said), (path, r.text)
             assert (await client.get("/healthz")).status_code == 200
             assert (await client.get("/metrics")).status_code == 200
         async with sdk(edge, api_key="sk-two") as client:
