@@ -760,6 +760,8 @@ def test_decode_moves_every_developer_message_first_and_checks_calls():
         ("metadata", "str", "metadata"),
         ("parallel_tool_calls", "no", "parallel_tool_calls"),
         ("text", {"format": {"type": "bogus"}}, "text.format.type"),
+        ("text", {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "text.format.name"),
+        ("text", {"format": {"type": "json_schema", "name": "a b", "schema": {}}}, "text.format.name"),
         ("reasoning", "high", "reasoning"),
         ("background", True, "background"),
         ("service_tier", "bogus", "service_tier"),

@@ -22,6 +22,7 @@ request (:attr:`Decoded.ignored_tools`), never an error.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -357,6 +358,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _TOOL_CHOICES = ("auto", "none", "required")
 _SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
+_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def _check_types(raw: dict[str, Any]) -> None:
@@ -396,6 +398,14 @@ def _check_types(raw: dict[str, Any]) -> None:
         if not isinstance(fmt, dict) or fmt.get("type") not in _TEXT_FORMATS:
             raise _bad(
                 f"Invalid value for `text.format.type`: expected one of {', '.join(_TEXT_FORMATS)}.", "text.format.type"
+            )
+        if fmt["type"] == "json_schema" and not (
+            isinstance(fmt.get("name"), str) and _FORMAT_NAME.fullmatch(fmt["name"])
+        ):
+            # (OpenAI's rule, and chat's: the chat body made of it was refused naming `response_format`)
+            raise _bad(
+                "Invalid value for `text.format.name`: 1 to 64 letters, digits, `_` or `-` (it is required).",
+                "text.format.name",
             )
     effort = raw["reasoning"].get("effort") if isinstance(raw.get("reasoning"), dict) else None
     if effort is not None and not isinstance(effort, str):
