@@ -351,6 +351,7 @@ async def test_whole_message_tool_calls_carry_no_index(first):
 
 CUT = '<tool_call>{"name": "get_weather", "arguments": {"ci'
 WHOLE = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+BROKEN = '<tool_call>{"name": "get_weather" "arguments": {}}</tool_call>'
 
 
 @pytest.mark.parametrize(
@@ -360,8 +361,10 @@ WHOLE = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool
         ([{"content": "Sure. " + CUT}], None, "Sure. " + CUT),
         # (A whole call before the cut one was text too, its markup with it: an outside audit.)
         ([{"content": "Sure. " + WHOLE + CUT}], ['{"city":"Rome"}'], "Sure. " + CUT),
+        # (Only the block the cut ended is forgiven: one unreadable before it leaves it all text.)
+        ([{"content": "Sure. " + BROKEN + WHOLE + CUT}], None, "Sure. " + BROKEN + WHOLE + CUT),
     ],
-    ids=["native", "text", "text-after-a-whole-call"],
+    ids=["native", "text", "text-after-a-whole-call", "text-after-a-broken-call"],
 )
 async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, deltas, arguments, content):
     """A tool call cut off by max_tokens (finish_reason "length") is returned as produced, with

@@ -397,6 +397,33 @@ async def test_a_held_head_is_read_by_its_first_think_tag_as_a_whole_answer_is(s
     arguments = json.loads("".join(d["function"].get("arguments") or "" for d in calls))
     assert arguments == {"content": "close with </think> here"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # A re-check: reasoning that names the call tag in prose went out as content on a strict model
+    # (the tag was taken for a block that ran past the </think>); and think tags in a call block
+    # inside the template's reasoning split a whole answer apart from its stream.
+    prose = "I should emit <tool_call> with it.\n</think>\n\n" + call
+    quoted = '<tool_call>{"name": "f", "arguments": {"x": "a</think>b<think>c"}}</tool_call>why?</think>ans'
+    for name, text, expected in (
+        ("strict", prose, ("", "", ["write_file"])),
+        ("r1tools", quoted, ("ans", quoted[: quoted.rindex("</think>")], [])),
+    ):
+        deltas = [{"content": text[i : i + 5]} for i in range(0, len(text), 5)]
+        with trio.fail_after(BOUND):
+            upstream.script_for("t", script(*deltas))
+            chunks, _ = await stream_raw(edge, model=name, tools=[write], include_reasoning=True)
+            upstream.script_for("t", script(*deltas))
+            async with http(edge) as client:
+                body = {"model": name, "messages": MESSAGES, "tools": [write], "include_reasoning": True}
+                message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        streamed = [
+            d["function"]["name"]
+            for c in chunks
+            if c["choices"]
+            for d in c["choices"][0]["delta"].get("tool_calls") or ()
+            if d.get("function", {}).get("name")
+        ]
+        assert (joined(chunks, "content"), joined(chunks, "reasoning_content"), streamed) == expected, name
+        whole = [c["function"]["name"] for c in message.get("tool_calls") or ()]
+        assert (message["content"] or "", message.get("reasoning_content") or "", whole) == expected, name
 
 
 async def test_sentinels_split_across_deltas_are_removed(shaped):

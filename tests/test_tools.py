@@ -1026,6 +1026,21 @@ async def test_a_live_tool_stream_fails_on_any_unreadable_call_and_sends_one_cal
     assert [c["id"] for c in calls] == ["call_a"]
 
 
+def test_a_cut_off_answer_of_unreadable_calls_is_still_bounded_by_the_call_count():
+    """Cut off by max_tokens, unreadable blocks were all forgiven as text (a re-check): the count
+    of calls that bounds reading them never came, and 14.9 MB of them held the edge 4.6 s. Only
+    the block the cut ended is forgiven; the others are errors, counted, and the answer is text."""
+    from proto.frames import MAX_TOOL_CALLS
+
+    text = '<tool_call>{"a</tool_call>' * (MAX_TOOL_CALLS + 10) + '<tool_call>{"name": "f'
+    parsed = tools_module.parse_text_tool_calls(text, cut_off=True)
+    assert parsed.error.endswith(f"and {MAX_TOOL_CALLS + 1 - tools_module.MAX_ERRORS_SAID} more") and not parsed.calls
+    cut = tools_module.parse_text_tool_calls(
+        'Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"na', True
+    )
+    assert (cut.error, [c.function.name for c in cut.calls], cut.content) == ("", ["f"], 'Sure. <tool_call>{"na')
+
+
 def test_the_live_filter_finds_a_call_after_text_that_lowercases_longer():
     """'İ' is two characters lowered: offsets from the lowered text cut the original in the
     wrong place, and a live tool stream sent the call's markup as content too."""

@@ -212,6 +212,11 @@ _FIRST_RE = {
     calls: re.compile("|".join(map(re.escape, tags)), re.IGNORECASE | re.ASCII) for calls, tags in _FIRST_TAGS.items()
 }
 CALL_CLOSES = {"<": "</tool_call>", "{": "{{/tool_call}}"}  # by a block's first character
+# A call block's body begins so, past whitespace (JSON; "<": Qwen3-Coder's <function=...>, read as a
+# call that cannot be read): an opening tag followed by anything else is prose that names it ("wrap
+# calls in a <tool_call> tag"), for the splitter as for the calls' reader (edge.openai.tools).
+CALL_BODY_FIRST = "{[<"
+_SPACES = re.compile(r"\s*+")
 # A block's body, read as JSON reads it, up to its closing tag outside strings: its text, its whole
 # strings (escapes in them), and a "<" (a "{") that does not begin the closing tag. Possessive
 # throughout: one pass in C, whatever the text (a Python step per quote was seconds for a delta of
@@ -315,6 +320,15 @@ class ThinkSplitter:
             found = tag.search(buf, at)
             if found is not None and not self._in_think and found.end() - found.start() != len(THINK_OPEN):
                 if buf[found.start() + 1] != "/":  # a call's opening tag: the answer, past any reasoning
+                    body = _body_start(buf, found)
+                    if body is None:  # (its body's first character not come yet: held from the tag)
+                        self._emit(buf[at : found.start()])
+                        self._pending = buf[found.start() :]
+                        return
+                    if not body:  # prose that names the tag
+                        self._emit(buf[at : found.end()])
+                        at = found.end()
+                        continue
                     self._emit(buf[at : found.end()])
                     self._call = buf[found.start()]
                     self._first = False
@@ -411,9 +425,19 @@ class ThinkSplitter:
             (self._reasoning if self._in_think else self._content)(text)
 
 
+def _body_start(buf: str, opening: re.Match[str]) -> bool | None:
+    """Whether a call's opening tag in ``buf`` begins a block (its body's first character past
+    whitespace is one of :data:`CALL_BODY_FIRST`); None while ``buf`` ends in whitespace after
+    it (up to :data:`MAX_FIRST_HELD` characters held: past them, a block)."""
+    at = _SPACES.match(buf, opening.end()).end()  # type: ignore[union-attr]  # (it matches "")
+    if at == len(buf):
+        return None if at - opening.start() <= MAX_FIRST_HELD else True
+    return buf[at] in CALL_BODY_FIRST
+
+
 class FirstThinkTag:
     """The first think tag of a text fed in pieces, outside tool-call blocks with ``calls``:
-    what :func:`opens_with_close` reads in a whole text, for a live stream holding its head."""
+    what :func:`template_head` reads in a whole text, for a live stream holding its head."""
 
     __slots__ = ("_tail", "_blocks", "_fed")
 
@@ -446,15 +470,21 @@ class FirstThinkTag:
             word = found.group().lower()
             if word in (THINK_OPEN, THINK_CLOSE):
                 return word, base + found.start()
-            blocks._call = word[0]  # type: ignore[union-attr]  # (a call's opening: calls only)
+            body = _body_start(buf, found)
+            if body is None:
+                self._tail = buf[found.start() :]
+                return None
+            if body:
+                blocks._call = word[0]  # type: ignore[union-attr]  # (a call's opening: calls only)
             at = found.end()
 
 
-def opens_with_close(text: str, calls: bool) -> bool:
-    """Whether the first think tag of ``text`` (outside tool-call blocks, with ``calls``) is a
-    ``</think>``: the chat template opened the reasoning."""
+def template_head(text: str, calls: bool) -> int:
+    """Where the first think tag of ``text`` (outside tool-call blocks, with ``calls``) starts
+    when it is a ``</think>`` (the chat template opened the reasoning: what is before it is
+    reasoning, call blocks too); -1 if it is not."""
     first = FirstThinkTag(calls).feed(text)
-    return first is not None and first[0] == THINK_CLOSE
+    return first[1] if first is not None and first[0] == THINK_CLOSE else -1
 
 
 def ignore_text(_: str) -> None:

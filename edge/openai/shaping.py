@@ -24,7 +24,7 @@ from edge.openai.filters import (
     SentinelFilter,
     ThinkSplitter,
     ignore_text,
-    opens_with_close,
+    template_head,
 )
 from proto import RunEvent
 from proto.frames import DELTA, REASONING_DELTA
@@ -193,7 +193,7 @@ class Shaper:
 
     def _hold(self, text: str) -> None:
         """A held live stream's head (see ``_held``), one more piece of it: held until its first
-        think tag, outside tool-call blocks, as a whole answer is read (:func:`opens_with_close`).
+        think tag, outside tool-call blocks, as a whole answer is read (:func:`template_head`).
         A </think> ends the reasoning the template opened; a <think> (anywhere: text before it
         is the answer's) says the tags are as written, and the live splitter moves them."""
         held = self._held
@@ -315,15 +315,18 @@ class Shaper:
             mode = self.policy.think_tags
             if mode != "off":
                 # Opened by the template when the first </think> comes before any <think> (an
-                # answer that then names <think> itself no longer hid that: the reasoning leaked).
-                opened_by_template = opens_with_close(raw, calls=self._raw_parts is not None)
-                if opened_by_template:
+                # answer that then names <think> itself no longer hid that: the reasoning leaked):
+                # reasoning to it, as a live stream holding its head splits it (think tags in a
+                # call block before it were taken for the end: a re-check found them apart).
+                calls = self._raw_parts is not None
+                at = template_head(raw, calls) if mode == "auto" else -1
+                if at >= 0:
                     self._learned()
+                    if at:
+                        self._reasoning_out(raw[:at])
+                    raw = raw[at + len(THINK_CLOSE) :]
                 splitter = ThinkSplitter(
-                    self._content_out,
-                    self._reasoning_out,
-                    starts_open=mode == "open" or opened_by_template,
-                    calls=self._raw_parts is not None,
+                    self._content_out, self._reasoning_out, starts_open=mode == "open", calls=calls
                 )
                 splitter.append(raw)
                 splitter.flush()
@@ -390,8 +393,9 @@ class Shaper:
         if mode == "off" or "<" not in raw:
             return raw
         kept: list[str] = []
-        opened = mode == "open" or opens_with_close(raw, calls=True)
-        splitter = ThinkSplitter(kept.append, ignore_text, starts_open=opened, calls=True)
+        if mode == "auto" and (at := template_head(raw, calls=True)) >= 0:
+            raw = raw[at + len(THINK_CLOSE) :]  # (reasoning the template opened, as the content is split)
+        splitter = ThinkSplitter(kept.append, ignore_text, starts_open=mode == "open", calls=True)
         splitter.append(raw)
         splitter.flush()
         return "".join(kept)

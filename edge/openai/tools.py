@@ -37,7 +37,7 @@ import referencing.jsonschema
 import regex
 import trio
 
-from edge.openai.filters import CALL_CLOSES, call_body
+from edge.openai.filters import CALL_BODY_FIRST, CALL_CLOSES, call_body
 from edge.openai.request import TOOL_IMAGE_NOTE, tool_images_head
 from edge.openai.schema import ChatRequest, Message
 from edge.per_run import per_run
@@ -58,11 +58,11 @@ _BLOCK = re.compile(
     r"<tool_call>(?P<xml>.*?)(?:</tool_call>|\Z)|\{\{tool_call\}\}(?P<mustache>.*?)(?:\{\{/tool_call\}\}|\Z)",
     re.IGNORECASE | re.DOTALL,
 )
-# A block is a call's only when its body begins as JSON does: prose that names the tag ("wrap
-# calls in a <tool_call> tag") is text (it was read as a call, not valid JSON, retried and failed
-# the request: an outside audit). Each opening is looked at once, past its own whitespace.
+# A block is a call's only when its body begins as one does (CALL_BODY_FIRST): prose that names
+# the tag ("wrap calls in a <tool_call> tag") is text (it was read as a call, not valid JSON,
+# retried and failed the request: an outside audit). Each opening is looked at once.
 _OPENING = re.compile(re.escape(XML_OPEN) + "|" + re.escape(MUSTACHE_OPEN), re.IGNORECASE | re.ASCII)
-_BODY_START = re.compile(r"\s*+[\[{]")
+_BODY_START = re.compile(r"\s*+[" + re.escape(CALL_BODY_FIRST) + "]")
 # A block's body read as JSON reads it (:func:`~edge.openai.filters.call_body`): a closing tag inside
 # a JSON string is the arguments (a file holding "</tool_call>"). It stops only at a closing tag
 # outside strings, or at the end (an unterminated string runs to it). Used where the first closing
@@ -137,9 +137,9 @@ MAX_ERRORS_SAID = 4  # of a turn's unreadable text calls: the rest are counted
 
 
 def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
-    """``cut_off`` (the run ended by ``max_tokens``): a block that cannot be read stays in the
-    content as written, not an error (its end was cut; no retry can help), and the blocks
-    before it are calls."""
+    """``cut_off`` (the run ended by ``max_tokens``): the last block, cut before its closing tag,
+    stays in the content as written if it cannot be read, not an error (no retry can help),
+    and the blocks before it are calls (any of them unreadable is still an error)."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     pieces: list[str] = []
@@ -174,7 +174,7 @@ def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
         search = pos
         if call is not None:
             calls.append(call)
-        elif cut_off:
+        elif cut_off and m.end(kind) == len(text):  # (the block the cut ended: no closing tag)
             pieces.append(text[m.start() : pos])
         else:
             errors.append(error)
