@@ -705,12 +705,13 @@ class NodeAgent:
                     )
                 elif isinstance(e, ConnectionClosed):
                     reason = e.reason
-                    log.warning(
-                        "link closed",
-                        edge=url,
-                        code=getattr(reason, "code", None),
-                        reason=getattr(reason, "reason", None),
-                    )
+                    code = getattr(reason, "code", None)
+                    said = {"code": code, "reason": getattr(reason, "reason", None)}
+                    if long is None:
+                        log.warning("link closed", edge=url, **said)
+                    else:  # (a node id another live process holds was refused so for ever, as warnings)
+                        fix = "another live node uses this node_id" if code == CLOSE_DUPLICATE else None
+                        log.error("link closed", edge=url, **said, **long, **({"fix": fix} if fix else {}))
                 elif isinstance(e, (OSError, HandshakeError, NodeError, trio.TooSlowError, trio.BrokenResourceError)):
                     error = f"{type(e).__name__}: {e}"
                     if long is None:

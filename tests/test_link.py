@@ -317,8 +317,9 @@ async def test_a_front_that_does_not_answer_the_upgrade_is_redialled_at_once(nur
 async def test_a_node_that_cannot_link_says_what_to_fix(nursery):
     """A node whose edge address answers nothing logged a warning a dial, for ever (an outside
     audit: operators alert on error lines), and one with a wrong token read "invalid node token"
-    without which key to change. Dials failing for relink_window_s are errors saying what to
-    check; a wrong token's refusal names the keys on both sides."""
+    without which key to change; a re-check: so did one refused for its id, which another live
+    node holds. Dials failing for relink_window_s are errors saying what to check; a wrong
+    token's refusal names the keys on both sides."""
     from tests.conftest import node_config
 
     with trio.socket.socket() as probe:  # a port nothing listens on
@@ -338,6 +339,15 @@ async def test_a_node_that_cannot_link_says_what_to_fix(nursery):
     refused = [e for e in logs if e["event"] == "edge refused the link"]
     assert refused[0]["status"] == 401 and refused[0]["log_level"] == "error", refused
     assert "`node_token`" in refused[0]["fix"] and "`token`" in refused[0]["fix"]
+
+    # A second live node with a linked node's id: refused (4009), warnings, then errors saying so.
+    await start_node(nursery, edge, [model("m")], "twin")
+    config = node_config([edge.link_url], [model("m")], "twin", relink_window_s=0.4, relink_max_s=0.1)
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(1.5):
+        await NodeAgent(config).serve()
+    closed = [e for e in logs if e["event"] == "link closed"]
+    assert closed[0]["log_level"] == "warning" and closed[-1]["log_level"] == "error", closed
+    assert "another live node uses this node_id" in closed[-1]["fix"]
 
 
 async def test_a_proxy_502_whose_body_ends_with_the_connection_is_told_as_a_refusal(nursery):
