@@ -120,6 +120,14 @@ class EdgeMetrics:
             lambda: sum(lk.stalled(trio.current_time()) for lk in list(runs.links.values()))
         )
         runs.on_stall.append(lambda _link: self.node_stalls.inc())
+        self.runs_moved = Counter(
+            "iop_runs_moved",
+            "Runs moved to another node before their first event (failover), by why: node_lost, "
+            "node_stalled (its runs were not starting), node_failed (its model server failed it at once)",
+            ["model", "why"],
+            registry=r,
+        )
+        runs.on_move.append(lambda model, why: self.runs_moved.labels(model, why).inc())
         self.placements = Counter(
             "iop_placements",
             "Nodes chosen for requests, by how: session (affinity), prefix (the longest prompt prefix sent "

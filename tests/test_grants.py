@@ -306,6 +306,34 @@ async def test_a_full_edge_queue_is_429_while_the_node_stays_within_capacity(nur
     await settled(second, node.agent)
 
 
+async def test_a_burst_at_one_edge_waits_for_the_grant_another_edge_leaves_idle(nursery, upstream):
+    """Two edges, one node of 4 slots, max_queue 0: idle, each edge holds 2. A burst of 4 at one
+    edge was 2 answers and 2 429 queue_full while the other edge's 2 slots sat idle (an outside
+    audit). Slots granted to other edges count toward the queue's bound, so the burst waits the
+    few ms the idle grant takes to move, and all 4 are answered; a fifth, past what the fleet
+    has, is still refused at once."""
+    upstream.script_for("t", lambda body: text_script(words(4), interval=0.05))
+    first, second, node = await two_edges_one_node(nursery, upstream, max_queue=0)
+    await eventually(lambda: grant(first) == grant(second) == 2)
+    results: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        async with http(first, limits=httpx.Limits(max_connections=10)) as client, trio.open_nursery() as clients:
+
+            async def one():
+                results.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+            for _ in range(4):
+                clients.start_soon(one)
+            await upstream.wait_requests(4)
+            await one()  # (all 4 slots busy here: nothing left to wait for)
+    codes = [r.status_code for r in results]
+    assert sorted(codes) == [200, 200, 200, 200, 429], [r.text for r in results]
+    assert codes[0] == 429 and results[0].json()["error"]["code"] == "queue_full"
+    assert upstream.max_active == 4 and node.agent.slot_waits == 0
+    await settled(first, node.agent)
+    await settled(second, node.agent)
+
+
 async def test_a_single_edge_keeps_the_full_capacity(nursery, upstream):
     """One edge and one node: the edge's grant is the node's whole max_concurrency, used at once."""
     upstream.script_for("t", [("hang",)])

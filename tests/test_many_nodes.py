@@ -238,8 +238,8 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
     """A passthrough request (here /v1/completions) whose node dies before answering
     moves to another node, as a chat run does (it was a 502 node_disconnected), its
     body's model the new node's target (it kept the dead node's). Its "run moved" line names
-    the request (logged from the link's task, it had only the run id), and its access line the
-    node that answered. Streamed, its dead
+    the request (logged from the link's task, it had only the run id), its access line the
+    node that answered, and `iop_runs_moved_total` counts it. Streamed, its dead
     provider's head already at the edge: that head is not the client's (it went out at once,
     and the stream was cut: an outside re-audit)."""
     slow, fine = await new_upstream(nursery), await new_upstream(nursery)
@@ -267,6 +267,10 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
     assert [e["request_id"] for e in moved] == [r.headers["x-request-id"]], moved
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["node_id"] == "survivor"  # the node that answered (it named the dead one: an outside re-audit)
+    # And counted (a failover showed nowhere in /metrics: an outside audit).
+    async with http(edge) as client:
+        metrics = (await client.get("/metrics")).text
+    assert 'iop_runs_moved_total{model="m",why="node_lost"} 1.0' in metrics
     await settled(edge)
 
 

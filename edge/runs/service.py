@@ -132,6 +132,19 @@ class Want(msgspec.Struct, frozen=True):
         return not (self.min_context and info.context_window and info.context_window < self.min_context)
 
 
+def _granted_elsewhere(serving: list[NodeLink], model: str) -> int:
+    """Slots of ``model`` on ``serving`` (not draining) that the nodes have granted other edges, not
+    this one: ones those edges leave unused move here about 10 ms after this edge's queue says it
+    needs them (grants follow demand), so a request they may serve waits for them, past
+    ``max_queue`` (a burst at one of two edges was a 429 queue_full while the other's grant
+    sat idle: an outside audit). Bounded by the fleet's capacity."""
+    return sum(
+        max(min(lk.models[model].max_concurrency, lk.trusted[model]) - lk.grants[model], 0)
+        for lk in serving
+        if not lk.draining
+    )
+
+
 class _Waiter:
     """A request waiting for a slot, or (``run`` set) a run moved off a node
     that died or stalled before it started, waiting to be sent again."""
@@ -290,6 +303,7 @@ class RunService:
         # Bounded by the capacity of the nodes they came from.
         self._moved: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
         self.on_stall: list[Callable[[NodeLink], None]] = []
+        self.on_move: list[Callable[[str, str], None]] = []  # (model, why: node_lost, node_stalled, node_failed)
         # Models configured, and the last KNOWN_MODELS some node has advertised (a node may
         # name 1,024, and link again and again with new ones): a request for one of these
         # with no node linked is a 503, not a 404, and its name may be a metrics label.
@@ -546,6 +560,9 @@ class RunService:
         else:
             run.requeued = _Waiter(run.want, run)
             moved.append(run.requeued)
+        why = "node_failed" if failed is not None else "node_lost" if old.closed else "node_stalled"
+        for hook in self.on_move:
+            hook(model, why)
         client = getattr(run.client, "scope", None)  # (the request's: logged from the link's task, not the request's)
         log.warning(
             "run moved",
@@ -1177,7 +1194,7 @@ class RunService:
             wanted = self._wanted
         max_queue, timeout_ms = self._queue_bounds(model)
         retry_after = max(1, math.ceil(timeout_ms / 1000 / 4))
-        if len(queue) >= max_queue:
+        if len(queue) >= max_queue + _granted_elsewhere(serving, model):
             if wanted is not None:  # no room to wait for its prefix's node: a free one after all
                 link = self._pick(want)
                 if link is not None:
