@@ -566,7 +566,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if edge.keys.open:
             return None, None
         key = edge.keys.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-        return (key, None) if key is not None else (None, _json(401, refused_key().body()))
+        if key is None:
+            return None, _json(401, refused_key().body())
+        request.scope["iop.key"] = key.id  # (its access line's: edge.openai.routes)
+        return key, None
 
     def admin_auth() -> Response | None:
         """admin_keys when configured; else any client key (open edge: open)."""

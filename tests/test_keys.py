@@ -55,7 +55,7 @@ async def test_model_globs_hide_models_a_key_may_not_use(nursery, tmp_path):
         tmp_path,
         [KeyConfig(id="alice", key_sha256=hashlib.sha256(secret.encode()).hexdigest(), models=["qwen*"])],
     )
-    with trio.fail_after(BOUND):
+    with trio.fail_after(BOUND), structlog.testing.capture_logs() as logs:
         async with client(edge, secret) as c:
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["qwen-a"]
             r = await chat(c, "llama-b")
@@ -64,6 +64,9 @@ async def test_model_globs_hide_models_a_key_may_not_use(nursery, tmp_path):
             assert (await chat(c, "qwen-a")).status_code == 200
         async with client(edge, "sk-wrong") as c:
             assert (await chat(c)).status_code == 401
+        # Every line of the key's requests names it, the models list's too (it said none: an outside audit).
+        lines = [e for e in logs if e["event"] == "request"]
+        assert [e["key"] for e in lines] == ["alice"] * 4 + [None], lines
         # The official SDK sees the same
         async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=secret, max_retries=0) as sdk:
             with pytest.raises(openai.NotFoundError):

@@ -356,6 +356,7 @@ async def _serve_quart(edge: Edge, quart_asgi, scope, receive, send, extra_heade
             model=model[:_MAX_MODEL_LOGGED] if model is not None else None,
             status=status,
             cause=outcome,
+            key=scope.get("iop.key"),  # (a client key's route, as the OpenAI routes' lines say it)
             duration_ms=round((time.perf_counter() - t0) * 1000, 1),
         )
         structlog.contextvars.unbind_contextvars("request_id")
