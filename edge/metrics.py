@@ -120,6 +120,13 @@ class EdgeMetrics:
             lambda: sum(lk.stalled(trio.current_time()) for lk in list(runs.links.values()))
         )
         runs.on_stall.append(lambda _link: self.node_stalls.inc())
+        self.tokens = Counter(
+            "iop_tokens",
+            "Tokens by model and kind (prompt, completion), as the access lines and the ledger count them "
+            "(the model server's usage, else the edge's estimate); vLLM's prompt_tokens and generation_tokens",
+            ["api", "model", "kind"],
+            registry=r,
+        )
         self.runs_moved = Counter(
             "iop_runs_moved",
             "Runs moved to another node before their first event (failover), by why: node_lost, "

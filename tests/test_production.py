@@ -239,7 +239,7 @@ async def test_health_and_readiness(nursery, upstream):
 
 async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
     """/metrics reports requests by API, model and outcome, in-flight runs, linked nodes, latency
-    histograms and cancels by cause."""
+    histograms, cancels by cause and tokens by model."""
     edge = await start_edge(nursery)
     node = await start_node(nursery, edge, [model("m", upstream)])
     with trio.fail_after(BOUND):
@@ -267,6 +267,13 @@ async def test_metrics_count_requests_runs_and_cancels(nursery, upstream):
     assert 'iop_runs_ended_total{api="messages",cause="complete",model="m"} 1.0' in text
     assert 'iop_run_cancels_total{api="chat",cause="client_gone"} 1.0' in text
     assert "iop_runs_in_flight 0.0" in text and "iop_nodes_linked 1.0" in text
+    # Tokens per model (only per key before: an outside audit), as the access lines count them.
+    for api in ("chat", "messages", "responses"):
+        for kind in ("prompt", "completion"):
+            (line,) = [
+                x for x in text.splitlines() if x.startswith(f'iop_tokens_total{{api="{api}",kind="{kind}",model="m"}}')
+            ]
+            assert float(line.split()[-1]) > 0, line
     # Per model too (as vLLM's num_requests_running/waiting), the totals unlabelled as before.
     assert 'iop_model_runs_in_flight{model="m"} 1.0' in running and "iop_runs_in_flight 1.0" in running
     assert 'iop_model_runs_in_flight{model="m"} 0.0' in text and 'iop_model_queue_depth{model="m"} 0.0' in text

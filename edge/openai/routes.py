@@ -402,6 +402,10 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     if not (is_token_count(prompt) and is_token_count(completion)):  # (never, from a run: a last guard for the ledger)
         log.warning("usage out of range, not recorded", prompt=str(prompt)[:40], completion=str(completion)[:40])
         prompt = completion = 0
+    if prompt:
+        metrics.tokens.labels(api, model, "prompt").inc(prompt)
+    if completion:
+        metrics.tokens.labels(api, model, "completion").inc(completion)
     key = ex.key
     if key is not None:
         key.requests += 1
