@@ -345,21 +345,16 @@ def _warn_open(address: str) -> None:
     )
 
 
-_NO_KEY = APIError(
-    401,
-    "Missing API key: send one as `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
-    "authentication_error",
-    code="invalid_api_key",
-)
-_WRONG_KEY = APIError(
-    401, "Invalid API key: not one this edge accepts (or revoked).", "authentication_error", code="invalid_api_key"
-)
+NO_KEY = "Missing API key: send one as `Authorization: Bearer <key>` (or `x-api-key: <key>`)."
+WRONG_KEY = "Invalid API key: not one this edge accepts (or revoked)."
 
 
 def unauthorized(authorization: bytes | str | None, x_api_key: bytes | str | None) -> APIError:
     """The 401 of a request whose key was refused: none sent, or one not accepted (a newcomer
-    was told "invalid or missing" either way, and not how to send one)."""
-    return _NO_KEY if client_token(authorization, x_api_key) is None else _WRONG_KEY
+    was told "invalid or missing" either way, and not how to send one). A new error each time:
+    one raised again and again grows its traceback, and holds every request it was raised in."""
+    message = NO_KEY if client_token(authorization, x_api_key) is None else WRONG_KEY
+    return APIError(401, message, "authentication_error", code="invalid_api_key")
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:

@@ -117,7 +117,6 @@ async def test_a_request_s_objects_are_freed_as_it_ends_not_by_the_cyclic_collec
     await start_node(nursery, edge, [model("m", upstream)])
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     gc.collect()
-    before = {id(o) for o in gc.get_objects() if isinstance(o, Exchange)}  # (another test's, held by its failure)
     gc.disable()
     try:
         with trio.fail_after(BOUND):
@@ -128,10 +127,42 @@ async def test_a_request_s_objects_are_freed_as_it_ends_not_by_the_cyclic_collec
                 r = await client.post("/v1/chat/completions", json={**body, "model": "nope"})
                 assert r.status_code == 404
             await trio.sleep(0.1)  # (the last request's task ends after its answer went)
-            left = [o for o in gc.get_objects() if isinstance(o, Exchange) and id(o) not in before]
+            left = [o for o in gc.get_objects() if isinstance(o, Exchange)]
     finally:
         gc.enable()
     assert len(left) <= 1, f"{len(left)} exchanges of ended requests still held"
+
+
+async def test_requests_refused_for_their_key_leave_nothing_behind(nursery):
+    """A 401 raised one error object again and again (found as this stop's fixes were checked):
+    each raise grew its traceback, which held every refused request's exchange for good; and a
+    refusal kept in a local as it was raised made a cycle with its traceback, freed only by the
+    cyclic collector. 60 refusals (wrong keys, none, a thinking budget past max_tokens) leave
+    no exchange behind, the cyclic collector off."""
+    from edge.openai.exchange import Exchange
+
+    edge = await start_edge(nursery, edge_config(api_keys=["sk-right"]))
+    gc.collect()
+    gc.disable()
+    try:
+        with trio.fail_after(BOUND):
+            async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
+                thinking = {"type": "enabled", "budget_tokens": 2048}  # (past max_tokens: refused)
+                budget = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+                for i in range(60):
+                    if i % 3 == 2:  # (the Messages API refuses the budget the same way)
+                        headers = {"authorization": "Bearer sk-right"}
+                        r = await client.post("/v1/messages", json={**budget, "thinking": thinking}, headers=headers)
+                        assert r.status_code == 400, r.text
+                        continue
+                    headers = {"authorization": "Bearer sk-wrong"} if i % 3 else {}
+                    r = await client.post("/v1/chat/completions", json={"model": "m"}, headers=headers)
+                    assert r.status_code == 401
+            await trio.sleep(0.1)
+            left = [o for o in gc.get_objects() if isinstance(o, Exchange)]
+    finally:
+        gc.enable()
+    assert len(left) <= 1, f"{len(left)} exchanges of refused requests still held"
 
 
 async def test_an_open_stream_without_tools_keeps_no_decoded_request(nursery, upstream):

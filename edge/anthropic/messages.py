@@ -97,7 +97,10 @@ async def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     ex.access.stream = stream if isinstance(stream, bool) else (False if stream is None else None)
     problem = thread_problem(raw)  # before the history is read: a continued thread sends only its new turn
     if problem is not None:
-        raise problem
+        try:
+            raise problem
+        finally:
+            problem = None  # (its traceback holds this frame: a cycle that held the exchange)
     check_message_count(raw.get("messages"), edge.config.max_messages, "messages")  # (before either is translated)
     check_tool_count(raw.get("tools"), edge.config.max_tools)
     chat, server_tools = chat_body(raw)
@@ -125,7 +128,10 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
         raise bad_request("max_tokens: Field required", "max_tokens")
     problem = thinking_budget_problem(raw, ex.header(b"anthropic-beta") or b"")
     if problem is not None:
-        raise problem
+        try:
+            raise problem
+        finally:
+            problem = None  # (as in _decode)
     del raw
     del body  # (see routes._serve)
     turn = await open_turn(edge, ex, chat, converted=True)

@@ -153,7 +153,10 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                         raise _ambiguous_framing()
                     problem = edge.refuse_request(ex)  # (before the method: a caller without a key
                     if problem is not None:  # learns nothing of which routes exist)
-                        raise problem
+                        try:
+                            raise problem
+                        finally:  # (its traceback holds this frame: kept, a cycle held each refused request)
+                            problem = None
                     if route.post_only and ex.scope["method"] != "POST":
                         raise APIError(
                             405,

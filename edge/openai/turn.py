@@ -536,6 +536,9 @@ async def acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
             turn.edge.runs.release(slot)
         raise
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            error = None  # (its traceback holds this frame: a cycle that held the turn's exchange)
     assert slot is not None
     return slot
