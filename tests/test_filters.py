@@ -265,3 +265,27 @@ def test_any_sentinel_list_is_removed_longest_first_and_split_invariant(sentinel
     f = SentinelFilter(sentinels)
     out = "".join(f.append(piece) for piece in pieces) + f.flush()
     assert out == reference.sub("", text)
+
+
+def test_a_call_tag_then_more_whitespace_than_its_gap_is_prose_however_split():
+    """A re-check: past 1,024 characters of whitespace after a call's tag, a held stream took the
+    tag for a block's start (the whole answer saw prose), which hid a </think> behind it: a
+    strict model's reasoning went out as content when a delta ended in that whitespace. (A chat
+    request's tool filter holds such text whole; a shaper fed pieces shows it.)"""
+    from edge.config import ModelPolicy
+    from edge.openai.shaping import Shaper
+
+    text = "Plan: a<tool_call>" + " " * 1100 + "prose</think>Answer"
+    for pieces in ([text], [text[:1040], text[1040:]], [text[:20], text[20:1200], text[1200:]]):
+        shown: list[str] = []
+        shaper = Shaper(
+            ModelPolicy(name="m", strict_output=True),
+            include_reasoning=False,
+            live=True,
+            on_content=shown.append,
+            keep_raw=True,
+        )
+        for piece in pieces:
+            shaper.content(piece)
+        shaper.finish()
+        assert "".join(shown) == "Answer", [len(p) for p in pieces]

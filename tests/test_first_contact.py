@@ -352,6 +352,7 @@ async def test_whole_message_tool_calls_carry_no_index(first):
 CUT = '<tool_call>{"name": "get_weather", "arguments": {"ci'
 WHOLE = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
 BROKEN = '<tool_call>{"name": "get_weather" "arguments": {}}</tool_call>'
+CUT_IN_A_TAG = '<tool_call>{"name": "get_weather", "arguments": {"city": "a </tool_call> b'
 
 
 @pytest.mark.parametrize(
@@ -363,8 +364,10 @@ BROKEN = '<tool_call>{"name": "get_weather" "arguments": {}}</tool_call>'
         ([{"content": "Sure. " + WHOLE + CUT}], ['{"city":"Rome"}'], "Sure. " + CUT),
         # (Only the block the cut ended is forgiven: one unreadable before it leaves it all text.)
         ([{"content": "Sure. " + BROKEN + WHOLE + CUT}], None, "Sure. " + BROKEN + WHOLE + CUT),
+        # (Cut in a string that holds the closing tag: still the block the cut ended, a re-check found.)
+        ([{"content": "Sure. " + WHOLE + CUT_IN_A_TAG}], ['{"city":"Rome"}'], "Sure. " + CUT_IN_A_TAG),
     ],
-    ids=["native", "text", "text-after-a-whole-call", "text-after-a-broken-call"],
+    ids=["native", "text", "text-after-a-whole-call", "text-after-a-broken-call", "text-cut-past-a-quoted-tag"],
 )
 async def test_tool_call_cut_off_by_max_tokens_is_returned_with_length(first, deltas, arguments, content):
     """A tool call cut off by max_tokens (finish_reason "length") is returned as produced, with

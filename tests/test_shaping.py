@@ -406,11 +406,11 @@ async def test_a_held_head_is_read_by_its_first_think_tag_as_a_whole_answer_is(s
         ("strict", prose, ("", "", ["write_file"])),
         ("r1tools", quoted, ("ans", quoted[: quoted.rindex("</think>")], [])),
     ):
-        deltas = [{"content": text[i : i + 5]} for i in range(0, len(text), 5)]
+        steps = script(*({"content": text[i : i + 5]} for i in range(0, len(text), 5)))
         with trio.fail_after(BOUND):
-            upstream.script_for("t", script(*deltas))
+            upstream.script_for("t", steps)
             chunks, _ = await stream_raw(edge, model=name, tools=[write], include_reasoning=True)
-            upstream.script_for("t", script(*deltas))
+            upstream.script_for("t", steps)
             async with http(edge) as client:
                 body = {"model": name, "messages": MESSAGES, "tools": [write], "include_reasoning": True}
                 message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]

@@ -216,7 +216,8 @@ CALL_CLOSES = {"<": "</tool_call>", "{": "{{/tool_call}}"}  # by a block's first
 # call that cannot be read): an opening tag followed by anything else is prose that names it ("wrap
 # calls in a <tool_call> tag"), for the splitter as for the calls' reader (edge.openai.tools).
 CALL_BODY_FIRST = "{[<"
-_SPACES = re.compile(r"\s*+")
+MAX_CALL_GAP = 1024  # whitespace between the tag and its body's first character; past it, prose
+_SPACES = re.compile(rf"\s{{0,{MAX_CALL_GAP + 1}}}+")
 # A block's body, read as JSON reads it, up to its closing tag outside strings: its text, its whole
 # strings (escapes in them), and a "<" (a "{") that does not begin the closing tag. Possessive
 # throughout: one pass in C, whatever the text (a Python step per quote was seconds for a delta of
@@ -426,12 +427,14 @@ class ThinkSplitter:
 
 
 def _body_start(buf: str, opening: re.Match[str]) -> bool | None:
-    """Whether a call's opening tag in ``buf`` begins a block (its body's first character past
-    whitespace is one of :data:`CALL_BODY_FIRST`); None while ``buf`` ends in whitespace after
-    it (up to :data:`MAX_FIRST_HELD` characters held: past them, a block)."""
+    """Whether a call's opening tag in ``buf`` begins a block: its body's first character, past
+    at most :data:`MAX_CALL_GAP` of whitespace, is one of :data:`CALL_BODY_FIRST` (more
+    whitespace: prose, as the calls' reader has it); None while ``buf`` ends in that whitespace."""
     at = _SPACES.match(buf, opening.end()).end()  # type: ignore[union-attr]  # (it matches "")
+    if at - opening.end() > MAX_CALL_GAP:
+        return False
     if at == len(buf):
-        return None if at - opening.start() <= MAX_FIRST_HELD else True
+        return None
     return buf[at] in CALL_BODY_FIRST
 
 

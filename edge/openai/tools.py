@@ -37,7 +37,7 @@ import referencing.jsonschema
 import regex
 import trio
 
-from edge.openai.filters import CALL_BODY_FIRST, CALL_CLOSES, call_body
+from edge.openai.filters import CALL_BODY_FIRST, CALL_CLOSES, MAX_CALL_GAP, call_body
 from edge.openai.request import TOOL_IMAGE_NOTE, tool_images_head
 from edge.openai.schema import ChatRequest, Message
 from edge.per_run import per_run
@@ -62,7 +62,7 @@ _BLOCK = re.compile(
 # the tag ("wrap calls in a <tool_call> tag") is text (it was read as a call, not valid JSON,
 # retried and failed the request: an outside audit). Each opening is looked at once.
 _OPENING = re.compile(re.escape(XML_OPEN) + "|" + re.escape(MUSTACHE_OPEN), re.IGNORECASE | re.ASCII)
-_BODY_START = re.compile(r"\s*+[" + re.escape(CALL_BODY_FIRST) + "]")
+_BODY_START = re.compile(rf"\s{{0,{MAX_CALL_GAP}}}+[{re.escape(CALL_BODY_FIRST)}]")
 # A block's body read as JSON reads it (:func:`~edge.openai.filters.call_body`): a closing tag inside
 # a JSON string is the arguments (a file holding "</tool_call>"). It stops only at a closing tag
 # outside strings, or at the end (an unterminated string runs to it). Used where the first closing
@@ -162,22 +162,25 @@ def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
         kind = "xml" if m.group("xml") is not None else "mustache"
         call, error = _read_call(m.group(kind).strip(), budget)
         pos = m.end()
+        to_the_end = m.end(kind) == len(text)  # (no closing tag after it)
         if call is None and rereads > 0:  # a closing tag inside a JSON string may have cut it short
             start = m.start(kind)
             window = min(len(text), start + rereads)
             read = _JSON_BODY[kind].match(text, start, window)
             rereads -= read.end() - start
+            to_the_end = to_the_end or read.end() == len(text)  # (its last string ran to the end)
             if read.end() > m.end(kind) and (read.end() < window or window == len(text)):
                 whole, _ = _read_call(read.group().strip(), budget)
                 if whole is not None:
                     call, error, pos = whole, "", min(len(text), read.end() + _CLOSE[kind])
-        search = pos
-        if call is not None:
+        if call is None and cut_off and to_the_end:  # the block the cut ended: text, as written
+            pieces.append(text[m.start() :])
+            pos = len(text)
+        elif call is not None:
             calls.append(call)
-        elif cut_off and m.end(kind) == len(text):  # (the block the cut ended: no closing tag)
-            pieces.append(text[m.start() : pos])
         else:
             errors.append(error)
+        search = pos
     pieces.append(text[pos:])
     joined = "".join(pieces) if found else ""
     if len(errors) > MAX_ERRORS_SAID:  # (1,024 unreadable calls were a 158 KB error, and retry message)
