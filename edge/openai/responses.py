@@ -22,7 +22,6 @@ request (:attr:`Decoded.ignored_tools`), never an error.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ from edge.openai.request import (
     check_content_parts,
     tool_images_head,
 )
-from edge.openai.schema import UsageOut
+from edge.openai.schema import JsonSchemaFormat, UsageOut
 from edge.openai.sse import KEEPALIVE
 from proto import ToolCall
 
@@ -358,7 +357,6 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _TOOL_CHOICES = ("auto", "none", "required")
 _SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
-_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def _check_types(raw: dict[str, Any]) -> None:
@@ -399,14 +397,14 @@ def _check_types(raw: dict[str, Any]) -> None:
             raise _bad(
                 f"Invalid value for `text.format.type`: expected one of {', '.join(_TEXT_FORMATS)}.", "text.format.type"
             )
-        if fmt["type"] == "json_schema" and not (
-            isinstance(fmt.get("name"), str) and _FORMAT_NAME.fullmatch(fmt["name"])
-        ):
-            # (OpenAI's rule, and chat's: the chat body made of it was refused naming `response_format`)
-            raise _bad(
-                "Invalid value for `text.format.name`: 1 to 64 letters, digits, `_` or `-` (it is required).",
-                "text.format.name",
-            )
+        if fmt["type"] == "json_schema":
+            try:  # (chat's rule, its one definition: the chat body made of it was refused naming `response_format`)
+                msgspec.convert({"name": fmt.get("name")}, JsonSchemaFormat)
+            except msgspec.ValidationError:
+                raise _bad(
+                    "Invalid value for `text.format.name`: 1 to 64 letters, digits, `_` or `-` (it is required).",
+                    "text.format.name",
+                ) from None
     effort = raw["reasoning"].get("effort") if isinstance(raw.get("reasoning"), dict) else None
     if effort is not None and not isinstance(effort, str):
         raise _bad("Invalid type for `reasoning.effort`: expected a string.", "reasoning.effort")
