@@ -55,15 +55,22 @@ def load(path: str | Path, cls: type[T]) -> T:
     return convert(raw, cls, source=str(path))
 
 
-def _nan_key(raw: Any) -> str | None:
-    """The first key holding a NaN (TOML's ``nan``): no setting means "not a
-    number", and NaN passes every ``<=`` check a setting has (a NaN timeout
-    reached the run timers' heap)."""
+MAX_INT = 2**53  # larger than any setting means; past 2**64 a value cannot even go on the wire
+
+
+def _bad_number(raw: Any) -> tuple[str, str] | None:
+    """The first key holding a number no setting takes, and why: NaN (TOML's
+    ``nan``: no setting means "not a number", and NaN passes every ``<=`` check
+    a setting has; a NaN timeout reached the run timers' heap), or an integer
+    past 2**53 (a node's ``context_window = 10**21`` passed its checks, and the
+    node then failed every dial encoding its hello)."""
     stack: list[tuple[str, Any]] = [("", raw)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, float) and value != value:
-            return path
+            return path, "must be a number, not nan"
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            return path, f"out of range (at most 2**53 = {MAX_INT})"
         if isinstance(value, dict):
             stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
         elif isinstance(value, list):
@@ -72,9 +79,9 @@ def _nan_key(raw: Any) -> str | None:
 
 
 def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
-    nan = _nan_key(raw)
-    if nan is not None:
-        raise ConfigError(f"{source}: {nan}: must be a number, not nan")
+    bad = _bad_number(raw)
+    if bad is not None:
+        raise ConfigError(f"{source}: {bad[0]}: {bad[1]}")
     try:
         cfg = msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:

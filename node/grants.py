@@ -18,14 +18,23 @@ node at once. The rules:
   (the edge's in-flight plus waiting), never below its running runs; what no
   edge asks for is split evenly, so an idle edge keeps a little for a burst
   and a lone edge holds the whole capacity. Shrinks are sent first; grows take only
-  capacity no edge may be using.
+  capacity no edge may be using;
+- when the edges' demand exceeds the capacity and it does not split evenly,
+  the slots left over take turns: every ``REMAINDER_TURN_S`` the next edge in
+  link order is first in line for them. (Given to the older links always, two
+  edges with equal demand on 3-slot nodes ran 2:1, as every node was linked to
+  the same edge first.) A turn moves a slot only as a run ends; no run is
+  stopped for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 
 from proto import Grant
+
+REMAINDER_TURN_S = 1.0  # how long one edge is first in line for the slots a fair split leaves over
 
 
 class EdgeShare:
@@ -40,7 +49,7 @@ class EdgeShare:
         self.active = 0  # runs of this edge running here (not ended, not cancelled)
         self.in_flight = 0  # as the edge last reported
         self.waiting = 0  # as the edge last reported
-        self.order = order  # link order: ties go to the older link
+        self.order = order  # link order
 
     @property
     def held(self) -> int:
@@ -55,11 +64,12 @@ class EdgeShare:
 class GrantBook:
     """One model's capacity on this node and the edges' grants of it."""
 
-    def __init__(self, model: str, capacity: int) -> None:
+    def __init__(self, model: str, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
         self.capacity = capacity
         self.shares: dict[Hashable, EdgeShare] = {}
         self._order = 0
+        self._clock = clock
 
     # -- what happens ------------------------------------------------------------
 
@@ -124,10 +134,12 @@ class GrantBook:
                     high = mid - 1
             target = at(low)
             left = self.capacity - sum(target)
-            for i, more in enumerate(at(low + 1)):  # the remainder: one more each, older links first
+            more = at(low + 1)
+            first = int(self._clock() / REMAINDER_TURN_S) % len(shares)  # whose turn it is to be first in line
+            for i in [*range(first, len(shares)), *range(first)]:  # the remainder: one more each, from there on
                 if left <= 0:
                     break
-                if more > target[i]:
+                if more[i] > target[i]:
                     target[i] += 1
                     left -= 1
         return {edge: t for (edge, _), t in zip(shares, target, strict=True)}

@@ -925,6 +925,17 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
         ("edge", {"keepalive_s": float("nan")}, "keepalive_s: must be a number, not nan"),
         ("edge", {"wait_timeout_s": float("nan")}, "wait_timeout_s: must be a number, not nan"),
         ("edge", {"max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
+        ("edge", {"max_queue": 2**70}, "max_queue: out of range (at most 2**53"),
+        (
+            "node",
+            {"token": "t", "models": [{"name": "m", "adapter": "sim", "context_window": 10**21}]},
+            "models[0].context_window: out of range",
+        ),
+        (
+            "node",
+            {"token": "t", "models": [{"name": "m", "adapter": "sim", "max_concurrency": 10**20}]},
+            "models[0].max_concurrency: out of range",
+        ),
         ("node", {"token": ""}, "token: missing"),
         ("node", {"token": "t", "upstream_read_timeout_s": 0}, "upstream_read_timeout_s: must be greater than 0"),
         ("node", {"token": "tok\nsecret-f00d"}, "token: must be printable ASCII"),
@@ -941,8 +952,9 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
     ],
 )
 def test_bad_new_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):
-    """A bad body_timeout_s, max_output_tokens, upstream read timeout, node token or api_key, or a NaN timeout (TOML's
-    nan passes every <= check), stops the process with one line naming the key and never its value."""
+    """A bad body_timeout_s, max_output_tokens, upstream read timeout, node token or api_key, a NaN timeout (TOML's
+    nan passes every <= check), or an integer past 2**53 (a node's context_window of 10**21 passed its checks, then
+    failed every dial: its hello could not be encoded), stops the process with one line naming the key and never its value."""
     if kind == "node":
         config = {
             "node_id": "n1",
