@@ -586,6 +586,50 @@ async def test_a_model_without_native_tools_gets_results_in_a_row_as_one_user_tu
     assert retry[1]["content"].startswith(first[1]["content"] + "\n\n") and "That is invalid" in retry[1]["content"]
 
 
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+async def test_tool_results_reach_the_model_in_the_order_of_its_calls(tooled, api):
+    """Results sent back in the order the client's tools finished (Claude Code sent its Read's
+    before its Bash's) reach the model in the order of its calls, on every API: a text-tools
+    prompt shows results by position with no id, and so do chat templates that ignore the id,
+    so the model read one call's output as the other's."""
+    edge, upstream = tooled
+    ids, outputs = ("c_a", "c_b", "c_c"), ("OUT-A", "OUT-B", "OUT-C")
+    finished = (2, 0, 1)  # the order the results come back in
+    ask = "Run all three."
+    if api == "chat":
+        calls = [{"id": i, "type": "function", "function": {"name": "get_time", "arguments": "{}"}} for i in ids]
+        history = [
+            {"role": "user", "content": ask},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": ids[k], "content": outputs[k]} for k in finished),
+        ]
+        body, path = {"messages": history, "tools": TOOLS}, "/v1/chat/completions"
+    elif api == "messages":
+        uses = [{"type": "tool_use", "id": i, "name": "get_time", "input": {}} for i in ids]
+        results = [{"type": "tool_result", "tool_use_id": ids[k], "content": outputs[k]} for k in finished]
+        history = [{"role": "user", "content": ask}, {"role": "assistant", "content": uses}]
+        history.append({"role": "user", "content": results})
+        tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        body, path = {"messages": history, "tools": tools, "max_tokens": 50}, "/v1/messages"
+    else:
+        items = [{"role": "user", "content": ask}]
+        items += [{"type": "function_call", "call_id": i, "name": "get_time", "arguments": "{}"} for i in ids]
+        items += [{"type": "function_call_output", "call_id": ids[k], "output": outputs[k]} for k in finished]
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        body, path = {"input": items, "tools": tools}, "/v1/responses"
+    upstream.script_for("t", steps({"content": "Done."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for name in ("native", "textonly"):
+                response = await client.post(path, json={**body, "model": name})
+                assert response.status_code == 200, response.text
+    native, text = (rec.body["messages"] for rec in upstream.records)
+    assert [m.get("tool_call_id") for m in native if m["role"] == "tool"] == list(ids)
+    assert [m["content"] for m in native if m["role"] == "tool"] == list(outputs)
+    shown = text[-1]["content"]
+    assert [shown.index(out) for out in outputs] == sorted(shown.index(out) for out in outputs), shown
+
+
 async def test_a_model_without_native_tools_gets_an_image_turn_joined_with_the_text_around_it(tooled):
     """native_tools = false: tool results, then the user's message with an image, then a retry's
     correction are one user turn of parts, in order (the image turn kept its own, and the

@@ -12,7 +12,7 @@ import trio
 
 from edge import errors
 from edge.openai.jsonbody import LARGE_BODY_BYTES, MAX_JSON_DEPTH, decoder_for, too_large
-from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, ResponseFormatShape, ToolChoiceShape
+from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, Message, ResponseFormatShape, ToolChoiceShape
 from edge.per_run import per_run
 from edge.runs.placement import prompt_chain
 from proto.jsoncost import nested_deeper_than
@@ -450,10 +450,43 @@ def parse_chat_request(
                     "integer_above_max_value",
                 )
     forward = {k: v for k, v in raw.items() if k not in EDGE_ONLY_FIELDS}
+    order = _results_in_call_order(req.messages)
+    if order is not None:
+        req.messages = [req.messages[i] for i in order]
+        forward["messages"] = [raw["messages"][i] for i in order]
     reasoning = forward.get("reasoning")
     if isinstance(reasoning, dict) and set(reasoning) <= {"exclude"}:
         del forward["reasoning"]
     return req, forward
+
+
+def _results_in_call_order(messages: list[Message]) -> list[int] | None:
+    """The messages' order with each run of tool results in the order of the
+    calls they answer (the assistant message before them), or None if it is so
+    already. A coding agent sends results as its tools finish (Claude Code's
+    Read before its Bash); a chat template that shows results by position, and
+    a text-tools prompt, would give the model one call's output as another's."""
+    order: list[int] | None = None
+    i, n = 0, len(messages)
+    while i < n:
+        calls = messages[i].tool_calls
+        i += 1
+        if not calls or messages[i - 1].role != "assistant":
+            continue
+        start = i
+        while i < n and messages[i].role == "tool":
+            i += 1
+        if i - start < 2:
+            continue
+        rank: dict[str, int] = {}
+        for k, call in enumerate(calls):
+            if isinstance(call_id := call.get("id"), str):  # (any JSON value: a list is no key)
+                rank.setdefault(call_id, k)
+        run = sorted(range(start, i), key=lambda j: rank.get(messages[j].tool_call_id, len(calls)))
+        if run != list(range(start, i)):
+            order = order if order is not None else list(range(n))
+            order[start:i] = run
+    return order
 
 
 NO_LOGPROBS = "This edge does not return log probabilities (its nodes do not relay them): {fix}."
