@@ -923,15 +923,64 @@ async def test_one_tool_use_when_parallel_use_is_off(setup):
 
 
 async def test_missing_max_tokens_and_orphan_results_are_400s(setup):
-    """As Anthropic's API: `max_tokens` is required (count_tokens takes none), and a tool_result
-    must answer a tool_use (an orphan tool message fails chat templates upstream)."""
+    """As Anthropic's API: `max_tokens` is required (count_tokens takes none), a tool_result
+    must answer a tool_use (an orphan tool message fails chat templates upstream), a tool_use
+    but the last turn's must be answered in the next turn, and its `input` is an object (each
+    of those two went upstream: calls followed by a user's words, arguments of `"notobj"`)."""
     edge, upstream = setup
     orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}]}]
+
+    def use(call_id, given):
+        return {"type": "tool_use", "id": call_id, "name": "get_weather", "input": given}
+
+    answered = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "r"}]
+    unanswered = [
+        [
+            *USER,
+            {"role": "assistant", "content": [use("toolu_1", {"city": "x"})]},
+            {"role": "user", "content": "again"},
+        ],
+        [
+            *USER,
+            {"role": "assistant", "content": [use("toolu_1", {}), use("toolu_2", {})]},
+            {"role": "user", "content": answered},
+        ],
+    ]
+    not_objects = [
+        [*USER, {"role": "assistant", "content": [use("toolu_1", given)]}, {"role": "user", "content": answered}]
+        for given in ("notobj", [1, 2], 7, 0)
+    ]
+    fine = [
+        [
+            *USER,
+            {"role": "assistant", "content": [use("toolu_1", {"city": "x"})]},
+            {"role": "user", "content": answered},
+        ],
+        [*USER, {"role": "assistant", "content": [use("toolu_1", {"city": "x"})]}],  # a last turn's call: a prefill
+    ]
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             r = await client.post("/v1/messages", json={"model": "m", "messages": USER})
             counted = await client.post("/v1/messages/count_tokens", json={"model": "m", "messages": USER})
             o = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": orphan})
+            for messages in unanswered:
+                u = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+                assert u.status_code == 400, u.text
+                assert "without `tool_result` blocks immediately after" in u.json()["error"]["message"]
+                assert ("toolu_2" in u.json()["error"]["message"]) == (len(messages[1]["content"]) == 2)
+            for j, messages in enumerate(not_objects):
+                n = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+                assert n.status_code == 400, n.text
+                assert n.json()["error"]["message"] == (
+                    "Invalid value for `messages[1].content[0].input`: expected an object."
+                ), j
+            assert not upstream.records
+            for messages in fine:
+                upstream.script_for("t", steps({"content": "ok"}))
+                ok = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+                assert ok.status_code == 200, ok.text
+    assert len(upstream.records) == 2
+    upstream.records.clear()
     assert r.status_code == 400 and r.json()["error"] == {
         "type": "invalid_request_error",
         "message": "max_tokens: Field required",

@@ -302,7 +302,12 @@ def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, A
             call_id, name = block.get("id"), block.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise _bad(f"Invalid value for `{where}`: a tool_use block needs an `id` and a `name`.", where)
-            arguments = _encode(block.get("input") or {}).decode()
+            arguments = block.get("input")
+            if arguments is None:
+                arguments = {}
+            elif not isinstance(arguments, dict):  # (a list or number went to the model as its arguments)
+                raise _bad(f"Invalid value for `{where}.input`: expected an object.", f"{where}.input")
+            arguments = _encode(arguments).decode()
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind in _SKIPPED_BLOCKS:
             continue
@@ -315,11 +320,14 @@ def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, A
 
 
 def _check_tool_results(messages: list[dict[str, Any]]) -> None:
-    """Every ``tool_result`` answers a ``tool_use`` made before it, as Anthropic
-    checks (an orphan tool message fails chat templates upstream)."""
+    """Every ``tool_result`` answers a ``tool_use`` made before it, and every
+    ``tool_use`` but a last turn's is answered in the turn after it, as Anthropic
+    checks (an orphan tool message, or calls followed by a user's words, fail or
+    mislead chat templates upstream)."""
     called: set[str] = set()
-    for m in messages:
-        for call in m.get("tool_calls") or ():
+    for n, m in enumerate(messages):
+        calls = m.get("tool_calls") or ()
+        for call in calls:
             called.add(call["id"])
         if m["role"] == "tool" and m["tool_call_id"] not in called:
             raise _bad(
@@ -327,6 +335,20 @@ def _check_tool_results(messages: list[dict[str, Any]]) -> None:
                 "Each `tool_result` block must have a corresponding `tool_use` block before it.",
                 "messages",
             )
+        if calls and n + 1 < len(messages):
+            answered = set()
+            k = n + 1
+            while k < len(messages) and messages[k]["role"] == "tool":
+                answered.add(messages[k]["tool_call_id"])
+                k += 1
+            missing = [call["id"] for call in calls if call["id"] not in answered]
+            if missing:
+                shown = ", ".join(i[:64] for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
+                raise _bad(
+                    f"`tool_use` ids were found without `tool_result` blocks immediately after: {shown}. "
+                    "Each `tool_use` block must have a corresponding `tool_result` block in the next message.",
+                    "messages",
+                )
 
 
 def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
