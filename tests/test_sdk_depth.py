@@ -60,6 +60,26 @@ async def test_chat_parse_gets_the_refusal(setup):
     assert raw.choices[0].finish_reason == "stop"
 
 
+async def test_a_refusal_without_usage_counts_its_words(setup):
+    """A model server that sends no usage: the refusal's words count as completion tokens (an
+    estimate, marked so) on every API, as a text answer's do: they counted 0, so a key's
+    budget and the ledger charged nothing for them."""
+    edge, upstream = setup
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client, claude(edge) as anthropic_client:
+            upstream.script_for("t", steps({"refusal": "I can't "}, {"refusal": "help with that."}))
+            chat = await client.chat.completions.create(model="m", messages=USER)
+            upstream.script_for("t", steps({"refusal": "I can't "}, {"refusal": "help with that."}))
+            response = await client.responses.create(model="m", input="hi")
+            upstream.script_for("t", steps({"refusal": "I can't "}, {"refusal": "help with that."}))
+            message = await anthropic_client.messages.create(model="m", max_tokens=50, messages=USER)
+    expected = -(-len(REFUSAL) // 4)
+    assert chat.choices[0].message.refusal == REFUSAL and chat.usage.completion_tokens == expected
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + expected
+    assert response.usage.output_tokens == expected
+    assert message.stop_reason == "refusal" and message.usage.output_tokens == expected
+
+
 @pytest.mark.parametrize("buffered", [False, True], ids=["live", "buffered"])
 async def test_chat_stream_gets_refusal_events(nursery, upstream, buffered):
     """`chat.completions.stream`: `refusal.delta` and `refusal.done` events, the final message's

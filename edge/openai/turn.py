@@ -181,6 +181,7 @@ class Turn:
             max_output=self.want.max_tokens,
             context_window=run.slot.info.context_window,
             media=self.media,
+            refusal=event.refusal,
         )
         if not self.settle_at_end:
             self.settle()

@@ -7,7 +7,7 @@ A count the upstream did not report is estimated: prompt tokens as
 delta, content or reasoning (nodes always stream from the model server, which
 sends about one token per delta; a node that joins deltas it read together
 says how many in the event's ``parts``), plus the characters / 4 of native tool calls
-(they arrive whole). A response with an estimated count says so to its client (``"estimated": true``
+and of a refusal (they arrive whole). A response with an estimated count says so to its client (``"estimated": true``
 in its usage), is marked in the access line (``usage_estimated``) and counted in
 ``iop_usage_estimated_total``.
 """
@@ -84,6 +84,7 @@ def usage_out(
     max_output: int = 0,
     context_window: int = 0,
     media: bool = False,
+    refusal: str | None = None,
 ) -> tuple[UsageOut, bool]:
     """The usage to send, and whether any count in it is the edge's figure (an
     estimate, or a count cut to the request's bounds)."""
@@ -98,7 +99,7 @@ def usage_out(
             completion = max(r.total_tokens - prompt, 0)
         else:
             calls = sum(len(c.function.name) + len(c.function.arguments) for c in tool_calls or ())
-            completion, estimated = deltas + calls // 4, True
+            completion, estimated = deltas + calls // 4 + -(-len(refusal or "") // 4), True
     bounds = Bounds(prompt_estimate, max_output, context_window, media=media)
     prompt, completion, cut = bounds.cut(prompt, completion, r.reasoning_tokens or 0)
     estimated = estimated or cut
