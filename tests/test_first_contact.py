@@ -5,6 +5,7 @@ off by max_tokens, and one access line with a request id for every request."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import re
 
 import anthropic
@@ -482,3 +483,33 @@ async def test_cached_prompt_tokens_reach_every_api(nursery, upstream):
                 model="m", max_tokens=16, messages=[{"role": "user", "content": "q"}]
             )
     assert (message.usage.cache_read_input_tokens, message.usage.input_tokens) == (32, 8)
+
+
+async def test_a_compressed_body_and_a_session_that_is_no_string_say_so(first):
+    """A gzip body is a 415 naming the encoding, in each API's shape (it was a 400 "not valid
+    JSON ... byte 0"); `metadata.user_id` (Messages) and `user` or `prompt_cache_key` (Responses)
+    that are not strings are 400s naming them, as the reference APIs answer (a number was taken
+    and kept no session). None reached the model."""
+    edge, upstream = first
+    chat = {"model": "m", "messages": MESSAGES}
+    packed = gzip.compress(msgspec.json.encode(chat))
+    gzipped = {"content-encoding": "gzip", "content-type": "application/json"}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            c = await client.post("/v1/chat/completions", content=packed, headers=gzipped)
+            m = await client.post("/v1/messages", content=packed, headers=gzipped)
+            same = await client.post("/v1/chat/completions", json=chat, headers={"content-encoding": "identity"})
+            bad = [
+                await client.post("/v1/messages", json={**chat, "max_tokens": 8, "metadata": {"user_id": 5}}),
+                await client.post("/v1/responses", json={"model": "m", "input": "hi", "user": 5}),
+                await client.post("/v1/responses", json={"model": "m", "input": "hi", "prompt_cache_key": ["a"]}),
+            ]
+    assert c.status_code == 415 and c.json()["error"]["code"] == "unsupported_content_encoding"
+    assert "`Content-Encoding: gzip`" in c.json()["error"]["message"]
+    assert m.status_code == 415 and m.json()["type"] == "error"
+    assert m.json()["error"]["type"] == "invalid_request_error" and "gzip" in m.json()["error"]["message"]
+    assert same.status_code == 200
+    assert [r.status_code for r in bad] == [400, 400, 400]
+    assert "`metadata.user_id`: expected a string" in bad[0].json()["error"]["message"]
+    assert [r.json()["error"]["param"] for r in bad[1:]] == ["user", "prompt_cache_key"]
+    assert len(upstream.records) == 1

@@ -499,7 +499,9 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     thinking = (req.thinking or {}).get("type")
     body["include_reasoning"] = thinking in ("enabled", "adaptive")
     user = (req.metadata or {}).get("user_id")
-    if isinstance(user, str) and user:
+    if user is not None and not isinstance(user, str):  # (as Anthropic's; a number was taken and kept no session)
+        raise _bad("Invalid value for `metadata.user_id`: expected a string.", "metadata.user_id")
+    if user:
         body["user"] = user
     return body, server
 

@@ -162,8 +162,11 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
     max_calls = raw.get("max_tool_calls")
     if max_calls is not None and (not isinstance(max_calls, int) or isinstance(max_calls, bool) or max_calls < 1):
         raise _bad("Invalid value for `max_tool_calls`: expected an integer >= 1.", "max_tool_calls")
+    for name in ("user", "prompt_cache_key"):  # (as OpenAI's; a number was taken and kept no session)
+        if raw.get(name) is not None and not isinstance(raw[name], str):
+            raise _bad(f"Invalid value for `{name}`: expected a string.", name)
     user = raw.get("user") if raw.get("user") is not None else raw.get("prompt_cache_key")
-    if isinstance(user, str) and user:
+    if user:
         chat["user"] = user  # the session a run keeps to (a node's warm cache)
     _decode_tools(raw, decoded)
     _decode_text_format(raw.get("text"), chat)

@@ -133,6 +133,15 @@ class _Unwatched:
 _UNWATCHED = _Unwatched()
 
 
+def _compressed(encoding: bytes) -> APIError:
+    shown = encoding.decode("latin-1")[:32]
+    return APIError(
+        415,
+        f"Unsupported `Content-Encoding: {shown}`: this edge takes request bodies uncompressed; send it without one.",
+        code="unsupported_content_encoding",
+    )
+
+
 async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
     """One request, in one frame: its body and its handler run inside a
     cancel scope that the client's disconnect cancels (through the server's
@@ -164,6 +173,9 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                             code="method_not_allowed",
                             headers=[(b"allow", b"POST")],
                         )
+                    encoding = ex.header(b"content-encoding")
+                    if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+                        raise _compressed(encoding)  # (a 400 "not valid JSON at byte 0" before)
                     edge.handling += 1  # (a drain waits for its answer)
                     counted = True
                     # The framework's body timeout does not reach raw ASGI: bound it here.
