@@ -513,3 +513,35 @@ async def test_a_compressed_body_and_a_session_that_is_no_string_say_so(first):
     assert "`metadata.user_id`: expected a string" in bad[0].json()["error"]["message"]
     assert [r.json()["error"]["param"] for r in bad[1:]] == ["user", "prompt_cache_key"]
     assert len(upstream.records) == 1
+
+
+async def test_a_bad_tool_is_named_as_its_own_api_names_it(first):
+    """A tool's bad name, parameters, description or strict is a 400 naming the field as the
+    caller's API spells it: Messages' `tools[i].name` (a server tool before it counted), Responses'
+    flat `tools[i].parameters`; both said chat's `tools[0].function.name` before."""
+    edge, upstream = first
+    schema = {"type": "object"}
+    search = {"type": "web_search_20250305", "name": "web_search"}
+    messages = {"model": "m", "max_tokens": 8, "messages": MESSAGES}
+    cases = [
+        (
+            "/v1/messages",
+            {**messages, "tools": [search, {"name": "a" * 100_000, "input_schema": schema}]},
+            "tools[1].name",
+        ),
+        ("/v1/messages", {**messages, "tools": [{"name": "", "input_schema": schema}]}, "tools[0].name"),
+    ]
+    for field, value in (("name", "a" * 300), ("parameters", "obj"), ("description", 5), ("strict", "yes")):
+        tool = {"type": "function", "name": "f", "parameters": schema, field: value}
+        body = {"model": "m", "input": "hi", "tools": [{"type": "web_search"}, tool]}
+        cases.append(("/v1/responses", body, f"tools[1].{field}"))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for path, body, field in cases:
+                r = await client.post(path, json=body)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert f"`{field}`" in error["message"] and "function." not in error["message"], (field, error)
+                if path == "/v1/responses":
+                    assert error["param"] == field
+    assert not upstream.records

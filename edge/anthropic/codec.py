@@ -45,7 +45,7 @@ import msgspec
 from edge import errors
 from edge.errors import APIError
 from edge.openai.request import TOOL_IMAGE_NOTE, UPLOADED_IMAGE_NOTE, check_content_parts, tool_images_head
-from edge.openai.schema import UsageOut
+from edge.openai.schema import MAX_TOOL_NAME, UsageOut
 from edge.openai.tools import id_key
 from proto import ToolCall, jsoncost
 
@@ -362,6 +362,9 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not isinstance(schema, dict):
             raise _bad(f"Invalid value for `tools[{i}]`: a tool needs a `name` and an `input_schema`.", f"tools[{i}]")
+        if not 0 < len(name) <= MAX_TOOL_NAME:  # (here, named as Messages names it: chat's said `function.name`)
+            where = f"tools[{i}].name"
+            raise _bad(f"Invalid value for `{where}`: expected 1 to {MAX_TOOL_NAME} characters.", where)
         function: dict[str, Any] = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]

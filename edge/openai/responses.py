@@ -36,7 +36,7 @@ from edge.openai.request import (
     check_content_parts,
     tool_images_head,
 )
-from edge.openai.schema import JsonSchemaFormat, UsageOut
+from edge.openai.schema import MAX_TOOL_NAME, JsonSchemaFormat, UsageOut
 from edge.openai.sse import KEEPALIVE
 from proto import ToolCall
 
@@ -637,11 +637,18 @@ def _function(tool: dict[str, Any], param: str, name: str | None = None) -> dict
     own = tool.get("name")
     if not isinstance(own, str) or not own:
         raise _bad(f"Missing required parameter: `{param}.name`.", f"{param}.name")
+    if len(own) > MAX_TOOL_NAME:  # (checked here, named as this API names it: chat's check said `function.name`)
+        raise _bad(f"Invalid value for `{param}.name`: at most {MAX_TOOL_NAME} characters.", f"{param}.name")
     fn: dict[str, Any] = {"name": name or own}
-    for key in ("description", "parameters", "strict"):
+    for key, kind, expected in _FUNCTION_FIELDS:
         if tool.get(key) is not None:
+            if not isinstance(tool[key], kind):
+                raise _bad(f"Invalid value for `{param}.{key}`: expected {expected}.", f"{param}.{key}")
             fn[key] = tool[key]
     return {"type": "function", "function": fn}
+
+
+_FUNCTION_FIELDS = (("description", str, "a string"), ("parameters", dict, "an object"), ("strict", bool, "a boolean"))
 
 
 def _namespace_functions(tool: dict[str, Any], param: str, out: list[dict[str, Any]], decoded: Decoded) -> None:

@@ -15,8 +15,11 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
+MAX_TOOL_NAME = 256  # characters of a function's name (the other APIs' front doors check theirs too)
+
+
 class FunctionDef(msgspec.Struct, omit_defaults=True):
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TOOL_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
