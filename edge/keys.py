@@ -361,16 +361,15 @@ class Keys:
         shared = self.shared
         if policy.daily_tokens:
             key._today()
-            spent = key.day_used + key.day_others + key.day_pending
-            if spent >= policy.daily_tokens:
-                raise self._over_budget(key, "budget")
+            if key.day_used + key.day_others + key.day_pending >= policy.daily_tokens:
+                raise self._budget_refusal(key, "budget")
             budget = self.day_need(prompt_estimate, max_tokens)
             holding = key.day_pending + key.budget_promised + key.unreported() + budget
             if shared and not alone and holding > key.budget_held:
                 # Held in Redis first (borrowed, edge.shared_state): a script grants it while the
                 # day's total and every edge's holdings are below the budget, so a burst spread
                 # over edges crosses it by one request, not by one per edge and lease round.
-                raise self._over_budget(key, "reserved")
+                raise self._budget_refusal(key, "reserved")
         if policy.max_concurrent:
             if shared and not alone:  # on a slot this edge holds in Redis (none free: it borrows one)
                 if key.in_flight + key.flight_promised >= key.flight_held:
@@ -471,6 +470,18 @@ class Keys:
         )
         error.limit = limit  # type: ignore[attr-defined]  # for the metrics, and edge.shared_state
         return error
+
+    def _budget_refusal(self, key: Key, limit: str) -> APIError:
+        """A request the daily budget has no room for: spent (``insufficient_quota``, until
+        midnight), or only held by the key's requests in flight, whose reservations come
+        back as they end (a 429 to retry in a second: with 6 of 5,000 tokens used and five
+        requests in flight, it was "has used its daily budget" with ``x-should-retry:
+        false`` until midnight; found from outside)."""
+        used = key.day_used + key.day_others
+        if used >= key.policy.daily_tokens:
+            return self._over_budget(key, limit)
+        what = f"its requests in flight hold the rest of its daily budget of {key.policy.daily_tokens} tokens"
+        return self._limited(key, f"{what} ({used} used so far)", 1.0, limit)
 
     def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:
         error = APIError(

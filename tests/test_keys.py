@@ -19,7 +19,7 @@ import trio
 from edge import ledger
 from edge.config import KeyConfig
 from scripts.stack import write_toml
-from scripts.upstream import Upstream, native_call, steps, text_script
+from scripts.upstream import Upstream, native_call, steps, text_script, words
 from tests.conftest import BOUND, edge_config, eventually, model, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -243,6 +243,30 @@ async def test_max_concurrent_counts_streams_in_flight(nursery, tmp_path):
             await eventually(lambda: edge.edge.keys.by_id["cy"].in_flight == 0)
             up.script_for("slow-target", [("chunk", {"content": "b"}), ("chunk", {}, "stop"), ("done",)])
             assert (await chat(c, "slow")).status_code == 200
+
+
+async def test_a_budget_held_by_requests_in_flight_is_a_refusal_to_retry_not_spent(nursery, tmp_path, upstream):
+    """daily_tokens 5,000 and five slow requests in flight with no max_tokens (each reserves
+    1,024 and more): the next request is refused for now (429 `rate_limit_exceeded`,
+    Retry-After 1, retryable) and saying why, not "has used its daily budget" until midnight
+    with x-should-retry false (6 of 5,000 tokens were used; found from outside). Once they
+    end, it is served."""
+    keys = [KeyConfig(id="bud", key="sk-bud", daily_tokens=5000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=8)])
+    upstream.script_for("t", lambda body: text_script(words(2), ttft=1.0 if body.get("max_tokens") is None else 0))
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-bud") as c:
+            async with trio.open_nursery() as n:
+                for _ in range(5):
+                    n.start_soon(chat, c, "m")
+                await upstream.wait_requests(4)
+                refused = await chat(c, "m", max_tokens=5)
+            served = await chat(c, "m", max_tokens=5)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert "requests in flight hold the rest of its daily budget of 5000 tokens" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1" and "x-should-retry" not in refused.headers
+    assert served.status_code == 200, served.text
 
 
 async def test_daily_budget_is_insufficient_quota_and_survives_a_restart(nursery, tmp_path):
@@ -719,9 +743,12 @@ async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nurs
                     burst.start_soon(one)
             key = edge.edge.keys.by_id["bud"]
             await eventually(lambda: key.in_flight == 0, "every request settled")
-    # Two are admitted (their reservations fill the budget), the third refused; the two are ended
-    # before their first byte (a live stream holds a tool call until it is whole): 429s too.
-    assert all(b.startswith("429 ") and '"insufficient_quota"' in b for b in bodies), [b[:200] for b in bodies]
+    # Two are admitted (their reservations fill the budget), the third refused, to retry: only
+    # reserved, the budget is not spent yet. The two are ended before their first byte (a live
+    # stream holds a tool call until it is whole): 429s, over budget.
+    assert all(b.startswith("429 ") for b in bodies), [b[:200] for b in bodies]
+    assert sum('"insufficient_quota"' in b for b in bodies) == 2, [b[:200] for b in bodies]
+    assert sum("requests in flight hold the rest of its daily budget" in b for b in bodies) == 1, bodies
     assert 2000 < key.day_used < 4500, key.day_used  # (two whole calls: 6,008; charged the pieces read)
 
 

@@ -57,7 +57,7 @@ async def test_a_tunnelled_request_is_admitted_on_the_larger_of_its_limits_for_e
     """/v1/completions reads `max_tokens` (vLLM knows no other there): `max_tokens` 2,000 beside
     `max_completion_tokens` 1 was admitted on 1 (50 at once ran 20 times a budget). A request is
     admitted on the larger, for each of `n` choices: either one in flight holds a 100-token
-    budget, and the next request is refused."""
+    budget, and the next request is refused (to retry: the budget is held, not spent)."""
     keys = [KeyConfig(id="pt", key="sk-pt", daily_tokens=100)]
     edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
     await start_node(nursery, edge, [model("p", upstream, passthrough=True)])
@@ -70,7 +70,8 @@ async def test_a_tunnelled_request_is_admitted_on_the_larger_of_its_limits_for_e
                     n.start_soon(lambda held=held: c.post("/v1/completions", json={**small, **held}))
                     await upstream.wait_requests(seen + 1)
                     r = await c.post("/v1/completions", json=small)
-                    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", (held, r.text)
+                    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", (held, r.text)
+                    assert "requests in flight hold the rest of its daily budget" in r.json()["error"]["message"]
     assert len(upstream.records) == 2
 
 

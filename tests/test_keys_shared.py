@@ -325,11 +325,13 @@ async def test_a_burst_spread_over_two_edges_crosses_a_budget_by_one_request(nur
     # At most the one crossing it; a slice (1%) of slack each busy edge holds can leave one or two short.
     most = math.ceil(5000 / reservation)
     assert most - 2 <= len(admitted) <= most, (len(admitted), reservation)
-    # (refused over budget; on a machine too slow for Redis's answer within 2.5 s, a 503 to retry)
-    assert all(
-        r.json()["error"]["code"] == ("insufficient_quota" if r.status_code == 429 else "budget_unchecked")
-        for r in refused
-    ), [r.text for r in refused][:3]
+    # Refused over budget, or (while the admitted hold it, unspent) to retry in a second; on a
+    # machine too slow for Redis's answer within 2.5 s, a 503 to retry.
+    codes = {"insufficient_quota", "rate_limit_exceeded", "budget_unchecked"}
+    assert all(r.json()["error"]["code"] in codes for r in refused), [r.text for r in refused][:3]
+    for r in refused:
+        if r.json()["error"]["code"] == "rate_limit_exceeded":
+            assert r.headers["retry-after"] == "1" and "x-should-retry" not in r.headers, r.headers
     await eventually(lambda: not (a.edge.keys.by_id["burst"].day_pending or b.edge.keys.by_id["burst"].day_pending))
 
 
