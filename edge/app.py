@@ -674,12 +674,12 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        # Its series name every model and key id: with admin_keys set, an admin's, as the rest of
-        # the fleet's view is (a key refused a model must not learn it exists; outside audit).
-        if config.admin_keys:
-            refused = admin_auth()
-            if refused is not None:
-                return refused
+        # Its series name every model and key id: as the admin API is, an admin key's, or with
+        # no admin_keys a client key's (an edge with keys and no admin_keys gave every key's
+        # usage to anyone; an outside audit). An open edge's is open.
+        refused = admin_auth()
+        if refused is not None:
+            return refused
         return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
 
     @app.get("/")  # (and HEAD /: Claude Code's check that the base URL answers, at every start)

@@ -133,7 +133,12 @@ async def hammer(edges, secret: str, seconds: float, loops_per_edge: int = 4) ->
 async def redis_edge(nursery, url: str, tmp_path, name: str, rpm: int):
     edge = await start_edge(
         nursery,
-        edge_config(keys=[KeyConfig(id="r", key="sk-r", rpm=rpm)], state=url, ledger=str(tmp_path / f"{name}.sqlite3")),
+        edge_config(
+            keys=[KeyConfig(id="r", key="sk-r", rpm=rpm)],
+            state=url,
+            admin_keys=[ADMIN],
+            ledger=str(tmp_path / f"{name}.sqlite3"),
+        ),
     )
     await start_node(nursery, edge, [sim("qwen-a")], node_id=f"n-{name}")
     await eventually(lambda: edge.edge.shared.up, "leasing from redis")
