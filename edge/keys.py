@@ -154,6 +154,7 @@ class Key:
         "tok_seen",
         "day_pending",
         "others_pending",
+        "others_streamed",
         "flight_held",
         "flight_promised",
         "flight_spare",
@@ -182,6 +183,7 @@ class Key:
         self.others_in_flight = 0  # shared state: other edges' requests in flight
         self.day_pending = 0  # daily_tokens: what this edge's requests in flight reserved of the budget
         self.others_pending = 0  # shared state: the other edges' day_pending
+        self.others_streamed = 0  # shared state, daily_tokens: what the other edges' requests in flight streamed
         # shared state, max_concurrent: the slots this edge holds in Redis (at least its in-flight
         # requests), and of the free ones those borrowed for requests about to take them
         self.flight_held = 0
@@ -330,7 +332,7 @@ class Keys:
             policy = key.policy
             # The other edges' requests are not followed now: a key's whole concurrency here (their
             # last count kept refused a request with none left in flight anywhere).
-            key.others_in_flight = key.others_pending = 0
+            key.others_in_flight = key.others_pending = key.others_streamed = 0
             key.req_level = local_level(policy.rpm, key.req_level, key.req_seen, now)
             key.tok_level = local_level(policy.tpm, key.tok_level, key.tok_seen, now)
             key.req_at = key.tok_at = now
@@ -414,7 +416,8 @@ class Keys:
                 self.budgeted.discard(key)
                 continue
             key._today()
-            if key.day_used + key.day_others + sum(lease.streamed() for lease in key.live) <= budget:
+            streamed = key.others_streamed + sum(lease.streamed() for lease in key.live)
+            if key.day_used + key.day_others + streamed <= budget:
                 continue
             message = self._over_budget(key, "budget").message
             for lease in key.live:

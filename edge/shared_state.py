@@ -46,6 +46,14 @@ from them, so a request the local balance covers never waits on Redis:
   others' reservations as last read, up to a second old for a quiet key: a
   burst of 200 spread over two edges within 14-72 ms ran 588,392 tokens on a
   100,000 budget, each edge admitting as if alone.)
+- ``daily_tokens`` is also held as requests stream: every
+  :data:`STREAMED_S` while it has requests of a budget key in flight, an
+  edge writes what they have streamed so far (``iop:streamed:<key>:<day>``,
+  its field going when they end) and reads the other edges' sum back, which
+  the budget's cut of the runs in flight (``Keys.cut_over_budget``) counts
+  with its own (one stream on each of two edges, each of ``max_tokens``
+  20,000 on a budget of 30,000, ran to 40,002 tokens: each edge counted
+  only its own streams and the others' ended requests).
 - ``max_concurrent``: a request runs on a *slot* its edge holds in Redis.
   Each edge's entry in the key's flights hash (``iop:flight:<key>``: slots
   held, budget reserved, when) is written by a script that grows it only as
@@ -103,6 +111,7 @@ SLOT_RETRY_S = 0.01  # a request finding no free slot in Redis asks again this o
 REFRESH_S = 1.0  # a key nothing changed for on this edge is written and read again this often
 SLICE_FOR_S = 2.0  # an edge holds a slice of a key's budget this long after it admitted a request of it
 LEASE_FOR_S = 60.0  # ...and slices of its rpm and tpm (counted in the buckets) this long
+STREAMED_S = 0.25  # what a budget key's requests in flight streamed is written (and the others' read) this often
 DAY_TTL_S = 2 * 86400
 FLOOR_DELAY_S = 2 * REFRESH_S + 0.5  # a new day counter's floor waits for every edge's first report
 FLOOR_WAIT_S = 20.0  # a day counter's floor: the ledger's read (its calls give up after 15 s) and Redis's write
@@ -221,6 +230,34 @@ redis.call('EXPIRE', KEYS[1], ttl)
 return {want, others, reserved, hold, granted, day}
 """
 
+# KEYS[1]: a key's streams today (edge id -> "tokens when"); ARGV: this edge's id, what its requests
+# of the key in flight have streamed so far (0: none now, and its field goes), the seconds after which
+# a silent edge's field is dropped. Returns the other edges' sum.
+_STREAMED = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[3])
+local entries = redis.call('HGETALL', KEYS[1])
+local others = 0
+for i = 1, #entries, 2 do
+  if entries[i] ~= ARGV[1] then
+    local n, at = string.match(entries[i + 1], '^(%d+) ([%d.]+)$')
+    if n == nil or now - tonumber(at) > ttl then
+      redis.call('HDEL', KEYS[1], entries[i])
+    else
+      others = others + tonumber(n)
+    end
+  end
+end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %.6f', tonumber(ARGV[2]), now))
+  redis.call('EXPIRE', KEYS[1], ttl)
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return others
+"""
+
 # KEYS[1]: the epoch, KEYS[2]: a key's day counter; ARGV: an epoch to set if Redis has none, the
 # epoch this edge last reported the day in, what to add if it is still that one, else what to add
 # if the counter exists, else what to add. Returns the epoch, the day's total and whether the
@@ -327,6 +364,7 @@ class SharedState:
         self.day = self.client.register_script(_DAY)
         self.flight = self.client.register_script(_FLIGHT)
         self.floor = self.client.register_script(_FLOOR)
+        self.streams = self.client.register_script(_STREAMED)
         self.day_totals = day_totals
         # (key id, day, epoch the counter was made in): counters to raise to the ledger's totals, and when
         self._floors_wanted: dict[tuple[str, int, bytes], float] = {}
@@ -347,6 +385,7 @@ class SharedState:
         # key id -> the flights arguments last written, and when (time.monotonic): a key is
         # written again when they change, else every REFRESH_S (the rounds' cost was per key)
         self._written: dict[str, tuple[tuple[int, int, int], float]] = {}
+        self._streamed_at: dict[str, float] = {}  # budget keys whose streams this edge wrote (a field to drop), when
         self._settled: dict[str, Key] = {}  # keys whose requests ended: their slots go back now
         keys.on_settle = self._on_settle
 
@@ -427,10 +466,15 @@ class SharedState:
                 key.tok_seen = (float(level), now)
 
     def _exchange(
-        self, plan: list[BucketOp], counters: list[tuple[str, int, list | None, FlightArgs | None]]
-    ) -> tuple[list, dict[str, tuple[tuple[bytes, int, int] | None, list | None]]]:
+        self,
+        plan: list[BucketOp],
+        counters: list[tuple[str, int, list | None, FlightArgs | None]],
+        streams: list[tuple[str, int, int]] | tuple[()] = (),
+    ) -> tuple[list, dict[str, tuple[tuple[bytes, int, int] | None, list | None]], list[int]]:
         """In a worker thread: the Redis round trip (one pipeline). ``counters``: per
-        key, its day's script arguments and its flights' (None: not this time)."""
+        key, its day's script arguments and its flights' (None: not this time);
+        ``streams``: (key id, day, tokens its requests in flight streamed) to write,
+        each answered with the other edges' sum (the last list returned)."""
         pipe = self.client.pipeline(transaction=False)
         self._buckets(pipe, plan)
         for key_id, day, adds, flight in counters:
@@ -442,7 +486,10 @@ class SharedState:
                 )
             if flight is not None:
                 self._flight(pipe, key_id, flight)
+        for key_id, day, streamed in streams:
+            self.streams(keys=[f"iop:streamed:{key_id}:{day}"], args=[self.edge_id, streamed, EDGE_TTL_S], client=pipe)
         results = pipe.execute()
+        others = [int(v) for v in results[len(results) - len(streams) :]] if streams else []
         rest = results[len(plan) :]
         out: dict[str, tuple[tuple[bytes, int, int] | None, list | None]] = {}
         i = 0
@@ -455,7 +502,7 @@ class SharedState:
                 flown = rest[i]
                 i += 1
             out[key_id] = (day_result, flown)
-        return results[: len(plan)], out
+        return results[: len(plan)], out, others
 
     def _flight(self, pipe, key_id: str, args: FlightArgs, asks: list[int] | tuple[()] = ()) -> None:
         """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
@@ -525,12 +572,14 @@ class SharedState:
         """One lease round (raises the driver's error if Redis failed)."""
         plan = self._plan()
         counters = []
+        streams: list[tuple[Key, int, int]] = []
         used: dict[str, int] = {}
         now = time.monotonic()
         for key in list(self.keys.by_id.values()):
             policy = key.policy
             if not policy.daily_tokens:
-                key.day_others = key.others_pending = 0  # (a budget removed: other edges' use is no longer followed)
+                # (a budget removed: other edges' use is no longer followed)
+                key.day_others = key.others_pending = key.others_streamed = 0
             if not policy.max_concurrent:
                 key.others_in_flight = 0
             if not (policy.daily_tokens or policy.max_concurrent):
@@ -554,7 +603,11 @@ class SharedState:
                 self._writing(key, flight)
             if adds is not None or flight is not None:
                 counters.append((key.id, key.day, adds, flight))
-        if not plan and not counters:
+            if policy.daily_tokens and (key.live or key.id in self._streamed_at):
+                at = self._streamed_at.get(key.id)
+                if at is None or now - at >= STREAMED_S or not key.live:
+                    streams.append((key, key.day, sum(lease.streamed() for lease in key.live)))
+        if not plan and not counters and not streams:
             # Nothing to write: Redis must still answer before it counts as back, and is asked
             # every REFRESH_S while up (with only rpm/tpm keys at rest, iop_shared_state_up read 1
             # for as long as Redis was gone, until a request found it so).
@@ -562,8 +615,15 @@ class SharedState:
                 await trio.to_thread.run_sync(self.client.ping)
                 self._heard = time.monotonic()
             return
-        granted, totals = await trio.to_thread.run_sync(self._exchange, plan, counters)
+        written = [(key.id, day, streamed) for key, day, streamed in streams]
+        granted, totals, others = await trio.to_thread.run_sync(self._exchange, plan, counters, written)
         self._heard = time.monotonic()
+        for (key, day, streamed), theirs in zip(streams, others, strict=True):
+            if streamed:
+                self._streamed_at[key.id] = self._heard
+            else:  # (its field is gone: nothing more to write until it streams again)
+                self._streamed_at.pop(key.id, None)
+            key.others_streamed = theirs if key.day == day else 0
         self._credit(plan, granted)
         for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)

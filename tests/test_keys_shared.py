@@ -259,6 +259,39 @@ async def test_while_redis_is_down_an_edge_has_a_keys_whole_concurrency(nursery,
         await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "leasing again")
 
 
+async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nursery, redis_server, tmp_path):  # noqa: F811
+    """daily_tokens 10,000 and one stream on each of two edges, each of 9,000 tokens (3 s): each
+    edge alone stays under the budget, together they pass it, and both are ended there (429
+    insufficient_quota in the stream). Each edge counted only its own streams and the others'
+    ended requests: such streams ran to 40,002 tokens on a budget of 30,000 (an outside audit)."""
+    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=10_000)]
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        await start_node(
+            nursery, edge, [model("long", ttft_ms=0, tokens_per_s=3000, sim_tokens=9000)], node_id=f"n-{name}"
+        )
+        await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
+        edges.append(edge)
+    bodies: list[str] = []
+
+    async def one(edge) -> None:
+        async with client(edge, "sk-s") as c:
+            r = await chat(c, "long", stream=True)
+            assert r.status_code == 200, r.text
+            bodies.append(r.text)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as n:
+            for edge in edges:
+                n.start_soon(one, edge)
+        used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
+    assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
+    assert 10_000 < sum(used) < 16_000, used  # (18,000 before: each ran to its end)
+
+
 async def test_a_budget_key_with_max_concurrent_is_never_refused_a_slot_it_has(nursery, redis_server, tmp_path):  # noqa: F811
     """max_concurrent 1,000 and a daily budget, four clients one request at a time each: never
     more than 4 in flight, so never refused. (Each request borrows its budget from Redis, and
