@@ -196,9 +196,17 @@ class Turn:
 
     def settle(self) -> None:
         """Settle the key's lease with every run's tokens, before the client can send its next request."""
-        lease, usage = self.ex.lease, self.usage
+        ex = self.ex
+        lease, usage = ex.lease, self.usage
         if lease is not None and usage is not None:
-            self.edge.keys.settle(lease, sum(self.earlier) + usage.prompt_tokens + usage.completion_tokens)
+            keys = self.edge.keys
+            keys.settle(lease, sum(self.earlier) + usage.prompt_tokens + usage.completion_tokens)
+            if not ex.started and ex.key is not None and (ex.key.policy.rpm or ex.key.policy.tpm):
+                # A whole answer's head goes after its usage settled: its x-ratelimit-* say what is
+                # left after it, not what was before less its reservation (1,024 and more low with
+                # no max_tokens, so a client pacing itself on them slowed to half; outside audit).
+                kept = [h for h in ex.extra_headers if not h[0].startswith(b"x-ratelimit-")]
+                ex.extra_headers = kept + keys.headers(ex.key)
 
     @property
     def max_tool_attempts(self) -> int:
