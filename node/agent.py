@@ -79,6 +79,8 @@ from proto.frames import COMPLETE, DELTA, ERROR, MAX_HEADERS, PROGRESS, PROGRESS
 log = structlog.get_logger("iop.node")
 
 _MIN_PING_INTERVAL_S = 0.01  # an edge's ping interval of 0 must not spin the pinger
+GRANT_PROBE_S = 0.5  # an edge holding grant it does not use, while another waits: pinged this often...
+GRANT_SILENCE_S = 2.0  # ...and silent this long, that grant is taken back (EdgeLink._watch_grants)
 _EARLY_CANCELS = 1024  # cancels remembered per link for runs not seen yet
 
 
@@ -328,6 +330,7 @@ class EdgeLink:
         self.counted: dict[str, str] = {}  # run id -> model: runs holding a slot of this edge's grant
         self._early: dict[str, None] = {}  # run ids cancelled before they arrived, oldest first
         self.last_rx = trio.current_time()
+        self.lapsed = False  # its idle grants were taken back for its silence (GrantBook.lapse)
         budget = frame_budget(agent.config.max_frame_bytes, welcome.max_frame_bytes)
         self.outbox = Outbox(budget, agent.config.max_pending_events)
 
@@ -341,6 +344,7 @@ class EdgeLink:
                 nursery.start_soon(self._send_frames)
                 nursery.start_soon(self._ping)
                 nursery.start_soon(self._watch)
+                nursery.start_soon(self._watch_grants)
                 await self._read(nursery)
         finally:
             if self.runs:
@@ -393,10 +397,40 @@ class EdgeLink:
                 raise LinkDead(f"no frame from the edge for {self.ping_timeout:g} s")
             await trio.sleep_until(deadline)
 
+    async def _watch_grants(self) -> None:
+        """While this edge holds grant it runs nothing on and another edge waits for some:
+        ping it every :data:`GRANT_PROBE_S`, and if it stays silent :data:`GRANT_SILENCE_S`
+        (a SIGSTOP, a VM pause: its link is judged dead only after the ping timeout, 15 s
+        by default, and a 6-slot node ran 3 while another edge queued), take that grant
+        back (:meth:`GrantBook.lapse`) until it is heard from again."""
+        agent = self.agent
+        while True:
+            await trio.sleep(GRANT_PROBE_S)
+            if self.lapsed or not any(book.contended(self) for book in agent.grants.values()):
+                continue
+            silent = trio.current_time() - self.last_rx
+            if silent >= GRANT_SILENCE_S:
+                log.warning("edge silent: its idle grant goes to others", edge=self.url, silent_s=round(silent, 1))
+                self.lapsed = True
+                for model, book in agent.grants.items():
+                    book.lapse(self)
+                    agent.rebalance(model)
+            elif silent >= GRANT_PROBE_S:
+                self.outbox.control_nowait(Ping(ts=trio.current_time()))  # (its pong says it is there)
+
+    def _revive(self) -> None:
+        self.lapsed = False
+        log.info("edge heard from again", edge=self.url)
+        for model, book in self.agent.grants.items():
+            book.revive(self)
+            self.agent.rebalance(model)
+
     async def _read(self, nursery: trio.Nursery) -> None:
         while True:
             data = await self.ws.get_message()
             self.last_rx = trio.current_time()
+            if self.lapsed:
+                self._revive()
             try:
                 frame = decode_frame(data)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:

@@ -24,7 +24,16 @@ node at once. The rules:
   link order is first in line for them. (Given to the older links always, two
   edges with equal demand on 3-slot nodes ran 2:1, as every node was linked to
   the same edge first.) A turn moves a slot only as a run ends; no run is
-  stopped for it.
+  stopped for it;
+- an edge that stops answering while it holds grant it does not use and
+  another edge waits (a SIGSTOP, a VM pause) is *lapsed* by the agent
+  (:meth:`GrantBook.lapse`): its grant drops to its running runs at once,
+  without its acknowledgement, and it is given nothing more until it is
+  heard from again (:meth:`GrantBook.revive`). Its shrink is the first
+  thing it reads when it wakes; a run it sent under the old grant before
+  that is served all the same, waiting on the node's semaphore if it must
+  (the upstream never runs more than the capacity). Before, the idle grant
+  stayed with it until its link was judged dead (15 s by default).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ REMAINDER_TURN_S = 1.0  # how long one edge is first in line for the slots a fai
 class EdgeShare:
     """One edge's share of one model's capacity."""
 
-    __slots__ = ("grant", "seq", "pending", "active", "in_flight", "waiting", "order")
+    __slots__ = ("grant", "seq", "pending", "active", "in_flight", "waiting", "order", "lapsed")
 
     def __init__(self, order: int) -> None:
         self.grant = 0  # the last grant sent
@@ -50,6 +59,7 @@ class EdgeShare:
         self.in_flight = 0  # as the edge last reported
         self.waiting = 0  # as the edge last reported
         self.order = order  # link order
+        self.lapsed = False  # the edge stopped answering: it holds its running runs' slots, no more
 
     @property
     def held(self) -> int:
@@ -58,7 +68,12 @@ class EdgeShare:
 
     @property
     def demand(self) -> int:
-        return max(self.in_flight + self.waiting, self.active)
+        return self.active if self.lapsed else max(self.in_flight + self.waiting, self.active)
+
+    @property
+    def idle(self) -> int:
+        """Slots it holds and runs nothing on."""
+        return self.held - self.active
 
 
 class GrantBook:
@@ -89,6 +104,30 @@ class GrantBook:
         share.in_flight, share.waiting = max(in_flight, 0), max(waiting, 0)
         if share.pending and seq >= share.pending[0][0]:
             share.pending = [p for p in share.pending if p[0] > seq]
+
+    def contended(self, edge: Hashable) -> bool:
+        """``edge`` holds slots it runs nothing on while another edge has runs waiting."""
+        share = self.shares.get(edge)
+        if share is None or share.lapsed or share.idle <= 0:
+            return False
+        return any(other.waiting > 0 for other in self.shares.values() if other is not share)
+
+    def lapse(self, edge: Hashable) -> None:
+        """``edge`` stopped answering while :meth:`contended`: what it holds beyond its running
+        runs is taken back now (no acknowledgement: runs it sent before it reads the shrink
+        are served anyway, see the module's docstring), and it gets nothing more until
+        :meth:`revive`."""
+        share = self.shares.get(edge)
+        if share is None or share.lapsed:
+            return
+        share.lapsed = True
+        share.pending.clear()
+
+    def revive(self, edge: Hashable) -> None:
+        """``edge`` answers again: its demand counts once more."""
+        share = self.shares.get(edge)
+        if share is not None:
+            share.lapsed = False
 
     def start(self, edge: Hashable) -> bool:
         """A run of ``edge`` wants to start: False if that would exceed its grant."""
@@ -122,8 +161,11 @@ class GrantBook:
         wanted = sum(s.demand for _, s in shares)
         if wanted <= self.capacity:
             target = [s.demand for _, s in shares]
-            each, extra = divmod(self.capacity - wanted, len(shares))
-            target = [t + each + (1 if i < extra else 0) for i, t in enumerate(target)]
+            live = [i for i, (_, s) in enumerate(shares) if not s.lapsed]  # (a lapsed edge gets none of it)
+            if live:
+                each, extra = divmod(self.capacity - wanted, len(live))
+                for n, i in enumerate(live):
+                    target[i] += each + (1 if n < extra else 0)
         else:
             low, high = 0, self.capacity  # the highest level that fits
             while low < high:
@@ -165,7 +207,8 @@ class GrantBook:
 
     def _set(self, share: EdgeShare, slots: int) -> Grant:
         share.seq += 1
-        share.pending.append((share.seq, share.grant))  # the old grant stays held until acknowledged
+        if not share.lapsed:  # (a lapsed edge's old grant is taken back unacknowledged)
+            share.pending.append((share.seq, share.grant))  # the old grant stays held until acknowledged
         share.grant = slots
         return Grant(model=self.model, slots=slots, seq=share.seq)
 

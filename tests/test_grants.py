@@ -3,7 +3,11 @@ the edges it links to as grants that follow their demand (node.grants, proto v2)
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 from collections import deque
 
 import httpx
@@ -12,6 +16,7 @@ import trio
 from edge.config import EdgeConfig
 from edge.link import _report_demand
 from edge.runs import NodeLink, RunService, Want
+from node.agent import NodeAgent
 from node.grants import GrantBook
 from proto import (
     PROTOCOL_VERSION,
@@ -24,8 +29,21 @@ from proto import (
     decode_frame,
     encode_frame,
 )
+from scripts.stack import free_port
 from scripts.upstream import Upstream, text_script, words
-from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
+from tests.conftest import (
+    BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    node_config,
+    settled,
+    start_edge,
+    start_node,
+    write_toml,
+)
 from tests.test_link import closed_by_edge, fake_node
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -140,6 +158,43 @@ def test_edges_with_equal_demand_get_equal_service_when_the_capacity_does_not_sp
         assert book.held() <= 3
     assert sum(done.values()) >= 0.9 * 20 * 3 / 0.1
     assert 0.45 <= done["first"] / sum(done.values()) <= 0.55, done
+
+
+def test_a_silent_edges_idle_grant_goes_to_the_waiting_edge_without_its_ack():
+    """An edge holding idle grant while another waits, that stops answering (a SIGSTOP), is
+    lapsed: its grant drops to its running runs with no acknowledgement, the waiting edge gets
+    the rest at once, and the silent edge gets nothing more (not even its even share of what
+    no one asks for) until it is heard from; then its demand counts again."""
+    book = GrantBook("m", 6)
+    for edge in ("a", "b"):
+        book.add(edge)
+    send(book)
+    book.report("a", 0, 0, book.shares["a"].seq)
+    book.report("b", 0, 0, book.shares["b"].seq)
+    send(book)
+    assert grants_of(book) == {"a": 3, "b": 3}
+    assert book.start("a")  # a runs one, holds 2 idle
+    for _ in range(3):
+        assert book.start("b")
+    book.report("a", 1, 0, book.shares["a"].seq)
+    book.report("b", 3, 5, book.shares["b"].seq)  # b waits
+    assert book.contended("a") and not book.contended("b")
+    assert send(book) == {"a": 1}  # a shrink: b grows once a acknowledges it, and a does not answer
+    assert grants_of(book)["b"] == 3
+    book.lapse("a")
+    assert send(book) == {"b": 5}  # a keeps its running run's slot; b gets the rest now
+    assert book.held() == 6 and not book.contended("a")
+    book.end("a")
+    book.report("b", 5, 3, book.shares["b"].seq)
+    assert send(book) == {"a": 0, "b": 6}
+    book.report("b", 6, 0, book.shares["b"].seq)
+    assert send(book) == {}  # nothing to a lapsed edge, even what b does not ask for
+    book.revive("a")
+    book.report("a", 0, 2, book.shares["a"].seq)  # a wakes, acknowledges, has 2 waiting
+    book.report("b", 6, 4, book.shares["b"].seq)
+    grants = send(book)
+    assert grants == {"b": 4}  # b shrinks first (a's demand is 2): a grows once b acknowledges
+    assert book.held() <= 6
 
 
 def test_random_traffic_never_exceeds_capacity_and_never_refuses_a_run():
@@ -418,6 +473,66 @@ async def test_demand_moves_grant_between_edges_within_100_ms(nursery, upstream)
     assert settled_in < 0.5  # measured 25-90 ms on a loaded 2-core machine
     assert node.agent.slot_waits == 0
     await eventually(lambda: grant(first) == 2 and grant(second) == 2)  # idle again: split again
+
+
+async def test_a_stopped_edges_idle_grant_goes_to_the_edge_that_waits(nursery, upstream, tmp_path):
+    """Two edges (one an `iop edge` process), one node of 4 slots: idle, each holds 2. The
+    process is stopped (SIGSTOP, as a VM pause), and 4 requests come to the other edge: they
+    run 4 at once within a few seconds (the node pings the silent edge, then takes back its
+    idle grant), not after the 15 s it takes to judge the link dead (a 6-slot node ran 3 for
+    9 s while another edge queued: outside audits). The upstream never runs more than 4, and
+    the stopped edge, continued, is linked still and given grant again."""
+    upstream.script_for("t", [("hang",)])
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN})
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "iop.cli", "edge", "--config", cfg], stderr=subprocess.DEVNULL
+    )
+    stopped = False
+    try:
+        second = await start_edge(nursery)
+        urls = [f"ws://127.0.0.1:{port}/v1/node/link", second.link_url]
+        agent = NodeAgent(node_config(urls, [model("m", upstream, target="t", max_concurrency=4)]))
+        node_scope = trio.CancelScope()
+
+        async def run_node(task_status=trio.TASK_STATUS_IGNORED):
+            with node_scope:
+                await agent.serve(task_status=task_status)
+
+        await nursery.start(run_node)
+        book = agent.grants["m"]
+
+        def grants() -> list[int]:
+            return sorted(share.grant for share in book.shares.values())
+
+        with trio.fail_after(BOUND * 2):
+            await eventually(lambda: len(book.shares) == 2 and grants() == [2, 2], "both edges linked, 2 each")
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped = True
+            async with http(second) as client, trio.open_nursery() as clients:
+                asked = trio.current_time()
+                for _ in range(4):
+                    clients.start_soon(
+                        lambda: client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+                    )
+                await eventually(lambda: upstream.active == 4, "all four run")
+                took = trio.current_time() - asked
+                os.kill(proc.pid, signal.SIGCONT)
+                stopped = False
+                clients.cancel_scope.cancel()
+            await eventually(lambda: not any(share.lapsed for share in book.shares.values()), "heard from again")
+            await eventually(lambda: grants() == [2, 2], "idle again: split again")
+        print(f"the stopped edge's grant moved in {took:.2f} s")
+        assert took < 8, took  # (2.0-3.0 s: GRANT_SILENCE_S and a probe; 15 s and more before)
+        assert upstream.max_active == 4
+        assert len(agent.links) == 2  # (the stopped edge's link was never judged dead)
+        node_scope.cancel()
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        with trio.CancelScope(shield=True), trio.move_on_after(BOUND):
+            await proc.wait()
 
 
 async def test_protocol_1_node_is_refused_with_a_reason(edge):
