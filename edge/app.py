@@ -674,12 +674,18 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        # Its series name every model and key id: as the admin API is, an admin key's, or with
-        # no admin_keys a client key's (an edge with keys and no admin_keys gave every key's
-        # usage to anyone; an outside audit). An open edge's is open.
+        # Its series name every model and key id: an admin key's, as the admin API is; with keys
+        # and no admin_keys, no one's (it gave every key's usage to anyone, then to any key holder;
+        # outside audits). An open edge's is open.
         refused = admin_auth()
         if refused is not None:
             return refused
+        if not config.admin_keys and not edge.keys.open:
+            message = (
+                "GET /metrics names every key and model: on an edge with keys it needs an admin key; "
+                "set admin_keys in the edge config and scrape with one."
+            )
+            return _json(403, error_json(message, "permission_error", code="admin_disabled"))
         return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
 
     @app.get("/")  # (and HEAD /: Claude Code's check that the base URL answers, at every start)

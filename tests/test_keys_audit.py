@@ -261,9 +261,10 @@ async def test_requests_without_a_valid_key_write_no_ledger_row(nursery, tmp_pat
                     assert r.status_code == 401
                     assert (await c.post("/v1/completions", content=b"{}", headers=headers)).status_code == 401
             assert (await c.get("/v1/chat/completions")).status_code == 401  # (no key: before the method)
-            # /metrics names every key and model: with keys and no admin_keys, a client key's (it was anyone's)
+            # /metrics names every key and model: with keys, an admin key's (it was anyone's)
             assert (await c.get("/metrics")).status_code == 401
-            metrics = (await c.get("/metrics", headers={"Authorization": "Bearer sk-k"})).text
+            assert (await c.get("/metrics", headers={"Authorization": "Bearer sk-k"})).status_code == 403
+            metrics = edge.edge.metrics.render().decode()
         async with client(edge, "sk-k") as c:
             assert (await chat(c)).status_code == 200
             assert (await chat(c, "nope")).status_code == 404  # a keyed refusal is a record

@@ -50,7 +50,7 @@ BODY = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
 async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream):
     """With api_keys set, /v1/* needs a valid bearer key (401 in the OpenAI shape otherwise, saying
     whether none came or a wrong one); the node link and /healthz do not. /metrics, whose series
-    name every key and model, takes a client key as the admin API does with no admin_keys (it
+    name every key and model, is an admin key's: with no admin_keys, a 403 to a client key (it
     was open: anyone read every key's usage)."""
     edge = await start_edge(nursery, edge_config(api_keys=["sk-one", "sk-two"]))
     await start_node(nursery, edge, [model("m", upstream)])  # links with its node token
@@ -73,7 +73,8 @@ async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream
                     assert r.json()["error"]["message"].startswith(said), (path, r.text)
             assert (await client.get("/healthz")).status_code == 200
             assert (await client.get("/metrics")).status_code == 401
-            assert (await client.get("/metrics", headers={"Authorization": "Bearer sk-one"})).status_code == 200
+            r = await client.get("/metrics", headers={"Authorization": "Bearer sk-one"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
         async with sdk(edge, api_key="sk-two") as client:
             reply = await client.chat.completions.create(**BODY)
             assert reply.choices[0].message.content == "tok0 tok1 "
