@@ -177,13 +177,14 @@ class GrantBook:
             target = at(low)
             left = self.capacity - sum(target)
             more = at(low + 1)
-            first = int(self._clock() / REMAINDER_TURN_S) % len(shares)  # whose turn it is to be first in line
-            for i in [*range(first, len(shares)), *range(first)]:  # the remainder: one more each, from there on
-                if left <= 0:
-                    break
-                if more[i] > target[i]:
+            # The remainder: one more each to the edges that want more, from the one whose turn it
+            # is on (turns among those alone: with an idle third edge in the book, its turns fell
+            # to the next edge in link order, which got the slot two turns in three).
+            wanting = [i for i in range(len(shares)) if more[i] > target[i]]
+            if wanting:
+                first = int(self._clock() / REMAINDER_TURN_S) % len(wanting)
+                for i in (wanting[first:] + wanting[:first])[:left]:
                     target[i] += 1
-                    left -= 1
         return {edge: t for (edge, _), t in zip(shares, target, strict=True)}
 
     def rebalance(self) -> list[tuple[Hashable, Grant]]:

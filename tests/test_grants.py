@@ -120,7 +120,7 @@ def test_grant_never_drops_below_running_runs():
 
 
 def test_edges_with_equal_demand_get_equal_service_when_the_capacity_does_not_split_evenly():
-    """Two edges, both always with runs waiting, on a 3-slot node (runs of 100 ms, frames
+    """Two edges, both always with runs waiting, and a third with none, on a 3-slot node (runs of 100 ms, frames
     delivered at once and in the node's order: a run's end frees its grant before the edge
     hears of it; 20 s on a virtual clock): each gets half the runs. The slot a fair
     split leaves over went to the older link for good, so the first edge ran 2:1 (every
@@ -131,6 +131,8 @@ def test_edges_with_equal_demand_get_equal_service_when_the_capacity_does_not_sp
     done = dict.fromkeys(edges, 0)
     for n in edges:
         book.add(n)
+    book.add("idle")  # linked, no demand for the model (its turns fell to the next edge: 2 in 3)
+    book.report("idle", 0, 0, 0)
 
     def exchange():
         for _ in range(10):  # until the grants settle
@@ -138,6 +140,9 @@ def test_edges_with_equal_demand_get_equal_service_when_the_capacity_does_not_sp
             if not grants:
                 return
             for n, grant in grants:
+                if n == "idle":
+                    book.report(n, 0, 0, grant.seq)
+                    continue
                 edges[n]["grant"], edges[n]["seq"] = grant.slots, grant.seq
             for n, e in edges.items():
                 book.report(n, len(e["ends"]), 100, e["seq"])
