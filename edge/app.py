@@ -325,6 +325,8 @@ def _count_refusal(key: Key, refusal: APIError) -> None:
     """``key``'s refusals by limit (iop_key_rate_limited_total)."""
     limit = getattr(refusal, "limit", None) or ("budget" if refusal.status == 429 else None)
     limit = _LIMIT_LABELS.get(limit, limit)  # (what edge.shared_state could not borrow or read again)
+    if limit == "budget" and refusal.code == "rate_limit_exceeded":
+        limit = "budget_held"  # (its requests in flight hold the rest: not spent, to retry)
     if limit is not None:
         key.limited[limit] = key.limited.get(limit, 0) + 1
 

@@ -499,6 +499,15 @@ async def test_a_compressed_body_and_a_session_that_is_no_string_say_so(first):
             c = await client.post("/v1/chat/completions", content=packed, headers=gzipped)
             m = await client.post("/v1/messages", content=packed, headers=gzipped)
             same = await client.post("/v1/chat/completions", json=chat, headers={"content-encoding": "identity"})
+            twice = [
+                ("content-encoding", "identity"),
+                ("content-encoding", "gzip"),
+                ("content-type", "application/json"),
+            ]
+            second_line = await client.post("/v1/chat/completions", content=packed, headers=twice)
+            keyed = await client.post(
+                "/v1/responses", json={"model": "m", "input": "hi", "user": "", "prompt_cache_key": "k"}
+            )
             bad = [
                 await client.post("/v1/messages", json={**chat, "max_tokens": 8, "metadata": {"user_id": 5}}),
                 await client.post("/v1/responses", json={"model": "m", "input": "hi", "user": 5}),
@@ -509,10 +518,12 @@ async def test_a_compressed_body_and_a_session_that_is_no_string_say_so(first):
     assert m.status_code == 415 and m.json()["type"] == "error"
     assert m.json()["error"]["type"] == "invalid_request_error" and "gzip" in m.json()["error"]["message"]
     assert same.status_code == 200
+    assert second_line.status_code == 415 and "identity, gzip" in second_line.json()["error"]["message"]
+    assert keyed.status_code == 200 and upstream.records[-1].body["user"] == "k"  # (an empty user is none)
     assert [r.status_code for r in bad] == [400, 400, 400]
     assert "`metadata.user_id`: expected a string" in bad[0].json()["error"]["message"]
     assert [r.json()["error"]["param"] for r in bad[1:]] == ["user", "prompt_cache_key"]
-    assert len(upstream.records) == 1
+    assert len(upstream.records) == 2
 
 
 async def test_a_bad_tool_is_named_as_its_own_api_names_it(first):
@@ -535,6 +546,9 @@ async def test_a_bad_tool_is_named_as_its_own_api_names_it(first):
         tool = {"type": "function", "name": "f", "parameters": schema, field: value}
         body = {"model": "m", "input": "hi", "tools": [{"type": "web_search"}, tool]}
         cases.append(("/v1/responses", body, f"tools[1].{field}"))
+    for namespace, name in (("ns", "a" * 256), ("n" * 256, "f")):  # (the name the model sees: ns__name)
+        tool = {"type": "namespace", "name": namespace, "tools": [{"type": "function", "name": name}]}
+        cases.append(("/v1/responses", {"model": "m", "input": "hi", "tools": [tool]}, "tools[0].tools[0].name"))
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             for path, body, field in cases:

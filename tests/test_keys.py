@@ -272,6 +272,7 @@ async def test_a_budget_held_by_requests_in_flight_is_a_refusal_to_retry_not_spe
     assert "requests in flight hold the rest of its daily budget of 5000 tokens" in refused.json()["error"]["message"]
     assert refused.headers["retry-after"] == "1" and "x-should-retry" not in refused.headers
     assert served.status_code == 200, served.text
+    assert edge.edge.keys.by_id["bud"].limited == {"budget_held": 1}  # (iop_key_rate_limited_total: not "budget")
 
 
 async def test_daily_budget_is_insufficient_quota_and_survives_a_restart(nursery, tmp_path):

@@ -630,6 +630,48 @@ async def test_tool_results_reach_the_model_in_the_order_of_its_calls(tooled, ap
     assert [shown.index(out) for out in outputs] == sorted(shown.index(out) for out in outputs), shown
 
 
+async def test_assistant_turns_in_a_row_are_one_turn_with_its_results_after_it(tooled):
+    """Messages' consecutive assistant turns (a text turn after one of calls) and a Responses
+    preamble message between two calls are one assistant message, as Anthropic merges turns of
+    one role: its calls' results then follow it, in call order. The Messages history was a 400
+    (a call "without a result immediately after"); the Responses one left the first call's
+    result behind the second's."""
+    edge, upstream = tooled
+    tools = [{"name": "get_time", "input_schema": {"type": "object"}}]
+    uses = [{"type": "tool_use", "id": "a", "name": "get_time", "input": {}}]
+    messages = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": uses},
+        {"role": "assistant", "content": [{"type": "text", "text": "more"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": "OUT-A"}]},
+    ]
+    items = [
+        {"role": "user", "content": "Time?"},
+        {"type": "function_call", "call_id": "a", "name": "get_time", "arguments": "{}"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "mid"}]},
+        {"type": "function_call", "call_id": "b", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "b", "output": "OUT-B"},
+        {"type": "function_call_output", "call_id": "a", "output": "OUT-A"},
+    ]
+    upstream.script_for("t", steps({"content": "Done."}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "native", "max_tokens": 50, "tools": tools, "messages": messages}
+            m = await client.post("/v1/messages", json=body)
+            tools_r = [{"type": "function", "name": "get_time", "parameters": {"type": "object"}}]
+            r = await client.post("/v1/responses", json={"model": "native", "input": items, "tools": tools_r})
+    assert m.status_code == 200, m.text
+    assert r.status_code == 200, r.text
+    said, answered = (rec.body["messages"] for rec in upstream.records)
+    assert [(x["role"], x.get("content"), [c["id"] for c in x.get("tool_calls", [])]) for x in said[1:]] == [
+        ("assistant", "more", ["a"]),
+        ("tool", "OUT-A", []),
+    ]
+    assert [x["role"] for x in answered] == ["user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in answered[1]["tool_calls"]] == ["a", "b"] and "mid" in str(answered[1]["content"])
+    assert [x["content"] for x in answered[2:]] == ["OUT-A", "OUT-B"]
+
+
 async def test_a_model_without_native_tools_gets_an_image_turn_joined_with_the_text_around_it(tooled):
     """native_tools = false: tool results, then the user's message with an image, then a retry's
     correction are one user turn of parts, in order (the image turn kept its own, and the

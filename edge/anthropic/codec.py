@@ -44,7 +44,13 @@ import msgspec
 
 from edge import errors
 from edge.errors import APIError
-from edge.openai.request import TOOL_IMAGE_NOTE, UPLOADED_IMAGE_NOTE, check_content_parts, tool_images_head
+from edge.openai.request import (
+    TOOL_IMAGE_NOTE,
+    UPLOADED_IMAGE_NOTE,
+    check_content_parts,
+    merge_assistant_turns,
+    tool_images_head,
+)
 from edge.openai.schema import MAX_TOOL_NAME, UsageOut
 from edge.openai.tools import id_key
 from proto import ToolCall, jsoncost
@@ -472,6 +478,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             messages.extend(_user_messages(content, param))
         else:
             messages.append(_assistant_message(content, param))
+    messages = merge_assistant_turns(messages)
     _check_tool_results(messages)
     system = [text for text in system if text]  # (a system of the billing line alone is none)
     if system:

@@ -460,6 +460,38 @@ def parse_chat_request(
     return req, forward
 
 
+def merge_assistant_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive assistant messages (of another API's request, translated) as one: their
+    texts joined by a blank line, their calls in order, as Anthropic merges consecutive turns
+    of one role. Kept apart, a call's results came after a later turn (a 400 for Claude Code's
+    history of a text turn between two of calls; a Responses preamble message between two
+    calls left the first call's result behind the second's)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        last = out[-1] if out else None
+        if last is None or message["role"] != "assistant" or last["role"] != "assistant":
+            out.append(message)
+            continue
+        merged = dict(last)
+        merged["content"] = _joined_content(last.get("content"), message.get("content"))
+        calls = (last.get("tool_calls") or []) + (message.get("tool_calls") or [])
+        if calls:
+            merged["tool_calls"] = calls
+        out[-1] = merged
+    return out
+
+
+def _joined_content(first: Any, second: Any) -> Any:
+    if not first:
+        return second if second is not None else first
+    if not second:
+        return first
+    if isinstance(first, str) and isinstance(second, str):
+        return f"{first}\n\n{second}"
+    parts = [{"type": "text", "text": first}] if isinstance(first, str) else list(first)
+    return parts + ([{"type": "text", "text": second}] if isinstance(second, str) else list(second))
+
+
 def _results_in_call_order(messages: list[Message]) -> list[int] | None:
     """The messages' order with each run of tool results in the order of the
     calls they answer (the assistant message before them), or None if it is so

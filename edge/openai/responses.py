@@ -34,6 +34,7 @@ from edge.openai.request import (
     TOOL_IMAGE_NOTE,
     UPLOADED_IMAGE_NOTE,
     check_content_parts,
+    merge_assistant_turns,
     tool_images_head,
 )
 from edge.openai.schema import MAX_TOOL_NAME, JsonSchemaFormat, UsageOut
@@ -165,7 +166,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
     for name in ("user", "prompt_cache_key"):  # (as OpenAI's; a number was taken and kept no session)
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise _bad(f"Invalid value for `{name}`: expected a string.", name)
-    user = raw.get("user") if raw.get("user") is not None else raw.get("prompt_cache_key")
+    user = raw.get("user") or raw.get("prompt_cache_key")  # (an empty user is none: the cache key then)
     if user:
         chat["user"] = user  # the session a run keeps to (a node's warm cache)
     _decode_tools(raw, decoded)
@@ -273,7 +274,7 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
             )
     if tool_images:
         out.append({"role": "user", "content": tool_images})
-    return out
+    return merge_assistant_turns(out)
 
 
 def _once(item_id: Any, mine: set[str], other: set[str], param: str) -> None:
@@ -666,6 +667,9 @@ def _namespace_functions(tool: dict[str, Any], param: str, out: list[dict[str, A
         function = _function(fn, f"{param}.tools[{j}]")
         name = function["function"]["name"]
         flat = namespace_name(namespace, name)
+        if len(flat) > MAX_TOOL_NAME:  # (named here: chat's check named the flat list's `function.name`)
+            where = f"{param}.tools[{j}].name"
+            raise _bad(f"Invalid value for `{where}`: with its namespace, at most {MAX_TOOL_NAME} characters.", where)
         function["function"]["name"] = flat
         decoded.namespaced[flat] = (namespace, name)
         out.append(function)

@@ -133,6 +133,18 @@ class _Unwatched:
 _UNWATCHED = _Unwatched()
 
 
+def _content_encoding(headers) -> bytes | None:
+    """The request's ``Content-Encoding``, every line of it joined (RFC 9110: a second line
+    of gzip after one of identity is still gzip), if it names any coding but identity."""
+    lines = [value for name, value in headers if name == b"content-encoding"]
+    if not lines:
+        return None
+    joined = b", ".join(lines)
+    if all(part.strip().lower() in (b"", b"identity") for part in joined.split(b",")):
+        return None
+    return joined
+
+
 def _compressed(encoding: bytes) -> APIError:
     shown = encoding.decode("latin-1")[:32]
     return APIError(
@@ -173,8 +185,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                             code="method_not_allowed",
                             headers=[(b"allow", b"POST")],
                         )
-                    encoding = ex.header(b"content-encoding")
-                    if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+                    encoding = _content_encoding(ex.scope["headers"])
+                    if encoding is not None:
                         raise _compressed(encoding)  # (a 400 "not valid JSON at byte 0" before)
                     edge.handling += 1  # (a drain waits for its answer)
                     counted = True
