@@ -58,18 +58,18 @@ def load(path: str | Path, cls: type[T]) -> T:
 MAX_INT = 2**53  # larger than any setting means; past 2**64 a value cannot even go on the wire
 
 
-def _bad_number(raw: Any) -> tuple[str, str] | None:
+def _bad_number(raw: Any, ints: bool = False) -> tuple[str, str] | None:
     """The first key holding a number no setting takes, and why: NaN (TOML's
     ``nan``: no setting means "not a number", and NaN passes every ``<=`` check
-    a setting has; a NaN timeout reached the run timers' heap), or an integer
-    past 2**53 (a node's ``context_window = 10**21`` passed its checks, and the
-    node then failed every dial encoding its hello)."""
+    a setting has; a NaN timeout reached the run timers' heap), or with ``ints``
+    an integer past 2**53 (a node's ``context_window = 10**21`` passed its
+    checks, and the node then failed every dial encoding its hello)."""
     stack: list[tuple[str, Any]] = [("", raw)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, float) and value != value:
             return path, "must be a number, not nan"
-        if isinstance(value, int) and abs(value) > MAX_INT:
+        if ints and isinstance(value, int) and abs(value) > MAX_INT:
             return path, f"out of range (at most 2**53 = {MAX_INT})"
         if isinstance(value, dict):
             stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
@@ -98,6 +98,9 @@ def convert(raw: dict[str, Any], cls: type[T], *, source: str = "config") -> T:
             check()
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from e
+    bad = _bad_number(raw, ints=True)  # (after the settings' own checks: theirs say more)
+    if bad is not None:
+        raise ConfigError(f"{source}: {bad[0]}: {bad[1]}")
     return cfg
 
 
