@@ -9,7 +9,8 @@
   today's tokens and usage to date.
 - ``PATCH /v1/admin/keys/{id}``: change a run-time key's policy (the fields given).
 - ``DELETE /v1/admin/keys/{id}``: revoke at once: new requests get 401, its
-  streams in flight finish.
+  streams in flight finish. A ledger that fails the write: 202, revoked here,
+  stored when the ledger answers again.
 
 Keys from the config file are listed but not changed here (409). A ledger
 whose database fails the call (PostgreSQL down, SQLite locked or read-only):
@@ -143,6 +144,12 @@ def _key_view(key: Key, totals: dict[str, tuple[int, int, int]]) -> dict[str, An
             "total_tokens": prompt + completion,
         },
     }
+
+
+REVOKE_PENDING = (
+    "Revoked on this edge; the ledger could not store it now and will when it answers again. "
+    "Other edges learn of it then (an edge restarted before then serves the key again)."
+)
 
 
 def admin_refusal(edge: Edge) -> Response | None:
@@ -326,11 +333,19 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
         key = run_time_key(key_id, "remove")
         if isinstance(key, Response):
             return key
-        # Stored first: a ledger that cannot store it (503) leaves the key as it was, not
-        # revoked here only to come back when this edge next reads the key table.
+        # Revoked here at once; then stored. A ledger that fails the write (PostgreSQL down) leaves
+        # it revoked here, and it is stored when the ledger answers again (Ledger.revoking): a 202.
+        # (It was a 503 that changed nothing: a leaked key served on, here too, for the outage.)
         async with writing:
             if edge.keys.by_id.get(key_id) is not key:
                 return error_response(404, f"No key {key_id!r}.", "key_not_found")
-            await edge.ledger.revoke_key(key_id)  # type: ignore[union-attr]
             edge.retire(key)
+            ledger = edge.ledger
+            assert ledger is not None  # (run-time keys need one)
+            try:
+                await ledger.revoke_key(key_id, key.sha256)
+            except LedgerUnavailable as e:
+                ledger.revoking[key_id] = key.sha256
+                log.warning("key revoked here; the ledger will store it when it answers", key=key_id, error=str(e))
+                return json_response(202, {"id": key_id, "deleted": True, "stored": False, "message": REVOKE_PENDING})
         return json_response(200, {"id": key_id, "deleted": True})

@@ -218,6 +218,10 @@ class Ledger:
         self.available = True
         # The edge's: applies the key table (:func:`_live_keys`).
         self.on_keys: Callable[[list[tuple], bool], None] | None = None
+        # Keys revoked on this edge while the database failed the write (id -> the revoked secret's
+        # sha256): stored at the next refresh it answers; until then the key table's row of it is
+        # not taken as live (edge.admin: a leaked key served on for a PostgreSQL outage).
+        self.revoking: dict[str, str] = {}
         # The edge's: whether it is open (no keys). A keyed edge's request without a key was
         # refused before any work (401, 405...): not recorded, or anyone could grow the database.
         self.open: Callable[[], bool] = lambda: True
@@ -459,9 +463,16 @@ class Ledger:
                 continue
             ask_any = self.unkeyed()  # (an edge with no key yet: is there one, revoked or not?)
             try:
+                for key_id, sha in list(self.revoking.items()):
+                    await self.revoke_key(key_id, sha, probe=True)
+                    if self.revoking.get(key_id) == sha:
+                        del self.revoking[key_id]
+                        log.info("a key revoked while the ledger failed is stored revoked now", key=key_id)
                 rows, stored = await self._call(functools.partial(_live_keys, ask_any=ask_any), probe=True)
             except LedgerUnavailable:
                 continue
+            if self.revoking:
+                rows = [row for row in rows if self.revoking.get(row[0]) != row[1]]
             self.on_keys(rows, stored)
 
     def close(self) -> None:
@@ -555,10 +566,11 @@ class Ledger:
         sql = self.dialect.sql("UPDATE keys SET policy = ?, sha256 = ? WHERE id = ? AND revoked IS NULL")
         return await self._call(lambda db: db.execute(sql, (data, sha256, key_id)).rowcount > 0)
 
-    async def revoke_key(self, key_id: str) -> None:
-        """Kept, marked revoked: its id stays in the ledger's history, its secret works no more."""
-        sql = self.dialect.sql("UPDATE keys SET revoked = ? WHERE id = ?")
-        await self._call(lambda db: db.execute(sql, (time.time(), key_id)))
+    async def revoke_key(self, key_id: str, sha256: str, probe: bool = False) -> None:
+        """Kept, marked revoked: its id stays in the ledger's history, its secret works no more.
+        Only the row of that secret: an id made again since (a new secret) stays live."""
+        sql = self.dialect.sql("UPDATE keys SET revoked = ? WHERE id = ? AND sha256 = ? AND revoked IS NULL")
+        await self._call(lambda db: db.execute(sql, (time.time(), key_id, sha256)), probe=probe)
 
 
 def _close(db: Any, errors: tuple[type[BaseException], ...]) -> None:

@@ -14,6 +14,7 @@ import time
 import httpx
 import trio
 
+from edge import ledger as ledger_module
 from edge import shared_state
 from edge.config import KeyConfig
 from scripts.stack import free_port, write_toml
@@ -1139,6 +1140,46 @@ async def test_a_key_id_live_on_another_edge_is_not_made_again(nursery, postgres
         for edge in (a, b):
             async with client(edge, secret) as c:
                 assert (await chat(c)).status_code == 200
+
+
+async def test_a_key_revoked_while_the_ledger_is_down_is_refused_at_once_and_stored_later(
+    nursery,
+    postgres,
+    postgres_url,  # noqa: F811
+):
+    """PostgreSQL down: revoking a (leaked) key is a 202, and the key is refused here at once; the
+    revocation is stored once the ledger answers (an edge started then refuses it too), and the
+    key table read meanwhile does not bring it back. It was a 503 after 15 s, the key served on
+    both edges for the outage, and stored anyway once the database woke (an outside audit)."""
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=postgres_url))
+    await start_node(nursery, edge, [sim("qwen-a")], node_id="n-a")
+    stopped = False
+    try:
+        with trio.fail_after(BOUND * 2):
+            async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as adm:
+                made = await adm.post("/v1/admin/keys", json={"id": "leak"})
+                assert made.status_code == 201, made.text
+                async with client(edge, made.json()["key"]) as c:
+                    assert (await chat(c)).status_code == 200
+                    await trio.to_thread.run_sync(postgres.stop)
+                    stopped = True
+                    gone = await adm.delete("/v1/admin/keys/leak")
+                    after = await chat(c)
+                    await trio.to_thread.run_sync(postgres.start)
+                    stopped = False
+                    await eventually(lambda: not edge.edge.ledger.revoking, "stored")
+                    await trio.sleep(ledger_module.KEYS_REFRESH_S + 0.5)  # (a read of the key table since)
+                    later = await chat(c)
+                    second = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=postgres_url))
+                    await start_node(nursery, second, [sim("qwen-a")], node_id="n-b")
+                    async with client(second, made.json()["key"]) as c2:
+                        elsewhere = await chat(c2)
+    finally:
+        if stopped:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(postgres.start)
+    assert gone.status_code == 202 and gone.json()["stored"] is False, gone.text
+    assert after.status_code == 401 and later.status_code == 401 and elsewhere.status_code == 401
 
 
 async def test_a_key_id_revoked_on_another_edge_can_be_made_again_at_once(nursery, postgres_url):  # noqa: F811
