@@ -35,6 +35,15 @@ if sync_playwright is None or CHROMIUM is None:
     pytest.skip("playwright or chromium missing (make test installs them)", allow_module_level=True)
 
 
+def open_console(browser, edge) -> tuple:
+    """A desktop-sized page on the edge's console, and the list its page errors go to."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(edge.url + "/console")
+    return page, errors
+
+
 def shot(page, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
@@ -80,10 +89,7 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             try:
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(edge.url + "/console")
+                page, errors = open_console(browser, edge)
 
                 # A wrong key is refused, and not kept.
                 page.fill("#key", "not-the-key")
@@ -257,10 +263,7 @@ async def test_a_snapshot_changes_only_the_rows_and_cells_that_changed(nursery, 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             try:
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(edge.url + "/console")
+                page, errors = open_console(browser, edge)
                 page.fill("#key", ADMIN)
                 page.click("#login-form button[type=submit]")
                 nodes = page.locator("#nodes tbody tr")
