@@ -289,6 +289,7 @@ async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nur
             for edge in edges:
                 n.start_soon(one, edge)
         used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
+    print(f"two streams cut at {sum(used)} tokens together ({used}) on a budget of 10,000")
     assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
     assert 10_000 < sum(used) < 16_000, used  # (18,000 before: each ran to its end)
 
