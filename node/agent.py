@@ -399,24 +399,29 @@ class EdgeLink:
 
     async def _watch_grants(self) -> None:
         """While this edge holds grant it runs nothing on and another edge waits for some:
-        ping it every :data:`GRANT_PROBE_S`, and if it stays silent :data:`GRANT_SILENCE_S`
+        ping it, and if it leaves the ping unanswered :data:`GRANT_SILENCE_S`
         (a SIGSTOP, a VM pause: its link is judged dead only after the ping timeout, 15 s
         by default, and a 6-slot node ran 3 while another edge queued), take that grant
         back (:meth:`GrantBook.lapse`) until it is heard from again."""
         agent = self.agent
+        probed = -math.inf  # when the last probe went
         while True:
             await trio.sleep(GRANT_PROBE_S)
             if self.lapsed or not any(book.contended(self) for book in agent.grants.values()):
                 continue
-            silent = trio.current_time() - self.last_rx
-            if silent >= GRANT_SILENCE_S:
-                log.warning("edge silent: its idle grant goes to others", edge=self.url, silent_s=round(silent, 1))
+            now = trio.current_time()
+            if now - self.last_rx < GRANT_PROBE_S:
+                continue
+            if probed < self.last_rx:  # (no probe since it was last heard: an idle edge may be quiet 5 s)
+                probed = now
+                self.outbox.control_nowait(Ping(ts=now))  # (its pong says it is there)
+            elif now - probed >= GRANT_SILENCE_S:  # (a probe unanswered that long)
+                silent = round(now - self.last_rx, 1)
+                log.warning("edge silent: its idle grant goes to others", edge=self.url, silent_s=silent)
                 self.lapsed = True
                 for model, book in agent.grants.items():
                     book.lapse(self)
                     agent.rebalance(model)
-            elif silent >= GRANT_PROBE_S:
-                self.outbox.control_nowait(Ping(ts=trio.current_time()))  # (its pong says it is there)
 
     def _revive(self) -> None:
         self.lapsed = False
