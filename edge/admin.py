@@ -146,6 +146,7 @@ def _key_view(key: Key, totals: dict[str, tuple[int, int, int]]) -> dict[str, An
     }
 
 
+REVOKE_WAIT_S = 2.0  # a revocation waits this long for the ledger, then is stored later (Ledger.revoking)
 REVOKE_PENDING = (
     "Revoked on this edge; the ledger could not store it now and will when it answers again. "
     "Other edges learn of it then (an edge restarted before then serves the key again)."
@@ -342,10 +343,17 @@ def admin_routes(app: QuartTrio, edge: Edge) -> None:
             edge.retire(key)
             ledger = edge.ledger
             assert ledger is not None  # (run-time keys need one)
+            problem = ""
             try:
-                await ledger.revoke_key(key_id, key.sha256)
+                # (a hung database held the admin API's writes 15 s behind this one: an outside re-check)
+                with trio.move_on_after(REVOKE_WAIT_S) as waited:
+                    await ledger.revoke_key(key_id, key.sha256)
+                if waited.cancelled_caught:
+                    problem = f"the database did not answer in {REVOKE_WAIT_S:g} s"
             except LedgerUnavailable as e:
+                problem = str(e)
+            if problem:
                 ledger.revoking[key_id] = key.sha256
-                log.warning("key revoked here; the ledger will store it when it answers", key=key_id, error=str(e))
+                log.warning("key revoked here; the ledger will store it when it answers", key=key_id, error=problem)
                 return json_response(202, {"id": key_id, "deleted": True, "stored": False, "message": REVOKE_PENDING})
         return json_response(200, {"id": key_id, "deleted": True})
