@@ -549,6 +549,17 @@ async def test_a_bad_tool_is_named_as_its_own_api_names_it(first):
     for namespace, name in (("ns", "a" * 256), ("n" * 256, "f")):  # (the name the model sees: ns__name)
         tool = {"type": "namespace", "name": namespace, "tools": [{"type": "function", "name": name}]}
         cases.append(("/v1/responses", {"model": "m", "input": "hi", "tools": [tool]}, "tools[0].tools[0].name"))
+    # Two tools the model would see by one name (a namespace's are NAMESPACE__NAME): their calls went to the last.
+    fn = {"type": "function"}
+    for clash in (
+        [
+            {"type": "namespace", "name": "a", "tools": [{**fn, "name": "b__c"}]},
+            {"type": "namespace", "name": "a__b", "tools": [{**fn, "name": "c"}]},
+        ],
+        [{"type": "namespace", "name": "a", "tools": [{**fn, "name": "b"}]}, {**fn, "name": "a__b"}],
+        [{**fn, "name": "a__b"}, {"type": "namespace", "name": "a", "tools": [{**fn, "name": "b"}]}],
+    ):
+        cases.append(("/v1/responses", {"model": "m", "input": "hi", "tools": clash}, "tools"))
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             for path, body, field in cases:

@@ -516,6 +516,14 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
             decoded.ignored_tools.append(str(tool.get("type")))
             continue
         functions.append(_function(tool, f"tools[{i}]"))
+    if decoded.namespaced:  # (a plain function named as a namespaced one)
+        plain = [f["function"]["name"] for f in functions]
+        if len(plain) != len(set(plain)):
+            seen: set[str] = set()
+            for name in plain:
+                if name in seen and name in decoded.namespaced:
+                    _namespaced_clash(name)
+                seen.add(name)
     choice = raw.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         functions, choice = _allowed_tools(choice, functions)
@@ -652,6 +660,16 @@ def _function(tool: dict[str, Any], param: str, name: str | None = None) -> dict
 _FUNCTION_FIELDS = (("description", str, "a string"), ("parameters", dict, "an object"), ("strict", bool, "a boolean"))
 
 
+def _namespaced_clash(name: str) -> None:
+    """A 400: a namespaced function's name as the model sees it (``NAMESPACE__NAME``) is
+    another tool's too; its calls were reported under the last namespace (an outside re-check)."""
+    raise _bad(
+        f"Invalid value for `tools`: the model would see two tools named `{name[:100]}` (a namespace's "
+        "functions are named NAMESPACE__NAME).",
+        "tools",
+    )
+
+
 def _namespace_functions(tool: dict[str, Any], param: str, out: list[dict[str, Any]], decoded: Decoded) -> None:
     """A ``namespace`` tool's functions as plain ones named ``NAMESPACE__NAME``
     (its other tools, ``custom`` ones, are left out as elsewhere)."""
@@ -671,6 +689,8 @@ def _namespace_functions(tool: dict[str, Any], param: str, out: list[dict[str, A
             where = f"{param}.tools[{j}].name"
             raise _bad(f"Invalid value for `{where}`: with its namespace, at most {MAX_TOOL_NAME} characters.", where)
         function["function"]["name"] = flat
+        if flat in decoded.namespaced:  # (two namespaces' names made one: a 400)
+            _namespaced_clash(flat)
         decoded.namespaced[flat] = (namespace, name)
         out.append(function)
 
