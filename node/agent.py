@@ -79,8 +79,8 @@ from proto.frames import COMPLETE, DELTA, ERROR, MAX_HEADERS, PROGRESS, PROGRESS
 log = structlog.get_logger("iop.node")
 
 _MIN_PING_INTERVAL_S = 0.01  # an edge's ping interval of 0 must not spin the pinger
-GRANT_PROBE_S = 0.5  # an edge holding grant it does not use, while another waits: pinged this often...
-GRANT_SILENCE_S = 2.0  # ...and silent this long, that grant is taken back (EdgeLink._watch_grants)
+GRANT_PROBE_S = 0.5  # an edge holding grant it does not use, while another waits: looked at (pinged) this often...
+GRANT_SILENCE_S = 2.0  # ...and a ping unanswered this long, that grant is taken back (EdgeLink._watch_grants)
 _EARLY_CANCELS = 1024  # cancels remembered per link for runs not seen yet
 
 
