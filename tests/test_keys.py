@@ -535,8 +535,9 @@ async def test_a_keys_request_refused_while_the_edge_drains_is_the_keys_record(n
 
 async def test_a_locked_sqlite_ledger_is_503_and_changes_nothing(nursery, tmp_path, monkeypatch):
     """Another process holding the SQLite ledger's write lock (its writes fail as on a read-only
-    file or a full disk): making or revoking a key is 503 `ledger_unavailable` once SQLite's busy
-    wait (5 s; 1 s here) is over, and changes nothing; when the lock is gone the same requests work."""
+    file or a full disk): making a key is 503 `ledger_unavailable` once SQLite's busy wait (5 s;
+    1 s here) is over, and changes nothing; revoking one is a 202, the key refused at once and
+    the revocation stored once the lock is gone; then the same POST works."""
     monkeypatch.setattr(ledger, "SQLITE_BUSY_S", 1.0)
     path = tmp_path / "l.sqlite3"
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(path)))
@@ -553,15 +554,18 @@ async def test_a_locked_sqlite_ledger_is_503_and_changes_nothing(nursery, tmp_pa
             finally:
                 holder.execute("ROLLBACK")
                 holder.close()
-            for r in refused:
-                assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "ledger_unavailable"
-                assert r.json()["error"]["type"] == "service_unavailable_error"
+            made, revoked = refused
+            assert made.status_code == 503, made.text
+            assert made.json()["error"]["code"] == "ledger_unavailable"
+            assert made.json()["error"]["type"] == "service_unavailable_error"
             assert "dave" not in edge.edge.keys.by_id
-            async with client(edge, secret) as c:  # not revoked
-                assert (await c.get("/v1/models")).status_code == 200
+            assert revoked.status_code == 202 and revoked.json()["stored"] is False, revoked.text
+            async with client(edge, secret) as c:  # revoked here at once
+                assert (await c.get("/v1/models")).status_code == 401
+            await eventually(lambda: not edge.edge.ledger.revoking, "the revocation stored")
             assert (await adm.post("/v1/admin/keys", json={"id": "dave"})).status_code == 201
-            assert (await adm.delete("/v1/admin/keys/carol")).status_code == 200
+            revoked_at = sqlite3.connect(path).execute("SELECT revoked FROM keys WHERE id = 'carol'").fetchone()
+            assert revoked_at is not None and revoked_at[0] is not None
             async with client(edge, secret) as c:
                 assert (await c.get("/v1/models")).status_code == 401
 
