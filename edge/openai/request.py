@@ -467,29 +467,39 @@ def merge_assistant_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     history of a text turn between two of calls; a Responses preamble message between two
     calls left the first call's result behind the second's)."""
     out: list[dict[str, Any]] = []
-    for message in messages:
-        last = out[-1] if out else None
-        if last is None or message["role"] != "assistant" or last["role"] != "assistant":
-            out.append(message)
-            continue
-        merged = dict(last)
-        merged["content"] = _joined_content(last.get("content"), message.get("content"))
-        calls = (last.get("tool_calls") or []) + (message.get("tool_calls") or [])
-        if calls:
-            merged["tool_calls"] = calls
-        out[-1] = merged
+    i, n = 0, len(messages)
+    while i < n:
+        j = i + 1
+        if messages[i]["role"] == "assistant":
+            while j < n and messages[j]["role"] == "assistant":
+                j += 1
+        out.append(messages[i] if j == i + 1 else _merged(messages[i:j]))
+        i = j
     return out
 
 
-def _joined_content(first: Any, second: Any) -> Any:
-    if not first:
-        return second if second is not None else first
-    if not second:
-        return first
-    if isinstance(first, str) and isinstance(second, str):
-        return f"{first}\n\n{second}"
-    parts = [{"type": "text", "text": first}] if isinstance(first, str) else list(first)
-    return parts + ([{"type": "text", "text": second}] if isinstance(second, str) else list(second))
+def _merged(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """One assistant message of ``turns``, each content read once (folding them pairwise
+    copied the text and parts so far at every turn: quadratic in a long run)."""
+    merged = dict(turns[0])
+    contents = [t.get("content") for t in turns]
+    said = [c for c in contents if c]
+    if not said:
+        merged["content"] = "" if any(c is not None for c in contents) else None
+    elif all(isinstance(c, str) for c in said):
+        merged["content"] = "\n\n".join(said)
+    else:
+        parts: list[Any] = []
+        for c in said:
+            if isinstance(c, str):
+                parts.append({"type": "text", "text": c})
+            else:
+                parts.extend(c)
+        merged["content"] = parts
+    calls = [call for t in turns for call in t.get("tool_calls") or ()]
+    if calls:
+        merged["tool_calls"] = calls
+    return merged
 
 
 def _results_in_call_order(messages: list[Message]) -> list[int] | None:
