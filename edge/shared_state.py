@@ -53,7 +53,11 @@ from them, so a request the local balance covers never waits on Redis:
   the budget's cut of the runs in flight (``Keys.cut_over_budget``) counts
   with its own (one stream on each of two edges, each of ``max_tokens``
   20,000 on a budget of 30,000, ran to 40,002 tokens: each edge counted
-  only its own streams and the others' ended requests).
+  only its own streams and the others' ended requests). An edge killed
+  mid-stream reports no end: once its field is :data:`EDGE_TTL_S` old, the
+  flights script adds it to the day's counter, and notes it as folded for
+  that edge (``iop:folded:<key>:<day>``), which an edge that was only
+  paused subtracts from what it adds (and writes) when back.
 - ``max_concurrent``: a request runs on a *slot* its edge holds in Redis.
   Each edge's entry in the key's flights hash (``iop:flight:<key>``: slots
   held, budget reserved, when) is written by a script that grows it only as
@@ -171,7 +175,8 @@ redis.call('EXPIRE', KEYS[1], 180)
 return {got, tostring(level)}
 """
 
-# KEYS[1]: a key's flights (edge id -> "slots held, budget held, when"), KEYS[2]: the key's day counter;
+# KEYS[1]: a key's flights (edge id -> "slots held, budget held, when"), KEYS[2]: the key's day counter,
+# KEYS[3] and KEYS[4]: its streams today and what was folded of them (see _STREAMED);
 # ARGV: this edge's id, the slots it wants to hold (more than it holds: only as many as the others leave
 # of the limit), the limit (0: none), the budget it holds on (its requests' reservations and its use not
 # yet in the day's counter), the seconds after which a silent edge's entry is dropped, the daily budget
@@ -211,6 +216,25 @@ if limit > 0 and tonumber(ARGV[8]) > 0 and want >= need and room >= math.max(2, 
 end
 local hold = tonumber(ARGV[4])
 local budget = tonumber(ARGV[6])
+if budget > 0 then
+  -- An edge silent for ttl died: what its requests in flight had streamed is the day's use (it
+  -- never reported their ends). Noted as folded for it, should it come back and report them.
+  local streams = redis.call('HGETALL', KEYS[3])
+  local dttl = redis.call('TTL', KEYS[2])
+  for i = 1, #streams, 2 do
+    if streams[i] ~= ARGV[1] then
+      local n, at = string.match(streams[i + 1], '^(%d+) ([%d.]+)$')
+      if n == nil or now - tonumber(at) > ttl then
+        redis.call('HDEL', KEYS[3], streams[i])
+        if n ~= nil and tonumber(n) > 0 and dttl > 0 then
+          redis.call('INCRBY', KEYS[2], n)
+          redis.call('HINCRBY', KEYS[4], streams[i], n)
+          redis.call('EXPIRE', KEYS[4], dttl)
+        end
+      end
+    end
+  end
+end
 local day = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local granted = 0
 for i = 9, #ARGV do
@@ -230,9 +254,12 @@ redis.call('EXPIRE', KEYS[1], ttl)
 return {want, others, reserved, hold, granted, day}
 """
 
-# KEYS[1]: a key's streams today (edge id -> "tokens when"); ARGV: this edge's id, what its requests
-# of the key in flight have streamed so far (0: none now, and its field goes), the seconds after which
-# a silent edge's field is dropped. Returns the other edges' sum.
+# KEYS[1]: a key's streams today (edge id -> "tokens when"), KEYS[2]: what the flights script folded
+# of them into the day's counter, per edge; ARGV: this edge's id, what its requests of the key in flight
+# have streamed so far (0: none now, and its field goes), the seconds after which a silent edge's field
+# is not counted, the hash's TTL. Returns the other edges' sum. A silent edge's field stays for the
+# flights script, which folds it into the day's counter (an edge killed mid-stream: its tokens were
+# never counted); what was folded of this edge's (it was only slow) is not written again.
 _STREAMED = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -242,16 +269,17 @@ local others = 0
 for i = 1, #entries, 2 do
   if entries[i] ~= ARGV[1] then
     local n, at = string.match(entries[i + 1], '^(%d+) ([%d.]+)$')
-    if n == nil or now - tonumber(at) > ttl then
+    if n == nil then
       redis.call('HDEL', KEYS[1], entries[i])
-    else
+    elseif now - tonumber(at) <= ttl then
       others = others + tonumber(n)
     end
   end
 end
-if tonumber(ARGV[2]) > 0 then
-  redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %.6f', tonumber(ARGV[2]), now))
-  redis.call('EXPIRE', KEYS[1], ttl)
+local mine = tonumber(ARGV[2]) - tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > 0 and mine > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %.6f', mine, now))
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 else
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
@@ -260,17 +288,25 @@ return others
 
 # KEYS[1]: the epoch, KEYS[2]: a key's day counter; ARGV: an epoch to set if Redis has none, the
 # epoch this edge last reported the day in, what to add if it is still that one, else what to add
-# if the counter exists, else what to add. Returns the epoch, the day's total and whether the
-# counter existed before.
+# if the counter exists, else what to add, the counter's TTL, this edge's id; KEYS[3]: what the
+# flights script folded into the counter of edges' streams (see _STREAMED). Returns the epoch, the
+# day's total and whether the counter existed before.
 _DAY = """
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 local epoch = redis.call('GET', KEYS[1])
 local existed = redis.call('EXISTS', KEYS[2])
-local add = ARGV[5]
+local add = tonumber(ARGV[5])
 if epoch == ARGV[2] then
-  add = ARGV[3]
+  add = tonumber(ARGV[3])
 elseif existed == 1 then
-  add = ARGV[4]
+  add = tonumber(ARGV[4])
+end
+local folded = tonumber(redis.call('HGET', KEYS[3], ARGV[7]) or '0')
+if folded > 0 and add > 0 then
+  -- (this edge was silent long enough for its streams to be folded in: that much of them is in)
+  local counted = math.min(folded, add)
+  add = add - counted
+  redis.call('HINCRBY', KEYS[3], ARGV[7], -counted)
 end
 local total = redis.call('INCRBY', KEYS[2], add)
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
@@ -480,14 +516,18 @@ class SharedState:
         for key_id, day, adds, flight in counters:
             if adds is not None:
                 self.day(
-                    keys=[EPOCH_KEY, f"iop:day:{key_id}:{day}"],
-                    args=[secrets.token_hex(8), *adds, DAY_TTL_S],
+                    keys=[EPOCH_KEY, f"iop:day:{key_id}:{day}", f"iop:folded:{key_id}:{day}"],
+                    args=[secrets.token_hex(8), *adds, DAY_TTL_S, self.edge_id],
                     client=pipe,
                 )
             if flight is not None:
                 self._flight(pipe, key_id, flight)
         for key_id, day, streamed in streams:
-            self.streams(keys=[f"iop:streamed:{key_id}:{day}"], args=[self.edge_id, streamed, EDGE_TTL_S], client=pipe)
+            self.streams(
+                keys=[f"iop:streamed:{key_id}:{day}", f"iop:folded:{key_id}:{day}"],
+                args=[self.edge_id, streamed, EDGE_TTL_S, DAY_TTL_S],
+                client=pipe,
+            )
         results = pipe.execute()
         others = [int(v) for v in results[len(results) - len(streams) :]] if streams else []
         rest = results[len(plan) :]
@@ -508,7 +548,12 @@ class SharedState:
         """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
         slots, limit, hold, budget, day, slice_, spare = args
         self.flight(
-            keys=[f"iop:flight:{key_id}", f"iop:day:{key_id}:{day}"],
+            keys=[
+                f"iop:flight:{key_id}",
+                f"iop:day:{key_id}:{day}",
+                f"iop:streamed:{key_id}:{day}",
+                f"iop:folded:{key_id}:{day}",
+            ],
             args=[self.edge_id, slots, limit, hold, EDGE_TTL_S, budget, slice_, spare, *asks],
             client=pipe,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -19,8 +20,9 @@ from edge import admin as admin_module
 from edge import ledger as ledger_module
 from edge import shared_state
 from edge.config import KeyConfig
+from node.agent import NodeAgent
 from scripts.stack import free_port, write_toml
-from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, start_edge, start_node
+from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, node_config, start_edge, start_node
 from tests.servers import postgres, postgres_url, redis_server  # noqa: F401  (fixtures)
 from tests.test_keys import ADMIN, ADMIN_H, MESSAGES, chat, client, sim
 
@@ -1351,3 +1353,104 @@ async def test_redis_gone_while_no_request_comes_is_seen(nursery, redis_server, 
             with trio.fail_after(8):  # (REFRESH_S is 1 s, a Redis call's timeout 1 s)
                 while await up(adm) != "0.0":
                     await trio.sleep(0.1)
+
+
+async def test_what_a_killed_edge_streamed_is_the_days_use_and_a_paused_ones_is_counted_once(
+    nursery,
+    redis_server,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Two edges share a budget key; edge b is an `iop edge` process streaming for it. SIGKILLed
+    mid-stream, b never reports the stream's end: what it had streamed (its last write to Redis)
+    goes into the day's counter once its silence passes the edges' TTL (it was dropped, and
+    never counted: an outside audit). SIGSTOPped past the TTL and continued instead, its stream
+    is folded in the same way, and its own report at the end adds only the rest: the day's
+    counter is the stream's usage, not that and the fold."""
+    import redis
+
+    monkeypatch.setattr(shared_state, "EDGE_TTL_S", 2)  # (edge a's judgement of b's silence)
+    keys = [KeyConfig(id="f", key="sk-f", daily_tokens=1_000_000)]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    port = free_port()
+    cfg = write_toml(
+        tmp_path / "b.toml",
+        {
+            "bind": f"127.0.0.1:{port}",
+            "node_token": TOKEN,
+            "ledger": str(tmp_path / "b.sqlite3"),
+            "state": redis_server.url,
+            "keys": [{"id": "f", "key": "sk-f", "daily_tokens": 1_000_000}],
+        },
+    )
+    proc = _edge_process(cfg, tmp_path / "b.stderr")
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    day = a.edge.keys.by_id["f"].day
+    streamed, folded, counter = f"iop:streamed:f:{day}", f"iop:folded:f:{day}", f"iop:day:f:{day}"
+
+    def redis_int(name: str) -> int:
+        return int(store.get(name) or 0)
+
+    def b_streamed() -> int:
+        fields = store.hgetall(streamed)
+        return sum(int(v.split()[0]) for v in fields.values())
+
+    try:
+        with trio.fail_after(BOUND * 2):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=BOUND) as c:
+                await _serving(c)
+                long = model("long", ttft_ms=0, tokens_per_s=400, sim_tokens=1600)
+                node = NodeAgent(node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [long], "n-b", ping_misses=10))
+                await nursery.start(node.serve)
+                c.headers["Authorization"] = "Bearer sk-f"
+                body = {
+                    "model": "long",
+                    "messages": MESSAGES,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                usage: list[int] = []
+
+                async def stream() -> None:
+                    with contextlib.suppress(httpx.RemoteProtocolError):  # (edge b killed)
+                        await _stream()
+
+                async def _stream() -> None:
+                    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200, await r.aread()
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {") and '"usage":{' in line:
+                                usage.append(json.loads(line[6:])["usage"]["total_tokens"])
+
+                await eventually(lambda: b_streamed() == 0, "edge b linked")  # (nothing streams yet)
+                while (await c.get("/v1/models")).json()["data"] == []:
+                    await trio.sleep(0.05)
+                # Paused past the TTL: folded, then counted once.
+                async with trio.open_nursery() as n:
+                    n.start_soon(stream)
+                    await eventually(lambda: b_streamed() >= 200, "edge b streams")
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    try:
+                        await eventually(lambda: store.hgetall(folded), "edge a folds b's stream in")
+                        at_fold = int(next(iter(store.hgetall(folded).values())))
+                        assert at_fold >= 200 and redis_int(counter) >= at_fold
+                    finally:
+                        os.kill(proc.pid, signal.SIGCONT)
+                assert len(usage) == 1 and usage[0] > 1600, usage
+                await eventually(lambda: redis_int(counter) >= usage[0], "edge b reports its stream")
+                await trio.sleep(0.5)  # (a round or two more: nothing is added twice)
+                assert redis_int(counter) == usage[0], (redis_int(counter), usage, at_fold)
+                # Killed mid-stream: what it had streamed is the day's use.
+                before = redis_int(counter)
+                async with trio.open_nursery() as n:
+                    n.start_soon(stream)
+                    await eventually(lambda: b_streamed() >= 200, "edge b streams again")
+                    proc.kill()
+                    await trio.to_thread.run_sync(proc.wait)
+                    last = b_streamed()  # (b's last write, there until a folds it)
+                    n.cancel_scope.cancel()
+                await eventually(lambda: not store.exists(streamed), "edge a folds b's stream in")
+                assert redis_int(counter) == before + last, (redis_int(counter), before, last)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(_end, proc)
