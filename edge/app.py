@@ -349,13 +349,19 @@ def _warn_open(address: str) -> None:
 
 NO_KEY = "Missing API key: send one as `Authorization: Bearer <key>` (or `x-api-key: <key>`)."
 WRONG_KEY = "Invalid API key: not one this edge accepts (or revoked)."
+NOT_BEARER = "The Authorization header holds no Bearer key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)."
 
 
 def unauthorized(authorization: bytes | str | None, x_api_key: bytes | str | None) -> APIError:
     """The 401 of a request whose key was refused: none sent, or one not accepted (a newcomer
     was told "invalid or missing" either way, and not how to send one). A new error each time:
     one raised again and again grows its traceback, and holds every request it was raised in."""
-    message = NO_KEY if client_token(authorization, x_api_key) is None else WRONG_KEY
+    if client_token(authorization, x_api_key) is not None:
+        message = WRONG_KEY
+    elif authorization:  # (`Authorization: sk-...`, or Basic: it was "Missing API key")
+        message = NOT_BEARER
+    else:
+        message = NO_KEY
     return APIError(401, message, "authentication_error", code="invalid_api_key")
 
 

@@ -156,6 +156,13 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     node_id = websocket.header(NODE_ID_HEADER)
     identity = _authenticate(config, node_id, websocket.header("Authorization"))
     if identity is None:
+        if not (config.node_token or node_id in config.node_tokens):
+            # (no token this node could send would do: a newcomer read "invalid node token" and
+            # changed the node's, while the edge had none set)
+            _refused(service, "node link refused: this edge has no node_token", node_id, websocket.peer)
+            message = "this edge has no node_token configured (nor a node_tokens entry for this node id): set one"
+            await websocket.refuse(401, error_json(message, "authentication_error", code="no_node_token"))
+            return None
         _refused(service, "node link refused: bad token", node_id, websocket.peer)
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None

@@ -98,6 +98,32 @@ TRANSIENT_REFUSALS = frozenset({502, 503, 504})
 _REFUSAL_FIXES = {
     401: "the node's `token` must equal the edge's `node_token` (or its `node_tokens` entry for this node id)",
 }
+_NO_TOKEN_FIX = "the edge has no `node_token`: set one in the edge's config, and the same as this node's `token`"
+
+
+def _edge_shaped(refusal: ConnectionRejected) -> bool:
+    """Whether a refused upgrade was answered as an edge (or a proxy in front of one) answers:
+    an error status, and a JSON error body unless a proxy's 502-504."""
+    if refusal.status_code < 400:
+        return False
+    if refusal.status_code in TRANSIENT_REFUSALS:
+        return True
+    try:
+        body = msgspec.json.decode(refusal.body or b"")
+    except msgspec.DecodeError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict)
+
+
+def _tls_fix(error: str) -> str | None:
+    """What to change for a TLS failure with the edge, from OpenSSL's words."""
+    if "WRONG_VERSION_NUMBER" in error or "wrong version number" in error or "record layer failure" in error:
+        return "the edge does not serve TLS at this address: use a ws:// URL (or give the edge certfile and keyfile)"
+    if "CERTIFICATE_VERIFY_FAILED" in error:
+        return "the node does not trust the edge's certificate: set `ca_file` to the CA bundle (PEM) that signed it"
+    if "IP address mismatch" in error or "Hostname mismatch" in error:
+        return "the edge's certificate does not name the host in this URL: dial the name it was issued for"
+    return None
 
 
 class _ReaderWatch:
@@ -602,6 +628,7 @@ class NodeAgent:
                 connect_timeout_s=config.upstream_connect_timeout_s,
                 read_timeout_s=config.upstream_read_timeout_s,
                 ca_file=config.ca_file,
+                node_id=config.node_id,
             )
             for m in config.models
         }
@@ -726,14 +753,24 @@ class NodeAgent:
                 # level (an edge address that answers nothing was a warning a dial, for ever).
                 failing_for = trio.current_time() - failing_since
                 long = {"failing_for_s": round(failing_for)} if failing_for >= cfg.relink_window_s else None
-                if isinstance(e, ConnectionRejected):
+                if isinstance(e, ConnectionRejected) and not _edge_shaped(e):
+                    # (a model server or another web server at the address: it was "edge refused the
+                    # link", status 200, with no hint; a newcomer had pointed `edges` at vLLM)
+                    error = f"answered HTTP {e.status_code} to the link's websocket upgrade: not an iop edge"
+                    fix = "is `edges` the edge's address (ws://<edge host:port>/v1/node/link), not a model server's?"
+                    body = (e.body or b"").decode("utf-8", "replace")[:200]
+                    (log.warning if long is None else log.error)(
+                        "link failed", edge=url, error=error, status=e.status_code, body=body, fix=fix, **(long or {})
+                    )
+                elif isinstance(e, ConnectionRejected):
                     body = (e.body or b"").decode("utf-8", "replace")[:200]
                     # A 503 (the edge busy linking others, or draining) passes as the node redials,
                     # and so does a proxy's 502 or 504 (its edge restarting); any other refusal (a
                     # wrong token: 401) needs the operator.
                     transient = e.status_code in TRANSIENT_REFUSALS and long is None
                     level = log.warning if transient else log.error
-                    fix = _REFUSAL_FIXES.get(e.status_code)
+                    no_token = b'"no_node_token"' in (e.body or b"")
+                    fix = _NO_TOKEN_FIX if no_token else _REFUSAL_FIXES.get(e.status_code)
                     level(
                         "edge refused the link",
                         edge=url,
@@ -753,11 +790,11 @@ class NodeAgent:
                         log.error("link closed", edge=url, **said, **long, **({"fix": fix} if fix else {}))
                 elif isinstance(e, (OSError, HandshakeError, NodeError, trio.TooSlowError, trio.BrokenResourceError)):
                     error = f"{type(e).__name__}: {e}"
-                    if long is None:
-                        log.warning("link failed", edge=url, error=error)
-                    else:
-                        fix = "is the edge running, and is this its address (the node's `edges`)?"
-                        log.error("link failed", edge=url, error=error, fix=fix, **long)
+                    # (the fix from the first dial on: a node that had never linked said what to
+                    # check only after relink_window_s, 60 s)
+                    fix = _tls_fix(error) or "is the edge running, and is this its address (the node's `edges`)?"
+                    level = log.warning if long is None else log.error
+                    level("link failed", edge=url, error=error, fix=fix, **(long or {}))
                 elif isinstance(e, (h11.ProtocolError, wsproto.utilities.ProtocolError)):
                     # Bytes that are not HTTP where the edge's answer should be (a wrong port, a
                     # proxy): a crash with a traceback at error level, every dial, before.

@@ -99,9 +99,16 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
                 raise ConfigError(f"models[{i}].max_concurrency: must be at least 1")
             if m.adapter == "openai":
                 try:
-                    Origin(m.base_url)
+                    origin = Origin(m.base_url)
                 except InvalidURL:
                     raise ConfigError(f"models[{i}].base_url: the openai adapter needs an http(s) base_url") from None
+                # (a base_url copied from the edge's: each request went round edge, node, edge until
+                # the queue timed out, 30 s, with a 429 "at capacity" that named no cause)
+                for j, edge_url in enumerate(self.edges):
+                    if _same_place(origin, edge_url):
+                        raise ConfigError(
+                            f"models[{i}].base_url: is edges[{j}], this node's own edge; give the model server's URL"
+                        )
             if m.metrics_url:
                 try:
                     Origin(m.metrics_url)
@@ -152,3 +159,16 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
 
 def load_node_config(path: str) -> NodeConfig:
     return load(path, NodeConfig)
+
+
+_LOOPBACK_NAMES = {"localhost": "127.0.0.1", "::1": "127.0.0.1", "0.0.0.0": "127.0.0.1"}
+
+
+def _same_place(origin: Origin, edge_url: str) -> bool:
+    """Whether an upstream's origin is the host and port of the edge at ``edge_url`` (checked
+    already: a ws:// or wss:// URL with a host)."""
+    parts = urllib.parse.urlsplit(edge_url)
+    port = parts.port or (443 if parts.scheme == "wss" else 80)
+    host = (parts.hostname or "").lower()
+    mine = origin.host.lower()
+    return port == origin.port and _LOOPBACK_NAMES.get(host, host) == _LOOPBACK_NAMES.get(mine, mine)

@@ -180,6 +180,36 @@ async def test_upstream_error_status_is_one_log_line(nursery, node_log, upstream
     assert API_KEY not in node_log.getvalue() and "secret-body-text" not in node_log.getvalue()
 
 
+async def test_a_model_served_by_its_own_edge_is_refused_as_a_loop_at_once(nursery, node_log, upstream):
+    """A node whose model's base_url is the edge it links to (a newcomer copied the edge's URL):
+    each request went round edge, node, edge, filling the node's slots, until the queue timed
+    out 30 s later with a 429 "at capacity" that named no cause. The node says who sent its
+    upstream requests (``x-iop-via``); the edge refuses one from its own node with a 508 naming
+    it, which the client reads at once, and the node logs what to fix. (The config check refuses
+    such a base_url when it names the edge's address as `edges` does; this one did not.) A model
+    server's 404 is logged with what to check too."""
+    edge = await start_edge(nursery)
+    looped = model(
+        "loopm", adapter="openai", base_url=edge.url.replace("127.0.0.1", "localhost") + "/v1", max_concurrency=2
+    )
+    node = await start_node(nursery, edge, [looped, model("m", upstream, target="t")])
+    upstream.script_for("t", [("status", 404, b'{"detail": "Not Found"}')])
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for _ in range(3):  # (the node's 2 slots were held until the queue timed out)
+                with pytest.raises(openai.APIStatusError) as raised:
+                    await client.chat.completions.create(model="loopm", messages=MESSAGES)
+                assert raised.value.status_code == 502
+                assert "Loop: node `n1`, linked to this edge, sent this request here" in raised.value.message
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="m", messages=MESSAGES)
+    await settled(edge, node.agent)
+    lines = [json.loads(line) for line in node_log.getvalue().splitlines()]
+    statuses = {e["status"]: e for e in lines if e["msg"] == "upstream error status"}
+    assert "(a loop)" in statuses[508]["fix"] and statuses[508]["model"] == "loopm"
+    assert "base_url must be the URL its /chat/completions is under" in statuses[404]["fix"]
+
+
 # -- item 12: relink fast after an edge restart ---------------------------------------------------------------
 
 # Seconds from the edge being back to the node linked: at most relink_max_s (2) now; the old backoff,

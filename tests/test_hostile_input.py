@@ -949,6 +949,11 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
             },
             "models[0].api_key: must be printable ASCII",
         ),
+        (  # (the edge's own address as the model server: a loop)
+            "node",
+            {"token": "t", "models": [{"name": "m", "adapter": "openai", "base_url": "http://localhost:9/v1"}]},
+            "models[0].base_url: is edges[0], this node's own edge; give the model server's URL",
+        ),
     ],
 )
 def test_bad_new_config_fails_at_start_with_one_line(tmp_path, kind, config, expected):

@@ -339,6 +339,15 @@ async def test_a_node_that_cannot_link_says_what_to_fix(nursery):
     refused = [e for e in logs if e["event"] == "edge refused the link"]
     assert refused[0]["status"] == 401 and refused[0]["log_level"] == "error", refused
     assert "`node_token`" in refused[0]["fix"] and "`token`" in refused[0]["fix"]
+    assert "is the edge running" in failed[0]["fix"]  # (from the first dial on)
+
+    # An edge with no node_token at all: the node is told that, not that its token is wrong.
+    bare = await start_edge(nursery, edge_config(node_token=""))
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(0.5):
+        await NodeAgent(node_config([bare.link_url], [model("m")])).serve()
+    refused = [e for e in logs if e["event"] == "edge refused the link"]
+    assert "has no node_token configured" in refused[0]["body"], refused
+    assert refused[0]["fix"].startswith("the edge has no `node_token`: set one in the edge's config"), refused
 
     # A second live node with a linked node's id: refused (4009), warnings, then errors saying so.
     await start_node(nursery, edge, [model("m")], "twin")
@@ -362,6 +371,40 @@ async def test_a_proxy_502_whose_body_ends_with_the_connection_is_told_as_a_refu
     assert refused[0]["status"] == 502 and "502 Bad Gateway" in refused[0]["body"], refused[0]
     assert refused[0]["log_level"] == "warning"
     assert not [e for e in logs if e["event"] == "link failed"]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n{"object":"list"}',
+        b'HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 22\r\n\r\n{"detail":"Not Found"}',
+    ],
+    ids=["200", "404 not the edge's"],
+)
+async def test_an_address_that_is_no_edge_is_said_so(nursery, answer):
+    """`edges` pointed at a model server: its answer to the upgrade (a 200 with its JSON, or
+    FastAPI's 404) was logged at error level as "edge refused the link", with no hint. It is a
+    failed dial ("link failed", a warning while it lasts less than relink_window_s) that says
+    the address is not an iop edge and what to check."""
+    accepted, logs = await _dial_a_front(nursery, answer)
+    failed = [e for e in logs if e["event"] == "link failed"]
+    assert accepted >= 3 and len(failed) >= 3, (accepted, [e["event"] for e in logs])
+    assert "not an iop edge" in failed[0]["error"] and failed[0]["log_level"] == "warning", failed[0]
+    assert "not a model server's" in failed[0]["fix"] and failed[0]["status"] in (200, 404)
+    assert not [e for e in logs if e["event"] == "edge refused the link"]
+
+
+async def test_tls_mistakes_on_the_link_say_what_to_change(nursery):
+    """A wss:// URL to an edge without TLS said OpenSSL's "WRONG_VERSION_NUMBER", and a node
+    whose edge had never answered said what to check only after relink_window_s (60 s): every
+    failed dial says what to fix, from the first."""
+    edge = await start_edge(nursery)
+    config = node_config([edge.link_url.replace("ws://", "wss://")], [model("m")])
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(1.0):
+        await NodeAgent(config).serve()
+    failed = [e for e in logs if e["event"] == "link failed"]
+    assert failed and failed[0]["log_level"] == "warning", logs
+    assert "use a ws:// URL" in failed[0]["fix"], failed[0]
 
 
 async def test_a_link_to_a_wrong_path_is_a_404_the_edge_logs(edge, node):

@@ -49,7 +49,7 @@ BODY = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
 
 async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream):
     """With api_keys set, /v1/* needs a valid bearer key (401 in the OpenAI shape otherwise, saying
-    whether none came or a wrong one); the node link and /healthz do not. /metrics, whose series
+    whether none came, a wrong one, or a header with no Bearer key); the node link and /healthz do not. /metrics, whose series
     name every key and model, is an admin key's: with no admin_keys, a 403 to a client key (it
     was open: anyone read every key's usage)."""
     edge = await start_edge(nursery, edge_config(api_keys=["sk-one", "sk-two"]))
@@ -60,7 +60,8 @@ async def test_api_keys_guard_every_v1_route_but_the_node_link(nursery, upstream
             for headers, said in (
                 ({}, "Missing API key: send one as `Authorization: Bearer <key>`"),
                 ({"Authorization": "Bearer sk-wrong"}, "Invalid API key"),
-                ({"Authorization": "Basic sk-one"}, "Missing API key"),
+                ({"Authorization": "Basic sk-one"}, "The Authorization header holds no Bearer key"),
+                ({"Authorization": "sk-one"}, "The Authorization header holds no Bearer key: send `Authorization: B"),
             ):
                 for method, path in (
                     ("POST", "/v1/chat/completions"),

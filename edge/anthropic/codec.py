@@ -769,6 +769,7 @@ _TYPES = {
     "invalid_request_error": "invalid_request_error",
     "authentication_error": "authentication_error",
     "rate_limit_error": "rate_limit_error",
+    "rate_limit_exceeded": "rate_limit_error",  # (a key's limit: the type its 429 has)
     "insufficient_quota": "rate_limit_error",  # a key's daily budget spent mid-stream (as its 429 before it)
     "service_unavailable_error": "overloaded_error",
     "timeout_error": "timeout_error",

@@ -1035,6 +1035,7 @@ class ResponseEncoder:
 _FAILED_CODES = {
     "server_error": "server_error",
     "rate_limit_error": "rate_limit_exceeded",
+    "rate_limit_exceeded": "rate_limit_exceeded",  # (a key's limit: the type its 429 has)
     "insufficient_quota": "insufficient_quota",  # (Codex stops on it: it reconnected on server_error)
 }
 

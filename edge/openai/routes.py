@@ -145,6 +145,24 @@ def _content_encoding(headers) -> bytes | None:
     return joined
 
 
+def _refuse_a_loop(edge: Edge, headers) -> None:
+    """A request one of this edge's own nodes sent (its ``x-iop-via``): that node's model has
+    this edge as its model server. A 508 the node relays, naming the node: each such request
+    went round edge, node, edge until the queue timed out, then a 429 "at capacity" (found
+    from outside). (After the key check: an edge with keys tells no caller which ids link.)"""
+    for name, value in headers:
+        if name == b"x-iop-via":
+            node_id = value.decode("latin-1")
+            if node_id in edge.runs.links:
+                raise APIError(
+                    508,
+                    f"Loop: node `{node_id[:128]}`, linked to this edge, sent this request here: the base_url"
+                    " of its model is this edge. Set it to the model server's URL.",
+                    "invalid_request_error",
+                    code="loop_detected",
+                )
+
+
 def _compressed(encoding: bytes) -> APIError:
     shown = encoding.decode("latin-1")[:32]
     return APIError(
@@ -188,6 +206,8 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                     encoding = _content_encoding(ex.scope["headers"])
                     if encoding is not None:
                         raise _compressed(encoding)  # (a 400 "not valid JSON at byte 0" before)
+                    if edge.runs.links:
+                        _refuse_a_loop(edge, ex.scope["headers"])
                     edge.handling += 1  # (a drain waits for its answer)
                     counted = True
                     # The framework's body timeout does not reach raw ASGI: bound it here.

@@ -61,13 +61,24 @@ class Counters:
 
 
 def make_adapter(
-    model: ModelConfig, counters: Counters, *, connect_timeout_s: float, read_timeout_s: float, ca_file: str = ""
+    model: ModelConfig,
+    counters: Counters,
+    *,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    ca_file: str = "",
+    node_id: str = "",
 ) -> Adapter:
     if model.adapter == "openai":
         from node.adapters.openai import OpenAIAdapter
 
         return OpenAIAdapter(
-            model, counters, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, ca_file=ca_file
+            model,
+            counters,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            ca_file=ca_file,
+            node_id=node_id,
         )
     from node.adapters.sim import SimAdapter
 

@@ -124,6 +124,17 @@ _PAID = 14  # (a shift: 16 KiB a character)
 # honest answer as long as the edge takes (16 MiB) at 60 bytes of stream a character is 1 GB.
 _MAX_STREAM = 1 << 30
 _COUNTED = jsoncost.COUNTED  # (a chunk shorter than this is not counted: one name lookup a chunk)
+# What the operator checks when the model server answers so (a newcomer's base_url without /v1,
+# or a target the server does not know, reached the client as its own 404, the node saying only
+# the status).
+_STATUS_FIXES = {
+    401: "the model server refused the model's api_key",
+    403: "the model server refused the model's api_key",
+    404: "no such path or model on the model server: base_url must be the URL its /chat/completions is under"
+    " (often ending in /v1), and target an id its GET <base_url>/models lists",
+    508: "the model's base_url is an iop edge this node links to (a loop): give the model server's URL",
+}
+VIA_HEADER = "x-iop-via"  # which node sent a request (an edge refuses one from its own node: a loop)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -137,12 +148,16 @@ class OpenAIAdapter:
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 600.0,
         ca_file: str = "",
+        node_id: str = "",
     ) -> None:
         self.model = model
         self.counters = counters
+        headers = {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
+        if node_id:  # (an iop edge this node links to, as its model server, refuses the request: a loop)
+            headers[VIA_HEADER] = node_id
         self.client = http1.Client(
             model.base_url,
-            {"authorization": f"Bearer {model.api_key}"} if model.api_key else None,
+            headers or None,
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
             ca_file=ca_file,
@@ -158,8 +173,14 @@ class OpenAIAdapter:
         )
 
     def _log_status(self, status: int, run_id: str) -> None:
+        fix = _STATUS_FIXES.get(status)
         log.warning(
-            "upstream error status", model=self.model.name, upstream=self.upstream, status=status, run_id=run_id
+            "upstream error status",
+            model=self.model.name,
+            upstream=self.upstream,
+            status=status,
+            run_id=run_id,
+            **({"fix": fix} if fix else {}),
         )
 
     def _failed(self, what: str, e: http1.HTTPError) -> str:
