@@ -5,13 +5,15 @@ openai adapter)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import msgspec
 import pytest
 import trio
 
 from node.adapters import openai as openai_adapter
-from tests.conftest import BOUND, http, model, settled, start_edge, start_node
+from tests.conftest import BOUND, http, model, settled, sse_events, start_edge, start_node
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -212,22 +214,57 @@ async def test_oversized_events_and_errors_are_bounded_messages(stack):
     assert loud.status_code == 502 and len(loud.json()["error"]["message"]) < 5000
 
 
-async def test_answers_that_are_not_streams_say_so(stack):
-    """A server that ignores `stream: true` (a JSON body) or sends an encoding it was never
-    asked for: the message says what came, not "closed the stream before it finished"."""
+def _json_answer(body: bytes) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    return head + body
+
+
+async def test_answers_that_are_not_streams_are_relayed_or_say_so(stack):
+    """A server that ignores `stream: true` answers a whole `chat.completion` (JSON): it was a
+    502 "answered application/json, not an event stream, and sent no finished answer" though
+    it had sent one (an outside audit). It is relayed as the one event it would have streamed:
+    its text, reasoning, tool calls, finish reason and usage, streamed or not to the client. A
+    JSON body that is no completion, or an encoding never asked for, says what came, not
+    "closed the stream before it finished"."""
     edge, upstream, _ = stack
-    body = b'{"choices": [{"message": {"content": "hi"}}]}'
-    json_answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(body),
-        body,
-    )
+    whole = {
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "hi there",
+                    "reasoning_content": "thinking",
+                    "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12},
+    }
     gzip_answer = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 3\r\n\r\nabc"
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            upstream.script_for("b", [("response", json_answer)])
+            upstream.script_for("b", [("response", _json_answer(msgspec.json.encode(whole)))])
+            relayed = await chat(client)
+            upstream.script_for("b", [("response", _json_answer(msgspec.json.encode(whole)))])
+            streamed = await chat(client, stream=True, stream_options={"include_usage": True})
+            upstream.script_for("b", [("response", _json_answer(b'{"object": "list", "data": []}'))])
             plain = await chat(client)
             upstream.script_for("b", [("response", gzip_answer)])
             zipped = await chat(client)
+    assert relayed.status_code == 200, relayed.text
+    message = relayed.json()["choices"][0]["message"]
+    assert message["content"] == "hi there" and message["reasoning_content"] == "thinking", message
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'}]
+    assert relayed.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert relayed.json()["usage"]["total_tokens"] == 12
+    chunks = [json.loads(e) for e in sse_events(streamed.content) if e != b"[DONE]"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "hi there"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5, chunks[-1]
     assert "upstream answered application/json, not an event stream" in plain.json()["error"]["message"]
     assert "gzip-encoded body" in zipped.json()["error"]["message"]
 

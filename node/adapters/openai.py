@@ -248,7 +248,9 @@ class OpenAIAdapter:
         task waits, for room in the link's outbox when it is full, and ends the run."""
         with response.reading():  # one timeout scope for every read of the stream
             relay = _Relay(sink, self.model.api_key)
-            while True:
+            if b"application/json" in (_header(response, b"content-type") or b""):
+                await _read_whole(response, relay)  # a server that ignored stream: true
+            while not relay.end:
                 await response.pump(relay.feed)
                 if relay.end or response.done:
                     break
@@ -305,6 +307,48 @@ class OpenAIAdapter:
 
 
 _DONE, _FAILED = 1, 2
+_MAX_WHOLE = 32 << 20  # a whole answer (to a stream asked for) is read into memory: at most this
+
+
+class _WholeChoice(msgspec.Struct):
+    index: int = 0
+    message: _Delta | None = None  # (a message has a delta's fields: content, reasoning, tool_calls...)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    matched_stop: str | int | None = None
+
+
+class _Whole(msgspec.Struct):
+    choices: list[_WholeChoice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_decode_whole = msgspec.json.Decoder(_Whole).decode
+
+
+async def _read_whole(response: http1.Response, relay: _Relay) -> None:
+    """A ``chat.completion`` a model server sent whole, though the node asked for a stream
+    (some servers and proxies ignore ``stream: true``): relayed as the one event it would
+    have streamed, and its end (it was "answered application/json, not an event stream, and
+    sent no finished answer"). A body that is no completion nor error is left to that."""
+    body = bytearray()
+    while data := await response.read():
+        body += data
+        if len(body) > _MAX_WHOLE:
+            relay._fail("answer too large", f"upstream's answer passed {_MAX_WHOLE >> 20} MiB")
+            return
+    try:
+        whole = _decode_whole(body)
+    except _UNDECODABLE:
+        return
+    if not whole.choices and whole.error is None:
+        return
+    choices = [_Choice(c.index, c.message, c.finish_reason, c.stop_reason, c.matched_stop) for c in whole.choices or ()]
+    event = _encode(_Chunk(choices, whole.usage, whole.error))
+    relay.feed(b"data: " + event + b"\n\ndata: [DONE]\n\n")
+
+
 _MAX_STOP = 1024  # a longer "stop string" is no request's stop sequence: not relayed
 
 
