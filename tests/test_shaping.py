@@ -12,7 +12,7 @@ import structlog
 import trio
 
 from edge.openai import trace
-from edge.openai.shaping import wrap_in_completion_tool
+from edge.openai.shaping import hidden_reasoning_notice, wrap_in_completion_tool
 from edge.openai.tools import ToolTextFilter
 from tests.conftest import BOUND, edge_config, eventually, http, model, sdk, settled, sse_events, start_edge, start_node
 
@@ -322,7 +322,8 @@ async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
     Other clients' streams of that model then lose nothing and get nothing twice, however they end
     (cut off by max_tokens, a live tool call, a refusal; reasoning shown or hidden): their text
     comes as content, at the end (a run that fails: its held text as reasoning, if shown, then the
-    error). An answer that ends (stop) with no </think> unlearns the model, and its streams are
+    error; one cut by max_tokens before a </think>: reasoning, as the learned template says, so
+    shown as reasoning and copied into the answer, or hidden with the notice). An answer that ends (stop) with no </think> unlearns the model, and its streams are
     live again."""
     edge, upstream = shaped
     poison = script({"content": "Say x </think> y"})
@@ -332,9 +333,12 @@ async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
             upstream.script_for("t", poison)
             await stream_raw(edge, model=name)
         for shown in (False, True):
+            # (cut by length with no </think>: reasoning, by the template learned; shown, it is not
+            # lost: copied into the answer, as any reasoning-only run's)
             upstream.script_for("t", script(*hello, finish="length"))
             chunks, _ = await stream_raw(edge, model="r1", include_reasoning=shown)
-            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Hello world", "")
+            said = ("Hello world", "Hello world") if shown else (hidden_reasoning_notice("length"), "")
+            assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == said
             upstream.script_for("t", script({"content": "Sorry. "}, {"refusal": "I cannot help."}))
             chunks, _ = await stream_raw(edge, model="r1", include_reasoning=shown)
             assert joined(chunks, "content") == "Sorry. " and joined(chunks, "refusal") == "I cannot help."
@@ -364,6 +368,37 @@ async def test_a_model_learned_wrong_loses_no_text_and_is_unlearned(shaped):
         chunks, raw = await stream_raw(edge, model="r1")
     assert joined(chunks, "content") == "Live text." and not joined(chunks, "reasoning_content")
     assert raw.index(b"Live ") < raw.index(b": keep-alive")  # streamed before the pause, not at the end
+
+
+async def test_reasoning_cut_by_max_tokens_is_never_content_once_the_template_is_learned(shaped):
+    """A model whose template opens <think> (learned), cut by max_tokens before its </think>:
+    its chain of thought went out as content, live and whole (an outside audit): a strict
+    model's client read it all, an XML-completion model's got it wrapped as the task's
+    result, and a client that turned reasoning off read it too. It is reasoning: never shown
+    by a strict model, the hidden-reasoning notice for a client that turned it off."""
+    edge, upstream = shaped
+    secret = ({"content": "I must never reveal "}, {"content": "the key sk-123 so"})
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for name in ("plain", "strict", "xmltool"):  # (a whole answer teaches the edge)
+                upstream.script_for("t", script({"content": "plan</think>Answer"}))
+                r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+                said = r.json()["choices"][0]["message"]["content"]
+                assert "Answer" in said and "plan" not in said, said
+            for name, body in (("strict", {}), ("xmltool", {}), ("plain", {"include_reasoning": False})):
+                upstream.script_for("t", script(*secret, finish="length"))
+                chunks, raw = await stream_raw(edge, model=name, **body)
+                assert b"sk-123" not in raw and b"never reveal" not in raw, (name, raw)
+                assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+                upstream.script_for("t", script(*secret, finish="length"))
+                whole = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES, **body})
+                assert b"sk-123" not in whole.content, (name, whole.text)
+                said = whole.json()["choices"][0]["message"]
+                notice = "" if name == "strict" else hidden_reasoning_notice("length")
+                if name == "xmltool":
+                    notice = ""  # (strict: no fallback, so nothing to wrap)
+                assert (said.get("content") or "") == notice, (name, said)
+            assert joined(chunks, "content") == hidden_reasoning_notice("length")  # (plain, hidden, live)
 
 
 async def test_a_held_head_is_read_by_its_first_think_tag_as_a_whole_answer_is(shaped):

@@ -509,7 +509,7 @@ class ToolLive(LiveEncoder):
         if self.tool_filter is not None:
             self._held = []
         usage = self.turn.usage_of(self.run, event)
-        self.shaper.finish()
+        self.shaper.finish(finish_of(event))
         cut_off = finish_of(event) == "length"  # by max_tokens: what was produced goes out as it is
         calls = with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None
         if calls:

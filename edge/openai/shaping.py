@@ -289,14 +289,23 @@ class Shaper:
                 around("content" if kind == DELTA else "reasoning", text, shape)
         return None
 
-    def finish(self) -> None:
-        """Flush every filter; in collect mode, split think tags now."""
+    def finish(self, finish_reason: str = "") -> None:
+        """Flush every filter; in collect mode, split think tags now. ``finish_reason``: the
+        run's; one cut by ``length`` before the </think> of a model whose template opens
+        <think> (learned) was cut in its reasoning: the text is reasoning, never content (it
+        went out as content: a strict model's client read the whole chain of thought, one
+        with an XML completion tool read it as the task's result; found from outside)."""
         rest = self._content_filter.flush()
         if self._held is not None:
             if rest:
                 self._held.append(rest)
             self._unclosed = bool(self._held)
-            self._release()
+            if self._learned_hold and finish_reason == "length":
+                held, self._held = self._held, None
+                if held:
+                    self._reasoning_out("".join(held))
+            else:
+                self._release()
             rest = self._content_filter.flush()
         if self._think is None and ("<" in rest or self._raw_parts is not None and "{" in rest):
             self._split_think()
@@ -320,6 +329,9 @@ class Shaper:
                 # call block before it were taken for the end: a re-check found them apart).
                 calls = self._raw_parts is not None
                 at = template_head(raw, calls) if mode == "auto" else -1
+                if at < 0 and finish_reason == "length" and self._cut_in_reasoning(raw):
+                    at = len(raw)  # (all of it reasoning, as a live stream's held head: above)
+                    raw += THINK_CLOSE
                 if at >= 0:
                     self._learned()
                     if at:
@@ -335,6 +347,12 @@ class Shaper:
         rest = self._reasoning_filter.flush()
         if rest:
             self._reasoning_out(rest)
+
+    def _cut_in_reasoning(self, raw: str) -> bool:
+        """A whole answer cut by ``length`` with no think tag, of a model whose template
+        opens <think> (learned): cut in its reasoning."""
+        template = self._template
+        return template is not None and template.opens(self._model) and THINK_OPEN_RE.search(raw) is None
 
     # -- output ------------------------------------------------------------
 

@@ -369,7 +369,7 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
             continue
         if end.type != COMPLETE:
             raise failure(end, run)
-        shaper.finish()
+        shaper.finish(finish_of(end))
         return _finish(turn, shaper, end, turn.usage_of(run, end))
 
 
