@@ -392,6 +392,56 @@ async def test_invalid_arguments_are_retried_with_a_corrective_message(tooled):
     assert b"town" not in r.content
 
 
+@pytest.mark.parametrize("name", ["native", "live"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_whole_calls_of_a_run_cut_by_max_tokens_are_checked(tooled, name, stream):
+    """A run cut by max_tokens went out with its calls unchecked (an outside audit): a whole call
+    to a tool the request does not have, under tool_choice none, reached the client, streamed
+    and not. Its whole calls are checked as any (and retried: the client never sees them); a
+    last call cut in its arguments is still the client's, with ``length``."""
+    edge, upstream = tooled
+
+    def script(body):
+        if "That is invalid" in str(body["messages"][-1]):
+            return steps({"content": "No tool needed."})
+        return steps(*native_call(0, "c1", "rm_rf", '{"path": "/"}'), finish="length")
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        content, _, calls = await answer_of_choice(edge, name, stream, tool_choice="none")
+        assert (content, calls) == ("No tool needed.", []), (content, calls)
+        assert len(upstream.records) == 2
+        # A schema-breaking whole call before a cut one: retried too.
+        upstream.records.clear()
+        cut = [*native_call(0, "c1", "get_weather", '{"town": "Rome"}'), *native_call(1, "c2", "get_time", '{"a')]
+        good = steps(*native_call(0, "c3", "get_weather", '{"city": "Rome"}'), finish="tool_calls")
+        upstream.script_for("t", lambda body: good if "That is invalid" in str(body) else steps(*cut, finish="length"))
+        content, _, calls = await answer_of_choice(edge, name, stream)
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
+        # Only the cut call: the client's, as it came.
+        upstream.records.clear()
+        upstream.script_for("t", steps(*native_call(0, "c4", "get_weather", '{"city": "Ro'), finish="length"))
+        content, _, calls = await answer_of_choice(edge, name, stream)
+        assert [c.function.arguments for c in calls] == ['{"city": "Ro'] and len(upstream.records) == 1
+
+
+async def answer_of_choice(edge, name: str, stream: bool, **body) -> tuple[str, str, list]:
+    """:func:`answer_of` with more of the request's fields."""
+    async with sdk(edge) as client:
+        if not stream:
+            reply = await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS, **body)
+            return reply.choices[0].message.content or "", "", reply.choices[0].message.tool_calls or []
+        chunks = [
+            c.choices[0].delta
+            async for c in await client.chat.completions.create(
+                model=name, messages=MESSAGES, tools=TOOLS, stream=True, **body
+            )
+            if c.choices
+        ]
+    content = "".join(d.content or "" for d in chunks)
+    return content, "", [call for d in chunks for call in d.tool_calls or ()]
+
+
 async def test_invalid_twice_is_a_tool_validation_error(tooled):
     """Still invalid after the last attempt: SSE error tool_validation_error; non-streaming 502 of that type.
     The failed stream logs its one summary line, as every stream does (it logged none)."""

@@ -525,11 +525,11 @@ class ToolLive(LiveEncoder):
             else:
                 self._emit_content(self.tool_filter.flush())
         contract = self.turn.contract
-        if contract is not None and not cut_off and not (event.refusal and not calls):
+        if contract is not None and not (event.refusal and not calls):
             try:  # on the loop for a moment; past it (or for large arguments) in a worker thread
                 if contract.needs_thread(calls):
                     raise NeedsTime
-                reason = contract.validate(calls, INLINE_PATTERN_S, escalate=True)
+                reason = contract.validate(calls, INLINE_PATTERN_S, escalate=True, cut=cut_off)
             except NeedsTime:
                 self.check_later = (event, calls, usage, sent, mark)  # (:meth:`checked_end`)
                 return b""
@@ -545,7 +545,7 @@ class ToolLive(LiveEncoder):
         assert contract is not None
         event, calls, usage, sent, mark = self.check_later
         self.check_later = None
-        reason = await contract.check_in_thread(calls)
+        reason = await contract.check_in_thread(calls, finish_of(event) == "length")
         if reason:
             return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
         self._release()

@@ -775,7 +775,7 @@ class ToolContract:
                 return f"the parameters of tool `{name}` cannot be used: {e}"
         return ""
 
-    async def check_calls(self, calls: list[ToolCall] | None) -> str:
+    async def check_calls(self, calls: list[ToolCall] | None, cut: bool = False) -> str:
         """:meth:`validate`, on the event loop while it takes
         :data:`INLINE_PATTERN_S` or less and the arguments are at most
         :data:`INLINE_ARGS_BYTES`; else in a worker thread, the patterns
@@ -783,25 +783,32 @@ class ToolContract:
         in the client's lane (see :meth:`check_request`)."""
         if not self.needs_thread(calls):
             try:
-                return self.validate(calls, INLINE_PATTERN_S, escalate=True)
+                return self.validate(calls, INLINE_PATTERN_S, escalate=True, cut=cut)
             except NeedsTime:
                 pass
-        return await self.check_in_thread(calls)
+        return await self.check_in_thread(calls, cut)
 
-    def check_in_thread(self, calls: list[ToolCall] | None) -> Awaitable[str]:
+    def check_in_thread(self, calls: list[ToolCall] | None, cut: bool = False) -> Awaitable[str]:
         """:meth:`validate` in a worker thread, with the whole budgets."""
-        return _off_loop(functools.partial(self.validate, calls, None), self.lane)
+        return _off_loop(functools.partial(self.validate, calls, None, cut=cut), self.lane)
 
     def needs_thread(self, calls: list[ToolCall] | None) -> bool:
         """Arguments too large to check on the event loop (one keyword's check on
         them can be long: unevaluatedProperties over 600,000 keys, 3.6 s)."""
         return any(len(call.function.arguments) > INLINE_ARGS_BYTES for call in calls or ())
 
-    def validate(self, calls: list[ToolCall] | None, budget: float | None = None, escalate: bool = False) -> str:
+    def validate(
+        self, calls: list[ToolCall] | None, budget: float | None = None, escalate: bool = False, cut: bool = False
+    ) -> str:
         """Why this turn's calls are invalid ("" if they are fine). The check gets
         ``budget`` seconds (if None, its patterns :data:`PATTERN_BUDGET_S` and
         its keywords :data:`CHECK_BUDGET_S`); past it the arguments are not
-        checkable, or with ``escalate`` :class:`NeedsTime` is raised."""
+        checkable, or with ``escalate`` :class:`NeedsTime` is raised. ``cut``: the
+        run was cut by max_tokens: no call is due, and its last call's arguments
+        may be cut (when they are no JSON, only its name is checked: the client
+        reads ``length``); its calls are checked as any else (they went out
+        unchecked: a call to a tool the request does not have, with tool_choice
+        none; found from outside)."""
         calls = calls or []
         json_budget = jsoncost.Budget()  # the turn's arguments together
         # and their checks together: 1,024 calls, each with its own 2 s, held the one compile
@@ -810,7 +817,7 @@ class ToolContract:
         checks_until = time.monotonic() + (CHECK_BUDGET_S if budget is None else budget)
         if self.none and calls:
             return f"tool_choice is none but the model called `{calls[0].function.name}`"
-        if self.required and not calls:
+        if self.required and not calls and not cut:
             wanted = f"`{self.forced}`" if self.forced else "a tool"
             return f"tool_choice requires a call to {wanted} but the model answered with text only"
         for call in calls:
@@ -825,6 +832,8 @@ class ToolContract:
             except jsoncost.TooCostly as e:
                 return f"the tool calls' arguments hold {e}"
             except msgspec.DecodeError as e:
+                if cut and call is calls[-1]:  # (cut in its arguments)
+                    break
                 return f"the arguments of `{name}` are not valid JSON: {e}"
             except RecursionError:
                 return f"the arguments of `{name}` are nested too deeply"

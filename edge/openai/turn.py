@@ -491,12 +491,17 @@ async def collect_validated(
                     f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
                 ) from None
             raise
-        # Cut off by max_tokens, a retry would be cut off again; a model that declined (its
-        # refusal, no call) declines a forced call too: the refusal goes to the client, as OpenAI's.
-        if turn.contract is None or result.finish_reason == "length" or (result.refusal and not result.tool_calls):
+        # A model that declined (its refusal, no call) declines a forced call too: the refusal
+        # goes to the client, as OpenAI's. Cut off by max_tokens, its calls but a cut last one
+        # are checked (a retry of a cut-off call alone would be cut off again).
+        if turn.contract is None or (result.refusal and not result.tool_calls):
             turn.settle()
             return result
-        reason = result.tool_error or await turn.contract.check_calls(result.tool_calls)
+        cut = result.finish_reason == "length"
+        reason = result.tool_error or await turn.contract.check_calls(result.tool_calls, cut)
+        if cut and not reason:
+            turn.settle()
+            return result
         if not reason:
             result.tool_calls = turn.calls_to_send(result.tool_calls)
             turn.settle()
