@@ -975,6 +975,21 @@ def text_tools_request(request: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_correction(messages: list[dict[str, Any]], correction: dict[str, Any]) -> list[dict[str, Any]]:
+    """``messages`` and a retry's corrective (user) message: one user turn with the last
+    one when that is a user's (two in a row failed the retry on templates that require
+    turns to alternate: Mistral, Gemma; found from outside). Text with text stays a string."""
+    last = messages[-1] if messages else None
+    if last is None or last.get("role") != "user":
+        return [*messages, correction]
+    said, more = last.get("content"), correction["content"]
+    if isinstance(said, str):
+        merged = {**last, "content": f"{said}\n\n{more}"}
+    else:
+        merged = _one_user_turn_at_a_time([last, correction])[0]
+    return [*messages[:-1], merged]
+
+
 def _one_user_turn_at_a_time(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """User messages in a row that a text turn could not take (one has an image: the image is
     the model's to see) become one message of their parts, in order: a text turn and the image

@@ -37,6 +37,7 @@ from edge.openai.tools import (
     history_call_ids,
     parse_calls_of,
     text_tools_request,
+    with_correction,
     with_ids,
 )
 from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
@@ -243,7 +244,10 @@ class Turn:
         if request is None or (not extra_messages and not (self.req.tools and not slot.info.native_tools)):
             return self.body  # (no tools: never a corrective message or tools as text)
         if extra_messages:
-            request = {**request, "messages": [*request["messages"], *extra_messages]}
+            messages = request["messages"]
+            for extra in extra_messages:
+                messages = with_correction(messages, extra)
+            request = {**request, "messages": messages}
         if self.req.tools and not slot.info.native_tools:
             request = text_tools_request(request)
         return encode_run_body(request, slot.link.frame_limit)  # (the node's, within the edge's)
