@@ -33,6 +33,9 @@ class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     stream_buffer: bool = False
     xml_completion_tool: str = ""
     sentinels: list[str] = msgspec.field(default_factory=list)
+    # false: only `sentinels` are removed, not the built-in list (whose `</s>`, `[INST]`, `<eos>`
+    # are also words of answers about markup or chat templates)
+    default_sentinels: bool = True
     reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
     # "auto": <think>…</think> in content becomes reasoning; "open": the chat
     # template already consumed <think>, content starts as reasoning; "off".

@@ -24,6 +24,7 @@ POLICIES = [
     {"name": "rfield", "reasoning_field": "reasoning"},
     {"name": "opened", "think_tags": "open"},
     {"name": "custom", "sentinels": ["<|custom|>"]},
+    {"name": "ownonly", "sentinels": ["<|custom|>"], "default_sentinels": False},
     {"name": "strict", "strict_output": True},
     {"name": "strictbuf", "strict_output": True, "stream_buffer": True},
     {"name": "xmltool", "strict_output": True, "stream_buffer": True, "xml_completion_tool": "attempt_completion"},
@@ -478,6 +479,27 @@ async def test_sentinels_split_across_deltas_are_removed(shaped):
         chunks, _ = await stream_raw(edge, model="custom")
     assert joined(chunks, "content") == "Hello x"
     assert joined(chunks, "reasoning_content") == "r"
+
+
+async def test_a_model_without_the_default_sentinels_keeps_their_words(shaped):
+    """The built-in sentinels apply to every model, and an answer about HTML or chat templates
+    lost its `</s>` and `[INST]` (an outside audit): `default_sentinels = false` removes only
+    the model's own, streamed and whole."""
+    edge, upstream = shaped
+    said = "Price: <s>$20</s> now; wrap turns in [INST] and [/INST]; Gemma ends with <eos>."
+    steps = script({"content": said[:20]}, {"content": said[20:] + "<|cus"}, {"content": "tom|>"})
+    with trio.fail_after(BOUND):
+        for name, expected in (
+            ("custom", "Price: <s>$20 now; wrap turns in  and ; Gemma ends with ."),
+            ("ownonly", said),
+        ):
+            upstream.script_for("t", steps)
+            chunks, _ = await stream_raw(edge, model=name)
+            assert joined(chunks, "content") == expected, name
+            upstream.script_for("t", steps)
+            async with http(edge) as client:
+                r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+            assert r.json()["choices"][0]["message"]["content"] == expected, name
 
 
 async def test_reasoning_only_run_gets_fallback_content(shaped):

@@ -123,7 +123,7 @@ class Shaper:
         self._raw_parts: list[str] | None = [] if keep_raw else None
         self.include_reasoning = include_reasoning and not policy.strict_output
         self.emit_reasoning = self.include_reasoning
-        sentinels = (*DEFAULT_SENTINELS, *policy.sentinels)
+        sentinels = (*DEFAULT_SENTINELS, *policy.sentinels) if policy.default_sentinels else tuple(policy.sentinels)
         self._content_filter = SentinelFilter(sentinels)
         self._reasoning_filter = SentinelFilter(sentinels)
         self._on_content = on_content
