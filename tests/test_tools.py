@@ -894,6 +894,25 @@ async def test_a_live_tool_stream_retries_invalid_calls_before_any_content(toole
     assert corrective["role"] == "user" and "town" in corrective["content"]
 
 
+async def test_a_live_retrys_reasoning_is_apart_from_the_reasoning_shown_before_it(tooled):
+    """A live tool stream shows the first attempt's reasoning before its invalid call; the retry's
+    reasoning followed it with nothing between ("plan Aplan B": an outside audit). It starts a
+    paragraph of its own; a whole answer has the answering run's alone."""
+
+    def script(body):
+        if "That is invalid" in str(body["messages"][-1]):
+            return steps({"reasoning_content": "plan B"}, {"content": text_call("get_weather", {"city": "Rome"})})
+        return steps({"reasoning_content": "plan A"}, {"content": text_call("get_weather", {"town": "Rome"})})
+
+    edge, upstream = tooled
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        _, streamed, calls = await answer_of(edge, "live", TOOLS, stream=True)
+        _, whole, _ = await answer_of(edge, "live", TOOLS, stream=False)
+    assert (streamed, whole) == ("plan A\n\nplan B", "plan B")
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Rome"}]
+
+
 async def test_a_live_tool_stream_out_of_attempts_or_failing_its_retry_is_an_sse_error(tooled):
     """Still invalid at the last attempt: tool_validation_error in the stream; the retry's run
     failing: tool_validation_retry_error. Neither sends a call."""

@@ -450,6 +450,8 @@ class ToolLive(LiveEncoder):
         # dropped, a retry's stream went on from a state its client never saw (both SDKs raised).
         self._held: list[tuple[Callable[[str], bytes], str]] | None = None
         self._encode_reasoning: Callable[[str], bytes] | None = None
+        # This attempt showed reasoning: a retry's is apart from it ("plan Aplan B" before)
+        self._reasoned = False
 
     def shape_tools(self, content: Callable[[str], bytes], reasoning: Callable[[str], bytes]) -> Shaper:
         """:meth:`shape_into_out`, its content through the tool filter when the request has tools."""
@@ -459,7 +461,18 @@ class ToolLive(LiveEncoder):
         return self.turn.shaper(live=True, on_content=self._content, on_reasoning=self._reason)
 
     def _reason(self, text: str) -> None:
-        self._encode(self._encode_reasoning, text)  # type: ignore[arg-type]
+        self._encode(self._encode_reasoning, self._apart(text))  # type: ignore[arg-type]
+
+    def _apart(self, text: str) -> str:
+        """Reasoning to show: a retry's first starts a paragraph after what an attempt before it showed."""
+        turn = self.turn
+        if not self._reasoned:
+            self._reasoned = True
+            if turn.reasoning_shown:
+                text = "\n\n" + text
+        if self._held is None:  # (held at the run's end: a retry drops it unshown)
+            turn.reasoning_shown = True
+        return text
 
     def _encode(self, encode: Callable[[str], bytes], text: str) -> None:
         held = self._held
@@ -593,7 +606,7 @@ class LiveStream(ToolLive):
     def _reasoning(self, text: str) -> None:
         if self.trace is not None:
             self.trace.chunk("reasoning", len(text))
-        self._encode(self.enc.reasoning, text)
+        self._encode(self.enc.reasoning, self._apart(text))
 
     def opening(self) -> bytes:
         return self.enc.role()

@@ -104,6 +104,7 @@ class Turn:
         self.earlier = (0, 0)
         self.earlier_estimated = False  # ...of them, a lost run's, counted by the edge's estimate
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
+        self.reasoning_shown = False  # a live stream showed an attempt's reasoning (a retry's starts apart)
         self.media = has_media(req)  # (for its usage's bounds)
         if not req.tools:  # read above (the estimate, the prefix, the media): a stream need not keep them
             self.history_ids  # noqa: B018 (first: a model may call tools it was not given, with ids of the history)
