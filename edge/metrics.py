@@ -130,7 +130,8 @@ class EdgeMetrics:
         self.runs_moved = Counter(
             "iop_runs_moved",
             "Runs moved to another node before their first event (failover), by why: node_lost, "
-            "node_stalled (its runs were not starting), node_failed (its model server failed it at once)",
+            "node_stalled (its runs were not starting), node_failed (its model server failed it at once), "
+            "node_refused (refused at once with a 4xx: moved to a node with a free slot, once)",
             ["model", "why"],
             registry=r,
         )

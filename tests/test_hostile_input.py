@@ -944,7 +944,7 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
             {
                 "token": "t",
                 "models": [
-                    {"name": "m", "adapter": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": " secret-f00d"}
+                    {"name": "m", "adapter": "openai", "base_url": "http://127.0.0.1:8/v1", "api_key": " secret-f00d"}
                 ],
             },
             "models[0].api_key: must be printable ASCII",

@@ -14,7 +14,7 @@ import pytest
 import structlog
 import trio
 
-from scripts.upstream import Upstream, text_script, words
+from scripts.upstream import Upstream, default_script, text_script, words
 from tests.conftest import (
     BOUND,
     edge_config,
@@ -628,6 +628,39 @@ async def test_a_node_whose_model_server_is_down_is_routed_around(nursery, upstr
                 body = {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}
                 statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
     assert statuses.count(200) >= 36, statuses  # (the failures: before it is routed around, and probes)
+    await settled(edge)
+
+
+async def test_a_node_whose_model_server_refuses_every_request_is_routed_around(nursery, upstream):
+    """Two nodes, one whose model server answers every request 400 (vLLM's context error: its
+    max_model_len smaller than its node says, or a template that refuses). It looked the least
+    loaded (it frees its slots at once) and drew most of the traffic: 96 of 120 requests failed
+    with one such node among three (an outside audit). A run refused at once with a 4xx moves,
+    once, to a node with a free slot; answered there, the refusal was its node's: after 3 in a
+    row it is routed around. A request every node refuses is the client's 400, once."""
+    refusing = await new_upstream(nursery)
+    too_long = b'{"error": {"message": "This model\'s maximum context length is 10 tokens."}}'
+    refusing.default = lambda body: [("status", 400, too_long)]
+    upstream.default = lambda body: (
+        [("status", 422, b'{"error": {"message": "bad request"}}')]
+        if "bad" in str(body["messages"])
+        else default_script(body)
+    )
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", refusing, target="t")], node_id="refusing")
+    await start_node(nursery, edge, [model("m", upstream, target="t")], node_id="alive")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            statuses = []
+            for i in range(40):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}
+                statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
+            bad = await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "bad"}]}
+            )
+    assert statuses == [200] * 40, statuses
+    assert len(refusing.records) <= 10, len(refusing.records)  # (3, then probes once a second)
+    assert bad.status_code == 422 and "bad request" in bad.json()["error"]["message"], bad.text
     await settled(edge)
 
 

@@ -17,6 +17,7 @@ TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
 KNOWN_TYPES = TEXT_TYPES | TERMINAL_TYPES | {PROGRESS}
 
 if TYPE_CHECKING:
+    from edge.runs.link import NodeLink
     from edge.runs.service import Slot
 
 # Causes a run can end with (metrics label values).
@@ -112,6 +113,8 @@ class Run:
         "_on_close",
         "on_node_done",
         "on_failed_at_once",
+        "refused_by",
+        "on_refused_at_once",
         "held_error",
         "move_until",
         "want",
@@ -177,6 +180,10 @@ class Run:
         # Its node failed it before any output, the model server's fault: True if the service
         # moved it to another node (the client never sees that error).
         self.on_failed_at_once: Callable[[Run, RunEvent], bool] | None = None
+        # Moved off a node that refused it at once with a 4xx (:meth:`RunService._refused_at_once`):
+        # that node, counted as failing the model if the run is answered where it moved.
+        self.refused_by: NodeLink | None = None
+        self.on_refused_at_once: Callable[[Run, RunEvent], bool] | None = None
         # Moved off a node that failed it at once, waiting for a slot: that error, and when the
         # wait ends with it (the queue's timeout), as if the run had not moved.
         self.held_error: RunEvent | None = None
@@ -287,11 +294,20 @@ class Run:
             )  # (a dead server's 1 ms failures made a slow node look stalled)
             if answered:
                 link.served(slot.model)
+                if self.refused_by is not None:  # (a node that refused it at once: its own fault, then)
+                    self.refused_by.failed_at_once(slot.model, now)
+                    self.refused_by = None
             elif not timed_out and (getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500):
                 # failed at once, not for the client
                 link.failed_at_once(slot.model, now)
                 if self.on_failed_at_once is not None and self.on_failed_at_once(self, item):
                     return  # moved to another node: its silence is counted from now
+            elif not timed_out and 400 <= getattr(item, "status", 0) < 500 and self.on_refused_at_once is not None:
+                # Refused at once for the request (its fault, or its node's: a server with a
+                # smaller context than its peers', a template that refuses; one such node among
+                # three failed 80% of requests, looking idle to placement: found from outside).
+                if self.on_refused_at_once(self, item):
+                    return
             self.first_event_at = now
         if type(item) is RunEvent or item.kind != "response_start":
             # (a tunnel's head alone commits nothing: the edge holds it until the body begins,

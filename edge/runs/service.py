@@ -303,7 +303,8 @@ class RunService:
         # Bounded by the capacity of the nodes they came from.
         self._moved: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
         self.on_stall: list[Callable[[NodeLink], None]] = []
-        self.on_move: list[Callable[[str, str], None]] = []  # (model, why: node_lost, node_stalled, node_failed)
+        # (model, why: node_lost, node_stalled, node_failed, node_refused)
+        self.on_move: list[Callable[[str, str], None]] = []
         # Models configured, and the last KNOWN_MODELS some node has advertised (a node may
         # name 1,024, and link again and again with new ones): a request for one of these
         # with no node linked is a 503, not a 404, and its name may be a metrics label.
@@ -525,7 +526,7 @@ class RunService:
                 serving[0].trust(model)
                 self._wake(model)
 
-    def _fail_over(self, run: Run, old: NodeLink, failed: RunEvent | None = None) -> bool:
+    def _fail_over(self, run: Run, old: NodeLink, failed: RunEvent | None = None, now_only: bool = False) -> bool:
         """Move a run that has produced no event yet off ``old`` (lost, or not
         starting runs), at most once: to a node with a free slot now, else it
         waits for one ahead of the queue. Never to a draining node (it takes no
@@ -534,7 +535,8 @@ class RunService:
         dead server's 1 ms failures, and its runs moved there to fail). A run
         ``old`` ``failed`` at once (that error event) waits as a queued
         request does, within the queue's size and timeout, then ends with that
-        error (it waited for its silence, 120 s). False if it does not move."""
+        error (it waited for its silence, 120 s); with ``now_only``, it moves only
+        to a node with a free slot now. False if it does not move."""
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
         model = run.want.model
@@ -542,6 +544,8 @@ class RunService:
             return False
         moved = self._moved[model]
         link = None if moved else self._pick(run.want, exclude=old, healthy=True)
+        if link is None and now_only:
+            return False
         if link is None:  # it waits for a slot, within the queue's timeout (then: its node's error, or a 502)
             max_queue, timeout_ms = self._queue_bounds(model)
             if failed is not None and len(moved) + len(self._queues.get(model) or ()) >= max_queue:
@@ -560,7 +564,9 @@ class RunService:
         else:
             run.requeued = _Waiter(run.want, run)
             moved.append(run.requeued)
-        why = "node_failed" if failed is not None else "node_lost" if old.closed else "node_stalled"
+        why = "node_lost" if old.closed else "node_stalled"
+        if failed is not None:
+            why = "node_refused" if now_only else "node_failed"
         for hook in self.on_move:
             hook(model, why)
         client = getattr(run.client, "scope", None)  # (the request's: logged from the link's task, not the request's)
@@ -591,6 +597,19 @@ class RunService:
         reached the client: it moves, at most once, to a node that is not failing
         (:meth:`_fail_over`). False: the client gets the error."""
         return self._fail_over(run, run.slot.link, failed=error)
+
+    def _refused_at_once(self, run: Run, error: RunEvent) -> bool:
+        """``run``'s node refused it at once with a 4xx (``error``): the request's
+        fault, or its node's. Nothing has reached the client: it moves, at most once,
+        to a healthy node with a free slot now, if there is one; answered there, the
+        refusal was the node's (:attr:`Run.refused_by`, counted as a failure of the
+        model there: a node whose server refuses every run is routed around). False:
+        the client gets the error."""
+        old = run.slot.link
+        if not self._fail_over(run, old, failed=error, now_only=True):
+            return False
+        run.refused_by = old
+        return True
 
     def _dispatch(self, run: Run, slot: Slot) -> None:
         """Send a moved run to its new slot's node."""
@@ -1327,6 +1346,7 @@ class RunService:
         run.client = client
         run.on_node_done = self._node_done
         run.on_failed_at_once = self._failed_at_once
+        run.on_refused_at_once = self._refused_at_once
         run.timers = self.timers
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
