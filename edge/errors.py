@@ -158,7 +158,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param=param, code=code)
 
 
+_MAX_MODEL_SAID = 256  # of a model name a client sent, quoted back
+
+
 def model_not_found(model: str) -> APIError:
+    if len(model) > _MAX_MODEL_SAID:  # (a 7 MB name came back as a 7 MB 404: an outside audit)
+        model = model[:_MAX_MODEL_SAID] + "…"
     return APIError(
         404,
         f"The model `{model}` does not exist or no node serves it; GET /v1/models lists those served now.",

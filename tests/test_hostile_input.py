@@ -130,6 +130,12 @@ async def test_invented_model_names_share_one_metrics_label(nursery):
             text = (await client.get("/metrics")).text
     requests_series = [line for line in text.splitlines() if line.startswith("iop_requests_total{")]
     assert "invented" not in text
+    # A name of 7 MB is quoted back cut (the 404 was 7 MB), on each API.
+    async with http(edge) as client:
+        for path, extra in (("/v1/chat/completions", {}), ("/v1/messages", {"max_tokens": 8}), ("/v1/responses", {})):
+            body = {"model": "x" * 7_000_000, "messages": USER, "input": "hi", **extra}
+            r = await client.post(path, json=body)
+            assert r.status_code == 404 and len(r.content) < 2_000, (path, len(r.content))
     assert sorted(requests_series) == [
         'iop_requests_total{api="chat",model="configured",outcome="rejected_503"} 1.0',
         'iop_requests_total{api="chat",model="m",outcome="complete"} 1.0',
