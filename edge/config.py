@@ -92,6 +92,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # Streams.
     keepalive_s: float = 10.0
     max_buffered_events: int = 8192  # per run, before a non-reading client's run is cancelled
+    # All runs' events waiting for their clients, in bytes: past it, the runs of clients furthest
+    # behind (more than 1/64 of it waiting, 1 MiB at least) are cancelled as slow clients.
+    max_buffered_bytes: int = 256 * 1024 * 1024
     write_timeout_s: float = 60.0  # a client or node that takes no bytes of a write (64 KiB of a larger one)
     #                                this long loses its connection (nginx's send_timeout)
     max_tool_attempts: int = 2
@@ -160,6 +163,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             "max_large_requests",
             "max_frame_bytes",
             "max_buffered_events",
+            "max_buffered_bytes",
             "max_node_concurrency",
         ):
             if getattr(self, key) <= 0:

@@ -3,6 +3,7 @@ node, the upstream sees its request aborted, and nothing is left running."""
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 from functools import partial
 
@@ -20,7 +21,7 @@ import trustme
 from edge.app import create_app, edge_of
 from edge.serve import serve_edge
 from node.agent import NodeAgent
-from scripts.upstream import text_script, words
+from scripts.upstream import default_script, text_script, words
 from tests.conftest import (
     BOUND,
     edge_config,
@@ -269,6 +270,50 @@ async def test_client_that_stops_reading_gets_its_run_cancelled(nursery, upstrea
             assert rec.aborted
             await node_settled(node)
     await settled(edge, node.agent)
+
+
+async def test_clients_that_do_not_read_hold_no_more_than_the_edges_buffer_bound(nursery, upstream):
+    """Each run alone stops at 32 MiB waiting for its client, but nothing bounded them together:
+    60 clients that did not read held 1.3 GB of an edge, growing (an outside audit). Past
+    ``max_buffered_bytes`` in all, a run with more than its share waiting (1/64, 1 MiB at
+    least) is cancelled as a slow client, on the node too; a client that reads is served
+    meanwhile, and what the runs held is all given back."""
+    cap = 3 * 1024 * 1024
+    edge = await start_edge(nursery, edge_config(max_buffered_bytes=cap))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=8)])
+    big = [*(("chunk", {"content": "x" * 20_000}) for _ in range(3000)), ("hang",)]
+    upstream.script_for(
+        "m-target", lambda body: big if body["messages"][0]["content"] == "big" else default_script(body)
+    )
+    runs = edge.edge.runs.runs
+    most = 0
+
+    async def watch() -> None:  # what the runs' events waiting for their clients hold
+        nonlocal most
+        while True:
+            most = max(most, sum(run._pending_bytes for run in runs.values()))
+            await trio.sleep(0.001)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(watch)
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(4):  # none of them reads
+                    c = await stack.enter_async_context(http(edge))
+                    body = {**STREAM, "messages": [{"role": "user", "content": "big"}]}
+                    r = await stack.enter_async_context(c.stream("POST", "/v1/chat/completions", json=body))
+                    assert r.status_code == 200
+                records = await upstream.wait_requests(4)
+                for rec in records:
+                    await rec.finished.wait()
+                assert all(rec.aborted for rec in records)
+                async with http(edge) as reader:
+                    assert (await reader.post("/v1/chat/completions", json=STREAM)).status_code == 200
+            inner.cancel_scope.cancel()
+    # (one run may pass its share in the frame that crosses the bound: a node's frame is at most 1 MiB here)
+    assert most <= cap + 2 * 1024 * 1024, most
+    await settled(edge, node.agent)
+    assert edge.edge.runs.buffered.bytes == 0  # (all given back)
 
 
 async def node_settled(node) -> None:

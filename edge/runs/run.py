@@ -46,6 +46,25 @@ TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of te
 # let 8 runs of emoji take an edge from 55 MiB to 2.1 GB (outside audit).
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
+MIN_BUFFERED_SHARE = 1024 * 1024  # a run with less waiting than this is never cut for the edge's buffers
+
+
+class Buffered:
+    """What every run's events waiting for their readers hold, in bytes, and the edge's
+    bound on it (``max_buffered_bytes``): past it, a run with more than its share
+    (1/64 of the bound, 1 MiB at least) waiting is its client's fault, and is cancelled as
+    a slow client. Each run alone stops at :data:`MAX_PENDING_BYTES`, but 60 clients that
+    did not read held 1.3 GB of an edge, growing (an outside audit)."""
+
+    __slots__ = ("bytes", "cap", "share")
+
+    def __init__(self, cap: float) -> None:
+        self.bytes = 0
+        self.cap = cap
+        self.share = max(int(cap) >> 6, MIN_BUFFERED_SHARE) if cap != math.inf else math.inf
+
+
+UNBOUNDED = Buffered(math.inf)  # (a run no service made: tests of the run alone)
 EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
 MAX_PROGRESS_PARTS = 4096  # tool-call pieces one progress event may say were read (about a second's, at most)
 # A run's events past max_buffered_events that came within this long of the oldest its reader has
@@ -138,6 +157,7 @@ class Run:
         "_nudged",
         "output_bytes",
         "_pending_bytes",
+        "buffered",
         "_pending_from",
     )
 
@@ -216,6 +236,7 @@ class Run:
         self._nudged = False  # the sink left the reader something to do (next_batch_or_idle returns [])
         self.output_bytes = 0  # text of its events so far (_size)
         self._pending_bytes = 0  # text or body bytes of the events waiting for the reader
+        self.buffered = UNBOUNDED  # every run's (the service's)
         self._pending_from = -math.inf  # when the frame of the oldest event waiting arrived
 
     @property
@@ -280,7 +301,7 @@ class Run:
         if type(item) is RunEvent:
             self.output_bytes += size
             if self.output_bytes > MAX_OUTPUT_BYTES:
-                self._pending.clear()
+                self._drop_pending()
                 self.fail(f"the node sent more than {MAX_OUTPUT_BYTES} bytes for this run", TOO_LARGE)
                 return
         self.last_event_at = now
@@ -323,6 +344,8 @@ class Run:
             self._pending_from = now
         self._pending.append(item)
         self._pending_bytes += size + EVENT_BYTES
+        buffered = self.buffered
+        buffered.bytes += size + EVENT_BYTES
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else TIMEOUT if timed_out else RUN_ERROR
@@ -333,10 +356,17 @@ class Run:
                 self.error_status = getattr(item, "status", 0)
             if self.on_node_done is not None:  # (a client that does not read holds no node capacity)
                 self.on_node_done(self)
-        elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
+        elif (
+            len(self._pending) > self._max_buffered
+            or self._pending_bytes > MAX_PENDING_BYTES
+            or (buffered.bytes > buffered.cap and self._pending_bytes > buffered.share)
+        ):
             if self._pending_from != now:  # the reader had its turn since the first of them
-                self._pending.clear()
-                if now - self._pending_from < FLOOD_S:
+                over_share = self._pending_bytes <= MAX_PENDING_BYTES and len(self._pending) <= self._max_buffered
+                self._drop_pending()
+                if over_share:  # (the edge's buffers full: this client is among the furthest behind)
+                    self.fail("client is not reading the response fast enough; run cancelled", SLOW_CLIENT)
+                elif now - self._pending_from < FLOOD_S:
                     # Its reader took a batch less than FLOOD_S ago: the client reads, and the node
                     # floods (an honest node joins the deltas it reads together into one event).
                     self.fail(
@@ -348,10 +378,16 @@ class Run:
                     self.fail("client is not reading the response; run cancelled", SLOW_CLIENT)
                 return
             if self._pending_bytes > MAX_PENDING_BYTES:  # one frame: the node's doing, not the client's
-                self._pending.clear()
+                self._drop_pending()
                 self.fail(f"the node sent more than {MAX_PENDING_BYTES} bytes in one frame for this run", TOO_LARGE)
                 return
         self._wake()
+
+    def _drop_pending(self) -> None:
+        """Drop the events waiting for the reader (the run is failed next)."""
+        self._pending.clear()
+        self.buffered.bytes -= self._pending_bytes
+        self._pending_bytes = 0
 
     def node_fault(self) -> bool:
         """The node's error event said the fault is the node's or its model server's
@@ -430,6 +466,7 @@ class Run:
             await self._wait()
         batch = self._pending
         self._pending = []
+        self.buffered.bytes -= self._pending_bytes
         self._pending_bytes = 0
         return batch
 
@@ -457,6 +494,7 @@ class Run:
         self._nudged = False
         batch = self._pending
         self._pending = []
+        self.buffered.bytes -= self._pending_bytes
         self._pending_bytes = 0
         return batch
 
@@ -482,6 +520,8 @@ class Run:
             self.cause = cause
             self._cancel_on_node(cause)
         self.closed = True
+        self.buffered.bytes -= self._pending_bytes  # (events no reader took)
+        self._pending_bytes = 0
         self._on_close(self)
 
 

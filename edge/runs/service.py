@@ -28,6 +28,7 @@ from edge.runs.run import (
     SHUTDOWN,
     TIMEOUT,
     UNSENDABLE,
+    Buffered,
     Run,
     RunTimers,
 )
@@ -298,6 +299,7 @@ class RunService:
         self.link_refusals: dict[str, list[float]] = {}  # (edge.link) why -> [refused since its last line, then]
         self.runs: dict[str, Run] = {}
         self.timers = RunTimers()  # its task runs with the app (edge.app)
+        self.buffered = Buffered(config.max_buffered_bytes)  # every run's events waiting for their clients
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
         # Runs moved off a lost or stalled node, per model: served before the queue.
         # Bounded by the capacity of the nodes they came from.
@@ -1347,6 +1349,7 @@ class RunService:
         run.on_node_done = self._node_done
         run.on_failed_at_once = self._failed_at_once
         run.on_refused_at_once = self._refused_at_once
+        run.buffered = self.buffered
         run.timers = self.timers
         self.runs[run.id] = run
         slot.link.runs[run.id] = run
