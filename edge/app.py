@@ -435,6 +435,7 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
                 # another (503, no node), and a drain's idle worker ended first, then hypercorn
                 # cut the rest. With none (0), no signal drained it.
                 raise SystemExit("iop: the edge is one hypercorn worker: start hypercorn with --workers 1")
+            hypercorn.h2_max_concurrent_streams = config.h2_max_streams  # (read as each connection opens)
             bind = _public_bind(hypercorn.bind)
             if bind is not None:  # hypercorn's own --bind: the address the open-edge warning names
                 config = msgspec.structs.replace(config, bind=bind)

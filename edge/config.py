@@ -95,6 +95,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # All runs' events waiting for their clients, in bytes: past it, the runs of clients furthest
     # behind (more than 1/64 of it waiting, 1 MiB at least) are cancelled as slow clients.
     max_buffered_bytes: int = 256 * 1024 * 1024
+    # HTTP/2 streams a client connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS;
+    # hypercorn's default 100 let 300 connections hold 30,000 requests: an outside audit)
+    h2_max_streams: int = 32
     write_timeout_s: float = 60.0  # a client or node that takes no bytes of a write (64 KiB of a larger one)
     #                                this long loses its connection (nginx's send_timeout)
     max_tool_attempts: int = 2
@@ -164,6 +167,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             "max_frame_bytes",
             "max_buffered_events",
             "max_buffered_bytes",
+            "h2_max_streams",
             "max_node_concurrency",
         ):
             if getattr(self, key) <= 0:

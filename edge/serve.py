@@ -23,6 +23,7 @@ def hypercorn_config(app: QuartTrio, bind: str, *, certfile: str | None = None, 
     # again: a request still sending its body held the exit twice the grace, then got a bare 500).
     hc.graceful_timeout = SHUTDOWN_TAIL_S
     hc.websocket_max_message_size = cfg.max_frame_bytes
+    hc.h2_max_concurrent_streams = cfg.h2_max_streams
     hc.keep_alive_timeout = 75
     hc.read_timeout = None
     hc.iop_write_timeout_s = cfg.write_timeout_s  # (edge.send_lock: each connection's sends)
