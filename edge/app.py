@@ -610,6 +610,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         key, refused = client_key()
         return (None, models_error(refused_key())) if refused is not None else (key, None)
 
+    # The whole list as a request with no key gets it, kept until a link comes or goes: 16
+    # nodes of 1,020 models each made an 11 MB list in 180 ms a request (an outside audit).
+    listed: list = [-1, b""]
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         key, refused = models_key()
@@ -617,6 +621,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             return refused
         from quart import request
 
+        whole = key is None and not request.args
+        if whole and listed[0] == edge.runs.models_version:
+            return _json(200, listed[1])
+        version = edge.runs.models_version
         models = edge.runs.models()
         names = [name for name in sorted(models) if key is None or key.may_use(name)]
         page = _models_page(names, request.args)
@@ -625,7 +633,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         names, more = page
         cards = [_model_card(name, models[name]) for name in names]
         first, last = (cards[0].id, cards[-1].id) if cards else (None, None)
-        return _json(200, _encode(ModelList(data=cards, has_more=more, first_id=first, last_id=last)))
+        body = _encode(ModelList(data=cards, has_more=more, first_id=first, last_id=last))
+        if whole:
+            listed[:] = [version, body]
+        return _json(200, body)
 
     @app.get("/v1/models/<path:model_id>")  # ids such as Qwen/Qwen3-8B hold slashes
     async def retrieve_model(model_id: str) -> Response:

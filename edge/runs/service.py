@@ -300,6 +300,7 @@ class RunService:
         self.runs: dict[str, Run] = {}
         self.timers = RunTimers()  # its task runs with the app (edge.app)
         self.buffered = Buffered(config.max_buffered_bytes)  # every run's events waiting for their clients
+        self.models_version = 0  # changes as a link comes or goes: what models() says may differ
         self._queues: dict[str, collections.deque[_Waiter]] = collections.defaultdict(collections.deque)
         # Runs moved off a lost or stalled node, per model: served before the queue.
         # Bounded by the capacity of the nodes they came from.
@@ -417,6 +418,7 @@ class RunService:
             for model in peered:
                 link.on_trial(model, self.config.ramp_slots)
         self.links[link.node_id] = link
+        self.models_version += 1
         if in_window:
             for model in peered:
                 self._hold_the_largest(model)
@@ -439,6 +441,7 @@ class RunService:
         """The link is gone: its unstarted runs move to other nodes, the rest
         fail at once; waiters that can no longer be served are woken."""
         link.closed = True
+        self.models_version += 1
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
         now, lost = trio.current_time(), self._lost_context
