@@ -987,10 +987,26 @@ async def test_tool_schema_references_never_fetch_and_unresolvable_ones_are_400(
                 assert r.status_code == 400, (ref, r.text)
                 error = r.json()["error"]
                 assert error["param"] == "tools" and "`lookup`" in error["message"], error
-            local = {
+            # A loop below the root, through references and allOf: found only when a model's
+            # arguments reached it, after the turn's runs (a 502: an outside audit). A 400, no run.
+            mutual = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}}}
+            for parameters in (
+                {**mutual, "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]},
+                {**mutual, "properties": {"x": {"items": {"anyOf": [{"$ref": "#/$defs/b"}]}}}},
+            ):
+                tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+                r = await client.post(
+                    "/v1/chat/completions", json={"model": "native", "messages": MESSAGES, "tools": [tool]}
+                )
+                assert r.status_code == 400 and "loop without end" in r.json()["error"]["message"], r.text
+            assert upstream.records == []
+            local = {  # (a tree: its loop goes through properties and items, and ends with the instance)
                 "type": "object",
-                "properties": {"city": {"$ref": "#/$defs/city"}},
-                "$defs": {"city": {"type": "string"}},
+                "properties": {"city": {"$ref": "#/$defs/city"}, "tree": {"$ref": "#/$defs/node"}},
+                "$defs": {
+                    "city": {"type": "string"},
+                    "node": {"properties": {"children": {"items": {"$ref": "#/$defs/node"}}}},
+                },
             }
             tool = {"type": "function", "function": {"name": "lookup", "parameters": local}}
             upstream.script_for("t", steps({"content": "fine"}))

@@ -587,6 +587,9 @@ def _build_validator(schema_json: str):
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             ) from None
+    looped = _in_place_loop(schema, resolver)
+    if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
+        raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
     validator = _timed_class(cls)(schema, registry=registry)
     with _phase(PATTERN_BUDGET_S):
         for where, pattern in _patterns(schema):
@@ -607,6 +610,70 @@ def _build_validator(schema_json: str):
         except (ArithmeticError, ValueError, TypeError) as e:
             raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     return validator
+
+
+# Keywords whose subschemas apply to the instance itself, not to a part of it: a loop through
+# them (and references) never ends, whatever the instance.
+_IN_PLACE_ONE = ("not", "if", "then", "else")
+_IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
+
+
+def _in_place_loop(schema: Any, resolver: Any) -> str | None:
+    """A reference that closes a loop of subschemas applied to one instance (``$ref`` to
+    ``$ref``, through ``allOf`` and the like), or None. A loop below the root was found only
+    when a model's arguments reached it: the turn's runs spent, then a 502 (an outside audit);
+    one through ``properties`` or ``items`` (a tree) ends with the instance, and is no loop."""
+    edges: dict[int, list[tuple[Any, str]]] = {}  # id(subschema) -> (subschema, how) it applies in place
+    nodes: dict[int, Any] = {}
+    stack = [schema]
+    while stack:  # every subschema, and its in-place successors
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+            continue
+        if not isinstance(node, dict) or id(node) in nodes:
+            continue
+        nodes[id(node)] = node
+        out: list[tuple[Any, str]] = []
+        for key in _REF_KEYS:
+            ref = node.get(key)
+            if isinstance(ref, str):
+                try:
+                    target = resolver.lookup(ref).contents
+                except referencing.exceptions.Unresolvable:
+                    continue
+                if isinstance(target, dict):
+                    out.append((target, ref))
+        for key in _IN_PLACE_ONE:
+            if isinstance(node.get(key), dict):
+                out.append((node[key], key))
+        for key in _IN_PLACE_MANY:
+            if isinstance(node.get(key), list):
+                out.extend((sub, key) for sub in node[key] if isinstance(sub, dict))
+        if isinstance(node.get("dependentSchemas"), dict):
+            out.extend((sub, "dependentSchemas") for sub in node["dependentSchemas"].values() if isinstance(sub, dict))
+        edges[id(node)] = out
+        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    state: dict[int, int] = {}  # 1: on the path, 2: done
+    for start in nodes:
+        if start in state:
+            continue
+        path = [(start, iter(edges[start]))]
+        state[start] = 1
+        while path:
+            at, successors = path[-1]
+            for target, how in successors:
+                seen = state.get(id(target))
+                if seen == 1:
+                    return how
+                if seen is None and id(target) in edges:
+                    state[id(target)] = 1
+                    path.append((id(target), iter(edges[id(target)])))
+                    break
+            else:
+                state[at] = 2
+                path.pop()
+    return None
 
 
 def _patterns(schema: Any) -> list[tuple[str, str]]:
