@@ -67,6 +67,12 @@ class EdgeMetrics:
         self.queue_depth.set_function(lambda: runs.queue_depth())
         self.nodes_linked = Gauge("iop_nodes_linked", "Nodes with a live link", registry=r)
         self.nodes_linked.set_function(lambda: len(runs.links))
+        self.buffered_bytes = Gauge(
+            "iop_buffered_bytes",
+            "Bytes of runs' events waiting for their clients (bounded by max_buffered_bytes)",
+            registry=r,
+        )
+        self.buffered_bytes.set_function(lambda: runs.buffered.bytes)
         self.queue_time = Histogram(
             "iop_queue_time_seconds",
             "Time spent waiting for a node slot, however the wait ended (a slot, a timeout, the client leaving)",

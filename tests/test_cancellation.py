@@ -313,7 +313,8 @@ async def test_clients_that_do_not_read_hold_no_more_than_the_edges_buffer_bound
     # (one run may pass its share in the frame that crosses the bound: a node's frame is at most 1 MiB here)
     assert most <= cap + 2 * 1024 * 1024, most
     await settled(edge, node.agent)
-    assert edge.edge.runs.buffered.bytes == 0  # (all given back)
+    async with http(edge) as client:  # (all given back)
+        assert "\niop_buffered_bytes 0.0\n" in (await client.get("/metrics")).text
 
 
 async def node_settled(node) -> None:
