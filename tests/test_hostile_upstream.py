@@ -256,6 +256,16 @@ async def test_answers_that_are_not_streams_are_relayed_or_say_so(stack):
             plain = await chat(client)
             upstream.script_for("b", [("response", gzip_answer)])
             zipped = await chat(client)
+            # An event stream labelled application/json (as some servers do) is read as one still
+            # (a re-check found it a 502); a whole body past an event's bounds is not decoded.
+            sse = b'data: {"choices": [{"index": 0, "delta": {"content": "as events"}}]}\n\ndata: [DONE]\n\n'
+            upstream.script_for("b", [("response", _json_answer(sse))])
+            labelled = await chat(client)
+            flood = b'{"error": [' + b"{}," * 70_000 + b"{}]}"
+            upstream.script_for("b", [("response", _json_answer(flood))])
+            flooded = await chat(client)
+    assert labelled.status_code == 200 and labelled.json()["choices"][0]["message"]["content"] == "as events"
+    assert flooded.status_code == 502 and "more than 65536 JSON objects" in flooded.json()["error"]["message"]
     assert relayed.status_code == 200, relayed.text
     message = relayed.json()["choices"][0]["message"]
     assert message["content"] == "hi there" and message["reasoning_content"] == "thinking", message

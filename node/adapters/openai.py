@@ -332,12 +332,21 @@ async def _read_whole(response: http1.Response, relay: _Relay) -> None:
     (some servers and proxies ignore ``stream: true``): relayed as the one event it would
     have streamed, and its end (it was "answered application/json, not an event stream, and
     sent no finished answer"). A body that is no completion nor error is left to that."""
-    body = bytearray()
+    first = await response.read()
+    if not first.lstrip().startswith(b"{"):
+        # (an event stream labelled application/json, as some servers do: read as one, as before)
+        relay.feed(first)
+        return
+    body = bytearray(first)
     while data := await response.read():
         body += data
         if len(body) > _MAX_WHOLE:
             relay._fail("answer too large", f"upstream's answer passed {_MAX_WHOLE >> 20} MiB")
             return
+    problem = _past_bounds(bytes(body))  # (as an event's: 32 MiB of `{},` decoded took 2 s and 866 MB)
+    if problem is not None:
+        relay._fail("undecodable answer", f"upstream sent an undecodable answer: {problem}")
+        return
     try:
         whole = _decode_whole(body)
     except _UNDECODABLE:
