@@ -290,7 +290,8 @@ return others
 # epoch this edge last reported the day in, what to add if it is still that one, else what to add
 # if the counter exists, else what to add, the counter's TTL, this edge's id; KEYS[3]: what the
 # flights script folded into the counter of edges' streams (see _STREAMED). Returns the epoch, the
-# day's total and whether the counter existed before.
+# day's total, whether the counter existed before, and what of this edge's streams is folded in and
+# not yet counted by its adds (in the total, and not the other edges' use).
 _DAY = """
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 local epoch = redis.call('GET', KEYS[1])
@@ -302,6 +303,7 @@ elseif existed == 1 then
   add = tonumber(ARGV[4])
 end
 local folded = tonumber(redis.call('HGET', KEYS[3], ARGV[7]) or '0')
+local add0 = add
 if folded > 0 and add > 0 then
   -- (this edge was silent long enough for its streams to be folded in: that much of them is in)
   local counted = math.min(folded, add)
@@ -310,7 +312,7 @@ if folded > 0 and add > 0 then
 end
 local total = redis.call('INCRBY', KEYS[2], add)
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
-return {epoch, total, existed}
+return {epoch, total, existed, folded - math.min(folded, math.max(add0, 0))}
 """
 
 # KEYS[1]: a key's day counter, KEYS[2]: the epoch; ARGV: the day's total in the shared ledger, the
@@ -506,7 +508,7 @@ class SharedState:
         plan: list[BucketOp],
         counters: list[tuple[str, int, list | None, FlightArgs | None]],
         streams: list[tuple[str, int, int]] | tuple[()] = (),
-    ) -> tuple[list, dict[str, tuple[tuple[bytes, int, int] | None, list | None]], list[int]]:
+    ) -> tuple[list, dict[str, tuple[tuple[bytes, int, int, int] | None, list | None]], list[int]]:
         """In a worker thread: the Redis round trip (one pipeline). ``counters``: per
         key, its day's script arguments and its flights' (None: not this time);
         ``streams``: (key id, day, tokens its requests in flight streamed) to write,
@@ -531,12 +533,12 @@ class SharedState:
         results = pipe.execute()
         others = [int(v) for v in results[len(results) - len(streams) :]] if streams else []
         rest = results[len(plan) :]
-        out: dict[str, tuple[tuple[bytes, int, int] | None, list | None]] = {}
+        out: dict[str, tuple[tuple[bytes, int, int, int] | None, list | None]] = {}
         i = 0
         for key_id, _, adds, flight in counters:
             day_result = flown = None
             if adds is not None:
-                day_result = (rest[i][0], int(rest[i][1]), int(rest[i][2]))
+                day_result = (rest[i][0], int(rest[i][1]), int(rest[i][2]), int(rest[i][3]))
                 i += 1
             if flight is not None:
                 flown = rest[i]
@@ -676,7 +678,7 @@ class SharedState:
                 continue
             day_result, flown = totals[key_id]
             if day_result is not None:
-                epoch, day_total, existed = day_result
+                epoch, day_total, existed, folded = day_result
                 if not existed and self.day_totals is not None:
                     self._floors_wanted.setdefault((key_id, day, epoch), trio.current_time() + FLOOR_DELAY_S)
                     self._floors_wake.set()
@@ -689,7 +691,9 @@ class SharedState:
                 if key.day == day:
                     key.day_reported = reported
                     # Others' use too, so the budget holds across edges (Redis holds all of this edge's).
-                    key.day_others = max(day_total - reported, 0)
+                    # (less this edge's own streams folded in while it was paused: they are in its
+                    # streams in flight; counted twice, they cut its own stream early: a re-check)
+                    key.day_others = max(day_total - reported - folded, 0)
             if flown is not None and flight is not None:
                 self._flown(key, flight, flown)
 

@@ -1366,11 +1366,14 @@ async def test_what_a_killed_edge_streamed_is_the_days_use_and_a_paused_ones_is_
     goes into the day's counter once its silence passes the edges' TTL (it was dropped, and
     never counted: an outside audit). SIGSTOPped past the TTL and continued instead, its stream
     is folded in the same way, and its own report at the end adds only the rest: the day's
-    counter is the stream's usage, not that and the fold."""
+    counter is the stream's usage, not that and the fold; and b does not count its own folded
+    tokens as other edges' use (a re-check: its stream was cut at 805 of 900 tokens, under
+    budget)."""
     import redis
 
     monkeypatch.setattr(shared_state, "EDGE_TTL_S", 2)  # (edge a's judgement of b's silence)
-    keys = [KeyConfig(id="f", key="sk-f", daily_tokens=1_000_000)]
+    # f: the paused stream (1,610 tokens) fits its budget, but not with its folded part twice
+    keys = [KeyConfig(id="f", key="sk-f", daily_tokens=1_650), KeyConfig(id="g", key="sk-g", daily_tokens=10**6)]
     a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
     port = free_port()
     cfg = write_toml(
@@ -1380,13 +1383,14 @@ async def test_what_a_killed_edge_streamed_is_the_days_use_and_a_paused_ones_is_
             "node_token": TOKEN,
             "ledger": str(tmp_path / "b.sqlite3"),
             "state": redis_server.url,
-            "keys": [{"id": "f", "key": "sk-f", "daily_tokens": 1_000_000}],
+            "keys": [{"id": k.id, "key": k.key, "daily_tokens": k.daily_tokens} for k in keys],
         },
     )
     proc = _edge_process(cfg, tmp_path / "b.stderr")
     store = redis.Redis.from_url(redis_server.url, decode_responses=True)
     day = a.edge.keys.by_id["f"].day
     streamed, folded, counter = f"iop:streamed:f:{day}", f"iop:folded:f:{day}", f"iop:day:f:{day}"
+    bodies: list[str] = []
 
     def redis_int(name: str) -> int:
         return int(store.get(name) or 0)
@@ -1419,6 +1423,7 @@ async def test_what_a_killed_edge_streamed_is_the_days_use_and_a_paused_ones_is_
                     async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                         assert r.status_code == 200, await r.aread()
                         async for line in r.aiter_lines():
+                            bodies.append(line)
                             if line.startswith("data: {") and '"usage":{' in line:
                                 usage.append(json.loads(line[6:])["usage"]["total_tokens"])
 
@@ -1437,10 +1442,13 @@ async def test_what_a_killed_edge_streamed_is_the_days_use_and_a_paused_ones_is_
                     finally:
                         os.kill(proc.pid, signal.SIGCONT)
                 assert len(usage) == 1 and usage[0] > 1600, usage
+                assert not [line for line in bodies if "insufficient_quota" in line]
                 await eventually(lambda: redis_int(counter) >= usage[0], "edge b reports its stream")
                 await trio.sleep(0.5)  # (a round or two more: nothing is added twice)
                 assert redis_int(counter) == usage[0], (redis_int(counter), usage, at_fold)
-                # Killed mid-stream: what it had streamed is the day's use.
+                # Killed mid-stream: what it had streamed is the day's use (key g).
+                streamed, counter = f"iop:streamed:g:{day}", f"iop:day:g:{day}"
+                c.headers["Authorization"] = "Bearer sk-g"
                 before = redis_int(counter)
                 async with trio.open_nursery() as n:
                     n.start_soon(stream)

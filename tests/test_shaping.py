@@ -400,6 +400,28 @@ async def test_reasoning_cut_by_max_tokens_is_never_content_once_the_template_is
                     notice = ""  # (strict: no fallback, so nothing to wrap)
                 assert (said.get("content") or "") == notice, (name, said)
             assert joined(chunks, "content") == hidden_reasoning_notice("length")  # (plain, hidden, live)
+            # A model server that parts reasoning itself: its content is the answer, cut or not
+            # (it was taken for reasoning when collected: a re-check).
+            parted = script({"reasoning_content": "Let me think."}, {"content": "The answer is: thi"}, finish="length")
+            upstream.script_for("t", parted)
+            whole = await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})
+            said = whole.json()["choices"][0]["message"]
+            assert (said["content"], said["reasoning_content"]) == ("The answer is: thi", "Let me think."), said
+            # A <think> inside a call block is no think tag: cut, all of it is reasoning, and the call
+            # written in it is no call (it went out as content, the call made: a re-check).
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            call = '<tool_call>{"name": "f", "arguments": {"x": "<think>"}}</tool_call>'
+            upstream.script_for("t", script({"content": "secret sk-123 " + call + " and then I sh"}, finish="length"))
+            body = {"model": "strict", "messages": MESSAGES, "tools": tools}
+            whole = await client.post("/v1/chat/completions", json=body)
+            assert b"sk-123" not in whole.content and not whole.json()["choices"][0]["message"].get("tool_calls")
+            # A model only ever collected is unlearned by an answer that stops with no think tag, as a
+            # live stream's is (it stayed learned wrong, its cut answers hidden: a re-check).
+            upstream.script_for("t", script({"content": "Just an answer."}))
+            await client.post("/v1/chat/completions", json={"model": "xmltool", "messages": MESSAGES})
+            upstream.script_for("t", script({"content": "Cut short by"}, finish="length"))
+            cut = await client.post("/v1/chat/completions", json={"model": "xmltool", "messages": MESSAGES})
+            assert "Cut short by" in cut.json()["choices"][0]["message"]["content"], cut.text
 
 
 async def test_a_held_head_is_read_by_its_first_think_tag_as_a_whole_answer_is(shaped):

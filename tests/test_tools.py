@@ -421,11 +421,19 @@ async def test_the_whole_calls_of_a_run_cut_by_max_tokens_are_checked(tooled, na
         upstream.script_for("t", lambda body: good if "That is invalid" in str(body) else steps(*cut, finish="length"))
         content, _, calls = await answer_of_choice(edge, name, stream)
         assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
-        # Only the cut call: the client's, as it came.
-        upstream.records.clear()
-        upstream.script_for("t", steps(*native_call(0, "c4", "get_weather", '{"city": "Ro'), finish="length"))
-        content, _, calls = await answer_of_choice(edge, name, stream)
-        assert [c.function.arguments for c in calls] == ['{"city": "Ro'] and len(upstream.records) == 1
+        # Only the cut call (in its arguments, or right after its name): the client's, as it came.
+        for cut_call, arguments in (('{"city": "Ro', '{"city": "Ro'), (None, "{}")):
+            upstream.records.clear()
+            parts = (cut_call,) if cut_call else ()
+            upstream.script_for("t", steps(*native_call(0, "c4", "get_weather", *parts), finish="length"))
+            content, _, calls = await answer_of_choice(edge, name, stream)
+            assert [c.function.arguments for c in calls if c.function.arguments] == [arguments], calls
+            assert len(upstream.records) == 1
+        # parallel_tool_calls false holds for a cut run too (a re-check: two calls, whole answers).
+        two = [*native_call(0, "c6", "get_time", "{}"), *native_call(1, "c7", "get_time", "{}")]
+        upstream.script_for("t", steps(*two, finish="length"))
+        content, _, calls = await answer_of_choice(edge, name, stream, parallel_tool_calls=False)
+        assert len({c.id for c in calls if c.id}) == 1, calls
 
 
 async def answer_of_choice(edge, name: str, stream: bool, **body) -> tuple[str, str, list]:

@@ -98,6 +98,7 @@ class Shaper:
         "_model",
         "_watch",
         "_learned_hold",
+        "_fielded",
         "_unclosed",
         "_closed",
         "_showing_reasoning",
@@ -141,6 +142,7 @@ class Shaper:
         # </think> before any <think> ("": watching, nothing partial; None: not watching).
         self._learned_hold = live and auto and template is not None and template.opens(model)
         self._unclosed = False  # the run ended with its head still held: no </think> came
+        self._fielded = False  # reasoning came in its own field: the model server parts it
         self._closed = False  # a held head ended at its </think>: another in the answer is the answer's
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
         if live and policy.think_tags == "open":
@@ -254,6 +256,7 @@ class Shaper:
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
+        self._fielded = True
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
         if self._content_filter.pending and (rest := self._content_filter.flush()):  # (as in content())
@@ -329,9 +332,12 @@ class Shaper:
                 # call block before it were taken for the end: a re-check found them apart).
                 calls = self._raw_parts is not None
                 at = template_head(raw, calls) if mode == "auto" else -1
-                if at < 0 and finish_reason == "length" and self._cut_in_reasoning(raw):
-                    at = len(raw)  # (all of it reasoning, as a live stream's held head: above)
-                    raw += THINK_CLOSE
+                if at < 0 and self._untagged_of_learned(raw, calls):
+                    if finish_reason == "length":
+                        at = len(raw)  # (all of it reasoning, as a live stream's held head: above)
+                        raw += THINK_CLOSE
+                    elif finish_reason == "stop":  # answered without thinking: unlearned, as a live stream is
+                        self._template.unlearn(self._model)  # type: ignore[union-attr]  # (checked)
                 if at >= 0:
                     self._learned()
                     if at:
@@ -348,11 +354,19 @@ class Shaper:
         if rest:
             self._reasoning_out(rest)
 
-    def _cut_in_reasoning(self, raw: str) -> bool:
-        """A whole answer cut by ``length`` with no think tag, of a model whose template
-        opens <think> (learned): cut in its reasoning."""
+    def _untagged_of_learned(self, raw: str, calls: bool) -> bool:
+        """A whole answer with no think tag (outside call blocks, as a held head is read) of a
+        model whose template opens <think> (learned), and no reasoning of its own field (the
+        model server parted it: its content is the answer; it was taken for reasoning, a
+        re-check found): cut by ``length``, it was cut in its reasoning; ended by ``stop``, the
+        model answered without thinking (a model only ever collected stayed learned wrong)."""
         template = self._template
-        return template is not None and template.opens(self._model) and THINK_OPEN_RE.search(raw) is None
+        return (
+            template is not None
+            and not self._fielded
+            and template.opens(self._model)
+            and FirstThinkTag(calls=calls).feed(raw) is None
+        )
 
     # -- output ------------------------------------------------------------
 

@@ -872,10 +872,9 @@ class ToolContract:
         its keywords :data:`CHECK_BUDGET_S`); past it the arguments are not
         checkable, or with ``escalate`` :class:`NeedsTime` is raised. ``cut``: the
         run was cut by max_tokens: no call is due, and its last call's arguments
-        may be cut (when they are no JSON, only its name is checked: the client
-        reads ``length``); its calls are checked as any else (they went out
-        unchecked: a call to a tool the request does not have, with tool_choice
-        none; found from outside)."""
+        may be cut (only its name is checked: the client reads ``length``); its
+        other calls are checked as any (they went out unchecked: a call to a tool
+        the request does not have, with tool_choice none; found from outside)."""
         calls = calls or []
         json_budget = jsoncost.Budget()  # the turn's arguments together
         # and their checks together: 1,024 calls, each with its own 2 s, held the one compile
@@ -894,13 +893,13 @@ class ToolContract:
                 return f"the model called `{name}`, which is not one of the request's tools ({known})"
             if self.forced is not None and name != self.forced:
                 return f"tool_choice requires `{self.forced}` but the model called `{name}`"
+            if cut and call is calls[-1]:  # (its arguments may be cut, even to none: "{}")
+                break
             try:
                 args = json_budget.decode(call.function.arguments or "{}")
             except jsoncost.TooCostly as e:
                 return f"the tool calls' arguments hold {e}"
             except msgspec.DecodeError as e:
-                if cut and call is calls[-1]:  # (cut in its arguments)
-                    break
                 return f"the arguments of `{name}` are not valid JSON: {e}"
             except RecursionError:
                 return f"the arguments of `{name}` are nested too deeply"

@@ -504,9 +504,6 @@ async def collect_validated(
             return result
         cut = result.finish_reason == "length"
         reason = result.tool_error or await turn.contract.check_calls(result.tool_calls, cut)
-        if cut and not reason:
-            turn.settle()
-            return result
         if not reason:
             result.tool_calls = turn.calls_to_send(result.tool_calls)
             turn.settle()
