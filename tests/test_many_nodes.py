@@ -664,6 +664,24 @@ async def test_a_node_whose_model_server_refuses_every_request_is_routed_around(
     await settled(edge)
 
 
+async def test_a_node_that_refuses_only_some_requests_is_routed_around_a_second_at_a_time(nursery, upstream):
+    """Refusals another node answered count against a node, but it may refuse only some requests
+    (a smaller max_model_len than its peers', its context_window not said): one client's long
+    prompts in a row had it routed around for all requests, the backoff doubling to 30 s (a
+    re-check). Such refusals route it around 1 s at a time, never longer; its own failures
+    (5xx, unreachable) still double."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream, target="t")], node_id="small")
+    link = edge.edge.runs.links["small"]
+    now = trio.current_time()
+    refused = [link.failed_at_once("m", now + 1.5 * i, refused=True) for i in range(12)]
+    assert max(refused) == 1.0 and refused.count(1.0) >= 4, refused
+    link.served("m")
+    failed = [link.failed_at_once("m", now + 100 + 40 * i) for i in range(8)]
+    assert [b for b in failed if b] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0], failed
+    await settled(edge)
+
+
 async def test_the_model_list_follows_nodes_as_they_come_and_go(nursery, upstream):
     """/v1/models is kept between requests (16 nodes of 1,020 models each made an 11 MB list in
     180 ms a request: an outside audit), and is new as soon as a node links or leaves."""

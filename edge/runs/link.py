@@ -309,19 +309,27 @@ class NodeLink:
         """A run of ``model`` failed here at once and none has produced output since."""
         return model in self._failing
 
-    def failed_at_once(self, model: str, now: float) -> float:
+    def failed_at_once(self, model: str, now: float, refused: bool = False) -> float:
         """A run of ``model`` failed here before any output, on its model server's side
         (unreachable, 5xx): after :data:`EJECT_AFTER` in a row the node is routed
         around for the model, for a backoff that doubles while the next try fails
-        too. Returns for how long it is routed around now (0: not)."""
+        too. Returns for how long it is routed around now (0: not). ``refused``: a run
+        it refused (a 4xx) that another node answered: the backoff stays at its first
+        step, as the node may refuse only some requests (a smaller context than its
+        peers': a client's long prompts in a row had it routed around for 30 s, its short
+        ones too; a re-check)."""
         failing = self._failing.setdefault(model, [0, -1.0, _EJECT_BACKOFF_S[0]])
         failing[0] += 1
         if failing[0] < EJECT_AFTER or failing[1] > now:
             return 0.0
-        backoff = failing[2]
-        failing[0], failing[1], failing[2] = EJECT_AFTER - 1, now + backoff, min(backoff * 2, _EJECT_BACKOFF_S[1])
+        backoff = _EJECT_BACKOFF_S[0] if refused else failing[2]
+        failing[0], failing[1] = EJECT_AFTER - 1, now + backoff
+        if not refused:
+            failing[2] = min(backoff * 2, _EJECT_BACKOFF_S[1])
         log.warning(
-            "node routed around: its model server fails every run",
+            "node routed around: its model server refuses runs other nodes answer"
+            if refused
+            else "node routed around: its model server fails every run",
             node_id=self.node_id,
             model=model,
             for_s=backoff,

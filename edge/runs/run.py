@@ -316,7 +316,7 @@ class Run:
             if answered:
                 link.served(slot.model)
                 if self.refused_by is not None:  # (a node that refused it at once: its own fault, then)
-                    self.refused_by.failed_at_once(slot.model, now)
+                    self.refused_by.failed_at_once(slot.model, now, refused=True)
                     self.refused_by = None
             elif not timed_out and (getattr(item, "status", 0) in _NODE_FAULTS or item.status >= 500):
                 # failed at once, not for the client
