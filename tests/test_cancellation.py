@@ -4,6 +4,7 @@ node, the upstream sees its request aborted, and nothing is left running."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 from functools import partial
 
@@ -315,6 +316,53 @@ async def test_clients_that_do_not_read_hold_no_more_than_the_edges_buffer_bound
     await settled(edge, node.agent)
     async with http(edge) as client:  # (all given back)
         assert "\niop_buffered_bytes 0.0\n" in (await client.get("/metrics")).text
+
+
+async def _raw_stream(edge, content: str, rcvbuf: int) -> trio.SocketStream:
+    """A streamed chat request on a socket of a small receive buffer (nothing read yet)."""
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect(("127.0.0.1", int(edge.url.rsplit(":", 1)[1])))
+    stream = trio.SocketStream(sock)
+    body = msgspec.json.encode({**STREAM, "messages": [{"role": "user", "content": content}]})
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+    return stream
+
+
+async def test_past_the_buffer_bound_the_furthest_behind_are_cut_finished_runs_too(nursery, upstream):
+    """Clients that read nothing of answers their nodes had ended held them whole, out of the
+    bound's reach, and an honest client reading a little behind was cut in their place (a
+    re-check: three such runs held 8.0 MB of an 8 MiB bound; a 3 MB stream read at 1 MB/s was
+    cut after 1 MB). The heaviest runs are cut first, ended ones too: the reader gets it all."""
+    cap = 8 * 1024 * 1024
+    edge = await start_edge(nursery, edge_config(max_buffered_bytes=cap))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=8)])
+    word = "x" * 1000
+    upstream.script_for(
+        "m-target",
+        lambda body: text_script([word] * (2600 if body["messages"][0]["content"] == "hog" else 3000)),
+    )
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        hogs = []
+        for n in range(1, 4):  # they read nothing, and their answers end at once
+            hogs.append(await _raw_stream(edge, "hog", 4096))
+            await eventually(lambda n=n: sum(r.finished for r in runs.runs.values()) == n, "its answer ends")
+        held = runs.buffered.bytes
+        reader = await _raw_stream(edge, "honest", 65536)
+        got = b""
+        while data := await reader.receive_some(65536):
+            got += data
+            if got.endswith(b"0\r\n\r\n"):
+                break
+            await trio.sleep(len(data) / 1e6)  # (1 MB a second)
+        for stream in [*hogs, reader]:
+            await stream.aclose()
+    assert held > 6_000_000, held  # (the hogs held most of the bound)
+    assert b"data: [DONE]" in got[-200:] and b'"error"' not in got, got[-300:]
+    assert got.count(word.encode()) == 3000
+    await settled(edge, node.agent)
 
 
 async def node_settled(node) -> None:

@@ -51,17 +51,32 @@ MIN_BUFFERED_SHARE = 1024 * 1024  # a run with less waiting than this is never c
 
 class Buffered:
     """What every run's events waiting for their readers hold, in bytes, and the edge's
-    bound on it (``max_buffered_bytes``): past it, a run with more than its share
-    (1/64 of the bound, 1 MiB at least) waiting is its client's fault, and is cancelled as
-    a slow client. Each run alone stops at :data:`MAX_PENDING_BYTES`, but 60 clients that
-    did not read held 1.3 GB of an edge, growing (an outside audit)."""
+    bound on it (``max_buffered_bytes``): past it, the runs with more than their share
+    (1/64 of the bound, 1 MiB at least) waiting, the most first, are their clients' fault,
+    and are cut as slow clients (finished ones too: a client that reads nothing of an
+    answer the node has ended holds it all the same; they kept theirs, and an honest slow
+    reader was cut instead: a re-check). Each run alone stops at :data:`MAX_PENDING_BYTES`,
+    but 60 clients that did not read held 1.3 GB of an edge, growing (an outside audit)."""
 
-    __slots__ = ("bytes", "cap", "share")
+    __slots__ = ("bytes", "cap", "share", "heavy")
 
     def __init__(self, cap: float) -> None:
         self.bytes = 0
         self.cap = cap
         self.share = max(int(cap) >> 6, MIN_BUFFERED_SHARE) if cap != math.inf else math.inf
+        self.heavy: set[Run] = set()  # runs with more than their share waiting (few: the bound / share)
+
+    def evict(self, now: float) -> None:
+        """Over the bound: cut the heaviest runs whose readers had their turn until under it."""
+        for run in sorted(self.heavy, key=_waiting, reverse=True):
+            if self.bytes <= self.cap:
+                return
+            if run._pending_from != now:  # (what came at once is not yet its reader's to take)
+                run.cut_slow()
+
+
+def _waiting(run: Run) -> int:
+    return run._pending_bytes
 
 
 UNBOUNDED = Buffered(math.inf)  # (a run no service made: tests of the run alone)
@@ -346,6 +361,12 @@ class Run:
         self._pending_bytes += size + EVENT_BYTES
         buffered = self.buffered
         buffered.bytes += size + EVENT_BYTES
+        if self._pending_bytes > buffered.share:
+            buffered.heavy.add(self)
+            if buffered.bytes > buffered.cap:
+                buffered.evict(now)
+                if not self._pending_bytes:  # (this one was cut)
+                    return
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else TIMEOUT if timed_out else RUN_ERROR
@@ -356,17 +377,10 @@ class Run:
                 self.error_status = getattr(item, "status", 0)
             if self.on_node_done is not None:  # (a client that does not read holds no node capacity)
                 self.on_node_done(self)
-        elif (
-            len(self._pending) > self._max_buffered
-            or self._pending_bytes > MAX_PENDING_BYTES
-            or (buffered.bytes > buffered.cap and self._pending_bytes > buffered.share)
-        ):
+        elif len(self._pending) > self._max_buffered or self._pending_bytes > MAX_PENDING_BYTES:
             if self._pending_from != now:  # the reader had its turn since the first of them
-                over_share = self._pending_bytes <= MAX_PENDING_BYTES and len(self._pending) <= self._max_buffered
                 self._drop_pending()
-                if over_share:  # (the edge's buffers full: this client is among the furthest behind)
-                    self.fail("client is not reading the response fast enough; run cancelled", SLOW_CLIENT)
-                elif now - self._pending_from < FLOOD_S:
+                if now - self._pending_from < FLOOD_S:
                     # Its reader took a batch less than FLOOD_S ago: the client reads, and the node
                     # floods (an honest node joins the deltas it reads together into one event).
                     self.fail(
@@ -386,8 +400,30 @@ class Run:
     def _drop_pending(self) -> None:
         """Drop the events waiting for the reader (the run is failed next)."""
         self._pending.clear()
-        self.buffered.bytes -= self._pending_bytes
+        self._taken()
+
+    def _taken(self) -> None:
+        """The events waiting for the reader are gone (taken, dropped)."""
+        buffered = self.buffered
+        buffered.bytes -= self._pending_bytes
+        if self._pending_bytes > buffered.share:
+            buffered.heavy.discard(self)
         self._pending_bytes = 0
+
+    def cut_slow(self) -> None:
+        """The edge's buffers are full and this client is among the furthest behind: what
+        waits for it is dropped, and it gets an error in its place (its run cancelled on the
+        node, if it goes on)."""
+        finished = self.finished
+        self._drop_pending()
+        message = "client is not reading the response fast enough; run cancelled"
+        if not finished:
+            self.fail(message, SLOW_CLIENT)
+            return
+        self.cause = SLOW_CLIENT
+        self.error = message
+        self._pending.append(RunEvent(run_id=self.id, seq=0, type=ERROR, text=message))
+        self._wake()
 
     def node_fault(self) -> bool:
         """The node's error event said the fault is the node's or its model server's
@@ -466,8 +502,7 @@ class Run:
             await self._wait()
         batch = self._pending
         self._pending = []
-        self.buffered.bytes -= self._pending_bytes
-        self._pending_bytes = 0
+        self._taken()
         return batch
 
     async def next_batch_or_idle(self) -> list[RunEvent] | None:
@@ -494,8 +529,7 @@ class Run:
         self._nudged = False
         batch = self._pending
         self._pending = []
-        self.buffered.bytes -= self._pending_bytes
-        self._pending_bytes = 0
+        self._taken()
         return batch
 
     def nudge(self) -> None:
@@ -520,8 +554,7 @@ class Run:
             self.cause = cause
             self._cancel_on_node(cause)
         self.closed = True
-        self.buffered.bytes -= self._pending_bytes  # (events no reader took)
-        self._pending_bytes = 0
+        self._taken()  # (events no reader took)
         self._on_close(self)
 
 
