@@ -37,7 +37,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError,
 from iop import __version__
 from iop.drain import within_grace
 from iop.exceptions import first_leaf
-from node.adapters import Adapter, Counters, make_adapter
+from node.adapters import Adapter, Counters, Via, make_adapter
 from node.adapters.sim import SimAdapter
 from node.config import NodeConfig
 from node.engine import EngineSampler
@@ -621,6 +621,7 @@ class NodeAgent:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.counters = Counters()
+        self.via = Via()  # the edges linked now, for the x-iop-via of upstream requests
         self.adapters: dict[str, Adapter] = {
             m.name: make_adapter(
                 m,
@@ -628,7 +629,7 @@ class NodeAgent:
                 connect_timeout_s=config.upstream_connect_timeout_s,
                 read_timeout_s=config.upstream_read_timeout_s,
                 ca_file=config.ca_file,
-                node_id=config.node_id,
+                via=self.via,
             )
             for m in config.models
         }
@@ -917,6 +918,7 @@ class NodeAgent:
             )
         link = EdgeLink(self, url, ws, welcome)
         self.links[url] = link
+        self.via.linked(welcome.edge_id)
         if self.engine:
             link.outbox.control_nowait(Load(in_flight={}, draining=self.draining, engine=dict(self.engine)))
         linked.set()
@@ -925,6 +927,7 @@ class NodeAgent:
             await link.serve()
         finally:
             self.links.pop(url, None)
+            self.via.unlinked(welcome.edge_id)
 
 
 def _parse_ws_url(url: str) -> tuple[str, int, str, str, bool]:

@@ -200,7 +200,7 @@ async def test_a_model_served_by_its_own_edge_is_refused_as_a_loop_at_once(nurse
                 with pytest.raises(openai.APIStatusError) as raised:
                     await client.chat.completions.create(model="loopm", messages=MESSAGES)
                 assert raised.value.status_code == 502
-                assert "Loop: node `n1`, linked to this edge, sent this request here" in raised.value.message
+                assert "Loop: this request came from a node of this edge" in raised.value.message
             with pytest.raises(openai.NotFoundError):
                 await client.chat.completions.create(model="m", messages=MESSAGES)
     await settled(edge, node.agent)
@@ -208,6 +208,31 @@ async def test_a_model_served_by_its_own_edge_is_refused_as_a_loop_at_once(nurse
     statuses = {e["status"]: e for e in lines if e["msg"] == "upstream error status"}
     assert "(a loop)" in statuses[508]["fix"] and statuses[508]["model"] == "loopm"
     assert "base_url must be the URL its /chat/completions is under" in statuses[404]["fix"]
+
+
+async def test_a_loop_through_two_edges_is_refused_and_a_chain_of_edges_works(nursery, upstream):
+    """The x-iop-via a node sends names the edges it links to, after those its run's request
+    came through: a loop through two edges (each one's node serving the model from the other
+    edge) was a 429 after the queue's timeout, and a chain of edges whose nodes share an id
+    ("gpu1" in each tier) was refused as a loop (a re-check). The loop is a 502 at once; the
+    chain answers."""
+    front, back = await start_edge(nursery), await start_edge(nursery)
+    await start_node(nursery, front, [model("m", adapter="openai", base_url=back.url + "/v1", target="m")], "gpu1")
+    await start_node(nursery, back, [model("m", upstream, target="t")], "gpu1")
+    c, d = await start_edge(nursery), await start_edge(nursery)
+    await start_node(nursery, c, [model("x", adapter="openai", base_url=d.url + "/v1", target="x")], "c1")
+    await start_node(nursery, d, [model("x", adapter="openai", base_url=c.url + "/v1", target="x")], "d1")
+    with trio.fail_after(BOUND):
+        async with sdk(front) as client:
+            reply = await client.chat.completions.create(model="m", messages=MESSAGES)
+            assert reply.choices[0].message.content
+        async with sdk(c) as client:
+            with pytest.raises(openai.APIStatusError) as raised:
+                await client.chat.completions.create(model="x", messages=MESSAGES)
+    assert (
+        raised.value.status_code == 502 and "Loop: this request came from a node of this edge" in raised.value.message
+    )
+    assert upstream.records[0].headers.get("x-iop-via") == f"{front.edge.id},{back.edge.id}"
 
 
 # -- item 12: relink fast after an edge restart ---------------------------------------------------------------

@@ -150,6 +150,7 @@ class Exchange:
         "access",
         "errors",
         "api",
+        "via",
         "key",
         "lease",
         "extra_headers",
@@ -177,6 +178,7 @@ class Exchange:
         self.extra_headers: list[tuple[bytes, bytes]] = []  # x-ratelimit-*
         self.errors = OPENAI_ERRORS  # the route's error shape (edge.openai.routes sets it)
         self.api = "chat"  # the route's front door: the ``api`` of its access line and metrics (routes sets it)
+        self.via = ""  # the edges the request came through (x-iop-via), passed on to its node
         self._scope: trio.CancelScope | None = None  # cancelled when the client leaves (cancel_on_disconnect)
         self._task = None
         self._left = False  # the client left during one of our sends: cancel once it returns

@@ -124,6 +124,8 @@ async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, 
         value = ex.header(name)
         if value is not None:
             headers.append((name.decode(), value.decode("latin-1")))
+    if ex.via:  # (the node passes it on: a loop through other edges comes back here)
+        headers.append(("x-iop-via", ex.via))
     sent = len(body) + sum(len(value) for _, value in headers)  # (an Accept of 1,000 bytes: an outside re-audit)
     if sent + FRAME_OVERHEAD > edge.config.max_frame_bytes:  # (a 502 the SDKs retried, a slot taken)
         raise too_large_for_a_frame(sent, edge.config.max_frame_bytes)

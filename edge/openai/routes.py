@@ -145,22 +145,31 @@ def _content_encoding(headers) -> bytes | None:
     return joined
 
 
-def _refuse_a_loop(edge: Edge, headers) -> None:
-    """A request one of this edge's own nodes sent (its ``x-iop-via``): that node's model has
-    this edge as its model server. A 508 the node relays, naming the node: each such request
-    went round edge, node, edge until the queue timed out, then a 429 "at capacity" (found
-    from outside). (After the key check: an edge with keys tells no caller which ids link.)"""
+_MAX_VIA = 512  # of an x-iop-via passed on (16 edge ids, and room)
+
+
+def _via(edge: Edge, headers) -> str:
+    """The edges a request came through (``x-iop-via``, which a node's upstream requests
+    carry: :class:`node.adapters.Via`), passed on to the node that runs it. One that came
+    through this edge is a loop: a node's model whose base_url leads back here, directly or
+    through other edges; each went round until the queue timed out, 30 s, then a 429 "at
+    capacity" that named no cause (found from outside). A 508 the node relays, at once.
+    (After the key check: a caller without a key learns nothing of this edge's id.)"""
+    via = ""
     for name, value in headers:
         if name == b"x-iop-via":
-            node_id = value.decode("latin-1")
-            if node_id in edge.runs.links:
-                raise APIError(
-                    508,
-                    f"Loop: node `{node_id[:128]}`, linked to this edge, sent this request here: the base_url"
-                    " of its model is this edge. Set it to the model server's URL.",
-                    "invalid_request_error",
-                    code="loop_detected",
-                )
+            via = f"{via},{value.decode('latin-1')}" if via else value.decode("latin-1")
+    if not via:
+        return ""
+    if edge.id in via.split(","):
+        raise APIError(
+            508,
+            "Loop: this request came from a node of this edge (through its model server, or other edges):"
+            " the base_url of a node's model leads back here. Set it to the model server's URL.",
+            "invalid_request_error",
+            code="loop_detected",
+        )
+    return via[-_MAX_VIA:]
 
 
 def _compressed(encoding: bytes) -> APIError:
@@ -206,8 +215,7 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                     encoding = _content_encoding(ex.scope["headers"])
                     if encoding is not None:
                         raise _compressed(encoding)  # (a 400 "not valid JSON at byte 0" before)
-                    if edge.runs.links:
-                        _refuse_a_loop(edge, ex.scope["headers"])
+                    ex.via = _via(edge, ex.scope["headers"])
                     edge.handling += 1  # (a drain waits for its answer)
                     counted = True
                     # The framework's body timeout does not reach raw ASGI: bound it here.

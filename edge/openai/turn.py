@@ -80,6 +80,8 @@ class Turn:
             self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])[:16]
         self.estimate = estimate_input_tokens(req)
         self.metadata["estimated_input_tokens"] = str(self.estimate)
+        if ex.via:  # (the node passes it on: a loop through other edges comes back here)
+            self.metadata["iop_via"] = ex.via
         self.metadata["context_class"] = context_class(self.estimate)
         # The prompt and the completion asked for must fit a node's context_window; with no
         # max_tokens (the SDKs' default), the prompt and one token (it was no check at all: a

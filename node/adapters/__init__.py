@@ -60,6 +60,37 @@ class Counters:
         self.run_ended = trio.lowlevel.ParkingLot()  # unparked whenever a run ends
 
 
+class Via:
+    """The ``x-iop-via`` a node's upstream requests carry: the ids of the edges it links to
+    now, after those the run's request came through (the edge passes them on), so an edge
+    that finds its own id in a request it receives refuses it as a loop (a model whose
+    base_url leads back to an edge of its node, directly or through other edges). Edge ids
+    are random per edge: node ids repeat across tiers (a chain of edges whose nodes shared
+    an id was refused; a re-check)."""
+
+    __slots__ = ("edges",)
+
+    MAX_IDS = 16  # (a chain longer than this is no deployment: what came before is dropped)
+
+    def __init__(self) -> None:
+        self.edges: dict[str, int] = {}  # edge id -> its links now (a node may dial an edge twice)
+
+    def linked(self, edge_id: str) -> None:
+        self.edges[edge_id] = self.edges.get(edge_id, 0) + 1
+
+    def unlinked(self, edge_id: str) -> None:
+        left = self.edges.get(edge_id, 0) - 1
+        if left > 0:
+            self.edges[edge_id] = left
+        else:
+            self.edges.pop(edge_id, None)
+
+    def header(self, came: str = "") -> str:
+        ids = [i for i in came.split(",") if i] if came else []
+        ids += [i for i in self.edges if i not in ids]
+        return ",".join(ids[-self.MAX_IDS :])
+
+
 def make_adapter(
     model: ModelConfig,
     counters: Counters,
@@ -67,7 +98,7 @@ def make_adapter(
     connect_timeout_s: float,
     read_timeout_s: float,
     ca_file: str = "",
-    node_id: str = "",
+    via: Via | None = None,
 ) -> Adapter:
     if model.adapter == "openai":
         from node.adapters.openai import OpenAIAdapter
@@ -78,7 +109,7 @@ def make_adapter(
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             ca_file=ca_file,
-            node_id=node_id,
+            via=via,
         )
     from node.adapters.sim import SimAdapter
 

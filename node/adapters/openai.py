@@ -18,7 +18,7 @@ import structlog
 import trio
 
 from node import http1
-from node.adapters import Counters, Sink
+from node.adapters import Counters, Sink, Via
 from node.adapters.sse import ErrorEvent, EventTooLarge, SSEParser
 from node.config import ModelConfig
 from proto import RunRequest, ToolCall, ToolCallFunction, TunnelRequest, Usage, jsoncost
@@ -134,7 +134,8 @@ _STATUS_FIXES = {
     " (often ending in /v1), and target an id its GET <base_url>/models lists",
     508: "the model's base_url is an iop edge this node links to (a loop): give the model server's URL",
 }
-VIA_HEADER = "x-iop-via"  # which node sent a request (an edge refuses one from its own node: a loop)
+VIA_HEADER = "x-iop-via"  # the edges a request came through (an edge refuses one with its own id: a loop)
+VIA_METADATA = "iop_via"  # (the run's: the x-iop-via its request came with)
 _STREAM_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 _CONTENT, _REASONING = 1, 2
 
@@ -148,16 +149,14 @@ class OpenAIAdapter:
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 600.0,
         ca_file: str = "",
-        node_id: str = "",
+        via: Via | None = None,
     ) -> None:
         self.model = model
         self.counters = counters
-        headers = {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
-        if node_id:  # (an iop edge this node links to, as its model server, refuses the request: a loop)
-            headers[VIA_HEADER] = node_id
+        self.via = via if via is not None else Via()  # (an iop edge of this node's, as its server: a loop)
         self.client = http1.Client(
             model.base_url,
-            headers or None,
+            {"authorization": f"Bearer {model.api_key}"} if model.api_key else None,
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
             ca_file=ca_file,
@@ -198,7 +197,11 @@ class OpenAIAdapter:
         body["stream_options"] = {"include_usage": True}
         self.counters.active_upstream += 1
         try:
-            async with self.client.request("POST", "/chat/completions", _encode(body), _STREAM_HEADERS) as response:
+            headers = _STREAM_HEADERS
+            via = self.via.header((request.metadata or {}).get(VIA_METADATA, ""))
+            if via:
+                headers = {**_STREAM_HEADERS, VIA_HEADER: via}
+            async with self.client.request("POST", "/chat/completions", _encode(body), headers) as response:
                 if response.status != 200:
                     self._log_status(response.status, request.run_id)
                     await sink.error(await _error_text(response, self.model.api_key), status=response.status)
@@ -219,6 +222,9 @@ class OpenAIAdapter:
         """Relay one raw request; the provider's status, headers and body bytes go back unchanged."""
         headers = {k.lower(): v for k, v in request.headers or () if k.lower() in ("accept", "content-type")}
         headers.setdefault("content-type", "application/json")
+        via = self.via.header(dict(request.headers or ()).get(VIA_HEADER, ""))
+        if via:
+            headers[VIA_HEADER] = via
         self.counters.active_upstream += 1
         try:
             async with self.client.request(request.method, request.path, request.body or b"", headers) as response:
