@@ -165,10 +165,16 @@ _LOOPBACK_NAMES = {"localhost": "127.0.0.1", "::1": "127.0.0.1", "0.0.0.0": "127
 
 
 def _same_place(origin: Origin, edge_url: str) -> bool:
-    """Whether an upstream's origin is the host and port of the edge at ``edge_url`` (checked
-    already: a ws:// or wss:// URL with a host)."""
+    """Whether an upstream's base URL is the API of the edge at ``edge_url`` (checked already:
+    a ws:// or wss:// URL with a host): its host and port, and the path its link's is under
+    (one gateway may route /iop/ to an edge and /vllm/ to a model server: a re-check)."""
     parts = urllib.parse.urlsplit(edge_url)
     port = parts.port or (443 if parts.scheme == "wss" else 80)
     host = (parts.hostname or "").lower()
     mine = origin.host.lower()
-    return port == origin.port and _LOOPBACK_NAMES.get(host, host) == _LOOPBACK_NAMES.get(mine, mine)
+    api = parts.path.rstrip("/").removesuffix("/node/link")
+    return (
+        port == origin.port
+        and _LOOPBACK_NAMES.get(host, host) == _LOOPBACK_NAMES.get(mine, mine)
+        and api == origin.path
+    )

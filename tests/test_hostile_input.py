@@ -923,6 +923,21 @@ def test_sim_adapter_memory_does_not_grow_with_max_tokens():
 # -- config --------------------------------------------------------------------------------
 
 
+def test_a_model_server_behind_the_edges_gateway_at_another_path_is_no_loop():
+    """One gateway may route /iop/ to an edge and /vllm/ to a model server: a base_url at the
+    edge's host and port was refused as the edge itself whatever its path (a re-check)."""
+    from iop.configfile import ConfigError
+    from node.config import ModelConfig, NodeConfig
+
+    def check(edge: str, base_url: str) -> None:
+        model = ModelConfig(name="m", adapter="openai", base_url=base_url)
+        NodeConfig(node_id="n", edges=[edge], token="t", models=[model]).check()
+
+    check("wss://gw.example.com/iop/v1/node/link", "https://gw.example.com/vllm/v1")
+    with pytest.raises(ConfigError, match="this node's own edge"):
+        check("wss://gw.example.com/iop/v1/node/link", "https://gw.example.com/iop/v1/")
+
+
 @pytest.mark.parametrize(
     ("kind", "config", "expected"),
     [
