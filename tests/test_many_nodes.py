@@ -664,6 +664,25 @@ async def test_a_node_whose_model_server_refuses_every_request_is_routed_around(
     await settled(edge)
 
 
+async def test_a_node_whose_provider_fails_passthrough_requests_is_routed_around(nursery, upstream):
+    """A passthrough answer's head of the node's fault (a 503) counted as served: a node whose
+    provider failed every request was never routed around (15 of 20 /v1/completions failed in a
+    re-check), and its errors undid the routing-around chat had learned. It counts as a failure."""
+    failing = await new_upstream(nursery)
+    failing.default = lambda body: [("status", 503, b'{"error": {"message": "overloaded"}}')]
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", failing, target="t", passthrough=True)], node_id="failing")
+    await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)], node_id="alive")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            statuses = []
+            for i in range(20):
+                body = {"model": "m", "prompt": f"question {i}", "max_tokens": 4}
+                statuses.append((await client.post("/v1/completions", json=body)).status_code)
+    assert statuses.count(200) >= 17, statuses  # (the failures: before it is routed around, and probes)
+    await settled(edge)
+
+
 async def test_a_node_that_refuses_only_some_requests_is_routed_around_a_second_at_a_time(nursery, upstream):
     """Refusals another node answered count against a node, but it may refuse only some requests
     (a smaller max_model_len than its peers', its context_window not said): one client's long

@@ -328,7 +328,13 @@ class Run:
             link.started(
                 self.id, now, answered, slot.model
             )  # (a dead server's 1 ms failures made a slow node look stalled)
-            if answered:
+            if answered and type(item) is TunnelFrame and (item.status in _NODE_FAULTS or item.status >= 500):
+                # A passthrough answer's head of the node's fault (a 5xx, its key refused): not
+                # served, and counted (it reset the node's failures: a model server failing every
+                # request drew most embeddings, and chat runs too; a re-check). Its error is the
+                # client's to read as the provider said it: no move.
+                link.failed_at_once(slot.model, now)
+            elif answered:
                 link.served(slot.model)
                 if self.refused_by is not None:  # (a node that refused it at once: its own fault, then)
                     self.refused_by.failed_at_once(slot.model, now, refused=True)
