@@ -580,14 +580,17 @@ def _build_validator(schema_json: str):
     resource = spec.create_resource(schema)
     registry = _NO_RETRIEVAL.with_resource(resource.id() or "", resource)
     resolver = registry.resolver_with_root(resource)
+    resolved: dict[str, Any] = {}  # each reference's target, looked up once
     for ref in _refs(schema):
+        if ref in resolved:
+            continue
         try:
-            resolver.lookup(ref)
+            resolved[ref] = resolver.lookup(ref).contents
         except referencing.exceptions.Unresolvable:
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             ) from None
-    looped = _in_place_loop(schema, resolver)
+    looped = _in_place_loop(schema, resolved)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
     validator = _timed_class(cls)(schema, registry=registry)
@@ -618,11 +621,12 @@ _IN_PLACE_ONE = ("not", "if", "then", "else")
 _IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
 
 
-def _in_place_loop(schema: Any, resolver: Any) -> str | None:
+def _in_place_loop(schema: Any, resolved: dict[str, Any]) -> str | None:
     """A reference that closes a loop of subschemas applied to one instance (``$ref`` to
-    ``$ref``, through ``allOf`` and the like), or None. A loop below the root was found only
-    when a model's arguments reached it: the turn's runs spent, then a 502 (an outside audit);
-    one through ``properties`` or ``items`` (a tree) ends with the instance, and is no loop."""
+    ``$ref``, through ``allOf`` and the like), or None; ``resolved``: each reference's target.
+    A loop below the root was found only when a model's arguments reached it: the turn's runs
+    spent, then a 502 (an outside audit); one through ``properties`` or ``items`` (a tree)
+    ends with the instance, and is no loop."""
     edges: dict[int, list[tuple[Any, str]]] = {}  # id(subschema) -> (subschema, how) it applies in place
     nodes: dict[int, Any] = {}
     stack = [schema]
@@ -637,13 +641,9 @@ def _in_place_loop(schema: Any, resolver: Any) -> str | None:
         out: list[tuple[Any, str]] = []
         for key in _REF_KEYS:
             ref = node.get(key)
-            if isinstance(ref, str):
-                try:
-                    target = resolver.lookup(ref).contents
-                except referencing.exceptions.Unresolvable:
-                    continue
-                if isinstance(target, dict):
-                    out.append((target, ref))
+            target = resolved.get(ref) if isinstance(ref, str) else None
+            if isinstance(target, dict):
+                out.append((target, ref))
         for key in _IN_PLACE_ONE:
             if isinstance(node.get(key), dict):
                 out.append((node[key], key))
