@@ -61,6 +61,9 @@ class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 DEFAULT_POLICY = ModelPolicy(name="*")  # a model with no [[models]] entry
 
 
+MAX_H2_STREAMS = 10_000  # streams one HTTP/2 connection may have open, at most
+
+
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     bind: str = "127.0.0.1:8080"
     backlog: int = 4096  # listen queue for connection bursts (hypercorn's default is 100; Linux caps it at somaxconn)
@@ -172,6 +175,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be greater than 0")
+        if self.h2_max_streams > MAX_H2_STREAMS:  # (an HTTP/2 setting is 32 bits: past it no connection opened)
+            raise ConfigError(f"h2_max_streams: at most {MAX_H2_STREAMS}")
         if self.max_frame_bytes < MIN_FRAME_BYTES:  # a node keeps its frames under 64 KiB at least
             raise ConfigError(f"max_frame_bytes: at least {MIN_FRAME_BYTES} (no node could link under it)")
         for key in ("api_keys", "admin_keys"):

@@ -947,6 +947,8 @@ def test_a_model_server_behind_the_edges_gateway_at_another_path_is_no_loop():
         ("edge", {"wait_timeout_s": float("nan")}, "wait_timeout_s: must be a number, not nan"),
         ("edge", {"max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
         ("edge", {"max_queue": 2**70}, "max_queue: out of range (at most 2**53"),
+        ("edge", {"h2_max_streams": 2**40}, "h2_max_streams: at most 10000"),
+        ("edge", {"max_buffered_bytes": 0}, "max_buffered_bytes: must be greater than 0"),
         (
             "node",
             {"token": "t", "models": [{"name": "m", "adapter": "sim", "context_window": 10**21}]},
