@@ -96,7 +96,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     keepalive_s: float = 10.0
     max_buffered_events: int = 8192  # per run, before a non-reading client's run is cancelled
     # All runs' events waiting for their clients, in bytes: past it, the runs of clients furthest
-    # behind (more than 1/64 of it waiting, 1 MiB at least) are cancelled as slow clients.
+    # behind (more than 1/4096 of it waiting, 64 KiB at least) are cancelled as slow clients.
     max_buffered_bytes: int = 256 * 1024 * 1024
     # HTTP/2 streams a client connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS;
     # hypercorn's default 100 let 300 connections hold 30,000 requests: an outside audit)

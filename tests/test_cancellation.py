@@ -276,7 +276,7 @@ async def test_client_that_stops_reading_gets_its_run_cancelled(nursery, upstrea
 async def test_clients_that_do_not_read_hold_no_more_than_the_edges_buffer_bound(nursery, upstream):
     """Each run alone stops at 32 MiB waiting for its client, but nothing bounded them together:
     60 clients that did not read held 1.3 GB of an edge, growing (an outside audit). Past
-    ``max_buffered_bytes`` in all, a run with more than its share waiting (1/64, 1 MiB at
+    ``max_buffered_bytes`` in all, a run with more than its share waiting (1/4096, 64 KiB at
     least) is cancelled as a slow client, on the node too; a client that reads is served
     meanwhile, and what the runs held is all given back."""
     cap = 3 * 1024 * 1024
@@ -362,6 +362,51 @@ async def test_past_the_buffer_bound_the_furthest_behind_are_cut_finished_runs_t
     assert held > 6_000_000, held  # (the hogs held most of the bound)
     assert b"data: [DONE]" in got[-200:] and b'"error"' not in got, got[-300:]
     assert got.count(word.encode()) == 3000
+    await settled(edge, node.agent)
+
+
+async def test_a_client_that_read_the_start_then_stopped_is_within_the_buffer_bound(nursery, upstream):
+    """A run's writer took every event waiting for its client in one batch: a client that
+    read the first bytes, let the rest pile up, read a little more and stopped had its writer
+    hold all of it, counted nowhere (up to 32 MiB a run), and two such clients held more than
+    the bound with neither cut. A writer takes at most 256 KiB at once: the rest waits,
+    counted, and past the bound the furthest behind is cut, on the node too."""
+    cap = 3 * 1024 * 1024
+    edge = await start_edge(nursery, edge_config(max_buffered_bytes=cap))
+    node = await start_node(nursery, edge, [model("m", upstream, max_concurrency=8)])
+    burst = [*(("chunk", {"content": "x" * 10_000}) for _ in range(200)), ("hang",)]  # 2 MB, then nothing
+    upstream.script_for("m-target", lambda body: burst)
+    runs = edge.edge.runs
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            most = max(most, runs.buffered.bytes)
+            await trio.sleep(0.001)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(watch)
+            first = await _raw_stream(edge, "burst", 4096)
+            (rec1,) = await upstream.wait_requests(1)
+            await eventually(lambda: runs.buffered.bytes >= 1_500_000, "its answer piles up")
+            before = runs.buffered.bytes
+            while runs.buffered.bytes >= before:  # a little more read: its writer takes a batch, and waits
+                await first.receive_some(65536)
+                await trio.sleep(0.01)
+            after = runs.buffered.bytes  # (what its writer holds is out of it: 256 KiB at most)
+            second = await _raw_stream(edge, "burst", 4096)
+            rec2 = (await upstream.wait_requests(2))[1]
+            await eventually(
+                lambda: rec1.aborted or rec2.aborted or runs.buffered.bytes >= after + 1_900_000,
+                "the second's answer piles up, or a run is cut",
+            )
+            assert rec1.aborted or rec2.aborted, (after, runs.buffered.bytes)  # (the furthest behind)
+            inner.cancel_scope.cancel()
+        for stream in (first, second):
+            await stream.aclose()
+    assert most <= cap + 1024 * 1024, most
     await settled(edge, node.agent)
 
 

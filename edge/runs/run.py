@@ -46,14 +46,15 @@ TOO_LARGE = "output_too_large"  # the node sent more than MAX_OUTPUT_BYTES of te
 # let 8 runs of emoji take an edge from 55 MiB to 2.1 GB (outside audit).
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
-MIN_BUFFERED_SHARE = 1024 * 1024  # a run with less waiting than this is never cut for the edge's buffers
+MIN_BUFFERED_SHARE = 64 * 1024  # a run with less waiting than this is never cut for the edge's buffers
+MAX_BATCH_BYTES = 256 * 1024  # of events a run's writer takes at once (the rest wait, in the bound)
 
 
 class Buffered:
     """What every run's events waiting for their readers hold, in bytes, and the edge's
     bound on it (``max_buffered_bytes``): past it, the runs with more than their share
-    (1/64 of the bound, 1 MiB at least) waiting, the most first, are their clients' fault,
-    and are cut as slow clients (finished ones too: a client that reads nothing of an
+    (1/4096 of the bound, 64 KiB at least) waiting, the most first, are their clients'
+    fault, and are cut as slow clients, to a sixteenth under it (finished ones too: a client that reads nothing of an
     answer the node has ended holds it all the same; they kept theirs, and an honest slow
     reader was cut instead: a re-check). Each run alone stops at :data:`MAX_PENDING_BYTES`,
     but 60 clients that did not read held 1.3 GB of an edge, growing (an outside audit)."""
@@ -63,13 +64,15 @@ class Buffered:
     def __init__(self, cap: float) -> None:
         self.bytes = 0
         self.cap = cap
-        self.share = max(int(cap) >> 6, MIN_BUFFERED_SHARE) if cap != math.inf else math.inf
+        self.share = max(int(cap) >> 12, MIN_BUFFERED_SHARE) if cap != math.inf else math.inf
         self.heavy: set[Run] = set()  # runs with more than their share waiting (few: the bound / share)
 
     def evict(self, now: float) -> None:
-        """Over the bound: cut the heaviest runs whose readers had their turn until under it."""
+        """Over the bound: cut the heaviest runs whose readers had their turn until a
+        sixteenth under it (not one run each time it is crossed again)."""
+        under = self.cap - (self.cap / 16)
         for run in sorted(self.heavy, key=_waiting, reverse=True):
-            if self.bytes <= self.cap:
+            if self.bytes <= under:
                 return
             if run._pending_from != now:  # (what came at once is not yet its reader's to take)
                 run.cut_slow()
@@ -502,14 +505,39 @@ class Run:
             trio.lowlevel.reschedule(reader)
 
     async def next_batch(self) -> list[RunEvent]:
-        """Every event queued since the last call (at least one)."""
+        """The events queued since the last call (at least one; :meth:`_batch`)."""
         await trio.lowlevel.checkpoint_if_cancelled()  # (see next_batch_or_idle)
         while not self._pending:
             await self._wait()
+        return self._batch()
+
+    def _batch(self) -> list[RunEvent]:
+        """The waiting events, or as many of the oldest as hold :data:`MAX_BATCH_BYTES` (one
+        at least) when they hold more: the rest wait, counted in the edge's bound. What a
+        writer took is out of the bound's reach until its client takes it; a reader of the
+        first bytes of an answer that then stopped held its whole batch (up to 32 MiB)."""
         batch = self._pending
-        self._pending = []
-        self._taken()
-        return batch
+        if self._pending_bytes <= MAX_BATCH_BYTES:
+            self._pending = []
+            self._taken()
+            return batch
+        size = 0
+        for end, item in enumerate(batch):  # (rare: a client this far behind)
+            size += _size(item) + EVENT_BYTES
+            if size > MAX_BATCH_BYTES and end:
+                size -= _size(item) + EVENT_BYTES
+                break
+        else:
+            end = len(batch)
+        self._pending = batch[end:]
+        taken = batch[:end]
+        buffered = self.buffered
+        buffered.bytes -= size
+        was = self._pending_bytes
+        self._pending_bytes = left = was - size
+        if was > buffered.share >= left:
+            buffered.heavy.discard(self)
+        return taken
 
     async def next_batch_or_idle(self) -> list[RunEvent] | None:
         """Like :meth:`next_batch`, or None when ``keepalive`` seconds passed
@@ -533,10 +561,7 @@ class Run:
             await self._wait()
         self._idle = False
         self._nudged = False
-        batch = self._pending
-        self._pending = []
-        self._taken()
-        return batch
+        return self._batch()
 
     def nudge(self) -> None:
         """Wake the reader with nothing new (:meth:`next_batch_or_idle` returns
