@@ -3,6 +3,8 @@ working node instead of failing through the dead one."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import pytest
 import trio
@@ -335,3 +337,55 @@ async def test_a_run_moved_off_a_lost_node_waits_within_the_queue_timeout(nurser
     (r,) = answers
     assert r.status_code == 502 and r.json()["error"]["code"] == "node_disconnected", r.text
     assert "no other node had room" in r.json()["error"]["message"]
+
+
+async def _three_warm_nodes(nursery, up: Upstream, **config):
+    """An edge (stall_after_s 0.5) and three nodes of `m` on ``up``, each with a time to first
+    event of milliseconds on short prompts."""
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, routing="least_loaded", **config))
+    for name in ("a", "b", "c"):
+        await start_node(nursery, edge, [model("m", up, target="t", max_concurrency=4)], node_id=name)
+    async with http(edge) as client, trio.open_nursery() as clients:
+        for i in range(6):  # (at once: least loaded sends two to each)
+            body = {"model": "m", "messages": [{"role": "user", "content": f"warm {i}"}]}
+            clients.start_soon(partial(client.post, "/v1/chat/completions", json=body))
+    await eventually(lambda: all("m" in lk.ttft_of for lk in edge.edge.runs.links.values()), "each started one")
+    return edge
+
+
+async def test_a_long_prompt_is_given_its_prefill_before_its_node_is_judged(nursery):
+    """A node was judged not to start runs when one waited 10 times the peers' typical time to
+    first event, whatever its prompt: a 100,000-token prompt on an idle node was moved at 10 s
+    and started over on another (an outside audit). The wait scales with how much longer than
+    the peers' typical prompt it is: it starts where it was sent, once."""
+    up = await new_upstream(nursery)
+    long_prompt = "word " * 20_000
+    up.script_for("t", lambda body: text_script(words(3), ttft=2.0 if len(str(body)) > 50_000 else 0.02))
+    edge = await _three_warm_nodes(nursery, up)
+    before = len(up.records)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": long_prompt}]}
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    long_runs = up.records[before:]
+    assert len(long_runs) == 1 and not long_runs[0].aborted  # (it was started over: 2, the first aborted)
+    now = trio.current_time()
+    assert not any(lk.stalled(now, "m") for lk in edge.edge.runs.links.values())
+
+
+async def test_a_run_moved_for_not_starting_is_no_evidence_against_its_next_node(nursery):
+    """A request slow to start anywhere (a short one here: what the edge cannot tell from a
+    stall) is moved off its node, as a stall; on the next node it was judged again, and two
+    healthy nodes of three were routed around for one request (an outside audit). A run moved
+    for not starting judges no other node: one is routed around, the request is answered."""
+    up = await new_upstream(nursery)
+    up.script_for("t", lambda body: text_script(words(3), ttft=2.0 if "slow" in str(body) else 0.02))
+    edge = await _three_warm_nodes(nursery, up)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "slow"}]}
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    now = trio.current_time()
+    assert sum(lk.stalled(now, "m") for lk in edge.edge.runs.links.values()) == 1

@@ -120,6 +120,7 @@ class NodeLink:
         self.engine: dict[str, EngineLoad] = {}  # model -> its server's own load, as the node last reported
         self.ttft: float | None = None  # moving average of the time to a run's first event
         self.ttft_of: dict[str, float] = {}  # the same, per model (a stall is judged against a model's peers)
+        self.prompt_of: dict[str, float] = {}  # the same of the runs' estimated prompt tokens (what a ttft was for)
         self.stalled_until: dict[str, float] = {}  # model -> routed around for it until then (runs not starting)
         self._stall_backoff: dict[str, float] = {}  # model -> for how long, the next time it stalls
         self.errors_in_row: dict[str, int] = {}  # model -> runs failed after output since one completed
@@ -249,9 +250,10 @@ class NodeLink:
         """A run request went to this node; it is unstarted until its first event."""
         self.unstarted[run_id] = now
 
-    def started(self, run_id: str, now: float, timed: bool = True, model: str = "") -> None:
+    def started(self, run_id: str, now: float, timed: bool = True, model: str = "", prompt: int = 0) -> None:
         """A run of ``model`` had its first event (``timed``: output or its end, a time to
-        first token; not an error at once, which says nothing of how fast runs start)."""
+        first token; not an error at once, which says nothing of how fast runs start);
+        ``prompt``: its estimated prompt tokens."""
         sent_at = self.unstarted.pop(run_id, None)
         if sent_at is None or not timed:
             return
@@ -260,6 +262,8 @@ class NodeLink:
         if model in self.models:  # (keys bounded by the node's models)
             before = self.ttft_of.get(model)
             self.ttft_of[model] = ttft if before is None else 0.8 * before + 0.2 * ttft
+            before = self.prompt_of.get(model)
+            self.prompt_of[model] = prompt if before is None else 0.8 * before + 0.2 * prompt
 
     def completed(self, model: str, now: float) -> None:
         """A run of ``model`` ended whole here: a stall's next backoff starts over (not at

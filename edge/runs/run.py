@@ -82,6 +82,12 @@ def _waiting(run: Run) -> int:
     return run._pending_bytes
 
 
+def prompt_tokens(run: Run) -> int:
+    """The run's estimated prompt tokens (0: not estimated, as a tunnel's)."""
+    want = run.want
+    return want.min_context - (want.max_tokens or 1) if want is not None and want.min_context else 0
+
+
 UNBOUNDED = Buffered(math.inf)  # (a run no service made: tests of the run alone)
 EVENT_BYTES = 64  # what an event costs waiting for its reader, beyond its text
 MAX_PROGRESS_PARTS = 4096  # tool-call pieces one progress event may say were read (about a second's, at most)
@@ -159,6 +165,7 @@ class Run:
         "failed_over",
         "unserved",
         "rerun_if_stalled",
+        "stall_moved",
         "requeued",
         "api",
         "timers",
@@ -229,6 +236,9 @@ class Run:
         self.want = None  # what the request needs of a node (for failover)
         self.request = None  # the RunRequest (or TunnelRequest) frame, kept until the run closes (for failover)
         self.failed_over = False
+        # Moved off a node judged not to start it: no evidence against the next (a request
+        # slow to start anywhere was moved, started over, and had its second node judged too).
+        self.stall_moved = False
         self.unserved = False  # lost before its first event, and no node left serving its model: a 503 to retry
         # Collected, its client shown nothing, and its request would run it again: on a node judged
         # stalled it ends (NODE_STALLED) rather than wait out wait_timeout_s (RunService.check_stall).
@@ -295,7 +305,7 @@ class Run:
         if self.progress_first == -math.inf:
             self.progress_first = now
             if self.first_event_at is None:
-                self.slot.link.started(self.id, now, True, self.slot.model)
+                self.slot.link.started(self.id, now, True, self.slot.model, prompt_tokens(self))
         self.progress_at = now
         self.progress_parts += min(parts, MAX_PROGRESS_PARTS)
 
@@ -328,9 +338,8 @@ class Run:
             link = slot.link
             slot.end_probe()
             answered = complete or not terminal
-            link.started(
-                self.id, now, answered, slot.model
-            )  # (a dead server's 1 ms failures made a slow node look stalled)
+            # (not timed unless answered: a dead server's 1 ms failures made a slow node look stalled)
+            link.started(self.id, now, answered, slot.model, prompt_tokens(self))
             if answered and type(item) is TunnelFrame and (item.status in _NODE_FAULTS or item.status >= 500):
                 # A passthrough answer's head of the node's fault (a 5xx, its key refused): not
                 # served, and counted (it reset the node's failures: a model server failing every

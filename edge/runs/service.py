@@ -31,6 +31,7 @@ from edge.runs.run import (
     Buffered,
     Run,
     RunTimers,
+    prompt_tokens,
 )
 from proto import ModelInfo, RunEvent, RunRequest, TunnelRequest
 
@@ -660,12 +661,15 @@ class RunService:
         silent: set[str] = set()  # models judged by a started run's silence
         stall_after = stall_after_s(self.config)
         due = now - stall_after
+        prompts: dict[str, int] = {}  # model -> the longest prompt among its runs waiting to start
         for run_id, sent_at in link.unstarted.items():
             if sent_at > due:
                 break  # (oldest first: only the runs waiting past stall_after_s are looked at)
             run = link.runs.get(run_id)
-            if run is not None and not link.stalled(now, run.slot.model):
-                since.setdefault(run.slot.model, sent_at)
+            if run is not None and not run.stall_moved and not link.stalled(now, run.slot.model):
+                model = run.slot.model
+                since.setdefault(model, sent_at)
+                prompts[model] = max(prompts.get(model, 0), prompt_tokens(run))
         # A model the node makes progress on (a run of it completed, or had an event after its
         # first, within the wait) is not judged: a long prompt, or a long tool call (the node sends
         # a call whole, at its end), on a busy healthy node is not a stall.
@@ -692,10 +696,14 @@ class RunService:
         for model, began in since.items():
             if model in progressing:
                 continue
-            peer_typical = self._peers_ttft(link, model, now)
-            if peer_typical is None:
+            peers = self._peers_start(link, model, now)
+            if peers is None:
                 continue
-            wait = max(stall_after, 10 * peer_typical)
+            peer_typical, peer_prompt = peers
+            # A prompt longer than the peers' typical one is given the longer wait its prefill
+            # takes (a 100,000-token prompt on an idle node was moved at 10 s and started over).
+            longer = prompts.get(model, 0) / peer_prompt if peer_prompt else 1.0
+            wait = max(stall_after, 10 * peer_typical * max(1.0, longer))
             if not peer_typical and model not in silent:
                 # No peer has started a run of it yet: a run that has not started is judged at half
                 # the silence that times it out (a long prompt's 20 s prefill on a fresh fleet was
@@ -751,6 +759,12 @@ class RunService:
         peer; 0: none has started a run of it yet, and ``stall_after_s`` alone judges:
         a silent node beside peers that had just linked was never judged, and every
         turn of a session went to it and timed out, an outside audit)."""
+        peers = self._peers_start(link, model, now)
+        return None if peers is None else peers[0]
+
+    def _peers_start(self, link: NodeLink, model: str, now: float) -> tuple[float, float] | None:
+        """:meth:`_peers_ttft`, and the typical estimated prompt tokens of the runs it was
+        measured on (0: not known)."""
         peers = [
             lk
             for lk in self.links.values()
@@ -763,8 +777,8 @@ class RunService:
         ]
         if not peers:
             return None
-        times = sorted(lk.ttft_of[model] for lk in peers if model in lk.ttft_of)
-        return times[len(times) // 2] if times else 0.0
+        timed = sorted((lk.ttft_of[model], lk.prompt_of.get(model, 0.0)) for lk in peers if model in lk.ttft_of)
+        return timed[len(timed) // 2] if timed else (0.0, 0.0)
 
     def _route_around(self, link: NodeLink, models: list[str], now: float, why: str, **said: Any) -> None:
         """Route around ``link`` for ``models`` (a backoff each) and move all their
@@ -776,6 +790,7 @@ class RunService:
         for run_id in list(link.unstarted):
             run = link.runs.get(run_id)
             if run is not None and run.slot.model in models and self._fail_over(run, link):
+                run.stall_moved = True
                 moved += 1
         log.warning(
             f"{why}: routing around it",
