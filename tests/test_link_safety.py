@@ -25,6 +25,7 @@ from proto import (
     Events,
     Grant,
     Hello,
+    Load,
     ModelInfo,
     Ping,
     Pong,
@@ -664,6 +665,24 @@ async def test_a_node_that_links_again_and_again_is_routed_around(nursery):
                 await stream.aclose()
     assert sent == [], sent  # every run went to the good node
     assert stalls == 1, stalls
+
+
+async def test_a_node_that_drains_before_each_restart_is_not_routed_around(nursery):
+    """Three clean restarts of a node within a minute (each drained: a rolling restart, a config
+    reload) were taken for a link that kept dropping, and the node got no traffic for 10 s while
+    requests queued behind its busy peer (an outside audit). Only drops count."""
+    edge = await start_edge(nursery, edge_config(routing="least_loaded"))
+    await start_node(nursery, edge, [model("m", ttft_ms=5, tokens_per_s=0, max_concurrency=4)], "good")
+    with trio.fail_after(BOUND):
+        for links in range(4):
+            stream, ws = await open_link(edge, "restarted", nursery=nursery)
+            await hello(ws, "restarted")
+            link = edge.edge.runs.links["restarted"]
+            assert not link.stalled(trio.current_time(), "m"), links
+            await ws.send_message(encode_frame(Load(in_flight={}, draining=True)))
+            await eventually(lambda link=link: link.draining, "it drains")
+            await stream.aclose()
+            await eventually(lambda link=link: link.closed, "the link closed")
 
 
 @pytest.mark.parametrize("then", ["nothing", "one delta"])

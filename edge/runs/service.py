@@ -44,8 +44,9 @@ log = structlog.get_logger("iop.edge.runs")
 ERRORS_AFTER_OUTPUT = 3
 # A node that links again after leaving FLAPS times in a row, each within FLAP_WINDOW_S of the leaving
 # before, is routed around for the models peers serve as a stalled node is (each drop of a link that
-# fell every 2 s failed the runs it had started: 10 of 600 requests, an outside audit). The node ids
-# that left are remembered, the latest MAX_LEFT.
+# fell every 2 s failed the runs it had started: 10 of 600 requests, an outside audit). A node that
+# drained before it left did not drop: three restarts in a minute had it idle beside a busy peer. The
+# node ids that left are remembered, the latest MAX_LEFT.
 FLAPS = 3
 FLAP_WINDOW_S = 60.0
 MAX_LEFT = 10_000
@@ -446,11 +447,12 @@ class RunService:
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
         now, lost = trio.current_time(), self._lost_context
-        before_left = self._left.pop(link.node_id, None)
-        in_row = before_left[1] + 1 if before_left is not None and now - before_left[0] < FLAP_WINDOW_S else 1
-        self._left[link.node_id] = (now, in_row)
-        if len(self._left) > MAX_LEFT:
-            del self._left[next(iter(self._left))]
+        if not link.draining:  # (a drained node left cleanly, its runs done: a rolling restart is no drop)
+            before_left = self._left.pop(link.node_id, None)
+            in_row = before_left[1] + 1 if before_left is not None and now - before_left[0] < FLAP_WINDOW_S else 1
+            self._left[link.node_id] = (now, in_row)
+            if len(self._left) > MAX_LEFT:
+                del self._left[next(iter(self._left))]
         for model, info in link.models.items():
             window = info.context_window or UNBOUNDED_CONTEXT
             before = lost.pop(model, None)  # (re-inserted last: the oldest go first, past KNOWN_MODELS)
