@@ -445,6 +445,63 @@ async def test_a_restart_of_a_models_only_node_keeps_its_queue(nursery, tmp_path
     assert [r.status_code for r in answers] == [200] * 5, [r.text for r in answers]
 
 
+async def test_a_crash_of_a_models_only_node_keeps_its_queue_while_it_links_again(nursery, tmp_path, upstream):
+    """The only node of a model lost (killed, or its link closed by an edge that had stood
+    still): every request queued for it was a 503 at once, though the node linked again 12 ms
+    later (an outside audit). Queued requests wait on within their queue timeout, and so do
+    new ones for LOST_GRACE_S; the node back, it serves them. Its running one is lost."""
+    upstream.script_for("t", lambda body: text_script(words(10), interval=0.05))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=20_000))
+    spec = [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url, "max_concurrency": 1}]
+    proc = await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    answers: list[httpx.Response] = []
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+            for _ in range(4):
+                clients.start_soon(ask)
+            await eventually(lambda: runs.queue_depth("m") == 3, "one running, three queued")
+            await upstream.wait_requests(1)
+            proc.kill()
+            await proc.wait()
+            await eventually(lambda: "d" not in runs.links, "the link is lost")
+            depth = runs.queue_depth("m")  # (4: its running run moved to wait too, if it had not started)
+            assert depth >= 3, depth
+            clients.start_soon(ask)  # one in the gap
+            await eventually(lambda: runs.queue_depth("m") == depth + 1, "it waits too")
+            await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    statuses = [r.status_code for r in answers]
+    assert statuses.count(200) >= 4 and len(statuses) == 5, [r.text for r in answers]
+
+
+async def test_a_lost_node_that_does_not_come_back_ends_its_queue_after_a_grace(nursery, tmp_path, upstream):
+    """Waiting for a lost node to link again is bounded by LOST_GRACE_S (5 s), not the queue
+    timeout: a node that crashed for good leaves its queue a 503 that says so."""
+    upstream.script_for("t", lambda body: text_script(words(10), interval=0.05))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=60_000))
+    spec = [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url, "max_concurrency": 1}]
+    proc = await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    answers: list[httpx.Response] = []
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+            for _ in range(3):
+                clients.start_soon(ask)
+            await eventually(lambda: runs.queue_depth("m") == 2, "one running, two queued")
+            proc.kill()
+            await proc.wait()
+    assert [r.status_code for r in answers] == [503] * 3, [r.text for r in answers]
+    assert sum("was lost; none linked within 5 s" in r.text for r in answers) >= 2, [r.text for r in answers]
+
+
 @pytest.fixture
 async def tunnel(nursery, upstream):
     edge = await start_edge(nursery, edge_config(models=[{"name": "raw", "response_mode": "passthrough"}]))

@@ -48,6 +48,7 @@ ERRORS_AFTER_OUTPUT = 3
 # drained before it left did not drop: three restarts in a minute had it idle beside a busy peer. The
 # node ids that left are remembered, the latest MAX_LEFT.
 FLAPS = 3
+LOST_GRACE_S = 5.0  # a model's last node lost: new requests wait this long for it to link again (a restart)
 FLAP_WINDOW_S = 60.0
 MAX_LEFT = 10_000
 HOLD_RATIO = 16  # in the fleet's first window, a claim past this many times its largest peer's is held
@@ -166,10 +167,16 @@ class _Waiter:
         "prefer",
         "home",
         "passed",
+        "deadline",
+        "scope",
     )
 
     def __init__(self, want: Want, run: Run | None = None, wait_until: float = 0.0, client: Any = None) -> None:
         self.since = trio.current_time()
+        self.deadline = math.inf  # its queue timeout's
+        # Its wait's, while it waits: a model's last node lost, it ends sooner (LOST_GRACE_S),
+        # unless a node links again
+        self.scope: trio.CancelScope | None = None
         self.event = trio.Event()
         self.slot: Slot | None = None
         self.gone = ""  # no linked node can serve it any more: "lost", or "drained" (the last one left)
@@ -324,8 +331,10 @@ class RunService:
         # Per model, when its last node drained and left (a restart, most often: the same node
         # id cannot link again before it has left): its requests wait for a node within their
         # queue timeout of that, where they were a 503 at once (its whole queue, on every
-        # `systemctl restart` of a model's only node: an outside audit).
-        self._drained: dict[str, float] = {}
+        # `systemctl restart` of a model's only node: an outside audit). Or was lost (True: drained):
+        # its queued requests wait on, and new ones within LOST_GRACE_S (its whole queue was a
+        # 503 when an edge that had stood still closed its link, the node linking again 12 ms later).
+        self._drained: dict[str, tuple[float, bool]] = {}
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
         self.prefixes = PrefixIndex(config.prefix_index_entries)
@@ -431,7 +440,8 @@ class RunService:
         for model in link.models:
             known.pop(model, None)
             known[model] = None
-            self._drained.pop(model, None)
+            if self._drained.pop(model, None) is not None:
+                self._unbound_waits(model)
         while len(known) > KNOWN_MODELS:
             del known[next(iter(known))]
         self._wake_waiting(link.models)
@@ -477,13 +487,17 @@ class RunService:
             self._unjudge(link.models, now)
         self._trust_alone(link.models)
         drained = self._drained
+        # (a node whose link the edge closed for breaking the protocol or flooding it is awaited by none)
+        awaited = link.draining or link.close_code not in (CLOSE_PROTOCOL, CLOSE_POLICY)
         for model in link.models:
-            restart = link.draining and not self._serving(model)
+            restart = awaited and not self._serving(model)
             if restart:
                 drained.pop(model, None)
-                drained[model] = now
+                drained[model] = (now, link.draining)
                 while len(drained) > KNOWN_MODELS:
                     del drained[next(iter(drained))]
+                if not link.draining:
+                    self._bound_waits(model, now + LOST_GRACE_S)
             if restart or not (self._queues.get(model) or self._moved.get(model)):
                 continue  # (nobody waits for it: no scan of every link, for each of its models)
             serving = self._serving(model)
@@ -587,10 +601,26 @@ class RunService:
         )
         return True
 
+    def _bound_waits(self, model: str, until: float) -> None:
+        """``model``'s requests waiting for a slot wait until ``until`` at most (or their queue
+        timeout, when a node serving it links: :meth:`_unbound_waits`)."""
+        for waiter in self._queues.get(model) or ():
+            if waiter.scope is not None:
+                waiter.scope.deadline = min(waiter.deadline, until)
+
+    def _unbound_waits(self, model: str) -> None:
+        for waiter in self._queues.get(model) or ():
+            if waiter.scope is not None:
+                waiter.scope.deadline = waiter.deadline
+
     def _awaits_restart(self, model: str) -> bool:
-        """``model``'s last node drained and left within its queue timeout: a request waits."""
-        drained = self._drained.get(model)
-        return drained is not None and trio.current_time() - drained < self._queue_bounds(model)[1] / 1000
+        """``model``'s last node drained and left within its queue timeout, or was lost within
+        :data:`LOST_GRACE_S` of it: a request waits."""
+        left = self._drained.get(model)
+        if left is None:
+            return False
+        wait = self._queue_bounds(model)[1] / 1000
+        return trio.current_time() - left[0] < (wait if left[1] else min(wait, LOST_GRACE_S))
 
     def _queue_bounds(self, model: str) -> tuple[int, int]:
         """The model's ``max_queue`` and ``queue_timeout_ms`` (its policy's, else the edge's)."""
@@ -1248,7 +1278,7 @@ class RunService:
         queue.append(waiter)
         self._prefer(waiter, wanted)
         self._wake(model)  # a free node may fit this request though not the ones ahead of it
-        deadline = now + timeout_ms / 1000
+        deadline = waiter.deadline = now + timeout_ms / 1000
         waited = False
         try:
             if wait_until > now:
@@ -1256,10 +1286,14 @@ class RunService:
                     await waiter.event.wait()
                 if not waiter.event.is_set():  # still queued (leaving the queue sets it)
                     self._place(queue, waiter)  # its time to wait for its prefix's node is up: any node now
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline) as waiter.scope:
+                left = self._drained.get(model)
+                if left is not None and not left[1] and not self._serving(model):  # its last node lost
+                    waiter.scope.deadline = min(deadline, left[0] + LOST_GRACE_S)
                 await waiter.event.wait()
             waited = True
         finally:
+            waiter.scope = None
             self._waited(model, client, trio.current_time() - now)
             if not waited:
                 # Cancelled (the client left): give back a slot handed over
@@ -1300,6 +1334,11 @@ class RunService:
                 f"Every node serving `{model}` is draining; none took this request within {timeout_ms / 1000:g} s.",
             )
         if not serving:
+            left = self._drained.get(model)
+            if left is not None and not left[1]:
+                raise errors.no_node(
+                    model, f"The last node serving `{model}` was lost; none linked within {LOST_GRACE_S:g} s."
+                )
             raise errors.no_node(
                 model,
                 f"The last node serving `{model}` drained and left; none linked within {timeout_ms / 1000:g} s.",
