@@ -424,7 +424,7 @@ class Console:
             edge.id,
             round(time.time() - self.started, 1),
             edge.draining,
-            runs.in_flight,
+            runs.on_nodes,
             runs.queue_depth(),
             phases,
             queues,

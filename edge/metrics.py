@@ -62,7 +62,7 @@ class EdgeMetrics:
             registry=r,
         )
         self.runs_in_flight = Gauge("iop_runs_in_flight", "Runs dispatched to nodes and not yet closed", registry=r)
-        self.runs_in_flight.set_function(lambda: runs.in_flight)
+        self.runs_in_flight.set_function(lambda: runs.on_nodes)
         self.queue_depth = Gauge("iop_queue_depth", "Requests waiting for a node slot", registry=r)
         self.queue_depth.set_function(lambda: runs.queue_depth())
         self.nodes_linked = Gauge("iop_nodes_linked", "Nodes with a live link", registry=r)
@@ -260,8 +260,9 @@ class _ModelCollector:
             model = label(model)
             queued[model] = queued.get(model, 0) + depth
         for run in list(runs.runs.values()):
-            model = label(run.slot.model)
-            flying[model] = flying.get(model, 0) + 1
+            if run.requeued is None:  # (a run moved off its node, waiting for a slot, is queued)
+                model = label(run.slot.model)
+                flying[model] = flying.get(model, 0) + 1
         for family, counts in ((waiting, queued), (running, flying)):
             for model in sorted(counts):
                 family.add_metric((model,), counts[model])

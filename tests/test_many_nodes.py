@@ -274,6 +274,41 @@ async def test_a_tunnelled_request_whose_node_dies_first_moves_too(nursery, tmp_
     await settled(edge)
 
 
+async def test_a_run_moved_off_a_lost_node_is_queued_not_in_flight(nursery, tmp_path, upstream):
+    """A run moved off a lost node, waiting for a slot on its peer, was counted in both
+    `iop_runs_in_flight` and `iop_queue_depth` (2 runs open on nodes read as 4 in flight and 2
+    queued: an outside audit). It is queued: in flight are the runs on nodes."""
+    hanging = await new_upstream(nursery)
+    hanging.script_for("t", [("hang",)])
+    upstream.script_for("t", lambda body: text_script(words(200), interval=0.05))
+    edge = await start_edge(nursery, edge_config(routing="least_loaded"))
+    await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=1)], node_id="busy")
+    proc = await start_node_process(
+        nursery,
+        tmp_path,
+        edge,
+        [{"name": "m", "adapter": "openai", "target": "t", "base_url": hanging.base_url}],
+        node_id="doomed",
+    )
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            for sent in range(1, 3):  # one on each node
+                clients.start_soon(
+                    partial(client.post, "/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+                )
+                await eventually(lambda sent=sent: len(runs.runs) == sent, "it is sent")
+            await upstream.wait_requests(1)
+            await hanging.wait_requests(1)
+            proc.kill()
+            await eventually(lambda: runs.queue_depth("m") == 1, "the lost node's run waits for the busy one")
+            text = (await client.get("/metrics")).text
+            clients.cancel_scope.cancel()
+    assert "\niop_runs_in_flight 1.0\n" in text and "\niop_queue_depth 1.0\n" in text, text
+    assert 'iop_model_runs_in_flight{model="m"} 1.0' in text and 'iop_model_queue_depth{model="m"} 1.0' in text
+    await settled(edge)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(nursery, upstream, stream):
     """A passthrough request whose node is lost before answering, with no other node serving

@@ -368,7 +368,14 @@ class RunService:
 
     @property
     def in_flight(self) -> int:
+        """Runs open (on nodes, or moved off one and waiting for a slot)."""
         return len(self.runs)
+
+    @property
+    def on_nodes(self) -> int:
+        """Runs on nodes: not those moved off one, waiting for a slot (queued: a dashboard
+        adding ``iop_runs_in_flight`` and ``iop_queue_depth`` counted them twice)."""
+        return len(self.runs) - sum(len(q) for q in self._moved.values())
 
     def queue_depth(self, model: str | None = None) -> int:
         if model is not None:
