@@ -990,6 +990,57 @@ async def test_missing_max_tokens_and_orphan_results_are_400s(setup):
     assert not upstream.records
 
 
+async def test_duplicate_tool_use_ids_and_results_are_400s(setup):
+    """As Anthropic's API: a `tool_use` id used twice in the history, or one call answered by two
+    `tool_result` blocks of a turn, is a 400 naming the block (an outside audit: two calls `t1` and
+    one result were a 200, and the model server got `tool_calls` [t1, t1] and one tool message)."""
+    edge, upstream = setup
+
+    def use(call_id):
+        return {"type": "tool_use", "id": call_id, "name": "get_weather", "input": {"city": "x"}}
+
+    def result(call_id):
+        return {"type": "tool_result", "tool_use_id": call_id, "content": "r"}
+
+    def turns(*calls_then_results):
+        out = [*USER]
+        for calls, results in calls_then_results:
+            out += [{"role": "assistant", "content": calls}, {"role": "user", "content": results}]
+        return out
+
+    refused = [
+        (
+            turns(([use("t1"), use("t1")], [result("t1")])),
+            "Invalid value for `messages[1].content[1].id`: `tool_use` ids must be unique; "
+            "t1 is also the id of `messages[1].content[0]`.",
+        ),
+        (
+            turns(([use("t1")], [result("t1")]), ([use("t1")], [result("t1")])),
+            "Invalid value for `messages[3].content[0].id`: `tool_use` ids must be unique; "
+            "t1 is also the id of `messages[1].content[0]`.",
+        ),
+        (
+            turns(([use("t1"), use("t2")], [result("t1"), result("t1"), result("t2")])),
+            "Invalid value for `messages[2].content[1]`: each `tool_use` must have a single result. "
+            "Found multiple `tool_result` blocks with id: t1.",
+        ),
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for messages, said in refused:
+                r = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+                assert r.status_code == 400, r.text
+                assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": said}}
+            assert not upstream.records
+            upstream.script_for("t", steps({"content": "ok"}))
+            fine = turns(([use("t1"), use("t2")], [result("t1"), result("t2")]))
+            ok = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": fine})
+    assert ok.status_code == 200, ok.text
+    sent = upstream.records[0].body["messages"]
+    assert [c["id"] for c in sent[1]["tool_calls"]] == ["t1", "t2"]
+    assert [m["tool_call_id"] for m in sent[2:]] == ["t1", "t2"]
+
+
 async def test_the_sdk_tool_runner_loops_through_the_edge(setup):
     """The anthropic SDK's `beta.messages.tool_runner` threads its turns: after the first it sends
     only the new tool_result with `thread: {"type": "continue"}`, which an edge that stores

@@ -266,6 +266,7 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
     tool_messages: list[dict[str, Any]] = []
     tool_images: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
+    answered: set[str] = set()
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
         kind = _block_type(block, where)
@@ -279,6 +280,13 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise _bad(f"Missing required parameter: `{where}.tool_use_id`.", where)
+            if call_id in answered:  # (as Anthropic's 400: two results went upstream for one call)
+                raise _bad(
+                    f"Invalid value for `{where}`: each `tool_use` must have a single result. "
+                    f"Found multiple `tool_result` blocks with id: {call_id[:64]}.",
+                    where,
+                )
+            answered.add(call_id)
             images: list[dict[str, Any]] = []
             tool_messages.append(
                 {"role": "tool", "tool_call_id": call_id, "content": _tool_result(block, where, images)}
@@ -296,7 +304,11 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
     return tool_messages
 
 
-def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, Any]:
+def _assistant_message(content: list[dict[str, Any]], param: str, used: dict[str, str]) -> dict[str, Any]:
+    """An assistant turn's blocks as one chat message: its texts, and its ``tool_use``
+    blocks as ``tool_calls``. ``used``: where each ``tool_use`` id of the history so far
+    was, since they must be unique, as Anthropic checks (an outside audit: two calls
+    ``t1`` and one result went upstream; the pairing check compares the ids as sets)."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     for i, block in enumerate(content):
@@ -308,6 +320,13 @@ def _assistant_message(content: list[dict[str, Any]], param: str) -> dict[str, A
             call_id, name = block.get("id"), block.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise _bad(f"Invalid value for `{where}`: a tool_use block needs an `id` and a `name`.", where)
+            if call_id in used:
+                raise _bad(
+                    f"Invalid value for `{where}.id`: `tool_use` ids must be unique; "
+                    f"{call_id[:64]} is also the id of `{used[call_id]}`.",
+                    f"{where}.id",
+                )
+            used[call_id] = where
             arguments = block.get("input")
             if arguments is None:
                 arguments = {}
@@ -329,7 +348,8 @@ def _check_tool_results(messages: list[dict[str, Any]]) -> None:
     """Every ``tool_result`` answers a ``tool_use`` made before it, and every
     ``tool_use`` but a last turn's is answered in the turn after it, as Anthropic
     checks (an orphan tool message, or calls followed by a user's words, fail or
-    mislead chat templates upstream)."""
+    mislead chat templates upstream). Sets of ids suffice: the decoders refused
+    a repeated ``tool_use`` id, and a call answered twice in a turn."""
     called: set[str] = set()
     for n, m in enumerate(messages):
         calls = m.get("tool_calls") or ()
@@ -467,6 +487,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if req.system:
         system.append(_system_text(req.system, "system"))
     messages: list[dict[str, Any]] = []
+    used: dict[str, str] = {}  # tool_use id -> where it was
     for i, message in enumerate(req.messages):
         param = f"messages[{i}].content"
         content = message.content
@@ -477,7 +498,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         elif message.role == "user":
             messages.extend(_user_messages(content, param))
         else:
-            messages.append(_assistant_message(content, param))
+            messages.append(_assistant_message(content, param, used))
     messages = merge_assistant_turns(messages)
     _check_tool_results(messages)
     system = [text for text in system if text]  # (a system of the billing line alone is none)
