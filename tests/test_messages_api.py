@@ -1041,6 +1041,41 @@ async def test_duplicate_tool_use_ids_and_results_are_400s(setup):
     assert [m["tool_call_id"] for m in sent[2:]] == ["t1", "t2"]
 
 
+async def test_an_empty_user_message_is_a_400_naming_its_content(setup):
+    """As Anthropic's API: a user message with empty content (`[]` or `""`) is a 400 naming
+    `messages[i].content` (an outside audit: a lone `[]` was a 400 naming `messages`, and after
+    other messages it was dropped). What stays a 200: `system: []` (Anthropic takes it), an empty
+    last assistant message (a prefill), and an empty assistant turn before the last message (the
+    edge's own answer when the model said nothing, which a client sends back)."""
+    edge, upstream = setup
+    said = "a user message must have non-empty content."
+    refused = [
+        ([{"role": "user", "content": []}], "messages[0].content"),
+        ([*USER, {"role": "assistant", "content": "ok"}, {"role": "user", "content": []}], "messages[2].content"),
+        ([{"role": "user", "content": ""}], "messages[0].content"),
+    ]
+    fine = [
+        {"system": [], "messages": USER},
+        {"messages": [*USER, {"role": "assistant", "content": []}]},
+        {"messages": [*USER, {"role": "assistant", "content": []}, {"role": "user", "content": "again"}]},
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for messages, where in refused:
+                r = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+                assert r.status_code == 400, r.text
+                assert r.json() == {
+                    "type": "error",
+                    "error": {"type": "invalid_request_error", "message": f"Invalid value for `{where}`: {said}"},
+                }
+            assert not upstream.records
+            for body in fine:
+                upstream.script_for("t", steps({"content": "ok"}))
+                ok = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, **body})
+                assert ok.status_code == 200, ok.text
+    assert len(upstream.records) == len(fine)
+
+
 async def test_the_sdk_tool_runner_loops_through_the_edge(setup):
     """The anthropic SDK's `beta.messages.tool_runner` threads its turns: after the first it sends
     only the new tool_result with `thread: {"type": "continue"}`, which an edge that stores

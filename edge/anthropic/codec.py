@@ -493,6 +493,12 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         content = message.content
         if message.role == "system":
             system.append(_system_text(content, param))
+        elif not content and message.role == "user":
+            # Anthropic's 400 (an outside audit: a lone `[]` left no message, so the 400 named
+            # `messages`; after others it was dropped, and `""` went upstream). An empty assistant
+            # turn is taken: as the last, a prefill; before it, the edge's own empty answer (a model
+            # that said nothing), which a client sends back in its history.
+            raise _bad(f"Invalid value for `{param}`: a user message must have non-empty content.", param)
         elif isinstance(content, str):
             messages.append({"role": message.role, "content": content})
         elif message.role == "user":
