@@ -12,7 +12,7 @@ import pytest
 import structlog
 import trio
 
-from edge.anthropic.codec import MessageStream, chat_body, error_body, stream_error
+from edge.anthropic.codec import MessageStream, chat_body, error_body, session_id, stream_error
 from edge.errors import APIError
 from edge.openai.schema import UsageOut
 from proto import ToolCall
@@ -179,7 +179,8 @@ def test_decoder_maps_claude_code_requests_to_chat():
     ]
     assert body["tool_choice"] == "auto" and body["parallel_tool_calls"] is False
     assert body["stop"] == ["END"] and body["top_k"] == 20 and body["temperature"] == 0.5
-    assert body["include_reasoning"] is True and body["user"] == "session-1" and body["stream"] is True
+    assert body["include_reasoning"] is True and body["stream"] is True
+    assert "user" not in body and session_id(raw) == "session-1"  # (the session, not sent upstream)
     assert "output_config" not in body and "context_management" not in body
     named, _ = chat_body({**raw, "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": None})
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
@@ -549,7 +550,7 @@ async def test_claude_code_shaped_request_over_http(setup):
     sent = upstream.records[0].body
     assert [t["function"]["name"] for t in sent["tools"]] == ["get_weather"]
     assert sent["messages"][0] == {"role": "system", "content": "You are Claude Code.\n\nenv"}
-    assert sent["user"] == "user_abc_session_1"
+    assert "user" not in sent  # (metadata.user_id: the session, not the model server's)
     assert any(e["event"] == "server tools left out" and e["tools"] == ["web_search"] for e in logs)
     (line,) = [e for e in logs if e["event"] == "request"]
     assert line["api"] == "messages" and line["status"] == 200 and line["route"] == "/v1/messages"
@@ -1074,6 +1075,27 @@ async def test_an_empty_user_message_is_a_400_naming_its_content(setup):
                 ok = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, **body})
                 assert ok.status_code == 200, ok.text
     assert len(upstream.records) == len(fine)
+
+
+async def test_metadata_user_id_keeps_its_session_on_one_node_but_never_reaches_the_model(nursery, upstream):
+    """`metadata.user_id` is the session: a Claude Code session's requests, each of its own prompt,
+    land on one node of three; it is not sent upstream (an outside audit: Claude Code's, a JSON
+    string of its device id, account uuid and session id, reached the model server as `user`)."""
+    edge = await start_edge(nursery, edge_config())
+    nodes = [
+        await start_node(nursery, edge, [model("m", upstream, target=f"t{k}", max_concurrency=4)], node_id=f"n{k}")
+        for k in range(3)
+    ]
+    user_id = '{"device_id":"dev-5e1f","account_uuid":"acct-77aa","session_id":"sess-9c0d"}'
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            for k in range(8):  # (other openings: without the session, prefix routing spreads them)
+                prompt = [{"role": "user", "content": f"question {k}: " + "why " * (20 * k)}]
+                await client.messages.create(model="m", max_tokens=4, messages=prompt, metadata={"user_id": user_id})
+    assert len(upstream.records) == 8
+    assert len({r.body["model"] for r in upstream.records}) == 1
+    assert not [r for r in upstream.records if "user" in r.body or b"dev-5e1f" in r.raw_body]
+    await settled(edge, *(n.agent for n in nodes))
 
 
 async def test_the_sdk_tool_runner_loops_through_the_edge(setup):

@@ -23,7 +23,8 @@ What the decoder does with each part of a request:
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` become ``auto`` /
   ``required`` / the named function / ``none`` (``any`` or ``tool`` without
   ``tools`` is a 400, as Anthropic's); ``stop_sequences`` ``stop``;
-  ``metadata.user_id`` ``user`` (session affinity); ``thinking`` enabled or
+  ``metadata.user_id`` is the session (affinity: :func:`session_id`), not sent
+  upstream; ``thinking`` enabled or
   adaptive shows reasoning as thinking blocks, otherwise it is hidden (as
   Anthropic sends no thinking unless asked); it is checked as Anthropic does
   (a known type, ``budget_tokens`` of at least 1024 and below ``max_tokens``,
@@ -535,12 +536,20 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         body["response_format"] = _response_format(fmt)
     thinking = (req.thinking or {}).get("type")
     body["include_reasoning"] = thinking in ("enabled", "adaptive")
-    user = (req.metadata or {}).get("user_id")
+    session_id(raw)  # (checked here, for count_tokens too; it is in no body: see session_id)
+    return body, server
+
+
+def session_id(raw: dict[str, Any]) -> str | None:
+    """A request's ``metadata.user_id``: the session its runs keep to (a node's warm cache),
+    or None. It is no chat ``user`` in the body sent upstream (an outside audit: Claude
+    Code's, a JSON string of its device id, account uuid and session id, reached the model
+    server); the issue asked only for session affinity."""
+    metadata = raw.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if user is not None and not isinstance(user, str):  # (as Anthropic's; a number was taken and kept no session)
         raise _bad("Invalid value for `metadata.user_id`: expected a string.", "metadata.user_id")
-    if user:
-        body["user"] = user
-    return body, server
+    return user or None
 
 
 # -- encoding a response -----------------------------------------------------------

@@ -32,6 +32,7 @@ from edge.anthropic.codec import (
     error_body,
     message_body,
     refused,
+    session_id,
     stopped,
     stream_error,
     thinking_budget_problem,
@@ -132,9 +133,10 @@ async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:
             raise problem
         finally:
             problem = None  # (as in _decode)
+    session = session_id(raw)  # (not in `chat`: the model server is not sent it)
     del raw
     del body  # (see routes._serve)
-    turn = await open_turn(edge, ex, chat, converted=True)
+    turn = await open_turn(edge, ex, chat, converted=True, session=session)
     del chat  # the turn keeps what it forwards
     access = ex.access
     try:

@@ -61,7 +61,9 @@ TOOL_VALIDATION_RETRY_ERROR = "tool_validation_retry_error"
 class Turn:
     """One chat completion request, across the runs it takes (tool retries)."""
 
-    def __init__(self, edge: Edge, ex: Exchange, req: ChatRequest, forward: dict[str, Any]) -> None:
+    def __init__(
+        self, edge: Edge, ex: Exchange, req: ChatRequest, forward: dict[str, Any], session: str | None = None
+    ) -> None:
         self.edge = edge
         self.ex = ex
         self.req = req
@@ -71,7 +73,8 @@ class Turn:
         self.forward = forward if req.tools else None
         self.policy = edge.config.policy(req.model)
         self.stream = bool(req.stream)
-        self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or req.user
+        # ``session``: a front door's own (Messages' metadata.user_id), which the body does not carry.
+        self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or session or req.user
         self.contract = ToolContract(req) if req.tools else None
         self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
         user_meta = forward.get("metadata")
@@ -284,18 +287,21 @@ class Turn:
         return consume_run(run, consume, keepalive)
 
 
-async def open_turn(edge: Edge, ex: Exchange, chat: dict[str, Any], *, converted: bool = False) -> Turn:
+async def open_turn(
+    edge: Edge, ex: Exchange, chat: dict[str, Any], *, converted: bool = False, session: str | None = None
+) -> Turn:
     """The turn for a chat request body (what every front door decodes into):
     validated, with its tools' schemas checked. Raises :class:`APIError` (400).
     ``converted``: the body came from another API's request, whose own items
     the front door held to ``max_messages`` (each tool result becomes a message
-    here, so the chat count may be larger; content parts bound it)."""
+    here, so the chat count may be larger; content parts bound it). ``session``: the
+    session the front door read from its request, kept to but not sent upstream."""
     cfg = edge.config
     max_messages = cfg.max_messages + MAX_CONTENT_PARTS if converted else cfg.max_messages
     req, forward = parse_chat_request(
         chat, max_messages=max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
     )
-    turn = Turn(edge, ex, req, forward)
+    turn = Turn(edge, ex, req, forward, session)
     if turn.contract is not None:
         lane = f"key {ex.key.id}" if ex.key is not None else f"address {(ex.scope.get('client') or ('',))[0]}"
         problem = await turn.contract.check_request(req, lane)
