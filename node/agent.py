@@ -59,6 +59,7 @@ from proto import (
     Demand,
     EngineLoad,
     Hello,
+    Hold,
     Load,
     ModelInfo,
     Ping,
@@ -353,6 +354,7 @@ class EdgeLink:
         self.edge_id = welcome.edge_id
         self.wants_prefixes = welcome.wants_prefixes
         self.runs: dict[str, trio.CancelScope] = {}
+        self.tunnels: dict[str, TunnelSink] = {}  # the tunnels running (an edge may hold their bodies)
         self.counted: dict[str, str] = {}  # run id -> model: runs holding a slot of this edge's grant
         self._early: dict[str, None] = {}  # run ids cancelled before they arrived, oldest first
         self.last_rx = trio.current_time()
@@ -479,6 +481,10 @@ class EdgeLink:
                         self._early[run_id] = None
                         if len(self._early) > _EARLY_CANCELS:
                             del self._early[next(iter(self._early))]
+                case Hold(run_id=run_id, hold=hold):
+                    tunnel = self.tunnels.get(run_id)
+                    if tunnel is not None:
+                        tunnel.hold(hold)
                 case Demand(model=model, in_flight=in_flight, waiting=waiting, seq=seq):
                     book = self.agent.grants.get(model)
                     if book is not None:
@@ -504,7 +510,7 @@ class EdgeLink:
             refusal = None if adapter is not None else f"this node does not serve model {request.model!r}"
             work = partial(adapter.run, request, sink) if adapter is not None else None
         else:
-            sink = TunnelSink(self, request.run_id)
+            sink = self.tunnels[request.run_id] = TunnelSink(self, request.run_id)
             allowed = adapter is not None and self.agent.passthrough[request.model] and hasattr(adapter, "tunnel")
             refusal = None if allowed else f"this node does not allow passthrough for model {request.model!r}"
             work = partial(adapter.tunnel, request, sink) if allowed else None
@@ -562,14 +568,24 @@ class EdgeLink:
             agent.counters.active_runs -= 1
             agent.counters.run_ended.unpark_all()
             self.runs.pop(request.run_id, None)
+            self.tunnels.pop(request.run_id, None)
             self._uncount(request.run_id)
+
+
+# A tunnel's body goes in pieces of at most TUNNEL_PIECE bytes, with no more than TUNNEL_AHEAD
+# of the link's frames queued meanwhile: the edge's hold takes effect within a few MiB (the outbox
+# took 32 MiB, and the edge held a 48 MB answer's 31.9 MB for a slow client).
+TUNNEL_PIECE = 256 * 1024
+TUNNEL_AHEAD = 1024 * 1024
 
 
 class TunnelSink:
     """Where an adapter sends one tunnelled response, frame by frame, in order.
-    Body bytes too large for one frame go out as several ``body`` frames."""
+    Body bytes too large for one frame go out as several ``body`` frames. While the
+    edge holds it (its client is behind), the body waits: the adapter stops reading
+    the provider's (an answer more than 32 MiB ahead of a slow client was cut)."""
 
-    __slots__ = ("_outbox", "_run_id", "_seq", "_base", "started", "ended")
+    __slots__ = ("_outbox", "_run_id", "_seq", "_base", "started", "ended", "_held")
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
         self._outbox = link.outbox
@@ -578,10 +594,20 @@ class TunnelSink:
         self._base = EVENT_OVERHEAD + text_bytes(run_id)
         self.started = False
         self.ended = False
+        self._held: trio.Event | None = None  # set when the edge lets it go on
 
-    async def _send(self, size: int, kind: str, **fields) -> None:
+    def hold(self, hold: bool) -> None:
+        held = self._held
+        if hold and held is None:
+            self._held = trio.Event()
+        elif not hold and held is not None:
+            self._held = None
+            held.set()
+
+    async def _send(self, size: int, kind: str, ahead: int = 0, **fields) -> None:
         self._seq += 1
-        await self._outbox.tunnel(TunnelFrame(run_id=self._run_id, seq=self._seq, kind=kind, **fields), size)
+        frame = TunnelFrame(run_id=self._run_id, seq=self._seq, kind=kind, **fields)
+        await self._outbox.tunnel(frame, size, ahead)
 
     async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
         self.started = True
@@ -595,13 +621,12 @@ class TunnelSink:
     async def body(self, data: bytes) -> None:
         if self.ended:
             return
-        room = max(self._outbox.budget - self._base, 1)
-        if len(data) <= room:
-            await self._send(self._base + len(data), "body", body=data)
-            return
+        room = max(min(self._outbox.budget - self._base, TUNNEL_PIECE), 1)
         for i in range(0, len(data), room):
-            piece = data[i : i + room]
-            await self._send(self._base + len(piece), "body", body=piece)
+            while self._held is not None:  # (the run's deadline and cancel end this wait)
+                await self._held.wait()
+            piece = data[i : i + room] if len(data) > room else data
+            await self._send(self._base + len(piece), "body", TUNNEL_AHEAD, body=piece)
 
     async def end(self) -> None:
         if not self.ended:
@@ -901,6 +926,7 @@ class NodeAgent:
                     software=f"iop {__version__}",
                     relays_prefixes=True,
                     max_frame_bytes=cfg.max_frame_bytes,
+                    holds_tunnels=True,
                 )
             )
         )

@@ -206,12 +206,16 @@ class Outbox:
         while not self.has_room():
             await self._progress.park()
 
-    async def tunnel(self, frame: TunnelFrame, size: int) -> None:
+    async def tunnel(self, frame: TunnelFrame, size: int, ahead: int = 0) -> None:
+        """Queue a tunnel frame; wait while too much is pending, or (``ahead``) while more
+        than that is."""
         self._tunnel.append(frame)
         self._bytes += size
         if self._wakeup:
             self._wakeup.unpark_all()
         await self.room()
+        while ahead and self._bytes > ahead:
+            await self._progress.park()
 
     async def flushed(self) -> None:
         """Return once everything queued so far has been sent."""

@@ -145,6 +145,7 @@ class Hello(_Frame, tag="hello"):
     # The largest message the node accepts (0: unknown, the edge's own limit): the edge sends
     # it no run whose frame is larger (a 20 MiB request under a node's 16 MiB closed the link).
     max_frame_bytes: int = 0
+    holds_tunnels: bool = False  # takes ``hold`` frames: pauses a tunnel's body while its client is behind
 
 
 class Events(_Frame, tag="events"):
@@ -242,6 +243,14 @@ class CancelRun(_Frame, tag="cancel"):
     reason: str = ""
 
 
+class Hold(_Frame, tag="hold"):
+    """Pause (``hold``) or go on with a tunnel's body: its client is that far behind (sent
+    only to a node whose hello set ``holds_tunnels``)."""
+
+    run_id: str
+    hold: bool = True
+
+
 class Ping(_Frame, tag="ping"):
     ts: float = 0.0
 
@@ -258,7 +267,7 @@ class Demand(_Frame, tag="demand"):
 
 
 NodeFrame = Hello | Events | Load | Pong | Grant | TunnelFrame | Placed
-EdgeFrame = Welcome | RunRequest | TunnelRequest | CancelRun | Ping | Demand
+EdgeFrame = Welcome | RunRequest | TunnelRequest | CancelRun | Hold | Ping | Demand
 Frame = NodeFrame | EdgeFrame
 
 _encoder = msgspec.msgpack.Encoder()

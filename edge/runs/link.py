@@ -97,6 +97,7 @@ class NodeLink:
         self.last_rx = self.linked_at
         self.draining = False
         self.relays_prefixes = False  # the node tells other edges where this edge's prompts went
+        self.holds_tunnels = False  # the node pauses a tunnel's body on a Hold frame
         # The largest frame the node takes (its hello's, within the edge's own): placement sends it
         # no run whose request is larger (:class:`edge.runs.service.Want`).
         self.frame_limit = 1 << 62

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from proto import RunEvent, TunnelFrame
+from proto import Hold, RunEvent, TunnelFrame
 from proto.frames import DELTA, ERROR, PROGRESS, PROGRESS_S, REASONING_DELTA, TERMINAL_TYPES
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
@@ -48,6 +48,11 @@ MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_PENDING_BYTES = 32 * 1024 * 1024
 MIN_BUFFERED_SHARE = 64 * 1024  # a run with less waiting than this is never cut for the edge's buffers
 MAX_BATCH_BYTES = 256 * 1024  # of events a run's writer takes at once (the rest wait, in the bound)
+# A tunnel's body waiting for its client past HOLD_BYTES is held on its node (a node that holds
+# tunnels) until no more than GO_ON_BYTES waits: a 60 MB embeddings answer to a client reading
+# slower than its provider wrote was cut at MAX_PENDING_BYTES.
+HOLD_BYTES = 4 * 1024 * 1024
+GO_ON_BYTES = 1024 * 1024
 
 
 class Buffered:
@@ -166,6 +171,7 @@ class Run:
         "unserved",
         "rerun_if_stalled",
         "stall_moved",
+        "held",
         "requeued",
         "api",
         "timers",
@@ -239,6 +245,7 @@ class Run:
         # Moved off a node judged not to start it: no evidence against the next (a request
         # slow to start anywhere was moved, started over, and had its second node judged too).
         self.stall_moved = False
+        self.held = False  # its tunnel's body is held on its node (HOLD_BYTES)
         self.unserved = False  # lost before its first event, and no node left serving its model: a 503 to retry
         # Collected, its client shown nothing, and its request would run it again: on a node judged
         # stalled it ends (NODE_STALLED) rather than wait out wait_timeout_s (RunService.check_stall).
@@ -385,6 +392,11 @@ class Run:
                 buffered.evict(now)
                 if not self._pending_bytes:  # (this one was cut)
                     return
+        if self._pending_bytes > HOLD_BYTES and not self.held and type(item) is TunnelFrame and not terminal:
+            link = self.slot.link
+            if link.holds_tunnels:
+                self.held = True
+                link.send_nowait(Hold(run_id=self.id))
         if terminal:
             self.finished = True
             self.cause = COMPLETE if complete else TIMEOUT if timed_out else RUN_ERROR
@@ -414,6 +426,14 @@ class Run:
                 self.fail(f"the node sent more than {MAX_PENDING_BYTES} bytes in one frame for this run", TOO_LARGE)
                 return
         self._wake()
+
+    def _go_on(self) -> None:
+        """Its reader takes a batch of a held tunnel: the node goes on once little waits.
+        Meanwhile its silence is the edge's doing: the reader's progress keeps it alive."""
+        self.last_event_at = trio.current_time()
+        if self._pending_bytes <= GO_ON_BYTES and not self.finished:
+            self.held = False
+            self.slot.link.send_nowait(Hold(run_id=self.id, hold=False))
 
     def _drop_pending(self) -> None:
         """Drop the events waiting for the reader (the run is failed next)."""
@@ -529,6 +549,8 @@ class Run:
         if self._pending_bytes <= MAX_BATCH_BYTES:
             self._pending = []
             self._taken()
+            if self.held:
+                self._go_on()
             return batch
         size = 0
         for end, item in enumerate(batch):  # (rare: a client this far behind)
@@ -546,6 +568,8 @@ class Run:
         self._pending_bytes = left = was - size
         if was > buffered.share >= left:
             buffered.heavy.discard(self)
+        if self.held:
+            self._go_on()
         return taken
 
     async def next_batch_or_idle(self) -> list[RunEvent] | None:

@@ -715,7 +715,7 @@ class RunService:
         progressing = {model for model, at in link.completed_at.items() if at > due}
         for run in link.runs.values():
             first = run.first_event_at
-            if run.finished:
+            if run.finished or run.held:  # (a held tunnel's silence is the edge's doing)
                 continue
             last = run.last_event_at
             if run.progress_first > -math.inf:  # (a tool call streaming: the node says so each second)
