@@ -73,7 +73,7 @@ class Edge:
         self.keys = Keys(config)
         target = config.ledger_target
         try:
-            self.ledger = Ledger(target) if target else None
+            self.ledger = Ledger(target, config.state_dir) if target else None
         except (sqlite3.Error, OSError) as e:
             raise ConfigError(
                 f'ledger: cannot open {target}: {e} (set state_dir, a ledger path, or ledger = "off")'

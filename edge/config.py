@@ -79,7 +79,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     admin_keys: list[str] = msgspec.field(default_factory=list)
     admin_keys_file: str = ""
     keys: list[KeyConfig] = msgspec.field(default_factory=list)  # keys with policy (README "Keys")
-    # Where the edge keeps its state: the usage ledger and run-time keys.
+    # Where the edge keeps its state: the usage ledger and run-time keys, and the records its
+    # ledger could not store when it stopped (ledger-spool-*.jsonl: edge.ledger_spool).
     state_dir: str = "iop-state"
     ledger: str = ""  # "": <state_dir>/ledger.sqlite3; a file path; "postgresql://…" (shared by edges); "off"
     state: str = ""  # "redis://host:port/db": key limits shared by every edge using it (edge.shared_state)

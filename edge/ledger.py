@@ -8,7 +8,9 @@ so a write never delays a request. A database that cannot be reached (a
 PostgreSQL restart, a full disk) keeps the records in the buffer; they are
 written when it is back. A buffer that fills meanwhile drops its oldest
 records, counted in ``iop_ledger_dropped_total`` (:data:`MAX_PENDING`
-records: about a minute at 1,500 requests/s).
+records: about a minute at 1,500 requests/s). Records an edge still holds
+when it stops are spooled to its ``state_dir`` and stored by the next edge
+that starts there (:mod:`edge.ledger_spool`).
 
 Queries (``GET /v1/admin/usage``, ``iop usage``) group by any of key, model,
 node, api and day (UTC). Run-time keys (``/v1/admin/keys``) are stored by id
@@ -41,6 +43,8 @@ import msgspec
 import structlog
 import trio
 
+from edge import ledger_spool
+
 T = TypeVar("T")
 log = structlog.get_logger("iop.edge.ledger")
 
@@ -49,6 +53,7 @@ BATCH = 2_000
 FLUSH_EVERY_S = 0.5
 KEYS_REFRESH_S = 2.0
 CALL_TIMEOUT_S = 15.0  # (PostgreSQL's statement_timeout is 10 s: this is for a server that answers nothing)
+LAST_FLUSH_S = 5.0  # how long the stopping edge's writer tries to store what it holds (then: spooled)
 SQLITE_BUSY_S = 5.0  # how long a write waits for another process's lock on the file (sqlite3's default)
 GROUPS = ("key", "model", "node", "api", "day")
 
@@ -199,8 +204,9 @@ class _Call:
 
 
 class Ledger:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, spool_dir: str) -> None:
         self.target = target
+        self.spool_dir = spool_dir  # where records it cannot store at its stop wait (the edge's state_dir)
         self.dialect = Dialect(is_postgres(target))
         self.where = "postgresql" if self.dialect.postgres else target
         self._errors = _errors()
@@ -227,7 +233,12 @@ class Ledger:
         self.open: Callable[[], bool] = lambda: True
         # The edge's: whether it holds no key yet (a refresh then asks if the table holds any).
         self.unkeyed: Callable[[], bool] = lambda: True
-        self._in_flight = 0  # records in a batch being written (or given up and not yet ended)
+        # Batches being written (or given up and not yet ended), by id: spooled at the stop if still out.
+        self._writing: dict[int, list[Record]] = {}
+        # Request ids of the records read from spool files and not stored yet; the files claimed.
+        self._replay: set[str] = set()
+        self._claimed: list[ledger_spool.Claimed] = []
+        self._look = True  # spool files may wait: at start, and after each replay
         self.hung = False  # a call was given up and none has been done since
         try:
             self._keys.db = connect(target)
@@ -373,13 +384,11 @@ class Ledger:
         one: 20 clients without a key wrote 264 rows a second (its access line says it)."""
         if rec[2] is None and not self.open():
             return
-        if any(isinstance(v, str) and "\x00" in v for v in rec):
-            # PostgreSQL's text holds no NUL: one record with a client's model name "a\x00b" failed
-            # every batch after it, for good (the ledger "unavailable", records piling up).
-            rec = tuple(v.replace("\x00", "\ufffd") if isinstance(v, str) else v for v in rec)  # type: ignore[assignment]
         if len(self._pending) == MAX_PENDING:
             self.dropped += 1
-        self._pending.append(rec)
+            if self._replay:
+                self._replay.discard(self._pending[0][1])
+        self._pending.append(_storable(rec))
         if len(self._pending) >= BATCH:
             self._wake.set()
 
@@ -387,6 +396,11 @@ class Ledger:
     def pending(self) -> int:
         """Records not stored yet: queued, or in a batch being written."""
         return len(self._pending) + self._in_flight
+
+    @property
+    def _in_flight(self) -> int:
+        """Records in batches being written (or given up and not yet ended)."""
+        return sum(map(len, list(self._writing.values())))  # (a copy: a given-up batch's thread may end meanwhile)
 
     async def flush(self) -> bool:
         """Store everything queued so far; False if the database failed (records kept)."""
@@ -406,54 +420,143 @@ class Ledger:
         insert = self.dialect.sql("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")
         while self._pending:
             batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
+            spooled = [r for r in batch if r[1] in self._replay] if self._replay else []
 
-            def write(db: Any, batch: list[Record] = batch) -> None:
+            def write(db: Any, batch: list[Record] = batch, spooled: list[Record] = spooled) -> None:
                 if self.dialect.postgres:
                     with db.transaction(), db.cursor() as cur:
-                        cur.executemany(insert, batch)
+                        cur.executemany(insert, _unstored(cur, self.dialect, batch, spooled))
                 else:
                     with db:
                         db.execute("BEGIN")
-                        db.executemany(insert, batch)
+                        db.executemany(insert, _unstored(db, self.dialect, batch, spooled))
 
             def ended(done: bool, batch: list[Record] = batch) -> None:
                 """A write given up (a database that answers nothing), in its thread when it
                 ends: stored, or queued again (never twice, nor lost while the edge runs)."""
                 if done:
-                    self.written += len(batch)
+                    self._stored(batch)
                 else:
                     self._pending.extendleft(reversed(batch))
-                self._in_flight -= len(batch)
+                self._writing.pop(id(batch), None)
 
-            self._in_flight += len(batch)
+            self._writing[id(batch)] = batch
             try:
                 await self._call(write, self._records, ended, probe=True)
             except LedgerGaveUp:
                 raise  # (the batch is its thread's: ``ended`` says what became of it)
             except LedgerUnavailable:
-                self._in_flight -= len(batch)
+                del self._writing[id(batch)]
                 self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
                 raise
             # (cancelled, ``ended`` says it too: a batch queued again here as well was stored twice)
-            self._in_flight -= len(batch)
-            self.written += len(batch)
+            del self._writing[id(batch)]
+            self._stored(batch)
+
+    def _stored(self, batch: list[Record]) -> None:
+        self.written += len(batch)
+        if self._replay:
+            for rec in batch:
+                self._replay.discard(rec[1])
 
     async def run(self) -> None:
         """The writer: every :data:`FLUSH_EVERY_S`, or sooner when a batch is
-        full. On the way out (shutdown) what is queued is stored, within 5 s.
+        full; first, the records of spool files waiting (:meth:`_claim_spooled`).
+        On the way out (shutdown) what is queued is stored, within
+        :data:`LAST_FLUSH_S`, and what is not is spooled (:meth:`_spool`).
         (The key table is read by :meth:`refresh_keys`, a task of its own: a
         batch of records stuck on a locked table held another edge's
         revocation back 7.5 s when one task did both.)"""
         try:
             while True:
+                if self._look:
+                    await self._claim_spooled()
                 with trio.move_on_after(FLUSH_EVERY_S):
                     await self._wake.wait()
                 self._wake = trio.Event()
                 await self.flush()
+                if self._claimed and not self._replay:
+                    self._replayed()
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
+            with trio.CancelScope(shield=True), trio.move_on_after(LAST_FLUSH_S):
                 await self.flush()
+            self._spool()
             self.close()
+
+    async def _claim_spooled(self) -> None:
+        """Queue the records of the spool files waiting in ``spool_dir`` (ahead of the
+        queue: they are older), as many files as the buffer has room for."""
+        self._look = False
+        room = MAX_PENDING - self.pending
+        # Shielded: what it claims must reach the buffer (a local read of at most MAX_PENDING records).
+        with trio.CancelScope(shield=True):
+            claimed, records = await trio.to_thread.run_sync(ledger_spool.claim, self.spool_dir, room)
+        self._claimed += claimed
+        records = [_storable(r) for r in records if r[1] not in self._replay]
+        over = len(self._pending) + len(records) - MAX_PENDING  # (records queued while it read)
+        if over > 0:
+            self.dropped += over
+            log.error("spooled ledger records dropped: the buffer is full", records=over)
+            records = records[over:]
+        self._pending.extendleft(reversed(records))
+        self._replay.update(r[1] for r in records)
+        if claimed:
+            log.info(
+                "spooled ledger records queued; written with the next flush",
+                records=len(records),
+                files=[c.path for c in claimed],
+                ledger=self.where,
+            )
+
+    def _replayed(self) -> None:
+        """Every record of the claimed spool files is stored: the files go, and any left
+        (no room for them then) are claimed next."""
+        for claimed in self._claimed:
+            claimed.remove()
+        log.info("spooled ledger records written", files=len(self._claimed), ledger=self.where)
+        self._claimed = []
+        self._look = True
+
+    def _spool(self) -> None:
+        """At the stop, after the last flush: what it could not store (queued, or in a batch
+        given up) goes to a spool file for the next edge; if that fails too, it is lost,
+        logged and counted in ``iop_ledger_dropped_total``. (It exited holding them: 20 of
+        20 lost, silently, the log saying they were kept: an outside audit.)"""
+        records = [r for batch in list(self._writing.values()) for r in batch] + list(self._pending)
+        if not records:
+            if self._claimed:
+                self._replayed()
+            return
+        if len(records) > MAX_PENDING:  # (the buffer's bound, batches given up besides)
+            self.dropped += len(records) - MAX_PENDING
+            log.error("ledger records lost: more than the spool holds", records=len(records) - MAX_PENDING)
+            records = records[-MAX_PENDING:]
+        try:
+            path = ledger_spool.write(self.spool_dir, records)
+        except OSError as e:
+            # Those read from spool files still claimed stay in them, for the next edge.
+            lost = sum(1 for r in records if r[1] not in self._replay)
+            self.dropped += lost
+            log.error(
+                "ledger records lost: the database failed the last flush and the spool could not be written",
+                records=lost,
+                spool=self.spool_dir,
+                error=str(e),
+                ledger=self.where,
+            )
+            for claimed in self._claimed:
+                claimed.release()
+            self._claimed = []
+            return
+        log.warning(
+            "ledger records spooled: the database failed the last flush; the next edge on this state_dir stores them",
+            records=len(records),
+            path=path,
+            ledger=self.where,
+        )
+        for claimed in self._claimed:  # (their records not stored are in the new file)
+            claimed.remove()
+        self._claimed = []
 
     async def refresh_keys(self) -> None:
         """The key table, every :data:`KEYS_REFRESH_S`, for the edge (``on_keys``)."""
@@ -571,6 +674,31 @@ class Ledger:
         Only the row of that secret: an id made again since (a new secret) stays live."""
         sql = self.dialect.sql("UPDATE keys SET revoked = ? WHERE id = ? AND sha256 = ? AND revoked IS NULL")
         await self._call(lambda db: db.execute(sql, (time.time(), key_id, sha256)), probe=probe)
+
+
+def _storable(rec: Record) -> Record:
+    """PostgreSQL's text holds no NUL: one record with a client's model name "a\\x00b" failed
+    every batch after it, for good (the ledger "unavailable", records piling up)."""
+    if any(isinstance(v, str) and "\x00" in v for v in rec):
+        return tuple(v.replace("\x00", "\ufffd") if isinstance(v, str) else v for v in rec)
+    return rec
+
+
+def _unstored(db: Any, dialect: Dialect, batch: list[Record], spooled: list[Record]) -> list[Record]:
+    """``batch`` less those of its records read from a spool file (``spooled``) that the
+    table holds: an edge that died storing a claimed file's records left the file, and
+    the next claims it again. The table has no key on ``request_id`` (a unique index
+    would be built at start on every ledger, and checked on every insert): they are
+    looked up by id between their first and last times (the ts index), 500 a query."""
+    if not spooled:
+        return batch
+    low, high = min(r[0] for r in spooled), max(r[0] for r in spooled)
+    found: set[str] = set()
+    for i in range(0, len(spooled), 500):
+        ids = [r[1] for r in spooled[i : i + 500]]
+        sql = f"SELECT request_id FROM usage WHERE ts >= ? AND ts <= ? AND request_id IN ({','.join('?' * len(ids))})"
+        found.update(row[0] for row in db.execute(dialect.sql(sql), (low, high, *ids)).fetchall())
+    return [r for r in batch if r[1] not in found] if found else batch
 
 
 def _close(db: Any, errors: tuple[type[BaseException], ...]) -> None:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +69,8 @@ class NodeHandle:
 def edge_config(**overrides) -> EdgeConfig:
     # No ledger unless a test asks for one (tests/test_keys.py): every edge would share ./iop-state.
     base = dict(bind="127.0.0.1:0", node_token=TOKEN, ping_interval_s=1.0, keepalive_s=5.0, ledger="off")
+    # Nor ./iop-state for a spool of records a ledger could not store at its stop: another test's edge would store them.
+    base["state_dir"] = os.path.join(tempfile.gettempdir(), f"iop-state-{secrets.token_hex(6)}")  # (made if needed)
     base.update(overrides)
     models = base.pop("models", [])
     return EdgeConfig(**base, models=[m if isinstance(m, ModelPolicy) else ModelPolicy(**m) for m in models])
