@@ -31,6 +31,7 @@ usage query or a batch of records.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import sqlite3
@@ -235,6 +236,7 @@ class Ledger:
         self.unkeyed: Callable[[], bool] = lambda: True
         # Batches being written (or given up and not yet ended), by id: spooled at the stop if still out.
         self._writing: dict[int, list[Record]] = {}
+        self._batch_ended = trio.Event()  # set as a batch given up ends (:meth:`_last_flush` waits)
         # Request ids of the records read from spool files and not stored yet; the files claimed.
         self._replay: set[str] = set()
         self._claimed: list[ledger_spool.Claimed] = []
@@ -418,6 +420,7 @@ class Ledger:
 
     async def _flush(self) -> None:
         insert = self.dialect.sql("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")
+        token = trio.lowlevel.current_trio_token()
         while self._pending:
             batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
             spooled = [r for r in batch if r[1] in self._replay] if self._replay else []
@@ -439,6 +442,8 @@ class Ledger:
                 else:
                     self._pending.extendleft(reversed(batch))
                 self._writing.pop(id(batch), None)
+                with contextlib.suppress(trio.RunFinishedError):  # (a thread that outlived the edge)
+                    token.run_sync_soon(self._batch_ended.set)
 
             self._writing[id(batch)] = batch
             try:
@@ -479,9 +484,19 @@ class Ledger:
                     self._replayed()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(LAST_FLUSH_S):
-                await self.flush()
+                await self._last_flush()
             self._spool()
             self.close()
+
+    async def _last_flush(self) -> None:
+        """Store what is queued, and let batches given up end: the writer cancelled mid-write
+        (the edge stopping) left its batch to its thread, stored a moment later, or queued
+        again to be stored now. (Spooled while the thread stored it, a record was in the
+        ledger and the spool both, and a normal stop warned of a database that failed.)"""
+        while await self.flush() and self._writing:
+            ended = self._batch_ended = trio.Event()
+            if self._writing:
+                await ended.wait()
 
     async def _claim_spooled(self) -> None:
         """Queue the records of the spool files waiting in ``spool_dir`` (ahead of the

@@ -135,21 +135,34 @@ async def test_an_edge_stopped_while_postgresql_is_down_leaves_its_records_to_th
     assert [e["files"] for e in events if e["msg"] == "spooled ledger records written"] == [1]
 
 
-async def _serve_and_stop(cfg, requests: int, holder: sqlite3.Connection) -> ledger.Ledger:
+async def _serve_and_stop(
+    cfg, requests: int, holder: sqlite3.Connection, let_go_s: float | None = None
+) -> ledger.Ledger:
     """An edge of ``cfg`` serving ``requests`` requests while ``holder`` holds its SQLite
-    ledger's write lock, then stopped (its last flush and spool done); its ledger."""
-    async with trio.open_nursery() as n:
-        edge = await start_edge(n, cfg)
-        await start_node(n, edge, [sim("qwen-a")])
-        holder.execute("BEGIN IMMEDIATE")
-        async with client(edge, "sk-k") as c:
-            for _ in range(requests):
-                assert (await chat(c)).status_code == 200
-        await eventually(lambda: edge.edge.ledger.pending == requests, "the records queued")
-        n.cancel_scope.cancel()
-    # (a batch given up at the stop is spooled; its thread fails on the lock, never storing it)
-    await eventually(lambda: not edge.edge.ledger._in_flight, "every write's thread ended")
-    holder.execute("ROLLBACK")
+    ledger's write lock, then stopped (its last flush and spool done); its ledger. The lock
+    is let go ``let_go_s`` into the stop, or once the edge has stopped."""
+
+    async def let_go() -> None:
+        await trio.sleep(let_go_s)
+        holder.execute("ROLLBACK")
+
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as n:
+            edge = await start_edge(n, cfg)
+            await start_node(n, edge, [sim("qwen-a")])
+            holder.execute("BEGIN IMMEDIATE")
+            async with client(edge, "sk-k") as c:
+                for _ in range(requests):
+                    assert (await chat(c)).status_code == 200
+            await eventually(lambda: edge.edge.ledger.pending == requests, "the records queued")
+            if let_go_s is not None:
+                await eventually(lambda: edge.edge.ledger._in_flight, "the writer's batch waits on the lock")
+                outer.start_soon(let_go)
+            n.cancel_scope.cancel()
+    if let_go_s is None:
+        # (a batch given up at the stop is spooled; its thread fails on the lock, never storing it)
+        await eventually(lambda: not edge.edge.ledger._in_flight, "every write's thread ended")
+        holder.execute("ROLLBACK")
     return edge.edge.ledger
 
 
@@ -174,6 +187,23 @@ async def test_a_sqlite_ledger_locked_at_the_stop_leaves_its_records_to_the_next
     holder.close()
     (warned,) = [e for e in logs if e["event"].startswith("ledger records spooled")]
     assert warned["log_level"] == "warning" and warned["records"] == 10 and warned["path"] == spooled
+
+
+async def test_a_batch_its_thread_stores_as_the_edge_stops_is_not_spooled(tmp_path, monkeypatch):
+    """The edge stops while its writer's batch waits on the SQLite lock (another process's, let
+    go 0.3 s later): its thread stores the batch during the stop, and nothing is spooled or
+    warned of. (Spooled as its thread stored it, a record was in the ledger and a spool file
+    both, and a normal stop warned of a database that failed.)"""
+    monkeypatch.setattr(ledger, "SQLITE_BUSY_S", 3.0)
+    path, state = tmp_path / "l.sqlite3", tmp_path / "state"
+    cfg = edge_config(keys=[KeyConfig(id="k", key="sk-k")], ledger=str(path), state_dir=str(state))
+    ledger.connect(str(path)).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        stopped = await _serve_and_stop(cfg, 5, holder, let_go_s=0.3)
+    holder.close()
+    assert rows(path) == (5, 5) and stopped.pending == 0 and not spool_files(state)
+    assert not [e for e in logs if "spool" in e["event"] or e["log_level"] == "error"]
 
 
 async def test_records_neither_the_ledger_nor_the_spool_can_take_are_counted_lost(tmp_path, monkeypatch):
