@@ -389,3 +389,38 @@ async def test_a_run_moved_for_not_starting_is_no_evidence_against_its_next_node
     assert r.status_code == 200, r.text
     now = trio.current_time()
     assert sum(lk.stalled(now, "m") for lk in edge.edge.runs.links.values()) == 1
+
+
+async def test_a_long_prompt_on_a_dead_node_does_not_shield_it(nursery):
+    """A run's wait for its first event was scaled by the longest prompt waiting on its node,
+    with no bound: one long prompt on a node whose model server took requests and never
+    answered kept it from being judged, and the short requests beside it waited out
+    `wait_timeout_s` while a peer stood idle (a re-check; a client could do it at will). Each
+    run is judged by its own wait, at most half `wait_timeout_s`: the short ones move."""
+    good, dead = await new_upstream(nursery), await new_upstream(nursery)
+    good.script_for("t", lambda body: text_script(words(3), ttft=0.6 if "busy" in str(body) else 0.01))
+    dead.script_for("t", [("hang",)])
+    edge = await start_edge(nursery, edge_config(stall_after_s=0.5, wait_timeout_s=20, routing="least_loaded"))
+    await start_node(nursery, edge, [model("m", good, target="t", max_concurrency=1)], node_id="good")
+    statuses: dict[str, int] = {}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+
+            async def ask(name: str, content: str) -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+                statuses[name] = (await client.post("/v1/chat/completions", json=body)).status_code
+
+            for i in range(3):  # the good node's time to first event: milliseconds
+                await ask(f"warm{i}", f"warm {i}")
+            await start_node(nursery, edge, [model("m", dead, target="t", max_concurrency=4)], node_id="dead")
+            async with trio.open_nursery() as clients:
+                clients.start_soon(ask, "busy", "busy")  # the good node's one slot, for 0.6 s
+                await good.wait_requests(4)
+                clients.start_soon(ask, "long", "word " * 20_000)
+                await dead.wait_requests(1)
+                for i in range(2):
+                    clients.start_soon(ask, f"short{i}", f"short {i}")
+                await dead.wait_requests(3)
+                await eventually(lambda: edge.edge.runs.links["dead"].stalled(trio.current_time(), "m"))
+    assert statuses["short0"] == statuses["short1"] == 200, statuses
+    assert all(rec.aborted for rec in dead.records), [rec.aborted for rec in dead.records]

@@ -696,19 +696,16 @@ class RunService:
                 self._wake_waiting(over)
         if not link.runs:
             return
-        since: dict[str, float] = {}  # model -> when its oldest wait began (sent unstarted, or last event)
-        silent: set[str] = set()  # models judged by a started run's silence
+        since: dict[str, float] = {}  # model -> when its oldest started run's silence began
         stall_after = stall_after_s(self.config)
         due = now - stall_after
-        prompts: dict[str, int] = {}  # model -> the longest prompt among its runs waiting to start
+        waiting: dict[str, list[tuple[float, int]]] = {}  # model -> its unstarted runs' (sent at, prompt tokens)
         for run_id, sent_at in link.unstarted.items():
             if sent_at > due:
                 break  # (oldest first: only the runs waiting past stall_after_s are looked at)
             run = link.runs.get(run_id)
             if run is not None and not run.stall_moved and not link.stalled(now, run.slot.model):
-                model = run.slot.model
-                since.setdefault(model, sent_at)
-                prompts[model] = max(prompts.get(model, 0), prompt_tokens(run))
+                waiting.setdefault(run.slot.model, []).append((sent_at, prompt_tokens(run)))
         # A model the node makes progress on (a run of it completed, or had an event after its
         # first, within the wait) is not judged: a long prompt, or a long tool call (the node sends
         # a call whole, at its end), on a busy healthy node is not a stall.
@@ -729,31 +726,43 @@ class RunService:
                     progressing.add(model)
             elif last < since.get(model, math.inf) and not link.stalled(now, model):
                 since[model] = last
-                silent.add(model)
         judged: list[str] = []
+        silent: list[str] = []  # of them, those judged by a started run's silence
         typical = waited = 0.0
-        for model, began in since.items():
+        # At most half the silence that times a run out, however long its prompt: a long prompt
+        # beside short ones on a dead node kept it from being judged, the short ones timing out.
+        longest = max(stall_after, self.config.wait_timeout_s / 2)
+        for model in dict.fromkeys([*waiting, *since]):
             if model in progressing:
                 continue
             peers = self._peers_start(link, model, now)
             if peers is None:
                 continue
             peer_typical, peer_prompt = peers
-            # A prompt longer than the peers' typical one is given the longer wait its prefill
-            # takes (a 100,000-token prompt on an idle node was moved at 10 s and started over).
-            longer = prompts.get(model, 0) / peer_prompt if peer_prompt else 1.0
-            wait = max(stall_after, 10 * peer_typical * max(1.0, longer))
-            if not peer_typical and model not in silent:
-                # No peer has started a run of it yet: a run that has not started is judged at half
-                # the silence that times it out (a long prompt's 20 s prefill on a fresh fleet was
-                # moved at 10 s and started over: an outside audit); a started one gone silent, as ever.
-                wait = max(wait, self.config.wait_timeout_s / 2)
-            if now - began >= wait:
+            wait = max(stall_after, 10 * peer_typical)
+            over = 0.0  # the longest a run of it waited, of those past their wait
+            began = since.get(model)
+            if began is not None and now - began >= wait:
+                over = now - began
+                silent.append(model)
+            for sent_at, prompt in waiting.get(model, ()):
+                # Each run is judged by its own wait: a prompt longer than the peers' typical one
+                # is given the longer wait its prefill takes (a 100,000-token prompt on an idle
+                # node was moved at 10 s and started over). No peer has started a run of it yet:
+                # half the silence that times it out (a 20 s prefill on a fresh fleet was moved).
+                own = wait
+                if not peer_typical:
+                    own = longest
+                elif peer_prompt and prompt > peer_prompt:
+                    own = min(max(stall_after, 10 * peer_typical * prompt / peer_prompt), longest)
+                if now - sent_at >= own:
+                    over = max(over, now - sent_at)
+            if over:
                 judged.append(model)
-                if now - began > waited:
-                    typical, waited = peer_typical, now - began
+                if over > waited:
+                    typical, waited = peer_typical, over
         if judged:
-            silent_models = sorted(silent.intersection(judged))
+            silent_models = sorted(silent)
             self._route_around(
                 link,
                 judged,
