@@ -514,6 +514,33 @@ async def test_a_crash_of_a_models_only_node_keeps_its_queue_while_it_links_agai
     assert statuses.count(200) >= 4 and len(statuses) == 5, [r.text for r in answers]
 
 
+async def test_a_request_the_node_back_cannot_take_ends_when_it_links(nursery, tmp_path, upstream):
+    """A request waiting for a lost node, which links again with a context too small for it,
+    waited out its queue timeout for a 429 "at capacity" (a request sent then was a 503 at
+    once: a re-check). It ends when the node links, with the 503 that says why."""
+    upstream.script_for("t", lambda body: text_script(words(3)))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=60_000))
+    spec = {"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url}
+    proc = await start_node_process(nursery, tmp_path, edge, [{**spec, "context_window": 100_000}], node_id="d")
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        proc.kill()
+        await proc.wait()
+        await eventually(lambda: "d" not in runs.links, "the link is lost")
+        async with http(edge) as client, trio.open_nursery() as clients:
+            answers: list[httpx.Response] = []
+
+            async def ask() -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": "word " * 3000}]}
+                answers.append(await client.post("/v1/chat/completions", json=body))
+
+            clients.start_soon(ask)
+            await eventually(lambda: runs.queue_depth("m") == 1, "it waits for the node")
+            await start_node_process(nursery, tmp_path, edge, [{**spec, "context_window": 1000}], node_id="d")
+    (answer,) = answers
+    assert answer.status_code == 503 and "the nodes linked now cannot" in answer.text, answer.text
+
+
 async def test_a_lost_node_that_does_not_come_back_ends_its_queue_after_a_grace(nursery, tmp_path, upstream):
     """Waiting for a lost node to link again is bounded by LOST_GRACE_S (5 s), not the queue
     timeout: a node that crashed for good leaves its queue a 503 that says so."""

@@ -616,8 +616,17 @@ class RunService:
                 waiter.scope.deadline = min(waiter.deadline, until)
 
     def _unbound_waits(self, model: str) -> None:
-        for waiter in self._queues.get(model) or ():
-            if waiter.scope is not None:
+        """A node of ``model`` linked after its last one left: its waiters wait their queue
+        timeout again, but those no linked node can take (their size or context) end now (they
+        waited it out for a 429 "at capacity", where a new request was a 503 at once: a re-check)."""
+        serving = self._serving(model)
+        queue = self._queues.get(model)
+        for waiter in list(queue or ()):
+            if not any(waiter.want.fits(lk) for lk in serving):
+                if self._end_wait(queue, waiter, NODE_DISCONNECTED, NODE_LOST):
+                    waiter.gone = "lost"
+                    waiter.event.set()
+            elif waiter.scope is not None:
                 waiter.scope.deadline = waiter.deadline
 
     def _awaits_restart(self, model: str) -> bool:
