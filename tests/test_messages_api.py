@@ -1042,6 +1042,111 @@ async def test_duplicate_tool_use_ids_and_results_are_400s(setup):
     assert [m["tool_call_id"] for m in sent[2:]] == ["t1", "t2"]
 
 
+async def test_a_result_answers_a_call_of_the_turn_before_it_once(setup):
+    """As Anthropic's API, which merges user messages in a row into one turn: a `tool_result` answers
+    a `tool_use` of the assistant turn just before its own, once. An outside audit's two 200s: a call
+    answered again in the next user message (the model server got two tool messages for it), and a
+    call of an earlier turn answered after an assistant's text (a tool message after no calls at all).
+    Claude Code's histories stay 200s, one tool message per call, in order."""
+    edge, upstream = setup
+
+    def use(call_id):
+        return {"type": "tool_use", "id": call_id, "name": "get_weather", "input": {"city": "x"}}
+
+    def result(call_id):
+        return {"type": "tool_result", "tool_use_id": call_id, "content": f"r-{call_id}"}
+
+    text = {"type": "text", "text": "and?"}
+    asked = [
+        *USER,
+        {"role": "assistant", "content": [use("toolu_1")]},
+        {"role": "user", "content": [result("toolu_1")]},
+    ]
+    twice = "each `tool_use` must have a single result. Found multiple `tool_result` blocks with id: toolu_1."
+    unexpected = (
+        "unexpected `tool_use_id` found in `tool_result` blocks: toolu_1. "
+        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+    )
+    refused = [
+        ([*asked, {"role": "user", "content": [result("toolu_1"), text]}], "messages[3].content[0]", twice),
+        (
+            [*asked, {"role": "user", "content": "ok"}, {"role": "user", "content": [text, result("toolu_1")]}],
+            "messages[4].content[1]",
+            twice,
+        ),
+        (
+            [*asked, {"role": "assistant", "content": "Done."}, {"role": "user", "content": [result("toolu_1")]}],
+            "messages[4].content[0]",
+            unexpected,
+        ),
+        (
+            [
+                *asked,
+                {"role": "assistant", "content": [{"type": "text", "text": "Done."}, use("toolu_2")]},
+                {"role": "user", "content": [result("toolu_2"), result("toolu_1")]},
+            ],
+            "messages[4].content[1]",
+            unexpected,
+        ),
+        ([{"role": "user", "content": [result("toolu_1")]}], "messages[0].content[0]", unexpected),
+    ]
+    thinking = {"type": "thinking", "thinking": "two cities", "signature": "sig"}
+    fine = [
+        (  # Claude Code's loop: parallel calls answered in one message with words after, then more turns
+            [
+                *USER,
+                {"role": "assistant", "content": [thinking, {"type": "text", "text": "Checking."}, use("a"), use("b")]},
+                {"role": "user", "content": [result("a"), result("b"), text]},
+                {"role": "assistant", "content": [thinking, use("c")]},
+                {"role": "user", "content": [result("c")]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+                {"role": "user", "content": "thanks"},
+            ],
+            ["user", "assistant a b", "tool a", "tool b", "user", "assistant c", "tool c", "assistant", "user"],
+        ),
+        (  # one turn's calls answered in two user messages in a row
+            [
+                *USER,
+                {"role": "assistant", "content": [use("a"), use("b")]},
+                {"role": "user", "content": [result("a")]},
+                {"role": "user", "content": [result("b"), text]},
+            ],
+            ["user", "assistant a b", "tool a", "tool b", "user"],
+        ),
+        (  # calls in two assistant messages in a row (one turn), an empty assistant turn after the results
+            [
+                *USER,
+                {"role": "assistant", "content": [use("a")]},
+                {"role": "assistant", "content": [thinking, use("b")]},
+                {"role": "user", "content": [result("a"), result("b")]},
+                {"role": "assistant", "content": []},
+                {"role": "user", "content": "again"},
+            ],
+            ["user", "assistant a b", "tool a", "tool b", "assistant", "user"],
+        ),
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for messages, where, said in refused:
+                r = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+                assert r.status_code == 400, r.text
+                message = f"Invalid value for `{where}`: {said}"
+                assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+        assert not upstream.records
+        async with client_for(edge) as client:
+            for messages, _ in fine:
+                upstream.script_for("t", steps({"content": "ok"}))
+                ok = await client.messages.create(model="m", max_tokens=8, system=[], messages=messages)
+                assert ok.content[0].text == "ok"
+    for record, (_, expected) in zip(upstream.records, fine, strict=True):
+        sent = [
+            " ".join([m["role"], *(c["id"] for c in m.get("tool_calls") or ()), m.get("tool_call_id", "")]).strip()
+            for m in record.body["messages"]
+        ]
+        assert sent == expected
+        assert all(m["content"] == f"r-{m['tool_call_id']}" for m in record.body["messages"] if m["role"] == "tool")
+
+
 async def test_an_empty_user_message_is_a_400_naming_its_content(setup):
     """As Anthropic's API: a user message with empty content (`[]` or `""`) is a 400 naming
     `messages[i].content` (an outside audit: a lone `[]` was a 400 naming `messages`, and after

@@ -260,14 +260,20 @@ def _search_result_text(block: dict[str, Any]) -> str:
     return "\n".join([f"[search result: {head}]", *texts])
 
 
-def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
-    """A user turn's blocks: ``tool`` messages for its tool results (first,
+def _user_messages(
+    content: list[dict[str, Any]], param: str, calls: set[str], answered: set[str]
+) -> list[dict[str, Any]]:
+    """A user message's blocks: ``tool`` messages for its tool results (first,
     right after the assistant's calls), then one user message for the rest:
-    the results' images first, each result's after a line naming it."""
+    the results' images first, each result's after a line naming it. ``calls``:
+    the ids of the assistant turn before its turn, ``answered`` those its turn
+    answered so far (consecutive user messages are one turn, as Anthropic merges
+    them): each result answers one of them, once, as Anthropic checks (an outside
+    audit: a result sent again in the next user message, or after a later assistant
+    text, went upstream as a second tool message, the latter after no calls at all)."""
     tool_messages: list[dict[str, Any]] = []
     tool_images: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    answered: set[str] = set()
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
         kind = _block_type(block, where)
@@ -285,6 +291,13 @@ def _user_messages(content: list[dict[str, Any]], param: str) -> list[dict[str, 
                 raise _bad(
                     f"Invalid value for `{where}`: each `tool_use` must have a single result. "
                     f"Found multiple `tool_result` blocks with id: {call_id[:64]}.",
+                    where,
+                )
+            if call_id not in calls:
+                raise _bad(
+                    f"Invalid value for `{where}`: unexpected `tool_use_id` found in `tool_result` blocks: "
+                    f"{call_id[:64]}. Each `tool_result` block must have a corresponding `tool_use` block "
+                    "in the previous message.",
                     where,
                 )
             answered.add(call_id)
@@ -346,22 +359,12 @@ def _assistant_message(content: list[dict[str, Any]], param: str, used: dict[str
 
 
 def _check_tool_results(messages: list[dict[str, Any]]) -> None:
-    """Every ``tool_result`` answers a ``tool_use`` made before it, and every
-    ``tool_use`` but a last turn's is answered in the turn after it, as Anthropic
-    checks (an orphan tool message, or calls followed by a user's words, fail or
-    mislead chat templates upstream). Sets of ids suffice: the decoders refused
-    a repeated ``tool_use`` id, and a call answered twice in a turn."""
-    called: set[str] = set()
+    """Every ``tool_use`` but a last turn's is answered in the turn after it, as
+    Anthropic checks (calls followed by a user's words fail or mislead chat templates
+    upstream). Sets of ids suffice: the decoders refused a repeated ``tool_use`` id,
+    and a result that answers no call of the turn before it, or one answered already."""
     for n, m in enumerate(messages):
         calls = m.get("tool_calls") or ()
-        for call in calls:
-            called.add(call["id"])
-        if m["role"] == "tool" and m["tool_call_id"] not in called:
-            raise _bad(
-                f"unexpected `tool_use_id` found in `tool_result` blocks: {m['tool_call_id']}. "
-                "Each `tool_result` block must have a corresponding `tool_use` block before it.",
-                "messages",
-            )
         if calls and n + 1 < len(messages):
             answered = set()
             k = n + 1
@@ -489,9 +492,15 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         system.append(_system_text(req.system, "system"))
     messages: list[dict[str, Any]] = []
     used: dict[str, str] = {}  # tool_use id -> where it was
+    calls: set[str] = set()  # the ids of the last assistant turn's calls
+    answered: set[str] = set()  # those the user turn after it answered
+    turn = None  # the role of the turn so far (messages of one role in a row are one turn)
     for i, message in enumerate(req.messages):
         param = f"messages[{i}].content"
         content = message.content
+        if message.role != "system" and message.role != turn:
+            turn = message.role
+            (calls if turn == "assistant" else answered).clear()
         if message.role == "system":
             system.append(_system_text(content, param))
         elif not content and message.role == "user":
@@ -503,9 +512,10 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         elif isinstance(content, str):
             messages.append({"role": message.role, "content": content})
         elif message.role == "user":
-            messages.extend(_user_messages(content, param))
+            messages.extend(_user_messages(content, param, calls, answered))
         else:
             messages.append(_assistant_message(content, param, used))
+            calls.update(call["id"] for call in messages[-1].get("tool_calls", ()))
     messages = merge_assistant_turns(messages)
     _check_tool_results(messages)
     system = [text for text in system if text]  # (a system of the billing line alone is none)
