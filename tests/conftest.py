@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -35,6 +36,31 @@ async def eventually(predicate: Callable[[], bool], what: str = "condition") -> 
     with trio.fail_after(BOUND):
         while not predicate():
             await trio.sleep(0.005)
+
+
+class Peak:
+    """The most ``read()`` gave, sampled each millisecond while :meth:`watch` runs."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+        self.most = 0
+
+    async def watch(self) -> None:
+        while True:
+            self.most = max(self.most, self.read())
+            await trio.sleep(0.001)
+
+
+async def raw_post(edge: EdgeHandle, path: str, body: bytes, rcvbuf: int) -> trio.SocketStream:
+    """POST ``body`` (JSON) to ``path`` on a socket of a small receive buffer, nothing read yet:
+    a client that reads at its own pace (or not at all)."""
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect(("127.0.0.1", int(edge.url.rsplit(":", 1)[1])))
+    stream = trio.SocketStream(sock)
+    head = b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" % path.encode()
+    await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+    return stream
 
 
 @dataclass
