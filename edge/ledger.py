@@ -217,7 +217,9 @@ class Ledger:
         self._threads = trio.CapacityLimiter(8)
         self._schema_made = False  # by a first connection (the next ones only connect)
         self._flushing = trio.Lock()  # one flush at a time: records stay in order, and a flush sees all
-        self._pending: collections.deque[Record] = collections.deque(maxlen=MAX_PENDING)
+        # MAX_PENDING live records, and as many read from spool files (``_replay``: a room of their
+        # own, where live ones pushed them out as the buffer filled: 2 of 100,000 lost, a re-check)
+        self._pending: collections.deque[Record] = collections.deque(maxlen=2 * MAX_PENDING)
         self._wake = trio.Event()
         self.written = 0
         self.dropped = 0
@@ -386,11 +388,15 @@ class Ledger:
         one: 20 clients without a key wrote 264 rows a second (its access line says it)."""
         if rec[2] is None and not self.open():
             return
-        if len(self._pending) == MAX_PENDING:
+        pending, replay = self._pending, self._replay
+        if len(pending) - len(replay) >= MAX_PENDING:
             self.dropped += 1
-            if self._replay:
-                self._replay.discard(self._pending[0][1])
-        self._pending.append(_storable(rec))
+            oldest = 0
+            while replay and oldest < len(pending) and pending[oldest][1] in replay:
+                oldest += 1  # (the spooled ones lead: the oldest live record is after them)
+            if oldest < len(pending):
+                del pending[oldest]
+        pending.append(_storable(rec))
         if len(self._pending) >= BATCH:
             self._wake.set()
 
@@ -502,13 +508,13 @@ class Ledger:
         """Queue the records of the spool files waiting in ``spool_dir`` (ahead of the
         queue: they are older), as many files as the buffer has room for."""
         self._look = False
-        room = MAX_PENDING - self.pending
+        room = MAX_PENDING - len(self._replay)
         # Shielded: what it claims must reach the buffer (a local read of at most MAX_PENDING records).
         with trio.CancelScope(shield=True):
             claimed, records = await trio.to_thread.run_sync(ledger_spool.claim, self.spool_dir, room)
         self._claimed += claimed
         records = [_storable(r) for r in records if r[1] not in self._replay]
-        over = len(self._pending) + len(records) - MAX_PENDING  # (records queued while it read)
+        over = len(self._pending) + len(records) - self._pending.maxlen  # (records queued while it read)
         if over > 0:
             self.dropped += over
             log.error("spooled ledger records dropped: the buffer is full", records=over)
@@ -542,12 +548,11 @@ class Ledger:
             if self._claimed:
                 self._replayed()
             return
-        if len(records) > MAX_PENDING:  # (the buffer's bound, batches given up besides)
-            self.dropped += len(records) - MAX_PENDING
-            log.error("ledger records lost: more than the spool holds", records=len(records) - MAX_PENDING)
-            records = records[-MAX_PENDING:]
-        try:
-            path = ledger_spool.write(self.spool_dir, records)
+        try:  # (files of MAX_PENDING records at most: each fits the next edge's room for them)
+            paths = [
+                ledger_spool.write(self.spool_dir, records[i : i + MAX_PENDING])
+                for i in range(0, len(records), MAX_PENDING)
+            ]
         except OSError as e:
             # Those read from spool files still claimed stay in them, for the next edge.
             lost = sum(1 for r in records if r[1] not in self._replay)
@@ -566,7 +571,7 @@ class Ledger:
         log.warning(
             "ledger records spooled: the database failed the last flush; the next edge on this state_dir stores them",
             records=len(records),
-            path=path,
+            path=paths[0] if len(paths) == 1 else paths,
             ledger=self.where,
         )
         for claimed in self._claimed:  # (their records not stored are in the new file)

@@ -161,10 +161,10 @@ def claim(directory: str, room: int) -> tuple[list[Claimed], list[tuple]]:
             continue
         if bad:
             log.warning("spool file: lines that are not records skipped", path=path, lines=bad)
-        if got is None:
+        if got is None:  # (not one that blocks the files after it: a file too large for any room did)
             file.close()
             log.info("spool file left for later: the ledger's buffer has no room for it now", path=path)
-            break
+            continue
         claimed.append(Claimed(path, file))
         for rec in got:
             if rec[1] not in seen:

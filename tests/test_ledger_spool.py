@@ -285,3 +285,39 @@ async def test_spool_files_beyond_the_buffer_wait_until_it_has_room(nursery, tmp
         edge = await start_edge(nursery, edge_config(ledger=str(path), state_dir=str(state)))
         await eventually(lambda: not spool_files(state) and rows(path) == (16, 16), "both files stored")
     assert edge.edge.ledger.dropped == 0
+
+
+async def test_live_records_never_push_out_spooled_ones(tmp_path, monkeypatch):
+    """A spool file filled the buffer (MAX_PENDING, 10 here) as the edge started, and each
+    record of a request served meanwhile pushed out the oldest, a spooled one: 2 of 100,000
+    lost, counted but not logged (a re-check). Spooled records have a room of their own:
+    each is stored, and past the live records' room the oldest live one goes."""
+    monkeypatch.setattr(ledger, "MAX_PENDING", 10)
+    path, state = tmp_path / "l.sqlite3", tmp_path / "state"
+    ledger_spool.write(str(state), [a_record(i) for i in range(10)])
+    book = ledger.Ledger(str(path), str(state))
+    with trio.fail_after(BOUND):
+        await book._claim_spooled()
+        for i in range(100, 115):  # served while they wait
+            book.record(a_record(i))
+        assert await book.flush()
+    with sqlite3.connect(path) as db:
+        stored = {row[0] for row in db.execute("SELECT request_id FROM usage")}
+    assert {a_record(i)[1] for i in range(10)} <= stored  # every spooled one
+    assert {a_record(i)[1] for i in range(105, 115)} <= stored and len(stored) == 20, sorted(stored)
+    assert book.dropped == 5
+    book._replayed()  # (as its writer does: the stored file goes)
+    assert not spool_files(state)
+    book.close()
+
+
+async def test_a_spool_file_too_large_for_the_buffer_does_not_block_the_next(nursery, tmp_path, monkeypatch):
+    """A spool file of more records than the buffer takes (made by hand: an edge writes them
+    at most MAX_PENDING a file) blocked every newer file for the edge's life (a re-check)."""
+    monkeypatch.setattr(ledger, "MAX_PENDING", 10)
+    path, state = tmp_path / "l.sqlite3", tmp_path / "state"
+    ledger_spool.write(str(state), [a_record(i) for i in range(15)])
+    ledger_spool.write(str(state), [a_record(100 + i) for i in range(5)])
+    with trio.fail_after(BOUND):
+        await start_edge(nursery, edge_config(ledger=str(path), state_dir=str(state)))
+        await eventually(lambda: rows(path) == (5, 5), "the newer file stored")
