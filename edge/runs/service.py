@@ -748,22 +748,23 @@ class RunService:
             if peers is None:
                 continue
             peer_typical, peer_prompt = peers
-            wait = max(stall_after, 10 * peer_typical)
+            wait = min(max(stall_after, 10 * peer_typical), longest)
             over = 0.0  # the longest a run of it waited, of those past their wait
             began = since.get(model)
             if began is not None and now - began >= wait:
                 over = now - began
                 silent.append(model)
             for sent_at, prompt in waiting.get(model, ()):
-                # Each run is judged by its own wait: a prompt longer than the peers' typical one
-                # is given the longer wait its prefill takes (a 100,000-token prompt on an idle
-                # node was moved at 10 s and started over). No peer has started a run of it yet:
-                # half the silence that times it out (a 20 s prefill on a fresh fleet was moved).
-                own = wait
-                if not peer_typical:
-                    own = longest
-                elif peer_prompt and prompt > peer_prompt:
-                    own = min(max(stall_after, 10 * peer_typical * prompt / peer_prompt), longest)
+                # Each run is judged by its own wait: ten times the peers' time to a first event
+                # for a prompt of its length (a 100,000-token prompt on an idle node was moved at
+                # 10 s and started over; short prompts beside peers' long prefills waited 15 s on
+                # a dead node), at most half the silence that times it out (they timed out where
+                # they were, a peer idle). No peer has started a run of it yet: that half (a 20 s
+                # prefill on a fresh fleet was moved).
+                own = longest
+                if peer_typical:
+                    scaled = 10 * peer_typical * (prompt / peer_prompt if peer_prompt and prompt else 1.0)
+                    own = min(max(stall_after, scaled), longest)
                 if now - sent_at >= own:
                     over = max(over, now - sent_at)
             if over:
