@@ -1001,3 +1001,28 @@ async def test_a_request_timed_out_while_every_node_drains_is_a_503_that_says_so
     assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
     error = late.json()["error"]
     assert error["code"] == "no_node_available" and "draining" in error["message"], error
+
+
+async def test_a_held_tunnel_read_slowly_is_not_timed_out(nursery, upstream):
+    """A held tunnel's silence is its client's: each batch its writer takes ends it. Batches of
+    256 KiB took a client reading 100 KB a second longer than `wait_timeout_s` (1 s here), and
+    it was cut as timed out (a re-check, at 40 KB a second under 5 s); held, a writer takes 64 KiB."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=1.0))
+    node = await start_node(nursery, edge, [model("emb", upstream, target="emb-target", passthrough=True)])
+    big = b'{"object": "text_completion", "choices": [{"text": "' + b"0.125," * 1_500_000 + b'"}]}'  # 9 MB
+    upstream.script_for("emb-target", [("status", 200, big)])
+    got = bytearray()
+    with trio.fail_after(BOUND):
+        stream = await raw_post(edge, "/v1/completions", b'{"model": "emb", "prompt": "a"}', 16384)
+        await eventually(lambda: any(run.held for run in edge.edge.runs.runs.values()), "it is held")
+        slow_until = trio.current_time() + 3.0
+        while data := await stream.receive_some(16384):
+            got += data
+            if got.endswith(b"\r\n0\r\n\r\n"):
+                break
+            if trio.current_time() < slow_until:
+                await trio.sleep(len(data) / 100_000)  # (100 KB a second, for 3 s)
+    await stream.aclose()
+    assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"\r\n0\r\n\r\n"), bytes(got[-300:])
+    assert b'"error"' not in got[-2000:]
+    await settled(edge, node.agent)

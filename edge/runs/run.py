@@ -53,6 +53,9 @@ MAX_BATCH_BYTES = 256 * 1024  # of events a run's writer takes at once (the rest
 # slower than its provider wrote was cut at MAX_PENDING_BYTES.
 HOLD_BYTES = 4 * 1024 * 1024
 GO_ON_BYTES = 1024 * 1024
+# While held, its writer takes this much at once, and each take is its silence's end: a client
+# reading slower than a batch a wait_timeout_s (256 KiB: 2.2 KB/s at the defaults) was cut.
+HELD_BATCH_BYTES = 64 * 1024
 
 
 class Buffered:
@@ -546,7 +549,8 @@ class Run:
         writer took is out of the bound's reach until its client takes it; a reader of the
         first bytes of an answer that then stopped held its whole batch (up to 32 MiB)."""
         batch = self._pending
-        if self._pending_bytes <= MAX_BATCH_BYTES:
+        most = HELD_BATCH_BYTES if self.held else MAX_BATCH_BYTES
+        if self._pending_bytes <= most:
             self._pending = []
             self._taken()
             if self.held:
@@ -555,7 +559,7 @@ class Run:
         size = 0
         for end, item in enumerate(batch):  # (rare: a client this far behind)
             size += _size(item) + EVENT_BYTES
-            if size > MAX_BATCH_BYTES and end:
+            if size > most and end:
                 size -= _size(item) + EVENT_BYTES
                 break
         else:
