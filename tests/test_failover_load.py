@@ -420,7 +420,6 @@ async def test_a_long_prompt_on_a_dead_node_does_not_shield_it(nursery):
                 await dead.wait_requests(1)
                 for i in range(2):
                     clients.start_soon(ask, f"short{i}", f"short {i}")
-                await dead.wait_requests(3)
                 await eventually(lambda: edge.edge.runs.links["dead"].stalled(trio.current_time(), "m"))
     assert statuses["short0"] == statuses["short1"] == 200, statuses
     assert all(rec.aborted for rec in dead.records), [rec.aborted for rec in dead.records]
@@ -432,17 +431,32 @@ async def test_a_short_prompt_on_a_dead_node_is_judged_by_its_own_length(nursery
     where it was, a peer idle (a re-check). A run's wait is ten times the peers' time for a
     prompt of its length, at most half `wait_timeout_s`: it moves, and is answered."""
     good, dead = await new_upstream(nursery), await new_upstream(nursery)
-    good.script_for("t", lambda body: text_script(words(3), ttft=0.5 if len(str(body)) > 10_000 else 0.01))
+    good.script_for(
+        "t",
+        lambda body: (
+            text_script(words(3), ttft=0.6)
+            if len(str(body)) > 10_000
+            else text_script(words(3), interval=0.5 if "busy" in str(body) else 0.0)
+        ),
+    )
     dead.script_for("t", [("hang",)])
     edge = await start_edge(nursery, edge_config(stall_after_s=0.5, wait_timeout_s=4, routing="least_loaded"))
     await start_node(nursery, edge, [model("m", good, target="t", max_concurrency=1)], node_id="good")
+    answers: list[httpx.Response] = []
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            for i in range(2):  # the good node's time to first event: 0.5 s, on long prompts
-                body = {"model": "m", "messages": [{"role": "user", "content": f"{i} " + "word " * 5000}]}
-                assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+            async def ask(content: str) -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+                answers.append(await client.post("/v1/chat/completions", json=body))
+
+            for i in range(2):  # the good node's time to first event: 0.6 s, on long prompts
+                await ask(f"{i} " + "word " * 5000)
             await start_node(nursery, edge, [model("m", dead, target="t", max_concurrency=4)], node_id="dead")
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-            answers = [await client.post("/v1/chat/completions", json=body) for _ in range(2)]
-    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
-    assert len(dead.records) >= 1 and all(rec.aborted for rec in dead.records)
+            async with trio.open_nursery() as clients:
+                clients.start_soon(ask, "busy")  # the good node's one slot, for 1.5 s
+                await good.wait_requests(3)
+                clients.start_soon(ask, "hi")  # to the dead node: the good one is full
+                await dead.wait_requests(1)
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert all(rec.aborted for rec in dead.records)
