@@ -548,33 +548,36 @@ class Run:
         at least) when they hold more: the rest wait, counted in the edge's bound. What a
         writer took is out of the bound's reach until its client takes it; a reader of the
         first bytes of an answer that then stopped held its whole batch (up to 32 MiB)."""
-        batch = self._pending
         most = HELD_BATCH_BYTES if self.held else MAX_BATCH_BYTES
         if self._pending_bytes <= most:
+            batch = self._pending
             self._pending = []
             self._taken()
-            if self.held:
-                self._go_on()
-            return batch
-        size = 0
-        for end, item in enumerate(batch):  # (rare: a client this far behind)
-            size += _size(item) + EVENT_BYTES
-            if size > most and end:
-                size -= _size(item) + EVENT_BYTES
-                break
         else:
-            end = len(batch)
-        self._pending = batch[end:]
-        taken = batch[:end]
+            batch = self._take_part(most)
+        if self.held:
+            self._go_on()
+        return batch
+
+    def _take_part(self, most: int) -> list[RunEvent]:
+        """The oldest waiting events holding at most ``most`` bytes (one at least; rare: a
+        client this far behind): the rest stay, counted."""
+        pending = self._pending
+        size = end = 0
+        for item in pending:
+            more = _size(item) + EVENT_BYTES
+            if end and size + more > most:
+                break
+            size += more
+            end += 1
+        self._pending = pending[end:]
         buffered = self.buffered
         buffered.bytes -= size
         was = self._pending_bytes
         self._pending_bytes = left = was - size
         if was > buffered.share >= left:
             buffered.heavy.discard(self)
-        if self.held:
-            self._go_on()
-        return taken
+        return pending[:end]
 
     async def next_batch_or_idle(self) -> list[RunEvent] | None:
         """Like :meth:`next_batch`, or None when ``keepalive`` seconds passed
