@@ -32,7 +32,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from typing import BinaryIO
+from typing import Annotated, BinaryIO
 
 import msgspec
 import structlog
@@ -45,22 +45,28 @@ CLAIMED = ".claimed"  # (after WAITING)
 MAX_LINE = 64 * 1024  # a record is some 200 bytes (its model name cut at 256 characters): longer is damage
 
 
+# What a table's column holds (a damaged line's 2**64 failed every batch it was in, for good, as
+# SQLite and PostgreSQL refused it: the ledger "unavailable", records piling up); a finite time.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Time = Annotated[float, msgspec.Meta(ge=0, le=1e15)]
+
+
 class SpooledRecord(msgspec.Struct, array_like=True):
     """One usage record as the ledger's table holds it (edge.ledger's ``Record``, in its order)."""
 
-    ts: float
+    ts: Time
     request_id: str
     key: str | None
     model: str | None
     node: str | None
     api: str | None
-    status: int | None
+    status: Annotated[int, msgspec.Meta(ge=0, le=999)] | None
     outcome: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    estimated: int
-    ttft_ms: float | None
-    duration_ms: float | None
+    prompt_tokens: Count
+    completion_tokens: Count
+    estimated: Count
+    ttft_ms: Time | None
+    duration_ms: Time | None
 
 
 _SPOOLED = (WAITING, WAITING + CLAIMED)

@@ -321,3 +321,18 @@ async def test_a_spool_file_too_large_for_the_buffer_does_not_block_the_next(nur
     with trio.fail_after(BOUND):
         await start_edge(nursery, edge_config(ledger=str(path), state_dir=str(state)))
         await eventually(lambda: rows(path) == (5, 5), "the newer file stored")
+
+
+async def test_a_spooled_line_no_column_holds_is_skipped(nursery, tmp_path):
+    """A damaged spool line of 2**64 tokens (or a time past any) decoded, and every batch it was
+    in failed for good, the ledger unavailable: it is a line that is not a record."""
+    path, state = tmp_path / "l.sqlite3", tmp_path / "state"
+    written = ledger_spool.write(str(state), [a_record(0), a_record(1)])
+    damaged = (
+        b'[1.0,"req_x",null,null,null,null,200,null,18446744073709551616,2,0,null,null]\n'
+        b'[1e400,"req_y",null,null,null,null,200,null,1,2,0,null,null]\n'
+    )
+    await trio.Path(written).write_bytes(await trio.Path(written).read_bytes() + damaged)
+    with trio.fail_after(BOUND):
+        await start_edge(nursery, edge_config(ledger=str(path), state_dir=str(state)))
+        await eventually(lambda: not spool_files(state) and rows(path) == (2, 2), "the two records stored")
