@@ -1026,3 +1026,28 @@ async def test_a_held_tunnel_read_slowly_is_not_timed_out(nursery, upstream):
     assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"\r\n0\r\n\r\n"), bytes(got[-300:])
     assert b'"error"' not in got[-2000:]
     await settled(edge, node.agent)
+
+
+@pytest.mark.parametrize("keepalive_s", [None, 0.1])
+async def test_a_collected_run_lost_with_its_models_only_node_is_told_none_linked(nursery, upstream, keepalive_s):
+    """A whole (non-streamed) answer whose model's only node is lost mid-run is run again on a
+    node linked within LOST_GRACE_S; none linked, its client was told "node disconnected", a
+    502, where a request queued beside it was the 503 that says the last node was lost and none
+    linked within 5 s (which the SDKs retry the same way, and which says what to do). It gets
+    that 503 too."""
+    upstream.script_for("t", [("chunk", {"content": "half"}), ("hang",)])
+    keepalive = {} if keepalive_s is None else {"keepalive_s": keepalive_s}  # (committed: its head went out)
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=30_000, **keepalive))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t")])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            answers: list[httpx.Response] = []
+            clients.start_soon(_ask, client, answers)
+            await upstream.wait_requests(1)
+            runs = edge.edge.runs.runs
+            await eventually(lambda: any(run.events_seen for run in runs.values()), "its first token came")
+            node.stop()
+    (r,) = answers
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "no_node_available", r.text
+    assert "was lost; none linked within 5 s" in r.json()["error"]["message"], r.text

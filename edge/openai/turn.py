@@ -490,7 +490,9 @@ async def collect_validated(
                 )
                 try:
                     slot = await acquire_keeping_alive(turn, on_idle)
-                except APIError:
+                except APIError as refused:
+                    if refused.code == "no_node_available":  # (none linked again: the 503 a queued request gets)
+                        raise
                     raise failed from None
                 continue
             if attempt > 1:
