@@ -1448,3 +1448,25 @@ async def test_the_anthropic_sdk_pages_through_models(nursery, upstream):
     assert openai_missing["error"]["code"] == "model_not_found"  # OpenAI's to everyone else
     assert [m["id"] for m in whole["data"]] == names and whole["has_more"] is False
     await settled(edge, node.agent)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_written_in_thinking_with_no_answer_is_a_tool_use(setup, stream):
+    """Claude Code on a model that calls before it closes its think block (all it wrote in
+    `reasoning_content`): the turn ended `end_turn` with only a thinking block, the call lost. It
+    is a `tool_use` block, with `stop_reason: "tool_use"`."""
+    edge, upstream = setup
+    thought = 'Check Paris. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    upstream.script_for("t", steps(*({"reasoning_content": thought[i : i + 9]} for i in range(0, len(thought), 9))))
+    body = {"model": "m", "max_tokens": 256, "messages": USER, "tools": [WEATHER]}
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            if stream:
+                async with client.messages.stream(**body) as s:
+                    message = await s.get_final_message()
+            else:
+                message = await client.messages.create(**body)
+    uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert uses == [("get_weather", {"city": "Paris"})], message.content
+    assert message.stop_reason == "tool_use"
+    assert not any(b.type == "text" and "<tool_call>" in b.text for b in message.content)

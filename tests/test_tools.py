@@ -196,6 +196,55 @@ async def test_a_call_written_inside_think_is_reasoning_not_a_call(tooled, name,
     assert [c.function.name for c in calls] == ["get_time"]
 
 
+@pytest.mark.parametrize(("name", "stream"), [("native", False), ("native", True), ("live", True)])
+@pytest.mark.parametrize("where", ["reasoning_content", "unclosed think"])
+async def test_a_call_written_in_reasoning_with_no_answer_is_the_call(tooled, name, stream, where):
+    """A model that calls before it closes its think block (or whose server's reasoning parser
+    put all it wrote in the reasoning: Qwen3 on vLLM) writes no answer, only reasoning with the
+    call in it. The reasoning-only fallback pasted that reasoning into the answer, markup and
+    all, with `finish_reason: "stop"` and no call (an outside audit). It is the turn's call."""
+    edge, upstream = tooled
+    thought = "I should ask for the time. " + CALL
+    if where == "reasoning_content":
+        deltas = [{"reasoning_content": thought[i : i + 7]} for i in range(0, len(thought), 7)]
+    else:
+        text = "<think>" + thought
+        deltas = [{"content": text[i : i + 7]} for i in range(0, len(text), 7)]
+    upstream.script_for("t", steps(*deltas))
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            if stream:
+                async with client.chat.completions.stream(model=name, messages=MESSAGES, tools=TOOLS) as s:
+                    answer = await s.get_final_completion()
+            else:
+                answer = await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS)
+    (choice,) = answer.choices
+    assert "<tool_call>" not in (choice.message.content or ""), choice.message.content
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()] == [("get_time", "{}")]
+    assert len(upstream.records) == 1
+
+
+async def test_an_unreadable_call_in_reasoning_with_no_answer_is_retried(tooled):
+    """A reasoning-only turn whose call block cannot be read is an invalid turn: retried with a
+    corrective message before the client sees anything, as one in the answer is."""
+    edge, upstream = tooled
+    bad = {"reasoning_content": 'Time. <tool_call>{"name": "get_time", "arguments": {</tool_call>'}
+
+    def script(body):
+        corrected = any("That is invalid" in str(m.get("content")) for m in body["messages"])
+        return steps({"content": CALL} if corrected else bad)
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            answer = await client.chat.completions.create(model="native", messages=MESSAGES, tools=TOOLS)
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [c.function.name for c in choice.message.tool_calls or ()] == ["get_time"]
+    assert len(upstream.records) == 2
+
+
 @pytest.mark.parametrize(
     ("text", "content", "sent_ahead", "calls"),
     [

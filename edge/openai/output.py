@@ -35,7 +35,15 @@ from edge.openai.exchange import SSE_HEADERS
 from edge.openai.schema import ChatCompletion, CompletionChoice, ResponseMessage
 from edge.openai.shaping import Shaper
 from edge.openai.sse import DONE, KEEPALIVE, OBJECT, ChunkEncoder, sse_error
-from edge.openai.tools import INLINE_PATTERN_S, NeedsTime, TextToolCalls, ToolTextFilter, parse_calls_of, with_ids
+from edge.openai.tools import (
+    INLINE_PATTERN_S,
+    NeedsTime,
+    TextToolCalls,
+    ToolTextFilter,
+    calls_in_reasoning,
+    parse_calls_of,
+    with_ids,
+)
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
     TOOL_VALIDATION_ERROR,
@@ -310,7 +318,7 @@ async def stream_buffered(turn: Turn, slot: Slot, enc: BufferedEncoder | None = 
             xml_completion_tool=policy.xml_completion_tool,
             normalized=result.normalized if result is not None else False,
             content_len=len(result.content) if result is not None else 0,
-            reasoning_len=len(result.reasoning or "") if result is not None else 0,
+            reasoning_len=result.reasoning_len if result is not None else 0,
         )
 
 
@@ -537,6 +545,12 @@ class ToolLive(LiveEncoder):
                     return self._invalid(parsed.error, calls, parsed.content, sent, mark)
             else:
                 self._emit_content(self.tool_filter.flush())
+            if not calls and not "".join(self.emitted).strip():
+                found = calls_in_reasoning(self.shaper.reasoning_text, finish_of(event))  # (as _finish's)
+                if found is not None:
+                    calls = found.calls or None
+                    if found.error:
+                        return self._invalid(found.error, calls, "", sent, mark)
         contract = self.turn.contract
         if contract is not None and not (event.refusal and not calls):
             try:  # on the loop for a moment; past it (or for large arguments) in a worker thread

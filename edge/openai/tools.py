@@ -204,6 +204,19 @@ def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False) -> Tex
     return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped)
 
 
+def calls_in_reasoning(reasoning: str, finish_reason: str) -> TextToolCalls | None:
+    """The calls of a turn with tools that wrote no answer, only reasoning with call blocks in
+    it, and stopped: a model that called before it closed its think block, or whose server's
+    reasoning parser put all it wrote in the reasoning (Qwen3 on vLLM). The reasoning-only
+    fallback pasted that reasoning into the answer, markup and all, a ``stop`` with no call
+    (an outside audit). None when it holds no call block, or was cut off (``length``: it was
+    still thinking, and a call it thought of is no call)."""
+    if finish_reason == "length":
+        return None
+    parsed = parse_text_tool_calls(reasoning)
+    return parsed if parsed.candidate else None
+
+
 def _read_call(body: str, budget: jsoncost.Budget) -> tuple[ToolCall | None, str]:
     try:
         obj = budget.decode(body)

@@ -33,6 +33,7 @@ from edge.openai.shaping import Shaper, holds_xml_tool_use, ignore_text, wrap_in
 from edge.openai.tools import (
     ToolContract,
     before_tool_markup,
+    calls_in_reasoning,
     corrective_message,
     history_call_ids,
     parse_calls_of,
@@ -324,6 +325,7 @@ class Collected(msgspec.Struct):
     tool_error: str = ""  # a tool call block that could not be read
     stop: str = ""  # the stop sequence that ended the run, when the model server said which
     refusal: str = ""  # the model's refusal (OpenAI's ``refusal``): it declined to answer
+    reasoning_len: int = 0  # the reasoning it produced, shown or not (the stream's summary line)
 
 
 _FAILURE_TYPES = {OVER_BUDGET: "insufficient_quota", TIMEOUT: "timeout_error"}  # (by the run's cause)
@@ -423,6 +425,10 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
+    if turn.contract is not None and not tool_calls and not tool_error and not content.strip():
+        found = calls_in_reasoning(shaper.reasoning_text, finish_reason)  # (no answer: the calls it thought)
+        if found is not None:
+            tool_calls, tool_error = found.calls or None, found.error
     finish_reason = end_reason(finish_reason, bool(tool_calls))
     normalized = False
     # Nothing to wrap (hidden reasoning alone, a refusal): an empty completion would tell an
@@ -432,12 +438,22 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             content = wrap_in_completion_tool(content, policy.xml_completion_tool)
             normalized = True
     own_block = turn.ex.api != "chat"  # (a Messages thinking block, a Responses reasoning item)
-    fallback = "" if event.refusal else shaper.fallback(finish_reason, bool(tool_calls), own_block=own_block)
+    called = bool(tool_calls or tool_error)  # (an unreadable call is retried: no fallback of its markup)
+    fallback = "" if event.refusal else shaper.fallback(finish_reason, called, own_block=own_block)
     if fallback:  # after whitespace content alone: a stream has shown that already, so it stays
         content += fallback
     reasoning = shaper.reasoning_text if shaper.include_reasoning and shaper.reasoning_len else None
     return Collected(
-        content, reasoning, finish_reason, tool_calls, usage, normalized, tool_error, event.stop, event.refusal
+        content,
+        reasoning,
+        finish_reason,
+        tool_calls,
+        usage,
+        normalized,
+        tool_error,
+        event.stop,
+        event.refusal,
+        shaper.reasoning_len,
     )
 
 
