@@ -740,6 +740,21 @@ async def test_trace_logs_each_chunk_and_a_summary(shaped):
     assert len(summaries) == 2 and summaries[0]["content_len"] == 2
 
 
+async def test_a_buffered_streams_summary_counts_the_reasoning_it_hid(shaped):
+    """The summary line of a buffered stream whose reasoning is hidden (strict output, or a
+    client that turned it off) said `reasoning_len=0` where a live one said what the model
+    produced (an outside audit): it counts the reasoning produced, shown or not."""
+    edge, upstream = shaped
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        for name, body in (("strictbuf", {}), ("strict", {}), ("plain", {"include_reasoning": False})):
+            upstream.script_for("t", script({"reasoning_content": "0123456789"}, {"content": "ans"}))
+            chunks, _ = await stream_raw(edge, model=name, **body)
+            assert joined(chunks, "content") == "ans"
+        await eventually(lambda: sum(e["event"] == "stream closed" for e in logs) == 3)
+    summaries = [e for e in logs if e["event"] == "stream closed"]
+    assert [(e["content_len"], e["reasoning_len"]) for e in summaries] == [(3, 10)] * 3, summaries
+
+
 async def test_a_clients_trace_is_bounded_and_an_operator_can_refuse_it(nursery, upstream, monkeypatch):
     """A client's `iop_trace_stream` writes at most MAX_TRACED_CHUNKS lines, then one that says
     the trace stopped (a stream of 131,072 tokens wrote 131,072 lines, about 30 MB, for any client),
