@@ -226,7 +226,7 @@ def _cannot_start(error: OSError, bind: str | None) -> str:
     return f"cannot start: {reason}"
 
 
-SAME_SIGNAL_S = 0.5
+SAME_SIGNAL_S = 0.1  # (0.5: a `kill; kill` 0.35 s apart was one signal, an outside audit)
 
 
 async def _wait_for_signal(event: trio.Event, hurry: Callable[[], trio.Event] | None = None) -> None:
