@@ -954,6 +954,11 @@ async def test_passthrough_keeps_the_edges_bounds(tunnel):
             assert r.status_code == 400 and r.json()["error"]["code"] == "integer_out_of_range"
             r = await client.post("/v1/embeddings", json={"model": "emb", "input": [[1, -(2**63) - 1]]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+            # A model that is no string is named as such, as on chat (it was "missing": an outside audit)
+            for value, said in ((5, "expected `str`, got `int`"), (None, "Missing"), ("", "Missing")):
+                r = await client.post("/v1/completions", json={"model": value, "prompt": "x"})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+                assert said in r.json()["error"]["message"], r.text
     assert not upstream.records
 
 

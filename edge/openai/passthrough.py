@@ -110,9 +110,12 @@ def tunnel_route(path: str):
 async def passthrough(edge: Edge, ex: Exchange, raw: dict[str, Any], path: str, body: bytes) -> None:
     """Relay one request whose body is ``body``, ``raw`` decoded (once, by the
     caller): only its ``model`` is rewritten, every other value goes as sent."""
-    if not isinstance(raw.get("model"), str) or not raw["model"]:
-        raise errors.bad_request("Missing required parameter: `model`.", "model")
-    model = raw["model"]
+    model = raw.get("model")
+    if not isinstance(model, str) or not model:
+        if model is None or model == "":
+            raise errors.bad_request("Missing required parameter: `model`.", "model")
+        # (a 5 was "missing" here where chat names its type: an outside audit)
+        raise errors.bad_request(f"Invalid value for `model`: expected `str`, got `{_json_type(model)}`.", "model")
     ex.access.model = model
     ex.access.stream = bool(raw.get("stream"))
     _check_bounds(raw, edge.config.max_output_tokens)
