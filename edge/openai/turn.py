@@ -44,6 +44,7 @@ from edge.openai.tools import (
 from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
+from edge.runs.link import BROKE_THE_PROTOCOL
 from edge.runs.run import NODE_LOST, NODE_STALLED, TIMEOUT, consume_run
 from edge.runs.service import encode_run_body, session_key
 from proto import RunEvent, ToolCall
@@ -507,7 +508,9 @@ async def collect_validated(
                 try:
                     slot = await acquire_keeping_alive(turn, on_idle)
                 except APIError as refused:
-                    if refused.code == "no_node_available":  # (none linked again: the 503 a queued request gets)
+                    # None linked again: the 503 a queued request gets, unless the edge closed the
+                    # link for breaking the protocol or flooding it (its node failed the run: a 502).
+                    if refused.code == "no_node_available" and lost.slot.link.close_code not in BROKE_THE_PROTOCOL:
                         raise
                     raise failed from None
                 continue

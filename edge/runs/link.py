@@ -45,6 +45,7 @@ _EJECT_BACKOFF_S = (1.0, 30.0)
 # link with events for no run (RFC 6455's policy violation; StrayFlood).
 CLOSE_PROTOCOL = 4003
 CLOSE_POLICY = 1008
+BROKE_THE_PROTOCOL = (CLOSE_PROTOCOL, CLOSE_POLICY)  # the edge closed the link: its node is awaited by none
 # Events that bring the edge nothing (for a run it does not have, or has ended; or with no
 # output at all) cost its CPU for each (~0.25 us): a node sent 1.8 million a second, for ever.
 # An honest node sends a few after the edge cancels a run (what was on its way), never empty

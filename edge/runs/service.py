@@ -18,7 +18,7 @@ import trio
 
 from edge import errors
 from edge.config import EdgeConfig
-from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, NodeLink
+from edge.runs.link import BROKE_THE_PROTOCOL, NodeLink
 from edge.runs.placement import HeadShares, PrefixIndex, popular, ranked, rendezvous, rendezvous_key
 from edge.runs.run import (
     NODE_DISCONNECTED,
@@ -486,7 +486,7 @@ class RunService:
                 # the run itself: that stays a 502.
                 run.unserved = (
                     not run.events_seen
-                    and link.close_code not in (CLOSE_PROTOCOL, CLOSE_POLICY)
+                    and link.close_code not in BROKE_THE_PROTOCOL
                     and all(lk.draining for lk in self._serving(run.want.model))  # (none, or only draining)
                 )
                 run.fail(NODE_DISCONNECTED, NODE_LOST)
@@ -495,7 +495,7 @@ class RunService:
         self._trust_alone(link.models)
         drained = self._drained
         # (a node whose link the edge closed for breaking the protocol or flooding it is awaited by none)
-        awaited = link.draining or link.close_code not in (CLOSE_PROTOCOL, CLOSE_POLICY)
+        awaited = link.draining or link.close_code not in BROKE_THE_PROTOCOL
         for model in link.models:
             restart = awaited and not self._serving(model)
             if restart:
