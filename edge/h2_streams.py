@@ -32,7 +32,15 @@ that floods frames the app never sees (PING acks, WINDOW_UPDATE:
 And a stream whose client gives it no flow-control credit for the write
 timeout (``write_timeout_s``) is reset: its socket may be read all along, so
 the connection's own write timeout (:mod:`edge.send_lock`) never fires, and
-the request held its answer for as long as the client stayed.
+the request held its answer for as long as the client stayed. Until then its
+writes wait: hypercorn's stream buffer let a write through whenever its sender
+found the stream's window shut (a pop of nothing "drained" it), so the edge's
+writer emptied the run's events into hypercorn's buffer at any rate, out of
+reach of ``max_buffered_bytes`` and of a tunnel's hold (found from outside: two
+h2c clients that stopped giving credit put 290 MB of two answers in the edge).
+A write now waits for the buffer to drain below its low water mark, and each
+pop that sends bytes starts the write timeout again (a slow reader's write is
+not cut while it progresses).
 
 The budgets are spent frame by frame, as h2 parses them: checked once a read
 was parsed, a read of 64 KiB of empty SETTINGS frames was 7,281 frames parsed
@@ -56,7 +64,7 @@ import trio
 from h2.stream import StreamState
 from hypercorn.events import Closed
 from hypercorn.protocol.events import Body, Data, EndBody, EndData, Trailers
-from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h2 import BUFFER_LOW_WATER, H2Protocol, StreamBuffer
 from hyperframe.frame import (
     AltSvcFrame,
     ContinuationFrame,
@@ -165,12 +173,40 @@ def install() -> None:
         if not isinstance(event, _BODY_EVENTS):
             await stream_send(self, event)
             return
-        with trio.move_on_after(send_lock.write_timeout_of(self.config)) as timer:
-            await stream_send(self, event)
+        timeout = send_lock.write_timeout_of(self.config)
+        buffer = self.stream_buffers.get(event.stream_id)
+        with trio.move_on_after(timeout) as timer:
+            if buffer is not None:
+                buffer.iop_waiting = (timer, timeout)  # (its pops that send bytes push the deadline)
+            try:
+                await stream_send(self, event)
+            finally:
+                if buffer is not None:
+                    buffer.iop_waiting = None
         if timer.cancelled_caught:
             await _reset_stalled(self, event.stream_id)
 
     H2Protocol.stream_send = stream_send_within  # type: ignore[method-assign]
+    StreamBuffer.pop = _pop  # type: ignore[method-assign]
+
+
+async def _pop(self: StreamBuffer, max_length: int) -> bytes:
+    """hypercorn's ``StreamBuffer.pop``, but its writer is let go only once the buffer is below
+    its low water mark (hypercorn's: once a pop took less than that, a pop of nothing too, as
+    when the stream's window is shut), and a pop that takes bytes pushes the deadline of the
+    write waiting on it (:func:`stream_send_within`'s) back by the write timeout."""
+    length = min(len(self.buffer), max_length)
+    data = bytes(self.buffer[:length])
+    del self.buffer[:length]
+    if data:
+        waiting = getattr(self, "iop_waiting", None)
+        if waiting is not None:
+            waiting[0].deadline = trio.current_time() + waiting[1]
+    if len(self.buffer) < BUFFER_LOW_WATER:
+        await self._paused.set()  # noqa: SLF001
+    if len(self.buffer) == 0:
+        await self._is_empty.set()  # noqa: SLF001
+    return data
 
 
 _BODY_EVENTS = (Body, Data, EndBody, EndData, Trailers)

@@ -462,7 +462,7 @@ def _h2_post(h2c, stream_id: int, host: str, body: bytes) -> None:
     h2c.send_data(stream_id, body, end_stream=True)
 
 
-async def _tls_edge_with_a_node(nursery, tmp_path, upstream, **config):
+async def _tls_edge_with_a_node(nursery, tmp_path, upstream, passthrough=False, **config):
     """An edge serving HTTPS (HTTP/2 by ALPN) with a certificate of a throwaway CA, and a node
     serving `m` from ``upstream`` linked over wss: the edge's URL, the CA's file and the app."""
     ca = trustme.CA()
@@ -474,7 +474,8 @@ async def _tls_edge_with_a_node(nursery, tmp_path, upstream, **config):
     app = create_app(edge_config(**config))
     url = await nursery.start(partial(serve_edge, app, "127.0.0.1:0", certfile=str(certfile), keyfile=str(keyfile)))
     link = url.replace("https", "wss", 1) + "/v1/node/link"
-    nursery.start_soon(NodeAgent(node_config([link], [model("m", upstream)], ca_file=str(cafile))).serve)
+    served = [model("m", upstream, passthrough=passthrough)]
+    nursery.start_soon(NodeAgent(node_config([link], served, ca_file=str(cafile))).serve)
     await eventually(lambda: "n1" in edge_of(app).runs.links)
     return url, cafile, app
 
@@ -588,6 +589,98 @@ async def test_an_http2_client_gone_with_a_zero_window_leaves_no_run(nursery, tm
         await trio.sleep(0.2)  # (the edge has the answers, and waits for credit to send them)
         await trio.aclose_forcefully(stream)
         await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
+
+
+async def test_an_http2_stream_given_no_credit_holds_its_tunnel_not_the_edges_memory(nursery, tmp_path, upstream):
+    """Over HTTP/2, a client that reads its socket but gives a passthrough answer no more
+    flow-control credit: hypercorn's stream buffer let every write through once the stream's
+    window was shut, so the edge's writer moved the whole answer into hypercorn's memory (two
+    such clients put 290 MB in the edge, an outside re-check), its run never past the point
+    where a tunnel is held, and the model server's 24 MB read to the end. The writer waits on
+    the stream: the run holds its node, which stops reading the model server."""
+    from edge.runs.run import HOLD_BYTES
+
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream, passthrough=True, write_timeout_s=60)
+    piece = b"x" * 262_144
+    upstream.script_for("m-target", [("raw", piece)] * 96)  # 24 MiB
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    body = msgspec.json.encode({"model": "m", "prompt": "x", "stream": True})
+    runs = edge_of(app).runs
+    got = 0
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "https"), (":authority", host)]
+        h2c.send_headers(1, [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))])
+        h2c.send_data(1, body, end_stream=True)
+        await stream.send_all(h2c.data_to_send())
+        async with trio.open_nursery() as reading:
+
+            async def read() -> None:  # the socket, all along; the stream's credit, never
+                nonlocal got
+                while data := await stream.receive_some(65536):
+                    for event in h2c.receive_data(data):
+                        if isinstance(event, h2.events.DataReceived):
+                            got += len(event.data)
+                    await stream.send_all(h2c.data_to_send())
+
+            reading.start_soon(read)
+            await eventually(lambda: any(run.held for run in runs.runs.values()), "its tunnel held")
+            (run,) = runs.runs.values()
+            assert run._pending_bytes <= HOLD_BYTES + 2 * len(piece)  # (what waits: about the hold, no more)
+            assert got <= 65_535 and not upstream.records[0].ended  # (the model server waits)
+            reading.cancel_scope.cancel()
+        await trio.aclose_forcefully(stream)
+        await eventually(lambda: runs.in_flight == 0, "no run left once it closed")
+        await eventually(lambda: upstream.records[0].aborted, "the model server saw the abort")
+
+
+async def test_an_http2_stream_read_slowly_is_not_cut_while_it_progresses(nursery, tmp_path, upstream):
+    """The other side of the test above: a write waits for its client's credit, and a client
+    that gives it slowly (40 KiB every 0.1 s) takes more than the write timeout (0.5 s here) to
+    take one write of 256 KiB. Each piece it takes starts the timeout again: its whole answer
+    comes, not a reset."""
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream, passthrough=True, write_timeout_s=0.5)
+    upstream.script_for("m-target", [("raw", b"y" * 65_536)] * 16)  # 1 MiB, at once
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    body = msgspec.json.encode({"model": "m", "prompt": "x", "stream": True})
+    got, owed, ended = 0, 0, None
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "https"), (":authority", host)]
+        h2c.send_headers(1, [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))])
+        h2c.send_data(1, body, end_stream=True)
+        await stream.send_all(h2c.data_to_send())
+        async with trio.open_nursery() as reading:
+
+            async def credit() -> None:
+                nonlocal owed
+                while True:
+                    await trio.sleep(0.1)
+                    if owed:
+                        given, owed = min(owed, 40_960), owed - min(owed, 40_960)
+                        h2c.acknowledge_received_data(given, 1)
+                        await stream.send_all(h2c.data_to_send())
+
+            reading.start_soon(credit)
+            while ended is None:
+                for event in h2c.receive_data(await stream.receive_some(65536)):
+                    if isinstance(event, h2.events.DataReceived):
+                        got += len(event.data)
+                        owed += event.flow_controlled_length
+                    elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                        ended = type(event).__name__
+                await stream.send_all(h2c.data_to_send())
+            reading.cancel_scope.cancel()
+        await stream.aclose()
+    assert (ended, got) == ("StreamEnded", 16 * 65_536)
 
 
 async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(nursery):
