@@ -1332,6 +1332,27 @@ async def test_a_client_that_never_reads_loses_its_connection_after_the_write_ti
     assert requests_counted(edge.edge) == {"write_timeout": 1}
 
 
+@pytest.mark.parametrize("read_first", [0, 100_000])
+async def test_a_client_that_stops_reading_is_closed_at_the_write_timeout_not_twice_it(nursery, upstream, read_first):
+    """A client that read some of its stream and stopped was closed only after twice
+    `write_timeout_s` (an outside re-check: 120 s on the defaults, its run and its node's slot
+    held all along): once the edge's write blocked, the client's kernel still acknowledged a
+    few bytes, and that counted as the client taking bytes for a whole timeout more. The
+    timeout runs from the last bytes taken."""
+    with trio.fail_after(BOUND):
+        edge, node, sock = await long_stream_to_a_small_window(nursery, upstream, write_timeout_s=2.0)
+        received = 0
+        while received < read_first:
+            received += len(await sock.recv(65536))
+        stopped = trio.current_time()
+        await eventually(lambda: edge.edge.runs.in_flight == 1, what="the stream under way")
+        await eventually(lambda: edge.edge.runs.in_flight == 0, what="the edge gave up on the client")
+        took = trio.current_time() - stopped
+        sock.close()
+    assert took < 3.5, took  # (2 s from the last bytes taken; twice it is 4 s and more)
+    assert requests_counted(edge.edge) == {"write_timeout": 1}
+
+
 async def test_a_client_gone_while_a_finished_runs_answer_is_written_is_counted_gone(nursery, upstream):
     """A client leaves while the edge is still writing the answer of a run that has ended:
     its access line, count and ledger row said ``complete``, as if it had the whole answer.
