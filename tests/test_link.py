@@ -19,6 +19,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_str
 from edge import frame_limit
 from edge import ws as edge_ws
 from edge.runs.link import MAX_LIVENESS_QUEUED, PLACED_KEYS_PER_S, NodeLink
+from edge.runs.service import LOST_GRACE_S
 from node.agent import NodeAgent
 from proto import (
     MAX_PREFIX_BLOCKS,
@@ -216,8 +217,9 @@ def hello(node_id="fake", protocol=PROTOCOL_VERSION, relays_prefixes=True):
 async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
     """A node that stops answering (no frames at all) loses its link within the ping timeout,
     and its runs fail: for a stream with no event yet, and no other node serving the model, a
-    503 `no_node_available` to retry (README, Failover)."""
-    edge = await start_edge(nursery, edge_config(ping_interval_s=0.2, ping_misses=3))
+    503 `no_node_available` to retry (README, Failover), once it has waited LOST_GRACE_S for the
+    node to link again, as the requests queued behind it do."""
+    edge = await start_edge(nursery, edge_config(ping_interval_s=0.2, ping_misses=3, keepalive_s=10))
 
     async def frozen(ws):
         await ws.send_message(hello())
@@ -234,7 +236,7 @@ async def test_frozen_node_is_declared_dead_by_ping_timeout(nursery):
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     err = r.json()["error"]
     assert "lost before it answered" in err["message"] and err["code"] == "no_node_available"
-    assert 0.4 < elapsed < 5
+    assert 0.4 + LOST_GRACE_S < elapsed < 5 + LOST_GRACE_S
     assert "fake" not in edge.edge.runs.links
     await settled(edge)
 

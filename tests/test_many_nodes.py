@@ -1056,3 +1056,50 @@ async def test_a_collected_run_lost_with_its_models_only_node_is_told_none_linke
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "no_node_available", r.text
     assert "was lost; none linked within 5 s" in r.json()["error"]["message"], r.text
+
+
+async def test_a_run_its_only_node_lost_before_its_first_token_waits_for_it_as_the_queue_does(
+    nursery, tmp_path, upstream
+):
+    """A run sent to its model's only node, which is killed before its first token: the requests
+    queued behind it waited LOST_GRACE_S for the node to link again and were served by it, but
+    it was a 503 at once (an outside re-check). It waits with them, and the node back serves it."""
+    upstream.script_for("t", lambda body: [("sleep", 0.5), *text_script(words(3))])
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=20_000))
+    spec = [{"name": "m", "adapter": "openai", "target": "t", "base_url": upstream.base_url, "max_concurrency": 1}]
+    proc = await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    answers: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            clients.start_soon(_ask, client, answers)
+            await upstream.wait_requests(1)
+            proc.kill()
+            await proc.wait()
+            await eventually(lambda: "d" not in edge.edge.runs.links, "the link is lost")
+            await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    (r,) = answers
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2 ", r.text
+    assert len(upstream.records) == 2 and upstream.records[0].aborted
+
+
+async def test_a_node_back_without_a_model_ends_the_waits_for_it(nursery, tmp_path, upstream):
+    """The only node of `m` is lost, and a request for `m` waits for it (LOST_GRACE_S); the node
+    links again serving other models only. The request waited out the grace for a 503 that said
+    no node had linked (an outside re-check): it ends when the node links, saying why."""
+    upstream.script_for("t", lambda body: text_script(words(3)))
+    edge = await start_edge(nursery, edge_config(queue_timeout_ms=20_000))
+    other = {"name": "o", "adapter": "openai", "target": "t", "base_url": upstream.base_url}
+    spec = [{**other, "name": "m"}, other]
+    proc = await start_node_process(nursery, tmp_path, edge, spec, node_id="d")
+    runs = edge.edge.runs
+    answers: list[httpx.Response] = []
+    with trio.fail_after(BOUND):
+        proc.kill()
+        await proc.wait()
+        await eventually(lambda: "d" not in runs.links, "the link is lost")
+        async with http(edge) as client, trio.open_nursery() as clients:
+            clients.start_soon(_ask, client, answers)
+            await eventually(lambda: runs.queue_depth("m") == 1, "it waits for the node")
+            await start_node_process(nursery, tmp_path, edge, [other], node_id="d")
+    (answer,) = answers
+    assert answer.status_code == 503 and "linked again without it" in answer.json()["error"]["message"], answer.text

@@ -358,9 +358,12 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
     the head (a long prefill) gets it then, and a node lost after that cuts
     the stream, as before."""
     head: tuple[int, list[tuple[bytes, bytes]]] | None = None
+    moved_head = False  # (the head came after the run moved)
     while True:
         batch = await run.next_batch_or_idle()
         if not batch:  # (None: keepalive_s with nothing; []: nudged)
+            if head is not None and run.failed_over and not moved_head:
+                head = None  # (its lost node's provider's, unsent: the next node's replaces it)
             if batch is None and head is not None and not ex.started:
                 await ex.start(*head)
             continue
@@ -405,7 +408,7 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                             )
                         )
                         return
-                    head = (item.status, _response_headers(item.headers))
+                    head, moved_head = (item.status, _response_headers(item.headers)), run.failed_over
             elif kind == "end":
                 if not ex.started:
                     if head is None:

@@ -179,7 +179,8 @@ class _Waiter:
         self.scope: trio.CancelScope | None = None
         self.event = trio.Event()
         self.slot: Slot | None = None
-        self.gone = ""  # no linked node can serve it any more: "lost", or "drained" (the last one left)
+        # No linked node can serve it any more: "lost", "drained" (the last one left), "without" (back without it)
+        self.gone = ""
         self.cancelled = False  # by an operator (the console)
         self.refused: errors.APIError | None = None  # the edge ended its wait (it is shutting down)
         self.client = client  # the request's exchange (the console shows and cancels it)
@@ -334,7 +335,7 @@ class RunService:
         # `systemctl restart` of a model's only node: an outside audit). Or was lost (True: drained):
         # its queued requests wait on, and new ones within LOST_GRACE_S (its whole queue was a
         # 503 when an edge that had stood still closed its link, the node linking again 12 ms later).
-        self._drained: dict[str, tuple[float, bool]] = {}
+        self._drained: dict[str, tuple[float, bool, str]] = {}  # (and the node's id)
         self.on_run_closed: list[Callable[[Run], None]] = []
         self._affinity: dict[str, str] = {}  # session -> node id, oldest first
         self.prefixes = PrefixIndex(config.prefix_index_entries)
@@ -449,6 +450,8 @@ class RunService:
             known[model] = None
             if self._drained.pop(model, None) is not None:
                 self._unbound_waits(model)
+        if self._drained:
+            self._given_up(link)
         while len(known) > KNOWN_MODELS:
             del known[next(iter(known))]
         self._wake_waiting(link.models)
@@ -478,8 +481,9 @@ class RunService:
             lost[model] = (now, window)
         while len(lost) > KNOWN_MODELS:
             del lost[next(iter(lost))]
+        awaited_back = not link.draining and link.close_code not in BROKE_THE_PROTOCOL  # (lost: it may link again)
         for run in list(link.runs.values()):
-            if not self._fail_over(run, link):
+            if not self._fail_over(run, link, awaited_back=awaited_back):
                 # Nothing sent yet and nothing linked serves the model now: a retry may find the node
                 # linked again (the README's promise; it was a 502 `node_disconnected`, outside audit).
                 # A node whose link the edge closed for breaking the protocol or flooding it failed
@@ -500,7 +504,7 @@ class RunService:
             restart = awaited and not self._serving(model)
             if restart:
                 drained.pop(model, None)
-                drained[model] = (now, link.draining)
+                drained[model] = (now, link.draining, link.node_id)
                 while len(drained) > KNOWN_MODELS:
                     del drained[next(iter(drained))]
                 if not link.draining:
@@ -555,7 +559,14 @@ class RunService:
                 serving[0].trust(model)
                 self._wake(model)
 
-    def _fail_over(self, run: Run, old: NodeLink, failed: RunEvent | None = None, now_only: bool = False) -> bool:
+    def _fail_over(
+        self,
+        run: Run,
+        old: NodeLink,
+        failed: RunEvent | None = None,
+        now_only: bool = False,
+        awaited_back: bool = False,
+    ) -> bool:
         """Move a run that has produced no event yet off ``old`` (lost, or not
         starting runs), at most once: to a node with a free slot now, else it
         waits for one ahead of the queue. Never to a draining node (it takes no
@@ -565,21 +576,27 @@ class RunService:
         ``old`` ``failed`` at once (that error event) waits as a queued
         request does, within the queue's size and timeout, then ends with that
         error (it waited for its silence, 120 s); with ``now_only``, it moves only
-        to a node with a free slot now. False if it does not move."""
+        to a node with a free slot now. False if it does not move. ``awaited_back``: ``old`` was
+        lost, and may link again: with no other node serving the model, the run waits for it
+        :data:`LOST_GRACE_S` as the requests queued behind it do (it was a 503 at once while
+        they waited and were served by the node back: an outside re-check)."""
         if run.events_seen or run.failed_over or run.finished or run.request is None:
             return False
         model = run.want.model
-        if not self._taken_elsewhere(run, old):
+        back = awaited_back and failed is None and not self._serving(model)
+        if not back and not self._taken_elsewhere(run, old):
             return False
         moved = self._moved[model]
-        link = None if moved else self._pick(run.want, exclude=old, healthy=True)
+        link = None if moved or back else self._pick(run.want, exclude=old, healthy=True)
         if link is None and now_only:
             return False
         if link is None:  # it waits for a slot, within the queue's timeout (then: its node's error, or a 502)
             max_queue, timeout_ms = self._queue_bounds(model)
             if failed is not None and len(moved) + len(self._queues.get(model) or ()) >= max_queue:
                 return False
-            run.held_error, run.move_until = failed, trio.current_time() + timeout_ms / 1000
+            wait = min(timeout_ms / 1000, LOST_GRACE_S) if back else timeout_ms / 1000
+            run.unserved = back  # (none linked within the grace: the 503 a queued request gets)
+            run.held_error, run.move_until = failed, trio.current_time() + wait
             if run.timer is not None:  # (sooner than it was due)
                 self.timers.discard(run)
                 self.timers.add(run)
@@ -628,6 +645,20 @@ class RunService:
                     waiter.event.set()
             elif waiter.scope is not None:
                 waiter.scope.deadline = waiter.deadline
+
+    def _given_up(self, link: NodeLink) -> None:
+        """``link``'s node left serving models no other serves, which its requests wait for it
+        to serve again, and it is back without some of them: those waits end now, with a 503
+        that says so (they waited out the grace for a 503 that said no node had linked: an
+        outside re-check)."""
+        drained = self._drained
+        for model in [m for m, left in drained.items() if left[2] == link.node_id and m not in link.models]:
+            del drained[model]
+            for queue in (self._queues.get(model), self._moved.get(model)):
+                for waiter in list(queue or ()):
+                    if self._end_wait(queue, waiter, NODE_DISCONNECTED, NODE_LOST):
+                        waiter.gone = "without"
+                        waiter.event.set()
 
     def _awaits_restart(self, model: str) -> bool:
         """``model``'s last node drained and left within its queue timeout, or was lost within
@@ -1351,6 +1382,8 @@ class RunService:
             )
         if waiter.gone == "drained":
             raise errors.no_node(model, f"The last node serving `{model}` drained and left while this request waited.")
+        if waiter.gone == "without":
+            raise errors.no_node(model, f"The last node serving `{model}` linked again without it.")
         if waiter.gone:
             raise errors.no_node(model)
         serving = self._serving(model)
