@@ -88,7 +88,7 @@ RESETS_PER_S = 100  # ... and then this many a second
 # Frames that ask nothing of the app (PING acks, WINDOW_UPDATE, SETTINGS, PRIORITY, unknown
 # types): one connection's flood of PING acks took the edge's CPU to 100% and an honest
 # client's p50 from 60 to 530 ms (four: 4.0 s). An honest client sends a window update per
-# 32 KiB or so it reads; past this budget the connection gets GOAWAY ENHANCE_YOUR_CALM. The
+# 32 KiB or so it reads (free: FREE_CREDIT); past this budget the connection gets GOAWAY ENHANCE_YOUR_CALM. The
 # burst is what a new connection may spend at once: a client reconnecting to spend it again
 # costs the edge ~3 ms a connection (at 2,000, a flood of WINDOW_UPDATE: 14 ms).
 CONTROL_BURST = 500
@@ -112,7 +112,12 @@ SMALL_DATA = 1024
 # at once and then this many a second (one connection fed 100 streams a byte a frame: a core).
 PIECES_BURST = 65_536
 PIECES_PER_S = 16_384
-_CONTROL = (WindowUpdateFrame, PriorityFrame, ExtensionFrame, AltSvcFrame, ContinuationFrame, GoAwayFrame)
+_CONTROL = (PriorityFrame, ExtensionFrame, AltSvcFrame, ContinuationFrame, GoAwayFrame)
+# A WINDOW_UPDATE that gives back credit the edge's data used (its window back to no more than
+# it was, by this much or more) is free: an honest client sends one per 32 KiB or so it reads,
+# and one reading 21 MB/s got ENHANCE_YOUR_CALM (an outside re-check). Others cost one: tiny
+# ones, or credit past any the window had (a client raising its window pays once).
+FREE_CREDIT = 1024
 
 
 class _Calm(h2.exceptions.ProtocolError):
@@ -235,6 +240,7 @@ def _within_budget(connection: h2.connection.H2Connection):
     resets = _Bucket(RESET_BURST, RESETS_PER_S)
     control = _Bucket(CONTROL_BURST, CONTROL_PER_S)
     pieces = _Bucket(PIECES_BURST, PIECES_PER_S)
+    window = [connection.outbound_flow_control_window]  # the connection's largest window so far
 
     def receive(frame):
         kind = type(frame)
@@ -251,6 +257,8 @@ def _within_budget(connection: h2.connection.H2Connection):
             cost = 1 if "ACK" in frame.flags else SETTINGS_COST + len(frame.settings)
         elif kind is PingFrame:
             cost = PING_COST
+        elif kind is WindowUpdateFrame:
+            cost = _credit_cost(frame, connection, window)
         elif kind in _CONTROL:
             cost = 1
         else:
@@ -260,6 +268,23 @@ def _within_budget(connection: h2.connection.H2Connection):
         return receive_frame(frame)
 
     return receive
+
+
+def _credit_cost(frame: WindowUpdateFrame, connection: h2.connection.H2Connection, window: list[int]) -> int:
+    """What a WINDOW_UPDATE costs the control budget: nothing when it gives back :data:`FREE_CREDIT`
+    or more of the credit the edge's data used (the connection's window back to no more than its
+    largest, ``window[0]``; a stream's to no more than the initial window the client set), else 1."""
+    increment = frame.window_increment
+    if frame.stream_id == 0:
+        after = connection.outbound_flow_control_window + increment
+        if increment >= FREE_CREDIT and after <= window[0]:
+            return 0
+        window[0] = max(window[0], after)
+        return 1
+    stream = connection.streams.get(frame.stream_id)
+    if stream is None or increment < FREE_CREDIT:
+        return 1
+    return int(stream.outbound_flow_control_window + increment > connection.remote_settings.initial_window_size)
 
 
 def _stream_budget(frame, kind: type, connection: h2.connection.H2Connection, control: _Bucket, pieces: _Bucket):

@@ -780,7 +780,14 @@ BIG_SETTINGS = b"\x00\x3f\xfc\x04\x00\x00\x00\x00\x00" + b"".join(
 )
 
 
-@pytest.mark.parametrize(("frame", "count"), [(PING_ACK, 2_000), (BIG_SETTINGS, 40)])
+# WINDOW_UPDATEs of stream 0 giving credit no data used: a byte each, or 1 MiB each
+CREDIT_1 = b"\x00\x00\x04\x08\x00\x00\x00\x00\x00" + (1).to_bytes(4, "big")
+CREDIT_1M = b"\x00\x00\x04\x08\x00\x00\x00\x00\x00" + (1 << 20).to_bytes(4, "big")
+
+
+@pytest.mark.parametrize(
+    ("frame", "count"), [(PING_ACK, 2_000), (BIG_SETTINGS, 40), (CREDIT_1, 2_000), (CREDIT_1M, 1_900)]
+)
 async def test_an_http2_client_flooding_frames_the_app_never_sees_loses_its_connection(
     nursery, tmp_path, upstream, frame, count
 ):
@@ -842,6 +849,38 @@ async def test_an_http2_flood_in_one_read_is_stopped_at_the_frame_past_the_budge
     assert acks <= CONTROL_BURST // SETTINGS_COST + 2, acks
     async with http(edge) as client:
         assert (await client.post("/v1/chat/completions", json={**STREAM, "stream": False})).status_code == 200
+
+
+async def test_an_http2_client_reading_fast_is_no_flood(nursery, upstream):
+    """A client that gives back the credit of what it reads, as the h2 library does (here with
+    stream windows of 8 KiB: an update every 4 KiB or so), sends WINDOW_UPDATE frames as fast
+    as it reads: they cost the control budget, and one reading 21 MB/s got GOAWAY
+    ENHANCE_YOUR_CALM mid-answer (an outside re-check). Credit given back for data sent is
+    free: its 16 MiB answer comes whole."""
+    edge = await start_edge(nursery, edge_config())
+    await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
+    upstream.script_for("t", [("raw", b"z" * 262_144)] * 64)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    body = msgspec.json.encode({"model": "m", "prompt": "x", "stream": True})
+    got, ended = 0, None
+    with trio.fail_after(BOUND):
+        sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        h2c.initiate_connection()
+        h2c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 8192})
+        headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"), (":authority", "x")]
+        h2c.send_headers(1, [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))])
+        h2c.send_data(1, body, end_stream=True)
+        await sock.send_all(h2c.data_to_send())
+        while ended is None and (data := await sock.receive_some(65536)):
+            for event in h2c.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    got += len(event.data)
+                    h2c.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    ended = type(event).__name__
+            await sock.send_all(h2c.data_to_send())
+        await sock.aclose()
+    assert (ended, got) == ("StreamEnded", 64 * 262_144)
 
 
 def _h2_frame(kind: int, flags: int, payload: bytes) -> bytes:
