@@ -229,8 +229,10 @@ async def test_node_lost_before_the_first_event_with_no_node_left_is_a_503_to_re
     """A node lost before the first event, with no other node serving the model, is an HTTP
     error, not a stream that ends in one: the README's 503 `no_node_available` with
     `Retry-After: 1` (a retry may find the node linked again). It was a 502
-    `node_disconnected` (an outside audit), streamed or not, on every API."""
-    edge = await start_edge(nursery)
+    `node_disconnected` (an outside audit), streamed or not, on every API. (After LOST_GRACE_S,
+    5 s, waiting for the node to link again: within the default keepalive_s, 10 s, before a
+    stream commits.)"""
+    edge = await start_edge(nursery, edge_config(keepalive_s=10))
     node = await start_node(nursery, edge, [model("m", upstream, target="t")])
     upstream.script_for("t", [("hang",)])
     caught: list[openai.APIStatusError] = []

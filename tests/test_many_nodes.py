@@ -318,7 +318,7 @@ async def test_a_tunnelled_request_whose_only_node_dies_first_is_a_503_to_retry(
     was a 502 `provider_tunnel_error`); streamed too, its provider's head already sent (the
     head went to the client at once, and the stream was cut with no body: an outside re-audit)."""
     upstream.script_for("t", [("hang",)])
-    edge = await start_edge(nursery)
+    edge = await start_edge(nursery, edge_config(keepalive_s=10))  # (the default: past LOST_GRACE_S)
     node = await start_node(nursery, edge, [model("m", upstream, target="t", passthrough=True)])
 
     async def lose_the_node():
