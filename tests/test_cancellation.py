@@ -591,6 +591,23 @@ async def test_an_http2_client_gone_with_a_zero_window_leaves_no_run(nursery, tm
         await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
 
 
+async def _h2_tunnelled(url: str, cafile) -> tuple[trio.SSLStream, h2.connection.H2Connection]:
+    """An HTTP/2 connection to the TLS edge at ``url`` that has asked for a streamed passthrough
+    ``/v1/completions`` of `m` on stream 1: the stream and its h2 state."""
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    body = msgspec.json.encode({"model": "m", "prompt": "x", "stream": True})
+    stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+    h2c.initiate_connection()
+    headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "https"), (":authority", host)]
+    h2c.send_headers(1, [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))])
+    h2c.send_data(1, body, end_stream=True)
+    await stream.send_all(h2c.data_to_send())
+    return stream, h2c
+
+
 async def test_an_http2_stream_given_no_credit_holds_its_tunnel_not_the_edges_memory(nursery, tmp_path, upstream):
     """Over HTTP/2, a client that reads its socket but gives a passthrough answer no more
     flow-control credit: hypercorn's stream buffer let every write through once the stream's
@@ -603,20 +620,10 @@ async def test_an_http2_stream_given_no_credit_holds_its_tunnel_not_the_edges_me
     url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream, passthrough=True, write_timeout_s=60)
     piece = b"x" * 262_144
     upstream.script_for("m-target", [("raw", piece)] * 96)  # 24 MiB
-    host, port = url.removeprefix("https://").split(":")
-    context = ssl.create_default_context(cafile=str(cafile))
-    context.set_alpn_protocols(["h2"])
-    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    body = msgspec.json.encode({"model": "m", "prompt": "x", "stream": True})
     runs = edge_of(app).runs
     got = 0
     with trio.fail_after(BOUND):
-        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
-        h2c.initiate_connection()
-        headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "https"), (":authority", host)]
-        h2c.send_headers(1, [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))])
-        h2c.send_data(1, body, end_stream=True)
-        await stream.send_all(h2c.data_to_send())
+        stream, h2c = await _h2_tunnelled(url, cafile)
         async with trio.open_nursery() as reading:
 
             async def read() -> None:  # the socket, all along; the stream's credit, never
@@ -645,19 +652,9 @@ async def test_an_http2_stream_read_slowly_is_not_cut_while_it_progresses(nurser
     comes, not a reset."""
     url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream, passthrough=True, write_timeout_s=0.5)
     upstream.script_for("m-target", [("raw", b"y" * 65_536)] * 16)  # 1 MiB, at once
-    host, port = url.removeprefix("https://").split(":")
-    context = ssl.create_default_context(cafile=str(cafile))
-    context.set_alpn_protocols(["h2"])
-    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    body = msgspec.json.encode({"model": "m", "prompt": "x", "stream": True})
     got, owed, ended = 0, 0, None
     with trio.fail_after(BOUND):
-        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
-        h2c.initiate_connection()
-        headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "https"), (":authority", host)]
-        h2c.send_headers(1, [*headers, ("content-type", "application/json"), ("content-length", str(len(body)))])
-        h2c.send_data(1, body, end_stream=True)
-        await stream.send_all(h2c.data_to_send())
+        stream, h2c = await _h2_tunnelled(url, cafile)
         async with trio.open_nursery() as reading:
 
             async def credit() -> None:
