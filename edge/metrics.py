@@ -7,10 +7,15 @@ under the ``iop_`` prefix. Nothing here is touched per chunk: runs are
 observed once, when they close.
 
 A ``model`` label is a name from the config's ``[[models]]`` or one some
-linked node has advertised, the first :data:`MAX_MODEL_LABELS` of those for
-the edge's life; any other name is counted under ``"other"``
-(:data:`OTHER_MODEL`), so neither names a client invents nor a node that
-links again and again with new ones can grow the series.
+linked node has advertised, at most :data:`MAX_MODEL_LABELS` of those at
+once; any other name is counted under ``"other"`` (:data:`OTHER_MODEL`), so
+neither names a client invents nor a node that links again and again with
+new ones can grow the series. Once that many are labelled, a model a linked
+node serves takes the label of one no linked node serves any more (whose
+series are removed): the first 256 names seen held the labels for the
+edge's life, and a node that had advertised 256 made-up ones, or a year of
+model versions, left every model linked later counted as ``other`` (an
+outside audit).
 An ``api`` label is the front door the request came through (its route's
 ``api``: chat, completions, embeddings, messages, responses), never a
 client's string; a run carries its request's (``Run.api``).
@@ -25,6 +30,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 from edge.runs import Run, RunService
 from edge.runs.service import PLACEMENTS
@@ -46,7 +52,9 @@ class EdgeMetrics:
     def __init__(self, runs: RunService, edge: Any = None) -> None:
         self._runs = runs
         self._configured = frozenset(m.name for m in runs.config.models)
-        self._labelled: set[str] = set()  # advertised names with a label of their own (MAX_MODEL_LABELS)
+        # Advertised names with a label of their own (MAX_MODEL_LABELS), oldest first
+        self._labelled: dict[str, None] = {}
+        self._served: tuple[int, frozenset[str]] = (-1, frozenset())  # (models_version, the models served)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -185,6 +193,11 @@ class EdgeMetrics:
             self.large_requests.set_function(lambda: edge.large_requests.held)
             r.register(_KeyCollector(edge))
             r.register(_StateCollector(edge))
+        self._by_model = [
+            metric
+            for metric in vars(self).values()
+            if isinstance(metric, MetricWrapperBase) and "model" in metric._labelnames  # noqa: SLF001
+        ]
         runs.on_placed.append(self.observe_placement)
         runs.on_run_closed.append(self.observe_run)
         runs.on_queue_wait.append(self.observe_queue_wait)
@@ -203,15 +216,33 @@ class EdgeMetrics:
             return model
         if not self._runs.is_known(model):
             return OTHER_MODEL
-        if len(labelled) >= MAX_MODEL_LABELS:
+        if len(labelled) >= MAX_MODEL_LABELS and not self._make_room(model):
             return OTHER_MODEL
-        labelled.add(model)
+        labelled[model] = None
         if len(labelled) == MAX_MODEL_LABELS:
             log.warning(
                 "metrics: model names nodes advertised now have their most labels; the next are counted as other",
                 labels=MAX_MODEL_LABELS,
             )
         return model
+
+    def _make_room(self, model: str) -> bool:
+        """The labels are all taken: if a linked node serves ``model``, the oldest label of a
+        name no linked node serves is given up (its series removed) and True."""
+        runs = self._runs
+        version, served = self._served
+        if version != runs.models_version:
+            served = frozenset(name for link in list(runs.links.values()) for name in link.models)
+            self._served = (runs.models_version, served)
+        if model not in served:
+            return False
+        for old in self._labelled:
+            if old not in served:
+                del self._labelled[old]
+                for metric in self._by_model:
+                    metric.remove_by_labels({"model": old})
+                return True
+        return False
 
     def observe_placement(self, how: str, blocks: int) -> None:
         self.placements.labels(how).inc()

@@ -319,8 +319,10 @@ async def test_a_node_answering_every_run_with_an_empty_delta_is_routed_around(n
 async def test_nodes_relinking_with_new_model_names_do_not_grow_metrics(nursery):
     """A node that links again and again, each time with new model names (a client asking
     for each), added series to /metrics for every name, for the edge's life. A configured
-    model and the first MAX_MODEL_LABELS advertised names keep labels of their own; the rest
-    are counted under "other"."""
+    model and MAX_MODEL_LABELS advertised names keep labels of their own; the rest are counted
+    under "other". But a model a node links with later takes the label of one no node serves
+    any more (the oldest), whose series go: the first names held the labels for the edge's life,
+    and every model linked after them was "other" (an outside audit)."""
     edge = await start_edge(nursery, edge_config(models=[{"name": "configured"}]))
     rounds, per_round = 3, 150
     with trio.fail_after(BOUND * 2):
@@ -361,6 +363,16 @@ async def test_nodes_relinking_with_new_model_names_do_not_grow_metrics(nursery)
         f'iop_requests_total{{api="chat",model="other",outcome="rejected_503"}} {rounds * per_round - MAX_MODEL_LABELS}.0'
         in text
     )
+    node = await start_node(nursery, edge, [model("fresh")], node_id="later")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            assert (await client.post("/v1/chat/completions", json={**ASK, "model": "fresh"})).status_code == 200
+            text = (await client.get("/metrics")).text
+    labels = set(re.findall(r'iop_requests_total\{api="chat",model="([^"]+)"', text))
+    assert "fresh" in labels and "r0-0" not in labels and "r0-1" in labels
+    assert len(labels - {"configured", "other"}) == MAX_MODEL_LABELS
+    assert 'iop_runs_ended_total{api="chat",cause="complete",model="fresh"} 1.0' in text
+    await settled(edge, node.agent)
 
 
 async def test_a_node_of_many_models_costs_one_short_line_and_no_wake_per_model(nursery, monkeypatch):
