@@ -587,8 +587,11 @@ async def test_bad_input_is_a_400_naming_the_field(edge_up):
         async with http(edge) as client:
             r = await client.post("/v1/responses", json={"model": "m", "input": [{"role": "robot", "content": "x"}]})
             empty = await client.post("/v1/responses", json={"model": "m", "input": []})
+            # an integer past 64 bits in a field the edge does not read (it was a 200: an outside audit)
+            huge = await client.post("/v1/responses", json={"model": "m", "input": "hi", "zz": 2**64})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "integer_out_of_range", huge.text
     assert isinstance(r, httpx.Response)
 
 
