@@ -23,6 +23,7 @@ from tests.conftest import (
     http,
     model,
     raw_post,
+    requests_counted,
     sdk,
     settled,
     sse_events,
@@ -648,6 +649,29 @@ async def test_a_passthrough_answer_far_ahead_of_a_slow_client_is_held_on_its_no
         rest = rest[line_end + 4 + size :]
     assert answer == big, (len(answer), len(big))
     assert most.most < 12 * 1024 * 1024, most.most
+
+
+async def test_a_passthrough_answer_far_ahead_of_a_slow_client_of_a_node_that_cannot_hold_is_the_clients(tunnel):
+    """A node that takes no `hold` frames (one from before them) relays its provider's answer
+    as fast as it comes; past 32 MiB waiting for a client that reads, slowly, the run is cut.
+    It was labelled `output_too_large`, the node's fault ("the node sent more than ... events
+    faster than the edge could send them"), where the client is the one behind: it is a slow
+    client's cut."""
+    edge, upstream = tunnel
+    big = b'{"object": "text_completion", "choices": [{"text": "' + b"0.125," * 12_000_000 + b'"}]}'  # 72 MB
+    upstream.script_for("emb-target", [("status", 200, big)])
+    for link in edge.edge.runs.links.values():
+        link.holds_tunnels = False  # (as a node's hello from before holds says)
+    got = 0
+    with trio.fail_after(BOUND):
+        stream = await raw_post(edge, "/v1/completions", b'{"model": "emb", "prompt": "a"}', 65536)
+        while data := await stream.receive_some(65536):
+            got += len(data)
+            await trio.sleep(0.01)  # (6 MB a second at most: far slower than the node sends)
+        await stream.aclose()
+    assert got < len(big)
+    await eventually(lambda: requests_counted(edge.edge, "completions"), "the request counted")
+    assert requests_counted(edge.edge, "completions") == {"slow_client": 1}
 
 
 async def test_passthrough_returns_the_providers_request_id(tunnel):
