@@ -42,6 +42,11 @@ A write now waits for the buffer to drain below its low water mark, and each
 pop that sends bytes starts the write timeout again (a slow reader's write is
 not cut while it progresses).
 
+And a client's priorities are ignored (a chain of PRIORITY frames made hypercorn's
+priority tree recurse past Python's limit), a request without `:path` (a CONNECT) is
+refused alone (it raised in hypercorn and ended the connection), and a header block
+is at most :data:`MAX_HEADER_BLOCK` bytes (h2 kept 1 MiB of one a connection).
+
 The budgets are spent frame by frame, as h2 parses them: checked once a read
 was parsed, a read of 64 KiB of empty SETTINGS frames was 7,281 frames parsed
 (and acknowledged) before the check, 79 ms of CPU a connection, and one client
@@ -59,6 +64,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.frame_buffer
 import structlog
 import trio
 from h2.stream import StreamState
@@ -113,6 +119,11 @@ SMALL_DATA = 1024
 PIECES_BURST = 65_536
 PIECES_PER_S = 16_384
 _CONTROL = (PriorityFrame, ExtensionFrame, AltSvcFrame, ContinuationFrame, GoAwayFrame)
+# A header block's bytes, HEADERS and its CONTINUATIONs: h2 keeps them until the block ends, and
+# caps only their count (64 frames of 16 KiB: 1 MiB a connection; 100 connections that sent such
+# blocks and closed left 122 MB the edge never gave back, an outside audit). Twice hypercorn's
+# decoded limit (h2_max_header_list_size, 64 KiB): past it the connection gets ENHANCE_YOUR_CALM.
+MAX_HEADER_BLOCK = 128 * 1024
 # A WINDOW_UPDATE that gives back credit the edge's data used (its window back to no more than
 # it was, by this much or more) is free: an honest client sends one per 32 KiB or so it reads,
 # and one reading 21 MB/s got ENHANCE_YOUR_CALM (an outside re-check). Others cost one: tiny
@@ -160,6 +171,8 @@ def install() -> None:
             raise RuntimeError("hypercorn's H2Protocol.streams is not the dict edge.h2_streams was written for")
         self.streams = _Streams(self.streams)
         self.connection._receive_frame = _within_budget(self.connection)  # noqa: SLF001
+        frames = self.connection.incoming_buffer
+        frames._update_header_buffer = _bounded_blocks(frames)  # noqa: SLF001
 
     __init__.iop_streams = True  # type: ignore[attr-defined]
     H2Protocol.__init__ = __init__  # type: ignore[method-assign]
@@ -193,6 +206,32 @@ def install() -> None:
 
     H2Protocol.stream_send = stream_send_within  # type: ignore[method-assign]
     StreamBuffer.pop = _pop  # type: ignore[method-assign]
+    H2Protocol._priority_updated = _priority_ignored  # type: ignore[method-assign]  # noqa: SLF001
+    create_stream = H2Protocol._create_stream  # noqa: SLF001
+
+    async def create_stream_with_a_path(self, request: h2.events.RequestReceived) -> None:
+        # A request without `:path` (a CONNECT, as RFC 9113 8.5 allows) raised in hypercorn
+        # (UnboundLocalError) and ended the whole connection, its other streams cut with no
+        # error (an outside audit): it is refused alone, RST_STREAM.
+        if not any(name == b":path" for name, _ in request.headers):
+            log.info("stream refused: a request without a path", stream_id=request.stream_id)
+            try:
+                self.connection.reset_stream(request.stream_id, error_code=h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            except h2.exceptions.H2Error:
+                pass
+            await self._flush()  # noqa: SLF001
+            return
+        await create_stream(self, request)
+
+    H2Protocol._create_stream = create_stream_with_a_path  # type: ignore[method-assign]  # noqa: SLF001
+
+
+async def _priority_ignored(self: H2Protocol, event: h2.events.PriorityUpdated) -> None:
+    """A client's priorities are not followed (RFC 9113 deprecates them): hypercorn put every
+    stream a PRIORITY frame named into its tree, and a chain of 1,000 of them, within the control
+    budget, made the ``priority`` package recurse past Python's limit (a 113 KB traceback logged
+    a connection, 78% of the edge's CPU for eight clients; an outside audit)."""
+    return None
 
 
 async def _pop(self: StreamBuffer, max_length: int) -> bytes:
@@ -268,6 +307,21 @@ def _within_budget(connection: h2.connection.H2Connection):
         return receive_frame(frame)
 
     return receive
+
+
+def _bounded_blocks(frames: h2.frame_buffer.FrameBuffer):
+    """h2's ``FrameBuffer._update_header_buffer`` for ``frames``, which keeps a header block's
+    frames until it ends: past :data:`MAX_HEADER_BLOCK` bytes of them, ENHANCE_YOUR_CALM."""
+    update = frames._update_header_buffer  # noqa: SLF001
+
+    def bounded(frame):
+        if type(frame) is ContinuationFrame or (type(frame) is HeadersFrame and "END_HEADERS" not in frame.flags):
+            held = sum(len(f.data) for f in frames._headers_buffer)  # noqa: SLF001 (64 frames at most)
+            if held + len(frame.data) > MAX_HEADER_BLOCK:
+                raise _Calm("a header block too large")
+        return update(frame)
+
+    return bounded
 
 
 def _credit_cost(frame: WindowUpdateFrame, connection: h2.connection.H2Connection, window: list[int]) -> int:

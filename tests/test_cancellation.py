@@ -680,6 +680,37 @@ async def test_an_http2_stream_read_slowly_is_not_cut_while_it_progresses(nurser
     assert (ended, got) == ("StreamEnded", 16 * 65_536)
 
 
+@pytest.mark.parametrize("passthrough", [False, True])
+async def test_an_http2_connection_closed_with_streams_given_no_credit_cancels_their_runs(
+    nursery, upstream, passthrough
+):
+    """A client that gives its streams no flow-control credit (SETTINGS_INITIAL_WINDOW_SIZE 0),
+    opens three streamed chats of long answers, and closes its connection: none of the three
+    was cancelled (an outside audit: the model server generated every token of ten such
+    answers for a client that had left), where the same client with credit had all aborted
+    within a second. Their runs end and the model server sees the aborts, long before the write
+    timeout (30 s here)."""
+    upstream.script_for("t", lambda body: text_script(words(600), interval=0.05))
+    edge = await start_edge(nursery, edge_config(write_timeout_s=30))
+    await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=4, passthrough=passthrough)])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    body = msgspec.json.encode(STREAM)
+    with trio.fail_after(15):
+        sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        h2c.initiate_connection()
+        h2c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        for stream_id in (1, 3, 5):
+            headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
+            h2c.send_headers(stream_id, [*headers, ("content-type", "application/json")])
+            h2c.send_data(stream_id, body, end_stream=True)
+        await sock.send_all(h2c.data_to_send())
+        await upstream.wait_requests(3)
+        await trio.sleep(1.0)  # (their writes wait for credit that never comes)
+        await trio.aclose_forcefully(sock)
+        await eventually(lambda: all(r.aborted for r in upstream.records), "the model server saw three aborts")
+        await eventually(lambda: edge.edge.runs.in_flight == 0, "no run left")
+
+
 async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(nursery):
     """Two clients take both slots of a model, stream a long answer, and never read it,
     keeping their connections open: once the node has ended their runs, the slots serve
@@ -1058,3 +1089,85 @@ async def test_the_test_upstream_counts_no_abort_for_an_answer_read_whole(upstre
         for record in upstream.records:
             await record.finished.wait()
     assert len(upstream.records) == 1000 and not [r.id for r in upstream.records if r.aborted]
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+async def _h2c(edge) -> tuple[trio.SocketStream, h2.connection.H2Connection]:
+    """An HTTP/2 connection by prior knowledge to ``edge``, past its preface and settings."""
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, validate_outbound_headers=False))
+    sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+    h2c.initiate_connection()
+    await sock.send_all(h2c.data_to_send())
+    return sock, h2c
+
+
+async def test_an_http2_chain_of_priorities_is_ignored_not_a_crash(nursery):
+    """1,200 PRIORITY frames, each making an idle stream depend on the one before, sent within
+    the control budget: hypercorn put each in its priority tree, whose code recursed past
+    Python's limit (RecursionError): the connection dropped with a 113 KB traceback logged, and
+    eight such clients took 78% of the edge's CPU (an outside audit). Priorities are ignored
+    (RFC 9113 deprecates them): the connection goes on, and answers a PING."""
+    edge = await start_edge(nursery, edge_config())
+    with trio.fail_after(BOUND):
+        sock, h2c = await _h2c(edge)
+        for batch in range(3):
+            chain = b"".join(
+                _frame(0x2, 0, 2 * i + 3, (2 * i + 1).to_bytes(4, "big") + b"\x10")  # (depends on the one before)
+                for i in range(batch * 400, batch * 400 + 400)
+            )
+            await sock.send_all(chain)
+            await trio.sleep(0.45)  # (within CONTROL_PER_S)
+        h2c.ping(b"stillup!")
+        await sock.send_all(h2c.data_to_send())
+        acked = False
+        while not acked and (data := await sock.receive_some(65536)):
+            acked = any(isinstance(e, h2.events.PingAckReceived) for e in h2c.receive_data(data))
+        await sock.aclose()
+    assert acked
+
+
+async def test_an_http2_connect_request_is_refused_alone(nursery):
+    """A CONNECT request (`:method` and `:authority` only, as RFC 9113 allows) raised in hypercorn
+    and ended the whole connection: a streamed answer on another stream was cut with no error and
+    no [DONE] (an outside audit). The CONNECT stream is reset; the answer comes whole."""
+    edge = await start_edge(nursery, edge_config())
+    await start_node(nursery, edge, [model("m", ttft_ms=0, tokens_per_s=200)])
+    body = msgspec.json.encode({**STREAM, "max_tokens": 60})
+    got, reset = b"", []
+    with trio.fail_after(BOUND):
+        sock, h2c = await _h2c(edge)
+        headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
+        h2c.send_headers(1, headers)
+        h2c.send_data(1, body, end_stream=True)
+        h2c.send_headers(3, [(":method", "CONNECT"), (":authority", "example.com:443")])
+        await sock.send_all(h2c.data_to_send())
+        ended = False
+        while not ended and (data := await sock.receive_some(65536)):
+            for event in h2c.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    got += event.data
+                    h2c.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamReset):
+                    reset.append(event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded) and event.stream_id == 1:
+                    ended = True
+            await sock.send_all(h2c.data_to_send())
+        await sock.aclose()
+    assert reset == [3] and got.endswith(b"data: [DONE]\n\n"), (reset, got[-200:])
+
+
+async def test_an_http2_header_block_past_128_kib_ends_the_connection(nursery):
+    """HEADERS and CONTINUATION frames of 16 KiB with no END_HEADERS: h2 keeps them all until
+    the block ends, and caps only their count (64: 1 MiB a connection; 100 connections that did
+    so and closed left the edge 122 MB larger, for good: an outside audit). Past 128 KiB of a
+    block the connection gets GOAWAY ENHANCE_YOUR_CALM."""
+    edge = await start_edge(nursery, edge_config())
+    piece = b"\x00" * 16_384
+    with trio.fail_after(BOUND):
+        sock, h2c = await _h2c(edge)
+        blocks = _frame(0x1, 0x0, 1, piece) + b"".join(_frame(0x9, 0x0, 1, piece) for _ in range(10))
+        ended = await _flood(sock, h2c, blocks, 1)
+    assert ended == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, ended
