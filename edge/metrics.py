@@ -55,6 +55,7 @@ class EdgeMetrics:
         # Advertised names with a label of their own (MAX_MODEL_LABELS), oldest first
         self._labelled: dict[str, None] = {}
         self._served: tuple[int, frozenset[str]] = (-1, frozenset())  # (models_version, the models served)
+        self._no_room_at = -1  # the models_version at which every label was of a model served
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -230,6 +231,8 @@ class EdgeMetrics:
         """The labels are all taken: if a linked node serves ``model``, the oldest label of a
         name no linked node serves is given up (its series removed) and True."""
         runs = self._runs
+        if self._no_room_at == runs.models_version:  # (a request of an unlabelled model: no scan each)
+            return False
         version, served = self._served
         if version != runs.models_version:
             served = frozenset(name for link in list(runs.links.values()) for name in link.models)
@@ -242,6 +245,7 @@ class EdgeMetrics:
                 for metric in self._by_model:
                     metric.remove_by_labels({"model": old})
                 return True
+        self._no_room_at = runs.models_version
         return False
 
     def observe_placement(self, how: str, blocks: int) -> None:
