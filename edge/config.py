@@ -234,6 +234,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             if name_problem(k.id, 64) or k.id in ids:  # shown in the console, logs and metrics
                 raise ConfigError(f"keys[{i}].id: 1 to 64 characters of printable ASCII, no space, unique")
             ids.add(k.id)
+            if k.id.startswith("api_keys["):  # (the plain keys' ids: one would take the other's place)
+                raise ConfigError(f"keys[{i}].id: {k.id!r} is reserved (api_keys[N] names the plain api_keys)")
             if bool(k.key) == bool(k.key_sha256):
                 raise ConfigError(f"keys[{i}]: give key or key_sha256 (one of them)")
             if k.key_sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", k.key_sha256):

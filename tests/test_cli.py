@@ -38,6 +38,11 @@ IOP = [sys.executable, "-m", "iop.cli"]
         ("edge", {"drain_grace_s": -1}, "drain_grace_s: must not be negative"),
         ("edge", {"ping_misses": 1}, "ping_misses: must be at least 2"),
         ("edge", {"keys": [{"id": "a\u202eb", "key": "sk-x"}]}, "keys[0].id: 1 to 64 characters of printable ASCII"),
+        (  # (it took the plain key's place: sk-plain was refused, unsaid)
+            "edge",
+            {"api_keys": ["sk-plain"], "keys": [{"id": "api_keys[0]", "key": "sk-other"}]},
+            "keys[0].id: 'api_keys[0]' is reserved",
+        ),
         ("edge", {"max_frame_bytes": 1}, "max_frame_bytes: at least 65536"),
         ("edge", {"backlog": 9223372036854775807}, "backlog: between 1 and 65535"),
         ("edge", {"ledger": "mysql://x"}, "ledger: a SQLite path"),
