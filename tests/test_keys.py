@@ -724,6 +724,27 @@ async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_pa
     assert failed["response"]["error"]["code"] == "insufficient_quota"
 
 
+async def test_a_run_faster_than_the_budget_check_is_held_to_the_budget_as_its_output_comes(nursery, tmp_path):
+    """The runs in flight were held to a daily budget every 0.5 s only: one request of
+    max_tokens 100,000 on a model server that answers at once, on a budget of 3,000, was
+    charged 31,492 to 99,396 tokens, and a stream ran to its end, 100,001 (an outside audit).
+    A run is ended as its output comes once it takes the day 256 tokens past the budget."""
+    keys = [KeyConfig(id="fast", key="sk-fast", daily_tokens=3000), KeyConfig(id="s", key="sk-s", daily_tokens=3000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("quick", ttft_ms=0, tokens_per_s=0, sim_tokens=100_000)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-fast") as c:
+            r = await chat(c, "quick", max_tokens=100_000)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", r.text[:300]
+        async with client(edge, "sk-s") as c:
+            r = await chat(c, "quick", max_tokens=100_000, stream=True)
+            assert r.status_code == 200 and '"code":"insufficient_quota"' in r.text[-400:], r.text[-400:]
+        for key_id in ("fast", "s"):
+            key = edge.edge.keys.by_id[key_id]
+            await eventually(lambda key=key: key.in_flight == 0, "settled")
+            assert 3256 < key.day_used < 4000, (key_id, key.day_used)
+
+
 async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nursery, tmp_path, upstream):
     """A node sends a native tool call whole at its end, and its pieces were not counted while
     they streamed: 4 streams of 3,000-token file writes on a 5,000-token budget spent 12,020

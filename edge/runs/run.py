@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from edge.keys import NO_BUDGET_ROOM
 from proto import Hold, RunEvent, TunnelFrame
 from proto.frames import DELTA, ERROR, PROGRESS, PROGRESS_S, REASONING_DELTA, TERMINAL_TYPES
 
@@ -158,6 +159,8 @@ class Run:
         "first_event_at",
         "events_seen",
         "deltas_seen",
+        "budget_room",
+        "budget_check",
         "finished",
         "closed",
         "cause",
@@ -224,6 +227,10 @@ class Run:
         self.first_event_at: float | None = None
         self.events_seen = 0
         self.deltas_seen = 0  # model-server text deltas in the events seen (a node joins those read together)
+        # A key's daily budget (edge.keys.Lease.follow): past this many deltas and tool-call
+        # pieces, budget_check holds the run to it (and ends it past the budget).
+        self.budget_room = NO_BUDGET_ROOM
+        self.budget_check: Callable[[], object] | None = None
         self.finished = False  # a terminal event is queued: nothing more will arrive
         self.closed = False
         self.cause: str | None = None
@@ -298,12 +305,16 @@ class Run:
             self.slot.link.stray(now)
             return
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
+        if self.deltas_seen + self.progress_parts > self.budget_room and not self.finished:
+            self.budget_check()
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
         """A tunnel frame (passthrough runs): ``end`` and ``error`` end the run."""
         if frame.kind == "body":  # a streamed answer's SSE events: its "tokens so far" (the console's)
             self.deltas_seen += frame.body.count(b"data:")
         self._push(frame, frame.kind in ("end", "error"), frame.kind == "end", now)
+        if self.deltas_seen > self.budget_room and not self.finished:
+            self.budget_check()
 
     def _progress(self, now: float, parts: int) -> None:
         """The node's model server is streaming a tool call (no output yet): the run is
@@ -318,6 +329,8 @@ class Run:
                 self.slot.link.started(self.id, now, True, self.slot.model, prompt_tokens(self))
         self.progress_at = now
         self.progress_parts += min(parts, MAX_PROGRESS_PARTS)
+        if self.deltas_seen + self.progress_parts > self.budget_room:
+            self.budget_check()
 
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
