@@ -435,6 +435,42 @@ async def test_a_burst_at_one_edge_waits_for_the_grant_another_edge_leaves_idle(
     await settled(second, node.agent)
 
 
+async def test_a_node_grants_no_edge_for_requests_it_cannot_run(nursery, upstream):
+    """Two edges, a small node (4 slots, a context window of 2,000) and a large one (2 slots,
+    100,000). Long prompts queued at one edge, which only the large node can run, counted in
+    the demand it reported to the small node: the small node granted that edge 2 of its 4
+    slots, idle, while the other edge's short requests queued (an outside audit: 16 requests
+    took 12.3 s against 6.2 s). The demand counts what the node may run: all 4 go to the
+    edge whose requests fit."""
+    upstream.script_for("t", [("hang",)])
+    upstream.script_for("big", [("hang",)])
+    first = await start_edge(nursery, edge_config(max_queue=100))
+    second = await start_edge(nursery, edge_config(max_queue=100))
+    small = model("m", upstream, target="t", max_concurrency=4, context_window=2000)
+    await start_node(nursery, [first, second], [small])
+    large = model("m", upstream, target="big", max_concurrency=2, context_window=100_000)
+    await start_node(nursery, [first, second], [large], node_id="n2")
+    await eventually(lambda: "n2" in first.edge.runs.links and "n2" in second.edge.runs.links)
+    long_prompt = [{"role": "user", "content": "word " * 5000}]  # (about 6,000 tokens: the large node only)
+    with trio.fail_after(BOUND):
+        async with (
+            http(first, limits=httpx.Limits(max_connections=10)) as c1,
+            http(second, limits=httpx.Limits(max_connections=10)) as c2,
+            trio.open_nursery() as clients,
+        ):
+            for _ in range(4):
+                clients.start_soon(
+                    lambda: c1.post("/v1/chat/completions", json={"model": "m", "messages": long_prompt})
+                )
+            await eventually(lambda: first.edge.runs.queue_depth("m") == 2 and upstream.active == 2)
+            for _ in range(4):
+                clients.start_soon(lambda: c2.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+            await eventually(lambda: upstream.active == 6)  # (before: 4, the small node's grant split 2 and 2)
+            assert grant(second) == 4 and grant(first) == 0
+            assert first.edge.runs.queue_depth("m") == 2
+            clients.cancel_scope.cancel()
+
+
 async def test_a_single_edge_keeps_the_full_capacity(nursery, upstream):
     """One edge and one node: the edge's grant is the node's whole max_concurrency, used at once."""
     upstream.script_for("t", [("hang",)])

@@ -136,6 +136,14 @@ class Want(msgspec.Struct, frozen=True):
         return not (self.min_context and info.context_window and info.context_window < self.min_context)
 
 
+def _fits_all(need: list, link: NodeLink, info: ModelInfo) -> bool:
+    """``link`` (serving the model as ``info``) fits a queue's widest ``need`` (_queued)."""
+    min_context, tunnel, frame_bytes = need
+    if tunnel and not info.passthrough or frame_bytes > link.frame_limit:
+        return False
+    return not (min_context and info.context_window and info.context_window < min_context)
+
+
 def _granted_elsewhere(serving: list[NodeLink], model: str) -> int:
     """Slots of ``model`` on ``serving`` (not draining) that the nodes have granted other edges, not
     this one: ones those edges leave unused move here about 10 ms after this edge's queue says it
@@ -356,6 +364,10 @@ class RunService:
         self.on_prefix_wait: list[Callable[[bool], None]] = []
         # Per model: queued requests waiting for one node (its prefix's), by node id.
         self._preferring: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        # Of each model with requests queued, what the widest of them needs of a node: the largest
+        # min_context, a passthrough, the largest frame (a node that fits it fits them all; it
+        # narrows again only once the queue is empty: waiting_for).
+        self._needs: dict[str, list] = {}
         self._run_closed = trio.lowlevel.ParkingLot()
         # Unparked when a model's in-flight or queue depth may have changed:
         # each link's demand reporter (edge.link) wakes to tell its node.
@@ -392,13 +404,42 @@ class RunService:
         return depths
 
     def waiting_for(self, model: str, node_id: str) -> int:
-        """Queued requests of ``model`` that ``node_id`` may take: all but
-        those waiting for another node (the one holding their prefix)."""
+        """Queued requests of ``model`` that ``node_id`` may take (the demand its node
+        grants slots by): all but those waiting for another node (the one holding their
+        prefix) and those it does not fit (its context window, passthrough, frame limit;
+        10 long prompts only a large node could run had a small one grant this edge half
+        its slots, idle, while another edge's requests queued: an outside audit), counted
+        up to its slots of the model (a node grants no more)."""
         depth = self.queue_depth(model)
+        if not depth:
+            self._needs.pop(model, None)
+            return 0
+        link = self.links.get(node_id)
+        info = link.models.get(model) if link is not None else None
+        need = self._needs.get(model)
+        if need is not None and info is not None and not _fits_all(need, link, info):
+            taken, cap = 0, info.max_concurrency
+            for queue in (self._queues.get(model, ()), self._moved.get(model, ())):
+                for waiter in queue:
+                    if (waiter.prefer is None or waiter.prefer == node_id) and waiter.want.fits(link):
+                        taken += 1
+                        if taken >= cap:
+                            return taken
+            return taken
         counts = self._preferring.get(model)
         if not counts:
             return depth
         return depth - sum(counts.values()) + counts.get(node_id, 0)
+
+    def _queued(self, want: Want) -> None:
+        """``want`` waits in its model's queue: what the queue needs of a node widens to it."""
+        need = self._needs.get(want.model)
+        if need is None:
+            self._needs[want.model] = [want.min_context, want.tunnel, want.frame_bytes]
+        else:
+            need[0] = max(need[0], want.min_context)
+            need[1] = need[1] or want.tunnel
+            need[2] = max(need[2], want.frame_bytes)
 
     def is_known(self, model: str) -> bool:
         """``model`` is configured (``[[models]]``) or some node has advertised
@@ -610,6 +651,7 @@ class RunService:
         else:
             run.requeued = _Waiter(run.want, run)
             moved.append(run.requeued)
+            self._queued(run.want)
         why = "node_lost" if old.closed else "node_stalled"
         if failed is not None:
             why = "node_refused" if now_only else "node_failed"
@@ -1333,6 +1375,7 @@ class RunService:
         if self.config.routing == "prefix" and queue:  # (behind others: its conversation's node, if any)
             waiter.home = self._home(want, serving)
         queue.append(waiter)
+        self._queued(want)
         self._prefer(waiter, wanted)
         self._wake(model)  # a free node may fit this request though not the ones ahead of it
         deadline = waiter.deadline = now + timeout_ms / 1000
