@@ -1025,6 +1025,16 @@ async def test_duplicate_tool_use_ids_and_results_are_400s(setup):
             "Invalid value for `messages[2].content[1]`: each `tool_use` must have a single result. "
             "Found multiple `tool_result` blocks with id: t1.",
         ),
+        # (it went on as a success: the model was told a failed tool worked)
+        (
+            turns(([use("t1")], [{**result("t1"), "is_error": "yes"}])),
+            "Invalid value for `messages[2].content[0].is_error`: expected a boolean.",
+        ),
+        # (a user turn of only a thinking block was dropped: "expected `array` of length >= 1")
+        (
+            [{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}],
+            "Invalid value for `messages[0].content[0].type`: a user turn takes no `thinking` blocks.",
+        ),
     ]
     with trio.fail_after(BOUND):
         async with http(edge) as client:

@@ -184,6 +184,31 @@ async def test_function_call_round_trip(edge_up):
     assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
 
 
+async def test_a_call_id_used_twice_or_answered_twice_is_a_400(edge_up):
+    """Two `function_call` items of one `call_id`, or two outputs for one call, were a 200: the
+    model server got one assistant turn with two calls of that id and one tool message (an
+    outside audit; the Messages route refuses the same). Both are 400s, and nothing goes upstream."""
+    edge, upstream = edge_up
+    user = {"role": "user", "content": "hi"}
+
+    def call(arguments: str) -> dict:
+        return {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": arguments}
+
+    output = {"type": "function_call_output", "call_id": "c", "output": "r"}
+    refused = []
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for items in ([user, call("{}"), call('{"x": 1}'), output], [user, call("{}"), output, output]):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await client.responses.create(model="m", tools=[WEATHER], input=items)
+                refused.append(caught.value.body["message"])
+    assert refused == [
+        "Duplicate function call with call_id c: each is used once.",
+        "Duplicate function call output for call_id c: one output a call.",
+    ]
+    assert not upstream.records
+
+
 async def test_hosted_tool_types_are_left_out(edge_up):
     """`web_search`, `namespace`, `file_search` and `custom` tools never fail a request or reject a
     call: only the function tools reach the upstream."""

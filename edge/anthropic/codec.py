@@ -16,8 +16,9 @@ What the decoder does with each part of a request:
   ``x-anthropic-billing-header:`` line at its start;
 - ``text`` and ``image`` blocks (base64 or url) become content parts;
   ``tool_use`` blocks an assistant message's ``tool_calls``; ``tool_result``
-  blocks ``tool`` messages (``is_error`` marks the text); ``thinking`` and
-  ``redacted_thinking`` blocks (and server tool history) are not sent upstream;
+  blocks ``tool`` messages (``is_error``, a boolean, marks the text); an assistant
+  turn's ``thinking`` and ``redacted_thinking`` blocks (and server tool history) are
+  not sent upstream (in a user turn, a 400);
 - ``tools`` with ``input_schema`` become functions; server tools (a ``type``
   other than ``custom``) are not model tools and are left out;
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` become ``auto`` /
@@ -218,7 +219,10 @@ def _tool_result(block: dict[str, Any], param: str, images: list[dict[str, Any]]
         text = "\n".join(pieces)
     else:
         raise _bad(f"Invalid value for `{param}.content`: expected a string or blocks.", param)
-    if block.get("is_error") is True:
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):  # ("yes" told the model a failed tool succeeded)
+        raise _bad(f"Invalid value for `{param}.is_error`: expected a boolean.", f"{param}.is_error")
+    if is_error:
         text = f"[tool error] {text}"
     return text
 
@@ -307,8 +311,9 @@ def _user_messages(
             )
             if images:
                 tool_images += [tool_images_head(call_id), *images]
-        elif kind in _SKIPPED_BLOCKS:
-            continue
+        elif kind in _SKIPPED_BLOCKS:  # (an assistant's blocks: such a turn was dropped unsaid, then "expected
+            # `array` of length >= 1" for the messages a client did send; an outside audit)
+            raise _bad(f"Invalid value for `{where}.type`: a user turn takes no `{kind}` blocks.", where)
         else:
             raise _bad(f"Invalid value for `{where}.type`: this edge does not take `{kind[:64]}` blocks.", where)
     if tool_images:

@@ -330,11 +330,15 @@ def _check_calls(messages: list[dict[str, Any]]) -> None:
     answered: set[str] = set()
     for m in messages:
         for call in m.get("tool_calls") or ():
+            if call["id"] in called:  # (two calls of one id went upstream, as one assistant turn)
+                raise _bad(f"Duplicate function call with call_id {call['id'][:100]}: each is used once.", "input")
             called[call["id"]] = None
         if m["role"] == "tool":
             call_id = m["tool_call_id"]
             if call_id not in called:
                 raise _bad(f"No tool call found for function call output with call_id {call_id}.", "input")
+            if call_id in answered:
+                raise _bad(f"Duplicate function call output for call_id {call_id[:100]}: one output a call.", "input")
             answered.add(call_id)
     for call_id in called:
         if call_id not in answered:
