@@ -126,6 +126,30 @@ async def test_session_affinity_holds_across_20_requests(nursery):
     await settled(edge)
 
 
+async def test_a_sessions_overlapping_requests_stay_on_its_node_while_it_has_capacity(nursery):
+    """Under prefix routing (the default) a session left its node for the least loaded one once
+    its node ran 2 of 4 (the load gap): 4 overlapping requests of one session went 2 and 2 (an
+    outside audit of issue #5, "the same node while it has capacity"). They stay while the node
+    has a free slot and its load is below full; a fifth, the node full, goes to the other."""
+    ups = [await new_upstream(nursery), await new_upstream(nursery)]
+    for up in ups:
+        up.script_for("t", [("hang",)])
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", ups[0], target="t", max_concurrency=4)], node_id="a")
+    await start_node(nursery, edge, [model("m", ups[1], target="t", max_concurrency=4)], node_id="b")
+    body = {"model": "m", "messages": MESSAGES, "stream": True}
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            for n in range(5):
+                clients.start_soon(
+                    partial(client.post, "/v1/chat/completions", json=body, headers={"X-Session-Id": "S1"})
+                )
+                await eventually(lambda n=n: len(ups[0].records) + len(ups[1].records) == n + 1)
+            counts = sorted([len(ups[0].records), len(ups[1].records)])
+            clients.cancel_scope.cancel()
+    assert counts == [1, 4]
+
+
 async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery, upstream):
     """The edge estimates input tokens and refuses, before any node is bothered, a request no
     node's context_window can hold; a fitting request goes to a node that can, with or without

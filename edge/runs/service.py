@@ -987,8 +987,8 @@ class RunService:
           loaded (in-flight / capacity), ties broken by rendezvous hashing of
           the session (every edge picks the same node for a new session), else
           at random;
-        - ``prefix``: session affinity first, while the session's node is within
-          ``prefix_max_load_gap`` of the least loaded; then, among the nodes at most
+        - ``prefix``: session affinity first, while the session's node's load is below
+          full, or within ``prefix_max_load_gap`` of the least loaded; then, among the nodes at most
           ``prefix_max_load_gap`` busier than the least loaded, the one the
           edge sent the longest prefix of this prompt past its opening (the
           least loaded of several); with no such match, the least loaded, ties
@@ -1059,10 +1059,12 @@ class RunService:
                 return min(failing, key=lambda pair: pair[0])[1]
             return None
         limit = best_load + self.config.prefix_max_load_gap
-        if sticky is not None and sticky.load(model) <= limit:
-            # The session's node, unless its load (its model server's own, when it reports it) is
-            # past the gap: a node reporting a full engine kept every turn of its sessions while
-            # others sat idle (an outside audit; Claude Code's metadata.user_id is a session).
+        if sticky is not None and ((load := sticky.load(model)) < 1.0 or load <= limit):
+            # The session's node while it has capacity (issue #5: a session's overlapping requests
+            # went to two nodes once its own ran 2 of 4, an outside audit), by its model server's
+            # own load when it reports it: at full, unless within the gap of the least loaded (a
+            # node reporting a full engine kept every turn of its sessions while others sat idle,
+            # an outside audit; Claude Code's metadata.user_id is a session).
             self._placed = ("session", 0)
             return sticky
         if routing == "prefix":
