@@ -130,7 +130,8 @@ async def test_a_sessions_overlapping_requests_stay_on_its_node_while_it_has_cap
     """Under prefix routing (the default) a session left its node for the least loaded one once
     its node ran 2 of 4 (the load gap): 4 overlapping requests of one session went 2 and 2 (an
     outside audit of issue #5, "the same node while it has capacity"). They stay while the node
-    has a free slot and its load is below full; a fifth, the node full, goes to the other."""
+    has a free slot and its load is below full; a fifth, the node full, goes to the other, and
+    the session stays on its node (the requests after a spill followed it: an outside re-check)."""
     ups = [await new_upstream(nursery), await new_upstream(nursery)]
     for up in ups:
         up.script_for("t", [("hang",)])
@@ -146,8 +147,15 @@ async def test_a_sessions_overlapping_requests_stay_on_its_node_while_it_has_cap
                 )
                 await eventually(lambda n=n: len(ups[0].records) + len(ups[1].records) == n + 1)
             counts = sorted([len(ups[0].records), len(ups[1].records)])
+            home = ups[0] if len(ups[0].records) == 4 else ups[1]
+            clients.cancel_scope.cancel()
+        await eventually(lambda: ups[0].active == ups[1].active == 0 and edge.edge.runs.queue_depth() == 0)
+        async with http(edge) as client, trio.open_nursery() as clients:
+            clients.start_soon(partial(client.post, "/v1/chat/completions", json=body, headers={"X-Session-Id": "S1"}))
+            await eventually(lambda: len(ups[0].records) + len(ups[1].records) == 6)
             clients.cancel_scope.cancel()
     assert counts == [1, 4]
+    assert len(home.records) == 5
 
 
 async def test_prompt_too_long_for_every_node_is_context_length_exceeded(nursery, upstream):

@@ -1165,9 +1165,25 @@ class RunService:
             self.prefixes.record(prefix, link.node_id, relayed=True)
 
     def _remember_session(self, want: Want, link: NodeLink) -> None:
+        """``want``'s session is on ``link``'s node now, unless this run only spilled over
+        from the session's node, full for now (its own overlapping requests, often): the
+        session stays there (its later requests, one at a time, followed the spill to a node
+        without its cache; an outside re-check). One its node is past the load gap, routed
+        around or gone follows the run."""
         if want.session is None:
             return
         affinity = self._affinity
+        home_id = affinity.get(want.session)
+        if home_id is not None and home_id != link.node_id:
+            home = self.links.get(home_id)
+            if (
+                home is not None
+                and want.model in home.models
+                and home.free_slots(want.model) <= 0
+                and not home.draining
+                and not home.closed
+            ):
+                return
         affinity.pop(want.session, None)
         affinity[want.session] = link.node_id
         if len(affinity) > _MAX_SESSIONS:
