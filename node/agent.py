@@ -83,6 +83,10 @@ _MIN_PING_INTERVAL_S = 0.01  # an edge's ping interval of 0 must not spin the pi
 GRANT_PROBE_S = 0.5  # an edge holding grant it does not use, while another waits: looked at (pinged) this often...
 GRANT_SILENCE_S = 2.0  # ...and a ping unanswered this long, that grant is taken back (EdgeLink._watch_grants)
 _EARLY_CANCELS = 1024  # cancels remembered per link for runs not seen yet
+# Deltas one event joins at most while the outbox is busy: the edge holds a run to its key's daily
+# budget event by event (a model server answering at once joined thousands: a run went 1,000 and
+# more past its budget's bound; an outside re-check).
+JOINED_PARTS = 64
 
 
 class NodeError(Exception):
@@ -234,7 +238,12 @@ class RunSink:
         extra = len(text) if text.isascii() else 4 * len(text)
         outbox = self._outbox
         last = self._last
-        if last is not None and last.type == kind and outbox.grow(self._last_at, self._last_gen, extra):
+        if (
+            last is not None
+            and last.type == kind
+            and last.parts < JOINED_PARTS
+            and outbox.grow(self._last_at, self._last_gen, extra)
+        ):
             last.text += text  # still pending: it leaves with this text too
             last.parts = (last.parts or 1) + parts
             return outbox.has_room()

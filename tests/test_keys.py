@@ -742,7 +742,7 @@ async def test_a_run_faster_than_the_budget_check_is_held_to_the_budget_as_its_o
         for key_id in ("fast", "s"):
             key = edge.edge.keys.by_id[key_id]
             await eventually(lambda key=key: key.in_flight == 0, "settled")
-            assert 3256 < key.day_used < 4000, (key_id, key.day_used)
+            assert 3256 < key.day_used < 3400, (key_id, key.day_used)  # (+ an event of 64 deltas at most)
 
 
 async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nursery, tmp_path, upstream):

@@ -294,6 +294,22 @@ async def test_outbox_frames_stay_under_the_budget_with_any_text():
     assert isinstance(frames[0], Events)
 
 
+def test_deltas_joined_while_the_outbox_waits_are_at_most_64_an_event():
+    """Unit: deltas queued while the sender has not taken the last one join it (one event), but
+    at most JOINED_PARTS: the edge holds a run to its key's daily budget event by event, and a
+    model server answering at once had thousands joined (a run 1,000 and more past the bound)."""
+    from node.agent import JOINED_PARTS
+    from node.outbox import Outbox
+
+    outbox = Outbox(1 << 30, max_events=1 << 20, max_bytes=1 << 40)
+    sink = RunSink(SimpleNamespace(outbox=outbox), "r1")
+    for _ in range(200):
+        sink.delta_nowait("ab", 1)
+    events = [e for f in outbox.take() for e in f.events]
+    assert [e.parts for e in events] == [JOINED_PARTS] * 3 + [8]
+    assert "".join(e.text for e in events) == "ab" * 200
+
+
 def test_an_outbox_batch_past_the_events_bound_goes_in_several_frames():
     """Unit: an edge refuses a frame of more than MAX_FRAME_EVENTS events (and closes the link),
     so a batch larger than that (a node configured with a large max_pending_events, its runs
