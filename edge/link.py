@@ -47,7 +47,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
-from proto.frames import MAX_MODEL_NAME, MAX_NODE_ID, name_problem
+from proto.frames import EARLY_PROGRESS_PARTS, MAX_MODEL_NAME, MAX_NODE_ID, name_problem
 
 MAX_ADAPTER = 64  # characters of a model's adapter in a hello ("openai", "sim")
 MAX_TARGET = 1024  # characters of its target (the model server's own name for it)
@@ -270,6 +270,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
                 ping_interval_s=config.ping_interval_s,
                 max_frame_bytes=config.max_frame_bytes,
                 wants_prefixes=config.routing == "prefix",
+                progress_parts=EARLY_PROGRESS_PARTS,
             )
         )
     )

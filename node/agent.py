@@ -198,6 +198,7 @@ class RunSink:
         "slot",
         "_progress_at",
         "_progress_parts",
+        "_early",
     )
 
     def __init__(self, link: EdgeLink, run_id: str) -> None:
@@ -213,6 +214,7 @@ class RunSink:
         self.slot: _Slot | None = None  # the run's slot on this node, given back when the run ends
         self._progress_at = -math.inf  # (trio clock) the last progress event
         self._progress_parts = 0  # tool-call pieces read since it
+        self._early = link.progress_parts  # ...of which this many go at once (EdgeLink.progress_parts)
 
     @property
     def started(self) -> bool:
@@ -271,7 +273,7 @@ class RunSink:
         and the edge moved the run of a healthy node (an outside audit)."""
         self._progress_parts += parts
         now = trio.current_time()
-        if now - self._progress_at < PROGRESS_S:
+        if now - self._progress_at < PROGRESS_S and not (0 < self._early <= self._progress_parts):
             return True
         self._progress_at = now
         self._seq += 1
@@ -362,6 +364,8 @@ class EdgeLink:
         self.ping_timeout = self.ping_interval * max(agent.config.ping_misses, 1)
         self.edge_id = welcome.edge_id
         self.wants_prefixes = welcome.wants_prefixes
+        # progress events saying this many pieces go at once (0: one a PROGRESS_S, as to an older edge)
+        self.progress_parts = welcome.progress_parts
         self.runs: dict[str, trio.CancelScope] = {}
         self.tunnels: dict[str, TunnelSink] = {}  # the tunnels running (an edge may hold their bodies)
         self.counted: dict[str, str] = {}  # run id -> model: runs holding a slot of this edge's grant

@@ -27,6 +27,7 @@ REASONING_DELTA = "reasoning_delta"
 # (at most one a run each PROGRESS_S; PROTOCOL.md)
 PROGRESS = "progress"
 PROGRESS_S = 1.0
+EARLY_PROGRESS_PARTS = 64  # ...or sooner, saying at least this many pieces, to an edge that asked (Welcome)
 COMPLETE = "complete"
 ERROR = "error"
 CANCELLED = "cancelled"
@@ -212,6 +213,9 @@ class Welcome(_Frame, tag="welcome"):
     ping_interval_s: float
     max_frame_bytes: int = 0  # the largest message the edge accepts; 0: unknown (use the node's own limit)
     wants_prefixes: bool = False  # send this edge ``placed`` for other edges' runs (it routes by prefix)
+    # A ``progress`` event saying at least this many pieces may come sooner than PROGRESS_S (0: never,
+    # an edge that does not know it): the edge holds a run to its key's daily budget as they are read.
+    progress_parts: int = 0
 
 
 class RunRequest(_Frame, tag="run"):

@@ -745,6 +745,36 @@ async def test_a_run_faster_than_the_budget_check_is_held_to_the_budget_as_its_o
             assert 3256 < key.day_used < 3400, (key_id, key.day_used)  # (+ an event of 64 deltas at most)
 
 
+async def test_a_native_tool_call_made_faster_than_a_second_is_held_to_the_budget(nursery, tmp_path, upstream):
+    """A node said how many pieces of a native tool call it read once a second at most, so a
+    call of 20,000 pieces made in less ran whole past a budget of 3,000 (charged 20,038; 60,038
+    streamed for 60,000: an outside re-check). To an edge that asks (``welcome``), a progress
+    event of 64 pieces or more goes at once: the run ends near the budget, whole or streamed."""
+    pieces = [("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": "ab"}}]})] * 20_000
+    script = [("chunk", native_call("call_w", "write_file", "")[0])]
+    script.append(("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": '{"text": "'}}]}))
+    script += pieces
+    script.append(("chunk", {"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}))
+    usage = {"prompt_tokens": 4, "completion_tokens": 20_000, "total_tokens": 20_004}
+    upstream.script_for("t", [*script, ("chunk", {}, "tool_calls"), ("usage", usage), ("done",)])
+    keys = [KeyConfig(id="w", key="sk-w", daily_tokens=3000), KeyConfig(id="s", key="sk-s", daily_tokens=3000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    tool = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object"}}}
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-w") as c:
+            whole = await chat(c, "m", tools=[tool])
+        async with client(edge, "sk-s") as c:
+            streamed = await chat(c, "m", stream=True, tools=[tool])
+        for key_id in ("w", "s"):
+            key = edge.edge.keys.by_id[key_id]
+            await eventually(lambda key=key: key.in_flight == 0, "settled")
+            assert 3000 < key.day_used < 3500, (key_id, key.day_used)  # (20,004 before)
+    assert whole.status_code == 429 and whole.json()["error"]["code"] == "insufficient_quota", whole.text[:300]
+    assert streamed.status_code in (200, 429) and "insufficient_quota" in streamed.text, streamed.text[:300]
+    assert all(record.aborted for record in upstream.records)
+
+
 async def test_a_native_tool_call_is_held_to_the_daily_budget_as_it_streams(nursery, tmp_path, upstream):
     """A node sends a native tool call whole at its end, and its pieces were not counted while
     they streamed: 4 streams of 3,000-token file writes on a 5,000-token budget spent 12,020

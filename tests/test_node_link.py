@@ -265,7 +265,7 @@ async def test_outbox_frames_stay_under_the_budget_with_any_text():
     rng = random.Random(9)
     budget = frame_budget(64 * 1024, 0)
     outbox = Outbox(budget, max_events=1 << 20, max_bytes=1 << 40)  # no sender here: nothing may wait
-    link = SimpleNamespace(outbox=outbox, _uncount=lambda run_id: None)
+    link = SimpleNamespace(outbox=outbox, _uncount=lambda run_id: None, progress_parts=0)
     sinks = {f"r{i}": RunSink(link, f"r{i}") for i in range(5)}
     texts = {run_id: [] for run_id in sinks}
     alphabet = ["a", "Z ", "é", "€", "😀", "\x00", "\u2028"]
@@ -302,7 +302,7 @@ def test_deltas_joined_while_the_outbox_waits_are_at_most_64_an_event():
     from node.outbox import Outbox
 
     outbox = Outbox(1 << 30, max_events=1 << 20, max_bytes=1 << 40)
-    sink = RunSink(SimpleNamespace(outbox=outbox), "r1")
+    sink = RunSink(SimpleNamespace(outbox=outbox, progress_parts=0), "r1")
     for _ in range(200):
         sink.delta_nowait("ab", 1)
     events = [e for f in outbox.take() for e in f.events]
@@ -360,7 +360,7 @@ async def test_a_full_outbox_pauses_the_upstream_read_and_nothing_is_lost(upstre
     tokens, thoughts = words(2000), words(1000, "think")
     upstream.script_for("m-target", text_script(tokens, reasoning=thoughts))
     outbox = Outbox(frame_budget(64 * 1024, 0), max_events=4, max_bytes=512)
-    link = SimpleNamespace(outbox=outbox, _uncount=lambda run_id: None)
+    link = SimpleNamespace(outbox=outbox, _uncount=lambda run_id: None, progress_parts=0)
     sink = RunSink(link, "r1")
     pauses = 0
     room = outbox.room

@@ -12,7 +12,15 @@ import trio
 
 from edge.keys import NO_BUDGET_ROOM
 from proto import Hold, RunEvent, TunnelFrame
-from proto.frames import DELTA, ERROR, PROGRESS, PROGRESS_S, REASONING_DELTA, TERMINAL_TYPES
+from proto.frames import (
+    DELTA,
+    EARLY_PROGRESS_PARTS,
+    ERROR,
+    PROGRESS,
+    PROGRESS_S,
+    REASONING_DELTA,
+    TERMINAL_TYPES,
+)
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
 KNOWN_TYPES = TEXT_TYPES | TERMINAL_TYPES | {PROGRESS}
@@ -320,7 +328,7 @@ class Run:
         """The node's model server is streaming a tool call (no output yet): the run is
         alive. The first is its time to a first event; more than one a
         :data:`PROGRESS_S` is what a flood is (:meth:`NodeLink.stray`)."""
-        if self.finished or now - self.progress_at < PROGRESS_S / 2:
+        if self.finished or (now - self.progress_at < PROGRESS_S / 2 and parts < EARLY_PROGRESS_PARTS):
             self.slot.link.stray(now)
             return
         if self.progress_first == -math.inf:
