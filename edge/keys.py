@@ -169,6 +169,7 @@ class Key:
         "said_at",
         "day_reported",
         "live",
+        "near",
     )
 
     def __init__(self, id: str, sha256: str, policy: Policy, source: str) -> None:
@@ -204,6 +205,7 @@ class Key:
         self.day_reported = 0
         self.restored = 0  # of day_used: loaded from the ledger at start
         self.live: set[Lease] = set()  # daily_tokens: this edge's requests in flight (Keys.cut_over_budget)
+        self.near = False  # daily_tokens: a quarter of the budget or less left, as last held (hold_to_budget)
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -440,8 +442,12 @@ class Keys:
         key._today()
         streamed = key.others_streamed + sum(lease.streamed() for lease in key.live)
         left = budget + slack - key.day_used - key.day_others - streamed
+        key.near = left - slack < budget >> 2  # (edge.shared_state writes its streams more often then)
         if left >= 0:
-            part = left // len(key.live)
+            # (with shared state, the other edges' runs take a part too: what they streamed is
+            # known as of their last write, and a part as large as the whole let two edges' runs
+            # cross a budget together by what each streamed meanwhile)
+            part = left // (len(key.live) + (1 if key.others_streamed or key.others_pending else 0))
             for lease in key.live:
                 run = lease.run
                 if run is not None:
