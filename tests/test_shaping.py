@@ -244,6 +244,24 @@ async def test_template_consumed_open_tag(shaped):
     assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
 
 
+async def test_open_think_tags_with_reasoning_in_its_own_field_keep_the_answer(shaped):
+    """think_tags "open" behind a model server that parts the reasoning itself (vLLM with a
+    reasoning parser): the answer was taken for reasoning too, streamed and whole ("planAnswer"
+    in both fields; with the reasoning hidden, only the notice: an outside audit). Reasoning in
+    its own field first: the content is the answer."""
+    edge, upstream = shaped
+    upstream.script_for("t", script({"reasoning_content": "plan"}, {"content": "Answer"}))
+    with trio.fail_after(BOUND):
+        chunks, _ = await stream_raw(edge, model="opened")
+        hidden, _ = await stream_raw(edge, model="opened", include_reasoning=False)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "opened", "messages": MESSAGES})
+    assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == ("Answer", "plan")
+    assert (joined(hidden, "content"), joined(hidden, "reasoning_content")) == ("Answer", "")
+    message = r.json()["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ("Answer", "plan")
+
+
 async def test_auto_learns_a_template_that_opens_think(shaped):
     """think_tags "auto" (the default), a template that opens <think> (DeepSeek-R1, Qwen3
     thinking): the first answer that shows </think> before any <think> teaches the edge, and

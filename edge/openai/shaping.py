@@ -99,6 +99,7 @@ class Shaper:
         "_watch",
         "_learned_hold",
         "_fielded",
+        "_open_head",
         "_unclosed",
         "_closed",
         "_showing_reasoning",
@@ -145,7 +146,10 @@ class Shaper:
         self._fielded = False  # reasoning came in its own field: the model server parts it
         self._closed = False  # a held head ended at its </think>: another in the answer is the answer's
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
-        if live and policy.think_tags == "open":
+        # think_tags "open": the content starts inside reasoning, unless reasoning comes first in its
+        # own field (the model server parts them: its answer was taken for reasoning, an outside audit)
+        self._open_head = live and policy.think_tags == "open"
+        if self._open_head:
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=True, calls=keep_raw)
         # A strict live stream with think_tags "auto" holds its content until its first think tag
         # (outside tool-call blocks) shows, or it ends: a </think> first says the template consumed
@@ -165,6 +169,7 @@ class Shaper:
     # -- input -------------------------------------------------------------
 
     def content(self, text: str) -> None:
+        self._open_head = False
         if self._raw_parts is not None:
             self._raw_parts.append(text)
         # (no sentinel spans the two: a "<" that ended the reasoning is its end, not held to the answer's)
@@ -257,6 +262,8 @@ class Shaper:
 
     def reasoning(self, text: str) -> None:
         self._fielded = True
+        if self._open_head:  # (no content yet: the answer, when it comes, is the answer)
+            self._open_head, self._think = False, None
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
         if self._content_filter.pending and (rest := self._content_filter.flush()):  # (as in content())
@@ -343,9 +350,8 @@ class Shaper:
                     if at:
                         self._reasoning_out(raw[:at])
                     raw = raw[at + len(THINK_CLOSE) :]
-                splitter = ThinkSplitter(
-                    self._content_out, self._reasoning_out, starts_open=mode == "open", calls=calls
-                )
+                opened = mode == "open" and not self._fielded
+                splitter = ThinkSplitter(self._content_out, self._reasoning_out, starts_open=opened, calls=calls)
                 splitter.append(raw)
                 splitter.flush()
             elif raw:
