@@ -298,12 +298,20 @@ async def test_an_answer_that_never_says_done_completes(stack):
     rest of the stream has 2 s; then the answer is complete, with its usage."""
     edge, upstream, _ = stack
     usage = {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
-    upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("usage", usage), ("hang",)])
+    upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("hang",)])
     with trio.fail_after(BOUND):
         async with http(edge) as client:
+            started = trio.current_time()
             r = await chat(client)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == "whole" and r.json()["usage"]["total_tokens"] == 5
+            waited = trio.current_time() - started
+            # Its usage after the finish: nothing more is awaited (it waited the 2 s as well).
+            upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("usage", usage), ("hang",)])
+            started = trio.current_time()
+            with_usage = await chat(client)
+            at_once = trio.current_time() - started
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "whole", r.text
+    assert with_usage.status_code == 200 and with_usage.json()["usage"]["total_tokens"] == 5, with_usage.text
+    assert waited >= 1.9 and at_once < 1.5, (waited, at_once)
 
 
 async def test_after_its_finish_an_answer_takes_only_its_usage(stack):
@@ -326,6 +334,31 @@ async def test_after_its_finish_an_answer_takes_only_its_usage(stack):
     assert unread.status_code == 200 and b'"content":"whole"' in unread.content, unread.text
     assert oversized.status_code == 200 and oversized.json()["choices"][0]["message"]["content"] == "whole"
     assert b'"error"' not in unread.content and unread.content.endswith(b"data: [DONE]\n\n"), unread.text[-300:]
+
+
+async def test_an_upstream_error_after_the_finish_leaves_the_answer_whole(stack):
+    """An error event or error chunk after the chunk that finished the answer failed it: an
+    in-stream error in place of the finish, and a 502 for a whole answer the server had given
+    (an outside audit). The answer stands, with its usage."""
+    edge, upstream, _ = stack
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    head = [("chunk", {"content": "whole"}, "stop"), ("usage", usage)]
+    late = {
+        "error chunk": b'data: {"error": {"message": "late upstream error"}}\n\n',
+        "error event": b'error: {"message": "late"}\n\n',
+    }
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for what, raw in late.items():
+                upstream.script_for("b", [*head, ("raw", raw), ("done",)])
+                whole = await chat(client)
+                upstream.script_for("b", [*head, ("raw", raw), ("done",)])
+                streamed = await chat(client, stream=True, stream_options={"include_usage": True})
+                assert whole.status_code == 200, (what, whole.text)
+                assert whole.json()["choices"][0]["message"]["content"] == "whole", what
+                assert whole.json()["usage"]["total_tokens"] == 10, what
+                assert b'"error"' not in streamed.content, (what, streamed.text[-300:])
+                assert b'"finish_reason":"stop"' in streamed.content and b'"total_tokens":10' in streamed.content
 
 
 async def test_a_chunk_of_millions_of_values_is_not_decoded(stack):

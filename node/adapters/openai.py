@@ -447,6 +447,8 @@ class _Relay:
             if payload.__class__ is ErrorEvent:  # llama.cpp's `error:` line, an `event: error`
                 if texts:
                     self._emit(kind, texts)
+                if self.finish_reason:
+                    return self._late_error("error event")
                 self._error("error event", _error_of(payload))
                 return False
             done = payload == b"[DONE]"
@@ -476,12 +478,18 @@ class _Relay:
                     said = "JSON nested too deeply" if isinstance(problem, RecursionError) else str(problem)[:200]
                     self._fail("undecodable chunk", f"upstream sent an undecodable chunk: {said}")
                     self.chunk = len(payload)
+                elif self.finish_reason:
+                    return self._late_error("error chunk")
                 else:
                     self._error("error chunk", chunk.error)
                 return False
             if chunk.usage is not None:
                 self.usage = _usage(chunk.usage)
             if self.finish_reason:  # finished: only its usage, [DONE] or an error may follow
+                if chunk.usage is not None:  # (its usage: the answer is whole now, [DONE] or not; a
+                    # server that kept the body open had it wait 2 s for a [DONE]: an outside audit)
+                    self.end = _DONE
+                    return False
                 continue
             for choice in chunk.choices or ():
                 if choice.index != 0:
@@ -544,6 +552,13 @@ class _Relay:
         self.failure = failure
         self.message = message
         self.status = status
+        return False
+
+    def _late_error(self, what: str) -> bool:
+        """An upstream error after the answer finished: the answer is whole, and stands (it
+        failed an answer the client already had: a 502 for a whole one; an outside audit)."""
+        log.info("upstream error after the answer finished: ignored", error=what)
+        self.end = _DONE
         return False
 
     def _error(self, failure: str, error: Any) -> None:
