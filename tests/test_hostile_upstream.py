@@ -304,13 +304,23 @@ async def test_an_answer_that_never_says_done_completes(stack):
             started = trio.current_time()
             r = await chat(client)
             waited = trio.current_time() - started
-            # Its usage after the finish: nothing more is awaited (it waited the 2 s as well).
-            upstream.script_for("b", [("chunk", {"content": "whole"}, "stop"), ("usage", usage), ("hang",)])
+            # Its usage after the finish: nothing more is awaited (it waited the 2 s as well); the
+            # text read with them is the answer's (one read of the three)
+            sse = b"".join(
+                b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                for chunk in (
+                    {"choices": [{"index": 0, "delta": {"content": "whole"}}]},
+                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                    {"choices": [], "usage": usage},
+                )
+            )
+            upstream.script_for("b", [("raw", sse), ("hang",)])
             started = trio.current_time()
             with_usage = await chat(client)
             at_once = trio.current_time() - started
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "whole", r.text
     assert with_usage.status_code == 200 and with_usage.json()["usage"]["total_tokens"] == 5, with_usage.text
+    assert with_usage.json()["choices"][0]["message"]["content"] == "whole", with_usage.text
     assert waited >= 1.9 and at_once < 1.5, (waited, at_once)
 
 

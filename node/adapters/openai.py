@@ -488,6 +488,8 @@ class _Relay:
             if self.finish_reason:  # finished: only its usage, [DONE] or an error may follow
                 if chunk.usage is not None:  # (its usage: the answer is whole now, [DONE] or not; a
                     # server that kept the body open had it wait 2 s for a [DONE]: an outside audit)
+                    if texts:  # (read with it: the answer's last text)
+                        self._emit(kind, texts)
                     self.end = _DONE
                     return False
                 continue
