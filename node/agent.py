@@ -75,7 +75,16 @@ from proto import (
     decode_frame,
     encode_frame,
 )
-from proto.frames import COMPLETE, DELTA, ERROR, MAX_HEADERS, PROGRESS, PROGRESS_S, REASONING_DELTA
+from proto.frames import (
+    COMPLETE,
+    DELTA,
+    EARLY_PROGRESS_S,
+    ERROR,
+    MAX_HEADERS,
+    PROGRESS,
+    PROGRESS_S,
+    REASONING_DELTA,
+)
 
 log = structlog.get_logger("iop.node")
 
@@ -273,7 +282,8 @@ class RunSink:
         and the edge moved the run of a healthy node (an outside audit)."""
         self._progress_parts += parts
         now = trio.current_time()
-        if now - self._progress_at < PROGRESS_S and not (0 < self._early <= self._progress_parts):
+        since = now - self._progress_at
+        if since < PROGRESS_S and not (0 < self._early <= self._progress_parts and since >= EARLY_PROGRESS_S):
             return True
         self._progress_at = now
         self._seq += 1

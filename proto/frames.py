@@ -27,7 +27,8 @@ REASONING_DELTA = "reasoning_delta"
 # (at most one a run each PROGRESS_S; PROTOCOL.md)
 PROGRESS = "progress"
 PROGRESS_S = 1.0
-EARLY_PROGRESS_PARTS = 64  # ...or sooner, saying at least this many pieces, to an edge that asked (Welcome)
+EARLY_PROGRESS_PARTS = 64  # ...or sooner, saying at least this many pieces, to an edge that asked (Welcome),
+EARLY_PROGRESS_S = 1 / 32  # but no sooner than this after the one before
 COMPLETE = "complete"
 ERROR = "error"
 CANCELLED = "cancelled"
@@ -127,7 +128,9 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     tool_calls: ToolCalls | None = None
     usage: Usage | None = None
     status: HTTPStatus = 0  # error events: the upstream's HTTP status, when it gave one
-    parts: int = 0  # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
+    # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
+    # (progress: the tool-call pieces read). Never negative: -2^62 erased a key's day of tokens.
+    parts: Annotated[int, msgspec.Meta(ge=0)] = 0
     stop: str = ""  # complete: the stop sequence that ended the run, when the model server said which
     # complete: the model's refusal (OpenAI's ``refusal``), whole: it arrives with the end, so an
     # older edge that does not know the field still reads the event (and shows no refusal)

@@ -769,7 +769,7 @@ async def test_a_native_tool_call_made_faster_than_a_second_is_held_to_the_budge
         for key_id in ("w", "s"):
             key = edge.edge.keys.by_id[key_id]
             await eventually(lambda key=key: key.in_flight == 0, "settled")
-            assert 3000 < key.day_used < 3500, (key_id, key.day_used)  # (20,004 before)
+            assert 3000 < key.day_used < 5000, (key_id, key.day_used)  # (20,004 before)
     assert whole.status_code == 429 and whole.json()["error"]["code"] == "insufficient_quota", whole.text[:300]
     assert streamed.status_code in (200, 429) and "insufficient_quota" in streamed.text, streamed.text[:300]
     assert all(record.aborted for record in upstream.records)

@@ -488,6 +488,16 @@ async def test_garbage_frame_closes_the_link(edge):
     assert closed.reason.code == 4003
 
 
+async def test_an_event_with_negative_parts_closes_the_link(edge):
+    """An event's ``parts`` (the deltas it joins, the tool-call pieces a progress event says
+    were read) is a count: one of -2^62 erased a key's day of tokens (an outside audit). A
+    negative one is an undecodable frame: 4003."""
+    event = RunEvent(run_id="r1", seq=1, type="progress", parts=-(1 << 62))
+    with trio.fail_after(BOUND):
+        closed = await sent_after_hello(edge, "neg", encode_frame(Events(events=[event])))
+    assert closed.reason.code == 4003 and "parts" in closed.reason.reason, closed.reason
+
+
 async def test_a_node_flooding_placed_hints_costs_the_edge_bounded_work(nursery):
     """300 ``placed`` frames of 2,048 keys each (614,400 keys) as fast as a node can send them:
     the edge records at most PLACED_KEYS_PER_S keys a second of them, drops the rest (they are

@@ -793,16 +793,19 @@ async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery, reason)
     assert ends[-1] == "stop" and "<script>" not in streamed.text and "function_call" not in streamed.text
 
 
-async def test_a_node_flooding_progress_events_loses_its_link(nursery):
-    """``progress`` says a run's tool call is streaming (a node sends one a second): more than
-    one each half second for a run counts as events that bring nothing, and past that bound
-    in a window the node's link is closed, as for any flood of them."""
+@pytest.mark.parametrize("parts", [0, 64])
+async def test_a_node_flooding_progress_events_loses_its_link(nursery, parts):
+    """``progress`` says a run's tool call is streaming (a node sends one a second, or one of
+    64 pieces and more each 1/32 s): more than one each half second for a run, or each 1/64 s
+    saying 64 pieces, counts as events that bring nothing, and past that bound in a window
+    the node's link is closed, as for any flood of them (a million a second saying 64 each
+    took an edge to 100% and kept 300 runs alive on nothing: an outside audit)."""
     edge = await start_edge(nursery)
     stream, ws = await open_link(edge, "flood", nursery=nursery)
     await hello(ws, "flood")
 
     async def flood(run: RunRequest) -> None:
-        events = [RunEvent(run_id=run.run_id, seq=i, type="progress") for i in range(1, 12_001)]
+        events = [RunEvent(run_id=run.run_id, seq=i, type="progress", parts=parts) for i in range(1, 12_001)]
         await ws.send_message(encode_frame(Events(events=events)))
 
     async def ask(client) -> httpx.Response:

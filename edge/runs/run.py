@@ -15,6 +15,7 @@ from proto import Hold, RunEvent, TunnelFrame
 from proto.frames import (
     DELTA,
     EARLY_PROGRESS_PARTS,
+    EARLY_PROGRESS_S,
     ERROR,
     PROGRESS,
     PROGRESS_S,
@@ -326,9 +327,12 @@ class Run:
 
     def _progress(self, now: float, parts: int) -> None:
         """The node's model server is streaming a tool call (no output yet): the run is
-        alive. The first is its time to a first event; more than one a
-        :data:`PROGRESS_S` is what a flood is (:meth:`NodeLink.stray`)."""
-        if self.finished or (now - self.progress_at < PROGRESS_S / 2 and parts < EARLY_PROGRESS_PARTS):
+        alive. The first is its time to a first event; more than one a half
+        :data:`PROGRESS_S` (one a half :data:`EARLY_PROGRESS_S` saying at least
+        :data:`EARLY_PROGRESS_PARTS` pieces) is what a flood is (:meth:`NodeLink.stray`):
+        a node sent a million a second saying 64 each, and kept 300 runs alive on nothing."""
+        since = now - self.progress_at
+        if self.finished or since < EARLY_PROGRESS_S / 2 or (since < PROGRESS_S / 2 and parts < EARLY_PROGRESS_PARTS):
             self.slot.link.stray(now)
             return
         if self.progress_first == -math.inf:
