@@ -322,6 +322,19 @@ async def test_an_answer_that_never_says_done_completes(stack):
     assert with_usage.status_code == 200 and with_usage.json()["usage"]["total_tokens"] == 5, with_usage.text
     assert with_usage.json()["choices"][0]["message"]["content"] == "whole", with_usage.text
     assert waited >= 1.9 and at_once < 1.5, (waited, at_once)
+    # The finish with its usage in one chunk (vLLM's usage in every chunk): at once too.
+    upstream.script_for("b", [("raw", b"data: " + msgspec.json.encode(finish_with_usage(usage)) + b"\n\n"), ("hang",)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            started = trio.current_time()
+            same_chunk = await chat(client, stream=True)
+            at_once = trio.current_time() - started
+    assert same_chunk.status_code == 200 and b'"content":"whole"' in same_chunk.content, same_chunk.text
+    assert at_once < 1.5, at_once
+
+
+def finish_with_usage(usage: dict) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": "whole"}, "finish_reason": "stop"}], "usage": usage}
 
 
 async def test_after_its_finish_an_answer_takes_only_its_usage(stack):

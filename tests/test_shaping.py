@@ -260,6 +260,13 @@ async def test_open_think_tags_with_reasoning_in_its_own_field_keep_the_answer(s
     assert (joined(hidden, "content"), joined(hidden, "reasoning_content")) == ("Answer", "")
     message = r.json()["choices"][0]["message"]
     assert (message["content"], message["reasoning_content"]) == ("Answer", "plan")
+    # Content first (a lone newline, as some servers send; or text), then the field's reasoning:
+    # the answer from there is the answer (the stream had both fields "preplanAnswer").
+    for head, shown in (("\n", ("Answer", "plan")), ("pre", ("Answer", "preplan"))):
+        upstream.script_for("t", script({"content": head}, {"reasoning_content": "plan"}, {"content": "Answer"}))
+        with trio.fail_after(BOUND):
+            chunks, _ = await stream_raw(edge, model="opened")
+        assert (joined(chunks, "content"), joined(chunks, "reasoning_content").strip()) == shown, head
 
 
 async def test_auto_learns_a_template_that_opens_think(shaped):

@@ -290,6 +290,16 @@ class ThinkSplitter:
         self._quoted = False  # inside one of its JSON strings
         self._escaped = False  # right after a backslash there
 
+    def parted(self) -> None:
+        """The model server parts reasoning from content itself (reasoning came in its own
+        field): a stream still in the reasoning it started in (``starts_open``, no tag yet)
+        leaves it, what it held going out as that reasoning; the rest is the answer."""
+        if self._in_think and not self._tags:
+            if self._pending:
+                self._reasoning(self._pending)
+                self._pending = ""
+            self._in_think = self._head = False
+
     def append(self, text: str) -> None:
         if self._head:
             text = self._past_head(text)

@@ -169,7 +169,8 @@ class Shaper:
     # -- input -------------------------------------------------------------
 
     def content(self, text: str) -> None:
-        self._open_head = False
+        if self._open_head and not text.isspace():
+            self._open_head = False
         if self._raw_parts is not None:
             self._raw_parts.append(text)
         # (no sentinel spans the two: a "<" that ended the reasoning is its end, not held to the answer's)
@@ -264,6 +265,8 @@ class Shaper:
         self._fielded = True
         if self._open_head:  # (no content yet: the answer, when it comes, is the answer)
             self._open_head, self._think = False, None
+        elif self._think is not None and self.policy.think_tags == "open":
+            self._think.parted()  # (content came first: from here it is the answer)
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
         if self._content_filter.pending and (rest := self._content_filter.flush()):  # (as in content())

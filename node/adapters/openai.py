@@ -541,6 +541,12 @@ class _Relay:
                     matched = choice.stop_reason if choice.stop_reason is not None else choice.matched_stop
                     if isinstance(matched, str) and len(matched) <= _MAX_STOP:
                         self.stop = matched
+            if self.finish_reason and chunk.usage is not None:  # (the finish with its usage: vLLM's
+                # usage in every chunk; the answer is whole, as for a usage chunk after the finish)
+                if texts:
+                    self._emit(kind, texts)
+                self.end = _DONE
+                return False
         if texts:
             self._emit(kind, texts)
         if (self.quiet > _MAX_QUIET or self.read > _MAX_STREAM) and not self.finish_reason:
