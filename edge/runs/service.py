@@ -204,6 +204,9 @@ class _Waiter:
         self.passed = 0  # times a waiter behind it took a slot at its home first
 
 
+# Queued requests of a model a node's demand looks at, from the head, when some of them do not fit
+# every node (RunService.waiting_for: every 20 ms for each link while demand changes)
+DEMAND_SCAN = 1024
 _MAX_SESSIONS = 100_000
 KNOWN_MODELS = 8192  # model names nodes advertised, the most recent kept (a few MB at most)
 LOGGED_MODELS = 16  # model names in a "node linked" line (with the count of them all)
@@ -419,13 +422,13 @@ class RunService:
         need = self._needs.get(model)
         if need is not None and info is not None and not _fits_all(need, link, info):
             taken, cap = 0, info.max_concurrency
-            for queue in (self._queues.get(model, ()), self._moved.get(model, ())):
-                for waiter in queue:
-                    if (waiter.prefer is None or waiter.prefer == node_id) and waiter.want.fits(link):
-                        taken += 1
-                        if taken >= cap:
-                            return taken
-            return taken
+            queued = itertools.chain(self._queues.get(model, ()), self._moved.get(model, ()))
+            for waiter in itertools.islice(queued, DEMAND_SCAN):
+                if (waiter.prefer is None or waiter.prefer == node_id) and waiter.want.fits(link):
+                    taken += 1
+                    if taken >= cap:
+                        return taken
+            return taken + max(depth - DEMAND_SCAN, 0)  # (past them, each as one it may take)
         counts = self._preferring.get(model)
         if not counts:
             return depth
