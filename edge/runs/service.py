@@ -127,18 +127,12 @@ class Want(msgspec.Struct, frozen=True):
 
     def fits(self, link: NodeLink) -> bool:
         info = link.models.get(self.model)
-        if info is None:
-            return False
-        if self.tunnel and not info.passthrough:
-            return False
-        if self.frame_bytes > link.frame_limit:
-            return False
-        return not (self.min_context and info.context_window and info.context_window < self.min_context)
+        return info is not None and _takes(link, info, self.min_context, self.tunnel, self.frame_bytes)
 
 
-def _fits_all(need: list, link: NodeLink, info: ModelInfo) -> bool:
-    """``link`` (serving the model as ``info``) fits a queue's widest ``need`` (_queued)."""
-    min_context, tunnel, frame_bytes = need
+def _takes(link: NodeLink, info: ModelInfo, min_context: int, tunnel: bool, frame_bytes: int) -> bool:
+    """``link``, serving the model as ``info``, can run a request of these needs (a Want's, or
+    the widest of a queue's: _queued)."""
     if tunnel and not info.passthrough or frame_bytes > link.frame_limit:
         return False
     return not (min_context and info.context_window and info.context_window < min_context)
@@ -420,7 +414,7 @@ class RunService:
         link = self.links.get(node_id)
         info = link.models.get(model) if link is not None else None
         need = self._needs.get(model)
-        if need is not None and info is not None and not _fits_all(need, link, info):
+        if need is not None and info is not None and not _takes(link, info, *need):
             taken, cap = 0, info.max_concurrency
             queued = itertools.chain(self._queues.get(model, ()), self._moved.get(model, ()))
             for waiter in itertools.islice(queued, DEMAND_SCAN):
