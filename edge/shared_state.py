@@ -655,7 +655,7 @@ class SharedState:
             if policy.daily_tokens and (key.live or key.id in self._streamed_at):
                 at = self._streamed_at.get(key.id)
                 if at is None or now - at >= (SYNC_S if key.near else STREAMED_S) or not key.live:
-                    streams.append((key, key.day, sum(lease.streamed() for lease in key.live)))
+                    streams.append((key, key.day, key.gauge.streamed if key.gauge is not None else 0))
         if not plan and not counters and not streams:
             # Nothing to write: Redis must still answer before it counts as back, and is asked
             # every REFRESH_S while up (with only rpm/tpm keys at rest, iop_shared_state_up read 1
@@ -673,6 +673,8 @@ class SharedState:
             else:  # (its field is gone: nothing more to write until it streams again)
                 self._streamed_at.pop(key.id, None)
             key.others_streamed = theirs if key.day == day else 0
+            if key.live:  # (its runs check again at what is left now: at once, if the others crossed it)
+                self.keys.hold_to_budget(key)
         self._credit(plan, granted)
         for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)

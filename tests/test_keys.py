@@ -745,6 +745,52 @@ async def test_a_run_faster_than_the_budget_check_is_held_to_the_budget_as_its_o
             assert 3256 < key.day_used < 3400, (key_id, key.day_used)  # (+ an event of 64 deltas at most)
 
 
+async def test_many_runs_of_one_key_are_held_to_its_budget_without_summing_them_at_each_output(monkeypatch):
+    """Each run had a room of its own, and each check summed every request in flight of the key:
+    near the budget every run's room was a token or none, so every output of every run summed
+    them all (1,900 requests in flight of one key cost the edge 0.79 s of its loop, as their
+    square: an outside audit). 500 real runs, one delta each in turn, on a budget of 20,000: they
+    are ended 256 past it, and what a request streamed is read a few times in its life."""
+    from types import SimpleNamespace
+
+    from edge.keys import BUDGET_SLACK, OVER_BUDGET, Keys, Lease
+    from edge.runs.run import Run
+    from proto import RunEvent
+
+    reads = 0
+    streamed = Lease.streamed
+
+    def counted(lease):
+        nonlocal reads
+        reads += 1
+        return streamed(lease)
+
+    monkeypatch.setattr(Lease, "streamed", counted)
+    budget, n = 20_000, 500
+    keys = Keys(edge_config(keys=[KeyConfig(id="b", key="sk-b", daily_tokens=budget)]))
+    key = keys.by_id["b"]
+    link = SimpleNamespace(stray=lambda now: None, started=lambda *a: None, served=lambda model: None)
+    link.cancel = lambda run_id, cause: None
+    slot = SimpleNamespace(link=link, model="m", end_probe=lambda: None)
+    runs = []
+    for i in range(n):
+        lease = keys.admit(key, "m", 1, 10)
+        run = Run(f"r{i}", slot, wait_timeout=60, run_timeout=60, max_buffered=1 << 30, metadata={}, on_close=None)
+        lease.follow(run, 1)
+        runs.append(run)
+    seq = 0
+    while not all(run.finished for run in runs):
+        seq += 1
+        for run in runs:
+            if not run.finished:
+                run.deliver(RunEvent(run_id=run.id, seq=seq, type="delta", text="x"), trio.current_time())
+    assert all(run.cause == OVER_BUDGET for run in runs)
+    total = n + sum(run.deltas_seen for run in runs)  # (each its prompt estimate, 1)
+    assert budget + BUDGET_SLACK < total <= budget + BUDGET_SLACK + 1, total
+    assert key.near
+    assert reads <= 3 * n, reads
+
+
 async def test_a_native_tool_call_made_faster_than_a_second_is_held_to_the_budget(nursery, tmp_path, upstream):
     """A node said how many pieces of a native tool call it read once a second at most, so a
     call of 20,000 pieces made in less ran whole past a budget of 3,000 (charged 20,038; 60,038

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from edge.keys import NO_BUDGET_ROOM
 from proto import Hold, RunEvent, TunnelFrame
 from proto.frames import (
     DELTA,
@@ -27,6 +26,7 @@ TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
 KNOWN_TYPES = TEXT_TYPES | TERMINAL_TYPES | {PROGRESS}
 
 if TYPE_CHECKING:
+    from edge.keys import Gauge
     from edge.runs.link import NodeLink
     from edge.runs.service import Slot
 
@@ -168,8 +168,7 @@ class Run:
         "first_event_at",
         "events_seen",
         "deltas_seen",
-        "budget_room",
-        "budget_check",
+        "gauge",
         "finished",
         "closed",
         "cause",
@@ -236,10 +235,9 @@ class Run:
         self.first_event_at: float | None = None
         self.events_seen = 0
         self.deltas_seen = 0  # model-server text deltas in the events seen (a node joins those read together)
-        # A key's daily budget (edge.keys.Lease.follow): past this many deltas and tool-call
-        # pieces, budget_check holds the run to it (and ends it past the budget).
-        self.budget_room = NO_BUDGET_ROOM
-        self.budget_check: Callable[[], object] | None = None
+        # A key's daily budget (edge.keys.Lease.follow): its deltas and tool-call pieces count
+        # in the key's gauge as they come, which past its mark holds the runs to the budget.
+        self.gauge: Gauge | None = None
         self.finished = False  # a terminal event is queued: nothing more will arrive
         self.closed = False
         self.cause: str | None = None
@@ -301,9 +299,13 @@ class Run:
 
     def deliver(self, event: RunEvent, now: float) -> None:
         """``now``: when the frame holding it arrived (read once per frame)."""
+        gauge = self.gauge
         if event.type in TEXT_TYPES and event.text:
             parts = event.parts  # from the node: at most one delta per character counts
-            self.deltas_seen += 1 if parts <= 1 else min(parts, len(event.text))
+            parts = 1 if parts <= 1 else min(parts, len(event.text))
+            self.deltas_seen += parts
+            if gauge is not None:
+                gauge.streamed += parts
         elif event.type == PROGRESS:
             self._progress(now, event.parts)
             return
@@ -314,16 +316,20 @@ class Run:
             self.slot.link.stray(now)
             return
         self._push(event, event.type in TERMINAL_TYPES, event.type == "complete", now)
-        if self.deltas_seen + self.progress_parts > self.budget_room and not self.finished:
-            self.budget_check()
+        if gauge is not None and gauge.streamed > gauge.mark and not self.finished:
+            gauge.check()
 
     def deliver_frame(self, frame: TunnelFrame, now: float) -> None:
         """A tunnel frame (passthrough runs): ``end`` and ``error`` end the run."""
+        gauge = self.gauge
         if frame.kind == "body":  # a streamed answer's SSE events: its "tokens so far" (the console's)
-            self.deltas_seen += frame.body.count(b"data:")
+            events = frame.body.count(b"data:")
+            self.deltas_seen += events
+            if gauge is not None:
+                gauge.streamed += events
         self._push(frame, frame.kind in ("end", "error"), frame.kind == "end", now)
-        if self.deltas_seen > self.budget_room and not self.finished:
-            self.budget_check()
+        if gauge is not None and gauge.streamed > gauge.mark and not self.finished:
+            gauge.check()
 
     def _progress(self, now: float, parts: int) -> None:
         """The node's model server is streaming a tool call (no output yet): the run is
@@ -340,9 +346,13 @@ class Run:
             if self.first_event_at is None:
                 self.slot.link.started(self.id, now, True, self.slot.model, prompt_tokens(self))
         self.progress_at = now
-        self.progress_parts += min(parts, MAX_PROGRESS_PARTS)
-        if self.deltas_seen + self.progress_parts > self.budget_room:
-            self.budget_check()
+        parts = min(parts, MAX_PROGRESS_PARTS)
+        self.progress_parts += parts
+        gauge = self.gauge
+        if gauge is not None:
+            gauge.streamed += parts
+            if gauge.streamed > gauge.mark:
+                gauge.check()
 
     def _push(self, item: RunEvent | TunnelFrame, terminal: bool, complete: bool, now: float) -> None:
         if self.finished:
