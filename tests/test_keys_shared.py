@@ -298,8 +298,9 @@ async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nur
         used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
     print(f"two streams cut at {sum(used)} tokens together ({used}) on a budget of 10,000")
     assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
-    # (18,000 before: each ran to its end. On a quiet machine 11,043-11,086, and 11,287-11,520 before each
-    # edge left the others a part and wrote its streams every 50 ms near the budget; 12,573 once in CI)
+    # (18,000 before: each ran to its end. Now 10,423-10,433; 11,043-11,086 on a quiet machine before each
+    # edge checked its runs as it read the others' streams, 12,573 once in CI then; and 11,287-11,520 before
+    # each edge left the others a part and wrote its streams every 50 ms near the budget)
     assert 10_000 < sum(used) < 16_000, used
 
 
