@@ -120,6 +120,50 @@ async def test_chat_bodies_openai_refuses_are_a_400_naming_the_field(edge_up):
     assert len(upstream.records) == len(served)
 
 
+async def test_chat_tool_results_must_answer_the_calls_before_them(edge_up):
+    """A tool result after no call, a result for a call the message before did not make, and a
+    call left without its result went to the model server as they came (a model shown a result
+    for no call answers from a history it was never trained on; vLLM's templates refuse some in
+    their own words). Each is now OpenAI's 400, with its message and the message it names; results
+    in another order than their calls, and an id a megabyte long, are served or named short."""
+    edge, upstream = edge_up
+
+    def call(call_id: str) -> dict:
+        return {"id": call_id, "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+
+    def asked(*ids: str) -> dict:
+        return {"role": "assistant", "content": None, "tool_calls": [call(i) for i in ids]}
+
+    def result(call_id: str) -> dict:
+        return {"role": "tool", "tool_call_id": call_id, "content": "12:00"}
+
+    huge = "c" * 1_000_000
+    refused = [
+        ([*USER, result("c1")], "messages[1].role", "must be a response to a preceeding message with 'tool_calls'"),
+        ([*USER, asked("c1"), result("c1"), *USER, result("c1")], "messages[4].role", "must be a response to a"),
+        ([*USER, asked("c1"), result("c2")], "messages[2].tool_call_id", "'c2' not found in 'tool_calls'"),
+        ([*USER, asked("c1", "c2"), result("c1"), *USER], "messages[1].role", "did not have response messages: 'c2'"),
+        ([*USER, asked("c1")], "messages[1].role", "did not have response messages: 'c1'"),
+        ([*USER, asked("c1"), result(huge)], "messages[2].tool_call_id", "'cccc"),
+    ]
+    served = [
+        [*USER, asked("c1", "c2"), result("c2"), result("c1"), *USER],
+        [*USER, asked("c1"), result("c1"), asked("c2"), result("c2")],
+    ]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for messages, param, says in refused:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(model="m", messages=messages)
+                assert e.value.body["param"] == param and says in e.value.body["message"], (param, e.value.body)
+                assert len(e.value.body["message"]) < 400
+            assert not upstream.records
+            for messages in served:
+                answer = await client.chat.completions.create(model="m", messages=messages)
+                assert answer.choices[0].message.content
+    assert len(upstream.records) == len(served)
+
+
 async def test_responses_logprobs_asked_for_are_a_400(edge_up):
     """On Responses, `include: ["message.output_text.logprobs"]` is a 400 naming `include`, and
     `top_logprobs` > 0 one naming `top_logprobs`; other includes and `top_logprobs: 0` are served."""

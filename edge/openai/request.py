@@ -418,9 +418,15 @@ def check_tool_count(tools: Any, max_tools: int) -> None:
 
 
 def parse_chat_request(
-    raw: dict[str, Any], *, max_messages: int, max_tools: int, max_output_tokens: int | None = None
+    raw: dict[str, Any],
+    *,
+    max_messages: int,
+    max_tools: int,
+    max_output_tokens: int | None = None,
+    paired: bool = False,
 ) -> tuple[ChatRequest, dict[str, Any]]:
     """The validated request, and the body to forward (edge-only keys removed).
+    ``paired``: its tool results answer the calls before them (:func:`_check_tool_pairs`).
 
     Raises :class:`edge.errors.APIError` (400) naming the offending field.
     """
@@ -440,6 +446,8 @@ def parse_chat_request(
         raise errors.bad_request(message, param) from None
     _check_text_parts(req)
     _check_unsupported(req)
+    if paired:
+        _check_tool_pairs(req.messages)
     if max_output_tokens is not None:
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(req, name)
@@ -587,6 +595,59 @@ def _check_text_parts(req: ChatRequest) -> None:
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 param = f"messages[{i}].tool_calls[{j}].function.name"
                 raise errors.bad_request(f"Missing required parameter: `{param}` (a string).", param)
+
+
+def _check_tool_pairs(messages: list[Message]) -> None:
+    """A tool result answers a call of the assistant message just before it (other results
+    between), and every call of such a message has its result, as OpenAI's API answers (with
+    these messages): a model server shown a result for no call, or a call with none, answers
+    from a history no model was trained on, or refuses it in its own words. Calls without
+    string ids (no client sends them) are not held to it."""
+    unanswered: set[str] | None = None  # the calls of the assistant message at ``at`` not answered yet
+    at = -1
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if at < 0:
+                raise errors.bad_request(
+                    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message"
+                    " with 'tool_calls'.",
+                    f"messages[{i}].role",
+                )
+            if unanswered is not None:
+                if message.tool_call_id not in unanswered:
+                    raise errors.bad_request(
+                        f"Invalid parameter: 'tool_call_id' of {_shown(message.tool_call_id)} not found in"
+                        " 'tool_calls' of previous message.",
+                        f"messages[{i}].tool_call_id",
+                    )
+                unanswered.discard(message.tool_call_id)
+            continue
+        _check_answered(unanswered, at)
+        at, unanswered = -1, None
+        if message.role == "assistant" and message.tool_calls:
+            at = i
+            ids = [call.get("id") for call in message.tool_calls]
+            unanswered = set(ids) if all(isinstance(call_id, str) for call_id in ids) else None
+    _check_answered(unanswered, at)
+
+
+def _check_answered(unanswered: set[str] | None, at: int) -> None:
+    if unanswered:
+        ids = sorted(unanswered)
+        named = ", ".join(_shown(call_id) for call_id in ids[:8])
+        if len(ids) > 8:
+            named += f" and {len(ids) - 8} more"
+        raise errors.bad_request(
+            "An assistant message with 'tool_calls' must be followed by tool messages responding to each"
+            f" 'tool_call_id'. The following tool_call_ids did not have response messages: {named}",
+            f"messages[{at}].role",
+        )
+
+
+def _shown(call_id: str | None) -> str:
+    """A client's id in an error, cut short (an id may be a megabyte)."""
+    text = repr(call_id)
+    return text if len(text) <= 66 else f"{text[:64]}…"
 
 
 def estimate_input_tokens(req: ChatRequest) -> int:

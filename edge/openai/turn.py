@@ -301,7 +301,11 @@ async def open_turn(
     cfg = edge.config
     max_messages = cfg.max_messages + MAX_CONTENT_PARTS if converted else cfg.max_messages
     req, forward = parse_chat_request(
-        chat, max_messages=max_messages, max_tools=cfg.max_tools, max_output_tokens=cfg.max_output_tokens
+        chat,
+        max_messages=max_messages,
+        max_tools=cfg.max_tools,
+        max_output_tokens=cfg.max_output_tokens,
+        paired=not converted,
     )
     turn = Turn(edge, ex, req, forward, session)
     if turn.contract is not None:
