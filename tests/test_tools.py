@@ -1257,6 +1257,66 @@ async def test_a_live_tool_stream_fails_on_any_unreadable_call_and_sends_one_cal
     assert [c["id"] for c in calls] == ["call_a"]
 
 
+@pytest.mark.parametrize("name", ["native", "live"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_call_asked_for_is_checked_alone(tooled, name, stream):
+    """parallel_tool_calls false: the client gets the first call only, so a second call that is
+    invalid is no reason to fail the turn. It was checked with the first: a valid first call
+    and an invalid second were retried, then a tool_validation_error (an outside audit)."""
+    edge, upstream = tooled
+    script = steps(
+        *native_call(0, "call_a", "get_weather", '{"city": "Paris"}'),
+        *native_call(1, "call_b", "get_weather", '{"town": 1}'),
+        finish="tool_calls",
+    )
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        content, _, calls = await answer_of_choice(edge, name, stream, parallel_tool_calls=False)
+    assert [(call.id, json.loads(call.function.arguments)) for call in calls] == [("call_a", {"city": "Paris"})]
+    assert len(upstream.records) == 1  # (no retry)
+
+
+async def test_a_live_stream_past_the_call_limit_sends_no_markup_as_text(tooled):
+    """tool_stream = "live": text past the 1,024th call block, markup and all, went out as the
+    answer's content before its tool_validation_error (476 blocks of 1,500: an outside audit);
+    when buffered, none did. Now neither sends it."""
+    from proto.frames import MAX_TOOL_CALLS
+
+    edge, upstream = tooled
+    upstream.script_for("t", steps({"content": text_call("get_time", {}) * (MAX_TOOL_CALLS + 1)}))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for name in ("live", "native"):
+                body = {"model": name, "messages": MESSAGES, "tools": TOOLS, "stream": True}
+                r = await client.post("/v1/chat/completions", json=body)
+                events = sse_events(r.content)
+                assert msgspec.json.decode(events[-2])["error"]["type"] == "tool_validation_error", name
+                assert b"tool_call>" not in r.content.replace(b"\\u003c", b"<"), name
+                assert b"get_time" not in b"".join(events[:-2]), name
+
+
+async def test_a_failed_retry_says_why_in_its_code_whole_or_streamed(nursery, upstream):
+    """A tool call's retry that timed out was a 502 with code null when whole and
+    `run_timed_out` in a stream: the code is the stream's in both (an outside audit)."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=1.0))
+    node = await start_node(nursery, edge, [model("native", upstream, target="t")])
+    invalid = steps(*native_call(0, "call_a", "get_weather", '{"town": 1}'), finish="tool_calls")
+    codes = []
+    answers = iter([invalid, [("sleep", 30)]] * 2)  # the retry answers nothing
+    upstream.script_for("t", lambda body: list(next(answers)))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for stream in (False, True):
+                body = {"model": "native", "messages": MESSAGES, "tools": TOOLS, "stream": stream}
+                r = await client.post("/v1/chat/completions", json=body)
+                error = r.json()["error"] if not stream else msgspec.json.decode(sse_events(r.content)[-2])["error"]
+                codes.append((r.status_code, error["type"], error["code"]))
+    await settled(edge, node.agent)
+    assert codes == [(502, "tool_validation_retry_error", "run_timed_out")] + [
+        (200, "tool_validation_retry_error", "run_timed_out")
+    ]
+
+
 def test_a_cut_off_answer_of_unreadable_calls_is_still_bounded_by_the_call_count():
     """Cut off by max_tokens, unreadable blocks were all forgiven as text (a re-check): the count
     of calls that bounds reading them never came, and 14.9 MB of them held the edge 4.6 s. Only

@@ -120,8 +120,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return insufficient_quota(failed.message)
     if failed.type == TOOL_VALIDATION_ERROR:
         return APIError(502, failed.message, failed.type, code=INVALID_TOOL_CALL, headers=[NO_RETRY])
-    if failed.type not in ("run_error", "timeout_error"):
-        return APIError(502, failed.message, failed.type)
+    if failed.type not in ("run_error", "timeout_error"):  # (a tool call's retry that failed: why, as in a stream)
+        return APIError(502, failed.message, failed.type, code=stream_code(run, failed.type))
     if failed.status == 429:
         # The model server is saturated: the client may retry. Its own
         # Retry-After does not travel over the link; say 1 s.
@@ -540,9 +540,10 @@ class ToolLive(LiveEncoder):
             parsed = parse_calls_of("".join(self.raw_content), self.shaper.raw_content_text, cut_off)
             if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # (as _finish's)
                 calls = parsed.calls or None
-                self._emit_content(_unstreamed(parsed, "".join(self.emitted)))
-                if parsed.error:  # a block that could not be read fails the turn, as when buffered
+                if parsed.error:  # a block that could not be read fails the turn, as when buffered: what
+                    # is left of the text is not sent (past 1,024 calls, the rest's markup went out as text)
                     return self._invalid(parsed.error, calls, parsed.content, sent, mark)
+                self._emit_content(_unstreamed(parsed, "".join(self.emitted)))
             else:
                 self._emit_content(self.tool_filter.flush())
             if not calls and not "".join(self.emitted).strip():
@@ -553,12 +554,15 @@ class ToolLive(LiveEncoder):
                         return self._invalid(found.error, calls, "", sent, mark)
         contract = self.turn.contract
         if contract is not None and not (event.refusal and not calls):
+            sent_calls = self.turn.calls_to_send(calls)  # (a call not sent is not checked: it failed the turn)
+            cut_off = cut_off and sent_calls is calls
+            calls = sent_calls
             try:  # on the loop for a moment; past it (or for large arguments) in a worker thread
                 if contract.needs_thread(calls):
                     raise NeedsTime
                 reason = contract.validate(calls, INLINE_PATTERN_S, escalate=True, cut=cut_off)
             except NeedsTime:
-                self.check_later = (event, calls, usage, sent, mark)  # (:meth:`checked_end`)
+                self.check_later = (event, calls, usage, sent, mark, cut_off)  # (:meth:`checked_end`)
                 return b""
             if reason:
                 return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
@@ -570,9 +574,9 @@ class ToolLive(LiveEncoder):
         contract = self.turn.contract
         assert self.check_later is not None
         assert contract is not None
-        event, calls, usage, sent, mark = self.check_later
+        event, calls, usage, sent, mark, cut_off = self.check_later
         self.check_later = None
-        reason = await contract.check_in_thread(calls, finish_of(event) == "length")
+        reason = await contract.check_in_thread(calls, cut_off)
         if reason:
             return self._invalid(reason, calls, "".join(self.raw_content), sent, mark)
         self._release()

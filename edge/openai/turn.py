@@ -535,10 +535,11 @@ async def collect_validated(
         if turn.contract is None or (result.refusal and not result.tool_calls):
             turn.settle()
             return result
-        cut = result.finish_reason == "length"
-        reason = result.tool_error or await turn.contract.check_calls(result.tool_calls, cut)
+        calls = turn.calls_to_send(result.tool_calls)  # (a call not sent is not checked: it failed the turn)
+        cut = result.finish_reason == "length" and calls is result.tool_calls  # (the first of two is whole)
+        reason = result.tool_error or await turn.contract.check_calls(calls, cut)
         if not reason:
-            result.tool_calls = turn.calls_to_send(result.tool_calls)
+            result.tool_calls = calls
             turn.settle()
             return result
         if attempt >= max_attempts:
