@@ -1022,6 +1022,33 @@ async def test_bad_tool_schema_is_a_400(tooled):
     assert upstream.records == []
 
 
+async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
+    """A call's arguments are a JSON object: parameters of another type, or `not: {}`, failed
+    every call, and each request spent its two attempts on the model server before a 502
+    tool_validation_error that blamed the model (an outside audit). It is a 400 naming the
+    tool; a schema that takes an object among other types is served."""
+    edge, upstream = tooled
+
+    def tool(parameters):
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    refused = [{"type": "string"}, {"type": ["array", "null"]}, {"not": {}}]
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            for parameters in refused:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(
+                        model="native", messages=MESSAGES, tools=[tool(parameters)], tool_choice="required"
+                    )
+                assert e.value.body["param"] == "tools" and "`f`" in e.value.body["message"], e.value.body
+            assert upstream.records == []
+            upstream.script_for("t", steps(*native_call(0, "call_a", "f", "{}"), finish="tool_calls"))
+            served = await client.chat.completions.create(
+                model="native", messages=MESSAGES, tools=[tool({"type": ["object", "null"]})], tool_choice="required"
+            )
+    assert served.choices[0].message.tool_calls[0].function.name == "f"
+
+
 async def test_tool_schema_references_never_fetch_and_unresolvable_ones_are_400(tooled, nursery):
     """`$ref` to http:// or file:// is never fetched; a reference that does not resolve, or loops, is a 400 naming the tool."""
     edge, upstream = tooled

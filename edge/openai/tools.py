@@ -587,6 +587,7 @@ def _build_validator(schema_json: str):
         raise SchemaProblem("it is nested too deeply") from None
     if error is not None:
         raise SchemaProblem(f"it is not a valid JSON Schema: {_cut(error.message, 500)}")
+    _takes_an_object(schema)
     spec = referencing.jsonschema.specification_with(
         cls.META_SCHEMA.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
     )
@@ -626,6 +627,18 @@ def _build_validator(schema_json: str):
         except (ArithmeticError, ValueError, TypeError) as e:
             raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     return validator
+
+
+def _takes_an_object(schema: dict[str, Any]) -> None:
+    """A call's arguments are a JSON object: a schema whose root takes none (its ``type``
+    another, or ``not: {}``) fails every call, and each request so spent its attempts
+    on the model server before a 502 that blamed the model (an outside audit)."""
+    kind = schema.get("type")
+    if (isinstance(kind, str) and kind != "object") or (isinstance(kind, list) and "object" not in kind):
+        shown = _cut(msgspec.json.encode(kind).decode(), 100)
+        raise SchemaProblem(f'its type must be "object" (a call\'s arguments are a JSON object), not {shown}')
+    if schema.get("not") is True or schema.get("not") == {}:
+        raise SchemaProblem("it takes no JSON object (`not: {}`), and a call's arguments are one")
 
 
 # Keywords whose subschemas apply to the instance itself, not to a part of it: a loop through
