@@ -43,7 +43,7 @@ from edge.link import node_link
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.exchange import Exchange, LargeRequests
 from edge.openai.items import ResponseItems
-from edge.openai.routes import is_admin_path, openai_routes
+from edge.openai.routes import ROUTES, is_admin_path, openai_routes
 from edge.openai.schema import ModelCard, ModelList
 from edge.openai.shaping import TemplateThink
 from edge.reads import install as install_reads
@@ -58,6 +58,9 @@ from iop.drain import within_grace
 from iop.limits import more_open_files
 
 log = structlog.get_logger("iop.edge")
+# The routes as a client's base URL would end them (/chat/completions): a path under /v1 ending with
+# one that is not one (/v1/chat/completions/chat/completions) had a base URL of the whole endpoint.
+_ROUTE_TAILS = (*(path[3:] for path in ROUTES), "/models")
 
 
 _encode = msgspec.json.Encoder().encode
@@ -708,6 +711,17 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             return _json(403, error_json(message, "permission_error", code="admin_disabled"))
         return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
 
+    @app.before_request
+    async def slashes_first() -> None:
+        """A path that begins with // and more (a base URL ending in /) is the 404 that says so:
+        Quart's routes matched it as the path with one, answering //v1/models and //metrics
+        (their access lines under api "other") where //v1/chat/completions was the 404."""
+        from quart import abort, request
+
+        path = request.scope.get("path", "")
+        if path[:2] == "//" and path.strip("/"):
+            abort(404)
+
     @app.get("/")  # (and HEAD /: Claude Code's check that the base URL answers, at every start)
     async def root() -> Response:
         text = "iop edge: an OpenAI- and Anthropic-compatible API under /v1 (GET /v1/models lists the models).\n"
@@ -744,9 +758,16 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if path.startswith(("/chat/", "/responses", "/models", "/embeddings", "/completions", "/messages")):
             hint = " The API is under /v1: is the client's base URL missing /v1?"
         elif path.startswith("/v1/v1/"):
-            hint = " The path has /v1 twice: the Anthropic SDK adds /v1 itself, so its base URL has none."
+            hint = (
+                " The path has /v1 twice: a client that adds /v1 itself (the Anthropic SDK does)"
+                " needs a base URL without it."
+            )
         elif "//" in path:
             hint = " The path has // in it: does the client's base URL end with a /?"
+        elif path[:-1] in ROUTES or path[:-1] == "/v1/models":
+            hint = f" The path ends with a /: the route is {path[:-1]}."
+        elif path.startswith("/v1/") and path.endswith(_ROUTE_TAILS):
+            hint = " The path has a route after another: is the base URL the whole endpoint? It ends at /v1."
         message = f"Unknown route: {request.method} {path}.{hint}"
         return models_error(APIError(404, message, "invalid_request_error", code="not_found"))  # (either API's shape)
 

@@ -138,6 +138,11 @@ async def test_unknown_route_and_wrong_method(edge):
             # A base URL ending in /: the path as sent (it said "POST /v1/chat/completions", a route).
             slashes = (await client.post(f"{edge.url}//v1/chat/completions", json={})).json()["error"]["message"]
             assert slashes.startswith("Unknown route: POST //v1/chat/completions.") and "end with a /" in slashes
+            # A base URL of the whole endpoint, or a path ending in /: said (it was a bare "Unknown route").
+            whole = await client.post("/v1/chat/completions/chat/completions", json={})
+            assert "the whole endpoint" in whole.json()["error"]["message"]
+            trailing = await client.post("/v1/chat/completions/", json={})
+            assert "the route is /v1/chat/completions." in trailing.json()["error"]["message"]
             link = await client.get("/v1/node/link")  # (a node's websocket, not a route for plain HTTP)
             assert link.status_code == 426 and "iop node" in link.json()["error"]["message"]
             wrong = await client.get("/v1/chat/completions")
@@ -169,10 +174,16 @@ async def test_absolute_form_request_lines_and_double_slashes(edge, node):
         models = await raw(b"GET HTTPS://elsewhere.example/v1/models HTTP/1.1")
         async with http(edge) as client:
             doubled = await client.get("/v1//models")
+        # Leading: Quart's routes matched them as the path with one / (200s, logged under api "other")
+        leading = [await raw(b"GET %s HTTP/1.1" % path) for path in (b"//v1/models", b"//metrics", b"///healthz")]
+        root = await raw(b"GET // HTTP/1.1")
     assert served.startswith(b"HTTP/1.1 200 ") and b'"choices"' in served, served[:300]
     assert models.startswith(b"HTTP/1.1 200 ") and b'"data"' in models, models[:300]
     assert_openai_error(doubled, 404)
     assert "end with a /" in doubled.json()["error"]["message"]
+    for answer in leading:
+        assert answer.startswith(b"HTTP/1.1 404 ") and b"end with a /" in answer, answer[:300]
+    assert root.startswith(b"HTTP/1.1 200 "), root[:300]  # (a base URL of / alone: the edge's root)
     await settled(edge, node.agent)
 
 
