@@ -33,7 +33,7 @@ servers:
 	bash scripts/install_servers.sh
 
 test: $(STAMP) $(JS_STAMP) servers
-	$(WITH_VENV) $(BIN)/python -m pytest -q
+	$(WITH_VENV) $(BIN)/python -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
