@@ -334,6 +334,7 @@ class Keys:
         self.shared = False
         self.budgeted: set[Key] = set()  # keys with a daily budget and requests in flight here
         self.on_settle: Callable[[Key], None] | None = None  # (shared state) a request of a key ended
+        self.on_mark: Callable[[Key], None] | None = None  # (shared state) its runs passed a mark of its budget
         for i, secret in enumerate(config.api_keys):
             sha = sha256_hex(secret)
             self.add(Key(f"api_keys[{i}]", sha, Policy(), "api_keys"))
@@ -484,8 +485,16 @@ class Keys:
             # known as of their last write, and a part as large as the whole let two edges' runs
             # cross a budget together by what each streamed meanwhile; this edge's runs check
             # again at half of what is left, and at a quarter of the budget left)
-            share = left >> 1 if key.others_streamed or key.others_pending else left
-            gauge.mark = gauge.streamed + (share if key.near else min(share, to_near))
+            others = key.others_streamed or key.others_pending
+            step = left >> 1 if others else left
+            if not key.near:
+                step = min(step, to_near)
+            if self.on_mark is not None:  # (shared state: the others' streams are read as the runs pass
+                # a sixteenth of the budget, and each half of what is left near it)
+                step = min(step, budget >> 4)
+                if slack and gauge.mark >= 0 and (others or key.near):  # (not a new run's first output)
+                    self.on_mark(key)
+            gauge.mark = gauge.streamed + step
             return 0
         message = self._over_budget(key, "budget").message
         ended = 0

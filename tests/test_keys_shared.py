@@ -298,10 +298,44 @@ async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nur
         used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
     print(f"two streams cut at {sum(used)} tokens together ({used}) on a budget of 10,000")
     assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
-    # (18,000 before: each ran to its end. Now 10,423-10,433; 11,043-11,086 on a quiet machine before each
-    # edge checked its runs as it read the others' streams, 12,573 once in CI then; and 11,287-11,520 before
-    # each edge left the others a part and wrote its streams every 50 ms near the budget)
+    # (18,000 before: each ran to its end. Now 10,298-10,299; 11,043-11,086 on a quiet machine before each
+    # edge wrote its streams as its runs passed marks of the budget, 12,573 once in CI then; and 11,287-11,520
+    # before each edge left the others a part and wrote its streams every 50 ms near the budget)
     assert 10_000 < sum(used) < 16_000, used
+
+
+async def test_runs_of_a_model_answering_at_once_on_two_edges_are_cut_near_the_budget(nursery, redis_server, tmp_path):  # noqa: F811
+    """A model server answering at once: one stream on each of two edges, 40,000 tokens each in
+    about 0.1 s, on a budget of 30,000. Each edge read the other's streams at its rounds only
+    (50-250 ms apart), so each ran about to the budget alone: 52,040-54,856 together. An edge's
+    runs now have its streams written, and the others' read, as they pass each sixteenth of
+    the budget: 31,944-33,480 on this machine (49,032-51,464 with the gauge alone)."""
+    keys = [KeyConfig(id="i", key="sk-i", daily_tokens=30_000)]
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        instant = model("instant", ttft_ms=0, tokens_per_s=0, sim_tokens=40_000)
+        await start_node(nursery, edge, [instant], node_id=f"n-{name}")
+        await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
+        edges.append(edge)
+    bodies: list[str] = []
+
+    async def one(edge) -> None:
+        async with client(edge, "sk-i") as c:
+            r = await chat(c, "instant", stream=True)
+            assert r.status_code == 200, r.text[:300]
+            bodies.append(r.text)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as n:
+            for edge in edges:
+                n.start_soon(one, edge)
+        used = [edge.edge.keys.by_id["i"].day_used for edge in edges]
+    print(f"two runs answered at once cut at {sum(used)} tokens together ({used}) on a budget of 30,000")
+    assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
+    assert 30_000 < sum(used) < 42_000, used
 
 
 async def test_a_budget_key_with_max_concurrent_is_never_refused_a_slot_it_has(nursery, redis_server, tmp_path):  # noqa: F811
