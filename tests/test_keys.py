@@ -3,6 +3,7 @@ ledger (SQLite), run-time keys (/v1/admin/keys), per-key metrics, `iop usage`.""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sqlite3
 import subprocess
@@ -789,6 +790,76 @@ async def test_many_runs_of_one_key_are_held_to_its_budget_without_summing_them_
     assert budget + BUDGET_SLACK < total <= budget + BUDGET_SLACK + 1, total
     assert key.near
     assert reads <= 3 * n, reads
+
+
+async def test_runs_still_streaming_after_others_of_their_key_ended_are_held_to_its_budget(nursery, tmp_path, upstream):
+    """Six streams of one key, each 5,001 tokens, starting 50 ms apart, on a budget of 10,000.
+    When a request ended, its tokens moved from what the key's runs in flight streamed to the
+    day's use, and the runs still streaming had that much room again until the 0.5 s check:
+    25,036-30,036 tokens were charged (an outside re-check). Each end has the budget checked
+    at the next output."""
+    chunk = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"t","choices":[{"index":0,"delta":{"content":"t "},"finish_reason":null}]}\n\n'
+
+    def script(body):
+        i = int(body["messages"][0]["content"].split()[-1])
+        usage = {"prompt_tokens": 5, "completion_tokens": 5001, "total_tokens": 5006}
+        return [
+            ("chunk", {"content": "a "}),
+            ("sleep", i * 0.05),
+            *[("raw", chunk * 50)] * 100,
+            ("chunk", {}, "stop"),
+            ("usage", usage),
+            ("done",),
+        ]
+
+    upstream.script_for("t", script)
+    keys = [KeyConfig(id="k", key="sk-k", daily_tokens=10_000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("m", upstream, target="t", max_concurrency=8)])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-k") as c, trio.open_nursery() as streams:
+            for i in range(6):
+                body = {"messages": [{"role": "user", "content": f"go {i}"}], "stream": True}
+                streams.start_soon(functools.partial(c.post, "/v1/chat/completions", json={"model": "m", **body}))
+        key = edge.edge.keys.by_id["k"]
+        await eventually(lambda: key.in_flight == 0, "settled")
+    print(f"\nsix staggered streams charged {key.day_used} on a budget of 10,000")
+    assert 10_000 < key.day_used < 11_000, key.day_used  # (25,036-30,036 before)
+
+
+@pytest.mark.parametrize("change", ["lowered", "taken away and given back"])
+async def test_a_budget_patched_while_its_requests_stream_holds_them_at_once(nursery, tmp_path, change):
+    """A budget lowered under what its requests in flight had streamed held them to the old
+    one until the 0.5 s check (1,000,000 lowered to 5,000 ended at 15,376); one taken away and
+    given back never held them again (four streams ran to 80,020 on 10,000; an outside
+    re-check). Either holds them at their next output."""
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("s", ttft_ms=0, tokens_per_s=5000, sim_tokens=20_000, max_concurrency=8)])
+    seen = 0
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            made = await admin.post("/v1/admin/keys", json={"id": "p", "daily_tokens": 1_000_000})
+            key = edge.edge.keys.by_id["p"]
+
+            async def patch() -> None:
+                nonlocal seen
+                await eventually(lambda: key.gauge is not None and key.gauge.streamed > 2000, "streaming")
+                if change == "lowered":
+                    assert (await admin.patch("/v1/admin/keys/p", json={"daily_tokens": 5000})).status_code == 200
+                else:
+                    assert (await admin.patch("/v1/admin/keys/p", json={"daily_tokens": 0})).status_code == 200
+                    await trio.sleep(0.1)
+                    assert (await admin.patch("/v1/admin/keys/p", json={"daily_tokens": 5000})).status_code == 200
+                seen = key.day_used + key.gauge.streamed
+
+            async with client(edge, made.json()["key"]) as c, trio.open_nursery() as streams:
+                streams.start_soon(patch)
+                for _ in range(8):
+                    streams.start_soon(functools.partial(chat, c, "s", stream=True))
+            await eventually(lambda: key.in_flight == 0, "settled")
+    print(f"\n{change}: {key.day_used} charged, {seen} streamed when patched")
+    # (5,260-5,272 here; 6,006-7,284 before, and up to 160,000 given back: + the slack and an event a stream)
+    assert key.day_used <= max(seen, 5000) + 256 + 8 * 64, (key.day_used, seen)
 
 
 async def test_a_native_tool_call_made_faster_than_a_second_is_held_to_the_budget(nursery, tmp_path, upstream):
