@@ -646,9 +646,14 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         key, refused = models_key()
         if refused is not None:
             return refused
-        links = edge.runs.models().get(model_id)
+        models = edge.runs.models()
+        links = models.get(model_id)
         if not links or (key is not None and not key.may_use(model_id)):
-            return models_error(model_not_found(model_id))
+            error = model_not_found(model_id)
+            served = model_id.rstrip("/")
+            if served != model_id and served in models and (key is None or key.may_use(served)):
+                error.message += f" The path ends with a /: the route is /v1/models/{served}."
+            return models_error(error)
         return _json(200, _encode(_model_card(model_id, links)))
 
     @app.get("/v1/nodes")

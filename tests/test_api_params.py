@@ -145,6 +145,7 @@ async def test_chat_tool_results_must_answer_the_calls_before_them(edge_up):
         ([*USER, asked("c1", "c2"), result("c1"), *USER], "messages[1].role", "did not have response messages: 'c2'"),
         ([*USER, asked("c1")], "messages[1].role", "did not have response messages: 'c1'"),
         ([*USER, asked("c1"), result(huge)], "messages[2].tool_call_id", "'cccc"),
+        ([*USER, asked("c1", "c2"), result("c1"), result("c1")], "messages[3].tool_call_id", "an earlier tool message"),
     ]
     served = [
         [*USER, asked("c1", "c2"), result("c2"), result("c1"), *USER],

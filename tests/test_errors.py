@@ -123,7 +123,7 @@ async def test_too_many_messages_is_400(nursery):
     assert_openai_error(r, 400, param="messages", code="too_many_messages")
 
 
-async def test_unknown_route_and_wrong_method(edge):
+async def test_unknown_route_and_wrong_method(edge, node):
     """Unknown routes and methods answer in the OpenAI error shape too."""
     with trio.fail_after(BOUND):
         async with http(edge) as client:
@@ -143,6 +143,9 @@ async def test_unknown_route_and_wrong_method(edge):
             assert "the whole endpoint" in whole.json()["error"]["message"]
             trailing = await client.post("/v1/chat/completions/", json={})
             assert "the route is /v1/chat/completions." in trailing.json()["error"]["message"]
+            models = (await client.get("/v1/models")).json()["data"]
+            card = await client.get(f"/v1/models/{models[0]['id']}/")
+            assert f"the route is /v1/models/{models[0]['id']}." in card.json()["error"]["message"]
             link = await client.get("/v1/node/link")  # (a node's websocket, not a route for plain HTTP)
             assert link.status_code == 426 and "iop node" in link.json()["error"]["message"]
             wrong = await client.get("/v1/chat/completions")
@@ -151,6 +154,7 @@ async def test_unknown_route_and_wrong_method(edge):
             quart = await client.post("/v1/models")
             assert_openai_error(quart, 405)
             assert "GET" in quart.headers["allow"]
+    await settled(edge, node.agent)
 
 
 async def test_absolute_form_request_lines_and_double_slashes(edge, node):

@@ -1032,7 +1032,15 @@ async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
     def tool(parameters):
         return {"type": "function", "function": {"name": "f", "parameters": parameters}}
 
-    refused = [{"type": "string"}, {"type": ["array", "null"]}, {"not": {}}]
+    refused = [
+        {"type": "string"},
+        {"type": ["array", "null"]},
+        {"not": {}},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}},
+        {"allOf": [{"type": "integer"}]},
+        {"const": 5},
+        {"enum": [1, "x"]},
+    ]
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
             for parameters in refused:
@@ -1300,6 +1308,24 @@ async def test_one_call_asked_for_is_checked_alone(tooled, name, stream):
     with trio.fail_after(BOUND):
         content, _, calls = await answer_of_choice(edge, name, stream, parallel_tool_calls=False)
     assert [(call.id, json.loads(call.function.arguments)) for call in calls] == [("call_a", {"city": "Paris"})]
+    assert len(upstream.records) == 1  # (no retry)
+
+
+@pytest.mark.parametrize("name", ["textonly", "live"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_call_asked_for_in_text_is_read_alone(tooled, name, stream):
+    """parallel_tool_calls false, calls written as text: a readable first call and an unreadable
+    second failed the turn (a 502 after two runs; an outside re-check). The blocks after the
+    first call are not read, and are not shown as content either."""
+    edge, upstream = tooled
+    text = "On it. " + text_call("get_weather", {"city": "Paris"}) + "<tool_call>{not json</tool_call> and more"
+    upstream.script_for("t", steps({"content": text}))
+    with trio.fail_after(BOUND):
+        content, _, calls = await answer_of_choice(edge, name, stream, parallel_tool_calls=False)
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert "tool_call" not in content and "not json" not in content, content
     assert len(upstream.records) == 1  # (no retry)
 
 

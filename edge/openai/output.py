@@ -537,7 +537,8 @@ class ToolLive(LiveEncoder):
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())
         elif self.tool_filter is not None:
-            parsed = parse_calls_of("".join(self.raw_content), self.shaper.raw_content_text, cut_off)
+            raw = self.shaper.raw_content_text
+            parsed = parse_calls_of("".join(self.raw_content), raw, cut_off, self.turn.one_call)
             if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # (as _finish's)
                 calls = parsed.calls or None
                 if parsed.error:  # a block that could not be read fails the turn, as when buffered: what
@@ -547,7 +548,7 @@ class ToolLive(LiveEncoder):
             else:
                 self._emit_content(self.tool_filter.flush())
             if not calls and not "".join(self.emitted).strip():
-                found = calls_in_reasoning(self.shaper.reasoning_text, finish_of(event))  # (as _finish's)
+                found = calls_in_reasoning(self.shaper.reasoning_text, finish_of(event), self.turn.one_call)
                 if found is not None:
                     calls = found.calls or None
                     if found.error:

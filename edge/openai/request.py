@@ -604,6 +604,7 @@ def _check_tool_pairs(messages: list[Message]) -> None:
     from a history no model was trained on, or refuses it in its own words. Calls without
     string ids (no client sends them) are not held to it."""
     unanswered: set[str] | None = None  # the calls of the assistant message at ``at`` not answered yet
+    asked: frozenset[str] = frozenset()  # ...and all its calls
     at = -1
     for i, message in enumerate(messages):
         if message.role == "tool":
@@ -615,9 +616,13 @@ def _check_tool_pairs(messages: list[Message]) -> None:
                 )
             if unanswered is not None:
                 if message.tool_call_id not in unanswered:
+                    said = (
+                        "answers a call of the previous message that an earlier tool message answered"
+                        if message.tool_call_id in asked
+                        else "not found in 'tool_calls' of previous message"
+                    )
                     raise errors.bad_request(
-                        f"Invalid parameter: 'tool_call_id' of {_shown(message.tool_call_id)} not found in"
-                        " 'tool_calls' of previous message.",
+                        f"Invalid parameter: 'tool_call_id' of {_shown(message.tool_call_id)} {said}.",
                         f"messages[{i}].tool_call_id",
                     )
                 unanswered.discard(message.tool_call_id)
@@ -628,6 +633,7 @@ def _check_tool_pairs(messages: list[Message]) -> None:
             at = i
             ids = [call.get("id") for call in message.tool_calls]
             unanswered = set(ids) if all(isinstance(call_id, str) for call_id in ids) else None
+            asked = frozenset(unanswered or ())
     _check_answered(unanswered, at)
 
 

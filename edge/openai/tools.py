@@ -136,10 +136,12 @@ def with_ids(calls: list[ToolCall], taken: frozenset[str] = frozenset()) -> list
 MAX_ERRORS_SAID = 4  # of a turn's unreadable text calls: the rest are counted
 
 
-def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
+def parse_text_tool_calls(text: str, cut_off: bool = False, first_only: bool = False) -> TextToolCalls:
     """``cut_off`` (the run ended by ``max_tokens``): the last block, cut before its closing tag,
     stays in the content as written if it cannot be read, not an error (no retry can help),
-    and the blocks before it are calls (any of them unreadable is still an error)."""
+    and the blocks before it are calls (any of them unreadable is still an error).
+    ``first_only`` (``parallel_tool_calls: false``): the blocks after the first call are not
+    read, and are no content (an unreadable one failed a turn whose call the client got alone)."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     pieces: list[str] = []
@@ -159,6 +161,9 @@ def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
             errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
             break
         pieces.append(text[pos : m.start()])
+        if first_only and calls:
+            search = pos = m.end()
+            continue
         kind = "xml" if m.group("xml") is not None else "mustache"
         call, error = _read_call(m.group(kind).strip(), budget)
         pos = m.end()
@@ -188,23 +193,24 @@ def parse_text_tool_calls(text: str, cut_off: bool = False) -> TextToolCalls:
     return TextToolCalls(joined.strip() if found else text, calls, found, "; ".join(errors), joined)
 
 
-def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False) -> TextToolCalls:
+def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False, first_only: bool = False) -> TextToolCalls:
     """The tool calls a model wrote as text, read from what it wrote (``raw``): the edge's
     filters take sentinels and think tags out of the content, and they were a call's arguments
     too (a file's ``</s>`` and ``[INST]`` lost, a ``"<think>"`` made the call unreadable, and its
     retry failed the same way: found from outside); the content around them as filtered. Read
     from ``filtered`` when ``raw`` has no call, or only ones it cannot read where ``filtered``
-    can (a sentinel a model leaked inside a block). ``cut_off``: as :func:`parse_text_tool_calls`."""
-    parsed = parse_text_tool_calls(filtered, cut_off)
+    can (a sentinel a model leaked inside a block). ``cut_off``, ``first_only``: as
+    :func:`parse_text_tool_calls`."""
+    parsed = parse_text_tool_calls(filtered, cut_off, first_only)
     if raw is None or raw == filtered or not parsed.candidate:
         return parsed
-    written = parse_text_tool_calls(raw, cut_off)
+    written = parse_text_tool_calls(raw, cut_off, first_only)
     if not written.candidate or (written.error and not parsed.error):
         return parsed
     return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped)
 
 
-def calls_in_reasoning(reasoning: str, finish_reason: str) -> TextToolCalls | None:
+def calls_in_reasoning(reasoning: str, finish_reason: str, first_only: bool = False) -> TextToolCalls | None:
     """The calls of a turn with tools that wrote no answer, only reasoning with call blocks in
     it, and stopped: a model that called before it closed its think block, or whose server's
     reasoning parser put all it wrote in the reasoning (Qwen3 on vLLM). The reasoning-only
@@ -213,7 +219,7 @@ def calls_in_reasoning(reasoning: str, finish_reason: str) -> TextToolCalls | No
     still thinking, and a call it thought of is no call)."""
     if finish_reason == "length":
         return None
-    parsed = parse_text_tool_calls(reasoning)
+    parsed = parse_text_tool_calls(reasoning, first_only=first_only)
     return parsed if parsed.candidate else None
 
 
@@ -616,8 +622,8 @@ def _build_validator(schema_json: str):
             except PatternProblem as e:
                 raise SchemaProblem(f"its {where} `{_cut(pattern, 100)}` cannot be used: {e}") from None
         try:
-            for _ in validator.iter_errors({}):
-                pass
+            for error in validator.iter_errors({}):
+                _no_object_passes(error)
         except RecursionError:
             raise SchemaProblem("its references loop without end") from None
         except referencing.exceptions.Unresolvable as e:
@@ -627,6 +633,33 @@ def _build_validator(schema_json: str):
         except (ArithmeticError, ValueError, TypeError) as e:
             raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     return validator
+
+
+# What the root's own keywords (and those it takes in whole: allOf, $ref) may say of an empty
+# object that they say of every object.
+_WHOLE_OF_ROOT = frozenset(("allOf", "$ref", "$dynamicRef"))
+
+
+def _no_object_passes(error) -> None:
+    """An empty object's error that every object would have: a ``type`` without "object",
+    a ``const`` or an ``enum`` with no object in it, at the root or through what it takes
+    in whole (``{"$ref": ...}`` to a string's schema, ``allOf``). Each spent a request's
+    attempts on the model server before a 502 (an outside re-check)."""
+    if error.absolute_path or error.validator not in ("type", "const", "enum"):
+        return
+    path = list(error.absolute_schema_path)[:-1]
+    if not all(isinstance(step, int) or step in _WHOLE_OF_ROOT for step in path):
+        return
+    value = error.validator_value
+    if error.validator == "type":
+        if "object" in (value if isinstance(value, list) else [value]):
+            return
+    elif error.validator == "const":
+        if isinstance(value, dict):
+            return
+    elif not isinstance(value, list) or any(isinstance(item, dict) for item in value):
+        return
+    raise SchemaProblem(f"it takes no JSON object (its `{error.validator}`), and a call's arguments are one")
 
 
 def _takes_an_object(schema: dict[str, Any]) -> None:

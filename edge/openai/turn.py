@@ -196,10 +196,14 @@ class Turn:
             self.settle()
         return self.usage
 
+    @property
+    def one_call(self) -> bool:
+        """``parallel_tool_calls: false`` (Anthropic's ``disable_parallel_tool_use``)."""
+        return self.req.parallel_tool_calls is False
+
     def calls_to_send(self, calls: list[ToolCall] | None) -> list[ToolCall] | None:
-        """``parallel_tool_calls: false`` (Anthropic's ``disable_parallel_tool_use``):
-        the client asked for one call a turn, so it gets the first."""
-        if calls and len(calls) > 1 and self.req.parallel_tool_calls is False:
+        """:attr:`one_call`: the client asked for one call a turn, so it gets the first."""
+        if calls and len(calls) > 1 and self.one_call:
             return calls[:1]
         return calls
 
@@ -425,13 +429,13 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
     elif turn.contract is not None:
-        parsed = parse_calls_of(content, shaper.raw_content_text, cut_off)
+        parsed = parse_calls_of(content, shaper.raw_content_text, cut_off, turn.one_call)
         if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # a cut-off block stays text
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
     if turn.contract is not None and not tool_calls and not tool_error and not content.strip():
-        found = calls_in_reasoning(shaper.reasoning_text, finish_reason)  # (no answer: the calls it thought)
+        found = calls_in_reasoning(shaper.reasoning_text, finish_reason, turn.one_call)  # (no answer: its calls)
         if found is not None:
             tool_calls, tool_error = found.calls or None, found.error
     finish_reason = end_reason(finish_reason, bool(tool_calls))
