@@ -209,6 +209,36 @@ async def test_the_end_of_a_body_the_kernel_takes_in_part_or_not_at_all_arrives_
     assert len(rests) == 2 and all(rest > 0 for rest in rests), rests  # half taken, then none
 
 
+async def test_a_write_taken_in_part_after_the_streams_task_began_it_arrives_whole(nursery, upstream, monkeypatch):
+    """A stream whose head its own task wrote (the connection took no head with the first chunk
+    from the link's reader) then had a chunk the kernel took only in part: the rest's sender
+    was never set, the request failed with an AttributeError and the client's stream was cut
+    (slow readers under load; an outside audit). The rest goes out first; it arrives whole."""
+    write = direct.DirectBody.write
+    partial: list[int] = []
+
+    def half(body, data: bytes) -> bytes | None:
+        raw = body._raw
+        body._raw = _Kernel(raw, takes_nothing=False)
+        try:
+            rest = write(body, data)
+        finally:
+            body._raw = raw
+        partial.append(len(rest or b""))
+        return rest
+
+    monkeypatch.setattr(direct.DirectBody, "write", half)
+    monkeypatch.setattr(direct.DirectBody, "head_and_chunk", lambda body, send, message, data: None)
+    words, edge = await edge_with_paced_words(nursery, upstream, 20)
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND) as client:
+            r = await client.post(
+                "/v1/chat/completions", json={**STREAM, "messages": [{"role": "user", "content": "x"}]}
+            )
+    assert r.status_code == 200 and content_of(r.content) == "".join(words)
+    assert any(partial), partial  # (writes were taken in part)
+
+
 async def test_pipelined_requests_are_answered_in_order(nursery, upstream, monkeypatch):
     """Two requests sent at once on one connection (HTTP/1.1 pipelining): the first
     stream's direct end moves the connection on, and the second, already read, is

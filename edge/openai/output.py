@@ -804,7 +804,8 @@ class _LiveSink:
         if direct is None:
             if not self._ex.started:
                 return self._commit(event)
-            direct = self._direct = self._ex.direct or False  # the stream's task committed it
+            direct = self._direct = self._ex.direct or False  # the stream's task committed it (a
+            self._writer = direct  # keep-alive, say): the rest of a write taken in part goes by it too
         if direct is False or event.parts > 1:
             # The node joined several of the model server's deltas into it: tokens are coming
             # faster than they are sent, and the stream's task, woken, takes every event queued
