@@ -267,28 +267,24 @@ async def test_while_redis_is_down_an_edge_has_a_keys_whole_concurrency(nursery,
         await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "leasing again")
 
 
-async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nursery, redis_server, tmp_path):  # noqa: F811
-    """daily_tokens 10,000 and one stream on each of two edges, each of 9,000 tokens (3 s): each
-    edge alone stays under the budget, together they pass it, and both are ended there (429
-    insufficient_quota in the stream). Each edge counted only its own streams and the others'
-    ended requests: such streams ran to 40,002 tokens on a budget of 30,000 (an outside audit)."""
-    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=10_000)]
+async def one_stream_on_each_of_two_edges(nursery, redis_url: str, tmp_path, budget: int, sim) -> list[int]:
+    """One stream of ``sim`` on each of two edges sharing Redis, its key's ``daily_tokens`` the
+    ``budget``: each ends with 429 insufficient_quota in the stream. What each edge charged."""
+    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=budget)]
     edges = []
     for name in ("a", "b"):
         edge = await start_edge(
-            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+            nursery, edge_config(keys=keys, state=redis_url, ledger=str(tmp_path / f"{name}.sqlite3"))
         )
-        await start_node(
-            nursery, edge, [model("long", ttft_ms=0, tokens_per_s=3000, sim_tokens=9000)], node_id=f"n-{name}"
-        )
+        await start_node(nursery, edge, [sim], node_id=f"n-{name}")
         await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
         edges.append(edge)
     bodies: list[str] = []
 
     async def one(edge) -> None:
         async with client(edge, "sk-s") as c:
-            r = await chat(c, "long", stream=True)
-            assert r.status_code == 200, r.text
+            r = await chat(c, sim.name, stream=True)
+            assert r.status_code == 200, r.text[:300]
             bodies.append(r.text)
 
     with trio.fail_after(BOUND):
@@ -296,8 +292,18 @@ async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nur
             for edge in edges:
                 n.start_soon(one, edge)
         used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
-    print(f"two streams cut at {sum(used)} tokens together ({used}) on a budget of 10,000")
+    print(f"two streams of {sim.name} cut at {sum(used)} tokens together ({used}) on a budget of {budget}")
     assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
+    return used
+
+
+async def test_streams_on_two_edges_are_cut_at_the_budget_they_pass_together(nursery, redis_server, tmp_path):  # noqa: F811
+    """daily_tokens 10,000 and one stream on each of two edges, each of 9,000 tokens (3 s): each
+    edge alone stays under the budget, together they pass it, and both are ended there (429
+    insufficient_quota in the stream). Each edge counted only its own streams and the others'
+    ended requests: such streams ran to 40,002 tokens on a budget of 30,000 (an outside audit)."""
+    paced = model("long", ttft_ms=0, tokens_per_s=3000, sim_tokens=9000)
+    used = await one_stream_on_each_of_two_edges(nursery, redis_server.url, tmp_path, 10_000, paced)
     # (18,000 before: each ran to its end. Now 10,298-10,299; 11,043-11,086 on a quiet machine before each
     # edge wrote its streams as its runs passed marks of the budget, 12,573 once in CI then; and 11,287-11,520
     # before each edge left the others a part and wrote its streams every 50 ms near the budget)
@@ -310,31 +316,8 @@ async def test_runs_of_a_model_answering_at_once_on_two_edges_are_cut_near_the_b
     (50-250 ms apart), so each ran about to the budget alone: 52,040-54,856 together. An edge's
     runs now have its streams written, and the others' read, as they pass each sixteenth of
     the budget: 31,944-33,480 on this machine (49,032-51,464 with the gauge alone)."""
-    keys = [KeyConfig(id="i", key="sk-i", daily_tokens=30_000)]
-    edges = []
-    for name in ("a", "b"):
-        edge = await start_edge(
-            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
-        )
-        instant = model("instant", ttft_ms=0, tokens_per_s=0, sim_tokens=40_000)
-        await start_node(nursery, edge, [instant], node_id=f"n-{name}")
-        await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
-        edges.append(edge)
-    bodies: list[str] = []
-
-    async def one(edge) -> None:
-        async with client(edge, "sk-i") as c:
-            r = await chat(c, "instant", stream=True)
-            assert r.status_code == 200, r.text[:300]
-            bodies.append(r.text)
-
-    with trio.fail_after(BOUND):
-        async with trio.open_nursery() as n:
-            for edge in edges:
-                n.start_soon(one, edge)
-        used = [edge.edge.keys.by_id["i"].day_used for edge in edges]
-    print(f"two runs answered at once cut at {sum(used)} tokens together ({used}) on a budget of 30,000")
-    assert all('"code":"insufficient_quota"' in body for body in bodies), [body[-300:] for body in bodies]
+    instant = model("instant", ttft_ms=0, tokens_per_s=0, sim_tokens=40_000)
+    used = await one_stream_on_each_of_two_edges(nursery, redis_server.url, tmp_path, 30_000, instant)
     assert 30_000 < sum(used) < 42_000, used
 
 
