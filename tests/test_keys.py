@@ -21,7 +21,7 @@ from edge import ledger
 from edge.config import KeyConfig
 from scripts.stack import write_toml
 from scripts.upstream import Upstream, native_call, steps, text_script, words
-from tests.conftest import BOUND, edge_config, eventually, model, start_edge, start_node
+from tests.conftest import BOUND, edge_config, eventually, model, sse_events, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 ADMIN = "sk-admin"
@@ -860,6 +860,33 @@ async def test_a_budget_patched_while_its_requests_stream_holds_them_at_once(nur
     print(f"\n{change}: {key.day_used} charged, {seen} streamed when patched")
     # (5,260-5,272 here; 6,006-7,284 before, and up to 160,000 given back: + the slack and an event a stream)
     assert key.day_used <= max(seen, 5000) + 256 + 8 * 64, (key.day_used, seen)
+
+
+async def test_a_model_server_that_ignores_max_tokens_is_charged_what_it_streamed(nursery, tmp_path, upstream):
+    """A request of max_tokens 1 to a model server that ignored it and streamed 2,000 tokens
+    (usage 2,000): the usage was cut to the request's bound, 1, and its key charged 6 (two
+    edges' 400 such streams spent 800,000 tokens and were charged 2,400, never cut by a budget
+    of 300,000: an outside re-check). A completion counts at least the deltas the client got."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 2000, "total_tokens": 2005}
+    upstream.script_for(
+        "t", [*[("chunk", {"content": "t "})] * 2000, ("chunk", {}, "length"), ("usage", usage), ("done",)]
+    )
+    keys = [KeyConfig(id="k", key="sk-k", daily_tokens=1_000_000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-k") as c:
+            whole = await chat(c, "m", max_tokens=1)
+            streamed = await chat(c, "m", max_tokens=1, stream=True, stream_options={"include_usage": True})
+        key = edge.edge.keys.by_id["k"]
+        await eventually(lambda: key.in_flight == 0, "settled")
+    assert (
+        whole.json()["usage"]["completion_tokens"] == 2000
+        and len(whole.json()["choices"][0]["message"]["content"]) == 4000
+    )
+    last = msgspec.json.decode(sse_events(streamed.content)[-2])
+    assert last["usage"]["completion_tokens"] == 2000, last
+    assert key.day_used == 2 * 2005, key.day_used  # (12 before)
 
 
 async def test_a_native_tool_call_made_faster_than_a_second_is_held_to_the_budget(nursery, tmp_path, upstream):

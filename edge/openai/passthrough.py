@@ -202,7 +202,8 @@ class _Seen:
             if is_token_count(prompt) and is_token_count(completion):  # each an int in 0..2^40, or it is no count
                 details = found.get("completion_tokens_details")
                 reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
-                prompt, completion, cut = bounds.cut(prompt, completion, reasoning if is_token_count(reasoning) else 0)
+                reasoning = reasoning if is_token_count(reasoning) else 0
+                prompt, completion, cut = bounds.cut(prompt, completion, reasoning, max(self.events - 1, 0))
                 total = found.get("total_tokens")
                 total = bounds.total(total if is_token_count(total) and not cut else None, prompt, completion)
                 return UsageOut(prompt, completion, total), cut

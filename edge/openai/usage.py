@@ -32,7 +32,8 @@ log = structlog.get_logger()
 #   /v1/completions' list, an input of an embeddings list);
 # - completion tokens: the request's max_tokens (a server stops there), plus the reasoning
 #   tokens it reported (DeepSeek's max_tokens leaves its reasoning out) up to the window; the
-#   window for each input and each choice of n without max_tokens;
+#   window for each input and each choice of n without max_tokens; and at least the deltas the
+#   client was sent (a server that ignores max_tokens);
 # - total tokens: the two, plus a window (Gemini counts its thoughts in the total alone).
 PROMPT_SLACK = 65_536
 SEQUENCE_TOKENS = 1 << 20
@@ -59,10 +60,15 @@ class Bounds:
         self.window = window * max(copies, 1)  # completions: one a choice
         self.max_output = max_output
 
-    def cut(self, prompt: int, completion: int, reasoning: int = 0) -> tuple[int, int, bool]:
-        """``prompt`` and ``completion`` within the bounds, and whether either was past them."""
+    def cut(self, prompt: int, completion: int, reasoning: int = 0, shown: int = 0) -> tuple[int, int, bool]:
+        """``prompt`` and ``completion`` within the bounds, and whether either was past them.
+        ``shown``: the deltas (or events) the client was sent, which a completion may always
+        count: a model server that ignored ``max_tokens`` streamed 2,000 tokens to a request of
+        ``max_tokens`` 1, and its key was charged 1 (two edges' 400 such streams spent 800,000
+        tokens and were charged 2,400, never cut by a budget of 300,000: an outside re-check)."""
         window = self.window
         completion_cap = self.max_output + min(reasoning, window) if self.max_output else window
+        completion_cap = max(completion_cap, shown)
         if prompt <= self.prompt and completion <= completion_cap:
             return prompt, completion, False
         log.warning("usage past the request's bounds: cut", prompt_tokens=prompt, completion_tokens=completion)
@@ -101,7 +107,7 @@ def usage_out(
             calls = sum(len(c.function.name) + len(c.function.arguments) for c in tool_calls or ())
             completion, estimated = deltas + calls // 4 + -(-len(refusal or "") // 4), True
     bounds = Bounds(prompt_estimate, max_output, context_window, media=media)
-    prompt, completion, cut = bounds.cut(prompt, completion, r.reasoning_tokens or 0)
+    prompt, completion, cut = bounds.cut(prompt, completion, r.reasoning_tokens or 0, deltas)
     estimated = estimated or cut
     total = bounds.total(r.total_tokens if not estimated else None, prompt, completion)
     details = {"reasoning_tokens": min(r.reasoning_tokens, completion)} if r.reasoning_tokens is not None else None
