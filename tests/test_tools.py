@@ -1040,6 +1040,8 @@ async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
         {"allOf": [{"type": "integer"}]},
         {"const": 5},
         {"enum": [1, "x"]},
+        {"anyOf": [{"type": "string"}, {"allOf": [{"type": "integer"}]}]},
+        {"oneOf": [{"type": "string"}, {"type": "null"}]},
     ]
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:

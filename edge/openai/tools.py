@@ -642,24 +642,32 @@ _WHOLE_OF_ROOT = frozenset(("allOf", "$ref", "$dynamicRef"))
 
 def _no_object_passes(error) -> None:
     """An empty object's error that every object would have: a ``type`` without "object",
-    a ``const`` or an ``enum`` with no object in it, at the root or through what it takes
-    in whole (``{"$ref": ...}`` to a string's schema, ``allOf``). Each spent a request's
-    attempts on the model server before a 502 (an outside re-check)."""
-    if error.absolute_path or error.validator not in ("type", "const", "enum"):
-        return
-    path = list(error.absolute_schema_path)[:-1]
-    if not all(isinstance(step, int) or step in _WHOLE_OF_ROOT for step in path):
-        return
+    a ``const`` or an ``enum`` with no object in it, or an ``anyOf``/``oneOf`` each of whose
+    branches says so, at the root or through what it takes in whole (``{"$ref": ...}`` to a
+    string's schema, ``allOf``). Each spent a request's attempts on the model server before a
+    502 (an outside re-check)."""
+    if _rejects_every_object(error, list(error.absolute_schema_path)[:-1]):
+        raise SchemaProblem(f"it takes no JSON object (its `{error.validator}`), and a call's arguments are one")
+
+
+def _rejects_every_object(error, path: list) -> bool:
+    if error.absolute_path or not all(isinstance(step, int) or step in _WHOLE_OF_ROOT for step in path):
+        return False
     value = error.validator_value
     if error.validator == "type":
-        if "object" in (value if isinstance(value, list) else [value]):
-            return
-    elif error.validator == "const":
-        if isinstance(value, dict):
-            return
-    elif not isinstance(value, list) or any(isinstance(item, dict) for item in value):
-        return
-    raise SchemaProblem(f"it takes no JSON object (its `{error.validator}`), and a call's arguments are one")
+        return "object" not in (value if isinstance(value, list) else [value])
+    if error.validator == "const":
+        return not isinstance(value, dict)
+    if error.validator == "enum":
+        return isinstance(value, list) and not any(isinstance(item, dict) for item in value)
+    if error.validator in ("anyOf", "oneOf") and isinstance(value, list) and error.context:
+        refused = {
+            sub.relative_schema_path[0]
+            for sub in error.context
+            if _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1])
+        }
+        return refused >= set(range(len(value)))
+    return False
 
 
 def _takes_an_object(schema: dict[str, Any]) -> None:
