@@ -298,9 +298,8 @@ class Lease:
         (its :class:`Gauge`); a new run's first output has the budget checked."""
         gauge = self.gauge
         if gauge is not None:
-            gauge.streamed += before - self.streamed()
-            if self.run is not None:
-                self.run.gauge = None
+            self._off(gauge)
+            gauge.streamed += before
             run.gauge = gauge
             gauge.mark = -1
         self.run, self.before = run, before
@@ -313,12 +312,15 @@ class Lease:
 
     def leave(self) -> None:
         """Settled: it streams no more into its key's gauge."""
-        gauge = self.gauge
-        if gauge is not None:
-            gauge.streamed -= self.streamed()
-            if self.run is not None:
-                self.run.gauge = None
+        if self.gauge is not None:
+            self._off(self.gauge)
             self.gauge = None
+
+    def _off(self, gauge: Gauge) -> None:
+        """What it streamed out of ``gauge``, and its run no longer counted in it."""
+        gauge.streamed -= self.streamed()
+        if self.run is not None:
+            self.run.gauge = None
 
 
 class Keys:

@@ -996,8 +996,8 @@ class SharedState:
                 now = trio.current_time()
                 if now >= next_round or (self._hurried and now >= hurry_at):
                     await self._round()
-                    hurry_at = trio.current_time() + HURRY_S
-                    next_round = hurry_at - HURRY_S + SYNC_S
+                    done = trio.current_time()
+                    next_round, hurry_at = done + SYNC_S, done + HURRY_S
                 if self._settled:
                     try:
                         await self._give_back()

@@ -593,7 +593,6 @@ def _build_validator(schema_json: str):
         raise SchemaProblem("it is nested too deeply") from None
     if error is not None:
         raise SchemaProblem(f"it is not a valid JSON Schema: {_cut(error.message, 500)}")
-    _takes_an_object(schema)
     spec = referencing.jsonschema.specification_with(
         cls.META_SCHEMA.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
     )
@@ -642,10 +641,10 @@ _WHOLE_OF_ROOT = frozenset(("allOf", "$ref", "$dynamicRef"))
 
 def _no_object_passes(error) -> None:
     """An empty object's error that every object would have: a ``type`` without "object",
-    a ``const`` or an ``enum`` with no object in it, or an ``anyOf``/``oneOf`` each of whose
-    branches says so, at the root or through what it takes in whole (``{"$ref": ...}`` to a
-    string's schema, ``allOf``). Each spent a request's attempts on the model server before a
-    502 (an outside re-check)."""
+    a ``const`` or an ``enum`` with no object in it, ``not: {}``, or an ``anyOf``/``oneOf``
+    each of whose branches says so, at the root or through what it takes in whole
+    (``{"$ref": ...}`` to a string's schema, ``allOf``). Each spent a request's attempts on
+    the model server before a 502 that blamed the model (outside audits)."""
     if _rejects_every_object(error, list(error.absolute_schema_path)[:-1]):
         raise SchemaProblem(f"it takes no JSON object (its `{error.validator}`), and a call's arguments are one")
 
@@ -660,6 +659,8 @@ def _rejects_every_object(error, path: list) -> bool:
         return not isinstance(value, dict)
     if error.validator == "enum":
         return isinstance(value, list) and not any(isinstance(item, dict) for item in value)
+    if error.validator == "not":
+        return value is True or value == {}
     if error.validator in ("anyOf", "oneOf") and isinstance(value, list) and error.context:
         refused = {
             sub.relative_schema_path[0]
@@ -668,18 +669,6 @@ def _rejects_every_object(error, path: list) -> bool:
         }
         return refused >= set(range(len(value)))
     return False
-
-
-def _takes_an_object(schema: dict[str, Any]) -> None:
-    """A call's arguments are a JSON object: a schema whose root takes none (its ``type``
-    another, or ``not: {}``) fails every call, and each request so spent its attempts
-    on the model server before a 502 that blamed the model (an outside audit)."""
-    kind = schema.get("type")
-    if (isinstance(kind, str) and kind != "object") or (isinstance(kind, list) and "object" not in kind):
-        shown = _cut(msgspec.json.encode(kind).decode(), 100)
-        raise SchemaProblem(f'its type must be "object" (a call\'s arguments are a JSON object), not {shown}')
-    if schema.get("not") is True or schema.get("not") == {}:
-        raise SchemaProblem("it takes no JSON object (`not: {}`), and a call's arguments are one")
 
 
 # Keywords whose subschemas apply to the instance itself, not to a part of it: a loop through
