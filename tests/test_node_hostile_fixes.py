@@ -244,3 +244,63 @@ async def test_sim_answers_the_json_a_response_format_asks_for(sim_edge):
     assert isinstance(parsed.choices[0].message.parsed, Weather)
     assert parsed.choices[0].finish_reason == "stop"
     assert isinstance(msgspec.json.decode(plain.choices[0].message.content), dict)
+
+
+def raw_delta(delta: bytes, finish: str | None = None) -> tuple:
+    """An event whose delta's JSON is given as bytes, as a model server wrote them (perhaps
+    not UTF-8)."""
+    end = b', "finish_reason": "' + finish.encode() + b'"' if finish else b""
+    return ("raw", b'data: {"choices": [{"index": 0, "delta": ' + delta + end + b"}]}\n\n")
+
+
+# A party popper cut between two events: its UTF-8 bytes, then its UTF-16 escapes (a pair).
+CUT_TEXT = [
+    raw_delta(b'{"content": "Hi \xf0\x9f"}'),
+    raw_delta(b'{"content": "\x8e\x89 ok"}'),
+    raw_delta(b'{"reasoning_content": "think \\ud83c"}'),
+    raw_delta(b'{"reasoning_content": "\\udf89"}'),
+    raw_delta(b'{"content": " \\ud83c"}'),
+    raw_delta(b'{"content": "\\udf89! \xff"}', "stop"),
+    ("done",),
+]
+
+
+async def test_characters_cut_across_events_are_joined_not_a_failed_answer(stack):
+    """A model server that sends a character's UTF-8 bytes, or its surrogate pair's escapes,
+    in two events (text a token at a time: a token can be part of a character) failed the
+    answer: a 502 "undecodable chunk: Invalid UTF-8 encoded string", or mid-stream an error
+    and the rest lost (found from outside). The seeds' decoder never fails on it. The
+    character is joined again, in text, reasoning and a tool call's arguments, streamed or
+    not; a byte that is no character is U+FFFD."""
+    edge, upstream, _ = stack
+    want = "Hi 🎉 ok 🎉! \ufffd"
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", CUT_TEXT)
+            whole = await chat(client)
+            upstream.script_for("b", CUT_TEXT)
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={"model": "bad", "messages": USER, "stream": True}
+            ) as r:
+                events = [msgspec.json.decode(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
+            call = [
+                raw_delta(
+                    b'{"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{\\"a\\": \\"\xe2\x82"}}]}'
+                ),
+                raw_delta(b'{"tool_calls": [{"index": 0, "function": {"arguments": "\xac\\"}"}}]}', "tool_calls"),
+                ("done",),
+            ]
+            upstream.script_for("b", call)
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            called = await chat(client, tools=tools)
+    assert whole.status_code == 200, whole.text
+    message = whole.json()["choices"][0]["message"]
+    assert message["content"] == want
+    assert message["reasoning_content"] == "think 🎉"
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == want
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "think 🎉"
+    assert not [e for e in events if "error" in e]
+    assert called.status_code == 200, called.text
+    (tool_call,) = called.json()["choices"][0]["message"]["tool_calls"]
+    assert msgspec.json.decode(tool_call["function"]["arguments"]) == {"a": "€"}

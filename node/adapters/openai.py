@@ -11,6 +11,8 @@ what msgspec said of it): the client's ``run_error`` is not the only trace of it
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import msgspec
@@ -78,6 +80,7 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 # DecodeError, for JSON nested past about 1,000 levels (a body of 1,000 "[" did it).
 _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 _encode = msgspec.json.Encoder().encode
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _NO_MESSAGE = "the model server reported an error, with no message"
 _MAX_ERROR_BODY = 4096  # also the longest error message relayed from an error chunk
 _KEY_SAID = "[the node's api_key]"  # in a model server's error text, in place of the key it quoted
@@ -275,7 +278,7 @@ class OpenAIAdapter:
                     _ordered(relay.calls),
                     relay.usage,
                     stop=relay.stop,
-                    refusal="".join(relay.refusal),
+                    refusal=_whole("".join(relay.refusal)),
                 )
                 with trio.move_on_after(_DRAIN_S):  # the rest of the body, so the connection is reused
                     while await response.read():
@@ -300,7 +303,7 @@ class OpenAIAdapter:
                     _ordered(relay.calls),
                     relay.usage,
                     stop=relay.stop,
-                    refusal="".join(relay.refusal),
+                    refusal=_whole("".join(relay.refusal)),
                 )
             else:
                 self._log_failure("stream closed before it finished", run_id)
@@ -392,6 +395,7 @@ class _Relay:
         "key",
         "quiet",
         "read",
+        "held",
     )
 
     def __init__(self, sink: Sink, key: str | None) -> None:
@@ -414,6 +418,7 @@ class _Relay:
         self.room = True  # the sink takes more now
         self.quiet = 0  # bytes read that no output paid for (_PAID)
         self.read = 0  # bytes read in all
+        self.held: dict[int, str] = {}  # kind -> the start of a character a chunk cut (_mend)
 
     def _emit(self, kind: int, texts: list[str]) -> None:
         sink = self.sink
@@ -460,6 +465,8 @@ class _Relay:
                         chunk = _decode_chunk(payload)
                     except _UNDECODABLE as e:
                         problem = e
+                        if e.__class__ is msgspec.DecodeError:  # (its text, perhaps: see _lenient)
+                            chunk = self._lenient(payload)
                 if chunk is None:
                     # "data: [DONE] " is done too; so is what cannot be read after the answer finished
                     # (a usage of 1e400 failed an answer the client already had)
@@ -554,6 +561,56 @@ class _Relay:
                 return self._fail("no output", f"upstream sent {_MAX_QUIET >> 20} MiB with little or no output")
             return self._fail("stream too long", f"upstream sent more than {_MAX_STREAM >> 20} MiB for one answer")
         return self.room and not self.finish_reason  # after the finish: read on under a deadline
+
+    def _lenient(self, payload: bytes) -> _Chunk | None:
+        """A chunk msgspec could not read, read again as Go's decoder reads any (the seeds'):
+        bytes that are not UTF-8 and lone UTF-16 surrogates do not fail the answer. A
+        character a model server cut across two events (its UTF-8 bytes, or a surrogate
+        pair's escapes: some servers send text a token at a time, and a token can be part of a
+        character) is joined again, in content, reasoning, refusals and tool calls; what cannot
+        be joined is U+FFFD (the start of a character cut at the answer's very end is left
+        out). (It failed the run: "upstream sent an undecodable chunk: Invalid UTF-8 encoded
+        string", mid-stream too, found from outside.)"""
+        try:
+            chunk = msgspec.convert(json.loads(payload.decode("utf-8", "surrogateescape")), _Chunk)
+        except (ValueError, RecursionError, msgspec.ValidationError):
+            return None
+        if chunk.error is not None:
+            chunk.error = _whole_json(chunk.error)
+        for choice in chunk.choices or ():
+            if choice.finish_reason is not None:
+                choice.finish_reason = _whole(choice.finish_reason)
+            for name in ("stop_reason", "matched_stop"):
+                if isinstance(getattr(choice, name), str):
+                    setattr(choice, name, _whole(getattr(choice, name)))
+            delta = choice.delta
+            if delta is None:
+                continue
+            if choice.index == 0:  # (the answer's: others are not read)
+                reasoning = delta.reasoning_content or delta.reasoning
+                delta.reasoning_content, delta.reasoning = reasoning and self._mend(_REASONING, reasoning), None
+                delta.content = delta.content and self._mend(_CONTENT, delta.content)
+            calls = delta.tool_calls  # (their arguments and a refusal are joined, and mended, whole)
+            for call in calls if isinstance(calls, list) else (calls,) if calls is not None else ():
+                call.id = call.id and _whole(call.id)
+                call.type = call.type and _whole(call.type)
+                if call.function is not None:
+                    call.function.name = call.function.name and _whole(call.function.name)
+        return chunk
+
+    def _mend(self, kind: int, text: str) -> str:
+        """``text`` of ``kind`` from a chunk read by :meth:`_lenient`, after what the last one
+        held of a character it cut; the start of a character cut at its end is held for the
+        next (a trailing high surrogate, or the bytes of an incomplete UTF-8 sequence)."""
+        held = self.held.pop(kind, "") if self.held else ""
+        text = held + text if held else text
+        if not _SURROGATE.search(text):
+            return text
+        cut = _cut_at_end(text)
+        if cut:
+            self.held[kind] = text[-cut:]
+            text = text[:-cut]
+        return _whole(text)
 
     def _fail(self, failure: str, message: str, status: int = 0) -> bool:
         self.end = _FAILED
@@ -675,9 +732,50 @@ def _ordered(calls: dict[int, _Call]) -> list[ToolCall] | None:
     if not calls:
         return None
     return [
-        ToolCall(id=c.id, function=ToolCallFunction(name="".join(c.names), arguments="".join(c.arguments)))
+        ToolCall(id=c.id, function=ToolCallFunction(name="".join(c.names), arguments=_whole("".join(c.arguments))))
         for _, c in sorted(calls.items())
     ]
+
+
+def _whole(text: str) -> str:
+    """``text`` with the characters :meth:`_Relay._lenient` read cut (UTF-8 bytes held as
+    surrogate escapes, UTF-16 surrogates) joined, and what does not join as U+FFFD."""
+    if not _SURROGATE.search(text):
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # (UTF-16 surrogates: pairs joined; bytes among them are lost)
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _whole_json(value: Any) -> Any:
+    """A value read by :meth:`_Relay._lenient`, every string in it :func:`_whole`."""
+    if isinstance(value, str):
+        return _whole(value)
+    if isinstance(value, list):
+        return [_whole_json(v) for v in value]
+    if isinstance(value, dict):
+        return {_whole(k): _whole_json(v) for k, v in value.items()}
+    return value
+
+
+def _cut_at_end(text: str) -> int:
+    """How many characters at the end of ``text`` begin a character that goes on in the next
+    piece: a high surrogate, or the UTF-8 bytes (held as surrogate escapes) of an incomplete
+    sequence; 0 if none."""
+    last = ord(text[-1])
+    if 0xD800 <= last <= 0xDBFF:
+        return 1
+    for back in range(1, min(4, len(text) + 1)):
+        byte = ord(text[-back]) - 0xDC00
+        if not 0x80 <= byte <= 0xFF:
+            return 0
+        if byte >= 0xC0:  # a lead byte: the sequence it begins is this long
+            if not 0xC2 <= byte <= 0xF4:
+                return 0  # (none: it is U+FFFD)
+            length = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return back if length > back else 0
+    return 0
 
 
 def _header(response: http1.Response, name: bytes) -> bytes:
