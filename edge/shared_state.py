@@ -216,7 +216,9 @@ end
 # wants, for the same, while a quarter of the limit (and 2) stay free after it. Returns the slots it
 # holds now, the others' slots, the others' budget held, the budget it holds now, how many of the asks
 # were granted, and the day's total.
-_FLIGHT = _FOLD + """
+_FLIGHT = (
+    _FOLD
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[5])
@@ -266,6 +268,7 @@ redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %d %.6f', want, hold, now
 redis.call('EXPIRE', KEYS[1], ttl)
 return {want, others, reserved, hold, granted, day}
 """
+)
 
 # KEYS[1]: a key's streams today (edge id -> "tokens when"), KEYS[2]: what the flights script folded
 # of them into the day's counter, per edge; ARGV: this edge's id, what its requests of the key in flight
@@ -355,7 +358,9 @@ return total
 # script adds this edge's use again) and what of this edge's streams is folded in, as _DAY does. (A key
 # at rest was written by both scripts every REFRESH_S: 500 idle budget keys cost 142,000 Redis commands
 # in 10 s and 8% of a core on every edge.)
-_QUIET = _FOLD + """
+_QUIET = (
+    _FOLD
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[2])
@@ -390,6 +395,7 @@ for k = 0, #ARGV - 3 do
 end
 return out
 """
+)
 QUIET_BATCH = 256  # keys at rest read in one script call
 
 EPOCH_KEY = "iop:epoch"

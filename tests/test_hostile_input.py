@@ -1895,3 +1895,60 @@ async def test_many_patterns_or_tools_are_compiled_off_the_loop_and_honest_patte
             body = {"model": "m", "messages": USER, "tools": [_tool({"pattern": "a{99999999999}"})]}
             err = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400, param="tools")
             assert "not a regular expression" in err["message"]
+
+
+async def test_an_image_url_that_is_not_https_http_or_a_data_image_is_a_400_on_every_api(nursery, upstream):
+    """The model server reads an image's URL itself, from the node's network: `file:///etc/passwd`,
+    `gopher://`, `javascript:` and a `data:text/html` URL went on to it from the chat,
+    Messages and Responses APIs (found from outside). Each is now a 400 naming where, in
+    the API's own shape, and no request reaches the model server; https, http and an
+    image's data URL go on as before."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream, target="m")])
+    bad = ["file:///etc/passwd", "gopher://x/", "javascript:alert(1)", "data:text/html;base64,PGI+", "ftp://h/a.png"]
+    good = ["https://example.invalid/a.png", "HTTP://example.invalid/a.png", "data:image/png;base64,iVBORw0KGgo="]
+
+    def bodies(url: str) -> list[tuple[str, dict, str]]:
+        return [
+            (
+                "/v1/chat/completions",
+                {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+                },
+                "messages[0].content[0].image_url.url",
+            ),
+            (
+                "/v1/messages",
+                {
+                    "model": "m",
+                    "max_tokens": 16,
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": url}}]}
+                    ],
+                },
+                "messages[0].content[0].source.url",
+            ),
+            (
+                "/v1/responses",
+                {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url}]}]},
+                "input[0].content[0].image_url",
+            ),
+        ]
+
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for url in bad:
+                for path, body, param in bodies(url):
+                    r = await client.post(path, json=body)
+                    assert r.status_code == 400, (path, url, r.text)
+                    error = r.json()["error"]
+                    assert error["type"] == "invalid_request_error" and "image's URL" in error["message"], r.text
+                    assert param in error["message"], (param, r.text)
+            assert not upstream.records
+            for url in good:
+                for path, body, _ in bodies(url):
+                    r = await client.post(path, json=body)
+                    assert r.status_code == 200, (path, url, r.text)
+    sent = [part["image_url"]["url"] for rec in upstream.records for part in rec.body["messages"][-1]["content"]]
+    assert sent == [url for url in good for _ in range(3)]

@@ -551,7 +551,10 @@ def test_decode_maps_items_and_options():
                 {
                     "type": "message",
                     "role": "user",
-                    "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:x"}],
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "input_image", "image_url": "data:image/png;base64,x"},
+                    ],
                 },
                 {"type": "reasoning", "summary": []},
                 {
@@ -572,7 +575,7 @@ def test_decode_maps_items_and_options():
                 {
                     "type": "function_call_output",
                     "call_id": "c2",
-                    "output": [{"type": "input_image", "image_url": "x"}],
+                    "output": [{"type": "input_image", "image_url": "https://x/a.png"}],
                 },
                 {"type": "web_search_call", "id": "ws_1"},
             ],
@@ -586,7 +589,7 @@ def test_decode_maps_items_and_options():
     chat = d.chat
     assert chat["messages"][0]["content"] == [
         {"type": "text", "text": "a"},
-        {"type": "image_url", "image_url": {"url": "data:x"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
     ]
     assert chat["messages"][1]["content"] == "b\nc"  # parts a line apart ("Temp: 18C.Sky: sun." before)
     assert [c["id"] for c in chat["messages"][1]["tool_calls"]] == ["c1", "c2"]
@@ -596,7 +599,7 @@ def test_decode_maps_items_and_options():
         "role": "user",
         "content": [
             {"type": "text", "text": "[images of the tool result c2]"},
-            {"type": "image_url", "image_url": {"url": "x"}},
+            {"type": "image_url", "image_url": {"url": "https://x/a.png"}},
         ],
     }
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}

@@ -50,6 +50,7 @@ from edge.openai.request import (
     TOOL_IMAGE_NOTE,
     UPLOADED_IMAGE_NOTE,
     check_content_parts,
+    image_url_problem,
     merge_assistant_turns,
     tool_images_head,
 )
@@ -185,6 +186,9 @@ def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
                 f"Invalid value for `{param}.source.media_type`: expected one of {', '.join(IMAGE_TYPES)}.", param
             )
         return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
+    problem = image_url_problem(source["url"])
+    if problem is not None:
+        raise _bad(f"Invalid value for `{param}.source.url`: {problem}.", f"{param}.source.url")
     return {"type": "image_url", "image_url": {"url": source["url"]}}
 
 

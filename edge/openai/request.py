@@ -370,6 +370,23 @@ TOOL_IMAGE_NOTE = "[image: in the user message after the tool results]"
 UPLOADED_IMAGE_NOTE = "[image omitted: this edge passes no uploaded files to the model]"
 
 
+_DATA_IMAGE = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,", re.IGNORECASE)
+
+
+def image_url_problem(url: Any) -> str | None:
+    """Why an image's URL is refused, or None: one that is not ``https://``, ``http://`` or
+    an image's base64 ``data:`` URL (as OpenAI's and Anthropic's APIs answer). The model
+    server reads the URL itself, from the node's network: ``file:///etc/passwd`` and
+    ``gopher://`` went on to it (found from outside)."""
+    if not isinstance(url, str):
+        return "expected a string"
+    head = url[:8].lower()
+    if head.startswith(("https://", "http://")) or _DATA_IMAGE.match(url, 0, 64):
+        return None
+    scheme = url[: url.find(":", 0, 32) + 1] or url[:16]
+    return f"an image's URL must be https://, http:// or a data:image/...;base64, URL, not {scheme!r}"
+
+
 def tool_images_head(call_id: str) -> dict[str, Any]:
     """The text part before a tool result's images, in the user message after the results
     (the client's id, cut: a call id of megabytes is not sent twice)."""
@@ -588,6 +605,12 @@ def _check_text_parts(req: ChatRequest) -> None:
                 if "text" not in part and part.get("type") == "text":
                     param = f"messages[{i}].content[{j}].text"
                     raise errors.bad_request(f"Missing required parameter: `{param}`.", param)
+                if part.get("type") == "image_url":
+                    image = part.get("image_url")
+                    problem = image_url_problem(image.get("url") if isinstance(image, dict) else image)
+                    if problem is not None:
+                        param = f"messages[{i}].content[{j}].image_url.url"
+                        raise errors.bad_request(f"Invalid value for `{param}`: {problem}.", param, "invalid_image_url")
         for j, call in enumerate(message.tool_calls or ()):
             # A history's tool call names its function, a string (as OpenAI's API answers): one
             # without was a 500 for a native_tools = false model, whose prompt shows each by name.

@@ -34,6 +34,7 @@ from edge.openai.request import (
     TOOL_IMAGE_NOTE,
     UPLOADED_IMAGE_NOTE,
     check_content_parts,
+    image_url_problem,
     merge_assistant_turns,
     tool_images_head,
 )
@@ -441,20 +442,23 @@ def _joined(parts: Any, param: str, images: list[dict[str, Any]]) -> str:
     if not isinstance(parts, list):
         raise _bad(f"Invalid value for `{param}`: expected a string or a list of content parts.", param)
     texts = []
-    for p in parts:
+    for j, p in enumerate(parts):
         if isinstance(p, dict) and isinstance(p.get("text"), str):
             texts.append(p["text"])
         elif isinstance(p, dict) and p.get("type") in ("input_image", "image"):
             if isinstance(p.get("image_url"), str):
-                images.append(_image(p))
+                images.append(_image(p, f"{param}[{j}]"))
                 texts.append(TOOL_IMAGE_NOTE)
             else:
                 texts.append(UPLOADED_IMAGE_NOTE)
     return "\n".join(texts)
 
 
-def _image(part: dict[str, Any]) -> dict[str, Any]:
+def _image(part: dict[str, Any], param: str) -> dict[str, Any]:
     """An ``input_image`` given by ``image_url`` as a chat image part (its detail kept)."""
+    problem = image_url_problem(part["image_url"])
+    if problem is not None:
+        raise _bad(f"Invalid value for `{param}.image_url`: {problem}.", f"{param}.image_url")
     image: dict[str, Any] = {"url": part["image_url"]}
     if isinstance(part.get("detail"), str):
         image["detail"] = part["detail"]
@@ -492,7 +496,7 @@ def _content(value: Any, param: str, role: str) -> str | list[dict[str, Any]]:
             if role != "user":  # (joined as text below: it was dropped without a word)
                 parts.append({"type": "text", "text": f"[image omitted: a {role} message carries text only]"})
             else:
-                parts.append(_image(part))
+                parts.append(_image(part, where))
         elif kind == "input_file" and isinstance(part.get("file_data"), str) and role == "user":
             parts.append(_file(part))  # (inline: as chat's own `file` part, which passes as sent)
         else:
