@@ -211,7 +211,7 @@ async def test_responses_metadata_values_and_unknown_input_items_are_named(edge_
     assert error_of(unknown)["param"] == "input"
     assert "unsupported item types: `weird`" in error_of(unknown)["message"]
     assert [error_of(r)["param"] for r in bounds] == ["metadata", "metadata", "metadata.k"]
-    assert "unsupported item types: `(no type)`" in error_of(typeless)["message"]
+    assert error_of(typeless)["param"] == "input[0].type"
     assert beside.status_code == 200 and served.status_code == 200
     assert len(upstream.records) == 2
 

@@ -1192,6 +1192,24 @@ async def test_an_empty_user_message_is_a_400_naming_its_content(setup):
     assert len(upstream.records) == len(fine)
 
 
+async def test_a_system_prompt_without_a_message_is_a_400(setup):
+    """As Anthropic's API: a request needs a user or assistant message; a `system` (or system
+    entries in `messages`) alone went on as a chat of one system message (found from outside),
+    which many chat templates fail on."""
+    edge, upstream = setup
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for body in (
+                {"system": "You are terse.", "messages": []},
+                {"messages": [{"role": "system", "content": "You are terse."}]},
+            ):
+                r = await client.post("/v1/messages", json={"model": "m", "max_tokens": 8, **body})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["type"] == "invalid_request_error"
+                assert "at least one user or assistant message" in r.json()["error"]["message"], r.text
+    assert not upstream.records
+
+
 async def test_metadata_user_id_keeps_its_session_on_one_node_but_never_reaches_the_model(nursery, upstream):
     """`metadata.user_id` is the session: a Claude Code session's requests, each of its own prompt,
     land on one node of three; it is not sent upstream (an outside audit: Claude Code's, a JSON

@@ -623,6 +623,39 @@ async def test_bad_input_is_a_400_naming_the_field(edge_up):
     assert isinstance(r, httpx.Response)
 
 
+async def test_values_openai_refuses_are_400s_naming_them(edge_up):
+    """Each was a 200 (found from outside): a reasoning effort or summary of no known value (a
+    summary of any value showed reasoning), a tool of no type (left out as a hosted tool), and
+    an input item of no type and no role or of a type that is not a string (dropped from the
+    prompt, the request served). A hosted tool's type, and an unknown item type, still pass."""
+    edge, upstream = edge_up
+    user = {"role": "user", "content": "hi"}
+    refused = [
+        ({"reasoning": {"effort": "banana"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "banana"}}, "reasoning.summary"),
+        ({"reasoning": {"summary": 5}}, "reasoning.summary"),
+        ({"tools": [{}]}, "tools[0].type"),
+        ({"tools": [{"type": 7}]}, "tools[0].type"),
+        ({"input": [{}, user]}, "input[0].type"),
+        ({"input": [user, {"type": 7}]}, "input[1].type"),
+        ({"input": [user, {"type": ["message"]}]}, "input[1].type"),
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for body, param in refused:
+                r = await client.post("/v1/responses", json={"model": "m", "input": [user], **body})
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["param"] == param, (body, r.text)
+            assert not upstream.records
+            fine = {
+                "input": [user, {"type": "some_new_item"}],
+                "tools": [{"type": "web_search"}],
+                "reasoning": {"effort": "xhigh", "summary": "detailed"},
+            }
+            ok = await client.post("/v1/responses", json={"model": "m", **fine})
+    assert ok.status_code == 200, ok.text
+
+
 # -- the real Codex CLI -------------------------------------------------------------------
 
 

@@ -221,6 +221,10 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
         if not isinstance(item, dict):
             raise _bad(f"Invalid value for `{param}`: expected an object.", param)
         kind = item.get("type", "message" if "role" in item else None)
+        if not isinstance(kind, str):  # (an item of no type was dropped without a word: an outside audit)
+            raise _bad(
+                f"Missing required parameter: `{param}.type` (a string; or a message's `role`).", f"{param}.type"
+            )
         if kind == "item_reference":
             _once(item.get("id"), referenced, inline, param)
             item = _referenced(item, param, items)
@@ -269,10 +273,8 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
                 tool_images += [tool_images_head(call_id), *images]
         elif kind in _SKIPPED_ITEMS:
             continue
-        else:  # (named in a 400 if nothing else is left, and in the log: its JSON, not Python's repr)
-            decoded.ignored_items.append(
-                kind if isinstance(kind, str) else "(no type)" if kind is None else "(not a string)"
-            )
+        else:  # (named in a 400 if nothing else is left, and in the log)
+            decoded.ignored_items.append(kind)
     if tool_images:
         out.append({"role": "user", "content": tool_images})
     return merge_assistant_turns(out)
@@ -366,6 +368,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _TOOL_CHOICES = ("auto", "none", "required")
 _SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_SUMMARIES = ("auto", "concise", "detailed", "none")
 
 
 def _check_types(raw: dict[str, Any]) -> None:
@@ -414,9 +418,12 @@ def _check_types(raw: dict[str, Any]) -> None:
                     "Invalid value for `text.format.name`: 1 to 64 letters, digits, `_` or `-` (it is required).",
                     "text.format.name",
                 ) from None
-    effort = raw["reasoning"].get("effort") if isinstance(raw.get("reasoning"), dict) else None
-    if effort is not None and not isinstance(effort, str):
-        raise _bad("Invalid type for `reasoning.effort`: expected a string.", "reasoning.effort")
+    reasoning = raw["reasoning"] if isinstance(raw.get("reasoning"), dict) else {}
+    for name, values in (("effort", _EFFORTS), ("summary", _SUMMARIES)):  # (any was a 200: an outside audit)
+        value = reasoning.get(name)
+        if value is not None and value not in values:
+            param = f"reasoning.{name}"
+            raise _bad(f"Invalid value for `{param}`: expected one of {', '.join(values)}.", param)
 
 
 def _check_logprobs(raw: dict[str, Any]) -> None:
@@ -517,11 +524,13 @@ def _decode_tools(raw: dict[str, Any], decoded: Decoded) -> None:
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             raise _bad(f"Invalid value for `tools[{i}]`: expected an object.", f"tools[{i}]")
+        if not isinstance(tool.get("type"), str):  # (dropped as a hosted tool: an outside audit)
+            raise _bad(f"Missing required parameter: `tools[{i}].type` (a string).", f"tools[{i}].type")
         if tool.get("type") == "namespace":
             _namespace_functions(tool, f"tools[{i}]", functions, decoded)
             continue
         if tool.get("type") != "function":
-            decoded.ignored_tools.append(str(tool.get("type")))
+            decoded.ignored_tools.append(tool["type"])
             continue
         functions.append(_function(tool, f"tools[{i}]"))
     if decoded.namespaced:  # (a plain function named as a namespaced one)
