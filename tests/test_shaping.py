@@ -269,6 +269,33 @@ async def test_open_think_tags_with_reasoning_in_its_own_field_keep_the_answer(s
         assert (joined(chunks, "content"), joined(chunks, "reasoning_content").strip()) == shown, head
 
 
+async def test_content_before_the_servers_own_reasoning_reads_the_same_streamed_and_whole(shaped):
+    """Content, then reasoning in the model server's own field, then more content (found from
+    outside): a model whose template opens <think> (learned) streamed it all as reasoning, cut
+    by max_tokens ("let me thinkSure. The answer is 42"), where the whole answer had the
+    content as the answer; with think_tags "open", the whole answer had the first content as
+    the answer, where the stream had it as reasoning. Each now reads alike both ways."""
+    edge, upstream = shaped
+    fielded = [{"content": "Sure. "}, {"reasoning_content": "let me think"}, {"content": "The answer is 42"}]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for(
+                "t", script({"content": "plan</think>Answer"})
+            )  # (r1 learns: its template opens <think>)
+            await client.post("/v1/chat/completions", json={"model": "r1", "messages": MESSAGES})
+            for name, finish, want in (
+                ("r1", "length", ("Sure. The answer is 42", "let me think")),
+                ("opened", "stop", ("The answer is 42", "Sure. let me think")),
+            ):
+                upstream.script_for("t", script(*fielded, finish=finish))
+                chunks, _ = await stream_raw(edge, model=name)
+                upstream.script_for("t", script(*fielded, finish=finish))
+                r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+                message = r.json()["choices"][0]["message"]
+                assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == want, name
+                assert (message["content"], message["reasoning_content"]) == want, name
+
+
 async def test_auto_learns_a_template_that_opens_think(shaped):
     """think_tags "auto" (the default), a template that opens <think> (DeepSeek-R1, Qwen3
     thinking): the first answer that shows </think> before any <think> teaches the edge, and

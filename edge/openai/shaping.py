@@ -262,6 +262,12 @@ class Shaper:
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
+        if (
+            not (self._fielded or self._live)
+            and self.policy.think_tags == "open"
+            and "".join(self.content_parts).strip()
+        ):
+            self._opened_head()
         self._fielded = True
         if self._open_head:  # (no content yet: the answer, when it comes, is the answer)
             self._open_head, self._think = False, None
@@ -269,11 +275,28 @@ class Shaper:
             self._think.parted()  # (content came first: from here it is the answer)
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
+        elif self._held and not self.policy.strict_output:
+            # (content came first, held as the reasoning a learned template opens: the model server
+            # parts them, so it is the answer, as a whole answer reads it; it was held to the end and
+            # given as reasoning, the answer's order lost: an outside audit)
+            self._release()
         if self._content_filter.pending and (rest := self._content_filter.flush()):  # (as in content())
             self._filtered(rest)
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
+
+    def _opened_head(self) -> None:
+        """think_tags "open", a whole answer: the content before the model server's first
+        reasoning of its own field is the reasoning the template opened (to its </think>), as a
+        live stream gives it (:meth:`ThinkSplitter.parted`); it was the answer (found from outside)."""
+        raw, self.content_parts = "".join(self.content_parts), []
+        splitter = ThinkSplitter(
+            self._content_out, self._reasoning_out, starts_open=True, calls=self._raw_parts is not None
+        )
+        splitter.append(raw)
+        splitter.parted()
+        splitter.flush()
 
     def take(self, events: list[RunEvent], around: Around | None = None) -> RunEvent | None:
         """Shape a batch of run events in order, up to the one that ended the
