@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,27 @@ def tokens_shown(page) -> int:
     return int(cell.text_content().replace(",", ""))
 
 
+async def start_stream(nursery, edge, out: list[str]) -> None:
+    """A client's stream, its lines into ``out``, started once its run is in flight."""
+
+    async def stream() -> None:
+        async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+            async for line in r.aiter_lines():
+                if line:
+                    out.append(line)
+
+    nursery.start_soon(stream)
+    await eventually(lambda: bool(edge.edge.runs.runs), "the run")
+
+
+async def saw_the_abort(upstream) -> bool:
+    """Whether the model server saw its one request aborted."""
+    with trio.fail_after(BOUND):
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()
+    return rec.aborted
+
+
 async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
     upstream.script_for("m-target", lambda body: text_script(words(600), interval=0.05))
     edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ping_interval_s=0.5, ping_misses=2))
@@ -66,24 +88,8 @@ async def test_the_console_in_a_browser(nursery, upstream, tmp_path):
         node_id="node-b",
     )
     stream_out: list[str] = []
-
-    async def client_stream() -> None:
-        async with http(edge) as client, client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
-            async for line in r.aiter_lines():
-                if line:
-                    stream_out.append(line)
-
-    async def start_stream_and_wait_for_its_run() -> None:
-        nursery.start_soon(client_stream)
-        with trio.fail_after(BOUND):
-            while not edge.edge.runs.runs:
-                await trio.sleep(0.005)
-
-    async def upstream_saw_the_abort() -> bool:
-        with trio.fail_after(BOUND):
-            (rec,) = await upstream.wait_requests(1)
-            await rec.finished.wait()
-        return rec.aborted
+    start_stream_and_wait_for_its_run = partial(start_stream, nursery, edge, stream_out)
+    upstream_saw_the_abort = partial(saw_the_abort, upstream)
 
     def browse() -> None:
         with sync_playwright() as p:
@@ -318,6 +324,64 @@ async def test_a_snapshot_changes_only_the_rows_and_cells_that_changed(nursery, 
                 expect(page.locator("#runs-table tbody tr")).to_have_count(0, timeout=5000)
                 expect(page.locator("#no-runs")).to_be_visible()
                 shot(page, "08-rows-kept")
+                assert not errors, errors
+            finally:
+                browser.close()
+
+    with trio.fail_after(120):
+        await trio.to_thread.run_sync(browse)
+    assert any("cancelled by an operator" in line for line in stream_out)
+
+
+async def test_seven_console_tabs_of_one_browser_share_one_stream_and_cancel(nursery, upstream):
+    """Each console tab held an HTTP/1.1 connection for good, and Chromium opens at most 6 to a
+    host: with 6 tabs open in one browser a cancel never left it (the run went on to its end)
+    and a 7th tab could not load (found from outside). The tabs of one key now elect one to
+    read the edge's events and pass them on: 7 tabs are one console at the edge, each shows
+    the fleet live, the 7th's cancel ends the run, and when the reading tab closes another
+    takes over."""
+    upstream.script_for("m-target", lambda body: text_script(words(600), interval=0.05))
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=4)], node_id="node-a")
+    console = edge.edge.console
+    stream_out: list[str] = []
+
+    def browse() -> None:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            try:
+                context = browser.new_context(viewport={"width": 1280, "height": 900})  # (one profile: one pool)
+                pages = []
+                errors: list[str] = []
+                for _ in range(7):
+                    page = context.new_page()
+                    page.on("pageerror", lambda e: errors.append(str(e)))
+                    page.goto(edge.url + "/console", timeout=5000)
+                    page.fill("#key", ADMIN)
+                    page.click("#login-form button[type=submit]")
+                    expect(page.locator("#status")).to_have_text("live", timeout=5000)
+                    pages.append(page)
+                for page in pages:
+                    expect(page.locator("#nodes tbody tr[data-node-id=node-a]")).to_be_visible(timeout=5000)
+                assert len(console._subscribers) == 1, len(console._subscribers)
+
+                trio.from_thread.run(start_stream, nursery, edge, stream_out)
+                last = pages[-1]
+                row = last.locator("#runs-table tbody tr[data-run-id]:not([data-run-id=''])")
+                expect(row).to_have_count(1, timeout=5000)
+                button = row.locator("button.cancel")
+                button.click()
+                button.click()
+                expect(button).to_have_text("cancelled", timeout=5000)
+                assert trio.from_thread.run(saw_the_abort, upstream)
+
+                # The reading tab (the first) closes: another reads, and the rest stay live.
+                pages[0].close()
+                pages[1].wait_for_timeout(1500)
+                for page in pages[1:]:
+                    expect(page.locator("#status")).to_have_text("live", timeout=5000)
+                    expect(page.locator("#nodes tbody tr[data-node-id=node-a]")).to_be_visible()
+                assert len(console._subscribers) == 1, len(console._subscribers)
                 assert not errors, errors
             finally:
                 browser.close()

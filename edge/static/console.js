@@ -385,6 +385,8 @@ function dispatch(block) {
 async function connect() {
   const key = sessionStorage.getItem(KEY);
   if (!key) return showLogin("");
+  if (channel && !leading) return; // (another tab reads the stream: see "tabs" below)
+  if (controller) controller.abort();
   controller = new AbortController();
   const mine = controller;
   setStatus("connecting", "retry");
@@ -405,6 +407,7 @@ async function connect() {
     clearTimeout(unanswered);
   }
   if (response.status === 401 || response.status === 403) {
+    leave();
     sessionStorage.removeItem(KEY);
     let message = "That key was refused.";
     try {
@@ -421,10 +424,9 @@ async function connect() {
     return retry(mine, response.status === 429 ? 5000 : 1000);
   }
   setNotice("");
-  $("login").hidden = true;
-  $("console").hidden = false;
-  $("signout").hidden = false;
+  showConsole();
   setStatus("live", "live");
+  put($("status"), "title", "this tab reads the edge's events, for the console's other tabs in this browser too");
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -446,6 +448,7 @@ async function connect() {
         const block = buffer.slice(0, cut);
         buffer = buffer.slice(cut + 2);
         dispatch(block);
+        if (channel && group) channel.postMessage({ t: "ev", group, id: tab.id, born: tab.born, block });
       }
     }
   } catch (e) {
@@ -461,6 +464,113 @@ function retry(mine, delay = 1000) {
   $("console").classList.add("stale");
   setStatus(mine.stale ? "stale · reconnecting" : "reconnecting", "retry");
   retryTimer = setTimeout(connect, delay);
+}
+
+function showConsole() {
+  $("login").hidden = true;
+  $("console").hidden = false;
+  $("signout").hidden = false;
+}
+
+// -- tabs: one stream for a browser's console tabs -------------------------------------
+// A console held an HTTP/1.1 connection for good, and Chromium opens at most 6 to a host: with
+// 6 tabs open, a cancel (and a 7th tab) waited for a connection that never came (found from
+// outside). The tabs signed in with one key elect one, the oldest, to read the stream; it
+// passes each event to the others over a BroadcastChannel. Each says it is there every second
+// (and with each event it passes on); one not heard from for PEER_MS is gone, and the next
+// oldest reads the stream.
+const PEER_MS = 3000;
+const ELECT_MS = 300; // a tab signing in waits this long for the others to say they are there
+const tab = { id: Math.random().toString(36).slice(2) + Date.now().toString(36), born: Date.now() };
+const channel = typeof BroadcastChannel === "function" ? new BroadcastChannel("iop-console") : null;
+const peers = new Map(); // id -> { born, seen }: the other tabs of this key
+let group = null; // this tab's key, hashed (null: signed out or not yet joined)
+let leading = false;
+let sharedAt = 0; // Date.now() of the last event the reading tab passed on
+let electTimer = null;
+
+function hashOf(text) {
+  // FNV-1a: which tabs share a key, not a secret (the key never goes on the channel)
+  let h = 0x811c9dc5;
+  for (let i = 0; i < text.length; i++) {
+    h ^= text.charCodeAt(i);
+    h = Math.imul(h, 0x01000193) >>> 0;
+  }
+  return h.toString(16);
+}
+
+function older(a, b) {
+  return a.born < b.born || (a.born === b.born && a.id < b.id);
+}
+
+function say(t) {
+  if (channel && group) channel.postMessage({ t, group, id: tab.id, born: tab.born });
+}
+
+function join() {
+  const key = sessionStorage.getItem(KEY);
+  if (!key) return showLogin("");
+  if (!channel) return connect();
+  group = hashOf(key);
+  say("who");
+  clearTimeout(electTimer);
+  electTimer = setTimeout(elect, ELECT_MS);
+}
+
+function leave() {
+  say("bye");
+  group = null;
+  leading = false;
+  peers.clear();
+  clearTimeout(electTimer);
+}
+
+function elect() {
+  if (!group) return;
+  const now = Date.now();
+  let first = tab;
+  for (const [id, peer] of peers) {
+    if (now - peer.seen > PEER_MS) peers.delete(id);
+    else if (older({ id, born: peer.born }, first)) first = { id, born: peer.born };
+  }
+  if (first === tab && !leading) {
+    leading = true;
+    connect();
+  } else if (first !== tab && leading) {
+    leading = false; // (an older tab reads the stream: this one's goes)
+    const mine = controller;
+    controller = null;
+    clearTimeout(retryTimer);
+    if (mine) mine.abort();
+  }
+  if (!leading && now - sharedAt > STALE_MS) {
+    $("console").classList.add("stale");
+    setStatus("stale · waiting for the tab that reads the edge", "retry");
+  }
+}
+
+if (channel) {
+  channel.onmessage = (event) => {
+    const m = event.data;
+    if (!group || !m || m.group !== group || m.id === tab.id) return;
+    if (m.t === "bye") {
+      peers.delete(m.id);
+      return elect();
+    }
+    peers.set(m.id, { born: m.born, seen: Date.now() });
+    if (m.t === "who") say("here");
+    else if (m.t === "ev" && !leading) {
+      sharedAt = Date.now();
+      showConsole();
+      dispatch(m.block);
+      put($("status"), "title", "read by another console tab of this browser");
+    } else if (m.t === "ev" && older(m, tab)) elect(); // (two read it: the younger stops)
+  };
+  setInterval(() => {
+    say("here");
+    elect();
+  }, 1000);
+  window.addEventListener("pagehide", () => say("bye"));
 }
 
 function setNotice(text) {
@@ -479,13 +589,14 @@ $("login-form").addEventListener("submit", (event) => {
   sessionStorage.setItem(KEY, key);
   $("key").value = "";
   $("login-error").textContent = "";
-  connect();
+  join();
 });
 
 $("signout").addEventListener("click", () => {
+  leave();
   sessionStorage.removeItem(KEY);
   showLogin("");
 });
 
-if (sessionStorage.getItem(KEY)) connect();
+if (sessionStorage.getItem(KEY)) join();
 else showLogin("");
