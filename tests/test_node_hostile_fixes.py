@@ -304,3 +304,18 @@ async def test_characters_cut_across_events_are_joined_not_a_failed_answer(stack
     assert called.status_code == 200, called.text
     (tool_call,) = called.json()["choices"][0]["message"]["tool_calls"]
     assert msgspec.json.decode(tool_call["function"]["arguments"]) == {"a": "€"}
+    # A cut character followed by whole text of its kind (a chunk msgspec reads) is U+FFFD there:
+    # it was dropped, or put after that text when its rest came later (a re-check).
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for(
+                "b",
+                [
+                    raw_delta(b'{"content": "a\xf0\x9f"}'),
+                    raw_delta(b'{"content": "hello"}'),
+                    raw_delta(b'{"content": "\x98\x80z"}', "stop"),
+                    ("done",),
+                ],
+            )
+            late = await chat(client)
+    assert late.json()["choices"][0]["message"]["content"] == "a\ufffdhello\ufffd\ufffdz"

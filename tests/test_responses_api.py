@@ -653,7 +653,13 @@ async def test_values_openai_refuses_are_400s_naming_them(edge_up):
                 "reasoning": {"effort": "xhigh", "summary": "detailed"},
             }
             ok = await client.post("/v1/responses", json={"model": "m", **fine})
+            # (every effort the openai SDK lists, "max" too: a re-check found it refused)
+            efforts = [
+                await client.post("/v1/responses", json={"model": "m", "input": [user], "reasoning": {"effort": e}})
+                for e in ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+            ]
     assert ok.status_code == 200, ok.text
+    assert [r.status_code for r in efforts] == [200] * 7, [r.text for r in efforts if r.status_code != 200]
 
 
 # -- the real Codex CLI -------------------------------------------------------------------

@@ -279,9 +279,8 @@ async def test_content_before_the_servers_own_reasoning_reads_the_same_streamed_
     fielded = [{"content": "Sure. "}, {"reasoning_content": "let me think"}, {"content": "The answer is 42"}]
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            upstream.script_for(
-                "t", script({"content": "plan</think>Answer"})
-            )  # (r1 learns: its template opens <think>)
+            learn = script({"content": "plan</think>Answer"})  # (r1 learns: its template opens <think>)
+            upstream.script_for("t", learn)
             await client.post("/v1/chat/completions", json={"model": "r1", "messages": MESSAGES})
             for name, finish, want in (
                 ("r1", "length", ("Sure. The answer is 42", "let me think")),
@@ -294,6 +293,21 @@ async def test_content_before_the_servers_own_reasoning_reads_the_same_streamed_
                 message = r.json()["choices"][0]["message"]
                 assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == want, name
                 assert (message["content"], message["reasoning_content"]) == want, name
+            # ... and a </think> after the server's own reasoning is read alike too (the whole answer
+            # read the tags of all its content as its head: a re-check found them apart).
+            tagged = [
+                {"content": "<x>\n"},
+                {"reasoning_content": "plan"},
+                {"content": "<thi"},
+                {"content": "</think>ok"},
+            ]
+            upstream.script_for("t", script(*tagged))
+            chunks, _ = await stream_raw(edge, model="r1")
+            upstream.script_for("t", script(*tagged))
+            r = await client.post("/v1/chat/completions", json={"model": "r1", "messages": MESSAGES})
+            message = r.json()["choices"][0]["message"]
+            streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
+            assert streamed == (message["content"], message["reasoning_content"]) == ("<x>\nok", "plan<thi")
 
 
 async def test_auto_learns_a_template_that_opens_think(shaped):

@@ -370,21 +370,28 @@ TOOL_IMAGE_NOTE = "[image: in the user message after the tool results]"
 UPLOADED_IMAGE_NOTE = "[image omitted: this edge passes no uploaded files to the model]"
 
 
-_DATA_IMAGE = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,", re.IGNORECASE)
+_DATA_URL = re.compile(r"data:(image|video|audio)/[a-z0-9.+-]{1,32};base64,", re.IGNORECASE)
+# A content part's media a model server fetches by URL (vLLM's: an image_url part may come
+# without its type; video_url and audio_url are fetched the same way), by the key holding it.
+MEDIA_URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 
-def image_url_problem(url: Any) -> str | None:
-    """Why an image's URL is refused, or None: one that is not ``https://``, ``http://`` or
-    an image's base64 ``data:`` URL (as OpenAI's and Anthropic's APIs answer). The model
-    server reads the URL itself, from the node's network: ``file:///etc/passwd`` and
-    ``gopher://`` went on to it (found from outside)."""
+def image_url_problem(url: Any, kind: str = "image") -> str | None:
+    """Why a media URL (an image's, or a ``kind``'s) is refused, or None: one that is not
+    ``https://``, ``http://`` or a base64 ``data:`` URL of that kind (as OpenAI's and
+    Anthropic's APIs answer). The model server reads the URL itself, from the node's
+    network: ``file:///etc/passwd`` and ``gopher://`` went on to it (found from outside)."""
     if not isinstance(url, str):
         return "expected a string"
     head = url[:8].lower()
-    if head.startswith(("https://", "http://")) or _DATA_IMAGE.match(url, 0, 64):
+    if head.startswith(("https://", "http://")):
+        return None
+    data = _DATA_URL.match(url, 0, 64)
+    if data is not None and data.group(1).lower() == kind:
         return None
     scheme = url[: url.find(":", 0, 32) + 1] or url[:16]
-    return f"an image's URL must be https://, http:// or a data:image/...;base64, URL, not {scheme!r}"
+    article = "an" if kind[0] in "aeiou" else "a"
+    return f"{article} {kind}'s URL must be https://, http:// or a data:{kind}/...;base64, URL, not {scheme!r}"
 
 
 def tool_images_head(call_id: str) -> dict[str, Any]:
@@ -605,12 +612,15 @@ def _check_text_parts(req: ChatRequest) -> None:
                 if "text" not in part and part.get("type") == "text":
                     param = f"messages[{i}].content[{j}].text"
                     raise errors.bad_request(f"Missing required parameter: `{param}`.", param)
-                if part.get("type") == "image_url":
-                    image = part.get("image_url")
-                    problem = image_url_problem(image.get("url") if isinstance(image, dict) else image)
-                    if problem is not None:
-                        param = f"messages[{i}].content[{j}].image_url.url"
-                        raise errors.bad_request(f"Invalid value for `{param}`: {problem}.", param, "invalid_image_url")
+                for name, kind in MEDIA_URL_PARTS.items():  # (whatever the part's type says)
+                    if name in part:
+                        media = part[name]
+                        problem = image_url_problem(media.get("url") if isinstance(media, dict) else media, kind)
+                        if problem is not None:
+                            param = f"messages[{i}].content[{j}].{name}.url"
+                            raise errors.bad_request(
+                                f"Invalid value for `{param}`: {problem}.", param, "invalid_image_url"
+                            )
         for j, call in enumerate(message.tool_calls or ()):
             # A history's tool call names its function, a string (as OpenAI's API answers): one
             # without was a 500 for a native_tools = false model, whose prompt shows each by name.

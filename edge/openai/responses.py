@@ -368,7 +368,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _TOOL_CHOICES = ("auto", "none", "required")
 _SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SUMMARIES = ("auto", "concise", "detailed", "none")
 
 

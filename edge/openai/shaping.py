@@ -262,12 +262,12 @@ class Shaper:
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
-        if (
-            not (self._fielded or self._live)
-            and self.policy.think_tags == "open"
-            and "".join(self.content_parts).strip()
-        ):
-            self._opened_head()
+        if not (self._fielded or self._live) and self.content_parts:
+            mode = self.policy.think_tags
+            if mode == "open" and "".join(self.content_parts).strip():
+                self._opened_head()
+            elif mode == "auto" and not self.policy.strict_output and self._template is not None:
+                self._released_head()
         self._fielded = True
         if self._open_head:  # (no content yet: the answer, when it comes, is the answer)
             self._open_head, self._think = False, None
@@ -297,6 +297,20 @@ class Shaper:
         splitter.append(raw)
         splitter.parted()
         splitter.flush()
+
+    def _released_head(self) -> None:
+        """A whole answer of a model whose template opens <think> (learned), its server's own
+        reasoning after content with no think tag yet: as a live stream releases the head it
+        holds then (:meth:`reasoning`), the content so far is the answer, and what comes after
+        is read as a live stream reads it, a </think> first being the template's (a re-check
+        found the two apart: the whole answer read the tags of all of it as its head)."""
+        calls = self._raw_parts is not None
+        raw = "".join(self.content_parts)
+        if not self._template.opens(self._model) or FirstThinkTag(calls=calls).feed(raw) is not None:  # type: ignore[union-attr]
+            return  # (a live stream holds no head then: the tags are read in the whole, at its end)
+        self.content_parts = []
+        self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=not self._closed)
+        self._think.append(raw)
 
     def take(self, events: list[RunEvent], around: Around | None = None) -> RunEvent | None:
         """Shape a batch of run events in order, up to the one that ended the

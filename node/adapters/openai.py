@@ -467,6 +467,9 @@ class _Relay:
                         problem = e
                         if e.__class__ is msgspec.DecodeError:  # (its text, perhaps: see _lenient)
                             chunk = self._lenient(payload)
+                    else:
+                        if self.held:
+                            self._unheld(chunk)
                 if chunk is None:
                     # "data: [DONE] " is done too; so is what cannot be read after the answer finished
                     # (a usage of 1e400 failed an answer the client already had)
@@ -568,9 +571,10 @@ class _Relay:
         character a model server cut across two events (its UTF-8 bytes, or a surrogate
         pair's escapes: some servers send text a token at a time, and a token can be part of a
         character) is joined again, in content, reasoning, refusals and tool calls; what cannot
-        be joined is U+FFFD (the start of a character cut at the answer's very end is left
-        out). (It failed the run: "upstream sent an undecodable chunk: Invalid UTF-8 encoded
-        string", mid-stream too, found from outside.)"""
+        be joined, or is followed by text of its kind in a chunk msgspec reads, is U+FFFD (the
+        start of a character cut at the answer's very end is left out). (It failed the run:
+        "upstream sent an undecodable chunk: Invalid UTF-8 encoded string", mid-stream too,
+        found from outside.)"""
         try:
             chunk = msgspec.convert(json.loads(payload.decode("utf-8", "surrogateescape")), _Chunk)
         except (ValueError, RecursionError, msgspec.ValidationError):
@@ -597,6 +601,20 @@ class _Relay:
                 if call.function is not None:
                     call.function.name = call.function.name and _whole(call.function.name)
         return chunk
+
+    def _unheld(self, chunk: _Chunk) -> None:
+        """A whole chunk (read by msgspec) after one that cut a character: its text of the kind
+        held begins with U+FFFD for the cut one, which nothing completes now (it was dropped, or
+        put after the text between: a re-check)."""
+        for choice in chunk.choices or ():
+            delta = choice.delta
+            if choice.index != 0 or delta is None:
+                continue
+            reasoning = delta.reasoning_content or delta.reasoning
+            if reasoning and self.held.pop(_REASONING, None) is not None:
+                delta.reasoning_content, delta.reasoning = "\ufffd" + reasoning, None
+            if delta.content and self.held.pop(_CONTENT, None) is not None:
+                delta.content = "\ufffd" + delta.content
 
     def _mend(self, kind: int, text: str) -> str:
         """``text`` of ``kind`` from a chunk read by :meth:`_lenient`, after what the last one
