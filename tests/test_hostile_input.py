@@ -1955,19 +1955,27 @@ async def test_an_image_url_that_is_not_https_http_or_a_data_image_is_a_400_on_e
     # A part's type does not hide its URL (vLLM reads an image_url part without a type as an image,
     # and fetches video_url and audio_url too: a re-check found them passed on).
     hidden = [
-        {"image_url": {"url": "file:///etc/passwd"}},
-        {"image_url": "file:///etc/passwd"},
-        {"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
-        {"type": "audio_url", "audio_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ({"image_url": {"url": "file:///etc/passwd"}}, "invalid_image_url", "image_url.url"),
+        ({"image_url": "file:///etc/passwd"}, "invalid_image_url", "image_url"),
+        ({"type": "video_url", "video_url": {"url": "file:///v.mp4"}}, "invalid_media_url", "video_url.url"),
+        (
+            {"type": "audio_url", "audio_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+            "invalid_media_url",
+            "audio_url.url",
+        ),
     ]
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            for part in hidden:
+            for part, code, where in hidden:
                 body = {"model": "m", "messages": [{"role": "user", "content": [part]}]}
                 r = await client.post("/v1/chat/completions", json=body)
-                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image_url", (part, r.text)
-            video = {"type": "video_url", "video_url": {"url": "https://example.invalid/v.mp4"}}
-            r = await client.post(
-                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": [video]}]}
-            )
-            assert r.status_code == 200, r.text
+                assert r.status_code == 400 and r.json()["error"]["code"] == code, (part, r.text)
+                assert r.json()["error"]["param"] == f"messages[0].content[0].{where}", r.text
+            # An https video, and vLLM's cached media by its uuid, go on.
+            for part in (
+                {"type": "video_url", "video_url": {"url": "https://example.invalid/v.mp4"}},
+                {"type": "image_url", "image_url": None, "uuid": "cached-1"},
+            ):
+                body = {"model": "m", "messages": [{"role": "user", "content": [part]}]}
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, (part, r.text)

@@ -615,12 +615,13 @@ def _check_text_parts(req: ChatRequest) -> None:
                 for name, kind in MEDIA_URL_PARTS.items():  # (whatever the part's type says)
                     if name in part:
                         media = part[name]
+                        if media is None and isinstance(part.get("uuid"), str):
+                            continue  # (vLLM's: media it has cached, by its uuid)
                         problem = image_url_problem(media.get("url") if isinstance(media, dict) else media, kind)
                         if problem is not None:
-                            param = f"messages[{i}].content[{j}].{name}.url"
-                            raise errors.bad_request(
-                                f"Invalid value for `{param}`: {problem}.", param, "invalid_image_url"
-                            )
+                            param = f"messages[{i}].content[{j}].{name}" + (".url" if isinstance(media, dict) else "")
+                            code = "invalid_image_url" if kind == "image" else "invalid_media_url"
+                            raise errors.bad_request(f"Invalid value for `{param}`: {problem}.", param, code)
         for j, call in enumerate(message.tool_calls or ()):
             # A history's tool call names its function, a string (as OpenAI's API answers): one
             # without was a 500 for a native_tools = false model, whose prompt shows each by name.
