@@ -319,3 +319,11 @@ async def test_characters_cut_across_events_are_joined_not_a_failed_answer(stack
             )
             late = await chat(client)
     assert late.json()["choices"][0]["message"]["content"] == "a\ufffdhello\ufffd\ufffdz"
+    # An error nested 900 deep with a byte that is no character: undecodable, as msgspec's limit
+    # (mending its strings raised RecursionError out of the relay: the stop check's review).
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            deep = b"[" * 900 + b'"\xff"' + b"]" * 900
+            upstream.script_for("b", [("raw", b'data: {"error": ' + deep + b"}\n\n"), ("hang",)])
+            nested = await chat(client)
+    assert nested.status_code == 502 and "undecodable chunk" in nested.json()["error"]["message"], nested.text

@@ -580,7 +580,10 @@ class _Relay:
         except (ValueError, RecursionError, msgspec.ValidationError):
             return None
         if chunk.error is not None:
-            chunk.error = _whole_json(chunk.error)
+            try:
+                chunk.error = _whole_json(chunk.error)
+            except RecursionError:  # (900 levels the decoder took: past the stack here, as msgspec's limit)
+                return None
         for choice in chunk.choices or ():
             if choice.finish_reason is not None:
                 choice.finish_reason = _whole(choice.finish_reason)
