@@ -216,7 +216,9 @@ end
 # wants, for the same, while a quarter of the limit (and 2) stay free after it. Returns the slots it
 # holds now, the others' slots, the others' budget held, the budget it holds now, how many of the asks
 # were granted, and the day's total.
-_FLIGHT = _FOLD + """
+_FLIGHT = (
+    _FOLD
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[5])
@@ -266,13 +268,19 @@ redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %d %.6f', want, hold, now
 redis.call('EXPIRE', KEYS[1], ttl)
 return {want, others, reserved, hold, granted, day}
 """
+)
 
 # KEYS[1]: a key's streams today (edge id -> "tokens when"), KEYS[2]: what the flights script folded
-# of them into the day's counter, per edge; ARGV: this edge's id, what its requests of the key in flight
-# have streamed so far (0: none now, and its field goes), the seconds after which a silent edge's field
-# is not counted, the hash's TTL. Returns the other edges' sum. A silent edge's field stays for the
-# flights script, which folds it into the day's counter (an edge killed mid-stream: its tokens were
-# never counted); what was folded of this edge's (it was only slow) is not written again.
+# of them into the day's counter, per edge, KEYS[3]: the day's counter, KEYS[4]: the epoch; ARGV: this
+# edge's id, what its requests of the key in flight have streamed so far (0: none now, and its field
+# goes), the seconds after which a silent edge's field is not counted, the hash's TTL. Returns the
+# other edges' sum, and, read at the same moment, the day's total (-1: none), the epoch and what of
+# this edge's streams is folded in (as _DAY returns it): an edge whose requests end moves what they
+# streamed from its field to the day's counter, and the others, reading only the fields, lost it until
+# their day script ran again (up to REFRESH_S: a stream ran alone to the budget, 30,340 tokens beside
+# the other edge's 15,300 on a budget of 30,000). A silent edge's field stays for the flights script,
+# which folds it into the day's counter (an edge killed mid-stream: its tokens were never counted);
+# what was folded of this edge's (it was only slow) is not written again.
 _STREAMED = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -296,7 +304,8 @@ if tonumber(ARGV[2]) > 0 and mine > 0 then
 else
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
-return others
+local total = redis.call('GET', KEYS[3]) or '-1'
+return {others, total, redis.call('GET', KEYS[4]) or '', tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')}
 """
 
 # KEYS[1]: the epoch, KEYS[2]: a key's day counter; ARGV: an epoch to set if Redis has none, the
@@ -355,7 +364,9 @@ return total
 # script adds this edge's use again) and what of this edge's streams is folded in, as _DAY does. (A key
 # at rest was written by both scripts every REFRESH_S: 500 idle budget keys cost 142,000 Redis commands
 # in 10 s and 8% of a core on every edge.)
-_QUIET = _FOLD + """
+_QUIET = (
+    _FOLD
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[2])
@@ -390,6 +401,7 @@ for k = 0, #ARGV - 3 do
 end
 return out
 """
+)
 QUIET_BATCH = 256  # keys at rest read in one script call
 
 EPOCH_KEY = "iop:epoch"
@@ -576,11 +588,17 @@ class SharedState:
         counters: list[tuple[str, int, list | None, FlightArgs | None]],
         streams: list[tuple[str, int, int]] | tuple[()] = (),
         quiet: list[tuple[str, int, bytes]] | tuple[()] = (),
-    ) -> tuple[list, dict[str, tuple[tuple[bytes, int, int, int] | None, list | None]], list[int], list[int]]:
+    ) -> tuple[
+        list,
+        dict[str, tuple[tuple[bytes, int, int, int] | None, list | None]],
+        list[tuple[int, int, bytes, int]],
+        list[int],
+    ]:
         """In a worker thread: the Redis round trip (one pipeline). ``counters``: per
         key, its day's script arguments and its flights' (None: not this time);
         ``streams``: (key id, day, tokens its requests in flight streamed) to write,
-        each answered with the other edges' sum (the third list returned); ``quiet``:
+        each answered with the other edges' sum, the day's total, the epoch and what of
+        this edge's streams is folded in (the third list returned); ``quiet``:
         (key id, day, the epoch its day was reported in) of keys at rest, read (see
         _QUIET: four numbers a key, the last list returned)."""
         pipe = self.client.pipeline(transaction=False)
@@ -607,7 +625,12 @@ class SharedState:
                 self._flight(pipe, key_id, flight)
         for key_id, day, streamed in streams:
             self.streams(
-                keys=[f"iop:streamed:{key_id}:{day}", f"iop:folded:{key_id}:{day}"],
+                keys=[
+                    f"iop:streamed:{key_id}:{day}",
+                    f"iop:folded:{key_id}:{day}",
+                    f"iop:day:{key_id}:{day}",
+                    EPOCH_KEY,
+                ],
                 args=[self.edge_id, streamed, EDGE_TTL_S, DAY_TTL_S],
                 client=pipe,
             )
@@ -615,7 +638,10 @@ class SharedState:
         batches = -(-len(quiet) // QUIET_BATCH)
         read = [int(v) for batch in results[:batches] for v in batch]
         results = results[batches:]
-        others = [int(v) for v in results[len(results) - len(streams) :]] if streams else []
+        others = [
+            (int(n), int(total), epoch, int(folded))
+            for n, total, epoch, folded in (results[len(results) - len(streams) :] if streams else ())
+        ]
         rest = results[len(plan) :]
         out: dict[str, tuple[tuple[bytes, int, int, int] | None, list | None]] = {}
         i = 0
@@ -788,14 +814,6 @@ class SharedState:
         self._heard = time.monotonic()
         for i, (key, flight, epoch) in enumerate(quiet):
             self._rested(key, flight, epoch, read[4 * i : 4 * i + 4])
-        for (key, day, streamed), theirs in zip(streams, others, strict=True):
-            if streamed:
-                self._streamed_at[key.id] = self._heard
-            else:  # (its field is gone: nothing more to write until it streams again)
-                self._streamed_at.pop(key.id, None)
-            key.others_streamed = theirs if key.day == day else 0
-            if key.live:  # (its runs check again at what is left now: at once, if the others crossed it)
-                self.keys.hold_to_budget(key)
         self._credit(plan, granted)
         for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)
@@ -821,6 +839,22 @@ class SharedState:
                     key.day_others = max(day_total - reported - folded, 0)
             if flown is not None and flight is not None:
                 self._flown(key, flight, flown)
+        for (key, day, streamed), (theirs, total, epoch, folded) in zip(streams, others, strict=True):
+            if streamed:
+                self._streamed_at[key.id] = self._heard
+            else:  # (its field is gone: nothing more to write until it streams again)
+                self._streamed_at.pop(key.id, None)
+            if key.day != day:
+                key.others_streamed = 0
+                continue
+            key.others_streamed = theirs
+            reported = self._reported.get((key.id, day))
+            if key.id not in used and reported is not None and reported[0] == epoch and total >= 0:
+                # (the day's total as the fields were read: what the others' ended requests streamed;
+                # a key whose day script ran in this round has it from there, with its adds in)
+                key.day_others = max(total - reported[1] - folded, 0)
+            if key.live:  # (its runs check again at what is left now: at once, if the others crossed it)
+                self.keys.hold_to_budget(key)
 
     def _rested(self, key: Key, flight: FlightArgs, epoch: bytes, read: list[int]) -> None:
         """In the trio thread: what the quiet script read of ``key``, at rest (written as

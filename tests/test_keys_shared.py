@@ -321,6 +321,50 @@ async def test_runs_of_a_model_answering_at_once_on_two_edges_are_cut_near_the_b
     assert 30_000 < sum(used) < 42_000, used
 
 
+async def test_what_another_edges_ended_request_streamed_counts_at_once(
+    nursery,
+    redis_server,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A stream on edge b, and on edge a a request that streams 20,000 tokens and ends, on a
+    budget of 30,000: b's stream is cut near 10,000. An edge whose request ends moves what it
+    streamed from its field in Redis to the day's counter; b read the fields at its rounds, and
+    the counter only every REFRESH_S (here 5 s, so that b's stream passes the budget first), so
+    it lost a's 20,000 meanwhile: b ran alone to the budget (about 50,000 together; with the
+    usual REFRESH_S, one run in 20 of the two-edge test above, 45,640)."""
+    monkeypatch.setattr(shared_state, "REFRESH_S", 5.0)
+    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=30_000)]
+    fast = model("fast", ttft_ms=0, tokens_per_s=20_000, sim_tokens=40_000)
+    instant = model("instant", ttft_ms=0, tokens_per_s=0, sim_tokens=20_000)
+    edges = []
+    for name in ("a", "b"):
+        edge = await start_edge(
+            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
+        )
+        await start_node(nursery, edge, [fast, instant], node_id=f"n-{name}")
+        await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
+        edges.append(edge)
+    a, b = edges
+    streamed_b = b.edge.keys.by_id["s"]
+    bodies: list[str] = []
+
+    async def long_on_b() -> None:
+        async with client(b, "sk-s") as c:
+            bodies.append((await chat(c, "fast", stream=True)).text)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as n:
+            n.start_soon(long_on_b)
+            await eventually(lambda: streamed_b.gauge is not None and streamed_b.gauge.streamed > 1000, "b streams")
+            async with client(a, "sk-s") as c:
+                r = await chat(c, "instant")
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20_000, r.text[:300]
+        used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
+    assert '"code":"insufficient_quota"' in bodies[0], bodies[0][-300:]
+    assert 30_000 < sum(used) < 34_000, used
+
+
 async def test_a_budget_key_with_max_concurrent_is_never_refused_a_slot_it_has(nursery, redis_server, tmp_path):  # noqa: F811
     """max_concurrent 1,000 and a daily budget, four clients one request at a time each: never
     more than 4 in flight, so never refused. (Each request borrows its budget from Redis, and
