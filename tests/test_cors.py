@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import msgspec
 import pytest
 import trio
 
@@ -68,7 +69,9 @@ async def test_the_preflight_and_every_answer_name_an_allowed_origin(cors_edge):
         assert answer.headers["access-control-allow-origin"] == APP
         assert answer.headers["access-control-expose-headers"] == "*" and answer.headers["vary"] == "Origin"
     assert "data: [DONE]" in streamed.text
-    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    # (an origin not listed: a page's simple POST is refused before it runs; see below)
+    assert other.status_code == 403 and other.json()["error"]["code"] == "cross_origin_request"
+    assert "access-control-allow-origin" not in other.headers
     # (a preflight carries no key: refused as any keyless request is, before its method is judged)
     assert other_preflight.status_code == 401 and "access-control-allow-origin" not in other_preflight.headers
     assert admin.status_code == 200 and "access-control-allow-origin" not in admin.headers
@@ -126,6 +129,89 @@ async def test_a_web_page_on_another_origin_streams_and_aborts_in_chromium(nurse
         await slow.finished.wait()
     assert slow.aborted
     await settled(edge, node.agent)
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium missing (make test installs it)")
+async def test_a_keyless_edge_runs_nothing_for_a_web_page_on_another_site(nursery, upstream):
+    """An edge with no keys (the demo's) and no `cors_origins`: a page on another origin can POST
+    to it with no preflight, as an HTML form of `enctype="text/plain"` whose field makes a JSON
+    body, or a `no-cors` fetch of a text/plain body. It could not read the answers, but each ran
+    on the model server (found from outside). Now each is a 403 `cross_origin_request` before any
+    run, in a real Chromium; curl's and the SDKs' requests, which carry no Origin, and a page of
+    the edge's own origin are served."""
+    from playwright.sync_api import sync_playwright
+
+    page_port = await nursery.start(_serve_a_page)
+    edge = await start_edge(nursery)
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    upstream.script_for("m-target", lambda body: text_script(words(3)))
+    whole = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def browse() -> dict:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            try:
+                page = browser.new_page()
+                page.goto(f"http://127.0.0.1:{page_port}/")
+                foreign = page.evaluate(_ANOTHER_SITE, {"edge": edge.url, "body": whole})
+                page.goto(edge.url + "/healthz")  # (a page of the edge's own origin)
+                own = page.evaluate(_OWN_ORIGIN, {"body": whole})
+                return {"foreign": foreign, "own": own}
+            finally:
+                browser.close()
+
+    with trio.fail_after(BOUND):
+        seen = await trio.to_thread.run_sync(browse)
+        assert seen["foreign"] == {"form": "loaded", "fetch": "opaque"}, seen
+        assert seen["own"] == 200, seen
+        assert len(upstream.records) == 1  # the own origin's: neither the form's nor the fetch's
+        async with http(edge) as client:
+            refused = await client.post(
+                "/v1/chat/completions", content=msgspec.json.encode(whole), headers={"Origin": "https://evil.example"}
+            )
+            curl = await client.post("/v1/chat/completions", json=whole)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "cross_origin_request", refused.text
+    assert "https://evil.example" in refused.json()["error"]["message"]
+    assert curl.status_code == 200 and len(upstream.records) == 2
+    await settled(edge, node.agent)
+
+
+# A page on another site: a form posted into a frame, and a no-cors fetch, each a JSON body as text.
+_ANOTHER_SITE = """
+async ({edge, body}) => {
+  const out = {};
+  const frame = document.createElement("iframe");
+  frame.name = "sink";
+  document.body.appendChild(frame);
+  const form = document.createElement("form");
+  form.method = "POST";
+  form.enctype = "text/plain";
+  form.action = `${edge}/v1/chat/completions`;
+  form.target = "sink";
+  const field = document.createElement("input");
+  const text = JSON.stringify({...body, x: ""});
+  field.name = text.slice(0, -2);  // ... "x":"  then  =  then the value  "}
+  field.value = '"}';
+  form.appendChild(field);
+  document.body.appendChild(form);
+  const loaded = new Promise((resolve) => { frame.onload = () => resolve("loaded"); });
+  form.submit();
+  out.form = await loaded;
+  const r = await fetch(`${edge}/v1/chat/completions`,
+    {method: "POST", mode: "no-cors", headers: {"Content-Type": "text/plain"}, body: JSON.stringify(body)});
+  out.fetch = r.type;
+  return out;
+}
+"""
+
+# A page of the edge's own origin: its fetch is served.
+_OWN_ORIGIN = """
+async ({body}) => {
+  const r = await fetch("/v1/chat/completions",
+    {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
+  return r.status;
+}
+"""
 
 
 # The page's part: three fetches from its own origin.

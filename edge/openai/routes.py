@@ -145,6 +145,44 @@ def _content_encoding(headers) -> bytes | None:
     return joined
 
 
+def _foreign_origin(scope: dict, cors) -> bytes | None:
+    """The origin of a browser's request from another site that ``cors_origins`` does not
+    list (None: not one). A web page may send a POST there with no preflight, as a form or
+    a ``no-cors`` fetch whose body is ``text/plain``; it cannot read the answer, but the run
+    ran: on an edge without keys (the demo, a laptop's), any page its user opened could spend
+    its GPUs (found from outside). Browsers say where a request comes from in
+    ``Sec-Fetch-Site``; one too old to, in ``Origin``, against ``Host`` (as Go's
+    CrossOriginProtection does). Other clients send neither."""
+    origin = site = host = None
+    for name, value in scope["headers"]:
+        if name == b"origin":
+            origin = value
+        elif name == b"sec-fetch-site":
+            site = value
+        elif name == b"host":
+            host = value
+    if origin is None and site is None:
+        return None
+    if origin is not None and cors is not None and cors.allowed(origin) is not None:
+        return None
+    if site is not None:
+        return None if site in (b"same-origin", b"none") else (origin or b"another site")
+    if host is not None and origin.partition(b"://")[2].lower() == host.lower():
+        return None
+    return origin
+
+
+def _cross_site(origin: bytes) -> APIError:
+    shown = origin[:128].decode("latin-1")
+    return APIError(
+        403,
+        f"A web page on {shown} may not call this edge: a browser's request from another site is refused"
+        " unless its origin is in the edge's `cors_origins`.",
+        "permission_error",
+        code="cross_origin_request",
+    )
+
+
 _MAX_VIA = 512  # of an x-iop-via passed on (16 edge ids, and room)
 
 
@@ -212,6 +250,9 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                             code="method_not_allowed",
                             headers=[(b"allow", b"POST")],
                         )
+                    foreign = _foreign_origin(ex.scope, edge.cors)
+                    if foreign is not None:
+                        raise _cross_site(foreign)
                     encoding = _content_encoding(ex.scope["headers"])
                     if encoding is not None:
                         raise _compressed(encoding)  # (a 400 "not valid JSON at byte 0" before)
