@@ -531,6 +531,49 @@ async def test_invalid_twice_is_a_tool_validation_error(tooled):
     assert len(upstream.records) == 4
 
 
+TREE = {
+    "type": "function",
+    "function": {
+        "name": "tree",
+        "parameters": {
+            "$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}},
+            "$ref": "#/$defs/node",
+        },
+    },
+}
+
+
+def _tree(depth: int) -> dict:
+    args: dict = {}
+    for _ in range(depth):
+        args = {"child": args}
+    return args
+
+
+async def test_arguments_too_deep_for_a_recursive_schema_are_said_so_not_a_loop(tooled):
+    """A recursive schema (a tree through `$ref`) and arguments 400 levels deep: the check ran
+    out of stack, and the error blamed the schema, "its schema loops on them", which it does
+    not (found from outside). It names the arguments' depth; 100 levels pass."""
+    edge, upstream = tooled
+    upstream.script_for(
+        "t",
+        lambda body: steps(
+            *native_call(0, "c", "tree", json.dumps(_tree(400 if len(upstream.records) <= 2 else 100))),
+            finish="tool_calls",
+        ),
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "native", "messages": MESSAGES, "tools": [TREE]}
+            refused = await client.post("/v1/chat/completions", json=body)
+            passed = await client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 502, refused.text
+    message = refused.json()["error"]["message"]
+    assert "nested too deeply" in message and "loops" not in message, message
+    assert passed.status_code == 200, passed.text
+    assert json.loads(passed.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == _tree(100)
+
+
 async def test_unknown_function_name_is_invalid(tooled):
     """A call to a function the request does not offer is invalid (and retried)."""
     edge, upstream = tooled

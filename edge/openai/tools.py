@@ -973,7 +973,11 @@ class ToolContract:
                     with _pattern_deadline(min(patterns, checks_until - now), checks_until - now):
                         errors = itertools.islice(validator.iter_errors(args), MAX_ERRORS_WEIGHED)
                         error = jsonschema.exceptions.best_match(errors)
-                except (RecursionError, referencing.exceptions.Unresolvable):
+                except RecursionError:
+                    if _depth(args) > DEEP_ARGUMENTS:  # (a recursive schema followed them down: no loop)
+                        return f"the arguments of `{name}` are nested too deeply to be checked"
+                    return f"the arguments of `{name}` could not be checked: its schema loops on them"
+                except referencing.exceptions.Unresolvable:
                     return f"the arguments of `{name}` could not be checked: its schema loops on them"
                 except PatternTimeout:
                     if escalate:
@@ -988,6 +992,24 @@ class ToolContract:
                     # (jsonschema's message quotes the value: a model's 8 MiB of arguments went to the client)
                     return f"the arguments of `{name}` do not match its schema at {where}: {_cut(error.message, 500)}"
         return ""
+
+
+DEEP_ARGUMENTS = 64  # levels of arguments past which a check that ran out of stack blames them, not the schema
+
+
+def _depth(value: object) -> int:
+    """How deeply ``value`` (decoded JSON) nests its lists and objects (iterative: it can be deep)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in item)
+    return deepest
 
 
 def _cut(text: str, limit: int) -> str:
