@@ -366,16 +366,26 @@ async def test_tool_calls_written_as_text_become_real_calls(tooled):
     assert whole.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Wrap calls in a <tool_call> tag, or {{tool_call}} in the other form, like the docs say.",
+        "Wrap calls like <tool_call></tool_call> tags.",
+        "See <tool_call><name> here, or <tool_call> <b>bold</b>, or <tool_call><func",
+    ],
+)
 @pytest.mark.parametrize("name", ["native", "live"])
-async def test_prose_that_names_the_call_tag_is_text(tooled, name):
+async def test_prose_that_names_the_call_tag_is_text(tooled, name, text):
     """An answer that only names the tag ("wrap calls in a <tool_call> tag") was read as a call
     that is not JSON, retried and failed the request (an outside audit): a block is a call's only
-    when its body begins as JSON does. Whole and streamed, one run, the text as written."""
+    when its body begins as JSON does, or as Qwen3-Coder's `<function=`. An empty block, or one
+    of other markup, was read as a call (the next audit). Whole and streamed, split where the
+    body begins, one run, the text as written."""
     edge, upstream = tooled
-    text = "Wrap calls in a <tool_call> tag, or {{tool_call}} in the other form, like the docs say."
+    cut = text.index("<tool_call>") + len("<tool_call>") + 2
     with trio.fail_after(BOUND):
         for stream in (False, True):
-            upstream.script_for("t", steps({"content": text[:20]}, {"content": text[20:]}))
+            upstream.script_for("t", steps({"content": text[:cut]}, {"content": text[cut:]}))
             assert await answer_of(edge, name, TOOLS, stream) == (text, "", [])
     assert len(upstream.records) == 2  # (no retry)
 

@@ -212,10 +212,13 @@ _FIRST_RE = {
     calls: re.compile("|".join(map(re.escape, tags)), re.IGNORECASE | re.ASCII) for calls, tags in _FIRST_TAGS.items()
 }
 CALL_CLOSES = {"<": "</tool_call>", "{": "{{/tool_call}}"}  # by a block's first character
-# A call block's body begins so, past whitespace (JSON; "<": Qwen3-Coder's <function=...>, read as a
-# call that cannot be read): an opening tag followed by anything else is prose that names it ("wrap
-# calls in a <tool_call> tag"), for the splitter as for the calls' reader (edge.openai.tools).
-CALL_BODY_FIRST = "{[<"
+# A call block's body begins so, past whitespace (JSON), or as CALL_BODY_XML (Qwen3-Coder's
+# <function=...>, read as a call that cannot be read, and so retried): an opening tag followed by
+# anything else is prose that names it ("wrap calls in a <tool_call> tag"; "<tool_call></tool_call>"
+# and "<tool_call><name>" were read as calls, retried and failed: an outside audit), for the
+# splitter as for the calls' reader (edge.openai.tools).
+CALL_BODY_FIRST = "{["
+CALL_BODY_XML = "<function="
 MAX_CALL_GAP = 1024  # whitespace between the tag and its body's first character; past it, prose
 _SPACES = re.compile(rf"\s{{0,{MAX_CALL_GAP + 1}}}+")
 # A block's body, read as JSON reads it, up to its closing tag outside strings: its text, its whole
@@ -438,14 +441,20 @@ class ThinkSplitter:
 
 def _body_start(buf: str, opening: re.Match[str]) -> bool | None:
     """Whether a call's opening tag in ``buf`` begins a block: its body's first character, past
-    at most :data:`MAX_CALL_GAP` of whitespace, is one of :data:`CALL_BODY_FIRST` (more
-    whitespace: prose, as the calls' reader has it); None while ``buf`` ends in that whitespace."""
+    at most :data:`MAX_CALL_GAP` of whitespace, is one of :data:`CALL_BODY_FIRST`, or it begins
+    :data:`CALL_BODY_XML` (more whitespace: prose, as the calls' reader has it); None while ``buf``
+    ends before that is known."""
     at = _SPACES.match(buf, opening.end()).end()  # type: ignore[union-attr]  # (it matches "")
     if at - opening.end() > MAX_CALL_GAP:
         return False
     if at == len(buf):
         return None
-    return buf[at] in CALL_BODY_FIRST
+    if buf[at] in CALL_BODY_FIRST:
+        return True
+    begun = buf[at : at + len(CALL_BODY_XML)].lower()
+    if len(begun) < len(CALL_BODY_XML) and CALL_BODY_XML.startswith(begun):
+        return None  # (it may yet be one)
+    return begun == CALL_BODY_XML
 
 
 class FirstThinkTag:

@@ -37,7 +37,7 @@ import referencing.jsonschema
 import regex
 import trio
 
-from edge.openai.filters import CALL_BODY_FIRST, CALL_CLOSES, MAX_CALL_GAP, call_body
+from edge.openai.filters import CALL_BODY_FIRST, CALL_BODY_XML, CALL_CLOSES, MAX_CALL_GAP, call_body
 from edge.openai.request import TOOL_IMAGE_NOTE, tool_images_head
 from edge.openai.schema import ChatRequest, Message
 from edge.per_run import per_run
@@ -62,7 +62,9 @@ _BLOCK = re.compile(
 # the tag ("wrap calls in a <tool_call> tag") is text (it was read as a call, not valid JSON,
 # retried and failed the request: an outside audit). Each opening is looked at once.
 _OPENING = re.compile(re.escape(XML_OPEN) + "|" + re.escape(MUSTACHE_OPEN), re.IGNORECASE | re.ASCII)
-_BODY_START = re.compile(rf"\s{{0,{MAX_CALL_GAP}}}+[{re.escape(CALL_BODY_FIRST)}]")
+_BODY_START = re.compile(
+    rf"\s{{0,{MAX_CALL_GAP}}}+(?:[{re.escape(CALL_BODY_FIRST)}]|{re.escape(CALL_BODY_XML)})", re.IGNORECASE
+)
 # A block's body read as JSON reads it (:func:`~edge.openai.filters.call_body`): a closing tag inside
 # a JSON string is the arguments (a file holding "</tool_call>"). It stops only at a closing tag
 # outside strings, or at the end (an unterminated string runs to it). Used where the first closing
