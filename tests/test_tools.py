@@ -390,6 +390,21 @@ async def test_prose_that_names_the_call_tag_is_text(tooled, name, text):
     assert len(upstream.records) == 2  # (no retry)
 
 
+async def test_a_live_stream_never_passes_on_a_think_tag_after_a_call(tooled):
+    """A live stream of a model not known to open <think>: reasoning, a call written inside it,
+    `</think>`, the answer. The call ended the watch for a stray `</think>`, which then went to
+    the client as content (found from outside). The tag is dropped; the call, gone out before
+    the tag said it was reasoning, stays one (the README says so)."""
+    edge, upstream = tooled
+    upstream.script_for(
+        "t", steps({"content": "Thinking "}, {"content": CALL}, {"content": "</think>"}, {"content": "Answer"})
+    )
+    with trio.fail_after(BOUND):
+        content, reasoning, calls = await answer_of(edge, "live", TOOLS, True)
+    assert "think>" not in content and "tool_call" not in content, content
+    assert content == "Thinking Answer" and [c.function.name for c in calls] == ["get_time"]
+
+
 async def test_tool_call_tag_split_across_deltas(tooled):
     """A tag split across deltas (<tool_ca + ll>) is still a call, and no markup reaches the client."""
     edge, upstream = tooled

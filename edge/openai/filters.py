@@ -255,7 +255,8 @@ class ThinkSplitter:
     reads it; the tag is dropped and the text before it not yet passed on is
     reasoning (what was is content: it went out), and text that ends in a
     part of one is held until the tag is known (up to :data:`MAX_FIRST_HELD`
-    characters). A call block or a think tag ends the watch.
+    characters). A think tag ends the watch; a call block does not (a call
+    that went out stays one: a live stream cannot take it back).
     """
 
     __slots__ = (
@@ -345,9 +346,8 @@ class ThinkSplitter:
                         continue
                     self._emit(buf[at : found.end()])
                     self._call = buf[found.start()]
-                    self._first = False
-                    at = found.end()
-                    continue
+                    at = found.end()  # (the watch goes on past it, as a whole answer reads the first
+                    continue  # think tag past call blocks: a </think> after a call went out as text)
                 if found.start() > at:  # (a </think> before any think tag: the head was reasoning)
                     self._reasoning(buf[at : found.start()])
                 self._first = False

@@ -258,7 +258,10 @@ class Shaper:
         """Text with a "<" in a live stream whose think tags are on: split from here."""
         if self._live and self.policy.think_tags != "off":
             calls = self._raw_parts is not None
-            stray = not self._closed  # (a </think> before any think tag: the template opened it)
+            # (a </think> before any think tag: the template opened it; with think_tags "open", not
+            # once the model server parted the reasoning itself: a whole answer keeps such a tag as
+            # written then, and a stream dropped it, with what came before it not yet passed on)
+            stray = not (self._closed or self._fielded and self.policy.think_tags == "open")
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
