@@ -37,6 +37,10 @@ lock, met that detector.
   9.6: a server MUST NOT process them; 2.2: it SHOULD ignore a stray CRLF).
   h11 raised on them, and hypercorn answered the request, read whole and
   already running on a node, 400 ``invalid_http``, or cut its stream;
+- h11's reading of a client between requests: blank lines are dropped as they
+  come (RFC 9112 2.2), where h11 paused on them after a request (hypercorn
+  then read no more, and missed the client's close) and raised on them
+  before one (a 400 that lost the request behind them);
 - ``run``: any other exception a connection raises is logged and ends that
   connection only. ``trio.Cancelled`` (not an ``Exception``) goes on as it
   was. While it runs, the connection is in :data:`OPEN`, for
@@ -224,6 +228,29 @@ def install() -> None:
     if h11_readers.READERS.get((h11.CLIENT, h11.MUST_CLOSE)) is not h11_readers.expect_nothing:
         raise RuntimeError("h11's readers are not the ones edge.connection was written for: review it")
     h11_readers.READERS[(h11.CLIENT, h11.MUST_CLOSE)] = _ignore_the_rest
+    h11_next = getattr(h11.Connection, "_extract_next_receive_event", None)
+    probe = getattr(h11.Connection(h11.SERVER), "_receive_buffer", None)
+    if not callable(h11_next) or type(getattr(probe, "_data", None)) is not bytearray or not hasattr(probe, "_extract"):
+        raise RuntimeError("h11's Connection is not the one edge.connection was written for: review it")
+
+    @functools.wraps(h11_next)
+    def _extract_next_receive_event(self: h11.Connection):
+        # Blank lines between requests are dropped as they come (RFC 9112 2.2: a server SHOULD
+        # ignore at least one empty line before a request-line). After a request, h11 took
+        # them for the next request coming and paused, and hypercorn read the connection no
+        # more until the answer was out: the client's close went unseen, and its run went on
+        # (a non-streamed one to its end); before a request, h11 raised, and hypercorn
+        # answered 400 and closed, losing the request behind them (found from outside).
+        if self.our_role is h11.SERVER and (self.their_state is h11.DONE or self.their_state is h11.IDLE):
+            data = self._receive_buffer._data  # noqa: SLF001
+            if data[:1] in _BLANK:
+                self._receive_buffer._extract(len(data) - len(data.lstrip(b"\r\n")))  # noqa: SLF001
+        return h11_next(self)
+
+    h11.Connection._extract_next_receive_event = _extract_next_receive_event  # type: ignore[method-assign]
+
+
+_BLANK = (b"\r", b"\n")
 
 
 def _ignore_the_rest(buf) -> None:

@@ -216,26 +216,30 @@ async def test_a_queued_pipelining_client_that_half_closed_is_still_answered(nur
     await settled(edge, node.agent)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["with_body", "later"])
 @pytest.mark.parametrize("body", [WHOLE, STREAM], ids=["whole", "streamed"])
-async def test_a_client_that_sent_a_crlf_after_its_body_and_left_is_seen_gone(nursery, upstream, body):
+async def test_a_client_that_sent_a_crlf_after_its_body_and_left_is_seen_gone(nursery, upstream, body, late):
     """A body followed by a CRLF (RFC 9112 2.2: an empty line before a next request, ignored),
     then the client closes before any token: the upstream sees its request aborted. h11 took
     the CRLF for a next request and paused, hypercorn read the connection no more, and the
     close went unseen: a non-streamed run ran to its end, a streamed one to its first token
-    (found from outside). (A stream commits at its first keep-alive: the write that found the
-    close is put past the test's bound.)"""
+    (found from outside; the CRLF in a packet of its own, by a re-check). (A stream commits at
+    its first keep-alive: the write that found the close is put past the test's bound.)"""
     edge = await start_edge(nursery, edge_config(keepalive_s=BOUND * 2))
     node = await start_node(nursery, edge, [model("m", upstream)])
     upstream.script_for("m-target", [("hang",)])
     data = msgspec.json.encode(body)
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % len(data) + data + b"\r\n"
+        b"content-length: %d\r\n\r\n" % len(data) + data
     )
     with trio.fail_after(BOUND):
         client = await trio.open_tcp_stream("127.0.0.1", edge.port)
-        await client.send_all(request)
+        await client.send_all(request if late else request + b"\r\n")
         await upstream.wait_requests(1)
+        if late:
+            await client.send_all(b"\r\n")
+            await trio.sleep(0.1)  # (read by the edge, not closed with it)
         await client.aclose()
         await upstream.records[0].finished.wait()
     assert upstream.records[0].aborted

@@ -5,6 +5,7 @@ or while requests keep coming, and at once when the edge starts shutting down.""
 from __future__ import annotations
 
 import itertools
+import re
 import ssl
 from functools import partial
 
@@ -171,6 +172,35 @@ async def test_bytes_after_a_connections_last_request_are_ignored_not_an_error(n
             assert received.count(b"HTTP/1.1 ") == 1, case  # the pipelined request: not answered
             assert b'"finish_reason":"stop"' in received, (case, received[-300:])  # whole
             assert (b"data: [DONE]" in received) == (stream == b"true"), case
+
+
+async def test_blank_lines_between_requests_are_ignored(nursery):
+    """Blank lines before a request on a kept-alive connection (RFC 9112 2.2: a server SHOULD
+    ignore them): a POST, a CRLF and a GET in one write; a CRLF alone after an answer, then a
+    request; LFs before the first. Each request gets its own answer, in order. h11 raised on
+    them: the request behind them got a 400 `invalid_http` and the connection closed (a
+    re-check found it)."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", sim_tokens=3)])
+    data = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\ncontent-type: application/json\r\n"
+    post += b"content-length: %d\r\n\r\n" % len(data) + data
+    get = b"GET /healthz HTTP/1.1\r\nhost: edge\r\n\r\n"
+    last = post.replace(b"host: edge\r\n", b"host: edge\r\nconnection: close\r\n")
+    with trio.fail_after(BOUND):
+        async with await trio.open_tcp_stream("127.0.0.1", edge.port) as sock:
+            await sock.send_all(b"\n\n" + post + b"\r\n" + get)
+            await trio.sleep(0.5)  # (answered: the next CRLF comes alone, between requests)
+            await sock.send_all(b"\r\n")
+            await trio.sleep(0.1)
+            await sock.send_all(last)
+            received = b""
+            while more := await sock.receive_some(65536):
+                received += more
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", received)
+    assert statuses == [b"200", b"200", b"200"], received[-600:]
+    assert received.count(b'"finish_reason":"stop"') == 2
+    assert b"invalid_http" not in received
 
 
 H2C_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # and an empty SETTINGS

@@ -234,30 +234,6 @@ async def close_stream(send: Any) -> None:
     await stream.send(StreamClosed(stream_id=stream.stream_id))
 
 
-async def skip_blank_lines(scope: dict, send: Any) -> None:
-    """After a request's whole body (HTTP/1.1): the CR and LF bytes its client sent after it
-    (RFC 9112 2.2: a server ignores empty lines before a request) are dropped now, and
-    hypercorn reads on. Left there, h11 took them for a next request coming and paused, and
-    hypercorn read the connection no more until the answer was out: the client's close went
-    unseen, and its run went on, a non-streamed one to its end, a streamed one to its first
-    token (found from outside: a body followed by one CRLF). A request pipelined behind it
-    still pauses the reading, as it must (its answer comes after this one)."""
-    if scope.get("http_version") != "1.1":
-        return
-    protocol = getattr(getattr(getattr(send, "__self__", None), "send", None), "__self__", None)
-    connection = getattr(protocol, "connection", None)
-    if type(connection) is not h11.Connection or connection.their_state is not h11.DONE:
-        return
-    buffer = getattr(connection, "_receive_buffer", None)
-    data = getattr(buffer, "_data", None)
-    if not data or data.strip(b"\r\n") or not hasattr(buffer, "_extract"):
-        return
-    buffer._extract(len(data))  # noqa: SLF001
-    can_read = getattr(protocol, "can_read", None)  # (hypercorn's reader waits on it when paused)
-    if can_read is not None:
-        await can_read.set()
-
-
 def peer_closed(scope: dict, send: Any) -> bool:
     """The request's client closed its connection, by what the kernel holds now (HTTP/1.1 on
     plain TCP: a peek, no read; False otherwise, or with bytes still unread, or read and not yet

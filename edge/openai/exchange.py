@@ -14,14 +14,7 @@ from typing import NamedTuple
 import trio
 
 from edge.errors import APIError
-from edge.openai.direct import (
-    DirectBody,
-    close_stream,
-    connection_lock,
-    on_disconnect,
-    peer_closed,
-    skip_blank_lines,
-)
+from edge.openai.direct import DirectBody, close_stream, connection_lock, on_disconnect, peer_closed
 from edge.openai.jsonbody import LARGE_BODY_BYTES
 from edge.openai.schema import UsageOut
 from edge.openai.sse import sse_error
@@ -250,7 +243,6 @@ class Exchange:
             if not message.get("more_body", False):
                 self.body_read = True
                 parts.append(chunk)
-                await skip_blank_lines(self.scope, self._send)
                 return b"".join(parts)
             pieces += 1
             if pieces > MAX_SMALL_PIECES and size < pieces * SMALL_PIECE:
