@@ -247,6 +247,7 @@ class Key:
         day = int(time.time() // 86400)
         if day != self.day:
             self.day, self.day_used, self.day_others, self.restored, self.day_reported = day, 0, 0, 0, 0
+            self.others_streamed = 0  # (yesterday's streams: in yesterday's count)
 
     def unreported(self) -> int:
         """Shared state: of today's tokens, those not yet added to Redis's day counter

@@ -187,6 +187,9 @@ return {got, tostring(level)}
 _FOLD = """
 local function fold(day, streams, folded, me, now, ttl)
   local fields = redis.call('HGETALL', streams)
+  if #fields == 0 then
+    return
+  end
   local dttl = redis.call('TTL', day)
   for i = 1, #fields, 2 do
     if fields[i] ~= me then
@@ -498,7 +501,9 @@ class SharedState:
         self._streamed_at: dict[str, float] = {}  # budget keys whose streams this edge wrote (a field to drop), when
         self._settled: dict[str, Key] = {}  # keys whose requests ended: their slots go back now
         self._hurried: set[str] = set()  # budget keys whose streams go to Redis in a round now (HURRY_S)
-        self._recheck: set[str] = set()  # keys at rest whose day Redis lost: the day script adds it again
+        self._recheck: set[str] = set()  # keys whose day Redis lost: the day script adds it again, next round
+        self._epoch: bytes | None = None  # Redis's epoch as last read (each round, while keys have budgets)
+        self._others_floor: dict[str, tuple[int, float]] = {}  # key id -> (day_others, until): see _others
         # key id -> (when it was read, the key, its policy, admitted_at, day_used) of a key at rest: passed
         # over by the rounds until REFRESH_S after that read, unless one of these changed (2,000 keys at
         # rest, looked at every round, were 7% of a core)
@@ -593,6 +598,7 @@ class SharedState:
         dict[str, tuple[tuple[bytes, int, int, int] | None, list | None]],
         list[tuple[int, int, bytes, int]],
         list[int],
+        bytes | None,
     ]:
         """In a worker thread: the Redis round trip (one pipeline). ``counters``: per
         key, its day's script arguments and its flights' (None: not this time);
@@ -600,8 +606,9 @@ class SharedState:
         each answered with the other edges' sum, the day's total, the epoch and what of
         this edge's streams is folded in (the third list returned); ``quiet``:
         (key id, day, the epoch its day was reported in) of keys at rest, read (see
-        _QUIET: four numbers a key, the last list returned)."""
+        _QUIET: four numbers a key, the last list returned); then Redis's epoch, read first."""
         pipe = self.client.pipeline(transaction=False)
+        pipe.get(EPOCH_KEY)
         for i in range(0, len(quiet), QUIET_BATCH):
             batch = quiet[i : i + QUIET_BATCH]
             keys = [EPOCH_KEY]
@@ -634,7 +641,7 @@ class SharedState:
                 args=[self.edge_id, streamed, EDGE_TTL_S, DAY_TTL_S],
                 client=pipe,
             )
-        results = pipe.execute()
+        epoch, *results = pipe.execute()
         batches = -(-len(quiet) // QUIET_BATCH)
         read = [int(v) for batch in results[:batches] for v in batch]
         results = results[batches:]
@@ -654,7 +661,7 @@ class SharedState:
                 flown = rest[i]
                 i += 1
             out[key_id] = (day_result, flown)
-        return results[: len(plan)], out, others, read
+        return results[: len(plan)], out, others, read, epoch
 
     def _flight(self, pipe, key_id: str, args: FlightArgs, asks: list[int] | tuple[()] = ()) -> None:
         """Queue the flights script for ``key_id`` (see _FLIGHT) on ``pipe``."""
@@ -734,6 +741,7 @@ class SharedState:
         now = time.monotonic()
         hurried, self._hurried = self._hurried, set()
         quiet: list[tuple[Key, FlightArgs, bytes]] = []  # keys at rest, to read (not write) now
+        budgets = False  # (some key has a daily budget: Redis's epoch is read every round)
         for key in list(self.keys.by_id.values()):
             policy = key.policy
             if not policy.daily_tokens:
@@ -743,6 +751,7 @@ class SharedState:
                 key.others_in_flight = 0
             if not (policy.daily_tokens or policy.max_concurrent):
                 continue
+            budgets = budgets or bool(policy.daily_tokens)
             rest = self._resting.get(key.id)
             if (
                 rest is not None
@@ -766,7 +775,7 @@ class SharedState:
             if policy.daily_tokens:
                 day_adds, day_used = self._day_adds(key)
                 reported = self._reported.get((key.id, key.day))
-                if stale or reported is None or day_adds[1]:
+                if stale or reported is None or day_adds[1] or key.id in self._recheck:
                     adds, used[key.id] = day_adds, day_used
             if (
                 written is not None
@@ -803,15 +812,22 @@ class SharedState:
         if not plan and not counters and not streams and not quiet:
             # Nothing to write: Redis must still answer before it counts as back, and is asked
             # every REFRESH_S while up (with only rpm/tpm keys at rest, iop_shared_state_up read 1
-            # for as long as Redis was gone, until a request found it so).
-            if not self.up or now - self._heard >= REFRESH_S:
+            # for as long as Redis was gone, until a request found it so); its epoch every round
+            # while keys have budgets (see _saw_epoch).
+            if budgets:
+                self._saw_epoch(await trio.to_thread.run_sync(self.client.get, EPOCH_KEY))
+                self._heard = time.monotonic()
+            elif not self.up or now - self._heard >= REFRESH_S:
                 await trio.to_thread.run_sync(self.client.ping)
                 self._heard = time.monotonic()
             return
         written = [(key.id, day, streamed) for key, day, streamed in streams]
         reads = [(key.id, flight[4], epoch) for key, flight, epoch in quiet]
-        granted, totals, others, read = await trio.to_thread.run_sync(self._exchange, plan, counters, written, reads)
+        granted, totals, others, read, current = await trio.to_thread.run_sync(
+            self._exchange, plan, counters, written, reads
+        )
         self._heard = time.monotonic()
+        self._saw_epoch(current)
         for i, (key, flight, epoch) in enumerate(quiet):
             self._rested(key, flight, epoch, read[4 * i : 4 * i + 4])
         self._credit(plan, granted)
@@ -826,6 +842,11 @@ class SharedState:
                     self._floors_wanted.setdefault((key_id, day, epoch), trio.current_time() + FLOOR_DELAY_S)
                     self._floors_wake.set()
                 reported = used[key_id]
+                was = self._reported.get((key_id, day))
+                if was is not None and was[0] and was[0] != epoch and key.day == day:
+                    # (Redis lost its data: the others' use, as last read, holds until they have
+                    # added theirs again, as they do within a round of seeing the new epoch)
+                    self._others_floor[key_id] = (key.day_others, time.monotonic() + 2 * REFRESH_S)
                 self._reported[(key_id, day)] = (epoch, reported)
                 before = self._reported_day.get(key_id)
                 if before is not None and before != day:  # (one day a key: a scan of all was O(keys) a key)
@@ -836,7 +857,7 @@ class SharedState:
                     # Others' use too, so the budget holds across edges (Redis holds all of this edge's).
                     # (less this edge's own streams folded in while it was paused: they are in its
                     # streams in flight; counted twice, they cut its own stream early: a re-check)
-                    key.day_others = max(day_total - reported - folded, 0)
+                    self._others(key, day_total - reported - folded)
             if flown is not None and flight is not None:
                 self._flown(key, flight, flown)
         for (key, day, streamed), (theirs, total, epoch, folded) in zip(streams, others, strict=True):
@@ -847,14 +868,29 @@ class SharedState:
             if key.day != day:
                 key.others_streamed = 0
                 continue
-            key.others_streamed = theirs
+            # (read as its own field goes: kept, it was the others' count then for good, and the
+            # next run here counted it twice, with the day's total it moved to; the run was cut at
+            # its first token, the budget a third unspent: a re-check)
+            key.others_streamed = theirs if key.live else 0
             reported = self._reported.get((key.id, day))
             if key.id not in used and reported is not None and reported[0] == epoch and total >= 0:
                 # (the day's total as the fields were read: what the others' ended requests streamed;
                 # a key whose day script ran in this round has it from there, with its adds in)
-                key.day_others = max(total - reported[1] - folded, 0)
+                self._others(key, total - reported[1] - folded)
             if key.live:  # (its runs check again at what is left now: at once, if the others crossed it)
                 self.keys.hold_to_budget(key)
+
+    def _saw_epoch(self, epoch: bytes | None) -> None:
+        """Redis's epoch as read now: one other than the last (Redis lost its data, and with
+        it every key's day counter) has every budget key's day added again in the next round,
+        at rest or not. Keys at rest learned of it at their next read, up to REFRESH_S on, and
+        added their day only REFRESH_S after that: meanwhile another edge was granted budgets
+        against a counter without their use, and a key of 20,000 tokens a day served 35,021
+        (a re-check)."""
+        if epoch != self._epoch and self._epoch is not None:
+            self._resting.clear()
+            self._recheck.update(key.id for key in self.keys.by_id.values() if key.policy.daily_tokens)
+        self._epoch = epoch
 
     def _rested(self, key: Key, flight: FlightArgs, epoch: bytes, read: list[int]) -> None:
         """In the trio thread: what the quiet script read of ``key``, at rest (written as
@@ -871,7 +907,20 @@ class SharedState:
             return
         reported = self._reported.get((key.id, key.day))
         if reported is not None and reported[0] == epoch:
-            key.day_others = max(total - reported[1] - folded, 0)
+            self._others(key, total - reported[1] - folded)
+
+    def _others(self, key: Key, others: int) -> None:
+        """``key``'s other edges' use today, as read now; no less, for 2 REFRESH_S after Redis
+        lost its data, than it was read before (:meth:`_saw_epoch`): an edge that added its own
+        use to the new counter first read the others' as none, and admitted on it (a budget of
+        20,000 served 10,010 more in the round before the others had added theirs again)."""
+        floor = self._others_floor.get(key.id)
+        if floor is not None:
+            if time.monotonic() < floor[1]:
+                others = max(others, floor[0])
+            else:
+                del self._others_floor[key.id]
+        key.day_others = max(others, 0)
 
     def _on_settle(self, key: Key) -> None:
         """A request of ``key`` ended: its slot and its reservation go back to Redis in the

@@ -267,18 +267,25 @@ async def test_while_redis_is_down_an_edge_has_a_keys_whole_concurrency(nursery,
         await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "leasing again")
 
 
-async def one_stream_on_each_of_two_edges(nursery, redis_url: str, tmp_path, budget: int, sim) -> list[int]:
-    """One stream of ``sim`` on each of two edges sharing Redis, its key's ``daily_tokens`` the
-    ``budget``: each ends with 429 insufficient_quota in the stream. What each edge charged."""
-    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=budget)]
+async def two_edges(nursery, redis_url: str, tmp_path, keys: list[KeyConfig], models: list) -> list:
+    """Edges a and b sharing the Redis at ``redis_url``, each with its own node of ``models``
+    and its own SQLite ledger, both leasing."""
     edges = []
     for name in ("a", "b"):
         edge = await start_edge(
             nursery, edge_config(keys=keys, state=redis_url, ledger=str(tmp_path / f"{name}.sqlite3"))
         )
-        await start_node(nursery, edge, [sim], node_id=f"n-{name}")
+        await start_node(nursery, edge, models, node_id=f"n-{name}")
         await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
         edges.append(edge)
+    return edges
+
+
+async def one_stream_on_each_of_two_edges(nursery, redis_url: str, tmp_path, budget: int, sim) -> list[int]:
+    """One stream of ``sim`` on each of two edges sharing Redis, its key's ``daily_tokens`` the
+    ``budget``: each ends with 429 insufficient_quota in the stream. What each edge charged."""
+    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=budget)]
+    edges = await two_edges(nursery, redis_url, tmp_path, keys, [sim])
     bodies: list[str] = []
 
     async def one(edge) -> None:
@@ -337,14 +344,7 @@ async def test_what_another_edges_ended_request_streamed_counts_at_once(
     keys = [KeyConfig(id="s", key="sk-s", daily_tokens=30_000)]
     fast = model("fast", ttft_ms=0, tokens_per_s=20_000, sim_tokens=40_000)
     instant = model("instant", ttft_ms=0, tokens_per_s=0, sim_tokens=20_000)
-    edges = []
-    for name in ("a", "b"):
-        edge = await start_edge(
-            nursery, edge_config(keys=keys, state=redis_server.url, ledger=str(tmp_path / f"{name}.sqlite3"))
-        )
-        await start_node(nursery, edge, [fast, instant], node_id=f"n-{name}")
-        await eventually(lambda edge=edge: edge.edge.shared.up, "leasing from redis")
-        edges.append(edge)
+    edges = await two_edges(nursery, redis_server.url, tmp_path, keys, [fast, instant])
     a, b = edges
     streamed_b = b.edge.keys.by_id["s"]
     bodies: list[str] = []
@@ -363,6 +363,31 @@ async def test_what_another_edges_ended_request_streamed_counts_at_once(
         used = [edge.edge.keys.by_id["s"].day_used for edge in edges]
     assert '"code":"insufficient_quota"' in bodies[0], bodies[0][-300:]
     assert 30_000 < sum(used) < 34_000, used
+
+
+async def test_an_edge_whose_streams_ended_keeps_no_count_of_the_others_streams(nursery, redis_server, tmp_path):  # noqa: F811
+    """A budget of 26,000: edge b streams 20,000 tokens; meanwhile edge a streams 300 and ends,
+    its last write of its streams reading b's 8,000 or more. Once b's are in the day's 20,000,
+    a's next request of 5,000 runs whole. a kept b's count from that write for good, and
+    counted it beside the day's total it moved to: every later request there was cut at its
+    first token, "used its daily budget", with a fifth of it left (a re-check)."""
+    keys = [KeyConfig(id="s", key="sk-s", daily_tokens=26_000)]
+    long = model("long", ttft_ms=0, tokens_per_s=10_000, sim_tokens=20_000)
+    short = model("short", ttft_ms=0, tokens_per_s=2_000, sim_tokens=300)
+    instant = model("instant", ttft_ms=0, tokens_per_s=0, sim_tokens=5_000)
+    edges = await two_edges(nursery, redis_server.url, tmp_path, keys, [long, short, instant])
+    a, b = edges
+    on_a, on_b = a.edge.keys.by_id["s"], b.edge.keys.by_id["s"]
+    with trio.fail_after(BOUND * 2):
+        async with client(a, "sk-s") as ca, client(b, "sk-s") as cb, trio.open_nursery() as n:
+            n.start_soon(functools.partial(chat, cb, "long", stream=True))
+            await eventually(lambda: on_b.gauge is not None and on_b.gauge.streamed > 8_000, "b streams 8,000")
+            assert (await chat(ca, "short", stream=True)).status_code == 200
+        await eventually(lambda: on_a.day_others >= 20_000 and not on_a.live, "a reads b's day")
+        async with client(a, "sk-s") as ca:
+            r = await chat(ca, "instant", stream=True)
+    assert "insufficient_quota" not in r.text, r.text[-300:]
+    assert on_a.day_used > 5_000, on_a.day_used
 
 
 async def test_a_budget_key_with_max_concurrent_is_never_refused_a_slot_it_has(nursery, redis_server, tmp_path):  # noqa: F811
@@ -775,6 +800,9 @@ async def test_a_day_counter_lost_soon_after_it_was_made_is_not_counted_twice(
             await trio.sleep(0.05)
         made = trio.current_time()  # (the counter was made before this, at a's first add)
         gate = trio.Event()  # edge b goes quiet
+        # (Redis is lost a second on: edge a makes the counter anew at once, and its floor comes
+        # half a second after b has added its use again, as it would for an edge not frozen)
+        await trio.sleep(1.0)
         await trio.to_thread.run_sync(redis_server.stop)
         await trio.to_thread.run_sync(redis_server.start)
         await eventually(lambda: a.edge.shared.up, "edge a sees redis back")
@@ -928,6 +956,43 @@ async def test_a_redis_that_lost_its_data_gives_no_spent_key_a_fresh_minute(nurs
         await trio.sleep(0.3)  # (lease rounds meet the empty Redis)
         again = await burst(edge, "sk-spent", 20)
     assert sum(r.status_code == 200 for r in again) <= 3, [r.status_code for r in again]
+
+
+async def test_a_redis_that_lost_its_data_gives_no_key_at_rest_a_fresh_day(nursery, redis_server, tmp_path):  # noqa: F811
+    """Two edges, a budget of 20,000 a day: edge a spends 15,001 and its key rests there; then
+    Redis loses its data (FLUSHALL), and edge b's clients ask 1,000 tokens at a time for 2 s.
+    Edge a adds its day again within a round: b serves about the 5,000 left. It added it only
+    when the key's next read found the counter gone, and a second after that: b, its own adds
+    made anew, served 20,020 meanwhile (35,021 in all; a re-check)."""
+    import redis
+
+    keys = [KeyConfig(id="day", key="sk-day", daily_tokens=20_000)]
+    big, small = (
+        model("big", ttft_ms=0, tokens_per_s=0, sim_tokens=15_000),
+        model("small", ttft_ms=0, tokens_per_s=0, sim_tokens=1000),
+    )
+    edges = await two_edges(nursery, redis_server.url, tmp_path, keys, [big, small])
+    a, b = edges
+    with trio.fail_after(BOUND * 2):
+        async with client(a, "sk-day") as c:
+            r = await chat(c, "big", max_tokens=15_000)
+        assert r.status_code == 200, r.text[:300]
+        spent = a.edge.keys.by_id["day"].day_used
+        assert spent > 10_000, spent
+        await eventually(lambda: "day" in a.edge.shared._resting, "the key at rest on edge a")
+        await trio.to_thread.run_sync(redis.Redis.from_url(redis_server.url).flushall)
+        served, refused = 0, []
+        async with client(b, "sk-day") as c:
+            with trio.move_on_after(2):  # (a refusal is b's view as of its last read: it reads again)
+                while True:
+                    r = await chat(c, "small", max_tokens=1000)
+                    if r.status_code == 200:
+                        served += r.json()["usage"]["total_tokens"]
+                    else:
+                        refused.append(r.json()["error"]["code"])
+                        await trio.sleep(0.05)
+    assert refused and set(refused) == {"insufficient_quota"}, refused[:5]
+    assert spent + served < 20_000 + 2 * 1_100, (spent, served)
 
 
 async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path):  # noqa: F811
