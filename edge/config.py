@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from edge.cors import origin_problem
+from edge.cors import host_problem, origin_problem
 from edge.forwarded import parse_networks
 from edge.keys import sha256_hex
 from iop.configfile import BEARER_VALUE, ConfigError, convert, load
@@ -140,6 +140,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_output_tokens: int = 131072  # the largest max_tokens / max_completion_tokens a request may ask for
     trace_requests: bool = True  # a request's metadata iop_trace_stream turns on its per-chunk trace lines
     cors_origins: list[str] = msgspec.field(default_factory=list)  # browser origins that may call /v1/ ("*": any)
+    # host names a keyless edge answers browsers' own-origin calls at, beside localhost and IP addresses ("*": any)
+    allowed_hosts: list[str] = msgspec.field(default_factory=list)
     # Reverse proxies (addresses or networks) whose X-Forwarded-For names the client (edge.forwarded).
     trusted_proxies: list[str] = msgspec.field(default_factory=list)
     # Shutdown.
@@ -215,6 +217,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             problem = origin_problem(origin)
             if problem is not None:
                 raise ConfigError(f"cors_origins[{i}]: {problem}")
+        for i, host in enumerate(self.allowed_hosts):
+            problem = host_problem(host)
+            if problem is not None:
+                raise ConfigError(f"allowed_hosts[{i}]: {problem}")
         if len(self.trusted_proxies) > 256:
             raise ConfigError("trusted_proxies: at most 256 addresses or networks")
         try:

@@ -15,6 +15,7 @@ cookies, so no credentials are allowed.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 _ORIGIN = re.compile(r"https?://[^/\s?#]+")
@@ -32,6 +33,38 @@ def origin_problem(origin: str) -> str | None:
     if not _ORIGIN.fullmatch(origin):
         return 'an origin is scheme://host[:port] (no path, no trailing "/"), or "*"'
     return None
+
+
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` cannot be an ``allowed_hosts`` entry (None: it can)."""
+    if host == "*" or (len(host) <= 253 and _HOST.fullmatch(host)):
+        return None
+    return 'a host name, without scheme or port ("chat.example.com"), or "*"'
+
+
+def local_host(host: bytes) -> bool:
+    """``host`` (a Host header, its port aside) is an IP address or localhost: a name no web
+    page can make its own through DNS (rebinding)."""
+    if host.startswith(b"["):  # (an IPv6 literal)
+        return True
+    name = host.rpartition(b":")[0] if host.count(b":") == 1 else host
+    name = name.lower().rstrip(b".")
+    if name == b"localhost" or name.endswith(b".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name.decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def host_name(host: bytes) -> str:
+    """The name of a Host header, its port aside, lower case."""
+    name = host.rpartition(b":")[0] if host.count(b":") == 1 else host
+    return name.lower().rstrip(b".").decode("latin-1")
 
 
 def for_api(path: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import httpx
 import msgspec
 import pytest
 import trio
@@ -163,7 +164,7 @@ async def test_a_keyless_edge_runs_nothing_for_a_web_page_on_another_site(nurser
     with trio.fail_after(BOUND):
         seen = await trio.to_thread.run_sync(browse)
         assert seen["foreign"] == {"form": "loaded", "fetch": "opaque"}, seen
-        assert seen["own"] == 200, seen
+        assert seen["own"] == [200, None], seen
         assert len(upstream.records) == 1  # the own origin's: neither the form's nor the fetch's
         async with http(edge) as client:
             refused = await client.post(
@@ -173,6 +174,52 @@ async def test_a_keyless_edge_runs_nothing_for_a_web_page_on_another_site(nurser
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "cross_origin_request", refused.text
     assert "https://evil.example" in refused.json()["error"]["message"]
     assert curl.status_code == 200 and len(upstream.records) == 2
+    await settled(edge, node.agent)
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium missing (make test installs it)")
+async def test_a_keyless_edge_answers_no_page_at_a_name_rebound_to_it(nursery, upstream):
+    """DNS rebinding: a page of `evil.test`, its name then resolved to the edge's address (here
+    Chromium's own host map), is of the edge's origin for the browser, and read a keyless
+    edge's answers (a re-check). A keyless edge answers a page's calls at localhost or an IP
+    address, or at a name `allowed_hosts` lists: elsewhere a 403 `host_not_allowed`, before
+    anything runs. curl's and the SDKs' requests, which carry no Origin, are served at any name."""
+    from playwright.sync_api import sync_playwright
+
+    edge = await start_edge(nursery)
+    listed = await start_edge(nursery, edge_config(allowed_hosts=["evil.test"]))
+    node = await start_node(nursery, [edge, listed], [model("m", upstream)])
+    upstream.script_for("m-target", lambda body: text_script(words(3)))
+    whole = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def browse() -> list:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--host-resolver-rules=MAP evil.test 127.0.0.1"],
+            )
+            try:
+                page = browser.new_page()
+                seen = []
+                for url in (
+                    f"http://evil.test:{edge.port}",
+                    f"http://localhost:{edge.port}",
+                    f"http://evil.test:{listed.port}",
+                ):
+                    page.goto(url + "/healthz")
+                    seen.append(page.evaluate(_OWN_ORIGIN, {"body": whole}))
+                return seen
+            finally:
+                browser.close()
+
+    with trio.fail_after(BOUND):
+        seen = await trio.to_thread.run_sync(browse)
+        async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers={"host": "evil.test"}) as client:
+            curl = await client.post("/v1/chat/completions", json=whole)
+    assert [status for status, _ in seen] == [403, 200, 200], seen
+    assert seen[0][1] == "host_not_allowed", seen
+    assert curl.status_code == 200
+    assert len(upstream.records) == 3  # (localhost's, the listed name's, curl's)
     await settled(edge, node.agent)
 
 
@@ -204,12 +251,13 @@ async ({edge, body}) => {
 }
 """
 
-# A page of the edge's own origin: its fetch is served.
+# A page of the edge's own origin: its fetch's status, and its error's code.
 _OWN_ORIGIN = """
 async ({body}) => {
   const r = await fetch("/v1/chat/completions",
     {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
-  return r.status;
+  const answer = await r.json();
+  return [r.status, answer.error ? answer.error.code : null];
 }
 """
 

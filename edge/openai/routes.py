@@ -27,7 +27,7 @@ import structlog
 import trio
 
 from edge.anthropic.messages import ANTHROPIC_ERRORS, MessagesExchange, count_tokens, messages, no_such_route
-from edge.cors import for_api
+from edge.cors import for_api, host_name, local_host
 from edge.errors import APIError
 from edge.openai.chat import chat_completions
 from edge.openai.exchange import (
@@ -145,9 +145,13 @@ def _content_encoding(headers) -> bytes | None:
     return joined
 
 
-def _foreign_origin(scope: dict, cors) -> bytes | None:
+_OWN_ORIGIN = object()  # (what _foreign_origin says of a browser's request from the edge's own origin)
+
+
+def _foreign_origin(scope: dict, cors) -> bytes | object | None:
     """The origin of a browser's request from another site that ``cors_origins`` does not
-    list (None: not one). A web page may send a POST there with no preflight, as a form or
+    list; :data:`_OWN_ORIGIN` for one from the edge's own origin (None: not a browser's, or
+    one that ``cors_origins`` lists). A web page may send a POST there with no preflight, as a form or
     a ``no-cors`` fetch whose body is ``text/plain``; it cannot read the answer, but the run
     ran: on an edge without keys (the demo, a laptop's), any page its user opened could spend
     its GPUs (found from outside). Browsers say where a request comes from in
@@ -166,10 +170,29 @@ def _foreign_origin(scope: dict, cors) -> bytes | None:
     if origin is not None and cors is not None and cors.allowed(origin) is not None:
         return None
     if site is not None:
-        return None if site in (b"same-origin", b"none") else (origin or b"another site")
+        return _OWN_ORIGIN if site in (b"same-origin", b"none") else (origin or b"another site")
     if host is not None and origin.partition(b"://")[2].lower() == host.lower():
-        return None
+        return _OWN_ORIGIN
     return origin
+
+
+def _check_host(scope: dict, allowed: list[str]) -> None:
+    """A keyless edge answers a browser's call from its own origin only at localhost, an IP
+    address, or a name of ``allowed_hosts``: a web page on another site can take the edge's
+    origin for its own through DNS rebinding (its name resolved to the edge's address), and
+    read the answers too (a re-check, in Chromium)."""
+    host = next((value for name, value in scope["headers"] if name == b"host"), b"")
+    if local_host(host) or "*" in allowed or host_name(host) in allowed:
+        return
+    shown = host[:128].decode("latin-1")
+    raise APIError(
+        403,
+        f"This edge has no api_keys, and answers a web page's calls only at localhost or an IP address: "
+        f"`Host: {shown}` is none (a page on another site can take that name through DNS rebinding). "
+        "List the name in the edge's `allowed_hosts`, or give the edge api_keys.",
+        "permission_error",
+        code="host_not_allowed",
+    )
 
 
 def _cross_site(origin: bytes) -> APIError:
@@ -252,7 +275,10 @@ async def _serve(edge: Edge, route: Route, ex: Exchange) -> None:
                         )
                     foreign = _foreign_origin(ex.scope, edge.cors)
                     if foreign is not None:
-                        raise _cross_site(foreign)
+                        if foreign is not _OWN_ORIGIN:
+                            raise _cross_site(foreign)  # type: ignore[arg-type]
+                        if edge.keys.open:
+                            _check_host(ex.scope, edge.config.allowed_hosts)
                     encoding = _content_encoding(ex.scope["headers"])
                     if encoding is not None:
                         raise _compressed(encoding)  # (a 400 "not valid JSON at byte 0" before)
