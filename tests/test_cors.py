@@ -94,6 +94,10 @@ async def test_no_cross_origin_answers_unless_configured(nursery):
     for bad in ("app.example", "https://app.example/", "https://app.example/path", ""):
         with pytest.raises(ConfigError, match=r"cors_origins\[0\]"):
             EdgeConfig(cors_origins=[bad]).check()
+    for bad in ("https://app.example", "app.example:8080", "", "a..b"):
+        with pytest.raises(ConfigError, match=r"allowed_hosts\[0\]"):
+            EdgeConfig(allowed_hosts=[bad]).check()
+    EdgeConfig(allowed_hosts=["app.example", "gpu-box", "*"]).check()
 
 
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium missing (make test installs it)")
