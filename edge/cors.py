@@ -35,11 +35,11 @@ def origin_problem(origin: str) -> str | None:
     return None
 
 
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
 
 
 def host_problem(host: str) -> str | None:
-    """Why ``host`` cannot be an ``allowed_hosts`` entry (None: it can)."""
+    """Why ``host`` cannot be an ``allowed_hosts`` entry (None: it can; any case, a root dot or not)."""
     if host == "*" or (len(host) <= 253 and _HOST.fullmatch(host)):
         return None
     return 'a host name, without scheme or port ("chat.example.com"), or "*"'

@@ -503,7 +503,7 @@ class SharedState:
         self._hurried: set[str] = set()  # budget keys whose streams go to Redis in a round now (HURRY_S)
         self._recheck: set[str] = set()  # keys whose day Redis lost: the day script adds it again, next round
         self._epoch: bytes | None = None  # Redis's epoch as last read (each round, while keys have budgets)
-        self._others_floor: dict[str, tuple[int, float]] = {}  # key id -> (day_others, until): see _others
+        self._others_floor: dict[str, tuple[int, int]] = {}  # key id -> (day_others, its day): see _others
         # key id -> (when it was read, the key, its policy, admitted_at, day_used) of a key at rest: passed
         # over by the rounds until REFRESH_S after that read, unless one of these changed (2,000 keys at
         # rest, looked at every round, were 7% of a core)
@@ -844,9 +844,11 @@ class SharedState:
                 reported = used[key_id]
                 was = self._reported.get((key_id, day))
                 if was is not None and was[0] and was[0] != epoch and key.day == day:
-                    # (Redis lost its data: the others' use, as last read, holds until they have
-                    # added theirs again, as they do within a round of seeing the new epoch)
-                    self._others_floor[key_id] = (key.day_others, time.monotonic() + 2 * REFRESH_S)
+                    # (Redis lost its data: the others' use, as last read, holds for the day: live
+                    # edges add theirs again within a round, but not one paused or gone meanwhile)
+                    floor = self._others_floor.get(key_id)
+                    held = floor[0] if floor is not None and floor[1] == day else 0
+                    self._others_floor[key_id] = (max(key.day_others, held), day)
                 self._reported[(key_id, day)] = (epoch, reported)
                 before = self._reported_day.get(key_id)
                 if before is not None and before != day:  # (one day a key: a scan of all was O(keys) a key)
@@ -886,9 +888,13 @@ class SharedState:
         at rest or not. Keys at rest learned of it at their next read, up to REFRESH_S on, and
         added their day only REFRESH_S after that: meanwhile another edge was granted budgets
         against a counter without their use, and a key of 20,000 tokens a day served 35,021
-        (a re-check)."""
+        (a re-check). Every key's flights entry is written again in that round too: the others'
+        reservations were missing until an entry's REFRESH_S was up, and a request the held
+        budget left no room for was granted, the key's streams on every edge then cut (the
+        next re-check)."""
         if epoch != self._epoch and self._epoch is not None:
             self._resting.clear()
+            self._written.clear()
             self._recheck.update(key.id for key in self.keys.by_id.values() if key.policy.daily_tokens)
         self._epoch = epoch
 
@@ -910,13 +916,15 @@ class SharedState:
             self._others(key, total - reported[1] - folded)
 
     def _others(self, key: Key, others: int) -> None:
-        """``key``'s other edges' use today, as read now; no less, for 2 REFRESH_S after Redis
-        lost its data, than it was read before (:meth:`_saw_epoch`): an edge that added its own
-        use to the new counter first read the others' as none, and admitted on it (a budget of
-        20,000 served 10,010 more in the round before the others had added theirs again)."""
+        """``key``'s other edges' use today, as read now; once Redis lost its data, no less
+        that day than it was read before (:meth:`_saw_epoch`). Use only grows in a day, so this
+        counts nothing twice. An edge that added its own use to the new counter first read the
+        others' as none, and admitted on it (a budget of 20,000 served 10,010 more in the round
+        before the others had added theirs again), and an edge paused across the loss never
+        adds its use again until it is back (with a floor of 2 s, another 20,167 were served)."""
         floor = self._others_floor.get(key.id)
         if floor is not None:
-            if time.monotonic() < floor[1]:
+            if floor[1] == key.day:
                 others = max(others, floor[0])
             else:
                 del self._others_floor[key.id]

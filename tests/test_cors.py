@@ -97,7 +97,7 @@ async def test_no_cross_origin_answers_unless_configured(nursery):
     for bad in ("https://app.example", "app.example:8080", "", "a..b"):
         with pytest.raises(ConfigError, match=r"allowed_hosts\[0\]"):
             EdgeConfig(allowed_hosts=[bad]).check()
-    EdgeConfig(allowed_hosts=["app.example", "gpu-box", "*"]).check()
+    EdgeConfig(allowed_hosts=["app.example", "GPU-box.", "*"]).check()
 
 
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium missing (make test installs it)")
@@ -191,7 +191,7 @@ async def test_a_keyless_edge_answers_no_page_at_a_name_rebound_to_it(nursery, u
     from playwright.sync_api import sync_playwright
 
     edge = await start_edge(nursery)
-    listed = await start_edge(nursery, edge_config(allowed_hosts=["evil.test"]))
+    listed = await start_edge(nursery, edge_config(allowed_hosts=["Evil.Test."]))  # (any case, a root dot)
     node = await start_node(nursery, [edge, listed], [model("m", upstream)])
     upstream.script_for("m-target", lambda body: text_script(words(3)))
     whole = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -995,6 +995,75 @@ async def test_a_redis_that_lost_its_data_gives_no_key_at_rest_a_fresh_day(nurse
     assert spent + served < 20_000 + 2 * 1_100, (spent, served)
 
 
+async def test_the_use_of_an_edge_frozen_across_a_redis_data_loss_holds_for_the_day(nursery, redis_server, tmp_path):  # noqa: F811
+    """Edge b spends 15,001 of a budget of 20,000 a day, then freezes (its lease rounds stop)
+    across a FLUSHALL; 2.5 s on, edge a's clients ask 1,000 tokens at a time: a serves about
+    the 5,000 left. a held b's use as last read for 2 s only, and then served the whole budget
+    again (20,167 more; a re-check): b never added its use to the new counter."""
+    import redis
+
+    keys = [KeyConfig(id="day", key="sk-day", daily_tokens=20_000)]
+    big, small = (
+        model("big", ttft_ms=0, tokens_per_s=0, sim_tokens=15_000),
+        model("small", ttft_ms=0, tokens_per_s=0, sim_tokens=1000),
+    )
+    a, b = await two_edges(nursery, redis_server.url, tmp_path, keys, [big, small])
+    thawed = trio.Event()
+    b_round = b.edge.shared.round
+
+    async def frozen_round() -> None:
+        await thawed.wait()
+        await b_round()
+
+    with trio.fail_after(BOUND * 2):
+        async with client(b, "sk-day") as c:
+            assert (await chat(c, "big", max_tokens=15_000)).status_code == 200
+        spent = b.edge.keys.by_id["day"].day_used
+        await eventually(lambda: a.edge.keys.by_id["day"].day_others >= spent, "a reads b's use")
+        b.edge.shared.round = frozen_round
+        await trio.sleep(0.2)  # (b's round under way ends)
+        await trio.to_thread.run_sync(redis.Redis.from_url(redis_server.url).flushall)
+        await trio.sleep(2.5)
+        served = 0
+        async with client(a, "sk-day") as c:
+            with trio.move_on_after(1.5):
+                while True:
+                    r = await chat(c, "small", max_tokens=1000)
+                    if r.status_code == 200:
+                        served += r.json()["usage"]["total_tokens"]
+                    else:
+                        await trio.sleep(0.05)
+        thawed.set()
+    assert spent + served < 20_000 + 2 * 1_100, (spent, served)
+
+
+async def test_a_redis_data_loss_keeps_the_budget_other_edges_hold(nursery, redis_server, tmp_path):  # noqa: F811
+    """A budget of 20,000: a stream on edge b holds all of it (its max_tokens); Redis loses its
+    data, and 0.3 s on edge a is asked for 5,000: refused, as before the loss. b wrote its
+    hold to Redis again only when its entry's second was up: a was granted meanwhile, and all
+    the key's streams were then cut at the budget (a re-check)."""
+    import redis
+
+    keys = [KeyConfig(id="day", key="sk-day", daily_tokens=20_000)]
+    slow = model("slow", ttft_ms=0, tokens_per_s=200, sim_tokens=20_000)
+    a, b = await two_edges(nursery, redis_server.url, tmp_path, keys, [slow])
+    on_a = a.edge.keys.by_id["day"]
+    r = None
+    with trio.fail_after(BOUND * 2):
+        async with client(a, "sk-day") as ca, client(b, "sk-day") as cb, trio.open_nursery() as n:
+            n.start_soon(functools.partial(chat, cb, "slow", stream=True, max_tokens=20_000))
+            await eventually(lambda: b.edge.keys.by_id["day"].live, "b's stream runs")
+            await trio.sleep(0.5)  # (its hold written, and read by a)
+            await trio.to_thread.run_sync(redis.Redis.from_url(redis_server.url).flushall)
+            await trio.sleep(0.3)
+            with trio.move_on_after(5):  # (admitted, it runs for 25 s)
+                r = await chat(ca, "slow", max_tokens=5_000)
+            n.cancel_scope.cancel()
+    assert r is not None, "a admitted it"
+    assert r.status_code == 429 and "hold the rest" in r.json()["error"]["message"], (r.status_code, r.text[:300])
+    assert not on_a.day_used
+
+
 async def test_a_redis_stall_is_no_spent_budget(nursery, redis_server, tmp_path):  # noqa: F811
     """A budget key barely used, Redis stopped (not yet seen down): a request whose budget the
     edge cannot get an answer for from Redis is a 503 to retry at once, and once Redis has failed

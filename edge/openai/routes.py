@@ -182,7 +182,10 @@ def _check_host(scope: dict, allowed: list[str]) -> None:
     origin for its own through DNS rebinding (its name resolved to the edge's address), and
     read the answers too (a re-check, in Chromium)."""
     host = next((value for name, value in scope["headers"] if name == b"host"), b"")
-    if local_host(host) or "*" in allowed or host_name(host) in allowed:
+    if local_host(host) or "*" in allowed:
+        return
+    name = host_name(host)
+    if any(name == entry.lower().rstrip(".") for entry in allowed):  # (names match in any case)
         return
     shown = host[:128].decode("latin-1")
     raise APIError(
