@@ -70,8 +70,11 @@ _NAMES = frozenset((*WAITING, *RUNNING, *KV_CACHE, *HIT_RATE, HITS, QUERIES))
 _PREFIXES = tuple(_NAMES)
 
 
-def parse(text: str) -> EngineLoad:
-    """The engine load in a Prometheus text exposition (fields it lacks are None).
+def parse(text: str, served: str = "") -> EngineLoad:
+    """The engine load in a Prometheus text exposition (fields it lacks are None): of the
+    samples whose ``model_name`` label is ``served`` (the model's name at its server), when
+    there are any; else of all. (A page serving two models was summed whole: the node showed
+    the load of both as its model's, 12 times it, and placement took it so; an outside audit.)
 
     Only the lines of the names above are read, each by its label block's end: linear in the page,
     whatever its labels. (prometheus_client's parser, used before, read every sample and its labels
@@ -80,19 +83,29 @@ def parse(text: str) -> EngineLoad:
     300,000.) Lines end at ``\n`` only (a label value may hold any other line separator, such as
     U+2028, which ``str.splitlines`` split on: a label's text became a sample). A line of a known
     name that cannot be read, or longer than :data:`MAX_LINE_CHARS`, is passed over."""
+    samples = []
+    for line in text.split("\n"):
+        line = line.strip(" \t\r")
+        if not line.startswith(_PREFIXES) or len(line) > MAX_LINE_CHARS:
+            continue
+        sample = _sample(line)
+        if sample is not None:
+            samples.append(sample)
+    escaped = served.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # (as the page writes it)
+    quoted = f'model_name="{escaped}"'
+    if served and any(quoted in labels for _, _, labels in samples):
+        samples = [sample for sample in samples if quoted in sample[2]]
+    return _load(samples)
+
+
+def _load(samples: list[tuple[str, float, str]]) -> EngineLoad:
+    """The engine load of ``samples`` (name, value, label block)."""
     waiting: float | None = None
     running: float | None = None
     kv: float | None = None
     rate: float | None = None
     hits = queries = 0.0
-    for line in text.split("\n"):
-        line = line.strip(" \t\r")
-        if not line.startswith(_PREFIXES) or len(line) > MAX_LINE_CHARS:
-            continue
-        value = _sample(line)
-        if value is None:
-            continue
-        name, value = value
+    for name, value, _ in samples:
         if name in WAITING:
             waiting = (waiting or 0.0) + value
         elif name in RUNNING:
@@ -116,19 +129,21 @@ _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABELS = re.compile(r'\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}')
 
 
-def _sample(line: str) -> tuple[str, float] | None:
-    """A sample line's name (one of :data:`_NAMES`) and value; None if it is not one, or its
-    value is not a number (NaN is not one either). An OpenMetrics exemplar after the value
-    (`` # {trace_id="..."} 1.0``) is not the value."""
+def _sample(line: str) -> tuple[str, float, str] | None:
+    """A sample line's name (one of :data:`_NAMES`), value and label block ("" if none); None
+    if it is not one, or its value is not a number (NaN is not one either). An OpenMetrics
+    exemplar after the value (`` # {trace_id="..."} 1.0``) is not the value."""
     end = _NAME.match(line).end()  # (the line starts with a known name)
     name = line[:end]
     if name not in _NAMES:  # (a longer name that starts with a known one)
         return None
     rest = line[end:].lstrip(" \t")
+    block = ""
     if rest[:1] == "{":
         labels = _LABELS.match(rest)
         if labels is None:
             return None
+        block = labels.group()
         rest = rest[labels.end() :]
     parts = rest.partition("#")[0].split()
     if not 1 <= len(parts) <= 2:  # the value, perhaps a timestamp
@@ -139,7 +154,7 @@ def _sample(line: str) -> tuple[str, float] | None:
         return None
     if value != value or "_" in parts[0]:  # NaN; float() also reads 1_000, which Prometheus does not write
         return None
-    return name, value
+    return name, value, block
 
 
 class EngineSampler:
@@ -148,6 +163,7 @@ class EngineSampler:
 
     def __init__(self, model: ModelConfig, report: Callable[[str, EngineLoad], None], ca_file: str = "") -> None:
         self.model = model.name
+        self.served = model.target or model.name
         self.interval = model.metrics_interval_s
         parts = urlsplit(model.metrics_url)
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -172,7 +188,7 @@ class EngineSampler:
                 raise ValueError(f"status {response.status}")
         # In a worker thread (a page of 100,000 samples of a known name takes 70 ms to read; one of
         # empty lines, 23 ms a 256 KB), so the node's links and runs get their turns meanwhile.
-        load = await trio.to_thread.run_sync(parse, body.decode("utf-8", "replace"))
+        load = await trio.to_thread.run_sync(parse, body.decode("utf-8", "replace"), self.served)
         if load == EngineLoad():
             raise ValueError("no known engine metric")
         return load

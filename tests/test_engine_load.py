@@ -133,6 +133,24 @@ async def test_engine_load_reaches_nodes_listing_and_metrics(nursery):
             assert "iop_engine_requests_waiting{" not in (await client.get("/metrics")).text
 
 
+async def test_a_metrics_page_of_two_models_gives_each_its_own_load(nursery):
+    """One server's page with series of two models (`model_name`): the node's model reads those
+    of its target only. All were summed: the other model's 50 waiting and 9 running were this
+    one's, and placement took the node for 12 times as busy as it was (an outside audit). A page
+    with none of its target's (a server named otherwise) is read whole, as before."""
+    other = (VLLM % (50, 9, 0.5)).replace("m-target", "other")
+    up = await new_upstream(nursery, VLLM % (1, 2, 0.25) + other)
+    edge = await start_edge(nursery)
+    metrics = up.base_url[:-3] + "/metrics"
+    await start_node(nursery, edge, [model("m", up, metrics_url=metrics, metrics_interval_s=0.1)])
+    mine = {"waiting": 1.0, "running": 2.0, "kv_cache_usage": 0.25}
+    with trio.fail_after(BOUND):
+        while (await nodes_view(edge)).get("n1", {}).get("engine") != mine:
+            await trio.sleep(0.05)
+    assert parse(VLLM % (1, 2, 0.25) + other, "elsewhere") == EngineLoad(waiting=51.0, running=11.0, kv_cache_usage=0.5)
+    assert parse('vllm:num_requests_waiting{model_name="a\\"b"} 4\nvllm:num_requests_waiting 7', 'a"b').waiting == 4.0
+
+
 async def test_placement_avoids_a_node_whose_engine_is_queueing(nursery):
     """Two idle nodes as this edge sees them; one's model server reports a queue of 40
     (other clients are using it). Every request goes to the other node; once the queue
