@@ -243,14 +243,14 @@ def install() -> None:
         # answered 400 and closed, losing the request behind them (found from outside).
         if self.our_role is h11.SERVER and (self.their_state is h11.DONE or self.their_state is h11.IDLE):
             data = self._receive_buffer._data  # noqa: SLF001
-            if data[:1] in _BLANK:
+            if data and data[0] in _BLANK:  # (an int: no slice made on every event)
                 self._receive_buffer._extract(len(data) - len(data.lstrip(b"\r\n")))  # noqa: SLF001
         return h11_next(self)
 
     h11.Connection._extract_next_receive_event = _extract_next_receive_event  # type: ignore[method-assign]
 
 
-_BLANK = (b"\r", b"\n")
+_BLANK = (13, 10)  # CR, LF
 
 
 def _ignore_the_rest(buf) -> None:

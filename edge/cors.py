@@ -35,7 +35,8 @@ def origin_problem(origin: str) -> str | None:
     return None
 
 
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # (of a host name)
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 
 
 def host_problem(host: str) -> str | None:
