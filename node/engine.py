@@ -91,10 +91,13 @@ def parse(text: str, served: str = "") -> EngineLoad:
         sample = _sample(line)
         if sample is not None:
             samples.append(sample)
-    escaped = served.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # (as the page writes it)
-    quoted = f'model_name="{escaped}"'
-    if served and any(quoted in labels for _, _, labels in samples):
-        samples = [sample for sample in samples if quoted in sample[2]]
+    if served:
+        escaped = served.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # (as the page writes it)
+        # (the label itself, not one whose name ends so, such as served_model_name: a re-check)
+        label = re.compile(r'[{,]\s*model_name\s*=\s*"' + re.escape(escaped) + '"')
+        mine = [sample for sample in samples if label.search(sample[2])]
+        if mine:
+            samples = mine
     return _load(samples)
 
 

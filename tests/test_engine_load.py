@@ -149,6 +149,8 @@ async def test_a_metrics_page_of_two_models_gives_each_its_own_load(nursery):
             await trio.sleep(0.05)
     assert parse(VLLM % (1, 2, 0.25) + other, "elsewhere") == EngineLoad(waiting=51.0, running=11.0, kv_cache_usage=0.5)
     assert parse('vllm:num_requests_waiting{model_name="a\\"b"} 4\nvllm:num_requests_waiting 7', 'a"b').waiting == 4.0
+    page = 'vllm:num_requests_running{served_model_name="m"} 100\nvllm:num_requests_running{engine="0", model_name = "m"} 1'
+    assert parse(page, "m").running == 1.0  # (its label only, however spaced)
 
 
 async def test_placement_avoids_a_node_whose_engine_is_queueing(nursery):
