@@ -51,13 +51,12 @@ def local_host(host: bytes) -> bool:
     page can make its own through DNS (rebinding)."""
     if host.startswith(b"["):  # (an IPv6 literal)
         return True
-    name = host.rpartition(b":")[0] if host.count(b":") == 1 else host
-    name = name.lower().rstrip(b".")
-    if name == b"localhost" or name.endswith(b".localhost"):
+    name = host_name(host)
+    if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        ipaddress.ip_address(name.decode("ascii"))
-    except (ValueError, UnicodeDecodeError):
+        ipaddress.ip_address(name)
+    except ValueError:
         return False
     return True
 

@@ -127,6 +127,12 @@ FLOOR_DELAY_S = 2 * REFRESH_S + 0.5  # a new day counter's floor waits for every
 FLOOR_WAIT_S = 20.0  # a day counter's floor: the ledger's read (its calls give up after 15 s) and Redis's write
 FLOOR_RETRY_S = 1.0
 
+# What each script below begins with: Redis's clock, in seconds.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+
 # KEYS[1]: the bucket; ARGV: capacity, refill per second, amount (> 0: take up to it; < 0: give back;
 # 0: only say what this edge holds), the level of a bucket Redis does not have (lost with its data: this
 # edge's last view of it, refilled since, not a fresh minute; a new key's: its capacity), this edge's id,
@@ -135,12 +141,12 @@ FLOOR_RETRY_S = 1.0
 # "held when"): what they hold and the bucket's level never add up to more than the minute (an edge's
 # slice was outside it, and a burst after a quiet spell got the full bucket and every edge's slice:
 # +18% on a tpm 6,000 key over two edges). Returns what it took and the level after.
-_BUCKET = """
+_BUCKET = (
+    _NOW
+    + """
 local cap = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])
 local want = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local b = redis.call('HMGET', KEYS[1], 'level', 'ts')
 local level = tonumber(b[1]) or tonumber(ARGV[4]) or cap
 local ts = tonumber(b[2]) or now
@@ -180,6 +186,7 @@ redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(now))
 redis.call('EXPIRE', KEYS[1], 180)
 return {got, tostring(level)}
 """
+)
 
 # A Lua function both scripts below begin with: an edge silent for ttl died, and what its requests in
 # flight had streamed (its field in a key's streams today) is the day's use: it never reported their
@@ -221,9 +228,8 @@ end
 # were granted, and the day's total.
 _FLIGHT = (
     _FOLD
+    + _NOW
     + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[5])
 local entries = redis.call('HGETALL', KEYS[1])
 local mine, others, reserved = 0, 0, 0
@@ -284,9 +290,9 @@ return {want, others, reserved, hold, granted, day}
 # the other edge's 15,300 on a budget of 30,000). A silent edge's field stays for the flights script,
 # which folds it into the day's counter (an edge killed mid-stream: its tokens were never counted);
 # what was folded of this edge's (it was only slow) is not written again.
-_STREAMED = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+_STREAMED = (
+    _NOW
+    + """
 local ttl = tonumber(ARGV[3])
 local entries = redis.call('HGETALL', KEYS[1])
 local others = 0
@@ -310,6 +316,7 @@ end
 local total = redis.call('GET', KEYS[3]) or '-1'
 return {others, total, redis.call('GET', KEYS[4]) or '', tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')}
 """
+)
 
 # KEYS[1]: the epoch, KEYS[2]: a key's day counter; ARGV: an epoch to set if Redis has none, the
 # epoch this edge last reported the day in, what to add if it is still that one, else what to add
@@ -369,9 +376,8 @@ return total
 # in 10 s and 8% of a core on every edge.)
 _QUIET = (
     _FOLD
+    + _NOW
     + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[2])
 local epoch = redis.call('GET', KEYS[1])
 local out = {}
