@@ -13,7 +13,8 @@ phase unless --client httpx, raw sockets for the idle streams). Prints, per revi
   (p50/p90/p99, requests alternating between the two), and the added p50;
 - aggregate streamed tokens/s at --concurrency with --tokens-token streams,
   direct and through the edge, and the CPU time the edge and the node each
-  spent per streamed token (from /proc, over the measured interval);
+  spent per streamed token (from /proc, over the measured interval), and the
+  kernel's part of it (its system calls);
 - with --idle-streams N: N streams that got their first token and then wait,
   the edge's resident memory per stream, and the latency of new requests
   (p50/p99) served while they are open.
@@ -403,6 +404,7 @@ class Result:
     edge_chunks: int = 0
     cpu_edge_us: float = 0.0
     cpu_node_us: float = 0.0
+    sys_us: tuple[float, float] = (0.0, 0.0)  # the kernel's part of that CPU per token (edge, node)
     idle_kb: float = 0.0
     idle_opened: int = 0
     idle_latency: list[float] = field(default_factory=list)
@@ -425,6 +427,7 @@ def merged(rounds: list[Result]) -> Result:
         round(med(r.edge_chunks for r in rounds)),
         med(r.cpu_edge_us for r in rounds),
         med(r.cpu_node_us for r in rounds),
+        (med(r.sys_us[0] for r in rounds), med(r.sys_us[1] for r in rounds)),
         med(r.idle_kb for r in idle),
         idle[0].idle_opened,
         [t for r in idle for t in r.idle_latency],
@@ -512,11 +515,14 @@ def measure(live: Live, upstream: str, args, ttft_requests: int) -> Result:
 
     result.direct_rate, _, _, _ = rate(direct_url, "bench", args.concurrency, args.tokens, [], args.streams_each)
     with profiled(args.profile and args.profile / live.name, {"edge": live.pids[0], "node": live.pids[1]}):
+        kernel0 = [cpu_split(p)[1] for p in live.pids]
         result.edge_rate, result.edge_tokens, cpu, result.edge_chunks = rate(
             edge_url, "bench", args.concurrency, args.tokens, live.pids, args.streams_each
         )
     result.cpu_edge_us = cpu[0] / max(result.edge_tokens, 1) * 1e6
     result.cpu_node_us = cpu[1] / max(result.edge_tokens, 1) * 1e6
+    edge_sys, node_sys = (cpu_split(p)[1] - k for p, k in zip(live.pids, kernel0, strict=True))
+    result.sys_us = (edge_sys / max(result.edge_tokens, 1) * 1e6, node_sys / max(result.edge_tokens, 1) * 1e6)
     return result
 
 
@@ -587,6 +593,7 @@ def report(results: list[Result], args) -> None:
             f"{r.edge_tokens / max(r.edge_chunks, 1):>11.2f}"
             f"{r.edge_rate * r.edge_chunks / max(r.edge_tokens, 1):>10.0f}"
         )
+        print(f"{'':<14}of which in the kernel (system calls): edge {r.sys_us[0]:.1f}, node {r.sys_us[1]:.1f} µs/tok")
         if len(r.rounds) > 1:
             print(
                 f"{'':<14}{len(r.rounds)} rounds: edge/s {min(x.edge_rate for x in r.rounds):.0f}-"
