@@ -8,6 +8,7 @@ import os
 
 import anthropic
 import msgspec
+import openai
 import pytest
 import structlog
 import trio
@@ -356,6 +357,38 @@ async def test_messages_stream_with_tool_use(setup):
     sent = upstream.records[0].body
     assert sent["tools"][0]["function"]["name"] == "get_weather"
     assert sent["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
+
+
+async def test_a_call_of_a_tool_no_request_offered_never_reaches_the_client(setup):
+    """A model server that returns a native tool call when the request declared no tools: the
+    call is dropped on all three APIs, streamed and whole, and the answer ends as text does
+    (a model server's unasked ``rm_rf`` reached clients as a call: an outside audit). The
+    text before it is kept."""
+    edge, upstream = setup
+    call = steps({"content": "Sure."}, *native_call("call_9", "rm_rf", '{"path": "/"}'), finish="tool_calls")
+    upstream.script_for("t", call)
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            async with client.messages.stream(model="m", max_tokens=64, messages=USER) as stream:
+                streamed = await stream.get_final_message()
+            whole = await client.messages.create(model="m", max_tokens=64, messages=USER)
+        for message in (streamed, whole):
+            assert [(b.type, b.text) for b in message.content] == [("text", "Sure.")]
+            assert message.stop_reason == "end_turn"
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as oai:
+            chunks = [c async for c in await oai.chat.completions.create(model="m", messages=USER, stream=True)]
+            assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sure."
+            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+            completion = await oai.chat.completions.create(model="m", messages=USER)
+            choice = completion.choices[0]
+            assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("Sure.", None, "stop")
+            response = await oai.responses.create(model="m", input="hi")
+            assert [item.type for item in response.output] == ["message"] and response.output_text == "Sure."
+            async with oai.responses.stream(model="m", input="hi") as stream:
+                events = [event.type async for event in stream]
+            assert "response.function_call_arguments.done" not in events and events[-1] == "response.completed"
+    assert len(upstream.records) == 6 and not any(r.body.get("tools") for r in upstream.records)
 
 
 async def test_tool_round_trip(setup):

@@ -247,6 +247,7 @@ async def test_reasoning_shown_when_a_summary_is_asked(edge_up):
                 model="m", input="hi", reasoning={"effort": "high", "summary": "auto"}
             )
             hidden = await client.responses.create(model="m", input="hi", reasoning={"effort": "low"})
+            off = await client.responses.create(model="m", input="hi", reasoning={"summary": "none"})
     check_sequence(events)
     deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
     assert "".join(deltas) == "let me think"
@@ -257,6 +258,10 @@ async def test_reasoning_shown_when_a_summary_is_asked(edge_up):
         assert r.output_text == "Sunny."
     assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == "Sunny."
     assert "reasoning" not in upstream.records[1].body  # the effort is ignored
+    # the request's reasoning, echoed as asked ("none" was echoed as null)
+    assert (whole.reasoning.effort, whole.reasoning.summary) == ("high", "auto")
+    assert (hidden.reasoning.effort, hidden.reasoning.summary) == ("low", None)
+    assert [item.type for item in off.output] == ["message"] and off.reasoning.summary == "none"
 
 
 async def test_a_reasoning_only_answer_is_a_reasoning_item_alone_when_a_summary_is_asked(edge_up):
@@ -832,6 +837,8 @@ def test_decode_moves_every_developer_message_first_and_checks_calls():
         ("text", {"format": {"type": "bogus"}}, "text.format.type"),
         ("text", {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "text.format.name"),
         ("text", {"format": {"type": "json_schema", "name": "a b", "schema": {}}}, "text.format.name"),
+        ("text", {"format": {"type": "json_schema", "name": "x"}}, "text.format.schema"),
+        ("text", {"format": {"type": "json_schema", "name": "x", "schema": "{}"}}, "text.format.schema"),
         ("reasoning", "high", "reasoning"),
         ("background", True, "background"),
         ("service_tier", "bogus", "service_tier"),

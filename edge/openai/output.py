@@ -42,7 +42,6 @@ from edge.openai.tools import (
     ToolTextFilter,
     calls_in_reasoning,
     parse_calls_of,
-    with_ids,
 )
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
@@ -532,7 +531,7 @@ class ToolLive(LiveEncoder):
         usage = self.turn.usage_of(self.run, event)
         self.shaper.finish(finish_of(event))
         cut_off = finish_of(event) == "length"  # by max_tokens: what was produced goes out as it is
-        calls = with_ids(event.tool_calls, self.turn.history_ids) if event.tool_calls else None
+        calls = self.turn.native_calls(event)
         if calls:
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())

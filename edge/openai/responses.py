@@ -186,7 +186,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
         "reasoning": {
             "effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
-            "summary": summary if decoded.show_reasoning else None,
+            "summary": summary,  # (as asked: "none" too, which was echoed as null)
         },
         "temperature": raw.get("temperature"),
         "text": raw.get("text") if isinstance(raw.get("text"), dict) else {"format": {"type": "text"}},
@@ -418,6 +418,8 @@ def _check_types(raw: dict[str, Any]) -> None:
                     "Invalid value for `text.format.name`: 1 to 64 letters, digits, `_` or `-` (it is required).",
                     "text.format.name",
                 ) from None
+            if not isinstance(fmt.get("schema"), dict):  # (OpenAI's rule: chat's may be left out, this may not)
+                raise _bad("Missing required parameter: `text.format.schema`.", "text.format.schema")
     reasoning = raw["reasoning"] if isinstance(raw.get("reasoning"), dict) else {}
     for name, values in (("effort", _EFFORTS), ("summary", _SUMMARIES)):  # (any was a 200: an outside audit)
         value = reasoning.get(name)

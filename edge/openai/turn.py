@@ -164,6 +164,25 @@ class Turn:
         """The tool-call ids of the request's history: no call the edge sends reuses one."""
         return history_call_ids(self.req.messages)
 
+    def native_calls(self, event: RunEvent) -> list[ToolCall] | None:
+        """The calls the model server returned natively, as the client gets them
+        (:func:`with_ids`); none when the request declared no tools: the OpenAI
+        and Anthropic APIs never return a call of a tool that was not offered,
+        and a client that offered none has nothing to run it with (a model
+        server's unasked ``rm_rf`` reached clients as a call: an outside audit).
+        Its end is then ``stop`` (:func:`end_reason`)."""
+        if not event.tool_calls:
+            return None
+        if not self.req.tools:
+            log.warning(
+                "the model server called a tool the request did not offer: dropped",
+                model=self.req.model,
+                tool=event.tool_calls[0].function.name[:64],
+                calls=len(event.tool_calls),
+            )
+            return None
+        return with_ids(event.tool_calls, self.history_ids)
+
     @property
     def buffered(self) -> bool:
         """Collect the whole run before the client sees anything. A strict
@@ -424,7 +443,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     finish_reason = finish_of(event)
     cut_off = finish_reason == "length"  # what was produced is returned as it is: no retry can help
     content = shaper.content_text
-    tool_calls = with_ids(event.tool_calls, turn.history_ids) if event.tool_calls else None
+    tool_calls = turn.native_calls(event)
     tool_error = ""
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
