@@ -219,6 +219,9 @@ def _json_answer(body: bytes) -> bytes:
     return head + body
 
 
+F_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]  # (offered: its call kept)
+
+
 async def test_answers_that_are_not_streams_are_relayed_or_say_so(stack):
     """A server that ignores `stream: true` answers a whole `chat.completion` (JSON): it was a
     502 "answered application/json, not an event stream, and sent no finished answer" though
@@ -249,9 +252,9 @@ async def test_answers_that_are_not_streams_are_relayed_or_say_so(stack):
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             upstream.script_for("b", [("response", _json_answer(msgspec.json.encode(whole)))])
-            relayed = await chat(client)
+            relayed = await chat(client, tools=F_TOOL)
             upstream.script_for("b", [("response", _json_answer(msgspec.json.encode(whole)))])
-            streamed = await chat(client, stream=True, stream_options={"include_usage": True})
+            streamed = await chat(client, stream=True, stream_options={"include_usage": True}, tools=F_TOOL)
             upstream.script_for("b", [("response", _json_answer(b'{"object": "list", "data": []}'))])
             plain = await chat(client)
             upstream.script_for("b", [("response", gzip_answer)])
