@@ -11,7 +11,10 @@ plain HTML, CSS and JS, nothing fetched from elsewhere) and what it reads.
   task builds each event once for every subscriber, and only while someone
   is subscribed; a subscriber holds the latest of each kind, never a backlog,
   so a slow browser cannot grow the edge's memory and a busy edge sends no
-  more often.
+  more often. Gzipped for a client that accepts it (every browser), each
+  event flushed whole: a tab left open under load read 95 KB/s, about 340
+  MB an hour (an outside audit), the same snapshot each time with a few
+  numbers changed.
 - ``GET /v1/admin/runs``: the same runs as JSON.
 - ``POST /v1/admin/runs/{id}/cancel``: ends the run as a client leaving would
   end it: the node is told to cancel, the model server sees the request
@@ -30,6 +33,7 @@ import collections
 import heapq
 import math
 import time
+import zlib
 from functools import partial
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -37,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 import trio
-from quart import Response
+from quart import Response, request
 
 from edge.admin import admin_refusal, error_response, json_response
 from edge.keys import RETRY_HINT
@@ -57,6 +61,7 @@ USAGE_EVERY_S = 5.0
 # 5 s took 45% of a core, an outside soak; the counts since the last read fill in meanwhile).
 LEDGER_SHARE = 0.05
 USAGE_MIN_S = 1.0
+GZIP_LEVEL = 1  # (JSON that repeats the last snapshot: level 1 already takes it to a tenth or less)
 MAX_RUNS = 200  # runs listed in a snapshot, oldest first (the counts cover all)
 RECENT = 50  # 429s and run errors remembered
 MAX_SUBSCRIBERS = 16
@@ -593,6 +598,16 @@ class Console:
             await trio.sleep(SNAPSHOT_EVERY_S)
 
 
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` takes gzip (not with ``q=0``)."""
+    for part in accept_encoding.lower().split(","):
+        coding, _, params = part.partition(";")
+        if coding.strip() in ("gzip", "x-gzip"):
+            q = params.replace(" ", "")
+            return not (q.startswith("q=0") and q.strip("q=0.") == "")
+    return False
+
+
 def console_routes(app: QuartTrio, edge: Edge) -> None:
     console = edge.console
     refused = partial(admin_refusal, edge)
@@ -629,15 +644,27 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
                 429, f"At most {MAX_SUBSCRIBERS} consoles at once.", "too_many_consoles", "rate_limit_error"
             )
 
+        gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
+
         async def stream():
+            packer = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31) if gzipped else None
             try:
-                yield b": iop console events\n\n"
-                while (events := await sub.next()) is not None:
-                    yield events
+                events: bytes | None = b": iop console events\n\n"
+                while events is not None:
+                    # (gzipped: each piece flushed, so the browser has every event as soon as it
+                    # is sent; the compressor's window holds the events before, so a snapshot
+                    # like the last costs little)
+                    yield events if packer is None else packer.compress(events) + packer.flush(zlib.Z_SYNC_FLUSH)
+                    events = await sub.next()
+                if packer is not None:
+                    yield packer.flush()  # (the stream's end: gzip's trailer)
             finally:
                 console.unsubscribe(sub)
 
         response = Response(stream(), 200, content_type="text/event-stream")
+        response.headers["vary"] = "accept-encoding"
+        if gzipped:
+            response.headers["content-encoding"] = "gzip"
         response.headers["cache-control"] = "no-cache"
         response.headers["x-accel-buffering"] = "no"
         response.timeout = None

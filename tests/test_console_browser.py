@@ -333,6 +333,28 @@ async def test_a_snapshot_changes_only_the_rows_and_cells_that_changed(nursery, 
     assert any("cancelled by an operator" in line for line in stream_out)
 
 
+async def test_the_key_never_goes_into_the_pages_url(nursery):
+    """The login form works only once console.js holds it, and its key's input has no name: a
+    form the browser submitted itself (the script slow to come, blocked or broken) put
+    `?key=<admin key>` in the page's URL, its history and a proxy's log (an outside audit)."""
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+
+    def browse(browser) -> None:
+        page = browser.new_page()
+        page.route("**/console/console.js", lambda route: route.abort())
+        page.goto(edge.url + "/console")
+        expect(page.locator("#key")).to_be_disabled()
+        # A script that broke after it turned the form on: the browser's own submit.
+        page.evaluate("document.getElementById('login-fields').disabled = false")
+        page.fill("#key", ADMIN)
+        with page.expect_navigation():
+            page.press("#key", "Enter")
+        assert ADMIN not in page.url and ADMIN not in page.evaluate("location.href + history.length")
+        page.close()
+
+    await in_chromium(browse)
+
+
 async def test_seven_console_tabs_of_one_browser_share_one_stream_and_cancel(nursery, upstream):
     """Each console tab held an HTTP/1.1 connection for good, and Chromium opens at most 6 to a
     host: with 6 tabs open in one browser a cancel never left it (the run went on to its end)

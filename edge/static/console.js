@@ -578,6 +578,7 @@ function setNotice(text) {
   $("notice").hidden = !text;
 }
 
+$("login-fields").disabled = false; // (off until this script holds the form: see console.html)
 $("login-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const key = $("key").value.trim();
