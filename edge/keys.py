@@ -156,6 +156,8 @@ class Key:
         "restored",
         "req_seen",
         "tok_seen",
+        "req_kept",
+        "tok_kept",
         "day_pending",
         "others_pending",
         "others_streamed",
@@ -230,6 +232,9 @@ class Key:
         # shared state: the Redis bucket's level and when it was seen (monotonic), or None
         self.req_seen: tuple[float, float] | None = None
         self.tok_seen: tuple[float, float] | None = None
+        # what this edge held of the shared buckets when it went local (Keys.local_levels): all
+        # it may keep when Redis is back
+        self.req_kept = self.tok_kept = 0.0
 
     def may_use(self, model: str) -> bool:
         if self._patterns is None:
@@ -387,9 +392,20 @@ class Keys:
             # The other edges' requests are not followed now: a key's whole concurrency here (their
             # last count kept refused a request with none left in flight anywhere).
             key.others_in_flight = key.others_pending = key.others_streamed = 0
+            key.req_kept, key.tok_kept = max(key.req_level, 0.0), max(key.tok_level, 0.0)
             key.req_level = local_level(policy.rpm, key.req_level, key.req_seen, now)
             key.tok_level = local_level(policy.tpm, key.tok_level, key.tok_seen, now)
             key.req_at = key.tok_at = now
+
+    def shared_levels(self) -> None:
+        """Back to the shared buckets from local ones (Redis answers again): each key keeps at
+        most what it held of them when it went local, less what it spent since; the rest of
+        its local bucket was never Redis's to be given back. (An edge that had never seen a
+        key's bucket made it a full one, and handed it all to Redis when it came back: a
+        second minute for the edge that had just spent the key's, after any stall.)"""
+        for key in self.by_id.values():
+            key.req_level = min(key.req_level, key.req_kept)
+            key.tok_level = min(key.tok_level, key.tok_kept)
 
     @property
     def open(self) -> bool:

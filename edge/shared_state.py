@@ -740,6 +740,12 @@ class SharedState:
 
     async def round(self) -> None:
         """One lease round (raises the driver's error if Redis failed)."""
+        if not self.keys.shared:
+            # Back from local limits only once Redis answers, and before anything is leased or
+            # given back: what a round would give back of a local bucket was never leased.
+            await trio.to_thread.run_sync(self.client.ping)
+            self.keys.shared_levels()
+            self.keys.shared = True
         plan = self._plan()
         counters = []
         streams: list[tuple[Key, int, int]] = []
@@ -1266,11 +1272,6 @@ class SharedState:
         else:
             if not self.up:
                 self.up = True
-                if not self.keys.shared:  # back from local limits: keep at most a slice, lease the rest
-                    for key in list(self.keys.by_id.values()):
-                        requests, tokens = self._slices(key)
-                        key.req_level, key.tok_level = min(key.req_level, requests), min(key.tok_level, tokens)
-                    self.keys.shared = True
                 log.info("shared state up: leasing key limits from redis")
 
     def _down(self, error: BaseException) -> None:

@@ -943,6 +943,28 @@ async def test_a_redis_stall_does_not_give_a_spent_key_a_fresh_minute(nursery, r
     assert sum(r.status_code == 200 for r in stalled) <= 3, [r.status_code for r in stalled]
 
 
+async def test_an_idle_edge_back_from_a_redis_stall_gives_no_key_a_fresh_minute(nursery, redis_server, tmp_path):  # noqa: F811
+    """Edge a spends a key's minute; edge b, on the same Redis, never has a request of it. Redis
+    stalls until both limit on their own, then answers again. b had given the key a full local
+    bucket (it had never seen the shared one) and, back, handed all of it to Redis: a second
+    minute for a at once (an outside audit: 214 requests in 10 s on rpm 100, after any stall)."""
+    import os
+    import signal
+
+    with trio.fail_after(BOUND * 2):
+        a = await a_spent_minute(nursery, redis_server, tmp_path)
+        b = await shared_edge(nursery, redis_server.url, tmp_path, "b", [KeyConfig(id="spent", key="sk-spent", rpm=20)])
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: not (a.edge.shared.up or b.edge.shared.up), "redis seen down by both")
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "redis seen back by both")
+        await trio.sleep(0.3)  # (a few lease rounds: what b gives back is in)
+        again = await burst(a, "sk-spent", 20)
+    assert sum(r.status_code == 200 for r in again) <= 3, [r.status_code for r in again]
+
+
 async def test_a_redis_that_lost_its_data_gives_no_spent_key_a_fresh_minute(nursery, redis_server, tmp_path):  # noqa: F811
     """Redis restarted without persistence (or FLUSHALL): a bucket it no longer has started
     full, so a key that had just spent its minute got a second one at once (rpm 60 over two
