@@ -137,9 +137,11 @@ def _usage(args: argparse.Namespace) -> int:
         groups = parse_group_by(args.group_by, "--group-by")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    errors: tuple[type[Exception], ...] = (sqlite3.Error,)
     if is_postgres(target):
         import psycopg
 
+        errors = (psycopg.Error,)
         try:
             db = psycopg.connect(target, connect_timeout=5)
         except psycopg.Error as e:
@@ -147,11 +149,20 @@ def _usage(args: argparse.Namespace) -> int:
     elif not os.path.exists(target):
         raise ConfigError(f"ledger: {target} does not exist (has this edge served a request?)")
     else:
-        db = sqlite3.connect(f"file:{target}?mode=ro", uri=True)
+        db = None
     try:
+        if db is None:
+            db = sqlite3.connect(f"file:{target}?mode=ro", uri=True)
         rows = query_usage(db, Dialect(is_postgres(target)), start, end, groups)
+    except errors as e:  # (a file that is no database, a database no edge has written: a traceback)
+        problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "usage" in problem and ("no such table" in problem or "does not exist" in problem):
+            problem = "it holds no usage records (has an edge written to it?)"
+        where = "" if is_postgres(target) else f" {target}:"  # (a URL may hold its password)
+        raise ConfigError(f"ledger:{where} {problem}") from None
     finally:
-        db.close()
+        if db is not None:
+            db.close()
     if args.format == "csv":
         sys.stdout.write(usage_csv(rows, groups).decode())
     elif args.format == "json":

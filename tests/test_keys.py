@@ -8,6 +8,7 @@ import hashlib
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -22,6 +23,7 @@ from edge.config import KeyConfig
 from scripts.stack import write_toml
 from scripts.upstream import Upstream, native_call, steps, text_script, words
 from tests.conftest import BOUND, edge_config, eventually, model, sse_events, start_edge, start_node
+from tests.servers import postgres, postgres_url  # noqa: F401  (fixtures)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 ADMIN = "sk-admin"
@@ -510,6 +512,34 @@ async def test_usage_format_is_json_or_csv(nursery, tmp_path):
             check=False,
         )
     assert out.returncode == 2 and "--format: invalid choice: 'xml'" in out.stderr.decode()
+
+
+@pytest.mark.parametrize("ledger", ["not-a-database", "empty", "a-directory", "postgres-never-written"])
+def test_iop_usage_on_a_ledger_it_cannot_read_says_so_in_a_line(tmp_path, ledger, request):
+    """`iop usage` on a file that is no database, an empty one, a directory, or a PostgreSQL
+    database no edge has written: a line naming the ledger's problem and exit 2, as for a file
+    that does not exist (each was a Python traceback and exit 1: an outside audit). A URL's
+    password is not in the line."""
+    if ledger == "postgres-never-written":
+        # (trust auth: the password is not checked, only kept out of the line)
+        target = request.getfixturevalue("postgres_url").replace("://iop@", "://iop:pw-secret@", 1)
+        assert "pw-secret" in target
+    else:
+        target = str(tmp_path / "usage.sqlite3")
+        if ledger == "not-a-database":
+            Path(target).write_bytes(b"no database at all, just text in a file" * 4)
+        elif ledger == "empty":
+            Path(target).write_bytes(b"")
+        else:
+            Path(target).mkdir()
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(f'ledger = "{target}"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "iop.cli", "usage", "--config", str(cfg)], capture_output=True, timeout=60, check=False
+    )
+    err = out.stderr.decode()
+    assert out.returncode == 2 and err.startswith("iop: ledger: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and "pw-secret" not in err
 
 
 async def test_a_keys_request_refused_while_the_edge_drains_is_the_keys_record(nursery, tmp_path):
