@@ -28,6 +28,7 @@ WEATHER = {
     "description": "Current weather for a city.",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
+F_TOOL = {"name": "f", "input_schema": {"type": "object"}}
 USAGE = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
 
 
@@ -1420,28 +1421,32 @@ async def test_a_tool_call_cut_off_by_max_tokens_keeps_what_it_holds(setup):
     upstream.script_for(
         "t", steps(*native_call("call_1", "f", '{"city": "Paris", "days": [1, 2], "u'), finish="length")
     )
+    tools = [F_TOOL]
     with trio.fail_after(BOUND):
         async with client_for(edge) as client:
-            whole = await client.messages.create(model="m", max_tokens=50, messages=USER)
-            async with client.messages.stream(model="m", max_tokens=50, messages=USER) as stream:
+            whole = await client.messages.create(model="m", max_tokens=50, messages=USER, tools=tools)
+            async with client.messages.stream(model="m", max_tokens=50, messages=USER, tools=tools) as stream:
                 streamed = await stream.get_final_message()
     assert whole.stop_reason == streamed.stop_reason == "max_tokens"
     assert [(b.type, b.input) for b in whole.content] == [("tool_use", {"city": "Paris", "days": [1, 2]})]
     assert [b.input for b in streamed.content] == [b.input for b in whole.content]
 
 
-async def test_a_tool_call_nested_past_the_decoder_is_an_empty_input_not_a_500(setup):
+async def test_a_tool_call_nested_past_the_decoder_is_a_clear_error_not_a_500(setup):
     """A model's tool call whose arguments nest 100,000 deep raised RecursionError (not a
-    DecodeError) while the edge made its `input`: a 500 on the Messages API. Unreadable
-    arguments are an empty input, as other unreadable ones are."""
+    DecodeError) while the edge made its `input`: a 500 on the Messages API. Such arguments
+    fail the call's check, as other unreadable ones do (a request without tools has the call
+    dropped before anything reads it)."""
     edge, upstream = setup
     deep = "[" * 100_000 + "]" * 100_000
     upstream.script_for("t", steps(*native_call("call_1", "f", deep), finish="tool_calls"))
     with trio.fail_after(BOUND):
         async with client_for(edge) as client:
-            message = await client.messages.create(model="m", max_tokens=50, messages=USER)
-    assert message.stop_reason == "tool_use"
-    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "f", {})]
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                await client.messages.create(model="m", max_tokens=50, messages=USER, tools=[F_TOOL])
+            untooled = await client.messages.create(model="m", max_tokens=50, messages=USER)
+    assert caught.value.status_code == 502 and "arguments hold more than" in str(caught.value), caught.value
+    assert untooled.stop_reason == "end_turn"
 
 
 async def test_the_anthropic_sdk_lists_and_retrieves_models(setup):
