@@ -390,6 +390,26 @@ async def test_a_call_of_a_tool_no_request_offered_never_reaches_the_client(setu
                 events = [event.type async for event in stream]
             assert "response.function_call_arguments.done" not in events and events[-1] == "response.completed"
     assert len(upstream.records) == 6 and not any(r.body.get("tools") for r in upstream.records)
+    # Hidden reasoning and a dropped call, no text: the notice names the end the client gets.
+    thought = steps({"reasoning_content": "hmm"}, *native_call("call_9", "rm_rf", "{}"), finish="tool_calls")
+    upstream.script_for("t", thought)
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            async with client.messages.stream(model="m", max_tokens=64, messages=USER) as stream:
+                said = (await stream.get_final_message()).content[0].text
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as oai:
+            async with oai.responses.stream(model="m", input="hi") as stream:
+                answered = (await stream.get_final_response()).output_text
+            # OpenAI's deprecated `functions`, forwarded as sent: the calls of their answer are kept.
+            upstream.script_for("t", call)
+            legacy = await oai.chat.completions.create(
+                model="m", messages=USER, functions=[{"name": "rm_rf", "parameters": {"type": "object"}}]
+            )
+    for notice in (said, answered):
+        assert notice.startswith("The model produced only hidden reasoning") and "finish_reason: stop" in notice
+    assert legacy.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in legacy.choices[0].message.tool_calls] == ["rm_rf"]
+    assert upstream.records[-1].body["functions"][0]["name"] == "rm_rf"
 
 
 async def test_tool_round_trip(setup):

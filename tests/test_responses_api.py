@@ -854,6 +854,19 @@ def test_decode_refuses_what_openai_refuses(field, value, param):
     assert caught.value.status == 400 and caught.value.param == param
 
 
+def test_a_json_schema_format_names_what_its_schema_lacks():
+    """No schema is a missing parameter; one of another type is said as OpenAI says it."""
+    text = {"format": {"type": "json_schema", "name": "x"}}
+    for schema, message in (
+        (None, "Missing required parameter: `text.format.schema`."),
+        ([], "Invalid type for `text.format.schema`: expected an object, but got an array instead."),
+        ("{}", "Invalid type for `text.format.schema`: expected an object, but got a string instead."),
+    ):
+        with pytest.raises(APIError) as caught:
+            decode_request({"model": "m", "input": "hi", "text": {"format": {**text["format"], "schema": schema}}})
+        assert (caught.value.message, caught.value.param) == (message, "text.format.schema")
+
+
 async def test_one_call_when_parallel_calls_are_off(edge_up):
     """`parallel_tool_calls: false` means at most one call, as OpenAI promises: a model that makes
     two anyway returns the first."""

@@ -247,8 +247,8 @@ class MessagesLive(output.ToolLive):
     def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
         enc = self.enc
         parts: list[bytes] = []
-        finish_reason = event.finish_reason or "stop"
         calls = self.turn.calls_to_send(calls)
+        finish_reason = end_reason(event.finish_reason or "stop", bool(calls))  # (as the fallback names it)
         fallback = "" if event.refusal else self.shaper.fallback(finish_reason, bool(calls), own_block=True)
         if fallback:
             parts.append(enc.text(fallback))
@@ -256,6 +256,6 @@ class MessagesLive(output.ToolLive):
             parts.append(enc.refusal(event.refusal))
         for call in calls or ():
             parts.append(enc.tool_use(call))
-        finish_reason = refused(end_reason(finish_reason, bool(calls)), event.refusal)
+        finish_reason = refused(finish_reason, event.refusal)
         parts.append(enc.finish(finish_reason, usage, _stop_sequence(self.turn, finish_reason, event.stop)))
         return b"".join(parts)

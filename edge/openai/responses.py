@@ -367,6 +367,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 _TOOL_CHOICES = ("auto", "none", "required")
 _SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+_JSON_TYPES = {list: "an array", str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SUMMARIES = ("auto", "concise", "detailed", "none")
@@ -418,8 +419,15 @@ def _check_types(raw: dict[str, Any]) -> None:
                     "Invalid value for `text.format.name`: 1 to 64 letters, digits, `_` or `-` (it is required).",
                     "text.format.name",
                 ) from None
-            if not isinstance(fmt.get("schema"), dict):  # (OpenAI's rule: chat's may be left out, this may not)
+            schema = fmt.get("schema")
+            if schema is None:  # (OpenAI's rule: chat's may be left out, this may not)
                 raise _bad("Missing required parameter: `text.format.schema`.", "text.format.schema")
+            if not isinstance(schema, dict):
+                got = _JSON_TYPES.get(type(schema), type(schema).__name__)
+                raise _bad(
+                    f"Invalid type for `text.format.schema`: expected an object, but got {got} instead.",
+                    "text.format.schema",
+                )
     reasoning = raw["reasoning"] if isinstance(raw.get("reasoning"), dict) else {}
     for name, values in (("effort", _EFFORTS), ("summary", _SUMMARIES)):  # (any was a 200: an outside audit)
         value = reasoning.get(name)

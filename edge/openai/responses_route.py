@@ -31,7 +31,7 @@ from edge.openai.exchange import SSE_HEADERS, ErrorShape, Exchange
 from edge.openai.request import check_message_count, check_tool_count, decode_body
 from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.sse import sse_error
-from edge.openai.turn import Collected, Turn, collect_validated, open_turn
+from edge.openai.turn import Collected, Turn, collect_validated, end_reason, open_turn
 from edge.runs import Run, Slot
 from edge.runs.service import check_int64
 from proto import RunEvent, ToolCall
@@ -190,8 +190,10 @@ class ResponsesLive(output.ToolLive):
         return self.enc.failed(message, type, output.futile(self.turn, type))
 
     def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
-        finish_reason = event.finish_reason or "stop"
-        calls = self.turn.calls_to_send(calls)  # (none asked for, no tools: shown as the model made them)
+        calls = self.turn.calls_to_send(calls)
+        # (the end the client gets, before the fallback names it: a call dropped, no tools offered,
+        # had the notice say "tool_calls" on a response that completed)
+        finish_reason = end_reason(event.finish_reason or "stop", bool(calls))
         fallback = "" if event.refusal else self.shaper.fallback(finish_reason, bool(calls), own_block=True)
         tail = [self.enc.text(fallback)] if fallback else []
         if event.refusal:

@@ -78,6 +78,9 @@ class Turn:
         # ``session``: a front door's own (Messages' metadata.user_id), which the body does not carry.
         self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or session or req.user
         self.contract = ToolContract(req) if req.tools else None
+        # Tools offered, as `tools` or as OpenAI's deprecated `functions` (forwarded as sent, not
+        # read: a server that maps them answers with tool calls): without, calls are dropped.
+        self.offered = bool(req.tools) or bool(forward.get("functions"))
         self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
         user_meta = forward.get("metadata")
         if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta and edge.config.trace_requests:
@@ -114,7 +117,8 @@ class Turn:
         self.reasoning_shown = False  # a live stream showed an attempt's reasoning (a retry's starts apart)
         self.media = has_media(req)  # (for its usage's bounds)
         if not req.tools:  # read above (the estimate, the prefix, the media): a stream need not keep them
-            self.history_ids  # noqa: B018 (first: a model may call tools it was not given, with ids of the history)
+            if self.offered:
+                self.history_ids  # noqa: B018 (first: the calls of `functions` get ids unlike the history's)
             req.messages = []
 
     def shaper(
@@ -166,14 +170,14 @@ class Turn:
 
     def native_calls(self, event: RunEvent) -> list[ToolCall] | None:
         """The calls the model server returned natively, as the client gets them
-        (:func:`with_ids`); none when the request declared no tools: the OpenAI
-        and Anthropic APIs never return a call of a tool that was not offered,
-        and a client that offered none has nothing to run it with (a model
-        server's unasked ``rm_rf`` reached clients as a call: an outside audit).
-        Its end is then ``stop`` (:func:`end_reason`)."""
+        (:func:`with_ids`); none when the request offered no tools (:attr:`offered`):
+        the OpenAI and Anthropic APIs never return a call of a tool that was not
+        offered, and a client that offered none has nothing to run it with (a
+        model server's unasked ``rm_rf`` reached clients as a call: an outside
+        audit). Its end is then ``stop`` (:func:`end_reason`)."""
         if not event.tool_calls:
             return None
-        if not self.req.tools:
+        if not self.offered:
             log.warning(
                 "the model server called a tool the request did not offer: dropped",
                 model=self.req.model,
