@@ -158,6 +158,8 @@ class Key:
         "tok_seen",
         "req_kept",
         "tok_kept",
+        "req_spent",
+        "tok_spent",
         "day_pending",
         "others_pending",
         "others_streamed",
@@ -210,6 +212,10 @@ class Key:
         self.live: set[Lease] = set()  # daily_tokens: this edge's requests in flight (Keys.cut_over_budget)
         self.gauge: Gauge | None = None  # daily_tokens: what they streamed (Keys.hold_to_budget)
         self.near = False  # daily_tokens: a quarter of the budget or less left, as last held (hold_to_budget)
+        # Shared state gone: what this edge held of the shared buckets when it went local, and what
+        # it has spent of its local buckets since (Keys.local_levels, Keys.shared_levels).
+        self.req_kept = self.tok_kept = 0.0
+        self.req_spent = self.tok_spent = 0.0
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -232,9 +238,6 @@ class Key:
         # shared state: the Redis bucket's level and when it was seen (monotonic), or None
         self.req_seen: tuple[float, float] | None = None
         self.tok_seen: tuple[float, float] | None = None
-        # what this edge held of the shared buckets when it went local (Keys.local_levels): all
-        # it may keep when Redis is back
-        self.req_kept = self.tok_kept = 0.0
 
     def may_use(self, model: str) -> bool:
         if self._patterns is None:
@@ -393,19 +396,24 @@ class Keys:
             # last count kept refused a request with none left in flight anywhere).
             key.others_in_flight = key.others_pending = key.others_streamed = 0
             key.req_kept, key.tok_kept = max(key.req_level, 0.0), max(key.tok_level, 0.0)
+            key.req_spent = key.tok_spent = 0.0
             key.req_level = local_level(policy.rpm, key.req_level, key.req_seen, now)
             key.tok_level = local_level(policy.tpm, key.tok_level, key.tok_seen, now)
             key.req_at = key.tok_at = now
 
     def shared_levels(self) -> None:
-        """Back to the shared buckets from local ones (Redis answers again): each key keeps at
-        most what it held of them when it went local, less what it spent since; the rest of
-        its local bucket was never Redis's to be given back. (An edge that had never seen a
-        key's bucket made it a full one, and handed it all to Redis when it came back: a
-        second minute for the edge that had just spent the key's, after any stall.)"""
+        """Back to the shared buckets from local ones (Redis answers again): each key's balance
+        is what it held of them when it went local, less what it spent of its local buckets
+        since, a debt if it spent more (its next leases pay it from Redis's bucket). The rest
+        of a local bucket was never Redis's: an edge that had never seen a key's bucket made
+        it a full one and handed it all to Redis when it came back (a second minute for the
+        edge that had just spent the key's), and what an edge spent locally was never taken
+        from Redis's bucket, which refilled for the whole outage (a second minute after a 60 s
+        stall, to a single edge; an outside re-check). Tokens reserved locally and settled
+        later are spent here, and their unused part comes back as any settlement's."""
         for key in self.by_id.values():
-            key.req_level = min(key.req_level, key.req_kept)
-            key.tok_level = min(key.tok_level, key.tok_kept)
+            key.req_level = min(key.req_level, key.req_kept - key.req_spent)
+            key.tok_level = min(key.tok_level, key.tok_kept - key.tok_spent)
 
     @property
     def open(self) -> bool:
@@ -458,9 +466,13 @@ class Keys:
             else:
                 level, ok = _bucket_take(key.tok_level, key.tok_at, now, policy.tpm, reserved)
                 key.tok_level, key.tok_at = level, now
+                if ok:
+                    key.tok_spent += reserved
             if not ok:
                 if policy.rpm:
                     key.req_level += 1  # the request was not made
+                    if not shared:
+                        key.req_spent -= 1
                 wait = (reserved - level) * 60 / policy.tpm
                 raise self._limited(key, f"{policy.tpm} tokens per minute", wait, "tpm")
         key.in_flight += 1
@@ -549,6 +561,8 @@ class Keys:
             now = time.monotonic() if now is None else now
             level, ok = _bucket_take(key.req_level, key.req_at, now, rpm, 1)
             key.req_level, key.req_at = level, now
+            if ok:
+                key.req_spent += 1
         if not ok:
             raise self._limited(key, f"{rpm} requests per minute", (1 - level) * 60 / rpm, "rpm")
 
@@ -628,6 +642,7 @@ class Keys:
                 now = time.monotonic()
                 level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
                 key.tok_level, key.tok_at = min(policy.tpm, level + lease.reserved - used), now
+                key.tok_spent -= lease.reserved - used
         key._today()
         key.day_used += used  # every key's (today_tokens), not only a budget's
 

@@ -965,6 +965,73 @@ async def test_an_idle_edge_back_from_a_redis_stall_gives_no_key_a_fresh_minute(
     assert sum(r.status_code == 200 for r in again) <= 3, [r.status_code for r in again]
 
 
+async def test_what_an_edge_spent_while_redis_was_away_comes_out_of_the_shared_minute(nursery, redis_server, tmp_path):  # noqa: F811
+    """A key made while Redis is stopped spends its minute from the edge's local bucket. Redis
+    back, that minute came again at once: its bucket, which Redis never had, was made full (69
+    requests in 22 s on rpm 30); so did a single edge's through a 60 s stall, as what it spent
+    locally was never taken from Redis's bucket, which refilled meanwhile (an outside re-check).
+    What an edge spent locally is now its debt to the shared bucket."""
+    with trio.fail_after(BOUND * 2):
+        edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", [KeyConfig(id="other", key="sk-o")])
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: not edge.edge.shared.up, "redis seen down")
+            async with admin(edge) as adm:
+                made = await adm.post("/v1/admin/keys", json={"id": "new", "rpm": 20})
+            assert made.status_code == 201, made.text
+            local = await burst(edge, made.json()["key"], 25)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        await eventually(lambda: edge.edge.shared.up, "redis seen back")
+        await trio.sleep(0.3)  # (a few lease rounds)
+        again = await burst(edge, made.json()["key"], 20)
+    assert sum(r.status_code == 200 for r in local) >= 18  # its minute, from the local bucket
+    assert sum(r.status_code == 200 for r in again) <= 3, [r.status_code for r in again]
+
+
+async def test_tokens_reserved_while_redis_was_away_and_settled_after_are_no_fresh_minute(
+    nursery,
+    redis_server,  # noqa: F811
+    tmp_path,
+):
+    """Edge a spends a key's tpm; edge b, which never had a request of it, admits a long request
+    from its local bucket while Redis is stopped. Redis back, the request ends: the unused part
+    of its reservation went to b's shared balance, and from there to Redis, a fresh minute for a
+    (5 requests of 1,000 tokens admitted where 1 was due: an outside re-check)."""
+    keys = [KeyConfig(id="t", key="sk-t", tpm=1200)]
+    with trio.fail_after(BOUND * 2):
+        a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+        b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys)
+        slow = model("slow", ttft_ms=0, tokens_per_s=10, sim_tokens=30, sim_stops=True)  # (3 s)
+        await start_node(nursery, b, [slow], node_id="n-slow")
+        async with client(a, "sk-t") as c:
+            for _ in range(200):  # its minute, spent (about 20 tokens a request)
+                if (await chat(c, max_tokens=8)).status_code == 429:
+                    break
+            else:
+                raise AssertionError("the key's minute was never spent")
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: not (a.edge.shared.up or b.edge.shared.up), "redis seen down by both")
+            async with client(b, "sk-t") as c, trio.open_nursery() as slow:
+
+                async def long_request() -> None:
+                    r = await chat(c, "slow", max_tokens=1000)
+                    assert r.status_code == 200, r.text
+
+                slow.start_soon(long_request)
+                await eventually(lambda: b.edge.keys.by_id["t"].in_flight == 1, "b's long request admitted")
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+                await eventually(lambda: a.edge.shared.up and b.edge.shared.up, "redis seen back by both")
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        await trio.sleep(0.3)  # (b's settled request: what a round gives back is in)
+        after = await burst(a, "sk-t", 60, max_tokens=8)
+    # (the bucket's refill meanwhile, 20 tokens a second for 5-7 s, is 5-7 of these requests; the
+    # unused reservation given back was about 50)
+    assert sum(r.status_code == 200 for r in after) <= 12, [r.status_code for r in after]
+
+
 async def test_a_redis_that_lost_its_data_gives_no_spent_key_a_fresh_minute(nursery, redis_server, tmp_path):  # noqa: F811
     """Redis restarted without persistence (or FLUSHALL): a bucket it no longer has started
     full, so a key that had just spent its minute got a second one at once (rpm 60 over two
