@@ -16,6 +16,7 @@ import structlog
 import trio
 
 from edge.config import KeyConfig
+from edge.console import accepts_gzip
 from scripts.upstream import text_script, words
 from tests.conftest import BOUND, edge_config, eventually, http, model, start_edge, start_node
 from tests.servers import postgres, postgres_url  # noqa: F401  (fixtures)
@@ -601,6 +602,26 @@ async def test_consoles_that_stop_reading_lose_their_place(nursery, monkeypatch)
     finally:
         for sock in stuck:
             sock.close()
+
+
+@pytest.mark.parametrize(
+    ("accept", "gzipped"),
+    [
+        ("gzip, deflate, br, zstd", True),
+        ("GZIP", True),
+        ("x-gzip", True),
+        ("gzip;q=0.001", True),
+        ("br", False),
+        ("identity", False),
+        ("", False),
+        ("gzip;q=0", False),
+        ("gzip; q=0.0", False),
+        ("gzip;level=1;q=0", False),  # (q read as a parameter wherever it is: it was gzipped)
+        ("gzip;q=nonsense", False),
+    ],
+)
+def test_accept_encoding_takes_gzip_as_http_says(accept, gzipped):
+    assert accepts_gzip(accept) is gzipped
 
 
 async def test_a_console_reads_its_events_gzipped_each_as_it_is_sent(nursery):

@@ -344,12 +344,18 @@ async def test_the_key_never_goes_into_the_pages_url(nursery):
         page.route("**/console/console.js", lambda route: route.abort())
         page.goto(edge.url + "/console")
         expect(page.locator("#key")).to_be_disabled()
+        expect(page.locator("#needs-script")).to_be_visible()  # (it says why: the form was silently dead)
         # A script that broke after it turned the form on: the browser's own submit.
         page.evaluate("document.getElementById('login-fields').disabled = false")
         page.fill("#key", ADMIN)
         with page.expect_navigation():
             page.press("#key", "Enter")
         assert ADMIN not in page.url and ADMIN not in page.evaluate("location.href + history.length")
+        page.close()
+        page, errors = open_console(browser, edge)  # with its script: the form on, no such line
+        expect(page.locator("#key")).to_be_enabled()
+        expect(page.locator("#needs-script")).to_be_hidden()
+        assert not errors
         page.close()
 
     await in_chromium(browse)

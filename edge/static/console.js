@@ -424,12 +424,10 @@ async function connect() {
     return retry(mine, response.status === 429 ? 5000 : 1000);
   }
   setNotice("");
-  showConsole();
-  setStatus("live", "live");
-  put($("status"), "title", "this tab reads the edge's events, for the console's other tabs in this browser too");
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
+  let live = false; // (live at the first event, not at the answer's head: a proxy holding the body showed "live")
   heardAt = Date.now();
   const watchdog = setInterval(() => {
     if (Date.now() - heardAt <= STALE_MS) return;
@@ -447,6 +445,12 @@ async function connect() {
       while ((cut = buffer.indexOf("\n\n")) >= 0) {
         const block = buffer.slice(0, cut);
         buffer = buffer.slice(cut + 2);
+        if (!live && /^(event|data):/m.test(block)) {
+          live = true;
+          showConsole();
+          setStatus("live", "live");
+          put($("status"), "title", "this tab reads the edge's events, for the console's other tabs in this browser too");
+        }
         dispatch(block);
         if (channel && group) channel.postMessage({ t: "ev", group, id: tab.id, born: tab.born, block });
       }
@@ -579,6 +583,7 @@ function setNotice(text) {
 }
 
 $("login-fields").disabled = false; // (off until this script holds the form: see console.html)
+$("needs-script").hidden = true;
 $("login-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const key = $("key").value.trim();
