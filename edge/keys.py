@@ -395,25 +395,18 @@ class Keys:
             # The other edges' requests are not followed now: a key's whole concurrency here (their
             # last count kept refused a request with none left in flight anywhere).
             key.others_in_flight = key.others_pending = key.others_streamed = 0
-            key.req_kept, key.tok_kept = max(key.req_level, 0.0), max(key.tok_level, 0.0)
+            key.req_kept, key.tok_kept = key.req_level, key.tok_level  # (a debt too: a stall forgave it)
             key.req_spent = key.tok_spent = 0.0
             key.req_level = local_level(policy.rpm, key.req_level, key.req_seen, now)
             key.tok_level = local_level(policy.tpm, key.tok_level, key.tok_seen, now)
             key.req_at = key.tok_at = now
 
     def shared_levels(self) -> None:
-        """Back to the shared buckets from local ones (Redis answers again): each key's balance
-        is what it held of them when it went local, less what it spent of its local buckets
-        since, a debt if it spent more (its next leases pay it from Redis's bucket). The rest
-        of a local bucket was never Redis's: an edge that had never seen a key's bucket made
-        it a full one and handed it all to Redis when it came back (a second minute for the
-        edge that had just spent the key's), and what an edge spent locally was never taken
-        from Redis's bucket, which refilled for the whole outage (a second minute after a 60 s
-        stall, to a single edge; an outside re-check). Tokens reserved locally and settled
-        later are spent here, and their unused part comes back as any settlement's."""
+        """Back to the shared buckets from local ones, once a round with Redis went through
+        (:meth:`edge.shared_state.SharedState.round`): each key's balance is :func:`recovered`."""
         for key in self.by_id.values():
-            key.req_level = min(key.req_level, key.req_kept - key.req_spent)
-            key.tok_level = min(key.tok_level, key.tok_kept - key.tok_spent)
+            key.req_level, key.tok_level = recovered(key)
+        self.shared = True
 
     @property
     def open(self) -> bool:
@@ -679,11 +672,32 @@ def _carried(old_limit: int, level: float, at: float, new_limit: int, now: float
 
 def local_level(limit: int, balance: float, seen: tuple[float, float] | None, now: float) -> float:
     """A limit's local bucket when shared state goes away: the shared bucket as last
-    seen, refilled since, plus this edge's balance; full if it was never seen."""
+    seen, refilled since, plus this edge's balance (less, if it is a debt); full if it
+    was never seen."""
     if seen is None:
         return float(limit)
     bucket, seen_at = seen
-    return min(float(limit), bucket + (now - seen_at) * limit / 60.0 + max(balance, 0.0))
+    return min(float(limit), bucket + (now - seen_at) * limit / 60.0 + balance)
+
+
+def recovered(key: Key) -> tuple[float, float]:
+    """``key``'s balances (rpm, tpm) when Redis answers again: what this edge held of the
+    shared buckets when it went local, less what it spent of its local buckets since,
+    owed when negative (its next leases pay it from Redis's bucket), at most one minute
+    either way. The rest of a local bucket was never Redis's: an edge that had never seen a
+    key's bucket made it a full one and handed it all to Redis when it came back (a second
+    minute for the edge that had just spent the key's), and what an edge spent locally was
+    never taken from Redis's bucket, which refilled for the whole outage (a second minute
+    after a 60 s stall, to a single edge: outside re-checks). A debt is one minute at most:
+    past it, the stall's refill was spent, not owed (a key refused for 110 s after a 140 s
+    stall). Tokens reserved locally and settled later are spent here, and their unused
+    part comes back as any settlement's."""
+    policy = key.policy
+    rpm, tpm = float(policy.rpm), float(policy.tpm)
+    return (
+        max(min(key.req_kept - key.req_spent, rpm), -rpm),
+        max(min(key.tok_kept - key.tok_spent, tpm), -tpm),
+    )
 
 
 def policy_of(kc: KeyConfig) -> Policy:

@@ -91,7 +91,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from edge.keys import local_level
+from edge.keys import local_level, recovered
 from edge.ledger import LedgerUnavailable
 
 if TYPE_CHECKING:
@@ -530,7 +530,7 @@ class SharedState:
     def _slice(self, limit: int, floor: int = 1) -> int:
         return max(int(math.ceil(limit * SLICE)), floor)
 
-    def _plan(self) -> list[BucketOp]:
+    def _plan(self, recovering: bool = False) -> list[BucketOp]:
         """What to lease (> 0) or give back (< 0), in the trio thread; and (0) what a key
         admitted on lately holds, said again every :data:`REFRESH_S` (a silent edge's
         holding is dropped after :data:`EDGE_TTL_S`). A key this edge admitted nothing of
@@ -544,9 +544,10 @@ class SharedState:
             active = key.in_flight or now - key.admitted_at < LEASE_FOR_S
             requests, tokens = self._slices(key) if active else (0, 0)
             stale = now - key.said_at >= REFRESH_S
+            req_level, tok_level = recovered(key) if recovering else (key.req_level, key.tok_level)
             for limit, per_minute, level, target in (
-                ("rpm", policy.rpm, key.req_level, requests),
-                ("tpm", policy.tpm, key.tok_level, tokens),
+                ("rpm", policy.rpm, req_level, requests),
+                ("tpm", policy.tpm, tok_level, tokens),
             ):
                 if not per_minute:
                     continue
@@ -555,7 +556,7 @@ class SharedState:
                     plan.append((key, limit, amount, per_minute))
                 elif level > 2 * target or (not active and level >= 1):
                     plan.append((key, limit, -int(level - target), per_minute))
-                elif active and stale:
+                elif (active and stale) or recovering:  # (recovering: the round's scripts must go through)
                     plan.append((key, limit, 0, per_minute))
         return plan
 
@@ -566,7 +567,9 @@ class SharedState:
             # saw it, refilled since: from full, a key that had spent its minute got a second one at
             # once (rpm 60: 123 requests in 2 s; 331 against 200 in 35 s around a restart).
             level = local_level(per_minute, 0.0, key.req_seen if limit == "rpm" else key.tok_seen, now)
-            held = key.req_level if limit == "rpm" else key.tok_level
+            # (what it holds: a local bucket's level is no holding, what it recovered is)
+            levels = (key.req_level, key.tok_level) if self.keys.shared else recovered(key)
+            held = levels[0] if limit == "rpm" else levels[1]
             self.bucket(
                 keys=[f"iop:bucket:{key.id}:{limit}"],
                 args=[per_minute, per_minute / 60.0, amount, f"{level:.3f}", self.edge_id, int(held), EDGE_TTL_S],
@@ -740,13 +743,12 @@ class SharedState:
 
     async def round(self) -> None:
         """One lease round (raises the driver's error if Redis failed)."""
-        if not self.keys.shared:
-            # Back from local limits only once Redis answers, and before anything is leased or
-            # given back: what a round would give back of a local bucket was never leased.
-            await trio.to_thread.run_sync(self.client.ping)
-            self.keys.shared_levels()
-            self.keys.shared = True
-        plan = self._plan()
+        # Back from local limits only once this round went through, each key's balance then
+        # what it recovered (edge.keys.recovered), which the plan leases against and gives back
+        # from: never a local bucket's level. (A ping first: a Redis that answered it and refused
+        # the scripts, read-only, out of memory, switched limits off, each round a new local bucket.)
+        recovering = not self.keys.shared
+        plan = self._plan(recovering)
         counters = []
         streams: list[tuple[Key, int, int]] = []
         used: dict[str, int] = {}
@@ -832,6 +834,8 @@ class SharedState:
             elif not self.up or now - self._heard >= REFRESH_S:
                 await trio.to_thread.run_sync(self.client.ping)
                 self._heard = time.monotonic()
+            if recovering:  # (no key has an rpm or tpm: nothing to recover)
+                self.keys.shared_levels()
             return
         written = [(key.id, day, streamed) for key, day, streamed in streams]
         reads = [(key.id, flight[4], epoch) for key, flight, epoch in quiet]
@@ -842,6 +846,8 @@ class SharedState:
         self._saw_epoch(current)
         for i, (key, flight, epoch) in enumerate(quiet):
             self._rested(key, flight, epoch, read[4 * i : 4 * i + 4])
+        if recovering:
+            self.keys.shared_levels()  # (before the leases are credited: they add to what it recovered)
         self._credit(plan, granted)
         for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)

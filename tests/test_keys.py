@@ -514,6 +514,26 @@ async def test_usage_format_is_json_or_csv(nursery, tmp_path):
     assert out.returncode == 2 and "--format: invalid choice: 'xml'" in out.stderr.decode()
 
 
+def test_what_a_key_recovers_from_a_redis_outage_is_its_holding_less_its_local_spending():
+    """Back from local limits, a key's balance is what its edge held of the shared buckets when
+    it went local less what it spent locally since: a debt (its next leases pay it) of one
+    minute at most, as past that the outage's refill was spent, not owed (a key was refused for
+    110 s after a 140 s stall: an outside re-check); and a debt carried into a second outage is
+    still owed after it (a stall forgave it)."""
+    from edge.keys import Key, Keys, Policy, recovered
+
+    key = Key("k", "0" * 64, Policy(rpm=60, tpm=6000), "config")
+    key.req_kept, key.req_spent, key.tok_kept, key.tok_spent = 5.0, 200.0, 100.0, 50.0
+    assert recovered(key) == (-60.0, 50.0)
+    keys = Keys.__new__(Keys)
+    keys.by_id = {"k": key}
+    keys.shared_levels()
+    assert (key.req_level, key.tok_level) == (-60.0, 50.0) and keys.shared
+    keys.local_levels()  # a second outage: the debt is carried, not forgiven
+    key.req_spent = 0.0
+    assert recovered(key)[0] == -60.0
+
+
 @pytest.mark.parametrize("ledger", ["not-a-database", "empty", "a-directory", "postgres-never-written"])
 def test_iop_usage_on_a_ledger_it_cannot_read_says_so_in_a_line(tmp_path, ledger, request):
     """`iop usage` on a file that is no database, an empty one, a directory, or a PostgreSQL

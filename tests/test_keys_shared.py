@@ -965,6 +965,34 @@ async def test_an_idle_edge_back_from_a_redis_stall_gives_no_key_a_fresh_minute(
     assert sum(r.status_code == 200 for r in again) <= 3, [r.status_code for r in again]
 
 
+async def test_a_redis_that_answers_but_refuses_writes_leaves_limits_local(nursery, redis_server, tmp_path):  # noqa: F811
+    """A Redis that answers a ping but refuses the scripts (a read-only replica after a failover,
+    out of memory): the edge limits on its own, and stays so. It went back to the shared
+    buckets on the ping, the round's scripts failed, and each failure made a new local bucket:
+    every request admitted, 593 in a minute on rpm 60 (an outside re-check)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    keys = [KeyConfig(id="fast", key="sk-fast", rpm=120)]
+    with trio.fail_after(BOUND * 2):
+        edge = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+        for _ in range(4):  # its minute, spent
+            if any(r.status_code == 429 for r in await burst(edge, "sk-fast", 60)):
+                break
+        await trio.to_thread.run_sync(client.replicaof, "127.0.0.1", str(free_port()))
+        try:
+            await eventually(lambda: not edge.edge.shared.up, "the scripts seen refused")
+            started = trio.current_time()
+            admitted = 0
+            for _ in range(10):  # (3 s: many rounds)
+                admitted += sum(r.status_code == 200 for r in await burst(edge, "sk-fast", 10))
+                await trio.sleep(0.3)
+            due = (trio.current_time() - started + 2) * 2  # (2 a second, from when Redis was last seen)
+        finally:
+            await trio.to_thread.run_sync(client.replicaof, "NO", "ONE")
+    assert admitted <= due + 2, (admitted, due)
+
+
 async def test_what_an_edge_spent_while_redis_was_away_comes_out_of_the_shared_minute(nursery, redis_server, tmp_path):  # noqa: F811
     """A key made while Redis is stopped spends its minute from the edge's local bucket. Redis
     back, that minute came again at once: its bucket, which Redis never had, was made full (69
