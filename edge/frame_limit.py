@@ -55,7 +55,7 @@ import gc
 import importlib.metadata
 import ipaddress
 import math
-from time import thread_time
+from time import perf_counter
 
 import structlog
 import trio
@@ -430,19 +430,23 @@ def links_time() -> tuple[float, float]:
     return share.held, share.waited
 
 
-_COLLECTED = [0.0, 0.0]  # the collector's CPU time in all, and when the running collection began
+_COLLECTED = [0.0, 0.0]  # the collector's time in all, and when the running collection began
 
 
 def _collection(phase: str, _info: dict) -> None:
     if phase == "start":
-        _COLLECTED[1] = thread_time()
+        _COLLECTED[1] = perf_counter()
     else:
-        _COLLECTED[0] += thread_time() - _COLLECTED[1]
+        _COLLECTED[0] += perf_counter() - _COLLECTED[1]
 
 
 def link_clock() -> float:
-    """The clock a link's time is measured with (seconds)."""
-    return thread_time() - _COLLECTED[0]
+    """The clock a link's time is measured with (seconds): the wall clock, less the
+    collector's time. (The thread's CPU clock is a system call, 0.6 µs a reading on this
+    machine, two a read of a link: 12% of the edge's py-spy samples at 200 streams. The
+    wall clock errs by time the process was not running, which a link is then charged:
+    every link alike, in proportion to its own time.)"""
+    return perf_counter() - _COLLECTED[0]
 
 
 def link_hold(stream: WSStream, peer: str | None = None) -> LinkHold:
