@@ -160,6 +160,7 @@ class Key:
         "tok_kept",
         "req_spent",
         "tok_spent",
+        "tok_forgiven",
         "day_pending",
         "others_pending",
         "others_streamed",
@@ -216,6 +217,7 @@ class Key:
         # it has spent of its local buckets since (Keys.local_levels, Keys.shared_levels).
         self.req_kept = self.tok_kept = 0.0
         self.req_spent = self.tok_spent = 0.0
+        self.tok_forgiven = 0.0  # of a debt forgiven when Redis came back: unused reservations in it
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -407,6 +409,20 @@ class Keys:
         for key in self.by_id.values():
             key.req_level, key.tok_level = recovered(key)
         self.shared = True
+
+    def forgive(self) -> None:
+        """After the round that came back (its leases credited): what a key still owes is
+        forgiven. Redis's bucket paid what it held, and a key is back at its rate with an
+        empty bucket at worst (a debt paid from the refill alone, split among the edges
+        that lease it, kept a key of two edges refused on one for 100 s after a 60 s stall:
+        an outside re-check). What is forgiven of tokens was reserved: the unused part of
+        those reservations, settled later, does not come back (:meth:`settle`)."""
+        for key in self.by_id.values():
+            if key.req_level < 0:
+                key.req_level = 0.0
+            if key.tok_level < 0:
+                key.tok_forgiven = -key.tok_level
+                key.tok_level = 0.0
 
     @property
     def open(self) -> bool:
@@ -629,13 +645,18 @@ class Keys:
             self.on_settle(key)  # (shared state: its slot and reservation go back now, not next round)
         policy = key.policy
         if policy.tpm:
+            unused = lease.reserved - used
+            if unused > 0 and key.tok_forgiven:  # (a reservation forgiven as a debt: no balance now)
+                taken = min(unused, key.tok_forgiven)
+                key.tok_forgiven -= taken
+                unused -= taken
             if self.shared:
-                key.tok_level += lease.reserved - used  # may go below 0: a debt the next leases pay
+                key.tok_level += unused  # may go below 0: a debt the next leases pay
             else:
                 now = time.monotonic()
                 level = min(policy.tpm, key.tok_level + (now - key.tok_at) * policy.tpm / 60.0)
-                key.tok_level, key.tok_at = min(policy.tpm, level + lease.reserved - used), now
-                key.tok_spent -= lease.reserved - used
+                key.tok_level, key.tok_at = min(policy.tpm, level + unused), now
+                key.tok_spent -= unused
         key._today()
         key.day_used += used  # every key's (today_tokens), not only a budget's
 

@@ -493,6 +493,7 @@ class SharedState:
         keys.zero_levels()
         self.edge_id = edge_id
         self.up = False
+        self._forgive = False  # the next round forgives what a key still owes (edge.keys.Keys.forgive)
         self.failures = 0
         self.borrows = 0  # requests that waited on a round trip (iop_shared_state_borrows_total)
         self._heard = 0.0  # time.monotonic() of Redis's last answer to a round
@@ -847,8 +848,15 @@ class SharedState:
         for i, (key, flight, epoch) in enumerate(quiet):
             self._rested(key, flight, epoch, read[4 * i : 4 * i + 4])
         if recovering:
-            self.keys.shared_levels()  # (before the leases are credited: they add to what it recovered)
+            # What each key recovered, as of now: a round sent before Redis stalled comes back when
+            # it does, its plan made before the outage's spending. What Redis's bucket does not pay
+            # of a debt in the next round, planned on it, is forgiven then (Keys.forgive).
+            self.keys.shared_levels()
         self._credit(plan, granted)
+        if self._forgive:
+            self._forgive = False
+            self.keys.forgive()
+        self._forgive = recovering
         for key_id, day, _, flight in counters:
             key = self.keys.by_id.get(key_id)
             if key is None:
@@ -1288,6 +1296,7 @@ class SharedState:
                 error=f"{type(error).__name__}: {str(error)[:200]}",
             )
         self.up = False
+        self._forgive = False
         if self.keys.shared:
             self.keys.shared = False
             self.keys.local_levels()

@@ -532,6 +532,13 @@ def test_what_a_key_recovers_from_a_redis_outage_is_its_holding_less_its_local_s
     keys.local_levels()  # a second outage: the debt is carried, not forgiven
     key.req_spent = 0.0
     assert recovered(key)[0] == -60.0
+    # Back, what Redis's bucket did not pay is forgiven: the key goes on at its rate (a debt paid
+    # from the refill alone kept a key of two edges refused on one for 100 s after a 60 s stall);
+    # forgiven tokens were reserved, and their unused part, settled later, does not come back.
+    keys.shared_levels()
+    key.tok_level = -300.0
+    keys.forgive()
+    assert (key.req_level, key.tok_level, key.tok_forgiven) == (0.0, 0.0, 300.0)
 
 
 @pytest.mark.parametrize("ledger", ["not-a-database", "empty", "a-directory", "postgres-never-written"])
