@@ -55,7 +55,7 @@ import gc
 import importlib.metadata
 import ipaddress
 import math
-from time import perf_counter
+from time import thread_time
 
 import structlog
 import trio
@@ -246,11 +246,9 @@ class ReadBudget:
 # address at least half. A peer's part outlives its links for a while (PEER_IDLE_S): dialling anew
 # brings no time with it. The peers that are not busy together hold at most the whole (edge.link's
 # MAX_LINKS, 512, times PEER_BUSY_S).
-# Time is the wall clock's less the collector's (link_clock): a link does not pay for a collection
-# that fell in its read (a 100 ms full collection charged to one link among 17 made it wait 3.4 s,
-# past a test's ping timeout). It pays for the process being descheduled meanwhile, as every link
-# does in proportion to its own time: the thread's CPU clock, which does not count that, is a system
-# call (0.6 µs a reading, two a read: 12% of the edge's CPU at 200 streams).
+# Time is the thread's CPU time less the collector's (link_clock): a link pays neither for the
+# process being descheduled nor for a collection that fell in its read (a 100 ms full collection
+# charged to one link among 17 made it wait 3.4 s, past a test's ping timeout).
 LINKS_HOLD_PER_S = 0.5
 PEER_BUSY_S = 0.00095  # held in a second, and more: a busy peer
 PEER_HOLD_BURST_S = 0.002  # a peer's unused part kept, at most
@@ -432,23 +430,19 @@ def links_time() -> tuple[float, float]:
     return share.held, share.waited
 
 
-_COLLECTED = [0.0, 0.0]  # the collector's time in all, and when the running collection began
+_COLLECTED = [0.0, 0.0]  # the collector's CPU time in all, and when the running collection began
 
 
 def _collection(phase: str, _info: dict) -> None:
     if phase == "start":
-        _COLLECTED[1] = perf_counter()
+        _COLLECTED[1] = thread_time()
     else:
-        _COLLECTED[0] += perf_counter() - _COLLECTED[1]
+        _COLLECTED[0] += thread_time() - _COLLECTED[1]
 
 
 def link_clock() -> float:
-    """The clock a link's time is measured with (seconds): the wall clock, less the
-    collector's time. (The thread's CPU clock is a system call, 0.6 µs a reading on this
-    machine, two a read of a link: 12% of the edge's py-spy samples at 200 streams. The
-    wall clock errs by time the process was not running, which a link is then charged:
-    every link alike, in proportion to its own time.)"""
-    return perf_counter() - _COLLECTED[0]
+    """The clock a link's time is measured with (seconds)."""
+    return thread_time() - _COLLECTED[0]
 
 
 def link_hold(stream: WSStream, peer: str | None = None) -> LinkHold:
