@@ -661,9 +661,7 @@ def console_routes(app: QuartTrio, edge: Edge) -> None:
             try:
                 events: bytes | None = b": iop console events\n\n"
                 while events is not None:
-                    # (gzipped: each piece flushed, so the browser has every event as soon as it
-                    # is sent; the compressor's window holds the events before, so a snapshot
-                    # like the last costs little)
+                    # (gzipped: each piece flushed, so the browser has every event as it is sent)
                     yield events if packer is None else packer.compress(events) + packer.flush(zlib.Z_SYNC_FLUSH)
                     events = await sub.next()
                 if packer is not None:
