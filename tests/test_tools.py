@@ -1090,6 +1090,67 @@ async def test_bad_tool_schema_is_a_400(tooled):
     assert upstream.records == []
 
 
+def _fn(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+_DRAFT3 = "http://json-schema.org/draft-03/schema#"
+_DRAFT4 = "http://json-schema.org/draft-04/schema#"
+
+
+async def test_schemas_jsonschema_stumbles_on_are_400s_naming_the_tool_on_every_api(tooled):
+    """What a dialect's metaschema lets through but jsonschema cannot check: a `$schema` that
+    is not a string, draft-03 (any name is a type there), draft-04's `"$ref": 1` (no rule for
+    it). Each was a 500 "Internal error in the edge" on all three APIs (an outside audit);
+    each is a 400 naming the tool, before any node is bothered."""
+    edge, upstream = tooled
+    problems = [
+        ({"$schema": 1, "type": "object"}, "`$schema` must be a string"),
+        ({"$schema": ["a"], "type": "object"}, "`$schema` must be a string"),
+        ({"$schema": _DRAFT3, "type": ["#"]}, "draft-03"),
+        ({"$schema": _DRAFT4, "$ref": 1}, "cannot be checked"),
+        ({"$schema": _DRAFT4, "$ref": {"$ref": "#"}}, "cannot be checked"),
+    ]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for parameters, said in problems:
+                for path, body in (
+                    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [_fn("f", parameters)]}),
+                    (
+                        "/v1/responses",
+                        {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": parameters}]},
+                    ),
+                    (
+                        "/v1/messages",
+                        {"max_tokens": 5, "messages": MESSAGES, "tools": [{"name": "f", "input_schema": parameters}]},
+                    ),
+                ):
+                    r = await client.post(path, json={"model": "native", **body})
+                    assert r.status_code == 400, (path, parameters, r.text)
+                    message = r.json()["error"]["message"]
+                    assert "`f`" in message and said in message, (path, message)
+    assert upstream.records == []
+
+
+async def test_a_call_jsonschema_stumbles_on_is_a_failed_check_not_a_500(tooled):
+    """A draft-04 reference that is no string below the root, where an empty object does not
+    reach it: the model's arguments do. Its check raised AttributeError (a 500 once the run
+    ended); now the call fails its check, is retried with the reason, and the turn ends as a
+    turn of invalid calls does."""
+    edge, upstream = tooled
+    parameters = {"$schema": _DRAFT4, "type": "object", "properties": {"a": {"$ref": 5}}}
+    upstream.script_for("t", lambda body: steps(*native_call(0, "c", "f", '{"a": 1}'), finish="tool_calls"))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            body = {"model": "native", "messages": MESSAGES, "tools": [_fn("f", parameters)]}
+            r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert "could not be checked: AttributeError" in message, message
+    assert len(upstream.records) == 2  # (the retry, told why)
+    assert "could not be checked" in upstream.records[1].body["messages"][-1]["content"]
+
+
 async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
     """A call's arguments are a JSON object: parameters of another type, or `not: {}`, failed
     every call, and each request spent its two attempts on the model server before a 502

@@ -585,7 +585,14 @@ def _build_validator(schema_json: str):
     schema = msgspec.json.decode(schema_json)
     if not isinstance(schema, dict):
         raise SchemaProblem("it must be a JSON object")
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):  # (jsonschema's lookup of it raised: a 500)
+        raise SchemaProblem("its `$schema` must be a string (a dialect's URI)")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    if cls is jsonschema.Draft3Validator:
+        # Draft 3 takes any name as a type: one it does not know failed the check of a call's
+        # arguments (a 500 before any run when at the root). Nothing writes tools in it today.
+        raise SchemaProblem("its `$schema` is draft-03, which the edge does not check: use draft-04 or later")
     try:
         with _phase(METASCHEMA_BUDGET_S):
             # (no format checks: the draft's `regex` format compiled every pattern with Python's re,
@@ -631,7 +638,10 @@ def _build_validator(schema_json: str):
             raise SchemaProblem(f"a reference does not resolve: {e}") from None
         except PatternProblem as e:
             raise SchemaProblem(f"a pattern cannot be used: {e}") from None
-        except (ArithmeticError, ValueError, TypeError) as e:
+        except PatternTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001 (jsonschema on what its draft's metaschema lets through:
+            # draft-04's `"$ref": 1` raised AttributeError, a 500; the client's schema, not the edge's fault)
             raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     return validator
 
@@ -987,7 +997,8 @@ class ToolContract:
                     return f"the arguments of `{name}` could not be checked: its schema's checks take too long"
                 except (SchemaProblem, PatternProblem) as e:  # (a schema compiled again here)
                     return f"the arguments of `{name}` could not be checked: {e}"
-                except (ArithmeticError, ValueError, TypeError) as e:  # 1e400 as an integer, multipleOf 0.5
+                except Exception as e:  # noqa: BLE001 (1e400 as an integer, multipleOf 0.5; whatever else
+                    # jsonschema raises on a schema its metaschema let through is the schema's, not a 500)
                     return f"the arguments of `{name}` could not be checked: {type(e).__name__}: {_cut(str(e), 200)}"
                 if error is not None:
                     where = _cut("/".join(str(p) for p in error.absolute_path) or "(root)", 200)
