@@ -294,7 +294,9 @@ async def test_content_before_the_servers_own_reasoning_reads_the_same_streamed_
                 assert (joined(chunks, "content"), joined(chunks, "reasoning_content")) == want, name
                 assert (message["content"], message["reasoning_content"]) == want, name
             # ... and a </think> after the server's own reasoning is read alike too (the whole answer
-            # read the tags of all its content as its head: a re-check found them apart).
+            # read the tags of all its content as its head: a re-check found them apart), as written:
+            # the server parts reasoning itself (it was a boundary: the text before it that a stream
+            # had not passed on yet was reasoning, so what a client saw hung on the deltas' split).
             tagged = [
                 {"content": "<x>\n"},
                 {"reasoning_content": "plan"},
@@ -307,7 +309,7 @@ async def test_content_before_the_servers_own_reasoning_reads_the_same_streamed_
             r = await client.post("/v1/chat/completions", json={"model": "r1", "messages": MESSAGES})
             message = r.json()["choices"][0]["message"]
             streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
-            assert streamed == (message["content"], message["reasoning_content"]) == ("<x>\nok", "plan<thi")
+            assert streamed == (message["content"], message["reasoning_content"]) == ("<x>\n<thi</think>ok", "plan")
 
 
 async def test_open_think_tags_keep_a_close_tag_after_the_servers_own_reasoning_alike(shaped):
@@ -326,6 +328,34 @@ async def test_open_think_tags_keep_a_close_tag_after_the_servers_own_reasoning_
     message = r.json()["choices"][0]["message"]
     streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
     assert streamed == (message["content"], message["reasoning_content"]) == ("a <b</think> c", "plan")
+
+
+async def test_a_close_tag_after_the_servers_own_reasoning_reads_alike_however_the_deltas_split(shaped):
+    """think_tags "auto", reasoning in the model server's own field, then content with a
+    `</think>` of no tag before it: a whole answer took the text before the tag for reasoning
+    (hidden from a strict model's client), a stream only the part of it in the tag's delta, so a
+    strict client saw "Private plan. " or not by where the deltas split (an outside audit).
+    The server parts reasoning itself: the content is the answer, the tag as written."""
+    edge, upstream = shaped
+    first = {"reasoning_content": "R"}
+    splits = (
+        [first, {"content": "Private plan. "}, {"content": "</think>Answer"}],
+        [first, {"content": "Private plan. </think>Answer"}],
+    )
+    seen = set()
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for name in ("plain", "strict", "strictbuf"):
+                for deltas in splits:
+                    upstream.script_for("t", script(*deltas))
+                    chunks, _ = await stream_raw(edge, model=name)
+                    upstream.script_for("t", script(*deltas))
+                    r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+                    whole = r.json()["choices"][0]["message"]
+                    assert joined(chunks, "content") == whole["content"], (name, deltas)
+                    assert joined(chunks, "reasoning_content") == (whole.get("reasoning_content") or ""), (name, deltas)
+                    seen.add((name, whole["content"]))
+    assert seen == {(name, "Private plan. </think>Answer") for name in ("plain", "strict", "strictbuf")}
 
 
 async def test_auto_learns_a_template_that_opens_think(shaped):

@@ -297,7 +297,9 @@ class ThinkSplitter:
     def parted(self) -> None:
         """The model server parts reasoning from content itself (reasoning came in its own
         field): a stream still in the reasoning it started in (``starts_open``, no tag yet)
-        leaves it, what it held going out as that reasoning; the rest is the answer."""
+        leaves it, what it held going out as that reasoning; the rest is the answer, and a
+        ``</think>`` before any think tag in it is no longer one (``stray_close``)."""
+        self._first = False
         if self._in_think and not self._tags:
             if self._pending:
                 self._reasoning(self._pending)

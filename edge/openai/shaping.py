@@ -99,6 +99,7 @@ class Shaper:
         "_watch",
         "_learned_hold",
         "_fielded",
+        "_fielded_at",
         "_open_head",
         "_unclosed",
         "_closed",
@@ -144,6 +145,7 @@ class Shaper:
         self._learned_hold = live and auto and template is not None and template.opens(model)
         self._unclosed = False  # the run ended with its head still held: no </think> came
         self._fielded = False  # reasoning came in its own field: the model server parts it
+        self._fielded_at = -1  # (a whole answer) the content's length when its first such reasoning came
         self._closed = False  # a held head ended at its </think>: another in the answer is the answer's
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
         # think_tags "open": the content starts inside reasoning, unless reasoning comes first in its
@@ -261,7 +263,10 @@ class Shaper:
             # (a </think> before any think tag: the template opened it; with think_tags "open", not
             # once the model server parted the reasoning itself: a whole answer keeps such a tag as
             # written then, and a stream dropped it, with what came before it not yet passed on)
-            stray = not (self._closed or self._fielded and self.policy.think_tags == "open")
+            # (nor, with think_tags "auto", once the model server parted reasoning: a whole answer
+            # read the text before such a tag as reasoning, a stream only the part not passed on,
+            # so what a client saw hung on where the deltas split: an outside audit)
+            stray = not (self._closed or self._fielded)
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
@@ -271,10 +276,13 @@ class Shaper:
                 self._opened_head()
             elif mode == "auto" and not self.policy.strict_output and self._template is not None:
                 self._released_head()
+        if not self._fielded and not self._live:
+            self._fielded_at = sum(map(len, self.content_parts))
         self._fielded = True
+        self._watch = None  # (its content is the answer: a </think> in it teaches nothing)
         if self._open_head:  # (no content yet: the answer, when it comes, is the answer)
             self._open_head, self._think = False, None
-        elif self._think is not None and self.policy.think_tags == "open":
+        elif self._think is not None:
             self._think.parted()  # (content came first: from here it is the answer)
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
@@ -382,6 +390,8 @@ class Shaper:
                 # call block before it were taken for the end: a re-check found them apart).
                 calls = self._raw_parts is not None
                 at = template_head(raw, calls) if mode == "auto" else -1
+                if 0 <= self._fielded_at <= at:  # (after the model server's own reasoning: as written)
+                    at = -1
                 if at < 0 and self._untagged_of_learned(raw, calls):
                     if finish_reason == "length":
                         at = len(raw)  # (all of it reasoning, as a live stream's held head: above)
