@@ -358,6 +358,33 @@ async def test_a_close_tag_after_the_servers_own_reasoning_reads_alike_however_t
     assert seen == {(name, "Private plan. </think>Answer") for name in ("plain", "strict", "strictbuf")}
 
 
+async def test_a_strict_models_content_before_the_servers_own_reasoning_reads_alike(shaped):
+    """A strict model's content, then reasoning in the model server's own field, then more:
+    the stream held the first content as the head of reasoning a template opens, and once the
+    edge had learned the model's template opens <think>, a run cut by max_tokens dropped it as
+    reasoning: an empty answer streamed, "Head text more" whole (an outside audit). The server
+    parts reasoning itself: it is the answer both ways, learned or not, cut or not, and a
+    </think> after the server's reasoning is kept as written."""
+    edge, upstream = shaped
+    head = [{"content": "Head text "}, {"reasoning_content": "R"}]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for learned in (False, True):
+                if learned:  # (a whole answer with a </think> first: its template opens <think>)
+                    upstream.script_for("t", script({"content": "x</think>y"}))
+                    await client.post("/v1/chat/completions", json={"model": "strict", "messages": MESSAGES})
+                for finish in ("length", "stop"):
+                    for rest, want in (("more", "Head text more"), ("</think>more", "Head text </think>more")):
+                        steps = script(*head, {"content": rest}, finish=finish)
+                        upstream.script_for("t", steps)
+                        chunks, _ = await stream_raw(edge, model="strict")
+                        upstream.script_for("t", steps)
+                        r = await client.post("/v1/chat/completions", json={"model": "strict", "messages": MESSAGES})
+                        whole = r.json()["choices"][0]["message"]["content"]
+                        assert joined(chunks, "content") == whole == want, (learned, finish, rest)
+                        assert joined(chunks, "reasoning_content") == "", (learned, finish, rest)
+
+
 async def test_auto_learns_a_template_that_opens_think(shaped):
     """think_tags "auto" (the default), a template that opens <think> (DeepSeek-R1, Qwen3
     thinking): the first answer that shows </think> before any <think> teaches the edge, and

@@ -286,10 +286,11 @@ class Shaper:
             self._think.parted()  # (content came first: from here it is the answer)
         if self._held == []:  # the model server parts reasoning from content itself: nothing to hold
             self._held = None
-        elif self._held and not self.policy.strict_output:
-            # (content came first, held as the reasoning a learned template opens: the model server
-            # parts them, so it is the answer, as a whole answer reads it; it was held to the end and
-            # given as reasoning, the answer's order lost: an outside audit)
+        elif self._held:
+            # (content came first, held as the reasoning a learned template opens, or a strict
+            # model's head: the model server parts them, so it is the answer, as a whole answer
+            # reads it; it was held to the end and given as reasoning, the answer's order lost,
+            # and a strict model's, cut by max_tokens, was dropped: outside audits)
             self._release()
         if self._content_filter.pending and (rest := self._content_filter.flush()):  # (as in content())
             self._filtered(rest)
