@@ -310,8 +310,20 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         return msgspec.structs.replace(self, **extra) if extra else self
 
     def node_may_serve(self, node_id: str) -> re.Pattern[str] | None:
-        """What models ``node_id`` may serve (``node_models``): a pattern, or None for any."""
-        patterns = self.node_models.get(node_id, self.node_models.get("*"))
+        """What models ``node_id`` may serve (``node_models``): a pattern, or None for any. Its
+        own entry; else the first key that is a glob matching it (``"gpu-*"``: an operator who
+        wrote one meant the gpu nodes, which a key read as an id alone let serve anything); else
+        ``"*"``'s."""
+        patterns = self.node_models.get(node_id)
+        if patterns is None:
+            patterns = next(
+                (
+                    listed
+                    for key, listed in self.node_models.items()
+                    if key != "*" and _GLOB.search(key) and fnmatch.fnmatchcase(node_id, key)
+                ),
+                self.node_models.get("*"),
+            )
         if patterns is None or "*" in patterns:
             return None
         return _models_pattern(tuple(patterns))
@@ -327,6 +339,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     @property
     def ping_timeout_s(self) -> float:
         return self.ping_interval_s * max(self.ping_misses, 1)
+
+
+_GLOB = re.compile(r"[*?\[]")
 
 
 @functools.lru_cache(maxsize=64)

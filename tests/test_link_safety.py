@@ -1418,18 +1418,21 @@ async def test_node_models_bound_what_each_node_may_serve(nursery):
     """node_models: a node token no longer serves any model it names. A node's models outside its
     patterns are left out of its link (clients get 404 for them, never its answer); "*" holds for
     every id without an entry; a node with none of its models allowed is closed 4001, named."""
-    config = edge_config(
-        node_token="shared", node_tokens={"A": "token-of-a"}, node_models={"A": ["qwen-*"], "*": ["sim-*"]}
-    )
+    node_models = {"A": ["qwen-*"], "gpu-*": ["small-*"], "*": ["sim-*"]}
+    config = edge_config(node_token="shared", node_tokens={"A": "token-of-a"}, node_models=node_models)
     edge = await start_edge(nursery, config)
     with trio.fail_after(BOUND):
         await start_node(nursery, edge, [model("qwen-a"), model("gpt-4o")], node_id="A", token="token-of-a")
         await start_node(nursery, edge, [model("sim-b")], node_id="B", token="shared")
-        await eventually(lambda: {"A", "B"} <= set(edge.edge.runs.links), "both linked")
+        # A key that is a glob holds for the ids it matches (it was read as an id alone: `gpu-7`
+        # served `big-secret`, an outside audit); "*" for those no key matches.
+        await start_node(nursery, edge, [model("small-a"), model("big-secret")], node_id="gpu-7", token="shared")
+        await eventually(lambda: {"A", "B", "gpu-7"} <= set(edge.edge.runs.links), "all linked")
         assert set(edge.edge.runs.links["A"].models) == {"qwen-a"}
+        assert set(edge.edge.runs.links["gpu-7"].models) == {"small-a"}
         async with http(edge) as client:
             listed = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
-            assert listed == {"qwen-a", "sim-b"}
+            assert listed == {"qwen-a", "sim-b", "small-a"}
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             assert (await client.post("/v1/chat/completions", json={**body, "model": "qwen-a"})).status_code == 200
             r = await client.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
