@@ -674,6 +674,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                 "id": link.node_id,
                 "linked_for_s": round(now - link.linked_at, 3),
                 "draining": link.draining,
+                "stalled": any(link.stalled(now, info.name) for info in infos),  # (each model says)
                 "in_flight": sum(link.in_flight[info.name] for info in infos),
                 "models": [
                     {
@@ -686,6 +687,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                         # what of max_concurrency the node has earned (README "Many nodes": ramp_slots)
                         "trusted": link.trusted[info.name],
                         "in_flight": link.in_flight[info.name],
+                        # routed around for it now: its runs were not starting or progressing (it was
+                        # told only by the log and the console: an outside audit), or failing
+                        "stalled": link.stalled(now, info.name),
+                        "failing": link.ejected(info.name, now),
                         "context_window": info.context_window,
                         "native_tools": info.native_tools,
                         "passthrough": info.passthrough,

@@ -222,6 +222,10 @@ async def test_a_stall_of_one_model_leaves_the_node_s_other_models_served(nurser
                 await eventually(lambda: edge.edge.runs.links["multi"].stalled(trio.current_time(), "shared"))
                 node = next(n for n in edge.edge.console.snapshot().nodes if n.id == "multi")  # the console says which
                 assert {m.name: m.stalled for m in node.models} == {"shared": True, "solo": False}
+                listed = {n["id"]: n for n in (await client.get("/v1/nodes")).json()["data"]}  # and /v1/nodes
+                assert listed["multi"]["stalled"] is True and listed["peer"]["stalled"] is False
+                shown = {m["name"]: (m["stalled"], m["failing"]) for m in listed["multi"]["models"]}
+                assert shown == {"shared": (True, False), "solo": (False, False)}
                 await ask("solo", "solo")  # a 429 once the queue's 2 s are out, if routed around
     links = edge.edge.runs.links
     assert not links["multi"].stalled(trio.current_time(), "solo")
