@@ -1234,6 +1234,27 @@ async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nurs
     await stream.aclose()
 
 
+async def test_provider_headers_too_large_for_a_clients_head_are_dropped_from_a_tunnel(nursery):
+    """A node relays a head of a 100 KB header value, or of many values that add up past what
+    clients read (httpx refuses a head past 16 KiB): the client lost the answer. Values past 4 KB,
+    and headers past 8 KB in all, are dropped; the rest, and the answer, reach the client."""
+    edge = await start_edge(nursery)
+    headers = [
+        ("openai-first", "a" * 3000),
+        ("x-huge", "b" * 100_000),
+        *((f"x-many-{i}", "c" * 1000) for i in range(20)),
+    ]
+    with trio.fail_after(BOUND):
+        stream = await _tunnel_node(nursery, edge, headers, [200])
+        async with http(edge) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 200 and r.content == b'{"choices": []}'
+    assert r.headers["openai-first"] == "a" * 3000 and "x-huge" not in r.headers
+    kept = [name for name in r.headers if name.startswith("x-many-")]
+    assert 0 < len(kept) < 20 and sum(len(name) + len(r.headers[name]) for name in kept) < 8192
+    await stream.aclose()
+
+
 async def test_a_tunnel_relays_no_framing_cookies_or_cors_and_only_real_statuses(nursery):
     """A node's tunnel head with a content-length that is not the body's (the client got a cut
     body, or the head and then EOF), set-cookie, access-control-*, CSP, HSTS, alt-svc (the edge's

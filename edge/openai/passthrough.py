@@ -85,6 +85,8 @@ _X_HELD = frozenset(
 )
 _X_HELD_FAMILIES = ("x-accel-", "x-forwarded-", "x-iop-")
 _MAX_RELAYED = 64
+_MAX_HEADER_VALUE = 4096  # bytes of one relayed header's value, at most
+_MAX_RELAYED_BYTES = 8192  # of all the relayed headers (a provider's: 20 lines of under 200 bytes)
 # A body's type, if it is one an API answers with; any other is relayed as bytes to save, never
 # as a page for a browser to render on the edge's origin.
 _BODY_TYPES = ("application/json", "text/event-stream", "text/plain", "application/x-ndjson")
@@ -450,6 +452,7 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
     valid HTTP (dropped, logged: it would break the response)."""
     out = [_NOSNIFF]
     dropped = []
+    room = _MAX_RELAYED_BYTES
     for name, value in headers or ():
         lower = name.lower()
         if not _relayed(lower) or len(out) > _MAX_RELAYED:
@@ -457,6 +460,13 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
         if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
             dropped.append(name[:100])
             continue
+        size = len(name) + len(value) + 4
+        if len(value) > _MAX_HEADER_VALUE or size > room:
+            # (a node's 100 KB value went to the client: most clients refuse a head past 8-16 KB,
+            # httpx's past 16 KiB, so the answer was lost; an outside audit)
+            dropped.append(name[:100])
+            continue
+        room -= size
         value = value.strip(" \t")
         if lower == "content-type":
             if not value.lower().startswith(_BODY_TYPES):
@@ -465,7 +475,7 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
                 out.append(_NO_PROXY_BUFFERING)  # as the edge's own streams (nginx reads it)
         out.append((lower.encode("latin-1"), value.encode("latin-1")))
     if dropped:
-        log.warning("provider headers not valid HTTP, dropped", headers=dropped[:20])
+        log.warning("provider headers not valid HTTP or too large, dropped", headers=dropped[:20])
     return out
 
 
