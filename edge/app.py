@@ -774,8 +774,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
             )
         elif "//" in path:
             hint = " The path has // in it: does the client's base URL end with a /?"
-        elif path[:-1] in ROUTES or path[:-1] == "/v1/models":
-            hint = f" The path ends with a /: the route is {path[:-1]}."
+        elif path.endswith("/") and (path[:-1] in ROUTES or path[:-1] == "/v1/models"):
+            hint = f" The path ends with a /: the route is {path[:-1]}."  # (not any one character more)
         elif path.startswith("/v1/") and path.endswith(_ROUTE_TAILS):
             hint = " The path has a route after another: is the base URL the whole endpoint? It ends at /v1."
         message = f"Unknown route: {request.method} {path}.{hint}"

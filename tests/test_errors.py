@@ -143,6 +143,8 @@ async def test_unknown_route_and_wrong_method(edge, node):
             assert "the whole endpoint" in whole.json()["error"]["message"]
             trailing = await client.post("/v1/chat/completions/", json={})
             assert "the route is /v1/chat/completions." in trailing.json()["error"]["message"]
+            nul = (await client.post("/v1/chat/completions%00", json={})).json()["error"]["message"]
+            assert "Unknown route" in nul and "ends with a /" not in nul, nul  # (it said so: an outside audit)
             models = (await client.get("/v1/models")).json()["data"]
             card = await client.get(f"/v1/models/{models[0]['id']}/")
             assert f"the route is /v1/models/{models[0]['id']}." in card.json()["error"]["message"]
