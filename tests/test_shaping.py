@@ -385,6 +385,28 @@ async def test_a_strict_models_content_before_the_servers_own_reasoning_reads_al
                         assert joined(chunks, "reasoning_content") == "", (learned, finish, rest)
 
 
+async def test_reasoning_in_think_tags_then_the_servers_own_keeps_its_order_streamed_and_whole(shaped):
+    """Content with think tags, then reasoning in the model server's own field: a whole answer
+    split the tags at its end, so their reasoning came after the server's ("RA" whole, "AR"
+    streamed; an outside audit). Both now read in the order it came."""
+    edge, upstream = shaped
+    cases = (
+        ([{"content": "<think>A</think>B"}, {"reasoning_content": "R"}, {"content": "C"}], ("BC", "AR")),
+        ([{"content": "<think>A"}, {"reasoning_content": "R"}, {"content": "</think>B"}], ("B", "AR")),
+        ([{"content": "x<think>A"}, {"reasoning_content": "R"}, {"content": "</think>B"}], ("xB", "AR")),
+    )
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for deltas, want in cases:
+                upstream.script_for("t", script(*deltas))
+                chunks, _ = await stream_raw(edge, model="plain")
+                upstream.script_for("t", script(*deltas))
+                r = await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})
+                whole = r.json()["choices"][0]["message"]
+                streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
+                assert streamed == (whole["content"], whole["reasoning_content"]) == want, deltas
+
+
 async def test_auto_learns_a_template_that_opens_think(shaped):
     """think_tags "auto" (the default), a template that opens <think> (DeepSeek-R1, Qwen3
     thinking): the first answer that shows </think> before any <think> teaches the edge, and

@@ -276,6 +276,8 @@ class Shaper:
                 self._opened_head()
             elif mode == "auto" and not self.policy.strict_output and self._template is not None:
                 self._released_head()
+            if self._think is None and mode == "auto":
+                self._split_so_far()
         if not self._fielded and not self._live:
             self._fielded_at = sum(map(len, self.content_parts))
         self._fielded = True
@@ -297,6 +299,23 @@ class Shaper:
         text = self._reasoning_filter.append(text)
         if text:
             self._reasoning_out(text)
+
+    def _split_so_far(self) -> None:
+        """think_tags "auto", a whole answer whose content holds a think tag when the model
+        server's first reasoning of its own field comes: split now, as a live stream has split
+        it by then, so that the reasoning in its tags comes before the server's, as it came
+        (it was split at the end: ``<think>A</think>B`` then "R" was reasoning "RA" whole and
+        "AR" streamed; an outside audit). A </think> first is the template's, as at the end."""
+        calls = self._raw_parts is not None
+        raw = "".join(self.content_parts)
+        first = FirstThinkTag(calls=calls).feed(raw)
+        if first is None:
+            return
+        if first[0] != THINK_OPEN:
+            self._learned()
+        self.content_parts = []
+        self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=not self._closed)
+        self._think.append(raw)
 
     def _opened_head(self) -> None:
         """think_tags "open", a whole answer: the content before the model server's first
