@@ -113,6 +113,10 @@ _REFUSAL_FIXES = {
     401: "the node's `token` must equal the edge's `node_token` (or its `node_tokens` entry for this node id)",
 }
 _NO_TOKEN_FIX = "the edge has no `node_token`: set one in the edge's config, and the same as this node's `token`"
+_UNKNOWN_ID_FIX = (
+    "the edge has no token for this `node_id`: is it the id the edge's `node_tokens` names? (or give the edge a"
+    " shared `node_token`)"
+)
 
 
 def _edge_shaped(refusal: ConnectionRejected) -> bool:
@@ -818,8 +822,13 @@ class NodeAgent:
                     # wrong token: 401) needs the operator.
                     transient = e.status_code in TRANSIENT_REFUSALS and long is None
                     level = log.warning if transient else log.error
-                    no_token = b'"no_node_token"' in (e.body or b"")
-                    fix = _NO_TOKEN_FIX if no_token else _REFUSAL_FIXES.get(e.status_code)
+                    said = e.body or b""
+                    if b'"no_node_token"' in said:
+                        fix = _NO_TOKEN_FIX
+                    elif b'"unknown_node_id"' in said:
+                        fix = _UNKNOWN_ID_FIX
+                    else:
+                        fix = _REFUSAL_FIXES.get(e.status_code)
                     level(
                         "edge refused the link",
                         edge=url,
@@ -862,7 +871,9 @@ class NodeAgent:
             # Refused as its id is linked already: its old link, half dead, goes at the edge's ping
             # timeout, so for relink_window_s it redials as after a lost link (backing off took
             # 5-11 s more); then as any failure (another live process of that id: a mistake).
-            if now - lost_at < cfg.relink_window_s or now - refused_at < cfg.relink_window_s:
+            # (refused_at is inf when no refusals run: now - inf, -inf, was "within" the window, and
+            # every failure was capped at relink_max_s: a newcomer's audit)
+            if now - lost_at < cfg.relink_window_s or 0 <= now - refused_at < cfg.relink_window_s:
                 cap = min(cap, cfg.relink_max_s)
             backoff = min(backoff, cap)
             delay = backoff * random.uniform(0.5, 1.0)  # jitter: relinking nodes do not stampede

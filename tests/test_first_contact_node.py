@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from edge.openai.tools import ToolTextFilter
 from iop import logs
 from node.adapters.sim_tools import sample
-from tests.conftest import BOUND, edge_config, model, sdk, settled, start_edge, start_node
+from node.agent import NodeAgent
+from tests.conftest import BOUND, edge_config, model, node_config, sdk, settled, start_edge, start_node
 
 MESSAGES = [{"role": "user", "content": "What time is it?"}]
 GET_TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
@@ -269,6 +270,34 @@ async def test_node_relinks_within_seconds_of_an_edge_restart(nursery):
         while "n1" not in back.edge.runs.links or not node.agent.links:
             await trio.sleep(0.005)
     assert list(node.agent.links) == [back.link_url]
+
+
+async def test_a_node_that_never_linked_backs_off_past_relink_max_s():
+    """A node whose dials fail from the start (nothing at its edge's address, a wrong token)
+    backs off up to reconnect_max_s; relink_max_s caps it only after a link that was up, or
+    4009 refusals. The cap held for every failure (a check of "refused since" that was never
+    set read as within the window): a misconfigured node redialled every 1-2 s for ever, an
+    error line each time (a newcomer's audit)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = node_config(
+        [f"ws://127.0.0.1:{port}/v1/node/link"],
+        [model("m")],
+        "n1",
+        reconnect_min_s=0.02,
+        reconnect_max_s=30.0,
+        relink_max_s=0.05,
+    )
+    with structlog.testing.capture_logs() as seen, trio.move_on_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(NodeAgent(config).serve)
+            while sum(e["event"] == "redialling edge" for e in seen) < 5:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    delays = [e["in_s"] for e in seen if e["event"] == "redialling edge"]
+    # 0.02 doubling, jittered to half: the fifth is 0.16-0.32 s, past relink_max_s (all were at most 0.05)
+    assert delays[4] > 0.1, delays
 
 
 # -- item 14: the sim model calls tools ----------------------------------------------------------------------
