@@ -160,9 +160,19 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         if not (config.node_token or node_id in config.node_tokens):
             # (no token this node could send would do: a newcomer read "invalid node token" and
             # changed the node's, while the edge had none set)
-            _refused(service, "node link refused: this edge has no node_token", node_id, websocket.peer)
-            message = "this edge has no node_token configured (nor a node_tokens entry for this node id): set one"
-            await websocket.refuse(401, error_json(message, "authentication_error", code="no_node_token"))
+            if config.node_tokens:  # (an id it has no token for: "has no node_token" sent a newcomer
+                # to the edge's config, where the node's id was the mistake)
+                _refused(service, "node link refused: no token for this node id", node_id, websocket.peer)
+                message = (
+                    "this edge has no token for this node id (its node_tokens name other ids, and it has no"
+                    " shared node_token): check the node's node_id"
+                )
+                code = "unknown_node_id"
+            else:
+                _refused(service, "node link refused: this edge has no node_token", node_id, websocket.peer)
+                message = "this edge has no node_token configured (nor a node_tokens entry for this node id): set one"
+                code = "no_node_token"
+            await websocket.refuse(401, error_json(message, "authentication_error", code=code))
             return None
         _refused(service, "node link refused: bad token", node_id, websocket.peer)
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))

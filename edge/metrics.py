@@ -146,7 +146,9 @@ class EdgeMetrics:
             "iop_runs_moved",
             "Runs moved to another node before their first event (failover), by why: node_lost, "
             "node_stalled (its runs were not starting), node_failed (its model server failed it at once), "
-            "node_refused (refused at once with a 4xx: moved to a node with a free slot, once)",
+            "node_refused (refused at once with a 4xx: moved to a node with a free slot, once); and "
+            "rerun_node_lost, rerun_node_stalled: a collected run (its client shown nothing yet: "
+            "non-streamed, or a tool call's) run again on another node after its node was lost or stalled mid-run",
             ["model", "why"],
             registry=r,
         )

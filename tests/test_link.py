@@ -144,6 +144,14 @@ async def test_a_collected_run_whose_node_dies_runs_again_on_another(nursery, tm
         if s.name == "iop_usage_estimated_total" and s.labels.get("api") == "chat"
     ]
     assert estimated == [1.0]
+    # Counted as moved (iop_runs_ended{cause=node_lost} alone counted it, read as a client's loss).
+    moved = {
+        s.labels["why"]: s.value
+        for metric in edge.edge.metrics.registry.collect()
+        for s in metric.samples
+        if s.name == "iop_runs_moved_total"
+    }
+    assert moved == {"rerun_node_lost": 1.0}, moved
 
 
 async def test_node_relinks_after_edge_restart(nursery, upstream):
@@ -350,6 +358,13 @@ async def test_a_node_that_cannot_link_says_what_to_fix(nursery):
     refused = [e for e in logs if e["event"] == "edge refused the link"]
     assert "has no node_token configured" in refused[0]["body"], refused
     assert refused[0]["fix"].startswith("the edge has no `node_token`: set one in the edge's config"), refused
+    # One whose node_tokens name other ids: the node's id is the thing to check, not the edge's
+    # node_token (it said the edge had none: a newcomer's audit).
+    named = await start_edge(nursery, edge_config(node_token="", node_tokens={"n9": "t9"}))
+    with structlog.testing.capture_logs() as logs, trio.move_on_after(0.5):
+        await NodeAgent(node_config([named.link_url], [model("m")], "n8", token="t9")).serve()
+    refused = [e for e in logs if e["event"] == "edge refused the link"]
+    assert "no token for this node id" in refused[0]["body"] and "`node_id`" in refused[0]["fix"], refused
 
     # A second live node with a linked node's id: refused (4009), warnings, then errors saying so.
     await start_node(nursery, edge, [model("m")], "twin")

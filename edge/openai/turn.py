@@ -536,6 +536,10 @@ async def collect_validated(
                     f"collected run moved: its node was {'lost' if failed.cause == NODE_LOST else 'stalled'}",
                     failed_run_id=lost.id,
                 )
+                metrics = turn.edge.metrics
+                # (counted only in iop_runs_ended{cause=node_lost}: dashboards read it as clients' losses)
+                why = "rerun_node_lost" if failed.cause == NODE_LOST else "rerun_node_stalled"
+                metrics.runs_moved.labels(metrics.model_label(turn.req.model), why).inc()
                 try:
                     slot = await acquire_keeping_alive(turn, on_idle)
                 except APIError as refused:
