@@ -32,7 +32,7 @@ import structlog
 import trio
 from quart import Response, request
 
-from edge.auth import client_key_matches
+from edge.auth import client_key_matches, client_token
 from edge.errors import error_json, final_headers
 from edge.keys import Key, Policy, new_secret, sha256_hex
 from edge.ledger import GROUPS, LedgerUnavailable
@@ -161,8 +161,21 @@ def admin_refusal(edge: Edge) -> Response | None:
             403, "The admin API needs admin_keys in the edge config.", "admin_disabled", "permission_error"
         )
     if not is_admin(request.headers, admin_keys):
-        return error_response(401, "Invalid or missing admin key.", "invalid_api_key", "authentication_error")
+        return error_response(401, admin_key_refused(request.headers), "invalid_api_key", "authentication_error")
     return None
+
+
+def admin_key_refused(headers: Any) -> str:
+    """The 401's message of a request without an admin key: it says how to send one when the
+    Authorization header holds a key with no Bearer (a client route's 401 said so, the admin
+    routes' did not: a newcomer's audit)."""
+    authorization = headers.get("authorization")
+    if authorization and client_token(authorization, headers.get("x-api-key")) is None:
+        return (
+            "Invalid or missing admin key: the Authorization header holds no Bearer key;"
+            " send `Authorization: Bearer <admin key>` (or `x-api-key: <admin key>`)."
+        )
+    return "Invalid or missing admin key."
 
 
 def is_admin(headers: Any, admin_keys: list[str]) -> bool:

@@ -22,7 +22,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
-from edge.admin import admin_routes, is_admin
+from edge.admin import admin_key_refused, admin_routes, is_admin
 from edge.anthropic.codec import error_body as anthropic_error_body
 from edge.app_queue import install as install_app_queue
 from edge.auth import client_token
@@ -585,7 +585,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if config.admin_keys:
             if is_admin(request.headers, config.admin_keys):
                 return None
-            refusal = error_json("Invalid or missing admin key.", "authentication_error", code="invalid_api_key")
+            refusal = error_json(admin_key_refused(request.headers), "authentication_error", code="invalid_api_key")
             return _json(401, refusal)
         return client_key()[1]
 
@@ -788,12 +788,13 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         refused = route_refusal(request.path)  # (as for an unknown route)
         if refused is not None:
             return refused
-        response = models_error(
-            APIError(405, "Method not allowed.", "invalid_request_error", code="method_not_allowed")
-        )
-        methods = getattr(e, "valid_methods", None)
+        methods = sorted(getattr(e, "valid_methods", None) or ())
+        # (the methods too, not only in Allow: "Method not allowed." was all a newcomer's
+        # POST /v1/models read)
+        message = f"Method not allowed; use {' or '.join(methods)}." if methods else "Method not allowed."
+        response = models_error(APIError(405, message, "invalid_request_error", code="method_not_allowed"))
         if methods:
-            response.headers["allow"] = ", ".join(sorted(methods))
+            response.headers["allow"] = ", ".join(methods)
         return response
 
     @app.errorhandler(500)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import os
 import secrets
 import signal
@@ -37,9 +38,17 @@ def demo_model():
     )
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("iop")
+    except importlib.metadata.PackageNotFoundError:  # (run from a checkout that was never installed)
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="iop", description="OpenAI-compatible edge for inference nodes")
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: info)")
+    parser.add_argument("--version", action="version", version=f"iop {_version()}")
     # --log-level after the command too (`iop edge --config x --log-level debug`): SUPPRESS keeps a
     # subcommand's default from overwriting one given before it.
     after = argparse.ArgumentParser(add_help=False)

@@ -113,6 +113,8 @@ async def test_chat_bodies_openai_refuses_are_a_400_naming_the_field(edge_up):
             for body, param in refused:
                 r = await client.post("/v1/chat/completions", json={"model": "m", **body})
                 assert error_of(r)["param"] == param, body
+                if param == "response_format.type":  # (every type it takes: structural_tag was left out)
+                    assert "json_schema or structural_tag" in error_of(r)["message"], r.text
             assert not upstream.records
             for body in served:
                 r = await client.post("/v1/chat/completions", json={"model": "m", **body})

@@ -141,6 +141,8 @@ def test_python_dash_m_iop_is_the_iop_command():
     result = subprocess.run([sys.executable, "-m", "iop", "--help"], capture_output=True, text=True, timeout=BOUND)
     assert result.returncode == 0 and result.stdout.startswith("usage: iop "), result.stderr
     assert "{demo,edge,node,usage}" in result.stdout
+    version = subprocess.run([sys.executable, "-m", "iop", "--version"], capture_output=True, text=True, timeout=BOUND)
+    assert version.returncode == 0 and version.stdout.startswith("iop 0."), (version.stdout, version.stderr)
 
 
 def test_busy_address_is_one_line():

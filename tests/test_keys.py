@@ -1215,6 +1215,11 @@ async def test_under_the_admin_api_an_admin_key_gets_404_and_405_and_no_other_ke
                     r = await c.request(method, path)
                     got[name].append((r.status_code, r.json()["error"]["code"]))
             listed = await admin.get("/v1/nodes")
+            # A key sent without "Bearer" is told how to send it, as on the client routes (a newcomer's audit).
+            bare = await stranger.get("/v1/nodes", headers={"authorization": ADMIN})
+            models_post = await user.post("/v1/models")
+    assert bare.status_code == 401 and "no Bearer key" in bare.json()["error"]["message"], bare.text
+    assert models_post.status_code == 405 and "use GET" in models_post.json()["error"]["message"], models_post.text
     assert [status for status, _ in got["admin"]] == [status for _, _, status in wrong], got["admin"]
     assert {code for _, code in got["admin"]} == {"method_not_allowed", "not_found"}
     assert got["user"] == got["stranger"] == [(401, "invalid_api_key")] * len(wrong)

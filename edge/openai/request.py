@@ -466,7 +466,7 @@ def parse_chat_request(
     except msgspec.ValidationError as e:
         message, param = _validation_message(e)
         if param == "response_format.type":
-            message = f"{message[:-1]} (expected text, json_object or json_schema)."
+            message = f"{message[:-1]} (expected text, json_object, json_schema or structural_tag)."
         raise errors.bad_request(message, param) from None
     _check_text_parts(req)
     _check_unsupported(req)
