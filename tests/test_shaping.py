@@ -70,6 +70,19 @@ def joined(chunks: list[dict], field: str) -> str:
     return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
 
 
+async def both_ways(shaped, client, name: str, steps: list) -> tuple[tuple[str, str], tuple[str, str]]:
+    """``steps`` answered to a stream, then to a whole request, of model ``name``: each one's
+    (content, reasoning)."""
+    edge, upstream = shaped
+    upstream.script_for("t", steps)
+    chunks, _ = await stream_raw(edge, model=name)
+    upstream.script_for("t", steps)
+    r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+    message = r.json()["choices"][0]["message"]
+    streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
+    return streamed, (message["content"], message.get("reasoning_content") or "")
+
+
 async def test_reasoning_is_streamed_as_reasoning_content(shaped):
     """Upstream reasoning (either field name) reaches the SDK as delta.reasoning_content."""
     edge, upstream = shaped
@@ -303,13 +316,8 @@ async def test_content_before_the_servers_own_reasoning_reads_the_same_streamed_
                 {"content": "<thi"},
                 {"content": "</think>ok"},
             ]
-            upstream.script_for("t", script(*tagged))
-            chunks, _ = await stream_raw(edge, model="r1")
-            upstream.script_for("t", script(*tagged))
-            r = await client.post("/v1/chat/completions", json={"model": "r1", "messages": MESSAGES})
-            message = r.json()["choices"][0]["message"]
-            streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
-            assert streamed == (message["content"], message["reasoning_content"]) == ("<x>\n<thi</think>ok", "plan")
+            streamed, whole = await both_ways(shaped, client, "r1", script(*tagged))
+            assert streamed == whole == ("<x>\n<thi</think>ok", "plan")
 
 
 async def test_open_think_tags_keep_a_close_tag_after_the_servers_own_reasoning_alike(shaped):
@@ -347,14 +355,9 @@ async def test_a_close_tag_after_the_servers_own_reasoning_reads_alike_however_t
         async with http(edge) as client:
             for name in ("plain", "strict", "strictbuf"):
                 for deltas in splits:
-                    upstream.script_for("t", script(*deltas))
-                    chunks, _ = await stream_raw(edge, model=name)
-                    upstream.script_for("t", script(*deltas))
-                    r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
-                    whole = r.json()["choices"][0]["message"]
-                    assert joined(chunks, "content") == whole["content"], (name, deltas)
-                    assert joined(chunks, "reasoning_content") == (whole.get("reasoning_content") or ""), (name, deltas)
-                    seen.add((name, whole["content"]))
+                    streamed, whole = await both_ways(shaped, client, name, script(*deltas))
+                    assert streamed == whole, (name, deltas)
+                    seen.add((name, whole[0]))
     assert seen == {(name, "Private plan. </think>Answer") for name in ("plain", "strict", "strictbuf")}
 
 
@@ -376,13 +379,8 @@ async def test_a_strict_models_content_before_the_servers_own_reasoning_reads_al
                 for finish in ("length", "stop"):
                     for rest, want in (("more", "Head text more"), ("</think>more", "Head text </think>more")):
                         steps = script(*head, {"content": rest}, finish=finish)
-                        upstream.script_for("t", steps)
-                        chunks, _ = await stream_raw(edge, model="strict")
-                        upstream.script_for("t", steps)
-                        r = await client.post("/v1/chat/completions", json={"model": "strict", "messages": MESSAGES})
-                        whole = r.json()["choices"][0]["message"]["content"]
-                        assert joined(chunks, "content") == whole == want, (learned, finish, rest)
-                        assert joined(chunks, "reasoning_content") == "", (learned, finish, rest)
+                        streamed, whole = await both_ways(shaped, client, "strict", steps)
+                        assert streamed == whole == (want, ""), (learned, finish, rest)
 
 
 async def test_reasoning_in_think_tags_then_the_servers_own_keeps_its_order_streamed_and_whole(shaped):
@@ -398,13 +396,8 @@ async def test_reasoning_in_think_tags_then_the_servers_own_keeps_its_order_stre
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             for deltas, want in cases:
-                upstream.script_for("t", script(*deltas))
-                chunks, _ = await stream_raw(edge, model="plain")
-                upstream.script_for("t", script(*deltas))
-                r = await client.post("/v1/chat/completions", json={"model": "plain", "messages": MESSAGES})
-                whole = r.json()["choices"][0]["message"]
-                streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
-                assert streamed == (whole["content"], whole["reasoning_content"]) == want, deltas
+                streamed, whole = await both_ways(shaped, client, "plain", script(*deltas))
+                assert streamed == whole == want, deltas
 
 
 async def test_auto_learns_a_template_that_opens_think(shaped):
