@@ -1762,6 +1762,25 @@ def _ref_dag(depth: int) -> dict:
     return {"type": "object", "$defs": defs, "$ref": "#/$defs/l0"}
 
 
+@pytest.mark.parametrize(
+    "dialect",
+    [None, "https://json-schema.org/draft/2020-12/schema", "http://json-schema.org/draft-07/schema#"],
+)
+def test_a_checks_deadline_reaches_a_subschema_of_its_own_dialect(dialect):
+    """A subschema that names its dialect (`$schema`) had jsonschema step into that dialect's
+    plain validator, which no deadline reached: an anyOf chain of $refs 18 deep below it took
+    102 s to check a call, 17 s of it on the event loop, and node links timed out (an outside
+    re-check). The check's deadline holds below it as everywhere."""
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(16)}
+    defs["d16"] = {"type": "integer"}
+    below = {"$ref": "#/$defs/d0", **({"$schema": dialect} if dialect else {})}
+    validator = tools_module._validator(json.dumps({"type": "object", "$defs": defs, "properties": {"a": below}}))
+    started = time.monotonic()
+    with pytest.raises(tools_module.PatternTimeout), tools_module._pattern_deadline(0.01, 0.01):
+        list(validator.iter_errors({"a": "x"}))
+    assert time.monotonic() - started < 0.2  # (the whole check: 0.5-0.7 s here with 16 levels, unbounded)
+
+
 async def test_a_schema_whose_check_explodes_is_a_400_and_the_edge_goes_on(sim_edge):
     """A 77-node schema of $refs nesting 18 deep took 18 s of the loop and 1.5 GB to check
     (node links lost); a pattern whose counted repeats expand, 0.9 s and 800 MB to compile.

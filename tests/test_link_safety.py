@@ -1243,6 +1243,8 @@ async def test_provider_headers_too_large_for_a_clients_head_are_dropped_from_a_
         ("openai-first", "a" * 3000),
         ("x-huge", "b" * 100_000),
         *((f"x-many-{i}", "c" * 1000) for i in range(20)),
+        ("x-fill", "d" * 90),  # (the room left: 16 bytes)
+        ("content-type", "application/x-ndjson"),  # (after the rest: never left out for want of room)
     ]
     with trio.fail_after(BOUND):
         stream = await _tunnel_node(nursery, edge, headers, [200])
@@ -1250,6 +1252,7 @@ async def test_provider_headers_too_large_for_a_clients_head_are_dropped_from_a_
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 200 and r.content == b'{"choices": []}'
     assert r.headers["openai-first"] == "a" * 3000 and "x-huge" not in r.headers
+    assert r.headers["content-type"] == "application/x-ndjson"
     kept = [name for name in r.headers if name.startswith("x-many-")]
     assert 0 < len(kept) < 20 and sum(len(name) + len(r.headers[name]) for name in kept) < 8192
     await stream.aclose()

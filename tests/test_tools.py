@@ -1110,6 +1110,9 @@ async def test_schemas_jsonschema_stumbles_on_are_400s_naming_the_tool_on_every_
         ({"$schema": _DRAFT3, "type": ["#"]}, "draft-03"),
         ({"$schema": _DRAFT4, "$ref": 1}, "cannot be checked"),
         ({"$schema": _DRAFT4, "$ref": {"$ref": "#"}}, "cannot be checked"),
+        # a reference whose pointer walks into a list or a number (ValueError, TypeError: a 500)
+        ({"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/required/a"}}}, "does not resolve"),
+        ({"type": "object", "minimum": 5, "properties": {"a": {"$ref": "#/minimum/x"}}}, "does not resolve"),
     ]
     with trio.fail_after(BOUND):
         async with http(edge) as client:

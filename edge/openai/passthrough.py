@@ -460,7 +460,7 @@ def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes
         if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
             dropped.append(name[:100])
             continue
-        size = len(name) + len(value) + 4
+        size = len(name) + len(value) + 4 if lower not in _RELAYED else 0  # (content-type and its kin: always)
         if len(value) > _MAX_HEADER_VALUE or size > room:
             # (a node's 100 KB value went to the client: most clients refuse a head past 8-16 KB,
             # httpx's past 16 KiB, so the answer was lost; an outside audit)

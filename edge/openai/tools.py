@@ -418,10 +418,44 @@ def _timed(check: Callable) -> Callable:
     return timed
 
 
+_TIMED: set[type] = set()  # every class _timed_class made
+
+
 @functools.cache
 def _timed_class(cls: type) -> type:
     """``cls`` (a draft's validator) with every keyword's check timed (:func:`_timed`)."""
-    return jsonschema.validators.extend(cls, {name: _timed(fn) for name, fn in cls.VALIDATORS.items()})
+    if cls in _TIMED:
+        return cls
+    timed = jsonschema.validators.extend(cls, {name: _timed(fn) for name, fn in cls.VALIDATORS.items()})
+    _TIMED.add(timed)
+    return timed
+
+
+def _timed_validator_for(schema, default=jsonschema.validators._UNSET):  # type: ignore[attr-defined]
+    """``jsonschema.validators.validator_for``, timed for a timed validator's subschemas: a
+    subschema with its own ``$schema`` had jsonschema step into that dialect's plain class,
+    which no deadline reached (an anyOf chain of $refs 18 deep below one took 102 s, 17 s of
+    it on the event loop, and node links timed out: an outside re-check)."""
+    cls = _plain_validator_for(schema, default)
+    if default in _TIMED and cls not in _TIMED:
+        return _timed_class(cls)
+    return cls
+
+
+def _time_dialect_switches() -> None:
+    """evolve() (how jsonschema steps into a subschema) calls the module's validator_for."""
+    global _plain_validator_for
+    current = jsonschema.validators.validator_for
+    if current is _timed_validator_for:
+        return
+    if not hasattr(jsonschema.validators, "_UNSET"):
+        raise RuntimeError("jsonschema.validators no longer has _UNSET: review edge.openai.tools")
+    _plain_validator_for = current
+    jsonschema.validators.validator_for = _timed_validator_for
+
+
+_plain_validator_for = jsonschema.validators.validator_for
+_time_dialect_switches()
 
 
 def _bound_jsonschema_patterns() -> None:
@@ -614,7 +648,8 @@ def _build_validator(schema_json: str):
             continue
         try:
             resolved[ref] = resolver.lookup(ref).contents
-        except referencing.exceptions.Unresolvable:
+        except Exception:  # noqa: BLE001 (Unresolvable; a pointer into a list or a number raised
+            # ValueError or TypeError, a 500: an outside re-check)
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             ) from None
