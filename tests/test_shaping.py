@@ -70,15 +70,18 @@ def joined(chunks: list[dict], field: str) -> str:
     return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
 
 
-async def both_ways(shaped, client, name: str, steps: list) -> tuple[tuple[str, str], tuple[str, str]]:
+async def both_ways(shaped, client, name: str, steps: list, **body) -> tuple[tuple[str, str], tuple[str, str]]:
     """``steps`` answered to a stream, then to a whole request, of model ``name``: each one's
     (content, reasoning)."""
     edge, upstream = shaped
     upstream.script_for("t", steps)
-    chunks, _ = await stream_raw(edge, model=name)
+    chunks, _ = await stream_raw(edge, model=name, **body)
     upstream.script_for("t", steps)
-    r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES})
+    r = await client.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES, **body})
     message = r.json()["choices"][0]["message"]
+    assert not message.get("tool_calls") and not any(
+        c["choices"][0]["delta"].get("tool_calls") for c in chunks if c["choices"]
+    )
     streamed = (joined(chunks, "content"), joined(chunks, "reasoning_content"))
     return streamed, (message["content"], message.get("reasoning_content") or "")
 
@@ -390,6 +393,7 @@ async def test_reasoning_in_think_tags_then_the_servers_own_keeps_its_order_stre
     edge, upstream = shaped
     cases = (
         ([{"content": "<think>A</think>B"}, {"reasoning_content": "R"}, {"content": "C"}], ("BC", "AR")),
+        ([{"reasoning_content": "R"}, {"content": "<think>A</think>B"}, {"reasoning_content": "S"}], ("B", "RAS")),
         ([{"content": "<think>A"}, {"reasoning_content": "R"}, {"content": "</think>B"}], ("B", "AR")),
         ([{"content": "x<think>A"}, {"reasoning_content": "R"}, {"content": "</think>B"}], ("xB", "AR")),
     )
@@ -398,6 +402,23 @@ async def test_reasoning_in_think_tags_then_the_servers_own_keeps_its_order_stre
             for deltas, want in cases:
                 streamed, whole = await both_ways(shaped, client, "plain", script(*deltas))
                 assert streamed == whole == want, deltas
+
+
+async def test_a_call_written_before_the_templates_close_tag_stays_reasoning_when_the_server_reasons_too(shaped):
+    """A request with tools, content that writes a call (or names the tag) before the `</think>`
+    a template opened, then reasoning in the server's own field: the whole answer split its
+    content at that reasoning, reading call blocks as the answer's, so a strict model's client
+    got "Secret plan, Answer" and the call made (a re-check of that split). What comes before
+    that first </think> is reasoning, call blocks too, as at the end of a whole answer."""
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with trio.fail_after(BOUND):
+        async with http(shaped[0]) as client:
+            for name in ("strict", "strictbuf"):
+                for head in (f"Secret plan, {call} more", "Secret plan: use a <tool_call> tag, more"):
+                    steps = script({"content": head + "</think>Answer"}, {"reasoning_content": "R"})
+                    streamed, whole = await both_ways(shaped, client, name, steps, tools=tools)
+                    assert streamed == whole == ("Answer", ""), (name, head)
 
 
 async def test_auto_learns_a_template_that_opens_think(shaped):

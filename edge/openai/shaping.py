@@ -99,7 +99,6 @@ class Shaper:
         "_watch",
         "_learned_hold",
         "_fielded",
-        "_fielded_at",
         "_open_head",
         "_unclosed",
         "_closed",
@@ -145,7 +144,6 @@ class Shaper:
         self._learned_hold = live and auto and template is not None and template.opens(model)
         self._unclosed = False  # the run ended with its head still held: no </think> came
         self._fielded = False  # reasoning came in its own field: the model server parts it
-        self._fielded_at = -1  # (a whole answer) the content's length when its first such reasoning came
         self._closed = False  # a held head ended at its </think>: another in the answer is the answer's
         self._watch: str | None = "" if live and auto and template is not None and not self._learned_hold else None
         # think_tags "open": the content starts inside reasoning, unless reasoning comes first in its
@@ -270,16 +268,15 @@ class Shaper:
             self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=stray)
 
     def reasoning(self, text: str) -> None:
-        if not (self._fielded or self._live) and self.content_parts:
+        if not (self._fielded or self._live):
             mode = self.policy.think_tags
-            if mode == "open" and "".join(self.content_parts).strip():
-                self._opened_head()
-            elif mode == "auto" and not self.policy.strict_output and self._template is not None:
-                self._released_head()
+            if self.content_parts:
+                if mode == "open" and "".join(self.content_parts).strip():
+                    self._opened_head()
+                elif mode == "auto" and not self.policy.strict_output and self._template is not None:
+                    self._released_head()
             if self._think is None and mode == "auto":
-                self._split_so_far()
-        if not self._fielded and not self._live:
-            self._fielded_at = sum(map(len, self.content_parts))
+                self._split_from_here()
         self._fielded = True
         self._watch = None  # (its content is the answer: a </think> in it teaches nothing)
         if self._open_head:  # (no content yet: the answer, when it comes, is the answer)
@@ -300,22 +297,26 @@ class Shaper:
         if text:
             self._reasoning_out(text)
 
-    def _split_so_far(self) -> None:
-        """think_tags "auto", a whole answer whose content holds a think tag when the model
-        server's first reasoning of its own field comes: split now, as a live stream has split
-        it by then, so that the reasoning in its tags comes before the server's, as it came
-        (it was split at the end: ``<think>A</think>B`` then "R" was reasoning "RA" whole and
-        "AR" streamed; an outside audit). A </think> first is the template's, as at the end."""
+    def _split_from_here(self) -> None:
+        """think_tags "auto", a whole answer, the model server's first reasoning of its own
+        field: the content so far is read as it would be at the end (a </think> first is the
+        template's: reasoning to it, call blocks too), and the content from here is split as it
+        comes, as a live stream splits it, so that the reasoning in its tags keeps its place
+        among the server's (it was split at the end: ``<think>A</think>B`` then "R" was
+        reasoning "RA" whole and "AR" streamed; an outside audit). A </think> from here, before
+        any <think>, is the answer's, as written: the server parts reasoning itself."""
         calls = self._raw_parts is not None
         raw = "".join(self.content_parts)
-        first = FirstThinkTag(calls=calls).feed(raw)
-        if first is None:
-            return
-        if first[0] != THINK_OPEN:
-            self._learned()
         self.content_parts = []
-        self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls, stray_close=not self._closed)
-        self._think.append(raw)
+        at = template_head(raw, calls) if raw else -1
+        if at >= 0:
+            self._learned()
+            if at:
+                self._reasoning_out(raw[:at])
+            raw = raw[at + len(THINK_CLOSE) :]
+        self._think = ThinkSplitter(self._content_out, self._reasoning_out, calls=calls)
+        if raw:
+            self._think.append(raw)
 
     def _opened_head(self) -> None:
         """think_tags "open", a whole answer: the content before the model server's first
@@ -410,8 +411,6 @@ class Shaper:
                 # call block before it were taken for the end: a re-check found them apart).
                 calls = self._raw_parts is not None
                 at = template_head(raw, calls) if mode == "auto" else -1
-                if 0 <= self._fielded_at <= at:  # (after the model server's own reasoning: as written)
-                    at = -1
                 if at < 0 and self._untagged_of_learned(raw, calls):
                     if finish_reason == "length":
                         at = len(raw)  # (all of it reasoning, as a live stream's held head: above)
