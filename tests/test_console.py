@@ -9,6 +9,7 @@ import zlib
 from functools import partial
 
 import anthropic
+import httpx
 import msgspec
 import openai
 import pytest
@@ -17,7 +18,8 @@ import trio
 
 from edge.config import KeyConfig
 from edge.console import accepts_gzip
-from scripts.upstream import text_script, words
+from scripts.stack import Stack
+from scripts.upstream import native_call, steps, text_script, words
 from tests.conftest import BOUND, edge_config, eventually, http, model, start_edge, start_node
 from tests.servers import postgres, postgres_url  # noqa: F401  (fixtures)
 
@@ -319,6 +321,69 @@ async def test_a_queued_request_is_listed_with_its_key_and_can_be_cancelled(nurs
     assert len(upstream.records) == 1  # it never reached the model server
     (line,) = [e for e in logs if e["event"] == "request" and e["request_id"] == row["id"]]
     assert line["cause"] == "cancelled" and line["status"] == 499
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, stream):
+    """A request with tools whose first run called a tool it was not offered: its retry waits
+    for the model's one slot, which a request queued meanwhile took, shown queued, and an
+    operator cancels it. The client got a 502 with no code and no x-should-retry (in a stream,
+    an error of no code), and the SDKs ran the request again, both attempts on the GPU (an
+    outside audit). It is the cancel's 499 with x-should-retry: false, or in a stream its
+    `cancelled_by_operator`; nothing runs again. (The edge and the node are processes of their
+    own, as in production: in one process the retry took the freed slot ahead of the queue.)"""
+
+    def script(body: dict) -> list:
+        if body["messages"][0]["content"] == "hold":
+            return [("hang",)]
+        return [("sleep", 0.5), *steps(*native_call("c1", "launch", "{}"), finish="tool_calls")]
+
+    upstream.script_for("m-target", script)
+    served = {
+        "name": "m",
+        "adapter": "openai",
+        "target": "m-target",
+        "base_url": upstream.base_url,
+        "max_concurrency": 1,
+    }
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    body = {**STREAM, "stream": stream, "tools": tools}
+    hold = {**STREAM, "stream": False, "messages": [{"role": "user", "content": "hold"}]}
+    answer: list = []
+    with Stack() as processes:
+        url = await trio.to_thread.run_sync(partial(processes.edge, admin_keys=[ADMIN], routing="least_loaded"))
+        await trio.to_thread.run_sync(partial(processes.node, url, [served], node_id="n1"))
+        async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client, trio.open_nursery() as clients:
+            with trio.fail_after(BOUND):
+
+                async def ask() -> None:
+                    answer.append(await client.post("/v1/chat/completions", json=body))
+
+                clients.start_soon(ask)
+                await upstream.wait_requests(1)
+                # Queued behind the first attempt, it takes the slot that attempt frees: the retry waits.
+                clients.start_soon(partial(client.post, "/v1/chat/completions", json=hold))
+                while True:
+                    rows = (await client.get("/v1/admin/runs", headers=AUTH)).json()["data"]
+                    queued = [row for row in rows if row["phase"] == "queued"]  # (the retry, once the hold runs)
+                    if len(upstream.records) == 2 and queued:
+                        break
+                    await trio.sleep(0.02)
+                (row,) = queued
+                assert (await client.post(f"/v1/admin/runs/{row['id']}/cancel", headers=AUTH)).status_code == 200
+                while not answer:
+                    await trio.sleep(0.01)
+                await trio.sleep(0.5)  # (anything started again would reach the upstream meanwhile)
+                clients.cancel_scope.cancel()
+    (r,) = answer
+    if stream:
+        assert r.status_code == 200
+        error = msgspec.json.decode(r.content.split(b"data: ")[-2])["error"]
+        assert error["code"] == "cancelled_by_operator", error
+    else:
+        assert r.status_code == 499 and r.headers["x-should-retry"] == "false", r.text
+        assert r.json()["error"]["code"] == "cancelled_by_operator"
+    assert [rec.body["messages"][0]["content"] for rec in upstream.records] == ["hi", "hold"]  # (not the retry)
 
 
 async def test_a_cancel_by_a_queued_rows_id_reaches_its_run_once_it_started(nursery, upstream):

@@ -45,6 +45,7 @@ from edge.openai.tools import (
 )
 from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
+    OPERATOR_CANCELLED,
     TOOL_VALIDATION_ERROR,
     TOOL_VALIDATION_RETRY_ERROR,
     Collected,
@@ -54,6 +55,7 @@ from edge.openai.turn import (
     end_reason,
     failure,
     finish_of,
+    retry_not_started,
 )
 from edge.runs import Run, Slot
 from edge.runs.run import CANCELLED, NODE_LOST, NODE_STALLED, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
@@ -113,7 +115,7 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     cause = run.cause if run is not None else None
     if run is not None and run.unserved:
         return lost_unanswered(run.want.model)
-    if cause == CANCELLED:
+    if cause == CANCELLED or failed.type == OPERATOR_CANCELLED:  # (a queued retry's: its run is not the last)
         return operator_cancelled(failed.message)
     if cause == OVER_BUDGET:
         return insufficient_quota(failed.message)
@@ -174,7 +176,7 @@ def futile(turn: Turn, type: str) -> bool:
     calls still invalid after the edge's own attempts (it would repeat them).
     Each API's in-stream error says so in the words its agents obey."""
     run = turn.last_run
-    return type == TOOL_VALIDATION_ERROR or (run is not None and run.cause == CANCELLED)
+    return type in (TOOL_VALIDATION_ERROR, OPERATOR_CANCELLED) or (run is not None and run.cause == CANCELLED)
 
 
 def stops_codex(turn: Turn, type: str) -> bool:
@@ -191,6 +193,8 @@ def stream_code(run: Run | None, type: str) -> str | None:
     the run's cause (it was null in a stream, ``node_disconnected`` in a whole response's 502)."""
     if type == TOOL_VALIDATION_ERROR:
         return INVALID_TOOL_CALL
+    if type == OPERATOR_CANCELLED:
+        return _STREAM_CODES[CANCELLED]
     if run is None or run.cause is None:
         return None
     return "no_node_available" if run.unserved else _STREAM_CODES.get(run.cause)
@@ -742,10 +746,7 @@ async def _live_tools(turn: Turn, slot: Slot, make_live: MakeLive) -> None:
 
 
 async def _retry_failed(turn: Turn, error: APIError) -> None:
-    failed = RunFailed(
-        f"the retry could not start: {error.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
-    )
-    await fail(turn, failed)
+    await fail(turn, retry_not_started(error))
 
 
 class _LiveWrite:

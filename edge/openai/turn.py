@@ -45,7 +45,7 @@ from edge.openai.trace import TRACE_METADATA_KEY, trace_enabled
 from edge.openai.usage import usage_out
 from edge.runs import Run, Slot, Want
 from edge.runs.link import BROKE_THE_PROTOCOL
-from edge.runs.run import NODE_LOST, NODE_STALLED, TIMEOUT, consume_run
+from edge.runs.run import CANCELLED, NODE_LOST, NODE_STALLED, TIMEOUT, consume_run
 from edge.runs.service import encode_run_body, session_key
 from proto import RunEvent, ToolCall
 from proto.frames import COMPLETE, DELTA, REASONING_DELTA
@@ -58,6 +58,7 @@ T = TypeVar("T")
 
 TOOL_VALIDATION_ERROR = "tool_validation_error"
 TOOL_VALIDATION_RETRY_ERROR = "tool_validation_retry_error"
+OPERATOR_CANCELLED = "cancelled"  # the type of an operator's cancel (edge.errors.operator_cancelled's)
 
 
 class Turn:
@@ -556,9 +557,7 @@ async def collect_validated(
             raise
         except APIError as e:  # the retry's body does not fit a frame
             if attempt > 1:
-                raise RunFailed(
-                    f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
-                ) from None
+                raise retry_not_started(e) from None
             raise
         # A model that declined (its refusal, no call) declines a forced call too: the refusal
         # goes to the client, as OpenAI's. Cut off by max_tokens, its calls but a cut last one
@@ -581,9 +580,19 @@ async def collect_validated(
         try:
             slot = await acquire_keeping_alive(turn, on_idle)
         except APIError as e:
-            raise RunFailed(
-                f"the retry could not start: {e.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
-            ) from None
+            raise retry_not_started(e) from None
+
+
+def retry_not_started(refused: APIError) -> RunFailed:
+    """A tool retry that could not start (refused a slot, or its body too large), as the
+    turn's failure; an operator's cancel of it while it waited in the queue stays that cancel
+    (:data:`OPERATOR_CANCELLED`): it was a 502 with no code and no x-should-retry, and the SDKs
+    ran the request again, both attempts on the GPU (an outside audit)."""
+    if refused.code == "cancelled_by_operator":
+        return RunFailed(refused.message, type=OPERATOR_CANCELLED, cause=CANCELLED)
+    return RunFailed(
+        f"the retry could not start: {refused.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
+    )
 
 
 async def acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
