@@ -368,7 +368,7 @@ class Console:
                 RunView(
                     run.id,
                     run.slot.model,
-                    run.slot.link.node_id,
+                    run.slot.link.node_id if run.requeued is None else None,  # (moved: the node it left, shown)
                     run.api,
                     key.id if key is not None else None,
                     round(now - run.started_at, 2),

@@ -338,9 +338,12 @@ async def test_a_run_moved_off_a_lost_node_is_queued_not_in_flight(nursery, tmp_
             proc.kill()
             await eventually(lambda: runs.queue_depth("m") == 1, "the lost node's run waits for the busy one")
             text = (await client.get("/metrics")).text
+            shown = {view.phase: view.node for view in edge.edge.console.run_views()[0]}
             clients.cancel_scope.cancel()
     assert "\niop_runs_in_flight 1.0\n" in text and "\niop_queue_depth 1.0\n" in text, text
     assert 'iop_model_runs_in_flight{model="m"} 1.0' in text and 'iop_model_queue_depth{model="m"} 1.0' in text
+    # The console and /v1/admin/runs show it queued on no node (it named the node it left: an outside audit).
+    assert shown == {"streaming": "busy", "queued": None} or shown == {"buffered": "busy", "queued": None}, shown
     await settled(edge)
 
 
