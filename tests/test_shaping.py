@@ -402,6 +402,10 @@ async def test_reasoning_in_think_tags_then_the_servers_own_keeps_its_order_stre
             for deltas, want in cases:
                 streamed, whole = await both_ways(shaped, client, "plain", script(*deltas))
                 assert streamed == whole == want, deltas
+            # think_tags "open" too (the server's reasoning first: the content is the answer's)
+            deltas = [{"reasoning_content": "R"}, {"content": "<think>A</think>B"}, {"reasoning_content": "S"}]
+            streamed, whole = await both_ways(shaped, client, "opened", script(*deltas))
+            assert streamed == whole == ("B", "RAS")
 
 
 async def test_a_call_written_before_the_templates_close_tag_stays_reasoning_when_the_server_reasons_too(shaped):

@@ -275,7 +275,7 @@ class Shaper:
                     self._opened_head()
                 elif mode == "auto" and not self.policy.strict_output and self._template is not None:
                     self._released_head()
-            if self._think is None and mode == "auto":
+            if self._think is None and mode != "off":
                 self._split_from_here()
         self._fielded = True
         self._watch = None  # (its content is the answer: a </think> in it teaches nothing)
@@ -298,8 +298,8 @@ class Shaper:
             self._reasoning_out(text)
 
     def _split_from_here(self) -> None:
-        """think_tags "auto", a whole answer, the model server's first reasoning of its own
-        field: the content so far is read as it would be at the end (a </think> first is the
+        """A whole answer (think tags on), the model server's first reasoning of its own
+        field: the content so far is read as it would be at the end ("auto": a </think> first is the
         template's: reasoning to it, call blocks too), and the content from here is split as it
         comes, as a live stream splits it, so that the reasoning in its tags keeps its place
         among the server's (it was split at the end: ``<think>A</think>B`` then "R" was
@@ -308,7 +308,7 @@ class Shaper:
         calls = self._raw_parts is not None
         raw = "".join(self.content_parts)
         self.content_parts = []
-        at = template_head(raw, calls) if raw else -1
+        at = template_head(raw, calls) if raw and self.policy.think_tags == "auto" else -1
         if at >= 0:
             self._learned()
             if at:
