@@ -25,6 +25,7 @@ import h2.connection
 import h2.events
 import h11
 import httpx
+import jsonschema
 import msgspec
 import openai
 import pytest
@@ -1781,6 +1782,51 @@ def test_a_checks_deadline_reaches_a_subschema_of_its_own_dialect(dialect):
     assert time.monotonic() - started < 0.2  # (the whole check: 0.5-0.7 s here with 16 levels, unbounded)
 
 
+def _colliding_rows(count: int) -> list[list[float]]:
+    """Rows of three numbers of the form 1.5 * 2**61k, which Python hashes alike: distinct
+    rows, every one with the same hash."""
+    values = [1.5 * 2.0 ** (61 * k) for k in range(-17, 17)]
+    return [list(row) for row in itertools.islice(itertools.product(values, repeat=3), count)]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unevaluatedItems", "unevaluatedProperties", "uniqueItems", "enum"],
+)
+def test_one_keywords_check_of_large_arguments_stays_within_the_deadline(case):
+    """Checks the deadline reached only between keywords, each of which ran whole: an
+    unevaluatedItems (or -Properties) looked each item up in a list (31,000 items held the
+    event loop 3.1 s, ten such calls 28 s); a uniqueItems of numbers Python hashes alike was
+    quadratic (40,000 rows, 60 s in the worker thread); an enum of 180 long arrays took 0.64 s
+    against one argument (an outside re-check). Each ends within its deadline now, or is done."""
+    if case == "unevaluatedItems":
+        schema, args = {"items": True, "unevaluatedItems": False}, [0] * 30_000
+    elif case == "unevaluatedProperties":
+        schema = {"type": "object", "additionalProperties": True, "unevaluatedProperties": False}
+        args = {f"k{i}": 0 for i in range(30_000)}
+    elif case == "uniqueItems":
+        schema, args = {"type": "array", "uniqueItems": True}, _colliding_rows(20_000)
+    else:
+        schema, args = {"enum": [[0] * 19_999 + [1] for _ in range(180)]}, [0] * 20_000
+    timed = tools_module._timed_class(jsonschema.Draft202012Validator)  # (as the edge's compile makes it)
+    validator = timed({"type": "object", "properties": {"x": schema}})
+    started = time.monotonic()
+    with contextlib.suppress(tools_module.PatternTimeout), tools_module._pattern_deadline(0.01, 0.01):
+        list(validator.iter_errors({"x": args}))
+    assert time.monotonic() - started < 0.3, case
+
+
+async def test_a_reference_to_no_schema_is_a_400(sim_edge):
+    """`"$ref": "#/type"` points at "object": accepted, it failed every call that reached it
+    ("could not be checked"), after the turn's runs (an outside re-check)."""
+    parameters = {"type": "object", "properties": {"p": {"$ref": "#/type"}}}
+    with trio.fail_after(BOUND):
+        async with http(sim_edge) as client:
+            body = {"model": "m", "messages": USER, "tools": [_tool(parameters)], "max_tokens": 2}
+            error = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400, param="tools")
+    assert "points at no schema" in error["message"], error
+
+
 async def test_a_schema_whose_check_explodes_is_a_400_and_the_edge_goes_on(sim_edge):
     """A 77-node schema of $refs nesting 18 deep took 18 s of the loop and 1.5 GB to check
     (node links lost); a pattern whose counted repeats expand, 0.9 s and 800 MB to compile.
@@ -1907,10 +1953,15 @@ async def test_many_patterns_or_tools_are_compiled_off_the_loop_and_honest_patte
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(398)}}
     with trio.fail_after(BOUND):
         async with http(sim_edge) as client:
-            for tools in ([_tool(many)], [_tool(classes)], [_tool(honest)], [_tool(wide, f"t{i}") for i in range(50)]):
+            for tools in ([_tool(many)], [_tool(honest)], [_tool(wide, f"t{i}") for i in range(50)]):
                 body = {"model": "m", "messages": USER, "tools": tools, "max_tokens": 2}
                 r, _ = await _healthz_while(sim_edge, client.post("/v1/chat/completions", json=body))
                 assert r.status_code == 200, r.text
+            # A pattern past MAX_PATTERN_CHARS is refused before it is read: its compile, at the first
+            # match, is C that no deadline reaches (250 classes of 1,558 letters held the loop 1.5-1.8 s).
+            body = {"model": "m", "messages": USER, "tools": [_tool(classes)], "max_tokens": 2}
+            r, _ = await _healthz_while(sim_edge, client.post("/v1/chat/completions", json=body))
+            assert "longer than 4096 characters" in assert_openai_error(r, 400, param="tools")["message"]
             body = {"model": "m", "messages": USER, "tools": [_tool({"pattern": "a{99999999999}"})]}
             err = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400, param="tools")
             assert "not a regular expression" in err["message"]

@@ -317,6 +317,11 @@ METASCHEMA_BUDGET_S = 10.0
 # parenthesis or a bracket in a comment misled a reading by hand); compiled patterns are
 # the edge's own cache's, not the module's (500 of them, each up to this bound's size).
 MAX_PATTERN_REPEATS = 10_000
+# A pattern's characters, at most: compiled at its first match, in C, where no deadline reaches
+# (4-8 µs a character of case-folded classes; 250 classes of 1,558 letters, 390 K characters,
+# held the event loop 1.5-1.8 s a request: an outside re-check). A check's overshoot of its
+# deadline is one compile then, 10-30 ms at worst.
+MAX_PATTERN_CHARS = 4096
 # The errors of one call's arguments weighed for the one the model is told about: a node's
 # 290 KB of arguments wrong everywhere made 20,001 errors, 1.7-2 s of the event loop each call.
 MAX_ERRORS_WEIGHED = 64
@@ -379,8 +384,10 @@ _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 
 
 def check_pattern(pattern: str) -> None:
-    """Raises :class:`PatternProblem` if Python cannot read ``pattern`` or its
-    counted repeats expand past :data:`MAX_PATTERN_REPEATS`."""
+    """Raises :class:`PatternProblem` if ``pattern`` is longer than :data:`MAX_PATTERN_CHARS`,
+    Python cannot read it or its counted repeats expand past :data:`MAX_PATTERN_REPEATS`."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise PatternProblem(f"it is longer than {MAX_PATTERN_CHARS} characters")
     try:
         parsed = sre_parse.parse(pattern)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
@@ -421,12 +428,30 @@ def _timed(check: Callable) -> Callable:
 _TIMED: set[type] = set()  # every class _timed_class made
 
 
+def _enum(validator, enums, instance, schema):
+    """jsonschema's ``enum``, looking at the check's deadline between the values it compares
+    (180 arrays of 20,000 numbers against a 40 KB argument: 0.64 s of the event loop in one
+    keyword's call; an outside re-check), and quoting neither the values nor the instance whole."""
+    if not isinstance(enums, list):  # (as jsonschema reads a value that is no list)
+        enums = [enums]
+    for i, each in enumerate(enums):
+        if not i & 7:
+            _past_deadline()
+        if jsonschema._utils.equal(each, instance):
+            return
+    yield jsonschema.ValidationError(f"{_cut(repr(instance), 200)} is not one of the schema's enum values")
+
+
+_OWN_KEYWORDS = {"enum": _enum}
+
+
 @functools.cache
 def _timed_class(cls: type) -> type:
     """``cls`` (a draft's validator) with every keyword's check timed (:func:`_timed`)."""
     if cls in _TIMED:
         return cls
-    timed = jsonschema.validators.extend(cls, {name: _timed(fn) for name, fn in cls.VALIDATORS.items()})
+    checks = {name: _timed(_OWN_KEYWORDS.get(name, fn)) for name, fn in cls.VALIDATORS.items()}
+    timed = jsonschema.validators.extend(cls, checks)
     _TIMED.add(timed)
     return timed
 
@@ -491,8 +516,14 @@ def _unique_key(value: Any) -> Any:
 
 
 def _uniq(container: Any) -> bool:
-    """``jsonschema._utils.uniq`` in one pass."""
-    keys = {_unique_key(item) for item in container}
+    """``jsonschema._utils.uniq`` in one pass, looking at the check's deadline as it goes:
+    numbers Python hashes alike (``m * 2**61k`` all do) made the set quadratic again, 40,000
+    such items 60 s in the worker thread (an outside re-check)."""
+    keys = set()
+    for i, item in enumerate(container):
+        if not i & 15:
+            _past_deadline()
+        keys.add(_unique_key(item))
     return len(keys) == len(container)
 
 
@@ -506,6 +537,31 @@ def _linear_unique_items() -> None:
 
 
 _linear_unique_items()
+
+
+def _evaluated_as_sets() -> None:
+    """jsonschema's unevaluatedItems and unevaluatedProperties look each item's index (each
+    key) up in a list of those evaluated: quadratic within one keyword's call, which no
+    deadline reaches (31,000 items, 62 KB of a call's arguments, held the event loop 3.1 s,
+    ten such calls 28 s; 100,000 held the worker thread 42 s: an outside re-check). The lists
+    those lookups read are sets here."""
+    names = ("find_evaluated_item_indexes_by_schema", "find_evaluated_property_keys_by_schema")
+    for module in (jsonschema._keywords, jsonschema._legacy_keywords):
+        for name in names:
+            current = getattr(module, name, None)
+            if getattr(current, "iop_sets", False):
+                continue
+            if not callable(current):
+                raise RuntimeError(f"{module.__name__} no longer has {name}: review edge.openai.tools")
+
+            def as_set(validator, instance, schema, _find=current):
+                return set(_find(validator, instance, schema))
+
+            as_set.iop_sets = True  # type: ignore[attr-defined]
+            setattr(module, name, as_set)
+
+
+_evaluated_as_sets()
 
 
 # Keywords whose values are data, not schema: their lists' items cost the metaschema
@@ -653,6 +709,8 @@ def _build_validator(schema_json: str):
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             ) from None
+        if not isinstance(resolved[ref], (dict, bool)):  # ("#/type": "object"; every call it reached failed)
+            raise SchemaProblem(f"its reference `{ref[:200]}` points at no schema (an object or a boolean)")
     looped = _in_place_loop(schema, resolved)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
