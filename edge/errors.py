@@ -138,6 +138,7 @@ class RunFailed(Exception):
         self.type = type
         self.cause = cause
         self.status = status  # the upstream's HTTP status, when it gave one
+        self.refusal: APIError | None = None  # a retry refused a slot: that refusal, as its HTTP error
 
 
 def operator_cancelled(message: str = "cancelled by an operator") -> APIError:

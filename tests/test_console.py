@@ -323,15 +323,17 @@ async def test_a_queued_request_is_listed_with_its_key_and_can_be_cancelled(nurs
     assert line["cause"] == "cancelled" and line["status"] == 499
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, stream):
+@pytest.mark.parametrize(("ending", "stream"), [("cancel", False), ("cancel", True), ("timeout", False)])
+async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, ending, stream):
     """A request with tools whose first run called a tool it was not offered: its retry waits
     for the model's one slot, which a request queued meanwhile took, shown queued, and an
     operator cancels it. The client got a 502 with no code and no x-should-retry (in a stream,
     an error of no code), and the SDKs ran the request again, both attempts on the GPU (an
     outside audit). It is the cancel's 499 with x-should-retry: false, or in a stream its
-    `cancelled_by_operator`; nothing runs again. (The edge and the node are processes of their
-    own, as in production: in one process the retry took the freed slot ahead of the queue.)"""
+    `cancelled_by_operator`; nothing runs again. Its queue timing out instead is the queue's
+    429 with Retry-After, as a queued request's (it was that 502 too: a re-check). (The edge
+    and the node are processes of their own, as in production: in one process the retry took
+    the freed slot ahead of the queue.)"""
 
     def script(body: dict) -> list:
         if body["messages"][0]["content"] == "hold":
@@ -351,7 +353,10 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, stre
     hold = {**STREAM, "stream": False, "messages": [{"role": "user", "content": "hold"}]}
     answer: list = []
     with Stack() as processes:
-        url = await trio.to_thread.run_sync(partial(processes.edge, admin_keys=[ADMIN], routing="least_loaded"))
+        config = {"admin_keys": [ADMIN], "routing": "least_loaded"}
+        if ending == "timeout":
+            config["queue_timeout_ms"] = 1000
+        url = await trio.to_thread.run_sync(partial(processes.edge, **config))
         await trio.to_thread.run_sync(partial(processes.node, url, [served], node_id="n1"))
         async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client, trio.open_nursery() as clients:
             with trio.fail_after(BOUND):
@@ -370,13 +375,19 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, stre
                         break
                     await trio.sleep(0.02)
                 (row,) = queued
-                assert (await client.post(f"/v1/admin/runs/{row['id']}/cancel", headers=AUTH)).status_code == 200
+                if ending == "cancel":
+                    cancel = await client.post(f"/v1/admin/runs/{row['id']}/cancel", headers=AUTH)
+                    assert cancel.status_code == 200
                 while not answer:
                     await trio.sleep(0.01)
                 await trio.sleep(0.5)  # (anything started again would reach the upstream meanwhile)
                 clients.cancel_scope.cancel()
     (r,) = answer
-    if stream:
+    if ending == "timeout":
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        error = r.json()["error"]
+        assert error["code"] == "queue_timeout" and error["message"].startswith("the retry could not start"), error
+    elif stream:
         assert r.status_code == 200
         error = msgspec.json.decode(r.content.split(b"data: ")[-2])["error"]
         assert error["code"] == "cancelled_by_operator", error

@@ -112,6 +112,8 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     an operator's cancel is :func:`operator_cancelled`; tool calls still
     invalid after the edge's own attempts a 502 with ``x-should-retry: false``
     (a client's retry would only repeat them)."""
+    if failed.refusal is not None:
+        return failed.refusal
     cause = run.cause if run is not None else None
     if run is not None and run.unserved:
         return lost_unanswered(run.want.model)

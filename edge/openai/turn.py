@@ -590,9 +590,13 @@ def retry_not_started(refused: APIError) -> RunFailed:
     ran the request again, both attempts on the GPU (an outside audit)."""
     if refused.code == "cancelled_by_operator":
         return RunFailed(refused.message, type=OPERATOR_CANCELLED, cause=CANCELLED)
-    return RunFailed(
-        f"the retry could not start: {refused.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed"
-    )
+    message = f"the retry could not start: {refused.message}"
+    failed = RunFailed(message, type=TOOL_VALIDATION_RETRY_ERROR, cause="retry_failed")
+    if refused.status in (429, 503):  # (its queue timed out or was full, the edge drains, no node)
+        # Told before anything was sent, it is that refusal with its Retry-After, as a request
+        # queued itself is told (a 502 of no code: an outside re-check); in a stream, as before.
+        failed.refusal = APIError(refused.status, message, refused.type, code=refused.code, headers=refused.headers)
+    return failed
 
 
 async def acquire_keeping_alive(turn: Turn, on_idle: Hook | None) -> Slot:
