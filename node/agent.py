@@ -112,11 +112,16 @@ TRANSIENT_REFUSALS = frozenset({502, 503, 504})
 _REFUSAL_FIXES = {
     401: "the node's `token` must equal the edge's `node_token` (or its `node_tokens` entry for this node id)",
 }
-_NO_TOKEN_FIX = "the edge has no `node_token`: set one in the edge's config, and the same as this node's `token`"
-_UNKNOWN_ID_FIX = (
-    "the edge has no token for this `node_id`: is it the id the edge's `node_tokens` names? (or give the edge a"
-    " shared `node_token`)"
-)
+# By the code of the edge's refusal (its JSON body's), the fix to log.
+_CODE_FIXES = {
+    b'"no_node_token"': (
+        "the edge has no `node_token`: set one in the edge's config, and the same as this node's `token`"
+    ),
+    b'"unknown_node_id"': (
+        "the edge has no token for this `node_id`: is it the id the edge's `node_tokens` names? (or give the edge a"
+        " shared `node_token`)"
+    ),
+}
 
 
 def _edge_shaped(refusal: ConnectionRejected) -> bool:
@@ -823,12 +828,8 @@ class NodeAgent:
                     transient = e.status_code in TRANSIENT_REFUSALS and long is None
                     level = log.warning if transient else log.error
                     said = e.body or b""
-                    if b'"no_node_token"' in said:
-                        fix = _NO_TOKEN_FIX
-                    elif b'"unknown_node_id"' in said:
-                        fix = _UNKNOWN_ID_FIX
-                    else:
-                        fix = _REFUSAL_FIXES.get(e.status_code)
+                    fix = next((f for code, f in _CODE_FIXES.items() if code in said), None)
+                    fix = fix or _REFUSAL_FIXES.get(e.status_code)
                     level(
                         "edge refused the link",
                         edge=url,

@@ -432,9 +432,7 @@ def _enum(validator, enums, instance, schema):
     """jsonschema's ``enum``, looking at the check's deadline between the values it compares
     (180 arrays of 20,000 numbers against a 40 KB argument: 0.64 s of the event loop in one
     keyword's call; an outside re-check), and quoting neither the values nor the instance whole."""
-    if not isinstance(enums, list):  # (as jsonschema reads a value that is no list)
-        enums = [enums]
-    for i, each in enumerate(enums):
+    for i, each in enumerate(enums):  # (a list: every draft's metaschema says so, checked first)
         if not i & 7:
             _past_deadline()
         if jsonschema._utils.equal(each, instance):
