@@ -27,6 +27,11 @@ from scripts.upstream import Upstream
 
 TOKEN = "test-token"
 BOUND = 20  # seconds: the absolute limit for any one wait in a test
+# A test whose assertion is a share of the machine (requests served in a few seconds, a link read
+# at a bounded rate while others flood): run again, up to twice, when it fails. `make test` runs
+# two workers on two cores, with servers of other tests beside them, and each of these has failed
+# a full run now and then while passing alone; a real fault fails all three tries.
+LOAD_BOUND = pytest.mark.flaky(reruns=2, reruns_delay=1)
 
 logs.configure("info", json=False, cache=False)  # uncached: tests capture logs
 

@@ -22,7 +22,18 @@ from edge import shared_state
 from edge.config import KeyConfig
 from node.agent import NodeAgent
 from scripts.stack import free_port, write_toml
-from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, node_config, start_edge, start_node
+from tests.conftest import (
+    BOUND,
+    LOAD_BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    node_config,
+    start_edge,
+    start_node,
+)
 from tests.servers import postgres, postgres_url, redis_server  # noqa: F401  (fixtures)
 from tests.test_keys import ADMIN, ADMIN_H, MESSAGES, chat, client, sim
 
@@ -1281,6 +1292,7 @@ async def test_a_redis_stall_while_a_request_waits_for_a_slot_is_no_spent_budget
     assert "concurrent" in refused.json()["error"]["message"] and refused.headers["retry-after"] == "1"
 
 
+@LOAD_BOUND
 async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_server, tmp_path):  # noqa: F811
     """max_concurrent 2, two edges, five clients on each retrying at once on 429 for 3 s:
     every request runs on a slot its edge holds in Redis, so at no moment do more than 2
@@ -1335,6 +1347,7 @@ async def test_max_concurrent_holds_across_edges_under_load(nursery, redis_serve
     r.close()
 
 
+@LOAD_BOUND
 async def test_a_key_with_room_admits_on_a_spare_slot_without_a_round_trip(nursery, redis_server, tmp_path):  # noqa: F811
     """A max_concurrent key this edge used in the last seconds keeps one spare slot in Redis while
     a quarter of its limit stays free after it, and a budget key a slice of its budget: the next

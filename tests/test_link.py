@@ -45,6 +45,7 @@ from scripts.hostile_link import BINARY, CONTINUATION, frame_header, open_link
 from scripts.upstream import words
 from tests.conftest import (
     BOUND,
+    LOAD_BOUND,
     TOKEN,
     edge_config,
     eventually,
@@ -849,6 +850,7 @@ async def test_a_run_that_brings_too_much_output_fails_not_the_edge(nursery, mon
     assert [(c.run_id, c.reason) for c in cancels] == [(cancels[0].run_id, "output_too_large")]
 
 
+@LOAD_BOUND
 async def test_a_link_flooding_tiny_frames_is_read_at_a_bounded_rate(nursery, upstream):
     """57,000 pings a second from one link took 79% of the edge's CPU (a pong flood 94%) and
     other clients' p50 from 80 ms to seconds: every frame was handled as it came. A link is now
@@ -900,6 +902,7 @@ async def flood_link(stream: trio.SocketStream, frames, packet: bytes) -> None:
             await stream.send_all(packet)
 
 
+@LOAD_BOUND
 async def test_links_flooding_costly_frames_share_part_of_the_edge_and_its_clients_are_served(nursery, upstream):
     """The read budget counted frames and bytes, not what they cost: a `load` frame naming
     1,024 models (73 KB) takes the edge 0.3-0.5 ms to decode, and 16 links of one node token
