@@ -1243,6 +1243,50 @@ async def test_tool_schema_references_never_fetch_and_unresolvable_ones_are_400(
     assert connections == []
 
 
+async def test_a_reference_inside_a_subschema_with_its_own_id_is_relative_to_that_id(tooled):
+    """A reference below a subschema that names its own `$id` resolves against that id, as
+    JSON Schema (and the check of a call's arguments) reads it. The edge looked every reference
+    up from the root: a valid schema was refused ("does not resolve"), and a loop through such
+    a subschema went unseen until a model's arguments reached it, the turn's runs spent (an
+    outside audit). A `$ref` key inside a `default` value is data, not a reference: it was
+    refused too."""
+    edge, upstream = tooled
+    nested = {
+        "type": "object",
+        "properties": {
+            "city": {"$id": "https://example.com/city", "$defs": {"name": {"type": "string"}}, "$ref": "#/$defs/name"},
+            "where": {"$ref": "https://example.com/city"},
+            "opts": {"type": "object", "default": {"$ref": "not a reference"}},
+        },
+        "required": ["city"],
+    }
+    looped = {"type": "object", "properties": {"a": {"$id": "https://example.com/a", "allOf": [{"$ref": "#"}]}}}
+    said = []
+
+    def script(body):
+        said.append(body["messages"][-1]["content"])
+        city = 7 if len(said) == 1 else "Oslo"  # (the first call breaks the nested schema: retried)
+        return steps({"content": text_call("lookup", {"city": city, "where": "here"})})
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", nested)]},
+            )
+            assert r.status_code == 200, r.text
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+            assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo", "where": "here"}]
+            assert len(said) == 2 and "7 is not of type 'string'" in said[1], said
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", looped)]},
+            )
+    assert r.status_code == 400 and "loop without end" in r.json()["error"]["message"], r.text
+    assert len(upstream.records) == 2  # (the loop's request reached no node)
+
+
 async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):
     """When the retry run itself fails, the client gets tool_validation_retry_error."""
     edge, upstream = tooled

@@ -613,6 +613,7 @@ def _no_retrieval(uri: str):
 
 _NO_RETRIEVAL = referencing.Registry(retrieve=_no_retrieval)
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+_NOWHERE = object()
 
 
 # Compiled validators kept: 512 at most, of CACHED_SCHEMA_BYTES of schema text in all, the least
@@ -696,19 +697,25 @@ def _build_validator(schema_json: str):
     resource = spec.create_resource(schema)
     registry = _NO_RETRIEVAL.with_resource(resource.id() or "", resource)
     resolver = registry.resolver_with_root(resource)
-    resolved: dict[str, Any] = {}  # each reference's target, looked up once
-    for ref in _refs(schema):
-        if ref in resolved:
-            continue
-        try:
-            resolved[ref] = resolver.lookup(ref).contents
-        except Exception:  # noqa: BLE001 (Unresolvable; a pointer into a list or a number raised
-            # ValueError or TypeError, a 500: an outside re-check)
-            raise SchemaProblem(
-                f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
-            ) from None
-        if not isinstance(resolved[ref], (dict, bool)):  # ("#/type": "object"; every call it reached failed)
+    targets: dict[tuple[int, str], Any] = {}  # each reference's target, by its resolver, looked up once
+    resolved: dict[tuple[int, str], Any] = {}  # ... by the object holding it
+    try:
+        refs = _refs(schema, spec, resolver)
+    except Exception as e:  # noqa: BLE001 (an `$id` referencing cannot read, as the check of a call would find)
+        raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
+    for node, ref, at in refs:
+        target = targets.get((id(at), ref), _NOWHERE)
+        if target is _NOWHERE:
+            try:
+                target = targets[(id(at), ref)] = at.lookup(ref).contents
+            except Exception:  # noqa: BLE001 (Unresolvable; a pointer into a list or a number raised
+                # ValueError or TypeError, a 500: an outside re-check)
+                raise SchemaProblem(
+                    f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
+                ) from None
+        if not isinstance(target, (dict, bool)):  # ("#/type": "object"; every call it reached failed)
             raise SchemaProblem(f"its reference `{ref[:200]}` points at no schema (an object or a boolean)")
+        resolved[(id(node), ref)] = target
     looped = _in_place_loop(schema, resolved)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
@@ -780,9 +787,10 @@ _IN_PLACE_ONE = ("not", "if", "then", "else")
 _IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
 
 
-def _in_place_loop(schema: Any, resolved: dict[str, Any]) -> str | None:
+def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | None:
     """A reference that closes a loop of subschemas applied to one instance (``$ref`` to
-    ``$ref``, through ``allOf`` and the like), or None; ``resolved``: each reference's target.
+    ``$ref``, through ``allOf`` and the like), or None; ``resolved``: each reference's target,
+    by the id of the object holding it and the reference.
     A loop below the root was found only when a model's arguments reached it: the turn's runs
     spent, then a 502 (an outside audit); one through ``properties`` or ``items`` (a tree)
     ends with the instance, and is no loop."""
@@ -800,7 +808,7 @@ def _in_place_loop(schema: Any, resolved: dict[str, Any]) -> str | None:
         out: list[tuple[Any, str]] = []
         for key in _REF_KEYS:
             ref = node.get(key)
-            target = resolved.get(ref) if isinstance(ref, str) else None
+            target = resolved.get((id(node), ref)) if isinstance(ref, str) else None
             if isinstance(target, dict):
                 out.append((target, ref))
         for key in _IN_PLACE_ONE:
@@ -920,21 +928,46 @@ class _inline:
         _deadline.inline_until = None
 
 
-def _refs(schema: Any) -> list[str]:
-    """Every reference string in a schema (iteratively: depth is not a risk here)."""
-    found: list[str] = []
-    stack = [schema]
+def _refs(schema: Any, spec: Any, resolver: Any) -> list[tuple[dict, str, Any]]:
+    """Every reference in a schema: (the object holding it, the reference, the resolver its
+    place gives it), iteratively (depth is not a risk here). The resolver changes where a
+    subschema names its own ``$id``, as referencing's pointer lookup changes it (a reference
+    there is relative to that id: looked up from the root, a valid schema was refused and a
+    loop went unseen, a 502 once a model's arguments reached it); the values of ``enum``,
+    ``const``, ``default`` and ``examples`` are data, whose ``$ref`` keys are none."""
+    found: list[tuple[dict, str, Any]] = []
+    # (node, what it is, the resolver at it, the keys from where that resolver took its base)
+    stack: list[tuple[Any, int, Any, list]] = [(schema, _SCHEMA, resolver, [])]
     while stack:
-        node = stack.pop()
+        node, kind, at, segments = stack.pop()
         if isinstance(node, dict):
+            if kind == _SCHEMA:
+                for key in _REF_KEYS:
+                    value = node.get(key)
+                    if isinstance(value, str):
+                        found.append((node, value, at))
             for key, value in node.items():
-                if key in _REF_KEYS and isinstance(value, str):
-                    found.append(value)
-                elif isinstance(value, (dict, list)):
-                    stack.append(value)
+                if not isinstance(value, (dict, list)):
+                    continue
+                if kind == _NAMES:
+                    inner = _SCHEMA
+                else:
+                    inner = _DATA if key in _DATA_KEYWORDS else _NAMES if key in _NAME_MAPS else _SCHEMA
+                if inner != _DATA:
+                    stack.append((value, inner, *_step(spec, at, segments, key, value)))
         elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
+            for i, value in enumerate(node):
+                if isinstance(value, (dict, list)):
+                    stack.append((value, _SCHEMA, *_step(spec, at, segments, i, value)))
     return found
+
+
+def _step(spec: Any, resolver: Any, segments: list, segment: str | int, contents: Any) -> tuple[Any, list]:
+    """One step of a JSON pointer's walk (referencing's ``Resource.pointer``): the resolver
+    there, and the segments since its base last changed."""
+    segments = [*segments, segment]
+    now = spec.maybe_in_subresource(segments=segments, resolver=resolver, subresource=spec.create_resource(contents))
+    return now, ([] if now is not resolver else segments)
 
 
 class ToolContract:
