@@ -1155,8 +1155,8 @@ async def test_a_call_jsonschema_stumbles_on_is_a_failed_check_not_a_500(tooled)
 
 
 async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
-    """A call's arguments are a JSON object: parameters of another type, or `not: {}`, failed
-    every call, and each request spent its two attempts on the model server before a 502
+    """A call's arguments are a JSON object: parameters of another type, `not: {}`, or a `false`
+    schema taken in whole, failed every call, and each request spent its two attempts on the model server before a 502
     tool_validation_error that blamed the model (an outside audit). It is a 400 naming the
     tool; a schema that takes an object among other types is served."""
     edge, upstream = tooled
@@ -1174,6 +1174,10 @@ async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
         {"enum": [1, "x"]},
         {"anyOf": [{"type": "string"}, {"allOf": [{"type": "integer"}]}]},
         {"oneOf": [{"type": "string"}, {"type": "null"}]},
+        # a `false` schema takes nothing (accepted, each call failed: a re-check)
+        {"allOf": [True, False]},
+        {"anyOf": [False, {"type": "string"}]},
+        {"$ref": "#/$defs/no", "$defs": {"no": False}},
     ]
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
@@ -1182,13 +1186,21 @@ async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
                     await client.chat.completions.create(
                         model="native", messages=MESSAGES, tools=[tool(parameters)], tool_choice="required"
                     )
-                assert e.value.body["param"] == "tools" and "`f`" in e.value.body["message"], e.value.body
+                message = e.value.body["message"]
+                assert e.value.body["param"] == "tools" and "`f`" in message, e.value.body
+                # (said as is: it was wrapped in "it cannot be checked: SchemaProblem: ...")
+                assert "takes no JSON object" in message and "cannot be checked" not in message, message
             assert upstream.records == []
-            upstream.script_for("t", steps(*native_call(0, "call_a", "f", "{}"), finish="tool_calls"))
-            served = await client.chat.completions.create(
-                model="native", messages=MESSAGES, tools=[tool({"type": ["object", "null"]})], tool_choice="required"
-            )
-    assert served.choices[0].message.tool_calls[0].function.name == "f"
+            upstream.script_for("t", steps(*native_call(0, "call_a", "f", '{"a": 1}'), finish="tool_calls"))
+            for parameters in (
+                {"type": ["object", "null"]},
+                {"if": {"maxProperties": 0}, "then": False},  # (the empty object alone is refused)
+                {"anyOf": [False, {"type": "object"}]},
+            ):
+                served = await client.chat.completions.create(
+                    model="native", messages=MESSAGES, tools=[tool(parameters)], tool_choice="required"
+                )
+                assert served.choices[0].message.tool_calls[0].function.name == "f"
 
 
 async def test_tool_schema_references_never_fetch_and_unresolvable_ones_are_400(tooled, nursery):

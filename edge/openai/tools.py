@@ -719,6 +719,8 @@ def _build_validator(schema_json: str):
     looped = _in_place_loop(schema, resolved)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
+    if _false_in_whole(schema, resolved):
+        raise SchemaProblem("it takes no JSON object (a `false` schema), and a call's arguments are one")
     validator = _timed_class(cls)(schema, registry=registry)
     with _phase(PATTERN_BUDGET_S):
         for where, pattern in _patterns(schema):
@@ -736,7 +738,7 @@ def _build_validator(schema_json: str):
             raise SchemaProblem(f"a reference does not resolve: {e}") from None
         except PatternProblem as e:
             raise SchemaProblem(f"a pattern cannot be used: {e}") from None
-        except PatternTimeout:
+        except (PatternTimeout, SchemaProblem):  # (SchemaProblem: _no_object_passes')
             raise
         except Exception as e:  # noqa: BLE001 (jsonschema on what its draft's metaschema lets through:
             # draft-04's `"$ref": 1` raised AttributeError, a 500; the client's schema, not the edge's fault)
@@ -762,6 +764,8 @@ def _no_object_passes(error) -> None:
 def _rejects_every_object(error, path: list) -> bool:
     if error.absolute_path or not all(isinstance(step, int) or step in _WHOLE_OF_ROOT for step in path):
         return False
+    if error.validator is None:  # (a `false` schema: jsonschema gives no path to it; :func:`_false_in_whole`)
+        return False
     value = error.validator_value
     if error.validator == "type":
         return "object" not in (value if isinstance(value, list) else [value])
@@ -775,9 +779,29 @@ def _rejects_every_object(error, path: list) -> bool:
         refused = {
             sub.relative_schema_path[0]
             for sub in error.context
-            if _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1])
+            if sub.relative_schema_path and _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1])
         }
+        refused.update(i for i, branch in enumerate(value) if branch is False)
         return refused >= set(range(len(value)))
+    return False
+
+
+def _false_in_whole(schema: Any, resolved: dict[tuple[int, str], Any]) -> bool:
+    """A `false` schema the root takes in whole (through ``allOf`` and references): it takes
+    no instance. (Accepted, every call failed: a re-check. jsonschema's error for a `false`
+    schema has no path to it, so :func:`_no_object_passes` cannot tell it from one under
+    ``then``, which takes some objects.)"""
+    stack, seen = [schema], set()
+    while stack:
+        node = stack.pop()
+        if node is False:
+            return True
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node.get("allOf"), list):
+            stack.extend(node["allOf"])
+        stack.extend(resolved.get((id(node), node.get(key))) for key in ("$ref", "$dynamicRef"))
     return False
 
 
