@@ -801,7 +801,9 @@ def _false_in_whole(schema: Any, resolved: dict[tuple[int, str], Any]) -> bool:
         seen.add(id(node))
         if isinstance(node.get("allOf"), list):
             stack.extend(node["allOf"])
-        stack.extend(resolved.get((id(node), node.get(key))) for key in ("$ref", "$dynamicRef"))
+        stack.extend(
+            resolved.get((id(node), ref)) for ref in (node.get("$ref"), node.get("$dynamicRef")) if isinstance(ref, str)
+        )
     return False
 
 
