@@ -699,13 +699,14 @@ def codex_script(body: dict) -> list:
     return script
 
 
-async def run_codex(edge_up, tmp_path, prompt: str, provider: str = "", config: str = ""):
+async def run_codex(edge_up, tmp_path, prompt: str, provider: str = "", config: str = "", top: str = "", script=None):
     """`codex exec` (the binary of tests/js, or IOP_CODEX) with the `[model_providers.iop]` entry of
     the README (wire_api = "responses") in a throwaway CODEX_HOME, analytics and update checks off,
-    approvals and sandbox bypassed, inside `unshare -rn` (tests/agents.py): loopback only."""
+    approvals and sandbox bypassed, inside `unshare -rn` (tests/agents.py): loopback only. ``top``:
+    more top-level keys; ``script``: the model's (:func:`codex_script` if None)."""
     codex = require_agent("codex", "IOP_CODEX")
     edge, upstream = edge_up
-    upstream.script_for("t", codex_script)
+    upstream.script_for("t", script or codex_script)
     home, work = tmp_path / "home", tmp_path / "work"
     (home / ".codex").mkdir(parents=True)
     work.mkdir()
@@ -714,7 +715,7 @@ async def run_codex(edge_up, tmp_path, prompt: str, provider: str = "", config: 
 model_provider = "iop"
 model_reasoning_summary = "auto"
 check_for_update_on_startup = false
-
+{top}
 [analytics]
 enabled = false
 
@@ -766,6 +767,40 @@ async def test_codex_waits_through_a_long_collected_turn(edge_up, tmp_path):
     assert "All done: file written." in done.stdout
     assert (work / "out.txt").read_text() == "hi-from-iop\n"
     assert len(upstream.records) == 2  # the call, then the answer: no retry
+
+
+def filling_script(body: dict) -> list:
+    """A model whose every turn runs Codex's shell on a command that prints 25 KB (about 6,000
+    tokens), six times, then answers; asked for Codex's compaction, it gives a summary, and
+    given it back, answers."""
+    user = [m for m in body["messages"] if m["role"] == "user"]
+    if "CONTEXT CHECKPOINT COMPACTION" in msgspec.json.encode(user[-1:]).decode():
+        return steps({"content": "SUMMARY: outputs of words asked for; keep going."})
+    if "SUMMARY: outputs of words" in msgspec.json.encode(user).decode():
+        return steps({"content": "Filled after a compaction."})
+    results = [m for m in body["messages"] if m["role"] == "tool"]
+    tools = [t["function"]["name"] for t in body.get("tools") or ()]
+    shell = next((name for name in tools if name in ("exec_command", "shell")), None)
+    if len(results) >= 6 or shell is None:
+        return steps({"content": f"Filled after {len(results)} outputs."})
+    command = "python3 -c \"print('word ' * 5000)\""
+    args = {"cmd": command} if shell == "exec_command" else {"command": ["bash", "-lc", command]}
+    return steps(*native_call(f"call_{len(results)}", shell, msgspec.json.encode(args).decode()), finish="tool_calls")
+
+
+async def test_codex_compacts_on_a_model_with_a_small_context(nursery, upstream, tmp_path):
+    """A model served with a 24k context (the node's `context_window`): Codex does not read the
+    window the edge lists in /v1/models, and with the README's config as it was, its session
+    ended when its history outgrew it ("Codex ran out of room in the model's context window",
+    on the edge's 400 `context_length_exceeded`: an outside audit). With `model_context_window`
+    set as the README now says, Codex compacts its history and carries on to the answer."""
+    edge = await start_edge(nursery, edge_config(keepalive_s=0.2))
+    node = await start_node(nursery, edge, [model("m", upstream, target="t", context_window=24_000)])
+    done, _, upstream = await run_codex(
+        (edge, upstream), tmp_path, "FILL the context.", top="model_context_window = 24000\n", script=filling_script
+    )
+    assert "Filled after a compaction." in done.stdout, (done.stdout, done.stderr[-2000:])
+    await settled(edge, node.agent)
 
 
 async def test_keep_alives_are_in_progress_events(edge_up):
