@@ -323,7 +323,9 @@ async def test_a_queued_request_is_listed_with_its_key_and_can_be_cancelled(nurs
     assert line["cause"] == "cancelled" and line["status"] == 499
 
 
-@pytest.mark.parametrize(("ending", "stream"), [("cancel", False), ("cancel", True), ("timeout", False)])
+@pytest.mark.parametrize(
+    ("ending", "stream"), [("cancel", False), ("cancel", True), ("timeout", False), ("timeout", True)]
+)
 async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, ending, stream):
     """A request with tools whose first run called a tool it was not offered: its retry waits
     for the model's one slot, which a request queued meanwhile took, shown queued, and an
@@ -331,7 +333,9 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, endi
     an error of no code), and the SDKs ran the request again, both attempts on the GPU (an
     outside audit). It is the cancel's 499 with x-should-retry: false, or in a stream its
     `cancelled_by_operator`; nothing runs again. Its queue timing out instead is the queue's
-    429 with Retry-After, as a queued request's (it was that 502 too: a re-check). (The edge
+    429 with Retry-After, as a queued request's (it was that 502 too: a re-check); in a stream
+    (keep-alives sent meanwhile), its error is that 429's type and code (it was a
+    tool_validation_retry_error of no code). (The edge
     and the node are processes of their own, as in production: in one process the retry took
     the freed slot ahead of the queue.)"""
 
@@ -383,7 +387,12 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, endi
                 await trio.sleep(0.5)  # (anything started again would reach the upstream meanwhile)
                 clients.cancel_scope.cancel()
     (r,) = answer
-    if ending == "timeout":
+    if ending == "timeout" and stream:
+        assert r.status_code == 200
+        error = msgspec.json.decode(r.content.split(b"data: ")[-2])["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "queue_timeout", error
+        assert error["message"].startswith("the retry could not start"), error
+    elif ending == "timeout":
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
         error = r.json()["error"]
         assert error["code"] == "queue_timeout" and error["message"].startswith("the retry could not start"), error

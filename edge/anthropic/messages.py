@@ -196,7 +196,7 @@ class MessagesBuffered:
     def opening(self) -> bytes:
         return self.enc.start(self.turn.estimate)
 
-    def error(self, message: str, type: str) -> bytes:
+    def error(self, message: str, type: str, code: str | None = None) -> bytes:
         return self.enc.error(message, type, output.futile(self.turn, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
@@ -241,7 +241,7 @@ class MessagesLive(output.ToolLive):
     def opening(self) -> bytes:
         return self.enc.start(self.turn.estimate)
 
-    def error(self, message: str, type: str) -> bytes:
+    def error(self, message: str, type: str, code: str | None = None) -> bytes:
         return self.enc.error(message, type, output.futile(self.turn, type))
 
     def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:

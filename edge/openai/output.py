@@ -205,7 +205,7 @@ def stream_code(run: Run | None, type: str) -> str | None:
 async def fail(
     turn: Turn,
     failed: RunFailed,
-    in_stream: Callable[[str, str], bytes] = sse_error,
+    in_stream: Callable[..., bytes] = sse_error,
     opening: Callable[[], bytes] | None = None,
 ) -> None:
     """Tell the client: an HTTP error if nothing was sent yet, else the
@@ -215,7 +215,11 @@ async def fail(
     turn.outcome = failed.cause
     if opening is not None and not turn.ex.started and stops_codex(turn, failed.type):
         await turn.ex.start(200, SSE_HEADERS, opening())
-    if turn.ex.started:
+    if turn.ex.started and failed.refusal is not None:  # (a retry refused a slot, after keep-alives)
+        # In the refusal's words, as before the stream started (a 429 `queue_timeout`, which the
+        # SDKs and agents wait and retry on), not a tool_validation_retry_error of no code.
+        await turn.ex.finish(in_stream(failed.message, failed.refusal.type, failed.refusal.code))
+    elif turn.ex.started:
         await turn.ex.finish(in_stream(failed.message, failed.type))
     else:
         await turn.ex.respond_error(http_error(failed, turn.last_run))
@@ -259,7 +263,7 @@ class BufferedEncoder(Protocol):
 
     def opening(self) -> bytes: ...  # written when the stream commits
 
-    def error(self, message: str, type: str) -> bytes: ...  # the closing bytes of a failed stream
+    def error(self, message: str, type: str, code: str | None = None) -> bytes: ...  # a failed stream's last bytes
 
     def whole(self, run: Run, result: Collected) -> bytes: ...  # every event, then the closing bytes
 
@@ -276,8 +280,8 @@ class ChatBuffered:
     def opening(self) -> bytes:
         return b""
 
-    def error(self, message: str, type: str) -> bytes:
-        return sse_error(message, type, stream_code(self.turn.last_run, type))
+    def error(self, message: str, type: str, code: str | None = None) -> bytes:
+        return sse_error(message, type, code or stream_code(self.turn.last_run, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
         return buffered_chunks(self.turn, run, result)
@@ -412,9 +416,9 @@ class LiveEncoder:
         """The run ended well: its last events and the closing bytes."""
         raise NotImplementedError
 
-    def error(self, message: str, type: str) -> bytes:
+    def error(self, message: str, type: str, code: str | None = None) -> bytes:
         """The closing bytes of a stream whose run failed after it committed."""
-        return sse_error(message, type, stream_code(self.turn.last_run, type))
+        return sse_error(message, type, code or stream_code(self.turn.last_run, type))
 
     def feed(self, batch: list[RunEvent]) -> bytes | None:
         """Shape a batch into ``out``; the closing bytes if the run ended."""

@@ -155,7 +155,7 @@ class ResponsesBuffered:
     def opening(self) -> bytes:
         return self.enc.opening()
 
-    def error(self, message: str, type: str) -> bytes:
+    def error(self, message: str, type: str, code: str | None = None) -> bytes:
         return self.enc.failed(message, type, output.futile(self.turn, type))
 
     def whole(self, run: Run, result: Collected) -> bytes:
@@ -186,7 +186,7 @@ class ResponsesLive(output.ToolLive):
     def opening(self) -> bytes:
         return self.enc.opening()
 
-    def error(self, message: str, type: str) -> bytes:
+    def error(self, message: str, type: str, code: str | None = None) -> bytes:
         return self.enc.failed(message, type, output.futile(self.turn, type))
 
     def tail(self, event: RunEvent, calls: list[ToolCall] | None, usage) -> bytes:
