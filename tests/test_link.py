@@ -18,6 +18,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_str
 
 from edge import frame_limit
 from edge import ws as edge_ws
+from edge.config import KeyConfig
 from edge.runs.link import MAX_LIVENESS_QUEUED, PLACED_KEYS_PER_S, NodeLink
 from edge.runs.service import LOST_GRACE_S
 from node.agent import NodeAgent
@@ -153,6 +154,44 @@ async def test_a_collected_run_whose_node_dies_runs_again_on_another(nursery, tm
         if s.name == "iop_runs_moved_total"
     }
     assert moved == {"rerun_node_lost": 1.0}, moved
+
+
+async def test_a_whole_answer_whose_node_dies_with_none_to_move_to_is_charged_once(nursery, tmp_path, upstream):
+    """A whole answer's node SIGKILLed mid-run, and no node linked again: the client gets a 503
+    no_node_available; the key is charged the lost run's prompt (by estimate) and what it
+    streamed, once. It was charged the prompt twice (the run counted as moved, and again as
+    the last run: 8 prompt tokens where 4 were sent, and a daily budget spent twice as fast: an
+    outside audit). The control: a client that leaves the same request mid-run."""
+    edge = await start_edge(nursery, edge_config(keys=[KeyConfig(id="k", key="sk-k")]))
+    proc = await start_node_process(
+        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "a", "base_url": upstream.base_url}]
+    )
+    upstream.script_for("a", slow_tokens(1000))
+    key = edge.edge.keys.by_id["k"]
+    body = {**STREAM, "stream": False}
+    with trio.fail_after(BOUND):
+        async with http(edge, headers={"Authorization": "Bearer sk-k"}) as client:
+            with trio.move_on_after(0.5):  # the control: the client leaves mid-run
+                await client.post("/v1/chat/completions", json=body)
+            await eventually(lambda: key.requests == 1, "the control charged")
+            left = (key.prompt_tokens, key.completion_tokens)
+            async with trio.open_nursery() as inner:
+                answer = {}
+
+                async def ask() -> None:
+                    answer["r"] = await client.post("/v1/chat/completions", json=body)
+
+                inner.start_soon(ask)
+                await upstream.wait_requests(2)
+                await trio.sleep(0.5)  # (about as much streamed as the control's)
+                proc.send_signal(signal.SIGKILL)
+    r = answer["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_node_available", r.text
+    await eventually(lambda: key.requests == 2, "the lost run charged")
+    lost = (key.prompt_tokens - left[0], key.completion_tokens - left[1])
+    assert left[0] > 0 and lost[0] == left[0], (left, lost)  # the prompt's estimate, once
+    assert 0 < lost[1] <= 2 * left[1] + 10, (left, lost)  # (what it streamed, about the control's)
+    await settled(edge)
 
 
 async def test_node_relinks_after_edge_restart(nursery, upstream):

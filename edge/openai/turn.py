@@ -114,6 +114,10 @@ class Turn:
         # Tokens of the runs before the one that answered (tool retries): charged with it, not shown to the client.
         self.earlier = (0, 0)
         self.earlier_estimated = False  # ...of them, a lost run's, counted by the edge's estimate
+        # The last run's tokens are in ``earlier`` already (a tool retry or a move followed it, and
+        # did not start): the access line charges it there only (a node lost under a whole answer,
+        # none linked again, charged its estimate twice: an outside audit).
+        self.last_in_earlier = False
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
         self.reasoning_shown = False  # a live stream showed an attempt's reasoning (a retry's starts apart)
         self.media = has_media(req)  # (for its usage's bounds)
@@ -161,7 +165,7 @@ class Turn:
             # Ended without usage: its prompt's estimate and what it streamed are charged; not if its
             # model server refused it with nothing streamed (a 429 or 5xx: an agent's retries through
             # an upstream outage were charged 19k tokens each, for nothing made: an outside audit).
-            if self.usage is None and not (streamed == 0 and run.error_status >= 400):
+            if self.usage is None and not self.last_in_earlier and not (streamed == 0 and run.error_status >= 400):
                 access.partial = (self.estimate, streamed)
 
     @functools.cached_property
@@ -264,6 +268,7 @@ class Turn:
         usage = self.usage
         if usage is not None:
             self.earlier = (self.earlier[0] + usage.prompt_tokens, self.earlier[1] + usage.completion_tokens)
+            self.last_in_earlier = True
         self.usage = None
         failed_run = self.last_run.id if self.last_run else ""
         metrics = self.edge.metrics
@@ -311,6 +316,7 @@ class Turn:
             slot, body, want=self.want, metadata=metadata or self.metadata, api=self.ex.api, client=self.ex
         )
         self.last_run = run
+        self.last_in_earlier = False
         if self.ex.lease is not None:
             self.ex.lease.follow(run, self.estimate + sum(self.earlier))
         structlog.contextvars.bind_contextvars(run_id=run.id)
@@ -532,7 +538,7 @@ async def collect_validated(
                 # ran the turn again themselves). The lost run's prompt and deltas are spent.
                 moved = True
                 turn.earlier = (turn.earlier[0] + turn.estimate, turn.earlier[1] + lost.deltas_seen)
-                turn.earlier_estimated = True
+                turn.earlier_estimated = turn.last_in_earlier = True
                 log.info(
                     f"collected run moved: its node was {'lost' if failed.cause == NODE_LOST else 'stalled'}",
                     failed_run_id=lost.id,
