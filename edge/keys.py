@@ -673,9 +673,10 @@ class Keys:
                 continue
             if not self.shared:
                 level = min(limit, level + (now - at) * limit / 60.0)
-            elif seen is not None:  # the Redis bucket as last seen, refilled since, plus this edge's balance
-                bucket, seen_at = seen
-                level = min(limit, min(limit, bucket + (now - seen_at) * limit / 60.0) + level)
+            else:  # the Redis bucket as last seen, refilled since, plus this edge's balance; full if never
+                # read (an edge just started said 0 left, reset in a minute: an outside audit)
+                bucket = limit if seen is None else seen[0] + (now - seen[1]) * limit / 60.0
+                level = min(limit, min(limit, bucket) + level)
             out += [
                 (b"x-ratelimit-limit-" + unit, str(limit).encode()),
                 (b"x-ratelimit-remaining-" + unit, str(max(int(level), 0)).encode()),

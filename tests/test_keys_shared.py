@@ -665,6 +665,32 @@ async def test_a_burst_borrows_from_redis_what_the_edges_slice_lacks(
     )
 
 
+async def test_a_fresh_edge_does_not_say_an_unread_bucket_is_empty(nursery, redis_server, tmp_path):  # noqa: F811
+    """An edge just started beside another, its keys' shared buckets not yet read from Redis: a
+    request refused before admission (a 400 for its body) of a key of rpm and tpm with
+    max_concurrent or daily_tokens said `x-ratelimit-remaining-*: 0`, reset in a minute, until the key's first
+    admitted request there (its balance alone; a client pacing on them paused a minute after
+    every deploy: an outside audit). An unread bucket is taken as full, as the edge takes one
+    when Redis goes away; once read, it is what Redis holds."""
+    keys = [
+        KeyConfig(id="c", key="sk-c", rpm=60, tpm=10_000, max_concurrent=2),
+        KeyConfig(id="d", key="sk-d", rpm=60, tpm=10_000, daily_tokens=10**6),
+    ]
+    a = await shared_edge(nursery, redis_server.url, tmp_path, "a", keys)
+    with trio.fail_after(BOUND):
+        for secret in ("sk-c", "sk-d"):
+            async with client(a, secret) as c:
+                assert (await chat(c)).status_code == 200
+        b = await shared_edge(nursery, redis_server.url, tmp_path, "b", keys)
+        for secret in ("sk-c", "sk-d"):
+            async with client(b, secret) as c:
+                r = await c.post("/v1/chat/completions", json={"model": "qwen-a", "messages": []})
+            assert r.status_code == 400, r.text
+            said = {k: v for k, v in r.headers.items() if k.startswith("x-ratelimit-remaining")}
+            assert 55 <= int(said["x-ratelimit-remaining-requests"]) <= 60, (secret, said)
+            assert 5_000 <= int(said["x-ratelimit-remaining-tokens"]) <= 10_000, (secret, said)
+
+
 async def test_ratelimit_headers_show_the_shared_bucket(nursery, redis_server, tmp_path):  # noqa: F811
     """With shared state, x-ratelimit-remaining-* is the Redis bucket's level plus this edge's
     balance (a fresh rpm 600 / tpm 100,000 key: about 599 and 99k after one request, not the
