@@ -610,6 +610,8 @@ class Keys:
         if used >= key.policy.daily_tokens:
             return self._over_budget(key, limit)
         what = f"its requests in flight hold the rest of its daily budget of {key.policy.daily_tokens} tokens"
+        if limit == "reserved":  # (held in Redis: by requests on any edge, or set aside there for them)
+            what += ", on this edge or others (an edge sets a slice aside for a key it served in the last seconds)"
         return self._limited(key, f"{what} ({used} used so far)", 1.0, limit)
 
     def _limited(self, key: Key, what: str, retry_after: float, limit: str) -> APIError:

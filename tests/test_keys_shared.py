@@ -1222,7 +1222,11 @@ async def test_a_redis_data_loss_keeps_the_budget_other_edges_hold(nursery, redi
                 r = await chat(ca, "slow", max_tokens=5_000)
             n.cancel_scope.cancel()
     assert r is not None, "a admitted it"
-    assert r.status_code == 429 and "hold the rest" in r.json()["error"]["message"], (r.status_code, r.text[:300])
+    assert (
+        r.status_code == 429
+        and "hold the rest" in r.json()["error"]["message"]
+        and "this edge or others" in r.json()["error"]["message"]
+    ), (r.status_code, r.text[:300])
     assert not on_a.day_used
 
 
