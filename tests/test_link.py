@@ -6,6 +6,7 @@ import contextlib
 import math
 import signal
 import socket
+import time
 from functools import partial
 
 import httpx
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 import structlog
 import trio
+import trio.lowlevel
 import trio.testing
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
@@ -61,6 +63,7 @@ from tests.conftest import (
 )
 
 STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+PING_OPCODE = 0x9  # a websocket ping frame
 
 
 def slow_tokens(n: int, interval: float = 0.02):
@@ -192,6 +195,53 @@ async def test_a_whole_answer_whose_node_dies_with_none_to_move_to_is_charged_on
     assert left[0] > 0 and lost[0] == left[0], (left, lost)  # the prompt's estimate, once
     assert 0 < lost[1] <= 2 * left[1] + 10, (left, lost)  # (what it streamed, about the control's)
     await settled(edge)
+
+
+async def test_a_link_is_not_charged_the_edges_other_work_while_it_answers_a_ping(nursery):
+    """What hypercorn reads of a link's frames (a websocket ping, a frame split across reads)
+    may wait on a send or on room in the link's queue, and meanwhile the rest of the edge runs.
+    That time was charged to the link as its own: a link sending 20 pings a second beside a task
+    busy on the event loop was held 1.9 s in 2 s, then throttled 3.7 s, its events stuck at the
+    edge (a fleet behind one address, its links dropping and dialling again, waited minutes for
+    its reads while shown healthy: an outside audit). Only the link's own time is charged."""
+    edge = await start_edge(nursery)
+    stream, frames = await open_link(edge.port, TOKEN, "pinger")
+    busy_for = 0.0
+    done = trio.Event()
+
+    async def busy() -> None:  # (another task's work on the event loop, as a console's snapshot)
+        nonlocal busy_for
+        while not done.is_set():
+            started = time.thread_time()
+            while time.thread_time() - started < 0.01:
+                pass
+            busy_for += time.thread_time() - started
+            await trio.lowlevel.checkpoint()
+
+    async def drain() -> None:
+        with contextlib.suppress(EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+            while True:
+                await frames.next()
+
+    held_before, waited_before = frame_limit.links_time()
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(drain)
+            inner.start_soon(busy)
+            ping = encode_frame(Ping(ts=1.0))
+            for i in range(200):
+                await stream.send_all(frame_header(PING_OPCODE, 4) + b"ping")
+                if i % 20 == 0:  # (the protocol's own ping: the link is alive)
+                    await stream.send_all(frame_header(BINARY, len(ping)) + ping)
+                await trio.sleep(0.01)
+            done.set()
+            assert "pinger" in edge.edge.runs.links
+            inner.cancel_scope.cancel()
+    await stream.aclose()
+    held, waited = frame_limit.links_time()
+    assert busy_for > 1.0, busy_for
+    assert held - held_before < 0.2, (held - held_before, busy_for)
+    assert waited - waited_before < 0.1, waited - waited_before
 
 
 async def test_node_relinks_after_edge_restart(nursery, upstream):
