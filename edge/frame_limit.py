@@ -465,24 +465,34 @@ async def _own_time(stream: WSStream, handle, event) -> float:
     pings a second beside a busy event loop was held 1.9 s in 2 s, then waited 3.7 s; a
     fleet behind one address, its nodes dropping and dialling again, waited minutes
     for its reads while shown healthy: an outside audit). The link's messages are
-    handled in it, charged: its ``app_put`` (edge.ws's) hands them over with no wait."""
-    send = stream.send
+    handled in it, charged: its ``app_put`` (edge.ws's) hands them over with no wait;
+    before that (the hello), hypercorn's queue to the app may wait for room, not charged."""
+    send, put = stream.send, stream.app_put
     paused = 0.0
 
-    async def timed(event) -> None:
-        nonlocal paused
-        at = link_clock()
-        try:
-            await send(event)
-        finally:
-            paused += link_clock() - at
+    def timed(call):
+        async def timed_call(message) -> None:
+            nonlocal paused
+            at = link_clock()
+            try:
+                await call(message)
+            finally:
+                paused += link_clock() - at
 
-    stream.send = timed
+        return timed_call
+
+    stream.send = timed_send = timed(send)
+    timed_put = None
+    if put is not None and DIRECT not in stream.__dict__:  # (not yet the link's own: edge.ws)
+        stream.app_put = timed_put = timed(put)
     started = link_clock()
     try:
         await handle(stream, event)
-    finally:
-        stream.send = send
+    finally:  # (unless replaced meanwhile: the link's reader takes app_put over while this waits)
+        if stream.send is timed_send:
+            stream.send = send
+        if timed_put is not None and stream.app_put is timed_put:
+            stream.app_put = put
     return max(link_clock() - started - paused, 0.0)
 
 
