@@ -455,9 +455,9 @@ def _drain_under_hypercorn(app: QuartTrio) -> None:
     error, the node links close 1001) before hypercorn's own graceful timeout, on the first of:
 
     - its worker's shutdown trigger (the parent's SIGTERM or SIGINT, passed on as an event);
-    - a SIGTERM or SIGINT to the worker itself: systemd's stop and ``kill -TERM -PGID`` signal
-      the whole process group, and hypercorn leaves the worker's default handler, which ended
-      it at once.
+    - a SIGTERM, SIGINT or SIGHUP to the worker itself: systemd's stop and ``kill -TERM -PGID``
+      signal the whole process group (a closed terminal sends SIGHUP), and hypercorn leaves the
+      worker's default handler, which ended it at once.
 
     A second signal to the worker ends the drain's grace at once. (Streams were cut 3 s after the signal,
     mid-body, with no error: found from outside.) Written against hypercorn 0.18's
@@ -471,7 +471,7 @@ def _drain_under_hypercorn(app: QuartTrio) -> None:
     async def drained_first(shutdown_event, sleep) -> None:
         edge = edge_of(app)
         stop = trio.Event()
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
 
                 async def signalled() -> None:

@@ -250,13 +250,15 @@ SAME_SIGNAL_S = 0.1  # (0.5: a `kill; kill` 0.35 s apart was one signal, an outs
 
 
 async def _wait_for_signal(event: trio.Event, hurry: Callable[[], trio.Event] | None = None) -> None:
-    """The first SIGTERM or SIGINT sets ``event`` (the drain starts); a second sets
+    """The first SIGTERM, SIGINT or SIGHUP sets ``event`` (the drain starts); a second sets
     ``hurry()``'s event: the drain ends its grace at once (running streams get
     their error and ``[DONE]``), instead of being ignored or killing the process.
     The same signal again within :data:`SAME_SIGNAL_S` is the same one: ``timeout``
-    sends SIGTERM to its child and then to its process group, the child again."""
+    sends SIGTERM to its child and then to its process group, the child again. SIGHUP (a
+    terminal closed, a service reloaded) killed the process at once, cutting every stream
+    unbilled: an outside audit. The config is read at start only: there is no reload."""
     first: tuple[int, float] | None = None
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if first is None:
                 first = (signum, trio.current_time())

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
+import threading
 import time
 
 import msgspec
@@ -111,6 +113,55 @@ def as_events(name: str) -> None:
     logger.propagate = False
 
 
+class _StderrLogger:
+    """structlog's PrintLogger (one line a call, flushed), but a line stderr does not take
+    is dropped: its reader gone (a log shipper or ``tee`` restarting: EPIPE) or its disk
+    full. Logging never fails a request: an access line raised BrokenPipeError, the
+    connection's guard logged that and raised again, and the edge exited, cutting every
+    stream and node link (an outside audit); the node did the same."""
+
+    __slots__ = ("_file", "_lock")
+
+    def __init__(self, file=None) -> None:
+        self._file = file if file is not None else sys.stderr
+        self._lock = threading.Lock()  # (lines from worker threads too)
+
+    def msg(self, message: str) -> None:
+        with self._lock:
+            try:
+                self._file.write(message + "\n")
+                self._file.flush()
+            except (OSError, ValueError):  # (ValueError: the file closed)
+                pass
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
+
+
+class _StderrLoggerFactory:
+    def __init__(self, file=None) -> None:
+        self._logger = _StderrLogger(file)
+
+    def __call__(self, *args: object) -> _StderrLogger:
+        return self._logger
+
+
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _escaped(match: re.Match) -> str:
+    return f"\\x{ord(match.group()):02x}"
+
+
+def _escape_controls(logger, name: str, event_dict: dict) -> dict:
+    """Console lines: control characters in string values as ``\\x1b``, as JSON escapes
+    them. A request's path, a model's name, a link's node id reached the operator's terminal
+    raw, escape sequences and all, from any client (an outside audit)."""
+    for key, value in event_dict.items():
+        if type(value) is str and _CONTROLS.search(value):
+            event_dict[key] = _CONTROLS.sub(_escaped, value)
+    return event_dict
+
+
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("json", "console")
 
@@ -149,12 +200,15 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
         ]
     else:
         processors += [
-            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)
+            _escape_controls,
+            structlog.dev.ConsoleRenderer(
+                colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+            ),
         ]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_StderrLoggerFactory(sys.stderr),
         cache_logger_on_first_use=cache,
     )
     trio_log = logging.getLogger("trio")

@@ -371,9 +371,10 @@ async def test_a_refusal_is_counted_as_one_when_its_client_closes_as_it_arrives(
     assert 'outcome="unknown"' not in text
 
 
-def _spawn(args: list[str], env: dict[str, str], stderr: Path | None = None, **popen) -> subprocess.Popen:
+def _spawn(args: list[str], env: dict[str, str], stderr: Path | int | None = None, **popen) -> subprocess.Popen:
     # Its own process group: hypercorn's CLI runs its worker in a child process.
-    if stderr is None:
+    if stderr is None or isinstance(stderr, int):  # (an int: subprocess.PIPE and the like)
+        popen.setdefault("stderr", stderr)
         return subprocess.Popen(args, env={**os.environ, **env}, start_new_session=True, **popen)
     with open(stderr, "w") as err:
         return subprocess.Popen(args, env={**os.environ, **env}, stderr=err, start_new_session=True, **popen)
@@ -397,6 +398,84 @@ async def _ready(url: str, path: str = "/readyz", **kw) -> None:
                 except httpx.HTTPError:
                     pass
                 await trio.sleep(0.05)
+
+
+async def test_a_log_reader_that_goes_away_stops_no_edge_and_no_node(tmp_path, upstream):
+    """`iop edge` and `iop node` with stderr into a pipe whose reader goes away (a log shipper
+    or `tee` restarting): the next log line raised BrokenPipeError, the connection's guard
+    logged it and raised again, and the edge exited 1, cutting every stream and node link; the
+    node exited at its next warning (an outside audit). Lines stderr does not take are dropped:
+    both go on serving, and SIGTERM still drains them to a clean exit."""
+    from scripts.stack import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    edge_cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN})
+    node_cfg = write_toml(
+        tmp_path / "node.toml",
+        {
+            "node_id": "n1",
+            "edges": [f"ws://127.0.0.1:{port}/v1/node/link"],
+            "token": TOKEN,
+            "models": [{"name": "m", "adapter": "openai", "base_url": upstream.base_url, "target": "t"}],
+        },
+    )
+    env = {"IOP_LOG_FORMAT": "json", "IOP_LOG_LEVEL": "info"}
+    python = [sys.executable, "-m", "iop"]
+    edge = _spawn([*python, "edge", "--config", str(edge_cfg)], env, subprocess.PIPE, stdout=subprocess.DEVNULL)
+    node = _spawn([*python, "node", "--config", str(node_cfg)], env, subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        await _ready(url)
+        edge.stderr.close()  # (the readers go away)
+        node.stderr.close()
+        upstream.script_for("t", [("status", 500, b'{"error": {"message": "boom"}}')])  # (the node warns)
+        async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client:
+            with trio.fail_after(BOUND):
+                for _ in range(3):
+                    assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 502
+                upstream.script_for("t", text_script(words(2)))
+                r = await client.post("/v1/chat/completions", json=BODY)
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
+                assert (await client.get("/healthz")).status_code == 200
+        assert edge.poll() is None and node.poll() is None
+        for proc in (node, edge):
+            proc.send_signal(signal.SIGTERM)
+            assert await trio.to_thread.run_sync(proc.wait, BOUND) == 0
+    finally:
+        _stop(node)
+        _stop(edge)
+
+
+async def test_console_log_lines_escape_control_characters(tmp_path):
+    """With console log lines (IOP_LOG_FORMAT=console, or stderr a terminal), a request's path
+    and a link attempt's node id reached the operator's terminal raw: escape sequences that
+    clear the screen, hide the rest of a line or draw a fake one, from any client, no key
+    needed (an outside audit). They are escaped (`\\x1b`), as JSON lines escape them."""
+    from scripts.stack import free_port
+
+    port = free_port()
+    cfg = write_toml(tmp_path / "edge.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN})
+    log = tmp_path / "edge.log"
+    proc = _spawn([sys.executable, "-m", "iop", "edge", "--config", str(cfg)], {"IOP_LOG_FORMAT": "console"}, log)
+    try:
+        await _ready(f"http://127.0.0.1:{port}", "/healthz")
+        with trio.fail_after(BOUND):
+            for raw in (
+                b"GET /%1b[2J%1b]0;owned%07FAKE%1b[8m HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+                b"GET /v1/node/link HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                b"Authorization: Bearer wrong\r\nX-Iop-Node-Id: \x1b[2K\x1b[31mEVIL\x1b[8m\r\n\r\n",
+            ):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(raw)
+                assert await stream.receive_some(4096)
+                await stream.aclose()
+            while b"FAKE" not in log.read_bytes() or b"EVIL" not in log.read_bytes():
+                await trio.sleep(0.05)
+    finally:
+        _stop(proc)
+    written = log.read_bytes()
+    assert b"\x1b" not in written and b"\x07" not in written, written[-600:]
 
 
 async def test_edge_runs_under_hypercorns_own_cli(nursery, tmp_path, upstream):
@@ -565,35 +644,42 @@ async def _edge_process_with_a_node(nursery, tmp_path, upstream, *, drain_grace_
 
 
 @contextlib.asynccontextmanager
-async def _streaming_then_sigterm(url: str, upstream, proc: subprocess.Popen, group: bool = False):
+async def _streaming_then_sigterm(
+    url: str, upstream, proc: subprocess.Popen, group: bool = False, signum: int = signal.SIGTERM
+):
     """A stream open through the edge process at ``url``, its upstream request seen, then
-    SIGTERM to the process (``group``: to its process group, as systemd stops a service): the
-    stream's response, for the caller to read."""
+    SIGTERM (or ``signum``) to the process (``group``: to its process group, as systemd stops a
+    service): the stream's response, for the caller to read."""
     async with (
         httpx.AsyncClient(base_url=url, timeout=BOUND) as client,
         client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": None, "stream": True}) as r,
     ):
         await upstream.wait_requests(1)
         if group:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signum)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
         yield r
 
 
-@pytest.mark.parametrize("cli", ["iop edge", "iop edge, group", "hypercorn", "hypercorn, group"])
+@pytest.mark.parametrize(
+    "cli", ["iop edge", "iop edge, group", "hypercorn", "hypercorn, group", "iop edge, hup", "iop edge, hup, group"]
+)
 async def test_sigterm_drains_the_edge(nursery, tmp_path, upstream, cli):
     """SIGTERM to `iop edge`, or to hypercorn's CLI serving the edge, or to either's process
     group (systemd's stop): new requests get 503, the in-flight stream (4 s, past hypercorn's
     3 s graceful timeout) finishes, then the process exits 0. (Under hypercorn's CLI the stream
-    was cut after 3 s, mid-body, with no error; signalled as a group, its worker died at once.)"""
+    was cut after 3 s, mid-body, with no error; signalled as a group, its worker died at once.)
+    SIGHUP (a closed terminal: to the group) drains the same: it killed `iop edge` at once, its
+    streams cut and unbilled (an outside audit)."""
+    signum = signal.SIGHUP if "hup" in cli else signal.SIGTERM
 
     upstream.script_for("m-target", lambda body: text_script(words(80), interval=0.05))
     hypercorn = cli.startswith("hypercorn")
     proc, url = await _edge_process_with_a_node(nursery, tmp_path, upstream, drain_grace_s=10, hypercorn=hypercorn)
     try:
         with trio.fail_after(BOUND):
-            async with _streaming_then_sigterm(url, upstream, proc, group=cli.endswith("group")) as r:
+            async with _streaming_then_sigterm(url, upstream, proc, group=cli.endswith("group"), signum=signum) as r:
                 async with httpx.AsyncClient(base_url=url, timeout=BOUND) as other:
                     # The edge notices the signal within moments (hypercorn's worker polls its
                     # parent's every 0.1 s): /readyz says so first, then a new request is a 503.
