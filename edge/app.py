@@ -145,6 +145,7 @@ class Edge:
             run.fail("the edge is shutting down", SHUTDOWN)
         with trio.move_on_after(2):
             await self.runs.wait_idle()
+        self.runs.closing_links = True  # (a node's redial was taken, then cut with 1011 at the exit)
         for link in list(self.runs.links.values()):
             link.kill("edge shutting down", code=1001)
         self.console.close()

@@ -177,6 +177,9 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
         _refused(service, "node link refused: bad token", node_id, websocket.peer)
         await websocket.refuse(401, error_json("invalid node token", "authentication_error"))
         return None
+    if service.closing_links:  # (the drain closed the links with 1001: its node's redial waits for another edge)
+        await websocket.refuse(503, error_json("the edge is shutting down; retry", "server_error", code="draining"))
+        return None
     if not may_dial(websocket.peer):
         _refused(service, "node link refused: too many links dialled from one address", node_id, websocket.peer)
         await websocket.refuse(503, error_json("too many node links dialled from this address; retry", "server_error"))

@@ -856,6 +856,23 @@ async def test_a_whole_answer_cut_by_the_end_of_a_drain_says_when_to_retry(nurse
     await settled(edge, node.agent)
 
 
+async def test_a_drained_edge_takes_no_node_link_again(nursery, upstream):
+    """Its drain over, the edge closes its node links with 1001; a node dialled back at once and
+    was linked again, only to be cut with 1011 as the edge exited (an outside audit). A link
+    dialled after the drain closed them is refused (503 `draining`), and the node says so."""
+    edge = await start_edge(nursery, edge_config(drain_grace_s=0.1))
+    node = await start_node(nursery, edge, [model("m", upstream)])
+    with structlog.testing.capture_logs() as logs, trio.fail_after(BOUND):
+        await edge.edge.drain()
+        assert not edge.edge.runs.links
+        await eventually(
+            lambda: any(e["event"] == "edge refused the link" and '"draining"' in e["body"] for e in logs),
+            "the node's redial refused",
+        )
+        await trio.sleep(0.5)
+    assert not edge.edge.runs.links and not node.agent.links
+
+
 async def test_a_drain_under_a_stream_of_refused_requests_ends_with_its_runs(nursery, upstream):
     """A drain waits for the answers still being written, not only for the runs, but not for
     the requests it refuses (503 `draining`): with clients sending without pause, it ends as

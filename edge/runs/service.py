@@ -311,6 +311,7 @@ class RunService:
         self.links: dict[str, NodeLink] = {}
         # node links authenticated and waiting for their hello, per credential (edge.link)
         self.pending_hellos: collections.Counter[str] = collections.Counter()
+        self.closing_links = False  # the edge's drain closed its links: none is taken again
         self.link_refusals: dict[str, list[float]] = {}  # (edge.link) why -> [refused since its last line, then]
         self.runs: dict[str, Run] = {}
         self.timers = RunTimers()  # its task runs with the app (edge.app)
