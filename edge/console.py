@@ -47,6 +47,7 @@ from quart import Response, request
 
 from edge.admin import admin_refusal, error_response, json_response
 from edge.keys import RETRY_HINT
+from edge.metrics import OTHER_MODEL
 from edge.runs.run import CANCELLED, CLIENT_GONE, COMPLETE, Run
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ MAX_SUBSCRIBERS = 16
 STALE_S = 10.0  # a console that has not taken its events for this long loses its place (its socket is stuck)
 MINUTES = 60
 MAX_USAGE_ROWS = 50  # per table, the most tokens first; the rest summed in one row
+MAX_LEDGER_MODELS = 1000  # today's model names kept as the ledger gave them; the rest are "other"
 
 _encode = msgspec.json.Encoder().encode
 
@@ -481,13 +483,26 @@ class Console:
 
             try:
                 (by_key, by_model), counted_then = await ledger.usage_at(start, [["key"], ["model"]], counted)
-                # The ledger holds whatever model name a client sent (a 404 too): names
-                # no node serves or the config lists are summed as "other", as in /metrics.
-                label = self.edge.metrics.model_label
-                self._today = (
-                    _top(_rows(r["key"], r) for r in by_key),
-                    _top(_rows(label(r["model"]), r) for r in by_model),
+                # The ledger holds whatever model name a client sent (a 404 too): names no node
+                # serves or the config lists are summed as "other", as in /metrics, when shown
+                # (labelled as read, a model whose node had not linked again after a restart was
+                # "other" until the next day's read: an outside audit). The names of the most
+                # tokens are kept as read, the rest summed as "other" at once.
+                models = sorted(
+                    (_rows(r["model"], r) for r in by_model), key=lambda r: -(r.prompt_tokens + r.completion_tokens)
                 )
+                rest = models[MAX_LEDGER_MODELS:]
+                if rest:
+                    models = models[:MAX_LEDGER_MODELS]
+                    models.append(
+                        UsageRow(
+                            OTHER_MODEL,
+                            sum(r.requests for r in rest),
+                            sum(r.prompt_tokens for r in rest),
+                            sum(r.completion_tokens for r in rest),
+                        )
+                    )
+                self._today = (_top(_rows(r["key"], r) for r in by_key), models)
                 self._counted_at_read = counted_then
             except ledger._errors as e:  # the ledger's database is down: today's counts from memory
                 log.warning("console: ledger unavailable, usage from memory", error=str(e))
@@ -504,7 +519,9 @@ class Console:
         ]  # a full hour, empty minutes included
         ledger = self.edge.ledger
         if ledger is not None and self._today is not None:
-            keys, models = self._today
+            keys, read = self._today
+            label = self.edge.metrics.model_label
+            models = _top(UsageRow(label(r.name), r.requests, r.prompt_tokens, r.completion_tokens) for r in read)
             day, keys_then, models_then = self._counted_at_read
             if day == self._day:  # the ledger's figures, and what this edge counted since it was read
                 keys = _top([*keys, *_since(self._by_key, keys_then)])

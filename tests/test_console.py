@@ -4,6 +4,7 @@ itself, in a real browser: tests/test_console_browser.py."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from functools import partial
@@ -478,6 +479,45 @@ async def test_usage_today_comes_from_the_ledger_when_there_is_one(nursery, tmp_
     m, other = usage["models"]
     assert m["name"] == "m" and m["requests"] == 3 and m["completion_tokens"] > 0
     assert other == {"name": "other", "requests": 60, "prompt_tokens": 0, "completion_tokens": 0}
+
+
+async def test_a_model_whose_node_links_after_the_ledger_was_read_is_shown_by_name(nursery, tmp_path, monkeypatch):
+    """An edge restarted on its SQLite ledger (read once a day), a console open before the model's
+    node linked again: the model's requests today were labelled "other" as read, and stayed so
+    until the next day's read (an outside audit). They are labelled as shown: once the node is
+    linked, they are the model's."""
+    import edge.console as console_module
+
+    monkeypatch.setattr(console_module, "USAGE_EVERY_S", 0.3)
+    ledger = str(tmp_path / "ledger.sqlite3")
+    first = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=ledger))
+    await start_node(nursery, first, [model("m")], node_id="before")
+    async with http(first) as client:
+        for _ in range(3):
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 5})
+            assert r.status_code == 200
+
+    def written() -> int:
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(ledger)) as db:
+            return db.execute("SELECT count(*) FROM usage").fetchone()[0]
+
+    await eventually(lambda: written() == 3, "the ledger written")
+    first.stop()
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN], ledger=ledger))
+    events = Events()
+    async with http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        usage = await events.first_usage()
+        assert [(m["name"], m["requests"]) for m in usage["models"]] == [("other", 3)], usage
+        await start_node(nursery, edge, [model("m")], node_id="after")
+        with trio.fail_after(BOUND):
+            while not any(m["name"] == "m" for m in events.usage[-1]["models"]):
+                await events.changed.wait()
+        reading.cancel_scope.cancel()
+    models = {m["name"]: m["requests"] for m in events.usage[-1]["models"] if m["requests"]}
+    assert models == {"m": 3}, models
 
 
 async def test_snapshots_keep_coming_while_the_ledger_is_read(nursery, tmp_path, monkeypatch):
