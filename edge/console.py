@@ -330,6 +330,15 @@ class Console:
             )
         )
 
+    def tool_calls_invalid(self, run: Run, attempts: int) -> None:
+        """A turn whose tool calls were still invalid after its attempts: an error of its own
+        (its runs completed; the client got `invalid_tool_call`, which the list missed: an
+        outside audit). Not the reason, which quotes the model's arguments (logged only when
+        tracing)."""
+        message = f"the model's tool calls were still invalid after {attempts} attempt{'s' if attempts > 1 else ''}"
+        at, node = round(time.time(), 3), run.slot.link.node_id
+        self.errors.append(RunError(at, run.id, run.slot.model, node, run.api, "tool_validation", message))
+
     def cancel(self, run_id: str) -> bool:
         """End a run in flight, or a request waiting in the queue or running (by
         its request id: a row the console showed queued may have started since),

@@ -154,6 +154,28 @@ async def test_a_stream_shows_up_grows_and_an_operator_cancel_aborts_it_upstream
     await eventually(lambda: not edge.edge.console._subscribers, "the console's stream unsubscribed")
 
 
+async def test_tool_calls_still_invalid_are_listed_among_the_errors(nursery, upstream):
+    """A request whose model called a tool it was not offered, on every attempt: the client got
+    `invalid_tool_call`, /metrics counted `outcome="tool_validation"`, and the console's error
+    list stayed empty (an outside audit). It lists it, without the model's arguments."""
+    calls = [("chunk", {"content": '<tool_call>{"name": "launch", "arguments": {"secret": "xyz"}}</tool_call>'})]
+    upstream.script_for("m-target", [*calls, ("chunk", {}, "stop"), ("done",)])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream)], node_id="node-a")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "tools": tools})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "invalid_tool_call", r.text
+        snap = await events.until(lambda s: s["errors"], "the error listed")
+        reading.cancel_scope.cancel()
+    (error,) = snap["errors"]
+    assert error["cause"] == "tool_validation" and error["node"] == "node-a" and error["model"] == "m", error
+    assert "still invalid after 2 attempts" in error["message"] and "xyz" not in error["message"], error
+
+
 async def test_snapshots_stay_a_few_a_second_however_busy(nursery, upstream):
     """50 fast streams: the console gets ~4 snapshots a second, not one per event."""
     upstream.script_for("m-target", lambda body: text_script(words(200), interval=0.002))

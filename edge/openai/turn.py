@@ -258,6 +258,8 @@ class Turn:
         model's arguments, completion text: only when tracing)."""
         why = {"reason": reason} if trace_enabled(self.metadata) else {}
         log.warning("tool validation failed", attempt=attempt, **why)
+        if self.last_run is not None:
+            self.edge.console.tool_calls_invalid(self.last_run, attempt)
 
     def retry_after(
         self, reason: str, calls: list[ToolCall] | None, content: str, attempt: int
