@@ -194,6 +194,14 @@ async def test_a_whole_answer_whose_node_dies_with_none_to_move_to_is_charged_on
     lost = (key.prompt_tokens - left[0], key.completion_tokens - left[1])
     assert left[0] > 0 and lost[0] == left[0], (left, lost)  # the prompt's estimate, once
     assert 0 < lost[1] <= 2 * left[1] + 10, (left, lost)  # (what it streamed, about the control's)
+    # Both estimates, and said so (the lost one was recorded as exact: a re-check).
+    estimated = [
+        s.value
+        for metric in edge.edge.metrics.registry.collect()
+        for s in metric.samples
+        if s.name == "iop_usage_estimated_total" and s.labels.get("api") == "chat"
+    ]
+    assert estimated == [2.0], estimated
     await settled(edge)
 
 

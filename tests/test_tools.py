@@ -2087,3 +2087,27 @@ def test_compiled_schemas_are_kept_within_a_budget_of_their_text(monkeypatch):
         assert tools_module._validator(schema(0)) is first  # (used each time: kept)
     assert kept._bytes <= 40_000 and len(kept._kept) < 12
     assert kept._bytes == sum(map(len, kept._kept))
+
+
+def test_a_schema_of_many_subschemas_with_ids_compiles_in_linear_time():
+    """Each subschema that names its own `$id` resolves its references against it; each lookup
+    of an id the registry had not crawled read the whole schema again: 1,600 such subschemas
+    (9,604 schema nodes) held the one compile slot, outside any time limit, 47 s (a re-check:
+    another key's schema waited 40.8 s behind it). The schema is crawled once."""
+    import time
+
+    n = 1600
+    defs = {
+        f"d{i}": {
+            "$id": f"http://o/x{i}",
+            "properties": {"b": {"$ref": "#/$defs/y"}},
+            "$defs": {"y": {"type": "integer"}},
+        }
+        for i in range(n)
+    }
+    schema = {"type": "object", "properties": {f"p{i}": {"$ref": f"#/$defs/d{i}"} for i in range(n)}, "$defs": defs}
+    started = time.monotonic()
+    validator = tools_module._build_validator(json.dumps(schema))
+    took = time.monotonic() - started
+    assert took < 10, took  # (here: 1.6 s; 47 s before)
+    assert [e.message for e in validator.iter_errors({"p0": {"b": "x"}})] == ["'x' is not of type 'integer'"]

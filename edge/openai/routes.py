@@ -512,14 +512,15 @@ def _access(edge: Edge, ex: Exchange, api: str, outcome: str | None, seconds: fl
     model = metrics.model_label(access.model)
     metrics.requests.labels(api, model, outcome).inc()
     usage = access.usage
-    counted = usage is not None or access.partial is not None  # (else no run started: nothing used)
+    # (else no run started: nothing used; or only runs replaced, as a lost run whose move found no node)
+    counted = usage is not None or access.partial is not None or access.earlier != (0, 0)
     if usage is not None:
         prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, access.usage_estimated
     elif access.partial is not None:  # ended without usage (cancelled, failed): what it had streamed
         (prompt, completion), estimated = access.partial, True
-    else:
+    else:  # (the runs replaced: a lost run's by estimate, and said so: it was recorded as exact)
         prompt = completion = 0
-        estimated = False
+        estimated = access.usage_estimated
     if estimated:  # as the access line, the ledger and the key have it
         metrics.usage_estimated.labels(api, model).inc()
     if access.earlier != (0, 0):  # the runs a tool retry replaced: their tokens were spent too
