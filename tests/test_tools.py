@@ -1178,6 +1178,8 @@ async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
         {"allOf": [True, False]},
         {"anyOf": [False, {"type": "string"}]},
         {"$ref": "#/$defs/no", "$defs": {"no": False}},
+        {"anyOf": [False, {"$ref": "#/$defs/f"}], "$defs": {"f": False}},  # (through a branch: a re-check)
+        {"anyOf": [False, {"allOf": [False]}]},
     ]
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
@@ -1268,7 +1270,7 @@ async def test_a_reference_inside_a_subschema_with_its_own_id_is_relative_to_tha
         "properties": {
             "city": {"$id": "https://example.com/city", "$defs": {"name": {"type": "string"}}, "$ref": "#/$defs/name"},
             "where": {"$ref": "https://example.com/city"},
-            "opts": {"type": "object", "default": {"$ref": "not a reference"}},
+            "opts": {"type": "object", "default": {"$ref": "not a reference"}, "example": {"$ref": "nor this"}},
         },
         "required": ["city"],
     }
@@ -2111,3 +2113,34 @@ def test_a_schema_of_many_subschemas_with_ids_compiles_in_linear_time():
     took = time.monotonic() - started
     assert took < 10, took  # (here: 1.6 s; 47 s before)
     assert [e.message for e in validator.iter_errors({"p0": {"b": "x"}})] == ["'x' is not of type 'integer'"]
+
+
+def test_a_loop_through_a_dynamic_reference_is_refused_and_a_dynamic_tree_is_not():
+    """`$dynamicRef` goes, by the scope it is reached in, to a subschema of its anchor's name:
+    looked up statically, a loop through one below the root went unseen, and each request spent
+    its attempts on the model before a 502 "could not be checked" (a re-check). Any subschema of
+    that anchor counts as a successor; a recursive tree through `items` is no loop."""
+    looped = {
+        "$id": "http://o/root",
+        "type": "object",
+        "required": ["p"],
+        "properties": {"p": {"$ref": "w"}},
+        "$defs": {
+            "w": {"$id": "w", "$dynamicAnchor": "n", "allOf": [{"$ref": "inner"}]},
+            "inner": {
+                "$id": "inner",
+                "$defs": {"a": {"$dynamicAnchor": "n", "type": "object"}},
+                "allOf": [{"$dynamicRef": "#n"}],
+            },
+        },
+    }
+    with pytest.raises(tools_module.SchemaProblem, match="loop without end"):
+        tools_module._build_validator(json.dumps(looped))
+    tree = {
+        "$id": "http://o/t",
+        "$dynamicAnchor": "node",
+        "type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$dynamicRef": "#node"}}},
+    }
+    validator = tools_module._build_validator(json.dumps(tree))
+    assert [e.message for e in validator.iter_errors({"kids": [{"kids": [1]}]})] == ["1 is not of type 'object'"]

@@ -565,7 +565,7 @@ _evaluated_as_sets()
 # Keywords whose values are data, not schema: their lists' items cost the metaschema
 # check next to nothing (an `enum` of 200,000 strings compiles in 0.1 s); and those
 # whose values map names (any, "enum" too) to schemas or to lists of names.
-_DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))
+_DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples", "example"))  # (example: OpenAPI's)
 _NAME_MAPS = frozenset(
     ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependentRequired", "dependencies")
 )
@@ -733,7 +733,7 @@ def _build_validator(schema_json: str):
                 raise SchemaProblem(f"its {where} `{_cut(pattern, 100)}` cannot be used: {e}") from None
         try:
             for error in validator.iter_errors({}):
-                _no_object_passes(error)
+                _no_object_passes(error, resolved)
         except RecursionError:
             raise SchemaProblem("its references loop without end") from None
         except referencing.exceptions.Unresolvable as e:
@@ -753,17 +753,17 @@ def _build_validator(schema_json: str):
 _WHOLE_OF_ROOT = frozenset(("allOf", "$ref", "$dynamicRef"))
 
 
-def _no_object_passes(error) -> None:
+def _no_object_passes(error, resolved: dict[tuple[int, str], Any]) -> None:
     """An empty object's error that every object would have: a ``type`` without "object",
     a ``const`` or an ``enum`` with no object in it, ``not: {}``, or an ``anyOf``/``oneOf``
     each of whose branches says so, at the root or through what it takes in whole
     (``{"$ref": ...}`` to a string's schema, ``allOf``). Each spent a request's attempts on
     the model server before a 502 that blamed the model (outside audits)."""
-    if _rejects_every_object(error, list(error.absolute_schema_path)[:-1]):
+    if _rejects_every_object(error, list(error.absolute_schema_path)[:-1], resolved):
         raise SchemaProblem(f"it takes no JSON object (its `{error.validator}`), and a call's arguments are one")
 
 
-def _rejects_every_object(error, path: list) -> bool:
+def _rejects_every_object(error, path: list, resolved: dict[tuple[int, str], Any]) -> bool:
     if error.absolute_path or not all(isinstance(step, int) or step in _WHOLE_OF_ROOT for step in path):
         return False
     if error.validator is None:  # (a `false` schema: jsonschema gives no path to it; :func:`_false_in_whole`)
@@ -781,9 +781,9 @@ def _rejects_every_object(error, path: list) -> bool:
         refused = {
             sub.relative_schema_path[0]
             for sub in error.context
-            if sub.relative_schema_path and _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1])
+            if sub.relative_schema_path and _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1], resolved)
         }
-        refused.update(i for i, branch in enumerate(value) if branch is False)
+        refused.update(i for i, branch in enumerate(value) if _false_in_whole(branch, resolved))
         return refused >= set(range(len(value)))
     return False
 
@@ -824,6 +824,20 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | N
     ends with the instance, and is no loop."""
     edges: dict[int, list[tuple[Any, str]]] = {}  # id(subschema) -> (subschema, how) it applies in place
     nodes: dict[int, Any] = {}
+    # A `$dynamicRef` goes, by the scope it is reached in, to any subschema of its anchor's name:
+    # each is taken as a successor (looked up statically, a loop through one went unseen, and
+    # spent a turn's runs before a 502: a re-check).
+    dynamic: dict[str, list[dict]] = {}
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            anchor = node.get("$dynamicAnchor")
+            if isinstance(anchor, str):
+                dynamic.setdefault(anchor, []).append(node)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
     stack = [schema]
     while stack:  # every subschema, and its in-place successors
         node = stack.pop()
@@ -839,6 +853,9 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | N
             target = resolved.get((id(node), ref)) if isinstance(ref, str) else None
             if isinstance(target, dict):
                 out.append((target, ref))
+        ref = node.get("$dynamicRef")
+        if isinstance(ref, str) and "#" in ref:
+            out.extend((target, ref) for target in dynamic.get(ref.rpartition("#")[2], ()))
         for key in _IN_PLACE_ONE:
             if isinstance(node.get(key), dict):
                 out.append((node[key], key))
