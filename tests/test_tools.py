@@ -1198,6 +1198,13 @@ async def test_a_tool_schema_that_takes_no_object_is_a_400(tooled):
                 {"type": ["object", "null"]},
                 {"if": {"maxProperties": 0}, "then": False},  # (the empty object alone is refused)
                 {"anyOf": [False, {"type": "object"}]},
+                # (draft-07: the keywords beside a $ref are not applied; it was refused: a re-check)
+                {
+                    "$schema": "http://json-schema.org/draft-07/schema#",
+                    "$ref": "#/definitions/t",
+                    "allOf": [False],
+                    "definitions": {"t": {"type": "object"}},
+                },
             ):
                 served = await client.chat.completions.create(
                     model="native", messages=MESSAGES, tools=[tool(parameters)], tool_choice="required"

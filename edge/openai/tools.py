@@ -721,7 +721,8 @@ def _build_validator(schema_json: str):
     looped = _in_place_loop(schema, resolved)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
-    if _false_in_whole(schema, resolved):
+    ref_alone = cls in _REF_ALONE
+    if _false_in_whole(schema, resolved, ref_alone):
         raise SchemaProblem("it takes no JSON object (a `false` schema), and a call's arguments are one")
     validator = _timed_class(cls)(schema, registry=registry)
     with _phase(PATTERN_BUDGET_S):
@@ -733,7 +734,7 @@ def _build_validator(schema_json: str):
                 raise SchemaProblem(f"its {where} `{_cut(pattern, 100)}` cannot be used: {e}") from None
         try:
             for error in validator.iter_errors({}):
-                _no_object_passes(error, resolved)
+                _no_object_passes(error, resolved, ref_alone)
         except RecursionError:
             raise SchemaProblem("its references loop without end") from None
         except referencing.exceptions.Unresolvable as e:
@@ -753,17 +754,17 @@ def _build_validator(schema_json: str):
 _WHOLE_OF_ROOT = frozenset(("allOf", "$ref", "$dynamicRef"))
 
 
-def _no_object_passes(error, resolved: dict[tuple[int, str], Any]) -> None:
+def _no_object_passes(error, resolved: dict[tuple[int, str], Any], ref_alone: bool) -> None:
     """An empty object's error that every object would have: a ``type`` without "object",
     a ``const`` or an ``enum`` with no object in it, ``not: {}``, or an ``anyOf``/``oneOf``
     each of whose branches says so, at the root or through what it takes in whole
     (``{"$ref": ...}`` to a string's schema, ``allOf``). Each spent a request's attempts on
     the model server before a 502 that blamed the model (outside audits)."""
-    if _rejects_every_object(error, list(error.absolute_schema_path)[:-1], resolved):
+    if _rejects_every_object(error, list(error.absolute_schema_path)[:-1], resolved, ref_alone):
         raise SchemaProblem(f"it takes no JSON object (its `{error.validator}`), and a call's arguments are one")
 
 
-def _rejects_every_object(error, path: list, resolved: dict[tuple[int, str], Any]) -> bool:
+def _rejects_every_object(error, path: list, resolved: dict[tuple[int, str], Any], ref_alone: bool) -> bool:
     if error.absolute_path or not all(isinstance(step, int) or step in _WHOLE_OF_ROOT for step in path):
         return False
     if error.validator is None:  # (a `false` schema: jsonschema gives no path to it; :func:`_false_in_whole`)
@@ -781,14 +782,19 @@ def _rejects_every_object(error, path: list, resolved: dict[tuple[int, str], Any
         refused = {
             sub.relative_schema_path[0]
             for sub in error.context
-            if sub.relative_schema_path and _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1], resolved)
+            if sub.relative_schema_path
+            and _rejects_every_object(sub, list(sub.relative_schema_path)[1:-1], resolved, ref_alone)
         }
-        refused.update(i for i, branch in enumerate(value) if _false_in_whole(branch, resolved))
+        refused.update(i for i, branch in enumerate(value) if _false_in_whole(branch, resolved, ref_alone))
         return refused >= set(range(len(value)))
     return False
 
 
-def _false_in_whole(schema: Any, resolved: dict[tuple[int, str], Any]) -> bool:
+# Dialects in which a `$ref` stands alone: the keywords beside it are not applied.
+_REF_ALONE = frozenset((jsonschema.Draft4Validator, jsonschema.Draft6Validator, jsonschema.Draft7Validator))
+
+
+def _false_in_whole(schema: Any, resolved: dict[tuple[int, str], Any], ref_alone: bool) -> bool:
     """A `false` schema the root takes in whole (through ``allOf`` and references): it takes
     no instance. (Accepted, every call failed: a re-check. jsonschema's error for a `false`
     schema has no path to it, so :func:`_no_object_passes` cannot tell it from one under
@@ -801,11 +807,13 @@ def _false_in_whole(schema: Any, resolved: dict[tuple[int, str], Any]) -> bool:
         if not isinstance(node, dict) or id(node) in seen:
             continue
         seen.add(id(node))
+        if ref_alone and isinstance(node.get("$ref"), str):  # (draft-07 and before: its siblings are not applied)
+            stack.append(resolved.get((id(node), node["$ref"])))
+            continue
         if isinstance(node.get("allOf"), list):
             stack.extend(node["allOf"])
-        stack.extend(
-            resolved.get((id(node), ref)) for ref in (node.get("$ref"), node.get("$dynamicRef")) if isinstance(ref, str)
-        )
+        refs = (node.get("$ref"), None if ref_alone else node.get("$dynamicRef"))
+        stack.extend(resolved.get((id(node), ref)) for ref in refs if isinstance(ref, str))
     return False
 
 
