@@ -116,10 +116,13 @@ async def _nowhere(_event: object) -> None:
     connection then closes, and hypercorn's close ends the stream)."""
 
 
-def refusal(config, status_code: int, message: str, code: str, request_id: str | None = None):
+def refusal(
+    config, status_code: int, message: str, code: str, request_id: str | None = None, client: str | None = None
+):
     """The head and body of an answer the connection gives itself (no handler saw the request):
     an OpenAI error, the connection closing. Counted and logged as every request is, unless it
-    is a handler's request (``request_id``: its handler's access line and count say it)."""
+    is a handler's request (``request_id``: its handler's access line and count say it), with
+    the peer's address (``client``: an operator looking for who sent it had none)."""
     body = error_json(message, "invalid_request_error", code=code)
     if request_id is None:
         request_id = new_request_id()
@@ -127,7 +130,9 @@ def refusal(config, status_code: int, message: str, code: str, request_id: str |
         edge = getattr(config, "iop_edge", None)
         if edge is not None:
             edge.metrics.requests.labels("other", OTHER_MODEL, outcome).inc()
-        log.info("request", request_id=request_id, api="other", status=status_code, cause=outcome, error=code)
+        log.info(
+            "request", request_id=request_id, client=client, api="other", status=status_code, cause=outcome, error=code
+        )
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
@@ -147,7 +152,8 @@ async def _send_error_response(self: H11Protocol, status_code: int) -> None:
         stream.send = _nowhere  # the handler's own answer, if it comes now, goes nowhere (not into this one)
         request_id = request_id_of(stream.scope)
         stream.scope["iop.answered"] = (status_code, code)
-    headers, body = refusal(self.config, status_code, message, code, request_id)
+    peer = str(self.client[0]) if self.client else None
+    headers, body = refusal(self.config, status_code, message, code, request_id, peer)
     await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
     await self._send_h11_event(h11.Data(data=body))
     await self._send_h11_event(h11.EndOfMessage())

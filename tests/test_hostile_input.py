@@ -1643,8 +1643,9 @@ async def test_a_request_h11_cannot_read_gets_an_openai_shaped_error(sim_edge):
     head, body = received.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", received
     ids = [raised.value.response.headers["x-request-id"], re.search(rb"x-request-id: (req_\w+)", head)[1].decode()]
-    lines = [(e["request_id"], e["status"], e["cause"]) for e in logs if e["event"] == "request"]
-    assert lines == [(ids[0], 431, "rejected_431"), (ids[1], 400, "rejected_400")]
+    lines = [(e["request_id"], e["status"], e["cause"], e["client"]) for e in logs if e["event"] == "request"]
+    # (with the peer's address: it had none, an outside audit)
+    assert lines == [(ids[0], 431, "rejected_431", "127.0.0.1"), (ids[1], 400, "rejected_400", "127.0.0.1")]
     async with http(sim_edge) as scrape:
         text = (await scrape.get("/metrics")).text
     assert 'iop_requests_total{api="other",model="other",outcome="rejected_431"} 1.0' in text
