@@ -424,6 +424,9 @@ def create_app(config: EdgeConfig | None = None) -> QuartTrio:
     defaults); a config that cannot be used then ends the process with one
     line naming the key (under hypercorn's CLI: its worker)."""
     if not structlog.is_configured():  # under hypercorn's CLI: `iop` and the tests configure it first
+        problem = logs.setting_problem(None)
+        if problem:  # (as `iop edge` refuses it: under hypercorn's CLI a typo fell back to info, saying nothing)
+            raise SystemExit(f"iop: {problem}")
         logs.configure()
     if config is None:
         try:
