@@ -1277,7 +1277,12 @@ async def test_a_reference_inside_a_subschema_with_its_own_id_is_relative_to_tha
         "properties": {
             "city": {"$id": "https://example.com/city", "$defs": {"name": {"type": "string"}}, "$ref": "#/$defs/name"},
             "where": {"$ref": "https://example.com/city"},
-            "opts": {"type": "object", "default": {"$ref": "not a reference"}, "example": {"$ref": "nor this"}},
+            "opts": {
+                "type": "object",
+                "default": {"$ref": "not a reference"},
+                "example": {"$ref": "nor this"},
+                "x-meta": {"$ref": "nor an extension's"},
+            },
         },
         "required": ["city"],
     }

@@ -987,7 +987,8 @@ def _refs(schema: Any, spec: Any, resolver: Any) -> list[tuple[dict, str, Any]]:
     subschema names its own ``$id``, as referencing's pointer lookup changes it (a reference
     there is relative to that id: looked up from the root, a valid schema was refused and a
     loop went unseen, a 502 once a model's arguments reached it); the values of ``enum``,
-    ``const``, ``default`` and ``examples`` are data, whose ``$ref`` keys are none."""
+    ``const``, ``default``, ``examples``, ``example`` and ``x-`` extensions are data, whose
+    ``$ref`` keys are none."""
     found: list[tuple[dict, str, Any]] = []
     # (node, what it is, the resolver at it, the keys from where that resolver took its base)
     stack: list[tuple[Any, int, Any, list]] = [(schema, _SCHEMA, resolver, [])]
@@ -1005,7 +1006,8 @@ def _refs(schema: Any, spec: Any, resolver: Any) -> list[tuple[dict, str, Any]]:
                 if kind == _NAMES:
                     inner = _SCHEMA
                 else:
-                    inner = _DATA if key in _DATA_KEYWORDS else _NAMES if key in _NAME_MAPS else _SCHEMA
+                    data = key in _DATA_KEYWORDS or key.startswith("x-")  # (an extension's: no keyword)
+                    inner = _DATA if data else _NAMES if key in _NAME_MAPS else _SCHEMA
                 if inner != _DATA:
                     stack.append((value, inner, *_step(spec, at, segments, key, value)))
         elif isinstance(node, list):
