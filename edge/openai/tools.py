@@ -24,7 +24,7 @@ import re._parser as sre_parse
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import jsonschema
@@ -836,16 +836,10 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | N
     # each is taken as a successor (looked up statically, a loop through one went unseen, and
     # spent a turn's runs before a 502: a re-check).
     dynamic: dict[str, list[dict]] = {}
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            anchor = node.get("$dynamicAnchor")
-            if isinstance(anchor, str):
-                dynamic.setdefault(anchor, []).append(node)
-            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    for node in _objects(schema):
+        anchor = node.get("$dynamicAnchor")
+        if isinstance(anchor, str):
+            dynamic.setdefault(anchor, []).append(node)
     stack = [schema]
     while stack:  # every subschema, and its in-place successors
         node = stack.pop()
@@ -896,22 +890,28 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | N
     return None
 
 
-def _patterns(schema: Any) -> list[tuple[str, str]]:
-    """Every regex of a schema: ``pattern`` values and ``patternProperties`` keys."""
-    found: list[tuple[str, str]] = []
+def _objects(schema: Any) -> Iterator[dict]:
+    """Every object in a decoded schema, iteratively (depth is not a risk here)."""
     stack = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            pattern = node.get("pattern")
-            if isinstance(pattern, str):
-                found.append(("pattern", pattern))
-            props = node.get("patternProperties")
-            if isinstance(props, dict):
-                found.extend(("patternProperties key", key) for key in props)
+            yield node
             stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
             stack.extend(v for v in node if isinstance(v, (dict, list)))
+
+
+def _patterns(schema: Any) -> list[tuple[str, str]]:
+    """Every regex of a schema: ``pattern`` values and ``patternProperties`` keys."""
+    found: list[tuple[str, str]] = []
+    for node in _objects(schema):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            found.append(("pattern", pattern))
+        props = node.get("patternProperties")
+        if isinstance(props, dict):
+            found.extend(("patternProperties key", key) for key in props)
     return found
 
 
