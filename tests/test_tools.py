@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 
 import httpx
@@ -2156,3 +2157,16 @@ def test_a_loop_through_a_dynamic_reference_is_refused_and_a_dynamic_tree_is_not
     }
     validator = tools_module._build_validator(json.dumps(tree))
     assert [e.message for e in validator.iter_errors({"kids": [{"kids": [1]}]})] == ["1 is not of type 'object'"]
+    # Data that looks like one (a schema shown in `examples`) is no loop (it was refused: a re-check).
+    shown = {"$dynamicAnchor": "a", "$dynamicRef": "#a"}
+    data = {"type": "object", "properties": {"s": {"type": "object", "examples": [shown], "default": shown}}}
+    tools_module._build_validator(json.dumps(data))
+    # Many references and anchors of one name: linear (each reference to each anchor was
+    # quadratic, 24.7 s at 12,000 nodes: a re-check).
+    many = {"$dynamicAnchor": "T", "type": "object", "$defs": {}}
+    for i in range(6000):
+        many["$defs"][f"a{i}"] = {"$dynamicAnchor": "T", "type": "object"}
+        many["$defs"][f"r{i}"] = {"$dynamicRef": "#T"}
+    started = time.monotonic()
+    tools_module._build_validator(json.dumps(many))
+    assert time.monotonic() - started < 10  # (here: 3.0 s; 24.7 s before)

@@ -702,7 +702,7 @@ def _build_validator(schema_json: str):
     targets: dict[tuple[int, str], Any] = {}  # each reference's target, by its resolver, looked up once
     resolved: dict[tuple[int, str], Any] = {}  # ... by the object holding it
     try:
-        refs = _refs(schema, spec, resolver)
+        refs, anchors = _refs(schema, spec, resolver)
     except Exception as e:  # noqa: BLE001 (an `$id` referencing cannot read, as the check of a call would find)
         raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     for node, ref, at in refs:
@@ -718,7 +718,7 @@ def _build_validator(schema_json: str):
         if not isinstance(target, (dict, bool)):  # ("#/type": "object"; every call it reached failed)
             raise SchemaProblem(f"its reference `{ref[:200]}` points at no schema (an object or a boolean)")
         resolved[(id(node), ref)] = target
-    looped = _in_place_loop(schema, resolved)
+    looped = _in_place_loop(schema, resolved, anchors)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
     ref_alone = cls in _REF_ALONE
@@ -823,7 +823,7 @@ _IN_PLACE_ONE = ("not", "if", "then", "else")
 _IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
 
 
-def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | None:
+def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any], anchors: dict[str, list[dict]]) -> str | None:
     """A reference that closes a loop of subschemas applied to one instance (``$ref`` to
     ``$ref``, through ``allOf`` and the like), or None; ``resolved``: each reference's target,
     by the id of the object holding it and the reference.
@@ -832,14 +832,14 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | N
     ends with the instance, and is no loop."""
     edges: dict[int, list[tuple[Any, str]]] = {}  # id(subschema) -> (subschema, how) it applies in place
     nodes: dict[int, Any] = {}
-    # A `$dynamicRef` goes, by the scope it is reached in, to any subschema of its anchor's name:
-    # each is taken as a successor (looked up statically, a loop through one went unseen, and
-    # spent a turn's runs before a 502: a re-check).
-    dynamic: dict[str, list[dict]] = {}
-    for node in _objects(schema):
-        anchor = node.get("$dynamicAnchor")
-        if isinstance(anchor, str):
-            dynamic.setdefault(anchor, []).append(node)
+    # A `$dynamicRef` goes, by the scope it is reached in, to any subschema of its anchor's name
+    # (``anchors``): each is taken as a successor, through one hub a name (looked up statically,
+    # a loop through one went unseen, and spent a turn's runs before a 502; an edge from each
+    # reference to each anchor made it quadratic, 24.7 s for 12,000 nodes: re-checks).
+    hubs: dict[str, dict] = {}
+    for name, targets in anchors.items():
+        hub = hubs[name] = {}
+        edges[id(hub)] = [(target, f"$dynamicAnchor {name}") for target in targets]
     stack = [schema]
     while stack:  # every subschema, and its in-place successors
         node = stack.pop()
@@ -856,8 +856,10 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any]) -> str | N
             if isinstance(target, dict):
                 out.append((target, ref))
         ref = node.get("$dynamicRef")
-        if isinstance(ref, str) and "#" in ref:
-            out.extend((target, ref) for target in dynamic.get(ref.rpartition("#")[2], ()))
+        named = isinstance(ref, str) and "#" in ref and (id(node), ref) in resolved
+        hub = hubs.get(ref.rpartition("#")[2]) if named else None
+        if hub is not None:  # (a reference in a schema, not in data such as `examples`: a re-check)
+            out.append((hub, ref))
         for key in _IN_PLACE_ONE:
             if isinstance(node.get(key), dict):
                 out.append((node[key], key))
@@ -981,15 +983,17 @@ class _inline:
         _deadline.inline_until = None
 
 
-def _refs(schema: Any, spec: Any, resolver: Any) -> list[tuple[dict, str, Any]]:
+def _refs(schema: Any, spec: Any, resolver: Any) -> tuple[list[tuple[dict, str, Any]], dict[str, list[dict]]]:
     """Every reference in a schema: (the object holding it, the reference, the resolver its
-    place gives it), iteratively (depth is not a risk here). The resolver changes where a
+    place gives it), iteratively (depth is not a risk here); and its subschemas by their
+    ``$dynamicAnchor``. The resolver changes where a
     subschema names its own ``$id``, as referencing's pointer lookup changes it (a reference
     there is relative to that id: looked up from the root, a valid schema was refused and a
     loop went unseen, a 502 once a model's arguments reached it); the values of ``enum``,
     ``const``, ``default``, ``examples``, ``example`` and ``x-`` extensions are data, whose
     ``$ref`` keys are none."""
     found: list[tuple[dict, str, Any]] = []
+    anchors: dict[str, list[dict]] = {}
     # (node, what it is, the resolver at it, the keys from where that resolver took its base)
     stack: list[tuple[Any, int, Any, list]] = [(schema, _SCHEMA, resolver, [])]
     while stack:
@@ -1000,6 +1004,9 @@ def _refs(schema: Any, spec: Any, resolver: Any) -> list[tuple[dict, str, Any]]:
                     value = node.get(key)
                     if isinstance(value, str):
                         found.append((node, value, at))
+                anchor = node.get("$dynamicAnchor")
+                if isinstance(anchor, str):
+                    anchors.setdefault(anchor, []).append(node)
             for key, value in node.items():
                 if not isinstance(value, (dict, list)):
                     continue
@@ -1014,7 +1021,7 @@ def _refs(schema: Any, spec: Any, resolver: Any) -> list[tuple[dict, str, Any]]:
             for i, value in enumerate(node):
                 if isinstance(value, (dict, list)):
                     stack.append((value, _SCHEMA, *_step(spec, at, segments, i, value)))
-    return found
+    return found, anchors
 
 
 def _step(spec: Any, resolver: Any, segments: list, segment: str | int, contents: Any) -> tuple[Any, list]:
