@@ -679,6 +679,9 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                 "linked_for_s": round(now - link.linked_at, 3),
                 "draining": link.draining,
                 "stalled": any(link.stalled(now, info.name) for info in infos),  # (each model says)
+                # its frames waited unread for their part of the edge's time (README "Hostile input")
+                "throttled": link.throttled(now)[0],
+                "throttled_s": round(link.throttled(now)[1], 3),
                 "in_flight": sum(link.in_flight[info.name] for info in infos),
                 "models": [
                     {

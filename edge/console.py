@@ -99,6 +99,9 @@ class NodeView(msgspec.Struct):
     capacity: int
     ttft_ms: float | None
     models: list[ModelView]
+    # its frames waited unread for their part of the edge's time (NodeLink.throttled), and how long in all
+    throttled: bool = False
+    throttled_s: float = 0.0
 
 
 def _request_id(client: Any) -> str | None:
@@ -437,6 +440,7 @@ class Console:
                     sum(link.slots(n) for n in link.models),
                     round(link.ttft * 1000, 1) if link.ttft is not None else None,
                     models,
+                    *link.throttled(now),
                 )
             )
         views, phases = self.run_views()

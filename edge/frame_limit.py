@@ -366,12 +366,13 @@ class LinkShare:
 class LinkHold:
     """Sans-I/O: one link's reads, charged to its peer's part."""
 
-    __slots__ = ("peer", "served", "until", "exempt", "exempt_at")
+    __slots__ = ("peer", "served", "until", "waited", "exempt", "exempt_at")
 
     def __init__(self, peer: PeerHold) -> None:
         self.peer = peer
         self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
         self.until = -math.inf  # the link is not read before then (its node is not silent: its bytes wait here)
+        self.waited = 0.0  # its waits, in all (/v1/nodes, the console, iop_node_link_throttled_seconds_total)
         self.exempt = 0.0  # events whose handing to runs may still go uncharged (a token bucket)
         self.exempt_at = -math.inf
 
@@ -391,6 +392,7 @@ class LinkHold:
         wait = self.peer.spend(share, held, now)
         if wait:
             self.until = now + wait
+            self.waited += wait
         return wait
 
 

@@ -270,6 +270,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     link = NodeLink(hello.node_id, hello.models, grants={})  # the node's grants follow
     link.relays_prefixes = hello.relays_prefixes
     link.holds_tunnels = hello.holds_tunnels
+    link.hold = websocket.hold
     # A node's frame limit below the edge's (0: not said, an older node): runs larger than it go to
     # other nodes or are a 413, where the node closed its link on them (1009) and, failed over, the
     # next node's too. Never below MIN_FRAME_BYTES: a node saying less gets that much.

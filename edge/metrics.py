@@ -186,7 +186,7 @@ class EdgeMetrics:
         self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
         r.register(_ModelCollector(self, runs))
         r.register(_EngineCollector(runs))
-        r.register(_LinkCollector())
+        r.register(_LinkCollector(runs))
         if edge is not None:
             self.large_requests = Gauge(
                 "iop_large_requests_in_flight",
@@ -386,7 +386,11 @@ class _KeyCollector:
 
 
 class _LinkCollector:
-    """The edge's time node links take, measured and held to a share (:mod:`edge.frame_limit`)."""
+    """The edge's time node links take, measured and held to a share (:mod:`edge.frame_limit`),
+    and each linked node's waits (read at scrape time: an unlinked node's series is gone with it)."""
+
+    def __init__(self, runs: RunService) -> None:
+        self._runs = runs
 
     def collect(self):
         from edge.frame_limit import links_time  # (edge.frame_limit imports edge.connection, which imports this)
@@ -401,7 +405,15 @@ class _LinkCollector:
             "iop_link_throttled_seconds", "Time node links' reads waited past their share of the edge's time"
         )
         throttled.add_metric((), waited)
-        yield from (read, throttled)
+        per_node = CounterMetricFamily(
+            "iop_node_link_throttled_seconds",
+            "Time a linked node's frames waited unread past its share of the edge's time",
+            labels=("node",),
+        )
+        for link in list(self._runs.links.values()):
+            if link.hold is not None:
+                per_node.add_metric((link.node_id,), link.hold.waited)
+        yield from (read, throttled, per_node)
 
 
 class _StateCollector:

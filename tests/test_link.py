@@ -1075,7 +1075,8 @@ async def test_many_links_of_one_address_share_one_part_and_an_honest_node_never
     links from one address left an honest node a 129th of the links' time (656 chunks a second
     of its 3,853, gaps of 1.2 s in its streams). Peers share now: 32 flooding links from
     127.0.0.2 are one peer, the honest node on 127.0.0.1 another, within its part, which
-    never waits, while the flooding address does."""
+    never waits, while the flooding address does. /v1/nodes and the console say which links
+    wait (they said nothing: a node held back for minutes looked healthy, an outside audit)."""
     from scripts.upstream import text_script
 
     edge = await start_edge(nursery)
@@ -1099,10 +1100,26 @@ async def test_many_links_of_one_address_share_one_part_and_an_honest_node_never
                             text.extend(
                                 c["delta"].get("content") or "" for c in msgspec.json.decode(line[6:])["choices"]
                             )
+            async with http(edge) as client:
+                shown = {n["id"]: n for n in (await client.get("/v1/nodes")).json()["data"]}
+                metrics = (await client.get("/metrics")).text.splitlines()
+            seen = {n.id: n for n in edge.edge.console.snapshot().nodes}
             floods.cancel_scope.cancel()
     for stream, _ in links:
         await stream.aclose()
     assert "".join(text) == "".join(tokens) * 3
+    assert (shown["n1"]["throttled"], shown["n1"]["throttled_s"]) == (False, 0.0), shown["n1"]
+    assert (seen["n1"].throttled, seen["n1"].throttled_s) == (False, 0.0)
+    rogues = [shown[f"rogue{i}"] for i in range(32)]
+    assert all(n["throttled"] for n in rogues), [n["throttled"] for n in rogues]
+    assert sum(n["throttled_s"] for n in rogues) > 1.0, [n["throttled_s"] for n in rogues]
+    assert all(seen[f"rogue{i}"].throttled for i in range(32))
+    waits = {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in metrics
+        if line.startswith("iop_node_link_throttled_seconds_total{")
+    }
+    assert waits["n1"] == 0.0 and sum(waits[f"rogue{i}"] for i in range(32)) > 1.0, waits
     peers = frame_limit._LINKS.get().peers
     assert peers["127.0.0.1"].waited == 0.0, peers["127.0.0.1"].waited
     assert peers["127.0.0.2"].waited > 1.0, peers["127.0.0.2"].waited

@@ -14,6 +14,7 @@ import trio
 from proto import CancelRun, Demand, EngineLoad, Frame, ModelInfo, Ping, Pong, RunRequest, TunnelRequest
 
 if TYPE_CHECKING:
+    from edge.frame_limit import LinkHold
     from edge.runs.run import Run
 
 log = structlog.get_logger("iop.edge.link")
@@ -55,6 +56,11 @@ STRAY_EVENTS = 10_000
 STRAY_WINDOW_S = 10.0
 STRAY_PER_CANCEL = 8192  # a node's outbox holds 4,096 events by default, and more are on the wire
 STRAY_MOST = 1_000_000
+# A link whose reads waited for their part of the edge's time (edge.frame_limit) within this
+# long is shown throttled (/v1/nodes, the console): its pinger waits the throttle out, so a node
+# held back for minutes looked healthy, only the process-wide iop_link_throttled_seconds_total
+# saying anything (an outside audit).
+THROTTLE_SHOWN_S = 5.0
 
 
 class StrayFlood(Exception):
@@ -102,6 +108,7 @@ class NodeLink:
         # The largest frame the node takes (its hello's, within the edge's own): placement sends it
         # no run whose request is larger (:class:`edge.runs.service.Want`).
         self.frame_limit = 1 << 62
+        self.hold: LinkHold | None = None  # its reads' part of the edge's time (edge.link sets it)
         self._placed_since = -math.inf  # the current second of ``placed`` keys, and the keys in it
         self._placed_keys = 0
         self.closed = False
@@ -301,6 +308,14 @@ class NodeLink:
         if model is None:
             return any(t > now for t in until.values())
         return until.get(model, -1.0) > now
+
+    def throttled(self, now: float) -> tuple[bool, float]:
+        """Whether its reads waited for their part of the edge's time within
+        :data:`THROTTLE_SHOWN_S` (or wait now), and how long they waited in all."""
+        hold = self.hold
+        if hold is None:
+            return False, 0.0
+        return hold.until > now - THROTTLE_SHOWN_S, hold.waited
 
     def ejected(self, model: str, now: float) -> bool:
         """Routed around for ``model`` now: its model server failed run after run

@@ -156,7 +156,10 @@ function fillNode(row, n) {
   const state = n.draining ? "draining" : stalled.length && stalled.length === n.models.length ? "stalled" : "serving";
   put(row.inFlight, "", n.in_flight);
   put(row.state, "class", "state-" + state);
-  put(row.state, "", state === "serving" && stalled.length ? `serving; stalled: ${stalled.join(", ")}` : state);
+  let said = state === "serving" && stalled.length ? `serving; stalled: ${stalled.join(", ")}` : state;
+  // Its frames wait unread for their part of the edge's time: it looks healthy otherwise.
+  if (n.throttled) said += `; throttled (${n.throttled_s.toFixed(1)} s waited)`;
+  put(row.state, "", said);
   // (Ages come computed by the edge, on its clock: a cell changes when its text does.)
   put(row.linked, "", fmtAge(n.linked_for_s));
   put(row.ttft, "", n.ttft_ms === null ? "–" : n.ttft_ms.toFixed(1) + " ms");
