@@ -1314,6 +1314,70 @@ async def test_a_reference_inside_a_subschema_with_its_own_id_is_relative_to_tha
     assert len(upstream.records) == 2  # (the loop's request reached no node)
 
 
+async def test_references_a_validator_never_applies_are_not_checked_and_applied_ones_are(tooled):
+    """A `$ref` under a keyword JSON Schema does not know (an annotation), in a definition
+    nothing references, or beside a draft-07 `$ref`, is never looked up by jsonschema, and the
+    edge refused the schema when it did not resolve or looped (a 400 for a schema every client
+    library accepts). They count only where a validator applies them: a reference into an
+    annotation that does not resolve, or loops, is still refused before any run."""
+    edge, upstream = tooled
+    accepted = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "x-note": "extensions were data already",
+        "meta": {"$ref": "#/nowhere"},
+        "loopy": {"allOf": [{"$ref": "#/loopy"}]},
+        "$defs": {"unused": {"$ref": "#/nowhere/either"}},
+    }
+    draft7 = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "definitions": {"s": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "$ref": "#/definitions/s",
+        "properties": {"city": {"$ref": "#/not/applied"}},
+    }
+    refused = {
+        "into a broken annotation": (
+            {"type": "object", "properties": {"city": {"$ref": "#/meta"}}, "meta": {"$ref": "#/nowhere"}},
+            "does not resolve",
+        ),
+        "into a looping annotation": (
+            {"type": "object", "properties": {"city": {"$ref": "#/meta"}}, "meta": {"allOf": [{"$ref": "#/meta"}]}},
+            "loop without end",
+        ),
+        "into a broken definition": (
+            {"type": "object", "properties": {"city": {"$ref": "#/$defs/d"}}, "$defs": {"d": {"$ref": "#/no"}}},
+            "does not resolve",
+        ),
+    }
+    said = []
+
+    def script(body):
+        said.append(body["messages"][-1]["content"])
+        city = 7 if len(said) % 2 else "Oslo"  # (the first call of each request breaks the schema: retried)
+        return steps({"content": text_call("lookup", {"city": city})})
+
+    upstream.script_for("t", script)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            for schema in (accepted, draft7):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", schema)]},
+                )
+                assert r.status_code == 200, r.text
+                calls = r.json()["choices"][0]["message"]["tool_calls"]
+                assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}]
+                assert "7 is not of type 'string'" in said[-1], said
+            for what, (schema, message) in refused.items():
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", schema)]},
+                )
+                assert r.status_code == 400 and message in r.json()["error"]["message"], (what, r.text)
+    assert len(upstream.records) == 4  # (two runs each for the two accepted; none for the refused)
+
+
 async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):
     """When the retry run itself fails, the client gets tool_validation_retry_error."""
     edge, upstream = tooled

@@ -570,6 +570,30 @@ _NAME_MAPS = frozenset(
     ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependentRequired", "dependencies")
 )
 _SCHEMA, _NAMES, _DATA = 0, 1, 2  # what a dict is, to :func:`_schema_nodes`
+_DEFINITIONS = frozenset(("$defs", "definitions"))
+# Keywords (of draft-04 to 2020-12) whose values are a subschema or lists of them; with
+# _NAME_MAPS, where a schema's subschemas are. Under any other keyword a schema is an
+# annotation: not applied, nor its references looked up, unless a reference points into it.
+_SUBSCHEMA_KEYWORDS = frozenset(
+    (
+        "additionalItems",
+        "additionalProperties",
+        "allOf",
+        "anyOf",
+        "contains",
+        "contentSchema",
+        "else",
+        "if",
+        "items",
+        "not",
+        "oneOf",
+        "prefixItems",
+        "propertyNames",
+        "then",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    )
+)
 
 
 def _schema_nodes(schema: Any) -> int:
@@ -705,6 +729,7 @@ def _build_validator(schema_json: str):
         refs, anchors = _refs(schema, spec, resolver)
     except Exception as e:  # noqa: BLE001 (an `$id` referencing cannot read, as the check of a call would find)
         raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
+    broken: dict[int, str] = {}  # the references that do not resolve, by the object holding them
     for node, ref, at in refs:
         target = targets.get((id(at), ref), _NOWHERE)
         if target is _NOWHERE:
@@ -712,16 +737,23 @@ def _build_validator(schema_json: str):
                 target = targets[(id(at), ref)] = at.lookup(ref).contents
             except Exception:  # noqa: BLE001 (Unresolvable; a pointer into a list or a number raised
                 # ValueError or TypeError, a 500: an outside re-check)
-                raise SchemaProblem(
-                    f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
-                ) from None
+                broken.setdefault(id(node), ref)
+                continue
         if not isinstance(target, (dict, bool)):  # ("#/type": "object"; every call it reached failed)
             raise SchemaProblem(f"its reference `{ref[:200]}` points at no schema (an object or a boolean)")
         resolved[(id(node), ref)] = target
-    looped = _in_place_loop(schema, resolved, anchors)
+    # Only what is applied counts: a reference in an annotation (a keyword JSON Schema does not
+    # know) that does not resolve, or a loop there, was refused, where jsonschema ignores it.
+    ref_alone = cls in _REF_ALONE
+    applied = _applied(schema, resolved, anchors, ref_alone)
+    for held, ref in broken.items():
+        if held in applied:
+            raise SchemaProblem(
+                f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
+            )
+    looped = _in_place_loop(schema, resolved, anchors, applied)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
-    ref_alone = cls in _REF_ALONE
     if _false_in_whole(schema, resolved, ref_alone):
         raise SchemaProblem("it takes no JSON object (a `false` schema), and a call's arguments are one")
     validator = _timed_class(cls)(schema, registry=registry)
@@ -823,7 +855,39 @@ _IN_PLACE_ONE = ("not", "if", "then", "else")
 _IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
 
 
-def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any], anchors: dict[str, list[dict]]) -> str | None:
+def _applied(
+    schema: Any, resolved: dict[tuple[int, str], Any], anchors: dict[str, list[dict]], ref_alone: bool
+) -> set[int]:
+    """The ids of the subschemas a validator may apply: the root, those under the keywords that
+    hold subschemas, and what references resolve to (a `$dynamicRef`, any subschema of its
+    anchor's name), from any of those (iteratively). In draft-07 and before, a `$ref`'s
+    siblings are not applied; definitions (`$defs`, `definitions`) only where referenced."""
+    applied: set[int] = set()
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in applied:
+            continue
+        applied.add(id(node))
+        if ref_alone and isinstance(node.get("$ref"), str):
+            stack.append(resolved.get((id(node), node["$ref"])))
+            continue
+        for key, value in node.items():
+            if key in _REF_KEYS:
+                if isinstance(value, str):
+                    stack.append(resolved.get((id(node), value)))
+                    if key == "$dynamicRef" and "#" in value:
+                        stack.extend(anchors.get(value.rpartition("#")[2], ()))
+            elif key in _NAME_MAPS and key not in _DEFINITIONS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key in _SUBSCHEMA_KEYWORDS:
+                stack.extend(value if isinstance(value, list) else (value,))
+    return applied
+
+
+def _in_place_loop(
+    schema: Any, resolved: dict[tuple[int, str], Any], anchors: dict[str, list[dict]], applied: set[int]
+) -> str | None:
     """A reference that closes a loop of subschemas applied to one instance (``$ref`` to
     ``$ref``, through ``allOf`` and the like), or None; ``resolved``: each reference's target,
     by the id of the object holding it and the reference.
@@ -872,7 +936,7 @@ def _in_place_loop(schema: Any, resolved: dict[tuple[int, str], Any], anchors: d
         stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
     state: dict[int, int] = {}  # 1: on the path, 2: done
     for start in nodes:
-        if start in state:
+        if start in state or start not in applied:  # (what is applied goes only where is applied)
             continue
         path = [(start, iter(edges[start]))]
         state[start] = 1
