@@ -20,7 +20,8 @@ flow-control window) waited for ever, holding its run and its node's slot
 (found from outside: 4 runs held a model's whole capacity for 280 s).
 
 And a client that resets streams faster than any honest one (HTTP/2 "rapid
-reset", CVE-2023-44487) loses its connection: past a burst of
+reset", CVE-2023-44487), or makes the edge reset them (a frame h2 answers with a
+reset, "MadeYouReset", CVE-2025-8671), loses its connection: past a burst of
 :data:`RESET_BURST`, at most :data:`RESETS_PER_S` a second, the edge sends
 GOAWAY (ENHANCE_YOUR_CALM) and closes it. Each reset stream had started a run,
 cancelled at once: the edge freed the slot, but the node still worked through
@@ -89,8 +90,12 @@ from edge import send_lock
 
 log = structlog.get_logger("iop.edge.http")
 
-RESET_BURST = 200  # streams a client may reset at once ...
-RESETS_PER_S = 100  # ... and then this many a second
+# Streams a client may reset at once, and then this many a second; or make the edge reset (a DATA
+# frame past a body's end, "MadeYouReset", CVE-2025-8671: h2 resets the stream, and its run is
+# cancelled as by the client's own reset; one client started 3,674 runs in 12 s that way, never
+# sent GOAWAY, and the other clients' requests were refused 429 behind them: an outside audit).
+RESET_BURST = 200
+RESETS_PER_S = 100
 # Frames that ask nothing of the app (PING acks, WINDOW_UPDATE, SETTINGS, PRIORITY, unknown
 # types): one connection's flood of PING acks took the edge's CPU to 100% and an honest
 # client's p50 from 60 to 530 ms (four: 4.0 s). An honest client sends a window update per
@@ -287,7 +292,11 @@ def _within_budget(connection: h2.connection.H2Connection):
             bucket = _stream_budget(frame, kind, connection, control, pieces)
             if bucket is not None and not bucket.spend(1):
                 raise _Calm("too many control frames" if bucket is control else "a body in too many pieces")
-            return receive_frame(frame)
+            events = receive_frame(frame)
+            for event in events:  # (a frame the edge answers by resetting its stream: one reset)
+                if type(event) is h2.events.StreamReset and not event.remote_reset and not resets.spend(1):
+                    raise _Calm("streams reset too fast")
+            return events
         if kind is RstStreamFrame:
             if not resets.spend(1):
                 raise _Calm("streams reset too fast")

@@ -803,6 +803,58 @@ async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nurse
             assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
 
 
+async def test_an_http2_client_making_the_edge_reset_streams_fast_loses_its_connection(nursery, tmp_path, upstream):
+    """ "MadeYouReset" (CVE-2025-8671): a client that sends each whole request and then one
+    more DATA frame on its stream has the edge reset the stream (h2 answers the frame so), and
+    its run is cancelled as by the client's own reset, but only a client's resets were
+    counted: one client started 3,674 runs in 12 s, the other clients' requests refused 429
+    behind them, and never got GOAWAY (an outside audit). The edge's resets count too: past
+    the burst, GOAWAY ENHANCE_YOUR_CALM, and the edge serves on."""
+    from edge.h2_streams import RESET_BURST
+
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
+    upstream.script_for("m-target", [("hang",)])
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    body = msgspec.json.encode(STREAM)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    goaway = None
+    batch = 25  # (streams the edge has not reset yet count against its 32 at once)
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+        h2c.initiate_connection()
+        next_id = 1
+        for _ in range(4 * RESET_BURST // batch):
+            wire = b""
+            for _ in range(batch):
+                _h2_post(h2c, next_id, host, body)
+                # one DATA frame past the body's end: a byte, no flags
+                wire += h2c.data_to_send() + b"\x00\x00\x01\x00\x00" + next_id.to_bytes(4, "big") + b"x"
+                next_id += 2
+            await stream.send_all(wire)
+            resets = 0
+            while resets < batch and goaway is None:
+                data = await stream.receive_some(65536)
+                assert data, "closed without GOAWAY"
+                for event in h2c.receive_data(data):
+                    if isinstance(event, h2.events.StreamReset):
+                        resets += 1
+                    elif isinstance(event, h2.events.ConnectionTerminated):
+                        goaway = event
+                await stream.send_all(h2c.data_to_send())
+            if goaway is not None:
+                break
+        assert goaway is not None, f"no GOAWAY after {next_id // 2} streams the edge reset"
+        assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        assert next_id // 2 <= 2 * RESET_BURST
+        await trio.aclose_forcefully(stream)
+        await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
+        upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
+            assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
+
+
 def _ending(h2c: h2.connection.H2Connection, data: bytes, ended: object) -> object:
     """How the connection ended, once ``data`` is read (``ended``: as known before)."""
     if not data:
