@@ -1577,6 +1577,47 @@ async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(n
     await settled(edge, node.agent)
 
 
+async def test_one_key_holds_at_most_a_quarter_of_the_large_request_places(nursery, upstream):
+    """A key's large requests take their places before its limits are read (the body is not in
+    yet): one key of max_concurrent 2 trickling 64 bodies held all 64 places, and every other
+    client's request of 1 MiB or more was refused 503 for a minute at a time (an outside
+    audit). A key holds at most a quarter of max_large_requests, and no more than its
+    max_concurrent: past it, its request is a 429 before its body is read, and another key's
+    is served."""
+    from edge.config import KeyConfig
+    from edge.openai.jsonbody import LARGE_BODY_BYTES
+
+    keys = [
+        KeyConfig(id="two", key="sk-two", max_concurrent=2),
+        KeyConfig(id="many", key="sk-many"),
+        KeyConfig(id="other", key="sk-other"),
+    ]
+    edge = await start_edge(nursery, edge_config(keys=keys, max_large_requests=12))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=16)])
+    upstream.script_for("m-target", [("hang",)])
+    large = {"model": "m", "messages": [{"role": "user", "content": "w " * (LARGE_BODY_BYTES // 2)}], "max_tokens": 2}
+
+    def post(client: httpx.AsyncClient, key: str):
+        return partial(client.post, "/v1/chat/completions", json=large, headers={"authorization": f"Bearer {key}"})
+
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as holders:
+            for key, places in (("sk-two", 2), ("sk-many", 3)):
+                for _ in range(places):
+                    holders.start_soon(post(client, key))
+            await upstream.wait_requests(5)
+            refused = {key: await post(client, key)() for key in ("sk-two", "sk-many")}
+            assert edge.edge.large_requests.held == 5
+            holders.start_soon(post(client, "sk-other"))
+            await upstream.wait_requests(6)  # (another key's large request is served)
+            holders.cancel_scope.cancel()
+        for key, r in refused.items():
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", (key, r.text)
+            assert r.json()["error"]["code"] == "too_many_large_requests", r.text
+        await eventually(lambda: edge.edge.large_requests.held == 0, "the places back")
+    assert edge.edge.large_requests.owners == {}
+
+
 async def test_a_body_past_the_limit_gets_its_413_while_the_client_still_sends(nursery):
     """The edge answers 413 as soon as a declared Content-Length is past `max_body_bytes`, then
     closed the socket on the body still arriving: the kernel's reset made the client lose the

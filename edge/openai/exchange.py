@@ -112,15 +112,37 @@ class LargeRequests:
     """Requests whose body is :data:`~edge.openai.jsonbody.LARGE_BODY_BYTES` or more, in flight
     at once: at most ``limit``, each held from its body's first large byte (or its declared
     length) to the request's end, its decoded prompt's life. Past it, a 503 before the body is
-    read: 200 bodies of 8 MB at once took the edge past 2 GB (an outside audit)."""
+    read: 200 bodies of 8 MB at once took the edge past 2 GB (an outside audit). One key holds
+    at most :data:`OWNER_SHARE` of them, and no more than its ``max_concurrent``: the places
+    are taken before a key's limits are read (its body is not in yet), and one key of
+    ``max_concurrent = 2`` trickling 64 bodies
+    held all 64, every other client's large request refused for a minute at a time (an
+    outside audit). Past its share, the key's request is a 429. (An open edge's clients have
+    no share: behind a proxy not in ``trusted_proxies`` they are all one address.)"""
 
-    __slots__ = ("limit", "held")
+    __slots__ = ("limit", "held", "owners")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.owners: dict[str, int] = {}  # owner -> places it holds
 
-    def take(self) -> LargeRequests:
+    def take(self, owner: str | None, most: int = 0) -> str | None:
+        """A place for ``owner`` (a key's id; None: an open edge's client, no share; ``most``:
+        its own limit, 0 for none); the owner, to give it back."""
+        share = max(1, int(self.limit * OWNER_SHARE))
+        if most:
+            share = min(share, most)
+        held = self.owners.get(owner, 0) if owner is not None else 0
+        if owner is not None and held >= share:
+            raise APIError(
+                429,
+                f"Key {owner!r} has {held} requests of {LARGE_BODY_BYTES // 1024 // 1024} MiB or more in flight, "
+                "the most one key may have at once; retry when one ends.",
+                "rate_limit_exceeded",
+                code="too_many_large_requests",
+                headers=[(b"retry-after", b"1")],
+            )
         if self.held >= self.limit:
             raise APIError(
                 503,
@@ -130,10 +152,22 @@ class LargeRequests:
                 headers=[(b"retry-after", b"1")],
             )
         self.held += 1
-        return self
+        if owner is not None:
+            self.owners[owner] = held + 1
+        return owner
 
-    def give(self) -> None:
+    def give(self, owner: str | None) -> None:
         self.held -= 1
+        if owner is None:
+            return
+        left = self.owners[owner] - 1
+        if left:
+            self.owners[owner] = left
+        else:
+            del self.owners[owner]
+
+
+OWNER_SHARE = 0.25  # of LargeRequests' places, what one key may hold
 
 
 class Exchange:
@@ -184,7 +218,7 @@ class Exchange:
         self._left = False  # the client left during one of our sends: cancel once it returns
         self._closing = False  # the last write is under way (finished, not yet written)
         self._cut = False  # the client left while the answer was still being written
-        self._large: LargeRequests | None = None  # the place its large body holds, until it ends
+        self._large: tuple[LargeRequests, str | None] | None = None  # its large body's place (and whose), to its end
 
     def header(self, name: bytes) -> bytes | None:
         """A request header (None once the response has started: see :meth:`_head`)."""
@@ -203,7 +237,7 @@ class Exchange:
         if declared > limit:
             raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
         if large is not None and declared >= LARGE_BODY_BYTES:
-            self._large = large.take()
+            self._take(large)
         parts: list[bytes] = []
         size = 0
         pieces = 0
@@ -239,7 +273,7 @@ class Exchange:
             if size > limit:
                 raise APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
             if size >= LARGE_BODY_BYTES and large is not None and self._large is None:
-                self._large = large.take()
+                self._take(large)
             if not message.get("more_body", False):
                 self.body_read = True
                 parts.append(chunk)
@@ -254,6 +288,14 @@ class Exchange:
                 )
             parts.append(chunk)
 
+    def _take(self, large: LargeRequests) -> None:
+        """One of ``large``'s places, for this request's key."""
+        key = self.key
+        if key is None:
+            self._large = (large, large.take(None))
+        else:
+            self._large = (large, large.take(key.id, key.policy.max_concurrent))
+
     def release(self) -> None:
         """The request is over (its handler returned): let go of the server's
         stream. Its disconnect hook holds this exchange (:meth:`cancel_on_disconnect`),
@@ -264,7 +306,8 @@ class Exchange:
         self._send = self._receive = _released
         self._direct = False
         if self._large is not None:
-            self._large.give()
+            large, owner = self._large
+            large.give(owner)
             self._large = None
 
     def closed_by_client(self) -> bool:
