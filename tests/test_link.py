@@ -252,6 +252,48 @@ async def test_a_link_is_not_charged_the_edges_other_work_while_it_answers_a_pin
     assert waited - waited_before < 0.1, waited - waited_before
 
 
+async def test_a_link_of_small_frames_out_of_step_with_the_reads_never_holds_the_loop_long(nursery):
+    """A read that does not begin at a frame boundary goes to wsproto whole, and wsproto parsed a
+    64 KiB read of 26-byte frames, 2,500 of them, in one go: a node sending small frames out of
+    step with the edge's reads held the event loop about 100 ms at a time (eight such links,
+    1.2 s; an outside audit). Such a read is handed over in pieces, the loop free between them:
+    of the CPU time the edge spent on the read, no stretch without another task's turn is more
+    than a small part (before: the read was one or two stretches)."""
+    edge = await start_edge(nursery)
+    stream, frames = await open_link(edge.port, TOKEN, "jagged")
+    pong = encode_frame(Pong(ts=1.0))
+    one = frame_header(BINARY, len(pong)) + pong
+    gaps: list[float] = []
+    done = trio.Event()
+
+    async def ticker() -> None:  # (another task, due every 0.5 ms: the CPU time spent between its turns)
+        while not done.is_set():
+            at = time.thread_time()
+            await trio.sleep(0.0005)
+            gaps.append(time.thread_time() - at)
+
+    async def drain() -> None:
+        with contextlib.suppress(EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+            while True:
+                await frames.next()
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(drain)
+            await stream.send_all(one[:3])  # (out of step: the edge's reads begin mid-frame)
+            await trio.sleep(0.05)
+            inner.start_soon(ticker)
+            await trio.sleep(0.01)
+            await stream.send_all(one[3:] + one * (60_000 // len(one)))  # (within the read budget's burst)
+            await trio.sleep(0.3)
+            done.set()
+            assert "jagged" in edge.edge.runs.links  # (pongs are no offence)
+            inner.cancel_scope.cancel()
+    await stream.aclose()
+    spent = sum(gaps)
+    assert max(gaps) < spent / 4, (max(gaps), spent, sorted(gaps)[-5:])
+
+
 async def test_node_relinks_after_edge_restart(nursery, upstream):
     """The node redials with backoff: an edge restarted on the same address serves again."""
     first = await start_edge(nursery)
