@@ -43,6 +43,9 @@ A write now waits for the buffer to drain below its low water mark, and each
 pop that sends bytes starts the write timeout again (a slow reader's write is
 not cut while it progresses).
 
+And a client's graceful GOAWAY (NO_ERROR) lets its streams finish, as RFC 9113 says
+(h2 and hypercorn ended the connection at once, cutting its answers short).
+
 And a client's priorities are ignored (a chain of PRIORITY frames made hypercorn's
 priority tree recurse past Python's limit), a request without `:path` (a CONNECT) is
 refused alone (it raised in hypercorn and ended the connection), and a header block
@@ -313,6 +316,12 @@ def _within_budget(connection: h2.connection.H2Connection):
             return receive_frame(frame)
         if not control.spend(cost):
             raise _Calm("too many control frames")
+        if kind is GoAwayFrame and frame.error_code == 0:
+            # A client's graceful GOAWAY: its streams finish (RFC 9113 6.8; Node's session.close(),
+            # Go's Shutdown). h2 took it as the connection's end, nothing more to send, and hypercorn
+            # closed it: a streamed answer was cut short with no error (the client's library said
+            # it ended normally; an outside audit). The connection ends when the client closes it.
+            return []
         return receive_frame(frame)
 
     return receive

@@ -741,6 +741,55 @@ async def test_an_http2_connection_closed_with_streams_given_no_credit_cancels_t
         await eventually(lambda: edge.edge.runs.in_flight == 0, "no run left")
 
 
+async def test_an_http2_client_s_graceful_goaway_lets_its_streams_finish(nursery, upstream):
+    """A client that sends GOAWAY (NO_ERROR) while its stream is answered, as Node's
+    `session.close()` and Go's `Shutdown` do, must have the stream finish (RFC 9113 6.8):
+    h2 took the GOAWAY as the connection's end and hypercorn closed it, the answer cut after
+    3 KB with no error and no `[DONE]`, and Node's client reported a normal end (an outside
+    audit). The whole answer comes, and the upstream saw no abort."""
+    from hyperframe.frame import GoAwayFrame
+
+    tokens = words(200)
+    upstream.script_for("t", lambda body: text_script(tokens, interval=0.005))
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    goaway = GoAwayFrame(0)
+    goaway.last_stream_id, goaway.error_code = 0, 0
+    body = msgspec.json.encode(STREAM)
+    got = b""
+    ended = None
+    with trio.fail_after(BOUND):
+        sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+        h2c.initiate_connection()
+        headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
+        h2c.send_headers(1, [*headers, ("content-type", "application/json")])
+        h2c.send_data(1, body, end_stream=True)
+        await sock.send_all(h2c.data_to_send())
+        await upstream.wait_requests(1)
+        await sock.send_all(goaway.serialize())  # (behind h2c's back: it would refuse the data that follows)
+        while ended is None:
+            data = await sock.receive_some(65536)
+            assert data, f"the connection closed after {len(got)} bytes"
+            for event in h2c.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    got += event.data
+                    h2c.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    ended = type(event).__name__
+            await sock.send_all(h2c.data_to_send())
+        await sock.aclose()
+    assert ended == "StreamEnded" and got.endswith(b"data: [DONE]\n\n"), (ended, got[-200:])
+    text = "".join(
+        c["delta"].get("content") or ""
+        for line in got.decode().splitlines()
+        if line.startswith("data: {")
+        for c in msgspec.json.decode(line[6:])["choices"]
+    )
+    assert text == "".join(tokens)
+    assert not upstream.records[0].aborted
+
+
 async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(nursery):
     """Two clients take both slots of a model, stream a long answer, and never read it,
     keeping their connections open: once the node has ended their runs, the slots serve
