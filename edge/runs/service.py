@@ -1454,9 +1454,9 @@ class RunService:
         if not serving:
             left = self._drained.get(model)
             if left is not None and not left[1]:
-                raise errors.no_node(
-                    model, f"The last node serving `{model}` was lost; none linked within {LOST_GRACE_S:g} s."
-                )
+                waited = min(LOST_GRACE_S, timeout_ms / 1000)  # (the queue's timeout may come first)
+                said = f"The last node serving `{model}` was lost; none linked within {waited:g} s."
+                raise errors.no_node(model, said)
             raise errors.no_node(
                 model,
                 f"The last node serving `{model}` drained and left; none linked within {timeout_ms / 1000:g} s.",
