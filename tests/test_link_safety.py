@@ -1212,6 +1212,32 @@ async def _tunnel_node(nursery, edge, headers: list[tuple[str, str]], statuses: 
     return stream
 
 
+async def test_a_keyed_client_of_a_tunnel_gets_its_key_s_rate_limit_headers_alone(nursery):
+    """On an edge with keys, a passthrough answer carried the provider's `x-ratelimit-*` (the
+    node's account's) beside the key's: two `x-ratelimit-remaining-requests` that disagreed,
+    which httpx and fetch join into one unreadable value, and a tokens header for a key with
+    no tpm (an outside audit). A key's client gets its key's headers alone."""
+    from edge.config import KeyConfig
+
+    edge = await start_edge(nursery, edge_config(keys=[KeyConfig(id="k", key="sk-k", rpm=10)]))
+    provider = [
+        ("content-type", "application/json"),
+        ("x-ratelimit-remaining-requests", "12345"),
+        ("x-ratelimit-remaining-tokens", "-999999999999999999999"),
+        ("x-should-retry", "false"),
+    ]
+    with trio.fail_after(BOUND):
+        stream = await _tunnel_node(nursery, edge, provider, [200])
+        async with http(edge) as client:
+            r = await client.post(
+                "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"authorization": "Bearer sk-k"}
+            )
+        await stream.aclose()
+    assert r.status_code == 200, r.text
+    assert r.headers.get_list("x-ratelimit-remaining-requests") == ["9"], r.headers
+    assert "x-ratelimit-remaining-tokens" not in r.headers and r.headers["x-should-retry"] == "false"
+
+
 async def test_provider_headers_that_are_not_http_are_dropped_from_a_tunnel(nursery):
     """A node relays a provider's response head with headers no HTTP response may carry
     (a value beyond Latin-1, a CR LF in a value, a name with a space or colon): the edge

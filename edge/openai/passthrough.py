@@ -411,7 +411,8 @@ async def _relay(ex: Exchange, seen: _Seen, run: Run) -> None:
                             )
                         )
                         return
-                    head, moved_head = (item.status, _response_headers(item.headers)), run.failed_over
+                    relayed = _response_headers(item.headers, ex.key is not None)
+                    head, moved_head = (item.status, relayed), run.failed_over
             elif kind == "end":
                 if not ex.started:
                     if head is None:
@@ -447,15 +448,18 @@ async def _flush(ex: Exchange, body: list[bytes]) -> None:
         await ex.write(data)
 
 
-def _response_headers(headers: list[tuple[str, str]] | None) -> list[tuple[bytes, bytes]]:
+def _response_headers(headers: list[tuple[str, str]] | None, keyed: bool = False) -> list[tuple[bytes, bytes]]:
     """The provider's headers the client gets (:func:`_relayed`), less any that is not
-    valid HTTP (dropped, logged: it would break the response)."""
+    valid HTTP (dropped, logged: it would break the response). ``keyed``: the client's
+    limits are its key's, and the provider's ``x-ratelimit-*`` (the node's account's) are
+    not relayed (they went out beside the key's, two values of one name: a client's library
+    joined them into one it could not read, or read the provider's)."""
     out = [_NOSNIFF]
     dropped = []
     room = _MAX_RELAYED_BYTES
     for name, value in headers or ():
         lower = name.lower()
-        if not _relayed(lower) or len(out) > _MAX_RELAYED:
+        if not _relayed(lower) or len(out) > _MAX_RELAYED or keyed and lower.startswith("x-ratelimit-"):
             continue
         if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value) or not value.isascii() and not _latin1(value):
             dropped.append(name[:100])
