@@ -159,6 +159,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param=param, code=code)
 
 
+def integer_out_of_range(param: str | None) -> APIError:
+    """400 for an integer the link cannot carry (msgpack's 64 bits), in ``param`` if known."""
+    return bad_request(
+        "The request holds an integer outside the 64-bit range" + (f" in `{param}`." if param else "."),
+        param,
+        "integer_out_of_range",
+    )
+
+
 _MAX_MODEL_SAID = 256  # of a model name a client sent, quoted back
 
 

@@ -95,10 +95,27 @@ _LARGE_BODIES: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_
 
 
 def _not_json(body: bytes, error: msgspec.DecodeError, where: bool = True) -> errors.APIError:
+    if str(error).startswith("Integer value out of range"):  # (past Python's 4,300 digits: valid JSON)
+        return errors.integer_out_of_range(_holding_bad_integer(body))
     why = str(error) if where else str(error).partition(" - at `$")[0]
     if _LONE_SURROGATE.search(body):  # (msgspec calls it "Input data was truncated")
         why = "a \\u escape of half a UTF-16 surrogate pair (\\ud800-\\udfff) with no other half"
     return errors.bad_request(f"The request body is not valid JSON: {why}.")
+
+
+def _holding_bad_integer(body: bytes) -> str | None:
+    """The top-level field of ``body`` whose value holds an integer msgspec cannot decode, if
+    it can tell (only for the error: the body is split, and each field tried)."""
+    try:
+        fields = _split_object(body)
+    except msgspec.DecodeError:
+        return None
+    for name, raw in fields.items():
+        try:
+            msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return name
+    return None
 
 
 async def decode_body(

@@ -289,12 +289,7 @@ def check_int64(body: dict[str, Any], text: bytes | None = None) -> None:
 
 
 def _out_of_range(body: dict[str, Any]) -> errors.APIError:
-    param = next((k for k, v in body.items() if not _encodable(v)), None)
-    return errors.bad_request(
-        "The request holds an integer outside the 64-bit range" + (f" in `{param}`." if param else "."),
-        param,
-        "integer_out_of_range",
-    )
+    return errors.integer_out_of_range(next((k for k, v in body.items() if not _encodable(v)), None))
 
 
 def _encodable(value: Any) -> bool:
