@@ -499,6 +499,39 @@ async def test_a_tool_results_images_reach_the_model_after_the_results(setup):
     assert len(sent) == 5
 
 
+async def test_consecutive_user_turns_reach_the_model_server_as_one(setup):
+    """Anthropic merges consecutive turns of one role; the edge merged assistant turns only, and
+    two user turns in a row went upstream apart, which a chat template that wants the roles to
+    alternate (Gemma's) refuses: a 400 for a request Anthropic answers (an outside audit)."""
+    edge, upstream = setup
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    history = [
+        {"role": "user", "content": "Here is a file."},
+        {"role": "user", "content": [{"type": "text", "text": "Summarise it."}, shot]},
+        {"role": "assistant", "content": "A pixel."},
+        {"role": "user", "content": "More."},
+        {"role": "user", "content": "Again."},
+    ]
+    upstream.script_for("t", steps({"content": "Still a pixel."}))
+    with trio.fail_after(BOUND):
+        async with client_for(edge) as client:
+            reply = await client.messages.create(model="m", max_tokens=64, messages=history)
+    assert reply.content[0].text == "Still a pixel."
+    assert upstream.records[-1].body["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Here is a file."},
+                {"type": "text", "text": "Summarise it."},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+            ],
+        },
+        {"role": "assistant", "content": "A pixel."},
+        {"role": "user", "content": "More.\n\nAgain."},
+    ]
+
+
 async def test_an_image_of_a_type_anthropic_refuses_is_a_400(setup):
     """A base64 image whose media_type is none of Anthropic's four (or is missing) is a 400,
     as Anthropic answers it: "text/html" and "image/bmp" went on as data URLs (an outside audit)."""

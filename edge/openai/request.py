@@ -509,18 +509,23 @@ def parse_chat_request(
     return req, forward
 
 
-def merge_assistant_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_assistant_turns(
+    messages: list[dict[str, Any]], roles: tuple[str, ...] = ("assistant",)
+) -> list[dict[str, Any]]:
     """Consecutive assistant messages (of another API's request, translated) as one: their
     texts joined by a blank line, their calls in order, as Anthropic merges consecutive turns
     of one role. Kept apart, a call's results came after a later turn (a 400 for Claude Code's
     history of a text turn between two of calls; a Responses preamble message between two
-    calls left the first call's result behind the second's)."""
+    calls left the first call's result behind the second's). ``roles``: the roles merged so
+    (the Messages API's user turns too, as Anthropic merges them: two in a row went upstream
+    apart, and a chat template that wants roles to alternate, Gemma's, refused them)."""
     out: list[dict[str, Any]] = []
     i, n = 0, len(messages)
     while i < n:
         j = i + 1
-        if messages[i]["role"] == "assistant":
-            while j < n and messages[j]["role"] == "assistant":
+        role = messages[i]["role"]
+        if role in roles:
+            while j < n and messages[j]["role"] == role:
                 j += 1
         out.append(messages[i] if j == i + 1 else _merged(messages[i:j]))
         i = j
