@@ -94,7 +94,8 @@ from edge import send_lock
 log = structlog.get_logger("iop.edge.http")
 
 # Streams a client may reset at once, and then this many a second; or make the edge reset (a DATA
-# frame past a body's end, "MadeYouReset", CVE-2025-8671: h2 resets the stream, and its run is
+# frame past a body's end, a WINDOW_UPDATE past a stream's largest window: "MadeYouReset",
+# CVE-2025-8671, re-checked; h2 resets the stream, and its run is
 # cancelled as by the client's own reset; one client started 3,674 runs in 12 s that way, never
 # sent GOAWAY, and the other clients' requests were refused 429 behind them: an outside audit).
 RESET_BURST = 200
@@ -289,17 +290,20 @@ def _within_budget(connection: h2.connection.H2Connection):
     pieces = _Bucket(PIECES_BURST, PIECES_PER_S)
     window = [connection.outbound_flow_control_window]  # the connection's largest window so far
 
+    def received(frame):
+        events = receive_frame(frame)
+        for event in events:  # (a frame the edge answers by resetting its stream: one reset)
+            if type(event) is h2.events.StreamReset and not event.remote_reset and not resets.spend(1):
+                raise _Calm("streams reset too fast")
+        return events
+
     def receive(frame):
         kind = type(frame)
         if kind is DataFrame or kind is HeadersFrame:
             bucket = _stream_budget(frame, kind, connection, control, pieces)
             if bucket is not None and not bucket.spend(1):
                 raise _Calm("too many control frames" if bucket is control else "a body in too many pieces")
-            events = receive_frame(frame)
-            for event in events:  # (a frame the edge answers by resetting its stream: one reset)
-                if type(event) is h2.events.StreamReset and not event.remote_reset and not resets.spend(1):
-                    raise _Calm("streams reset too fast")
-            return events
+            return received(frame)
         if kind is RstStreamFrame:
             if not resets.spend(1):
                 raise _Calm("streams reset too fast")
@@ -322,7 +326,7 @@ def _within_budget(connection: h2.connection.H2Connection):
             # closed it: a streamed answer was cut short with no error (the client's library said
             # it ended normally; an outside audit). The connection ends when the client closes it.
             return []
-        return receive_frame(frame)
+        return received(frame)  # (a WINDOW_UPDATE past a stream's window, too, is reset by h2)
 
     return receive
 
