@@ -1614,6 +1614,13 @@ async def test_one_key_holds_at_most_a_quarter_of_the_large_request_places(nurse
         for key, r in refused.items():
             assert r.status_code == 429 and r.headers["retry-after"] == "1", (key, r.text)
             assert r.json()["error"]["code"] == "too_many_large_requests", r.text
+        limited = {  # (the key's refusals count it: a re-check found it missing)
+            (sample.labels["key"], sample.labels["limit"]): sample.value
+            for metric in edge.edge.metrics.registry.collect()
+            for sample in metric.samples
+            if sample.name == "iop_key_rate_limited_total"
+        }
+        assert limited == {("two", "large_requests"): 1.0, ("many", "large_requests"): 1.0}, limited
         await eventually(lambda: edge.edge.large_requests.held == 0, "the places back")
     assert edge.edge.large_requests.owners == {}
 

@@ -293,8 +293,13 @@ class Exchange:
         key = self.key
         if key is None:
             self._large = (large, large.take(None))
-        else:
+            return
+        try:
             self._large = (large, large.take(key.id, key.policy.max_concurrent))
+        except APIError as e:
+            if e.status == 429:  # (its share: the key's refusals count it, as the key's other limits)
+                key.limited["large_requests"] = key.limited.get("large_requests", 0) + 1
+            raise
 
     def release(self) -> None:
         """The request is over (its handler returned): let go of the server's
