@@ -153,6 +153,10 @@ async def test_integer_beyond_64_bits_is_a_400_and_the_link_stays(nursery):
             r = await client.post("/v1/chat/completions", content=huge, headers={"content-type": "application/json"})
             error = r.json()["error"]
             assert (r.status_code, error["code"], error["param"]) == (400, "integer_out_of_range", "seed"), r.text
+            r = await client.post(
+                "/v1/chat/completions", content=huge[:-1], headers={"content-type": "application/json"}
+            )
+            assert "not valid JSON" in r.json()["error"]["message"], r.text  # (cut short: that comes first)
             r = await client.post("/v1/chat/completions", json={**ASK, "seed": -(2**63) - 1, "stream": True})
             assert r.status_code == 400
             messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}

@@ -96,20 +96,28 @@ _LARGE_BODIES: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_
 
 def _not_json(body: bytes, error: msgspec.DecodeError, where: bool = True) -> errors.APIError:
     if str(error).startswith("Integer value out of range"):  # (past Python's 4,300 digits: valid JSON)
-        return errors.integer_out_of_range(_holding_bad_integer(body))
+        held = _holding_bad_integer(body)
+        if held is not _NOT_JSON:
+            return errors.integer_out_of_range(held)
     why = str(error) if where else str(error).partition(" - at `$")[0]
     if _LONE_SURROGATE.search(body):  # (msgspec calls it "Input data was truncated")
         why = "a \\u escape of half a UTF-16 surrogate pair (\\ud800-\\udfff) with no other half"
     return errors.bad_request(f"The request body is not valid JSON: {why}.")
 
 
+_NOT_JSON = "\0"  # (no field's name: the body is not JSON, whatever its integers)
+
+
 def _holding_bad_integer(body: bytes) -> str | None:
     """The top-level field of ``body`` whose value holds an integer msgspec cannot decode, if
-    it can tell (only for the error: the body is split, and each field tried)."""
+    it can tell (only for the error: the body is split, and each field tried); :data:`_NOT_JSON`
+    if the body is not JSON besides (a truncated one was told its integer was out of range)."""
     try:
         fields = _split_object(body)
-    except msgspec.DecodeError:
+    except msgspec.ValidationError:  # (its integer, at the top level: no object to split)
         return None
+    except msgspec.DecodeError:
+        return _NOT_JSON
     for name, raw in fields.items():
         try:
             msgspec.json.decode(raw)
