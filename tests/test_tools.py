@@ -1319,7 +1319,8 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
     nothing references, or beside a draft-07 `$ref`, is never looked up by jsonschema, and the
     edge refused the schema when it did not resolve or looped (a 400 for a schema every client
     library accepts). They count only where a validator applies them: a reference into an
-    annotation that does not resolve, or loops, is still refused before any run."""
+    annotation that does not resolve, or loops, is still refused before any run. A keyword of
+    another dialect than the schema's is an annotation too."""
     edge, upstream = tooled
     accepted = {
         "type": "object",
@@ -1336,6 +1337,13 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
         "$ref": "#/definitions/s",
         "properties": {"city": {"$ref": "#/not/applied"}},
     }
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    others = [  # (another dialect's keywords are annotations: refused as loops or unresolved, a re-check)
+        {"$schema": "http://json-schema.org/draft-07/schema#", **city, "$recursiveRef": "#"},
+        {"$schema": "https://json-schema.org/draft/2019-09/schema", **city, "$dynamicRef": "#"},
+        {"$schema": "http://json-schema.org/draft-07/schema#", **city, "prefixItems": [{"$ref": "#/nowhere"}]},
+        {"$schema": "http://json-schema.org/draft-04/schema#", **city, "if": {"$ref": "#"}},
+    ]
     refused = {
         "into a broken annotation": (
             {"type": "object", "properties": {"city": {"$ref": "#/meta"}}, "meta": {"$ref": "#/nowhere"}},
@@ -1360,7 +1368,7 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
     upstream.script_for("t", script)
     with trio.fail_after(BOUND):
         async with http(edge) as client:
-            for schema in (accepted, draft7):
+            for schema in (accepted, draft7, *others):
                 r = await client.post(
                     "/v1/chat/completions",
                     json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", schema)]},
@@ -1375,7 +1383,7 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
                     json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", schema)]},
                 )
                 assert r.status_code == 400 and message in r.json()["error"]["message"], (what, r.text)
-    assert len(upstream.records) == 4  # (two runs each for the two accepted; none for the refused)
+    assert len(upstream.records) == 12  # (two runs each for the six accepted; none for the refused)
 
 
 async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):

@@ -571,6 +571,16 @@ _NAME_MAPS = frozenset(
 )
 _SCHEMA, _NAMES, _DATA = 0, 1, 2  # what a dict is, to :func:`_schema_nodes`
 _DEFINITIONS = frozenset(("$defs", "definitions"))
+
+
+def _dialect_keywords(cls: Any) -> frozenset[str]:
+    """The keywords a jsonschema validator class applies (``then`` and ``else`` with ``if``):
+    another dialect's are annotations to it (draft-07's `$recursiveRef`, 2019-09's
+    `$dynamicRef`, draft-07's `prefixItems`: refused as loops or unresolved, a re-check)."""
+    known = frozenset(cls.VALIDATORS)
+    return known | {"then", "else"} if "if" in known else known
+
+
 # Keywords (of draft-04 to 2020-12) whose values are a subschema or lists of them; with
 # _NAME_MAPS, where a schema's subschemas are. Under any other keyword a schema is an
 # annotation: not applied, nor its references looked up, unless a reference points into it.
@@ -726,7 +736,9 @@ def _build_validator(schema_json: str):
     targets: dict[tuple[int, str], Any] = {}  # each reference's target, by its resolver, looked up once
     resolved: dict[tuple[int, str], Any] = {}  # ... by the object holding it
     try:
-        refs, anchors = _refs(schema, spec, resolver)
+        known = _dialect_keywords(cls)
+        ref_keys = tuple(key for key in _REF_KEYS if key in known)
+        refs, anchors = _refs(schema, spec, resolver, ref_keys)
     except Exception as e:  # noqa: BLE001 (an `$id` referencing cannot read, as the check of a call would find)
         raise SchemaProblem(f"it cannot be checked: {type(e).__name__}: {_cut(str(e), 200)}") from None
     broken: dict[int, str] = {}  # the references that do not resolve, by the object holding them
@@ -745,13 +757,13 @@ def _build_validator(schema_json: str):
     # Only what is applied counts: a reference in an annotation (a keyword JSON Schema does not
     # know) that does not resolve, or a loop there, was refused, where jsonschema ignores it.
     ref_alone = cls in _REF_ALONE
-    applied = _applied(schema, resolved, anchors, ref_alone)
+    applied = _applied(schema, resolved, anchors, ref_alone, known)
     for held, ref in broken.items():
         if held in applied:
             raise SchemaProblem(
                 f"its reference `{ref[:200]}` does not resolve (only references inside the schema are allowed)"
             )
-    looped = _in_place_loop(schema, resolved, anchors, applied)
+    looped = _in_place_loop(schema, resolved, anchors, applied, known)
     if looped is not None:  # (below the root, only a model's arguments that reached it found it: a 502)
         raise SchemaProblem(f"its references loop without end (through `{_cut(looped, 200)}`)")
     if _false_in_whole(schema, resolved, ref_alone):
@@ -856,12 +868,17 @@ _IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
 
 
 def _applied(
-    schema: Any, resolved: dict[tuple[int, str], Any], anchors: dict[str, list[dict]], ref_alone: bool
+    schema: Any,
+    resolved: dict[tuple[int, str], Any],
+    anchors: dict[str, list[dict]],
+    ref_alone: bool,
+    known: frozenset[str],
 ) -> set[int]:
     """The ids of the subschemas a validator may apply: the root, those under the keywords that
     hold subschemas, and what references resolve to (a `$dynamicRef`, any subschema of its
     anchor's name), from any of those (iteratively). In draft-07 and before, a `$ref`'s
-    siblings are not applied; definitions (`$defs`, `definitions`) only where referenced."""
+    siblings are not applied; definitions (`$defs`, `definitions`) only where referenced;
+    ``known``: the keywords of the schema's dialect (another's are annotations)."""
     applied: set[int] = set()
     stack: list[Any] = [schema]
     while stack:
@@ -873,6 +890,8 @@ def _applied(
             stack.append(resolved.get((id(node), node["$ref"])))
             continue
         for key, value in node.items():
+            if key not in known:
+                continue
             if key in _REF_KEYS:
                 if isinstance(value, str):
                     stack.append(resolved.get((id(node), value)))
@@ -886,7 +905,11 @@ def _applied(
 
 
 def _in_place_loop(
-    schema: Any, resolved: dict[tuple[int, str], Any], anchors: dict[str, list[dict]], applied: set[int]
+    schema: Any,
+    resolved: dict[tuple[int, str], Any],
+    anchors: dict[str, list[dict]],
+    applied: set[int],
+    known: frozenset[str],
 ) -> str | None:
     """A reference that closes a loop of subschemas applied to one instance (``$ref`` to
     ``$ref``, through ``allOf`` and the like), or None; ``resolved``: each reference's target,
@@ -915,22 +938,24 @@ def _in_place_loop(
         nodes[id(node)] = node
         out: list[tuple[Any, str]] = []
         for key in _REF_KEYS:
+            if key not in known:
+                continue
             ref = node.get(key)
             target = resolved.get((id(node), ref)) if isinstance(ref, str) else None
             if isinstance(target, dict):
                 out.append((target, ref))
-        ref = node.get("$dynamicRef")
+        ref = node.get("$dynamicRef") if "$dynamicRef" in known else None
         named = isinstance(ref, str) and "#" in ref and (id(node), ref) in resolved
         hub = hubs.get(ref.rpartition("#")[2]) if named else None
         if hub is not None:  # (a reference in a schema, not in data such as `examples`: a re-check)
             out.append((hub, ref))
         for key in _IN_PLACE_ONE:
-            if isinstance(node.get(key), dict):
+            if key in known and isinstance(node.get(key), dict):
                 out.append((node[key], key))
         for key in _IN_PLACE_MANY:
-            if isinstance(node.get(key), list):
+            if key in known and isinstance(node.get(key), list):
                 out.extend((sub, key) for sub in node[key] if isinstance(sub, dict))
-        if isinstance(node.get("dependentSchemas"), dict):
+        if "dependentSchemas" in known and isinstance(node.get("dependentSchemas"), dict):
             out.extend((sub, "dependentSchemas") for sub in node["dependentSchemas"].values() if isinstance(sub, dict))
         edges[id(node)] = out
         stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
@@ -1047,7 +1072,9 @@ class _inline:
         _deadline.inline_until = None
 
 
-def _refs(schema: Any, spec: Any, resolver: Any) -> tuple[list[tuple[dict, str, Any]], dict[str, list[dict]]]:
+def _refs(
+    schema: Any, spec: Any, resolver: Any, ref_keys: tuple[str, ...] = _REF_KEYS
+) -> tuple[list[tuple[dict, str, Any]], dict[str, list[dict]]]:
     """Every reference in a schema: (the object holding it, the reference, the resolver its
     place gives it), iteratively (depth is not a risk here); and its subschemas by their
     ``$dynamicAnchor``. The resolver changes where a
@@ -1055,7 +1082,7 @@ def _refs(schema: Any, spec: Any, resolver: Any) -> tuple[list[tuple[dict, str, 
     there is relative to that id: looked up from the root, a valid schema was refused and a
     loop went unseen, a 502 once a model's arguments reached it); the values of ``enum``,
     ``const``, ``default``, ``examples``, ``example`` and ``x-`` extensions are data, whose
-    ``$ref`` keys are none."""
+    ``$ref`` keys are none. ``ref_keys``: the reference keywords of the schema's dialect."""
     found: list[tuple[dict, str, Any]] = []
     anchors: dict[str, list[dict]] = {}
     # (node, what it is, the resolver at it, the keys from where that resolver took its base)
@@ -1064,7 +1091,7 @@ def _refs(schema: Any, spec: Any, resolver: Any) -> tuple[list[tuple[dict, str, 
         node, kind, at, segments = stack.pop()
         if isinstance(node, dict):
             if kind == _SCHEMA:
-                for key in _REF_KEYS:
+                for key in ref_keys:
                     value = node.get(key)
                     if isinstance(value, str):
                         found.append((node, value, at))
