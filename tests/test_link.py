@@ -1529,7 +1529,8 @@ async def test_a_hello_with_an_endless_adapter_or_target_is_refused(edge):
 async def test_a_frame_of_more_events_than_a_run_buffers_is_the_nodes_not_the_clients(edge):
     """9,000 one-character deltas in one frame (past max_buffered_events, 8,192) failed the run
     of a client that was reading as "client is not reading the response" (a 500): the client's
-    reader had no turn between them. Within the byte bound, such a frame is read whole."""
+    reader had no turn between them. Within the byte bound, such a frame is read whole; a frame
+    holds 8,192 events at most now (MAX_FRAME_EVENTS), as many as the run buffers."""
 
     async def chatty(ws):
         await ws.send_message(hello(node_id="chatty"))
@@ -1537,8 +1538,8 @@ async def test_a_frame_of_more_events_than_a_run_buffers_is_the_nodes_not_the_cl
         await ws.send_message(encode_frame(Grant(model="m", slots=2, seq=1)))
         while not isinstance(frame := decode_frame(await ws.get_message()), RunRequest):
             pass
-        deltas = [RunEvent(run_id=frame.run_id, seq=i, type="delta", text="x") for i in range(1, 9001)]
-        end = RunEvent(run_id=frame.run_id, seq=9001, type="complete", finish_reason="stop")
+        deltas = [RunEvent(run_id=frame.run_id, seq=i, type="delta", text="x") for i in range(1, 8192)]
+        end = RunEvent(run_id=frame.run_id, seq=8192, type="complete", finish_reason="stop")
         await ws.send_message(encode_frame(Events(events=[*deltas, end])))
         while True:
             await ws.get_message()
@@ -1550,7 +1551,7 @@ async def test_a_frame_of_more_events_than_a_run_buffers_is_the_nodes_not_the_cl
             r = await one_request(edge)
             nursery.cancel_scope.cancel()
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] == "x" * 9000
+    assert r.json()["choices"][0]["message"]["content"] == "x" * 8191
 
 
 async def test_a_flood_of_events_faster_than_the_client_is_sent_them_is_the_nodes_fault(edge):
