@@ -157,6 +157,12 @@ async def test_integer_beyond_64_bits_is_a_400_and_the_link_stays(nursery):
                 "/v1/chat/completions", content=huge[:-1], headers={"content-type": "application/json"}
             )
             assert "not valid JSON" in r.json()["error"]["message"], r.text  # (cut short: that comes first)
+            r = await client.post(  # (invalid UTF-8 after it: a second re-check)
+                "/v1/chat/completions",
+                content=huge[:-1] + b', "s": "\xff"}',
+                headers={"content-type": "application/json"},
+            )
+            assert "not valid JSON" in r.json()["error"]["message"], r.text
             r = await client.post("/v1/chat/completions", json={**ASK, "seed": -(2**63) - 1, "stream": True})
             assert r.status_code == 400
             messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}

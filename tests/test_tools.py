@@ -1343,6 +1343,9 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
         {"$schema": "https://json-schema.org/draft/2019-09/schema", **city, "$dynamicRef": "#"},
         {"$schema": "http://json-schema.org/draft-07/schema#", **city, "prefixItems": [{"$ref": "#/nowhere"}]},
         {"$schema": "http://json-schema.org/draft-04/schema#", **city, "if": {"$ref": "#"}},
+        # (then and else apply only beside an if: a second re-check)
+        {"$schema": "http://json-schema.org/draft-07/schema#", **city, "then": {"$ref": "#"}},
+        {"$schema": "http://json-schema.org/draft-07/schema#", **city, "else": {"$ref": "#/nowhere"}},
     ]
     refused = {
         "into a broken annotation": (
@@ -1351,6 +1354,10 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
         ),
         "into a looping annotation": (
             {"type": "object", "properties": {"city": {"$ref": "#/meta"}}, "meta": {"allOf": [{"$ref": "#/meta"}]}},
+            "loop without end",
+        ),
+        "through draft-07 dependencies": (  # (accepted, then every call a 502: a second re-check)
+            {"$schema": "http://json-schema.org/draft-07/schema#", **city, "dependencies": {"city": {"$ref": "#"}}},
             "loop without end",
         ),
         "into a broken definition": (
@@ -1383,7 +1390,7 @@ async def test_references_a_validator_never_applies_are_not_checked_and_applied_
                     json={"model": "native", "messages": MESSAGES, "tools": [_fn("lookup", schema)]},
                 )
                 assert r.status_code == 400 and message in r.json()["error"]["message"], (what, r.text)
-    assert len(upstream.records) == 12  # (two runs each for the six accepted; none for the refused)
+    assert len(upstream.records) == 16  # (two runs each for the eight accepted; none for the refused)
 
 
 async def test_retry_that_fails_is_a_tool_validation_retry_error(tooled):

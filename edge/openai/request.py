@@ -118,12 +118,15 @@ def _holding_bad_integer(body: bytes) -> str | None:
         return None
     except msgspec.DecodeError:
         return _NOT_JSON
-    for name, raw in fields.items():
+    held = None
+    for name, raw in fields.items():  # (all of them: a field after the integer may be no JSON)
         try:
             msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            return name
-    return None
+        except msgspec.DecodeError as e:
+            if not str(e).startswith("Integer value out of range"):
+                return _NOT_JSON
+            held = held or name
+    return held
 
 
 async def decode_body(

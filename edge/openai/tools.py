@@ -865,6 +865,8 @@ def _false_in_whole(schema: Any, resolved: dict[tuple[int, str], Any], ref_alone
 # them (and references) never ends, whatever the instance.
 _IN_PLACE_ONE = ("not", "if", "then", "else")
 _IN_PLACE_MANY = ("allOf", "anyOf", "oneOf")
+_AFTER_IF = ("then", "else")  # applied only beside an `if` (jsonschema's `if` applies them)
+_DEPENDENT = ("dependentSchemas", "dependencies")  # name -> a schema applied to the instance itself
 
 
 def _applied(
@@ -890,7 +892,7 @@ def _applied(
             stack.append(resolved.get((id(node), node["$ref"])))
             continue
         for key, value in node.items():
-            if key not in known:
+            if key not in known or key in _AFTER_IF and "if" not in node:  # (then/else: only beside an if)
                 continue
             if key in _REF_KEYS:
                 if isinstance(value, str):
@@ -950,13 +952,14 @@ def _in_place_loop(
         if hub is not None:  # (a reference in a schema, not in data such as `examples`: a re-check)
             out.append((hub, ref))
         for key in _IN_PLACE_ONE:
-            if key in known and isinstance(node.get(key), dict):
+            if key in known and isinstance(node.get(key), dict) and (key not in _AFTER_IF or "if" in node):
                 out.append((node[key], key))
         for key in _IN_PLACE_MANY:
             if key in known and isinstance(node.get(key), list):
                 out.extend((sub, key) for sub in node[key] if isinstance(sub, dict))
-        if "dependentSchemas" in known and isinstance(node.get("dependentSchemas"), dict):
-            out.extend((sub, "dependentSchemas") for sub in node["dependentSchemas"].values() if isinstance(sub, dict))
+        for key in _DEPENDENT:  # (draft-07 and before: `dependencies`' schemas; a loop through them was a 502)
+            if key in known and isinstance(node.get(key), dict):
+                out.extend((sub, key) for sub in node[key].values() if isinstance(sub, dict))
         edges[id(node)] = out
         stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
     state: dict[int, int] = {}  # 1: on the path, 2: done
