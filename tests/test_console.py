@@ -391,7 +391,7 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, endi
     def script(body: dict) -> list:
         if body["messages"][0]["content"] == "hold":
             return [("hang",)]
-        return [("sleep", 0.5), *steps(*native_call("c1", "launch", "{}"), finish="tool_calls")]
+        return [("sleep", 1.0), *steps(*native_call("c1", "launch", "{}"), finish="tool_calls")]
 
     upstream.script_for("m-target", script)
     served = {
@@ -408,7 +408,7 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, endi
     with Stack() as processes:
         config = {"admin_keys": [ADMIN], "routing": "least_loaded"}
         if ending == "timeout":
-            config["queue_timeout_ms"] = 1000
+            config["queue_timeout_ms"] = 2000  # (the hold waits out the first attempt's 1 s within it)
         url = await trio.to_thread.run_sync(partial(processes.edge, **config))
         await trio.to_thread.run_sync(partial(processes.node, url, [served], node_id="n1"))
         async with httpx.AsyncClient(base_url=url, timeout=BOUND) as client, trio.open_nursery() as clients:
@@ -420,7 +420,16 @@ async def test_an_operator_cancel_of_a_queued_tool_retry_is_final(upstream, endi
                 clients.start_soon(ask)
                 await upstream.wait_requests(1)
                 # Queued behind the first attempt, it takes the slot that attempt frees: the retry waits.
+                # (The hold must be queued before the attempt ends, 1 s after it began; on a loaded CI
+                # machine it was not, within 0.5 s, and the retry took the slot, the hold cancelled.)
                 clients.start_soon(partial(client.post, "/v1/chat/completions", json=hold))
+                while not [
+                    r
+                    for r in (await client.get("/v1/admin/runs", headers=AUTH)).json()["data"]
+                    if r["phase"] == "queued"
+                ]:
+                    await trio.sleep(0.02)
+                assert len(upstream.records) == 1, "the first attempt ended before the hold was queued"
                 while True:
                     rows = (await client.get("/v1/admin/runs", headers=AUTH)).json()["data"]
                     queued = [row for row in rows if row["phase"] == "queued"]  # (the retry, once the hold runs)
