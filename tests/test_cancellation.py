@@ -816,23 +816,39 @@ async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(n
         await eventually(lambda: runs.in_flight == 0, "no run left once they closed")
 
 
+async def _h2_to_a_hanging_edge(nursery, tmp_path, upstream):
+    """A TLS edge with a node whose model hangs, and an HTTP/2 connection to it, initiated:
+    (url, cafile, app, host, stream, h2c)."""
+    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
+    upstream.script_for("m-target", [("hang",)])
+    host, port = url.removeprefix("https://").split(":")
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["h2"])
+    with trio.fail_after(BOUND):
+        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2c.initiate_connection()
+    return url, cafile, app, host, stream, h2c
+
+
+async def _serves_on(url: str, cafile, app, upstream) -> None:
+    """No run is left on the edge, and it serves a new request."""
+    await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
+    upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
+    async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
+        assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
+
+
 async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nursery, tmp_path, upstream):
     """HTTP/2 rapid reset (CVE-2023-44487): a client opening and resetting 400 streams as
     fast as it can gets GOAWAY ENHANCE_YOUR_CALM past a burst of 200 (each reset stream had
     started a run on the node: one client put a node 17 s behind), and the edge serves on."""
     from edge.h2_streams import RESET_BURST
 
-    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
-    upstream.script_for("m-target", [("hang",)])
-    host, port = url.removeprefix("https://").split(":")
-    context = ssl.create_default_context(cafile=str(cafile))
-    context.set_alpn_protocols(["h2"])
+    url, cafile, app, host, stream, h2c = await _h2_to_a_hanging_edge(nursery, tmp_path, upstream)
     body = msgspec.json.encode(STREAM)
-    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     goaway = None
     with trio.fail_after(BOUND):
-        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
-        h2c.initiate_connection()
         for i in range(2 * RESET_BURST):
             stream_id = 1 + 2 * i
             _h2_post(h2c, stream_id, host, body)
@@ -846,10 +862,7 @@ async def test_an_http2_client_resetting_streams_fast_loses_its_connection(nurse
             goaway = next((e for e in h2c.receive_data(data) if isinstance(e, h2.events.ConnectionTerminated)), None)
         assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
         await trio.aclose_forcefully(stream)
-        await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
-        upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
-        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
-            assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
+        await _serves_on(url, cafile, app, upstream)
 
 
 # Frames after a whole request that h2 answers by resetting its stream: a DATA frame past the
@@ -874,18 +887,11 @@ async def test_an_http2_client_making_the_edge_reset_streams_fast_loses_its_conn
     at 900 a second, a re-check)."""
     from edge.h2_streams import RESET_BURST
 
-    url, cafile, app = await _tls_edge_with_a_node(nursery, tmp_path, upstream)
-    upstream.script_for("m-target", [("hang",)])
-    host, port = url.removeprefix("https://").split(":")
-    context = ssl.create_default_context(cafile=str(cafile))
-    context.set_alpn_protocols(["h2"])
+    url, cafile, app, host, stream, h2c = await _h2_to_a_hanging_edge(nursery, tmp_path, upstream)
     body = msgspec.json.encode(STREAM)
-    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     goaway = None
     batch = 25  # (streams the edge has not reset yet count against its 32 at once)
     with trio.fail_after(BOUND):
-        stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=context)
-        h2c.initiate_connection()
         next_id = 1
         for _ in range(4 * RESET_BURST // batch):
             wire = b""
@@ -910,10 +916,7 @@ async def test_an_http2_client_making_the_edge_reset_streams_fast_loses_its_conn
         assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
         assert next_id // 2 <= 2 * RESET_BURST
         await trio.aclose_forcefully(stream)
-        await eventually(lambda: edge_of(app).runs.in_flight == 0, "no run left on the edge")
-        upstream.script_for("m-target", [("chunk", {"content": "ok"}), ("chunk", {}, "stop"), ("done",)])
-        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cafile)), timeout=BOUND) as c:
-            assert (await c.post(url + "/v1/chat/completions", json=STREAM)).status_code == 200
+        await _serves_on(url, cafile, app, upstream)
 
 
 def _ending(h2c: h2.connection.H2Connection, data: bytes, ended: object) -> object:

@@ -51,7 +51,7 @@ from edge.openai.request import (
     UPLOADED_IMAGE_NOTE,
     check_content_parts,
     image_url_problem,
-    merge_assistant_turns,
+    merge_turns,
     tool_images_head,
 )
 from edge.openai.schema import MAX_TOOL_NAME, UsageOut
@@ -527,7 +527,7 @@ def chat_body(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             calls.update(call["id"] for call in messages[-1].get("tool_calls", ()))
     if not messages:  # (Anthropic's 400: a system prompt alone went on as a chat of one system message)
         raise _bad("messages: at least one user or assistant message is required.", "messages")
-    messages = merge_assistant_turns(messages, ("assistant", "user"))
+    messages = merge_turns(messages, ("assistant", "user"))
     _check_tool_results(messages)
     system = [text for text in system if text]  # (a system of the billing line alone is none)
     if system:

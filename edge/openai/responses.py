@@ -35,7 +35,7 @@ from edge.openai.request import (
     UPLOADED_IMAGE_NOTE,
     check_content_parts,
     image_url_problem,
-    merge_assistant_turns,
+    merge_turns,
     tool_images_head,
 )
 from edge.openai.schema import MAX_TOOL_NAME, JsonSchemaFormat, UsageOut
@@ -277,7 +277,7 @@ def _input_messages(value: Any, decoded: Decoded, items: Items | None = None) ->
             decoded.ignored_items.append(kind)
     if tool_images:
         out.append({"role": "user", "content": tool_images})
-    return merge_assistant_turns(out)
+    return merge_turns(out)
 
 
 def _once(item_id: Any, mine: set[str], other: set[str], param: str) -> None:
