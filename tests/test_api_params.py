@@ -349,6 +349,54 @@ async def test_responses_max_tool_calls_trims_the_calls(edge_up):
     assert error_of(zero)["param"] == "max_tool_calls"
 
 
+@pytest.mark.parametrize("written", ["native", "text"])
+async def test_responses_max_tool_calls_checks_only_the_calls_returned(edge_up, written):
+    """`max_tool_calls: 1`: a valid first call and an invalid second (native, or written as text)
+    answer the first call, whole and streamed, at the first run. The second, never returned, was
+    checked too: a retry, then a 502 `tool_validation_error` or `response.failed` (an outside audit)."""
+    edge, upstream = edge_up
+    if written == "native":
+        script = steps(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ]
+            },
+            {
+                "tool_calls": [
+                    {
+                        "index": 1,
+                        "id": "c2",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"town": 1}'},
+                    }
+                ]
+            },
+            finish="tool_calls",
+        )
+    else:
+        good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        script = steps({"content": good + '<tool_call>{"name": "get_weather", "arguments": {"town": 1}}</tool_call>'})
+    upstream.script_for("t", script)
+    args = {"model": "m", "input": "weather?", "tools": RESPONSES_TOOLS, "max_tool_calls": 1}
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            whole = await client.responses.create(**args)
+            streamed = [e async for e in await client.responses.create(**args, stream=True)]
+    final = streamed[-1]
+    assert final.type == "response.completed", final
+    for response in (whole, final.response):
+        calls = [(o.name, o.arguments) for o in response.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0][0] == "get_weather" and '"Paris"' in calls[0][1], calls
+        assert "tool_call" not in response.output_text
+    assert len(upstream.records) == 2  # one run each: no retry
+
+
 # -- a tool call required with no tools -------------------------------------------------------
 
 

@@ -547,7 +547,7 @@ class ToolLive(LiveEncoder):
                 self._emit_content(self.tool_filter.flush_non_candidate())
         elif self.tool_filter is not None:
             raw = self.shaper.raw_content_text
-            parsed = parse_calls_of("".join(self.raw_content), raw, cut_off, self.turn.one_call)
+            parsed = parse_calls_of("".join(self.raw_content), raw, cut_off, self.turn.most_calls)
             if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # (as _finish's)
                 calls = parsed.calls or None
                 if parsed.error:  # a block that could not be read fails the turn, as when buffered: what
@@ -557,7 +557,7 @@ class ToolLive(LiveEncoder):
             else:
                 self._emit_content(self.tool_filter.flush())
             if not calls and not "".join(self.emitted).strip():
-                found = calls_in_reasoning(self.shaper.reasoning_text, finish_of(event), self.turn.one_call)
+                found = calls_in_reasoning(self.shaper.reasoning_text, finish_of(event), self.turn.most_calls)
                 if found is not None:
                     calls = found.calls or None
                     if found.error:

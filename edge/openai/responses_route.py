@@ -93,6 +93,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             item_types=sorted({t[:64] for t in decoded.ignored_items})[:20],
         )
     turn = await open_turn(edge, ex, decoded.chat, converted=True)
+    turn.max_tool_calls = decoded.echo["max_tool_calls"]
     enc = ResponseEncoder(
         "resp_" + ex.request_id.removeprefix("req_"),
         turn.req.model,

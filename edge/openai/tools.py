@@ -138,12 +138,13 @@ def with_ids(calls: list[ToolCall], taken: frozenset[str] = frozenset()) -> list
 MAX_ERRORS_SAID = 4  # of a turn's unreadable text calls: the rest are counted
 
 
-def parse_text_tool_calls(text: str, cut_off: bool = False, first_only: bool = False) -> TextToolCalls:
+def parse_text_tool_calls(text: str, cut_off: bool = False, most: int | None = None) -> TextToolCalls:
     """``cut_off`` (the run ended by ``max_tokens``): the last block, cut before its closing tag,
     stays in the content as written if it cannot be read, not an error (no retry can help),
     and the blocks before it are calls (any of them unreadable is still an error).
-    ``first_only`` (``parallel_tool_calls: false``): the blocks after the first call are not
-    read, and are no content (an unreadable one failed a turn whose call the client got alone)."""
+    ``most`` (``parallel_tool_calls: false``: 1; Responses' ``max_tool_calls``): the blocks after
+    that many calls are not read, and are no content (an unreadable one failed a turn whose call
+    the client got alone)."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     pieces: list[str] = []
@@ -163,7 +164,7 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, first_only: bool = F
             errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
             break
         pieces.append(text[pos : m.start()])
-        if first_only and calls:
+        if most is not None and len(calls) >= most:
             search = pos = m.end()
             continue
         kind = "xml" if m.group("xml") is not None else "mustache"
@@ -195,24 +196,24 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, first_only: bool = F
     return TextToolCalls(joined.strip() if found else text, calls, found, "; ".join(errors), joined)
 
 
-def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False, first_only: bool = False) -> TextToolCalls:
+def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False, most: int | None = None) -> TextToolCalls:
     """The tool calls a model wrote as text, read from what it wrote (``raw``): the edge's
     filters take sentinels and think tags out of the content, and they were a call's arguments
     too (a file's ``</s>`` and ``[INST]`` lost, a ``"<think>"`` made the call unreadable, and its
     retry failed the same way: found from outside); the content around them as filtered. Read
     from ``filtered`` when ``raw`` has no call, or only ones it cannot read where ``filtered``
-    can (a sentinel a model leaked inside a block). ``cut_off``, ``first_only``: as
+    can (a sentinel a model leaked inside a block). ``cut_off``, ``most``: as
     :func:`parse_text_tool_calls`."""
-    parsed = parse_text_tool_calls(filtered, cut_off, first_only)
+    parsed = parse_text_tool_calls(filtered, cut_off, most)
     if raw is None or raw == filtered or not parsed.candidate:
         return parsed
-    written = parse_text_tool_calls(raw, cut_off, first_only)
+    written = parse_text_tool_calls(raw, cut_off, most)
     if not written.candidate or (written.error and not parsed.error):
         return parsed
     return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped)
 
 
-def calls_in_reasoning(reasoning: str, finish_reason: str, first_only: bool = False) -> TextToolCalls | None:
+def calls_in_reasoning(reasoning: str, finish_reason: str, most: int | None = None) -> TextToolCalls | None:
     """The calls of a turn with tools that wrote no answer, only reasoning with call blocks in
     it, and stopped: a model that called before it closed its think block, or whose server's
     reasoning parser put all it wrote in the reasoning (Qwen3 on vLLM). The reasoning-only
@@ -221,7 +222,7 @@ def calls_in_reasoning(reasoning: str, finish_reason: str, first_only: bool = Fa
     still thinking, and a call it thought of is no call)."""
     if finish_reason == "length":
         return None
-    parsed = parse_text_tool_calls(reasoning, first_only=first_only)
+    parsed = parse_text_tool_calls(reasoning, most=most)
     return parsed if parsed.candidate else None
 
 

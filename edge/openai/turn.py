@@ -106,6 +106,8 @@ class Turn:
             opening=opening,
             body_bytes=len(self.body),
         )
+        # Responses' ``max_tool_calls``: the calls past it are not the client's (set by its route)
+        self.max_tool_calls: int | None = None
         self.last_run: Run | None = None
         self.node_id = ""
         self.outcome: str | None = None  # set when the client got an error the run's cause does not tell
@@ -225,14 +227,19 @@ class Turn:
         return self.usage
 
     @property
-    def one_call(self) -> bool:
-        """``parallel_tool_calls: false`` (Anthropic's ``disable_parallel_tool_use``)."""
-        return self.req.parallel_tool_calls is False
+    def most_calls(self) -> int | None:
+        """The calls a turn's client gets at most: 1 with ``parallel_tool_calls: false``
+        (Anthropic's ``disable_parallel_tool_use``), Responses' ``max_tool_calls``; None: all."""
+        if self.req.parallel_tool_calls is False:
+            return 1
+        return self.max_tool_calls
 
     def calls_to_send(self, calls: list[ToolCall] | None) -> list[ToolCall] | None:
-        """:attr:`one_call`: the client asked for one call a turn, so it gets the first."""
-        if calls and len(calls) > 1 and self.one_call:
-            return calls[:1]
+        """The first :attr:`most_calls` of ``calls``: the client gets no more, and the ones it does
+        not get are not checked (a call it would never see failed its turn)."""
+        most = self.most_calls
+        if calls and most is not None and len(calls) > most:
+            return calls[:most]
         return calls
 
     def settle(self) -> None:
@@ -461,13 +468,13 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
     elif turn.contract is not None:
-        parsed = parse_calls_of(content, shaper.raw_content_text, cut_off, turn.one_call)
+        parsed = parse_calls_of(content, shaper.raw_content_text, cut_off, turn.most_calls)
         if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # a cut-off block stays text
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
     if turn.contract is not None and not tool_calls and not tool_error and not content.strip():
-        found = calls_in_reasoning(shaper.reasoning_text, finish_reason, turn.one_call)  # (no answer: its calls)
+        found = calls_in_reasoning(shaper.reasoning_text, finish_reason, turn.most_calls)  # (no answer: its calls)
         if found is not None:
             tool_calls, tool_error = found.calls or None, found.error
     finish_reason = end_reason(finish_reason, bool(tool_calls))
