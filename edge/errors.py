@@ -84,10 +84,35 @@ _CONTEXT_EXCEEDED = re.compile(
 # The statuses servers refuse it with (TGI's 422, a proxy's 413); the answer is OpenAI's 400,
 # which SDKs do not retry (a 408 or 409 they would, whatever its words).
 _CONTEXT_STATUSES = frozenset((400, 413, 422))
-# The numbers in vLLM's (and OpenAI's) words, for the Messages API's own (which Claude Code reads).
-_CONTEXT_LIMIT = re.compile(r"maximum context length is (\d{1,9}) tokens")
-_CONTEXT_ASKED = re.compile(r"requested \d{1,9} tokens \((\d{1,9}) in the messages, (\d{1,9}) in the completion\)")
-_CONTEXT_PROMPT = re.compile(r"(?:request has|messages resulted in) (\d{1,9}) (?:input )?tokens")
+# The numbers in a refusal, for the Messages API's own words (which Claude Code reads: it asks again
+# with a max_tokens that fits, and compacts the conversation only when the prompt alone is too long):
+# vLLM's wordings since 0.9 (OpenAI's is the oldest of them) and SGLang's. Read apart, so a wording
+# that orders them otherwise still gives all three.
+_CONTEXT_LIMIT = re.compile(
+    r"maximum context length (?:is|of) (\d{1,9}) tokens"  # vLLM, OpenAI; SGLang's total
+    r"|context length \((\d{1,9}) tokens\)"  # SGLang, the prompt alone: "... context length (L tokens)"
+)
+_CONTEXT_PROMPT = re.compile(
+    r"(\d{1,9}) in the messages"  # vLLM before 0.11: "you requested T tokens (P in the messages, C in the completion)"
+    r"|requested (\d{1,9}) tokens in the messages"  # vLLM 0.9, the prompt alone
+    r"|(?:request has|messages resulted in) (\d{1,9}) (?:input )?tokens"  # vLLM 0.11
+    r"|prompt contains (?:at least )?(\d{1,9}) input tokens"  # vLLM 0.25 and later
+    r"|(\d{1,9}) tokens from the input messages"  # SGLang
+    r"|The input \((\d{1,9}) tokens\)"  # SGLang, the prompt alone
+)
+_CONTEXT_PROMPT_OVER = re.compile(
+    r"upper bound for (\d{1,9}) input tokens"
+)  # vLLM 0.25: a prompt past it, counted in characters
+_CONTEXT_COMPLETION = re.compile(
+    r"(\d{1,9}) in the completion"  # vLLM before 0.11
+    r"|is too large: (\d{1,9})\b"  # vLLM 0.11: "'max_tokens' or 'max_completion_tokens' is too large: C"
+    r"|requested (\d{1,9}) output tokens"  # vLLM 0.25 and later
+    r"|(\d{1,9}) tokens for the completion"  # SGLang
+)
+
+
+def _number(match: re.Match | None) -> int | None:
+    return None if match is None else int(next(g for g in match.groups() if g is not None))
 
 
 def upstream_context_error(status: int, message: str) -> APIError | None:
@@ -98,11 +123,13 @@ def upstream_context_error(status: int, message: str) -> APIError | None:
     if status not in _CONTEXT_STATUSES or _CONTEXT_EXCEEDED.search(message[:MAX_NODE_ERROR]) is None:
         return None
     error = APIError(400, message, "invalid_request_error", param="messages", code="context_length_exceeded")
-    limit = _CONTEXT_LIMIT.search(message)
-    asked = _CONTEXT_ASKED.search(message)
-    prompt = asked or _CONTEXT_PROMPT.search(message)
+    said = message[:MAX_NODE_ERROR]
+    limit = _number(_CONTEXT_LIMIT.search(said))
+    prompt = _number(_CONTEXT_PROMPT.search(said))
+    if prompt is None and (over := _number(_CONTEXT_PROMPT_OVER.search(said))) is not None:
+        prompt = over + 1
     if limit is not None and prompt is not None:
-        error.context = (int(prompt[1]), int(asked[2]) if asked is not None else 0, int(limit[1]))
+        error.context = (prompt, _number(_CONTEXT_COMPLETION.search(said)) or 0, limit)
         error.estimated = False
     return error
 

@@ -123,6 +123,76 @@ async def test_upstream_error_reaches_client(edge, node, upstream):
     await settled(edge, node.agent)
 
 
+_REFUSALS = {  # each model server's wording, verbatim but the numbers: (its words, prompt, max_tokens, limit)
+    "vllm-0.9-messages": (
+        "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens in the messages, Please reduce the length of the messages.",
+        5000,
+        0,
+    ),
+    "vllm-0.11-input": (
+        "This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens. Please reduce the length of the input messages.",
+        5000,
+        0,
+    ),
+    "vllm-0.11-max-tokens": (
+        "'max_tokens' or 'max_completion_tokens' is too large: 1000. This model's maximum context length is 4096 tokens and your request has 3500 input tokens (1000 > 4096 - 3500).",
+        3500,
+        1000,
+    ),
+    "vllm-0.25": (
+        "This model's maximum context length is 4096 tokens. However, you requested 1000 output tokens and your prompt contains at least 3500 input tokens, for a total of at least 4500 tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
+        3500,
+        1000,
+    ),
+    "vllm-0.25-characters": (
+        "This model's maximum context length is 4096 tokens. However, you requested 1000 output tokens and your prompt contains 90000 characters (more than 30768 characters, which is the upper bound for 3096 input tokens). Please reduce the length of the input prompt or the number of requested output tokens.",
+        3097,
+        1000,
+    ),
+    "sglang": (
+        "Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 4500 tokens: 3500 tokens from the input messages and 1000 tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+        3500,
+        1000,
+    ),
+    "sglang-input": ("The input (5000 tokens) is longer than the model's context length (4096 tokens).", 5000, 0),
+}
+
+
+@pytest.mark.parametrize("server", list(_REFUSALS))
+async def test_every_wording_of_a_context_refusal_gives_claude_code_its_numbers(edge, node, upstream, server):
+    """vLLM's and SGLang's refusals of a request past the context, in every wording since vLLM
+    0.9, are said in Anthropic's words with the numbers: Claude Code asks again with a
+    ``max_tokens`` that fits, and compacts only for a prompt too long by itself. Only vLLM's
+    oldest wording was read: in the others it got "prompt is too long", and ``claude -p`` ended
+    on its first turn ("this conversation is a single exchange and cannot be compacted") where a
+    smaller max_tokens fitted (an outside audit, with the real CLI)."""
+    said, prompt, max_tokens = _REFUSALS[server]
+    upstream.script_for(
+        "m-target",
+        [
+            (
+                "status",
+                400,
+                msgspec.json.encode({"object": "error", "type": "BadRequestError", "code": 400, "message": said}),
+            )
+        ],
+    )
+    with trio.fail_after(BOUND):
+        async with anthropic.AsyncAnthropic(
+            base_url=edge.url, api_key="unused", max_retries=0, timeout=BOUND
+        ) as claude:
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await claude.messages.create(model="m", max_tokens=1000, messages=MESSAGES)
+    error = refused.value.body["error"]
+    if prompt >= 4096:
+        assert error["message"] == f"prompt is too long: {prompt} tokens > 4096 maximum", error
+    else:
+        assert error["message"] == (
+            f"input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > 4096, decrease input"
+            " length or `max_tokens` and try again"
+        ), error
+
+
 async def test_a_model_servers_own_context_refusal_is_context_length_exceeded_in_every_api(edge, node, upstream):
     """A prompt the model server finds too long for its context (the edge's estimate let it
     through) was a 400 ``upstream_rejected``, so clients that act on ``context_length_exceeded``
