@@ -684,6 +684,29 @@ async def test_sentinels_split_across_deltas_are_removed(shaped):
     assert joined(chunks, "reasoning_content") == "r"
 
 
+async def test_deepseeks_and_mistrals_control_tokens_are_removed(shaped):
+    """DeepSeek's turn and tool-call tokens and Mistral's [TOOL_CALLS] (what a model server
+    without a tool parser leaves in the text) are leaked special tokens as the README says:
+    removed, split or not, streamed and whole. Only DeepSeek's sentence tokens and Mistral's
+    [INST] were (an outside audit)."""
+    edge, upstream = shaped
+    said = (
+        "Hi<｜Assistant｜>there<｜User｜>. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜> [TOOL_CALLS][] [AVAILABLE_TOOLS][/AVAILABLE_TOOLS]"
+    )
+    expected = "Hithere. functionf [] "
+    cut = said.index("sep") + 1  # (inside a token)
+    steps = script({"content": said[:cut]}, {"content": said[cut:]})
+    with trio.fail_after(BOUND):
+        upstream.script_for("t", steps)
+        chunks, _ = await stream_raw(edge, model="custom")
+        upstream.script_for("t", steps)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "custom", "messages": MESSAGES})
+    assert joined(chunks, "content") == expected
+    assert r.json()["choices"][0]["message"]["content"] == expected
+
+
 async def test_a_model_without_the_default_sentinels_keeps_their_words(shaped):
     """The built-in sentinels apply to every model, and an answer about HTML or chat templates
     lost its `</s>` and `[INST]` (an outside audit): `default_sentinels = false` removes only

@@ -26,10 +26,18 @@ DEFAULT_SENTINELS: tuple[str, ...] = (
     "<|start_header_id|>",
     "<|end_header_id|>",
     "<|python_tag|>",  # (before a built-in tool's call; leaked as text, found from outside)
-    # Mistral
+    # Mistral (its tokenizers' v3 and later control tokens; a server with no tool parser leaves a
+    # call's [TOOL_CALLS] in the text, as Llama 3's <|python_tag|>)
     "</s>",
     "[INST]",
     "[/INST]",
+    "[TOOL_CALLS]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
     # Gemma
     "<end_of_turn>",
     "<start_of_turn>",
@@ -42,9 +50,20 @@ DEFAULT_SENTINELS: tuple[str, ...] = (
     "<|channel|>",
     "<|call|>",
     "<|constrain|>",
-    # DeepSeek
+    # DeepSeek (V3, R1: its turns, and the tool-call tokens a server with no tool parser leaves)
     "<｜end▁of▁sentence｜>",
     "<｜begin▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
 )
 
 
