@@ -59,7 +59,7 @@ def _as_event(record: logging.LogRecord, *, traceback: bool = True) -> None:
 
 class _HypercornAsEvents(logging.Filter):
     """hypercorn's own lines ("Running on ...", errors it catches) become structlog
-    events, so JSON logs are JSON throughout. A filter on the logger, not a handler:
+    events, so JSON logs are JSON throughout and the level asked for holds. A filter on the logger, not a handler:
     hypercorn replaces that logger's handlers when it sets up (after the app is made)
     but leaves its filters alone."""
 
@@ -214,8 +214,5 @@ def configure(level: str | None = None, *, json: bool | None = None, cache: bool
     trio_log = logging.getLogger("trio")
     trio_log.handlers = [_TRIO_AS_EVENTS]
     trio_log.propagate = False
-    hypercorn_log = logging.getLogger("hypercorn.error")
-    if json:
-        hypercorn_log.addFilter(_HYPERCORN_AS_EVENTS)  # adds it once however often configure runs
-    else:
-        hypercorn_log.removeFilter(_HYPERCORN_AS_EVENTS)
+    # (console lines too: hypercorn's own handler wrote its INFO lines whatever the level asked)
+    logging.getLogger("hypercorn.error").addFilter(_HYPERCORN_AS_EVENTS)  # once however often configure runs

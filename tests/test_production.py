@@ -478,6 +478,29 @@ async def test_console_log_lines_escape_control_characters(tmp_path):
     assert b"\x1b" not in written and b"\x07" not in written, written[-600:]
 
 
+@pytest.mark.parametrize("fmt", ["console", "json"])
+async def test_the_log_level_holds_for_hypercorns_own_lines(tmp_path, fmt):
+    """`IOP_LOG_LEVEL=warning` leaves out hypercorn's INFO lines ("Running on ...") in either
+    format; with console lines (the default on a terminal) hypercorn's own handler wrote them
+    whatever the level (an outside audit). At `info` the line is there."""
+    from scripts.stack import free_port
+
+    lines = {}
+    for level in ("warning", "info"):
+        port = free_port()
+        cfg = write_toml(tmp_path / f"{level}.toml", {"bind": f"127.0.0.1:{port}", "node_token": TOKEN})
+        log = tmp_path / f"{level}.log"
+        env = {"IOP_LOG_FORMAT": fmt, "IOP_LOG_LEVEL": level}
+        proc = _spawn([sys.executable, "-m", "iop", "edge", "--config", str(cfg)], env, log)
+        try:
+            await _ready(f"http://127.0.0.1:{port}", "/healthz")
+        finally:
+            _stop(proc)
+        lines[level] = log.read_text()
+    assert "Running on" not in lines["warning"], lines["warning"]
+    assert "Running on" in lines["info"], lines["info"]
+
+
 async def test_edge_runs_under_hypercorns_own_cli(nursery, tmp_path, upstream):
     """`hypercorn --worker-class trio 'edge.app:create_app()'` with IOP_EDGE_CONFIG serves the edge."""
     from scripts.stack import free_port
