@@ -804,6 +804,22 @@ async def test_a_route_no_node_allows_for_a_model_is_a_400_the_sdk_does_not_retr
     await settled(edge)
 
 
+async def test_a_chat_model_relayed_by_the_edge_but_not_allowed_by_its_node_says_so(nursery):
+    """`response_mode = "passthrough"` on the edge, a node without `passthrough = true`: chat is a
+    400 `passthrough_not_allowed` naming both settings. It said the model "is served for chat
+    here, not for this route", on the chat route (an outside audit)."""
+    edge = await start_edge(nursery, edge_config(models=[{"name": "raw", "response_mode": "passthrough"}]))
+    await start_node(nursery, edge, [model("raw", ttft_ms=0, tokens_per_s=0)])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "raw", "messages": MESSAGES})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "passthrough_not_allowed", r.text
+    assert "`passthrough = true`" in error["message"] and "`response_mode`" in error["message"], error
+    assert "served for chat" not in error["message"]
+    await settled(edge)
+
+
 @pytest.mark.parametrize("failing", ["unreachable", "401", "429"])
 async def test_a_node_whose_model_server_is_down_is_routed_around(nursery, upstream, failing):
     """Two nodes, one whose model server refuses every connection (or the node's key, or

@@ -1345,8 +1345,9 @@ class RunService:
                 # a setting of the nodes, not an outage: a 503 had the SDKs retry it
                 raise errors.APIError(
                     400,
-                    f"The model `{model}` is served for chat here, not for this route: no linked node "
-                    "serving it allows passthrough (a node's `passthrough = true`).",
+                    f"No linked node serving the model `{model}` allows passthrough (a node's "
+                    "`passthrough = true`), which this request needs: /v1/completions, /v1/embeddings, "
+                    'or a model whose `response_mode` is "passthrough" here.',
                     "invalid_request_error",
                     param="model",
                     code="passthrough_not_allowed",
