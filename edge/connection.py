@@ -66,6 +66,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from edge.errors import NO_RETRY, error_json
 from edge.metrics import OTHER_MODEL
 from edge.openai.exchange import new_request_id, request_id_of
+from edge.openai.jsonbody import LARGE_BODY_BYTES
 from edge.reads import linger
 from edge.send_lock import send_within
 
@@ -213,8 +214,9 @@ def install() -> None:
 
     async def _send_h11_event(self: H11Protocol, event) -> None:
         # No `100 Continue` for a body the edge will refuse (RFC 9110 10.1.1): its 413 answers the
-        # request's head, and the client sends none of it (it was told to go on, then refused).
-        if type(event) is h11.InformationalResponse and event.status_code == 100 and _declared_too_large(self):
+        # request's head, and the client sends none of it (it was told to go on, then refused); nor
+        # for a large one while every place for one is taken (its 503 as well).
+        if type(event) is h11.InformationalResponse and event.status_code == 100 and _declared_unwelcome(self):
             return
         await hypercorn_send_h11_event(self, event)
 
@@ -265,13 +267,18 @@ def _ignore_the_rest(buf) -> None:
     buf.maybe_extract_at_most(len(buf))
 
 
-def _declared_too_large(protocol: H11Protocol) -> bool:
-    """The request's Content-Length is past the edge's ``max_body_bytes``."""
+def _declared_unwelcome(protocol: H11Protocol) -> bool:
+    """The request's Content-Length is past the edge's ``max_body_bytes``, or is a large body's
+    (:data:`~edge.openai.jsonbody.LARGE_BODY_BYTES`) while every ``max_large_requests`` place
+    is taken."""
     edge = getattr(protocol.config, "iop_edge", None)
     scope = getattr(getattr(protocol, "stream", None), "scope", None)
     if edge is None or not isinstance(scope, dict):
         return False
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
-            return value.isdigit() and int(value) > edge.config.max_body_bytes
+            if not value.isdigit():
+                return False
+            length, places = int(value), edge.large_requests
+            return length > edge.config.max_body_bytes or (length >= LARGE_BODY_BYTES and places.held >= places.limit)
     return False

@@ -1551,6 +1551,14 @@ async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(n
                 holders.start_soon(partial(client.post, "/v1/chat/completions", json=large))
             await upstream.wait_requests(2)
             refused = await client.post("/v1/chat/completions", json=large)
+            # (curl's Expect: 100-continue: the 503 alone, not "go on" first and the body sent in vain)
+            sock = await trio.open_tcp_stream("127.0.0.1", edge.port)
+            await sock.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % (2 * LARGE_BODY_BYTES)
+            )
+            expecting = (await sock.receive_some(65536)).split(b"\r\n", 1)[0]
+            await sock.aclose()
             encoded = msgspec.json.encode(large)
 
             async def pieces():
@@ -1563,6 +1571,8 @@ async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(n
             holders.cancel_scope.cancel()  # (the two holders leave: their places come back)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "too_many_large_requests"
+        assert "serving as many requests of 1 MiB or more as it takes at once (2)" in refused.text, refused.text
+        assert expecting == b"HTTP/1.1 503 ", expecting
         assert chunked.status_code == 503  # (no length declared: refused as it grew past 1 MiB)
         assert served.status_code == 200
         assert "\niop_large_requests_in_flight 2.0\n" in held

@@ -146,7 +146,8 @@ class LargeRequests:
         if self.held >= self.limit:
             raise APIError(
                 503,
-                f"The edge is serving {self.limit} requests of {LARGE_BODY_BYTES // 1024 // 1024} MiB or more; retry.",
+                f"The edge is serving as many requests of {LARGE_BODY_BYTES // 1024 // 1024} MiB or more as it takes "
+                f"at once ({self.limit}); retry.",
                 "server_error",
                 code="too_many_large_requests",
                 headers=[(b"retry-after", b"1")],
