@@ -1613,6 +1613,32 @@ async def test_one_call_asked_for_in_text_is_read_alone(tooled, name, stream):
     assert len(upstream.records) == 1  # (no retry)
 
 
+@pytest.mark.parametrize("name", ["textonly", "live"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_call_asked_for_in_a_cut_off_answer_is_checked_whole(tooled, name, stream):
+    """parallel_tool_calls false, a run cut off by max_tokens, calls written as text: an invalid
+    first call followed by another is whole, and checked as any (only a cut-off last call's
+    arguments go unchecked). The second was left unread, so the first was taken for the cut one:
+    sent unchecked, where native calls were a tool_validation_error (an outside re-check)."""
+    edge, upstream = tooled
+    text = text_call("get_weather", {"city": 3}) + text_call("get_weather", {"city": "Paris"})
+    upstream.script_for("t", steps({"content": text}, finish="length"))
+    with trio.fail_after(BOUND):
+        if stream:
+            async with http(edge) as client:
+                body = {"model": name, "messages": MESSAGES, "tools": TOOLS, "stream": True}
+                r = await client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+            events = sse_events(r.content)
+            err = msgspec.json.decode(events[-2])["error"]
+            assert err["type"] == "tool_validation_error", events
+            assert not any(b'"tool_calls"' in e for e in events)
+        else:
+            with pytest.raises(openai.APIStatusError) as failed:
+                await answer_of_choice(edge, name, stream, parallel_tool_calls=False)
+            assert failed.value.status_code == 502 and failed.value.type == "tool_validation_error"
+    assert len(upstream.records) == 2  # (retried once, as for any invalid call)
+
+
 async def test_a_live_stream_past_the_call_limit_sends_no_markup_as_text(tooled):
     """tool_stream = "live": text past the 1,024th call block, markup and all, went out as the
     answer's content before its tool_validation_error (476 blocks of 1,500: an outside audit);

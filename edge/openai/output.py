@@ -542,6 +542,7 @@ class ToolLive(LiveEncoder):
         self.shaper.finish(finish_of(event))
         cut_off = finish_of(event) == "length"  # by max_tokens: what was produced goes out as it is
         calls = self.turn.native_calls(event)
+        dropped = False  # text calls past the turn's most_calls were left unread
         if calls:
             if self.tool_filter is not None:
                 self._emit_content(self.tool_filter.flush_non_candidate())
@@ -549,7 +550,7 @@ class ToolLive(LiveEncoder):
             raw = self.shaper.raw_content_text
             parsed = parse_calls_of("".join(self.raw_content), raw, cut_off, self.turn.most_calls)
             if parsed.candidate and not (cut_off and (parsed.error or not parsed.calls)):  # (as _finish's)
-                calls = parsed.calls or None
+                calls, dropped = parsed.calls or None, parsed.dropped
                 if parsed.error:  # a block that could not be read fails the turn, as when buffered: what
                     # is left of the text is not sent (past 1,024 calls, the rest's markup went out as text)
                     return self._invalid(parsed.error, calls, parsed.content, sent, mark)
@@ -559,13 +560,13 @@ class ToolLive(LiveEncoder):
             if not calls and not "".join(self.emitted).strip():
                 found = calls_in_reasoning(self.shaper.reasoning_text, finish_of(event), self.turn.most_calls)
                 if found is not None:
-                    calls = found.calls or None
+                    calls, dropped = found.calls or None, found.dropped
                     if found.error:
                         return self._invalid(found.error, calls, "", sent, mark)
         contract = self.turn.contract
         if contract is not None and not (event.refusal and not calls):
             sent_calls = self.turn.calls_to_send(calls)  # (a call not sent is not checked: it failed the turn)
-            cut_off = cut_off and sent_calls is calls
+            cut_off = cut_off and sent_calls is calls and not dropped  # (a call followed the last one sent)
             calls = sent_calls
             try:  # on the loop for a moment; past it (or for large arguments) in a worker thread
                 if contract.needs_thread(calls):

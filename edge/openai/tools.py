@@ -80,6 +80,7 @@ class TextToolCalls(msgspec.Struct):
     candidate: bool  # some block looked like a tool call
     error: str = ""  # a block that could not be read as a call
     unstripped: str = ""  # ``content`` before it was stripped (when there was a block)
+    dropped: bool = False  # blocks past the calls asked for were left unread (the last call is not the last written)
 
 
 def new_call_id() -> str:
@@ -149,7 +150,7 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, most: int | None = N
     errors: list[str] = []
     pieces: list[str] = []
     pos = 0
-    found = False
+    found = dropped = False
     budget = jsoncost.Budget()  # for the turn's calls together
     rereads = len(text)  # what bodies read as JSON may go through in all (each can run to the end)
     search = 0
@@ -166,6 +167,7 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, most: int | None = N
         pieces.append(text[pos : m.start()])
         if most is not None and len(calls) >= most:
             search = pos = m.end()
+            dropped = True
             continue
         kind = "xml" if m.group("xml") is not None else "mustache"
         call, error = _read_call(m.group(kind).strip(), budget)
@@ -193,7 +195,7 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, most: int | None = N
     joined = "".join(pieces) if found else ""
     if len(errors) > MAX_ERRORS_SAID:  # (1,024 unreadable calls were a 158 KB error, and retry message)
         errors[MAX_ERRORS_SAID:] = [f"and {len(errors) - MAX_ERRORS_SAID} more"]
-    return TextToolCalls(joined.strip() if found else text, calls, found, "; ".join(errors), joined)
+    return TextToolCalls(joined.strip() if found else text, calls, found, "; ".join(errors), joined, dropped)
 
 
 def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False, most: int | None = None) -> TextToolCalls:
@@ -210,7 +212,7 @@ def parse_calls_of(filtered: str, raw: str | None, cut_off: bool = False, most: 
     written = parse_text_tool_calls(raw, cut_off, most)
     if not written.candidate or (written.error and not parsed.error):
         return parsed
-    return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped)
+    return TextToolCalls(parsed.content, written.calls, True, written.error, parsed.unstripped, written.dropped)
 
 
 def calls_in_reasoning(reasoning: str, finish_reason: str, most: int | None = None) -> TextToolCalls | None:

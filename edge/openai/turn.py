@@ -374,6 +374,7 @@ class Collected(msgspec.Struct):
     stop: str = ""  # the stop sequence that ended the run, when the model server said which
     refusal: str = ""  # the model's refusal (OpenAI's ``refusal``): it declined to answer
     reasoning_len: int = 0  # the reasoning it produced, shown or not (the stream's summary line)
+    dropped: bool = False  # text calls past the turn's most_calls were left unread
 
 
 _FAILURE_TYPES = {OVER_BUDGET: "insufficient_quota", TIMEOUT: "timeout_error"}  # (by the run's cause)
@@ -465,6 +466,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
     content = shaper.content_text
     tool_calls = turn.native_calls(event)
     tool_error = ""
+    dropped = False
     if tool_calls and turn.contract is not None:
         content = before_tool_markup(content)  # native calls win: call markup in the text never shows (the seeds' rule)
     elif turn.contract is not None:
@@ -473,10 +475,11 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
             content = parsed.content
             tool_calls = parsed.calls or None
             tool_error = parsed.error
+            dropped = parsed.dropped
     if turn.contract is not None and not tool_calls and not tool_error and not content.strip():
         found = calls_in_reasoning(shaper.reasoning_text, finish_reason, turn.most_calls)  # (no answer: its calls)
         if found is not None:
-            tool_calls, tool_error = found.calls or None, found.error
+            tool_calls, tool_error, dropped = found.calls or None, found.error, found.dropped
     finish_reason = end_reason(finish_reason, bool(tool_calls))
     normalized = False
     # Nothing to wrap (hidden reasoning alone, a refusal): an empty completion would tell an
@@ -502,6 +505,7 @@ def _finish(turn: Turn, shaper: Shaper, event: RunEvent, usage: UsageOut) -> Col
         event.stop,
         event.refusal,
         shaper.reasoning_len,
+        dropped,
     )
 
 
@@ -581,7 +585,8 @@ async def collect_validated(
             turn.settle()
             return result
         calls = turn.calls_to_send(result.tool_calls)  # (a call not sent is not checked: it failed the turn)
-        cut = result.finish_reason == "length" and calls is result.tool_calls  # (the first of two is whole)
+        # (the first of two is whole: calls past most_calls, dropped here or unread, followed it)
+        cut = result.finish_reason == "length" and calls is result.tool_calls and not result.dropped
         reason = result.tool_error or await turn.contract.check_calls(calls, cut)
         if not reason:
             result.tool_calls = calls
