@@ -65,7 +65,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from edge.errors import NO_RETRY, error_json
 from edge.metrics import OTHER_MODEL
-from edge.openai.exchange import new_request_id, request_id_of
+from edge.openai.exchange import LARGE_PLACE, new_request_id, request_id_of
 from edge.openai.jsonbody import LARGE_BODY_BYTES
 from edge.reads import linger
 from edge.send_lock import send_within
@@ -280,5 +280,13 @@ def _declared_unwelcome(protocol: H11Protocol) -> bool:
             if not value.isdigit():
                 return False
             length, places = int(value), edge.large_requests
-            return length > edge.config.max_body_bytes or (length >= LARGE_BODY_BYTES and places.held >= places.limit)
+            if length > edge.config.max_body_bytes:
+                return True
+            if length >= LARGE_BODY_BYTES and places.held >= places.limit and LARGE_PLACE not in scope:
+                # Its handler refuses it so, if a place frees meanwhile too: the client, told
+                # neither to go on nor no, would wait for a 100 that never came (curl 1 s). (One
+                # whose handler took its place first is not refused for its own.)
+                scope[LARGE_PLACE] = False
+                return True
+            return False
     return False

@@ -1587,6 +1587,27 @@ async def test_large_requests_in_flight_are_bounded_and_their_places_come_back(n
     await settled(edge, node.agent)
 
 
+async def test_a_large_body_told_no_100_continue_is_refused_though_a_place_frees():
+    """A large body whose client got no `100 Continue` (every place taken at its head) is the
+    503 it was meant to be, even if a place frees before its handler asks for one: it was
+    admitted then, and with no 100 sent and none to come, the client waited (curl 1 s; one
+    waiting with no timeout, to the body timeout; an outside re-check). A request that took
+    its place first is never refused for its own."""
+    from edge.errors import APIError
+    from edge.openai.exchange import LARGE_PLACE, Exchange, LargeRequests
+
+    places = LargeRequests(4)  # (all free)
+    head = [(b"content-length", b"%d" % (2 << 20))]
+    refused = Exchange({"headers": head, LARGE_PLACE: False}, None, None)
+    with pytest.raises(APIError) as told:
+        await refused.read_body(8 << 20, places)
+    assert told.value.status == 503 and told.value.code == "too_many_large_requests"
+    assert places.held == 0
+    taken = {"headers": head}
+    Exchange(taken, None, None)._take(places)
+    assert taken[LARGE_PLACE] is True and places.held == 1
+
+
 async def test_one_key_holds_at_most_a_quarter_of_the_large_request_places(nursery, upstream):
     """A key's large requests take their places before its limits are read (the body is not in
     yet): one key of max_concurrent 2 trickling 64 bodies held all 64 places, and every other

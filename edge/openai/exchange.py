@@ -108,6 +108,11 @@ class Access:
         self.refusal = ""  # a 429's message: which limit, or the queue (the edge's own words)
 
 
+# In a request's scope: True once it holds a large place, False when it was refused one before its
+# body (edge.connection sent no 100 Continue for it, then).
+LARGE_PLACE = "iop_large_place"
+
+
 class LargeRequests:
     """Requests whose body is :data:`~edge.openai.jsonbody.LARGE_BODY_BYTES` or more, in flight
     at once: at most ``limit``, each held from its body's first large byte (or its declared
@@ -127,9 +132,10 @@ class LargeRequests:
         self.held = 0
         self.owners: dict[str, int] = {}  # owner -> places it holds
 
-    def take(self, owner: str | None, most: int = 0) -> str | None:
+    def take(self, owner: str | None, most: int = 0, full: bool = False) -> str | None:
         """A place for ``owner`` (a key's id; None: an open edge's client, no share; ``most``:
-        its own limit, 0 for none); the owner, to give it back."""
+        its own limit, 0 for none); the owner, to give it back. ``full``: refused as when every
+        place is taken (they were when its client was told not to send the body)."""
         share = max(1, int(self.limit * OWNER_SHARE))
         if most:
             share = min(share, most)
@@ -143,7 +149,7 @@ class LargeRequests:
                 code="too_many_large_requests",
                 headers=[(b"retry-after", b"1")],
             )
-        if self.held >= self.limit:
+        if full or self.held >= self.limit:
             raise APIError(
                 503,
                 f"The edge is serving as many requests of {LARGE_BODY_BYTES // 1024 // 1024} MiB or more as it takes "
@@ -292,11 +298,15 @@ class Exchange:
     def _take(self, large: LargeRequests) -> None:
         """One of ``large``'s places, for this request's key."""
         key = self.key
+        scope = self.scope
+        full = scope.get(LARGE_PLACE) is False  # (edge.connection sent no 100 Continue for it: the 503 it meant)
         if key is None:
-            self._large = (large, large.take(None))
+            self._large = (large, large.take(None, full=full))
+            scope[LARGE_PLACE] = True
             return
         try:
-            self._large = (large, large.take(key.id, key.policy.max_concurrent))
+            self._large = (large, large.take(key.id, key.policy.max_concurrent, full))
+            scope[LARGE_PLACE] = True
         except APIError as e:
             if e.status == 429:  # (its share: the key's refusals count it, as the key's other limits)
                 key.limited["large_requests"] = key.limited.get("large_requests", 0) + 1
