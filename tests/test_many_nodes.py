@@ -100,6 +100,34 @@ async def test_full_queue_and_queue_timeout_are_429_with_retry_after(nursery, up
     await settled(edge)
 
 
+async def test_a_model_no_request_waits_for_keeps_no_queue(nursery, upstream):
+    """Every model name ever requested kept a queue (an empty one) for the edge's life: a node
+    naming 1,024 new models each time it linked, one request to each, grew the edge 2.3 KB a name
+    for good, and /metrics walked them all (an outside audit). A queue lives while a request waits
+    in it, whether that one is served after waiting, times out or leaves."""
+    upstream.script_for("t", [("hang",)])
+    edge = await start_edge(nursery, edge_config(models=[{"name": "q", "queue_timeout_ms": 1000}]))
+    sims = [model(f"m{i}", ttft_ms=0, tokens_per_s=0) for i in range(50)]
+    await start_node(nursery, edge, [*sims, model("q", upstream, target="t", max_concurrency=1)])
+    runs = edge.edge.runs
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            for i in range(50):
+                r = await client.post("/v1/chat/completions", json={"model": f"m{i}", "messages": MESSAGES})
+                assert r.status_code == 200
+            body = {"model": "q", "messages": MESSAGES}
+            clients.start_soon(partial(client.post, "/v1/chat/completions", json=body))  # the only slot
+            await upstream.wait_requests(1)
+            timed_out = await client.post("/v1/chat/completions", json=body)  # waits 1 s, then 429
+            with trio.move_on_after(0.3):  # a client that leaves while queued
+                await client.post("/v1/chat/completions", json=body)
+            clients.cancel_scope.cancel()
+    assert timed_out.status_code == 429 and timed_out.json()["error"]["code"] == "queue_timeout"
+    await eventually(lambda: not runs.runs)
+    assert (dict(runs._queues), dict(runs._moved), dict(runs._preferring)) == ({}, {}, {})
+    await settled(edge)
+
+
 async def test_session_affinity_holds_across_20_requests(nursery):
     """The same X-Session-Id (or `user`) keeps going to the same node while it has capacity."""
     ups = [await new_upstream(nursery), await new_upstream(nursery)]

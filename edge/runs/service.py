@@ -1308,13 +1308,16 @@ class RunService:
         """``waiter`` now waits for ``node_id`` only (None: for any node)."""
         if waiter.prefer == node_id:
             return
-        counts = self._preferring[waiter.want.model]
+        model = waiter.want.model
+        counts = self._preferring[model]
         if waiter.prefer is not None:
             counts[waiter.prefer] -= 1
             if counts[waiter.prefer] <= 0:
                 del counts[waiter.prefer]
         if node_id is not None:
             counts[node_id] += 1
+        elif not counts:  # (none kept for a model no one waits for: see acquire's queues)
+            del self._preferring[model]
         waiter.prefer = node_id
         self.demand_changed.unpark_all()
 
@@ -1364,7 +1367,7 @@ class RunService:
                 )
             largest = max(lk.models[model].context_window for lk in serving)
             raise errors.context_too_long(want.min_context - (want.max_tokens or 1), want.max_tokens, largest)
-        queue = self._queues[model]
+        queue = self._queues.get(model) or _NO_QUEUE
         now = trio.current_time()
         wait_until = now + self.config.prefix_wait_ms / 1000 if self.config.routing == "prefix" else 0.0
         wanted = None
@@ -1386,78 +1389,88 @@ class RunService:
         waiter = _Waiter(want, wait_until=wait_until, client=client)
         if self.config.routing == "prefix" and queue:  # (behind others: its conversation's node, if any)
             waiter.home = self._home(want, serving)
+        if queue is _NO_QUEUE:
+            queue = self._queues[model] = collections.deque()
         queue.append(waiter)
-        self._queued(want)
-        self._prefer(waiter, wanted)
-        self._wake(model)  # a free node may fit this request though not the ones ahead of it
-        deadline = waiter.deadline = now + timeout_ms / 1000
-        waited = False
         try:
-            if wait_until > now:
-                with trio.move_on_at(min(wait_until, deadline)):
+            self._queued(want)
+            self._prefer(waiter, wanted)
+            self._wake(model)  # a free node may fit this request though not the ones ahead of it
+            deadline = waiter.deadline = now + timeout_ms / 1000
+            waited = False
+            try:
+                if wait_until > now:
+                    with trio.move_on_at(min(wait_until, deadline)):
+                        await waiter.event.wait()
+                    if not waiter.event.is_set():  # still queued (leaving the queue sets it)
+                        self._place(queue, waiter)  # its time to wait for its prefix's node is up: any node now
+                with trio.move_on_at(deadline) as waiter.scope:
+                    left = self._drained.get(model)
+                    if left is not None and not left[1] and not self._serving(model):  # its last node lost
+                        waiter.scope.deadline = min(deadline, left[0] + LOST_GRACE_S)
                     await waiter.event.wait()
-                if not waiter.event.is_set():  # still queued (leaving the queue sets it)
-                    self._place(queue, waiter)  # its time to wait for its prefix's node is up: any node now
-            with trio.move_on_at(deadline) as waiter.scope:
-                left = self._drained.get(model)
-                if left is not None and not left[1] and not self._serving(model):  # its last node lost
-                    waiter.scope.deadline = min(deadline, left[0] + LOST_GRACE_S)
-                await waiter.event.wait()
-            waited = True
-        finally:
-            waiter.scope = None
-            self._waited(model, client, trio.current_time() - now)
-            if not waited:
-                # Cancelled (the client left): give back a slot handed over
-                # in the same instant, or leave the queue.
-                if waiter.slot is not None:
+                waited = True
+            finally:
+                waiter.scope = None
+                self._waited(model, client, trio.current_time() - now)
+                if not waited:
+                    # Cancelled (the client left): give back a slot handed over
+                    # in the same instant, or leave the queue.
+                    if waiter.slot is not None:
+                        self.release(waiter.slot)
+                    else:
+                        self._leave(queue, waiter)
+            if waiter.slot is not None:
+                # Handed a slot the instant after its client left (a burst of clients leaving at
+                # once: each slot freed went to a waiter whose own disconnect was not yet heard, and
+                # the model server started requests for 1-10 of 40 clients already gone).
+                closed = getattr(client, "closed_by_client", None)
+                if closed is not None and closed():
                     self.release(waiter.slot)
-                else:
-                    self._leave(queue, waiter)
-        if waiter.slot is not None:
-            # Handed a slot the instant after its client left (a burst of clients leaving at
-            # once: each slot freed went to a waiter whose own disconnect was not yet heard, and
-            # the model server started requests for 1-10 of 40 clients already gone).
-            closed = getattr(client, "closed_by_client", None)
-            if closed is not None and closed():
-                self.release(waiter.slot)
-                raise errors.client_gone()
-            return waiter.slot
-        self._leave(queue, waiter)
-        if waiter.cancelled:
-            raise errors.operator_cancelled()
-        if waiter.refused is not None:
-            raise waiter.refused
-        if waiter.gone and self._serving(model):  # (nodes of the model are linked, none can take it)
-            left = "drained and left" if waiter.gone == "drained" else "left"
-            raise errors.no_node(
-                model,
-                f"The node serving `{model}` that could take this request (its size or its context) {left} "
-                "while it waited; the nodes linked now cannot.",
-            )
-        if waiter.gone == "drained":
-            raise errors.no_node(model, f"The last node serving `{model}` drained and left while this request waited.")
-        if waiter.gone == "without":
-            raise errors.no_node(model, f"The last node serving `{model}` linked again without it.")
-        if waiter.gone:
-            raise errors.no_node(model)
-        serving = self._serving(model)
-        if serving and all(lk.draining for lk in serving):  # not at capacity: leaving (a restart?)
-            raise errors.no_node(
-                model,
-                f"Every node serving `{model}` is draining; none took this request within {timeout_ms / 1000:g} s.",
-            )
-        if not serving:
-            left = self._drained.get(model)
-            if left is not None and not left[1]:
-                waited = min(LOST_GRACE_S, timeout_ms / 1000)  # (the queue's timeout may come first)
-                said = f"The last node serving `{model}` was lost; none linked within {waited:g} s."
-                raise errors.no_node(model, said)
-            raise errors.no_node(
-                model,
-                f"The last node serving `{model}` drained and left; none linked within {timeout_ms / 1000:g} s.",
-            )
-        raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
+                    raise errors.client_gone()
+                return waiter.slot
+            self._leave(queue, waiter)
+            if waiter.cancelled:
+                raise errors.operator_cancelled()
+            if waiter.refused is not None:
+                raise waiter.refused
+            if waiter.gone and self._serving(model):  # (nodes of the model are linked, none can take it)
+                left = "drained and left" if waiter.gone == "drained" else "left"
+                raise errors.no_node(
+                    model,
+                    f"The node serving `{model}` that could take this request (its size or its context) {left} "
+                    "while it waited; the nodes linked now cannot.",
+                )
+            if waiter.gone == "drained":
+                raise errors.no_node(
+                    model, f"The last node serving `{model}` drained and left while this request waited."
+                )
+            if waiter.gone == "without":
+                raise errors.no_node(model, f"The last node serving `{model}` linked again without it.")
+            if waiter.gone:
+                raise errors.no_node(model)
+            serving = self._serving(model)
+            if serving and all(lk.draining for lk in serving):  # not at capacity: leaving (a restart?)
+                raise errors.no_node(
+                    model,
+                    f"Every node serving `{model}` is draining; none took this request within {timeout_ms / 1000:g} s.",
+                )
+            if not serving:
+                left = self._drained.get(model)
+                if left is not None and not left[1]:
+                    waited = min(LOST_GRACE_S, timeout_ms / 1000)  # (the queue's timeout may come first)
+                    said = f"The last node serving `{model}` was lost; none linked within {waited:g} s."
+                    raise errors.no_node(model, said)
+                raise errors.no_node(
+                    model,
+                    f"The last node serving `{model}` drained and left; none linked within {timeout_ms / 1000:g} s.",
+                )
+            raise errors.queue_rejected(model, "timed out waiting in the queue", retry_after)
+        finally:
+            # (an empty queue is not kept: a model name requested once held one for good, and a
+            # node naming 1,024 new ones each time it linked grew the edge by 2.3 KB a name)
+            if not queue and self._queues.get(model) is queue:
+                del self._queues[model]
 
     def _waited(self, model: str, client: Any, seconds: float) -> None:
         api = getattr(client, "api", None) or "unknown"  # (the request's front door, for the metrics)
@@ -1498,7 +1511,7 @@ class RunService:
         """An operator ends a queued request: it leaves the queue with a 499."""
         if not waiter.event.is_set():
             waiter.cancelled = True
-            self._leave(self._queues[waiter.want.model], waiter)
+            self._leave(self._queues.get(waiter.want.model, _NO_QUEUE), waiter)
             waiter.event.set()
 
     # -- runs ------------------------------------------------------------------
@@ -1647,9 +1660,14 @@ class RunService:
         if run.cause == TIMEOUT:  # (a client's retry of a silent run goes elsewhere, too)
             self._steer_away(run)
         self.timers.discard(run)
-        if run.requeued is not None:
-            _discard(self._moved[run.want.model], run.requeued)
-            run.requeued = None
+        model = run.want.model if run.want is not None else None
+        moved = self._moved.get(model) if model is not None else None
+        if moved is not None:
+            if run.requeued is not None:
+                _discard(moved, run.requeued)
+            if not moved:  # (none kept for a model no run waits for: see acquire's queues)
+                del self._moved[model]
+        run.requeued = None
         self._run_closed.unpark_all()
         self.runs.pop(run.id, None)
         run.slot.link.forget_run(run.id)
@@ -1657,6 +1675,9 @@ class RunService:
         self.release(run.slot)
         for hook in self.on_run_closed:
             hook(run)
+
+
+_NO_QUEUE: collections.deque[_Waiter] = collections.deque(maxlen=0)  # a model's while none waits (never appended to)
 
 
 def _discard(queue: collections.deque[_Waiter], waiter: _Waiter) -> None:
