@@ -726,7 +726,7 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
                 "set admin_keys in the edge config and scrape with one."
             )
             return _json(403, error_json(message, "permission_error", code="admin_disabled"))
-        return Response(edge.metrics.render(), 200, content_type=CONTENT_TYPE)
+        return Response(await edge.metrics.scrape(), 200, content_type=CONTENT_TYPE)
 
     @app.before_request
     async def slashes_first() -> None:
