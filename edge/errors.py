@@ -100,9 +100,8 @@ _CONTEXT_PROMPT = re.compile(
     r"|(\d{1,9}) tokens from the input messages"  # SGLang
     r"|The input \((\d{1,9}) tokens\)"  # SGLang, the prompt alone
 )
-_CONTEXT_PROMPT_OVER = re.compile(
-    r"upper bound for (\d{1,9}) input tokens"
-)  # vLLM 0.25: a prompt past it, counted in characters
+# vLLM 0.25: a prompt past this, counted in characters
+_CONTEXT_PROMPT_OVER = re.compile(r"upper bound for (\d{1,9}) input tokens")
 _CONTEXT_COMPLETION = re.compile(
     r"(\d{1,9}) in the completion"  # vLLM before 0.11
     r"|is too large: (\d{1,9})\b"  # vLLM 0.11: "'max_tokens' or 'max_completion_tokens' is too large: C"

@@ -186,19 +186,15 @@ class EdgeMetrics:
         self.prefix_index_entries.set_function(lambda: len(runs.prefixes))
         # Read on the event loop at a scrape: what walks the edge's own state (the rest, the counters
         # and histograms, are read in a worker thread: prometheus_client locks their values).
-        on_loop: list = [
+        gauges = [
             self.runs_in_flight,
             self.queue_depth,
             self.nodes_linked,
             self.buffered_bytes,
             self.nodes_stalled,
             self.prefix_index_entries,
-            _ModelCollector(self, runs),
-            _EngineCollector(runs),
-            _LinkCollector(runs),
         ]
-        for collector in on_loop[6:]:
-            r.register(collector)
+        collectors = [_ModelCollector(self, runs), _EngineCollector(runs), _LinkCollector(runs)]
         if edge is not None:
             self.large_requests = Gauge(
                 "iop_large_requests_in_flight",
@@ -206,12 +202,14 @@ class EdgeMetrics:
                 registry=r,
             )
             self.large_requests.set_function(lambda: edge.large_requests.held)
-            on_loop += [self.large_requests, _KeyCollector(edge), _StateCollector(edge)]
-            r.register(on_loop[-2])
-            r.register(on_loop[-1])
-        self._on_loop = _Collectors(on_loop)
+            gauges.append(self.large_requests)
+            collectors += [_KeyCollector(edge), _StateCollector(edge)]
+        for collector in collectors:
+            r.register(collector)
+        self._on_loop = _Collectors(gauges + collectors)
+        read_on_loop = {id(gauge) for gauge in gauges}
         self._in_thread = _Collectors(
-            [m for m in vars(self).values() if isinstance(m, MetricWrapperBase) and all(m is not c for c in on_loop)]
+            [m for m in vars(self).values() if isinstance(m, MetricWrapperBase) and id(m) not in read_on_loop]
         )
         self._scrapes = trio.CapacityLimiter(1)  # (concurrent scrapes take turns: one thread at a time)
         self._by_model = [

@@ -181,7 +181,7 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
     decoded.echo = {
         "instructions": instructions,
         "max_output_tokens": limit,
-        "max_tool_calls": max_calls,  # the encoder returns no more calls than this
+        "max_tool_calls": max_calls,  # the turn returns no more calls than this (Turn.most_calls)
         "metadata": raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {},
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
         "reasoning": {
@@ -790,7 +790,6 @@ class ResponseEncoder:
         self.created_at = created_at
         self.echo = echo
         self.namespaced = namespaced or {}  # a namespace function's flat name -> (namespace, name)
-        self.max_calls: int | None = echo.get("max_tool_calls")
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
         self._open: dict[str, Any] | None = None  # the item receiving deltas
@@ -963,10 +962,8 @@ class ResponseEncoder:
 
     def function_calls(self, calls: list[ToolCall], status: str = "completed") -> bytes:
         """The calls' items; ``status`` is ``incomplete`` for calls cut off
-        by ``max_output_tokens`` (their arguments may be cut too). Calls past
-        the request's ``max_tool_calls`` are left out (OpenAI ignores them)."""
-        if self.max_calls is not None:
-            calls = calls[: self.max_calls]
+        by ``max_output_tokens`` (their arguments may be cut too). The turn has
+        left out calls past the request's ``max_tool_calls`` (Turn.most_calls)."""
         parts = [self._close()]
         for call in calls:
             item = {
