@@ -76,7 +76,7 @@ class Edge:
         self.keys = Keys(config)
         target = config.ledger_target
         try:
-            self.ledger = Ledger(target, config.state_dir) if target else None
+            self.ledger = Ledger(target, config.state_dir, config.ledger_retention_days) if target else None
         except (sqlite3.Error, OSError) as e:
             raise ConfigError(
                 f'ledger: cannot open {target}: {e} (set state_dir, a ledger path, or ledger = "off")'
@@ -817,6 +817,8 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         if edge.ledger is not None:
             app.add_background_task(_cancelled_alone, edge.ledger.run)
             app.add_background_task(_cancelled_alone, edge.ledger.refresh_keys)
+            if config.ledger_retention_days:
+                app.add_background_task(_cancelled_alone, edge.ledger.fold_forever)
         if edge.shared is not None:
             app.add_background_task(_cancelled_alone, edge.shared.run)
 

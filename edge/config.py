@@ -21,6 +21,7 @@ MIN_FRAME_BYTES = 64 * 1024
 # is closed unanswered (write), no node links (hello), or a stream is all keep-alives (keepalive).
 TIMING_FLOORS = {"ping_interval_s": 0.1, "hello_timeout_s": 0.1, "write_timeout_s": 0.1, "keepalive_s": 0.05}
 MAX_TOOL_ATTEMPTS = 10  # runs one tool request may take (2^63 made one request run for ever)
+MAX_RETENTION_DAYS = 36_500  # ledger_retention_days: a hundred years
 
 
 class ModelPolicy(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -83,6 +84,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # ledger could not store when it stopped (ledger-spool-*.jsonl: edge.ledger_spool).
     state_dir: str = "iop-state"
     ledger: str = ""  # "": <state_dir>/ledger.sqlite3; a file path; "postgresql://…" (shared by edges); "off"
+    # Records of days before the last N and today (UTC) are folded into per-day totals (0: each kept).
+    ledger_retention_days: int = 0
     state: str = ""  # "redis://host:port/db": key limits shared by every edge using it (edge.shared_state)
     # TLS (also --certfile/--keyfile on the command line).
     certfile: str = ""
@@ -258,6 +261,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
             scheme == "sqlite" and not self.ledger.startswith("sqlite:///")  # (sqlite://x.db made a directory)
         ):
             raise ConfigError('ledger: a SQLite path (or sqlite:///path), a postgresql:// URL, "" or "off"')
+        if not 0 <= self.ledger_retention_days <= MAX_RETENTION_DAYS:
+            raise ConfigError(f"ledger_retention_days: 0 (every record kept) to {MAX_RETENTION_DAYS}")
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if m.name in seen:

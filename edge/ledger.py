@@ -13,10 +13,12 @@ when it stops are spooled to its ``state_dir`` and stored by the next edge
 that starts there (:mod:`edge.ledger_spool`).
 
 Queries (``GET /v1/admin/usage``, ``iop usage``) group by any of key, model,
-node, api and day (UTC). Run-time keys (``/v1/admin/keys``) are stored by id
-with the SHA-256 of their secret and their policy; a revoked key is marked
-so. With PostgreSQL every edge sees the keys any edge made or revoked (each
-reads the table every :data:`KEYS_REFRESH_S`).
+node, api and day (UTC). With ``ledger_retention_days``, the records of older
+days are folded into per-day totals (``usage_days``), which queries sum with
+them. Run-time keys (``/v1/admin/keys``) are stored by id with the SHA-256 of
+their secret and their policy; a revoked key is marked so. With PostgreSQL
+every edge sees the keys any edge made or revoked (each reads the table
+every :data:`KEYS_REFRESH_S`).
 
 A call the database fails (either driver's error, in the worker thread)
 raises :class:`LedgerUnavailable`, the driver's error as its ``__cause__``;
@@ -70,7 +72,29 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key, ts)",
     "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, sha256 TEXT NOT NULL UNIQUE, policy TEXT NOT NULL, "
     "created {real} NOT NULL, revoked {real})",
+    # Days past ``ledger_retention_days``, folded (:meth:`Ledger.fold_old_days`): a row per day (its
+    # midnight, UTC, as ts) and key, model, node and API, with what its records summed to.
+    "CREATE TABLE IF NOT EXISTS usage_days (ts {real} NOT NULL, key TEXT, model TEXT, node TEXT, api TEXT, "
+    "requests BIGINT NOT NULL, not_completed BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL, "
+    "completion_tokens BIGINT NOT NULL, estimated BIGINT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS usage_days_ts ON usage_days (ts)",
 )
+
+# A request that did not complete (a token count, outcome "counted", is a request that completed too).
+_NOT_COMPLETED = "CASE WHEN status >= 400 OR outcome NOT IN ('complete', 'counted') THEN 1 ELSE 0 END"
+# A record, as a folded day's row reads (the usage queries sum both tables alike).
+_AS_DAYS = (
+    f"SELECT ts, key, model, node, api, 1 AS requests, {_NOT_COMPLETED} AS not_completed, prompt_tokens, "
+    "completion_tokens, estimated FROM usage"
+)
+_DAYS = (
+    "SELECT ts, key, model, node, api, requests, not_completed, prompt_tokens, completion_tokens, estimated "
+    "FROM usage_days"
+)
+_FOLD_LOCK = 0x696F71  # the advisory lock a day is folded under (PostgreSQL: edges sharing a ledger)
+FOLD_EVERY_S = 3600.0  # how often the ledger looks for days past the retention to fold
+FOLD_ROWS = 20_000  # records folded a transaction (about 0.1 s of SQLite's write lock)
+DAY_S = 86400
 
 # The keys not revoked: what every refresh reads (revoked rows are kept for the
 # ledger's history; read every 2 s, a million of them took 73% of a core).
@@ -205,8 +229,10 @@ class _Call:
 
 
 class Ledger:
-    def __init__(self, target: str, spool_dir: str) -> None:
+    def __init__(self, target: str, spool_dir: str, retention_days: int = 0) -> None:
         self.target = target
+        self.retention_days = retention_days  # records of days older are folded (0: kept each)
+        self.folded = 0
         self.spool_dir = spool_dir  # where records it cannot store at its stop wait (the edge's state_dir)
         self.dialect = Dialect(is_postgres(target))
         self.where = "postgresql" if self.dialect.postgres else target
@@ -578,6 +604,35 @@ class Ledger:
             claimed.remove()
         self._claimed = []
 
+    async def fold_old_days(self, now: float | None = None) -> int:
+        """Fold the records of every day before the last ``retention_days`` and today (UTC)
+        into per-day totals (:func:`fold_oldest`); the number folded. Today's are never
+        folded: an edge starting reads its keys' daily budgets from them."""
+        if not self.retention_days:
+            return 0
+        before = ((time.time() if now is None else now) // DAY_S - self.retention_days) * DAY_S
+        folded = 0
+        while True:
+            n = await self._call(lambda db: fold_oldest(db, self.dialect, before), self._records, probe=True)
+            if not n:
+                break
+            folded += n
+            self.folded += n
+        if folded:
+            log.info("ledger records past the retention folded into daily totals", records=folded, before=before)
+        return folded
+
+    async def fold_forever(self) -> None:
+        """:meth:`fold_old_days` at start and every :data:`FOLD_EVERY_S` (a minute after
+        a database that failed it)."""
+        while True:
+            try:
+                await self.fold_old_days()
+            except LedgerUnavailable:
+                await trio.sleep(60.0)
+                continue
+            await trio.sleep(FOLD_EVERY_S)
+
     async def refresh_keys(self) -> None:
         """The key table, every :data:`KEYS_REFRESH_S`, for the edge (``on_keys``)."""
         while True:
@@ -622,6 +677,7 @@ class Ledger:
         return keys, stored, today
 
     def _tokens_since(self, db: Any, since: float) -> dict[str, int]:
+        # (today's records: never folded, whatever the retention)
         sql = "SELECT key, SUM(prompt_tokens + completion_tokens) FROM usage WHERE ts >= ? GROUP BY key"
         rows = db.execute(self.dialect.sql(sql), (since,)).fetchall()
         return {key: int(total or 0) for key, total in rows if key}
@@ -659,15 +715,15 @@ class Ledger:
         LedgerUnavailable rather than short totals."""
         self._fail_if_hung()
         await self.store_pending()
-        sql = "SELECT key, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage"
-        if key_id is not None:
-            sql, args = self.dialect.sql(sql + " WHERE key = ? GROUP BY key"), (key_id,)
-        else:
-            sql, args = sql + " GROUP BY key", ()
+        where, args = (self.dialect.sql(" WHERE key = ?"), (key_id,)) if key_id is not None else ("", ())
+        sql = (
+            "SELECT key, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) "
+            f"FROM ({_AS_DAYS}{where} UNION ALL {_DAYS}{where}) AS u GROUP BY key"
+        )
 
         def totals(db: Any) -> dict[str, tuple[int, int, int]]:
-            rows = db.execute(sql, args).fetchall()
-            return {k: (n, int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
+            rows = db.execute(sql, args * 2).fetchall()
+            return {k: (int(n), int(p or 0), int(c or 0)) for k, n, p, c in rows if k}
 
         return await self._call(totals, self._reads, read=True)
 
@@ -738,11 +794,20 @@ def _live_keys(db: Any, ask_any: bool) -> tuple[list[tuple], bool]:
     return rows, stored
 
 
+def has_folded_days(db: Any, dialect: Dialect) -> bool:
+    """Whether the ledger has the table of folded days (a ledger made before it, read by
+    ``iop usage`` read-only, has not)."""
+    if dialect.postgres:
+        return db.execute("SELECT to_regclass('usage_days') IS NOT NULL").fetchone()[0]
+    return db.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage_days'").fetchone() is not None
+
+
 def query_usage(
     db: Any, dialect: Dialect, start: float | None, end: float | None, group_by: list[str]
 ) -> list[dict[str, Any]]:
     """Rows of requests and token sums between ``start`` and ``end`` (unix
-    seconds, either open), grouped by ``group_by`` (members of :data:`GROUPS`)."""
+    seconds, either open), grouped by ``group_by`` (members of :data:`GROUPS`).
+    A folded day (past ``ledger_retention_days``) counts whole, if its midnight is in range."""
     columns = {"key": "key", "model": "model", "node": "node", "api": "api", "day": dialect.day}
     selected = [f"{columns[g]} AS {g}" for g in group_by]
     where, args = [], []
@@ -752,25 +817,28 @@ def query_usage(
     if end is not None:
         where.append(f"ts < {dialect.p}")
         args.append(end)
+    where_sql = " WHERE " + " AND ".join(where) if where else ""
+    # (the range in each part, so each uses its own ts index)
+    parts = [_AS_DAYS + where_sql] + ([_DAYS + where_sql] if has_folded_days(db, dialect) else [])
     sql = (
         "SELECT "
         + ", ".join(
             [
                 *selected,
-                "COUNT(*) AS requests",
-                # (a token count, outcome "counted", is a request that completed too)
-                "SUM(CASE WHEN status >= 400 OR outcome NOT IN ('complete', 'counted') THEN 1 ELSE 0 END)",
+                "SUM(requests)",
+                "SUM(not_completed)",
                 "SUM(prompt_tokens)",
                 "SUM(completion_tokens)",
                 "SUM(estimated)",
             ]
         )
-        + " FROM usage"
-        + (" WHERE " + " AND ".join(where) if where else "")
+        + " FROM ("
+        + " UNION ALL ".join(parts)
+        + ") AS u"
         + (" GROUP BY " + ", ".join(group_by) + " ORDER BY " + ", ".join(group_by) if group_by else "")
     )
     out = []
-    for row in db.execute(sql, args).fetchall():
+    for row in db.execute(sql, args * len(parts)).fetchall():
         n = len(group_by)
         item = dict(zip(group_by, row[:n], strict=True))
         requests, not_complete, prompt, completion, estimated = row[n:]
@@ -786,3 +854,35 @@ def query_usage(
         )
         out.append(item)
     return out
+
+
+def fold_oldest(db: Any, dialect: Dialect, before: float, most: int = FOLD_ROWS) -> int:
+    """Fold the oldest records, if older than ``before`` (a UTC midnight), into their day's rows of
+    ``usage_days``: those of the oldest record's day, at most about ``most`` (a transaction held
+    briefly, however many a day holds); the number folded (0: none is that old). Edges sharing
+    a PostgreSQL ledger fold under one lock, each statement seeing what the one before folded."""
+    row = db.execute("SELECT MIN(ts) FROM usage").fetchone()
+    if row is None or row[0] is None or row[0] >= before:
+        return 0
+    low = float(row[0])
+    day = (low // DAY_S) * DAY_S
+    high = min(day + DAY_S, before)
+    nth = db.execute(dialect.sql("SELECT ts FROM usage WHERE ts >= ? ORDER BY ts LIMIT 1 OFFSET ?"), (low, most))
+    nth = nth.fetchone()
+    if nth is not None and low < nth[0] < high:
+        high = float(nth[0])
+    insert = dialect.sql(
+        "INSERT INTO usage_days SELECT ?, key, model, node, api, COUNT(*), "
+        f"SUM({_NOT_COMPLETED}), SUM(prompt_tokens), SUM(completion_tokens), SUM(estimated) "
+        "FROM usage WHERE ts >= ? AND ts < ? GROUP BY key, model, node, api"
+    )
+    delete = dialect.sql("DELETE FROM usage WHERE ts >= ? AND ts < ?")
+    if dialect.postgres:
+        with db.transaction():
+            db.execute("SELECT pg_advisory_xact_lock(%s)", (_FOLD_LOCK,))
+            db.execute(insert, (day, low, high))
+            return db.execute(delete, (low, high)).rowcount
+    with db:
+        db.execute("BEGIN IMMEDIATE")  # (the write lock first: another edge on the file folds after it)
+        db.execute(insert, (day, low, high))
+        return db.execute(delete, (low, high)).rowcount

@@ -216,6 +216,8 @@ NODE = {
         ("edge", {"max_tool_attempts": 2**63 - 1}, "max_tool_attempts: at most 10"),
         ("edge", {"models": [{"name": "m", "max_tool_attempts": 11}]}, "models[0].max_tool_attempts: between 1 and 10"),
         ("edge", {"ledger": "sqlite://relative.db"}, "ledger: a SQLite path (or sqlite:///path)"),
+        ("edge", {"ledger_retention_days": -1}, "ledger_retention_days: 0 (every record kept) to 36500"),
+        ("edge", {"ledger_retention_days": 2**63}, "ledger_retention_days: 0 (every record kept) to 36500"),
         (
             "node",
             {**NODE, "edges": [NODE["edges"][0]] * 2},
