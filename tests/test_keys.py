@@ -20,7 +20,7 @@ import trio
 
 from edge import ledger
 from edge.config import KeyConfig
-from scripts.stack import write_toml
+from scripts.stack import free_port, write_toml
 from scripts.upstream import Upstream, native_call, steps, text_script, words
 from tests.conftest import BOUND, edge_config, eventually, model, sse_events, start_edge, start_node
 from tests.servers import postgres, postgres_url  # noqa: F401  (fixtures)
@@ -200,29 +200,36 @@ async def test_tpm_admits_on_an_estimate_and_settles_on_real_usage(nursery, tmp_
     assert int(r.headers["retry-after"]) >= 1
 
 
-@pytest.mark.parametrize("status", [429, 500])
+@pytest.mark.parametrize("status", [429, 500, "unreachable"])
 async def test_a_request_its_model_server_refused_costs_its_key_nothing(nursery, tmp_path, status):
-    """The model server answers an HTTP error before any output (rate limited, down): the key was
-    charged the prompt's estimate all the same, each time, and an agent retrying through an
-    outage spent 19k tokens a retry of its budget for nothing made (an outside audit). It is
-    charged nothing, and the ledger says so; a request cut after output is still charged."""
+    """The model server answers an HTTP error before any output (rate limited, down), or cannot
+    be reached at all (restarting: its port refuses connections): the key was charged the
+    prompt's estimate all the same, each time, and an agent retrying through an outage spent 19k
+    (20k) tokens a retry of its budget for nothing made (outside audits). It is charged nothing,
+    and the ledger says so; the error's x-ratelimit-* say its reservation is back (they said it
+    was spent: an outside audit); a request cut after output is still charged."""
     up = Upstream()
     await nursery.start(up.serve)
-    up.script_for("down-target", [("status", status, b'{"error": {"message": "busy"}}')])
+    up.script_for("down-target", [("status", 429 if status == "unreachable" else status, b'{"error": {}}')])
     edge = await start_edge(
         nursery,
         edge_config(
-            keys=[KeyConfig(id="b", key="sk-b", daily_tokens=100_000)],
+            keys=[KeyConfig(id="b", key="sk-b", daily_tokens=100_000, tpm=50_000)],
             admin_keys=[ADMIN],
             ledger=str(tmp_path / "l.sqlite3"),
         ),
     )
-    await start_node(nursery, edge, [model("down", up)])
+    served = model("down", up, base_url=f"http://127.0.0.1:{free_port()}/v1") if status == "unreachable" else model(
+        "down", up
+    )
+    await start_node(nursery, edge, [served])
+    prompt = [{"role": "user", "content": "word " * 8000}]  # (an estimate of thousands of tokens)
     with trio.fail_after(BOUND):
         async with client(edge, "sk-b") as c:
             for stream in (False, True):
-                r = await c.post("/v1/chat/completions", json={"model": "down", "messages": MESSAGES, "stream": stream})
-                assert r.status_code >= 400 or '"error"' in r.text, r.text
+                r = await c.post("/v1/chat/completions", json={"model": "down", "messages": prompt, "stream": stream})
+                assert r.status_code >= 400, r.text
+                assert r.headers["x-ratelimit-remaining-tokens"] == "50000", r.headers
         async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
             (row,) = (await admin.get("/v1/admin/usage", params={"group_by": "key"})).json()["data"]
     assert (row["requests"], row["total_tokens"]) == (2, 0), row

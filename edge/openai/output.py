@@ -222,6 +222,7 @@ async def fail(
     elif turn.ex.started:
         await turn.ex.finish(in_stream(failed.message, failed.type))
     else:
+        turn.settle_failed()
         await turn.ex.respond_error(http_error(failed, turn.last_run))
 
 

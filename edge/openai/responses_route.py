@@ -132,6 +132,7 @@ async def _respond_whole(turn: Turn, slot: Slot, enc: ResponseEncoder) -> None:
         result = await collect_validated(turn, slot)
     except RunFailed as failed:
         turn.outcome = failed.cause
+        turn.settle_failed()
         await turn.ex.respond_error(output.http_error(failed, turn.last_run))
         return
     response, _ = enc.whole(

@@ -163,12 +163,22 @@ class Turn:
         if run is not None:
             if run.first_event_at is not None:
                 access.ttft_ms = round((run.first_event_at - run.started_at) * 1000, 1)
-            streamed = run.deltas_seen + run.progress_parts  # (a tool call's pieces)
-            # Ended without usage: its prompt's estimate and what it streamed are charged; not if its
-            # model server refused it with nothing streamed (a 429 or 5xx: an agent's retries through
-            # an upstream outage were charged 19k tokens each, for nothing made: an outside audit).
-            if self.usage is None and not self.last_in_earlier and not (streamed == 0 and run.error_status >= 400):
-                access.partial = (self.estimate, streamed)
+            charged = self._charged()
+            if charged is not None:
+                access.partial = charged
+
+    def _charged(self) -> tuple[int, int] | None:
+        """What a turn that ended without usage is charged for its last run: its prompt's estimate
+        and what it streamed; None if it has usage, or its model server refused it (or could not
+        be reached: the node's 503) with nothing streamed (an agent's retries through an upstream
+        outage were charged 19k tokens each, for nothing made: outside audits)."""
+        run = self.last_run
+        if run is None or self.usage is not None or self.last_in_earlier:
+            return None
+        streamed = run.deltas_seen + run.progress_parts  # (a tool call's pieces)
+        if streamed == 0 and run.error_status >= 400:
+            return None
+        return (self.estimate, streamed)
 
     @functools.cached_property
     def history_ids(self) -> frozenset[str]:
@@ -244,11 +254,27 @@ class Turn:
 
     def settle(self) -> None:
         """Settle the key's lease with every run's tokens, before the client can send its next request."""
+        usage = self.usage
+        if usage is not None:
+            self._settle(sum(self.earlier) + usage.prompt_tokens + usage.completion_tokens)
+
+    def settle_failed(self) -> None:
+        """Settle the lease of a turn that failed, with what it is charged (as the access line
+        and the ledger have it), before its error goes: the error's x-ratelimit-* say what is
+        left after it (a 502 said its reservation was spent, though nothing was charged: an
+        outside audit)."""
+        if self.usage is not None:
+            self.settle()
+            return
+        charged = self._charged()
+        self._settle(sum(self.earlier) + (sum(charged) if charged is not None else 0))
+
+    def _settle(self, used: int) -> None:
         ex = self.ex
-        lease, usage = ex.lease, self.usage
-        if lease is not None and usage is not None:
+        lease = ex.lease
+        if lease is not None:
             keys = self.edge.keys
-            keys.settle(lease, sum(self.earlier) + usage.prompt_tokens + usage.completion_tokens)
+            keys.settle(lease, used)
             if not ex.started and ex.key is not None and (ex.key.policy.rpm or ex.key.policy.tpm):
                 # A whole answer's head goes after its usage settled: its x-ratelimit-* say what is
                 # left after it, not what was before less its reservation (1,024 and more low with

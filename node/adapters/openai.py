@@ -217,7 +217,11 @@ class OpenAIAdapter:
                 await self._relay(response, sink, request.run_id)
         except http1.HTTPError as e:
             self._log_failure(type(e).__name__, request.run_id)
-            await sink.error(self._failed("upstream request", e))
+            # Not reached (refused, or no answer to the connect): its unavailability, as a 503 would
+            # say it. The edge charges a key nothing for it, as for a 5xx before any output (a
+            # model server restarting charged an agent's every retry its whole prompt: an audit).
+            unreached = isinstance(e, (http1.ConnectError, http1.ConnectTimeout))
+            await sink.error(self._failed("upstream request", e), status=503 if unreached else 0)
         finally:
             self.counters.active_upstream -= 1
 
