@@ -46,6 +46,7 @@ import trio
 from quart import Response, request
 
 from edge.admin import admin_refusal, error_response, json_response
+from edge.errors import node_error
 from edge.keys import RETRY_HINT
 from edge.metrics import OTHER_MODEL
 from edge.runs.run import CANCELLED, CLIENT_GONE, COMPLETE, Run
@@ -330,7 +331,7 @@ class Console:
                 run.slot.link.node_id,
                 run.api,
                 run.cause,
-                run.error[:300],
+                node_error(run.error[:300]),  # (a model server's words: no bidi override reverses a line)
             )
         )
 

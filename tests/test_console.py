@@ -202,6 +202,27 @@ async def test_tool_calls_still_invalid_are_listed_among_the_errors(nursery, ups
     assert "still invalid after 2 attempts" in error["message"] and "xyz" not in error["message"], error
 
 
+async def test_a_model_servers_error_is_listed_without_what_would_turn_its_text_around(nursery, upstream):
+    """A model server's 500 whose message holds a right-to-left override: the console's error
+    list showed "</script>evil" as "</script>live" (an outside audit). It shows U+FFFD in its
+    place, as the client's error does; the rest of the text is as the server wrote it."""
+    said = "bad </script><img src=x onerror=alert(1)> \u202eevil\u202c done"
+    upstream.script_for("m-target", [("status", 500, msgspec.json.encode({"error": {"message": said}}))])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream)], node_id="node-a")
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False})
+        assert r.status_code == 502, r.text
+        snap = await events.until(lambda s: s["errors"], "the error listed")
+        reading.cancel_scope.cancel()
+    (error,) = snap["errors"]
+    assert "<img src=x onerror=alert(1)> \ufffdevil\ufffd done" in error["message"], error
+    assert "\u202e" not in r.json()["error"]["message"]
+
+
 async def test_snapshots_stay_a_few_a_second_however_busy(nursery, upstream):
     """50 fast streams: the console gets ~4 snapshots a second, not one per event."""
     upstream.script_for("m-target", lambda body: text_script(words(200), interval=0.002))

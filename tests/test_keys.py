@@ -219,8 +219,10 @@ async def test_a_request_its_model_server_refused_costs_its_key_nothing(nursery,
             ledger=str(tmp_path / "l.sqlite3"),
         ),
     )
-    served = model("down", up, base_url=f"http://127.0.0.1:{free_port()}/v1") if status == "unreachable" else model(
-        "down", up
+    served = (
+        model("down", up, base_url=f"http://127.0.0.1:{free_port()}/v1")
+        if status == "unreachable"
+        else model("down", up)
     )
     await start_node(nursery, edge, [served])
     prompt = [{"role": "user", "content": "word " * 8000}]  # (an estimate of thousands of tokens)
