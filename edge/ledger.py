@@ -181,6 +181,12 @@ def connect(target: str, schema: bool = True) -> Any:
     return db
 
 
+def _server_ended(error: BaseException) -> bool:
+    """The server ended the connection (shut down or restarted: SQLSTATE 57P01, 57P02),
+    before or in a call, which it did not commit then: tried again on a new connection."""
+    return getattr(error, "sqlstate", None) in ("57P01", "57P02")
+
+
 def _errors() -> tuple[type[BaseException], ...]:
     """What a ledger call may raise: the drivers' errors in the worker thread,
     and LedgerUnavailable made of them (edge/console.py catches ``ledger._errors``)."""
@@ -301,11 +307,13 @@ class Ledger:
                 self._schema_made = True
             try:
                 result = call.fn(call.db)
-            except self._errors:
-                if fresh or not call.read or not self.dialect.postgres:
+            except self._errors as e:
+                if fresh or not self.dialect.postgres or not (call.read or _server_ended(e)):
                     raise
                 # A PostgreSQL restarted since the connection's last call: the first read after it
-                # failed ("terminating connection", a 503 for /v1/admin/usage; an outside audit).
+                # failed ("terminating connection", a 503 for /v1/admin/usage; an outside audit),
+                # and so did the first write (a key made, a batch of records: a 503 on every edge
+                # after each restart, a re-audit), which the server ended uncommitted.
                 _close(call.db, self._errors)
                 call.db = None
                 call.db = connect(self.target, schema=False)

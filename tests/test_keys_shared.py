@@ -127,6 +127,32 @@ async def test_postgres_down_loses_no_record_and_fails_no_request(nursery, postg
     assert row["key"] == "k" and row["requests"] == 25
 
 
+async def test_after_a_postgres_restart_the_first_writes_are_not_refused(nursery, postgres, postgres_url):  # noqa: F811
+    """PostgreSQL restarted while the edge was idle (a failover, maintenance): the first write on
+    each of its connections failed ("terminating connection"), so a key made just after was a
+    503 `ledger_unavailable`, and so was the usage asked after one request, for the batch of
+    records written first (an outside audit, on every edge). The server ended those
+    connections with nothing uncommitted: the edge writes again on a new one."""
+    edge = await pg_edge(nursery, postgres_url)
+    with trio.fail_after(BOUND * 2):
+        async with admin(edge) as adm:
+            secret = (await adm.post("/v1/admin/keys", json={"id": "before"})).json()["key"]
+            async with client(edge, secret) as c:
+                assert (await chat(c)).status_code == 200
+            assert (await adm.get("/v1/admin/usage")).status_code == 200  # every connection made and used
+            await trio.to_thread.run_sync(postgres.stop)
+            await trio.to_thread.run_sync(postgres.start)
+            failures = edge.edge.ledger.failures
+            made = await adm.post("/v1/admin/keys", json={"id": "after"})
+            assert made.status_code == 201, made.text
+            async with client(edge, secret) as c:
+                assert (await chat(c)).status_code == 200
+            usage = await adm.get("/v1/admin/usage", params={"group_by": "key"})
+            assert usage.status_code == 200, usage.text
+            assert edge.edge.ledger.failures == failures
+    assert {row["key"]: row["requests"] for row in usage.json()["data"]} == {"before": 2}
+
+
 async def hammer(edges, secret: str, seconds: float, loops_per_edge: int = 4) -> list[tuple[float, int]]:
     """(time, status) of every request from ``loops_per_edge`` clients per edge, for ``seconds``.
     The time is the wall clock's, as Redis's bucket refills by it: a CI machine paused for 8 s
