@@ -1100,6 +1100,33 @@ async def test_a_tunnelled_request_left_before_its_answer_is_charged_its_prompt(
     assert list(rows) == [(3000, 0, 1)]
 
 
+async def test_a_whole_tunnelled_answer_past_max_tokens_is_charged_its_providers_usage(nursery, tmp_path):
+    """A provider that ignores `max_tokens` (10) and writes 50 words, its usage saying so: a
+    whole (not streamed) `/v1/completions` answer was charged 10, marked estimated, where the
+    client read 50 (an outside audit; streamed, it was right). Its text counts as a stream's
+    events do: the key is charged the provider's 50. A usage past what its text can hold is
+    still cut, to that text's estimate."""
+    up = Upstream()
+    await nursery.start(up.serve)
+    keys = [KeyConfig(id="pk", key="sk-pk", tpm=100_000)]
+    edge = await start_edge(nursery, edge_config(keys=keys, ledger=str(tmp_path / "l.sqlite3")))
+    await start_node(nursery, edge, [model("p", up, passthrough=True)])
+    told = []
+    with trio.fail_after(BOUND):
+        for claimed in (50, 100_000):
+            usage = {"prompt_tokens": 5, "completion_tokens": claimed, "total_tokens": 5 + claimed}
+            up.script_for("p-target", text_script(words(50), usage=usage))
+            async with client(edge, "sk-pk") as c:
+                r = await c.post("/v1/completions", json={"model": "p", "prompt": "count", "max_tokens": 10})
+                assert r.status_code == 200, r.text
+                told.append(r.json()["usage"]["completion_tokens"])
+        await edge.edge.ledger.flush()
+    assert told == [50, 100_000]  # (the client's answer is the provider's, untouched)
+    rows = list(sqlite3.connect(tmp_path / "l.sqlite3").execute("select completion_tokens, estimated from usage"))
+    assert rows[0] == (50, 0)
+    assert 10 < rows[1][0] < 200 and rows[1][1] == 1, rows  # (cut to the text's estimate, and said so)
+
+
 async def test_a_patch_keeps_what_is_left_of_a_keys_minute(nursery, tmp_path):
     """PATCHing a run-time key (even to what it was) is no fresh minute; a lower limit
     takes effect at once, a new one starts full."""
