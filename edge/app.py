@@ -85,6 +85,7 @@ class Edge:
         # here by id, and one made again with its id goes on from its counters (make_key).
         self.retired: dict[str, Key] = {}
         self._unreadable_keys: set[tuple[str, str]] = set()  # (id, policy) rows logged as unreadable
+        self._shadowed_keys: set[tuple[str, str]] = set()  # (id, sha256) of stored keys a config key shadows, logged
         self.day_at_start: tuple[int, dict[str, int]] = (0, {})  # the ledger's tokens today per id, at start
         if self.ledger is not None:
             state = self.ledger.startup_state()
@@ -204,6 +205,13 @@ class Edge:
             live.add(key_id)
             known = self.keys.by_id.get(key_id)
             if known is not None and known.source != "admin":
+                if known.sha256 != sha and (key_id, sha) not in self._shadowed_keys:
+                    # (its secret refused, and nothing said why: an outside audit)
+                    self._shadowed_keys.add((key_id, sha))
+                    log.warning(
+                        "a run-time key has the id of a key in the config, which wins: its secret is refused",
+                        key=key_id,
+                    )
                 continue
             if known is not None and known.sha256 != sha:  # made again, with a new secret
                 self.retire(known)

@@ -1127,6 +1127,29 @@ async def test_a_whole_tunnelled_answer_past_max_tokens_is_charged_its_providers
     assert 10 < rows[1][0] < 200 and rows[1][1] == 1, rows  # (cut to the text's estimate, and said so)
 
 
+async def test_a_config_key_of_a_run_time_keys_id_wins_and_says_so(nursery, tmp_path):
+    """A key made at run time, then a `[[keys]]` entry of its id in the config the edge restarts
+    with: the config's key is the one served, and the run-time secret is refused, as it was, but
+    now with a warning naming the id (it was silent: an outside audit)."""
+    first = await keyed_edge(nursery, tmp_path, [])
+    with trio.fail_after(BOUND):
+        async with httpx.AsyncClient(base_url=first.url, timeout=BOUND, headers=ADMIN_H) as admin:
+            made = await admin.post("/v1/admin/keys", json={"id": "dup"})
+            assert made.status_code == 201
+    secret = made.json()["key"]
+    first.stop()
+    with structlog.testing.capture_logs() as logs:
+        again = await keyed_edge(nursery, tmp_path, [KeyConfig(id="dup", key="sk-config-dup")])
+        with trio.fail_after(BOUND):
+            async with client(again, secret) as c:
+                assert (await chat(c)).status_code == 401
+            async with client(again, "sk-config-dup") as c:
+                assert (await chat(c)).status_code == 200
+            await eventually(lambda: any("which wins" in e["event"] for e in logs), "the warning")
+    (warning,) = [e for e in logs if "which wins" in e["event"]]
+    assert warning["key"] == "dup" and warning["log_level"] == "warning" and secret not in str(warning)
+
+
 async def test_a_patch_keeps_what_is_left_of_a_keys_minute(nursery, tmp_path):
     """PATCHing a run-time key (even to what it was) is no fresh minute; a lower limit
     takes effect at once, a new one starts full."""
