@@ -544,7 +544,7 @@ class Keys:
             return 0
         message = self._over_budget(key, "budget").message
         ended = 0
-        for lease in key.live:
+        for lease in list(key.live):  # (a run's end gives its slot to the next: nothing here may change)
             run = lease.run
             if run is not None and not run.finished:
                 run.fail(message, OVER_BUDGET)

@@ -816,6 +816,35 @@ async def test_a_client_that_never_reads_holds_no_node_slot_once_its_run_ended(n
         await eventually(lambda: runs.in_flight == 0, "no run left once they closed")
 
 
+async def test_a_run_cut_for_a_client_that_does_not_read_gives_its_slot_back_at_once(nursery, upstream):
+    """A model of one slot whose answer never ends, to a client that reads nothing and keeps
+    its connection: the edge cuts the run at the buffer bound and the model server sees the
+    abort, but the slot stayed taken until the client left or write_timeout_s passed, and the
+    next request waited out the queue for a 429, the GPU idle (an outside audit: 8 such
+    clients shut an 8-slot model for a minute). The slot serves the next request at once."""
+    edge = await start_edge(nursery, edge_config(max_buffered_events=50, write_timeout_s=60, queue_timeout_ms=30_000))
+    await start_node(nursery, edge, [model("m", upstream, max_concurrency=1)])
+    flood = [*(("chunk", {"content": "x" * 2000}) for _ in range(5000)), ("hang",)]
+    upstream.script_for(
+        "m-target", lambda body: flood if body["messages"][0]["content"] == "hi" else text_script(["ok"])
+    )
+    with trio.fail_after(BOUND):
+        sock = await raw_post(edge, "/v1/chat/completions", msgspec.json.encode(STREAM), 4096)
+        (rec,) = await upstream.wait_requests(1)
+        await rec.finished.wait()  # cut: nothing was read
+        assert rec.aborted
+        async with http(edge) as client:
+            started = trio.current_time()
+            body = {**WHOLE, "messages": [{"role": "user", "content": "next"}]}
+            r = await client.post("/v1/chat/completions", json=body)
+            waited = trio.current_time() - started
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok", r.text
+        assert waited < 10, waited  # (it waited out the queue: 30 s, then a 429)
+        assert len(edge.edge.runs.runs) == 1  # (the cut run is still its client's, which has not left)
+        await sock.aclose()
+        await eventually(lambda: not edge.edge.runs.runs, "the cut run closed once its client left")
+
+
 async def _h2_to_a_hanging_edge(nursery, tmp_path, upstream):
     """A TLS edge with a node whose model hangs, and an HTTP/2 connection to it, initiated:
     (url, cafile, app, host, stream, h2c)."""
