@@ -187,6 +187,7 @@ class Exchange:
         "finished",
         "status",
         "body_read",
+        "body_size",
         "request_id",
         "access",
         "errors",
@@ -212,6 +213,7 @@ class Exchange:
         self.finished = False
         self.status = 0
         self.body_read = False
+        self.body_size = 0  # its body's bytes, once read
         self.request_id = request_id_of(scope)  # also the x-request-id of every response
         self.access = Access()
         self.key = None  # the client's key (edge.keys.Key), when the edge has keys
@@ -283,6 +285,7 @@ class Exchange:
                 self._take(large)
             if not message.get("more_body", False):
                 self.body_read = True
+                self.body_size = size
                 parts.append(chunk)
                 return b"".join(parts)
             pieces += 1

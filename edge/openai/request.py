@@ -11,7 +11,7 @@ import msgspec
 import trio
 
 from edge import errors
-from edge.openai.jsonbody import LARGE_BODY_BYTES, MAX_JSON_DEPTH, decoder_for, too_large
+from edge.openai.jsonbody import MAX_JSON_DEPTH, decoder_for, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, Message, ResponseFormatShape, ToolChoiceShape
 from edge.per_run import per_run
 from edge.runs.placement import prompt_chain
@@ -86,12 +86,14 @@ _OBJECT_FIRST = re.compile(rb"[ \t\r\n]*\{")
 # when all eight went on together; two at a time, 224-238 ms. An object of a few members
 # (a message whose text has many colons) never waits here.
 _MANY_MEMBERS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_many_members")
-# Bodies past this size are checked and decoded one at a time in the process, the next one
-# waiting its turn without holding the loop. 8 MB of text is 40-50 ms of checks and decoding
-# (counted, searched for long exponents, decoded, nested): 100 such bodies at once, each
+# Bodies of HEAVY_BODY_BYTES or more are checked and decoded one at a time in the process, the
+# next one waiting its turn without holding the loop. 8 MB of text is 40-50 ms of checks and
+# decoding (counted, searched for long exponents, decoded, nested): 100 such bodies at once, each
 # taking its turn between every other task's, held a small request's answer 1.4 s at p99 and
 # 8.3 s at worst (200: 3.1 and 13.9 s, a node's link near its ping timeout; an outside audit).
-_LARGE_BODIES: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_large_bodies")
+# The bound was 1 MiB: 400 bodies of 2 bytes less at once held /healthz 5.4 s (a re-audit).
+HEAVY_BODY_BYTES = 64 * 1024
+_HEAVY_BODIES: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_heavy_bodies")
 
 
 def _not_json(body: bytes, error: msgspec.DecodeError, where: bool = True) -> errors.APIError:
@@ -141,11 +143,11 @@ async def decode_body(
     (:func:`in_one_go`) is decoded in pieces, with checkpoints between them; with
     ``max_messages`` and ``max_tools``, one with more ``items`` (the route's list
     of messages) or ``tools`` than that is refused before anything is decoded
-    (the route counts again, decoded, the same way). A body of :data:`LARGE_BODY_BYTES`
+    (the route counts again, decoded, the same way). A body of :data:`HEAVY_BODY_BYTES`
     or more waits for the others' to be decoded first."""
-    if len(body) < LARGE_BODY_BYTES:
+    if len(body) < HEAVY_BODY_BYTES:
         return await _decode_body(body, max_messages, max_tools, items, large=False)
-    async with per_run(_LARGE_BODIES, lambda: trio.Semaphore(1)):
+    async with per_run(_HEAVY_BODIES, lambda: trio.Semaphore(1)):
         return await _decode_body(body, max_messages, max_tools, items, large=True)
 
 
