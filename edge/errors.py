@@ -29,6 +29,7 @@ class ErrorResponse(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 NO_RETRY = (b"x-should-retry", b"false")
+RETRY_SOON = (b"retry-after", b"1")  # a 503 the client should try again, shortly
 # Statuses a retry of the same request cannot change: they say ``x-should-retry: false``,
 # which the OpenAI and Anthropic SDKs (and Claude Code, which retries even a 401) obey.
 # Not 408, 409, 429 or a 5xx: SDKs retry those on purpose.
@@ -197,19 +198,18 @@ def integer_out_of_range(param: str | None) -> APIError:
 _MAX_MODEL_SAID = 256  # of a model name a client sent, quoted back
 
 
-def model_not_found(model: str) -> APIError:
+def model_not_found(model: str, starting: bool = False) -> APIError:
+    """``starting``: the edge started moments ago, and a node serving the model may not have
+    linked yet: the SDKs are told to retry it (``x-should-retry: true``, which they obey on
+    any status). A rolling restart's first seconds were a final 404 for every model not in
+    ``[[models]]`` whose node linked second (an outside audit)."""
     if len(model) > _MAX_MODEL_SAID:  # (a 7 MB name came back as a 7 MB 404: an outside audit)
         model = model[:_MAX_MODEL_SAID] + "…"
-    return APIError(
-        404,
-        f"The model `{model}` does not exist or no node serves it; GET /v1/models lists those served now.",
-        "invalid_request_error",
-        param="model",
-        code="model_not_found",
-    )
-
-
-RETRY_SOON = (b"retry-after", b"1")  # a 503 the client should try again, shortly
+    message = f"The model `{model}` does not exist or no node serves it; GET /v1/models lists those served now."
+    if starting:
+        message += " The edge has just started and its nodes may still be linking: retry shortly."
+    headers = [(b"x-should-retry", b"true"), RETRY_SOON] if starting else None
+    return APIError(404, message, "invalid_request_error", param="model", code="model_not_found", headers=headers)
 
 
 def draining() -> APIError:

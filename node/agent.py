@@ -106,6 +106,10 @@ class LinkRefused(NodeError):
     pass
 
 
+class HelloUnanswered(LinkRefused):
+    """The edge's address took the websocket and sent no welcome within ``hello_timeout_s``."""
+
+
 TRANSIENT_REFUSALS = frozenset({502, 503, 504})
 # What an operator fixes when the edge refuses a link so (a newcomer read "invalid node token"
 # and did not know which key of which side to change).
@@ -852,6 +856,8 @@ class NodeAgent:
                     # (the fix from the first dial on: a node that had never linked said what to
                     # check only after relink_window_s, 60 s)
                     fix = _tls_fix(error) or "is the edge running, and is this its address (the node's `edges`)?"
+                    if isinstance(e, HelloUnanswered):
+                        fix = "is `edges` an iop edge's link address? If so, it is too busy: raise hello_timeout_s"
                     level = log.warning if long is None else log.error
                     level("link failed", edge=url, error=error, fix=fix, **(long or {}))
                 elif isinstance(e, (h11.ProtocolError, wsproto.utilities.ProtocolError)):
@@ -965,8 +971,14 @@ class NodeAgent:
                 )
             )
         )
-        with trio.fail_after(cfg.hello_timeout_s):
-            data = await ws.get_message()
+        try:
+            with trio.fail_after(cfg.hello_timeout_s):
+                data = await ws.get_message()
+        except trio.TooSlowError:  # (it was logged as "TooSlowError: ", pointing nowhere: an audit)
+            raise HelloUnanswered(
+                f"the edge took the websocket but sent no welcome to the hello within hello_timeout_s "
+                f"({cfg.hello_timeout_s:g} s)"
+            ) from None
         try:
             welcome = decode_frame(data)
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError):

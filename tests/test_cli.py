@@ -224,6 +224,8 @@ NODE = {
             "edges[1]: 'ws://127.0.0.1:9/v1/node/link' is listed twice",
         ),
         ("node", {**NODE, "ca_file": "/etc/hostname"}, "ca_file: /etc/hostname holds no PEM certificate"),
+        ("node", {**NODE, "relink_window_s": -1}, "relink_window_s: must not be negative"),  # (it named relink_max_s)
+        ("node", {**NODE, "relink_max_s": 0}, "relink_max_s: must be > 0"),
     ],
 )
 def test_values_no_link_or_client_could_use_fail_at_start(tmp_path, kind, config, expected):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import io
 import json
 import socket
+from functools import partial
 
 import jsonschema
 import openai
 import pytest
 import structlog
 import trio
+import trio_websocket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -298,6 +300,32 @@ async def test_a_node_that_never_linked_backs_off_past_relink_max_s():
     delays = [e["in_s"] for e in seen if e["event"] == "redialling edge"]
     # 0.02 doubling, jittered to half: the fifth is 0.16-0.32 s, past relink_max_s (all were at most 0.05)
     assert delays[4] > 0.1, delays
+
+
+async def test_a_hello_the_edge_leaves_unanswered_is_logged_naming_hello_timeout_s(node_log):
+    """A websocket server at the node's `edges` address that takes the upgrade and never answers
+    the hello: each dial was logged `"error": "TooSlowError: "`, its fix asking whether the edge
+    runs (an outside audit). It names hello_timeout_s, and what to check."""
+
+    async def silent(request) -> None:
+        ws = await request.accept()
+        await ws.get_message()  # (the hello)
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as servers:
+        server = await servers.start(partial(trio_websocket.serve_websocket, silent, "127.0.0.1", 0, ssl_context=None))
+        port = server.port
+        config = node_config([f"ws://127.0.0.1:{port}/v1/node/link"], [model("m")], "n1", hello_timeout_s=0.2)
+        with trio.move_on_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(NodeAgent(config).serve)
+                while '"link failed"' not in node_log.getvalue():
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        servers.cancel_scope.cancel()
+    (line,) = [e for e in map(json.loads, node_log.getvalue().splitlines()) if e["msg"] == "link failed"][:1]
+    assert "hello_timeout_s (0.2 s)" in line["error"] and "TooSlowError" not in line["error"], line
+    assert "hello_timeout_s" in line["fix"], line
 
 
 # -- item 14: the sim model calls tools ----------------------------------------------------------------------

@@ -1211,3 +1211,33 @@ async def test_a_node_back_without_a_model_ends_the_waits_for_it(nursery, tmp_pa
             await start_node_process(nursery, tmp_path, edge, [other], node_id="d")
     (answer,) = answers
     assert answer.status_code == 503 and "linked again without it" in answer.json()["error"]["message"], answer.text
+
+
+async def test_a_model_whose_node_links_second_after_an_edge_start_is_retried_not_final(nursery, monkeypatch):
+    """An edge just started, one node linked, the node serving `b` not yet (a rolling restart:
+    it redials within relink_max_s): a request for `b` was a final 404 (`x-should-retry: false`)
+    that the SDKs and Claude Code do not retry, while /readyz said ready (an outside audit: 1 to
+    7 requests of each restart). In the edge's first seconds the 404 tells the SDKs to retry
+    (`x-should-retry: true`, Retry-After 1), and the OpenAI SDK's retry is served once the node
+    links; past them, a name no node serves is a final 404 again."""
+    edge = await start_edge(nursery)
+    await start_node(nursery, edge, [model("a")], node_id="na")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "b", "messages": MESSAGES})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert (r.headers["x-should-retry"], r.headers["retry-after"]) == ("true", "1")
+        assert "just started" in r.json()["error"]["message"]
+
+        async def link_b_later() -> None:
+            await trio.sleep(0.3)
+            await start_node(nursery, edge, [model("b")], node_id="nb")
+
+        nursery.start_soon(link_b_later)
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="x", max_retries=2) as sdk:
+            answer = await sdk.chat.completions.create(model="b", messages=MESSAGES)
+        assert answer.choices[0].message.content
+        monkeypatch.setattr(edge.edge.runs, "started", edge.edge.runs.started - 3600)
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "c", "messages": MESSAGES})
+    assert r.status_code == 404 and r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers

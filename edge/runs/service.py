@@ -9,6 +9,7 @@ import math
 import random
 import re
 import secrets
+import time
 from collections.abc import Callable, Container, Iterable
 from typing import Any
 
@@ -48,6 +49,9 @@ ERRORS_AFTER_OUTPUT = 3
 # drained before it left did not drop: three restarts in a minute had it idle beside a busy peer. The
 # node ids that left are remembered, the latest MAX_LEFT.
 FLAPS = 3
+# A node redials within relink_max_s (2 s) of losing its link: for this long after the edge starts,
+# a model no linked node serves may be one whose node has not linked yet (errors.model_not_found).
+START_GRACE_S = 10.0
 LOST_GRACE_S = 5.0  # a model's last node lost: new requests wait this long for it to link again (a restart)
 FLAP_WINDOW_S = 60.0
 MAX_LEFT = 10_000
@@ -303,6 +307,7 @@ def _encodable(value: Any) -> bool:
 class RunService:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
+        self.started = time.monotonic()  # (made before trio runs, under hypercorn's CLI)
         self.links: dict[str, NodeLink] = {}
         # node links authenticated and waiting for their hello, per credential (edge.link)
         self.pending_hellos: collections.Counter[str] = collections.Counter()
@@ -433,6 +438,10 @@ class RunService:
             need[0] = max(need[0], want.min_context)
             need[1] = need[1] or want.tunnel
             need[2] = max(need[2], want.frame_bytes)
+
+    def just_started(self) -> bool:
+        """The edge started within :data:`START_GRACE_S`: its nodes may still be linking."""
+        return time.monotonic() - self.started < START_GRACE_S
 
     def is_known(self, model: str) -> bool:
         """``model`` is configured (``[[models]]``) or some node has advertised
@@ -1342,7 +1351,7 @@ class RunService:
                 # With no node linked at all the edge cannot tell what exists: 503.
                 if self.is_known(model) or not self.links:
                     raise errors.no_node(model)
-                raise errors.model_not_found(model)
+                raise errors.model_not_found(model, starting=self.just_started())
         elif not any(want.fits(link) for link in serving):
             if want.tunnel and not any(lk.models[model].passthrough for lk in serving):
                 # a setting of the nodes, not an outage: a 503 had the SDKs retry it
