@@ -617,9 +617,10 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         anthropic-version), as /v1/messages answers it; else OpenAI's."""
         from quart import request
 
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in err.headers}
         if "anthropic-version" in request.headers:
-            return _json(err.status, anthropic_error_body(err))
-        return _json(err.status, err.body())
+            return _json(err.status, anthropic_error_body(err), headers)
+        return _json(err.status, err.body(), headers)
 
     def models_key() -> tuple[Key | None, Response | None]:
         key, refused = client_key()
@@ -661,7 +662,9 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         models = edge.runs.models()
         links = models.get(model_id)
         if not links or (key is not None and not key.may_use(model_id)):
-            error = model_not_found(model_id)
+            # (in the edge's first seconds its node may not have linked yet: retry, as a chat's 404 says)
+            allowed = key is None or key.may_use(model_id)
+            error = model_not_found(model_id, starting=allowed and (edge.runs.just_started() or not edge.runs.links))
             served = model_id.rstrip("/")
             if served != model_id and served in models and (key is None or key.may_use(served)):
                 error.message += f" The path ends with a /: the route is /v1/models/{served}."

@@ -94,6 +94,7 @@ _DAYS = (
 _FOLD_LOCK = 0x696F71  # the advisory lock a day is folded under (PostgreSQL: edges sharing a ledger)
 FOLD_EVERY_S = 3600.0  # how often the ledger looks for days past the retention to fold
 FOLD_ROWS = 20_000  # records folded a transaction (about 0.1 s of SQLite's write lock)
+FOLD_PAUSE_S = 0.15  # between two of a fold's transactions
 DAY_S = 86400
 
 # The keys not revoked: what every refresh reads (revoked rows are kept for the
@@ -244,6 +245,9 @@ class Ledger:
         self.where = "postgresql" if self.dialect.postgres else target
         self._errors = _errors()
         self._records, self._keys, self._reads = _Line("records"), _Line("keys"), _Line("reads")
+        # Folding days past the retention has its own: the records' flushes go on between its
+        # transactions (on one connection, an admin call waited for a whole fold: 10 s, a re-check).
+        self._folds = _Line("folds")
         # Threads of calls given up may hang on with a server that answers nothing: the ledger's
         # own, so they never take the ones trio lends everyone else.
         self._threads = trio.CapacityLimiter(8)
@@ -252,6 +256,7 @@ class Ledger:
         # MAX_PENDING live records, and as many read from spool files (``_replay``: a room of their
         # own, where live ones pushed them out as the buffer filled: 2 of 100,000 lost, a re-check)
         self._pending: collections.deque[Record] = collections.deque(maxlen=2 * MAX_PENDING)
+        self._put_back = 0  # records put back ahead of the queue (a spool's, a batch not stored), ever
         self._wake = trio.Event()
         self.written = 0
         self.dropped = 0
@@ -454,15 +459,27 @@ class Ledger:
 
     async def store_pending(self) -> None:
         """Store everything queued so far, or raise LedgerUnavailable (the records kept).
-        Flushes take turns, so one that returns has seen every earlier record stored."""
+        Flushes take turns, so one that returns has seen every earlier record stored. Not
+        the records queued meanwhile: under steady traffic it stored on while any came."""
         async with self._flushing:
-            await self._flush()
+            await self._flush(len(self._pending))
 
-    async def _flush(self) -> None:
+    async def _flush(self, most: int | None = None) -> None:
+        """Store the queue's first ``most`` records (None: until it is empty), and those put
+        back ahead of them meanwhile."""
         insert = self.dialect.sql("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")
         token = trio.lowlevel.current_trio_token()
+        put_back = self._put_back
         while self._pending:
-            batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
+            n = min(BATCH, len(self._pending))
+            if most is not None:
+                most += self._put_back - put_back
+                put_back = self._put_back
+                if most <= 0:
+                    return
+                n = min(n, most)
+                most -= n
+            batch = [self._pending.popleft() for _ in range(n)]
             spooled = [r for r in batch if r[1] in self._replay] if self._replay else []
 
             def write(db: Any, batch: list[Record] = batch, spooled: list[Record] = spooled) -> None:
@@ -481,6 +498,7 @@ class Ledger:
                     self._stored(batch)
                 else:
                     self._pending.extendleft(reversed(batch))
+                    self._put_back += len(batch)
                 self._writing.pop(id(batch), None)
                 with contextlib.suppress(trio.RunFinishedError):  # (a thread that outlived the edge)
                     token.run_sync_soon(self._batch_ended.set)
@@ -493,6 +511,7 @@ class Ledger:
             except LedgerUnavailable:
                 del self._writing[id(batch)]
                 self._pending.extendleft(reversed(batch))  # kept, in order, for the next try
+                self._put_back += len(batch)
                 raise
             # (cancelled, ``ended`` says it too: a batch queued again here as well was stored twice)
             del self._writing[id(batch)]
@@ -554,6 +573,7 @@ class Ledger:
             log.error("spooled ledger records dropped: the buffer is full", records=over)
             records = records[over:]
         self._pending.extendleft(reversed(records))
+        self._put_back += len(records)
         self._replay.update(r[1] for r in records)
         if claimed:
             log.info(
@@ -621,11 +641,14 @@ class Ledger:
         before = ((time.time() if now is None else now) // DAY_S - self.retention_days) * DAY_S
         folded = 0
         while True:
-            n = await self._call(lambda db: fold_oldest(db, self.dialect, before), self._records, probe=True)
+            n = await self._call(lambda db: fold_oldest(db, self.dialect, before), self._folds, probe=True)
             if not n:
                 break
             folded += n
             self.folded += n
+            # (SQLite's other writers, waiting on its lock in sleeps of up to 100 ms, get their turn:
+            # a key made waited 0.5-1.2 s while the fold took the lock again at once, a re-check)
+            await trio.sleep(FOLD_PAUSE_S)
         if folded:
             log.info("ledger records past the retention folded into daily totals", records=folded, before=before)
         return folded
@@ -662,7 +685,7 @@ class Ledger:
             self.on_keys(rows, stored)
 
     def close(self) -> None:
-        for line in (self._records, self._keys, self._reads):
+        for line in (self._records, self._keys, self._reads, self._folds):
             db, line.db = line.db, None
             _close(db, self._errors)
 

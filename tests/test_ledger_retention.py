@@ -172,3 +172,46 @@ def test_edges_sharing_a_postgres_ledger_fold_each_record_once(postgres_url):  #
         db.execute("DELETE FROM usage")
         db.execute("DELETE FROM usage_days")
         db.close()
+
+
+async def test_usage_is_answered_during_a_fold_under_steady_traffic(nursery, tmp_path, monkeypatch):
+    """An edge turning retention on for a grown ledger folds it at its start while requests come
+    steadily: /v1/admin/usage and the key list waited for the whole fold (10 s for 900,000
+    records: a re-check), each flush of the records they wait for queued behind the fold's
+    transactions on one connection, and the records kept coming. They are answered while the
+    fold goes on, and what they say of the old days is what they said before it."""
+    monkeypatch.setattr(ledger, "FOLD_ROWS", 300)
+    path = str(tmp_path / "ledger.sqlite3")
+    today = (time.time() // DAY) * DAY
+    db = ledger.connect(path)
+    old = history(today, [4, 3], 9_000)
+    db.executemany("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", old)
+    before = ledger.query_usage(db, ledger.Dialect(False), None, today, ["day"])
+    db.close()
+    keys = [KeyConfig(id="alice", key="sk-alice")]
+    edge = await start_edge(nursery, edge_config(keys=keys, admin_keys=[ADMIN], ledger=path, ledger_retention_days=2))
+    await start_node(nursery, edge, [sim("qwen-a")])
+    seen = []
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as traffic:
+
+            async def steady() -> None:
+                async with client(edge, "sk-alice") as c:
+                    while True:
+                        assert (await chat(c)).status_code == 200
+                        await trio.sleep(0.02)
+
+            traffic.start_soon(steady)
+            await eventually(lambda: edge.edge.ledger.folded > 0, "the fold begun")
+            async with httpx.AsyncClient(base_url=edge.url, timeout=BOUND, headers=ADMIN_H) as admin:
+                for _ in range(3):
+                    r = await admin.get(
+                        "/v1/admin/usage",
+                        params={"group_by": "day", "to": time.strftime("%Y-%m-%d", time.gmtime(today))},
+                    )
+                    keys_listed = await admin.get("/v1/admin/keys")
+                    seen.append((edge.edge.ledger.folded, r.status_code, r.json()["data"], keys_listed.status_code))
+            traffic.cancel_scope.cancel()
+        await eventually(lambda: edge.edge.ledger.folded == len(old), "the fold done")
+    assert [s[1:] for s in seen] == [(200, before, 200)] * 3
+    assert seen[-1][0] < len(old), seen[-1][0]  # (answered with the fold still going on)

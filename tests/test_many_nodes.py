@@ -1228,6 +1228,9 @@ async def test_a_model_whose_node_links_second_after_an_edge_start_is_retried_no
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert (r.headers["x-should-retry"], r.headers["retry-after"]) == ("true", "1")
         assert "just started" in r.json()["error"]["message"]
+        async with http(edge) as client:  # (and the model's card: a final 404, an outside re-check)
+            r = await client.get("/v1/models/b")
+        assert r.status_code == 404 and r.headers["x-should-retry"] == "true"
 
         async def link_b_later() -> None:
             await trio.sleep(0.3)
@@ -1240,4 +1243,6 @@ async def test_a_model_whose_node_links_second_after_an_edge_start_is_retried_no
         monkeypatch.setattr(edge.edge.runs, "started", edge.edge.runs.started - 3600)
         async with http(edge) as client:
             r = await client.post("/v1/chat/completions", json={"model": "c", "messages": MESSAGES})
+            card = await client.get("/v1/models/c")
     assert r.status_code == 404 and r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
+    assert card.status_code == 404 and card.headers["x-should-retry"] == "false"
