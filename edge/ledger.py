@@ -93,8 +93,8 @@ _DAYS = (
 )
 _FOLD_LOCK = 0x696F71  # the advisory lock a day is folded under (PostgreSQL: edges sharing a ledger)
 FOLD_EVERY_S = 3600.0  # how often the ledger looks for days past the retention to fold
-FOLD_ROWS = 20_000  # records folded a transaction (about 0.1 s of SQLite's write lock)
-FOLD_PAUSE_S = 0.15  # between two of a fold's transactions
+FOLD_ROWS = 5_000  # records folded a transaction at most (about 0.1 s of SQLite's write lock)
+FOLD_PAUSE_S = 0.1  # between two of a fold's transactions
 DAY_S = 86400
 
 # The keys not revoked: what every refresh reads (revoked rows are kept for the
@@ -889,31 +889,40 @@ def query_usage(
 
 def fold_oldest(db: Any, dialect: Dialect, before: float, most: int = FOLD_ROWS) -> int:
     """Fold the oldest records, if older than ``before`` (a UTC midnight), into their day's rows of
-    ``usage_days``: those of the oldest record's day, at most about ``most`` (a transaction held
-    briefly, however many a day holds); the number folded (0: none is that old). Edges sharing
-    a PostgreSQL ledger fold under one lock, each statement seeing what the one before folded."""
+    ``usage_days``: at most ``most`` of those of the oldest record's day, in one transaction (held
+    briefly, however many a day holds, however many share a time); the number folded (0: none is
+    that old). Edges sharing a PostgreSQL ledger fold under one lock, each seeing what the one
+    before folded."""
     row = db.execute("SELECT MIN(ts) FROM usage").fetchone()
     if row is None or row[0] is None or row[0] >= before:
         return 0
-    low = float(row[0])
-    day = (low // DAY_S) * DAY_S
-    high = min(day + DAY_S, before)
-    nth = db.execute(dialect.sql("SELECT ts FROM usage WHERE ts >= ? ORDER BY ts LIMIT 1 OFFSET ?"), (low, most))
-    nth = nth.fetchone()
-    if nth is not None and low < nth[0] < high:
-        high = float(nth[0])
-    insert = dialect.sql(
-        "INSERT INTO usage_days SELECT ?, key, model, node, api, COUNT(*), "
-        f"SUM({_NOT_COMPLETED}), SUM(prompt_tokens), SUM(completion_tokens), SUM(estimated) "
-        "FROM usage WHERE ts >= ? AND ts < ? GROUP BY key, model, node, api"
-    )
-    delete = dialect.sql("DELETE FROM usage WHERE ts >= ? AND ts < ?")
+    day = (float(row[0]) // DAY_S) * DAY_S
+    span = (day, min(day + DAY_S, before), most)
+    sums = f"COUNT(*), SUM({_NOT_COMPLETED}), SUM(prompt_tokens), SUM(completion_tokens), SUM(estimated)"
     if dialect.postgres:
         with db.transaction():
             db.execute("SELECT pg_advisory_xact_lock(%s)", (_FOLD_LOCK,))
-            db.execute(insert, (day, low, high))
-            return db.execute(delete, (low, high)).rowcount
+            folded = db.execute(
+                "WITH picked AS (SELECT ctid FROM usage WHERE ts >= %s AND ts < %s ORDER BY ts LIMIT %s), "
+                "gone AS (DELETE FROM usage WHERE ctid IN (SELECT ctid FROM picked) RETURNING *), "
+                f"added AS (INSERT INTO usage_days SELECT %s, key, model, node, api, {sums} FROM gone "
+                "GROUP BY key, model, node, api RETURNING requests) SELECT COALESCE(SUM(requests), 0) FROM added",
+                (*span, day),
+            ).fetchone()[0]
+        return int(folded)
     with db:
         db.execute("BEGIN IMMEDIATE")  # (the write lock first: another edge on the file folds after it)
-        db.execute(insert, (day, low, high))
-        return db.execute(delete, (low, high)).rowcount
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS folding (id INTEGER PRIMARY KEY)")
+        db.execute("DELETE FROM folding")
+        db.execute("INSERT INTO folding SELECT rowid FROM usage WHERE ts >= ? AND ts < ? ORDER BY ts LIMIT ?", span)
+        picked = "rowid IN (SELECT id FROM folding)"
+        db.execute(
+            f"INSERT INTO usage_days SELECT ?, key, model, node, api, {sums} FROM usage WHERE {picked} "
+            "GROUP BY key, model, node, api",
+            (day,),
+        )
+        folded = db.execute(f"DELETE FROM usage WHERE {picked}").rowcount
+    # The pages it changed are copied back from the log here, not by the next commit of a record
+    # or a key (SQLite's automatic checkpoint).
+    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    return folded

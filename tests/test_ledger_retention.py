@@ -56,7 +56,7 @@ def answers(db, dialect) -> list:
 
 async def test_days_past_the_retention_are_folded_and_every_usage_answer_stays(nursery, tmp_path):
     """A ledger with 45,000 records of days 10, 5 and 3 back, and of yesterday: an edge with
-    `ledger_retention_days = 2` folds the three old days (in transactions of 20,000 records at
+    `ledger_retention_days = 2` folds the three old days (in transactions of 5,000 records at
     most) at its start into per-day totals, keeps yesterday's and today's records, and answers
     every grouping, a key's usage to date and `iop usage` as before, today's requests added."""
     path = str(tmp_path / "ledger.sqlite3")
@@ -215,3 +215,18 @@ async def test_usage_is_answered_during_a_fold_under_steady_traffic(nursery, tmp
         await eventually(lambda: edge.edge.ledger.folded == len(old), "the fold done")
     assert [s[1:] for s in seen] == [(200, before, 200)] * 3
     assert seen[-1][0] < len(old), seen[-1][0]  # (answered with the fold still going on)
+
+
+def test_a_fold_takes_its_most_records_however_many_share_one_time(tmp_path):
+    """Records at one and the same time (a bulk import, a spool): a fold's transaction held
+    the lock for all of them, a second a time in a re-check's ledger (keys made and usage asked
+    meanwhile waited). Each transaction takes at most its share."""
+    db = ledger.connect(str(tmp_path / "l.sqlite3"))
+    today = (time.time() // DAY) * DAY
+    rows = [(r[0] - r[0] % DAY, *r[1:]) for r in history(today, [5], 3_000)]  # (all at the day's midnight)
+    db.executemany("INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+    dialect = ledger.Dialect(False)
+    before = answers(db, dialect)
+    assert [ledger.fold_oldest(db, dialect, today - 2 * DAY, most=1_000) for _ in range(4)] == [1000, 1000, 1000, 0]
+    assert answers(db, dialect) == before
+    db.close()
