@@ -1125,6 +1125,16 @@ async def test_a_whole_tunnelled_answer_past_max_tokens_is_charged_its_providers
     rows = list(sqlite3.connect(tmp_path / "l.sqlite3").execute("select completion_tokens, estimated from usage"))
     assert rows[0] == (50, 0)
     assert 10 < rows[1][0] < 200 and rows[1][1] == 1, rows  # (cut to the text's estimate, and said so)
+    # Its text, not its size: 10 MB of logprobs beside 2 words, usage claiming 10^12, was charged
+    # 2.5 million (bytes / 4: an outside re-check); it is cut to max_tokens, as before the fix.
+    from edge.openai.passthrough import _Seen
+    from edge.openai.usage import Bounds
+
+    seen = _Seen()
+    body = {"choices": [{"text": "two words", "logprobs": {"tokens": ["x" * 100] * 100_000}}]}
+    seen.add(msgspec.json.encode({**body, "usage": {"prompt_tokens": 5, "completion_tokens": 10**12}}))
+    usage, cut = seen.usage(5, Bounds(5, 10))
+    assert (usage.completion_tokens, cut) == (10, True)
 
 
 async def test_a_config_key_of_a_run_time_keys_id_wins_and_says_so(nursery, tmp_path):

@@ -207,22 +207,24 @@ class _Seen:
                 reasoning = reasoning if is_token_count(reasoning) else 0
                 # (a whole body's text counts as a stream's events do: one of a provider that ignored
                 # max_tokens was charged max_tokens, its client told 5 times as many: an outside audit)
-                shown = self._shown(tail) if self.events or completion > bounds.max_output else 0
+                shown = 0
+                if self.events:
+                    shown = max(self.events - 1, 0)
+                elif bounds.max_output and completion > bounds.max_output and self.size <= _TAIL:
+                    # (the text alone, never the body's size: 10 MB of logprobs or an embeddings
+                    # answer's vectors raised the cap to millions, a re-check)
+                    shown = len(_whole_text(tail)) // 4
                 prompt, completion, cut = bounds.cut(prompt, completion, reasoning, shown)
                 total = found.get("total_tokens")
                 total = bounds.total(total if is_token_count(total) and not cut else None, prompt, completion)
                 return UsageOut(prompt, completion, total), cut
-        shown = self._shown(tail)
-        return UsageOut(prompt_estimate, shown, prompt_estimate + shown), True
-
-    def _shown(self, tail: bytes) -> int:
-        """The completion tokens the client was sent, by the edge's estimate: one a streamed
-        event (less ``[DONE]``), or a whole body's text's characters / 4."""
         if self.events:
-            return max(self.events - 1, 0)
-        if self.size <= _TAIL:
-            return len(_whole_text(tail)) // 4
-        return self.size // 4
+            completion = max(self.events - 1, 0)  # one a streamed event, less [DONE]
+        elif self.size <= _TAIL:
+            completion = len(_whole_text(tail)) // 4
+        else:
+            completion = self.size // 4
+        return UsageOut(prompt_estimate, completion, prompt_estimate + completion), True
 
 
 def _last_usage(tail: bytes) -> dict[str, Any] | None:
