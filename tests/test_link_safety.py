@@ -37,7 +37,18 @@ from proto import (
     encode_frame,
 )
 from proto.wsframes import binary_head, xor_mask
-from tests.conftest import BOUND, TOKEN, edge_config, eventually, http, model, settled, start_edge, start_node
+from tests.conftest import (
+    BOUND,
+    LOAD_BOUND,
+    TOKEN,
+    edge_config,
+    eventually,
+    http,
+    model,
+    settled,
+    start_edge,
+    start_node,
+)
 
 ASK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -808,6 +819,7 @@ async def test_a_node_s_strange_finish_reason_reaches_no_client(nursery, reason)
     assert ends[-1] == "stop" and "<script>" not in streamed.text and "function_call" not in streamed.text
 
 
+@LOAD_BOUND  # (a loaded full run closed its link for 3 s of silence before its flood was counted)
 @pytest.mark.parametrize("parts", [0, 64])
 async def test_a_node_flooding_progress_events_loses_its_link(nursery, parts):
     """``progress`` says a run's tool call is streaming (a node sends one a second, or one of
