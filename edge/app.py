@@ -662,9 +662,9 @@ def _create_app(config: EdgeConfig) -> QuartTrio:
         models = edge.runs.models()
         links = models.get(model_id)
         if not links or (key is not None and not key.may_use(model_id)):
-            # (in the edge's first seconds its node may not have linked yet: retry, as a chat's 404 says)
+            # (a model the key may use may have a node still linking: retry, as a chat's 404 says)
             allowed = key is None or key.may_use(model_id)
-            error = model_not_found(model_id, starting=allowed and (edge.runs.just_started() or not edge.runs.links))
+            error = edge.runs.unknown_model(model_id) if allowed else model_not_found(model_id)
             served = model_id.rstrip("/")
             if served != model_id and served in models and (key is None or key.may_use(served)):
                 error.message += f" The path ends with a /: the route is /v1/models/{served}."

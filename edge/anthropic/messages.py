@@ -115,7 +115,7 @@ async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
     raw, chat = await _decode(edge, ex, body)
     req, _ = parse_chat_request(chat, max_messages=cfg.max_messages + MAX_CONTENT_PARTS, max_tools=cfg.max_tools)
     if edge.runs.links and not edge.runs.is_known(req.model):  # as a message would be (no node at all: unknowable)
-        raise model_not_found(req.model, starting=edge.runs.just_started())
+        raise edge.runs.unknown_model(req.model)
     if ex.key is not None and not ex.key.may_use(req.model):  # (nor learn that it exists)
         raise model_not_found(req.model)
     await edge.count_request(ex)  # one of the key's rpm

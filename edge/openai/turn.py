@@ -378,7 +378,7 @@ async def open_turn(
     cfg = edge.config
     max_messages = cfg.max_messages + MAX_CONTENT_PARTS if converted else cfg.max_messages
 
-    def make() -> tuple[ChatRequest, Turn]:
+    def make() -> Turn:
         req, forward = parse_chat_request(
             chat,
             max_messages=max_messages,
@@ -386,13 +386,14 @@ async def open_turn(
             max_output_tokens=cfg.max_output_tokens,
             paired=not converted,
         )
-        return req, Turn(edge, ex, req, forward, session)
+        return Turn(edge, ex, req, forward, session)
 
     if ex.body_size < HEAVY_BODY_BYTES:
-        req, turn = make()
+        turn = make()
     else:
         async with per_run(_HEAVY_TURNS, lambda: trio.Semaphore(1)):
-            req, turn = make()
+            turn = make()
+    req = turn.req
     if turn.contract is not None:
         lane = f"key {ex.key.id}" if ex.key is not None else f"address {(ex.scope.get('client') or ('',))[0]}"
         problem = await turn.contract.check_request(req, lane)

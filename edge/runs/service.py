@@ -439,9 +439,11 @@ class RunService:
             need[1] = need[1] or want.tunnel
             need[2] = max(need[2], want.frame_bytes)
 
-    def just_started(self) -> bool:
-        """The edge started within :data:`START_GRACE_S`: its nodes may still be linking."""
-        return time.monotonic() - self.started < START_GRACE_S
+    def unknown_model(self, model: str) -> errors.APIError:
+        """The 404 for a model no linked node serves: one to retry while the edge's nodes may
+        still be linking (none linked yet, or within :data:`START_GRACE_S` of its start)."""
+        starting = not self.links or time.monotonic() - self.started < START_GRACE_S
+        return errors.model_not_found(model, starting=starting)
 
     def is_known(self, model: str) -> bool:
         """``model`` is configured (``[[models]]``) or some node has advertised
@@ -1351,7 +1353,7 @@ class RunService:
                 # With no node linked at all the edge cannot tell what exists: 503.
                 if self.is_known(model) or not self.links:
                     raise errors.no_node(model)
-                raise errors.model_not_found(model, starting=self.just_started())
+                raise self.unknown_model(model)
         elif not any(want.fits(link) for link in serving):
             if want.tunnel and not any(lk.models[model].passthrough for lk in serving):
                 # a setting of the nodes, not an outage: a 503 had the SDKs retry it
