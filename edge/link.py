@@ -270,6 +270,7 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     link = NodeLink(hello.node_id, hello.models, grants={})  # the node's grants follow
     link.relays_prefixes = hello.relays_prefixes
     link.holds_tunnels = hello.holds_tunnels
+    link.answers_cancels = hello.answers_cancels
     link.hold = websocket.hold
     # A node's frame limit below the edge's (0: not said, an older node): runs larger than it go to
     # other nodes or are a 413, where the node closed its link on them (1009) and, failed over, the
@@ -371,8 +372,10 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                 pass
             case Ping(ts=ts):
                 link.send_nowait(Pong(ts=ts))
-            case Grant(model=model, slots=slots, seq=seq):
+            case Grant(model=model, slots=slots, seq=seq, freed=freed):
                 service.set_grant(link, model, slots, seq)
+                if freed:
+                    service.freed(link, freed)
             case Load(draining=draining, engine=engine):
                 if engine:
                     link.set_engine(engine)

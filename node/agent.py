@@ -418,6 +418,17 @@ class EdgeLink:
                 book.remove(self)
                 agent.rebalance(model)
 
+    def _answer_cancel(self, run_id: str, model: str) -> None:
+        """The edge counts a run it cancelled as holding its slot until this answer: the
+        grant it stands under now (the cancel's rebalance made it) goes with the run's id.
+        (The edge gave the slot back at once, and its own queue sent the next run under
+        the larger grant the node still held for it unacknowledged: another edge's share
+        did not come while that queue lasted, 18 s against 4.7: an outside re-check.)"""
+        book = self.agent.grants.get(model)
+        share = book.shares.get(self) if book is not None else None
+        if share is not None:
+            self.outbox.freed(model, run_id, share.grant, share.seq)
+
     def _uncount(self, run_id: str) -> None:
         """The run no longer counts against this edge's grant: it ended, or
         the edge cancelled it (the edge has taken the slot back already)."""
@@ -507,16 +518,18 @@ class EdgeLink:
             match frame:
                 case RunRequest() | TunnelRequest():
                     self._start(frame, nursery)
-                case CancelRun(run_id=run_id):
+                case CancelRun(run_id=run_id, model=model):
                     scope = self.runs.get(run_id)
                     if scope is not None:
                         scope.cancel()
                         self._uncount(run_id)
                         self.outbox.drop_run(run_id)  # (the edge no longer has it)
-                    else:  # overtook its run on the wire (cancels go ahead of requests)
+                    else:  # overtook its run on the wire (cancels go ahead of requests), or ended
                         self._early[run_id] = None
                         if len(self._early) > _EARLY_CANCELS:
                             del self._early[next(iter(self._early))]
+                    if model:
+                        self._answer_cancel(run_id, model)
                 case Hold(run_id=run_id, hold=hold):
                     tunnel = self.tunnels.get(run_id)
                     if tunnel is not None:
@@ -968,6 +981,7 @@ class NodeAgent:
                     relays_prefixes=True,
                     max_frame_bytes=cfg.max_frame_bytes,
                     holds_tunnels=True,
+                    answers_cancels=True,
                 )
             )
         )

@@ -16,8 +16,9 @@ node at once. The rules:
   slot; grants shrink as runs end);
 - the target of each edge: a max-min fair share of the capacity by demand
   (the edge's in-flight plus waiting), never below its running runs; what no
-  edge asks for is split evenly, so an idle edge keeps a little for a burst
-  and a lone edge holds the whole capacity. Shrinks are sent first; grows take only
+  edge asks for evens the edges out (each at least its demand), so an idle
+  edge keeps a little for a burst, an edge running within its even share
+  takes nothing from another, and a lone edge holds the whole capacity. Shrinks are sent first; grows take only
   capacity no edge may be using;
 - when the edges' demand exceeds the capacity and it does not split evenly,
   the slots left over take turns: every ``REMAINDER_TURN_S`` the next edge in
@@ -163,9 +164,25 @@ class GrantBook:
             target = [s.demand for _, s in shares]
             live = [i for i, (_, s) in enumerate(shares) if not s.lapsed]  # (a lapsed edge gets none of it)
             if live:
-                each, extra = divmod(self.capacity - wanted, len(live))
-                for n, i in enumerate(live):
-                    target[i] += each + (1 if n < extra else 0)
+                # What no edge asks for evens the live edges out: the highest level each may hold
+                # (or its demand, if more), then a slot each to those at that level, in link
+                # order, for what is left. (Added on top of each demand in link order, one run on
+                # a 3-slot node shared by 3 edges took the last-linked edge's whole grant, none
+                # waiting: until it came back, that edge saw the node full and sent a prompt the
+                # node held elsewhere; an outside audit.)
+                room = self.capacity - (wanted - sum(target[i] for i in live))
+                low, high = 0, room
+                while low < high:
+                    mid = (low + high + 1) // 2
+                    if sum(max(target[i], mid) for i in live) <= room:
+                        low = mid
+                    else:
+                        high = mid - 1
+                for i in live:
+                    target[i] = max(target[i], low)
+                left = room - sum(target[i] for i in live)
+                for i in [i for i in live if target[i] == low][:left]:
+                    target[i] += 1
         else:
             low, high = 0, self.capacity  # the highest level that fits
             while low < high:

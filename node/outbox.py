@@ -33,7 +33,7 @@ from collections import deque
 import trio
 
 from proto import Events, Grant, Load, Ping, Placed, Pong, RunEvent, ToolCall, TunnelFrame
-from proto.frames import MAX_FRAME_EVENTS, MAX_FRAME_TOOL_CALLS
+from proto.frames import MAX_FRAME_EVENTS, MAX_FRAME_TOOL_CALLS, MAX_FREED
 
 FRAME_MARGIN = 4096  # below the edge's limit: the frame's own keys, with room to spare
 EVENT_OVERHEAD = 128  # one run event's keys, type, seq, status and msgpack headers
@@ -136,9 +136,23 @@ class Outbox:
         return True
 
     def grant(self, frame: Grant) -> None:
-        """Queue a grant, replacing an unsent one of the same model."""
+        """Queue a grant, replacing an unsent one of the same model (the runs
+        that one said were freed, the new one says)."""
+        unsent = self._grants.get(frame.model)
+        if unsent is not None and unsent.freed:
+            frame.freed = unsent.freed
         self._grants[frame.model] = frame
         self._wakeup.unpark_all()
+
+    def freed(self, model: str, run_id: str, slots: int, seq: int) -> None:
+        """Answer the edge's cancel of ``run_id``: the grant of ``model`` that stands
+        after it goes with it (the unsent one, or the last sent again)."""
+        unsent = self._grants.get(model)
+        if unsent is None:
+            self._grants[model] = Grant(model=model, slots=slots, seq=seq, freed=[run_id])
+            self._wakeup.unpark_all()
+        elif len(unsent.freed) < MAX_FREED:  # (an honest edge has no more cancels unanswered than slots)
+            unsent.freed.append(run_id)
 
     def hint(self, frame: Placed) -> None:
         """Queue a ``placed`` hint (dropping the oldest waiting one when full;

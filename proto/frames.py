@@ -80,6 +80,7 @@ MAX_TOOL_CALLS = 1024  # tool calls in one run's answer
 # one-character deltas for a node's own live runs held the edge's loop about 100 ms a frame
 # (/healthz p99 5.7 -> 91 ms; an outside audit). 8,192 hold it about 12 ms.
 MAX_FRAME_EVENTS = 8192
+MAX_FREED = 8192  # cancelled runs one ``grant`` answers
 # Tool calls in one ``events`` frame, its events' together (a node splits a larger batch). Each
 # list is bounded by MAX_TOOL_CALLS, but a frame holds many: 16 MB of events, each of 1,024
 # empty calls, decoded to 15 million calls, 1.85 GB and 10 s of an edge's event loop.
@@ -154,6 +155,10 @@ class Hello(_Frame, tag="hello"):
     # it no run whose frame is larger (a 20 MiB request under a node's 16 MiB closed the link).
     max_frame_bytes: int = 0
     holds_tunnels: bool = False  # takes ``hold`` frames: pauses a tunnel's body while its client is behind
+    # Answers a ``cancel`` that names its run's model with a ``grant`` whose ``freed`` names the run:
+    # until then the edge counts the run's slot as taken (its next run waits for the grants the
+    # cancel moved, so another edge's fair share is not taken back by a queue at this one).
+    answers_cancels: bool = False
 
 
 class Events(_Frame, tag="events"):
@@ -194,11 +199,14 @@ class Placed(_Frame, tag="placed"):
 
 class Grant(_Frame, tag="grant"):
     """The most runs of ``model`` this edge may have on the node at once
-    (absolute). ``seq`` counts the grants of that model on this link: 1, 2, ..."""
+    (absolute). ``seq`` counts the grants of that model on this link: 1, 2, ...
+    ``freed``: runs of the model whose ``cancel`` the node has taken, this grant
+    standing after them (it may repeat the last ``seq``)."""
 
     model: str
     slots: int
     seq: int
+    freed: Annotated[list[str], msgspec.Meta(max_length=MAX_FREED)] = []
 
 
 class TunnelFrame(_Frame, tag="tunnel_frame"):
@@ -252,6 +260,7 @@ class TunnelRequest(_Frame, tag="tunnel"):
 class CancelRun(_Frame, tag="cancel"):
     run_id: str
     reason: str = ""
+    model: str = ""  # the run's: a node whose hello set ``answers_cancels`` answers with a ``grant`` (``freed``)
 
 
 class Hold(_Frame, tag="hold"):

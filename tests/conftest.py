@@ -252,8 +252,13 @@ def http(edge: EdgeHandle, **kw) -> httpx.AsyncClient:
 
 async def settled(edge: EdgeHandle, *agents: NodeAgent) -> None:
     """Nothing left running: the edge's runs and every node's upstream requests."""
+    # (a run cancelled here holds its node slot until the node answers the cancel: a moment later)
     await eventually(
-        lambda: edge.edge.runs.in_flight == 0 and all(a.counters.active_upstream == 0 for a in agents),
+        lambda: (
+            edge.edge.runs.in_flight == 0
+            and all(a.counters.active_upstream == 0 for a in agents)
+            and not any(link.cancelling for link in edge.edge.runs.links.values())
+        ),
         what="in-flight counts back to zero",
     )
     for link in edge.edge.runs.links.values():

@@ -11,6 +11,7 @@ import sys
 from collections import deque
 
 import httpx
+import pytest
 import trio
 
 from edge.config import EdgeConfig
@@ -20,6 +21,7 @@ from node.agent import NodeAgent
 from node.grants import GrantBook
 from proto import (
     PROTOCOL_VERSION,
+    CancelRun,
     Demand,
     Grant,
     Hello,
@@ -87,6 +89,41 @@ def test_idle_capacity_is_split_and_demand_moves_it_once_acknowledged():
     book.report("b", 0, 0, 2)  # ack
     assert send(book) == {"a": 4}
     assert book.held() == 4
+
+
+def test_an_idle_edge_keeps_its_even_share_while_the_others_run_within_theirs():
+    """3 slots, 3 edges, one of them running a run: nobody waits, so nobody's grant moves. The
+    spare slots went to the edges in link order on top of their demand: the running edge 2,
+    the next 1, the edge linked last none, and until its share came back (after the other's
+    run ended and its shrink was acknowledged, 16-120 ms) that edge saw the node full and sent
+    a repeat of a prompt the node held elsewhere: an edge restarted (linked last everywhere)
+    split every repeated first prompt off its peers' node (an outside audit). Spare capacity
+    now evens the edges' grants out, each at least its demand."""
+    book = GrantBook("m", 3)
+    for edge in ("b", "c", "a"):
+        book.add(edge)
+    send(book)
+    for edge in ("b", "c", "a"):
+        book.report(edge, 0, 0, book.shares[edge].seq)
+    send(book)
+    assert grants_of(book) == {"b": 1, "c": 1, "a": 1}
+    assert book.start("b")
+    book.report("b", 1, 0, book.shares["b"].seq)
+    assert send(book) == {}  # (within its share: nothing moves)
+    book.report("b", 1, 2, book.shares["b"].seq)  # now it waits: the idle shares go to it
+    assert send(book) == {"c": 0, "a": 0}
+    book = GrantBook("m", 8)  # past the even level, a slot each to the edges at it, in link order
+    for edge in ("b", "c", "a"):
+        book.add(edge)
+    send(book)
+    for edge in ("b", "c", "a"):
+        book.report(edge, 0, 0, book.shares[edge].seq)
+    book.report("b", 5, 0, book.shares["b"].seq)
+    send(book)
+    for edge in ("b", "c", "a"):
+        book.report(edge, *((5, 0) if edge == "b" else (0, 0)), book.shares[edge].seq)
+    send(book)
+    assert grants_of(book) == {"b": 5, "c": 2, "a": 1}
 
 
 def test_grant_never_drops_below_running_runs():
@@ -807,3 +844,160 @@ async def test_a_run_queued_behind_a_cancelled_one_is_not_counted_as_a_slot_wait
                     clients.cancel_scope.cancel()
     assert upstream.max_active <= 1 and node.agent.slot_waits == 0
     await settled(edge, node.agent)
+
+
+def _said(body: dict) -> str:
+    return body["messages"][0]["content"]
+
+
+@pytest.mark.parametrize("ends", ["client leaves", "wait timeout"])
+async def test_a_slot_the_edge_cancels_goes_by_the_nodes_grants_not_to_its_own_queue(nursery, upstream, ends):
+    """Two edges, one node of 2 slots. One edge has 16 requests for it, each run cancelled
+    0.3 s in (its client leaves, or the edge's wait_timeout_s cuts it); then the other edge gets 2. A run the edge cancels freed its slot
+    at the edge at once, and its own queue sent the next run before the node's grants moved:
+    the node, still holding the larger grant as unacknowledged, ran it, and the other edge's
+    fair share never came while the first edge's queue lasted (18.1 s against 4.7 s when the
+    runs ended by themselves: an outside re-check). The slot of a cancelled run now goes
+    back when the node answers the cancel, with its grant as it stands after it."""
+
+    def script(body):
+        if _said(body).startswith("b"):
+            return text_script(words(3))
+        return [("chunk", {"content": "a"}), ("hang",)]
+
+    upstream.script_for("t", script)
+    timeout = {"wait_timeout_s": 0.3} if ends == "wait timeout" else {}
+    first, second, node = await two_edges_one_node(nursery, upstream, capacity=2, max_queue=100, **timeout)
+    await eventually(lambda: grant(first) == grant(second) == 1)
+    a_seen = []  # how many of the first edge's requests had reached the model server as each of the other's did
+    with trio.fail_after(BOUND * 2):
+        async with (
+            http(first, limits=httpx.Limits(max_connections=20)) as c1,
+            http(second) as c2,
+            trio.open_nursery() as clients,
+        ):
+
+            async def leaving(i):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"a{i}"}], "stream": True}
+                async with c1.stream("POST", "/v1/chat/completions", json=body) as r:
+                    seen = b""
+                    async for data in r.aiter_raw():
+                        seen += data
+                        if b'"a"' in seen and not timeout:  # its run has started: 0.3 s later, its client leaves
+                            await trio.sleep(0.3)
+                            return
+                assert b"timed out" in seen or not timeout, seen
+
+            async def other(i):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"b{i}"}]}
+                r = await c2.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                a_seen.append(sum(1 for rec in upstream.records if _said(rec.body).startswith("a")))
+
+            for i in range(16):
+                clients.start_soon(leaving, i)
+            await eventually(lambda: first.edge.runs.queue_depth("m") >= 12 and upstream.active == 2)
+            for i in range(2):
+                clients.start_soon(other, i)
+    print(f"the other edge's 2 requests were served after {a_seen} of the first edge's 16 reached the model server")
+    assert len(a_seen) == 2
+    # The first edge's first two runs are cancelled 0.3 s in: by the grants' fair split, the
+    # other edge's requests run on one of their slots (2-3 of the first edge's had reached the
+    # model server by then), not after the first edge's queue (5-16 before).
+    assert max(a_seen) <= 4, a_seen
+    assert upstream.max_active <= 2 and node.agent.slot_waits == 0
+    await settled(first, node.agent)
+    await settled(second, node.agent)
+
+
+async def test_a_cancelled_runs_slot_waits_for_the_nodes_answer_and_only_for_it(nursery):
+    """A node whose hello says it answers cancels: the slot of a run its client left stays
+    taken at the edge until the node's grant names the run in ``freed`` (then the queued
+    request goes at once). A ``freed`` naming runs the edge did not cancel frees nothing."""
+    edge = await start_edge(nursery)
+
+    async def answering(ws):
+        info = ModelInfo(name="m", adapter="sim", target="t", max_concurrency=1)
+        await ws.send_message(
+            encode_frame(Hello(node_id="a", protocol=PROTOCOL_VERSION, models=[info], answers_cancels=True))
+        )
+        assert isinstance(decode_frame(await ws.get_message()), Welcome)
+        await ws.send_message(encode_frame(Grant(model="m", slots=1, seq=1)))
+
+        async def next_of(kind):
+            while not isinstance(frame := decode_frame(await ws.get_message()), kind):
+                pass
+            return frame
+
+        async with http(edge) as client, trio.open_nursery() as clients:
+            leaving = trio.CancelScope()
+
+            async def first():
+                with leaving:
+                    await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+
+            clients.start_soon(first)
+            run = await next_of(RunRequest)
+            clients.start_soon(lambda: client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+            await eventually(lambda: edge.edge.runs.queue_depth("m") == 1)
+            leaving.cancel()
+            cancel = await next_of(CancelRun)
+            assert (cancel.run_id, cancel.model) == (run.run_id, "m")
+            await ws.send_message(encode_frame(Grant(model="m", slots=1, seq=1, freed=["not-a-run", "x" * 200])))
+            with trio.move_on_after(0.3) as waited:
+                await next_of(RunRequest)
+            assert waited.cancelled_caught  # (still taken: no run was sent)
+            assert edge.edge.runs.queue_depth("m") == 1
+            answered = trio.current_time()
+            await ws.send_message(encode_frame(Grant(model="m", slots=1, seq=1, freed=[run.run_id])))
+            second = await next_of(RunRequest)
+            took = trio.current_time() - answered
+            assert second.run_id != run.run_id
+            # A freed that names the running run frees nothing either: a third request waits.
+            await ws.send_message(encode_frame(Grant(model="m", slots=1, seq=1, freed=[second.run_id])))
+            clients.start_soon(lambda: client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+            await eventually(lambda: edge.edge.runs.queue_depth("m") == 1)
+            assert edge.edge.runs.links["a"].in_flight["m"] == 1
+            clients.cancel_scope.cancel()
+        return took
+
+    with trio.fail_after(BOUND):
+        took = await fake_node(edge, answering, node_id="a")
+    print(f"the queued request went {took * 1000:.1f} ms after the node's answer")
+
+
+async def test_edges_send_a_repeated_prompt_to_one_node_while_grants_split_it(nursery):
+    """Two edges, two nodes of 2 slots. The same one-message prompt, sent in turn through
+    each edge, one at a time: every time it goes to the node that holds it. A run in flight
+    on a node moved the idle edge's grant there to 0 (spare slots went in link order), so the
+    next edge saw that node full and sent the prompt to the other one, each edge keeping to
+    its own from then on (an outside audit: 6 of 6 repeats split)."""
+    ups = []
+    for _ in range(2):
+        up = Upstream()
+        await nursery.start(up.serve)
+        up.script_for("t", lambda body: text_script(words(2), interval=0.01))
+        ups.append(up)
+    first, second = await start_edge(nursery), await start_edge(nursery)
+    for i, up in enumerate(ups):
+        await start_node(nursery, [first, second], [model("m", up, target="t", max_concurrency=2)], node_id=f"n{i}")
+    for edge in (first, second):
+        await eventually(lambda edge=edge: all(lk.grants["m"] == 1 for lk in edge.edge.runs.links.values()))
+    with trio.fail_after(BOUND * 2):
+        async with http(first) as c1, http(second) as c2:
+            for p in range(3):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"prompt {p}: " + "say it " * 20}]}
+                for client in (c1, c2, c1, c2):
+                    r = await client.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    await trio.sleep(0.005)  # (as a client's next request: within the grants' round trips)
+    where = [
+        [
+            i
+            for i, up in enumerate(ups)
+            for rec in up.records
+            if rec.body["messages"][0]["content"].startswith(f"prompt {p}:")
+        ]
+        for p in range(3)
+    ]
+    assert all(len(set(nodes)) == 1 and len(nodes) == 4 for nodes in where), where

@@ -837,7 +837,7 @@ async def test_many_runs_of_one_key_are_held_to_its_budget_without_summing_them_
     keys = Keys(edge_config(keys=[KeyConfig(id="b", key="sk-b", daily_tokens=budget)]))
     key = keys.by_id["b"]
     link = SimpleNamespace(stray=lambda now: None, started=lambda *a: None, served=lambda model: None)
-    link.cancel = lambda run_id, cause: None
+    link.cancel = lambda run_id, cause, slot=None: None
     slot = SimpleNamespace(link=link, model="m", end_probe=lambda: None)
     runs = []
     for i in range(n):

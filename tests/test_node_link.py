@@ -17,6 +17,7 @@ from proto import (
     PROTOCOL_VERSION,
     CancelRun,
     Events,
+    Grant,
     Ping,
     Placed,
     RunEvent,
@@ -415,3 +416,56 @@ def test_placed_hints_are_bounded_and_fit_the_frame_budget():
     (frame,) = outbox.take()
     assert len(encode_frame(frame)) <= budget
     assert outbox.take() == []
+
+
+async def test_the_node_answers_each_cancel_that_names_its_model(nursery, upstream):
+    """An edge counts a cancelled run's slot as taken until the node answers the cancel:
+    the node answers every cancel naming a model it serves with that model's grant and the
+    run in ``freed``: of a run it has, of one that has not arrived (cancels overtake runs),
+    each once; and a cancel naming no model (an older edge) or another model, not at all."""
+    upstream.script_for("m-target", [("chunk", {"content": "a"}), ("hang",)])
+    answers: list = []
+    checked = trio.Event()
+
+    async def handler(request) -> None:
+        ws = await request.accept()
+        hello = decode_frame(await ws.get_message())
+        assert hello.answers_cancels
+        await ws.send_message(encode_frame(Welcome(edge_id="e", protocol=PROTOCOL_VERSION, ping_interval_s=5.0)))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        await ws.send_message(
+            encode_frame(RunRequest(run_id="r1", model="m", target="m-target", request=body, timeout_s=60))
+        )
+        await upstream.wait_requests(1)
+        for cancel in (
+            CancelRun(run_id="r1", model="m"),
+            CancelRun(run_id="early", model="m"),
+            CancelRun(run_id="old"),
+            CancelRun(run_id="other", model="not-served"),
+            CancelRun(run_id="last", model="m"),
+        ):
+            await ws.send_message(encode_frame(cancel))
+        while sum(len(a) for a in answers) < 3:
+            frame = decode_frame(await ws.get_message())
+            if isinstance(frame, Grant) and frame.freed:
+                assert frame.model == "m" and frame.slots == 1
+                answers.append(frame.freed)
+        with trio.move_on_after(0.3):  # nothing more
+            while True:
+                frame = decode_frame(await ws.get_message())
+                assert not (isinstance(frame, Grant) and frame.freed), frame
+        checked.set()
+        await trio.sleep_forever()
+
+    server = await nursery.start(
+        lambda task_status: serve_websocket(handler, "127.0.0.1", 0, None, task_status=task_status)
+    )
+    agent = NodeAgent(
+        node_config([f"ws://127.0.0.1:{server.port}/v1/node/link"], [model("m", upstream, max_concurrency=1)])
+    )
+    nursery.start_soon(agent.serve)
+    with trio.fail_after(BOUND):
+        await checked.wait()
+        await upstream.records[0].finished.wait()
+    assert sorted(run for a in answers for run in a) == ["early", "last", "r1"]
+    assert upstream.records[0].aborted

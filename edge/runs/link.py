@@ -16,6 +16,7 @@ from proto import CancelRun, Demand, EngineLoad, Frame, ModelInfo, Ping, Pong, R
 if TYPE_CHECKING:
     from edge.frame_limit import LinkHold
     from edge.runs.run import Run
+    from edge.runs.service import Slot
 
 log = structlog.get_logger("iop.edge.link")
 
@@ -105,6 +106,10 @@ class NodeLink:
         self.draining = False
         self.relays_prefixes = False  # the node tells other edges where this edge's prompts went
         self.holds_tunnels = False  # the node pauses a tunnel's body on a Hold frame
+        self.answers_cancels = False  # the node answers a cancel naming the model with a grant (``freed``)
+        # Runs cancelled here whose slot stays taken until the node's answer (run id -> slot):
+        # at most the runs the node's grants allow, as each holds a slot.
+        self.cancelling: dict[str, Slot] = {}
         # The largest frame the node takes (its hello's, within the edge's own): placement sends it
         # no run whose request is larger (:class:`edge.runs.service.Want`).
         self.frame_limit = 1 << 62
@@ -167,11 +172,30 @@ class NodeLink:
             f"over {STRAY_EVENTS} events in {STRAY_WINDOW_S:g} s for runs this edge does not have, or with no output"
         )
 
-    def cancel(self, run_id: str, reason: str) -> None:
+    def cancel(self, run_id: str, reason: str, slot: Slot | None = None) -> None:
         """Cancel a run on the node: what it already sent for the run may still
-        come, and is allowed for (:meth:`stray`)."""
+        come, and is allowed for (:meth:`stray`). With the run's ``slot``, of a node
+        that answers cancels, the slot stays taken until its answer (:meth:`freed`)."""
         self._stray_left = min(self._stray_left + STRAY_PER_CANCEL, STRAY_MOST)
-        self.send_nowait(CancelRun(run_id=run_id, reason=reason))
+        if self.closed or (self._requests and self._unqueue(run_id)):
+            return  # (the node never got the run: nothing to cancel, and its slot is free now)
+        if slot is None or not self.answers_cancels or slot.released:
+            self.send_nowait(CancelRun(run_id=run_id, reason=reason))
+            return
+        slot.cancelling = True
+        self.cancelling[run_id] = slot
+        self.send_nowait(CancelRun(run_id=run_id, reason=reason, model=slot.model))
+
+    def freed(self, run_ids: list[str]) -> list[Slot]:
+        """The node took these runs' cancels: their slots, to give back (of runs it
+        was not asked about, none)."""
+        slots = []
+        for run_id in run_ids:
+            slot = self.cancelling.pop(run_id, None)
+            if slot is not None:
+                slot.cancelling = False
+                slots.append(slot)
+        return slots
 
     # -- capacity ------------------------------------------------------------
 
@@ -389,8 +413,6 @@ class NodeLink:
                 self._writer_idle = False
                 self._ready.unpark_all()
                 return
-        if type(frame) is CancelRun and self._requests and self._unqueue(frame.run_id):
-            return  # the node never got the run: nothing to cancel
         if isinstance(frame, (RunRequest, TunnelRequest, Demand)):
             self.demands_queued += isinstance(frame, Demand)
             self._requests.append(frame)

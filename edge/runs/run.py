@@ -523,14 +523,15 @@ class Run:
         self._wake()
         self._cancel_on_node(cause)
         if cause != NODE_LOST and self.on_node_done is not None:
-            # The node is told to stop: its slot is free now, as for a run the node ended, not
-            # when the request ends (8 clients that read nothing, their runs cut, held an 8-slot
-            # model's every slot until write_timeout_s, the GPU idle: an outside audit).
+            # The node is told to stop: its slot is free once the node has the cancel (or now, of
+            # a node that does not answer cancels), as for a run the node ended, not when the
+            # request ends (8 clients that read nothing, their runs cut, held an 8-slot model's
+            # every slot until write_timeout_s, the GPU idle: an outside audit).
             self.on_node_done(self)
 
     def _cancel_on_node(self, cause: str) -> None:
         if cause != NODE_LOST:  # a lost node has nothing left to cancel
-            self.slot.link.cancel(self.id, cause)
+            self.slot.link.cancel(self.id, cause, self.slot)
 
     def due(self) -> float:
         """When the run times out if nothing arrives (silence, or the whole-run

@@ -69,12 +69,13 @@ class Slot:
     """One unit of a node's capacity for one model, held from admission until
     the run is closed (or the waiter gives it back)."""
 
-    __slots__ = ("link", "model", "released", "probe")
+    __slots__ = ("link", "model", "released", "probe", "cancelling")
 
     def __init__(self, link: NodeLink, model: str) -> None:
         self.link = link
         self.model = model
         self.released = False
+        self.cancelling = False  # its run is cancelled on a node that answers: taken until it does (NodeLink.cancel)
         # Taken on a node failing the model (NodeLink.failing): until its run's first event,
         # or its release, no other run is sent there while another node works (NodeLink.ejected).
         self.probe = False
@@ -508,6 +509,7 @@ class RunService:
         """The link is gone: its unstarted runs move to other nodes, the rest
         fail at once; waiters that can no longer be served are woken."""
         link.closed = True
+        link.freed(list(link.cancelling))  # (no answer comes: nothing of the node is held any more)
         self.models_version += 1
         if self.links.get(link.node_id) is link:
             del self.links[link.node_id]
@@ -959,6 +961,12 @@ class RunService:
         elif link.grant_seq.get(model) != before:  # (a stale or repeated grant wakes no reporter)
             self.demand_changed.unpark_all()
 
+    def freed(self, link: NodeLink, run_ids: list[str]) -> None:
+        """The node took the cancels of these runs, and the grant that came with its
+        answer is applied: their slots are free now."""
+        for slot in link.freed(run_ids):
+            self.release(slot)
+
     def set_draining(self, link: NodeLink, draining: bool) -> None:
         link.draining = draining
         if not draining:
@@ -1212,7 +1220,7 @@ class RunService:
         return slot
 
     def release(self, slot: Slot) -> None:
-        if slot.released:
+        if slot.released or slot.cancelling:  # (given back by the node's answer: freed)
             return
         slot.released = True
         slot.end_probe()
