@@ -717,6 +717,90 @@ async def test_a_turn_moved_at_one_edge_is_followed_by_the_other(nursery):
         await settled(edge)
 
 
+async def test_a_session_two_edges_placed_apart_comes_together_on_the_node_with_its_last_turn(nursery):
+    """Two edges, two nodes, one conversation with a session id. Its first turn goes through
+    A to X; its second through B to Y, as X is full at B: each edge then holds the session on
+    its own node, and every turn went to the node missing the one before, through A to X and
+    through B to Y, for the conversation's life (an outside audit: 2-3 of 16 conversations,
+    each turn on alternate nodes). A session's node yields to a node another edge sent a
+    deeper part of this very prompt (a ``placed`` relay): the third turn, through A, goes to Y,
+    and the session is Y's on both edges from then on."""
+    ups, ids, a, b = await _two_nodes_on_two_edges(nursery)
+
+    def script(body):
+        if body["messages"][-1]["content"] == "hold":
+            return [("chunk", {"content": "a"}), ("hang",)]
+        return [("chunk", {"content": "fine"}), ("chunk", {}, "stop"), ("done",)]
+
+    for up in ups:
+        up.script_for("t", script)
+
+    async def turn(client, messages, session) -> None:
+        body = {"model": "m", "messages": messages, "max_tokens": 4}
+        r = await client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": session})
+        assert r.status_code == 200, r.text
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question " * 40}]
+    with trio.fail_after(BOUND):
+        async with http(a) as via_a, http(b) as via_b, trio.open_nursery() as holders:
+            await turn(via_a, messages, "conv")
+            x = next(i for i, up in enumerate(ups) if up.records)
+            y = 1 - x
+            # X full at B: requests of a session that lives on X, each held open.
+            hog = next(f"h{i}" for i in range(100) if rendezvous(b"sh%d" % i, ids) == ids[x])
+            await eventually(lambda: b.edge.runs.links[ids[x]].free_slots("m") == 2, what="B holds 2 of X")
+            for _ in range(2):
+                holders.start_soon(
+                    lambda: via_b.post(
+                        "/v1/chat/completions",
+                        json={"model": "m", "messages": [{"role": "user", "content": "hold"}], "stream": True},
+                        headers={"X-Session-Id": hog},
+                    )
+                )
+            link_x = b.edge.runs.links[ids[x]]
+            await eventually(lambda: link_x.free_slots("m") == 0 and len(ups[x].records) == 3, what="X full at B")
+            messages.append({"role": "user", "content": "second question " * 40})
+            await turn(via_b, messages, "conv")
+            assert [r.body["messages"][-1]["content"][:6] for r in ups[y].records] == ["second"]
+            holders.cancel_scope.cancel()
+        second, _ = prompt_prefix(msgspec.convert({"model": "m", "messages": messages[:-1]}, ChatRequest))
+        await eventually(lambda: a.edge.runs.prefixes.holders(second[-1]) == ids[y], what="A told of Y")
+        async with http(a) as via_a, http(b) as via_b:
+            messages.append({"role": "user", "content": "third question"})
+            await turn(via_a, messages, "conv")
+            messages.append({"role": "user", "content": "fourth question"})
+            await turn(via_b, messages, "conv")
+            messages.append({"role": "user", "content": "fifth question"})
+            await turn(via_a, messages, "conv")
+    asked = [r.body["messages"][-1]["content"] for r in ups[y].records]
+    assert asked[-3:] == ["third question", "fourth question", "fifth question"], asked
+    assert not [r for r in ups[x].records if r.body["messages"][-1]["content"].endswith("question")]
+    for edge in (a, b):
+        await settled(edge)
+
+
+async def test_a_prompt_cache_key_keeps_its_requests_on_one_node(nursery):
+    """`prompt_cache_key` (OpenAI's key for requests that share a prompt cache) is the session
+    when there is no `X-Session-Id` or `user`, on chat and on Responses: ten unrelated prompts
+    with one key, one at a time, all go to one node (without it they spread by their openings:
+    all ten on one of two nodes, 2 times in 1,024)."""
+    ups, ids, a, _ = await _two_nodes_on_two_edges(nursery)
+    with trio.fail_after(BOUND):
+        async with http(a) as client:
+            for i in range(10):
+                said = f"question {i}: " + "why " * (i + 1)
+                if i % 2:
+                    body = {"model": "m", "input": said, "prompt_cache_key": "team-cache", "max_output_tokens": 4}
+                    r = await client.post("/v1/responses", json=body)
+                else:
+                    body = {"model": "m", "messages": [{"role": "user", "content": said}], "max_tokens": 4}
+                    r = await client.post("/v1/chat/completions", json={**body, "prompt_cache_key": "team-cache"})
+                assert r.status_code == 200, r.text
+    assert sorted(len(up.records) for up in ups) == [0, 10]
+    await settled(a)
+
+
 async def test_a_moved_run_that_failed_while_it_waited_is_not_sent_on():
     """A run moved off a lost node waits for a slot; it fails meanwhile (its timeout, an
     operator's cancel) and, before its request's task has closed it, a slot frees: it was sent

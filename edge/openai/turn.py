@@ -78,8 +78,11 @@ class Turn:
         self.forward = forward if req.tools else None
         self.policy = edge.config.policy(req.model)
         self.stream = bool(req.stream)
-        # ``session``: a front door's own (Messages' metadata.user_id), which the body does not carry.
-        self.session = (ex.header(b"x-session-id") or b"").decode("latin-1") or session or req.user
+        # ``session``: a front door's own (Messages' metadata.user_id), which the body does not carry;
+        # else `user`, else `prompt_cache_key` (OpenAI's own key for a shared prompt cache).
+        self.session = (
+            (ex.header(b"x-session-id") or b"").decode("latin-1") or session or req.user or req.prompt_cache_key
+        )
         self.contract = ToolContract(req) if req.tools else None
         # Tools offered, as `tools` or as OpenAI's deprecated `functions` (forwarded as sent, not
         # read: a server that maps them answers with tool calls): without, calls are dropped.

@@ -170,13 +170,19 @@ class PrefixIndex:
                 more = relayed.get(key)
                 if more is not None:
                     held = more if held is None else _joined(held, more)
-            if held is None:
-                continue
-            if isinstance(held, str):
-                if held in alive:
-                    return at, {held}
-            elif hit := alive.intersection(held):
+            if held is not None and (hit := _among(held, alive)):
                 return at, hit
+        return 0, set()
+
+    def relayed_match(self, chain: tuple[int, ...] | list[int], candidates: Collection[str]) -> tuple[int, set[str]]:
+        """:meth:`match` among the blocks other edges placed (relayed) only."""
+        relayed = self._relayed
+        if relayed.young or relayed.old:
+            alive = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+            for at in range(len(chain), 0, -1):
+                held = relayed.get(chain[at - 1])
+                if held is not None and (hit := _among(held, alive)):
+                    return at, hit
         return 0, set()
 
 
@@ -192,6 +198,13 @@ def anchors(chain: tuple[int, ...] | list[int]) -> list[int]:
     keys = [chain[(1 << i) - 1] for i in range(n.bit_length()) if (1 << i) < n]
     keys.append(chain[-1])
     return keys
+
+
+def _among(held: Holders, alive: set[str] | frozenset[str]) -> set[str]:
+    """Those of ``held`` in ``alive``."""
+    if isinstance(held, str):
+        return {held} if held in alive else set()
+    return alive.intersection(held)
 
 
 def _joined(one: Holders, two: Holders) -> tuple[str, ...]:

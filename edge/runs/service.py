@@ -1071,6 +1071,8 @@ class RunService:
                 return min(failing, key=lambda pair: pair[0])[1]
             return None
         limit = best_load + self.config.prefix_max_load_gap
+        if sticky is not None and routing == "prefix" and want.prefix and self._passed_by(want, sticky, free, limit):
+            sticky = None
         if sticky is not None and ((load := sticky.load(model)) < 1.0 or load <= limit):
             # The session's node while it has capacity (issue #5: a session's overlapping requests
             # went to two nodes once its own ran 2 of 4, an outside audit), by its model server's
@@ -1160,6 +1162,20 @@ class RunService:
             pool = [node_id for node_id, (load, _) in near.items() if load == best_load]
             self._placed = ("rendezvous", 0)
         return near[rendezvous(key, pool)][1]
+
+    def _passed_by(self, want: Want, sticky: NodeLink, free: list[tuple[float, NodeLink]], limit: float) -> bool:
+        """The session's node holds this conversation (its prompt past the opening), and another
+        edge sent a later turn of it (deeper) to another node, free within the load gap (that
+        node's ``placed`` relay says): the session follows the conversation there. (Each edge
+        kept the session on its own node once two had placed it apart, one node full at the
+        time: every turn went to the node missing the one before, for the conversation's
+        life; an outside audit, 2-3 of 16 conversations behind two edges.) A session whose
+        node holds none of the prompt stays there: the strongest hint, as before."""
+        held = self.prefixes.match(want.prefix, (sticky.node_id,))[0]
+        if held <= want.opening:
+            return False
+        near = [lk.node_id for load, lk in free if load <= limit and lk is not sticky]
+        return bool(near) and self.prefixes.relayed_match(want.prefix, near)[0] > held
 
     def _working(self, model: str, exclude: NodeLink | None, now: float) -> bool:
         """Some node serving ``model`` is not routed around, full or not: else a
