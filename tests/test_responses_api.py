@@ -86,20 +86,36 @@ async def test_create_whole_response(edge_up):
 async def test_the_response_echoes_the_request_s_cache_key_safety_id_tier_and_top_logprobs(edge_up):
     """`prompt_cache_key`, `safety_identifier`, `service_tier` and `top_logprobs` come back in the
     Response as sent, streamed (every snapshot) and whole; unsent, they are null (they were left
-    out: an outside audit)."""
+    out: an outside audit). The first three, `user` and `text.verbosity` reach the model server
+    as chat sends them (the cache key went as `user`, or not at all beside a `user`, and the
+    others were dropped while the response said the tier was served: an outside audit)."""
     edge, upstream = edge_up
     upstream.script_for("t", steps({"content": "Hi."}, usage=USAGE))
-    sent = {"prompt_cache_key": "pck-1", "safety_identifier": "sid-1", "service_tier": "default", "top_logprobs": 0}
+    sent = {"prompt_cache_key": "pck-1", "safety_identifier": "sid-1", "service_tier": "flex", "top_logprobs": 0}
     with trio.fail_after(BOUND):
         async with sdk(edge) as client:
-            whole = await client.responses.create(model="m", input="hi", **sent)
+            whole = await client.responses.create(
+                model="m", input="hi", user="end-user-7", text={"verbosity": "low"}, **sent
+            )
             async with client.responses.stream(model="m", input="hi", **sent) as stream:
                 snapshots = [e.response async for e in stream if hasattr(e, "response")]
             bare = await client.responses.create(model="m", input="hi")
+        async with http(edge) as raw:
+            wordy = await raw.post("/v1/responses", json={"model": "m", "input": "hi", "text": {"verbosity": "loud"}})
     assert len(snapshots) >= 3  # created, in_progress (again with each keep-alive), completed
     for r in (whole, *snapshots):
         assert {name: getattr(r, name) for name in sent} == sent
     assert all(getattr(bare, name) is None for name in sent)
+    forwarded = upstream.records[0].body
+    assert {k: forwarded.get(k) for k in ("user", "prompt_cache_key", "safety_identifier", "service_tier")} == {
+        "user": "end-user-7",
+        "prompt_cache_key": "pck-1",
+        "safety_identifier": "sid-1",
+        "service_tier": "flex",
+    }
+    assert forwarded["verbosity"] == "low" and "top_logprobs" not in forwarded and "text" not in forwarded
+    assert wordy.status_code == 400 and wordy.json()["error"]["param"] == "text.verbosity"
+    assert len(upstream.records) == 3
 
 
 async def test_stream_helper_and_create_stream(edge_up):

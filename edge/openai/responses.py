@@ -167,9 +167,12 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
     for name in ("user", "prompt_cache_key"):  # (as OpenAI's; a number was taken and kept no session)
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise _bad(f"Invalid value for `{name}`: expected a string.", name)
-    user = raw.get("user") or raw.get("prompt_cache_key")  # (an empty user is none: the cache key then)
-    if user:
-        chat["user"] = user  # the session a run keeps to (a node's warm cache)
+    # Forwarded as chat forwards them (`prompt_cache_key` went as `user`, the others not at all,
+    # yet the response said the tier was served: an outside audit). The run's session is
+    # `user`, else `prompt_cache_key` (Turn.session), as for chat.
+    for name in ("user", "prompt_cache_key", "safety_identifier", "service_tier"):
+        if raw.get(name):  # (an empty user is none)
+            chat[name] = raw[name]
     _decode_tools(raw, decoded)
     _decode_text_format(raw.get("text"), chat)
     reasoning = raw.get("reasoning")
@@ -371,6 +374,7 @@ _JSON_TYPES = {list: "an array", str: "a string", int: "an integer", float: "a n
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SUMMARIES = ("auto", "concise", "detailed", "none")
+_VERBOSITIES = ("low", "medium", "high")
 
 
 def _check_types(raw: dict[str, Any]) -> None:
@@ -727,6 +731,12 @@ def namespace_name(namespace: str, name: str) -> str:
 
 
 def _decode_text_format(text: Any, chat: dict[str, Any]) -> None:
+    verbosity = text.get("verbosity") if isinstance(text, dict) else None
+    if verbosity is not None:
+        if verbosity not in _VERBOSITIES:
+            wanted = ", ".join(_VERBOSITIES)
+            raise _bad(f"Invalid value for `text.verbosity`: expected one of {wanted}.", "text.verbosity")
+        chat["verbosity"] = verbosity  # (chat's own field)
     fmt = text.get("format") if isinstance(text, dict) else None
     if not isinstance(fmt, dict):
         return
