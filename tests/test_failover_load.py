@@ -309,29 +309,44 @@ async def test_a_collected_run_silent_on_a_stalled_node_runs_again_on_its_peer(n
     await settled(edge, first.agent, peer.agent)
 
 
+async def _lost_and_busy(nursery, busy_script, **config):
+    """An edge (least loaded) and two nodes of `m`, one slot each: "doomed", whose model server
+    is silent, and "busy", whose answers ``busy_script`` makes. The upstreams, the edge and
+    the doomed node."""
+    lost, busy = await new_upstream(nursery), await new_upstream(nursery)
+    lost.script_for("t", [("hang",)])
+    busy.script_for("t", busy_script)
+    edge = await start_edge(nursery, edge_config(routing="least_loaded", **config))
+    doomed = await start_node(nursery, edge, [model("m", lost, target="t", max_concurrency=1)], node_id="doomed")
+    await start_node(nursery, edge, [model("m", busy, target="t", max_concurrency=1)], node_id="busy")
+    return lost, busy, edge, doomed
+
+
+async def _one_on_each(client, clients, lost: Upstream, busy: Upstream) -> list[httpx.Response]:
+    """Two requests, one on each node: the list their answers go to as they come."""
+    answers: list[httpx.Response] = []
+
+    async def ask() -> None:
+        answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
+
+    clients.start_soon(ask)
+    clients.start_soon(ask)
+    await lost.wait_requests(1)
+    await busy.wait_requests(1)
+    return answers
+
+
 async def test_a_run_moved_off_a_lost_node_waits_within_the_queue_timeout(nursery):
     """A run not yet started on a node that is lost moves; with every other node busy it waits
     for a slot. It waited out `wait_timeout_s` (120 s by default) and then told its client its
     run had timed out, though it never started (an outside chaos audit), where a request queued
     beside it got its answer within the queue's timeout. It waits as long as a queued request,
     and then its client is told its node was lost (a 502 the SDKs retry)."""
-    lost, busy = await new_upstream(nursery), await new_upstream(nursery)
-    lost.script_for("t", [("hang",)])
-    busy.script_for("t", [("chunk", {"content": "working"}), ("hang",)])
-    edge = await start_edge(nursery, edge_config(queue_timeout_ms=1500, wait_timeout_s=60, routing="least_loaded"))
-    doomed = await start_node(nursery, edge, [model("m", lost, target="t", max_concurrency=1)], node_id="doomed")
-    await start_node(nursery, edge, [model("m", busy, target="t", max_concurrency=1)], node_id="busy")
-    answers: list[httpx.Response] = []
+    busy_script = [("chunk", {"content": "working"}), ("hang",)]
+    lost, busy, edge, doomed = await _lost_and_busy(nursery, busy_script, queue_timeout_ms=1500, wait_timeout_s=60)
     with trio.fail_after(BOUND):
         async with http(edge) as client, trio.open_nursery() as clients:
-
-            async def ask() -> None:
-                answers.append(await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}))
-
-            clients.start_soon(ask)
-            clients.start_soon(ask)
-            await lost.wait_requests(1)
-            await busy.wait_requests(1)
+            answers = await _one_on_each(client, clients, lost, busy)
             doomed.stop()
             stopped = trio.current_time()
             await eventually(lambda: len(answers) == 1, "the moved run's answer")
@@ -341,6 +356,29 @@ async def test_a_run_moved_off_a_lost_node_waits_within_the_queue_timeout(nurser
     (r,) = answers
     assert r.status_code == 502 and r.json()["error"]["code"] == "node_disconnected", r.text
     assert "no other node had room" in r.json()["error"]["message"]
+
+
+async def test_a_moved_run_s_silence_is_counted_from_where_it_was_sent_last(nursery):
+    """A run silent on a node that is lost moves; it waits for a slot, then is sent to another
+    node. Its silence was counted from its first sending: with `wait_timeout_s` 1, it was a 504
+    "timed out" while it waited ahead of the queue (an outside re-check). The wait is bounded
+    by the queue's timeout, and its silence counts from where it was sent last: it is answered."""
+
+    def busy_script(body):  # a first answer that takes 2.1 s, its pieces 0.3 s apart; then quick ones
+        if len(busy.records) > 1:
+            return text_script(["moved ", "fine"])
+        return [*[("chunk", {"content": "work"}), ("sleep", 0.3)] * 7, ("chunk", {}, "stop"), ("done",)]
+
+    lost, busy, edge, doomed = await _lost_and_busy(nursery, busy_script, queue_timeout_ms=8000, wait_timeout_s=1.0)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            answers = await _one_on_each(client, clients, lost, busy)
+            await trio.sleep(0.6)  # (silent there, within wait_timeout_s)
+            doomed.stop()
+    texts = sorted(r.json()["choices"][0]["message"]["content"] for r in answers if r.status_code == 200)
+    assert texts == ["moved fine", "work" * 7], [r.text for r in answers]
+    assert len(busy.records) == 2 and lost.records[0].aborted
+    await settled(edge)
 
 
 async def _three_warm_nodes(nursery, up: Upstream, **config):

@@ -546,6 +546,8 @@ class Run:
         return self._times_out_at() <= now
 
     def _times_out_at(self) -> float:
+        if self.requeued is not None:  # (no node has it: its wait ahead of the queue is move_until's)
+            return min(self.deadline, self.move_until)
         last = self.last_event_at if self.last_event_at > self.progress_at else self.progress_at
         return min(last + self.wait_timeout, self.deadline, self.move_until)
 

@@ -759,8 +759,10 @@ class RunService:
             # new one's server would have answered 404, or with another model.
             changes["body"] = with_model(request.body, slot.info.target)
         run.request = msgspec.structs.replace(request, **changes)
+        now = trio.current_time()
+        run.last_event_at = now  # (its silence counts from here: it was the first node's, a 504 while it waited)
         link.send_nowait(run.request)
-        link.sent(run.id, trio.current_time())
+        link.sent(run.id, now)
 
     def check_stall(self, link: NodeLink) -> None:
         """Route around ``link`` for a model whose runs are not progressing there:
