@@ -119,6 +119,43 @@ async def test_text_ending_in_what_might_begin_a_call_is_kept_beside_native_call
     assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_time"]
 
 
+@pytest.mark.parametrize(("name", "stream"), [("native", False), ("native", True), ("live", True)])
+async def test_a_list_of_calls_in_one_block_is_each_of_them(tooled, name, stream):
+    """Some models write a turn's parallel calls as a list in one block: it was read as one call
+    with no name, retried and failed ("a tool call has no function name", an outside audit).
+    Each is a call, in order; with `parallel_tool_calls: false` only the first; a list holding
+    anything but calls is still unreadable."""
+    edge, upstream = tooled
+    listed = [{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Rome")]
+    text = "Checking.<tool_call>" + json.dumps(listed) + "</tool_call>"
+    upstream.script_for("t", steps(*({"content": text[i : i + 9]} for i in range(0, len(text), 9))))
+
+    async def calls(**kw):
+        async with sdk(edge) as client:
+            if not stream:
+                whole = await client.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS, **kw)
+                return whole.choices[0].message.content, whole.choices[0].message.tool_calls
+            got, content = {}, ""
+            async for chunk in await client.chat.completions.create(
+                model=name, messages=MESSAGES, tools=TOOLS, stream=True, **kw
+            ):
+                for call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                    got.setdefault(call.index, []).append(call)
+                content += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            return content, [parts[0] for _, parts in sorted(got.items())]
+
+    with trio.fail_after(BOUND):
+        content, both = await calls()
+        _, first = await calls(parallel_tool_calls=False)
+    assert content == "Checking."
+    assert [json.loads(c.function.arguments)["city"] for c in both] == ["Paris", "Rome"]
+    assert len({c.id for c in both}) == 2
+    assert [json.loads(c.function.arguments)["city"] for c in first] == ["Paris"]
+    assert len(upstream.records) == 2  # (no retry)
+    bad = tools_module.parse_text_tool_calls('<tool_call>[{"name": "get_time"}, 3]</tool_call>')
+    assert not bad.calls and bad.error == "a tool call has no function name"
+
+
 WRITE = {
     "type": "function",
     "function": {

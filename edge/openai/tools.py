@@ -170,24 +170,30 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, most: int | None = N
             dropped = True
             continue
         kind = "xml" if m.group("xml") is not None else "mustache"
-        call, error = _read_call(m.group(kind).strip(), budget)
+        read_calls, error = _read_calls(m.group(kind).strip(), budget)
         pos = m.end()
         to_the_end = m.end(kind) == len(text)  # (no closing tag after it)
-        if call is None and rereads > 0:  # a closing tag inside a JSON string may have cut it short
+        if not read_calls and rereads > 0:  # a closing tag inside a JSON string may have cut it short
             start = m.start(kind)
             window = min(len(text), start + rereads)
             read = _JSON_BODY[kind].match(text, start, window)
             rereads -= read.end() - start
             to_the_end = to_the_end or read.end() == len(text)  # (its last string ran to the end)
             if read.end() > m.end(kind) and (read.end() < window or window == len(text)):
-                whole, _ = _read_call(read.group().strip(), budget)
-                if whole is not None:
-                    call, error, pos = whole, "", min(len(text), read.end() + _CLOSE[kind])
-        if call is None and cut_off and to_the_end:  # the block the cut ended: text, as written
+                whole, _ = _read_calls(read.group().strip(), budget)
+                if whole:
+                    read_calls, error, pos = whole, "", min(len(text), read.end() + _CLOSE[kind])
+        if not read_calls and cut_off and to_the_end:  # the block the cut ended: text, as written
             pieces.append(text[m.start() :])
             pos = len(text)
-        elif call is not None:
-            calls.append(call)
+        elif len(calls) + len(read_calls) + len(errors) > MAX_TOOL_CALLS:
+            errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
+            break
+        elif read_calls:
+            if most is not None and len(calls) + len(read_calls) > most:  # (a list past the bound)
+                del read_calls[most - len(calls) :]
+                dropped = True
+            calls.extend(read_calls)
         else:
             errors.append(error)
         search = pos
@@ -228,20 +234,27 @@ def calls_in_reasoning(reasoning: str, finish_reason: str, most: int | None = No
     return parsed if parsed.candidate else None
 
 
-def _read_call(body: str, budget: jsoncost.Budget) -> tuple[ToolCall | None, str]:
+def _read_calls(body: str, budget: jsoncost.Budget) -> tuple[list[ToolCall], str]:
+    """A block's calls: one object, or a list of them (some models write a turn's parallel
+    calls in one block: it was read as a call with no name, retried and failed; an outside
+    audit). None and why, when it holds none that can be read."""
     try:
         obj = budget.decode(body)
     except jsoncost.TooCostly as e:
-        return None, f"the tool calls hold {e}"
+        return [], f"the tool calls hold {e}"
     except msgspec.DecodeError:
-        return None, f"a tool call is not valid JSON: {body[:120]!r}"
+        return [], f"a tool call is not valid JSON: {body[:120]!r}"
     except RecursionError:  # (msgspec's, past ~1,000 levels: not a DecodeError)
-        return None, "a tool call is nested too deeply"
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None, "a tool call has no function name"
-    args = obj.get("arguments", obj.get("parameters", {}))
-    arguments = args if isinstance(args, str) else _encode(args).decode()
-    return ToolCall(id=new_call_id(), function=ToolCallFunction(name=obj["name"], arguments=arguments)), ""
+        return [], "a tool call is nested too deeply"
+    objs = obj if isinstance(obj, list) and obj else [obj]
+    if not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objs):
+        return [], "a tool call has no function name"
+    calls = []
+    for o in objs:
+        args = o.get("arguments", o.get("parameters", {}))
+        arguments = args if isinstance(args, str) else _encode(args).decode()
+        calls.append(ToolCall(id=new_call_id(), function=ToolCallFunction(name=o["name"], arguments=arguments)))
+    return calls, ""
 
 
 # -- validation -----------------------------------------------------------------
