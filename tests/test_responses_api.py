@@ -78,9 +78,31 @@ async def test_create_whole_response(edge_up):
         {"role": "user", "content": "hi"},
     ]
     assert body["max_tokens"] == 50 and body["user"] == "u1"
-    assert "include_reasoning" not in body and body["metadata"] == {"k": "v"}
+    assert "include_reasoning" not in body and body["metadata"] == {"k": "v"} and body["store"] is True
     assert body["top_k"] == 5 and body["chat_template_kwargs"] == {"enable_thinking": False} and "n" not in body
-    assert "store" not in body and "input" not in body and "instructions" not in body
+    assert "input" not in body and "instructions" not in body
+
+
+async def test_a_responses_metadata_reaches_the_model_server_only_with_store(edge_up):
+    """A Response's `metadata` needs no `store`; chat's does: OpenAI's chat answers a 400 "The
+    'metadata' parameter is only allowed when 'store' is enabled" without it, and the edge sent
+    it bare (an outside audit). It goes on only beside an explicit `store: true`, which goes
+    with it; it is echoed either way."""
+    edge, upstream = edge_up
+    upstream.script_for("t", steps({"content": "Hi."}, usage=USAGE))
+    meta = {"team": "a"}
+    with trio.fail_after(BOUND):
+        async with sdk(edge) as client:
+            bare = await client.responses.create(model="m", input="hi", metadata=meta)
+            unstored = await client.responses.create(model="m", input="hi", metadata=meta, store=False)
+            stored = await client.responses.create(model="m", input="hi", metadata=meta, store=True)
+            async with client.responses.stream(model="m", input="hi", metadata=meta) as stream:
+                streamed = await stream.get_final_response()
+    assert bare.metadata == unstored.metadata == stored.metadata == streamed.metadata == meta
+    sent = [r.body for r in upstream.records]
+    assert ["metadata" in b or "store" in b for b in sent[:2]] == [False, False]
+    assert (sent[2]["metadata"], sent[2]["store"]) == (meta, True)
+    assert "metadata" not in sent[3] and len(sent) == 4
 
 
 async def test_the_response_echoes_the_request_s_cache_key_safety_id_tier_and_top_logprobs(edge_up):

@@ -147,9 +147,13 @@ def decode_request(raw: dict[str, Any], *, max_output_tokens: int | None = None,
     chat["messages"] = _one_leading_system(messages)
     if isinstance(raw.get("stream"), bool):
         chat["stream"] = raw["stream"]
-    for name in ("temperature", "top_p", "metadata"):
+    for name in ("temperature", "top_p"):
         if raw.get(name) is not None:
             chat[name] = raw[name]
+    if raw.get("metadata") and raw.get("store") is True:
+        # A response's metadata goes on with `store`, which chat wants beside it (OpenAI's chat is a 400
+        # "The 'metadata' parameter is only allowed when 'store' is enabled" without: an outside audit).
+        chat["metadata"], chat["store"] = raw["metadata"], True
     limit = raw.get("max_output_tokens")
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:

@@ -92,7 +92,7 @@ async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
             tool_types=sorted({t[:64] for t in decoded.ignored_tools})[:20],  # a client's strings: bounded
             item_types=sorted({t[:64] for t in decoded.ignored_items})[:20],
         )
-    turn = await open_turn(edge, ex, decoded.chat, converted=True)
+    turn = await open_turn(edge, ex, decoded.chat, converted=True, metadata=decoded.echo["metadata"])
     turn.max_tool_calls = decoded.echo["max_tool_calls"]
     enc = ResponseEncoder(
         "resp_" + ex.request_id.removeprefix("req_"),

@@ -67,7 +67,13 @@ class Turn:
     """One chat completion request, across the runs it takes (tool retries)."""
 
     def __init__(
-        self, edge: Edge, ex: Exchange, req: ChatRequest, forward: dict[str, Any], session: str | None = None
+        self,
+        edge: Edge,
+        ex: Exchange,
+        req: ChatRequest,
+        forward: dict[str, Any],
+        session: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         self.edge = edge
         self.ex = ex
@@ -88,7 +94,7 @@ class Turn:
         # read: a server that maps them answers with tool calls): without, calls are dropped.
         self.offered = bool(req.tools) or bool(forward.get("functions"))
         self.metadata = {"openai_stream": "true" if self.stream else "false", "attempt": "1"}
-        user_meta = forward.get("metadata")
+        user_meta = forward.get("metadata") if metadata is None else metadata  # (a front door's own, not sent)
         if isinstance(user_meta, dict) and TRACE_METADATA_KEY in user_meta and edge.config.trace_requests:
             # (a flag: "1", "true"; a 1 MB value went into the run's frame twice, past a node's limit)
             self.metadata[TRACE_METADATA_KEY] = str(user_meta[TRACE_METADATA_KEY])[:16]
@@ -370,14 +376,21 @@ _HEAVY_TURNS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_h
 
 
 async def open_turn(
-    edge: Edge, ex: Exchange, chat: dict[str, Any], *, converted: bool = False, session: str | None = None
+    edge: Edge,
+    ex: Exchange,
+    chat: dict[str, Any],
+    *,
+    converted: bool = False,
+    session: str | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Turn:
     """The turn for a chat request body (what every front door decodes into):
     validated, with its tools' schemas checked. Raises :class:`APIError` (400).
     ``converted``: the body came from another API's request, whose own items
     the front door held to ``max_messages`` (each tool result becomes a message
     here, so the chat count may be larger; content parts bound it). ``session``: the
-    session the front door read from its request, kept to but not sent upstream."""
+    session the front door read from its request, kept to but not sent upstream;
+    ``metadata``: its request's metadata (read for the trace flag), likewise."""
     cfg = edge.config
     max_messages = cfg.max_messages + MAX_CONTENT_PARTS if converted else cfg.max_messages
 
@@ -389,7 +402,7 @@ async def open_turn(
             max_output_tokens=cfg.max_output_tokens,
             paired=not converted,
         )
-        return Turn(edge, ex, req, forward, session)
+        return Turn(edge, ex, req, forward, session, metadata)
 
     if ex.body_size < HEAVY_BODY_BYTES:
         turn = make()
