@@ -775,3 +775,66 @@ async def test_a_read_given_up_by_its_caller_stops_the_read_timeout(nursery):
                     await response.pump(lambda data: fed.append(data) or True)
                 await trio.sleep(1.0)  # the caller's own wait: not a read's
     assert fed == [b"hello"]
+
+
+async def test_an_idle_close_that_crossed_the_request_sends_it_again(serve, monkeypatch):
+    """A kept-alive connection whose server closed it as idle just as the request went out on it
+    (its FIN still on the way when the pool looked): the close reaches the node as the end of
+    the connection with no answer, and the server never had the request (its TCP acknowledged
+    none of it). It was a NoAnswer, a 502; it is sent again, once, on a new connection. One the
+    server read (acknowledged) and closed without an answer is still not sent again (above)."""
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    closed = trio.Event()
+
+    async def answer_then_close(stream):
+        await stream.send_all(ok)
+        await stream.aclose()
+        closed.set()
+
+    server, client = await serve(answer_then_close, ok)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+        await closed.wait()
+        await trio.sleep(0.05)  # (the FIN is here: the pool would see it, so it is made to miss it)
+        monkeypatch.setattr(http1._Connection, "closed_by_peer", lambda self: False)
+        assert await body_of(client) == (200, b"ok")
+    assert server.connections == 2 and len(server.requests) == 2
+
+
+async def test_an_answer_before_the_body_was_read_is_the_answer(nursery):
+    """A server that answers a large request before reading its body (a 413) and closes: the
+    node's write fails, and the answer waiting in its socket was lost, a 502 "connection lost
+    while sending" (charged the whole prompt; an outside audit). It is the answer."""
+    answer = b'HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\ncontent-length: 24\r\nconnection: close\r\n\r\n{"error":"too large..."}'
+
+    async def early(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        stream.socket.close()  # (the body unread: a reset follows)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    nursery.start_soon(trio.serve_listeners, early, listeners)
+    client = http1.Client(f"http://127.0.0.1:{port}/v1", read_timeout=2)
+    try:
+        with trio.fail_after(BOUND):
+            async with client.request("POST", "/chat/completions", b"x" * (16 << 20)) as r:
+                assert r.status == 413
+                body = b""
+                while data := await r.read():
+                    body += data
+        assert body == b'{"error":"too large..."}'
+    finally:
+        await client.aclose()
+
+
+async def test_every_request_asks_for_no_content_coding(serve):
+    """With no accept-encoding a server may use any coding (RFC 9110 12.5.3): one that gzipped
+    its answer had a tunnel relay gzip bytes as they were, its content-encoding gone (an outside
+    audit). Every request says identity."""
+    server, client = await serve(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (200, b"ok")
+    assert b"\r\naccept-encoding: identity\r\n" in server.requests[0].lower()
