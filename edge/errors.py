@@ -159,12 +159,15 @@ class RunFailed(Exception):
     """A run ended in error: ``message`` is what the client is told, ``type``
     the OpenAI error type, ``cause`` the reason for metrics and logs."""
 
-    def __init__(self, message: str, *, type: str = "run_error", cause: str = "error", status: int = 0) -> None:
+    def __init__(
+        self, message: str, *, type: str = "run_error", cause: str = "error", status: int = 0, retry_after: float = 0.0
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.type = type
         self.cause = cause
         self.status = status  # the upstream's HTTP status, when it gave one
+        self.retry_after = retry_after  # and its Retry-After, in seconds (0: none said)
         self.refusal: APIError | None = None  # a retry refused a slot: that refusal, as its HTTP error
 
 

@@ -343,7 +343,7 @@ class RunSink:
             size, COMPLETE, finish_reason=finish_reason, tool_calls=tool_calls, usage=usage, stop=stop, refusal=refusal
         )
 
-    async def error(self, message: str, status: int = 0) -> None:
+    async def error(self, message: str, status: int = 0, retry_after: float = 0.0) -> None:
         if self.ended:
             return
         self.ended = True
@@ -353,7 +353,8 @@ class RunSink:
         room = self._outbox.budget - self._base
         if text_bytes(message) > room:
             message = split_text(message, room)[0]
-        await self._emit(self._base + text_bytes(message), ERROR, text=message, status=status)
+        more = {"retry_after": retry_after} if retry_after else {}
+        await self._emit(self._base + text_bytes(message), ERROR, text=message, status=status, **more)
 
 
 class _Slot:

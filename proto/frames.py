@@ -133,6 +133,8 @@ class RunEvent(msgspec.Struct, omit_defaults=True):
     tool_calls: ToolCalls | None = None
     usage: Usage | None = None
     status: HTTPStatus = 0  # error events: the upstream's HTTP status, when it gave one
+    # error events: the upstream's Retry-After, in seconds (0: none said), for a 429 or 503
+    retry_after: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 0.0
     # deltas: how many model-server deltas this text joins (0: one); usage estimates count them
     # (progress: the tool-call pieces read). Never negative: -2^62 erased a key's day of tokens.
     parts: Annotated[int, msgspec.Meta(ge=0)] = 0

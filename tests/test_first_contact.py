@@ -5,8 +5,10 @@ off by max_tokens, and one access line with a request id for every request."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import gzip
 import re
+import time
 
 import anthropic
 import httpx
@@ -165,6 +167,29 @@ async def test_upstream_429_before_the_first_event_is_a_429_with_retry_after(fir
                         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
                 assert caught.value.status_code == 429
                 assert caught.value.response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("said", "told"),
+    [("30", (30, 30)), ("date+120", (118, 121)), ("", (1, 1)), ("9999999", (3600, 3600)), ("soon", (1, 1))],
+)
+async def test_an_upstream_429_s_retry_after_reaches_the_client(first, said, told):
+    """A model server's 429 with `Retry-After: 30` reached the client as `Retry-After: 1`, and
+    the SDKs retried a saturated provider after a second (an outside audit; a passthrough
+    kept it). Its Retry-After (seconds, or an HTTP date) is the client's, at least 1 s and at
+    most an hour; none, or one that cannot be read, is 1 s."""
+    edge, upstream = first
+    if said == "date+120":
+        said = email.utils.formatdate(time.time() + 120, usegmt=True)
+    body = b'{"error": {"message": "slow down"}}'
+    head = b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+    head += b"retry-after: %s\r\n" % said.encode() if said else b""
+    upstream.script_for("t", [("response", head + b"content-length: %d\r\n\r\n%s" % (len(body), body))])
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_rate_limited", r.text
+    assert told[0] <= int(r.headers["retry-after"]) <= told[1], r.headers["retry-after"]
 
 
 async def test_sdk_retries_a_stream_that_failed_before_its_first_event(first):

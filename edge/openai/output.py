@@ -14,6 +14,7 @@ its first event stays invisible either way.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -126,10 +127,11 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     if failed.type not in ("run_error", "timeout_error"):  # (a tool call's retry that failed: why, as in a stream)
         return APIError(502, failed.message, failed.type, code=stream_code(run, failed.type))
     if failed.status == 429:
-        # The model server is saturated: the client may retry. Its own
-        # Retry-After does not travel over the link; say 1 s.
+        # The model server is saturated: the client may retry, after its Retry-After (1 s if it
+        # said none, or a node too old to pass it on; at most an hour).
+        wait = b"%d" % min(max(math.ceil(failed.retry_after), 1), 3600)
         return APIError(
-            429, failed.message, "rate_limit_error", code="upstream_rate_limited", headers=[(b"retry-after", b"1")]
+            429, failed.message, "rate_limit_error", code="upstream_rate_limited", headers=[(b"retry-after", wait)]
         )
     if failed.status in (401, 403):  # the node's credentials: no fault of the client's key
         return APIError(

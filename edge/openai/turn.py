@@ -456,7 +456,9 @@ def failure(event: RunEvent, run: Run) -> RunFailed:
     # it was an api_error there, a server fault to the SDK: an outside re-audit).
     # A run timed out is a timeout_error in a stream as in its 504 (it was a run_error there).
     type = _FAILURE_TYPES.get(run.cause, "run_error")
-    return RunFailed(message, type=type, cause=run.cause or "run_error", status=event.status)
+    return RunFailed(
+        message, type=type, cause=run.cause or "run_error", status=event.status, retry_after=event.retry_after
+    )
 
 
 Hook = Callable[[], Awaitable[None]]
