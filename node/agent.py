@@ -37,6 +37,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError,
 from iop import __version__
 from iop.drain import within_grace
 from iop.exceptions import first_leaf
+from node import http1
 from node.adapters import Adapter, Counters, Via, make_adapter
 from node.adapters.sim import SimAdapter
 from node.config import NodeConfig
@@ -751,6 +752,15 @@ class NodeAgent:
                 frame = frame or Placed(model=model, prefix=prefix)
                 link.outbox.hint(frame)
 
+    async def _prune_idle_connections(self) -> None:
+        """Every few seconds, the model servers' idle connections they closed or that expired
+        are closed (:meth:`node.http1.Client.prune`)."""
+        clients = [c for a in self.adapters.values() if isinstance(c := getattr(a, "client", None), http1.Client)]
+        while clients:
+            await trio.sleep(http1.KEEPALIVE_EXPIRY_S)
+            for client in clients:
+                client.prune()
+
     async def _report_sim_cache(self, model: str, adapter: SimAdapter, interval: float) -> None:
         """A ``sim`` model with a prefix cache reports its hit rate as a model
         server's metrics would (``iop_engine_prefix_cache_hit_rate`` on the edges)."""
@@ -782,6 +792,7 @@ class NodeAgent:
                         nursery.start_soon(self._report_sim_cache, model.name, adapter, model.metrics_interval_s)
                 for url in self.config.edges:
                     nursery.start_soon(self._dial_forever, url)
+                nursery.start_soon(self._prune_idle_connections)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2):

@@ -666,6 +666,19 @@ class Client:
             conn.sock.close()
         return None
 
+    def prune(self) -> None:
+        """Close the idle connections the server has closed, or that idled past
+        :data:`KEEPALIVE_EXPIRY_S`: they held a socket each (in CLOSE-WAIT) until the
+        origin's next request, which may never come (an outside audit: 45 sockets)."""
+        fresh = trio.current_time() - KEEPALIVE_EXPIRY_S
+        keep = []
+        for conn in self._idle:
+            if conn.idle_since < fresh or conn.closed_by_peer():
+                conn.sock.close()
+            else:
+                keep.append(conn)
+        self._idle = keep
+
     async def _send(self, conn: _Connection, data: bytes) -> None:
         if conn.plain:
             # A request nearly always fits the socket's buffer: one write, no timeout scope and
