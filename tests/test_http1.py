@@ -104,6 +104,20 @@ def drip_reply(gone: trio.Event):
     return drip
 
 
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+def closing_reply(closed: trio.Event):
+    """A reply (:data:`OK`) after which the server closes the connection (then ``closed``)."""
+
+    async def answer_then_close(stream):
+        await stream.send_all(OK)
+        await stream.aclose()
+        closed.set()
+
+    return answer_then_close
+
+
 @pytest.fixture
 async def serve(nursery):
     clients: list[http1.Client] = []
@@ -783,13 +797,8 @@ async def test_an_idle_close_that_crossed_the_request_sends_it_again(serve, monk
     the connection with no answer, and the server never had the request (its TCP acknowledged
     none of it). It was a NoAnswer, a 502; it is sent again, once, on a new connection. One the
     server read (acknowledged) and closed without an answer is still not sent again (above)."""
-    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-    closed = trio.Event()
-
-    async def answer_then_close(stream):
-        await stream.send_all(ok)
-        await stream.aclose()
-        closed.set()
+    ok, closed = OK, trio.Event()
+    answer_then_close = closing_reply(closed)
 
     server, client = await serve(answer_then_close, ok)
     with trio.fail_after(BOUND):
@@ -844,13 +853,8 @@ async def test_idle_connections_the_server_closed_are_closed_without_a_request(s
     """Idle connections the server closed held a socket each in CLOSE-WAIT until the model's
     next request, which may never come (an outside audit: 45 sockets on a node). The node
     prunes them every few seconds (:meth:`Client.prune`): the closed one goes, a live one stays."""
-    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-    closed = trio.Event()
-
-    async def answer_then_close(stream):
-        await stream.send_all(ok)
-        await stream.aclose()
-        closed.set()
+    ok, closed = OK, trio.Event()
+    answer_then_close = closing_reply(closed)
 
     _, closing = await serve(answer_then_close)
     _, staying = await serve(ok)
