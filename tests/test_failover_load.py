@@ -381,6 +381,33 @@ async def test_a_moved_run_s_silence_is_counted_from_where_it_was_sent_last(nurs
     await settled(edge)
 
 
+async def test_a_moved_run_silent_where_it_was_sent_last_times_out_there(nursery):
+    """The other side of the test above: a moved run that waited for a slot, then is silent on
+    its new node, is a 504 `wait_timeout_s` after it was sent there. It was timed out only at
+    its wait's deadline, `queue_timeout_ms` after the move (an outside re-check: 30 s, the
+    silence limit 4 s), its timer still set for then."""
+
+    def busy_script(body):  # a first answer that takes 2.1 s, its pieces 0.3 s apart; then silence
+        if len(busy.records) > 1:
+            return [("hang",)]
+        return [*[("chunk", {"content": "work"}), ("sleep", 0.3)] * 7, ("chunk", {}, "stop"), ("done",)]
+
+    lost, busy, edge, doomed = await _lost_and_busy(nursery, busy_script, queue_timeout_ms=15000, wait_timeout_s=1.0)
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as clients:
+            answers = await _one_on_each(client, clients, lost, busy)
+            await trio.sleep(0.3)
+            doomed.stop()
+            await busy.wait_requests(2)
+            sent_again = trio.current_time()
+            await eventually(lambda: len(answers) == 2, "both answered")
+            took = trio.current_time() - sent_again
+    timed_out = [r for r in answers if r.status_code == 504]
+    assert len(timed_out) == 1 and timed_out[0].json()["error"]["code"] == "run_timed_out", [r.text for r in answers]
+    assert took < 5, took  # (1 s of silence there, give or take the machine: 13 s more before)
+    await settled(edge)
+
+
 async def _three_warm_nodes(nursery, up: Upstream, **config):
     """An edge (stall_after_s 0.5) and three nodes of `m` on ``up``, each with a time to first
     event of milliseconds on short prompts."""

@@ -720,6 +720,12 @@ class RunTimers:
         if self._heap[0] is entry:
             self._changed.unpark_all()  # sooner than what the task sleeps until
 
+    def reschedule(self, run: Run) -> None:
+        """The run's due time moved (sooner, maybe): its timer is set again."""
+        if run.timer is not None:
+            self.discard(run)
+            self.add(run)
+
     def discard(self, run: Run) -> None:
         entry = run.timer
         if entry is None:

@@ -644,9 +644,7 @@ class RunService:
             wait = min(timeout_ms / 1000, LOST_GRACE_S) if back else timeout_ms / 1000
             run.unserved = back  # (none linked within the grace: the 503 a queued request gets)
             run.held_error, run.move_until = failed, trio.current_time() + wait
-            if run.timer is not None:  # (sooner than it was due)
-                self.timers.discard(run)
-                self.timers.add(run)
+            self.timers.reschedule(run)  # (sooner than it was due, maybe)
         if failed is None:  # (a node that failed the run has ended it)
             old.cancel(run.id, "moved to another node")  # no-op on a lost link
         old.forget_run(run.id)
@@ -761,6 +759,7 @@ class RunService:
         run.request = msgspec.structs.replace(request, **changes)
         now = trio.current_time()
         run.last_event_at = now  # (its silence counts from here: it was the first node's, a 504 while it waited)
+        self.timers.reschedule(run)  # (and is timed from here: it was due at its wait's deadline)
         link.send_nowait(run.request)
         link.sent(run.id, now)
 
