@@ -171,7 +171,14 @@ async def test_upstream_429_before_the_first_event_is_a_429_with_retry_after(fir
 
 @pytest.mark.parametrize(
     ("said", "told"),
-    [("30", (30, 30)), ("date+120", (118, 121)), ("", (1, 1)), ("9999999", (3600, 3600)), ("soon", (1, 1))],
+    [
+        ("30", (30, 30)),
+        ("date+120", (118, 121)),
+        ("", (1, 1)),
+        ("9999999", (3600, 3600)),
+        ("soon", (1, 1)),
+        ("\u00b3", (1, 1)),  # (a digit to str.isdigit, not to int: the node's adapter failed, a 502)
+    ],
 )
 async def test_an_upstream_429_s_retry_after_reaches_the_client(first, said, told):
     """A model server's 429 with `Retry-After: 30` reached the client as `Retry-After: 1`, and
@@ -181,15 +188,31 @@ async def test_an_upstream_429_s_retry_after_reaches_the_client(first, said, tol
     edge, upstream = first
     if said == "date+120":
         said = email.utils.formatdate(time.time() + 120, usegmt=True)
-    body = b'{"error": {"message": "slow down"}}'
-    head = b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-    head += b"retry-after: %s\r\n" % said.encode() if said else b""
-    upstream.script_for("t", [("response", head + b"content-length: %d\r\n\r\n%s" % (len(body), body))])
+    _answers_with(upstream, b"429 Too Many Requests", said)
     with trio.fail_after(BOUND):
         async with http(edge) as client:
             r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_rate_limited", r.text
     assert told[0] <= int(r.headers["retry-after"]) <= told[1], r.headers["retry-after"]
+
+
+async def test_an_upstream_503_s_retry_after_goes_with_its_502(first):
+    """A model server's 503 (unavailable) is a 502 the SDKs retry; its Retry-After goes with it,
+    so they wait as it asked (they retried on their own backoff; a re-check)."""
+    edge, upstream = first
+    _answers_with(upstream, b"503 Service Unavailable", "7")
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert r.status_code == 502 and r.headers["retry-after"] == "7", (r.text, r.headers)
+
+
+def _answers_with(upstream, status: bytes, said: str) -> None:
+    """The upstream answers every request with ``status`` and ``Retry-After: said`` (none if empty)."""
+    body = b'{"error": {"message": "slow down"}}'
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status
+    head += b"retry-after: %s\r\n" % said.encode("latin-1") if said else b""
+    upstream.script_for("t", [("response", head + b"content-length: %d\r\n\r\n%s" % (len(body), body))])
 
 
 async def test_sdk_retries_a_stream_that_failed_before_its_first_event(first):

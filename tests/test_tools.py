@@ -154,6 +154,12 @@ async def test_a_list_of_calls_in_one_block_is_each_of_them(tooled, name, stream
     assert len(upstream.records) == 2  # (no retry)
     bad = tools_module.parse_text_tool_calls('<tool_call>[{"name": "get_time"}, 3]</tool_call>')
     assert not bad.calls and bad.error == "a tool call has no function name"
+    # A list past the 1,024 calls a turn may hold, under a bound of the calls wanted: those, no
+    # error (it was "more than 1024 tool calls" and a retry; a re-check).
+    many = "<tool_call>" + json.dumps([{"name": "get_time", "arguments": {}}] * 1025) + "</tool_call>"
+    first_two = tools_module.parse_text_tool_calls(many, most=2)
+    assert len(first_two.calls) == 2 and not first_two.error and first_two.dropped
+    assert "more than 1024" in tools_module.parse_text_tool_calls(many).error
 
 
 WRITE = {

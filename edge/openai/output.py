@@ -129,7 +129,7 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
     if failed.status == 429:
         # The model server is saturated: the client may retry, after its Retry-After (1 s if it
         # said none, or a node too old to pass it on; at most an hour).
-        wait = b"%d" % min(max(math.ceil(failed.retry_after), 1), 3600)
+        wait = _wait_of(failed)
         return APIError(
             429, failed.message, "rate_limit_error", code="upstream_rate_limited", headers=[(b"retry-after", wait)]
         )
@@ -156,7 +156,14 @@ def http_error(failed: RunFailed, run: Run | None) -> APIError:
         return draining()  # (in the words of a request refused during the drain)
     if cause == SLOW_CLIENT:
         return APIError(500, failed.message, "run_error")
+    if failed.status == 503 and failed.retry_after:  # (a model server unavailable for that long: the SDKs wait it)
+        return APIError(502, failed.message, failed.type, headers=[(b"retry-after", _wait_of(failed))])
     return APIError(502, failed.message, failed.type)
+
+
+def _wait_of(failed: RunFailed) -> bytes:
+    """A model server's Retry-After as the client's: 1 s to an hour (1 s when it said none)."""
+    return b"%d" % min(max(math.ceil(failed.retry_after), 1), 3600)
 
 
 # Tool calls still invalid after the edge's attempts. The word "invalid" is what clients that

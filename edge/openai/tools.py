@@ -186,13 +186,13 @@ def parse_text_tool_calls(text: str, cut_off: bool = False, most: int | None = N
         if not read_calls and cut_off and to_the_end:  # the block the cut ended: text, as written
             pieces.append(text[m.start() :])
             pos = len(text)
-        elif len(calls) + len(read_calls) + len(errors) > MAX_TOOL_CALLS:
-            errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
-            break
         elif read_calls:
             if most is not None and len(calls) + len(read_calls) > most:  # (a list past the bound)
                 del read_calls[most - len(calls) :]
                 dropped = True
+            if len(calls) + len(read_calls) + len(errors) > MAX_TOOL_CALLS:
+                errors.append(f"the model wrote more than {MAX_TOOL_CALLS} tool calls")
+                break
             calls.extend(read_calls)
         else:
             errors.append(error)

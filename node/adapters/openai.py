@@ -815,7 +815,7 @@ def _retry_after(response: http1.Response) -> float:
     value = _header(response, b"retry-after").decode("latin-1").strip()
     if not value:
         return 0.0
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # (not "³": a digit to isdigit(), not to int())
         seconds = float(int(value[:6]))
     else:
         try:
