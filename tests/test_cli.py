@@ -105,11 +105,17 @@ def test_bad_config_fails_at_start_with_one_line(tmp_path, kind, config, expecte
     assert len(lines) == 1 and expected in lines[0], result.stderr
 
 
-def test_demo_serves_the_simulated_model():
-    """`iop demo --bind` starts an edge with a simulated node and prints a curl line that works."""
+@pytest.mark.parametrize("pace", [[], ["--tokens-per-s", "10"]])
+def test_demo_serves_the_simulated_model(pace):
+    """`iop demo --bind` starts an edge with a simulated node and prints a curl line that works;
+    `--tokens-per-s` slows the model (to watch a run in the console: the README's tip for it
+    needed a node of one's own, and the demo's node token is never shown; a newcomer's audit)."""
     port = free_port()
     proc = subprocess.Popen(
-        [*IOP, "demo", "--bind", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [*IOP, "demo", "--bind", f"127.0.0.1:{port}", *pace],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         deadline = time.monotonic() + BOUND
@@ -118,13 +124,16 @@ def test_demo_serves_the_simulated_model():
             assert time.monotonic() < deadline
             printed += proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/v1/chat/completions" in printed
+        asked = time.monotonic()
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={"model": "iop-sim", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5},
             timeout=BOUND,
         )
+        took = time.monotonic() - asked
         assert r.status_code == 200
         assert len(r.json()["choices"][0]["message"]["content"].split()) == 5
+        assert took >= 0.4 or not pace, took  # (5 tokens at 10 a second: 0.5 s; at 50, 0.1)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
