@@ -52,6 +52,7 @@ KEEPALIVE_EXPIRY_S = 4.0
 # Not more: a buffer of 128 KiB or more makes each read grow and trim the heap (15-21 against 2.6 µs a read).
 READ_SIZE = 64 * 1024
 EARLY_ANSWER_S = 0.25  # after a write the server cut short: how long its answer may take to be read
+TLS_AT_ONCE = 64 * 1024  # a TLS request up to this is sent, then read; a larger one read as it goes
 WATCH_TICK = 1.0  # seconds: the most a read inside Response.reading() times out late (or a quarter of its timeout)
 READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
@@ -679,20 +680,25 @@ class Client:
                 keep.append(conn)
         self._idle = keep
 
-    async def _send(self, conn: _Connection, data: bytes) -> None:
-        if conn.plain:
-            # A request nearly always fits the socket's buffer: one write, no timeout scope and
-            # no wait (a cancelled run still sends nothing).
-            await trio.lowlevel.checkpoint_if_cancelled()
-            try:
-                sent = os.write(conn.fd, data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as e:
-                raise _NotTaken(f"connection lost while sending: {e}") from None
-            if sent == len(data):
-                return
-            data = data[sent:]
+    async def _send(self, conn: _Connection, data: bytes) -> bytes:
+        """Write the request as far as it goes at once (a request nearly always fits the
+        socket's buffer: one write, no timeout scope and no wait; a cancelled run still sends
+        nothing). What is left: the rest of a plain one, a TLS one if large, else b""."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not conn.plain:
+            if len(data) > TLS_AT_ONCE:
+                return data
+            await self._send_rest(conn, data)
+            return b""
+        try:
+            sent = os.write(conn.fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            raise _NotTaken(f"connection lost while sending: {e}") from None
+        return data[sent:]
+
+    async def _send_rest(self, conn: _Connection, data: bytes) -> None:
         with trio.move_on_after(self._write_timeout) as scope:
             try:
                 await conn.stream.send_all(data)
@@ -702,17 +708,39 @@ class Client:
         assert scope.cancelled_caught
         raise WriteTimeout(f"request not sent within {self._write_timeout:g} s")
 
-    async def _answered(self, conn: _Connection) -> bool:
-        """After a write the server cut short: whether it had answered (the bytes are read
-        into ``conn.buf``, for :meth:`_head`)."""
-        with trio.move_on_after(EARLY_ANSWER_S):
+    async def _send_reading(self, conn: _Connection, data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool]:
+        """The rest of a request the socket did not take at once, sent while its answer is
+        read: a server may answer before it has read the body (a 413 for a large one; nginx's
+        client_max_body_size) and stop reading it. Its answer was lost (plain: the write
+        failed, the answer unread; TLS: the stream broken by the failed write), a 502 charged
+        the whole prompt (outside audits). The answer's head, and whether all was sent."""
+        failed: list[HTTPError] = []
+        error: HTTPError | None = None
+        head: tuple[int, list[tuple[bytes, bytes]]] | None = None
+        whole = False
+
+        async def send() -> None:
+            nonlocal whole
             try:
-                data = await conn.stream.receive_some(READ_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return False
-            conn.buf += data
-            return bool(data)
-        return False
+                await self._send_rest(conn, data)
+                whole = True
+                return
+            except HTTPError as e:
+                failed.append(e)
+            await trio.sleep(EARLY_ANSWER_S)  # (an answer on its way is still read)
+            reading.cancel()
+
+        async with trio.open_nursery() as nursery:
+            reading = nursery.cancel_scope
+            nursery.start_soon(send)
+            try:
+                head = await self._head(conn)
+            except HTTPError as e:
+                error = e
+            reading.cancel()  # (the body's rest is not sent: the server has answered)
+        if head is None:
+            raise failed[0] if failed else error  # type: ignore[misc]
+        return head[0], head[1], whole
 
     async def _head(self, conn: _Connection) -> tuple[int, list[tuple[bytes, bytes]]]:
         """The answer's status and headers, past any interim 1xx heads."""
@@ -788,15 +816,11 @@ class Client:
             acked = conn.acked() if reused else None
             try:
                 try:
-                    try:
-                        await self._send(conn, message)
-                    except _NotTaken:
-                        # The server may have answered before it stopped reading (a 413 for a
-                        # large body, then its close): that answer is read (it was lost, a 502
-                        # charged the whole prompt; an outside audit), or the request goes again.
-                        if not await self._answered(conn):
-                            raise
-                    status, response_headers = await self._head(conn)
+                    rest = await self._send(conn, message)
+                    if rest:
+                        status, response_headers, whole = await self._send_reading(conn, rest)
+                    else:
+                        status, response_headers = await self._head(conn)
                 except NoAnswer as e:
                     # A kept-alive connection the server had closed: sent again, once, on a new one
                     # (a server that closes one idle at 1-2 s, and a request that went out as it did);
@@ -819,6 +843,8 @@ class Client:
         except RemoteProtocolError:  # an answer whose framing cannot be read: not sent again
             await trio.aclose_forcefully(conn.stream)
             raise
+        if rest and not whole:  # (answered before the body was all sent: the connection cannot go on)
+            response.keep_alive = False
         try:
             yield response
         finally:

@@ -810,23 +810,41 @@ async def test_an_idle_close_that_crossed_the_request_sends_it_again(serve, monk
     assert server.connections == 2 and len(server.requests) == 2
 
 
-async def test_an_answer_before_the_body_was_read_is_the_answer(nursery):
-    """A server that answers a large request before reading its body (a 413) and closes: the
-    node's write fails, and the answer waiting in its socket was lost, a 502 "connection lost
-    while sending" (charged the whole prompt; an outside audit). It is the answer."""
-    answer = b'HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\ncontent-length: 24\r\nconnection: close\r\n\r\n{"error":"too large..."}'
+@pytest.mark.parametrize("tls", [False, True])
+async def test_an_answer_before_the_body_was_read_is_the_answer(nursery, tmp_path, tls):
+    """A server that answers a large request before reading its body (a 413: nginx's
+    client_max_body_size) and closes: the node's write fails, and the answer waiting in its
+    socket was lost, a 502 "connection lost while sending" (charged the whole prompt; outside
+    audits, plain, then over TLS). The body is sent while the answer is read: it is the answer."""
+    answer = (
+        b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+        b'content-length: 24\r\nconnection: close\r\n\r\n{"error":"too large..."}'
+    )
 
-    async def early(stream: trio.SocketStream) -> None:
+    async def early(stream) -> None:
         head = b""
-        while b"\r\n\r\n" not in head:
-            head += await stream.receive_some(65536)
-        await stream.send_all(answer)
-        stream.socket.close()  # (the body unread: a reset follows)
+        with contextlib.suppress(trio.BrokenResourceError):
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive_some(65536)
+            await stream.send_all(answer)
+            await trio.sleep(0.2)
+        sock = stream.transport_stream.socket if tls else stream.socket
+        sock.close()  # (the body unread: a reset follows)
 
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
+    url, ca_file = "http", ""
+    if tls:
+        ca = trustme.CA()
+        ca_file = str(tmp_path / "ca.pem")
+        ca.cert_pem.write_to_path(ca_file)
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+        listeners = await trio.open_ssl_over_tcp_listeners(0, server_ctx, host="127.0.0.1")
+        port, url = listeners[0].transport_listener.socket.getsockname()[1], "https"
+    else:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
     nursery.start_soon(trio.serve_listeners, early, listeners)
-    client = http1.Client(f"http://127.0.0.1:{port}/v1", read_timeout=2)
+    client = http1.Client(f"{url}://127.0.0.1:{port}/v1", read_timeout=2, ca_file=ca_file)
     try:
         with trio.fail_after(BOUND):
             async with client.request("POST", "/chat/completions", b"x" * (16 << 20)) as r:
@@ -835,6 +853,7 @@ async def test_an_answer_before_the_body_was_read_is_the_answer(nursery):
                 while data := await r.read():
                     body += data
         assert body == b'{"error":"too large..."}'
+        assert not client._idle  # (its body not all sent: the connection is not used again)
     finally:
         await client.aclose()
 
