@@ -52,7 +52,6 @@ KEEPALIVE_EXPIRY_S = 4.0
 # Not more: a buffer of 128 KiB or more makes each read grow and trim the heap (15-21 against 2.6 µs a read).
 READ_SIZE = 64 * 1024
 EARLY_ANSWER_S = 0.25  # after a write the server cut short: how long its answer may take to be read
-TLS_AT_ONCE = 64 * 1024  # a TLS request up to this is sent, then read; a larger one read as it goes
 WATCH_TICK = 1.0  # seconds: the most a read inside Response.reading() times out late (or a quarter of its timeout)
 READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
@@ -686,8 +685,8 @@ class Client:
         nothing). What is left: the rest of a plain one, a TLS one if large, else b""."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not conn.plain:
-            if len(data) > TLS_AT_ONCE:
-                return data
+            # Whole, then read. (Sent while reading, a server's early answer broke trio's TLS
+            # stream when the send was stopped: its body unread, a 502; a re-check.)
             await self._send_rest(conn, data)
             return b""
         try:
@@ -709,43 +708,50 @@ class Client:
         raise WriteTimeout(f"request not sent within {self._write_timeout:g} s")
 
     async def _send_reading(self, conn: _Connection, data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool]:
-        """The rest of a request the socket did not take at once, sent while its answer is
-        read: a server may answer before it has read the body (a 413 for a large one; nginx's
-        client_max_body_size) and stop reading it. Its answer was lost (plain: the write
-        failed, the answer unread; TLS: the stream broken by the failed write), a 502 charged
-        the whole prompt (outside audits). The answer's head, and whether all was sent."""
+        """The rest of a plain request the socket did not take at once, sent while its answer
+        is read: a server may answer before it has read the body (a 413 for a large one;
+        nginx's client_max_body_size) and stop reading it; its answer was lost, the write
+        failed, a 502 charged the whole prompt (an outside audit). An error answer stops the
+        sending (RFC 9112 9.5); another waits for the body to go whole (a server may answer
+        early and read on). The head is awaited with no read timeout while the body goes out:
+        the read timeout runs from its end. The answer's head, and whether all was sent."""
         failed: list[HTTPError] = []
         error: HTTPError | None = None
         head: tuple[int, list[tuple[bytes, bytes]]] | None = None
-        whole = False
+        sent = trio.Event()
+        with trio.CancelScope() as waiting:
+            async with trio.open_nursery() as nursery:
 
-        async def send() -> None:
-            nonlocal whole
-            try:
-                await self._send_rest(conn, data)
-                whole = True
-                return
-            except HTTPError as e:
-                failed.append(e)
-            await trio.sleep(EARLY_ANSWER_S)  # (an answer on its way is still read)
-            reading.cancel()
+                async def send() -> None:
+                    try:
+                        await self._send_rest(conn, data)
+                        waiting.deadline = trio.current_time() + self._read_timeout
+                    except HTTPError as e:
+                        failed.append(e)
+                        waiting.deadline = trio.current_time() + EARLY_ANSWER_S  # (an answer on its way is read)
+                    sent.set()
 
-        async with trio.open_nursery() as nursery:
-            reading = nursery.cancel_scope
-            nursery.start_soon(send)
-            try:
-                head = await self._head(conn)
-            except HTTPError as e:
-                error = e
-            reading.cancel()  # (the body's rest is not sent: the server has answered)
+                nursery.start_soon(send)
+                try:
+                    head = await self._head(conn, math.inf)
+                except HTTPError as e:
+                    error = e
+                if head is not None and head[0] < 400:
+                    await sent.wait()
+                nursery.cancel_scope.cancel()  # (an error answer: the body's rest is not sent)
         if head is None:
-            raise failed[0] if failed else error  # type: ignore[misc]
-        return head[0], head[1], whole
+            if failed:
+                raise failed[0]
+            if error is not None:
+                raise error
+            raise ReadTimeout("no response head in the read timeout")
+        return head[0], head[1], sent.is_set() and not failed
 
-    async def _head(self, conn: _Connection) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """The answer's status and headers, past any interim 1xx heads."""
+    async def _head(self, conn: _Connection, read_wait: float | None = None) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """The answer's status and headers, past any interim 1xx heads; ``read_wait``: how
+        long each read may wait (the client's read timeout)."""
         for _ in range(MAX_INTERIM + 1):
-            status, lines = await self._one_head(conn)
+            status, lines = await self._one_head(conn, self._read_timeout if read_wait is None else read_wait)
             if not 100 <= status < 200:
                 break
         else:
@@ -757,13 +763,13 @@ class Client:
                 headers.append((name.strip().lower(), value.strip()))
         return status, headers
 
-    async def _one_head(self, conn: _Connection) -> tuple[int, list[bytes]]:
+    async def _one_head(self, conn: _Connection, read_wait: float) -> tuple[int, list[bytes]]:
         buf, conn.buf = conn.buf, b""
         answered = bool(buf)
         while (end := _head_end(buf)) < 0:
             if len(buf) > MAX_HEAD_BYTES:
                 raise RemoteProtocolError("response head too large")
-            with trio.move_on_after(self._read_timeout) as scope:
+            with trio.move_on_after(read_wait) as scope:
                 try:
                     data = await conn.stream.receive_some(READ_SIZE)
                 except trio.BrokenResourceError as e:

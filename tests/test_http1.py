@@ -810,41 +810,35 @@ async def test_an_idle_close_that_crossed_the_request_sends_it_again(serve, monk
     assert server.connections == 2 and len(server.requests) == 2
 
 
-@pytest.mark.parametrize("tls", [False, True])
-async def test_an_answer_before_the_body_was_read_is_the_answer(nursery, tmp_path, tls):
-    """A server that answers a large request before reading its body (a 413: nginx's
-    client_max_body_size) and closes: the node's write fails, and the answer waiting in its
-    socket was lost, a 502 "connection lost while sending" (charged the whole prompt; outside
-    audits, plain, then over TLS). The body is sent while the answer is read: it is the answer."""
-    answer = (
-        b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
-        b'content-length: 24\r\nconnection: close\r\n\r\n{"error":"too large..."}'
-    )
+async def _early_server(nursery, handle) -> int:
+    """A raw server whose ``handle(stream, head)`` runs once a request's head is in: its port."""
 
-    async def early(stream) -> None:
+    async def connection(stream) -> None:
         head = b""
         with contextlib.suppress(trio.BrokenResourceError):
             while b"\r\n\r\n" not in head:
                 head += await stream.receive_some(65536)
-            await stream.send_all(answer)
-            await trio.sleep(0.2)
-        sock = stream.transport_stream.socket if tls else stream.socket
-        sock.close()  # (the body unread: a reset follows)
+            await handle(stream, head)
 
-    url, ca_file = "http", ""
-    if tls:
-        ca = trustme.CA()
-        ca_file = str(tmp_path / "ca.pem")
-        ca.cert_pem.write_to_path(ca_file)
-        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-        listeners = await trio.open_ssl_over_tcp_listeners(0, server_ctx, host="127.0.0.1")
-        port, url = listeners[0].transport_listener.socket.getsockname()[1], "https"
-    else:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-    nursery.start_soon(trio.serve_listeners, early, listeners)
-    client = http1.Client(f"{url}://127.0.0.1:{port}/v1", read_timeout=2, ca_file=ca_file)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, connection, listeners)
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_an_answer_before_the_body_was_read_is_the_answer(nursery):
+    """A server that answers a large request before reading its body (a 413: nginx's
+    client_max_body_size), its body in a write of its own, and closes: the node's write failed,
+    and the answer waiting in its socket was lost, a 502 "connection lost while sending"
+    (charged the whole prompt; an outside audit). The body is sent while the answer is read:
+    it is the answer, and its connection is not used again."""
+
+    async def early(stream, head) -> None:
+        await stream.send_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 24\r\nconnection: close\r\n\r\n")
+        await stream.send_all(b'{"error":"too large..."}')
+        await trio.sleep(0.2)
+        stream.socket.close()  # (the body unread: a reset follows)
+
+    client = http1.Client(f"http://127.0.0.1:{await _early_server(nursery, early)}/v1", read_timeout=2)
     try:
         with trio.fail_after(BOUND):
             async with client.request("POST", "/chat/completions", b"x" * (16 << 20)) as r:
@@ -853,9 +847,45 @@ async def test_an_answer_before_the_body_was_read_is_the_answer(nursery, tmp_pat
                 while data := await r.read():
                     body += data
         assert body == b'{"error":"too large..."}'
-        assert not client._idle  # (its body not all sent: the connection is not used again)
+        assert not client._idle
     finally:
         await client.aclose()
+
+
+async def test_an_early_success_head_still_gets_the_whole_body_and_a_slow_upload_no_read_timeout(nursery):
+    """Sending while reading must not cost a server that answers 200 early and reads on (the body
+    was stopped at the head: it waited for the rest, a ReadTimeout), nor a slow upload (the read
+    timeout ran while the body went out, 2 s into a 6 MiB upload at 1.3 MB/s; a re-check)."""
+    size = 6 << 20
+
+    async def reads_slowly(stream, head) -> None:
+        if b"early" in head:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+        got = len(head.partition(b"\r\n\r\n")[2])
+        while got < size:
+            got += len(await stream.receive_some(65536))
+            await trio.sleep(0.01)  # (about 5 MB/s)
+        if b"early" in head:
+            await stream.send_all(b"content-length: 2\r\n\r\nok")
+        else:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await handle_again(stream)
+
+    async def handle_again(stream) -> None:  # (a second, small request on the same connection)
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nagain")
+
+    port = await _early_server(nursery, reads_slowly)
+    for path in ("/early", "/late"):
+        client = http1.Client(f"http://127.0.0.1:{port}/v1", read_timeout=0.5)
+        try:
+            with trio.fail_after(BOUND):
+                async with client.request("POST", path, b"x" * size) as r:
+                    assert r.status == 200 and await r.read() == b"ok" and not await r.read()
+                assert len(client._idle) == 1  # (all sent: it goes on)
+                assert await body_of(client) == (200, b"again")
+        finally:
+            await client.aclose()
 
 
 async def test_every_request_asks_for_no_content_coding(serve):
