@@ -3,12 +3,14 @@ working node instead of failing through the dead one."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import httpx
 import pytest
 import trio
 
+from edge.runs.run import RunTimers
 from scripts.upstream import Upstream, text_script, words
 from tests.conftest import BOUND, edge_config, eventually, http, model, settled, start_edge, start_node
 
@@ -406,6 +408,57 @@ async def test_a_moved_run_silent_where_it_was_sent_last_times_out_there(nursery
     assert len(timed_out) == 1 and timed_out[0].json()["error"]["code"] == "run_timed_out", [r.text for r in answers]
     assert took < 5, took  # (1 s of silence there, give or take the machine: 13 s more before)
     await settled(edge)
+
+
+class _Timed:
+    """A run as the timers see it: due at ``due``; ``then`` runs when it fails."""
+
+    def __init__(self, due: float, then=None, alive: bool = False) -> None:
+        self.at, self.then, self.timer, self.failed = due, then, None, False
+        self.held_error, self.requeued, self.move_until = None, None, math.inf
+        self.alive = alive  # its events keep coming: due for a keep-alive, never timed out
+
+    def due(self) -> float:
+        return self.at
+
+    def timed_out(self, now: float) -> bool:
+        return self.at <= now and not self.alive
+
+    def fail(self, *_) -> None:
+        self.failed = True
+        if self.then is not None:
+            self.then()
+
+    def idle_due(self, now: float) -> None:
+        self.at = now + 500
+
+
+async def test_timers_rescheduled_while_they_fire_keep_their_order(nursery, autojump_clock):
+    """A run's timer rescheduled from inside another's timeout (a timed-out run frees its slot,
+    and a moved run waiting for one is sent with its timer set again) could compact the heap
+    the timer task was walking: that task went on with the old list, and runs due in 5 s had
+    not timed out after 6 (a review). The heap is compacted in place."""
+    timers = RunTimers()
+    now = trio.current_time()
+    idle = [_Timed(now + 1000 + i) for i in range(2000)]
+    moved = _Timed(now + 2000)
+    soon = [_Timed(now + 5 + i / 100) for i in range(5)]
+
+    def dispatch_moved() -> None:
+        moved.at = now + 300
+        timers.reschedule(moved)
+
+    first = _Timed(now + 0.1, dispatch_moved)
+    alive = [_Timed(now + 0.1, alive=True) for _ in range(3)]  # (re-armed in the same pass)
+    for run in (*idle, moved, *soon, first, *alive):
+        timers.add(run)
+    for run in idle[:1024]:
+        timers.discard(run)  # (closed runs' entries, emptied: the next discard compacts)
+    nursery.start_soon(timers.run)
+    await trio.sleep(6)
+    assert first.failed and all(run.failed for run in soon) and not moved.failed
+    heap = timers._heap
+    assert all(heap[(i - 1) // 2][:2] <= heap[i][:2] for i in range(1, len(heap)))
 
 
 async def _three_warm_nodes(nursery, up: Upstream, **config):

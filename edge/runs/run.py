@@ -734,7 +734,11 @@ class RunTimers:
         entry[2] = None
         self._empty += 1
         if self._empty > 1024 and 2 * self._empty > len(self._heap):
-            self._heap = [e for e in self._heap if e[2] is not None]
+            # In place: this may run inside :meth:`run`'s walk of the heap (a run's timeout frees a
+            # slot, and a moved run sent on it has its timer set again), which holds the list (a
+            # new one left it pushing re-armed entries onto the old: runs due in 5 s not timed out
+            # after 6; a review).
+            self._heap[:] = [e for e in self._heap if e[2] is not None]
             heapq.heapify(self._heap)
             self._empty = 0
 
