@@ -151,7 +151,7 @@ class GrantBook:
     def targets(self) -> dict[Hashable, int]:
         """What each edge should hold: max-min fair by demand (each edge the
         same level, or its whole demand if less), never below its running
-        runs; capacity no edge asks for is split evenly."""
+        runs; capacity no edge asks for evens the edges out, each at least its demand."""
         shares = sorted(self.shares.items(), key=lambda kv: kv[1].order)
         if not shares:
             return {}
@@ -171,26 +171,14 @@ class GrantBook:
                 # waiting: until it came back, that edge saw the node full and sent a prompt the
                 # node held elsewhere; an outside audit.)
                 room = self.capacity - (wanted - sum(target[i] for i in live))
-                low, high = 0, room
-                while low < high:
-                    mid = (low + high + 1) // 2
-                    if sum(max(target[i], mid) for i in live) <= room:
-                        low = mid
-                    else:
-                        high = mid - 1
+                low = _highest(room, lambda level: sum(max(target[i], level) for i in live) <= room)
                 for i in live:
                     target[i] = max(target[i], low)
                 left = room - sum(target[i] for i in live)
                 for i in [i for i in live if target[i] == low][:left]:
                     target[i] += 1
         else:
-            low, high = 0, self.capacity  # the highest level that fits
-            while low < high:
-                mid = (low + high + 1) // 2
-                if sum(at(mid)) <= self.capacity:
-                    low = mid
-                else:
-                    high = mid - 1
+            low = _highest(self.capacity, lambda level: sum(at(level)) <= self.capacity)
             target = at(low)
             left = self.capacity - sum(target)
             more = at(low + 1)
@@ -229,6 +217,19 @@ class GrantBook:
             share.pending.append((share.seq, share.grant))  # the old grant stays held until acknowledged
         share.grant = slots
         return Grant(model=self.model, slots=slots, seq=share.seq)
+
+
+def _highest(most: int, fits: Callable[[int], bool]) -> int:
+    """The highest level from 0 to ``most`` that ``fits`` (which holds for 0, and for every
+    level below one it holds for)."""
+    low, high = 0, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 __all__ = ["EdgeShare", "GrantBook"]

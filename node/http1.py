@@ -682,7 +682,7 @@ class Client:
     async def _send(self, conn: _Connection, data: bytes) -> bytes:
         """Write the request as far as it goes at once (a request nearly always fits the
         socket's buffer: one write, no timeout scope and no wait; a cancelled run still sends
-        nothing). What is left: the rest of a plain one, a TLS one if large, else b""."""
+        nothing); a TLS one whole. What is left of a plain one (b"": nothing)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not conn.plain:
             # Whole, then read. (Sent while reading, a server's early answer broke trio's TLS
