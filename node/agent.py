@@ -81,6 +81,7 @@ from proto.frames import (
     DELTA,
     EARLY_PROGRESS_S,
     ERROR,
+    MAX_ANSWERED_ID,
     MAX_HEADERS,
     PROGRESS,
     PROGRESS_S,
@@ -530,7 +531,7 @@ class EdgeLink:
                         self._early[run_id] = None
                         if len(self._early) > _EARLY_CANCELS:
                             del self._early[next(iter(self._early))]
-                    if model:
+                    if model and len(run_id) <= MAX_ANSWERED_ID:  # (no run of the edge's is longer)
                         self._answer_cancel(run_id, model)
                 case Hold(run_id=run_id, hold=hold):
                     tunnel = self.tunnels.get(run_id)

@@ -80,7 +80,11 @@ MAX_TOOL_CALLS = 1024  # tool calls in one run's answer
 # one-character deltas for a node's own live runs held the edge's loop about 100 ms a frame
 # (/healthz p99 5.7 -> 91 ms; an outside audit). 8,192 hold it about 12 ms.
 MAX_FRAME_EVENTS = 8192
-MAX_FREED = 8192  # cancelled runs one ``grant`` answers
+# Cancelled runs one ``grant`` answers, and the longest run id a node answers a cancel of (the
+# edge's are 24 characters): such a grant fits the smallest frame an edge takes (64 KiB; 8,192
+# ids of any length did not, and a hostile edge's 16 MiB ids were each kept until sent).
+MAX_FREED = 1024
+MAX_ANSWERED_ID = 48
 # Tool calls in one ``events`` frame, its events' together (a node splits a larger batch). Each
 # list is bounded by MAX_TOOL_CALLS, but a frame holds many: 16 MB of events, each of 1,024
 # empty calls, decoded to 15 million calls, 1.85 GB and 10 s of an edge's event loop.

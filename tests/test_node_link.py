@@ -12,6 +12,7 @@ import msgspec
 import trio
 from trio_websocket import serve_websocket
 
+from edge.config import MIN_FRAME_BYTES
 from node.agent import NodeAgent, RunSink
 from proto import (
     PROTOCOL_VERSION,
@@ -29,6 +30,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
+from proto.frames import MAX_ANSWERED_ID, MAX_FREED, MAX_MODEL_NAME
 from tests.conftest import (
     BOUND,
     edge_config,
@@ -422,7 +424,9 @@ async def test_the_node_answers_each_cancel_that_names_its_model(nursery, upstre
     """An edge counts a cancelled run's slot as taken until the node answers the cancel:
     the node answers every cancel naming a model it serves with that model's grant and the
     run in ``freed``: of a run it has, of one that has not arrived (cancels overtake runs),
-    each once; and a cancel naming no model (an older edge) or another model, not at all."""
+    each once; and a cancel naming no model (an older edge), another model or a run id longer than
+    any edge's, not at all. However many it answers at once, the grant fits the smallest frame
+    an edge takes."""
     upstream.script_for("m-target", [("chunk", {"content": "a"}), ("hang",)])
     answers: list = []
     checked = trio.Event()
@@ -442,6 +446,7 @@ async def test_the_node_answers_each_cancel_that_names_its_model(nursery, upstre
             CancelRun(run_id="early", model="m"),
             CancelRun(run_id="old"),
             CancelRun(run_id="other", model="not-served"),
+            CancelRun(run_id="x" * 100_000, model="m"),  # (no run of an edge's: not answered, nor kept for it)
             CancelRun(run_id="last", model="m"),
         ):
             await ws.send_message(encode_frame(cancel))
@@ -468,4 +473,6 @@ async def test_the_node_answers_each_cancel_that_names_its_model(nursery, upstre
         await checked.wait()
         await upstream.records[0].finished.wait()
     assert sorted(run for a in answers for run in a) == ["early", "last", "r1"]
+    most = Grant(model="m" * MAX_MODEL_NAME, slots=2**31, seq=2**62, freed=["x" * MAX_ANSWERED_ID] * MAX_FREED)
+    assert len(encode_frame(most)) <= MIN_FRAME_BYTES
     assert upstream.records[0].aborted
