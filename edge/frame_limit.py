@@ -366,11 +366,12 @@ class LinkShare:
 class LinkHold:
     """Sans-I/O: one link's reads, charged to its peer's part."""
 
-    __slots__ = ("peer", "served", "until", "waited", "exempt", "exempt_at")
+    __slots__ = ("peer", "served", "owed", "until", "waited", "exempt", "exempt_at")
 
     def __init__(self, peer: PeerHold) -> None:
         self.peer = peer
         self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
+        self.owed = 0.0  # time the link's runs' writers spent on its large batches since its last read (Run.shape)
         self.until = -math.inf  # the link is not read before then (its node is not silent: its bytes wait here)
         self.waited = 0.0  # its waits, in all (/v1/nodes, the console, iop_node_link_throttled_seconds_total)
         self.exempt = 0.0  # events whose handing to runs may still go uncharged (a token bucket)
@@ -383,12 +384,15 @@ class LinkHold:
         exempt = min(most, self.exempt + (now - self.exempt_at) * most) - events
         self.exempt_at = now
         self.exempt = max(exempt, 0.0)
-        return exempt >= 0
+        if exempt < 0:
+            return False
+        self.owed = 0.0  # (the writers' time for a pace within the exemption is not charged either)
+        return True
 
     def spend(self, share: LinkShare, held: float, now: float) -> float:
         """Take ``held`` seconds; 0.0, or how long the link waits before it is read again."""
-        held = max(0.0, held - self.served)
-        self.served = 0.0
+        held = max(0.0, held - self.served) + self.owed
+        self.served = self.owed = 0.0
         wait = self.peer.spend(share, held, now)
         if wait:
             self.until = now + wait

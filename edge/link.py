@@ -27,6 +27,7 @@ from edge.errors import error_json
 from edge.frame_limit import LinkHold, charge, link_clock, may_dial
 from edge.runs import NodeLink, RunService
 from edge.runs.link import CLOSE_POLICY, CLOSE_PROTOCOL, StrayFlood
+from edge.runs.run import TEXT_TYPES
 from edge.runs.service import stall_after_s
 from edge.ws import RawWebsocket
 from proto import (
@@ -41,6 +42,7 @@ from proto import (
     Ping,
     Placed,
     Pong,
+    RunEvent,
     RunRequest,
     TunnelFrame,
     TunnelRequest,
@@ -328,6 +330,44 @@ async def node_link(config: EdgeConfig, service: RunService, edge_id: str, webso
     return None
 
 
+def joined(events: list[RunEvent], runs: dict) -> list[RunEvent]:
+    """A frame's ``events`` with each live run's consecutive text deltas of one kind
+    joined into one event (the runs' own order kept; other runs' events between two of
+    them do not part them). An honest node already sends a run's text read together as
+    one delta; a node that sent 8,192 one-character deltas a frame made each of them
+    an event queued for its run and scanned, joined and freed by the run's writer task,
+    a quarter of the edge's time that its link's share never charged (``/healthz`` p50
+    60-95 ms beside it: an outside audit). Joined here, in the link's time, they are one.
+    A delta without text, or of a run not on the link, is left as it is (a stray)."""
+    out: list[RunEvent] = []
+    last: dict[str, int] = {}  # run id -> where in ``out`` its latest event is, while that is text
+    groups: dict[int, list[RunEvent]] = {}  # where in ``out`` -> the deltas joined there
+    for event in events:
+        run_id = event.run_id
+        if event.type in TEXT_TYPES and event.text and run_id in runs:
+            at = last.get(run_id)
+            if at is not None and out[at].type == event.type:
+                group = groups.get(at)
+                if group is None:
+                    group = groups[at] = [out[at]]
+                group.append(event)
+                continue
+            last[run_id] = len(out)
+        else:
+            last.pop(run_id, None)
+        out.append(event)
+    for at, group in groups.items():
+        first = group[0]
+        out[at] = RunEvent(
+            run_id=first.run_id,
+            seq=group[-1].seq,
+            type=first.type,
+            text="".join([event.text for event in group]),
+            parts=sum([1 if event.parts <= 1 else min(event.parts, len(event.text)) for event in group]),
+        )
+    return out
+
+
 async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsocket) -> None:
     """Every frame from the node, each handled as it arrives (under hypercorn,
     in its reader task: :meth:`RawWebsocket.read_into`). Ends by raising:
@@ -351,6 +391,9 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                 # the process was not running, here taken off the link's charge, never added)
                 started, strays = perf_counter(), link.strays
                 runs = link.runs
+                count = len(events)  # (what the node sent: the exemption's measure)
+                if count > 1 and len({event.run_id for event in events}) < count:
+                    events = joined(events, runs)
                 for event in events:
                     run = runs.get(event.run_id)
                     if run is not None:
@@ -366,7 +409,7 @@ async def _read_frames(link: NodeLink, service: RunService, websocket: RawWebsoc
                         link.stray(now)
                 # (a frame with events that bring nothing is the node's time, all of it; so is one past any
                 # model server's pace)
-                if link.strays == strays and websocket.hold.exempts(len(events), len(runs), now):
+                if link.strays == strays and websocket.hold.exempts(count, len(runs), now):
                     websocket.hold.served += perf_counter() - started
             case Pong():
                 pass

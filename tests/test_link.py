@@ -19,6 +19,7 @@ import trio.testing
 from trio_websocket import ConnectionClosed, ConnectionRejected, wrap_client_stream
 
 from edge import frame_limit
+from edge import link as edge_link
 from edge import ws as edge_ws
 from edge.config import KeyConfig
 from edge.runs.link import MAX_LIVENESS_QUEUED, PLACED_KEYS_PER_S, NodeLink
@@ -1254,6 +1255,76 @@ def test_events_past_any_model_servers_pace_are_charged():
     assert hold.exempts(pace, 2, 10.5)  # (half a second: a second's worth for two runs)
     assert not hold.exempts(pace // 10, 2, 10.5)
     assert hold.exempts(pace // 10, 1, 10.7)
+
+
+def test_a_frames_deltas_of_a_run_are_joined_in_its_order():
+    """A node that sent 8,192 one-character deltas a frame had each queued for its run, and
+    scanned, joined and freed by the run's writer, uncharged (an outside audit): a frame's
+    consecutive deltas of one kind for a run are one event, other runs' events between them
+    or not, with the pieces they count; anything else keeps its place and parts them."""
+
+    def ev(run, seq, kind="delta", text="x", parts=0):
+        return RunEvent(run_id=run, seq=seq, type=kind, text=text, parts=parts)
+
+    events = [
+        ev("a", 1, text="h"),
+        ev("b", 1, text="1"),
+        ev("a", 2, text="i", parts=3),  # (a count past its characters counts them: one)
+        ev("b", 2, "reasoning_delta", "r"),
+        ev("a", 3, text=" "),
+        ev("b", 3, "reasoning_delta", "s"),
+        ev("gone", 1),  # (a run not on the link: left as it is, a stray)
+        ev("gone", 2),
+        ev("a", 4, text=""),  # (no text: left as it is, and parts what is on either side)
+        ev("a", 5, text="y"),
+        ev("b", 4, "complete"),
+        ev("b", 5, text="after"),
+        ev("a", 6, text="o"),
+    ]
+    out = edge_link.joined(events, {"a": None, "b": None})
+    assert [(e.run_id, e.type, e.text, e.parts, e.seq) for e in out] == [
+        ("a", "delta", "hi ", 3, 3),
+        ("b", "delta", "1", 0, 1),
+        ("b", "reasoning_delta", "rs", 2, 3),
+        ("gone", "delta", "x", 0, 1),
+        ("gone", "delta", "x", 0, 2),
+        ("a", "delta", "", 0, 4),
+        ("a", "delta", "yo", 2, 6),
+        ("b", "complete", "x", 0, 4),
+        ("b", "delta", "after", 0, 5),
+    ]
+    alone = [ev("a", 1), ev("b", 1)]
+    assert edge_link.joined(alone, {"a": None, "b": None}) == alone
+
+
+async def test_a_runs_writer_time_on_a_flood_is_its_links():
+    """A node that alternated reasoning and text one character at a time (nothing to join)
+    had the edge's writers shape each alone, uncharged: the edge at 96%, /healthz p50 181 ms
+    (an outside audit). A batch of MANY_EVENTS or more is timed, freed, and the time is owed
+    by the run's link: charged at its next read, unless its pace is within the exemption."""
+    from edge.runs import run as run_module
+
+    hold = frame_limit.LinkHold(frame_limit.PeerHold(0.0))
+    link = NodeLink("n", [ModelInfo(name="m", adapter="sim", target="t", max_concurrency=1)], grants={})
+    link.hold = hold
+    slot = type("Slot", (), {"link": link})()
+    run = run_module.Run.__new__(run_module.Run)
+    run.slot = slot
+
+    def slow(batch):
+        time.sleep(0.01)
+        return len(batch)
+
+    few = [RunEvent(run_id="r", seq=i, type="delta", text="x") for i in range(run_module.MANY_EVENTS - 1)]
+    assert run.shaped(slow, few) == len(few) and few and hold.owed == 0.0
+    many = [*few, RunEvent(run_id="r", seq=99, type="reasoning_delta", text="y")]
+    assert run.shaped(slow, many) == run_module.MANY_EVENTS
+    assert many == [] and hold.owed >= 0.01
+    share = frame_limit.LinkShare(0.0)
+    hold.spend(share, 0.0, 0.0)
+    assert share.held >= 0.01 and hold.owed == 0.0
+    run.shaped(slow, [*few, few[0]])
+    assert hold.owed > 0 and hold.exempts(1, 1, 5.0) and hold.owed == 0.0  # (at a model server's pace)
 
 
 async def test_a_node_streaming_events_faster_than_any_model_server_is_held_to_its_part(nursery, monkeypatch):

@@ -916,13 +916,14 @@ async def _write_live(turn: Turn, run: Run, live: LiveEncoder) -> None:
             if batch is None:
                 out.append(live.keep_alive)
             else:
-                end = live.feed(batch)
+                events = len(batch)
+                end = run.shaped(live.feed, batch)
                 if end is not None and live.check_later is not None:
                     end = await live.checked_end()
                 if end is not None:
                     out.append(end)
                 if not out:
-                    if batch and run.quiet_since is None:  # (held: keep-alives come from now)
+                    if events and run.quiet_since is None:  # (held: keep-alives come from now)
                         run.quiet_since = run.last_event_at
                     continue
                 run.quiet_since = None

@@ -489,7 +489,7 @@ async def collect(turn: Turn, run: Run, *, on_idle: Hook | None = None, on_start
             if batch[0].type in (DELTA, REASONING_DELTA, COMPLETE):
                 await on_started()
             on_started = None
-        end = shaper.take(batch)
+        end = run.shaped(shaper.take, batch)
         if end is None:
             continue
         if end.type != COMPLETE:

@@ -6,6 +6,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, TypeVar
 
 import trio
@@ -23,6 +24,10 @@ from proto.frames import (
 )
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
+# A batch of this many events or more is the node's doing (an honest node sends a run's text read
+# together as one event, and the edge joins a frame's consecutive deltas of a run): its writer's
+# time on it is charged to the node's link (Run.shaped).
+MANY_EVENTS = 16
 KNOWN_TYPES = TEXT_TYPES | TERMINAL_TYPES | {PROGRESS}
 
 if TYPE_CHECKING:
@@ -649,6 +654,24 @@ class Run:
         self._idle = False
         self._nudged = False
         return self._batch()
+
+    def shaped(self, shape: Callable[[list[RunEvent]], T], batch: list[RunEvent]) -> T:
+        """``shape(batch)``. A batch of :data:`MANY_EVENTS` or more is then emptied (its
+        events freed), and the time of both is its link's
+        (:class:`edge.frame_limit.LinkHold`'s ``owed``: charged at the link's next read
+        unless its pace is within the exemption). A node that alternated reasoning and text
+        one character at a time, 8,192 events a frame, had the edge's writers shape each
+        alone, uncharged: the edge at 96%, ``/healthz`` p50 181 ms (an outside audit)."""
+        if len(batch) < MANY_EVENTS:
+            return shape(batch)
+        started = perf_counter()
+        try:
+            return shape(batch)
+        finally:
+            batch.clear()
+            hold = self.slot.link.hold
+            if hold is not None:
+                hold.owed += perf_counter() - started
 
     def nudge(self) -> None:
         """Wake the reader with nothing new (:meth:`next_batch_or_idle` returns
