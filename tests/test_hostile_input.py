@@ -829,6 +829,60 @@ async def test_large_bodies_are_decoded_one_at_a_time_with_the_loop_running_betw
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(runs)), runs  # (one at a time)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=80) | st.text(alphabet="0123456789 a", max_size=80).map(str.encode))
+def test_a_run_of_19_digits_is_found_as_a_regular_expression_finds_it(text):
+    from edge.runs.service import long_digits
+
+    assert long_digits(text) == (re.search(rb"[0-9]{19}", text) is not None)
+
+
+async def test_a_heavy_bodys_64_bit_check_is_a_step_of_its_own(monkeypatch):
+    """Messages and Responses check a body for integers past 64 bits (an unknown field's too)
+    with a search for 19 digits in a row: a regular expression that tried 18 digits at each
+    digit of a 7.8 MB body of 18-digit numbers held the loop 260-355 ms (/healthz p50 211-215
+    ms beside one client; an outside audit). One pass now, a step of the heavy body's decoding,
+    the loop running before and after it; a number past 64 bits is still refused."""
+    from edge.openai import request
+    from edge.runs import service
+
+    text = "123456789012345678 " * ((request.HEAVY_BODY_BYTES + 1000) // 19)
+    body = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": text}]})
+    from edge.errors import APIError
+
+    ticks, seen, decoded = 0, [], []
+    found, nested = service.long_digits, request.nested_deeper_than
+
+    def scan(data):
+        seen.append(ticks)
+        return found(data)
+
+    def last_step(data, limit):  # (the decoding's last step)
+        decoded.append(ticks)
+        return nested(data, limit)
+
+    monkeypatch.setattr(request, "long_digits", scan)
+    monkeypatch.setattr(request, "nested_deeper_than", last_step)
+
+    async def ticking() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticking)
+            await trio.lowlevel.checkpoint()
+            raw = await request.decode_body(body, max_messages=8, max_tools=8, int64=True)
+            with pytest.raises(APIError) as refused:
+                await request.decode_body(body[:-1] + b', "extra": 18446744073709551616}', int64=True)
+            nursery.cancel_scope.cancel()
+    assert raw["messages"][0]["content"] == text
+    assert len(seen) == 2 and seen[0] > decoded[0], (seen, decoded)  # (the loop ran between them)
+    assert refused.value.status == 400 and "64-bit" in refused.value.message, refused.value.message
+
+
 async def test_a_body_of_thousands_of_top_level_fields_is_refused_before_they_are_split():
     """No route reads more than a few dozen top-level fields: 490,000 of them (6.4 MB) held the
     loop 149 ms while they were split into Python strings. Past MAX_TOP_MEMBERS, a 400; a body

@@ -49,13 +49,13 @@ from edge.openai.request import (
     estimate_input_tokens,
     parse_chat_request,
 )
-from edge.openai.turn import Collected, Turn, collect_validated, end_reason, open_turn
+from edge.openai.turn import Collected, Turn, collect_validated, end_reason, one_at_a_time, open_turn
 from edge.runs import Run, Slot
-from edge.runs.service import check_int64
 from proto import RunEvent, ToolCall
 
 if TYPE_CHECKING:
     from edge.app import Edge
+    from edge.openai.schema import ChatRequest
 
 log = structlog.get_logger("iop.edge.messages")
 _encode = msgspec.json.Encoder().encode
@@ -89,8 +89,8 @@ async def no_such_route(edge: Edge, ex: Exchange, body: bytes) -> None:
 
 async def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
     """The raw Messages body and the chat request it becomes (both validated)."""
-    raw = await decode_body(body, max_messages=edge.config.max_messages, max_tools=edge.config.max_tools)
-    check_int64(raw, body)  # (the chat body made of it leaves unknown fields out: never encoded)
+    # (int64: the chat body made of it leaves unknown fields out, never encoded)
+    raw = await decode_body(body, max_messages=edge.config.max_messages, max_tools=edge.config.max_tools, int64=True)
     model = raw.get("model")
     if isinstance(model, str):
         ex.access.model = model
@@ -113,14 +113,19 @@ async def _decode(edge: Edge, ex: Exchange, body: bytes) -> tuple[dict, dict]:
 async def count_tokens(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
     raw, chat = await _decode(edge, ex, body)
-    req, _ = parse_chat_request(chat, max_messages=cfg.max_messages + MAX_CONTENT_PARTS, max_tools=cfg.max_tools)
+
+    def read() -> tuple[ChatRequest, int]:  # (a heavy body's, one at a time, as a message's turn is made)
+        req, _ = parse_chat_request(chat, max_messages=cfg.max_messages + MAX_CONTENT_PARTS, max_tools=cfg.max_tools)
+        return req, estimate_input_tokens(req)
+
+    req, tokens = await one_at_a_time(ex, read)
     if edge.runs.links and not edge.runs.is_known(req.model):  # as a message would be (no node at all: unknowable)
         raise edge.runs.unknown_model(req.model)
     if ex.key is not None and not ex.key.may_use(req.model):  # (nor learn that it exists)
         raise model_not_found(req.model)
     await edge.count_request(ex)  # one of the key's rpm
     ex.access.outcome = "counted"
-    await ex.respond(200, _encode({"input_tokens": estimate_input_tokens(req)}))
+    await ex.respond(200, _encode({"input_tokens": tokens}))
 
 
 async def messages(edge: Edge, ex: Exchange, body: bytes) -> None:

@@ -15,6 +15,7 @@ from edge.openai.jsonbody import MAX_JSON_DEPTH, decoder_for, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, Message, ResponseFormatShape, ToolChoiceShape
 from edge.per_run import per_run
 from edge.runs.placement import prompt_chain
+from edge.runs.service import check_int64, long_digits
 from proto.jsoncost import nested_deeper_than
 
 
@@ -134,7 +135,12 @@ def _holding_bad_integer(body: bytes) -> str | None:
 
 
 async def decode_body(
-    body: bytes, *, max_messages: int | None = None, max_tools: int | None = None, items: str = "messages"
+    body: bytes,
+    *,
+    max_messages: int | None = None,
+    max_tools: int | None = None,
+    items: str = "messages",
+    int64: bool = False,
 ) -> dict[str, Any]:
     """The request body as a JSON object at most :data:`MAX_JSON_DEPTH` levels
     deep, or a 400 that says why not (see :mod:`edge.openai.jsonbody`).
@@ -144,11 +150,22 @@ async def decode_body(
     ``max_messages`` and ``max_tools``, one with more ``items`` (the route's list
     of messages) or ``tools`` than that is refused before anything is decoded
     (the route counts again, decoded, the same way). A body of :data:`HEAVY_BODY_BYTES`
-    or more waits for the others' to be decoded first."""
+    or more waits for the others' to be decoded first. ``int64``: also
+    :func:`~edge.runs.service.check_int64` (a route whose body the node gets
+    only in part or not as decoded), a large body's in steps of its own."""
     if len(body) < HEAVY_BODY_BYTES:
-        return await _decode_body(body, max_messages, max_tools, items, large=False)
+        raw = await _decode_body(body, max_messages, max_tools, items, large=False)
+        if int64:
+            check_int64(raw, body)
+        return raw
     async with per_run(_HEAVY_BODIES, lambda: trio.Semaphore(1)):
-        return await _decode_body(body, max_messages, max_tools, items, large=True)
+        raw = await _decode_body(body, max_messages, max_tools, items, large=True)
+        if int64:
+            await trio.lowlevel.checkpoint()
+            if long_digits(body):
+                await trio.lowlevel.checkpoint()
+                check_int64(raw)
+        return raw
 
 
 async def _decode_body(

@@ -33,7 +33,6 @@ from edge.openai.responses import ResponseEncoder, decode_request
 from edge.openai.sse import sse_error
 from edge.openai.turn import Collected, Turn, collect_validated, end_reason, open_turn
 from edge.runs import Run, Slot
-from edge.runs.service import check_int64
 from proto import RunEvent, ToolCall
 
 if TYPE_CHECKING:
@@ -71,8 +70,8 @@ _encode = output._encode
 
 async def create_response(edge: Edge, ex: Exchange, body: bytes) -> None:
     cfg = edge.config
-    raw = await decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools, items="input")
-    check_int64(raw, body)  # (as chat and Messages: an unknown field's 2^64 was a 200, ignored; an outside audit)
+    # (int64: as chat and Messages, where an unknown field's 2^64 was a 200, ignored; an outside audit)
+    raw = await decode_body(body, max_messages=cfg.max_messages, max_tools=cfg.max_tools, items="input", int64=True)
     del body  # (see routes._serve)
     access = ex.access
     model = raw.get("model")

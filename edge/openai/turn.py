@@ -375,6 +375,14 @@ class Turn:
 _HEAVY_TURNS: trio.lowlevel.RunVar[trio.Semaphore] = trio.lowlevel.RunVar("iop_heavy_turns")
 
 
+async def one_at_a_time(ex: Exchange, make: Callable[[], T]) -> T:
+    """``make()``: for a heavy body's request, one at a time (:data:`_HEAVY_TURNS`)."""
+    if ex.body_size < HEAVY_BODY_BYTES:
+        return make()
+    async with per_run(_HEAVY_TURNS, lambda: trio.Semaphore(1)):
+        return make()
+
+
 async def open_turn(
     edge: Edge,
     ex: Exchange,
@@ -404,11 +412,7 @@ async def open_turn(
         )
         return Turn(edge, ex, req, forward, session, metadata)
 
-    if ex.body_size < HEAVY_BODY_BYTES:
-        turn = make()
-    else:
-        async with per_run(_HEAVY_TURNS, lambda: trio.Semaphore(1)):
-            turn = make()
+    turn = await one_at_a_time(ex, make)
     req = turn.req
     if turn.contract is not None:
         lane = f"key {ex.key.id}" if ex.key is not None else f"address {(ex.scope.get('client') or ('',))[0]}"

@@ -7,7 +7,6 @@ import hashlib
 import itertools
 import math
 import random
-import re
 import secrets
 import time
 from collections.abc import Callable, Container, Iterable
@@ -275,15 +274,24 @@ def too_large_for_a_frame(size: int, max_frame_bytes: int) -> errors.APIError:
     )
 
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # no integer outside msgpack's 64 bits has fewer digits
+_AS_DIGITS = bytes(48 if 48 <= byte <= 57 else 32 for byte in range(256))  # a digit: "0"; else " "
+_LONG_DIGITS = b"0" * 19  # no integer outside msgpack's 64 bits has fewer digits
+
+
+def long_digits(text: bytes) -> bool:
+    """Whether ``text`` holds a run of 19 digits or more: one pass over it, about 1.2 ms a
+    MB (the regular expression ``[0-9]{19}`` tried 18 digits at each digit of a body of
+    18-digit numbers: 260-355 ms for 7.8 MB, on the event loop; an outside audit)."""
+    return text.translate(_AS_DIGITS).find(_LONG_DIGITS) >= 0
 
 
 def check_int64(body: dict[str, Any], text: bytes | None = None) -> None:
     """The 400 :func:`encode_run_body` answers for an integer outside 64 bits anywhere in
     ``body``, an unknown field's too, for a body the node gets only in part or not as
     decoded (Messages, the tunnel). ``text``: the bytes ``body`` came from; without a run
-    of 19 digits in them there is none, and nothing is encoded."""
-    if text is not None and _LONG_DIGITS.search(text) is None:
+    of 19 digits in them there is none, and nothing is encoded (a large body's steps:
+    :func:`edge.openai.request.decode_body`'s ``int64``)."""
+    if text is not None and not long_digits(text):
         return
     try:
         _encode_msgpack(body)  # (in C: 500,000 values walked in Python held the loop ~0.1 s)
