@@ -1257,6 +1257,44 @@ def test_events_past_any_model_servers_pace_are_charged():
     assert hold.exempts(pace // 10, 1, 10.7)
 
 
+async def test_a_linked_nodes_models_stay_known_whatever_other_links_advertise(nursery, monkeypatch):
+    """The edge remembers the last KNOWN_MODELS names nodes advertised: links of 1,024 new
+    names each, dialled one after another, pushed out a linked node's models, and
+    count_tokens for them (it answers without a node) was a 404 "no node serves it" until
+    that node linked again (an outside audit). A model a linked node serves is known."""
+    from edge.runs import service as service_module
+
+    monkeypatch.setattr(service_module, "KNOWN_MODELS", 4)
+    edge = await start_edge(nursery)
+    linked = trio.Event()
+
+    async def honest(ws):
+        await ws.send_message(hello(node_id="honest"))
+        await ws.get_message()
+        linked.set()
+        while True:
+            await ws.get_message()
+
+    async def churn(ws, node_id):
+        infos = [ModelInfo(name=f"{node_id}-{i}", adapter="sim", target="t", max_concurrency=1) for i in range(5)]
+        await ws.send_message(encode_frame(Hello(node_id=node_id, protocol=PROTOCOL_VERSION, models=infos)))
+        await ws.get_message()
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}]}
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nodes, http(edge) as client:
+            nodes.start_soon(fake_node, edge, honest, "honest")
+            await linked.wait()
+            for i in range(3):
+                await fake_node(edge, partial(churn, node_id=f"churn{i}"), f"churn{i}")
+            counted = await client.post("/v1/messages/count_tokens", json=body)
+            unknown = await client.post("/v1/messages/count_tokens", json={**body, "model": "nope"})
+            gone = await client.post("/v1/messages/count_tokens", json={**body, "model": "churn0-0"})
+            nodes.cancel_scope.cancel()
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == 14, counted.text
+    assert unknown.status_code == 404 and gone.status_code == 404, (unknown.text, gone.text)
+
+
 def test_a_frames_deltas_of_a_run_are_joined_in_its_order():
     """A node that sent 8,192 one-character deltas a frame had each queued for its run, and
     scanned, joined and freed by the run's writer, uncharged (an outside audit): a frame's

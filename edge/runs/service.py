@@ -455,9 +455,12 @@ class RunService:
         return errors.model_not_found(model, starting=starting)
 
     def is_known(self, model: str) -> bool:
-        """``model`` is configured (``[[models]]``) or some node has advertised
-        it since the edge started: never a name only a client made up."""
-        return model in self._configured or model in self._known
+        """``model`` is configured (``[[models]]``), a linked node serves it, or some node
+        has advertised it since the edge started (the last :data:`KNOWN_MODELS` names):
+        never a name only a client made up. (Links of 1,024 new names each, dialled one
+        after another, pushed a linked node's models out of those names, and
+        ``count_tokens`` for them was a 404 until it linked again: an outside audit.)"""
+        return model in self._configured or model in self._known or bool(self._serving(model))
 
     def models(self) -> dict[str, list[NodeLink]]:
         """Model name -> links serving it now."""
