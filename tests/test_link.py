@@ -1295,6 +1295,47 @@ async def test_a_linked_nodes_models_stay_known_whatever_other_links_advertise(n
     assert unknown.status_code == 404 and gone.status_code == 404, (unknown.text, gone.text)
 
 
+@pytest.mark.parametrize(("labels", "series"), [(5, 5), (8, 6)])
+async def test_engine_series_are_of_labelled_models_and_bounded(nursery, monkeypatch, labels, series):
+    """Each link's engine load went to /metrics for every name it advertised: 15 links of one
+    token with 1,024 models each made 61,440 iop_engine_* series (18.9 MB a scrape, on the event
+    loop; an outside audit). A model without a label of its own (past MAX_MODEL_LABELS) has
+    none, and there are at most MAX_ENGINE_SERIES node and model pairs."""
+    from edge import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "MAX_MODEL_LABELS", labels)
+    monkeypatch.setattr(metrics_module, "MAX_ENGINE_SERIES", 6)
+    edge = await start_edge(nursery, edge_config(admin_keys=["adm"]))
+    reported = 0
+
+    async def loaded(ws, node_id):
+        nonlocal reported
+        names = [f"{node_id}-{i}" for i in range(4)]
+        infos = [ModelInfo(name=name, adapter="sim", target="t", max_concurrency=1) for name in names]
+        await ws.send_message(encode_frame(Hello(node_id=node_id, protocol=PROTOCOL_VERSION, models=infos)))
+        await ws.get_message()
+        engine = {name: EngineLoad(waiting=1.0, running=2.0) for name in names}
+        await ws.send_message(encode_frame(Load(in_flight={}, engine=engine)))
+        reported += 1
+        while True:
+            await ws.get_message()
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nodes, http(edge) as client:
+            for i in range(3):
+                nodes.start_soon(fake_node, edge, partial(loaded, node_id=f"n{i}"), f"n{i}")
+            await eventually(
+                lambda: (
+                    all(len(lk.engine) == 4 for lk in edge.edge.runs.links.values()) and len(edge.edge.runs.links) == 3
+                )
+            )
+            text = (await client.get("/metrics", headers={"Authorization": "Bearer adm"})).text
+            nodes.cancel_scope.cancel()
+    waiting = [line for line in text.splitlines() if line.startswith("iop_engine_requests_waiting{")]
+    assert len(waiting) == series, waiting  # (at most the labels, and at most MAX_ENGINE_SERIES)
+    assert not [line for line in waiting if 'model="other"' in line], waiting
+
+
 def test_a_frames_deltas_of_a_run_are_joined_in_its_order():
     """A node that sent 8,192 one-character deltas a frame had each queued for its run, and
     scanned, joined and freed by the run's writer, uncharged (an outside audit): a frame's
