@@ -825,6 +825,37 @@ async def _early_server(nursery, handle) -> int:
     return listeners[0].socket.getsockname()[1]
 
 
+async def test_a_large_request_the_server_was_reading_when_it_reset_is_not_sent_again(nursery):
+    """A kept-alive connection whose server reads 512 KiB of a 6 MB request, then closes it (a
+    reset: the rest unread): the node's write failed and it sent the whole request again on a
+    new connection, as it does for a request reset unread by an idle close (an outside audit).
+    The server's TCP had acknowledged far more of it than an idle close can catch: an error, the
+    request sent once."""
+    heads: list[bytes] = []
+
+    async def reads_then_resets(stream, head) -> None:
+        heads.append(head)
+        await stream.send_all(OK)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += await stream.receive_some(65536)
+        heads.append(got)
+        while len(got) < 512 * 1024:
+            got += await stream.receive_some(65536)
+        stream.socket.close()  # (the rest unread: a reset)
+
+    client = http1.Client(f"http://127.0.0.1:{await _early_server(nursery, reads_then_resets)}/v1", read_timeout=2)
+    try:
+        with trio.fail_after(BOUND):
+            assert await body_of(client) == (200, b"ok")
+            with pytest.raises(http1.NoAnswer):
+                async with client.request("POST", "/chat/completions", b"x" * (6 << 20)):
+                    pass
+    finally:
+        await client.aclose()
+    assert len(heads) == 2, [h[:40] for h in heads]
+
+
 async def test_an_answer_before_the_body_was_read_is_the_answer(nursery):
     """A server that answers a large request before reading its body (a 413: nginx's
     client_max_body_size), its body in a write of its own, and closes: the node's write failed,
