@@ -162,9 +162,17 @@ class _Connection:
 
     def closed_by_peer(self) -> bool:
         """An idle connection that is readable: the server closed it (or sent
-        bytes on it, which an idle HTTP/1.1 connection must not have either)."""
+        bytes on it, which an idle HTTP/1.1 connection must not have either). Over
+        TLS, bytes the TLS layer has already taken from the socket count too: a
+        record sent after an answer, there, was read as the next request's answer
+        (an outside audit: a stale 200)."""
         if self.buf:
             return True
+        if not self.plain:
+            stream = self.stream
+            incoming = getattr(stream, "_incoming", None)  # (trio's: what it read and has not decrypted)
+            if stream.pending() or (incoming is not None and incoming.pending):
+                return True
         poll = select.poll()
         poll.register(self.sock.fileno(), select.POLLIN)
         return bool(poll.poll(0))
@@ -216,7 +224,10 @@ class Response:
                     raise RemoteProtocolError("invalid content-length")
             elif name == b"connection" and value.lower() == b"close":
                 self.keep_alive = False
-        if chunked:
+        if status in (204, 304):  # no body, whatever the head says (RFC 9112 6.3): one read to its close
+            # had a 204 wait out the read timeout
+            self._mode, self._left, self.done = _LENGTH, 0, True
+        elif chunked:
             self._mode = _CHUNKED
         elif length is not None:
             self._mode, self._left = _LENGTH, length
@@ -648,7 +659,9 @@ class Client:
                 # server's end of it until a full collection, which a steady load never brings.
                 tcp.socket.close()
                 if isinstance(e, (trio.BrokenResourceError, ssl.SSLError)):
-                    raise ConnectError(f"TLS handshake failed: {e}") from None
+                    # (trio's error says nothing; the reason, "certificate verify failed", is its cause)
+                    said = str(e) or str(e.__cause__ or "") or type(e).__name__
+                    raise ConnectError(f"TLS handshake failed: {said}") from None
                 if isinstance(e, OSError):
                     raise ConnectError(str(e) or type(e).__name__) from None
                 raise

@@ -689,9 +689,58 @@ async def test_https_with_a_trusted_ca(nursery, tmp_path):
     with trio.fail_after(BOUND):
         assert await body_of(trusted) == (200, b"secure")
         assert await pump_body(trusted) == b"secure"  # TLS: read by the pumping task itself
-        with pytest.raises(http1.ConnectError):
-            await body_of(http1.Client(f"https://127.0.0.1:{port}/v1"))
+        with pytest.raises(http1.ConnectError, match="certificate verify failed"):  # (it said nothing after
+            await body_of(http1.Client(f"https://127.0.0.1:{port}/v1"))  # "TLS handshake failed:")
     await trusted.aclose()
+
+
+async def test_a_tls_record_after_an_answer_is_not_the_next_answer(nursery, tmp_path):
+    """A server that sends a second response after its answer (a stray record, or a stray CRLF):
+    over TLS, trio's stream had already taken it from the socket, so the idle connection looked
+    clean and the next request on it read the stray as its answer (an outside audit: a stale
+    200). Bytes the TLS layer holds make the connection unusable, as bytes in the socket do."""
+    ca = trustme.CA()
+    cafile = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(cafile))
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    listeners = await trio.open_ssl_over_tcp_listeners(0, server_ctx, host="127.0.0.1")
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    connections = 0
+
+    async def answer_then_stray(stream):
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(trio.BrokenResourceError):
+            tcp = stream.transport_stream.socket
+            while await stream.receive_some(65536):
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)  # (two records, one segment: read
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfresh")  # together)
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTALE")
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
+
+    nursery.start_soon(trio.serve_listeners, answer_then_stray, listeners)
+    client = http1.Client(f"https://127.0.0.1:{port}/v1", ca_file=str(cafile))
+    try:
+        with trio.fail_after(BOUND):
+            for _ in range(4):
+                assert await body_of(client) == (200, b"fresh")
+                await trio.sleep(0.02)  # (the stray is in: in the TLS layer, or the socket)
+    finally:
+        await client.aclose()
+    assert connections == 4
+
+
+async def test_a_204_ends_at_its_head(serve):
+    """A 204 (or 304) has no body whatever its head says (RFC 9112 6.3): it was read as a body
+    that ends when the connection closes, and waited out the read timeout (a 502 ReadTimeout
+    from a tunnel, a chat run's error 5 s later; an outside audit)."""
+    no_content = b"HTTP/1.1 204 No Content\r\n\r\n"
+    server, client = await serve(no_content, no_content)
+    with trio.fail_after(BOUND):
+        assert await body_of(client) == (204, b"")
+        assert await body_of(client) == (204, b"")
+    assert server.connections == 1  # (and kept alive)
 
 
 def test_base_urls():
