@@ -282,6 +282,25 @@ async def test_answers_that_are_not_streams_are_relayed_or_say_so(stack):
     assert "gzip-encoded body" in zipped.json()["error"]["message"]
 
 
+async def test_a_tunnelled_answer_in_a_content_coding_says_so(stack):
+    """A provider that compresses though asked for identity: the passthrough relayed its gzip
+    bytes to a /v1/completions client as they were, without their content-encoding, a 200 no
+    client could read (an outside audit). It is the tunnel's 502, naming the coding, as chat's
+    run error does."""
+    edge, upstream, _ = stack
+    gzip_answer = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 3\r\n\r\nabc"
+    with trio.fail_after(BOUND):
+        async with http(edge) as client:
+            upstream.script_for("b", [("response", gzip_answer)])
+            zipped = await client.post("/v1/completions", json={"model": "bad", "prompt": "hi"})
+            upstream.script_for("b", [("response", _json_answer(b'{"object": "text_completion"}'))])
+            plain = await client.post("/v1/completions", json={"model": "bad", "prompt": "hi"})
+    assert zipped.status_code == 502, zipped.text
+    assert zipped.json()["error"]["code"] == "provider_tunnel_error", zipped.text
+    assert "gzip-encoded body" in zipped.json()["error"]["message"], zipped.text
+    assert plain.status_code == 200 and plain.json() == {"object": "text_completion"}
+
+
 async def test_an_error_body_that_never_ends(stack, monkeypatch):
     """A 400 whose body never ends was read until the wait timeout (504 "run timed out"): the
     body now has its own deadline, and what came of it is the message, with its status."""

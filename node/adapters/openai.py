@@ -212,10 +212,10 @@ class OpenAIAdapter:
                     text = await _error_text(response, self.model.api_key)
                     await sink.error(text, status=response.status, retry_after=_retry_after(response))
                     return
-                encoding = _header(response, b"content-encoding")
-                if encoding and encoding != b"identity":  # never asked for: no accept-encoding is sent
+                encoded = _encoded(response)
+                if encoded:
                     self._log_failure("encoded body", request.run_id)
-                    await sink.error(f"upstream sent a {encoding.decode('latin-1')[:40]}-encoded body, not read here")
+                    await sink.error(encoded)
                     return
                 await self._relay(response, sink, request.run_id)
         except http1.HTTPError as e:
@@ -238,6 +238,11 @@ class OpenAIAdapter:
         self.counters.active_upstream += 1
         try:
             async with self.client.request(request.method, request.path, request.body or b"", headers) as response:
+                encoded = _encoded(response)
+                if encoded:  # (relayed, its bytes reached the client without their content-encoding)
+                    self._log_failure("encoded body", request.run_id)
+                    await sink.error(encoded)
+                    return
                 if response.status >= 400:
                     self._log_status(response.status, request.run_id)
                 await sink.start(
@@ -823,6 +828,15 @@ def _retry_after(response: http1.Response) -> float:
         except (TypeError, ValueError, IndexError, OverflowError):
             return 0.0
     return min(max(seconds, 0.0), 86_400.0)
+
+
+def _encoded(response: http1.Response) -> str:
+    """What is wrong with an answer in a content-coding (never asked for: every request says
+    ``accept-encoding: identity``), or ""."""
+    encoding = _header(response, b"content-encoding")
+    if not encoding or encoding.lower() == b"identity":
+        return ""
+    return f"upstream sent a {encoding.decode('latin-1')[:40]}-encoded body, not read here"
 
 
 def _header(response: http1.Response, name: bytes) -> bytes:
