@@ -160,6 +160,70 @@ async def test_a_collected_run_whose_node_dies_runs_again_on_another(nursery, tm
     assert moved == {"rerun_node_lost": 1.0}, moved
 
 
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+async def test_a_live_tool_stream_whose_node_dies_before_it_showed_anything_runs_again(
+    nursery, tmp_path, upstream, api
+):
+    """tool_stream = "live": a run whose node was SIGKILLed while its tool-call text came (held,
+    not shown: the client had the stream's opening and keep-alives) ended the turn with "node
+    disconnected" on every API, where a buffered stream runs again (an outside audit). It runs
+    again, once, on the other node, on the stream already open; the client gets that answer."""
+    config = edge_config(models=[{"name": "m", "tool_stream": "live"}], keepalive_s=0.2)
+    edge = await start_edge(nursery, config)
+    proc = await start_node_process(
+        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "a", "base_url": upstream.base_url}]
+    )
+    upstream.script_for("a", [("chunk", {"content": '<tool_call>{"name": "f", "arguments": {"a": '}), ("hang",)])
+    upstream.script_for("b", [("chunk", {"content": "From b."}), ("chunk", {}, "stop"), ("done",)])
+    schema = {"type": "object"}
+    path, body = {
+        "chat": (
+            "/v1/chat/completions",
+            {**STREAM, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]},
+        ),
+        "messages": (
+            "/v1/messages",
+            {**STREAM, "max_tokens": 64, "tools": [{"name": "f", "input_schema": schema}]},
+        ),
+        "responses": (
+            "/v1/responses",
+            {
+                "model": "m",
+                "input": "hi",
+                "stream": True,
+                "tools": [{"type": "function", "name": "f", "parameters": schema}],
+            },
+        ),
+    }[api]
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as inner:
+            answer = {}
+
+            async def ask() -> None:
+                answer["r"] = await client.post(path, json=body)
+
+            inner.start_soon(ask)
+            await upstream.wait_requests(1)
+            await trio.sleep(0.5)  # (the call's text held, and a keep-alive sent)
+            await start_node(nursery, edge, [model("m", upstream, target="b")], node_id="n2")
+            await eventually(lambda: "n2" in edge.edge.runs.links, "n2 linked")
+            proc.send_signal(signal.SIGKILL)
+    r = answer["r"]
+    assert r.status_code == 200, r.text
+    blocks = [line[6:] for line in r.content.split(b"\n") if line.startswith(b"data: ")]
+    events = [msgspec.json.decode(e) for e in blocks if e != b"[DONE]"]
+    if api == "chat":
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c.get("choices"))
+    elif api == "messages":
+        text = "".join(e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta")
+    else:
+        text = "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
+    assert text == "From b.", r.text[-600:]
+    assert not [e for e in events if "error" in str(e.get("type", "")) or e.get("type") == "response.failed"], events
+    assert [rec.body["model"] for rec in upstream.records] == ["a", "b"] and upstream.records[0].aborted
+    await settled(edge)
+
+
 async def test_a_whole_answer_whose_node_dies_with_none_to_move_to_is_charged_once(nursery, tmp_path, upstream):
     """A whole answer's node SIGKILLed mid-run, and no node linked again: the client gets a 503
     no_node_available; the key is charged the lost run's prompt (by estimate) and what it

@@ -467,6 +467,7 @@ class ToolLive(LiveEncoder):
         self.attempt = attempt
         # A retry of the turn: (reason, calls, content) of these invalid calls (:func:`_live_tools`).
         self.retry: tuple[str, list[ToolCall] | None, str] | None = None
+        self.moved: RunFailed | None = None  # its run was lost, to run again (:meth:`_moves`): its failure
         self.tool_filter = ToolTextFilter() if turn.contract is not None else None
         if self.tool_filter is not None:
             self.raw_content: list[str] = []
@@ -534,12 +535,29 @@ class ToolLive(LiveEncoder):
         self._emit_content(text)
 
     def failed(self, event: RunEvent) -> bytes:
+        if self._moves(event):
+            return b""
         if self.attempt == 1:
             return super().failed(event)
         self.shaper.abandon()
         failed = failure(event, self.run)
         self.turn.outcome = failed.cause
         return self.error(f"the retry failed: {failed.message}", TOOL_VALIDATION_RETRY_ERROR)
+
+    def _moves(self, event: RunEvent) -> bool:
+        """A run lost (or stalled) mid-run, while this stream has shown none of it (its opening
+        and keep-alives at most; tool-call text is held): run again, once, on the stream already
+        open (:func:`_live_tools`), as a buffered stream's run is (:meth:`Turn.moves_lost_run`).
+        Its client got "node disconnected" (an outside audit)."""
+        if self.tool_filter is None or self._reasoned or any(not text.isspace() for text in self.emitted):
+            return False
+        failed = failure(event, self.run)
+        if not self.turn.moves_lost_run(failed.cause):
+            return False
+        self.shaper.abandon()
+        self.moved = failed
+        self.again = True
+        return True
 
     def complete(self, event: RunEvent) -> bytes:
         # Content went out (or goes with this batch): no retry from here on. (Whitespace
@@ -750,6 +768,20 @@ async def _live_tools(turn: Turn, slot: Slot, make_live: MakeLive) -> None:
             await _retry_failed(turn, e)
             return
         live = made[-1] if made else None
+        if live is not None and live.moved is not None:
+            try:
+                slot = await acquire_keeping_alive(turn, keep_alive)
+            except APIError as e:
+                # None linked again: the lost run's error, as it was before the move; a refusal
+                # of another kind (the edge drains, the queue timed out) says itself.
+                lost = live.moved
+                turn.outcome = lost.cause
+                if e.code == "no_node_available":
+                    await turn.ex.finish(live.error(lost.message, lost.type))
+                else:
+                    await turn.ex.finish(live.error(e.message, e.type, e.code))
+                return
+            continue
         if live is None or live.retry is None:
             turn.settle()
             return

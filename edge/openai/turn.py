@@ -133,6 +133,7 @@ class Turn:
         self.last_in_earlier = False
         self.settle_at_end = False  # (collect_validated) a run's usage may not be the turn's last
         self.reasoning_shown = False  # a live stream showed an attempt's reasoning (a retry's starts apart)
+        self.moved = False  # a run lost mid-run, its client shown none of it, ran again (once: moves_lost_run)
         self.media = has_media(req)  # (for its usage's bounds)
         if not req.tools:  # read above (the estimate, the prefix, the media): a stream need not keep them
             if self.offered:
@@ -323,6 +324,31 @@ class Turn:
         log.warning("tool validation retry", failed_run_id=failed_run, attempt=attempt, **why)
         metadata = {**self.metadata, "attempt": str(attempt), "failed_run_id": failed_run, "retry_reason": reason[:500]}
         return metadata, [corrective_message(reason, calls, content)]
+
+    def moves_lost_run(self, cause: str) -> bool:
+        """Whether the last run, lost (or stalled) mid-run, its client shown none of it (collected,
+        or a live stream that showed nothing of it yet), runs again: once a turn, unless no node
+        serves its model any more or, moved before its first event, it waited its turn out. If so,
+        its prompt and deltas are spent, counted by the edge's estimate. Claude Code and Codex got
+        "node disconnected" and ran the turn again themselves."""
+        lost = self.last_run
+        if (
+            cause not in (NODE_LOST, NODE_STALLED)
+            or self.moved
+            or lost is None
+            or lost.unserved
+            or (lost.failed_over and lost.first_event_at is None)
+        ):
+            return False
+        self.moved = True
+        self.earlier = (self.earlier[0] + self.estimate, self.earlier[1] + lost.deltas_seen)
+        self.earlier_estimated = self.last_in_earlier = True
+        log.info(f"run moved: its node was {'lost' if cause == NODE_LOST else 'stalled'}", failed_run_id=lost.id)
+        metrics = self.edge.metrics
+        # (counted only in iop_runs_ended{cause=node_lost}: dashboards read it as clients' losses)
+        why = "rerun_node_lost" if cause == NODE_LOST else "rerun_node_stalled"
+        metrics.runs_moved.labels(metrics.model_label(self.req.model), why).inc()
+        return True
 
     def request_for(self, slot: Slot, extra_messages: list[dict[str, Any]]) -> msgspec.Raw:
         """The encoded body for a run on ``slot`` (raises :class:`APIError` if a
@@ -589,13 +615,12 @@ async def collect_validated(
     """
     max_attempts = turn.max_tool_attempts
     attempt = 1
-    moved = False
     metadata = turn.metadata
     extra: list[dict[str, Any]] = []
     turn.settle_at_end = True  # a run's usage settles the key's lease only once no retry follows it
 
     def read(run: Run) -> Awaitable[Collected]:
-        run.rerun_if_stalled = not moved
+        run.rerun_if_stalled = not turn.moved
         return collect(turn, run, on_idle=on_idle, on_started=on_started)
 
     while True:
@@ -603,28 +628,11 @@ async def collect_validated(
             result = await turn.run_on(slot, read, metadata=metadata, extra_messages=extra)
         except RunFailed as failed:
             lost = turn.last_run
-            if (
-                failed.cause in (NODE_LOST, NODE_STALLED)
-                and not moved
-                and lost is not None
-                and not lost.unserved
-                and not (lost.failed_over and lost.first_event_at is None)  # (moved, it waited its turn out)
-            ):
+            if turn.moves_lost_run(failed.cause):
                 # Its node lost (or stalled) mid-run, and the client has seen none of it (collected:
                 # keep-alives at most): run it again, once, on a node linked now, as a run lost
-                # before its first event moves (Claude Code and Codex got "node disconnected" and
-                # ran the turn again themselves). The lost run's prompt and deltas are spent.
-                moved = True
-                turn.earlier = (turn.earlier[0] + turn.estimate, turn.earlier[1] + lost.deltas_seen)
-                turn.earlier_estimated = turn.last_in_earlier = True
-                log.info(
-                    f"collected run moved: its node was {'lost' if failed.cause == NODE_LOST else 'stalled'}",
-                    failed_run_id=lost.id,
-                )
-                metrics = turn.edge.metrics
-                # (counted only in iop_runs_ended{cause=node_lost}: dashboards read it as clients' losses)
-                why = "rerun_node_lost" if failed.cause == NODE_LOST else "rerun_node_stalled"
-                metrics.runs_moved.labels(metrics.model_label(turn.req.model), why).inc()
+                # before its first event moves.
+                assert lost is not None
                 try:
                     slot = await acquire_keeping_alive(turn, on_idle)
                 except APIError as refused:
