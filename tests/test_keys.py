@@ -791,6 +791,57 @@ async def test_runs_past_a_daily_budget_are_ended_as_they_stream(nursery, tmp_pa
     assert failed["response"]["error"]["code"] == "insufficient_quota"
 
 
+@pytest.mark.parametrize("tool_stream", ["buffered", "live"])
+async def test_a_budget_crossed_by_a_tool_retry_is_still_the_budgets_error(nursery, tool_stream):
+    """A tool retry's run cut by the key's daily budget: a Responses stream said `server_error`
+    (Codex retries it, each time refused) and a Messages stream `api_error` (a server fault to
+    the SDK), where the same cut outside a retry says the budget (an outside audit): the
+    retry's failure keeps its type."""
+    upstream = Upstream()
+    await nursery.start(upstream.serve)
+    invalid = '<tool_call>{"name": "f", "arguments": {"a": "not a number"}}</tool_call>'
+    upstream.script_for(  # (a retry's request ends with the corrective message)
+        "t",
+        lambda body: (
+            text_script(words(3000)) if "not a number" in str(body["messages"][-1]) else steps({"content": invalid})
+        ),
+    )
+    keys = [KeyConfig(id="r", key="sk-r", daily_tokens=600), KeyConfig(id="m", key="sk-m", daily_tokens=600)]
+    config = edge_config(keys=keys, models=[{"name": "m", "tool_stream": tool_stream}])
+    edge = await start_edge(nursery, config)
+    await start_node(nursery, edge, [model("m", upstream, target="t")])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    hi = [{"role": "user", "content": "hi"}]
+    with trio.fail_after(BOUND):
+        async with client(edge, "sk-r") as c:
+            answered = await c.post(
+                "/v1/responses",
+                json={
+                    "model": "m",
+                    "input": "hi",
+                    "stream": True,
+                    "tools": [{"type": "function", "name": "f", "parameters": schema}],
+                },
+            )
+        async with client(edge, "sk-m") as c:
+            messaged = await c.post(
+                "/v1/messages",
+                json={
+                    "model": "m",
+                    "max_tokens": 4000,
+                    "stream": True,
+                    "messages": hi,
+                    "tools": [{"name": "f", "input_schema": schema}],
+                },
+            )
+    assert len(upstream.records) == 4, len(upstream.records)  # (each retried)
+    failed = msgspec.json.decode(answered.text.rstrip().rsplit("data: ", 1)[1])
+    assert failed["type"] == "response.failed", answered.text[-300:]
+    assert failed["response"]["error"]["code"] == "insufficient_quota", failed
+    assert "the retry failed" in failed["response"]["error"]["message"], failed
+    assert '"type":"rate_limit_error"' in messaged.text.split("event: error")[1], messaged.text[-300:]
+
+
 async def test_a_run_faster_than_the_budget_check_is_held_to_the_budget_as_its_output_comes(nursery, tmp_path):
     """The runs in flight were held to a daily budget every 0.5 s only: one request of
     max_tokens 100,000 on a model server that answers at once, on a budget of 3,000, was

@@ -48,7 +48,6 @@ from edge.openai.trace import StreamTrace, trace_enabled
 from edge.openai.turn import (
     OPERATOR_CANCELLED,
     TOOL_VALIDATION_ERROR,
-    TOOL_VALIDATION_RETRY_ERROR,
     Collected,
     Turn,
     acquire_keeping_alive,
@@ -57,6 +56,7 @@ from edge.openai.turn import (
     failure,
     finish_of,
     retry_not_started,
+    retry_type,
 )
 from edge.runs import Run, Slot
 from edge.runs.run import CANCELLED, NODE_LOST, NODE_STALLED, SHUTDOWN, SLOW_CLIENT, TEXT_TYPES, TIMEOUT
@@ -542,7 +542,7 @@ class ToolLive(LiveEncoder):
         self.shaper.abandon()
         failed = failure(event, self.run)
         self.turn.outcome = failed.cause
-        return self.error(f"the retry failed: {failed.message}", TOOL_VALIDATION_RETRY_ERROR)
+        return self.error(f"the retry failed: {failed.message}", retry_type(failed))
 
     def _moves(self, event: RunEvent) -> bool:
         """A run lost (or stalled) mid-run, while this stream has shown none of it (its opening

@@ -469,6 +469,14 @@ class Collected(msgspec.Struct):
 _FAILURE_TYPES = {OVER_BUDGET: "insufficient_quota", TIMEOUT: "timeout_error"}  # (by the run's cause)
 
 
+def retry_type(failed: RunFailed) -> str:
+    """The error type of a tool retry that failed: ``tool_validation_retry_error``, unless its
+    run was cut by the key's budget or timed out, which keep their own (clients act on them:
+    Codex stops on ``insufficient_quota`` and retries ``server_error``, which a Responses
+    stream said for a budget crossed by a retry; a Messages stream said ``api_error``)."""
+    return failed.type if failed.type in _FAILURE_TYPES.values() else TOOL_VALIDATION_RETRY_ERROR
+
+
 def failure(event: RunEvent, run: Run) -> RunFailed:
     if run.unserved:  # (in a stream as in its 503: it said "node disconnected", a run_error, with this code)
         lost = lost_unanswered(run.want.model)
@@ -643,9 +651,8 @@ async def collect_validated(
                     raise failed from None
                 continue
             if attempt > 1:
-                raise RunFailed(
-                    f"the retry failed: {failed.message}", type=TOOL_VALIDATION_RETRY_ERROR, cause=failed.cause
-                ) from None
+                message = f"the retry failed: {failed.message}"
+                raise RunFailed(message, type=retry_type(failed), cause=failed.cause) from None
             raise
         except APIError as e:  # the retry's body does not fit a frame
             if attempt > 1:
