@@ -46,7 +46,7 @@ from proto import (
     encode_frame,
 )
 from scripts.hostile_link import BINARY, CONTINUATION, frame_header, open_link
-from scripts.upstream import words
+from scripts.upstream import text_script, words
 from tests.conftest import (
     BOUND,
     LOAD_BOUND,
@@ -222,6 +222,36 @@ async def test_a_live_tool_stream_whose_node_dies_before_it_showed_anything_runs
     assert not [e for e in events if "error" in str(e.get("type", "")) or e.get("type") == "response.failed"], events
     assert [rec.body["model"] for rec in upstream.records] == ["a", "b"] and upstream.records[0].aborted
     await settled(edge)
+
+
+async def test_a_stream_of_an_edge_held_past_its_wait_timeout_goes_on(nursery, tmp_path, upstream):
+    """An edge held longer than wait_timeout_s (SIGSTOP, a paused VM; here its loop held) ended
+    its healthy streams "run timed out" as it resumed: its timers ran before its links' reads,
+    the nodes' events waiting in the sockets (an outside audit). The links are read first; the
+    stream goes on to its end."""
+    edge = await start_edge(nursery, edge_config(wait_timeout_s=1.0))
+    await start_node_process(
+        nursery, tmp_path, edge, [{"name": "m", "adapter": "openai", "target": "a", "base_url": upstream.base_url}]
+    )
+    upstream.script_for("a", text_script(words(60), interval=0.02))
+    with trio.fail_after(BOUND):
+        async with http(edge) as client, trio.open_nursery() as inner:
+            answer = {}
+
+            async def ask() -> None:
+                answer["r"] = await client.post("/v1/chat/completions", json=STREAM)
+
+            inner.start_soon(ask)
+            await upstream.wait_requests(1)
+            await trio.sleep(0.2)
+            time.sleep(2.0)  # noqa: ASYNC251  (the whole process held: the edge, and the model server it streams from)
+    text = "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in (msgspec.json.decode(e) for e in sse_events(answer["r"].content)[:-1])
+        if c.get("choices")
+    )
+    assert "timed out" not in answer["r"].text, answer["r"].text[-300:]
+    assert text == "".join(words(60)), answer["r"].text[-300:]
 
 
 async def test_a_whole_answer_whose_node_dies_with_none_to_move_to_is_charged_once(nursery, tmp_path, upstream):
