@@ -471,10 +471,12 @@ _FAILURE_TYPES = {OVER_BUDGET: "insufficient_quota", TIMEOUT: "timeout_error"}  
 
 def retry_type(failed: RunFailed) -> str:
     """The error type of a tool retry that failed: ``tool_validation_retry_error``, unless its
-    run was cut by the key's budget or timed out, which keep their own (clients act on them:
-    Codex stops on ``insufficient_quota`` and retries ``server_error``, which a Responses
-    stream said for a budget crossed by a retry; a Messages stream said ``api_error``)."""
-    return failed.type if failed.type in _FAILURE_TYPES.values() else TOOL_VALIDATION_RETRY_ERROR
+    run was cut by the key's budget, which keeps its own (clients act on it: Codex stops on
+    ``insufficient_quota`` and retries ``server_error``, which a Responses stream said for a
+    budget crossed by a retry; a Messages stream said ``api_error``). A retry that timed out
+    says so in its code (``run_timed_out``)."""
+    budget = _FAILURE_TYPES[OVER_BUDGET]
+    return budget if failed.type == budget else TOOL_VALIDATION_RETRY_ERROR
 
 
 def failure(event: RunEvent, run: Run) -> RunFailed:
