@@ -52,10 +52,6 @@ KEEPALIVE_EXPIRY_S = 4.0
 # Not more: a buffer of 128 KiB or more makes each read grow and trim the heap (15-21 against 2.6 µs a read).
 READ_SIZE = 64 * 1024
 EARLY_ANSWER_S = 0.25  # after a write the server cut short: how long its answer may take to be read
-# Bytes of a request the server's TCP may have acknowledged on a kept-alive connection whose reset
-# still says it was not read (what reached the socket as the server closed it idle); past them the
-# server was reading it: a large request it read 128 KiB of, then closed, was sent twice.
-RACE_ACKED_BYTES = 64 * 1024
 WATCH_TICK = 1.0  # seconds: the most a read inside Response.reading() times out late (or a quarter of its timeout)
 READY_READS = 8  # body reads that found bytes waiting, in a row, before one goes through trio (a schedule point)
 
@@ -96,8 +92,7 @@ class NoAnswer(RemoteProtocolError):
 class _NotTaken(NoAnswer):
     """A kept-alive connection the server had closed: the request could not be written whole,
     or was reset unanswered (a reset is what a socket closed before it read says to bytes that
-    reach it). The request was not read: it is sent again, once, on a new connection (unless
-    the server's TCP took more of it than :data:`RACE_ACKED_BYTES`)."""
+    reach it). The request was not read: it is sent again, once, on a new connection."""
 
 
 class InvalidURL(HTTPError):
@@ -850,14 +845,9 @@ class Client:
                     # (a server that closes one idle at 1-2 s, and a request that went out as it did);
                     # so is one whose close came with no answer while its TCP acknowledged nothing
                     # of the request (the close had crossed it: the server never had it).
-                    # A reset after the server's TCP had taken more of it than an idle close could
-                    # catch: the server was reading it (a prompt of 6 MB it read 2 MB of, then closed,
-                    # was sent twice: an outside audit). Not sent again.
-                    now_acked = conn.acked() if acked is not None else None
-                    crossed = now_acked is not None and now_acked == acked
-                    read = now_acked is not None and now_acked - acked > RACE_ACKED_BYTES
+                    crossed = acked is not None and conn.acked() == acked
                     await trio.aclose_forcefully(conn.stream)
-                    if not reused or not ((isinstance(e, _NotTaken) and not read) or crossed):
+                    if not reused or not (isinstance(e, _NotTaken) or crossed):
                         if type(e) is _NotTaken:  # (its name is no client's business)
                             raise NoAnswer(str(e)) from None
                         raise

@@ -874,35 +874,35 @@ async def _early_server(nursery, handle) -> int:
     return listeners[0].socket.getsockname()[1]
 
 
-async def test_a_large_request_the_server_was_reading_when_it_reset_is_not_sent_again(nursery):
-    """A kept-alive connection whose server reads 512 KiB of a 6 MB request, then closes it (a
-    reset: the rest unread): the node's write failed and it sent the whole request again on a
-    new connection, as it does for a request reset unread by an idle close (an outside audit).
-    The server's TCP had acknowledged far more of it than an idle close can catch: an error, the
-    request sent once."""
-    heads: list[bytes] = []
+async def test_a_large_request_an_idle_close_caught_is_sent_again(nursery):
+    """A server that closes a kept-alive connection as the next request reaches it, reading
+    none of it: a reset, sent again on a new connection. After a large request had grown the
+    connection's window, the server's TCP acknowledged megabytes of the unread request before
+    its reset, so a rule that sent again only what was acknowledged up to 64 KiB failed 9 of 10
+    such requests of 6 MB (a re-check): acknowledged is not read."""
+    connections = 0
 
-    async def reads_then_resets(stream, head) -> None:
-        heads.append(head)
+    async def answer_then_close_unread(stream, head) -> None:
+        nonlocal connections
+        connections += 1
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        got = len(head.split(b"\r\n\r\n", 1)[1])
+        while got < length:
+            got += len(await stream.receive_some(1 << 20))
         await stream.send_all(OK)
-        got = b""
-        while b"\r\n\r\n" not in got:
-            got += await stream.receive_some(65536)
-        heads.append(got)
-        while len(got) < 512 * 1024:
-            got += await stream.receive_some(65536)
-        stream.socket.close()  # (the rest unread: a reset)
+        if connections == 1:
+            await trio.lowlevel.wait_readable(stream.socket)  # (the next request, not read)
+            stream.socket.close()  # (a reset: its bytes unread)
 
-    client = http1.Client(f"http://127.0.0.1:{await _early_server(nursery, reads_then_resets)}/v1", read_timeout=2)
+    client = http1.Client(f"http://127.0.0.1:{await _early_server(nursery, answer_then_close_unread)}/v1")
     try:
         with trio.fail_after(BOUND):
-            assert await body_of(client) == (200, b"ok")
-            with pytest.raises(http1.NoAnswer):
-                async with client.request("POST", "/chat/completions", b"x" * (6 << 20)):
-                    pass
+            for _ in range(2):
+                async with client.request("POST", "/chat/completions", b"x" * (6 << 20)) as r:
+                    assert r.status == 200 and await r.read() == b"ok"
     finally:
         await client.aclose()
-    assert len(heads) == 2, [h[:40] for h in heads]
+    assert connections == 2
 
 
 async def test_an_answer_before_the_body_was_read_is_the_answer(nursery):
