@@ -265,6 +265,9 @@ DIALS_BURST = 64
 # model no one else does and streams to its own clients sent 500 one-character deltas a frame for
 # each run and took the edge to 100% while charged 0.28 s a second (an outside audit).
 EXEMPT_EVENTS_PER_RUN_S = 10_000
+# ... and for a link's runs together at most: a node that serves its own clients chooses how many
+# runs it has (64 runs' 640,000 events a second, each shaped alone, were more than the edge has).
+EXEMPT_EVENTS_PER_LINK_S = 40_000
 PEER_IDLE_S = 60.0  # a peer not read this long is forgotten (when MAX_PEERS are remembered)
 MAX_PEERS = 4096  # peers remembered; past it, the half read longest ago are forgotten
 SHARE = "_iop_link_hold"  # a stream's LinkHold
@@ -366,12 +369,13 @@ class LinkShare:
 class LinkHold:
     """Sans-I/O: one link's reads, charged to its peer's part."""
 
-    __slots__ = ("peer", "served", "owed", "until", "waited", "exempt", "exempt_at")
+    __slots__ = ("peer", "served", "owed", "over", "until", "waited", "exempt", "exempt_at")
 
     def __init__(self, peer: PeerHold) -> None:
         self.peer = peer
         self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
-        self.owed = 0.0  # time the link's runs' writers spent on its large batches since its last read (Run.shape)
+        self.owed = 0.0  # time the link's runs' writers spent on its large batches since its last read (Run.shaped)
+        self.over = False  # past its exemption, and not yet back to half of it: ``owed`` is charged
         self.until = -math.inf  # the link is not read before then (its node is not silent: its bytes wait here)
         self.waited = 0.0  # its waits, in all (/v1/nodes, the console, iop_node_link_throttled_seconds_total)
         self.exempt = 0.0  # events whose handing to runs may still go uncharged (a token bucket)
@@ -379,19 +383,24 @@ class LinkHold:
 
     def exempts(self, events: int, runs: int, now: float) -> bool:
         """Whether handing ``events`` to the link's ``runs`` live runs goes uncharged
-        (:data:`EXEMPT_EVENTS_PER_RUN_S`, a second's worth kept at most)."""
-        most = EXEMPT_EVENTS_PER_RUN_S * max(runs, 1)
+        (:data:`EXEMPT_EVENTS_PER_RUN_S`, :data:`EXEMPT_EVENTS_PER_LINK_S` at most, a
+        second's worth kept at most). Past it, the link is ``over`` until half a second's
+        worth is back: meanwhile its runs' writers' time on large batches is charged too (a
+        frame within the pace forgave it, so a flood of small frames was never charged)."""
+        most = min(EXEMPT_EVENTS_PER_RUN_S * max(runs, 1), EXEMPT_EVENTS_PER_LINK_S)
         exempt = min(most, self.exempt + (now - self.exempt_at) * most) - events
         self.exempt_at = now
         self.exempt = max(exempt, 0.0)
         if exempt < 0:
+            self.over = True
             return False
-        self.owed = 0.0  # (the writers' time for a pace within the exemption is not charged either)
+        if self.over and exempt >= most / 2:
+            self.over = False
         return True
 
     def spend(self, share: LinkShare, held: float, now: float) -> float:
         """Take ``held`` seconds; 0.0, or how long the link waits before it is read again."""
-        held = max(0.0, held - self.served) + self.owed
+        held = max(0.0, held - self.served) + (self.owed if self.over else 0.0)
         self.served = self.owed = 0.0
         wait = self.peer.spend(share, held, now)
         if wait:

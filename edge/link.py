@@ -338,13 +338,15 @@ def joined(events: list[RunEvent], runs: dict) -> list[RunEvent]:
     an event queued for its run and scanned, joined and freed by the run's writer task,
     a quarter of the edge's time that its link's share never charged (``/healthz`` p50
     60-95 ms beside it: an outside audit). Joined here, in the link's time, they are one.
-    A delta without text, or of a run not on the link, is left as it is (a stray)."""
+    A delta without text, or of a run not on the link or ended, is left as it is (a stray:
+    joined, 8,191 deltas after a run's end counted as one, and no longer closed a flooding
+    link; a re-check)."""
     out: list[RunEvent] = []
     last: dict[str, int] = {}  # run id -> where in ``out`` its latest event is, while that is text
     groups: dict[int, list[RunEvent]] = {}  # where in ``out`` -> the deltas joined there
     for event in events:
         run_id = event.run_id
-        if event.type in TEXT_TYPES and event.text and run_id in runs:
+        if event.type in TEXT_TYPES and event.text and (run := runs.get(run_id)) is not None and not run.finished:
             at = last.get(run_id)
             if at is not None and out[at].type == event.type:
                 group = groups.get(at)

@@ -24,10 +24,10 @@ from proto.frames import (
 )
 
 TEXT_TYPES = frozenset((DELTA, REASONING_DELTA))
-# A batch of this many events or more is the node's doing (an honest node sends a run's text read
-# together as one event, and the edge joins a frame's consecutive deltas of a run): its writer's
-# time on it is charged to the node's link (Run.shaped).
-MANY_EVENTS = 16
+# A batch of this many events or more is timed (an honest node sends a run's text read together as
+# one event, and the edge joins a frame's consecutive deltas of a run: its batches hold one or two):
+# its writer's time on it is owed by the node's link, charged while it is past its pace (Run.shaped).
+MANY_EVENTS = 4
 KNOWN_TYPES = TEXT_TYPES | TERMINAL_TYPES | {PROGRESS}
 
 if TYPE_CHECKING:
@@ -659,9 +659,9 @@ class Run:
         """``shape(batch)``. A batch of :data:`MANY_EVENTS` or more is then emptied (its
         events freed), and the time of both is its link's
         (:class:`edge.frame_limit.LinkHold`'s ``owed``: charged at the link's next read
-        unless its pace is within the exemption). A node that alternated reasoning and text
-        one character at a time, 8,192 events a frame, had the edge's writers shape each
-        alone, uncharged: the edge at 96%, ``/healthz`` p50 181 ms (an outside audit)."""
+        while it is past its pace). A node that alternated reasoning and text one character
+        at a time, 8,192 events a frame, had the edge's writers shape each alone, uncharged:
+        the edge at 96%, ``/healthz`` p50 181 ms (an outside audit)."""
         if len(batch) < MANY_EVENTS:
             return shape(batch)
         started = perf_counter()
