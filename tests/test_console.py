@@ -267,6 +267,27 @@ async def test_429s_are_listed_with_their_model_and_code(nursery, upstream):
     assert rejected["message"] == r.json()["error"]["message"] and rejected["count"] == 1
 
 
+async def test_a_runs_429_is_listed_with_its_code_and_words(nursery, upstream):
+    """A 429 a run answers (a model server's rate limit; a key's budget cut mid-run) was listed
+    with no code and no message, where admission's say which limit (an outside audit): the
+    operator could not tell a budget from a provider's limit."""
+    limited = b'{"error": {"message": "slow down", "type": "rate_limit_error"}}'
+    upstream.script_for("m-target", [("status", 429, limited)])
+    edge = await start_edge(nursery, edge_config(admin_keys=[ADMIN]))
+    await start_node(nursery, edge, [model("m", upstream)])
+    events = Events()
+    async with http(edge) as client, http(edge) as admin, trio.open_nursery() as reading:
+        await reading.start(events.read, admin)
+        with trio.fail_after(BOUND):
+            r = await client.post("/v1/chat/completions", json={**STREAM, "stream": False})
+            assert r.status_code == 429, r.text
+            snap = await events.until(lambda s: s["rejected"], "the 429 listed")
+        reading.cancel_scope.cancel()
+    (rejected,) = snap["rejected"]
+    assert rejected["code"] == r.json()["error"]["code"] == "upstream_rate_limited", rejected
+    assert rejected["message"] == r.json()["error"]["message"] and rejected["message"], rejected
+
+
 class _StillClock:
     """``time`` for edge.keys with a monotonic clock that moves only when the test says: a
     refusal's "Try again in" is what the test makes it, however slowly the machine sends them."""

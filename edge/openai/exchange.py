@@ -510,4 +510,9 @@ class Exchange:
         await self.finish(body)
 
     async def respond_error(self, error: APIError) -> None:
+        access = self.access
+        if not access.error:  # (a run's: a budget cut, a provider's 429; the console's 429s said nothing of it)
+            access.error = error.code or error.type
+            if error.status == 429:
+                access.refusal = error.message
         await self.respond(error.status, self.errors.body(error), headers=error.headers)
