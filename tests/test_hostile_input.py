@@ -837,6 +837,21 @@ def test_a_run_of_19_digits_is_found_as_a_regular_expression_finds_it(text):
     assert long_digits(text) == (re.search(rb"[0-9]{19}", text) is not None)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789eE+-. a", max_size=60).map(str.encode), st.integers(1, 9))
+def test_a_heavy_bodys_exponent_search_in_steps_finds_what_one_search_finds(body, step):
+    """A heavy body's search for long exponents (the decoder with Python's floats) goes a MiB at a
+    time, the loop free between (8 MB of digits held it 40-48 ms in one go): an exponent across
+    two steps is found as one search finds it."""
+    from edge.openai import jsonbody
+
+    jsonbody.EXPONENT_STEP, before = step, jsonbody.EXPONENT_STEP
+    try:
+        assert trio.run(jsonbody.decoder_in_steps, body) is jsonbody.decoder_for(body)
+    finally:
+        jsonbody.EXPONENT_STEP = before
+
+
 async def test_a_heavy_bodys_64_bit_check_is_a_step_of_its_own(monkeypatch):
     """Messages and Responses check a body for integers past 64 bits (an unknown field's too)
     with a search for 19 digits in a row: a regular expression that tried 18 digits at each

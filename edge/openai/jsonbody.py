@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import trio
 
 from proto import jsoncost
 
@@ -87,6 +88,20 @@ def decoder_for(body: bytes) -> Callable[[Any], Any]:
     """The decode for ``body`` and its pieces: msgspec's, or with Python's float
     when ``body`` holds a long exponent."""
     return _decode_with_python_floats if _has_long_exponent(body) else _decode
+
+
+EXPONENT_STEP = 1 << 20  # bytes of a body searched for a long exponent at a time (decoder_in_steps)
+
+
+async def decoder_in_steps(body: bytes) -> Callable[[Any], Any]:
+    """:func:`decoder_for`, the body searched a MiB at a time, other tasks running between
+    (8 MB of digits took the search 40-48 ms in one go; an outside audit)."""
+    for at in range(0, len(body), EXPONENT_STEP):
+        if at:
+            await trio.lowlevel.checkpoint()
+        if _has_long_exponent(body[max(at - 4, 0) : at + EXPONENT_STEP]):  # (4: "0e+00" across a step)
+            return _decode_with_python_floats
+    return _decode
 
 
 def decode_json(body: bytes) -> Any:

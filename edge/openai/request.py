@@ -11,7 +11,7 @@ import msgspec
 import trio
 
 from edge import errors
-from edge.openai.jsonbody import MAX_JSON_DEPTH, decoder_for, too_large
+from edge.openai.jsonbody import MAX_JSON_DEPTH, decoder_for, decoder_in_steps, too_large
 from edge.openai.schema import EDGE_ONLY_FIELDS, ChatRequest, Message, ResponseFormatShape, ToolChoiceShape
 from edge.per_run import per_run
 from edge.runs.placement import prompt_chain
@@ -181,7 +181,7 @@ async def _decode_body(
     if len(body) <= COUNT_FIRST_BYTES or in_one_go(body):  # (then its lists are short, or cheap)
         if large:
             await trio.lowlevel.checkpoint()
-        decode = decoder_for(body)
+        decode = await decoder_in_steps(body) if large else decoder_for(body)
         if large:
             await trio.lowlevel.checkpoint()
         try:
