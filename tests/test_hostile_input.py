@@ -734,6 +734,18 @@ async def test_a_body_nested_near_the_decoders_own_bound_is_too_deep_wherever_it
             assert refused.value.code == "json_too_deep", n
 
 
+class Ticks:
+    """Passes of the event loop while it runs (:meth:`run`, in a task of its own): ``count``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def run(self) -> None:
+        while True:
+            self.count += 1
+            await trio.lowlevel.checkpoint()
+
+
 @pytest.mark.parametrize("shape", ["objects", "members", "members with space"])
 async def test_a_large_body_is_decoded_in_pieces_with_the_loop_running_between_them(shape):
     """80,000 objects under a key no route reads held the event loop ~150 ms in one go (three
@@ -750,21 +762,15 @@ async def test_a_large_body_is_decoded_in_pieces_with_the_loop_running_between_t
         body = msgspec.json.encode({"model": "m", "messages": USER, "junk": members, "tools": [tool]})
         if shape == "members with space":
             body = msgspec.json.format(body, indent=1)
-    ticks = 0
-
-    async def ticking() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await trio.lowlevel.checkpoint()
+    ticks = Ticks()
 
     with trio.fail_after(BOUND):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticking)
+            nursery.start_soon(ticks.run)
             await trio.lowlevel.checkpoint()
-            before = ticks
+            before = ticks.count
             raw = await decode_body(body, max_messages=2048, max_tools=256)
-            during = ticks - before
+            during = ticks.count - before
             nursery.cancel_scope.cancel()
     assert raw == msgspec.json.decode(body)
     assert during >= 20, during
@@ -791,25 +797,19 @@ async def test_large_bodies_are_decoded_one_at_a_time_with_the_loop_running_betw
             )
         )
     assert all(length - 8 <= len(body) <= length + 8 for body in bodies), [len(b) for b in bodies]
-    ticks, spans = 0, {}
+    ticks, spans = Ticks(), {}
     counted, nested = request.too_large, request.nested_deeper_than
 
     def first_step(body):  # (each body's first step and last: the ticks when they ran)
-        spans[body[50:52]] = [ticks, None]
+        spans[body[50:52]] = [ticks.count, None]
         return counted(body)
 
     def last_step(body, limit):
-        spans[body[50:52]][1] = ticks
+        spans[body[50:52]][1] = ticks.count
         return nested(body, limit)
 
     monkeypatch.setattr(request, "too_large", first_step)
     monkeypatch.setattr(request, "nested_deeper_than", last_step)
-
-    async def ticking() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await trio.lowlevel.checkpoint()
 
     decoded = {}
 
@@ -818,7 +818,7 @@ async def test_large_bodies_are_decoded_one_at_a_time_with_the_loop_running_betw
 
     with trio.fail_after(BOUND):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticking)
+            nursery.start_soon(ticks.run)
             async with trio.open_nursery() as decoding:
                 for body in bodies:
                     decoding.start_soon(decode, body)
@@ -865,36 +865,35 @@ async def test_a_heavy_bodys_64_bit_check_is_a_step_of_its_own(monkeypatch):
     body = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": text}]})
     from edge.errors import APIError
 
-    ticks, seen, decoded = 0, [], []
+    class Steps(trio.abc.Instrument):  # (the loop's task steps, counted: a checkpoint ends one)
+        count = 0
+
+        def before_task_step(self, task) -> None:
+            self.count += 1
+
+    steps, seen, decoded = Steps(), [], []
     found, nested = service.long_digits, request.nested_deeper_than
 
     def scan(data):
-        seen.append(ticks)
+        seen.append(steps.count)
         return found(data)
 
     def last_step(data, limit):  # (the decoding's last step)
-        decoded.append(ticks)
+        decoded.append(steps.count)
         return nested(data, limit)
 
     monkeypatch.setattr(request, "long_digits", scan)
     monkeypatch.setattr(request, "nested_deeper_than", last_step)
-
-    async def ticking() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await trio.lowlevel.checkpoint()
-
-    with trio.fail_after(BOUND):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticking)
-            await trio.lowlevel.checkpoint()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        with trio.fail_after(BOUND):
             raw = await request.decode_body(body, max_messages=8, max_tools=8, int64=True)
             with pytest.raises(APIError) as refused:
                 await request.decode_body(body[:-1] + b', "extra": 18446744073709551616}', int64=True)
-            nursery.cancel_scope.cancel()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
     assert raw["messages"][0]["content"] == text
-    assert len(seen) == 2 and seen[0] > decoded[0], (seen, decoded)  # (the loop ran between them)
+    assert len(seen) == 2 and seen[0] > decoded[0] and seen[1] > decoded[1], (seen, decoded)  # (steps apart)
     assert refused.value.status == 400 and "64-bit" in refused.value.message, refused.value.message
 
 

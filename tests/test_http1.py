@@ -9,6 +9,7 @@ import gc
 import socket
 import ssl
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
@@ -668,16 +669,22 @@ async def test_an_answered_request_is_not_sent_again(serve):
     assert len(server.requests) == 5  # one each: none sent twice
 
 
-async def test_https_with_a_trusted_ca(nursery, tmp_path):
-    """An https model server whose certificate a ``ca_file`` vouches for; without it, the
-    handshake fails as a ConnectError."""
+async def tls_listeners(tmp_path) -> tuple[list, int, Path]:
+    """TLS listeners on loopback with a certificate of a CA of their own: them, their port and
+    the CA's file (a ``ca_file``)."""
     ca = trustme.CA()
     cafile = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(cafile))
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
     listeners = await trio.open_ssl_over_tcp_listeners(0, server_ctx, host="127.0.0.1")
-    port = listeners[0].transport_listener.socket.getsockname()[1]
+    return listeners, listeners[0].transport_listener.socket.getsockname()[1], cafile
+
+
+async def test_https_with_a_trusted_ca(nursery, tmp_path):
+    """An https model server whose certificate a ``ca_file`` vouches for; without it, the
+    handshake fails as a ConnectError."""
+    listeners, port, cafile = await tls_listeners(tmp_path)
 
     async def answer(stream):
         with contextlib.suppress(trio.BrokenResourceError):
@@ -699,13 +706,7 @@ async def test_a_tls_record_after_an_answer_is_not_the_next_answer(nursery, tmp_
     over TLS, trio's stream had already taken it from the socket, so the idle connection looked
     clean and the next request on it read the stray as its answer (an outside audit: a stale
     200). Bytes the TLS layer holds make the connection unusable, as bytes in the socket do."""
-    ca = trustme.CA()
-    cafile = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(cafile))
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    listeners = await trio.open_ssl_over_tcp_listeners(0, server_ctx, host="127.0.0.1")
-    port = listeners[0].transport_listener.socket.getsockname()[1]
+    listeners, port, cafile = await tls_listeners(tmp_path)
     connections = 0
 
     async def answer_then_stray(stream):
