@@ -50,7 +50,7 @@ from proto import (
     decode_frame,
     encode_frame,
 )
-from proto.frames import EARLY_PROGRESS_PARTS, MAX_MODEL_NAME, MAX_NODE_ID, name_problem
+from proto.frames import EARLY_PROGRESS_PARTS, MAX_MODEL_NAME, MAX_NODE_ID, TERMINAL_TYPES, name_problem
 
 MAX_ADAPTER = 64  # characters of a model's adapter in a hello ("openai", "sim")
 MAX_TARGET = 1024  # characters of its target (the model server's own name for it)
@@ -344,9 +344,16 @@ def joined(events: list[RunEvent], runs: dict) -> list[RunEvent]:
     out: list[RunEvent] = []
     last: dict[str, int] = {}  # run id -> where in ``out`` its latest event is, while that is text
     groups: dict[int, list[RunEvent]] = {}  # where in ``out`` -> the deltas joined there
+    ended: set[str] = set()  # runs whose end came earlier in this frame
     for event in events:
         run_id = event.run_id
-        if event.type in TEXT_TYPES and event.text and (run := runs.get(run_id)) is not None and not run.finished:
+        if (
+            event.type in TEXT_TYPES
+            and event.text
+            and (run := runs.get(run_id)) is not None
+            and not run.finished
+            and run_id not in ended
+        ):
             at = last.get(run_id)
             if at is not None and out[at].type == event.type:
                 group = groups.get(at)
@@ -357,6 +364,8 @@ def joined(events: list[RunEvent], runs: dict) -> list[RunEvent]:
             last[run_id] = len(out)
         else:
             last.pop(run_id, None)
+            if event.type in TERMINAL_TYPES:
+                ended.add(run_id)
         out.append(event)
     for at, group in groups.items():
         first = group[0]

@@ -1474,6 +1474,7 @@ def test_a_frames_deltas_of_a_run_are_joined_in_its_order():
     # them closes the link; joined, 8,191 counted as one, a re-check)
     after = [ev("done", 1, "complete"), ev("done", 2), ev("done", 3)]
     assert edge_link.joined(after, {"done": ended}) == after
+    assert edge_link.joined(after, {"done": live}) == after  # (its end earlier in the same frame)
 
 
 async def test_a_runs_writer_time_on_a_flood_is_its_links():
