@@ -25,9 +25,10 @@ chunks too:
   outside strings as above) is refused.
 - Floats with a large exponent. msgspec's exact fallback for literals like
   ``1e299`` takes ~10-15 µs each: 8 MB of them held the event loop for ~15 s.
-  A body holding a positive exponent of two or more digits is decoded with
-  Python's ``float`` instead (~0.5 µs each, the same values; 8 MB: ~0.8 s).
-  Finding one costs a ``translate`` of the body (~8 ms for 8 MB).
+  A body holding more than :data:`LONG_EXPONENTS_EXACT` positive exponents of
+  two or more digits is decoded with Python's ``float`` instead (~0.5 µs each,
+  the same values; 8 MB: ~0.8 s). Counting them costs a ``translate`` of the
+  body (~8 ms for 8 MB) and a count.
 """
 
 from __future__ import annotations
@@ -79,27 +80,36 @@ _decode = msgspec.json.Decoder().decode
 _decode_with_python_floats = msgspec.json.Decoder(float_hook=_finite_float).decode
 
 
-def _has_long_exponent(body: bytes) -> bool:
+def _long_exponents(body: bytes) -> int:
     shape = body.translate(_EXPONENT_SHAPE)
-    return b"0e00" in shape or b"0e+00" in shape  # negative exponents take the fast path
+    return shape.count(b"0e00") + shape.count(b"0e+00")  # negative exponents take the fast path
+
+
+# Long exponents msgspec's exact path takes (10-15 µs each: 15 ms at most); past them, Python's float
+# (0.5 µs a float, but every float of the body: one 1e300 beside 400,000 floats held the loop 150-200
+# ms, where msgspec takes them all in 10; a re-check).
+LONG_EXPONENTS_EXACT = 1_000
 
 
 def decoder_for(body: bytes) -> Callable[[Any], Any]:
     """The decode for ``body`` and its pieces: msgspec's, or with Python's float
-    when ``body`` holds a long exponent."""
-    return _decode_with_python_floats if _has_long_exponent(body) else _decode
+    when ``body`` holds more than :data:`LONG_EXPONENTS_EXACT` long exponents."""
+    return _decode_with_python_floats if _long_exponents(body) > LONG_EXPONENTS_EXACT else _decode
 
 
-EXPONENT_STEP = 1 << 20  # bytes of a body searched for a long exponent at a time (decoder_in_steps)
+EXPONENT_STEP = 1 << 20  # bytes of a body searched for long exponents at a time (decoder_in_steps)
 
 
 async def decoder_in_steps(body: bytes) -> Callable[[Any], Any]:
     """:func:`decoder_for`, the body searched a MiB at a time, other tasks running between
-    (8 MB of digits took the search 40-48 ms in one go; an outside audit)."""
+    (8 MB of digits took the search 40-48 ms in one go; an outside audit). (The steps
+    overlap by 4 bytes, so a "0e+00" across two is found: one there may count twice.)"""
+    found = 0
     for at in range(0, len(body), EXPONENT_STEP):
         if at:
             await trio.lowlevel.checkpoint()
-        if _has_long_exponent(body[max(at - 4, 0) : at + EXPONENT_STEP]):  # (4: "0e+00" across a step)
+        found += _long_exponents(body[max(at - 4, 0) : at + EXPONENT_STEP])
+        if found > LONG_EXPONENTS_EXACT:
             return _decode_with_python_floats
     return _decode
 
