@@ -268,6 +268,7 @@ EXEMPT_EVENTS_PER_RUN_S = 10_000
 # ... and for a link's runs together at most: a node that serves its own clients chooses how many
 # runs it has (64 runs' 640,000 events a second, each shaped alone, were more than the edge has).
 EXEMPT_EVENTS_PER_LINK_S = 40_000
+EVENT_SIZE = 128  # bytes of a frame that count as one event toward the pace (an honest event is 40-100)
 PEER_IDLE_S = 60.0  # a peer not read this long is forgotten (when MAX_PEERS are remembered)
 MAX_PEERS = 4096  # peers remembered; past it, the half read longest ago are forgotten
 SHARE = "_iop_link_hold"  # a stream's LinkHold

@@ -656,20 +656,20 @@ class Run:
         return self._batch()
 
     def shaped(self, shape: Callable[[list[RunEvent]], T], batch: list[RunEvent]) -> T:
-        """``shape(batch)``. A batch of :data:`MANY_EVENTS` or more is then emptied (its
-        events freed), and the time of both is its link's
+        """``shape(batch)``. A batch of :data:`MANY_EVENTS` or more, or any while its link is
+        past its pace, is then emptied (its events freed), and the time of both is its link's
         (:class:`edge.frame_limit.LinkHold`'s ``owed``: charged at the link's next read
         while it is past its pace). A node that alternated reasoning and text one character
         at a time, 8,192 events a frame, had the edge's writers shape each alone, uncharged:
         the edge at 96%, ``/healthz`` p50 181 ms (an outside audit)."""
-        if len(batch) < MANY_EVENTS:
+        hold = self.slot.link.hold
+        if len(batch) < MANY_EVENTS and (hold is None or not hold.over):
             return shape(batch)
         started = perf_counter()
         try:
             return shape(batch)
         finally:
             batch.clear()
-            hold = self.slot.link.hold
             if hold is not None:
                 hold.owed += perf_counter() - started
 
