@@ -558,7 +558,7 @@ async def test_a_short_prompt_on_a_dead_node_is_judged_by_its_own_length(nursery
         lambda body: (
             text_script(words(3), ttft=0.6)
             if len(str(body)) > 10_000
-            else text_script(words(3), interval=0.5 if "busy" in str(body) else 0.0)
+            else text_script(words(5), interval=0.3 if "busy" in str(body) else 0.0)
         ),
     )
     dead.script_for("t", [("hang",)])
@@ -576,7 +576,9 @@ async def test_a_short_prompt_on_a_dead_node_is_judged_by_its_own_length(nursery
                 await ask(f"{i} " + "word " * 5000)
             await start_node(nursery, edge, [model("m", dead, target="t", max_concurrency=4)], node_id="dead")
             async with trio.open_nursery() as clients:
-                clients.start_soon(ask, "busy")  # the good node's one slot, for 1.5 s
+                # The good node's one slot, for 1.5 s: a token each 0.3 s (each 0.5 s, stall_after_s,
+                # it was judged stalled now and then on a loaded machine, moved to the dead node).
+                clients.start_soon(ask, "busy")
                 await good.wait_requests(3)
                 clients.start_soon(ask, "hi")  # to the dead node: the good one is full
                 await dead.wait_requests(1)
