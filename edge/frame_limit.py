@@ -375,7 +375,7 @@ class LinkHold:
     def __init__(self, peer: PeerHold) -> None:
         self.peer = peer
         self.served = 0.0  # of the read's time, spent on the link's runs (the link's reader adds it: not held)
-        self.owed = 0.0  # time the link's runs' writers spent on its large batches since its last read (Run.shaped)
+        self.owed = 0.0  # the link's runs' writers' time on the batches they timed since its last read (Run.shaped)
         self.over = False  # past its exemption, and not yet back to half of it: ``owed`` is charged
         self.until = -math.inf  # the link is not read before then (its node is not silent: its bytes wait here)
         self.waited = 0.0  # its waits, in all (/v1/nodes, the console, iop_node_link_throttled_seconds_total)
@@ -386,7 +386,7 @@ class LinkHold:
         """Whether handing ``events`` to the link's ``runs`` live runs goes uncharged
         (:data:`EXEMPT_EVENTS_PER_RUN_S`, :data:`EXEMPT_EVENTS_PER_LINK_S` at most, a
         second's worth kept at most). Past it, the link is ``over`` until half a second's
-        worth is back: meanwhile its runs' writers' time on large batches is charged too (a
+        worth is back: meanwhile its runs' writers' time on their batches is charged too (a
         frame within the pace forgave it, so a flood of small frames was never charged)."""
         most = min(EXEMPT_EVENTS_PER_RUN_S * max(runs, 1), EXEMPT_EVENTS_PER_LINK_S)
         exempt = min(most, self.exempt + (now - self.exempt_at) * most) - events
